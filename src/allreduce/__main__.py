@@ -1,0 +1,5 @@
+import sys
+
+from allreduce.cli import main
+
+sys.exit(main())

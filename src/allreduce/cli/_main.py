@@ -1,0 +1,75 @@
+"""Entry point: one argparse parser, one module per subcommand.
+
+Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets ``handler`` to a
+function ``(args) -> int``. Handlers raise :class:`CLIError` (or :class:`allreduce.units.UnitError`,
+``ValueError`` from the library) for bad input: the user sees one line and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+__all__ = ["CLIError", "main"]
+
+# Subcommand modules, in the order `allreduce --help` lists them.
+_COMMANDS: tuple[str, ...] = ()
+
+
+class CLIError(Exception):
+    """Bad input from the command line; printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="allreduce",
+        description="Gradient All-Reduce: verified schedules, a fast runtime, and a network simulator.",
+    )
+    from allreduce import __version__
+
+    parser.add_argument("--version", action="version", version=f"allreduce {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in _COMMANDS:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    prog = f"allreduce {args.command}"
+    try:
+        code: int = args.handler(args)
+    except CLIError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # UnitError, ScheduleError and argument checks of the library
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `allreduce ... | head`: the reader left; not an error of ours.
+        sys.stderr.close()
+        return 0
+    except Exception as exc:
+        if os.environ.get("ALLREDUCE_DEBUG"):
+            traceback.print_exc()
+        print(
+            f"{prog}: internal error: {type(exc).__name__}: {exc} (set ALLREDUCE_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
