@@ -205,8 +205,6 @@ def verify_programs(
             programs=programs, steps=steps, position=position, partner=partner, posted=posted, stuck=stuck
         )
         raise ScheduleError(f"{name}: deadlock: {why}")
-            f"{name}: deadlock: {_describe_deadlock(programs=programs, steps=steps, position=position, partner=partner, posted=posted, stuck=stuck)}"
-        )
 
     # ---- postcondition ------------------------------------------------------------------------------------
     for rank in range(n):
