@@ -1,1 +1,24 @@
-"""allreduce.runtime"""
+"""Executing schedules between real processes: process group, transports (shm, tcp), store, launcher."""
+
+from allreduce.runtime._errors import (
+    ChecksumError,
+    CollectiveError,
+    CollectiveTimeout,
+    MismatchError,
+    PeerFailureError,
+    ProtocolError,
+)
+from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
+
+__all__ = [
+    "ChecksumError",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "MismatchError",
+    "PeerFailureError",
+    "ProtocolError",
+    "RankPlan",
+    "Step",
+    "Transfer",
+    "compile_plan",
+]

@@ -1,0 +1,93 @@
+"""A schedule compiled for one rank and one buffer length: element ranges, ready to execute.
+
+This is the contract between the schedules and every transport: a transport walks ``RankPlan.steps`` in order;
+within a step it runs all sends and receives concurrently, each :class:`Transfer` cut into the schedule's
+segments (consecutive pieces of the same transfer, sent back to back, so reducing piece k overlaps receiving piece
+k+1). Sends read the buffer as it was when the step began; receives land when the step ends (a transport stages a
+receive in scratch space when its range is also being sent in the same step).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+from allreduce.schedules import Schedule, Verb, block_bounds
+
+__all__ = ["RankPlan", "Step", "Transfer", "compile_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One piece of data moving between this rank and ``peer``: elements ``[start, stop)`` of the buffer.
+
+    ``block`` and ``segment`` identify it on the wire (first block of the op, piece index within the op);
+    ``reduce`` is meaningful for receives (reduce into the buffer, or overwrite it)."""
+
+    peer: int
+    start: int
+    stop: int
+    block: int
+    segment: int
+    reduce: bool
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    index: int
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """What ``rank`` does to run ``schedule_name`` on a buffer of ``count`` elements."""
+
+    schedule_name: str
+    rank: int
+    world_size: int
+    count: int
+    segments: int
+    steps: tuple[Step, ...]
+
+    @property
+    def peers(self) -> frozenset[int]:
+        """Every rank this rank exchanges data with."""
+        return frozenset(t.peer for s in self.steps for t in (*s.sends, *s.recvs))
+
+
+def _pieces(start: int, stop: int, segments: int) -> list[tuple[int, int]]:
+    """``segments`` consecutive pieces of [start, stop); empty pieces are dropped (both ends drop the same)."""
+    length = stop - start
+    cuts = [start + length * k // segments for k in range(segments + 1)]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def compile_plan(schedule: Schedule, rank: int, count: int) -> RankPlan:
+    """Compile ``schedule`` for ``rank`` and a buffer of ``count`` elements (cached per schedule object)."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    return _compile(schedule, rank, count)
+
+
+@lru_cache(maxsize=256)
+def _compile(schedule: Schedule, rank: int, count: int) -> RankPlan:
+    bounds = block_bounds(count, schedule.num_blocks).tolist()
+    by_step: dict[int, tuple[list[Transfer], list[Transfer]]] = {}
+    for op in schedule.program(rank):
+        sends, recvs = by_step.setdefault(op.step, ([], []))
+        start, stop = bounds[op.block_start], bounds[op.block_stop]
+        pieces = _pieces(start, stop, schedule.segments)
+        target = sends if op.verb is Verb.SEND else recvs
+        target.extend(
+            Transfer(op.peer, a, b, op.block_start, k, op.verb is Verb.RECV_REDUCE) for k, (a, b) in enumerate(pieces)
+        )
+    steps = tuple(
+        Step(index, tuple(sends), tuple(recvs)) for index, (sends, recvs) in sorted(by_step.items()) if sends or recvs
+    )
+    return RankPlan(schedule.name, rank, schedule.world_size, count, schedule.segments, steps)
