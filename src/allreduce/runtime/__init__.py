@@ -3,7 +3,7 @@
 from allreduce.runtime._errors import (
     ChecksumError,
     CollectiveError,
-    CollectiveTimeout,
+    CollectiveTimeoutError,
     MismatchError,
     PeerFailureError,
     ProtocolError,
@@ -13,7 +13,7 @@ from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
 __all__ = [
     "ChecksumError",
     "CollectiveError",
-    "CollectiveTimeout",
+    "CollectiveTimeoutError",
     "MismatchError",
     "PeerFailureError",
     "ProtocolError",

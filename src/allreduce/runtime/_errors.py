@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = [
     "ChecksumError",
     "CollectiveError",
-    "CollectiveTimeout",
+    "CollectiveTimeoutError",
     "MismatchError",
     "PeerFailureError",
     "ProtocolError",
@@ -22,7 +22,7 @@ class CollectiveError(RuntimeError):
         self.step = step
 
 
-class CollectiveTimeout(CollectiveError, TimeoutError):
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """The collective did not finish in time; the message names the peer(s) waited for and the step."""
 
 
