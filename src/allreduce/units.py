@@ -43,7 +43,7 @@ _PREFIX = {
 }
 _NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 _SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<prefix>(?:[kKMGTP]i?)?)(?P<unit>B?)\s*$")
-_BW_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<prefix>(?:[kKMGTP]i?)?)(?P<unit>B/s|Bps|b/s|bps|bit/s|bits/s|B|b)\s*$")
+_BW_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<prefix>(?:[kKMGTP]i?)?)(?P<unit>B/s|Bps|b/s|bps|bit/s|bits/s)\s*$")
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns": 1e-9}
 _TIME_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>s|ms|us|µs|μs|ns)\s*$")
 

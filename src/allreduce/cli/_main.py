@@ -17,7 +17,10 @@ from collections.abc import Sequence
 __all__ = ["CLIError", "main"]
 
 # Subcommand modules, in the order `allreduce --help` lists them.
-_COMMANDS: tuple[str, ...] = ()
+_COMMANDS: tuple[str, ...] = (
+    "allreduce.cli._explain",
+    "allreduce.cli._demo",
+)
 
 
 class CLIError(Exception):

@@ -26,7 +26,7 @@ import numpy.typing as npt
 from allreduce.schedules._schedule import Collective, Phase, Schedule
 from allreduce.schedules._timing import propagate
 
-__all__ = ["CostModel", "Prediction", "bus_factor", "predict"]
+__all__ = ["CostModel", "Prediction", "bus_factor", "predict", "predict_seconds"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -125,6 +125,13 @@ def _critical_path_seconds(schedule: Schedule, size_bytes: float, alpha: float, 
 
     clock, _ = propagate(n, schedule.phases(), flow_seconds, rank_seconds)
     return float(clock.max()) if clock.size else 0.0
+
+
+def predict_seconds(schedule: Schedule, size_bytes: float, model: CostModel) -> float:
+    """Just the predicted time (one pass; :func:`predict` also splits it into α, β and γ shares)."""
+    return _critical_path_seconds(
+        schedule, size_bytes, model.latency_s, model.seconds_per_byte, model.reduce_seconds_per_byte
+    )
 
 
 def predict(schedule: Schedule, size_bytes: float, model: CostModel) -> Prediction:

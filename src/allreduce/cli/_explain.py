@@ -1,0 +1,326 @@
+"""``allreduce explain``: every all-reduce algorithm under the α–β–γ model, the fastest, and why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from allreduce.cli._main import CLIError
+from allreduce.schedules import ALL_REDUCE_ALGORITHMS, CostModel, Prediction, Schedule, all_reduce, predict
+from allreduce.schedules._cost import predict_seconds
+from allreduce.units import (
+    format_bandwidth,
+    format_bytes,
+    format_seconds,
+    parse_bandwidth,
+    parse_bytes,
+    parse_seconds,
+)
+
+__all__ = ["Explanation", "explain", "register", "render"]
+
+# Pipelined trees pick their chunk count the way a tuner would: the best of these under the model.
+_TREE_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Above this many ranks the direct algorithm (one flow pattern per step, N-1 steps) is left out: it is an
+# algorithm for small groups, and modelling it costs O(N^2).
+_DIRECT_MAX_RANKS = 4096
+_DEFAULT_GROUP_SIZE = 8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One algorithm as explained: its prediction and how it was configured."""
+
+    prediction: Prediction
+    detail: str
+    schedule: Schedule
+
+
+@dataclass(frozen=True)
+class Explanation:
+    world_size: int
+    size_bytes: int
+    model: CostModel
+    candidates: tuple[Candidate, ...]  # fastest first
+    skipped: tuple[str, ...]  # one line per algorithm left out, with the reason
+    crossover_bytes: float | None  # where the two best swap places, if they do between 1 B and 1 PiB
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+def _schedules(world_size: int, group_size: int | None, segments: int) -> tuple[list[tuple[Schedule, str]], list[str]]:
+    chosen: list[tuple[Schedule, str]] = []
+    skipped: list[str] = []
+    for name in ALL_REDUCE_ALGORITHMS:
+        if name == "direct" and world_size > _DIRECT_MAX_RANKS:
+            skipped.append(f"direct: left out above {_DIRECT_MAX_RANKS} ranks (a small-group algorithm)")
+            continue
+        if name == "hierarchical":
+            g = group_size
+            if g is None:
+                if world_size % _DEFAULT_GROUP_SIZE or world_size <= _DEFAULT_GROUP_SIZE:
+                    skipped.append(
+                        f"hierarchical: needs --group-size (the default {_DEFAULT_GROUP_SIZE} does not divide "
+                        f"{world_size} ranks into several groups)"
+                    )
+                    continue
+                g = _DEFAULT_GROUP_SIZE
+            chosen.append((all_reduce(name, world_size, group_size=g, segments=segments), f"group size {g}"))
+            continue
+        if name == "double_binary_tree":
+            continue  # chunk count chosen per size below
+        chosen.append((all_reduce(name, world_size, segments=segments), ""))
+    return chosen, skipped
+
+
+def _best_tree(world_size: int, size_bytes: float, model: CostModel, segments: int) -> tuple[Schedule, str]:
+    best: tuple[float, Schedule] | None = None
+    for chunks in _TREE_CHUNKS:
+        schedule = all_reduce("double_binary_tree", world_size, chunks=chunks, segments=segments)
+        seconds = predict_seconds(schedule, size_bytes, model)
+        if best is None or seconds < best[0]:
+            best = (seconds, schedule)
+    assert best is not None
+    return best[1], f"{best[1].num_blocks // 2} chunks"
+
+
+def explain(
+    world_size: int,
+    size_bytes: int,
+    model: CostModel,
+    *,
+    group_size: int | None = None,
+    segments: int = 1,
+) -> Explanation:
+    """Predict every all-reduce algorithm for ``world_size`` ranks and ``size_bytes`` per rank."""
+    if world_size < 1:
+        raise ValueError(f"--ranks must be >= 1, got {world_size}")
+    if size_bytes <= 0:
+        raise ValueError(f"--size must be > 0 bytes, got {size_bytes}")
+    if group_size is not None:
+        if group_size < 1:
+            raise ValueError(f"--group-size must be >= 1, got {group_size}")
+        if world_size % group_size:
+            raise ValueError(f"--ranks {world_size} is not divisible by --group-size {group_size}")
+    if segments < 1:
+        raise ValueError(f"--segments must be >= 1, got {segments}")
+    chosen, skipped = _schedules(world_size, group_size, segments)
+    chosen.append(_best_tree(world_size, size_bytes, model, segments))
+    candidates = sorted(
+        (Candidate(predict(s, size_bytes, model), detail, s) for s, detail in chosen),
+        key=lambda c: (c.prediction.seconds, ALL_REDUCE_ALGORITHMS.index(c.prediction.name)),
+    )
+    crossover = None
+    if len(candidates) >= 2:
+        crossover = _crossover(candidates[0].schedule, candidates[1].schedule, size_bytes, model)
+    return Explanation(world_size, size_bytes, model, tuple(candidates), tuple(skipped), crossover)
+
+
+def _crossover(first: Schedule, second: Schedule, size_bytes: float, model: CostModel) -> float | None:
+    """The buffer size nearest ``size_bytes`` at which ``first`` and ``second`` take equal time, if any."""
+
+    def gap(log_size: float) -> float:
+        s = 2.0**log_size
+        return predict_seconds(first, s, model) - predict_seconds(second, s, model)
+
+    here = math.log2(size_bytes)
+    at_here = gap(here)
+    for far in (0.0, 50.0):  # 1 byte, 1 PiB
+        at_far = gap(far)
+        if (at_far > 0) == (at_here > 0) or at_far == 0.0:
+            continue
+        lo, hi = (far, here) if far < here else (here, far)
+        g_lo = gap(lo)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            g_mid = gap(mid)
+            if (g_mid > 0) == (g_lo > 0):
+                lo, g_lo = mid, g_mid
+            else:
+                hi = mid
+        return 2.0 ** ((lo + hi) / 2)
+    return None
+
+
+def _row_name(c: Candidate) -> str:
+    return f"{c.prediction.name} ({c.detail})" if c.detail else c.prediction.name
+
+
+def render(e: Explanation) -> str:
+    """The human table and the one-sentence why."""
+    m = e.model
+    gamma = "" if m.reduce_bandwidth_Bps is None else f", reduce {format_bandwidth(m.reduce_bandwidth_Bps)}"
+    lines = [
+        f"All-reduce of {format_bytes(e.size_bytes)} per rank on {e.world_size} ranks "
+        f"(α = {format_seconds(m.latency_s)} per step, link {format_bandwidth(m.bandwidth_Bps)}{gamma})",
+        "",
+    ]
+    header = ("algorithm", "time", "algbw", "busbw", "steps", "sent/rank", "bound")
+    rows = []
+    for i, c in enumerate(e.candidates):
+        p = c.prediction
+        rows.append(
+            (
+                ("* " if i == 0 else "  ") + _row_name(c),
+                format_seconds(p.seconds),
+                f"{p.algbw_Bps / 1e9:.2f} GB/s",
+                f"{p.busbw_Bps / 1e9:.2f} GB/s",
+                str(p.steps),
+                format_bytes(p.bytes_sent_per_rank),
+                p.bound,
+            )
+        )
+    widths = [max(len(r[k]) for r in [("  " + header[0], *header[1:]), *rows]) for k in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" if k in (0, 6) else f"{{:>{w}}}" for k, w in enumerate(widths))
+    lines.append(fmt.format("  " + header[0], *header[1:]).rstrip())
+    lines.extend(fmt.format(*r).rstrip() for r in rows)
+    lines.append("")
+    lines.append(why(e))
+    lines.extend(f"(note: {s})" for s in e.skipped)
+    return "\n".join(lines)
+
+
+def why(e: Explanation) -> str:
+    """One sentence: which term dominates the winner, and what it has that the others lack."""
+    best = e.best.prediction
+    others = [c.prediction for c in e.candidates]
+    terms = (
+        f"latency {format_seconds(best.latency_s)}, transfer {format_seconds(best.transfer_s)}"
+        + (f", reduction {format_seconds(best.reduce_s)}" if best.reduce_s else "")
+        + f" of {format_seconds(best.seconds)}"
+    )
+    least_bytes = min(p.bytes_sent_per_rank for p in others)
+    sends_least = best.bytes_sent_per_rank <= least_bytes * (1 + 1e-9)
+    lean = [p for p in others if p.bytes_sent_per_rank <= least_bytes * (1 + 1e-9)]
+    fewest_steps = min(p.steps for p in others)
+    if best.bound == "latency":
+        if best.steps == fewest_steps:
+            reason = f"it takes the fewest steps of any algorithm ({best.steps})"
+        else:
+            reason = f"its {best.steps} steps cost less than the alternatives' steps and bytes together"
+        reason = f"latency-bound ({terms}): {reason}"
+    else:
+        if sends_least and best.steps == min(p.steps for p in lean):
+            reason = (
+                f"it sends the least data per rank ({format_bytes(best.bytes_sent_per_rank)}) and, of the "
+                f"algorithms that do, takes the fewest steps ({best.steps})"
+            )
+        elif sends_least:
+            reason = f"it sends the least data per rank ({format_bytes(best.bytes_sent_per_rank)})"
+        else:
+            reason = (
+                f"its {format_bytes(best.bytes_sent_per_rank)} per rank in {best.steps} steps give the shortest "
+                "critical path"
+            )
+        reason = f"bandwidth-bound ({terms}): {reason}"
+    text = f"* {_row_name(e.best)} is fastest, {reason}."
+    if len(e.candidates) > 1:
+        runner = e.candidates[1]
+        if e.crossover_bytes is None:
+            text += f" It beats the runner-up, {_row_name(runner)}, at every size from 1 B to 1 PiB."
+        else:
+            side = "below" if e.crossover_bytes < e.size_bytes else "above"
+            text += (
+                f" Crossover with the runner-up, {_row_name(runner)}, at {format_bytes(e.crossover_bytes)}: "
+                f"{side} that size {runner.prediction.name} is faster."
+            )
+    return text
+
+
+def as_json(e: Explanation) -> dict[str, object]:
+    return {
+        "ranks": e.world_size,
+        "size_bytes": e.size_bytes,
+        "algorithms": [
+            {
+                "name": c.prediction.name,
+                "seconds": c.prediction.seconds,
+                "algbw_GBps": c.prediction.algbw_Bps / 1e9,
+                "busbw_GBps": c.prediction.busbw_Bps / 1e9,
+                "steps": c.prediction.steps,
+                "bytes_sent_per_rank": c.prediction.bytes_sent_per_rank,
+                "bound": c.prediction.bound,
+                "latency_s": c.prediction.latency_s,
+                "transfer_s": c.prediction.transfer_s,
+                "reduce_s": c.prediction.reduce_s,
+                "detail": c.detail,
+            }
+            for c in e.candidates
+        ],
+        "best": e.best.prediction.name,
+        "why": why(e),
+        "crossover_bytes": e.crossover_bytes,
+        "skipped": list(e.skipped),
+    }
+
+
+def _positive_int(name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "explain",
+        help="predict every all-reduce algorithm with the α–β–γ model and say which wins and why",
+        description=(
+            "Predict the time of every all-reduce algorithm for N ranks and a buffer of SIZE bytes per rank, "
+            "from each schedule's critical path under the α–β–γ model (α: per-step latency, β: 1/link bandwidth, "
+            "γ: 1/reduction bandwidth). algbw = SIZE/time; busbw = algbw × 2(N-1)/N (nccl-tests)."
+        ),
+        epilog="example: allreduce explain --ranks 1024 --size 1GiB --bandwidth 400Gbps --latency 5us --group-size 8",
+    )
+    p.add_argument("--ranks", "-n", required=True, type=_positive_int("--ranks"), help="number of ranks N")
+    p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GB, 512")
+    p.add_argument("--bandwidth", required=True, help="link bandwidth per rank: 400Gbps, 100Gb/s, 50GB/s")
+    p.add_argument("--latency", required=True, help="α, per-step latency: 5us, 2ms, 100ns")
+    p.add_argument(
+        "--reduce-bandwidth", help="reduction throughput (γ = 1/this), e.g. 100GB/s; omitted: reductions are free"
+    )
+    p.add_argument(
+        "--group-size",
+        type=_positive_int("--group-size"),
+        help=f"ranks per node for hierarchical (default {_DEFAULT_GROUP_SIZE} when it divides N)",
+    )
+    p.add_argument(
+        "--segments",
+        type=_positive_int("--segments"),
+        default=1,
+        help="pipeline each transfer in this many segments (overlaps transfer and reduction; default 1)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    size = parse_bytes(args.size, what="--size")
+    if size <= 0:
+        raise CLIError(f"--size must be greater than 0 bytes, got {args.size!r}")
+    model = CostModel(
+        latency_s=parse_seconds(args.latency, what="--latency"),
+        bandwidth_Bps=parse_bandwidth(args.bandwidth, what="--bandwidth"),
+        reduce_bandwidth_Bps=(
+            None if args.reduce_bandwidth is None else parse_bandwidth(args.reduce_bandwidth, what="--reduce-bandwidth")
+        ),
+    )
+    if args.group_size is not None and args.ranks % args.group_size:
+        raise CLIError(f"--ranks {args.ranks} is not divisible by --group-size {args.group_size}")
+    e = explain(args.ranks, size, model, group_size=args.group_size, segments=args.segments)
+    if args.json:
+        print(json.dumps(as_json(e), indent=2))
+    else:
+        print(render(e))
+    return 0
