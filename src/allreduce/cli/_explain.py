@@ -143,7 +143,7 @@ def _crossover(first: Schedule, second: Schedule, size_bytes: float, model: Cost
                 lo, g_lo = mid, g_mid
             else:
                 hi = mid
-        return 2.0 ** ((lo + hi) / 2)
+        return float(2.0 ** ((lo + hi) / 2))
     return None
 
 
