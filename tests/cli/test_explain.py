@@ -1,0 +1,114 @@
+"""`allreduce explain` as a user runs it: a real subprocess, its output and exit status."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "allreduce", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_json_matches_the_closed_forms_of_the_issue() -> None:
+    out = run_cli("explain", "--ranks", "1024", "--size", "1GiB", "--bandwidth", "50GB/s", "--latency", "5us", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    by_name = {a["name"]: a for a in doc["algorithms"]}
+    n, s, a, b = 1024, 2.0**30, 5e-6, 1 / 50e9
+    assert by_name["ring"]["seconds"] == pytest.approx(2 * (n - 1) * a + 2 * (n - 1) / n * s * b, rel=1e-6)
+    assert by_name["halving_doubling"]["seconds"] == pytest.approx(
+        2 * math.log2(n) * a + 2 * (n - 1) / n * s * b, rel=1e-6
+    )
+    assert by_name["recursive_doubling"]["seconds"] == pytest.approx(math.log2(n) * (a + s * b), rel=1e-6)
+    for row in doc["algorithms"]:
+        assert set(row) >= {"name", "seconds", "algbw_GBps", "busbw_GBps", "steps", "bytes_sent_per_rank"}
+        assert row["algbw_GBps"] == pytest.approx(s / row["seconds"] / 1e9)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (n - 1) / n)
+    assert doc["best"] == doc["algorithms"][0]["name"]
+    assert doc["algorithms"][0]["seconds"] == min(r["seconds"] for r in doc["algorithms"])
+    assert by_name["ring"]["steps"] == 2 * (n - 1)
+    assert by_name["ring"]["bytes_sent_per_rank"] == pytest.approx(2 * (n - 1) / n * s)
+
+
+def test_best_changes_with_size_and_the_table_says_why() -> None:
+    common = ("--ranks", "1024", "--bandwidth", "400Gbps", "--latency", "5us", "--group-size", "8")
+    big = run_cli("explain", "--size", "1GiB", *common)
+    small = run_cli("explain", "--size", "64KiB", *common)
+    assert big.returncode == 0
+    assert small.returncode == 0
+    best_big = next(line for line in big.stdout.splitlines() if line.startswith("* ") and "GB/s" in line).split()[1]
+    best_small = next(line for line in small.stdout.splitlines() if line.startswith("* ") and "GB/s" in line).split()[1]
+    assert best_big != best_small
+    assert "bandwidth-bound" in big.stdout
+    assert "latency-bound" in small.stdout
+    assert "Crossover with the runner-up" in small.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "culprit"),
+    [
+        (("--ranks", "0", "--size", "1GiB", "--bandwidth", "1GB/s", "--latency", "1us"), "--ranks"),
+        (("--ranks", "8", "--size", "0", "--bandwidth", "1GB/s", "--latency", "1us"), "--size"),
+        (("--ranks", "8", "--size", "-4KiB", "--bandwidth", "1GB/s", "--latency", "1us"), "--size"),
+        (("--ranks", "8", "--size", "1XB", "--bandwidth", "1GB/s", "--latency", "1us"), "--size"),
+        (("--ranks", "8", "--size", "1GiB", "--bandwidth", "fast", "--latency", "1us"), "--bandwidth"),
+        (("--ranks", "8", "--size", "1GiB", "--bandwidth", "1GB/s", "--latency", "1 fortnight"), "--latency"),
+        (
+            ("--ranks", "10", "--size", "1GiB", "--bandwidth", "1GB/s", "--latency", "1us", "--group-size", "4"),
+            "--group-size",
+        ),
+        (
+            (
+                "--ranks",
+                "8",
+                "--size",
+                "1GiB",
+                "--bandwidth",
+                "1GB/s",
+                "--latency",
+                "1us",
+                "--reduce-bandwidth",
+                "0GB/s",
+            ),
+            "--reduce-bandwidth",
+        ),
+        (("--ranks", "eight", "--size", "1GiB", "--bandwidth", "1GB/s", "--latency", "1us"), "--ranks"),
+        (("--size", "1GiB", "--bandwidth", "1GB/s", "--latency", "1us"), "--ranks"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_argument_exit_2(args: tuple[str, ...], culprit: str) -> None:
+    out = run_cli("explain", *args)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("allreduce explain: error:")
+    assert culprit in last
+
+
+def test_help_and_no_command() -> None:
+    out = run_cli("explain", "--help")
+    assert out.returncode == 0
+    assert "--reduce-bandwidth" in out.stdout
+    bare = run_cli()
+    assert bare.returncode == 2
+    assert "explain" in bare.stdout
+
+
+def test_demo_shows_the_best_algorithm_change_with_size() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "from allreduce.cli._demo import run; run(None)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    winners = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("* ") and "GB/s" in line]
+    assert len(winners) >= 2
+    assert winners[0] != winners[1]
