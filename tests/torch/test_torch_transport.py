@@ -1,0 +1,218 @@
+"""TorchTransport: every all-reduce schedule over torch.distributed isend/irecv (Gloo on loopback), real processes.
+
+Each test starts one set of N processes and runs all its cases inside it (N torch processes are heavy on two
+cores). Data is integer-valued, so the expected result is an exact closed form.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from allreduce.runtime import compile_plan
+from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce
+from allreduce.train import RankFailedError, run_local
+
+COUNTS = (0, 1, 3, 7, 1000, 4099)
+
+
+def _init_gloo(timeout_s: float = 60.0) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _cases(world_size: int) -> list[tuple[str, int, int]]:
+    cases = []
+    for algorithm in ALL_REDUCE_ALGORITHMS:
+        if algorithm == "hierarchical" and world_size % 2:
+            continue
+        for segments in (1, 3):
+            cases.extend((algorithm, segments, count) for count in COUNTS)
+    return cases
+
+
+def _schedule(algorithm: str, world_size: int, segments: int) -> Any:
+    group_size = 2 if algorithm == "hierarchical" else None
+    return all_reduce(algorithm, world_size, group_size=group_size, segments=segments)
+
+
+def _contribution(rank: int, count: int) -> np.ndarray[Any, Any]:
+    # Distinct per rank and per element, so a block landing in the wrong place or reduced twice shows.
+    return (np.arange(count, dtype=np.int64) * 7 + 1) * (rank + 1) + rank * 1000
+
+
+def _all_algorithms_worker(checksum: bool) -> dict[tuple[str, int, int], np.ndarray[Any, Any]]:
+    import torch.distributed as dist
+
+    from allreduce.torch import TorchTransport
+
+    _init_gloo()
+    transport = TorchTransport()
+    rank, world_size = transport.rank, transport.world_size
+    out = {}
+    for seq, (algorithm, segments, count) in enumerate(_cases(world_size)):
+        plan = compile_plan(_schedule(algorithm, world_size, segments), rank, count)
+        buffer = _contribution(rank, count)
+        transport.execute(
+            plan, buffer, lambda dst, inc: np.add(dst, inc, out=dst), seq=seq, timeout_s=60.0, checksum=checksum
+        )
+        out[(algorithm, segments, count)] = buffer
+    transport.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_all_reduce_algorithm_gives_the_exact_sum(world_size: int) -> None:
+    per_rank = run_local(world_size, _all_algorithms_worker, (world_size == 3,), timeout_s=240)
+    for algorithm, segments, count in _cases(world_size):
+        expected = sum(_contribution(r, count) for r in range(world_size))
+        for rank in range(world_size):
+            got = per_rank[rank][(algorithm, segments, count)]
+            assert np.array_equal(got, expected), f"{algorithm} segments={segments} count={count} rank {rank}"
+
+
+def _dtypes_and_agree_worker() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from allreduce.torch import TorchTransport
+
+    _init_gloo()
+    transport = TorchTransport()
+    rank, world_size = transport.rank, transport.world_size
+    out: dict[str, Any] = {}
+    # Descriptors of different lengths per rank, one longer than the fixed slot (a second round).
+    out["short"] = transport.agree(0, f"rank{rank}".encode(), timeout_s=30)
+    out["long"] = transport.agree(1, bytes([rank]) * (50 + 100 * rank), timeout_s=30)
+    out["empty"] = transport.agree(2, b"", timeout_s=30)
+    schedule = _schedule("ring", world_size, 2)
+    for dtype in (np.float32, np.float64, np.int32, np.uint8, ml_dtypes.bfloat16, np.float16):
+        buffer = ((np.arange(37) % 5) + rank).astype(dtype)
+        plan = compile_plan(schedule, rank, buffer.size)
+        transport.execute(plan, buffer, lambda d, i: np.add(d, i, out=d), seq=3, timeout_s=30, checksum=True)
+        out[np.dtype(dtype).name] = buffer.astype(np.float64)
+    # recv_copy only (no reduce): a max all-reduce through the same plan with np.maximum.
+    buffer = np.full(10, rank, dtype=np.int64)
+    transport.execute(
+        compile_plan(schedule, rank, 10),
+        buffer,
+        lambda d, i: np.maximum(d, i, out=d),
+        seq=4,
+        timeout_s=30,
+        checksum=False,
+    )
+    out["max"] = buffer
+    dist.destroy_process_group()
+    return out
+
+
+def test_agree_returns_every_ranks_descriptor_and_dtypes_travel_as_bytes() -> None:
+    world_size = 3
+    per_rank = run_local(world_size, _dtypes_and_agree_worker, timeout_s=120)
+    for out in per_rank:
+        assert out["short"] == [f"rank{r}".encode() for r in range(world_size)]
+        assert out["long"] == [bytes([r]) * (50 + 100 * r) for r in range(world_size)]
+        assert out["empty"] == [b""] * world_size
+        expected = sum(((np.arange(37) % 5) + r) for r in range(world_size)).astype(np.float64)
+        for name in ("float32", "float64", "int32", "uint8", "bfloat16", "float16"):
+            assert np.array_equal(out[name], expected), name
+        assert np.array_equal(out["max"], np.full(10, world_size - 1))
+
+
+def _silent_peer_worker(fifo: str) -> str:
+    from allreduce.runtime import CollectiveTimeoutError
+    from allreduce.torch import TorchTransport
+
+    _init_gloo()
+    transport = TorchTransport()
+    if transport.rank == 1:
+        # Rank 1 never joins the collective and stays alive until rank 0 has seen the timeout (a Gloo timeout
+        # tears the connection down, so the signal goes through a fifo, which blocks until rank 0 writes).
+        with open(fifo) as f:
+            return f.read()
+    plan = compile_plan(_schedule("ring", 2, 1), 0, 64)
+    try:
+        transport.execute(plan, np.zeros(64), lambda d, i: np.add(d, i, out=d), seq=0, timeout_s=1.0, checksum=False)
+    except CollectiveTimeoutError as exc:
+        message = f"{exc}|peer={exc.peer}|step={exc.step}"
+    else:
+        message = "no error"
+    try:
+        transport.execute(plan, np.zeros(64), lambda d, i: np.add(d, i, out=d), seq=1, timeout_s=1.0, checksum=False)
+    except RuntimeError as exc:
+        message += f"|again: {exc}"
+    with open(fifo, "w") as f:
+        f.write("done")
+    return message
+
+
+def test_a_silent_peer_raises_a_timeout_naming_it(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    message, silent = run_local(2, _silent_peer_worker, (str(fifo),), timeout_s=120)
+    assert silent == "done"
+    assert "timed out after 1 s waiting for rank 1" in message
+    assert "|peer=1|step=0" in message
+    assert "unusable after an earlier error" in message
+
+
+def _dying_peer_worker(report: str) -> None:
+    from allreduce.runtime import PeerFailureError
+    from allreduce.torch import TorchTransport
+
+    _init_gloo()
+    transport = TorchTransport()
+    plan = compile_plan(_schedule("ring", 2, 1), transport.rank, 1 << 16)
+    if transport.rank == 1:
+        os._exit(3)
+    try:
+        transport.execute(
+            plan, np.zeros(1 << 16), lambda d, i: np.add(d, i, out=d), seq=0, timeout_s=60.0, checksum=False
+        )
+    except PeerFailureError as exc:
+        message = f"{exc}|peer={exc.peer}"
+    else:
+        message = "no error"
+    with open(report, "w") as f:
+        f.write(message)
+
+
+def test_a_dead_peer_is_named(tmp_path: Path) -> None:
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(RankFailedError, match="rank 1 died with exit code 3"):
+        run_local(2, _dying_peer_worker, (str(report),), timeout_s=120)
+    message = report.read_text()
+    assert "rank 1 failed (connection closed) in collective 0 at step 0" in message
+    assert message.endswith("|peer=1")
+
+
+def _wrong_plan_worker() -> str:
+    from allreduce.torch import TorchTransport
+
+    _init_gloo()
+    transport = TorchTransport()
+    plan = compile_plan(_schedule("ring", 2, 1), 1 - transport.rank, 8)
+    try:
+        transport.execute(plan, np.zeros(8), np.add, seq=0, timeout_s=5.0, checksum=False)
+    except ValueError as exc:
+        message = str(exc)
+    plan = compile_plan(_schedule("ring", 2, 1), transport.rank, 8)
+    try:
+        transport.execute(plan, np.zeros(9), np.add, seq=0, timeout_s=5.0, checksum=False)
+    except ValueError as exc:
+        message += "|" + str(exc)
+    return message
+
+
+def test_a_plan_for_another_rank_or_size_is_refused_before_any_data_moves() -> None:
+    for rank, message in enumerate(run_local(2, _wrong_plan_worker, timeout_s=120)):
+        assert f"is for rank {1 - rank} of 2, but this transport is rank {rank} of 2" in message
+        assert "hold 8 elements" in message
+        assert "got shape (9,)" in message
