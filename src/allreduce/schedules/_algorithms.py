@@ -276,31 +276,36 @@ def _inorder_tree(n: int) -> IntArray:
     positions) are leaves; q's children are q - b/2 and the largest q + c (c < b a power of two) that is <= n.
     About half of the positions are leaves, which is what makes the mirror tree complementary."""
     parent = np.full(n, -1, dtype=np.int64)
-    for q in range(1, n + 1):
-        half = (q & -q) >> 1
-        if half == 0:
-            continue
-        parent[q - half - 1] = q - 1
-        c = half
-        while c and q + c > n:
-            c >>= 1
-        if c:
-            parent[q + c - 1] = q - 1
+    q = np.arange(1, n + 1, dtype=np.int64)
+    half = (q & -q) >> 1
+    inner = q[half > 0]
+    half = half[half > 0]
+    parent[inner - half - 1] = inner - 1  # left child
+    # Right child: halve c until q + c fits (the subtree to the right is truncated at n).
+    c = half.copy()
+    while True:
+        too_far = (c > 0) & (inner + c > n)
+        if not too_far.any():
+            break
+        c[too_far] >>= 1
+    has_right = c > 0
+    parent[inner[has_right] + c[has_right] - 1] = inner[has_right] - 1
     return parent
 
 
 def _heights_depths(parent: IntArray) -> tuple[IntArray, IntArray]:
+    """Depth (edges from the root) and height (edges to the deepest leaf below) of every node."""
     n = parent.size
     depth = np.zeros(n, dtype=np.int64)
-    for i in range(n):
-        k, d = i, 0
-        while parent[k] >= 0:
-            k, d = int(parent[k]), d + 1
-        depth[i] = d
+    ancestor = parent.copy()
+    while (ancestor >= 0).any():
+        up = ancestor >= 0
+        depth[up] += 1
+        ancestor[up] = parent[ancestor[up]]
     height = np.zeros(n, dtype=np.int64)
-    for i in np.argsort(-depth, kind="stable"):
-        if parent[i] >= 0:
-            height[parent[i]] = max(height[parent[i]], height[i] + 1)
+    for level in range(int(depth.max()) if n else 0, 0, -1):
+        nodes = np.flatnonzero(depth == level)
+        np.maximum.at(height, parent[nodes], height[nodes] + 1)
     return height, depth
 
 
