@@ -1,0 +1,67 @@
+"""Compiled plans: element ranges that cover the buffer and that both ends of every transfer agree on."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from allreduce.runtime import compile_plan
+from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce, ring_all_reduce
+
+
+def _schedule(algorithm: str, n: int, segments: int):  # type: ignore[no-untyped-def]
+    group = {"group_size": 2 if n % 2 == 0 else 1} if algorithm == "hierarchical" else {}
+    return all_reduce(algorithm, n, segments=segments, **group)
+
+
+@given(
+    algorithm=st.sampled_from(ALL_REDUCE_ALGORITHMS),
+    n=st.integers(min_value=1, max_value=9),
+    count=st.integers(min_value=0, max_value=200),
+    segments=st.integers(min_value=1, max_value=5),
+)
+def test_both_ends_of_every_transfer_agree_on_its_elements(algorithm: str, n: int, count: int, segments: int) -> None:
+    schedule = _schedule(algorithm, n, segments)
+    sent: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
+    received: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
+    for rank in range(n):
+        plan = compile_plan(schedule, rank, count)
+        assert plan.count == count
+        for step in plan.steps:
+            for t in step.sends:
+                assert 0 <= t.start < t.stop <= count
+                sent[(rank, t.peer)].append((t.start, t.stop, t.block, t.segment))
+            for t in step.recvs:
+                assert 0 <= t.start < t.stop <= count
+                received[(t.peer, rank)].append((t.start, t.stop, t.block, t.segment))
+    assert sent == received
+
+
+def test_segments_cut_each_transfer_into_consecutive_pieces() -> None:
+    plan = compile_plan(ring_all_reduce(3).with_segments(4), rank=0, count=30)
+    first = plan.steps[0]
+    pieces = [(t.start, t.stop) for t in first.sends]
+    assert len(pieces) == 4
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
+    assert pieces[0][0] == 20
+    assert pieces[-1][1] == 30
+    assert [t.segment for t in first.sends] == [0, 1, 2, 3]
+
+
+def test_tiny_buffers_drop_empty_pieces_on_both_ends() -> None:
+    # 2 elements, 3 ranks: one block is empty; nobody sends or expects it.
+    plans = [compile_plan(ring_all_reduce(3), r, 2) for r in range(3)]
+    sends = sum(len(s.sends) for p in plans for s in p.steps)
+    recvs = sum(len(s.recvs) for p in plans for s in p.steps)
+    assert sends == recvs
+    assert sends < 3 * 4  # fewer than the 12 transfers of a ring of 3 with every block non-empty
+
+
+def test_peers_and_bad_count() -> None:
+    assert compile_plan(ring_all_reduce(5), 2, 10).peers == frozenset({1, 3})
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        compile_plan(ring_all_reduce(5), 2, -1)
