@@ -1,0 +1,145 @@
+"""The fast engine: one fair-rate computation per flow pattern, per-rank clocks advanced as arrays.
+
+For each phase of :meth:`Schedule.phases` (a flow pattern that ``repeat`` consecutive steps reuse), the flows
+are routed and their max-min fair rates computed once (patterns are cached, so ring all-reduce routes once for
+its 2(N-1) steps). Each flow then takes ``path latency + bytes / rate`` and the per-rank clocks advance through
+the project's one timing recurrence, :func:`allreduce.schedules.propagate`, which also skips whole cycles of a
+repeated pattern once the clocks move in lockstep. Nothing is one Python object per transfer.
+
+The approximation, against the event engine: every flow of a step is assumed to run at the rate it gets when
+*all* flows of its pattern run together, for its whole duration. That is exact when the ranks stay in lockstep
+(every flow of a step starts together and takes as long as the others: symmetric patterns on symmetric
+topologies, or contention-free ones where a flow's rate does not depend on who else runs). When flows of one
+step have different rates (ECMP collisions) or ranks drift apart (a slow rank), the event engine lets a flow
+speed up when its competitors finish or have not started yet; this engine does not, so it is pessimistic there.
+
+Attribution: the steady-state pace of a repeated pattern under the recurrence is its max cycle mean, which is
+the slowest flow's duration plus the larger delay of its two ranks (every cycle mean is an average of such
+terms, and that flow's self-loop attains it). So each phase's share of the end time is attributed to its
+slowest flows; their bottleneck links are the links the critical path waited on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.schedules import Phase, Schedule, propagate
+from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
+from allreduce.sim._routing import Router
+from allreduce.sim._summary import summarize_bottlenecks
+
+__all__ = ["run_fast"]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+# Flows whose pace is within this relative distance of the slowest one are all "critical".
+_CRITICAL_RTOL = 1e-9
+
+
+def run_fast(
+    schedule: Schedule,
+    router: Router,
+    *,
+    size_bytes: float,
+    rank_delay_s: FloatArray | None,
+    trace_ranks: int,
+) -> SimResult:
+    topology = router.topology
+    n = schedule.world_size
+    clock = np.zeros(n, dtype=np.float64)
+    link_bytes = np.zeros(topology.num_links, dtype=np.float64)
+    waited = np.zeros(topology.num_links, dtype=np.float64)
+    zero_delay = np.zeros(n, dtype=np.float64)
+    delay = zero_delay if rank_delay_s is None else rank_delay_s
+    phases: list[PhaseResult] = []
+    critical: list[CriticalStep] = []
+    labels: list[str] = []
+    trace_start: list[FloatArray] = []
+    trace_end: list[FloatArray] = []
+    k = min(n, trace_ranks)
+    path_end = 0.0
+    for phase in schedule.phases():
+        pattern = router.pattern(phase.src, phase.dst)
+        nbytes = phase.fraction * float(size_bytes)
+        transfer = pattern.transfer_seconds(nbytes)
+        latency = pattern.routes.latency_s
+        flow_seconds = latency + transfer
+
+        def flows(_: Phase, seconds: FloatArray = flow_seconds) -> FloatArray:
+            return seconds
+
+        def ranks(_: Phase) -> FloatArray | None:
+            return rank_delay_s
+
+        before = clock[:k].copy()
+        clock, (timing,) = propagate(n, [phase], flows, ranks, clock=clock)
+        link_bytes += pattern.link_bytes(nbytes, topology.num_links) * phase.repeat
+
+        # The phase's share of the end time, and who set its pace.
+        share_s = max(0.0, timing.end_s - path_end)
+        path_end = max(path_end, timing.end_s)
+        flow_delay = np.maximum(delay[phase.src], delay[phase.dst])
+        pace = flow_seconds + flow_delay
+        worst = int(np.argmax(pace)) if pace.size else 0
+        if pace.size:
+            tied = pace >= pace[worst] * (1 - _CRITICAL_RTOL)
+            limited = tied & (transfer > 0) & (pattern.bottleneck_link >= 0)
+            if share_s > 0 and limited.any():
+                # The share of the pace that was bytes on the link, not path latency or a slow rank.
+                fraction = transfer[worst] / pace[worst] if pace[worst] > 0 else 0.0
+                links = np.unique(pattern.bottleneck_link[limited])
+                waited[links] += share_s * fraction
+            critical.append(
+                CriticalStep(
+                    first_step=phase.first_step,
+                    last_step=phase.first_step + phase.repeat - 1,
+                    src_rank=int(phase.src[worst]),
+                    dst_rank=int(phase.dst[worst]),
+                    seconds=share_s,
+                    transfer_s=float(transfer[worst]),
+                    latency_s=float(latency[worst]),
+                    rank_delay_s=float(flow_delay[worst]),
+                    rate_Bps=float(pattern.rate_Bps[worst]),
+                    bottleneck_link=int(pattern.bottleneck_link[worst]),
+                )
+            )
+        rates = pattern.rate_Bps
+        phases.append(
+            PhaseResult(
+                first_step=phase.first_step,
+                repeat=phase.repeat,
+                num_flows=len(phase),
+                start_s=timing.start_s,
+                end_s=timing.end_s,
+                slowest_rate_Bps=float(rates.min()) if rates.size else float("inf"),
+                fair_share_Bps=float(np.median(rates)) if rates.size else float("inf"),
+            )
+        )
+        last = phase.first_step + phase.repeat - 1
+        labels.append(f"steps {phase.first_step}-{last}" if phase.repeat > 1 else f"step {phase.first_step}")
+        trace_start.append(before)
+        trace_end.append(clock[:k].copy())
+
+    seconds = float(clock.max()) if n else 0.0
+    bottlenecks, count = summarize_bottlenecks(topology, waited, link_bytes, seconds)
+    return SimResult(
+        name=schedule.name,
+        collective=schedule.collective,
+        world_size=n,
+        size_bytes=float(size_bytes),
+        seconds=seconds,
+        engine="fast",
+        topology=topology,
+        rank_gpu=router.rank_gpu,
+        phases=tuple(phases),
+        link_bytes=link_bytes,
+        critical_path=tuple(critical),
+        bottlenecks=bottlenecks,
+        critical_links=count,
+        rank_end_s=clock,
+        trace_labels=tuple(labels),
+        trace_start_s=np.asarray(trace_start, dtype=np.float64).reshape(len(labels), k),
+        trace_end_s=np.asarray(trace_end, dtype=np.float64).reshape(len(labels), k),
+    )
