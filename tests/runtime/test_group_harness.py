@@ -1,0 +1,91 @@
+"""Helpers that start real rank processes (spawned) for the group tests; no tests of its own.
+
+``run_ranks(n, target, *args)`` starts ``n`` processes running ``target(rank, n, port, out, *args)`` and returns
+what each put on ``out``, indexed by rank. A rank that exits without reporting, or a run that exceeds its
+timeout, fails the calling test with the ranks named (the processes are killed, never left behind).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+SPAWN = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(n: int, target: Callable[..., None], *args: Any, timeout_s: float = 240.0) -> list[Any]:
+    port = free_port()
+    out = SPAWN.Queue()
+    procs = [SPAWN.Process(target=target, args=(r, n, port, out, *args), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < n:
+            try:
+                rank, value = out.get(timeout=timeout_s)
+            except queue.Empty:
+                missing = sorted(set(range(n)) - set(results))
+                raise AssertionError(f"ranks {missing} did not report within {timeout_s} s") from None
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        out.close()
+        out.join_thread()
+    return [results[r] for r in range(n)]
+
+
+def report(out: Any, rank: int, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` in a rank process and put (rank, result) on ``out``; an exception becomes its text."""
+    try:
+        value = fn()
+    except BaseException as exc:  # reported to the parent, which fails the test with it
+        import traceback
+
+        value = f"rank {rank} raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    out.put((rank, value))
+
+
+def contribution(dtype: np.dtype[Any], count: int, rank: int, op: str) -> np.ndarray[Any, Any]:
+    """Integer-valued data of ``rank`` (exact in every dtype, sums of 8 ranks stay exact in bfloat16)."""
+    i = np.arange(count, dtype=np.int64)
+    if op == "prod":
+        values = np.array([1, 2, -1, 1, 1, 2, 1], dtype=np.int64)[(i + rank) % 7]
+    else:
+        values = (i * 7 + rank * 3) % 11 - 5
+    if dtype.kind == "u":
+        values = np.abs(values)
+    return values.astype(dtype)
+
+
+def reference(dtype: np.dtype[Any], count: int, world_size: int, op: str) -> np.ndarray[Any, Any]:
+    """The exact reduction over all ranks, computed independently of the runtime (in int64/float64)."""
+    stack = np.stack([contribution(dtype, count, r, op).astype(np.float64) for r in range(world_size)])
+    if op in ("sum", "avg"):
+        exact = stack.sum(axis=0)
+    elif op == "prod":
+        exact = stack.prod(axis=0)
+    elif op == "min":
+        exact = stack.min(axis=0)
+    else:
+        exact = stack.max(axis=0)
+    if op == "avg":
+        return (exact / world_size).astype(dtype)
+    if dtype.kind in "iu":
+        return exact.astype(np.int64).astype(dtype)  # wraps like the dtype's own arithmetic
+    return exact.astype(dtype)
