@@ -592,7 +592,7 @@ def reachability_gaps(topology: Topology) -> tuple[int, int, int] | None:
         if unreachable.any():
             missing += int(unreachable.sum())
             if first is None:
-                d, s = np.argwhere(unreachable)[0]
+                s, d = np.argwhere(unreachable.T)[0]  # lowest source GPU first
                 first = (int(s), lo + int(d))
     return None if first is None else (first[0], first[1], missing)
 
@@ -621,12 +621,13 @@ def route(
     src_gpu: npt.ArrayLike | Sequence[int],
     dst_gpu: npt.ArrayLike | Sequence[int],
     *,
-    routing: str | None = "ecmp",
+    routing: str | None = None,
     seed: int = 0,
 ) -> Routes:
     """The links each flow ``src_gpu[f] -> dst_gpu[f]`` crosses under ``routing`` (see the module docstring).
 
-    ``routing=None`` takes the topology's default (dimension order on tori, ECMP elsewhere). A flow from a GPU to
+    ``routing=None`` (the default) takes the topology's default: dimension order on tori and rings, ECMP
+    everywhere else. A flow from a GPU to
     itself gets an empty path with latency 0. A pair with no path raises ValueError naming both GPUs (and the
     failed links, if any).
     """
