@@ -167,7 +167,10 @@ def _assemble(topology: Topology, parts: list[_Entries], num_flows: int, exact_l
     hop = np.concatenate([p.hop for p in parts]) if parts else np.zeros(0, dtype=np.int64)
     link = np.concatenate([p.link for p in parts]) if parts else np.zeros(0, dtype=np.int64)
     weight = np.concatenate([p.weight for p in parts]) if parts else np.zeros(0, dtype=np.float64)
-    order = np.lexsort((link, hop, flow))
+    # One stable integer sort on (flow, hop) (numpy radix-sorts integers): within a hop layer the entries keep
+    # the order they were generated in, which is deterministic.
+    num_hops = int(hop.max()) + 1 if hop.size else 1
+    order = np.argsort(flow * num_hops + hop, kind="stable")
     flow, hop, link, weight = flow[order], hop[order], link[order], weight[order]
     counts = np.bincount(flow, minlength=num_flows)
     flow_ptr = np.zeros(num_flows + 1, dtype=np.int64)
