@@ -40,7 +40,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -494,13 +494,29 @@ class ShmTransport:
             self._staging_id = seg_id
         return self._staging_id, self._staging
 
-    def _peer_array(self, peer: int, dtype: np.dtype[Any], count: int) -> npt.NDArray[Any]:
+    def _peer_array(self, peer: int, dtype: np.dtype[Any], count: int, *, seq: int, step: int) -> npt.NDArray[Any]:
         view = self._views[peer]
         seg_id, offset = view[_S_BUF_SEG], view[_S_BUF_OFFSET]
         cache = self._peer_segments[peer]
         seg = cache.get(seg_id)
         if seg is None:
-            seg = _Segment(f"{self._prefix}-{peer}-{seg_id}", 0, create=False)
+            try:
+                seg = _Segment(f"{self._prefix}-{peer}-{seg_id}", 0, create=False)
+            except FileNotFoundError:
+                # The peer has already given up and released its memory: report why it left.
+                self._check_peers(peer, _S_CLOSED, 2, seq=seq, what="its data", step=step)
+                self._fail(
+                    PeerFailureError(
+                        f"rank {self.rank}: rank {peer} released its shared memory during collective {seq}",
+                        rank=self.rank,
+                        peer=peer,
+                        step=step,
+                    ),
+                    _ABORT_DEAD,
+                    peer,
+                    seq,
+                    step,
+                )
             cache[seg_id] = seg
             while len(cache) > 8:
                 _, old = cache.popitem(last=False)
@@ -574,19 +590,21 @@ class ShmTransport:
                 if readable:
                     others = [p for p in range(self.world_size) if p != self.rank]
                     dead = [p for p, fd in zip(others, self._pidfds, strict=True) if fd in readable]
-        aborted = [
-            p
-            for p in range(self.world_size)
-            # A peer that closed after doing its part is fine unless we still wait on it.
-            if p != self.rank and (self._views[p][_S_ABORT_KIND] or (p == peer and self._views[p][_S_CLOSED]))
-        ]
-        if not dead and not aborted:
+        views = self._views
+        # A rank that gave up set its abort flag before exiting; a rank that closed set its closed flag. Only a
+        # process that exited with neither died unannounced: that is the root cause to name.
+        died = [p for p in dead if not views[p][_S_ABORT_KIND] and not views[p][_S_CLOSED]]
+        aborted = [p for p in range(self.world_size) if p != self.rank and views[p][_S_ABORT_KIND]]
+        # A peer that closed after doing its part is fine unless we still wait on it.
+        if peer != self.rank and not views[peer][_S_ABORT_KIND] and (views[peer][_S_CLOSED] or peer in dead):
+            aborted.append(peer)
+        if not died and not aborted:
             return
-        if self._views[peer][slot] >= target:
+        if views[peer][slot] >= target:
             return  # the peer did its part before it went away
         where = f"step {step}" if step >= 0 else "the descriptor exchange"
-        if dead:
-            culprit = dead[0]
+        if died:
+            culprit = died[0]
             self._fail(
                 PeerFailureError(
                     f"rank {self.rank}: rank {culprit} died (process exited) during collective {seq}; "
@@ -640,7 +658,7 @@ class ShmTransport:
             step,
         )
 
-    def _fail(self, error: CollectiveError, kind: int, culprit: int, seq: int, step: int) -> None:
+    def _fail(self, error: CollectiveError, kind: int, culprit: int, seq: int, step: int) -> NoReturn:
         """Mark this rank aborted (peers waiting on us stop at once), then raise ``error``."""
         self._broken = error
         view = self._views[self.rank]
@@ -749,7 +767,7 @@ class ShmTransport:
                          what="its data for this step", step=st.index)  # fmt: skip
                     theirs = peer_arrays.get(peer)
                     if theirs is None:
-                        theirs = peer_arrays[peer] = self._peer_array(peer, dtype, plan.count)
+                        theirs = peer_arrays[peer] = self._peer_array(peer, dtype, plan.count, seq=seq, step=st.index)
                     if checksum:
                         expected = int(self._crc[peer][self.rank * _CRC_PER_PEER + rv.crc_slot])
                         got = zlib.crc32(theirs[rv.start : rv.stop].view(np.uint8).data)

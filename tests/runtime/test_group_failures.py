@@ -1,0 +1,310 @@
+"""Reliability of the group over shared memory: dead ranks, mismatched calls, timeouts, corrupted data.
+
+Real processes throughout: a killed rank is SIGKILLed, a missing rank really never calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from test_group_harness import SPAWN, report, run_ranks
+
+import allreduce
+from allreduce.runtime import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    MismatchError,
+    ProcessGroup,
+)
+from allreduce.runtime._shm import ShmTransport
+
+
+# ----------------------------------------------------------------------------------- SIGKILL mid-collective
+def _looping_rank(rank: int, n: int, job: str, started: Any, out: Any) -> None:
+    group = ProcessGroup(ShmTransport(rank, n, job, timeout_s=60), transport_name="shm", timeout_s=60)
+    x = group.zeros(1 << 18, np.float32)  # 1 MiB: the kill lands in the data phase most of the time
+    group.all_reduce(x, algorithm="ring")
+    started.put(rank)
+    try:
+        while True:
+            group.all_reduce(x, algorithm="ring")
+    except CollectiveError as exc:
+        out.put((rank, type(exc).__name__, exc.peer, str(exc), time.monotonic()))
+    finally:
+        group.close()
+
+
+def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
+    """Runs in one spawned process and forks each group from it (fast: numpy is already imported)."""
+    fork = mp.get_context("fork")
+    runs = []
+    for rep in range(repetitions):
+        started, out = fork.Queue(), fork.Queue()
+        job = f"kill-{os.getpid()}-{rep}"
+        procs = [fork.Process(target=_looping_rank, args=(r, world_size, job, started, out)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            started.get(timeout=60)
+        victim = rep % world_size
+        killed_at = time.monotonic()
+        os.kill(procs[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
+        reports = []
+        for _ in range(world_size - 1):
+            try:
+                reports.append(out.get(timeout=30))
+            except queue.Empty:
+                reports.append(None)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        runs.append((victim, killed_at, reports))
+    results.put(runs)
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_makes_every_other_rank_raise_naming_it_within_5_s() -> None:
+    results = SPAWN.Queue()
+    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, results))
+    launcher.start()
+    runs = results.get(timeout=240)
+    launcher.join(timeout=30)
+    assert launcher.exitcode == 0
+    assert len(runs) == 20
+    for victim, killed_at, reports in runs:
+        assert None not in reports, f"a survivor of the kill of rank {victim} never raised (hang)"
+        for rank, kind, peer, message, raised_at in reports:
+            assert rank != victim
+            assert kind == "PeerFailureError", message
+            assert peer == victim, message
+            assert f"rank {victim}" in message
+            assert raised_at - killed_at < 5.0, f"rank {rank} took {raised_at - killed_at:.1f} s"
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("allreduce-kill-")]
+    assert leftovers == [] or all(not f.endswith(("-ctl-0", "-ctl-1", "-ctl-2")) for f in leftovers)
+
+
+# ----------------------------------------------------------------------------------- one process set, many cases
+def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    group = allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=60)
+
+    # mismatched sizes: every rank raises before any data moves, the buffers stay untouched
+    x = np.arange(10 + (rank == 2), dtype=np.int32)
+    before = x.copy()
+    try:
+        group.all_reduce(x)
+    except MismatchError as exc:
+        seen["count_mismatch"] = str(exc)
+    seen["untouched"] = bool(np.array_equal(x, before))
+    # different collectives, dtypes, ops
+    for field, call in (
+        ("collective", lambda: group.broadcast(np.zeros(4)) if rank == 1 else group.all_reduce(np.zeros(4))),
+        ("dtype", lambda: group.all_reduce(np.zeros(4, np.float32 if rank else np.float64))),
+        ("op", lambda: group.all_reduce(np.zeros(4), op="max" if rank == 0 else "sum")),
+        ("root", lambda: group.broadcast(np.zeros(4), root=rank % 2)),
+        ("algorithm", lambda: group.all_reduce(np.zeros(4), algorithm="ring" if rank else "direct")),
+    ):
+        try:
+            call()
+        except MismatchError as exc:
+            seen[f"{field}_mismatch"] = str(exc)
+    # the group is still usable after a mismatch
+    y = np.full(5, rank + 1, dtype=np.int64)
+    group.all_reduce(y)
+    seen["after_mismatch"] = y.tolist()
+
+    # checksum=True on healthy data
+    z = np.arange(1000, dtype=np.float32) * (rank + 1)
+    group.all_reduce(z, checksum=True, algorithm="ring", segments=4)
+    seen["checksum_ok"] = bool(np.array_equal(z, np.arange(1000, dtype=np.float32) * (n * (n + 1) // 2)))
+
+    # deterministic: same bits whatever algorithm, on every rank
+    rng = np.random.default_rng(rank)
+    data = rng.standard_normal(4099).astype(np.float32)
+    results = []
+    for algorithm in ("auto", "ring", "halving_doubling", "recursive_doubling", "direct", "double_binary_tree"):
+        w = data.copy()
+        group.all_reduce(w, algorithm=algorithm, deterministic=True)
+        results.append(w.tobytes())
+    seen["deterministic_same"] = len(set(results)) == 1
+    seen["deterministic_digest"] = hashlib.sha256(results[0]).hexdigest()
+    plain = [data.copy() for _ in range(2)]
+    group.all_reduce(plain[0], algorithm="ring")
+    group.all_reduce(plain[1], algorithm="recursive_doubling")
+    seen["plain_differs"] = plain[0].tobytes() != plain[1].tobytes()
+
+    # async handles keep call order
+    bufs = [np.full(100, rank + i, dtype=np.int64) for i in range(3)]
+    works = [group.all_reduce(b, async_op=True) for b in bufs]
+    sync = np.ones(7, dtype=np.int64)
+    group.all_reduce(sync)
+    seen["async"] = [w.result()[0] for w in works] + [int(sync[0])] + [w.done() for w in works]
+
+    # local argument errors consume nothing and name the culprit
+    errors = []
+    for call in (
+        lambda: group.all_reduce(np.zeros(3, np.int32), op="avg"),
+        lambda: group.all_reduce(np.zeros(3, np.complex64)),
+        lambda: group.all_reduce(np.zeros(3).view(np.ndarray).__array__().copy().setflags(write=False)),
+        lambda: group.all_reduce(np.zeros(3), algorithm="bogus"),
+        lambda: group.all_reduce(np.zeros(3), op="median"),
+        lambda: group.broadcast(np.zeros(3), root=n),
+        lambda: group.all_reduce([1, 2, 3]),
+    ):
+        try:
+            call()
+            errors.append("no error")
+        except (TypeError, ValueError, AttributeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    ro = np.zeros(3)
+    ro.setflags(write=False)
+    try:
+        group.all_reduce(ro)
+    except ValueError as exc:
+        errors.append(f"ValueError: {exc}")
+    seen["errors"] = errors
+    v = np.ones(3, dtype=np.int64)
+    group.all_reduce(v)
+    seen["after_errors"] = v.tolist()
+
+    # non-contiguous numpy and torch tensors, in place
+    import torch
+
+    m = np.arange(24, dtype=np.float64).reshape(4, 6) * (rank + 1)
+    group.all_reduce(m[:, ::2])
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6) * (rank + 1)
+    tv = t[:, 1::2]
+    same = group.all_reduce(tv)
+    tb = torch.ones(33, dtype=torch.bfloat16) * (rank + 1)
+    group.all_reduce(tb)
+    ti = torch.arange(10, dtype=torch.int64)
+    group.all_reduce(ti, op="max")
+    seen["strided"] = (m.tolist(), t.tolist(), same is tv, tb.float().tolist(), ti.tolist())
+
+    # corrupted data is caught and the link named (second group; it is unusable afterwards)
+    side = ProcessGroup(ShmTransport(rank, n, f"cks-{port}", timeout_s=60), transport_name="shm", timeout_s=60)
+    if rank == 0:
+        side._transport._corrupt_sends_to = 1  # type: ignore[attr-defined]
+    c = np.arange(64, dtype=np.int32)
+    try:
+        side.all_reduce(c, algorithm="direct", checksum=True)
+    except CollectiveError as exc:
+        seen["checksum"] = (type(exc).__name__, str(exc))
+    side.close()
+
+    # a rank that never calls: the others time out naming it; it then learns the group failed
+    if rank != 2:
+        try:
+            group.all_reduce(np.zeros(8), timeout_s=1.0)
+        except CollectiveTimeoutError as exc:
+            seen["timeout"] = str(exc)
+        timed_out.put(rank)
+        try:
+            group.all_reduce(np.zeros(2))
+        except CollectiveError as exc:
+            seen["broken"] = str(exc)
+    else:
+        for _ in range(n - 1):
+            timed_out.get(timeout=60)  # stay alive (and silent) until both others have given up
+        seen["timeout"] = "rank 2 stayed away"
+        seen["broken"] = "collective (not called)"
+    group.close()
+    try:
+        group.all_reduce(np.zeros(2))
+    except CollectiveError as exc:
+        seen["closed"] = str(exc)
+    return seen
+
+
+def _scenario_worker(rank: int, n: int, port: int, out: Any, timed_out: Any) -> None:
+    report(out, rank, lambda: _scenarios(rank, n, port, timed_out))
+
+
+@pytest.mark.slow
+def test_mismatch_checksum_deterministic_async_tensors_and_timeout() -> None:
+    results = run_ranks(3, _scenario_worker, SPAWN.Queue())
+    crashed = [seen for seen in results if not isinstance(seen, dict)]
+    assert crashed == []
+    for rank, seen in enumerate(results):
+        assert "count" in seen["count_mismatch"]
+        assert "rank 2: 11" in seen["count_mismatch"]
+        assert seen["untouched"]
+        for field in ("collective", "dtype", "op", "root", "algorithm"):
+            assert field in seen[f"{field}_mismatch"], (field, seen)
+        assert seen["after_mismatch"] == [6] * 5
+        assert seen["checksum_ok"]
+        assert seen["deterministic_same"]
+        assert seen["async"] == [3, 6, 9, 3, True, True, True]
+        assert seen["after_errors"] == [3, 3, 3]
+        names = seen["errors"]
+        assert "avg" in names[0]
+        assert "int32" in names[0]
+        assert "complex64" in names[1]
+        assert "bogus" in names[3]
+        assert "median" in names[4]
+        assert "root" in names[5]
+        assert "list" in names[6]
+        assert "read-only" in names[7]
+        m, t, same, tb, ti = seen["strided"]
+        base = np.arange(24, dtype=np.float64).reshape(4, 6)
+        expect_m = base * (rank + 1)
+        expect_m[:, ::2] = base[:, ::2] * 6
+        assert m == expect_m.tolist()
+        expect_t = np.arange(24, dtype=np.float64).reshape(4, 6) * (rank + 1)
+        expect_t[:, 1::2] = np.arange(24).reshape(4, 6)[:, 1::2] * 6
+        assert t == expect_t.tolist()
+        assert same
+        assert tb == [6.0] * 33
+        assert ti == list(range(10))
+        kind, message = seen["checksum"]
+        assert kind == "ChecksumError", message
+        assert "rank 0" in message
+        if rank == 1:
+            assert "rank 0 -> rank 1" in message
+        assert "rank 2" in seen["timeout"]
+        assert "collective" in seen["broken"]
+        assert "closed" in seen["closed"]
+    assert len({r["deterministic_digest"] for r in results}) == 1
+
+
+def test_a_group_of_one_needs_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    with allreduce.init() as group:
+        assert (group.rank, group.world_size) == (0, 1)
+        x = group.zeros((3, 4), np.float32) + 0
+        x[...] = 2.0
+        assert group.all_reduce(x, op="avg") is x
+        assert x.tolist() == [[2.0] * 4] * 3
+
+
+def test_init_reads_mpi_and_slurm_environment_and_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="rank: 3 is not in a group of 2"):
+        allreduce.init()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="OMPI_COMM_WORLD_SIZE"):
+        allreduce.init()
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK")
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    with allreduce.init(transport="shm") as group:
+        assert group.world_size == 1
+    with pytest.raises(ValueError, match="transport"):
+        allreduce.init(transport="carrier-pigeon")
