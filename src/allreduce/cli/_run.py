@@ -1,0 +1,46 @@
+"""``allreduce run -n N -- COMMAND ...``: start N local ranks with the torchrun environment and watch them."""
+
+from __future__ import annotations
+
+import argparse
+
+from allreduce.cli._main import CLIError
+from allreduce.runtime._launch import launch
+
+__all__ = ["register"]
+
+
+def _handle(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CLIError("no command to run: allreduce run -n N -- python script.py [args...]")
+    if args.nproc < 1:
+        raise CLIError(f"-n/--nproc must be >= 1, got {args.nproc}")
+    return launch(command, world_size=args.nproc, master_port=args.master_port, grace_s=args.grace).exit_code
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="start N local ranks of a command (like torchrun), prefixing their output with [rank k]",
+        description=(
+            "Start N copies of COMMAND on this host with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
+            "MASTER_ADDR=127.0.0.1 and MASTER_PORT set (and PYTHONUNBUFFERED=1), so that allreduce.init() - or "
+            "torch.distributed - finds its peers. Every output line is prefixed with [rank k]. Ctrl-C (SIGINT) and "
+            "SIGTERM are forwarded to every rank; a second Ctrl-C kills them. If a rank fails, the others are "
+            "stopped (SIGTERM, then SIGKILL after --grace seconds) and run exits with the failing rank's status "
+            "(128+signal if it was killed), naming it. Ranks get no stdin."
+        ),
+        epilog="example: allreduce run -n 4 -- python train.py --epochs 3",
+    )
+    p.add_argument("-n", "--nproc", required=True, type=int, metavar="N", help="number of ranks to start")
+    p.add_argument(
+        "--master-port", type=int, default=None, metavar="P", help="rank 0's store port (default: a free one)"
+    )
+    p.add_argument(
+        "--grace", type=float, default=5.0, metavar="SECONDS", help="after a failure, wait this long before SIGKILL"
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs, after --")
+    p.set_defaults(handler=_handle)

@@ -1,0 +1,202 @@
+"""``allreduce run``: real launcher processes starting real ranks; prefixes, failures, Ctrl-C forwarding."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from allreduce.runtime._launch import launch
+
+RUN = [sys.executable, "-m", "allreduce", "run"]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def script(body: str) -> list[str]:
+    return ["--", sys.executable, "-c", textwrap.dedent(body)]
+
+
+def test_environment_and_prefixes() -> None:
+    result = run_cli(
+        "-n",
+        "3",
+        "--master-port",
+        "45123",
+        *script("""
+            import os, sys
+            keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+            print(" ".join(os.environ[k] for k in keys))
+            print("to stderr", os.environ["RANK"], file=sys.stderr)
+            sys.stdout.write("no newline at the end")
+        """),
+    )
+    assert result.returncode == 0, result.stderr
+    out_lines = sorted(result.stdout.splitlines())
+    assert out_lines == sorted(
+        [f"[rank {r}] {r} 3 {r} 3 127.0.0.1 45123" for r in range(3)]
+        + [f"[rank {r}] no newline at the end" for r in range(3)]
+    )
+    assert sorted(result.stderr.splitlines()) == [f"[rank {r}] to stderr {r}" for r in range(3)]
+
+
+def test_a_failing_rank_stops_the_others_and_sets_the_exit_status() -> None:
+    result = run_cli(
+        "-n",
+        "3",
+        *script("""
+            import os, sys, threading
+            rank = int(os.environ["RANK"])
+            if rank == 1:
+                sys.exit(3)
+            threading.Event().wait()  # the others would run forever
+        """),
+    )
+    assert result.returncode == 3
+    assert "allreduce run: rank 1 exited with status 3; stopping ranks" in result.stderr
+
+
+def test_a_killed_rank_is_named_with_its_signal() -> None:
+    result = run_cli(
+        "-n",
+        "2",
+        *script("""
+            import os, signal, threading
+            if os.environ["RANK"] == "0":
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Event().wait()
+        """),
+    )
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 0 was killed by SIGKILL" in result.stderr
+
+
+def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period() -> None:
+    result = run_cli(
+        "-n",
+        "2",
+        "--grace",
+        "0.5",
+        *script("""
+            import os, signal, sys, threading
+            if os.environ["RANK"] == "1":
+                sys.exit(1)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            threading.Event().wait()
+        """),
+    )
+    assert result.returncode == 1
+    assert "ranks 0 did not stop in 0.5 s; killing" in result.stderr
+
+
+def test_ctrl_c_is_forwarded_to_every_rank() -> None:
+    launcher = subprocess.Popen(
+        [
+            *RUN,
+            "-n",
+            "2",
+            *script("""
+                import os, signal, sys, threading
+                got = threading.Event()
+                signal.signal(signal.SIGINT, lambda *_: got.set())
+                print("ready", flush=True)
+                got.wait()
+                print("got SIGINT", flush=True)
+            """),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert launcher.stdout is not None
+    ready = 0
+    lines = []
+    while ready < 2:  # both ranks have installed their handler
+        line = launcher.stdout.readline()
+        assert line, "launcher ended before its ranks were ready"
+        lines.append(line)
+        ready += line.endswith("ready\n")
+    launcher.send_signal(signal.SIGINT)
+    rest, err = launcher.communicate(timeout=120)
+    lines += rest.splitlines(keepends=True)
+    assert sorted(line.strip() for line in lines if "SIGINT" in line) == [
+        "[rank 0] got SIGINT",
+        "[rank 1] got SIGINT",
+    ]
+    assert launcher.returncode == 128 + signal.SIGINT
+    assert "interrupted by SIGINT; forwarded to every rank" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-n", "0", "--", "true"], "-n/--nproc must be >= 1, got 0"),
+        (["-n", "2"], "no command to run"),
+        (["-n", "2", "--", "/nonexistent/program"], "cannot run '/nonexistent/program' for rank 0"),
+        (["-n", "2", "--master-port", "70000", "--", "true"], "--master-port must be in 1..65535"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_documents_the_environment() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for word in ("RANK", "WORLD_SIZE", "MASTER_PORT", "Ctrl-C", "[rank k]"):
+        assert word in result.stdout
+
+
+def test_launch_api_returns_every_status(tmp_path: os.PathLike[str]) -> None:
+    out = open(os.path.join(tmp_path, "out"), "w+b")  # noqa: SIM115 (read back below)
+    err = open(os.path.join(tmp_path, "err"), "w+b")  # noqa: SIM115
+    with out, err:
+        result = launch(
+            [sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['RANK']) * 0)"],
+            world_size=2,
+            stdout=out,
+            stderr=err,
+        )
+    assert result.exit_code == 0
+    assert result.returncodes == (0, 0)
+    assert result.failed_rank is None
+    with pytest.raises(ValueError, match="number of ranks must be an integer >= 1"):
+        launch(["true"], world_size=0)
+
+
+_TCP_SCRIPT = """
+import os
+import numpy as np
+from allreduce.runtime import compile_plan
+from allreduce.runtime._store import TCPStore
+from allreduce.runtime._tcp import TcpTransport
+from allreduce.schedules import all_reduce
+
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_server=rank == 0,
+                 world_size=world_size, rank=rank, timeout_s=60)
+transport = TcpTransport(rank, world_size, store, timeout_s=60)
+x = np.full(10, rank + 1, dtype=np.int64)
+transport.execute(compile_plan(all_reduce("ring", world_size), rank, 10), x, lambda d, s: np.add(d, s, out=d),
+                  seq=0, timeout_s=60, checksum=False)
+print("sum", x[0])
+store.set(f"done/{rank}", b"")
+store.wait([f"done/{r}" for r in range(world_size)])  # rank 0 hosts the store: leave together
+transport.close()
+store.close()
+"""
+
+
+def test_ranks_rendezvous_through_master_addr_and_port() -> None:
+    result = run_cli("-n", "3", "--", sys.executable, "-c", _TCP_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [f"[rank {r}] sum 6" for r in range(3)]
