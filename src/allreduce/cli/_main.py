@@ -20,8 +20,6 @@ __all__ = ["CLIError", "main"]
 _COMMANDS: tuple[str, ...] = (
     "allreduce.cli._explain",
     "allreduce.cli._demo",
-    "allreduce.cli._sim",
-    "allreduce.cli._bench",
     "allreduce.cli._run",
 )
 
