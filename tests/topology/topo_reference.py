@@ -40,6 +40,7 @@ def check_route(topology: Topology, routes: Routes, flow: int, src_gpu: int, dst
     weights = routes.weights_of(flow)
     assert np.all((links >= 0) & (links < topology.num_links))
     assert np.all(weights > 0)
+    assert np.unique(links).size == links.size, "a link is listed twice: shares on one link must be summed"
     net = np.zeros(topology.num_nodes)
     np.add.at(net, topology.link_src[links], weights)
     np.subtract.at(net, topology.link_dst[links], weights)

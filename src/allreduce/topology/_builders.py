@@ -34,6 +34,7 @@ __all__ = [
     "PCIE_BANDWIDTH_BPS",
     "ClosStructure",
     "DirectStructure",
+    "DragonflyStructure",
     "RailStructure",
     "TorusStructure",
     "clos",
@@ -100,6 +101,20 @@ class TorusStructure:
     with wraparound (a dimension of size 2 has one cable, of size 1 none)."""
 
     dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DragonflyStructure:
+    """Host ``x`` hangs off router ``router0 + x // hosts_per_router``; router ``i`` of group ``g`` is node
+    ``router0 + g*routers_per_group + i``. Cable ``c`` (``0 <= c < global_links``) between groups ``x`` and ``y``
+    leaves ``x`` from its router ``(pos*global_links + c) mod routers_per_group``, where ``pos`` is ``y``'s place
+    among the groups other than ``x`` (``y - (y > x)``)."""
+
+    groups: int
+    routers_per_group: int
+    hosts_per_router: int
+    global_links: int
+    router0: int
 
 
 @dataclass(frozen=True)
@@ -549,8 +564,10 @@ def dragonfly(
     ``global_links`` cables between every pair of groups, spread round-robin over the routers of each group
     (cables that land on the same router pair merge into one link of the summed bandwidth).
 
-    Host links run at ``bandwidth_Bps``; local and global links default to the same. Routed over minimal (fewest
-    hop) paths. Defaults: 400 Gb/s, 1 µs per link, one global cable per group pair.
+    Host links run at ``bandwidth_Bps``; local and global links default to the same. Routed minimally in the
+    dragonfly sense (local, global, local: at most one global hop, over the cables whose path is shortest; a
+    route through a third group is never taken even where it has fewer hops). Defaults: 400 Gb/s, 1 µs per
+    link, one global cable per group pair.
     """
     groups = _check_int("dragonfly groups", groups)
     routers = _check_int("dragonfly routers_per_group", routers_per_group)
@@ -590,5 +607,5 @@ def dragonfly(
         _kinds((NodeKind.GPU, hosts), (NodeKind.SWITCH, num_routers)),
         hosts,
         [NodeGroup(0, hosts, "gpu"), NodeGroup(r0, num_routers, "r", shape=(groups, routers))],
-        structure=None,
+        structure=DragonflyStructure(groups, routers, hpr, gl, r0),
     )

@@ -13,22 +13,34 @@ forward, as on a ring or a torus):
 - ``"dimension_order"`` (tori only): correct dimension 0 first, then 1, then 2, each the short way round (on a
   tie, the + direction).
 
-Structured topologies (Clos and fat-tree, rail-optimized, torus, full mesh) are routed arithmetically: the node
-sequence comes from the builder's structure and the links from one sorted-key lookup, O(flows × hops) numpy
-work. Everything else (files, dragonfly, spraying on a torus) and every flow whose structured path crosses a
-failed link is routed by a search from its destination: a vectorised level-by-level BFS for a batch of
-destinations, then a walk from each source along the next hops that get one hop closer.
+Dragonflies are the exception to "fewest hops": they route local-global-local over the group pair's cables
+(at most one global hop), as dragonfly switches do, even where a path through a third group has fewer hops.
+
+Structured topologies (Clos and fat-tree, rail-optimized, torus, dragonfly, full mesh) are routed
+arithmetically: the node sequence comes from the builder's structure and the links from one sorted-key lookup,
+O(flows × hops) numpy work (spraying on a torus weighs each move of the minimal-path box by multinomial path
+counts, once per box shape). File-defined topologies, and every flow whose structured path crosses a failed
+link, are routed by a search from the destination: a vectorised level-by-level BFS for a batch of destinations,
+then a walk from each source along the next hops that get one hop closer (after a failure a dragonfly flow
+takes the fewest-hop detour, and a torus flow under dimension order the first fewest-hop one).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.topology._builders import ClosStructure, DirectStructure, RailStructure, TorusStructure
+from allreduce.topology._builders import (
+    ClosStructure,
+    DirectStructure,
+    DragonflyStructure,
+    RailStructure,
+    TorusStructure,
+)
 from allreduce.topology._graph import FloatArray, IntArray, NodeKind, Routes, Topology
 
 __all__ = ["ROUTINGS", "ecmp_hash", "reachability_gaps", "route"]
@@ -78,13 +90,15 @@ class _Layer:
     """Entries of one hop layer: flow ``flow[i]`` crosses ``src[i, w] -> dst[i, w]`` with share ``weight``."""
 
     flow: IntArray  # (m,)
-    hop: IntArray  # (m,) hop index of this layer per flow
+    hop: IntArray  # (m,) or (m, w): hop index of each entry
     src: IntArray  # (m, w) node
     dst: IntArray  # (m, w) node
     weight: float | FloatArray  # scalar or (m, w)
 
 
-def _layer(flow: IntArray, hop: int | IntArray, src: npt.ArrayLike, dst: npt.ArrayLike, weight: float = 1.0) -> _Layer:
+def _layer(
+    flow: IntArray, hop: int | IntArray, src: npt.ArrayLike, dst: npt.ArrayLike, weight: float | FloatArray = 1.0
+) -> _Layer:
     m = flow.shape[0]
     if m == 0:
         empty = np.zeros((0, 1), dtype=np.int64)
@@ -94,7 +108,13 @@ def _layer(flow: IntArray, hop: int | IntArray, src: npt.ArrayLike, dst: npt.Arr
     s = s.reshape(m, -1) if s.ndim else np.full((m, 1), s, dtype=np.int64)
     d = d.reshape(m, -1) if d.ndim else np.full((m, 1), d, dtype=np.int64)
     s, d = np.broadcast_arrays(s, d)
-    return _Layer(flow, np.broadcast_to(np.asarray(hop, dtype=np.int64), (m,)), s, d, weight)
+    hop_arr = np.asarray(hop, dtype=np.int64)
+    hop_arr = (
+        hop_arr
+        if hop_arr.ndim == 2
+        else np.broadcast_to(hop_arr.reshape(-1)[:, None] if hop_arr.ndim else hop_arr, (m, 1))
+    )
+    return _Layer(flow, np.broadcast_to(hop_arr, s.shape), s, d, weight)
 
 
 class _LinkIndex:
@@ -142,7 +162,7 @@ def _resolve(layers: list[_Layer], index: _LinkIndex, num_flows: int) -> tuple[_
         if missing.any():
             broken[flow[missing]] = True
         flows.append(flow)
-        hops.append(np.repeat(layer.hop, w))
+        hops.append(np.broadcast_to(layer.hop, (m, w)).reshape(-1))
         links.append(link)
         weight = layer.weight
         weights.append(
@@ -167,11 +187,17 @@ def _assemble(topology: Topology, parts: list[_Entries], num_flows: int, exact_l
     hop = np.concatenate([p.hop for p in parts]) if parts else np.zeros(0, dtype=np.int64)
     link = np.concatenate([p.link for p in parts]) if parts else np.zeros(0, dtype=np.int64)
     weight = np.concatenate([p.weight for p in parts]) if parts else np.zeros(0, dtype=np.float64)
-    # One stable integer sort on (flow, hop) (numpy radix-sorts integers): within a hop layer the entries keep
-    # the order they were generated in, which is deterministic.
+    # One integer sort on (flow, hop, link) (at most ~10^6 flows × 10 hops × 10^6 links: fits in int64). Paths
+    # of a sprayed flow can share a link (two dragonfly cables leaving one router): sum such duplicates.
     num_hops = int(hop.max()) + 1 if hop.size else 1
-    order = np.argsort(flow * num_hops + hop, kind="stable")
+    key = (flow * num_hops + hop) * max(topology.num_links, 1) + link
+    order = np.argsort(key, kind="stable")
+    key = key[order]
     flow, hop, link, weight = flow[order], hop[order], link[order], weight[order]
+    if key.size > 1 and bool(np.any(key[1:] == key[:-1])):
+        first = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+        weight = np.add.reduceat(weight, first)
+        flow, hop, link = flow[first], hop[first], link[first]
     counts = np.bincount(flow, minlength=num_flows)
     flow_ptr = np.zeros(num_flows + 1, dtype=np.int64)
     np.cumsum(counts, out=flow_ptr[1:])
@@ -302,7 +328,10 @@ def _torus_layers(
     steps = np.minimum(forward, size - forward)
     # Direction per dimension: +1, -1, or 0 where both ways are equally short (decided at the first move).
     direction = np.where(forward < size - forward, 1, -1).astype(np.int64)
-    direction[(forward == size - forward) & (forward > 0)] = 0
+    # On a ring of 2 both ways are the same single link: no tie to split.
+    direction[(forward == size - forward) & (forward > 0) & (size > 2)] = 0
+    if routing == "spray":
+        return _torus_spray_layers(dims, cs, steps, direction, flows)
     if routing in ("dimension_order", "shortest"):
         direction[direction == 0] = 1
     cur = cs.copy()
@@ -344,6 +373,68 @@ def _torus_layers(
         move(active, axis, sign)
 
 
+def _log_multinomial(counts: IntArray) -> FloatArray:
+    """log((Σ counts)! / Π counts!) along the last axis: the number of orderings of the moves."""
+    lgamma = np.vectorize(math.lgamma, otypes=[np.float64])
+    return np.asarray(lgamma(counts.sum(axis=-1) + 1.0) - lgamma(counts + 1.0).sum(axis=-1), dtype=np.float64)
+
+
+def _torus_spray_layers(
+    dims: tuple[int, ...], start: IntArray, steps: IntArray, direction: IntArray, flows: IntArray
+) -> list[_Layer]:
+    """Spread each flow evenly over all its minimal paths on a torus.
+
+    The minimal paths of a flow are the orderings of its moves: ``steps[k]`` moves along dimension ``k`` in its
+    short direction (either way round where both are equally short, half the paths each). Within one choice of
+    directions, the move along ``k`` from offset ``p`` of the box carries the share
+    M(p)·M(steps - p - e_k) / M(steps) of the paths, where M is the multinomial number of orderings. That
+    depends only on the box's shape, so it is computed once per distinct ``steps`` vector.
+    """
+    ndim = len(dims)
+    size = np.asarray(dims, dtype=np.int64)
+    # Expand ties: one variant per choice of direction, each with an equal share of the flow.
+    variant_flow = np.arange(flows.shape[0], dtype=np.int64)
+    variant_dir = direction.copy()
+    share = np.ones(flows.shape[0], dtype=np.float64)
+    for axis in range(ndim):
+        tied = np.flatnonzero(variant_dir[:, axis] == 0)
+        if tied.size == 0:
+            continue
+        variant_dir[tied, axis] = 1
+        share[tied] /= 2.0
+        extra = variant_dir[tied].copy()
+        extra[:, axis] = -1
+        variant_flow = np.concatenate([variant_flow, variant_flow[tied]])
+        variant_dir = np.concatenate([variant_dir, extra])
+        share = np.concatenate([share, share[tied]])
+    variant_steps = steps[variant_flow]
+    shapes, shape_of = np.unique(variant_steps, axis=0, return_inverse=True)
+    shape_of = shape_of.reshape(-1)
+    layers: list[_Layer] = []
+    for index, shape in enumerate(shapes):
+        members = np.flatnonzero(shape_of == index)
+        total = _log_multinomial(shape)
+        # Every (box offset p, dimension k) with p[k] < shape[k]: a move of the minimal paths.
+        offsets = np.stack(np.unravel_index(np.arange(int(np.prod(shape + 1))), tuple(shape + 1)), axis=1)
+        for axis in range(ndim):
+            p = offsets[offsets[:, axis] < shape[axis]]
+            if p.shape[0] == 0:
+                continue
+            rest = shape[None, :] - p
+            rest[:, axis] -= 1
+            weight = np.exp(_log_multinomial(p) + _log_multinomial(rest) - total)  # (points,)
+            v = variant_flow[members]
+            dirs = variant_dir[members]  # (m, ndim)
+            here = np.mod(start[v][:, None, :] + dirs[:, None, :] * p[None, :, :], size)  # (m, points, ndim)
+            there = here.copy()
+            there[:, :, axis] = np.mod(there[:, :, axis] + dirs[:, None, axis], size[axis])
+            src_node = np.ravel_multi_index(tuple(np.moveaxis(here, -1, 0)), dims)
+            dst_node = np.ravel_multi_index(tuple(np.moveaxis(there, -1, 0)), dims)
+            hop = np.broadcast_to(p.sum(axis=1)[None, :], src_node.shape)
+            layers.append(_layer(flows[v], hop, src_node, dst_node, share[members][:, None] * weight[None, :]))
+    return layers
+
+
 def _structured_layers(
     topology: Topology, src: IntArray, dst: IntArray, flows: IntArray, *, routing: str, seed: int
 ) -> list[_Layer] | None:
@@ -355,11 +446,66 @@ def _structured_layers(
         return _clos_layers(st, src_node, dst_node, flows, routing=routing, seed=seed)
     if isinstance(st, RailStructure):
         return _rail_layers(st, src_node, dst_node, flows, routing=routing, seed=seed)
-    if isinstance(st, TorusStructure) and routing != "spray":
+    if isinstance(st, TorusStructure):
         return _torus_layers(st, src_node, dst_node, flows, routing=routing, seed=seed)
     if isinstance(st, DirectStructure):
         return [_layer(flows, 0, src_node, dst_node)]
+    if isinstance(st, DragonflyStructure):
+        return _dragonfly_layers(st, src_node, dst_node, flows, routing=routing, seed=seed)
     return None
+
+
+def _dragonfly_layers(
+    st: DragonflyStructure, src: IntArray, dst: IntArray, flows: IntArray, *, routing: str, seed: int
+) -> list[_Layer]:
+    """Minimal dragonfly routing: up to the source router, a local hop to a gateway router holding a cable to
+    the destination group, the global hop, a local hop to the destination router, down. Among the group pair's
+    cables, only those with the fewest hops count as equal-cost."""
+    R, gl = st.routers_per_group, st.global_links
+    r_s, r_d = src // st.hosts_per_router, dst // st.hosts_per_router
+    g_s, g_d = r_s // R, r_d // R
+    layers: list[_Layer] = []
+    same_router = r_s == r_d
+    same_group = ~same_router & (g_s == g_d)
+    across = g_s != g_d
+    for mask, local in ((same_router, False), (same_group, True)):
+        f = flows[mask]
+        layers.append(_layer(f, 0, src[mask], st.router0 + r_s[mask]))
+        if local:
+            layers.append(_layer(f, 1, st.router0 + r_s[mask], st.router0 + r_d[mask]))
+        layers.append(_layer(f, 1 + int(local), st.router0 + r_d[mask], dst[mask]))
+    if not across.any():
+        return layers
+    f, s, d = flows[across], src[across], dst[across]
+    rs, rd, gs, gd = r_s[across], r_d[across], g_s[across], g_d[across]
+    c = np.arange(gl, dtype=np.int64)[None, :]
+    gate_s = gs[:, None] * R + ((gd - (gd > gs))[:, None] * gl + c) % R  # (m, gl) router indices
+    gate_d = gd[:, None] * R + ((gs - (gs > gd))[:, None] * gl + c) % R
+    before = gate_s != rs[:, None]  # a local hop before the global one
+    after = gate_d != rd[:, None]
+    hops = 1 + before.astype(np.int64) + after.astype(np.int64)
+    best = hops == hops.min(axis=1, keepdims=True)
+    count = best.sum(axis=1)
+    if routing == "spray":
+        weight = np.where(best, 1.0 / count[:, None], 0.0)
+    else:
+        pick = _pick(count, s, d, routing=routing, seed=seed, hop=1)
+        # The pick-th of the best cables, in cable order.
+        rank = np.cumsum(best, axis=1) - 1
+        weight = (best & (rank == pick[:, None])).astype(np.float64)
+    keep = weight > 0
+    rows, cable = np.nonzero(keep)
+    w = weight[rows, cable]
+    fr = f[rows]
+    gsr, gdr = st.router0 + gate_s[rows, cable], st.router0 + gate_d[rows, cable]
+    b, a = before[rows, cable], after[rows, cable]
+    # Entries per (flow, cable); hop positions shift by the optional local hop before the global one.
+    layers.append(_layer(f, 0, s, st.router0 + rs))
+    layers.append(_layer(fr[b], 1, (st.router0 + rs[rows])[b], gsr[b], w[b]))
+    layers.append(_layer(fr, 1 + b.astype(np.int64), gsr, gdr, w))
+    layers.append(_layer(fr[a], 2 + b[a].astype(np.int64), gdr[a], (st.router0 + rd[rows])[a], w[a]))
+    layers.append(_layer(f, 1 + hops.min(axis=1), st.router0 + rd, d))
+    return layers
 
 
 # ----------------------------------------------------------------------------------------------------------
