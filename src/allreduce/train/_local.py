@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -59,7 +60,9 @@ def _child(
     except BaseException as exc:
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise SystemExit(1) from None
-    results.put((rank, True, value))
+    # Plain pickle to bytes: multiprocessing's own pickler would pass torch tensors as handles to this process's
+    # shared memory, which vanish when it exits before the parent reads them.
+    results.put((rank, True, pickle.dumps(value)))
 
 
 def run_local(
@@ -111,7 +114,7 @@ def run_local(
                     with contextlib.suppress(queue.Empty):
                         rank, ok, value = results.get(timeout=1.0)
                         if ok:
-                            values[rank] = value
+                            values[rank] = pickle.loads(value)
                             continue
                         failure = _failed(rank, value)
                         break
@@ -125,7 +128,7 @@ def run_local(
                     )
                 continue
             if ok:
-                values[rank] = value
+                values[rank] = pickle.loads(value)  # bytes from a child this function started, not the network
             else:
                 failure = _failed(rank, value)
     finally:

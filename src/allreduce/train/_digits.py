@@ -1,0 +1,80 @@
+"""The real training job: scikit-learn's handwritten digits and a small MLP.
+
+The digits (1,797 8×8 images, 10 classes) ship inside scikit-learn, so nothing is downloaded at run time. A fixed
+seed splits off a held-out set; each epoch every rank draws the same permutation of the training set and takes
+its own interleaved shard of it, so the N shards of one step are disjoint and together form one global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import torch
+from torch import nn
+
+__all__ = ["DigitsData", "load_digits", "make_mlp", "shard_batches"]
+
+NUM_FEATURES = 64
+NUM_CLASSES = 10
+_PIXEL_MAX = 16.0  # the digits' pixels are integers 0..16
+
+
+@dataclass(frozen=True, eq=False)
+class DigitsData:
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+def load_digits(*, held_out_fraction: float = 0.2, seed: int = 0) -> DigitsData:
+    """The digits, scaled to [0, 1], split into training and held-out sets by a seeded permutation."""
+    if not 0.0 < held_out_fraction < 1.0:
+        raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    bunch = sklearn_digits()
+    x = np.asarray(bunch.data, dtype=np.float32) / _PIXEL_MAX
+    y = np.asarray(bunch.target, dtype=np.int64)
+    order = np.random.default_rng(seed).permutation(len(y))
+    n_test = round(len(y) * held_out_fraction)
+    test, train = order[:n_test], order[n_test:]
+    return DigitsData(
+        torch.from_numpy(x[train]), torch.from_numpy(y[train]), torch.from_numpy(x[test]), torch.from_numpy(y[test])
+    )
+
+
+def make_mlp(hidden: tuple[int, ...] = (128, 64), *, seed: int = 0) -> nn.Sequential:
+    """An MLP 64 -> hidden... -> 10 with ReLU, initialised from ``seed`` (rank 0's copy is broadcast anyway)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    width = NUM_FEATURES
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, NUM_CLASSES))
+    return nn.Sequential(*layers)
+
+
+def shard_batches(
+    num_samples: int, *, rank: int, world_size: int, batch_size: int, epoch: int, seed: int = 0
+) -> list[torch.Tensor]:
+    """This rank's sample indices for each step of ``epoch``: the same number of steps on every rank.
+
+    Step k of rank r holds samples ``perm[k*N*B + r*B : k*N*B + (r+1)*B]``, so rank r's shard of a global batch of
+    N·B samples is its r-th slice, and the single-process equivalent of step k is ``perm[k*N*B : (k+1)*N*B]``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    global_batch = batch_size * world_size
+    steps = num_samples // global_batch
+    if steps == 0:
+        raise ValueError(
+            f"{num_samples} training samples are fewer than one global batch of {world_size} ranks × {batch_size}"
+        )
+    perm = torch.from_numpy(np.random.default_rng((seed, epoch)).permutation(num_samples))
+    return [
+        perm[k * global_batch + rank * batch_size : k * global_batch + (rank + 1) * batch_size] for k in range(steps)
+    ]

@@ -1,0 +1,275 @@
+"""A real data-parallel training run and where its step time goes.
+
+Every rank trains the digits MLP on its shard with :class:`DataParallel` and records, per step: the step's wall
+time; the communication span (first bucket launched -> all buckets reduced); the exposed part of it (what the
+step waited for after backward's last gradient); and the rank's own compute (the step minus the exposed
+communication). Ranks return their records to the launching process, which lines the steps up: step k is the
+same collective on every rank, so ``max over ranks of compute[k] - own compute[k]`` is how long a rank waited for
+the slowest one at step k, and the rank with the most compute is named the slowest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TRANSPORTS", "EpochReport", "TrainConfig", "TrainResult", "demo", "format_result", "train", "train_rank"]
+
+
+# auto/shm/tcp: allreduce's own transports (init()); torch: allreduce schedules over torch.distributed (Gloo).
+TRANSPORTS: tuple[str, ...] = ("auto", "shm", "tcp", "torch")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. ``batch_size`` is per rank; ``slow_rank`` sleeps ``slow_s`` per step inside compute."""
+
+    world_size: int = 2
+    epochs: int = 3
+    batch_size: int = 32
+    learning_rate: float = 1e-2
+    hidden: tuple[int, ...] = (128, 64)
+    algorithm: str = "auto"
+    transport: str = "auto"
+    bucket_size_mb: float = 25.0
+    slow_rank: int | None = None
+    slow_s: float = 0.0
+    seed: int = 0
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.bucket_size_mb <= 0:
+            raise ValueError(f"bucket size must be > 0 MB, got {self.bucket_size_mb}")
+        if self.slow_rank is not None and not 0 <= self.slow_rank < self.world_size:
+            raise ValueError(
+                f"slow rank {self.slow_rank} is not a rank of {self.world_size} ranks (0..{self.world_size - 1})"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if self.slow_s < 0:
+            raise ValueError(f"slow-rank delay must be >= 0 s, got {self.slow_s}")
+
+
+@dataclass(frozen=True)
+class _RankRecord:
+    """What one rank measured: arrays of shape (epochs, steps)."""
+
+    rank: int
+    step_s: np.ndarray[Any, Any]
+    compute_s: np.ndarray[Any, Any]
+    comm_s: np.ndarray[Any, Any]
+    exposed_comm_s: np.ndarray[Any, Any]
+    loss: np.ndarray[Any, Any]
+    accuracy: list[float]
+    params_sha256: str
+    group: str
+    buckets: int
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    epoch: int
+    loss: float
+    accuracy: float
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    config: TrainConfig
+    epochs: list[EpochReport]
+    slowest_rank: int
+    compute_per_rank_s: list[float]
+    steps_per_epoch: int
+    buckets: int
+    group: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epochs": [asdict(e) for e in self.epochs], "slowest_rank": self.slowest_rank}
+
+
+def _make_group(config: TrainConfig) -> tuple[Any, Callable[[], None], str]:
+    """allreduce's process group on the ranks started by :func:`run_local` (rendezvous from the environment)."""
+    if config.transport != "torch":
+        from allreduce.runtime import init
+
+        group = init(transport=config.transport, timeout_s=config.timeout_s)
+        return group, group.close, f"allreduce {group.transport_name} transport"
+    import datetime
+
+    import torch.distributed as dist
+
+    from allreduce.torch import torch_group
+
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=config.timeout_s))
+    torch_pg = torch_group(timeout_s=config.timeout_s)
+
+    def close() -> None:
+        torch_pg.close()
+        dist.destroy_process_group()
+
+    return torch_pg, close, "allreduce schedules over torch.distributed (Gloo isend/irecv)"
+
+
+def train_rank(config: TrainConfig) -> _RankRecord:
+    """One rank's training (run inside a process started by :func:`run_local`)."""
+    import torch
+    from allreduce.train._data_parallel import DataParallel
+    from allreduce.train._digits import load_digits, make_mlp, shard_batches
+    from torch import nn
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    group, close, group_name = _make_group(config)
+    try:
+        rank, world_size = group.rank, group.world_size
+        data = load_digits(seed=config.seed)
+        model = DataParallel(
+            make_mlp(config.hidden, seed=config.seed + rank),  # different on purpose: the broadcast must fix it
+            group,
+            bucket_size_mb=config.bucket_size_mb,
+            algorithm=config.algorithm,
+        )
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
+        loss_fn = nn.CrossEntropyLoss()
+        slow_s = config.slow_s if config.slow_rank == rank else 0.0
+        records: dict[str, list[list[float]]] = {k: [] for k in ("step", "compute", "comm", "exposed", "loss")}
+        accuracy: list[float] = []
+        for epoch in range(config.epochs):
+            batches = shard_batches(
+                len(data.train_y),
+                rank=rank,
+                world_size=world_size,
+                batch_size=config.batch_size,
+                epoch=epoch,
+                seed=config.seed,
+            )
+            for row in records.values():
+                row.append([])
+            model.train()
+            for idx in batches:
+                t0 = time.perf_counter()
+                if slow_s:
+                    time.sleep(slow_s)  # the injected slow worker: extra compute time, not synchronisation
+                loss = loss_fn(model(data.train_x[idx]), data.train_y[idx])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # returns with gradients averaged over the ranks
+                optimizer.step()
+                step_s = time.perf_counter() - t0
+                stats = model.last_sync
+                assert stats is not None
+                records["step"][-1].append(step_s)
+                records["compute"][-1].append(step_s - stats.exposed_comm_s)
+                records["comm"][-1].append(stats.comm_s)
+                records["exposed"][-1].append(stats.exposed_comm_s)
+                records["loss"][-1].append(float(loss.item()))
+            model.eval()
+            with torch.no_grad():
+                predicted = model(data.test_x).argmax(dim=1)
+            accuracy.append(float((predicted == data.test_y).float().mean().item()))
+        digest = hashlib.sha256()
+        for p in model.module.parameters():
+            digest.update(p.detach().numpy().tobytes())
+        return _RankRecord(
+            rank=rank,
+            step_s=np.asarray(records["step"]),
+            compute_s=np.asarray(records["compute"]),
+            comm_s=np.asarray(records["comm"]),
+            exposed_comm_s=np.asarray(records["exposed"]),
+            loss=np.asarray(records["loss"]),
+            accuracy=accuracy,
+            params_sha256=digest.hexdigest(),
+            group=group_name,
+            buckets=model.num_buckets,
+        )
+    finally:
+        close()
+
+
+def summarize(config: TrainConfig, records: list[_RankRecord]) -> TrainResult:
+    """Line up the ranks' steps: means over ranks and steps per epoch, wait for the slowest, its name."""
+    if len({r.params_sha256 for r in records}) != 1:
+        differing = [r.rank for r in records if r.params_sha256 != records[0].params_sha256]
+        raise RuntimeError(f"ranks {differing} ended with parameters different from rank 0's: synchronisation failed")
+    compute = np.stack([r.compute_s for r in records])  # (ranks, epochs, steps)
+    wait = compute.max(axis=0, keepdims=True) - compute
+    epochs = [
+        EpochReport(
+            epoch=e + 1,
+            loss=float(np.mean([r.loss[e] for r in records])),
+            accuracy=records[0].accuracy[e],
+            step_s=float(np.mean([r.step_s[e] for r in records])),
+            compute_s=float(compute[:, e].mean()),
+            comm_s=float(np.mean([r.comm_s[e] for r in records])),
+            exposed_comm_s=float(np.mean([r.exposed_comm_s[e] for r in records])),
+            wait_s=float(wait[:, e].mean()),
+        )
+        for e in range(config.epochs)
+    ]
+    per_rank = compute.mean(axis=(1, 2))
+    return TrainResult(
+        config=config,
+        epochs=epochs,
+        slowest_rank=int(per_rank.argmax()),
+        compute_per_rank_s=[float(c) for c in per_rank],
+        steps_per_epoch=int(compute.shape[2]),
+        buckets=records[0].buckets,
+        group=records[0].group,
+    )
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run ``config`` on ``config.world_size`` fresh local processes and summarise where the step time went."""
+    from allreduce.train._local import run_local
+
+    records = run_local(config.world_size, train_rank, (config,), timeout_s=config.timeout_s)
+    return summarize(config, records)
+
+
+def format_result(result: TrainResult) -> str:
+    """The per-epoch table and the slowest rank, as ``allreduce train`` prints them."""
+    from allreduce.units import format_seconds
+
+    c = result.config
+    lines = [
+        f"{c.world_size} ranks × batch {c.batch_size} (global {c.world_size * c.batch_size}), "
+        f"{result.steps_per_epoch} steps/epoch, algorithm {c.algorithm}, {result.buckets} gradient bucket(s) "
+        f"of ≤ {c.bucket_size_mb:g} MiB; {result.group}",
+        "per step, mean over ranks: compute = forward+backward+optimizer, comm = all-reduce in flight,",
+        "exposed = comm not hidden behind backward, wait = of that, waiting for the slowest rank",
+        "",
+        f"{'epoch':>5}  {'loss':>7}  {'accuracy':>8}  {'step':>9}  {'compute':>9}  {'comm':>9}  {'exposed':>9}  "
+        f"{'wait':>9}",
+    ]
+    lines.extend(
+        f"{e.epoch:>5}  {e.loss:>7.4f}  {e.accuracy:>8.3f}  {format_seconds(e.step_s):>9}  "
+        f"{format_seconds(e.compute_s):>9}  {format_seconds(e.comm_s):>9}  {format_seconds(e.exposed_comm_s):>9}  "
+        f"{format_seconds(e.wait_s):>9}"
+        for e in result.epochs
+    )
+    others = [s for r, s in enumerate(result.compute_per_rank_s) if r != result.slowest_rank]
+    slowest = result.compute_per_rank_s[result.slowest_rank]
+    tail = f" vs {format_seconds(float(np.mean(others)))} on the others" if others else ""
+    lines += ["", f"slowest rank: {result.slowest_rank} (compute {format_seconds(slowest)}/step{tail})"]
+    return "\n".join(lines)
+
+
+def demo(world_size: int = 2, epochs: int = 1) -> str:
+    """A short training run with its breakdown, as text (for ``allreduce demo``)."""
+    return format_result(train(TrainConfig(world_size=world_size, epochs=epochs)))
