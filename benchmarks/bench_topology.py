@@ -6,6 +6,9 @@ rail-optimized cluster. The peer measured in the same run is our own graph-searc
 file-defined topology takes: a vectorised BFS per destination batch) on the same graph with its structure
 hidden, as a ratio to the arithmetic routing of the structured builder.
 
+A second table fails the busiest switch-to-switch link and times routing the same flows again (only the flows
+that crossed it are searched anew).
+
 Each case runs in a fresh subprocess so its peak memory is its own: tracemalloc's peak of what the case
 allocates (numpy buffers included, measured in a second, traced run) and the process's max RSS above its
 baseline after imports.
@@ -55,17 +58,40 @@ for src, dst in pairs:
     entries += r.link.size
     max_load = max(max_load, float(r.link_load(topology.num_links).max()))
 t2 = time.perf_counter()
+reroute_s = rerouted = None
+if sys.argv[6] == "fail":
+    # Fail the busiest switch-to-switch link of the last pattern and route that pattern again.
+    switch = topology.node_kind[topology.link_src] == 2
+    switch &= topology.node_kind[topology.link_dst] == 2
+    load = r.link_load(topology.num_links)
+    victim = int(np.flatnonzero(switch)[np.argmax(load[switch])])
+    failed = topology.without([victim])
+    t3 = time.perf_counter()
+    again = route(failed, src, dst, routing=routing, seed=0)
+    reroute_s = time.perf_counter() - t3
+    rerouted = int(load[victim])
 peak = tracemalloc.get_traced_memory()[1] if traced else 0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"build_s": t1 - t0, "route_s": t2 - t1, "gpus": topology.num_gpus, "links": topology.num_links,
                   "patterns": len(pairs), "flows": flows, "entries": entries, "max_load": max_load,
-                  "peak_MB": peak / 1e6, "rss_MB": (rss - base_rss) / 1e3}))
+                  "peak_MB": peak / 1e6, "rss_MB": (rss - base_rss) / 1e3,
+                  "reroute_s": reroute_s, "rerouted": rerouted}))
 """
 
 
-def run(name: str, placement: str, routing: str, mode: str, *, traced: bool) -> dict[str, float]:
+def run(name: str, placement: str, routing: str, mode: str, *, traced: bool, fail: bool = False) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-c", CASE, name, placement, routing, mode, "traced" if traced else "plain"],
+        [
+            sys.executable,
+            "-c",
+            CASE,
+            name,
+            placement,
+            routing,
+            mode,
+            "traced" if traced else "plain",
+            "fail" if fail else "intact",
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -106,6 +132,17 @@ def main() -> None:
             f"{plain['entries']:>10} {plain['max_load']:>8.3g} {plain['build_s']:>8.3f} {plain['route_s']:>8.3f} "
             f"{traced['peak_MB']:>8.0f} {plain['rss_MB']:>7.0f} {search_s:>9} {ratio:>6}"
         )
+    print()
+    print("after one failed link (the busiest switch-to-switch link of the last pattern), routing that pattern again:")
+    header = f"{'case':<14} {'placement':<9} {'routing':<8} {'flows on the failed link':>24} {'re-route s':>10}"
+    print(header)
+    print("-" * len(header))
+    fail_cases = [("fat-tree-16k", "random", "ecmp")]
+    if not args.quick:
+        fail_cases.append(("rail-131k", "random", "ecmp"))
+    for name, placement, routing in fail_cases:
+        result = run(name, placement, routing, "arithmetic", traced=False, fail=True)
+        print(f"{name:<14} {placement:<9} {routing:<8} {result['rerouted']:>24.0f} {result['reroute_s']:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -717,7 +717,7 @@ def _spray_walk(
 
 
 def _raise_no_path(topology: Topology, src_gpu: int, dst_gpu: int, how_many: int) -> None:
-    others = f" ({how_many - 1} more pairs of this batch too)" if how_many > 1 else ""
+    others = f" (and at least {how_many - 1} more GPU pairs)" if how_many > 1 else ""
     failed = ""
     if topology.failed_links:
         shown = ", ".join(topology.failed_links[:8])
