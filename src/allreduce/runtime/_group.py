@@ -812,10 +812,21 @@ def init(
 
             chosen = ShmTransport(rank, world_size, job, timeout_s=timeout_s)
         else:
-            from allreduce.runtime._tcp import TcpTransport  # type: ignore[import-not-found, unused-ignore]
+            from allreduce.runtime._tcp import TcpTransport
 
-            tcp_host = "127.0.0.1" if same_host else _advertised_host(host)
-            chosen = TcpTransport(rank, world_size, store, host=tcp_host, token=token, timeout_s=timeout_s)
+            if same_host:
+                chosen = TcpTransport(rank, world_size, store, host="127.0.0.1", token=token, timeout_s=timeout_s)
+            else:
+                # Listening beyond loopback: the TCP transport insists on the shared token.
+                chosen = TcpTransport(
+                    rank,
+                    world_size,
+                    store,
+                    host="0.0.0.0",
+                    token=token,
+                    timeout_s=timeout_s,
+                    advertise_host=_advertised_host(host),
+                )
     except BaseException:
         store.close()
         raise

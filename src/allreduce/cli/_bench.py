@@ -1,0 +1,92 @@
+"""``allreduce bench``: time all_reduce between N local ranks over a sweep of sizes (an nccl-tests table)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from allreduce.cli._main import CLIError
+from allreduce.runtime._bench import BenchConfig, BenchRow, run_bench
+from allreduce.runtime._group import ALGORITHMS, DTYPES, OPS
+from allreduce.schedules import Collective
+from allreduce.units import parse_size_range
+
+__all__ = ["register", "render"]
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="time all_reduce between N local ranks (nccl-tests style table, every result checked)",
+        description="Spawn N local ranks and time all_reduce for each size; every result is checked against "
+        "the exact reduction of integer-valued inputs (#wrong counts the elements that differ).",
+    )
+    parser.add_argument("-n", "--world-size", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument("--transport", choices=("shm", "tcp"), default="shm", help="default shm")
+    parser.add_argument(
+        "--algorithm",
+        default="auto",
+        help=f"auto (cost model) or one of {', '.join(ALGORITHMS[Collective.ALL_REDUCE])}",
+    )
+    parser.add_argument("--sizes", default="4KiB:256MiB", help="a range lo:hi (powers of two) or a list a,b,c")
+    parser.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
+    parser.add_argument("--op", default="sum", help=f"one of {', '.join(OPS)}")
+    parser.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: by size)")
+    parser.add_argument(
+        "--copy",
+        action="store_true",
+        help="use ordinary numpy arrays (staged through shared memory) instead of group.empty() buffers",
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="per-collective timeout in seconds")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.set_defaults(handler=_handle)
+
+
+def render(rows: list[BenchRow], *, header: str) -> str:
+    lines = [
+        f"# {header}",
+        f"# {'size':>12} {'count':>11} {'type':>9} {'redop':>6} {'algorithm':>19} {'time(us)':>10} "
+        f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}",
+    ]
+    lines.extend(
+        f"  {r.size_bytes:>12} {r.count:>11} {r.dtype:>9} {r.op:>6} {r.algorithm:>19} {r.time_s * 1e6:>10.1f} "
+        f"{r.algbw_Bps / 1e9:>12.2f} {r.busbw_Bps / 1e9:>12.2f} {r.wrong:>7}"
+        for r in rows
+    )
+    wrong = sum(r.wrong for r in rows)
+    lines.append(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    algorithms = ("auto", *ALGORITHMS[Collective.ALL_REDUCE])
+    if args.algorithm not in algorithms:
+        raise CLIError(f"--algorithm: unknown algorithm {args.algorithm!r}; choose one of {', '.join(algorithms)}")
+    if args.world_size < 1 or args.world_size > 256:
+        raise CLIError(f"-n: world size must be between 1 and 256, got {args.world_size}")
+    if not args.timeout > 0:
+        raise CLIError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    config = BenchConfig(
+        world_size=args.world_size,
+        sizes_bytes=tuple(parse_size_range(args.sizes, what="--sizes")),
+        transport=args.transport,
+        algorithm=args.algorithm,
+        dtype=args.dtype,
+        op=args.op,
+        iters=args.iters,
+        group_memory=not args.copy,
+        timeout_s=args.timeout,
+    )
+    rows = run_bench(config)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+    else:
+        memory = "numpy arrays (copied)" if args.copy else "group.empty() buffers"
+        print(
+            render(
+                rows,
+                header=f"allreduce bench: N={args.world_size} transport={args.transport} "
+                f"algorithm={args.algorithm} dtype={args.dtype} op={args.op}, {memory}",
+            )
+        )
+    return 0 if all(r.wrong == 0 for r in rows) else 1
