@@ -21,6 +21,7 @@ _COMMANDS: tuple[str, ...] = (
     "allreduce.cli._explain",
     "allreduce.cli._demo",
     "allreduce.cli._run",
+    "allreduce.cli._bench",
 )
 
 
