@@ -524,24 +524,42 @@ class _Graph:
         self.ptr = np.searchsorted(self.ls, np.arange(n + 1, dtype=np.int64)).astype(np.int64)
         self.degree = np.diff(self.ptr)
         self.has_out = np.flatnonzero(self.degree > 0)
+        in_order = np.argsort(topology.link_dst, kind="stable")
+        self.in_src = topology.link_src[in_order]
+        self.in_ptr = np.searchsorted(topology.link_dst[in_order], np.arange(n + 1, dtype=np.int64)).astype(np.int64)
+        self.in_degree = np.diff(self.in_ptr)
         self.transit = np.ones(n, dtype=np.bool_) if topology.gpu_transit else topology.node_kind != int(NodeKind.GPU)
 
     def distances(self, targets: IntArray) -> npt.NDArray[np.int32]:
-        """Hops from every node to each target (rows), passing only through transit nodes."""
+        """Hops from every node to each target (rows), passing only through transit nodes.
+
+        A breadth-first search backwards over in-links from all targets at once: the frontier is a set of
+        (row, node) pairs, so every link is looked at once per target, not once per level."""
         n = self.topology.num_nodes
-        rows = np.arange(targets.shape[0])
+        rows = np.arange(targets.shape[0], dtype=np.int64)
         dist = np.full((targets.shape[0], n), _UNREACHED, dtype=np.int32)
         dist[rows, targets] = 0
-        if self.has_out.size == 0:
-            return dist
-        starts = self.ptr[self.has_out]
-        while True:
-            eff = self.effective(dist, targets)
-            best = np.minimum.reduceat(eff[:, self.ld] + 1, starts, axis=1)
-            new = np.minimum(dist[:, self.has_out], best)
-            if np.array_equal(new, dist[:, self.has_out]):
-                return dist
-            dist[:, self.has_out] = new
+        front_row, front_node = rows, np.asarray(targets, dtype=np.int64)
+        flat_dist = dist.reshape(-1)
+        # Scratch for deduplicating a frontier without sorting: the last writer of a (row, node) cell wins.
+        writer = np.zeros(flat_dist.shape[0], dtype=np.int64)
+        level = 0
+        while front_row.size:
+            # A non-transit node is reached but passes nothing on, unless it is the target itself.
+            spread = self.transit[front_node] | (level == 0)
+            front_row, front_node = front_row[spread], front_node[spread]
+            deg = self.in_degree[front_node]
+            row = np.repeat(front_row, deg)
+            offset = np.arange(row.shape[0], dtype=np.int64) - np.repeat(np.cumsum(deg) - deg, deg)
+            pred = self.in_src[np.repeat(self.in_ptr[front_node], deg) + offset]
+            flat = row * n + pred
+            flat = flat[flat_dist[flat] == _UNREACHED]
+            writer[flat] = np.arange(flat.shape[0], dtype=np.int64)
+            flat = flat[writer[flat] == np.arange(flat.shape[0], dtype=np.int64)]
+            front_row, front_node = flat // n, flat % n
+            level += 1
+            flat_dist[flat] = level
+        return dist
 
     def effective(self, dist: npt.NDArray[np.int32], targets: IntArray) -> npt.NDArray[np.int32]:
         """Distances as seen by a predecessor: a non-transit node is a dead end unless it is the target."""
