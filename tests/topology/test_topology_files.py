@@ -188,3 +188,19 @@ links:
 def test_invalid_json_names_its_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"topo.json:3: not valid JSON"):
         load_topology(write(tmp_path, '{\n  "nodes": [],\n  "links": [,]\n}', ".json"))
+
+
+def test_json_errors_name_the_line_of_the_culprit(tmp_path: Path) -> None:
+    doc = {
+        "nodes": [{"name": "a", "kind": "gpu"}, {"name": "s", "kind": "switch"}],
+        "links": [{"src": "a", "dst": "s", "bandwidth": "1GB/s"}, {"src": "s", "dst": "b", "bandwidth": "1GB/s"}],
+    }
+    text = json.dumps(doc, indent=2)
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if '"dst": "b"' in row)
+    with pytest.raises(ValueError, match=rf"topo.json:{line - 2}: link s->b: unknown node 'b'"):
+        load_topology(write(tmp_path, text, ".json"))
+
+
+def test_yaml_key_given_twice(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"topo.yaml:2: key 'kind' given twice \(first at line 2\)"):
+        load_topology(write(tmp_path, "nodes:\n  - {name: a, kind: gpu, kind: nic}\nlinks: []\n"))
