@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -151,7 +152,8 @@ def _resolve(layers: list[_Layer], index: _LinkIndex, num_flows: int) -> tuple[_
     """Turn node-pair layers into link entries; flows that hit a missing link are reported as broken."""
     flows, hops, links, weights = [], [], [], []
     broken = np.zeros(num_flows, dtype=np.bool_)
-    for layer in layers:
+    while layers:
+        layer = layers.pop(0)
         m, w = layer.src.shape
         if m == 0:
             continue
@@ -183,10 +185,16 @@ def _select(entries: _Entries, keep: npt.NDArray[np.bool_]) -> _Entries:
 
 def _assemble(topology: Topology, parts: list[_Entries], num_flows: int, exact_latency: dict[int, float]) -> Routes:
     """CSR routes in (flow, hop) order; latency = Σ over hops of the slowest link of that hop layer."""
-    flow = np.concatenate([p.flow for p in parts]) if parts else np.zeros(0, dtype=np.int64)
-    hop = np.concatenate([p.hop for p in parts]) if parts else np.zeros(0, dtype=np.int64)
-    link = np.concatenate([p.link for p in parts]) if parts else np.zeros(0, dtype=np.int64)
-    weight = np.concatenate([p.weight for p in parts]) if parts else np.zeros(0, dtype=np.float64)
+
+    def joined(name: str, dtype: type) -> npt.NDArray[Any]:
+        arrays = [getattr(p, name) for p in parts]
+        if len(arrays) == 1:
+            return np.asarray(arrays[0], dtype=dtype)
+        return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
+
+    flow, hop, link = joined("flow", np.int64), joined("hop", np.int64), joined("link", np.int64)
+    weight = joined("weight", np.float64)
+    parts.clear()
     # One integer sort on (flow, hop, link) (at most ~10^6 flows × 10 hops × 10^6 links: fits in int64). Paths
     # of a sprayed flow can share a link (two dragonfly cables leaving one router): sum such duplicates.
     num_hops = int(hop.max()) + 1 if hop.size else 1
@@ -816,7 +824,8 @@ def route(
     search = moving
     if layers is not None:
         entries, broken = _resolve(layers, _LinkIndex(topology), num_flows)
-        parts.append(_select(entries, ~broken[entries.flow]))
+        del layers  # the node-pair arrays can be as large as the routes themselves (spraying)
+        parts.append(_select(entries, ~broken[entries.flow]) if broken.any() else entries)
         search = np.flatnonzero(broken).astype(np.int64)
     if search.size:
         if routing == "dimension_order":
