@@ -22,6 +22,7 @@ _COMMANDS: tuple[str, ...] = (
     "allreduce.cli._demo",
     "allreduce.cli._run",
     "allreduce.cli._bench",
+    "allreduce.cli._tune",
 )
 
 
