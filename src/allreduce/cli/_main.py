@@ -23,6 +23,7 @@ _COMMANDS: tuple[str, ...] = (
     "allreduce.cli._run",
     "allreduce.cli._bench",
     "allreduce.cli._tune",
+    "allreduce.cli._train",
 )
 
 

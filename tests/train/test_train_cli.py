@@ -1,0 +1,56 @@
+"""``allreduce train``: real ranks, JSON output, the slow rank named, bad input refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from allreduce.cli._main import main
+
+
+def test_train_json_names_the_injected_slow_rank() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "allreduce", "train", "-n", "2", "--epochs", "2", "--slow-rank", "1=0.05", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    report = json.loads(out.stdout)
+    assert report["slowest_rank"] == 1
+    assert [e["epoch"] for e in report["epochs"]] == [1, 2]
+    keys = {"epoch", "loss", "accuracy", "step_s", "compute_s", "comm_s", "exposed_comm_s", "wait_s"}
+    for epoch in report["epochs"]:
+        assert set(epoch) == keys
+        assert 0.0 <= epoch["accuracy"] <= 1.0
+        assert epoch["loss"] > 0
+        # The breakdown is consistent: exposed communication is part of the step, waiting part of exposed.
+        assert 0.0 <= epoch["exposed_comm_s"] <= epoch["step_s"]
+        assert epoch["compute_s"] <= epoch["step_s"]
+    # Training progresses: the second epoch's loss is below the first's.
+    assert report["epochs"][1]["loss"] < report["epochs"][0]["loss"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-n", "2", "--slow-rank", "5=0.1"], "slow rank 5 is not a rank of 2 ranks"),
+        (["-n", "2", "--slow-rank", "1"], "expected RANK=SECONDS"),
+        (["-n", "2", "--slow-rank", "1=fast"], "the delay in '1=fast'"),
+        (["-n", "0"], "-n must be >= 1"),
+        (["-n", "2", "--batch-size", "1000"], "exceeds the 1438 training samples"),
+        (["-n", "2", "--bucket-mb", "0"], "bucket size must be > 0 MB"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(["train", *argv])
+    except SystemExit as exc:  # argparse rejects malformed values itself, with status 2
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
