@@ -32,7 +32,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -69,7 +69,10 @@ __all__ = ["TcpTransport"]
 
 _SERVICE = b"tcp"
 _IO_CHUNK_BYTES = 1 << 20  # per send/recv call: keeps the loop alternating between peers
-_REDUCE_CHUNK_BYTES = 1 << 20  # reduce as soon as this much of an incoming piece has arrived
+# A reduction is received into a small per-peer window and reduced each time the window fills: the window
+# and the matching part of the user's buffer stay in L2 (1 MiB per core here), instead of streaming the whole
+# piece through a scratch area as large as itself. A multiple of every itemsize.
+_WINDOW_BYTES = 256 << 10
 _MAX_AGREE_BYTES = 1 << 16
 _POLL_IN = select.POLLIN | select.POLLPRI
 _POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
@@ -114,6 +117,7 @@ class _RecvSpec:
     segment: int
     reduce: bool
     staged: bool  # its range is also sent in this step: land in scratch, apply after those sends
+    windowed: bool  # a reduction received through a window (not staged, no checksum to verify first)
     scratch_offset: int  # where it lands in scratch (reductions and staged receives)
     blockers: tuple[int, ...]  # indices of this step's sends that read the range (staged only)
 
@@ -152,37 +156,33 @@ def _prepare(plan: RankPlan, itemsize: int, *, checksum: bool) -> _Prepared:
                 where = offset
                 offset += size
             elif t.reduce:
+                # With checksum=True the whole piece is verified before it is reduced, so it needs full space.
                 where = peer_region.setdefault(t.peer, -1)
-                peer_size[t.peer] = max(peer_size.get(t.peer, 0), size)
+                peer_size[t.peer] = max(peer_size.get(t.peer, 0), size if checksum else min(size, _WINDOW_BYTES))
             else:
                 where = -1
             recvs.append(
                 _RecvSpec(
-                    t.peer, t.start * itemsize, t.stop * itemsize, t.block, t.segment, t.reduce, staged, where, blockers
+                    t.peer,
+                    t.start * itemsize,
+                    t.stop * itemsize,
+                    t.block,
+                    t.segment,
+                    t.reduce,
+                    staged,
+                    windowed=t.reduce and not staged and not checksum,
+                    scratch_offset=where,
+                    blockers=blockers,
                 )
             )
         # Now place the per-peer regions after the staged ones.
         for peer in sorted(peer_size):
             peer_region[peer] = offset
             offset += peer_size[peer]
-        recvs = [r if r.staged or not r.reduce else _replace_offset(r, peer_region[r.peer]) for r in recvs]
+        recvs = [r if r.staged or not r.reduce else replace(r, scratch_offset=peer_region[r.peer]) for r in recvs]
         scratch_bytes = max(scratch_bytes, offset)
         steps.append(_PreparedStep(step.index, sends, tuple(recvs)))
     return _Prepared(tag, tuple(steps), scratch_bytes)
-
-
-def _replace_offset(spec: _RecvSpec, offset: int) -> _RecvSpec:
-    return _RecvSpec(
-        spec.peer,
-        spec.byte_start,
-        spec.byte_stop,
-        spec.block,
-        spec.segment,
-        spec.reduce,
-        spec.staged,
-        offset,
-        spec.blockers,
-    )
 
 
 # ---------------------------------------------------------------------------------------------- per-call state
@@ -211,17 +211,19 @@ class _InFrame:
         "dest",
         "dst_typed",
         "expect_crc",
+        "fill",
         "flags",
         "got",
         "header_got",
         "length",
         "reduce",
-        "reduced_bytes",
+        "reduced",
         "segment",
         "spec",
         "src_typed",
         "staged",
         "step",
+        "windowed",
     )
 
     def __init__(self, *, step: int, block: int, segment: int, flags: int, length: int, dest: memoryview) -> None:
@@ -238,7 +240,9 @@ class _InFrame:
         self.reduce = False
         self.staged = False
         self.applied = False
-        self.reduced_bytes = 0
+        self.reduced = 0  # elements of a windowed reduction already reduced
+        self.fill = 0  # bytes in the window
+        self.windowed = False
         self.spec: _RecvSpec | None = None
         self.dst_typed: npt.NDArray[Any] | None = None
         self.src_typed: npt.NDArray[Any] | None = None
@@ -522,7 +526,8 @@ class TcpTransport:
                 for rspec in step.recvs:
                     length = rspec.byte_stop - rspec.byte_start
                     if rspec.scratch_offset >= 0:
-                        dest = scratch[rspec.scratch_offset : rspec.scratch_offset + length]
+                        room = min(length, _WINDOW_BYTES) if rspec.windowed else length
+                        dest = scratch[rspec.scratch_offset : rspec.scratch_offset + room]
                     else:
                         dest = raw[rspec.byte_start : rspec.byte_stop]
                     frame = _InFrame(
@@ -531,10 +536,11 @@ class TcpTransport:
                     frame.spec = rspec
                     frame.staged = rspec.staged
                     frame.reduce = rspec.reduce
+                    frame.windowed = rspec.windowed
                     if rspec.scratch_offset >= 0:
                         e0, e1 = rspec.byte_start // buffer.itemsize, rspec.byte_stop // buffer.itemsize
                         frame.dst_typed = buffer[e0:e1]
-                        frame.src_typed = self._scratch[rspec.scratch_offset : rspec.scratch_offset + length].view(
+                        frame.src_typed = self._scratch[rspec.scratch_offset : rspec.scratch_offset + len(dest)].view(
                             buffer.dtype
                         )
                     recvs.append((rspec.peer, frame))
@@ -709,7 +715,10 @@ class TcpTransport:
                 if inc.length == 0:
                     self._finish_frame(conn, inc, seq, reduce_into, label)
                     return True
-            n = conn.sock.recv_into(inc.dest[inc.got :], min(inc.length - inc.got, _IO_CHUNK_BYTES))
+            if inc.windowed:
+                n = conn.sock.recv_into(inc.dest[inc.fill :], min(len(inc.dest) - inc.fill, inc.length - inc.got))
+            else:
+                n = conn.sock.recv_into(inc.dest[inc.got :], min(inc.length - inc.got, _IO_CHUNK_BYTES))
         except (BlockingIOError, InterruptedError):
             return moved
         except ConnectionError as exc:
@@ -724,25 +733,19 @@ class TcpTransport:
         if inc.flags & FLAG_CHECKSUM:
             inc.crc = zlib.crc32(inc.dest[inc.got : inc.got + n], inc.crc)
         inc.got += n
+        if inc.windowed:
+            inc.fill += n
+            if inc.fill == len(inc.dest) or inc.got == inc.length:
+                # The window holds whole elements here: its size and the frame's length are multiples of itemsize.
+                assert inc.dst_typed is not None
+                assert inc.src_typed is not None
+                k = inc.fill // inc.dst_typed.itemsize
+                reduce_into(inc.dst_typed[inc.reduced : inc.reduced + k], inc.src_typed[:k])
+                inc.reduced += k
+                inc.fill = 0
         if inc.got == inc.length:
             self._finish_frame(conn, inc, seq, reduce_into, label)
-        elif inc.reduce and not inc.staged and not inc.flags & FLAG_CHECKSUM:
-            self._reduce_prefix(inc, reduce_into, final=False)
         return True
-
-    def _reduce_prefix(self, inc: _InFrame, reduce_into: ReduceInto, *, final: bool) -> None:
-        """Reduce the arrived, not yet reduced, whole elements of ``inc`` (in chunks of ~1 MiB unless final)."""
-        assert inc.dst_typed is not None
-        assert inc.src_typed is not None
-        itemsize = inc.dst_typed.itemsize
-        ready = inc.got - inc.reduced_bytes
-        if not final and ready < _REDUCE_CHUNK_BYTES:
-            return
-        e0 = inc.reduced_bytes // itemsize
-        e1 = inc.got // itemsize
-        if e1 > e0:
-            reduce_into(inc.dst_typed[e0:e1], inc.src_typed[e0:e1])
-            inc.reduced_bytes = e1 * itemsize
 
     def _finish_frame(self, conn: _Peer, inc: _InFrame, seq: int, reduce_into: ReduceInto, label: str) -> None:
         if inc.flags & FLAG_CHECKSUM and inc.crc != inc.expect_crc:
@@ -756,8 +759,10 @@ class TcpTransport:
             )
         if inc.staged or inc.flags & FLAG_AGREE:
             return
-        if inc.reduce:
-            self._reduce_prefix(inc, reduce_into, final=True)
+        if inc.reduce and not inc.windowed:  # verified by its checksum: now reduce it whole
+            assert inc.dst_typed is not None
+            assert inc.src_typed is not None
+            reduce_into(inc.dst_typed, inc.src_typed)
         inc.applied = True
 
     def _apply_staged(self, staged: list[_InFrame], sends: list[_OutFrame], reduce_into: ReduceInto) -> bool:
