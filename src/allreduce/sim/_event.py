@@ -45,6 +45,8 @@ _DELIVER = 1  # a transfer's last byte arrived
 # Transfers whose drains end within this relative distance of the earliest end finish together (one re-solve,
 # not one per transfer whose float sum came out a few ulps later).
 _DRAIN_RTOL = 1e-9
+# ... or within this many seconds of it (a drain due now, or a few ulps ago).
+_DRAIN_ATOL_S = 1e-15
 # Events within this relative distance of the current time are processed with it.
 _EVENT_RTOL = 1e-12
 
@@ -253,10 +255,11 @@ class _Run:
             next_event = self.heap[0][0] if self.heap else np.inf
             if self.active:
                 finish = self.remaining / self.rate
-                soonest = float(finish.min())
+                # Rounding can leave a few bytes' worth of negative time: never step backwards.
+                soonest = max(float(finish.min()), 0.0)
                 if self.now + soonest <= next_event:
                     self.advance(self.now + soonest)
-                    done = finish <= soonest * (1 + _DRAIN_RTOL)
+                    done = finish <= soonest * (1 + _DRAIN_RTOL) + _DRAIN_ATOL_S
                     ids = np.asarray(self.active, dtype=np.int64)
                     for x in ids[done].tolist():
                         self.drained_s[x] = self.now

@@ -1,0 +1,342 @@
+"""``allreduce sim``: run all-reduce schedules on a cluster topology with the flow-level simulator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from allreduce.cli._main import CLIError
+from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, all_reduce
+from allreduce.sim import Faults, SimResult, simulate, write_trace
+from allreduce.topology import Topology, parse_topology
+from allreduce.units import format_bandwidth, format_bytes, format_seconds, parse_bytes, parse_seconds
+
+__all__ = ["register", "run"]
+
+# Direct all-reduce has one flow pattern per step (its peers move), so simulating it costs O(N^2) routing and
+# rate solves: an algorithm for small groups, left out above this many ranks.
+DIRECT_MAX_RANKS = 256
+# Group size for hierarchical when neither --group-size nor the topology says what a node is.
+FALLBACK_GROUP_SIZE = 8
+ROUTINGS = ("ecmp", "spray", "shortest", "dimension_order")
+
+
+def _positive_int(name: str) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "sim",
+        help="simulate all-reduce on a cluster topology (flow-level, max-min fair links) and name the bottleneck",
+        description=(
+            "Run all-reduce schedules on a topology with a flow-level network model: concurrent flows share every "
+            "link max-min fairly; a transfer takes its path latency plus its bytes at its fair rate; a rank's next "
+            "step starts when the data it needs has arrived. Prints the predicted time, algbw and busbw "
+            "(nccl-tests definitions) per algorithm and the links the critical path waited on."
+        ),
+        epilog=(
+            "examples:\n"
+            "  allreduce sim --topology fat-tree:k=16 --size 1GiB\n"
+            "  allreduce sim --topology clos:leaves=32,spines=8,hosts_per_leaf=32,oversub=4 --ranks 1024 --size 1GiB "
+            "--placement random\n"
+            "  allreduce sim --topology fat-tree:k=8 --size 256MiB --algorithm ring --degrade 'gpu5->edge2=0.1'"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--topology",
+        "-t",
+        required=True,
+        help="a spec (fat-tree:k=16, clos:..., rail:..., torus:8x8x8, ...) or a .yaml/.json file",
+    )
+    p.add_argument("--ranks", "-n", type=_positive_int("--ranks"), help="number of ranks (default: every GPU)")
+    p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GiB")
+    p.add_argument(
+        "--algorithm",
+        "-a",
+        default="all",
+        help=f"one of {', '.join(ALL_REDUCE_ALGORITHMS)}, a comma-separated list, or all (default)",
+    )
+    p.add_argument("--group-size", type=_positive_int("--group-size"), help="ranks per node for hierarchical")
+    p.add_argument("--chunks", type=_positive_int("--chunks"), default=8, help="pipeline chunks of double_binary_tree")
+    p.add_argument("--placement", default="linear", help="linear (default), random, or a FILE of GPU indices")
+    p.add_argument("--seed", type=int, default=0, help="seed of random placement and of ECMP hashing")
+    p.add_argument("--routing", choices=ROUTINGS, help="default: the topology's (ECMP; dimension_order on tori)")
+    p.add_argument(
+        "--degrade", action="append", default=[], metavar="LINK=FACTOR", help="run LINK at FACTOR x its bandwidth"
+    )
+    p.add_argument("--fail", action="append", default=[], metavar="LINK", help="remove LINK (traffic reroutes)")
+    p.add_argument(
+        "--slow-rank", action="append", default=[], metavar="R=SECONDS", help="add SECONDS to each step of rank R"
+    )
+    p.add_argument("--engine", choices=("auto", "fast", "event"), default="auto", help="simulation engine")
+    p.add_argument("--top", type=_positive_int("--top"), default=3, help="bottleneck links to list (default 3)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of per-rank steps to FILE")
+    p.set_defaults(handler=run)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Argument parsing
+# ------------------------------------------------------------------------------------------------------------
+def _split(text: str, flag: str, example: str) -> tuple[str, str]:
+    left, sep, right = text.rpartition("=")
+    if not sep or not left.strip() or not right.strip():
+        raise CLIError(f"{flag} {text!r}: write it as {example}")
+    return left.strip(), right.strip()
+
+
+def _faults(args: argparse.Namespace, topology: Topology, world_size: int) -> Faults:
+    degraded = []
+    for text in args.degrade:
+        link, factor_text = _split(text, "--degrade", "LINK=FACTOR, e.g. 'leaf0->spine1=0.1'")
+        try:
+            factor = float(factor_text)
+        except ValueError:
+            raise CLIError(f"--degrade {text!r}: the factor {factor_text!r} is not a number") from None
+        if not factor > 0:
+            raise CLIError(f"--degrade {text!r}: the factor must be > 0 (use --fail to remove a link)")
+        degraded.append((link, factor))
+    slow = []
+    for text in args.slow_rank:
+        rank_text, seconds_text = _split(text, "--slow-rank", "R=SECONDS, e.g. 3=50us")
+        try:
+            rank = int(rank_text)
+        except ValueError:
+            raise CLIError(f"--slow-rank {text!r}: the rank {rank_text!r} is not a whole number") from None
+        if not 0 <= rank < world_size:
+            raise CLIError(f"--slow-rank {text!r}: rank {rank} is not in 0..{world_size - 1}")
+        try:
+            seconds = float(seconds_text)
+        except ValueError:
+            seconds = parse_seconds(seconds_text, what=f"--slow-rank {text!r}")
+        if seconds < 0:
+            raise CLIError(f"--slow-rank {text!r}: the delay must be >= 0")
+        slow.append((rank, seconds))
+    faults = Faults(degraded=tuple(degraded), failed=tuple(args.fail), slow_ranks=tuple(slow))
+    # Resolve the link names now, so a typo is reported before any simulation runs.
+    from allreduce.sim import resolve_links
+
+    for name in [d[0] for d in degraded] + list(args.fail):
+        resolve_links(topology, name)
+    return faults
+
+
+def _placement(text: str) -> str | list[int]:
+    if text in ("linear", "random"):
+        return text
+    path = Path(text)
+    if not path.is_file():
+        raise CLIError(f"--placement {text!r}: not linear, random, or a readable file of GPU indices")
+    try:
+        content = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"--placement {text}: cannot read it ({exc})") from None
+    if content.lstrip().startswith("["):
+        try:
+            values = json.loads(content)
+        except json.JSONDecodeError as exc:
+            raise CLIError(f"{text}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise CLIError(f"{text}: expected a JSON list of GPU indices (whole numbers)")
+        return list(values)
+    gpus: list[int] = []
+    for lineno, line in enumerate(content.splitlines(), start=1):
+        for token in re.split(r"[\s,]+", line.split("#", 1)[0].strip()):
+            if not token:
+                continue
+            try:
+                gpus.append(int(token))
+            except ValueError:
+                raise CLIError(f"{text}:{lineno}: {token!r} is not a GPU index") from None
+    return gpus
+
+
+def _group_size(args: argparse.Namespace, topology: Topology, world_size: int) -> tuple[int | None, str]:
+    """The hierarchical group size and where it came from, or None and why hierarchical is left out."""
+    if args.group_size is not None:
+        if world_size % args.group_size:
+            raise CLIError(f"--ranks {world_size} is not divisible by --group-size {args.group_size}")
+        return args.group_size, f"group size {args.group_size}"
+    structure = topology.structure
+    for attribute, what in (("gpus_per_node", "GPUs per node"), ("hosts_per_leaf", "hosts per leaf")):
+        g = getattr(structure, attribute, None)
+        if isinstance(g, int) and 1 < g < world_size and world_size % g == 0:
+            return g, f"group size {g} ({what})"
+    g = FALLBACK_GROUP_SIZE
+    if 1 < g < world_size and world_size % g == 0:
+        return g, f"group size {g}"
+    return None, f"hierarchical: needs --group-size (no group size divides {world_size} ranks into several groups)"
+
+
+def _schedules(args: argparse.Namespace, topology: Topology, world_size: int) -> tuple[list[Schedule], list[str]]:
+    if args.algorithm == "all":
+        names = list(ALL_REDUCE_ALGORITHMS)
+        explicit = False
+    else:
+        names = [n.strip() for n in args.algorithm.split(",") if n.strip()]
+        explicit = True
+        for name in names:
+            if name not in ALL_REDUCE_ALGORITHMS:
+                known = ", ".join(ALL_REDUCE_ALGORITHMS)
+                raise CLIError(f"--algorithm: unknown all-reduce algorithm {name!r}; choose from {known}")
+    schedules: list[Schedule] = []
+    skipped: list[str] = []
+    for name in names:
+        if name == "direct" and world_size > DIRECT_MAX_RANKS and not explicit:
+            skipped.append(f"direct: left out above {DIRECT_MAX_RANKS} ranks (O(N) flow patterns; ask for it by name)")
+            continue
+        if name == "hierarchical":
+            g, why = _group_size(args, topology, world_size)
+            if g is None:
+                if explicit:
+                    raise CLIError(why)
+                skipped.append(why)
+                continue
+            schedules.append(all_reduce(name, world_size, group_size=g))
+            continue
+        schedules.append(all_reduce(name, world_size, chunks=args.chunks))
+    return schedules, skipped
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------------------
+def _bottlenecks_json(result: SimResult, top: int) -> list[dict[str, object]]:
+    return [{"link": b.name, "utilization": b.utilization, "waited_s": b.waited_s} for b in result.bottlenecks[:top]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one ``allreduce sim`` run simulated."""
+
+    topology: Topology
+    world_size: int
+    size_bytes: int
+    results: list[SimResult]
+    skipped: list[str]
+
+    @property
+    def best(self) -> SimResult:
+        return min(self.results, key=lambda r: r.seconds)
+
+
+def as_json(outcome: Outcome, top: int) -> dict[str, object]:
+    results, best = outcome.results, outcome.best
+    return {
+        "topology": outcome.topology.name,
+        "ranks": outcome.world_size,
+        "size_bytes": outcome.size_bytes,
+        "algorithms": [
+            {
+                "name": r.name,
+                "seconds": r.seconds,
+                "algbw_GBps": r.algbw_Bps / 1e9,
+                "busbw_GBps": r.busbw_Bps / 1e9,
+                "engine": r.engine,
+                "bottlenecks": _bottlenecks_json(r, top),
+            }
+            for r in results
+        ],
+        "best": best.name,
+        "bottlenecks": _bottlenecks_json(best, top),
+        "skipped": outcome.skipped,
+    }
+
+
+def render(outcome: Outcome, top: int, context: str) -> str:
+    results, best = outcome.results, outcome.best
+    lines = [
+        f"{outcome.world_size} ranks, {format_bytes(outcome.size_bytes)} per rank on {outcome.topology.name} "
+        f"({context})",
+        "",
+        f"{'algorithm':<20} {'time':>10} {'algbw':>11} {'busbw':>11}  {'engine':<6} slowest link (utilization)",
+    ]
+    for r in sorted(results, key=lambda r: r.seconds):
+        first = r.bottlenecks[0] if r.bottlenecks else None
+        where = f"{first.name} ({first.utilization:.0%})" if first else "-"
+        lines.append(
+            f"{r.name:<20} {format_seconds(r.seconds):>10} {format_bandwidth(r.algbw_Bps):>11} "
+            f"{format_bandwidth(r.busbw_Bps):>11}  {r.engine:<6} {where}"
+        )
+    lines += ["", f"best: {best.name}"]
+    if best.bottlenecks:
+        lines.append(f"links the critical path of {best.name} waited on:")
+        for b in best.bottlenecks[:top]:
+            lines.append(f"  {b.name:<24} utilization {b.utilization:6.1%}   waited {format_seconds(b.waited_s)}")
+        more = best.critical_links - min(top, len(best.bottlenecks))
+        if more > 0:
+            lines.append(f"  ... and {more} more (equally slow links on parallel critical paths)")
+    else:
+        lines.append(f"{best.name} waited on no link: its time is path latency and rank delays")
+    lines.extend(f"(note: {s})" for s in outcome.skipped)
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    topology = parse_topology(args.topology)
+    world_size = args.ranks if args.ranks is not None else topology.num_gpus
+    if world_size > topology.num_gpus:
+        raise CLIError(f"--ranks {world_size}: {topology.name} has only {topology.num_gpus} GPUs")
+    size = parse_bytes(args.size, what="--size")
+    if size <= 0:
+        raise CLIError(f"--size must be greater than 0 bytes, got {args.size!r}")
+    faults = _faults(args, topology, world_size)
+    placement = _placement(args.placement)
+    schedules, skipped = _schedules(args, topology, world_size)
+    if not schedules:
+        raise CLIError("no algorithm left to simulate: " + "; ".join(skipped))
+    results = [
+        simulate(
+            schedule,
+            topology,
+            size_bytes=size,
+            placement=placement,
+            routing=args.routing,
+            seed=args.seed,
+            faults=faults,
+            engine=args.engine,
+        )
+        for schedule in schedules
+    ]
+    if args.trace:
+        try:
+            write_trace(args.trace, results)
+        except OSError as exc:
+            raise CLIError(f"--trace {args.trace}: cannot write it ({exc.strerror})") from None
+    outcome = Outcome(topology, world_size, size, results, skipped)
+    if args.json:
+        print(json.dumps(as_json(outcome, args.top), indent=2))
+    else:
+        routing = args.routing or topology.default_routing
+        placement_text = args.placement if isinstance(placement, str) else f"placement from {args.placement}"
+        context = (
+            f"placement {placement_text}, routing {routing}"
+            if isinstance(placement, str)
+            else (f"{placement_text}, routing {routing}")
+        )
+        if faults:
+            context += ", faults: " + ", ".join(
+                [f"{link} x{f:g}" for link, f in faults.degraded]
+                + [f"{link} failed" for link in faults.failed]
+                + [f"rank {r} +{format_seconds(s)}/step" for r, s in faults.slow_ranks]
+            )
+        print(render(outcome, args.top, context))
+        if args.trace:
+            shown = min(world_size, results[0].trace_start_s.shape[1])
+            print(f"trace: {args.trace} (ranks 0-{shown - 1} of {world_size}; open in ui.perfetto.dev)")
+    return 0
