@@ -20,9 +20,10 @@ __all__ = ["CLIError", "main"]
 _COMMANDS: tuple[str, ...] = (
     "allreduce.cli._explain",
     "allreduce.cli._demo",
-    "allreduce.cli._run",
+    "allreduce.cli._sim",
     "allreduce.cli._bench",
     "allreduce.cli._tune",
+    "allreduce.cli._run",
     "allreduce.cli._train",
 )
 
