@@ -119,7 +119,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], ar
 def test_placement_file_errors_name_file_and_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     good = tmp_path / "good.txt"
     good.write_text("# rank -> GPU\n7 6 5 4\n3, 2, 1, 0\n")
-    code, out, err = run(capsys, "--topology", "switch:8", "--size", "1MiB", "-a", "ring", "--placement", str(good))
+    code, _, err = run(capsys, "--topology", "switch:8", "--size", "1MiB", "-a", "ring", "--placement", str(good))
     assert code == 0, err
     bad = tmp_path / "bad.txt"
     bad.write_text("0 1 2 3\n4 five 6 7\n")
