@@ -605,6 +605,7 @@ class ShmTransport:
         where = f"step {step}" if step >= 0 else "the descriptor exchange"
         if died:
             culprit = died[0]
+            self._unlink_dead(died)
             self._fail(
                 PeerFailureError(
                     f"rank {self.rank}: rank {culprit} died (process exited) during collective {seq}; "
@@ -657,6 +658,14 @@ class ShmTransport:
             seq,
             step,
         )
+
+    def _unlink_dead(self, ranks: list[int]) -> None:
+        """Remove the /dev/shm files of ranks that died without close() (nobody else will)."""
+        directory, stem = os.path.split(self._prefix)
+        for name in os.listdir(directory):
+            if any(name.startswith(f"{stem}-{r}-") for r in ranks):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
 
     def _fail(self, error: CollectiveError, kind: int, culprit: int, seq: int, step: int) -> NoReturn:
         """Mark this rank aborted (peers waiting on us stop at once), then raise ``error``."""
