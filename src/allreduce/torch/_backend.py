@@ -1,0 +1,163 @@
+"""``dist.init_process_group("allreduce", ...)``: allreduce as a torch.distributed backend.
+
+Importing :mod:`allreduce.torch` registers the backend. torch hands the backend factory its rendezvous store;
+rank 0 publishes there the port of allreduce's own store, and every rank then joins an allreduce process group
+(shared memory when all ranks share the host, TCP otherwise) with :func:`allreduce.runtime.init`.
+``dist.all_reduce / broadcast / all_gather / all_gather_into_tensor / reduce_scatter / reduce_scatter_tensor /
+barrier`` then run allreduce's schedules on CPU tensors.
+
+This relies on torch letting Python code implement a backend (``dist.Backend.register_backend`` and
+``_create_work_from_future``), which torch has had since 2.2; older versions get a clear error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+import torch
+from allreduce.torch._futures import future_of
+
+__all__ = ["BACKEND_NAME", "register_backend"]
+
+BACKEND_NAME = "allreduce"
+_MIN_TORCH = "2.2"
+_PORT_KEY = "allreduce/backend/port"
+
+_create_work_from_future: Any = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
+# Typed as Any: the backend implements the list-of-tensors calling convention torch uses for Python backends,
+# not every overload of the typed ProcessGroup.
+_ProcessGroupBase: Any = dist.ProcessGroup
+
+
+def _reduce_op(op: Any) -> str:
+    names = {
+        dist.ReduceOp.SUM: "sum",
+        dist.ReduceOp.AVG: "avg",
+        dist.ReduceOp.PRODUCT: "prod",
+        dist.ReduceOp.MIN: "min",
+        dist.ReduceOp.MAX: "max",
+    }
+    for known, name in names.items():
+        if op == known:
+            return name
+    raise ValueError(f"the allreduce backend reduces with SUM, AVG, PRODUCT, MIN or MAX, not {op}")
+
+
+def _check_cpu(tensors: Sequence[torch.Tensor], what: str) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"the allreduce backend moves CPU tensors; {what} got a tensor on {t.device}")
+
+
+class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
+    """A torch.distributed backend whose collectives are an allreduce process group's."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group.rank, group.world_size)
+        self._group = group
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def _work(self, works: Sequence[Any], value: Any) -> Any:
+        return _create_work_from_future(future_of(works, lambda: value))
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
+        _check_cpu(tensors, "all_reduce")
+        works = [self._group.all_reduce(t, op=op, async_op=True) for t in tensors]
+        return self._work(works, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = int(opts.rootRank) if opts is not None else 0
+        _check_cpu(tensors, "broadcast")
+        works = [self._group.broadcast(t, root, async_op=True) for t in tensors]
+        return self._work(works, tensors)
+
+    def _gather_flat(self, output: torch.Tensor, local: torch.Tensor) -> None:
+        # Block r of an N*n buffer is rank r's part; block_bounds cuts N*n elements into exactly n each.
+        n = local.numel()
+        flat = torch.empty(n * self._group.world_size, dtype=local.dtype)
+        flat[self._group.rank * n : (self._group.rank + 1) * n] = local.reshape(-1)
+        self._group.all_gather(flat)
+        output.copy_(flat.view(output.shape))
+
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        _check_cpu(input_tensors, "all_gather")
+        for outputs, local in zip(output_tensors, input_tensors, strict=True):
+            n = local.numel()
+            flat = torch.empty(n * len(outputs), dtype=local.dtype)
+            self._gather_flat(flat, local)
+            for r, out in enumerate(outputs):
+                out.copy_(flat[r * n : (r + 1) * n].view(out.shape))
+        return self._work([], output_tensors)
+
+    def _allgather_base(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
+        _check_cpu([output, local], "all_gather_into_tensor")
+        self._gather_flat(output, local)
+        return self._work([], [output])
+
+    # torch >= 2.10 routes all_gather_into_tensor / reduce_scatter_tensor through these names.
+    all_gather_single = _allgather_base
+
+    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, op: str) -> None:
+        block = self._group.reduce_scatter(flat, op=op)
+        output.copy_(block.view(output.shape))
+
+    def reduce_scatter(
+        self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
+        _check_cpu(output_tensors, "reduce_scatter")
+        for out, inputs in zip(output_tensors, input_lists, strict=True):
+            flat = torch.cat([t.reshape(-1) for t in inputs])
+            self._reduce_scatter_flat(out, flat, op)
+        return self._work([], output_tensors)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
+        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
+        _check_cpu([output, local], "reduce_scatter_tensor")
+        self._reduce_scatter_flat(output, local.reshape(-1).clone(), op)
+        return self._work([], [output])
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def barrier(self, opts: Any = None) -> Any:
+        self._group.barrier()
+        return self._work([], [])
+
+    def shutdown(self) -> None:
+        self._group.close()
+
+
+def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> _AllreduceBackend:
+    from allreduce.runtime import init
+    from allreduce.train import free_port
+
+    timeout_s = timeout.total_seconds()
+    if rank == 0:
+        store.set(_PORT_KEY, str(free_port()))
+    store.wait([_PORT_KEY], timeout)
+    port = int(store.get(_PORT_KEY).decode())
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    group = init(rank, world_size, master_addr=host, master_port=port, timeout_s=timeout_s)
+    return _AllreduceBackend(group)
+
+
+def register_backend() -> None:
+    """Make ``dist.init_process_group("allreduce", ...)`` available (done on ``import allreduce.torch``)."""
+    if _create_work_from_future is None or not hasattr(dist.Backend, "register_backend"):
+        raise RuntimeError(
+            f"the allreduce torch.distributed backend needs torch >= {_MIN_TORCH} (Python backends); "
+            f"this is torch {torch.__version__}"
+        )
+    if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu"])
