@@ -43,10 +43,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "sim",
         help="simulate all-reduce on a cluster topology (flow-level, max-min fair links) and name the bottleneck",
         description=(
-            "Run all-reduce schedules on a topology with a flow-level network model: concurrent flows share every "
-            "link max-min fairly; a transfer takes its path latency plus its bytes at its fair rate; a rank's next "
-            "step starts when the data it needs has arrived. Prints the predicted time, algbw and busbw "
-            "(nccl-tests definitions) per algorithm and the links the critical path waited on."
+            "Run all-reduce schedules on a topology with a flow-level network model: concurrent flows share\n"
+            "every link max-min fairly; a transfer takes its path latency plus its bytes at its fair rate; a\n"
+            "rank's next step starts when the data it needs has arrived. Prints the predicted time, algbw and\n"
+            "busbw (nccl-tests definitions) per algorithm and the links the critical path waited on."
         ),
         epilog=(
             "examples:\n"
@@ -280,7 +280,7 @@ def render(outcome: Outcome, top: int, context: str) -> str:
             lines.append(f"  {b.name:<24} utilization {b.utilization:6.1%}   waited {format_seconds(b.waited_s)}")
         more = best.critical_links - min(top, len(best.bottlenecks))
         if more > 0:
-            lines.append(f"  ... and {more} more (equally slow links on parallel critical paths)")
+            lines.append(f"  ... and {more} more links it waited on")
     else:
         lines.append(f"{best.name} waited on no link: its time is path latency and rank delays")
     lines.extend(f"(note: {s})" for s in outcome.skipped)
