@@ -48,7 +48,11 @@ def simulate(
     topology's routings (None: its default — ECMP, or dimension-order on tori); ``faults`` degrades or fails
     links and slows ranks; ``engine`` is "fast", "event", or "auto" (event-driven for small schedules).
     """
-    if not (isinstance(size_bytes, int | float) and math.isfinite(size_bytes) and size_bytes >= 0):
+    try:
+        size = float(size_bytes)
+    except (TypeError, ValueError):
+        raise ValueError(f"size_bytes must be a number of bytes, got {size_bytes!r}") from None
+    if not (math.isfinite(size) and size >= 0):
         raise ValueError(f"size_bytes must be a finite number >= 0, got {size_bytes!r}")
     if engine not in _ENGINES:
         raise ValueError(f"engine must be one of {', '.join(_ENGINES)}, got {engine!r}")
@@ -65,4 +69,4 @@ def simulate(
     if engine == "auto":
         engine = "event" if _num_transfers(schedule) <= AUTO_EVENT_MAX_TRANSFERS else "fast"
     run = run_event if engine == "event" else run_fast
-    return run(schedule, router, size_bytes=float(size_bytes), rank_delay_s=delay, trace_ranks=trace_ranks)
+    return run(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
