@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -348,3 +349,80 @@ def test_transport_beyond_loopback_requires_the_right_token() -> None:
                 assert "wrong token" in results[0][1]
             for r in (0, 1):
                 server.delete(f"tcp/addr/{r}")
+
+
+# ----------------------------------------------------------------------------------- SIGKILL, repeated
+
+
+def _looping_rank(rank: int, world_size: int, port: int, started: Any, out: Any) -> None:
+    _store, transport = _setup(rank, world_size, port)
+    plan = compile_plan(all_reduce("ring", world_size, segments=2), rank, 1 << 17)
+    buffer = np.zeros(1 << 17, np.int64)  # 1 MiB: the kill lands mid-collective most of the time
+    seq = 0
+    transport.execute(plan, buffer, add_into, seq=seq, timeout_s=60, checksum=False)
+    started.put(rank)
+    try:
+        while True:
+            seq += 1
+            transport.execute(plan, buffer, add_into, seq=seq, timeout_s=60, checksum=False)
+    except CollectiveError as exc:
+        out.put((rank, type(exc).__name__, exc.peer, str(exc), time.monotonic()))
+    finally:
+        transport.close()
+        out.close()
+        out.join_thread()  # the report must leave before _exit, which skips the queue's feeder thread
+        os._exit(0)  # skip interpreter teardown in a forked child (inherited threads and handlers)
+
+
+def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
+    """Runs in one spawned process and forks each rank set from it (fast: numpy is already imported)."""
+    fork = mp.get_context("fork")
+    runs = []
+    for rep in range(repetitions):
+        server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=-1, timeout_s=60)
+        started, out = fork.Queue(), fork.Queue()
+        procs = [
+            fork.Process(target=_looping_rank, args=(r, world_size, server.port, started, out))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            started.get(timeout=60)
+        victim = rep % world_size
+        killed_at = time.monotonic()
+        os.kill(procs[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
+        reports = []
+        for _ in range(world_size - 1):
+            try:
+                reports.append(out.get(timeout=60))
+            except queue.Empty:
+                reports.append(None)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        server.close()
+        runs.append((victim, killed_at, reports))
+    results.put(runs)
+
+
+def test_sigkill_20_times_every_survivor_names_the_victim() -> None:
+    results = SPAWN.Queue()
+    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, results))
+    launcher.start()
+    runs = results.get(timeout=280)
+    launcher.join(timeout=30)
+    assert launcher.exitcode == 0
+    assert len(runs) == 20
+    for victim, _killed_at, reports in runs:
+        assert None not in reports, f"a survivor of the kill of rank {victim} never raised (hang)"
+        for rank, kind, peer, message, _raised_at in reports:
+            assert rank != victim
+            # A PeerFailureError, not the 60 s CollectiveTimeoutError: detected, not timed out.
+            assert kind == "PeerFailureError", message
+            assert peer == victim, message
+            assert f"rank {victim}" in message
+    worst_s = max(raised - killed for _, killed, reports in runs for *_, raised in reports)
+    print(f"slowest survivor raised {worst_s * 1e3:.0f} ms after the SIGKILL")
