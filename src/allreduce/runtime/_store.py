@@ -179,12 +179,24 @@ class _Server:
 
     def _handshake(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         address = f"{addr[0]}:{addr[1]}"
+        reserved: list[int] = []
+
+        def check(hello: ClientHello) -> str | None:
+            reason = self._check_hello(hello)
+            if reason is None and hello.rank >= 0:
+                reserved.append(hello.rank)
+            return reason
+
         try:
             sock.settimeout(10.0)
-            hello = accept_handshake(sock, _SERVICE, self._token, self._check_hello)
+            hello = accept_handshake(sock, _SERVICE, self._token, check)
         except (OSError, ProtocolError) as exc:
             _log.warning("store refused a client from %s: %s", address, exc)
             sock.close()
+            with self._lock:  # the client left after its rank was reserved: free the seat
+                for rank in reserved:
+                    if rank in self._ranks_live and self._ranks_live[rank] is None:
+                        del self._ranks_live[rank]
             return
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
