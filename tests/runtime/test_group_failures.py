@@ -151,6 +151,20 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
     group.all_reduce(sync)
     seen["async"] = [w.result()[0] for w in works] + [int(sync[0])] + [w.done() for w in works]
 
+    # done callbacks: each runs once, in issue order, with the result readable; one added to a finished work
+    # runs at once; one that raises does not stop later collectives
+    calls: list[tuple[int, int]] = []
+    cb_works = [group.all_reduce(np.full(4, rank + i, dtype=np.int64), async_op=True) for i in range(3)]
+    for i, w in enumerate(cb_works):
+        w.add_done_callback(lambda w, i=i: calls.append((i, int(w.wait()[0]))))
+    bad = group.all_reduce(np.ones(2, dtype=np.int64), async_op=True)
+    bad.add_done_callback({}.pop)  # raises KeyError
+    after = group.all_reduce(np.ones(2, dtype=np.int64), async_op=True)
+    after_value = after.wait().tolist()
+    late: list[bool] = []
+    cb_works[0].add_done_callback(lambda w: late.append(w.done()))
+    seen["callbacks"] = (calls, late, after_value)
+
     # local argument errors consume nothing and name the culprit
     errors = []
     for call in (
@@ -246,6 +260,7 @@ def test_mismatch_checksum_deterministic_async_tensors_and_timeout() -> None:
         assert seen["checksum_ok"]
         assert seen["deterministic_same"]
         assert seen["async"] == [3, 6, 9, 3, True, True, True]
+        assert seen["callbacks"] == ([(0, 3), (1, 6), (2, 9)], [True], [3, 3])
         assert seen["after_errors"] == [3, 3, 3]
         names = seen["errors"]
         assert "avg" in names[0]

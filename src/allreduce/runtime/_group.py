@@ -171,10 +171,38 @@ class Work:
         self._result: Any = None
         self._error: BaseException | None = None
         self._description = description
+        self._callbacks: list[Callable[[Work], None]] = []
+        self._callbacks_lock = threading.Lock()
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
-        self._event.set()
+        with self._callbacks_lock:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
+
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        """Call ``fn(work)`` once the collective has finished (at once, in this thread, if it already has).
+
+        Callbacks run on the group's worker thread in the order they were added, so they must be quick and
+        must not wait for a later collective of the same group; ``fn`` reads the outcome with ``wait()``,
+        which then returns (or raises) at once. An exception from ``fn`` is reported on stderr, never lost
+        and never allowed to stop the group's worker.
+        """
+        if not callable(fn):
+            raise TypeError(f"add_done_callback: expected a callable, got {type(fn).__name__}")
+        with self._callbacks_lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def _call(self, fn: Callable[[Work], None]) -> None:
+        try:
+            fn(self)
+        except Exception as exc:  # a user callback must not kill the worker that runs later collectives
+            print(f"allreduce: done callback {fn!r} of {self._description} raised {exc!r}", file=sys.stderr)
 
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not)."""
