@@ -40,6 +40,8 @@ def _run_matrix(group: allreduce.ProcessGroup, transport: str) -> dict[str, Any]
     n, rank = group.world_size, group.rank
     failures: list[str] = []
     ran = 0
+    # this machine lets ranks read each other's memory: the probe at start-up must have found that
+    cross_memory = bool(getattr(group._transport, "_cross_memory", False))
     combos = [(dname, dt, op) for dname, dt in DTYPES.items() for op in OPS if not (op == "avg" and dt.kind in "iu")]
     for algorithm in ALGORITHMS[Collective.ALL_REDUCE]:
         if algorithm == "hierarchical":
@@ -50,16 +52,20 @@ def _run_matrix(group: allreduce.ProcessGroup, transport: str) -> dict[str, Any]
             sizes = _sizes(n)
             # every size for one dtype per algorithm, a rotating size for the rest of the matrix
             for count in sizes if dname == "int32" else [sizes[k % len(sizes)], 1031]:
-                for in_shm in (False, True):
+                # plain arrays read in place by peers (process_vm_readv), plain arrays staged through shared
+                # memory on odd ranks only (each rank picks its own path), and group.empty() arrays
+                for mode in ("plain", "staged", "shm"):
                     x = contribution(dt, count, rank, op)
-                    if in_shm:
+                    if mode == "shm":
                         y = group.empty(count, dt)
                         y[...] = x
                         x = y
+                    if transport == "shm":
+                        group._transport._cross_memory = not (mode == "staged" and rank % 2)  # type: ignore[attr-defined]
                     group.all_reduce(x, op=op, algorithm=algorithm, segments=1 + count % 3)
                     ran += 1
                     if not _close(x, reference(dt, count, n, op), op):
-                        failures.append(f"all_reduce {algorithm} {dname} {op} count={count} shm={in_shm}")
+                        failures.append(f"all_reduce {algorithm} {dname} {op} count={count} {mode}")
     group.group_size = n
     for algorithm in ALGORITHMS[Collective.REDUCE_SCATTER]:
         for dname, dt, op in combos:
@@ -104,7 +110,7 @@ def _run_matrix(group: allreduce.ProcessGroup, transport: str) -> dict[str, Any]
                 want = reference(dt, count, n, op) if rank == root else mine
                 if not _close(x, want, op):
                     failures.append(f"reduce {algorithm} root={root} {dname} {op} count={count}")
-    return {"failures": failures, "ran": ran, "transport": group.transport_name}
+    return {"failures": failures, "ran": ran, "transport": group.transport_name, "cross_memory": cross_memory}
 
 
 def _matrix_worker(rank: int, n: int, port: int, out: Any, transport: str) -> None:
@@ -122,5 +128,6 @@ def test_every_collective_algorithm_dtype_and_op_is_exact_over_shm(world_size: i
     for rank, result in enumerate(results):
         assert isinstance(result, dict), result
         assert result["transport"] == "shm"
+        assert result["cross_memory"]
         assert result["failures"] == [], f"rank {rank}: {result['failures'][:10]}"
         assert result["ran"] > 500

@@ -28,9 +28,11 @@ from allreduce.runtime._shm import ShmTransport
 
 
 # ----------------------------------------------------------------------------------- SIGKILL mid-collective
-def _looping_rank(rank: int, n: int, job: str, started: Any, out: Any) -> None:
+def _looping_rank(rank: int, n: int, job: str, started: Any, out: Any, *, plain: bool) -> None:
     group = ProcessGroup(ShmTransport(rank, n, job, timeout_s=60), transport_name="shm", timeout_s=60)
-    x = group.zeros(1 << 18, np.float32)  # 1 MiB: the kill lands in the data phase most of the time
+    # 1 MiB: the kill lands in the data phase most of the time; a plain array is read by peers in the victim's
+    # own memory (process_vm_readv), a group.zeros() array in its shared segment
+    x = np.zeros(1 << 18, np.float32) if plain else group.zeros(1 << 18, np.float32)
     group.all_reduce(x, algorithm="ring")
     started.put(rank)
     try:
@@ -49,7 +51,10 @@ def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
     for rep in range(repetitions):
         started, out = fork.Queue(), fork.Queue()
         job = f"kill-{os.getpid()}-{rep}"
-        procs = [fork.Process(target=_looping_rank, args=(r, world_size, job, started, out)) for r in range(world_size)]
+        procs = [
+            fork.Process(target=_looping_rank, args=(r, world_size, job, started, out), kwargs={"plain": rep % 2 == 1})
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         for _ in procs:

@@ -13,7 +13,14 @@ Two counters per rank in a small control segment carry all synchronisation:
 A range that is both sent and received in the same step (recursive doubling) is reduced into scratch memory and
 copied in once the readers are done (the plan semantics: sends read the step-start state).
 
-User arrays that are not in shared memory are *lazily staged*: a compile pass over the plan tracks, for every
+User arrays that are not in shared memory are read by peers where they are, in the owner's private memory, with
+``process_vm_readv(2)`` (one kernel copy, as Open MPI's CMA path does): the owner publishes the array's address
+instead of a segment, and a receiver reduces through a 1 MiB scratch piece (read a piece, reduce it while it is in
+cache) or copies straight into its own buffer. No staging copy in or out. A probe at start-up (every rank reads
+each peer's magic word) decides whether the kernel allows it; we never loosen ptrace permissions for it, so under
+Yama ``ptrace_scope >= 1`` (or with ``cross_memory=False``) the ranks fall back to staging:
+
+User arrays that are staged are staged *lazily*: a compile pass over the plan tracks, for every
 element range, whether its current value lives in the user array ``U`` or in ``W``; a range is copied into ``W``
 only before it is sent, a received range is written into ``W`` only when it is sent again later (else straight
 into ``U``), and only ranges whose final value is in ``W`` are copied out. Arrays from
@@ -30,6 +37,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import platform
@@ -72,6 +80,8 @@ _S_ABORT_STEP = 8
 _S_BUF_SEG = 9
 _S_BUF_OFFSET = 10
 _S_CLOSED = 11
+_S_PROBE_ADDR = 13  # where this control segment is mapped in its owner (peers probe cross-memory reads there)
+_S_CROSS_OK = 14  # 1: this rank can read every peer's private memory (process_vm_readv)
 _DESC_SLOT0 = 16  # two descriptor slots (seq parity): stamp, length, then _DESC_BYTES of payload
 _DESC_BYTES = 240
 _DESC_SLOT_WORDS = 2 + _DESC_BYTES // 8
@@ -85,6 +95,9 @@ _ABORT_DEAD = 1
 _ABORT_TIMEOUT = 2
 _ABORT_CHECKSUM = 3
 _ABORT_OTHER = 4
+
+_SEG_PRIVATE = -1  # _S_BUF_SEG: a private array of the owner at address _S_BUF_OFFSET (process_vm_readv)
+_CHUNK_BYTES = 1 << 20  # reduce a cross-memory receive through a scratch piece that stays in L2
 
 _U = 0  # value lives in the user's array
 _W = 1  # value lives in the shared working buffer
@@ -133,6 +146,46 @@ def _futex_wait(addr: int, seen: int, timeout_s: float) -> None:
 def _futex_wake(addr: int) -> None:
     if _futex_syscall is not None:
         _futex_syscall(_SYS_FUTEX, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("length", ctypes.c_size_t))
+
+
+def _load_vm_readv() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = (
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    )
+    return fn
+
+
+_vm_readv = _load_vm_readv()
+
+
+def _read_remote(pid: int, address: int, out: npt.NDArray[Any]) -> int:
+    """Copy ``out.nbytes`` bytes at ``address`` in process ``pid`` into ``out`` (contiguous); 0 or an errno."""
+    nbytes = out.nbytes
+    done = 0
+    base = int(out.ctypes.data)
+    while done < nbytes:
+        local = _IoVec(base + done, nbytes - done)
+        remote = _IoVec(address + done, nbytes - done)
+        got = _vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            return ctypes.get_errno() or 5  # EIO: a zero-length read of memory that should be there
+        done += got
+    return 0
 
 
 def shm_prefix(job: str) -> str:
@@ -336,6 +389,16 @@ class _Segment:
             os.unlink(self.path)
 
 
+@dataclass(frozen=True, slots=True)
+class _Remote:
+    """A peer's private array, read with process_vm_readv: element i is at ``address + i * itemsize``."""
+
+    peer: int
+    pid: int
+    address: int
+    itemsize: int
+
+
 class ShmTransport:
     """Shared-memory transport for ``world_size`` ranks of job ``job`` on one host (see the module docstring).
 
@@ -343,7 +406,9 @@ class ShmTransport:
     all peers have created theirs, then the files are unlinked (nothing is left in /dev/shm if a rank dies later).
     """
 
-    def __init__(self, rank: int, world_size: int, job: str, *, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, rank: int, world_size: int, job: str, *, timeout_s: float = 300.0, cross_memory: bool = True
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of {world_size}")
         self.rank = rank
@@ -361,6 +426,13 @@ class ShmTransport:
         self._spin_s = _SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
         self._pidfds: list[int] = []
         self._corrupt_sends_to: int | None = None  # fault injection for tests (a corrupted link)
+        self._want_cross_memory = cross_memory and _vm_readv is not None
+        # Plain arrays are read by peers in place (process_vm_readv) when every rank can read every other;
+        # else they are staged through a shared segment. Each rank may decide alone: a reader follows what the
+        # owner of the data published (_S_BUF_SEG), so tests can flip this per rank.
+        self._cross_memory = False
+        self._peer_pids: list[int] = []
+        self._scratch: npt.NDArray[np.uint8] | None = None
         ctl_bytes = _CRC_OFFSET_BYTES + 4 * world_size * _CRC_PER_PEER
         self._ctl_bytes = ctl_bytes
         own = _Segment(f"{self._prefix}-ctl-{rank}", ctl_bytes, create=True)
@@ -369,6 +441,7 @@ class ShmTransport:
         self._views: list[memoryview] = []
         own_view = memoryview(own.mm).cast("q")
         own_view[_S_PID] = os.getpid()
+        own_view[_S_PROBE_ADDR] = own.address
         own_view[_S_PROGRESS] = -1
         own_view[_S_READ_DONE] = -1
         own_view[_DESC_SLOT0] = -1
@@ -437,8 +510,10 @@ class ShmTransport:
                 self._pidfds.append(os.pidfd_open(pid))
             except (OSError, AttributeError):
                 self._pidfds.append(-1)
+        self._peer_pids = [struct.unpack_from("<q", ctl.mm, _S_PID * 8)[0] for ctl in self._ctl_list()]
         own = self._ctl[self.rank]
         assert own is not None
+        struct.pack_into("<q", own.mm, _S_CROSS_OK * 8, int(self._probe_cross_memory()))
         struct.pack_into("<q", own.mm, _S_ATTACHED * 8, 1)
         # Unlink our control file once every peer has mapped it, so a crash leaves nothing in /dev/shm.
         while True:
@@ -458,7 +533,21 @@ class ShmTransport:
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
+        self._cross_memory = all(struct.unpack_from("<q", ctl.mm, _S_CROSS_OK * 8)[0] == 1 for ctl in self._ctl_list())
         own.unlink()
+
+    def _probe_cross_memory(self) -> bool:
+        """Can this rank read every peer's private memory? (Read each peer's magic word where it mapped it.)"""
+        if not self._want_cross_memory:
+            return False
+        probe = np.zeros(1, dtype=np.int64)
+        for p, ctl in enumerate(self._ctl_list()):
+            if p == self.rank:
+                continue
+            address = struct.unpack_from("<q", ctl.mm, _S_PROBE_ADDR * 8)[0]
+            if _read_remote(self._peer_pids[p], address, probe) or int(probe[0]) != _MAGIC:
+                return False
+        return True
 
     # ----------------------------------------------------------------------------------------------------
     # Shared arrays
@@ -494,9 +583,13 @@ class ShmTransport:
             self._staging_id = seg_id
         return self._staging_id, self._staging
 
-    def _peer_array(self, peer: int, dtype: np.dtype[Any], count: int, *, seq: int, step: int) -> npt.NDArray[Any]:
+    def _peer_array(
+        self, peer: int, dtype: np.dtype[Any], count: int, *, seq: int, step: int
+    ) -> npt.NDArray[Any] | _Remote:
         view = self._views[peer]
         seg_id, offset = view[_S_BUF_SEG], view[_S_BUF_OFFSET]
+        if seg_id == _SEG_PRIVATE:
+            return _Remote(peer, self._peer_pids[peer], offset, dtype.itemsize)
         cache = self._peer_segments[peer]
         seg = cache.get(seg_id)
         if seg is None:
@@ -524,6 +617,32 @@ class ShmTransport:
         else:
             cache.move_to_end(seg_id)
         return seg.array(dtype, count, offset)
+
+    def _fetch(self, remote: _Remote, start: int, out: npt.NDArray[Any], *, seq: int, step: int) -> None:
+        """Copy the peer's elements [start, start + out.size) into ``out``."""
+        error = _read_remote(remote.pid, remote.address + start * remote.itemsize, out)
+        if not error:
+            return
+        # The peer is gone or gave up (its memory went with it): name the root cause when there is one.
+        self._check_peers(remote.peer, _S_CLOSED, 2, seq=seq, what="its data", step=step)
+        self._fail(
+            PeerFailureError(
+                f"rank {self.rank}: cannot read rank {remote.peer}'s buffer during collective {seq} "
+                f"(step {step}): {os.strerror(error)}",
+                rank=self.rank,
+                peer=remote.peer,
+                step=step,
+            ),
+            _ABORT_DEAD if error == errno.ESRCH else _ABORT_OTHER,  # ESRCH: its memory is gone, it is exiting
+            remote.peer,
+            seq,
+            step,
+        )
+
+    def _scratch_of(self, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        if self._scratch is None:
+            self._scratch = np.empty(_CHUNK_BYTES, dtype=np.uint8)
+        return self._scratch.view(dtype)
 
     # ----------------------------------------------------------------------------------------------------
     # Waiting
@@ -737,11 +856,15 @@ class ShmTransport:
         if located is not None:
             seg_id, offset = located
             work = buffer
+        elif self._cross_memory:
+            # Peers read the user's array where it is: no staging copy in, none out.
+            seg_id, offset = _SEG_PRIVATE, int(buffer.ctypes.data)
+            work = buffer
         else:
             seg_id, staging = self._staging_for(buffer.nbytes)
             offset = 0
             work = staging.array(dtype, plan.count)
-        program = _compile(plan, located is not None)
+        program = _compile(plan, work is buffer)
         if checksum and program.max_crc_slots > _CRC_PER_PEER:
             raise ValueError(
                 f"checksum=True supports up to {_CRC_PER_PEER} transfers per peer per collective; this plan has "
@@ -753,7 +876,7 @@ class ShmTransport:
         me[_S_BUF_SEG] = seg_id
         me[_S_BUF_OFFSET] = offset
         base = seq << _STEP_BITS
-        peer_arrays: dict[int, npt.NDArray[Any]] = {}
+        peer_arrays: dict[int, npt.NDArray[Any] | _Remote] = {}
         my_crc = self._crc[self.rank]
         wait = self._wait
         try:
@@ -777,9 +900,14 @@ class ShmTransport:
                     theirs = peer_arrays.get(peer)
                     if theirs is None:
                         theirs = peer_arrays[peer] = self._peer_array(peer, dtype, plan.count, seq=seq, step=st.index)
+                    local, shift = theirs, 0
+                    if checksum and isinstance(theirs, _Remote):
+                        local, shift = np.empty(rv.stop - rv.start, dtype), rv.start
+                        self._fetch(theirs, rv.start, local, seq=seq, step=st.index)
                     if checksum:
+                        assert not isinstance(local, _Remote)
                         expected = int(self._crc[peer][self.rank * _CRC_PER_PEER + rv.crc_slot])
-                        got = zlib.crc32(theirs[rv.start : rv.stop].view(np.uint8).data)
+                        got = zlib.crc32(local[rv.start - shift : rv.stop - shift].view(np.uint8).data)
                         if got != expected:
                             self._fail(
                                 ChecksumError(
@@ -797,23 +925,45 @@ class ShmTransport:
                             )
                     for pc in rv.pieces:
                         a, b = pc.start, pc.stop
-                        incoming = theirs[a:b]
                         if pc.staged:
-                            if rv.reduce:
-                                tmp = np.empty_like(incoming)
-                                _apply(ufunc, reduce_into, arrays[pc.src][a:b], incoming, tmp, in_place=False)
+                            if isinstance(local, _Remote):
+                                tmp = np.empty(b - a, dtype)
+                                self._fetch(local, a, tmp, seq=seq, step=st.index)
+                                if rv.reduce:
+                                    tmp = _reduced(ufunc, reduce_into, arrays[pc.src][a:b], tmp)
+                            elif rv.reduce:
+                                tmp = np.empty(b - a, dtype)
+                                _apply(ufunc, reduce_into, arrays[pc.src][a:b], local[a - shift : b - shift], tmp,
+                                       in_place=False)  # fmt: skip
                             else:
-                                tmp = incoming.copy()
+                                tmp = local[a - shift : b - shift].copy()
                             staged.append((pc, tmp))
                             continue
                         for reader, value in pc.waits:
                             wait(reader, _S_READ_DONE, base + value, deadline=deadline, seq=seq,
                                  what="reading data this step overwrites", step=st.index)  # fmt: skip
                         out = arrays[pc.dst][a:b]
-                        if rv.reduce:
-                            _apply(ufunc, reduce_into, arrays[pc.src][a:b], incoming, out, in_place=pc.src == pc.dst)
+                        if not isinstance(local, _Remote):
+                            incoming = local[a - shift : b - shift]
+                            if rv.reduce:
+                                _apply(
+                                    ufunc, reduce_into, arrays[pc.src][a:b], incoming, out, in_place=pc.src == pc.dst
+                                )
+                            else:
+                                out[...] = incoming
+                        elif not rv.reduce:
+                            self._fetch(local, a, out, seq=seq, step=st.index)
                         else:
-                            out[...] = incoming
+                            # Read a cache-sized piece, reduce it, next: the peer's data crosses memory once.
+                            scratch = self._scratch_of(dtype)
+                            mine = arrays[pc.src]
+                            for c in range(a, b, scratch.size):
+                                d = min(c + scratch.size, b)
+                                piece = scratch[: d - c]
+                                self._fetch(local, c, piece, seq=seq, step=st.index)
+                                _apply(
+                                    ufunc, reduce_into, mine[c:d], piece, out[c - a : d - a], in_place=pc.src == pc.dst
+                                )
                 self._publish(_S_READ_DONE, base + st.index + 1)
                 for pc, tmp in staged:
                     for reader, value in pc.waits:
@@ -874,6 +1024,16 @@ class ShmTransport:
             for seg in (*getattr(self, "_allocations", {}).values(), getattr(self, "_staging", None)):
                 if seg is not None:
                     seg.unlink()
+
+
+def _reduced(ufunc: Any, reduce_into: ReduceInto, mine: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> Any:
+    """op(mine, incoming) in a new array (``incoming`` is a private copy and may be reused as the result)."""
+    if ufunc is not None:
+        ufunc(mine, incoming, out=incoming)
+        return incoming
+    out = mine.copy()
+    reduce_into(out, incoming)
+    return out
 
 
 def _apply(
