@@ -287,3 +287,17 @@ def test_garbage_from_the_network_does_not_break_the_server(garbage: bytes) -> N
                 pass
         store.set("still", b"alive")
         assert store.get("still") == b"alive"
+
+
+def test_the_hosting_rank_closes_only_after_the_others_leave(no_env_token: None) -> None:
+    server = TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, timeout_s=60)
+    client = _client(server.port, 1, 2)
+    closing = threading.Thread(target=server.close)
+    closing.start()
+    closing.join(timeout=0.5)
+    assert closing.is_alive()  # waiting for rank 1 (up to 30 s)
+    client.set("late", b"still served")
+    assert client.get("late") == b"still served"
+    client.close()
+    closing.join(timeout=60)
+    assert not closing.is_alive()

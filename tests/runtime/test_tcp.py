@@ -312,14 +312,23 @@ def test_bad_arguments_fail_before_any_data_moves() -> None:
             TcpTransport(0, 1, store, host="0.0.0.0", token=None)
 
 
-def _token_worker(rank: int, port: int, token: str, timeout_s: float, out: Any) -> None:
+def _token_worker(rank: int, port: int, token: str, wrong: bool, out: Any) -> None:
     try:
         store = TCPStore("127.0.0.1", port, is_server=False, world_size=2, rank=rank, timeout_s=60, token="store")
         transport = TcpTransport(rank, 2, store, host="0.0.0.0", token=token, timeout_s=60)
         buffer = rank_data(rank, 100)
-        transport.execute(
-            compile_plan(all_reduce("ring", 2), rank, 100), buffer, add_into, seq=0, timeout_s=timeout_s, checksum=False
-        )
+        if wrong and rank == 0:
+            # Time out only after rank 1 has been refused, so the refusal is there to be reported.
+            store.get("test/refused", timeout_s=60)
+        plan = compile_plan(all_reduce("ring", 2), rank, 100)
+        try:
+            transport.execute(plan, buffer, add_into, seq=0, timeout_s=2.0 if wrong else 60.0, checksum=False)
+        finally:
+            if wrong and rank == 1:
+                store.set("test/refused", b"")
+            # Leave cleanly: a rank that exits without close() is reported dead to the next iteration's ranks.
+            transport.close()
+            store.close()
         out.put((rank, "ok", bool(np.array_equal(buffer, exact_sum(2, 100)))))
     except CollectiveError as exc:
         out.put((rank, type(exc).__name__, str(exc)))
@@ -327,25 +336,23 @@ def _token_worker(rank: int, port: int, token: str, timeout_s: float, out: Any) 
 
 def test_transport_beyond_loopback_requires_the_right_token() -> None:
     with TCPStore("0.0.0.0", 0, is_server=True, world_size=2, rank=-1, token="store", timeout_s=60) as server:
-        for tokens, expect_ok in ((("t", "t"), True), (("t", "wrong"), False)):
+        for tokens, wrong in ((("t", "t"), False), (("t", "wrong"), True)):
             out = SPAWN.Queue()
-            timeout_s = 60.0 if expect_ok else 3.0
-            procs = [
-                SPAWN.Process(target=_token_worker, args=(r, server.port, tokens[r], timeout_s, out)) for r in (0, 1)
-            ]
+            procs = [SPAWN.Process(target=_token_worker, args=(r, server.port, tokens[r], wrong, out)) for r in (0, 1)]
             for p in procs:
                 p.start()
             results = {r: (s, m) for r, s, m in (out.get(timeout=120) for _ in procs)}
             for p in procs:
                 p.join(timeout=60)
-            if expect_ok:
+            if not wrong:
                 assert results == {0: ("ok", True), 1: ("ok", True)}
             else:
                 # Rank 1 (the connecting side) is refused; rank 0 never sees an authenticated peer and times out
                 # naming rank 1 and the refusal.
-                assert results[1][0] == "ProtocolError"
+                assert results[1][0] == "ProtocolError", results[1]
                 assert "wrong token" in results[1][1]
-                assert results[0][0] == "CollectiveTimeoutError"
+                assert results[0][0] == "CollectiveTimeoutError", results[0]
+                assert "rank(s) 1" in results[0][1]
                 assert "wrong token" in results[0][1]
             for r in (0, 1):
                 server.delete(f"tcp/addr/{r}")

@@ -114,7 +114,8 @@ class _Server:
         self._ranks_seen: set[int] = set()
         self._dead: dict[int, str] = {}
         # Touched by handshake threads too: live ranks (None while a handshake holds the rank) and new connections.
-        self._lock = threading.Lock()
+        # A condition so that close() can wait for the ranks to leave.
+        self._lock = threading.Condition()
         self._ranks_live: dict[int, _Conn | None] = {}
         self._to_register: list[_Conn] = []
         self._selector = selectors.DefaultSelector()
@@ -126,6 +127,12 @@ class _Server:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._run, name="allreduce-store-server", daemon=True)
         self._thread.start()
+
+    def wait_for_ranks_to_leave(self, timeout_s: float) -> list[int]:
+        """Wait until no rank client is connected (each closed or died); the ranks still there at the timeout."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._ranks_live, timeout_s)
+            return sorted(self._ranks_live)
 
     def stop(self) -> None:
         self._stop = True
@@ -383,6 +390,7 @@ class _Server:
         with self._lock:
             if self._ranks_live.get(conn.rank) is conn:
                 del self._ranks_live[conn.rank]
+                self._lock.notify_all()
         if died and not self._stop:
             reason = f"rank {conn.rank} disconnected from the store without close() (process died?)"
             _log.warning("store: %s", reason)
@@ -589,8 +597,12 @@ class TCPStore:
         payload = self._request(_DEAD, "__dead__")[1].decode()
         return [int(r) for r in payload.split(",") if r]
 
-    def close(self) -> None:
-        """Leave the store (a clean exit, not a death); with ``is_server`` also stop the server."""
+    def close(self, *, wait_for_ranks_s: float | None = None) -> None:
+        """Leave the store (a clean exit, not a death); with ``is_server`` also stop the server.
+
+        The hosting rank first waits, up to ``wait_for_ranks_s`` (default: the smaller of ``timeout_s`` and 30 s),
+        for every other rank to close or disconnect: rank 0 finishing first must not pull the store from under
+        ranks still using it."""
         with self._lock:
             sock, self._sock = self._sock, None
         if sock is not None:
@@ -601,6 +613,10 @@ class TCPStore:
                     recv_exact(sock, _RESPONSE.size)
             sock.close()
         if self._server is not None:
+            wait_s = min(self.timeout_s, 30.0) if wait_for_ranks_s is None else wait_for_ranks_s
+            staying = self._server.wait_for_ranks_to_leave(wait_s)
+            if staying:
+                _log.warning("store: closing with rank(s) %s still connected after %g s", staying, wait_s)
             self._server.stop()
             self._server = None
 
