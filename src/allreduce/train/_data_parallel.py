@@ -1,17 +1,21 @@
 """DataParallel: gradient buckets all-reduced while backward is still running.
 
 Buckets hold parameters in reverse registration order — roughly the order in which backward produces their
-gradients — grouped by dtype, each up to ``bucket_size_mb``. A per-parameter hook
-(``register_post_accumulate_grad_hook``) copies a gradient into its bucket the moment autograd has accumulated
-it; when a bucket is complete its average all-reduce starts asynchronously, and the rest of backward overlaps
-with it. Buckets are *launched* strictly in index order, whatever order their gradients arrive in, so every rank
-issues the same sequence of collectives. At the end of backward a callback queued on the autograd engine
-launches what is left (buckets holding parameters that got no gradient this step), waits for everything and
-writes the averages back into ``param.grad``: when ``loss.backward()`` returns, gradients are synchronised, so
-any optimizer (and gradient clipping, and anything else reading ``.grad``) works unchanged.
+gradients — grouped by dtype, each up to ``bucket_size_mb``. Each bucket is one flat tensor allocated by the group
+(``group.empty``: shared memory with the shm transport, which then reduces it in place, without staging), and every
+``param.grad`` is a view into it: autograd accumulates straight into the bucket and the averages land in ``.grad``
+with no copy out. A per-parameter hook (``register_post_accumulate_grad_hook``) notes that a gradient is complete
+— copying it in only when ``.grad`` is not the bucket's view, as after ``zero_grad(set_to_none=True)`` — and when
+a bucket is complete its average all-reduce starts asynchronously, and the rest of backward overlaps with it.
+Buckets are *launched* strictly in index order, whatever order their gradients arrive in, so every rank issues the
+same sequence of collectives. At the end of backward a callback queued on the autograd engine launches what is
+left (buckets holding parameters that got no gradient this step) and waits for everything: when
+``loss.backward()`` returns, gradients are synchronised, so any optimizer (and gradient clipping, and anything else
+reading ``.grad``) works unchanged.
 
-A parameter that requires a gradient but got none on this rank in this step contributes zeros and receives the
-average, so ranks never diverge; parameters with ``requires_grad=False`` are never touched.
+A parameter that requires a gradient but got none on this rank in this step contributes its ``.grad`` (zeros if it
+is None) and receives the average, so ranks never diverge; parameters with ``requires_grad=False`` are never
+touched.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import ml_dtypes
+import numpy as np
 
 import torch
 from torch import nn
@@ -84,11 +91,29 @@ def bucket_layout(sizes_bytes: list[int], dtypes: list[Any], bucket_size_bytes: 
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    offsets: list[int]
+    views: list[torch.Tensor]  # each parameter's gradient as a view into `flat`
     flat: torch.Tensor
-    pending: int = 0
     filled: set[int] = field(default_factory=set)
     handle: Any = None
+
+
+def _bucket_tensor(group: CollectiveGroup, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed flat tensor the group reduces in place: in the transport's shared memory when it has any."""
+    empty = getattr(group, "empty", None)
+    if empty is not None:
+        try:
+            if dtype == torch.bfloat16:
+                # numpy has no bfloat16 of its own; the group's (ml_dtypes) goes to torch as raw 16-bit words.
+                raw = empty(count, ml_dtypes.bfloat16).view(np.int16)
+                flat = torch.from_numpy(raw).view(torch.bfloat16)
+            else:
+                flat = torch.from_numpy(empty(count, torch.empty(0, dtype=dtype).numpy().dtype))
+        except TypeError:  # a dtype the group's memory does not hold: reduce it from ordinary memory
+            pass
+        else:
+            flat.zero_()
+            return flat
+    return torch.zeros(count, dtype=dtype)
 
 
 class DataParallel(nn.Module):
@@ -130,14 +155,18 @@ class DataParallel(nn.Module):
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
         for members in layout:
             bucket_params = [ordered[i] for i in members]
-            offsets = [0]
-            for p in bucket_params:
-                offsets.append(offsets[-1] + p.numel())
-            flat = torch.zeros(offsets[-1], dtype=bucket_params[0].dtype)
-            bucket_index = len(self._buckets)
+            flat = _bucket_tensor(group, sum(p.numel() for p in bucket_params), bucket_params[0].dtype)
+            views, start = [], 0
             for slot, p in enumerate(bucket_params):
-                self._where[p] = (bucket_index, slot)
-            self._buckets.append(_Bucket(bucket_params, offsets, flat))
+                view = flat[start : start + p.numel()].view(p.shape)
+                start += p.numel()
+                self._where[p] = (len(self._buckets), slot)
+                views.append(view)
+                if p.grad is not None:  # gradients accumulated before wrapping are kept
+                    with torch.no_grad():
+                        view.copy_(p.grad)
+                    p.grad = view
+            self._buckets.append(_Bucket(bucket_params, views, flat))
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in params
@@ -180,13 +209,23 @@ class DataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket_index, slot = self._where[param]  # type: ignore[index]
         bucket = self._buckets[bucket_index]
-        grad = param.grad
-        assert grad is not None  # the hook runs after accumulation
-        start, stop = bucket.offsets[slot], bucket.offsets[slot + 1]
-        bucket.flat[start:stop].copy_(grad.detach().reshape(-1))
+        self._adopt(param, bucket.views[slot])
         bucket.filled.add(slot)
         self._backward_end = time.perf_counter()
         self._launch_ready()
+
+    @staticmethod
+    def _adopt(param: torch.Tensor, view: torch.Tensor) -> None:
+        """Make ``param.grad`` the bucket's view, carrying its value over (zeros when there is none)."""
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            # After zero_grad(set_to_none=True) autograd hands over a fresh tensor: the one copy per step.
+            view.copy_(grad.detach())
+        else:
+            return
+        param.grad = view
 
     def _launch_ready(self) -> None:
         while self._launched < len(self._buckets):
@@ -209,25 +248,18 @@ class DataParallel(nn.Module):
 
     def _finish(self) -> None:
         backward_end = self._backward_end
-        # Parameters that got no gradient in this step: zeros go in, the average comes back.
-        while self._launched < len(self._buckets):
-            bucket = self._buckets[self._launched]
-            for slot in range(len(bucket.params)):
-                if slot not in bucket.filled:
-                    bucket.flat[bucket.offsets[slot] : bucket.offsets[slot + 1]].zero_()
-            self._launch(bucket)
+        # Parameters that got no gradient in this step contribute what .grad holds (zeros if None).
+        with torch.no_grad():
+            while self._launched < len(self._buckets):
+                bucket = self._buckets[self._launched]
+                for slot, p in enumerate(bucket.params):
+                    if slot not in bucket.filled:
+                        self._adopt(p, bucket.views[slot])
+                self._launch(bucket)
         for bucket in self._buckets:
             bucket.handle.wait()
+            bucket.handle = None
         done = time.perf_counter()
-        with torch.no_grad():
-            for bucket in self._buckets:
-                for slot, p in enumerate(bucket.params):
-                    averaged = bucket.flat[bucket.offsets[slot] : bucket.offsets[slot + 1]].view(p.shape)
-                    if p.grad is None:
-                        p.grad = averaged.clone()
-                    else:
-                        p.grad.copy_(averaged)
-                bucket.handle = None
         self.last_sync = SyncStats(
             buckets=len(self._buckets),
             comm_s=done - self._first_launch,
