@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -77,17 +78,21 @@ def test_a_killed_rank_is_named_with_its_signal() -> None:
     assert "rank 0 was killed by SIGKILL" in result.stderr
 
 
-def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period() -> None:
+def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path: Path) -> None:
+    fifo = tmp_path / "ready"
+    os.mkfifo(fifo)
     result = run_cli(
         "-n",
         "2",
         "--grace",
         "0.5",
-        *script("""
+        *script(f"""
             import os, signal, sys, threading
             if os.environ["RANK"] == "1":
+                open({str(fifo)!r}).read()  # returns once rank 0 ignores SIGTERM and has closed the FIFO
                 sys.exit(1)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            open({str(fifo)!r}, "w").close()
             threading.Event().wait()
         """),
     )
