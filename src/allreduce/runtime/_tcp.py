@@ -47,6 +47,7 @@ from allreduce.runtime._errors import (
     ProtocolError,
 )
 from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._transport import ReduceInto
 from allreduce.runtime._wire import (
     FLAG_ABORT,
     FLAG_AGREE,
@@ -87,8 +88,6 @@ _KINDS: tuple[type[CollectiveError], ...] = (
     CollectiveError,
 )
 _NO_CULPRIT = 0xFFFFFFFF
-
-ReduceInto = Any  # Callable[[ndarray, ndarray], None]; Any keeps numpy's dtype generics out of the hot path
 
 
 class _Store(Protocol):
@@ -453,7 +452,7 @@ class TcpTransport:
                     recvs=[(prv, incoming)],
                     deadline=deadline,
                     timeout_s=timeout_s,
-                    reduce_into=None,
+                    reduce_into=_no_reduction,
                     step=None,
                     label=f"agreement step {k}",
                 )
@@ -1018,3 +1017,8 @@ def _send_until(sock: socket.socket, data: bytes | memoryview, deadline: float) 
             if remaining <= 0:
                 raise TimeoutError("peer not reading") from None
             poller.poll(remaining * 1000.0)
+
+
+def _no_reduction(dst: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> None:
+    """The reducer of the agreement exchange, whose frames are never reduced."""
+    raise AssertionError("agreement frames are not reduced")
