@@ -16,6 +16,7 @@ from test_group_harness import contribution, reference, report, run_ranks
 
 import allreduce
 from allreduce.runtime import ALGORITHMS, DTYPES, OPS
+from allreduce.runtime._shm import _S_BUF_SEG, _SEG_EAGER, _SEG_PRIVATE
 from allreduce.schedules import Collective, block_bounds
 
 INT_KINDS = "iu"
@@ -42,6 +43,7 @@ def _run_matrix(group: allreduce.ProcessGroup, transport: str) -> dict[str, Any]
     ran = 0
     # this machine lets ranks read each other's memory: the probe at start-up must have found that
     cross_memory = bool(getattr(group._transport, "_cross_memory", False))
+    paths: set[tuple[str, int]] = set()
     combos = [(dname, dt, op) for dname, dt in DTYPES.items() for op in OPS if not (op == "avg" and dt.kind in "iu")]
     for algorithm in ALGORITHMS[Collective.ALL_REDUCE]:
         if algorithm == "hierarchical":
@@ -52,18 +54,25 @@ def _run_matrix(group: allreduce.ProcessGroup, transport: str) -> dict[str, Any]
             sizes = _sizes(n)
             # every size for one dtype per algorithm, a rotating size for the rest of the matrix
             for count in sizes if dname == "int32" else [sizes[k % len(sizes)], 1031]:
-                # plain arrays read in place by peers (process_vm_readv), plain arrays staged through shared
-                # memory on odd ranks only (each rank picks its own path), and group.empty() arrays
-                for mode in ("plain", "staged", "shm"):
+                # small plain arrays through per-step snapshots (eager), plain arrays read in place by peers
+                # (process_vm_readv), plain arrays staged through shared memory on odd ranks, group.empty()
+                # arrays next to eager ranks: each rank picks its own path, readers follow the data's owner
+                for mode in ("eager", "cross", "staged", "shm"):
                     x = contribution(dt, count, rank, op)
                     if mode == "shm":
                         y = group.empty(count, dt)
                         y[...] = x
                         x = y
                     if transport == "shm":
-                        group._transport._cross_memory = not (mode == "staged" and rank % 2)  # type: ignore[attr-defined]
+                        shm = group._transport
+                        shm._cross_memory = not (mode == "staged" and rank % 2)  # type: ignore[attr-defined]
+                        eager = mode == "eager" or (mode == "shm" and rank % 2 == 0)
+                        shm._eager_bytes = 64 << 10 if eager else 0  # type: ignore[attr-defined]
                     group.all_reduce(x, op=op, algorithm=algorithm, segments=1 + count % 3)
                     ran += 1
+                    if transport == "shm" and n > 1 and count > 0:
+                        # what this rank published as its data's home (eager snapshot, private memory, ...)
+                        paths.add((mode, int(group._transport._views[rank][_S_BUF_SEG])))  # type: ignore[attr-defined]
                     if not _close(x, reference(dt, count, n, op), op):
                         failures.append(f"all_reduce {algorithm} {dname} {op} count={count} {mode}")
     group.group_size = n
@@ -110,7 +119,13 @@ def _run_matrix(group: allreduce.ProcessGroup, transport: str) -> dict[str, Any]
                 want = reference(dt, count, n, op) if rank == root else mine
                 if not _close(x, want, op):
                     failures.append(f"reduce {algorithm} root={root} {dname} {op} count={count}")
-    return {"failures": failures, "ran": ran, "transport": group.transport_name, "cross_memory": cross_memory}
+    return {
+        "failures": failures,
+        "ran": ran,
+        "transport": group.transport_name,
+        "cross_memory": cross_memory,
+        "paths": paths,
+    }
 
 
 def _matrix_worker(rank: int, n: int, port: int, out: Any, transport: str) -> None:
@@ -129,5 +144,12 @@ def test_every_collective_algorithm_dtype_and_op_is_exact_over_shm(world_size: i
         assert isinstance(result, dict), result
         assert result["transport"] == "shm"
         assert result["cross_memory"]
+        if world_size > 1:
+            paths = result["paths"]
+            assert ("eager", _SEG_EAGER) in paths
+            assert ("cross", _SEG_PRIVATE) in paths
+            assert {home for mode, home in paths if mode == "cross"} == {_SEG_PRIVATE}
+            assert any(mode == "staged" and home > 0 for mode, home in paths) == (rank % 2 == 1)
+            assert any(mode == "shm" and home > 0 for mode, home in paths)
         assert result["failures"] == [], f"rank {rank}: {result['failures'][:10]}"
         assert result["ran"] > 500
