@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules import Schedule, Verb
-from allreduce.sim._fair import max_min_rates
+from allreduce.sim._fair import fill_dense
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
@@ -49,6 +49,9 @@ _DRAIN_RTOL = 1e-9
 _DRAIN_ATOL_S = 1e-15
 # Events within this relative distance of the current time are processed with it.
 _EVENT_RTOL = 1e-12
+# A link is saturated, and a transfer the fastest on it, to this relative tolerance (rates kept from an
+# earlier solve carry its rounding).
+_CHECK_RTOL = 1e-9
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,8 +145,14 @@ class _Run:
         routes = router.route_ranks(keys // n, keys % n)
         self.pair_ptr = routes.flow_ptr
         self.pair_len = np.diff(routes.flow_ptr)
-        self.pair_link = routes.link
+        # Links renumbered densely over the ones this schedule uses: every rate solve works on those alone.
+        self.used_links, pair_link = np.unique(routes.link, return_inverse=True)
+        self.pair_link = pair_link.reshape(-1).astype(np.int64)
         self.pair_weight = routes.weight
+        self.link_capacity = self.capacity[self.used_links]
+        if np.any(~(self.link_capacity > 0)):
+            bad = int(self.used_links[~(self.link_capacity > 0)][0])
+            raise ValueError(f"link {bad} carries flows but has capacity {self.capacity[bad]} (must be > 0)")
         self.latency = routes.latency_s[self.pair]
 
         # Slots: one per (rank, step) in which the rank transfers; each transfer sits in two (send, receive).
@@ -184,6 +193,8 @@ class _Run:
         self.remaining: FloatArray = np.zeros(0)
         self.rate: FloatArray = np.zeros(0)
         self.now = 0.0
+        self.solves = 0
+        self.full_solves = 0  # solves that needed progressive filling (the rest kept the rates)
 
     def push(self, time_s: float, kind: int, what: int) -> None:
         heapq.heappush(self.heap, (time_s, self.counter, kind, what))
@@ -206,6 +217,7 @@ class _Run:
             return
         self.active.append(x)
         self.remaining = np.append(self.remaining, self.nbytes[x])
+        self.rate = np.append(self.rate, np.nan)
 
     def deliver(self, x: int) -> None:
         self.delivered_s[x] = self.now
@@ -227,16 +239,65 @@ class _Run:
 
     # -- fluid drain ----------------------------------------------------------------------------------
     def solve_rates(self) -> None:
+        """Max-min fair rates of the active transfers; ``self.rate`` is aligned with ``self.active``, NaN for
+        transfers that started since the last solve."""
         ids = np.asarray(self.active, dtype=np.int64)
         pair = self.pair[ids]
         lens = self.pair_len[pair]
         ptr = np.concatenate([[0], np.cumsum(lens)])
         entries = np.repeat(self.pair_ptr[pair] - ptr[:-1], lens) + np.arange(int(ptr[-1]))
-        share = max_min_rates(ptr, self.pair_link[entries], self.pair_weight[entries], self.capacity)
-        self.rate = share.rate_Bps
-        slower = self.rate < self.slowest_rate[ids]
-        self.slowest_rate[ids[slower]] = self.rate[slower]
-        self.bottleneck[ids[slower]] = share.bottleneck_link[slower]
+        flow = np.repeat(np.arange(ids.size, dtype=np.int64), lens)
+        link = self.pair_link[entries]
+        weight = self.pair_weight[entries]
+        checked = self._keep_rates(flow, link, weight)
+        if checked is not None:
+            rate, bottleneck = checked
+        else:
+            rate, bottleneck, _ = fill_dense(ids.size, flow, link, weight, self.link_capacity)
+            self.full_solves += 1
+        self.solves += 1
+        self.rate = rate
+        slower = np.flatnonzero(rate < self.slowest_rate[ids])
+        self.slowest_rate[ids[slower]] = rate[slower]
+        self.bottleneck[ids[slower]] = self.used_links[bottleneck[slower]]
+
+    def _keep_rates(self, flow: IntArray, link: IntArray, weight: FloatArray) -> tuple[FloatArray, IntArray] | None:
+        """The max-min fair rates without progressive filling, when the previous ones still are.
+
+        A change of the active set often leaves every other transfer's rate alone (a transfer that finished
+        alone on its bottleneck; one that starts on links with room to spare). Candidate: the transfers that
+        kept running keep their rates; one that just started takes the room left on its path. A feasible
+        allocation is the (unique) max-min fair one iff every transfer crosses a saturated link on which no
+        transfer is faster (its bottleneck), which one pass over the incidence checks. Returns (rates,
+        bottleneck link per transfer), or None when the check fails and the rates must be re-solved."""
+        rate = self.rate
+        fresh = np.isnan(rate)
+        capacity = self.link_capacity
+        if fresh.any():
+            rate = rate.copy()
+            known = ~fresh[flow]
+            load = np.bincount(link[known], weights=weight[known] * rate[flow[known]], minlength=capacity.size)
+            room = (capacity - load)[link] / weight
+            new = ~known
+            # Entries are grouped by transfer; new transfers are the last ones, each with >= 1 entry.
+            starts = np.flatnonzero(np.diff(flow[new], prepend=-1))
+            rate[fresh] = np.minimum.reduceat(room[new], starts)
+            if not (rate[fresh] > 0).all():
+                return None
+        entry_rate = rate[flow]
+        load = np.bincount(link, weights=weight * entry_rate, minlength=capacity.size)
+        if (load > capacity * (1 + _CHECK_RTOL)).any():
+            return None
+        fastest = np.zeros(capacity.size)
+        np.maximum.at(fastest, link, entry_rate)
+        ok = (load[link] >= capacity[link] * (1 - _CHECK_RTOL)) & (entry_rate >= fastest[link] * (1 - _CHECK_RTOL))
+        hit = np.flatnonzero(ok)
+        hit_flow = flow[hit]
+        first = np.ones(hit.size, dtype=np.bool_)
+        first[1:] = hit_flow[1:] != hit_flow[:-1]
+        if int(first.sum()) != rate.size:
+            return None
+        return rate, link[hit[first]]
 
     def advance(self, to_s: float) -> None:
         if self.active:
@@ -266,6 +327,7 @@ class _Run:
                         self.push(self.now + float(self.latency[x]), _DELIVER, x)
                     self.active = ids[~done].tolist()
                     self.remaining = self.remaining[~done]
+                    self.rate = self.rate[~done]
                     dirty = True
                     continue
             self.advance(next_event)
@@ -304,7 +366,7 @@ def run_event(
     entries = np.repeat(run.pair_ptr[pair] - ptr[:-1], lens) + np.arange(int(ptr[-1]))
     entry_transfer = np.repeat(np.arange(len(t)), lens)
     link_bytes = np.bincount(
-        run.pair_link[entries],
+        run.used_links[run.pair_link[entries]],
         weights=run.pair_weight[entries] * run.nbytes[entry_transfer],
         minlength=topology.num_links,
     ).astype(np.float64)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FairShare", "max_min_rates"]
+__all__ = ["FairShare", "fill_dense", "max_min_rates"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -66,32 +66,55 @@ def max_min_rates(
     # Work on the links that some flow uses, renumbered densely: bincounts then cost O(entries), not O(links).
     used, local = np.unique(links, return_inverse=True)
     local = local.reshape(-1).astype(np.int64)
-    remaining = capacity[used].copy()
+    remaining = capacity[used]
     if np.any(~(remaining > 0)):
         bad = int(used[~(remaining > 0)][0])
         raise ValueError(f"link {bad} carries flows but has capacity {capacity[bad]} (must be > 0)")
+    rate, local_bottleneck, levels = fill_dense(num_flows, entry_flow, local, weights, remaining)
+    found = local_bottleneck >= 0
+    bottleneck[found] = used[local_bottleneck[found]]
+    return FairShare(rate, bottleneck, levels)
+
+
+def fill_dense(
+    num_flows: int,
+    entry_flow: IntArray,
+    entry_link: IntArray,
+    entry_weight: FloatArray,
+    capacity_Bps: FloatArray,
+) -> tuple[FloatArray, IntArray, int]:
+    """Progressive filling without validation, for callers that solve many incidences over the same links
+    (the event engine): links are already dense (``entry_link`` indexes ``capacity_Bps``, all > 0) and the
+    entries are grouped by flow in path order (``entry_flow`` non-decreasing).
+
+    Returns (rate per flow, bottleneck link per flow (-1: none), number of levels)."""
+    rate = np.full(num_flows, np.inf)
+    bottleneck = np.full(num_flows, -1, dtype=np.int64)
+    remaining = np.array(capacity_Bps, dtype=np.float64)
+    num_links = remaining.size
     frozen = np.zeros(num_flows, dtype=np.bool_)
-    active = np.arange(links.size, dtype=np.int64)  # link entries of unfrozen flows
+    flow, link, weight = entry_flow, entry_link, entry_weight  # entries of unfrozen flows
     levels = 0
-    while active.size:
-        demand = np.bincount(local[active], weights=weights[active], minlength=used.size)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            level = np.where(demand > 0, remaining / demand, np.inf)
+    while flow.size:
+        demand = np.bincount(link, weights=weight, minlength=num_links)
+        level = np.full(num_links, np.inf)
+        np.divide(remaining, demand, out=level, where=demand > 0)
         fill = float(level.min())
         if not np.isfinite(fill):
             break  # only infinitely fast links left
         levels += 1
-        tight = level <= fill * (1 + _LEVEL_RTOL)
-        hit = active[tight[local[active]]]
-        # Name as bottleneck the tightest of a flow's saturated links (ties: the first on its path).
-        hit = hit[np.argsort(level[local[hit]], kind="stable")]
-        flows, first = np.unique(entry_flow[hit], return_index=True)
-        rate[flows] = fill
-        bottleneck[flows] = links[hit[first]]
-        frozen[flows] = True
-        done = frozen[entry_flow[active]]
-        gone = active[done]
-        remaining -= np.bincount(local[gone], weights=weights[gone] * fill, minlength=used.size)
+        hit = np.flatnonzero(level[link] <= fill * (1 + _LEVEL_RTOL))
+        hit_flow = flow[hit]
+        # Entries are grouped by flow in path order: a flow's first saturated link on its path is its
+        # bottleneck (the saturated links of one level fill together, to within _LEVEL_RTOL).
+        first = np.ones(hit.size, dtype=np.bool_)
+        first[1:] = hit_flow[1:] != hit_flow[:-1]
+        rate[hit_flow] = fill
+        bottleneck[hit_flow[first]] = link[hit[first]]
+        frozen[hit_flow] = True
+        done = frozen[flow]
+        remaining -= np.bincount(link[done], weights=weight[done] * fill, minlength=num_links)
         np.maximum(remaining, 0.0, out=remaining)
-        active = active[~done]
-    return FairShare(rate, bottleneck, levels)
+        keep = ~done
+        flow, link, weight = flow[keep], link[keep], weight[keep]
+    return rate, bottleneck, levels
