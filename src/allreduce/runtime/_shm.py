@@ -98,7 +98,7 @@ _ABORT_OTHER = 4
 
 _SEG_PRIVATE = -1  # _S_BUF_SEG: a private array of the owner at address _S_BUF_OFFSET (process_vm_readv)
 _SEG_EAGER = -2  # _S_BUF_SEG: each step's sent data is a snapshot in the owner's control segment (small buffers)
-_EAGER_BYTES = 64 << 10  # per sequence-number parity: a buffer is eager when (last step + 1) x its size fits
+_EAGER_BYTES = 256 << 10  # per sequence-number parity: a buffer is eager when (last step + 1) x its size fits
 _CHUNK_BYTES = 1 << 20  # reduce a cross-memory receive through a scratch piece that stays in L2
 
 _U = 0  # value lives in the user's array
@@ -440,6 +440,7 @@ class ShmTransport:
         self._ctl_bytes = ctl_bytes
         self._agreed_seq = -1
         self._eager_bytes = _EAGER_BYTES  # tests set 0 to run small buffers through the other paths
+        self._prepared_seq = -1
         own = _Segment(f"{self._prefix}-ctl-{rank}", ctl_bytes, create=True)
         self._ctl: list[_Segment | None] = [None] * world_size
         self._ctl[rank] = own
@@ -820,6 +821,33 @@ class ShmTransport:
     # ----------------------------------------------------------------------------------------------------
     # Transport protocol
     # ----------------------------------------------------------------------------------------------------
+    def prepare(self, seq: int, buffer: npt.NDArray[Any], *, checksum: bool) -> None:
+        """Before ``agree(seq)``: publish a small ``buffer``'s step-0 state, so that the descriptor exchange and
+        the first step's data cost one handoff, not two.
+
+        The whole buffer goes into snapshot slot 0 (it is the step-0 state whatever plan the ranks agree on)
+        and "at step 0" is published with it. Peers read it only after they have compared the descriptors,
+        so a mismatch still moves no data. Safe to overwrite the area because agree(seq - 1) proved every peer
+        finished reading collective seq - 2; limited to sizes whose every possible plan fits the area.
+        """
+        if (
+            checksum
+            or self._agreed_seq != seq - 1
+            or buffer.nbytes * _eager_steps(self.world_size) > self._eager_bytes
+            or buffer.ndim != 1
+            or not buffer.flags.c_contiguous
+            or not buffer.size
+        ):
+            return
+        self._check_usable()
+        area = self._eager_area(self.rank, seq, buffer.dtype)
+        area[: buffer.size] = buffer
+        me = self._views[self.rank]
+        me[_S_BUF_SEG] = _SEG_EAGER
+        me[_S_BUF_OFFSET] = 0
+        self._prepared_seq = seq
+        self._publish(_S_PROGRESS, seq << _STEP_BITS)
+
     def agree(self, seq: int, descriptor: bytes, *, timeout_s: float) -> list[bytes]:
         self._check_usable()
         if len(descriptor) > _DESC_BYTES:
@@ -872,7 +900,15 @@ class ShmTransport:
         # Small buffers go eager: each step's sent ranges are copied into a snapshot that peers read, so this
         # rank writes its buffer without waiting for readers (two handoffs per call fewer). Only right after
         # agree(seq), which proves every peer is done with the snapshot area of the same parity.
-        eager = not checksum and self._agreed_seq == seq and (last_step + 1) * buffer.nbytes <= self._eager_bytes
+        prepared = self._prepared_seq == seq
+        fits = (last_step + 1) * buffer.nbytes <= self._eager_bytes
+        if prepared and not fits:
+            raise CollectiveError(
+                f"rank {self.rank}: plan {plan.schedule_name} has {last_step + 1} steps, more than prepare() allows "
+                f"for {self.world_size} ranks ({_eager_steps(self.world_size)}); raise _eager_steps",
+                rank=self.rank,
+            )
+        eager = not checksum and self._agreed_seq == seq and fits
         if eager:
             seg_id, offset = _SEG_EAGER, 0
             work = buffer
@@ -915,7 +951,7 @@ class ShmTransport:
                         my_crc[dst * _CRC_PER_PEER + slot] = zlib.crc32(work[a:b].view(np.uint8).data)
                         if self._corrupt_sends_to == dst:
                             work.view(np.uint8)[a * dtype.itemsize] ^= 0xFF
-                if eager:
+                if eager and not (prepared and st.index == 0):
                     at = st.index * plan.count
                     for _, _, a, b in st.send_crcs:
                         snapshot[at + a : at + b] = work[a:b]
@@ -1057,6 +1093,11 @@ class ShmTransport:
             for seg in (*getattr(self, "_allocations", {}).values(), getattr(self, "_staging", None)):
                 if seg is not None:
                     seg.unlink()
+
+
+def _eager_steps(world_size: int) -> int:
+    """An upper bound on the steps of any schedule for ``world_size`` ranks (ring: 2(N-1); trees fewer)."""
+    return 2 * world_size + 8
 
 
 def _reduced(ufunc: Any, reduce_into: ReduceInto, mine: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> Any:
