@@ -128,7 +128,12 @@ class _Run:
         transfers: Transfers,
         size_bytes: float,
         rank_delay_s: FloatArray | None,
+        *,
+        keep_rates: bool = True,
     ) -> None:
+        """``keep_rates=False`` re-solves the rates by progressive filling at every change (the reference the
+        shortcut of :meth:`_keep_rates` is tested against)."""
+        self.keep_rates = keep_rates
         self.schedule = schedule
         self.router = router
         self.capacity = router.topology.link_bandwidth_Bps
@@ -249,7 +254,7 @@ class _Run:
         flow = np.repeat(np.arange(ids.size, dtype=np.int64), lens)
         link = self.pair_link[entries]
         weight = self.pair_weight[entries]
-        checked = self._keep_rates(flow, link, weight)
+        checked = self._keep_rates(flow, link, weight) if self.keep_rates else None
         if checked is not None:
             rate, bottleneck = checked
         else:

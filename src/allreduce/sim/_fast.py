@@ -35,13 +35,15 @@ from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
 
-__all__ = ["run_fast"]
+__all__ = ["run_fast", "run_fast_checked"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 # Flows whose pace is within this relative distance of the slowest one are all "critical".
 _CRITICAL_RTOL = 1e-9
+# Starts and durations that agree to this relative distance are "the same instant" for the lockstep check.
+_LOCKSTEP_RTOL = 1e-9
 
 
 def run_fast(
@@ -52,6 +54,22 @@ def run_fast(
     rank_delay_s: FloatArray | None,
     trace_ranks: int,
 ) -> SimResult:
+    result, _ = run_fast_checked(
+        schedule, router, size_bytes=size_bytes, rank_delay_s=rank_delay_s, trace_ranks=trace_ranks
+    )
+    return result
+
+
+def run_fast_checked(
+    schedule: Schedule,
+    router: Router,
+    *,
+    size_bytes: float,
+    rank_delay_s: FloatArray | None,
+    trace_ranks: int,
+) -> tuple[SimResult, bool]:
+    """The fast engine's result, and whether the run stayed in lockstep (then the result is exact: see the
+    module docstring)."""
     topology = router.topology
     n = schedule.world_size
     clock = np.zeros(n, dtype=np.float64)
@@ -66,6 +84,8 @@ def run_fast(
     trace_end: list[FloatArray] = []
     k = min(n, trace_ranks)
     path_end = 0.0
+    lockstep = True
+    step_end = 0.0  # when the last step so far ended, while in lockstep
     for phase in schedule.phases():
         pattern = router.pattern(phase.src, phase.dst)
         nbytes = phase.fraction * float(size_bytes)
@@ -79,6 +99,8 @@ def run_fast(
         def ranks(_: Phase) -> FloatArray | None:
             return rank_delay_s
 
+        if lockstep and len(phase):
+            lockstep, step_end = _still_in_lockstep(clock, phase, flow_seconds, delay, step_end)
         before = clock[:k].copy()
         clock, (timing,) = propagate(n, [phase], flows, ranks, clock=clock)
         link_bytes += pattern.link_bytes(nbytes, topology.num_links) * phase.repeat
@@ -130,7 +152,7 @@ def run_fast(
 
     seconds = float(clock.max()) if n else 0.0
     bottlenecks, count = summarize_bottlenecks(topology, waited, link_bytes, seconds)
-    return SimResult(
+    result = SimResult(
         name=schedule.name,
         collective=schedule.collective,
         world_size=n,
@@ -149,3 +171,25 @@ def run_fast(
         trace_start_s=np.asarray(trace_start, dtype=np.float64).reshape(len(labels), k),
         trace_end_s=np.asarray(trace_end, dtype=np.float64).reshape(len(labels), k),
     )
+    return result, lockstep
+
+
+def _still_in_lockstep(
+    clock: FloatArray, phase: Phase, flow_seconds: FloatArray, delay: FloatArray, step_end: float
+) -> tuple[bool, float]:
+    """Whether every step of ``phase`` runs in lockstep after the previous ones, and when its last step ends.
+
+    Lockstep: all flows of the step start at one instant, no earlier than the previous step ended, and end at
+    one instant, and their ranks then wait the same delay; so the next step starts in lockstep again."""
+    start = np.maximum(clock[phase.src], clock[phase.dst])
+    first = float(start.min())
+    scale = max(float(start.max()) + float(flow_seconds.max()), 1e-300)
+    wait = delay[np.concatenate([phase.src, phase.dst])]
+    tol = _LOCKSTEP_RTOL * scale
+    same = (
+        float(np.ptp(start)) <= tol
+        and float(np.ptp(flow_seconds)) <= tol
+        and float(np.ptp(wait)) <= tol
+        and first >= step_end - tol
+    )
+    return same, first + phase.repeat * (float(flow_seconds.max()) + float(wait.max()))

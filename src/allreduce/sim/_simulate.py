@@ -9,17 +9,20 @@ import numpy as np
 
 from allreduce.schedules import Schedule
 from allreduce.sim._event import run_event
-from allreduce.sim._fast import run_fast
+from allreduce.sim._fast import run_fast, run_fast_checked
 from allreduce.sim._faults import Faults, apply_faults
 from allreduce.sim._result import SimResult
 from allreduce.sim._routing import Router
 from allreduce.topology import Topology, place
 
-__all__ = ["AUTO_EVENT_MAX_TRANSFERS", "TRACE_RANKS", "simulate"]
+__all__ = ["AUTO_EVENT_MAX_TRANSFERS", "AUTO_EXACT_MAX_RANKS", "TRACE_RANKS", "simulate"]
 
-# engine="auto" runs the exact event-driven model when the schedule has at most this many transfers (it then
-# takes well under a second) and the fast engine beyond.
-AUTO_EVENT_MAX_TRANSFERS = 4096
+# engine="auto" on at most AUTO_EXACT_MAX_RANKS ranks (issue #4: the engines must agree there) and at most
+# AUTO_EVENT_MAX_TRANSFERS transfers: the fast engine when its run stayed in lockstep (it is exact then),
+# else the event engine (a few seconds at this many transfers: benchmarks/bench_sim_agreement.py). Beyond
+# either limit: the fast engine.
+AUTO_EXACT_MAX_RANKS = 256
+AUTO_EVENT_MAX_TRANSFERS = 16384
 # Ranks whose per-step (or per-phase) times a result keeps for traces.
 TRACE_RANKS = 64
 
@@ -66,7 +69,12 @@ def simulate(
     faulted = apply_faults(topology, faults)
     rank_gpu = np.asarray(place(n, faulted, placement, seed=seed), dtype=np.int64)
     router = Router(faulted, rank_gpu, routing, seed)
-    if engine == "auto":
-        engine = "event" if _num_transfers(schedule) <= AUTO_EVENT_MAX_TRANSFERS else "fast"
-    run = run_event if engine == "event" else run_fast
-    return run(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
+    if engine == "event":
+        return run_event(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
+    if engine == "fast" or n > AUTO_EXACT_MAX_RANKS or _num_transfers(schedule) > AUTO_EVENT_MAX_TRANSFERS:
+        return run_fast(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
+    # The fast run is cheap, and exact when it stayed in lockstep; only otherwise pay for the event engine.
+    result, lockstep = run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
+    if lockstep:
+        return result
+    return run_event(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)

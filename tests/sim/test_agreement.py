@@ -1,0 +1,160 @@
+"""Issue #4: on <= 256 ranks, engine="auto" agrees with the exact event-driven engine within 1%.
+
+The fast engine is exact when its run stays in lockstep (then auto keeps it); otherwise auto runs the event
+engine. These tests check both halves: the cases the fast engine gets wrong (measured in
+benchmarks/bench_sim_agreement.py, explained in sim/_fast.py) go to the event engine, and whenever auto keeps
+the fast result it equals the event engine's to 1e-6. The event engine's rate shortcut (keep the previous
+rates when they are still max-min fair) is checked against re-solving at every change.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from allreduce.schedules import all_reduce
+from allreduce.sim import AUTO_EVENT_MAX_TRANSFERS, Faults, match_transfers, simulate
+from allreduce.sim._event import _Run
+from allreduce.sim._routing import Router
+from allreduce.topology import parse_topology, place
+
+SIZE = float(2**24)
+
+# Cases where the fast engine's assumption (every flow of a step overlaps every other for its whole duration)
+# breaks because ranks drift apart, with the gap fast/event - 1 measured at 256 MiB; auto must not use it.
+DRIFTING = [
+    ("halving_doubling", 64, "fat-tree:k=8", "linear", None),  # +13.9%
+    ("recursive_doubling", 64, "fat-tree:k=8", "random", None),  # +15.9%
+    ("halving_doubling", 16, "rail:nodes=2,gpus=8", "random", None),  # +13.4%
+    ("double_binary_tree", 16, "torus:4x4", "linear", None),  # +2.6%
+    ("hierarchical", 16, "torus:4x4", "random", None),  # +3.5%
+]
+
+
+@pytest.mark.parametrize(("name", "n", "spec", "placement", "routing"), DRIFTING)
+def test_auto_runs_the_event_engine_where_ranks_drift(
+    name: str, n: int, spec: str, placement: str, routing: str | None
+) -> None:
+    topo = parse_topology(spec)
+    sched = all_reduce(name, n, group_size=8)
+    kwargs = {"placement": placement, "routing": routing, "seed": 1}
+    fast = simulate(sched, topo, size_bytes=2**28, engine="fast", **kwargs)  # type: ignore[arg-type]
+    event = simulate(sched, topo, size_bytes=2**28, engine="event", **kwargs)  # type: ignore[arg-type]
+    auto = simulate(sched, topo, size_bytes=2**28, **kwargs)  # type: ignore[arg-type]
+    # The documented gap is real (so this case tests something)...
+    assert abs(fast.seconds / event.seconds - 1) > 0.02
+    # ... and auto does not pay it.
+    assert auto.engine == "event"
+    assert auto.seconds == event.seconds
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "kwargs"),
+    [
+        ("ring", "switch:16", {}),
+        ("halving_doubling", "switch:16", {}),
+        ("recursive_doubling", "fat-tree:k=4", {"routing": "spray"}),
+        ("hierarchical", "switch:16", {}),
+    ],
+)
+def test_auto_keeps_the_fast_result_when_ranks_stay_in_lockstep(
+    name: str, spec: str, kwargs: dict[str, object]
+) -> None:
+    topo = parse_topology(spec)
+    sched = all_reduce(name, 16, group_size=4)
+    auto = simulate(sched, topo, size_bytes=SIZE, **kwargs)  # type: ignore[arg-type]
+    event = simulate(sched, topo, size_bytes=SIZE, engine="event", **kwargs)  # type: ignore[arg-type]
+    assert auto.engine == "fast"
+    assert auto.seconds == pytest.approx(event.seconds, rel=1e-6)
+
+
+def test_a_slow_rank_breaks_lockstep() -> None:
+    # One slow rank desynchronises halving-doubling's partners: the fast result is no longer exact.
+    topo = parse_topology("switch:16")
+    faults = Faults(slow_ranks=((3, 1e-4),))
+    auto = simulate(all_reduce("halving_doubling", 16), topo, size_bytes=SIZE, faults=faults)
+    assert auto.engine == "event"
+
+
+def test_auto_falls_back_to_fast_beyond_its_transfer_budget() -> None:
+    # Direct all-reduce on 96 ranks: 2 x 95 x 96 = 18,240 transfers, more than the event engine's budget.
+    sched = all_reduce("direct", 96)
+    assert len(match_transfers(sched)) > AUTO_EVENT_MAX_TRANSFERS
+    auto = simulate(sched, parse_topology("fat-tree:k=8"), size_bytes=SIZE, placement="random", seed=2)
+    assert auto.engine == "fast"
+
+
+TOPOLOGIES = [
+    ("switch:{n}", None),
+    ("fat-tree:k=4", "ecmp"),
+    ("fat-tree:k=4", "spray"),
+    ("clos:leaves=4,spines=2,hosts_per_leaf=4,oversub=2", "ecmp"),
+    ("torus:4x4", None),
+    ("rail:nodes=2,gpus=8", None),
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(["ring", "halving_doubling", "recursive_doubling", "double_binary_tree", "hierarchical"]),
+    n=st.sampled_from([4, 8, 16]),
+    network=st.sampled_from(TOPOLOGIES),
+    placement=st.sampled_from(["linear", "random"]),
+    seed=st.integers(0, 2**16),
+)
+def test_auto_agrees_with_the_event_engine(
+    name: str, n: int, network: tuple[str, str | None], placement: str, seed: int
+) -> None:
+    spec, routing = network
+    topo = parse_topology(spec.format(n=n))
+    sched = all_reduce(name, n, group_size=4 if n > 4 else 2)
+    kwargs = {"placement": placement, "routing": routing, "seed": seed}
+    auto = simulate(sched, topo, size_bytes=SIZE, **kwargs)  # type: ignore[arg-type]
+    event = simulate(sched, topo, size_bytes=SIZE, engine="event", **kwargs)  # type: ignore[arg-type]
+    # Issue #4 asks for 1%; where auto keeps the fast result it must in fact be exact.
+    assert auto.seconds == pytest.approx(event.seconds, rel=1e-6), auto.engine
+    np.testing.assert_allclose(auto.link_bytes, event.link_bytes, rtol=1e-9, atol=1e-3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(["ring", "halving_doubling", "double_binary_tree", "hierarchical"]),
+    network=st.sampled_from(TOPOLOGIES[1:]),
+    seed=st.integers(0, 2**16),
+    slow_rank=st.integers(0, 15),
+    slow_s=st.sampled_from([0.0, 1e-5, 1e-3]),
+)
+def test_keeping_rates_equals_re_solving_them(
+    name: str, network: tuple[str, str | None], seed: int, slow_rank: int, slow_s: float
+) -> None:
+    """The shortcut keeps rates only when they are provably still max-min fair, so every drain, delivery and
+    bottleneck is what re-solving at every change gives."""
+    spec, routing = network
+    topo = parse_topology(spec)
+    sched = all_reduce(name, 16, group_size=4)
+    rank_gpu = np.asarray(place(16, topo, "random", seed=seed), dtype=np.int64)
+    delay = np.zeros(16)
+    delay[slow_rank] = slow_s
+    runs = []
+    for keep in (True, False):
+        run = _Run(sched, Router(topo, rank_gpu, routing, seed), match_transfers(sched), SIZE, delay, keep_rates=keep)
+        run.run()
+        runs.append(run)
+    kept, solved = runs
+    assert solved.full_solves == solved.solves
+    np.testing.assert_allclose(kept.delivered_s, solved.delivered_s, rtol=1e-9)
+    np.testing.assert_allclose(kept.slowest_rate, solved.slowest_rate, rtol=1e-9)
+    np.testing.assert_array_equal(kept.rank_end == kept.rank_end.max(), solved.rank_end == solved.rank_end.max())
+
+
+def test_the_shortcut_is_taken() -> None:
+    # Ring on 16 randomly placed ranks of an ECMP fat-tree: most changes keep the rates (so the test above
+    # exercises the shortcut, not only the fallback).
+    topo = parse_topology("fat-tree:k=4")
+    sched = all_reduce("ring", 16)
+    rank_gpu = np.asarray(place(16, topo, "random", seed=3), dtype=np.int64)
+    run = _Run(sched, Router(topo, rank_gpu, "ecmp", 3), match_transfers(sched), SIZE, None)
+    run.run()
+    assert 0 < run.full_solves < run.solves
