@@ -163,6 +163,7 @@ def main() -> None:
     memcpy = _memcpy_Bps()
     print(f"# memcpy ceiling (numpy copyto, one process): {memcpy / 1e9:.2f} GB/s; cpus: {os.cpu_count()}")
     print(f"# float32 sum in place; median of {args.reps} alternating repetitions; busbw in GB/s")
+    print("# load average at start (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     for n in world_sizes:
         samples: dict[str, list[list[float]]] = {k: [] for k in runners}
         for _ in range(args.reps):
@@ -189,7 +190,8 @@ def main() -> None:
                 for p in peers:
                     ratios.append(f" {medians[p][i] / medians[o][i]:>17.2f}x")  # noqa: PERF401
             print(f"{format_bytes(size):>9} " + " ".join(f"{c:>16}" for c in cells) + "".join(ratios))
-    print("\n# cells: time per all_reduce and busbw; ratios: busbw(allreduce) / busbw(peer) = t(peer)/t(ours)")
+    print("\n# load average at end (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
+    print("# cells: time per all_reduce and busbw; ratios: busbw(allreduce) / busbw(peer) = t(peer)/t(ours)")
 
 
 if __name__ == "__main__":

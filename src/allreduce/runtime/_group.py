@@ -639,7 +639,8 @@ class ProcessGroup:
                 )
             return result
 
-        return self._run_ordered(run, async_op=async_op, description=f"{collective.value} of {count} {dtype}")
+        # the description is formatted only when a Work needs it (str(dtype) alone costs microseconds)
+        return self._run_ordered(run, async_op=async_op, describe=lambda: f"{collective.value} of {count} {dtype}")
 
     def _execute(
         self,
@@ -689,7 +690,9 @@ class ProcessGroup:
                 )
         raise MismatchError(f"rank {self.rank}: collective {seq} descriptors differ", rank=self.rank)
 
-    def _run_ordered(self, fn: Callable[[], Any], *, async_op: bool = False, description: str = "barrier") -> Any:
+    def _run_ordered(
+        self, fn: Callable[[], Any], *, async_op: bool = False, describe: Callable[[], str] = lambda: "barrier"
+    ) -> Any:
         """Run ``fn`` after every collective submitted before it (sequence numbers follow call order)."""
         with self._lock:
             if not async_op and self._pending == 0:
@@ -700,7 +703,7 @@ class ProcessGroup:
                 self._queue = queue.SimpleQueue()
                 self._worker = threading.Thread(target=self._work_loop, name=f"allreduce-rank{self.rank}", daemon=True)
                 self._worker.start()
-            work = Work(description)
+            work = Work(describe())
 
             def job() -> None:
                 try:
