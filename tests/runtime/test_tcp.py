@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -20,11 +21,13 @@ import pytest
 
 from allreduce.runtime import CollectiveError, compile_plan
 from allreduce.runtime._store import TCPStore
-from allreduce.runtime._tcp import TcpTransport
+from allreduce.runtime._tcp import _LOOPBACK_SNDBUF_BYTES, _THREAD_MIN_BYTES, TcpTransport
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce
 
 SPAWN = mp.get_context("spawn")
 COUNTS = (0, 1, 2, 7, 13, 97, 1000, 65_537)
+# 12 MiB of int64, odd: big enough that the steps go through the sender thread at N <= 5.
+LARGE_COUNT = (3 << 19) + 7
 # Generous: N=8 oversubscribes the 2 cores of the CI machine.
 TIMEOUT_S = 120.0
 
@@ -135,6 +138,28 @@ def _all_algorithms(rank: int, world_size: int, store: TCPStore, transport: TcpT
     return wrong
 
 
+def _large_messages(rank: int, world_size: int, store: TCPStore, transport: TcpTransport) -> list[str]:
+    """Every algorithm on steps big enough for the sender thread, with and without checksums; exact sums."""
+    count = LARGE_COUNT
+    wrong = []
+    for seq, (name, schedule) in enumerate(schedules_for(world_size, segments=2)):
+        buffer = rank_data(rank, count)
+        transport.execute(
+            compile_plan(schedule, rank, count), buffer, add_into, seq=seq, timeout_s=TIMEOUT_S, checksum=seq % 2 == 1
+        )
+        if not np.array_equal(buffer, exact_sum(world_size, count)):
+            bad = np.flatnonzero(buffer != exact_sum(world_size, count))
+            wrong.append(f"{name}: {bad.size} wrong elements, first at {bad[0]}")
+    if transport._sender is None:
+        wrong.append("the sender thread never ran")
+    for peer in transport._peers.values():
+        # The kernel doubles what is asked; autotuning would have grown it to megabytes.
+        sndbuf = peer.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        if sndbuf > 2 * _LOOPBACK_SNDBUF_BYTES:
+            wrong.append(f"loopback send buffer to rank {peer.rank} is {sndbuf} bytes")
+    return wrong
+
+
 def _other_dtypes(rank: int, world_size: int, store: TCPStore, transport: TcpTransport) -> list[str]:
     """int8..float64 and bfloat16 over the ring with 3 segments; integer-valued data, so sums are exact."""
     import ml_dtypes
@@ -168,12 +193,12 @@ def _max_op(rank: int, world_size: int, store: TCPStore, transport: TcpTransport
     return buffer.tolist() == [world_size - 1, 0, 7]
 
 
-def _corrupt(rank: int, world_size: int, store: TCPStore, transport: TcpTransport) -> None:
+def _corrupt(rank: int, world_size: int, store: TCPStore, transport: TcpTransport, count: int) -> None:
     if rank == 1:
         transport._test_corrupt_frame = (0, 0)  # rank 1's first frame to rank 0 flips a byte
-    buffer = rank_data(rank, 4096)
+    buffer = rank_data(rank, count)
     transport.execute(
-        compile_plan(all_reduce("ring", world_size), rank, 4096),
+        compile_plan(all_reduce("ring", world_size), rank, count),
         buffer,
         add_into,
         seq=1,
@@ -221,6 +246,7 @@ def _die_mid_collective(rank: int, world_size: int, store: TCPStore, transport: 
 SCENARIOS: dict[str, Callable[..., Any]] = {
     "all_algorithms": _all_algorithms,
     "other_dtypes": _other_dtypes,
+    "large_messages": _large_messages,
     "max_op": _max_op,
     "corrupt": _corrupt,
     "absent_peer": _absent_peer,
@@ -241,14 +267,22 @@ def test_every_algorithm_exact_on_integers(world_size: int) -> None:
         assert payload == [], f"rank {rank}: {payload}"
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_large_messages_through_the_sender_thread(world_size: int) -> None:
+    assert LARGE_COUNT * 8 // world_size >= _THREAD_MIN_BYTES  # a ring step's sends go through the thread
+    for rank, (status, payload) in run_ranks("large_messages", world_size).items():
+        assert (status, payload) == ("ok", []), f"rank {rank}"
+
+
 def test_dtypes_and_other_ops() -> None:
     for rank, (status, payload) in run_ranks("other_dtypes", 3).items():
         assert (status, payload) == ("ok", []), f"rank {rank}"
     assert all(r == ("ok", True) for r in run_ranks("max_op", 2).values())
 
 
-def test_checksum_names_the_corrupting_link() -> None:
-    results = run_ranks("corrupt", 2)
+@pytest.mark.parametrize("count", [4096, LARGE_COUNT])  # sent from the calling thread, from the sender thread
+def test_checksum_names_the_corrupting_link(count: int) -> None:
+    results = run_ranks("corrupt", 2, count)
     status, (message, peer) = results[0]
     assert status == "ChecksumError"
     assert "link rank 1 -> rank 0" in message
