@@ -13,9 +13,15 @@ The model (the issue's, stated once):
 
 The engine core is one heap of (time, counter, event) — the counter makes equal-time events pop in the order
 they were pushed, so runs are deterministic — plus the fluid drain of the active transfers between events.
-Events due at the same instant are processed together and the rates re-solved once. Cost: one rate solve per
-distinct start/finish instant and a few Python operations per transfer, so it is meant for up to a few hundred
-ranks; it checks the fast engine there (see :mod:`allreduce.sim._fast` for where and why the two differ).
+Events due at the same instant are processed together and the rates re-solved once, and only for the
+transfers connected to a changed link through shared links: max-min fair rates decompose over the connected
+components of the transfer-link incidence, and when ranks drift apart a component holds a few transfers, not
+all that are draining (5 of 57 on average for ring on 128 randomly placed ranks of an ECMP fat-tree). A
+transfer whose rate changed gets a new drain event; its old one goes stale (a version counter). That core is
+plain Python over sets and dicts — each event touches a handful of transfers, where numpy's fixed cost per
+call dominated (that ring: 15 s with one numpy progressive filling of every draining transfer per instant,
+~2 CPU-seconds now). It checks the fast engine up to a few hundred ranks (see :mod:`allreduce.sim._fast`
+for where and why the two differ), and engine="auto" uses it there.
 
 The critical path is found by walking back from the rank that finished last: the transfer that ended its last
 step, the rank whose arrival started that transfer, that rank's previous step, and so on to time zero.
@@ -24,13 +30,14 @@ step, the rank whose arrival started that transfer, that rank's previous step, a
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules import Schedule, Verb
-from allreduce.sim._fair import fill_dense
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
@@ -42,16 +49,11 @@ FloatArray = npt.NDArray[np.float64]
 
 _START = 0  # a rank begins its next step
 _DELIVER = 1  # a transfer's last byte arrived
-# Transfers whose drains end within this relative distance of the earliest end finish together (one re-solve,
-# not one per transfer whose float sum came out a few ulps later).
-_DRAIN_RTOL = 1e-9
-# ... or within this many seconds of it (a drain due now, or a few ulps ago).
-_DRAIN_ATOL_S = 1e-15
+_DRAIN = 2  # a transfer's last byte left (stale unless its version is current: its rate changed since)
 # Events within this relative distance of the current time are processed with it.
 _EVENT_RTOL = 1e-12
-# A link is saturated, and a transfer the fastest on it, to this relative tolerance (rates kept from an
-# earlier solve carry its rounding).
-_CHECK_RTOL = 1e-9
+# Links whose fill levels agree to this relative tolerance saturate together (as in sim/_fair.py).
+_LEVEL_RTOL = 1e-9
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,11 +131,11 @@ class _Run:
         size_bytes: float,
         rank_delay_s: FloatArray | None,
         *,
-        keep_rates: bool = True,
+        local: bool = True,
     ) -> None:
-        """``keep_rates=False`` re-solves the rates by progressive filling at every change (the reference the
-        shortcut of :meth:`_keep_rates` is tested against)."""
-        self.keep_rates = keep_rates
+        """``local=False`` re-solves the rates of every draining transfer at every change, not only those
+        of the changed transfers' component (the reference the local re-solve is tested against)."""
+        self.local = local
         self.schedule = schedule
         self.router = router
         self.capacity = router.topology.link_bandwidth_Bps
@@ -150,13 +152,13 @@ class _Run:
         routes = router.route_ranks(keys // n, keys % n)
         self.pair_ptr = routes.flow_ptr
         self.pair_len = np.diff(routes.flow_ptr)
-        # Links renumbered densely over the ones this schedule uses: every rate solve works on those alone.
+        # Links renumbered densely over the ones this schedule uses.
         self.used_links, pair_link = np.unique(routes.link, return_inverse=True)
         self.pair_link = pair_link.reshape(-1).astype(np.int64)
         self.pair_weight = routes.weight
-        self.link_capacity = self.capacity[self.used_links]
-        if np.any(~(self.link_capacity > 0)):
-            bad = int(self.used_links[~(self.link_capacity > 0)][0])
+        link_capacity = self.capacity[self.used_links]
+        if np.any(~(link_capacity > 0)):
+            bad = int(self.used_links[~(link_capacity > 0)][0])
             raise ValueError(f"link {bad} carries flows but has capacity {self.capacity[bad]} (must be > 0)")
         self.latency = routes.latency_s[self.pair]
 
@@ -178,173 +180,230 @@ class _Run:
         members = np.argsort(slot_of, kind="stable")  # entries 0..2T-1 grouped by slot
         self.slot_ptr = np.concatenate([[0], np.cumsum(np.bincount(slot_of, minlength=self.num_slots))])
         self.slot_members = (members % max(len(t), 1)).tolist()
-        self.pending = np.diff(self.slot_ptr).astype(np.int64)
 
         self.slot_start = np.full(self.num_slots, np.nan)
         self.slot_end = np.full(self.num_slots, np.nan)
         self.slot_last = np.full(self.num_slots, -1, dtype=np.int64)  # transfer that completed the slot
-        self.ready_ends = np.zeros(len(t), dtype=np.int64)
         self.trigger = np.full(len(t), -1, dtype=np.int64)  # slot whose start let the transfer begin
         self.start_s = np.full(len(t), np.nan)
         self.drained_s = np.full(len(t), np.nan)
         self.delivered_s = np.full(len(t), np.nan)
-        self.slowest_rate = np.full(len(t), np.inf)
-        self.bottleneck = np.full(len(t), -1, dtype=np.int64)
         self.rank_end = np.zeros(n)
+        self.slowest_rate = np.full(len(t), np.inf)  # per transfer, filled in when the run ends
+        self.bottleneck = np.full(len(t), -1, dtype=np.int64)
 
-        self.heap: list[tuple[float, int, int, int]] = []
+        # The fluid core works on plain Python lists: each event touches a handful of transfers and links,
+        # where a numpy call's fixed cost would dominate (profiled: 15 s -> ~1 s for a 128-rank ring).
+        self._pending = np.diff(self.slot_ptr).tolist()
+        self._slot_ptr = self.slot_ptr.tolist()
+        self._ready_ends = [0] * len(t)
+        pair_ptr = self.pair_ptr.tolist()
+        pair_link_list = self.pair_link.tolist()
+        pair_weight_list = self.pair_weight.tolist()
+        pair_entries = [
+            (tuple(pair_link_list[a:b]), tuple(pair_weight_list[a:b])) for a, b in itertools.pairwise(pair_ptr)
+        ]
+        self._path = [pair_entries[p] for p in self.pair.tolist()]  # (links, weights) per transfer
+        self._bytes = self.nbytes.tolist()
+        self._latency = self.latency.tolist()
+        self._delay = np.asarray(self.delay, dtype=np.float64).tolist()
+        self._send_slot = self.send_slot.tolist()
+        self._recv_slot = self.recv_slot.tolist()
+        self._slot_rank = self.slot_rank.tolist()
+        self._rank_stop_slot = self.rank_stop_slot.tolist()
+        self._capacity = link_capacity.tolist()
+        self._link_flows: list[set[int]] = [set() for _ in range(len(self._capacity))]
+        self._rate = [0.0] * len(t)
+        self._left = [0.0] * len(t)  # bytes still to drain at time _since
+        self._since = [0.0] * len(t)
+        self._version = [0] * len(t)  # drain events of older versions are stale
+        self._slowest = [math.inf] * len(t)
+        self._bottleneck = [-1] * len(t)  # dense link
+
+        self.heap: list[tuple[float, int, int, int, int]] = []
         self.counter = 0
-        self.active: list[int] = []
-        self.remaining: FloatArray = np.zeros(0)
-        self.rate: FloatArray = np.zeros(0)
         self.now = 0.0
-        self.solves = 0
-        self.full_solves = 0  # solves that needed progressive filling (the rest kept the rates)
+        self._draining = 0
+        self._changed: set[int] = set()  # links whose set of draining transfers changed at this instant
+        self.solves = 0  # rate solves (one per instant at which some transfer started or drained)
+        self.solved_flows = 0  # transfers re-solved, summed over solves
+        self.active_flows = 0  # transfers draining, summed over solves
 
-    def push(self, time_s: float, kind: int, what: int) -> None:
-        heapq.heappush(self.heap, (time_s, self.counter, kind, what))
+    def push(self, time_s: float, kind: int, what: int, version: int = 0) -> None:
+        heapq.heappush(self.heap, (time_s, self.counter, kind, what, version))
         self.counter += 1
 
     # -- events ---------------------------------------------------------------------------------------
     def begin_slot(self, slot: int) -> None:
         self.slot_start[slot] = self.now
-        for x in self.slot_members[self.slot_ptr[slot] : self.slot_ptr[slot + 1]]:
-            self.ready_ends[x] += 1
-            if self.ready_ends[x] == 2:
+        ready = self._ready_ends
+        for x in self.slot_members[self._slot_ptr[slot] : self._slot_ptr[slot + 1]]:
+            ready[x] += 1
+            if ready[x] == 2:
                 self.trigger[x] = slot
                 self.start_transfer(x)
 
     def start_transfer(self, x: int) -> None:
         self.start_s[x] = self.now
-        if self.nbytes[x] <= 0 or self.pair_len[self.pair[x]] == 0:
+        links = self._path[x][0]
+        if self._bytes[x] <= 0 or not links:
             self.drained_s[x] = self.now
-            self.push(self.now + float(self.latency[x]), _DELIVER, x)
+            self.push(self.now + self._latency[x], _DELIVER, x)
             return
-        self.active.append(x)
-        self.remaining = np.append(self.remaining, self.nbytes[x])
-        self.rate = np.append(self.rate, np.nan)
+        self._left[x] = self._bytes[x]
+        self._since[x] = self.now
+        self._rate[x] = 0.0
+        self._draining += 1
+        for link in links:
+            self._link_flows[link].add(x)
+        self._changed.update(links)
+
+    def drain(self, x: int) -> None:
+        self.drained_s[x] = self.now
+        self._rate[x] = 0.0
+        self._left[x] = 0.0
+        links = self._path[x][0]
+        self._draining -= 1
+        for link in links:
+            self._link_flows[link].discard(x)
+        self._changed.update(links)
+        self.push(self.now + self._latency[x], _DELIVER, x)
 
     def deliver(self, x: int) -> None:
         self.delivered_s[x] = self.now
-        slots = (int(self.send_slot[x]), int(self.recv_slot[x]))
-        for slot in slots if slots[0] != slots[1] else slots[:1]:
-            self.pending[slot] -= 1 if slots[0] != slots[1] else 2
-            if self.pending[slot] == 0:
+        send, recv = self._send_slot[x], self._recv_slot[x]
+        if send == recv:
+            self._pending[send] -= 2
+            if self._pending[send] == 0:
+                self.end_slot(send, x)
+            return
+        for slot in (send, recv):
+            self._pending[slot] -= 1
+            if self._pending[slot] == 0:
                 self.end_slot(slot, x)
 
     def end_slot(self, slot: int, last: int) -> None:
         self.slot_end[slot] = self.now
         self.slot_last[slot] = last
-        rank = int(self.slot_rank[slot])
-        after = self.now + float(self.delay[rank])
-        if slot + 1 < self.rank_stop_slot[rank]:
+        rank = self._slot_rank[slot]
+        after = self.now + self._delay[rank]
+        if slot + 1 < self._rank_stop_slot[rank]:
             self.push(after, _START, slot + 1)
         else:
             self.rank_end[rank] = after
 
     # -- fluid drain ----------------------------------------------------------------------------------
-    def solve_rates(self) -> None:
-        """Max-min fair rates of the active transfers; ``self.rate`` is aligned with ``self.active``, NaN for
-        transfers that started since the last solve."""
-        ids = np.asarray(self.active, dtype=np.int64)
-        pair = self.pair[ids]
-        lens = self.pair_len[pair]
-        ptr = np.concatenate([[0], np.cumsum(lens)])
-        entries = np.repeat(self.pair_ptr[pair] - ptr[:-1], lens) + np.arange(int(ptr[-1]))
-        flow = np.repeat(np.arange(ids.size, dtype=np.int64), lens)
-        link = self.pair_link[entries]
-        weight = self.pair_weight[entries]
-        checked = self._keep_rates(flow, link, weight) if self.keep_rates else None
-        if checked is not None:
-            rate, bottleneck = checked
+    def _component(self) -> tuple[list[int], set[int]]:
+        """The draining transfers connected to a changed link through shared links, and their links.
+
+        Max-min fair rates decompose over the connected components of the transfer-link incidence, so only
+        this component's rates can have changed."""
+        flows_of = self._link_flows
+        path = self._path
+        if self.local:
+            seen_links = set(self._changed)
+            stack = list(seen_links)
         else:
-            rate, bottleneck, _ = fill_dense(ids.size, flow, link, weight, self.link_capacity)
-            self.full_solves += 1
+            seen_links = {link for link, flows in enumerate(flows_of) if flows}
+            stack = list(seen_links)
+        members: set[int] = set()
+        while stack:
+            for x in flows_of[stack.pop()]:
+                if x not in members:
+                    members.add(x)
+                    for link in path[x][0]:
+                        if link not in seen_links:
+                            seen_links.add(link)
+                            stack.append(link)
+        return sorted(members), seen_links
+
+    def solve_rates(self) -> None:
+        """Re-solve the max-min fair rates of the changed component by progressive filling, and reschedule
+        the drains whose rate changed."""
+        flows, _ = self._component()
+        self._changed.clear()
         self.solves += 1
-        self.rate = rate
-        slower = np.flatnonzero(rate < self.slowest_rate[ids])
-        self.slowest_rate[ids[slower]] = rate[slower]
-        self.bottleneck[ids[slower]] = self.used_links[bottleneck[slower]]
-
-    def _keep_rates(self, flow: IntArray, link: IntArray, weight: FloatArray) -> tuple[FloatArray, IntArray] | None:
-        """The max-min fair rates without progressive filling, when the previous ones still are.
-
-        A change of the active set often leaves every other transfer's rate alone (a transfer that finished
-        alone on its bottleneck; one that starts on links with room to spare). Candidate: the transfers that
-        kept running keep their rates; one that just started takes the room left on its path. A feasible
-        allocation is the (unique) max-min fair one iff every transfer crosses a saturated link on which no
-        transfer is faster (its bottleneck), which one pass over the incidence checks. Returns (rates,
-        bottleneck link per transfer), or None when the check fails and the rates must be re-solved."""
-        rate = self.rate
-        fresh = np.isnan(rate)
-        capacity = self.link_capacity
-        if fresh.any():
-            rate = rate.copy()
-            known = ~fresh[flow]
-            load = np.bincount(link[known], weights=weight[known] * rate[flow[known]], minlength=capacity.size)
-            room = (capacity - load)[link] / weight
-            new = ~known
-            # Entries are grouped by transfer; new transfers are the last ones, each with >= 1 entry.
-            starts = np.flatnonzero(np.diff(flow[new], prepend=-1))
-            rate[fresh] = np.minimum.reduceat(room[new], starts)
-            if not (rate[fresh] > 0).all():
-                return None
-        entry_rate = rate[flow]
-        load = np.bincount(link, weights=weight * entry_rate, minlength=capacity.size)
-        if (load > capacity * (1 + _CHECK_RTOL)).any():
-            return None
-        fastest = np.zeros(capacity.size)
-        np.maximum.at(fastest, link, entry_rate)
-        ok = (load[link] >= capacity[link] * (1 - _CHECK_RTOL)) & (entry_rate >= fastest[link] * (1 - _CHECK_RTOL))
-        hit = np.flatnonzero(ok)
-        hit_flow = flow[hit]
-        first = np.ones(hit.size, dtype=np.bool_)
-        first[1:] = hit_flow[1:] != hit_flow[:-1]
-        if int(first.sum()) != rate.size:
-            return None
-        return rate, link[hit[first]]
-
-    def advance(self, to_s: float) -> None:
-        if self.active:
-            self.remaining -= self.rate * (to_s - self.now)
-        self.now = to_s
+        self.solved_flows += len(flows)
+        self.active_flows += self._draining
+        if not flows:
+            return
+        path = self._path
+        capacity = self._capacity
+        room: dict[int, float] = {}
+        demand: dict[int, float] = {}
+        count: dict[int, int] = {}  # unfrozen transfers per link that has some
+        for x in flows:
+            for link, weight in zip(*path[x], strict=True):
+                if link in count:
+                    demand[link] += weight
+                    count[link] += 1
+                else:
+                    room[link] = capacity[link]
+                    demand[link] = weight
+                    count[link] = 1
+        new_rate: dict[int, float] = {}
+        new_bottleneck: dict[int, int] = {}
+        flows_of = self._link_flows
+        while count:
+            fill = math.inf
+            for link in count:
+                fill = min(fill, room[link] / demand[link])
+            if not math.isfinite(fill):
+                break
+            limit = fill * (1 + _LEVEL_RTOL)
+            tight = {link for link in count if room[link] / demand[link] <= limit}
+            for link in tight:
+                for x in flows_of[link]:
+                    if x in new_rate:
+                        continue
+                    xlinks, xweights = path[x]
+                    new_rate[x] = fill
+                    # The first saturated link on its path: the one the report names.
+                    new_bottleneck[x] = next(lk for lk in xlinks if lk in tight)
+                    for lk, weight in zip(xlinks, xweights, strict=True):
+                        room[lk] = max(room[lk] - weight * fill, 0.0)
+                        demand[lk] -= weight
+                        count[lk] -= 1
+                        if count[lk] == 0:
+                            del count[lk]
+        now = self.now
+        for x in flows:
+            rate = new_rate[x]
+            old = self._rate[x]
+            if rate == old:
+                continue
+            self._left[x] -= old * (now - self._since[x])
+            self._since[x] = now
+            self._rate[x] = rate
+            self._version[x] += 1
+            if rate < self._slowest[x]:
+                self._slowest[x] = rate
+                self._bottleneck[x] = new_bottleneck[x]
+            self.push(now + max(self._left[x], 0.0) / rate, _DRAIN, x, self._version[x])
 
     def run(self) -> None:
         for rank in range(self.schedule.world_size):
             if self.rank_first_slot[rank] < self.rank_stop_slot[rank]:
                 self.push(0.0, _START, int(self.rank_first_slot[rank]))
-        dirty = False
-        while self.heap or self.active:
-            if dirty and self.active:
-                self.solve_rates()
-            dirty = False
-            next_event = self.heap[0][0] if self.heap else np.inf
-            if self.active:
-                finish = self.remaining / self.rate
-                # Rounding can leave a few bytes' worth of negative time: never step backwards.
-                soonest = max(float(finish.min()), 0.0)
-                if self.now + soonest <= next_event:
-                    self.advance(self.now + soonest)
-                    done = finish <= soonest * (1 + _DRAIN_RTOL) + _DRAIN_ATOL_S
-                    ids = np.asarray(self.active, dtype=np.int64)
-                    for x in ids[done].tolist():
-                        self.drained_s[x] = self.now
-                        self.push(self.now + float(self.latency[x]), _DELIVER, x)
-                    self.active = ids[~done].tolist()
-                    self.remaining = self.remaining[~done]
-                    self.rate = self.rate[~done]
-                    dirty = True
-                    continue
-            self.advance(next_event)
+        heap = self.heap
+        version = self._version
+        while heap:
+            self.now = heap[0][0]
             horizon = self.now * (1 + _EVENT_RTOL)
-            before = len(self.active)
-            while self.heap and self.heap[0][0] <= horizon:
-                _, _, kind, what = heapq.heappop(self.heap)
+            # Everything due at this instant, then one re-solve for all the transfers that came and went.
+            while heap and heap[0][0] <= horizon:
+                _, _, kind, what, ver = heapq.heappop(heap)
                 if kind == _START:
                     self.begin_slot(what)
-                else:
+                elif kind == _DELIVER:
                     self.deliver(what)
-            dirty = len(self.active) != before
+                elif ver == version[what]:
+                    self.drain(what)
+            if self._changed:
+                self.solve_rates()
+        self.slowest_rate = np.asarray(self._slowest, dtype=np.float64)
+        dense = np.asarray(self._bottleneck, dtype=np.int64)
+        self.bottleneck = np.where(dense >= 0, self.used_links[np.maximum(dense, 0)], -1)
 
 
 def run_event(
