@@ -1,13 +1,19 @@
 """DataParallel against single-process training: N ranks × batch B == one process × batch N·B.
 
-One set of N processes per world size runs every case (several models, bucket sizes, gradient accumulation);
-the parent recomputes each case in one process with the global batch and compares. Ranks must also hold
-bitwise-identical parameters after every step (compared by digest).
+One set of N processes per world size runs every case (several models, bucket sizes, gradient accumulation,
+overlapped or end-of-backward collectives, ``zero_grad`` with and without ``set_to_none``); the parent recomputes
+each case in one process with the global batch and compares. Ranks must also hold bitwise-identical parameters
+after every step (compared by digest), and every ``.grad`` must be a view into its bucket (the buckets' parameters'
+gradients lie back to back in memory).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import hypothesis.strategies as st
@@ -19,7 +25,7 @@ import torch
 from allreduce.train import DataParallel, bucket_layout, run_local
 from torch import nn
 
-STEPS = 20
+STEPS = 10
 BATCH = 4  # per rank
 FEATURES = 12
 CLASSES = 5
@@ -43,6 +49,21 @@ class MixedModel(nn.Module):
         return y * self.frozen * self.scale
 
 
+# Models of a few hundred parameters: torch's intra-op threads only add synchronisation, which on two shared cores
+# under load costs more than the arithmetic (seconds per test).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def make_model(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "mlp":
@@ -50,14 +71,27 @@ def make_model(kind: str, seed: int) -> nn.Module:
     return MixedModel()
 
 
-CASES: list[tuple[str, str, float, int]] = [
-    # (name, model, bucket_size_mb, micro-batches per step)
-    ("mlp, one bucket", "mlp", 25.0, 1),
-    ("mlp, a bucket per parameter", "mlp", 1e-6, 1),
-    ("mlp, buckets of ~1 KiB", "mlp", 1 / 1024, 1),
-    ("mixed dtypes, frozen and unused, tiny buckets", "mixed", 1e-6, 1),
-    ("mixed dtypes, frozen and unused, one bucket per dtype", "mixed", 25.0, 1),
-    ("mlp, gradient accumulation with no_sync", "mlp", 1 / 1024, ACCUMULATE),
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # "mlp" or "mixed"
+    bucket_size_mb: float
+    micro: int = 1  # micro-batches per optimizer step (all but the last under no_sync)
+    overlap: bool = True
+    set_to_none: bool = True  # zero_grad(set_to_none=...): fresh gradients each step, or accumulation in place
+
+
+CASES = [
+    Case("mlp, one bucket", "mlp", 25.0),
+    Case("mlp, a bucket per parameter", "mlp", 1e-6),
+    Case("mlp, buckets of ~1 KiB", "mlp", 1 / 1024),
+    Case("mlp, buckets of ~1 KiB, one collective after backward", "mlp", 1 / 1024, overlap=False),
+    Case("mixed dtypes, frozen and unused, tiny buckets", "mixed", 1e-6),
+    Case("mixed dtypes, frozen and unused, one bucket per dtype", "mixed", 25.0, set_to_none=False),
+    Case("mixed dtypes, tiny buckets, one collective per dtype after backward", "mixed", 1e-6, overlap=False),
+    Case("mlp, gradient accumulation with no_sync", "mlp", 1 / 1024, micro=ACCUMULATE),
+    Case("mlp, no_sync accumulating in place", "mlp", 1 / 1024, micro=ACCUMULATE, set_to_none=False),
+    Case("mixed, no_sync, one collective per dtype after backward", "mixed", 1e-6, micro=ACCUMULATE, overlap=False),
 ]
 
 
@@ -85,46 +119,65 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
 
 
-def cases(world_size: int) -> list[tuple[str, str, float, int]]:
+def cases(world_size: int) -> list[Case]:
     # Four oversubscribed ranks are slow on two cores: they run the cases that differ most.
-    return [c for c in CASES if world_size < 4 or c[0] in FOUR_RANK_CASES]
+    return [c for c in CASES if world_size < 4 or c.name in FOUR_RANK_CASES]
 
 
 FOUR_RANK_CASES = {
-    "mlp, buckets of ~1 KiB",
     "mixed dtypes, frozen and unused, tiny buckets",
-    "mlp, gradient accumulation with no_sync",
+    "mlp, no_sync accumulating in place",
+    "mixed, no_sync, one collective per dtype after backward",
 }
+
+
+def grads_are_bucket_views(model: DataParallel) -> bool:
+    """Whether each dtype's gradients lie back to back in bucket order: views into one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for params in model.bucket_params():
+        by_dtype.setdefault(params[0].dtype, []).extend(params)
+    for params in by_dtype.values():
+        for before, after in itertools.pairwise(params):
+            assert before.grad is not None
+            assert after.grad is not None
+            if after.grad.data_ptr() != before.grad.data_ptr() + before.numel() * before.element_size():
+                return False
+    return True
 
 
 def _worker(group_kind: str) -> dict[str, Any]:
     group, close = _group(group_kind)
     rank, world_size = group.rank, group.world_size
     out: dict[str, Any] = {}
-    for name, kind, bucket_mb, micro in cases(world_size):
+    for case in cases(world_size):
         # Every rank starts from a different model: DataParallel's broadcast must make them rank 0's.
-        model = DataParallel(make_model(kind, seed=100 + rank), group, bucket_size_mb=bucket_mb)
+        model = DataParallel(
+            make_model(case.model, seed=100 + rank), group, bucket_size_mb=case.bucket_size_mb, overlap=case.overlap
+        )
         optimizer = make_optimizer(model)
-        x, y = dataset(world_size, micro)
-        digests = []
+        x, y = dataset(world_size, case.micro)
+        digests, views = [], []
         for step in range(STEPS):
-            optimizer.zero_grad()
-            for m in range(micro):
-                window = global_batch(step, m, world_size, micro)
+            optimizer.zero_grad(set_to_none=case.set_to_none)
+            for m in range(case.micro):
+                window = global_batch(step, m, world_size, case.micro)
                 idx = slice(window.start + rank * BATCH, window.start + (rank + 1) * BATCH)
                 loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-                if m < micro - 1:
+                if m < case.micro - 1:
                     with model.no_sync():
                         loss.backward()
                 else:
                     loss.backward()
+            views.append(grads_are_bucket_views(model))
             optimizer.step()
             digests.append(digest(model.module))
-        out[name] = {
+        out[case.name] = {
             "digests": digests,
+            "views": views,
             "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
             "buckets": model.num_buckets,
         }
+        model.remove_hooks()
     close()
     return out
 
@@ -151,13 +204,13 @@ def _group(kind: str) -> tuple[Any, Any]:
     return group, close
 
 
-def reference(kind: str, world_size: int, micro: int) -> dict[str, torch.Tensor]:
+def reference(kind: str, world_size: int, micro: int, *, set_to_none: bool) -> dict[str, torch.Tensor]:
     """Single-process training on the global batch, starting from rank 0's model."""
     model = make_model(kind, seed=100)
     optimizer = make_optimizer(model)
     x, y = dataset(world_size, micro)
     for step in range(STEPS):
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         for m in range(micro):
             window = global_batch(step, m, world_size, micro)
             nn.functional.cross_entropy(model(x[window]), y[window]).backward()
@@ -169,11 +222,14 @@ def reference(kind: str, world_size: int, micro: int) -> dict[str, torch.Tensor]
 def test_data_parallel_matches_single_process_training_and_ranks_stay_identical(
     world_size: int, group_kind: str
 ) -> None:
-    per_rank = run_local(world_size, _worker, (group_kind,), timeout_s=280)
-    for name, kind, _bucket_mb, micro in cases(world_size):
-        for rank in range(1, world_size):
+    per_rank = run_local(world_size, _worker, (group_kind,), timeout_s=280, env=ONE_THREAD)
+    for case in cases(world_size):
+        name, kind = case.name, case.model
+        for rank in range(world_size):
             assert per_rank[rank][name]["digests"] == per_rank[0][name]["digests"], f"{name}: rank {rank} diverged"
-        expected = reference(kind, world_size, micro)
+            assert all(per_rank[rank][name]["views"]), f"{name}: rank {rank}: a .grad is not a view into its bucket"
+        with one_thread():
+            expected = reference(kind, world_size, case.micro, set_to_none=case.set_to_none)
         got = per_rank[0][name]["params"]
         assert got.keys() == expected.keys()
         for key, value in expected.items():

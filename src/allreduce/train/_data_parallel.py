@@ -121,10 +121,20 @@ class DataParallel(nn.Module):
 
     The constructor broadcasts rank 0's parameters and buffers, so every rank starts identical.
     ``algorithm`` is passed to ``group.all_reduce`` ("auto" lets the group choose).
+
+    ``overlap``: all-reduce each bucket on the group's worker thread while backward goes on (True), or all of a
+    dtype's gradients in one collective on the calling thread when backward ends (False: no thread, one
+    synchronisation point per dtype instead of one per bucket, but nothing overlaps).
     """
 
     def __init__(
-        self, module: nn.Module, group: CollectiveGroup, *, bucket_size_mb: float = 25.0, algorithm: str = "auto"
+        self,
+        module: nn.Module,
+        group: CollectiveGroup,
+        *,
+        bucket_size_mb: float = 25.0,
+        algorithm: str = "auto",
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         if bucket_size_mb <= 0:
@@ -139,6 +149,7 @@ class DataParallel(nn.Module):
         self._first_launch = 0.0
         self._backward_end = 0.0
         self.last_sync: SyncStats | None = None
+        self.overlap = overlap
 
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
@@ -151,11 +162,21 @@ class DataParallel(nn.Module):
         layout = bucket_layout(
             [p.numel() * p.element_size() for p in ordered], [p.dtype for p in ordered], self.bucket_size_bytes
         )
+        # One flat tensor per dtype, its buckets consecutive slices (a dtype's buckets are in layout order), so
+        # that without overlap each dtype's gradients go in a single collective.
+        self._flats: dict[torch.dtype, torch.Tensor] = {}
+        for dtype in dict.fromkeys(p.dtype for p in ordered):
+            count = sum(p.numel() for p in ordered if p.dtype == dtype)
+            self._flats[dtype] = _bucket_tensor(group, count, dtype)
+        used = dict.fromkeys(self._flats, 0)
         self._buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
         for members in layout:
             bucket_params = [ordered[i] for i in members]
-            flat = _bucket_tensor(group, sum(p.numel() for p in bucket_params), bucket_params[0].dtype)
+            dtype = bucket_params[0].dtype
+            count = sum(p.numel() for p in bucket_params)
+            flat = self._flats[dtype][used[dtype] : used[dtype] + count]
+            used[dtype] += count
             views, start = [], 0
             for slot, p in enumerate(bucket_params):
                 view = flat[start : start + p.numel()].view(p.shape)
@@ -212,7 +233,8 @@ class DataParallel(nn.Module):
         self._adopt(param, bucket.views[slot])
         bucket.filled.add(slot)
         self._backward_end = time.perf_counter()
-        self._launch_ready()
+        if self.overlap:
+            self._launch_ready()
 
     @staticmethod
     def _adopt(param: torch.Tensor, view: torch.Tensor) -> None:
@@ -250,15 +272,20 @@ class DataParallel(nn.Module):
         backward_end = self._backward_end
         # Parameters that got no gradient in this step contribute what .grad holds (zeros if None).
         with torch.no_grad():
-            while self._launched < len(self._buckets):
-                bucket = self._buckets[self._launched]
+            for bucket in self._buckets[self._launched :]:
                 for slot, p in enumerate(bucket.params):
                     if slot not in bucket.filled:
                         self._adopt(p, bucket.views[slot])
-                self._launch(bucket)
-        for bucket in self._buckets:
-            bucket.handle.wait()
-            bucket.handle = None
+                if self.overlap:
+                    self._launch(bucket)
+        if self.overlap:
+            for bucket in self._buckets:
+                bucket.handle.wait()
+                bucket.handle = None
+        else:
+            self._first_launch = time.perf_counter()
+            for flat in self._flats.values():
+                self.group.all_reduce(flat, op="avg", algorithm=self.algorithm)
         done = time.perf_counter()
         self.last_sync = SyncStats(
             buckets=len(self._buckets),
