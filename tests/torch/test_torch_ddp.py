@@ -1,6 +1,6 @@
 """torch's own DDP on allreduce, two ways: the "allreduce" torch.distributed backend, and the DDP comm hook.
 
-Per world size one set of processes runs: the backend's collectives against closed forms, then 20 training
+Per world size one set of processes runs: the backend's collectives against closed forms, then 10 training
 steps of DDP on the backend and of DDP (Gloo) with allreduce.torch.comm_hook on an allreduce shm group, each
 compared with single-process training on the global batch, ranks bitwise identical after every step.
 """
@@ -17,7 +17,7 @@ import torch
 from allreduce.train import run_local
 from torch import nn
 
-STEPS = 20
+STEPS = 10
 BATCH = 4
 FEATURES = 10
 CLASSES = 4
@@ -149,7 +149,7 @@ def expected_collectives(rank: int, n: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_ddp_on_the_allreduce_backend_and_with_the_comm_hook_matches_single_process(world_size: int) -> None:
-    per_rank = run_local(world_size, _worker, timeout_s=280)
+    per_rank = run_local(world_size, _worker, timeout_s=280, env={"OMP_NUM_THREADS": "1"})
     expected_params = reference(world_size)
     for rank, out in enumerate(per_rank):
         assert out["backend"] == "allreduce"

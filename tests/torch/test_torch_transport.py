@@ -1,12 +1,14 @@
 """TorchTransport: every all-reduce schedule over torch.distributed isend/irecv (Gloo on loopback), real processes.
 
-Each test starts one set of N processes and runs all its cases inside it (N torch processes are heavy on two
-cores). Data is integer-valued, so the expected result is an exact closed form.
+One set of N processes per world size runs every case that needs a working group of that size (each torch
+process start-up costs seconds on two cores); the tests share its results. Only the failure tests (a silent peer,
+a dead peer) start processes of their own. Data is integer-valued, so the expected result is an exact closed form.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ def _contribution(rank: int, count: int) -> np.ndarray[Any, Any]:
     return (np.arange(count, dtype=np.int64) * 7 + 1) * (rank + 1) + rank * 1000
 
 
-def _all_algorithms_worker(checksum: bool) -> dict[tuple[str, int, int], np.ndarray[Any, Any]]:
+def _worker(checksum: bool) -> dict[Any, Any]:
     import torch.distributed as dist
 
     from allreduce.torch import TorchTransport
@@ -56,7 +58,7 @@ def _all_algorithms_worker(checksum: bool) -> dict[tuple[str, int, int], np.ndar
     _init_gloo()
     transport = TorchTransport()
     rank, world_size = transport.rank, transport.world_size
-    out = {}
+    out: dict[Any, Any] = {}
     for seq, (algorithm, segments, count) in enumerate(_cases(world_size)):
         plan = compile_plan(_schedule(algorithm, world_size, segments), rank, count)
         buffer = _contribution(rank, count)
@@ -64,14 +66,23 @@ def _all_algorithms_worker(checksum: bool) -> dict[tuple[str, int, int], np.ndar
             plan, buffer, lambda dst, inc: np.add(dst, inc, out=dst), seq=seq, timeout_s=60.0, checksum=checksum
         )
         out[(algorithm, segments, count)] = buffer
+    if world_size == 3:
+        out["agree"] = _dtypes_and_agree(transport, seq=len(out))
+    if world_size == 2:
+        out["wrong plan"] = _wrong_plan(transport)
     transport.close()
     dist.destroy_process_group()
     return out
 
 
+@functools.cache
+def _run(world_size: int) -> list[dict[Any, Any]]:
+    return run_local(world_size, _worker, (world_size == 3,), timeout_s=240)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_all_reduce_algorithm_gives_the_exact_sum(world_size: int) -> None:
-    per_rank = run_local(world_size, _all_algorithms_worker, (world_size == 3,), timeout_s=240)
+    per_rank = _run(world_size)
     for algorithm, segments, count in _cases(world_size):
         expected = sum(_contribution(r, count) for r in range(world_size))
         for rank in range(world_size):
@@ -79,24 +90,18 @@ def test_every_all_reduce_algorithm_gives_the_exact_sum(world_size: int) -> None
             assert np.array_equal(got, expected), f"{algorithm} segments={segments} count={count} rank {rank}"
 
 
-def _dtypes_and_agree_worker() -> dict[str, Any]:
-    import torch.distributed as dist
-
-    from allreduce.torch import TorchTransport
-
-    _init_gloo()
-    transport = TorchTransport()
+def _dtypes_and_agree(transport: Any, seq: int) -> dict[str, Any]:
     rank, world_size = transport.rank, transport.world_size
     out: dict[str, Any] = {}
     # Descriptors of different lengths per rank, one longer than the fixed slot (a second round).
-    out["short"] = transport.agree(0, f"rank{rank}".encode(), timeout_s=30)
-    out["long"] = transport.agree(1, bytes([rank]) * (50 + 100 * rank), timeout_s=30)
-    out["empty"] = transport.agree(2, b"", timeout_s=30)
+    out["short"] = transport.agree(seq, f"rank{rank}".encode(), timeout_s=30)
+    out["long"] = transport.agree(seq + 1, bytes([rank]) * (50 + 100 * rank), timeout_s=30)
+    out["empty"] = transport.agree(seq + 2, b"", timeout_s=30)
     schedule = _schedule("ring", world_size, 2)
     for dtype in (np.float32, np.float64, np.int32, np.uint8, ml_dtypes.bfloat16, np.float16):
         buffer = ((np.arange(37) % 5) + rank).astype(dtype)
         plan = compile_plan(schedule, rank, buffer.size)
-        transport.execute(plan, buffer, lambda d, i: np.add(d, i, out=d), seq=3, timeout_s=30, checksum=True)
+        transport.execute(plan, buffer, lambda d, i: np.add(d, i, out=d), seq=seq + 3, timeout_s=30, checksum=True)
         out[np.dtype(dtype).name] = buffer.astype(np.float64)
     # recv_copy only (no reduce): a max all-reduce through the same plan with np.maximum.
     buffer = np.full(10, rank, dtype=np.int64)
@@ -104,19 +109,17 @@ def _dtypes_and_agree_worker() -> dict[str, Any]:
         compile_plan(schedule, rank, 10),
         buffer,
         lambda d, i: np.maximum(d, i, out=d),
-        seq=4,
+        seq=seq + 4,
         timeout_s=30,
         checksum=False,
     )
     out["max"] = buffer
-    dist.destroy_process_group()
     return out
 
 
 def test_agree_returns_every_ranks_descriptor_and_dtypes_travel_as_bytes() -> None:
     world_size = 3
-    per_rank = run_local(world_size, _dtypes_and_agree_worker, timeout_s=120)
-    for out in per_rank:
+    for out in (r["agree"] for r in _run(world_size)):
         assert out["short"] == [f"rank{r}".encode() for r in range(world_size)]
         assert out["long"] == [bytes([r]) * (50 + 100 * r) for r in range(world_size)]
         assert out["empty"] == [b""] * world_size
@@ -193,11 +196,7 @@ def test_a_dead_peer_is_named(tmp_path: Path) -> None:
     assert message.endswith("|peer=1")
 
 
-def _wrong_plan_worker() -> str:
-    from allreduce.torch import TorchTransport
-
-    _init_gloo()
-    transport = TorchTransport()
+def _wrong_plan(transport: Any) -> str:
     plan = compile_plan(_schedule("ring", 2, 1), 1 - transport.rank, 8)
     try:
         transport.execute(plan, np.zeros(8), np.add, seq=0, timeout_s=5.0, checksum=False)
@@ -212,7 +211,7 @@ def _wrong_plan_worker() -> str:
 
 
 def test_a_plan_for_another_rank_or_size_is_refused_before_any_data_moves() -> None:
-    for rank, message in enumerate(run_local(2, _wrong_plan_worker, timeout_s=120)):
+    for rank, message in enumerate(r["wrong plan"] for r in _run(2)):
         assert f"is for rank {1 - rank} of 2, but this transport is rank {rank} of 2" in message
         assert "hold 8 elements" in message
         assert "got shape (9,)" in message
