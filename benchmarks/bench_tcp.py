@@ -3,13 +3,17 @@
     .venv/bin/python benchmarks/bench_tcp.py [-n 2] [--sizes 4KiB,1MiB,16MiB,64MiB,256MiB] [--reps 5]
 
 Prints, per size: the median time and busbw of allreduce's TCP transport (ring and the best other algorithm)
-and of Gloo, and the ratio. float32 sum, in place. busbw = S/t * 2(N-1)/N (nccl-tests convention).
+and of Gloo, and the ratio; then the median CPU time (user + system, all threads of a rank) per all-reduce, which
+on a loaded machine decides the wall time more than anything else. float32 sum, in place.
+busbw = S/t * 2(N-1)/N (nccl-tests convention). The header gives the load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import resource
 import socket
 import statistics
 import time
@@ -53,24 +57,34 @@ def _rank_main(*args: Any) -> None:
         theirs = torch.ones(count, dtype=torch.float32)
         plans = {a: compile_plan(all_reduce(a, world_size, segments=segments), rank, count) for a in ALGORITHMS}
         times: dict[str, list[float]] = {name: [] for name in (*ALGORITHMS, "gloo")}
+        cpu_times: dict[str, list[float]] = {name: [] for name in (*ALGORITHMS, "gloo")}
         for rep in range(reps + 1):  # the first repetition warms up connections and buffers
             for name in (*ALGORITHMS, "gloo"):
                 dist.barrier()
                 start = time.perf_counter()
+                usage = resource.getrusage(resource.RUSAGE_SELF)
                 if name == "gloo":
                     dist.all_reduce(theirs)
                 else:
                     seq += 1
                     transport.execute(plans[name], ours, add_into, seq=seq, timeout_s=300, checksum=False)
                 elapsed = time.perf_counter() - start
+                after = resource.getrusage(resource.RUSAGE_SELF)
                 if rep:
                     times[name].append(elapsed)
+                    cpu_times[name].append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
         # Everything reduced is exact in float32 (small integers), so check it.
         expected = float(world_size) ** (2 * (reps + 1))
         wrong = int(np.count_nonzero(ours != expected))
         if wrong:
             raise RuntimeError(f"rank {rank}: {wrong} wrong elements at size {size}")
-        rows.append((size, {name: statistics.median(ts) for name, ts in times.items()}))
+        rows.append(
+            (
+                size,
+                {name: statistics.median(ts) for name, ts in times.items()},
+                {name: statistics.median(ts) for name, ts in cpu_times.items()},
+            )
+        )
     # Report the slowest rank's median: a collective is done when its last rank is.
     out.put((rank, rows))
     transport.close()
@@ -101,7 +115,11 @@ def main() -> None:
         p.join()
     server.close()
     bus = 2 * (args.n - 1) / args.n
-    print(f"TCP over loopback, N={args.n}, float32 sum, median of {args.reps} (slowest rank), segments={args.segments}")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"TCP over loopback, N={args.n}, float32 sum, median of {args.reps} (slowest rank), segments={args.segments}, "
+        f"load average {load}"
+    )
     header = f"{'size':>9} | " + " | ".join(f"{n + ' µs':>22} {'busbw GB/s':>10}" for n in (*ALGORITHMS, "gloo"))
     print(header + " | best/gloo")
     print("-" * len(header) + "-+----------")
@@ -113,6 +131,11 @@ def main() -> None:
             cells.append(f"{worst[name] * 1e6:>22.0f} {busbw:>10.2f}")
         best = min(worst[a] for a in ALGORITHMS)
         print(f"{format_bytes(size):>9} | " + " | ".join(cells) + f" | {worst['gloo'] / best:>8.2f}×")
+    print("CPU time per all-reduce, median, busiest rank (ms):")
+    print(f"{'size':>9} | " + " | ".join(f"{name:>16}" for name in (*ALGORITHMS, "gloo")))
+    for i, size in enumerate(sizes):
+        cpu = {name: max(r[1][i][2][name] for r in results) for name in (*ALGORITHMS, "gloo")}
+        print(f"{format_bytes(size):>9} | " + " | ".join(f"{cpu[name] * 1e3:>16.1f}" for name in (*ALGORITHMS, "gloo")))
 
 
 if __name__ == "__main__":
