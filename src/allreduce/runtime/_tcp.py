@@ -271,8 +271,10 @@ class _Sender:
     """The rank's sender thread: sends one step's frames while the calling thread receives and reduces.
 
     Why a thread: on loopback the work is the kernel's copies (sender side and receiver side) plus the reduction,
-    all of which release the GIL; with sends in their own thread, a rank copies out and copies in at the same
-    time, and on a loaded machine its two runnable threads get two shares of the CPU instead of one.
+    all of which release the GIL; with sends in their own thread, a rank copies out while it copies in and
+    reduces, whenever a core is free. Measured at N=2, 256 MiB, same run, load average 9-12 on 2 cores: medians
+    within 10% of sending from the calling thread either way, fastest runs 74-131 ms against 210 ms, and in some
+    runs medians 1.45-1.85x lower.
     ``post`` hands over a step, ``wait`` returns when it is sent (or raises what the thread raised); the
     calling thread never touches the sockets' send side while a job runs.
     """
