@@ -8,17 +8,27 @@ its own interleaved shard of it, so the N shards of one step are disjoint and to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = ["DigitsData", "load_digits", "make_mlp", "shard_batches"]
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
+NUM_DIGITS = 1797  # the size of scikit-learn's (fixed) digits dataset
 _PIXEL_MAX = 16.0  # the digits' pixels are integers 0..16
+
+
+def num_train_samples(held_out_fraction: float = 0.2) -> int:
+    """How many digits :func:`load_digits` keeps for training, known without importing torch or scikit-learn."""
+    if not 0.0 < held_out_fraction < 1.0:
+        raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
+    return NUM_DIGITS - round(NUM_DIGITS * held_out_fraction)
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,16 +41,19 @@ class DigitsData:
 
 def load_digits(*, held_out_fraction: float = 0.2, seed: int = 0) -> DigitsData:
     """The digits, scaled to [0, 1], split into training and held-out sets by a seeded permutation."""
-    if not 0.0 < held_out_fraction < 1.0:
-        raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
     from sklearn.datasets import load_digits as sklearn_digits
+
+    import torch
+
+    num_train = num_train_samples(held_out_fraction)
 
     bunch = sklearn_digits()
     x = np.asarray(bunch.data, dtype=np.float32) / _PIXEL_MAX
     y = np.asarray(bunch.target, dtype=np.int64)
     order = np.random.default_rng(seed).permutation(len(y))
-    n_test = round(len(y) * held_out_fraction)
-    test, train = order[:n_test], order[n_test:]
+    if len(y) != NUM_DIGITS:
+        raise RuntimeError(f"scikit-learn's digits has {len(y)} samples, expected {NUM_DIGITS}")
+    test, train = order[: NUM_DIGITS - num_train], order[NUM_DIGITS - num_train :]
     return DigitsData(
         torch.from_numpy(x[train]), torch.from_numpy(y[train]), torch.from_numpy(x[test]), torch.from_numpy(y[test])
     )
@@ -48,6 +61,9 @@ def load_digits(*, held_out_fraction: float = 0.2, seed: int = 0) -> DigitsData:
 
 def make_mlp(hidden: tuple[int, ...] = (128, 64), *, seed: int = 0) -> nn.Sequential:
     """An MLP 64 -> hidden... -> 10 with ReLU, initialised from ``seed`` (rank 0's copy is broadcast anyway)."""
+    import torch
+    from torch import nn
+
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     width = NUM_FEATURES
@@ -66,6 +82,8 @@ def shard_batches(
     Step k of rank r holds samples ``perm[k*N*B + r*B : k*N*B + (r+1)*B]``, so rank r's shard of a global batch of
     N·B samples is its r-th slice, and the single-process equivalent of step k is ``perm[k*N*B : (k+1)*N*B]``.
     """
+    import torch
+
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     global_batch = batch_size * world_size

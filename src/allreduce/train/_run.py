@@ -236,11 +236,11 @@ def summarize(config: TrainConfig, records: list[_RankRecord]) -> TrainResult:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config`` on ``config.world_size`` fresh local processes and summarise where the step time went."""
-    from allreduce.train._digits import load_digits
+    from allreduce.train._digits import num_train_samples
     from allreduce.train._local import run_local
 
     # Refuse before starting N processes: every rank needs at least one full batch per epoch.
-    num_train = len(load_digits(seed=config.seed).train_y)
+    num_train = num_train_samples()
     if config.world_size * config.batch_size > num_train:
         raise ValueError(
             f"batch size {config.batch_size} per rank × {config.world_size} ranks exceeds the "
