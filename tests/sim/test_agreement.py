@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from allreduce.schedules import all_reduce
 from allreduce.sim import AUTO_EVENT_MAX_TRANSFERS, Faults, match_transfers, simulate
 from allreduce.sim._event import _Run
+from allreduce.sim._fast import run_fast_checked
 from allreduce.sim._routing import Router
 from allreduce.topology import parse_topology, place
 
@@ -79,11 +80,17 @@ def test_a_slow_rank_breaks_lockstep() -> None:
 
 
 def test_auto_falls_back_to_fast_beyond_its_transfer_budget() -> None:
-    # Direct all-reduce on 96 ranks: 2 x 95 x 96 = 18,240 transfers, more than the event engine's budget.
-    sched = all_reduce("direct", 96)
+    # Ring on 256 ranks: 2 x 255 x 256 = 130,560 transfers, beyond the event engine's budget. Paths of
+    # different lengths (within a pod or across the core) break lockstep, so only the budget keeps auto fast.
+    sched = all_reduce("ring", 256)
     assert len(match_transfers(sched)) > AUTO_EVENT_MAX_TRANSFERS
-    auto = simulate(sched, parse_topology("fat-tree:k=8"), size_bytes=SIZE, placement="random", seed=2)
-    assert auto.engine == "fast"
+    topo = parse_topology("fat-tree:k=12")
+    rank_gpu = np.asarray(place(256, topo, "linear"), dtype=np.int64)
+    _, lockstep = run_fast_checked(
+        sched, Router(topo, rank_gpu, None, 0), size_bytes=SIZE, rank_delay_s=None, trace_ranks=0
+    )
+    assert not lockstep
+    assert simulate(sched, topo, size_bytes=SIZE).engine == "fast"
 
 
 TOPOLOGIES = [
@@ -138,15 +145,18 @@ def test_local_re_solves_equal_global_ones(
     delay = np.zeros(16)
     delay[slow_rank] = slow_s
     runs = []
-    for local in (True, False):
-        run = _Run(sched, Router(topo, rank_gpu, routing, seed), match_transfers(sched), SIZE, delay, local=local)
+    # Local over dicts, local with numpy, and everything with numpy at every change.
+    for local, numpy_min_flows in ((True, 2**30), (True, 0), (False, 0)):
+        router = Router(topo, rank_gpu, routing, seed)
+        run = _Run(sched, router, match_transfers(sched), SIZE, delay, local=local, numpy_min_flows=numpy_min_flows)
         run.run()
         runs.append(run)
-    part, whole = runs
+    whole = runs[-1]
     assert whole.solved_flows == whole.active_flows
-    np.testing.assert_allclose(part.delivered_s, whole.delivered_s, rtol=1e-9)
-    np.testing.assert_allclose(part.slowest_rate, whole.slowest_rate, rtol=1e-9)
-    np.testing.assert_array_equal(part.bottleneck, whole.bottleneck)
+    for part in runs[:-1]:
+        np.testing.assert_allclose(part.delivered_s, whole.delivered_s, rtol=1e-9)
+        np.testing.assert_allclose(part.slowest_rate, whole.slowest_rate, rtol=1e-9)
+        np.testing.assert_array_equal(part.bottleneck, whole.bottleneck)
 
 
 def test_local_re_solves_are_smaller() -> None:

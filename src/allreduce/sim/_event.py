@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules import Schedule, Verb
+from allreduce.sim._fair import fill_dense
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
@@ -52,6 +53,9 @@ _DELIVER = 1  # a transfer's last byte arrived
 _DRAIN = 2  # a transfer's last byte left (stale unless its version is current: its rate changed since)
 # Events within this relative distance of the current time are processed with it.
 _EVENT_RTOL = 1e-12
+# Components with more draining transfers than this are re-solved with numpy (sim/_fair.py), smaller ones
+# over dicts: below it numpy's fixed cost per call loses.
+_NUMPY_MIN_FLOWS = 16
 # Links whose fill levels agree to this relative tolerance saturate together (as in sim/_fair.py).
 _LEVEL_RTOL = 1e-9
 
@@ -132,10 +136,13 @@ class _Run:
         rank_delay_s: FloatArray | None,
         *,
         local: bool = True,
+        numpy_min_flows: int = _NUMPY_MIN_FLOWS,
     ) -> None:
         """``local=False`` re-solves the rates of every draining transfer at every change, not only those
-        of the changed transfers' component (the reference the local re-solve is tested against)."""
+        of the changed transfers' component (the reference the local re-solve is tested against);
+        components of more than ``numpy_min_flows`` transfers are solved with numpy, smaller ones over dicts."""
         self.local = local
+        self.numpy_min_flows = numpy_min_flows
         self.schedule = schedule
         self.router = router
         self.capacity = router.topology.link_bandwidth_Bps
@@ -212,6 +219,7 @@ class _Run:
         self._slot_rank = self.slot_rank.tolist()
         self._rank_stop_slot = self.rank_stop_slot.tolist()
         self._capacity = link_capacity.tolist()
+        self._capacity_array = link_capacity
         self._link_flows: list[set[int]] = [set() for _ in range(len(self._capacity))]
         self._rate = [0.0] * len(t)
         self._left = [0.0] * len(t)  # bytes still to drain at time _since
@@ -327,6 +335,27 @@ class _Run:
         self.active_flows += self._draining
         if not flows:
             return
+        if len(flows) > self.numpy_min_flows:
+            new_rate, new_bottleneck = self._fill_numpy(flows)
+        else:
+            new_rate, new_bottleneck = self._fill_python(flows)
+        now = self.now
+        for x in flows:
+            rate = new_rate[x]
+            old = self._rate[x]
+            if rate == old:
+                continue
+            self._left[x] -= old * (now - self._since[x])
+            self._since[x] = now
+            self._rate[x] = rate
+            self._version[x] += 1
+            if rate < self._slowest[x]:
+                self._slowest[x] = rate
+                self._bottleneck[x] = new_bottleneck[x]
+            self.push(now + max(self._left[x], 0.0) / rate, _DRAIN, x, self._version[x])
+
+    def _fill_python(self, flows: list[int]) -> tuple[dict[int, float], dict[int, int]]:
+        """Progressive filling of a small component over dicts: rate and bottleneck link per transfer."""
         path = self._path
         capacity = self._capacity
         room: dict[int, float] = {}
@@ -345,9 +374,7 @@ class _Run:
         new_bottleneck: dict[int, int] = {}
         flows_of = self._link_flows
         while count:
-            fill = math.inf
-            for link in count:
-                fill = min(fill, room[link] / demand[link])
+            fill = min(room[link] / demand[link] for link in count)
             if not math.isfinite(fill):
                 break
             limit = fill * (1 + _LEVEL_RTOL)
@@ -366,20 +393,20 @@ class _Run:
                         count[lk] -= 1
                         if count[lk] == 0:
                             del count[lk]
-        now = self.now
-        for x in flows:
-            rate = new_rate[x]
-            old = self._rate[x]
-            if rate == old:
-                continue
-            self._left[x] -= old * (now - self._since[x])
-            self._since[x] = now
-            self._rate[x] = rate
-            self._version[x] += 1
-            if rate < self._slowest[x]:
-                self._slowest[x] = rate
-                self._bottleneck[x] = new_bottleneck[x]
-            self.push(now + max(self._left[x], 0.0) / rate, _DRAIN, x, self._version[x])
+        return new_rate, new_bottleneck
+
+    def _fill_numpy(self, flows: list[int]) -> tuple[dict[int, float], dict[int, int]]:
+        """The same, vectorised (sim/_fair.py), for a large component: many links per level."""
+        ids = np.asarray(flows, dtype=np.int64)
+        pair = self.pair[ids]
+        lens = self.pair_len[pair]
+        ptr = np.concatenate([[0], np.cumsum(lens)])
+        entries = np.repeat(self.pair_ptr[pair] - ptr[:-1], lens) + np.arange(int(ptr[-1]))
+        flow = np.repeat(np.arange(ids.size, dtype=np.int64), lens)
+        rate, bottleneck, _ = fill_dense(
+            ids.size, flow, self.pair_link[entries], self.pair_weight[entries], self._capacity_array
+        )
+        return dict(zip(flows, rate.tolist(), strict=True)), dict(zip(flows, bottleneck.tolist(), strict=True))
 
     def run(self) -> None:
         for rank in range(self.schedule.world_size):

@@ -22,7 +22,7 @@ __all__ = ["AUTO_EVENT_MAX_TRANSFERS", "AUTO_EXACT_MAX_RANKS", "TRACE_RANKS", "s
 # else the event engine (a few seconds at this many transfers: benchmarks/bench_sim_agreement.py). Beyond
 # either limit: the fast engine.
 AUTO_EXACT_MAX_RANKS = 256
-AUTO_EVENT_MAX_TRANSFERS = 16384
+AUTO_EVENT_MAX_TRANSFERS = 65536
 # Ranks whose per-step (or per-phase) times a result keeps for traces.
 TRACE_RANKS = 64
 
