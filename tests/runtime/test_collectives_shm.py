@@ -66,6 +66,7 @@ def _run_matrix(group: allreduce.ProcessGroup, transport: str) -> dict[str, Any]
                     if transport == "shm":
                         shm = group._transport
                         shm._cross_memory = not (mode == "staged" and rank % 2)  # type: ignore[attr-defined]
+                        shm._cross_memory_min_bytes = 0  # type: ignore[attr-defined]
                         eager = mode == "eager" or (mode == "shm" and rank % 2 == 0)
                         shm._eager_bytes = 64 << 10 if eager else 0  # type: ignore[attr-defined]
                     group.all_reduce(x, op=op, algorithm=algorithm, segments=1 + count % 3)

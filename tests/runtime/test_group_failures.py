@@ -33,6 +33,7 @@ def _looping_rank(rank: int, n: int, job: str, started: Any, out: Any, *, plain:
     # 1 MiB: the kill lands in the data phase most of the time; a plain array is read by peers in the victim's
     # own memory (process_vm_readv), a group.zeros() array in its shared segment
     x = np.zeros(1 << 18, np.float32) if plain else group.zeros(1 << 18, np.float32)
+    group._transport._cross_memory_min_bytes = 0  # type: ignore[attr-defined]
     group.all_reduce(x, algorithm="ring")
     started.put(rank)
     try:
