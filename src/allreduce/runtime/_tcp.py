@@ -1123,7 +1123,11 @@ class TcpTransport:
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if is_loopback(sock.getpeername()[0]):
+    try:
+        peer_host = sock.getpeername()[0]
+    except OSError:  # the peer is already gone: the first read or write will name it
+        peer_host = ""
+    if is_loopback(peer_host):
         # Over loopback the bytes in flight are copied twice by the CPU (into the socket, out of it): a small
         # send buffer keeps them in cache between the two copies. Measured at N=2, 256 MiB on 2 cores: 256 KiB
         # took 60 ms of CPU per rank against 87 ms with autotuning (which grows to 4 MiB), and 1.5-2.5x less
