@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--copy",
         action="store_true",
-        help="use ordinary numpy arrays (staged through shared memory) instead of group.empty() buffers",
+        help="use ordinary numpy arrays (peers read them in place from 8 MiB up, staged below) instead of "
+        "group.empty() buffers",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="per-collective timeout in seconds")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
