@@ -7,17 +7,32 @@ the project's one timing recurrence, :func:`allreduce.schedules.propagate`, whic
 repeated pattern once the clocks move in lockstep. Nothing is one Python object per transfer.
 
 The approximation, against the event engine: every flow of a step is assumed to run at the rate it gets when
-*all* flows of its pattern run together, for its whole duration. That is exact when the ranks stay in lockstep
-(every flow of a step starts together and takes as long as the others: symmetric patterns on symmetric
-topologies, or contention-free ones where a flow's rate does not depend on who else runs). When flows of one
-step have different rates (ECMP collisions, uneven minimal paths) and share links, ranks drift apart, and the
-two engines legitimately differ, in either direction: in the event engine a flow speeds up when its competitors
-finish or have not started yet (the fast engine is pessimistic there), but a rank that ran ahead also starts its
-next step's flows while slower ranks' flows still drain, and those compete across steps, which the fast engine
-never sees (it is optimistic there). Measured on 16-128 ranks of an ECMP-hashed fat-tree: -4% to +25% for
-halving-doubling and recursive doubling with random placement; 0% wherever rates are uniform (spraying, one
-switch, a non-blocking Clos with linear placement, rails) or contention-free (degraded links and slow ranks on
-one switch), which ``tests/sim/test_engines.py`` checks to 1e-6.
+*all* flows of its pattern run together, for its whole duration. That is exact when the run stays in lockstep:
+every flow of a step starts at one instant, after the previous step ended, and all end at one instant (equal
+bytes at equal rates and equal path latencies; symmetric patterns on symmetric topologies, spraying, one
+switch). ``run_fast_checked`` reports whether that held, and ``engine="auto"`` keeps the fast result only then
+(the tests check it equals the event engine's to 1e-6 whenever it does).
+
+When ranks drift apart the two engines legitimately differ. ``benchmarks/bench_sim_agreement.py`` measures
+it (256 MiB, 16-256 ranks): the fast engine is pessimistic by up to +23% (halving-doubling and recursive
+doubling on an ECMP fat-tree, random placement on tori and rails), +1% to +6% for double binary trees and
+hierarchical with random placement, +1.5% to +10% for rings on randomly placed tori; once optimistic, -0.7%
+(hierarchical, 64 ranks, ECMP fat-tree). Cause, measured phase by phase: an ECMP collision or an uneven path
+in step k makes some ranks finish late, so in step k+1 their flows start later than their competitors' and
+overlap them only partly; in the event engine a flow runs faster while its competitors have not started or
+have already finished, the fast engine charges it full contention for its whole duration. (The optimistic
+case is the converse: a rank that ran ahead starts its next step's flows while others still drain, and those
+compete across steps, which a per-phase model never sees.) Two per-phase remedies were measured and not
+adopted: re-solving the rates as flows of a step finish (water-filling from a common start) changed no
+16- or 64-rank case of the grid by even 0.01%, because the flows that collide share one link and finish
+together; the gap is the staggered *starts*, which follow from every rank's clock in the previous steps, and
+resolving them is an event simulation of the step (one rate solve per distinct start time), i.e. the event
+engine. For repeated
+rings on randomly placed tori the event engine's pace approaches the most loaded link's bytes / capacity
+per step (256 ranks: bound 64.17 ms, event 65.01 ms, fast 71.82 ms): links stay busy while path latencies
+overlap. Not exact (1.3%), so not used either. Hence "auto": the event engine wherever the fast run left
+lockstep and the schedule has at most ``AUTO_EVENT_MAX_TRANSFERS`` transfers (a few CPU-seconds); beyond that
+(ring and direct at 256 ranks) the fast engine with the gaps above.
 
 Attribution: the steady-state pace of a repeated pattern under the recurrence is its max cycle mean, which is
 the slowest flow's duration plus the larger delay of its two ranks (every cycle mean is an average of such
