@@ -27,12 +27,11 @@ adopted: re-solving the rates as flows of a step finish (water-filling from a co
 16- or 64-rank case of the grid by even 0.01%, because the flows that collide share one link and finish
 together; the gap is the staggered *starts*, which follow from every rank's clock in the previous steps, and
 resolving them is an event simulation of the step (one rate solve per distinct start time), i.e. the event
-engine. For repeated
-rings on randomly placed tori the event engine's pace approaches the most loaded link's bytes / capacity
-per step (256 ranks: bound 64.17 ms, event 65.01 ms, fast 71.82 ms): links stay busy while path latencies
-overlap. Not exact (1.3%), so not used either. Hence "auto": the event engine wherever the fast run left
-lockstep and the schedule has at most ``AUTO_EVENT_MAX_TRANSFERS`` transfers (a few CPU-seconds); beyond that
-(ring and direct at 256 ranks) the fast engine with the gaps above.
+engine. For repeated rings on randomly placed tori the event engine's pace approaches the most loaded
+link's bytes / capacity per step (256 ranks: bound 64.17 ms, event 65.0-65.1 ms, fast 71.82 ms): links stay
+busy while path latencies overlap. Not exact (1.3%), so not used either. Hence "auto": the event engine
+wherever the fast run left lockstep and the schedule has at most ``AUTO_EVENT_MAX_TRANSFERS`` transfers (a
+few CPU-seconds); beyond that (ring and direct at 256 ranks) the fast engine, with the gaps above.
 
 Attribution: the steady-state pace of a repeated pattern under the recurrence is its max cycle mean, which is
 the slowest flow's duration plus the larger delay of its two ranks (every cycle mean is an average of such
