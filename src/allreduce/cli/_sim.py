@@ -83,7 +83,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--slow-rank", action="append", default=[], metavar="R=SECONDS", help="add SECONDS to each step of rank R"
     )
-    p.add_argument("--engine", choices=("auto", "fast", "event"), default="auto", help="simulation engine")
+    p.add_argument(
+        "--engine",
+        choices=("auto", "fast", "event"),
+        default="auto",
+        help="fast (per flow pattern), event (exact, per transfer), or auto (default): on <= 256 ranks the fast "
+        "result when it is exact (ranks in lockstep), else event up to 65,536 transfers; fast beyond",
+    )
     p.add_argument("--top", type=_positive_int("--top"), default=3, help="bottleneck links to list (default 3)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of per-rank steps to FILE")
