@@ -393,6 +393,8 @@ class _Run:
                         count[lk] -= 1
                         if count[lk] == 0:
                             del count[lk]
+        for x in flows:
+            new_rate.setdefault(x, math.inf)  # only infinitely fast links left: as fill_dense does
         return new_rate, new_bottleneck
 
     def _fill_numpy(self, flows: list[int]) -> tuple[dict[int, float], dict[int, int]]:
