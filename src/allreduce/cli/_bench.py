@@ -82,7 +82,7 @@ def _handle(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
     else:
-        memory = "numpy arrays (copied)" if args.copy else "group.empty() buffers"
+        memory = "plain numpy arrays" if args.copy else "group.empty() buffers"
         print(
             render(
                 rows,
