@@ -46,6 +46,7 @@ import errno
 import mmap
 import os
 import platform
+import re
 import select
 import struct
 import time
@@ -67,7 +68,7 @@ from allreduce.runtime._errors import (
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._transport import ReduceInto
 
-__all__ = ["ShmTransport", "shm_prefix"]
+__all__ = ["ShmTransport", "shm_prefix", "sweep_stale_segments"]
 
 _SHM_DIR = "/dev/shm"
 _MAGIC = 0x414C4C5245445543  # "ALLREDUC"
@@ -203,6 +204,56 @@ def shm_prefix(job: str) -> str:
     """File-name prefix in /dev/shm of a job's segments (``job`` is shared by all ranks of one group)."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in job)
     return f"allreduce-{safe}"
+
+
+def _pid_namespace() -> int:
+    """Identity of this process's PID namespace (0 where /proc does not say), so that the stale-segment sweep
+    never judges a file by a PID from another namespace sharing /dev/shm (containers with a shared IPC)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_PIDNS = _pid_namespace()
+# Data segments are named <prefix>-<rank>-<pid namespace>x<owner pid>-<segment id>: every peer can derive the
+# name from the owner's PID (it knows it from the control segment), and a later sweep can tell a dead owner.
+_DATA_NAME = re.compile(r"^allreduce-.+-\d+-(\d+)x(\d+)-\d+$")
+
+
+def _data_segment_path(prefix: str, rank: int, pid: int, seg_id: int) -> str:
+    return f"{prefix}-{rank}-{_PIDNS}x{pid}-{seg_id}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_segments(directory: str = _SHM_DIR) -> list[str]:
+    """Unlink the data segments whose owner process no longer exists; return their names.
+
+    A rank killed before ``close()`` (SIGKILL, or SIGTERM from a launcher) cannot unlink its own segments, and when
+    every rank of a job dies nobody else does. Every new shared-memory transport sweeps them, so they never
+    accumulate: only files of this PID namespace whose owner PID is gone are touched."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _DATA_NAME.match(name)
+        if m is None or int(m[1]) != _PIDNS or _alive(int(m[2])):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -451,6 +502,7 @@ class ShmTransport:
         self._agreed_seq = -1
         self._eager_bytes = _EAGER_BYTES  # tests set 0 to run small buffers through the other paths
         self._prepared_seq = -1
+        sweep_stale_segments(os.path.dirname(self._prefix))
         own = _Segment(f"{self._prefix}-ctl-{rank}", ctl_bytes, create=True)
         self._ctl: list[_Segment | None] = [None] * world_size
         self._ctl[rank] = own
@@ -573,7 +625,7 @@ class ShmTransport:
         self._check_usable()
         seg_id = self._next_segment_id
         self._next_segment_id += 1
-        seg = _Segment(f"{self._prefix}-{self.rank}-{seg_id}", size_bytes, create=True)
+        seg = _Segment(_data_segment_path(self._prefix, self.rank, os.getpid(), seg_id), size_bytes, create=True)
         self._allocations[seg_id] = seg
         return seg.bytes[:size_bytes]
 
@@ -595,7 +647,9 @@ class ShmTransport:
             self._next_segment_id += 1
             # Round up so that a sweep of growing sizes does not recreate the segment every call.
             rounded = max(1 << 16, 1 << max(size_bytes - 1, 1).bit_length())
-            self._staging = _Segment(f"{self._prefix}-{self.rank}-{seg_id}", rounded, create=True)
+            self._staging = _Segment(
+                _data_segment_path(self._prefix, self.rank, os.getpid(), seg_id), rounded, create=True
+            )
             self._staging_id = seg_id
         return self._staging_id, self._staging
 
@@ -610,7 +664,7 @@ class ShmTransport:
         seg = cache.get(seg_id)
         if seg is None:
             try:
-                seg = _Segment(f"{self._prefix}-{peer}-{seg_id}", 0, create=False)
+                seg = _Segment(_data_segment_path(self._prefix, peer, self._peer_pids[peer], seg_id), 0, create=False)
             except FileNotFoundError:
                 # The peer has already given up and released its memory: report why it left.
                 self._check_peers(peer, _S_CLOSED, 2, seq=seq, what="its data", step=step)

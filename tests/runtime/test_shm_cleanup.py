@@ -1,0 +1,56 @@
+"""Shared memory never accumulates: segments of ranks killed before close() are swept by the next transport."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+from allreduce.runtime._shm import ShmTransport, shm_prefix, sweep_stale_segments
+
+_CHILD = r"""
+import os, signal, sys
+from allreduce.runtime._shm import ShmTransport
+t = ShmTransport(0, 1, sys.argv[1], timeout_s=30)
+t.allocate(1 << 20)          # a group.empty() segment
+t._staging_for(1 << 16)      # a staging segment
+print("ready", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)   # die without close(), as a killed rank does
+"""
+
+
+def _files(job: str) -> list[str]:
+    stem = shm_prefix(job)
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(stem + "-"))
+
+
+def test_segments_of_a_killed_rank_are_swept_by_the_next_transport() -> None:
+    job = f"sweep-{uuid.uuid4().hex}"
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, job], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert "ready" in child.stdout
+    left = _files(job)
+    assert len(left) == 2, left  # the data segments outlived their owner (control segments are unlinked at start)
+    survivor = ShmTransport(0, 1, f"other-{uuid.uuid4().hex}", timeout_s=30)
+    try:
+        assert _files(job) == []
+    finally:
+        survivor.close()
+
+
+def test_the_sweep_leaves_live_owners_alone() -> None:
+    job = f"live-{uuid.uuid4().hex}"
+    transport = ShmTransport(0, 1, job, timeout_s=30)
+    try:
+        transport.allocate(4096)
+        before = _files(job)
+        assert len(before) == 1
+        assert not any(name in before for name in sweep_stale_segments())
+        assert _files(job) == before
+    finally:
+        transport.close()
+    assert _files(job) == []
