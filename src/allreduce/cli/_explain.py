@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from allreduce.cli._args import positive_int
 from allreduce.cli._main import CLIError
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS, CostModel, Prediction, Schedule, all_reduce, predict
 from allreduce.schedules._cost import predict_seconds
@@ -259,19 +259,6 @@ def as_json(e: Explanation) -> dict[str, object]:
     }
 
 
-def _positive_int(name: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
-        return value
-
-    return parse
-
-
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "explain",
@@ -283,7 +270,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         epilog="example: allreduce explain --ranks 1024 --size 1GiB --bandwidth 400Gbps --latency 5us --group-size 8",
     )
-    p.add_argument("--ranks", "-n", required=True, type=_positive_int("--ranks"), help="number of ranks N")
+    p.add_argument("--ranks", "-n", required=True, type=positive_int("--ranks"), help="number of ranks N")
     p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GB, 512")
     p.add_argument("--bandwidth", required=True, help="link bandwidth per rank: 400Gbps, 100Gb/s, 50GB/s")
     p.add_argument("--latency", required=True, help="α, per-step latency: 5us, 2ms, 100ns")
@@ -292,12 +279,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--group-size",
-        type=_positive_int("--group-size"),
+        type=positive_int("--group-size"),
         help=f"ranks per node for hierarchical (default {_DEFAULT_GROUP_SIZE} when it divides N)",
     )
     p.add_argument(
         "--segments",
-        type=_positive_int("--segments"),
+        type=positive_int("--segments"),
         default=1,
         help="pipeline each transfer in this many segments (overlaps transfer and reduction; default 1)",
     )

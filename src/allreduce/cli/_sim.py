@@ -7,8 +7,8 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from allreduce.cli._args import positive_int
 from allreduce.cli._main import CLIError
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, all_reduce
 from allreduce.sim import Faults, SimResult, simulate, write_trace
@@ -23,19 +23,6 @@ DIRECT_MAX_RANKS = 256
 # Group size for hierarchical when neither --group-size nor the topology says what a node is.
 FALLBACK_GROUP_SIZE = 8
 ROUTINGS = ("ecmp", "spray", "shortest", "dimension_order")
-
-
-def _positive_int(name: str) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
-        return value
-
-    return parse
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -63,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         required=True,
         help="a spec (fat-tree:k=16, clos:..., rail:..., torus:8x8x8, ...) or a .yaml/.json file",
     )
-    p.add_argument("--ranks", "-n", type=_positive_int("--ranks"), help="number of ranks (default: every GPU)")
+    p.add_argument("--ranks", "-n", type=positive_int("--ranks"), help="number of ranks (default: every GPU)")
     p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GiB")
     p.add_argument(
         "--algorithm",
@@ -71,8 +58,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="all",
         help=f"one of {', '.join(ALL_REDUCE_ALGORITHMS)}, a comma-separated list, or all (default)",
     )
-    p.add_argument("--group-size", type=_positive_int("--group-size"), help="ranks per node for hierarchical")
-    p.add_argument("--chunks", type=_positive_int("--chunks"), default=8, help="pipeline chunks of double_binary_tree")
+    p.add_argument("--group-size", type=positive_int("--group-size"), help="ranks per node for hierarchical")
+    p.add_argument("--chunks", type=positive_int("--chunks"), default=8, help="pipeline chunks of double_binary_tree")
     p.add_argument("--placement", default="linear", help="linear (default), random, or a FILE of GPU indices")
     p.add_argument("--seed", type=int, default=0, help="seed of random placement and of ECMP hashing")
     p.add_argument("--routing", choices=ROUTINGS, help="default: the topology's (ECMP; dimension_order on tori)")
@@ -90,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="fast (per flow pattern), event (exact, per transfer), or auto (default): on <= 256 ranks the fast "
         "result when it is exact (ranks in lockstep), else event up to 65,536 transfers; fast beyond",
     )
-    p.add_argument("--top", type=_positive_int("--top"), default=3, help="bottleneck links to list (default 3)")
+    p.add_argument("--top", type=positive_int("--top"), default=3, help="bottleneck links to list (default 3)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of per-rank steps to FILE")
     p.set_defaults(handler=run)
