@@ -23,6 +23,8 @@ Buffer conventions (``count`` elements, blocks of ``block_bounds(count, N)``, ra
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import math
 import os
 import queue
@@ -756,6 +758,28 @@ def _describe(field: str, value: Any) -> str:
 # --------------------------------------------------------------------------------------------------------
 # init()
 # --------------------------------------------------------------------------------------------------------
+# Every rank calls init() the same number of times; the count keeps rendezvous keys of successive groups apart.
+_INIT_CALLS = itertools.count()
+
+
+def _torchrun_attempt() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _torchrun_agent_store(host: str, port: int, timeout_s: float) -> Any:
+    """torchrun's own store at MASTER_ADDR:MASTER_PORT when this process is a torchrun worker, else None."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torchrun ships with torch
+        return None
+    # TCPStore is public API, though torch.distributed's stubs do not re-export it.
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
 _RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 _SIZE_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
@@ -796,8 +820,11 @@ def init(
     MASTER_PORT (torchrun), OMPI_COMM_WORLD_RANK / _SIZE (Open MPI), PMI_RANK / PMI_SIZE, SLURM_PROCID /
     SLURM_NTASKS; with none of them this process is a group of one.
 
-    Rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT (default 127.0.0.1:29500). ``transport`` is
-    ``"shm"`` (all ranks on this host), ``"tcp"``, or ``"auto"`` (shm when every rank reports the same host).
+    Rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT (default 127.0.0.1:29500); under torchrun, whose
+    own store holds that port, rank 0 hosts it on a free port and publishes it through torchrun's store.
+    ``transport`` is ``"shm"`` (all ranks on this host), ``"tcp"``, or ``"auto"`` (shm when every rank reports the
+    same host). Successive groups may reuse one address: a rank that left the previous group's store is told to come
+    back until the next store is up.
     """
     if rank is None:
         rank = _env_int(_RANK_ENV, "rank")
@@ -825,9 +852,23 @@ def init(
 
     from allreduce.runtime._store import TCPStore
 
-    store = TCPStore(
-        host, port, is_server=rank == 0, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
-    )
+    agent = _torchrun_agent_store(host, port, timeout_s)
+    if agent is None:
+        store = TCPStore(
+            host, port, is_server=rank == 0, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
+        )
+    else:
+        # Under torchrun, MASTER_PORT is the launcher's own store: host ours on a free port and tell the other
+        # ranks where, through the launcher's store (as torch's env:// rendezvous joins it as a client).
+        key = f"allreduce/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_torchrun_attempt()}/{next(_INIT_CALLS)}"
+        if rank == 0:
+            store = TCPStore(host, 0, is_server=True, world_size=world_size, rank=0, timeout_s=timeout_s, token=token)
+            agent.set(key, str(store.port))
+        else:
+            agent_port = int(agent.get(key))
+            store = TCPStore(
+                host, agent_port, is_server=False, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
+            )
     try:
         if rank == 0:
             store.set("allreduce/job", uuid.uuid4().hex.encode())

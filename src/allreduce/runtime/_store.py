@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError, ProtocolError
 from allreduce.runtime._wire import (
     ClientHello,
+    HandshakeRetryError,
+    RetryLater,
     accept_handshake,
     connect_handshake,
     is_loopback,
@@ -104,7 +106,11 @@ class _Waiter:
 class _Server:
     """The store's event loop; runs in its own daemon thread of the rank-0 process."""
 
-    def __init__(self, sock: socket.socket, *, world_size: int, token: bytes | None) -> None:
+    def __init__(self, sock: socket.socket, *, world_size: int, token: bytes | None, single_group: bool) -> None:
+        # single_group: hosted by a member of the group (init()'s rank 0), so it lives exactly as long as that group
+        # and a rank that has left it can only be on its way to the next group's store. A standalone store
+        # (rank -1) may serve successive groups, and lets ranks come back.
+        self._single_group = single_group
         self._listener = sock
         self._world_size = world_size
         self._token = token
@@ -118,6 +124,7 @@ class _Server:
         self._lock = threading.Condition()
         self._ranks_live: dict[int, _Conn | None] = {}
         self._to_register: list[_Conn] = []
+        self._left: set[int] = set()  # ranks that closed cleanly: their group is over for them
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
@@ -198,7 +205,9 @@ class _Server:
             sock.settimeout(10.0)
             hello = accept_handshake(sock, _SERVICE, self._token, check)
         except (OSError, ProtocolError) as exc:
-            _log.warning("store refused a client from %s: %s", address, exc)
+            # "not yet" to a rank already joining the next group is routine; anything else is worth a warning
+            log = _log.debug if isinstance(exc, HandshakeRetryError) else _log.warning
+            log("store refused a client from %s: %s", address, exc)
             sock.close()
             with self._lock:  # the client left after its rank was reserved: free the seat
                 for rank in reserved:
@@ -219,6 +228,10 @@ class _Server:
             return f"rank {hello.rank} out of range for world size {self._world_size}"
         if hello.rank >= 0:
             with self._lock:
+                if self._single_group and hello.rank in self._left:
+                    # This rank closed its group and is joining the next one, whose store (same address) is not
+                    # up until this one stops: have it come back rather than rejoin a finished group.
+                    return RetryLater(f"rank {hello.rank} already left this store's group; the next is not up yet")
                 if hello.rank in self._ranks_live:
                     return f"rank {hello.rank} is already connected (two processes with the same RANK?)"
                 self._ranks_live[hello.rank] = None
@@ -305,6 +318,9 @@ class _Server:
             self._reply(conn, _OK, ",".join(map(str, sorted(self._dead))).encode())
         elif op == _CLOSE:
             conn.closing = True
+            if conn.rank is not None:
+                with self._lock:
+                    self._left.add(conn.rank)
             self._reply(conn, _OK, b"")
         else:
             self._reply(conn, _ERROR, f"unknown request {op}".encode())
@@ -446,7 +462,7 @@ class TCPStore:
                 )
             listener = socket.create_server((host, port), family=_family(host), backlog=1024, reuse_port=False)
             self.port = int(listener.getsockname()[1])
-            self._server = _Server(listener, world_size=world_size, token=self._token)
+            self._server = _Server(listener, world_size=world_size, token=self._token, single_group=rank >= 0)
             connect_host = _loopback_for(host)
         else:
             self.port = port
@@ -488,6 +504,12 @@ class TCPStore:
                     ClientHello(rank=self.rank, world_size=self.world_size, target=0),
                     what=f"the store at {host}:{port}",
                 )
+            except HandshakeRetryError as exc:  # the previous group's store is still stopping
+                sock.close()
+                last_error = OSError(str(exc))
+                time.sleep(min(delay_s, max(0.0, remaining)))
+                delay_s = min(delay_s * 2, 0.2)
+                continue
             except BaseException:
                 sock.close()
                 raise

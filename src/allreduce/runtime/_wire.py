@@ -47,6 +47,8 @@ __all__ = [
     "VERSION",
     "ClientHello",
     "FrameHeader",
+    "HandshakeRetryError",
+    "RetryLater",
     "accept_handshake",
     "connect_handshake",
     "decode_header",
@@ -149,7 +151,16 @@ _GREETING = struct.Struct("!4sB8sB32s")
 _HELLO = struct.Struct("!4sBBiiI32s32s")
 _REPLY = struct.Struct("!4sBH32s")
 _AUTH = 0x01
-_STATUS_OK, _STATUS_REFUSED = 0, 1
+_STATUS_OK, _STATUS_REFUSED, _STATUS_RETRY = 0, 1, 2
+
+
+class RetryLater(str):
+    """A reason for refusing a client that should try again shortly (returned by an acceptor's ``check``):
+    the endpoint is still finishing a previous group and the one the client wants is not up yet."""
+
+
+class HandshakeRetryError(ProtocolError):
+    """The endpoint answered "not yet" (:class:`RetryLater`); connecting again later may succeed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,12 +251,12 @@ def accept_handshake(
         reason = check(hello)
     message = (reason or "").encode()[:1024]
     mac_a = _mac(token, b"accept", service8, nonce_c, nonce_a, fields) if token and reason is None else bytes(32)
-    sock.sendall(
-        _REPLY.pack(_HS_MAGIC, _STATUS_OK if reason is None else _STATUS_REFUSED, len(message), mac_a) + message
-    )
+    status = _STATUS_OK if reason is None else _STATUS_RETRY if isinstance(reason, RetryLater) else _STATUS_REFUSED
+    sock.sendall(_REPLY.pack(_HS_MAGIC, status, len(message), mac_a) + message)
     if reason is not None:
         who = f"rank {rank}" if rank >= 0 else "an anonymous client"
-        raise ProtocolError(f"refused {who}: {reason}", peer=rank if rank >= 0 else None)
+        kind = HandshakeRetryError if isinstance(reason, RetryLater) else ProtocolError
+        raise kind(f"refused {who}: {reason}", peer=rank if rank >= 0 else None)
     return hello
 
 
@@ -280,6 +291,8 @@ def connect_handshake(
         message = recv_exact(sock, length).decode(errors="replace") if length else ""
     except EOFError as exc:
         raise ProtocolError(f"{what} closed the connection during the handshake") from exc
+    if status == _STATUS_RETRY:
+        raise HandshakeRetryError(f"{what} is not ready for this client yet: {message}")
     if status != _STATUS_OK:
         raise ProtocolError(f"{what} refused the connection: {message}")
     if token is not None:
