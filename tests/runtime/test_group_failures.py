@@ -8,14 +8,13 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
-import queue
-import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from test_group_harness import SPAWN, report, run_ranks
+from test_group_harness import SPAWN, kill_rounds, report, run_ranks
 
 import allreduce
 from allreduce.runtime import (
@@ -48,9 +47,8 @@ def _looping_rank(rank: int, n: int, job: str, started: Any, out: Any, *, plain:
 def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
     """Runs in one spawned process and forks each group from it (fast: numpy is already imported)."""
     fork = mp.get_context("fork")
-    runs = []
-    for rep in range(repetitions):
-        started, out = fork.Queue(), fork.Queue()
+
+    def start(rep: int, started: Any, out: Any) -> tuple[list[Any], Callable[[], None]]:
         job = f"kill-{os.getpid()}-{rep}"
         procs = [
             fork.Process(target=_looping_rank, args=(r, world_size, job, started, out), kwargs={"plain": rep % 2 == 1})
@@ -58,24 +56,9 @@ def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
         ]
         for p in procs:
             p.start()
-        for _ in procs:
-            started.get(timeout=60)
-        victim = rep % world_size
-        killed_at = time.monotonic()
-        os.kill(procs[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
-        reports = []
-        for _ in range(world_size - 1):
-            try:
-                reports.append(out.get(timeout=30))
-            except queue.Empty:
-                reports.append(None)
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        runs.append((victim, killed_at, reports))
-    results.put(runs)
+        return procs, lambda: None
+
+    results.put(kill_rounds(repetitions, world_size, start, report_timeout_s=30))
 
 
 @pytest.mark.slow

@@ -8,8 +8,11 @@ timeout, fails the calling test with the ranks named (the processes are killed, 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
+import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -89,3 +92,45 @@ def reference(dtype: np.dtype[Any], count: int, world_size: int, op: str) -> np.
     if dtype.kind in "iu":
         return exact.astype(np.int64).astype(dtype)  # wraps like the dtype's own arithmetic
     return exact.astype(dtype)
+
+
+KillRun = tuple[int, float, list[Any]]  # (victim, when it was killed, each survivor's report or None)
+
+
+def kill_rounds(
+    repetitions: int,
+    world_size: int,
+    start_ranks: Callable[[int, Any, Any], tuple[list[Any], Callable[[], None]]],
+    *,
+    report_timeout_s: float = 60.0,
+) -> list[KillRun]:
+    """SIGKILL one rank per round (rank ``round % world_size``) once all ranks are running, and collect what
+    the survivors report. ``start_ranks(round, started, out)`` starts the round's processes — each puts its rank
+    on ``started`` when it is inside its collective loop and its error report on ``out`` — and returns them with
+    a cleanup for the round's resources. A survivor that never reports (a hang) is recorded as None."""
+    fork = mp.get_context("fork")
+    runs: list[KillRun] = []
+    for rep in range(repetitions):
+        started, out = fork.Queue(), fork.Queue()
+        procs, cleanup = start_ranks(rep, started, out)
+        try:
+            for _ in procs:
+                started.get(timeout=60)
+            victim = rep % world_size
+            killed_at = time.monotonic()
+            os.kill(procs[victim].pid, signal.SIGKILL)
+            reports: list[Any] = []
+            for _ in range(world_size - 1):
+                try:
+                    reports.append(out.get(timeout=report_timeout_s))
+                except queue.Empty:
+                    reports.append(None)
+            runs.append((victim, killed_at, reports))
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            cleanup()
+    return runs

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_group_harness import kill_rounds
 
 from allreduce.runtime import CollectiveError, compile_plan
 from allreduce.runtime._store import TCPStore
@@ -418,35 +419,18 @@ def _looping_rank(rank: int, world_size: int, port: int, started: Any, out: Any)
 def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
     """Runs in one spawned process and forks each rank set from it (fast: numpy is already imported)."""
     fork = mp.get_context("fork")
-    runs = []
-    for rep in range(repetitions):
+
+    def start(rep: int, started: Any, out: Any) -> tuple[list[Any], Callable[[], None]]:
         server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=-1, timeout_s=60)
-        started, out = fork.Queue(), fork.Queue()
         procs = [
             fork.Process(target=_looping_rank, args=(r, world_size, server.port, started, out))
             for r in range(world_size)
         ]
         for p in procs:
             p.start()
-        for _ in procs:
-            started.get(timeout=60)
-        victim = rep % world_size
-        killed_at = time.monotonic()
-        os.kill(procs[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
-        reports = []
-        for _ in range(world_size - 1):
-            try:
-                reports.append(out.get(timeout=60))
-            except queue.Empty:
-                reports.append(None)
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        server.close()
-        runs.append((victim, killed_at, reports))
-    results.put(runs)
+        return procs, server.close
+
+    results.put(kill_rounds(repetitions, world_size, start))
 
 
 def test_sigkill_20_times_every_survivor_names_the_victim() -> None:
