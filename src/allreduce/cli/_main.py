@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     from allreduce import __version__
 
     parser.add_argument("--version", action="version", version=f"allreduce {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
     for module_name in _COMMANDS:
         importlib.import_module(module_name).register(subparsers)
     return parser
@@ -49,10 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
+    if args.subcommand is None:
         parser.print_help()
         return 2
-    prog = f"allreduce {args.command}"
+    prog = f"allreduce {args.subcommand}"
     try:
         code: int = args.handler(args)
     except CLIError as exc:

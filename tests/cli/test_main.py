@@ -1,0 +1,30 @@
+"""Every subcommand reports bad input as one line that names it, exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("args", "prefix"),
+    [
+        (("run", "-n", "2"), "allreduce run: error:"),
+        (("bench", "-n", "0"), "allreduce bench: error:"),
+        (("sim", "--topology", "fat-tree:k=3", "--size", "1MiB"), "allreduce sim: error:"),
+        (("train", "--epochs", "0"), "allreduce train: error:"),
+        (
+            ("explain", "--ranks", "2", "--size", "0", "--bandwidth", "1GB/s", "--latency", "1us"),
+            "allreduce explain: error:",
+        ),
+    ],
+)
+def test_errors_name_the_subcommand(args: tuple[str, ...], prefix: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "allreduce", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(prefix), out.stderr
