@@ -332,9 +332,9 @@ def test_bad_arguments_fail_before_any_data_moves() -> None:
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=1, rank=0, timeout_s=30) as store:
         with TcpTransport(0, 1, store) as transport:
             plan = compile_plan(all_reduce("ring", 1), 0, 10)
-            with pytest.raises(ValueError, match="buffer must be 1-D, contiguous, of 10 elements"):
+            with pytest.raises(ValueError, match="buffer must be 1-D, contiguous and hold 10 elements"):
                 transport.execute(plan, np.zeros(11), add_into, seq=0, timeout_s=1, checksum=False)
-            with pytest.raises(ValueError, match="plan for rank 1 of 2 given to rank 0 of 1"):
+            with pytest.raises(ValueError, match="is for rank 1 of 2, but this transport is rank 0 of 1"):
                 transport.execute(
                     compile_plan(all_reduce("ring", 2), 1, 10),
                     np.zeros(10),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from allreduce.schedules import Schedule, Verb, block_bounds
 
@@ -54,6 +55,20 @@ class RankPlan:
     count: int
     segments: int
     steps: tuple[Step, ...]
+
+    def check_fits(self, rank: int, world_size: int, buffer: Any) -> None:
+        """Raise ValueError unless this plan is for ``rank`` of ``world_size`` and ``buffer`` is the 1-D contiguous
+        array of ``count`` elements it was compiled for (every transport checks this before touching data)."""
+        if self.rank != rank or self.world_size != world_size:
+            raise ValueError(
+                f"plan {self.schedule_name!r} is for rank {self.rank} of {self.world_size}, "
+                f"but this transport is rank {rank} of {world_size}"
+            )
+        if buffer.ndim != 1 or not buffer.flags.c_contiguous or buffer.shape[0] != self.count:
+            raise ValueError(
+                f"rank {rank}: buffer must be 1-D, contiguous and hold {self.count} elements for plan "
+                f"{self.schedule_name!r}; got shape {buffer.shape}, contiguous={buffer.flags.c_contiguous}"
+            )
 
     @property
     def peers(self) -> frozenset[int]:

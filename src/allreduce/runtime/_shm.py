@@ -948,12 +948,7 @@ class ShmTransport:
         checksum: bool,
     ) -> None:
         self._check_usable()
-        if plan.world_size != self.world_size or plan.rank != self.rank:
-            raise ValueError(
-                f"plan for rank {plan.rank} of {plan.world_size} given to rank {self.rank} of {self.world_size}"
-            )
-        if buffer.ndim != 1 or buffer.size != plan.count or not buffer.flags.c_contiguous:
-            raise ValueError(f"buffer must be 1-D contiguous with {plan.count} elements, got shape {buffer.shape}")
+        plan.check_fits(self.rank, self.world_size, buffer)
         if not plan.steps:
             return
         deadline = time.monotonic() + timeout_s

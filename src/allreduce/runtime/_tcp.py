@@ -558,14 +558,7 @@ class TcpTransport:
     ) -> None:
         """Run ``plan`` on ``buffer`` (1-D, contiguous, ``plan.count`` elements) in place."""
         self._check_usable()
-        if plan.rank != self.rank or plan.world_size != self.world_size:
-            raise ValueError(
-                f"plan for rank {plan.rank} of {plan.world_size} given to rank {self.rank} of {self.world_size}"
-            )
-        if buffer.ndim != 1 or not buffer.flags.c_contiguous or buffer.size != plan.count:
-            raise ValueError(
-                f"rank {self.rank}: buffer must be 1-D, contiguous, of {plan.count} elements; got shape {buffer.shape}"
-            )
+        plan.check_fits(self.rank, self.world_size, buffer)
         if not plan.steps:
             return
         key = (plan, buffer.itemsize, checksum)

@@ -135,16 +135,7 @@ class TorchTransport:
     ) -> None:
         """Run ``plan`` on ``buffer`` (1-D, contiguous, ``plan.count`` elements) in place."""
         self._check_usable()
-        if plan.rank != self.rank or plan.world_size != self.world_size:
-            raise ValueError(
-                f"plan {plan.schedule_name!r} is for rank {plan.rank} of {plan.world_size}, "
-                f"but this transport is rank {self.rank} of {self.world_size}"
-            )
-        if buffer.ndim != 1 or not buffer.flags.c_contiguous or buffer.shape[0] != plan.count:
-            raise ValueError(
-                f"buffer must be 1-D, contiguous and hold {plan.count} elements for plan {plan.schedule_name!r}; "
-                f"got shape {buffer.shape}, contiguous={buffer.flags.c_contiguous}"
-            )
+        plan.check_fits(self.rank, self.world_size, buffer)
         if not plan.steps:
             return
         item = buffer.itemsize
