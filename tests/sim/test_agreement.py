@@ -1,10 +1,11 @@
 """Issue #4: on <= 256 ranks, engine="auto" agrees with the exact event-driven engine within 1%.
 
-The fast engine is exact when its run stays in lockstep (then auto keeps it); otherwise auto runs the event
-engine. These tests check both halves: the cases the fast engine gets wrong (measured in
-benchmarks/bench_sim_agreement.py, explained in sim/_fast.py) go to the event engine, and whenever auto keeps
-the fast result it equals the event engine's to 1e-6. The event engine's local re-solves (only the component
-of the transfers that came or went) are checked against re-solving every draining transfer.
+The fast engine certifies its own result (SimResult.exact) when the run stays in lockstep or when no link can
+be a shared bottleneck; auto keeps it then and runs the event engine otherwise. These tests check both
+halves: the cases the fast engine gets wrong (measured in benchmarks/bench_sim_agreement.py, explained in
+sim/_fast.py) go to the event engine, and whenever the fast engine says its result is exact it equals the
+event engine's to 1e-6. The event engine's local re-solves (only the component of the transfers that came or
+went) are checked against re-solving every draining transfer.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allreduce.schedules import all_reduce
-from allreduce.sim import AUTO_EVENT_MAX_TRANSFERS, Faults, match_transfers, simulate
+from allreduce.sim import Faults, match_transfers, simulate
 from allreduce.sim._event import _Run
 from allreduce.sim._fast import run_fast_checked
 from allreduce.sim._routing import Router
@@ -79,18 +80,91 @@ def test_a_slow_rank_breaks_lockstep() -> None:
     assert auto.engine == "event"
 
 
-def test_auto_falls_back_to_fast_beyond_its_transfer_budget() -> None:
-    # Ring on 256 ranks: 2 x 255 x 256 = 130,560 transfers, beyond the event engine's budget. Paths of
-    # different lengths (within a pod or across the core) break lockstep, so only the budget keeps auto fast.
+def test_auto_is_exact_on_256_ranks_however_many_transfers() -> None:
+    # Ring on 256 randomly placed ranks of an ECMP fat-tree: 2 x 255 x 256 = 130,560 transfers; hash
+    # collisions share links and paths differ in length, so the fast engine cannot certify its result.
     sched = all_reduce("ring", 256)
-    assert len(match_transfers(sched)) > AUTO_EVENT_MAX_TRANSFERS
+    assert len(match_transfers(sched)) == 130_560
     topo = parse_topology("fat-tree:k=12")
-    rank_gpu = np.asarray(place(256, topo, "linear"), dtype=np.int64)
-    _, lockstep = run_fast_checked(
-        sched, Router(topo, rank_gpu, None, 0), size_bytes=SIZE, rank_delay_s=None, trace_ranks=0
-    )
-    assert not lockstep
+    kwargs = {"placement": "random", "seed": 1}
+    fast = simulate(sched, topo, size_bytes=SIZE, engine="fast", **kwargs)  # type: ignore[arg-type]
+    assert not fast.exact
+    auto = simulate(sched, topo, size_bytes=SIZE, **kwargs)  # type: ignore[arg-type]
+    assert auto.engine == "event"
+    assert auto.exact
+
+
+def test_beyond_256_ranks_auto_runs_the_fast_engine_and_says_whether_it_is_exact() -> None:
+    topo = parse_topology("fat-tree:k=12")  # 432 GPUs
+    # Linear ring: every flow alone on its links, so its duration does not depend on timing: exact.
+    ring = simulate(all_reduce("ring", 300), topo, size_bytes=SIZE)
+    assert (ring.engine, ring.exact) == ("fast", True)
+    # Halving-doubling on random GPUs: ECMP collisions, ranks drift; the fast engine's approximation.
+    hd = simulate(all_reduce("halving_doubling", 300), topo, size_bytes=SIZE, placement="random", seed=1)
+    assert (hd.engine, hd.exact) == ("fast", False)
+    assert "approximate" in hd.summary()
+    assert hd.to_json()["exact"] is False
+
+
+def test_contention_free_runs_are_exact_without_lockstep() -> None:
+    # Ring on a fat-tree, linear placement: hops within an edge switch are 2 links, across pods 6, so
+    # flows end at different times and ranks leave lockstep; but no link carries two flows of the ring, so
+    # each flow's duration is fixed and the fast engine's recurrence is exact.
+    topo = parse_topology("fat-tree:k=4")
+    sched = all_reduce("ring", 16)
+    rank_gpu = np.asarray(place(16, topo, "linear"), dtype=np.int64)
+    router = Router(topo, rank_gpu, "ecmp", 0)
+    result, exact = run_fast_checked(sched, router, size_bytes=SIZE, rank_delay_s=None, trace_ranks=0)
+    assert exact
+    first = next(sched.phases())
+    assert np.ptp(router.pattern(first.src, first.dst).routes.latency_s) > 0  # so not in lockstep
+    event = simulate(sched, topo, size_bytes=SIZE, engine="event")
+    assert result.seconds == pytest.approx(event.seconds, rel=1e-9)
     assert simulate(sched, topo, size_bytes=SIZE).engine == "fast"
+
+
+def test_a_shared_bottleneck_is_not_certified() -> None:
+    # A 4:1 oversubscribed Clos with one spine and random placement: several ring hops leave a leaf through
+    # its one uplink, which then limits each of them to a share that depends on which of them overlap.
+    topo = parse_topology("clos:leaves=4,spines=1,hosts_per_leaf=4,oversub=4")
+    sched = all_reduce("ring", 16)
+    fast = simulate(sched, topo, size_bytes=SIZE, placement="random", seed=2, engine="fast")
+    assert not fast.exact
+    assert fast.bottlenecks
+    assert "spine" in fast.bottlenecks[0].name
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(["ring", "halving_doubling", "recursive_doubling", "double_binary_tree", "hierarchical"]),
+    n=st.sampled_from([4, 8, 16]),
+    network=st.sampled_from(
+        [
+            ("switch:{n}", None),
+            ("fat-tree:k=4", "ecmp"),
+            ("fat-tree:k=4", "spray"),
+            ("torus:4x4", None),
+            ("rail:nodes=2,gpus=8", None),
+            ("ring:{n}", None),
+        ]
+    ),
+    placement=st.sampled_from(["linear", "random"]),
+    slow=st.sampled_from([None, (1, 1e-5), (2, 1e-3)]),
+    seed=st.integers(0, 2**16),
+)
+def test_whenever_the_fast_engine_says_exact_it_is(
+    *, name: str, n: int, network: tuple[str, str | None], placement: str, slow: tuple[int, float] | None, seed: int
+) -> None:
+    spec, routing = network
+    topo = parse_topology(spec.format(n=n))
+    sched = all_reduce(name, n, group_size=4 if n > 4 else 2)
+    faults = Faults(slow_ranks=(slow,) if slow else ())
+    kwargs = {"placement": placement, "routing": routing, "seed": seed, "faults": faults}
+    fast = simulate(sched, topo, size_bytes=SIZE, engine="fast", **kwargs)  # type: ignore[arg-type]
+    if fast.exact:
+        event = simulate(sched, topo, size_bytes=SIZE, engine="event", **kwargs)  # type: ignore[arg-type]
+        assert fast.seconds == pytest.approx(event.seconds, rel=1e-6)
+        np.testing.assert_allclose(fast.rank_end_s, event.rank_end_s, rtol=1e-6)
 
 
 TOPOLOGIES = [

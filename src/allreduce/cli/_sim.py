@@ -74,8 +74,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--engine",
         choices=("auto", "fast", "event"),
         default="auto",
-        help="fast (per flow pattern), event (exact, per transfer), or auto (default): on <= 256 ranks the fast "
-        "result when it is exact (ranks in lockstep), else event up to 65,536 transfers; fast beyond",
+        help="fast (per flow pattern; exact while ranks run in lockstep, approximate once they drift: marked *), "
+        "event (exact, per transfer), or auto (default): exact on <= 256 ranks (fast where it is exact, else "
+        "event), fast beyond",
     )
     p.add_argument("--top", type=positive_int("--top"), default=3, help="bottleneck links to list (default 3)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -241,6 +242,7 @@ def as_json(outcome: Outcome, top: int) -> dict[str, object]:
                 "algbw_GBps": r.algbw_Bps / 1e9,
                 "busbw_GBps": r.busbw_Bps / 1e9,
                 "engine": r.engine,
+                "exact": r.exact,
                 "bottlenecks": _bottlenecks_json(r, top),
             }
             for r in results
@@ -264,7 +266,7 @@ def render(outcome: Outcome, top: int, context: str) -> str:
         where = f"{first.name} ({first.utilization:.0%})" if first else "-"
         lines.append(
             f"{r.name:<20} {format_seconds(r.seconds):>10} {format_bandwidth(r.algbw_Bps):>11} "
-            f"{format_bandwidth(r.busbw_Bps):>11}  {r.engine:<6} {where}"
+            f"{format_bandwidth(r.busbw_Bps):>11}  {r.engine + ('' if r.exact else '*'):<6} {where}"
         )
     lines += ["", f"best: {best.name}"]
     if best.bottlenecks:
@@ -276,6 +278,9 @@ def render(outcome: Outcome, top: int, context: str) -> str:
             lines.append(f"  ... and {more} more links it waited on")
     else:
         lines.append(f"{best.name} waited on no link: its time is path latency and rank delays")
+    if not all(r.exact for r in results):
+        lines.append("(* approximate: ranks drifted out of lockstep, which the fast engine does not model; it tends")
+        lines.append("   to overstate the time. --engine event is exact, at one event per transfer)")
     lines.extend(f"(note: {s})" for s in outcome.skipped)
     return "\n".join(lines)
 

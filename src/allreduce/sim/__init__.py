@@ -8,11 +8,10 @@ from allreduce.sim._event import Transfers, match_transfers
 from allreduce.sim._fair import FairShare, max_min_rates
 from allreduce.sim._faults import Faults, apply_faults, resolve_links
 from allreduce.sim._result import Bottleneck, CriticalStep, PhaseResult, SimResult
-from allreduce.sim._simulate import AUTO_EVENT_MAX_TRANSFERS, AUTO_EXACT_MAX_RANKS, TRACE_RANKS, simulate
+from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS, TRACE_RANKS, simulate
 from allreduce.sim._trace import chrome_trace, write_trace
 
 __all__ = [
-    "AUTO_EVENT_MAX_TRANSFERS",
     "AUTO_EXACT_MAX_RANKS",
     "TRACE_RANKS",
     "Bottleneck",

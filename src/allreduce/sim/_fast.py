@@ -7,11 +7,20 @@ the project's one timing recurrence, :func:`allreduce.schedules.propagate`, whic
 repeated pattern once the clocks move in lockstep. Nothing is one Python object per transfer.
 
 The approximation, against the event engine: every flow of a step is assumed to run at the rate it gets when
-*all* flows of its pattern run together, for its whole duration. That is exact when the run stays in lockstep:
-every flow of a step starts at one instant, after the previous step ended, and all end at one instant (equal
-bytes at equal rates and equal path latencies; symmetric patterns on symmetric topologies, spraying, one
-switch). ``run_fast_checked`` reports whether that held, and ``engine="auto"`` keeps the fast result only then
-(the tests check it equals the event engine's to 1e-6 whenever it does).
+*all* flows of its pattern run together, for its whole duration. The engine certifies its own result
+(``SimResult.exact``; ``run_fast_checked`` returns the flag) in two cases where that is provably right:
+
+- lockstep: every flow of a step starts at one instant, after every earlier flow was delivered, and all end
+  at one instant (equal bytes at equal rates and equal path latencies; symmetric patterns on symmetric
+  topologies, spraying, one switch);
+- timing-independent rates: no link can be a shared bottleneck, i.e. with every flow of the phase (and of
+  earlier phases that may still drain) at its solo rate at once, every link has room. Then whichever flows
+  overlap, each gets its solo rate, its duration is fixed, and the shared recurrence is exactly the event
+  engine's. This covers rings with linear placement on fat-trees, Clos and tori, whose hops take paths of
+  different lengths (so ranks leave lockstep) but never share a link, and a degraded link on such a ring.
+
+``engine="auto"`` keeps a certified result and runs the event engine otherwise, for every schedule on at most
+256 ranks; beyond, it returns the fast result with ``exact`` False (the CLI marks it).
 
 When ranks drift apart the two engines legitimately differ. ``benchmarks/bench_sim_agreement.py`` measures
 it (256 MiB, 16-256 ranks): the fast engine is pessimistic by up to +23% (halving-doubling and recursive
@@ -29,9 +38,10 @@ together; the gap is the staggered *starts*, which follow from every rank's cloc
 resolving them is an event simulation of the step (one rate solve per distinct start time), i.e. the event
 engine. For repeated rings on randomly placed tori the event engine's pace approaches the most loaded
 link's bytes / capacity per step (256 ranks: bound 64.17 ms, event 65.0-65.1 ms, fast 71.82 ms): links stay
-busy while path latencies overlap. Not exact (1.3%), so not used either. Hence "auto": the event engine
-wherever the fast run left lockstep and the schedule has at most ``AUTO_EVENT_MAX_TRANSFERS`` transfers (a
-few CPU-seconds); beyond that (ring and direct at 256 ranks) the fast engine, with the gaps above.
+busy while path latencies overlap. Not exact (1.3%), so not used either; nor is jumping to a periodic regime,
+which such runs never reach (per-rank step times measured over all 126 steps of a 64-rank ring on a random
+8x8 torus: no period up to 63 steps, the spread of one step's duration across ranks stays 5-15%). Hence the
+certificate above, and the event engine wherever it fails on at most 256 ranks.
 
 Attribution: the steady-state pace of a repeated pattern under the recurrence is its max cycle mean, which is
 the slowest flow's duration plus the larger delay of its two ranks (every cycle mean is an average of such
@@ -48,6 +58,7 @@ from allreduce.schedules import Phase, Schedule, propagate
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
+from allreduce.topology import Routes, Topology
 
 __all__ = ["run_fast", "run_fast_checked"]
 
@@ -98,8 +109,11 @@ def run_fast_checked(
     trace_end: list[FloatArray] = []
     k = min(n, trace_ranks)
     path_end = 0.0
-    lockstep = True
-    step_end = 0.0  # when the last step so far ended, while in lockstep
+    exact = True
+    latest_end = 0.0  # when the last rank so far finished its steps (its clock), while exact
+    # Per earlier phase, while exact: when its last flow was delivered, and its flows that carry bytes (as
+    # src * n + dst keys).
+    earlier: list[tuple[float, IntArray]] = []
     for phase in schedule.phases():
         pattern = router.pattern(phase.src, phase.dst)
         nbytes = phase.fraction * float(size_bytes)
@@ -113,10 +127,20 @@ def run_fast_checked(
         def ranks(_: Phase) -> FloatArray | None:
             return rank_delay_s
 
-        if lockstep and len(phase):
-            lockstep, step_end = _still_in_lockstep(clock, phase, flow_seconds, delay, step_end)
+        if exact and len(phase):
+            pairs = phase.src[nbytes > 0] * n + phase.dst[nbytes > 0]
+            starts = np.maximum(clock[phase.src], clock[phase.dst])
+            if not _in_lockstep(starts, phase, flow_seconds, delay, latest_end):
+                # This phase's flows, and every earlier phase's that may still drain when its first one
+                # starts. A rank pair counts once: its transfers run one after the other.
+                first = float(starts.min())
+                live = np.unique(np.concatenate([pairs, *(q for end, q in earlier if end > first)]))
+                exact = _rates_independent_of_timing(router.route_ranks(live // n, live % n), topology)
         before = clock[:k].copy()
         clock, (timing,) = propagate(n, [phase], flows, ranks, clock=clock)
+        if exact and len(phase):
+            latest_end = max(latest_end, float(clock.max()))
+            earlier.append((latest_end, pairs))
         link_bytes += pattern.link_bytes(nbytes, topology.num_links) * phase.repeat
 
         # The phase's share of the end time, and who set its pace.
@@ -184,26 +208,43 @@ def run_fast_checked(
         trace_labels=tuple(labels),
         trace_start_s=np.asarray(trace_start, dtype=np.float64).reshape(len(labels), k),
         trace_end_s=np.asarray(trace_end, dtype=np.float64).reshape(len(labels), k),
+        exact=exact,
     )
-    return result, lockstep
+    return result, exact
 
 
-def _still_in_lockstep(
-    clock: FloatArray, phase: Phase, flow_seconds: FloatArray, delay: FloatArray, step_end: float
-) -> tuple[bool, float]:
-    """Whether every step of ``phase`` runs in lockstep after the previous ones, and when its last step ends.
-
-    Lockstep: all flows of the step start at one instant, no earlier than the previous step ended, and end at
-    one instant, and their ranks then wait the same delay; so the next step starts in lockstep again."""
-    start = np.maximum(clock[phase.src], clock[phase.dst])
-    first = float(start.min())
-    scale = max(float(start.max()) + float(flow_seconds.max()), 1e-300)
+def _in_lockstep(
+    starts: FloatArray, phase: Phase, flow_seconds: FloatArray, delay: FloatArray, latest_end: float
+) -> bool:
+    """Whether every step of ``phase`` runs in lockstep: all flows of a step start at one instant, after every
+    earlier flow was delivered, and end at one instant, and their ranks then wait the same delay; so the next
+    step starts in lockstep again, and every flow of a step overlaps every other one for its whole duration."""
+    first = float(starts.min())
+    scale = max(float(starts.max()) + float(flow_seconds.max()), 1e-300)
     wait = delay[np.concatenate([phase.src, phase.dst])]
     tol = _LOCKSTEP_RTOL * scale
-    same = (
-        float(np.ptp(start)) <= tol
+    return (
+        float(np.ptp(starts)) <= tol
         and float(np.ptp(flow_seconds)) <= tol
         and float(np.ptp(wait)) <= tol
-        and first >= step_end - tol
+        and first >= latest_end - tol
     )
-    return same, first + phase.repeat * (float(flow_seconds.max()) + float(wait.max()))
+
+
+def _rates_independent_of_timing(routes: Routes, topology: Topology) -> bool:
+    """Whether flows on these routes get the same rate whichever of them overlap in time: true when no link
+    can be a shared bottleneck, i.e. every flow at its *solo* rate (its path's smallest capacity / weight,
+    the rate it gets alone) at once fits every link.
+
+    Then any subset of them that overlaps gets max-min rates equal to the solo rates (a flow's solo rate
+    bounds its rate, and all-solo is feasible), so each flow's duration is the same however the ranks drift,
+    and the recurrence is exact without lockstep."""
+    capacity = topology.link_bandwidth_Bps
+    flow = routes.flow_of_entry()
+    with np.errstate(divide="ignore"):
+        per_entry = capacity[routes.link] / routes.weight
+    solo = np.full(routes.num_flows, np.inf)
+    np.minimum.at(solo, flow, per_entry)
+    finite = np.isfinite(solo[flow])
+    load = np.bincount(routes.link[finite], weights=routes.weight[finite] * solo[flow][finite], minlength=capacity.size)
+    return bool(np.all(load <= capacity * (1 + _LOCKSTEP_RTOL)))

@@ -72,6 +72,9 @@ class SimResult:
     :meth:`Topology.without` for how failed links renumber). ``trace_start_s`` / ``trace_end_s`` hold, for the
     first ``trace_ranks`` ranks, when each of their steps (event engine) or phases (fast engine) began and
     ended, rows in ``trace_labels`` order — bounded so a 131,072-rank run never keeps O(N x steps) times.
+
+    ``exact`` is False only for a fast-engine run whose ranks left lockstep: then its time is the fast engine's
+    approximation (see :mod:`allreduce.sim._fast`), not the event engine's exact figure.
     """
 
     name: str
@@ -91,6 +94,7 @@ class SimResult:
     trace_labels: tuple[str, ...]
     trace_start_s: FloatArray  # shape (len(trace_labels), trace_ranks)
     trace_end_s: FloatArray
+    exact: bool = True
 
     @property
     def algbw_Bps(self) -> float:
@@ -117,7 +121,7 @@ class SimResult:
         """A few lines for a terminal."""
         lines = [
             f"{self.name}: {self.world_size} ranks, {format_bytes(self.size_bytes)} on {self.topology.name} "
-            f"({self.engine} engine)",
+            f"({self.engine} engine{'' if self.exact else ', approximate: ranks left lockstep'})",
             f"  time {format_seconds(self.seconds)}, algbw {format_bandwidth(self.algbw_Bps)}, "
             f"busbw {format_bandwidth(self.busbw_Bps)}",
         ]
@@ -138,5 +142,6 @@ class SimResult:
             "algbw_GBps": self.algbw_Bps / 1e9,
             "busbw_GBps": self.busbw_Bps / 1e9,
             "engine": self.engine,
+            "exact": self.exact,
             "bottlenecks": [{"link": b.name, "utilization": b.utilization} for b in self.bottlenecks[:bottlenecks]],
         }
