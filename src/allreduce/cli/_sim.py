@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,19 +299,29 @@ def run(args: argparse.Namespace) -> int:
     schedules, skipped = _schedules(args, topology, world_size)
     if not schedules:
         raise CLIError("no algorithm left to simulate: " + "; ".join(skipped))
-    results = [
-        simulate(
-            schedule,
-            topology,
-            size_bytes=size,
-            placement=placement,
-            routing=args.routing,
-            seed=args.seed,
-            faults=faults,
-            engine=args.engine,
+    # The event engine can take a while (a minute for ring on 256 randomly placed torus ranks): on a terminal,
+    # say which algorithm is being simulated.
+    status = sys.stderr.isatty() and not args.json
+    results = []
+    for i, schedule in enumerate(schedules):
+        if status:
+            print(
+                f"\rsimulating {schedule.name} ({i + 1}/{len(schedules)})...\033[K", end="", file=sys.stderr, flush=True
+            )
+        results.append(
+            simulate(
+                schedule,
+                topology,
+                size_bytes=size,
+                placement=placement,
+                routing=args.routing,
+                seed=args.seed,
+                faults=faults,
+                engine=args.engine,
+            )
         )
-        for schedule in schedules
-    ]
+    if status:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
     if args.trace:
         try:
             write_trace(args.trace, results)
