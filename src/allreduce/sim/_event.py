@@ -16,8 +16,11 @@ they were pushed, so runs are deterministic — plus the fluid drain of the acti
 Events due at the same instant are processed together and the rates re-solved once, and only for the
 transfers connected to a changed link through shared links: max-min fair rates decompose over the connected
 components of the transfer-link incidence, and when ranks drift apart a component holds a few transfers, not
-all that are draining (5 of 57 on average for ring on 128 randomly placed ranks of an ECMP fat-tree). A
-transfer whose rate changed gets a new drain event; its old one goes stale (a version counter). That core is
+all that are draining (5 of 57 on average for ring on 128 randomly placed ranks of an ECMP fat-tree). The
+components are kept as transfers come and go: a starting transfer merges those it shares links with, and only
+a drain can split one, so only then is it searched again (and not even then when a search from one of the
+drained transfer's neighbours soon reaches all the others). A transfer whose rate changed gets a new drain
+event; its old one goes stale (a version counter). That core is
 plain Python over sets and dicts — each event touches a handful of transfers, where numpy's fixed cost per
 call dominated (that ring: 15 s with one numpy progressive filling of every draining transfer per instant,
 ~2 CPU-seconds now). It checks the fast engine up to a few hundred ranks (see :mod:`allreduce.sim._fast`
@@ -233,6 +236,12 @@ class _Run:
         self.now = 0.0
         self._draining = 0
         self._changed: set[int] = set()  # links whose set of draining transfers changed at this instant
+        # The connected components of the draining transfers (through shared links), kept as they change.
+        self._comp_of = [-1] * len(t)  # component id per draining transfer
+        self._comps: dict[int, set[int]] = {}
+        self._comp_ids = itertools.count()
+        self._split = False  # a transfer drained at this instant: its component may have split
+        self._drained: list[int] = []  # the transfers that drained at this instant
         self.solves = 0  # rate solves (one per instant at which some transfer started or drained)
         self.solved_flows = 0  # transfers re-solved, summed over solves
         self.active_flows = 0  # transfers draining, summed over solves
@@ -262,8 +271,26 @@ class _Run:
         self._since[x] = self.now
         self._rate[x] = 0.0
         self._draining += 1
+        # x joins, and so connects, the components of the transfers that share a link with it.
+        flows_of = self._link_flows
+        comp_of = self._comp_of
+        joined = {comp_of[y] for link in links for y in flows_of[link]}
+        if joined:
+            comps = self._comps
+            keep = max(joined, key=lambda c: len(comps[c]))
+            merged = comps[keep]
+            for c in joined:
+                if c != keep:
+                    for y in comps[c]:
+                        comp_of[y] = keep
+                    merged |= comps.pop(c)
+        else:
+            keep = next(self._comp_ids)
+            merged = self._comps[keep] = set()
+        merged.add(x)
+        comp_of[x] = keep
         for link in links:
-            self._link_flows[link].add(x)
+            flows_of[link].add(x)
         self._changed.update(links)
 
     def drain(self, x: int) -> None:
@@ -272,6 +299,13 @@ class _Run:
         self._left[x] = 0.0
         links = self._path[x][0]
         self._draining -= 1
+        comp = self._comps[self._comp_of[x]]
+        comp.discard(x)
+        if not comp:
+            del self._comps[self._comp_of[x]]
+        self._comp_of[x] = -1
+        self._split = True
+        self._drained.append(x)
         for link in links:
             self._link_flows[link].discard(x)
         self._changed.update(links)
@@ -301,34 +335,85 @@ class _Run:
             self.rank_end[rank] = after
 
     # -- fluid drain ----------------------------------------------------------------------------------
-    def _component(self) -> tuple[list[int], set[int]]:
-        """The draining transfers connected to a changed link through shared links, and their links.
+    def _component(self) -> list[int]:
+        """The draining transfers connected to a changed link through shared links.
 
         Max-min fair rates decompose over the connected components of the transfer-link incidence, so only
-        this component's rates can have changed."""
+        this component's rates can have changed. When transfers only started, the components kept by
+        start_transfer give it; when one drained, its component may have split, and a search from the changed
+        links finds (and records) the pieces."""
+        flows_of = self._link_flows
+        comp_of = self._comp_of
+        comps = self._comps
+        if self.local and len(self._drained) == 1 and self._still_connected(self._drained[0]):
+            self._split = False
+        self._drained.clear()
+        if self.local and not self._split:
+            joined = {comp_of[y] for link in self._changed for y in flows_of[link]}
+            return sorted(set().union(*map(comps.__getitem__, joined)))
+        if self.local:
+            seeds: set[int] | list[int] = self._changed
+        else:
+            seeds = [link for link, flows in enumerate(flows_of) if flows]
+        path = self._path
+        seen_links: set[int] = set()
+        found: list[int] = []
+        for seed in seeds:
+            if seed in seen_links:
+                continue
+            seen_links.add(seed)
+            stack = [seed]
+            members: set[int] = set()
+            while stack:
+                for x in flows_of[stack.pop()]:
+                    if x not in members:
+                        members.add(x)
+                        for link in path[x][0]:
+                            if link not in seen_links:
+                                seen_links.add(link)
+                                stack.append(link)
+            if members:
+                # One whole component: it replaces the (possibly split) ones its transfers were in.
+                piece = next(self._comp_ids)
+                for x in members:
+                    comps.pop(comp_of[x], None)
+                    comp_of[x] = piece
+                comps[piece] = members
+                found.extend(members)
+        self._split = False
+        return sorted(found)
+
+    def _still_connected(self, x: int) -> bool:
+        """Whether the component x drained from is still connected: every piece it could split into holds a
+        transfer that shares a link with x, so it is when a search from one of those reaches all of them."""
         flows_of = self._link_flows
         path = self._path
-        if self.local:
-            seen_links = set(self._changed)
-            stack = list(seen_links)
-        else:
-            seen_links = {link for link, flows in enumerate(flows_of) if flows}
-            stack = list(seen_links)
-        members: set[int] = set()
+        targets = {y for link in path[x][0] for y in flows_of[link]}
+        if not targets:
+            return True
+        start = targets.pop()
+        if not targets:
+            return True
+        members = {start}
+        seen_links: set[int] = set()
+        stack = [start]
         while stack:
-            for x in flows_of[stack.pop()]:
-                if x not in members:
-                    members.add(x)
-                    for link in path[x][0]:
-                        if link not in seen_links:
-                            seen_links.add(link)
-                            stack.append(link)
-        return sorted(members), seen_links
+            for link in path[stack.pop()][0]:
+                if link not in seen_links:
+                    seen_links.add(link)
+                    for y in flows_of[link]:
+                        if y not in members:
+                            members.add(y)
+                            stack.append(y)
+                            targets.discard(y)
+                            if not targets:
+                                return True
+        return False
 
     def solve_rates(self) -> None:
         """Re-solve the max-min fair rates of the changed component by progressive filling, and reschedule
         the drains whose rate changed."""
-        flows, _ = self._component()
+        flows = self._component()
         self._changed.clear()
         self.solves += 1
         self.solved_flows += len(flows)
