@@ -796,12 +796,19 @@ def _env_int(names: tuple[str, ...], what: str) -> int | None:
 
 
 def _host_id() -> str:
+    """Ranks with equal ids share a machine and a network namespace: shared memory and loopback reach each other.
+    (Two network namespaces on one machine, as containers have, are two hosts: 127.0.0.1 is a different
+    interface in each.)"""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}/{boot}/{netns}"
 
 
 def init(
