@@ -5,7 +5,8 @@
 
 Wall time covers building the topology and the schedule and simulating (fast engine, 1 GiB per GPU); peak
 memory is the child's ru_maxrss, which includes the interpreter and numpy (~40 MB). The issue's targets are
-printed next to each case, with the ratio time / target (below 1 meets it). For orientation, the issue quotes
+printed next to each case, with the ratio time / target (below 1 meets it), and whether the fast engine certified
+its result exact (SimResult.exact; see docs/design.md). For orientation, the issue quotes
 ASTRA-sim's analytical backend on this machine at 13 CPU-seconds and 355 MB for a 1,024-NPU ring all-reduce
 and 571 s and 5.4 GB at 4,096 NPUs (not re-measured here: it is not installed).
 """
@@ -63,6 +64,7 @@ def run_case(case: Case) -> dict[str, object]:
         "wall_s": done - start,
         "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "predicted_s": result.seconds,
+        "exact": result.exact,
         "busbw_GBps": result.busbw_Bps / 1e9,
         "bottleneck": f"{top.name} ({top.utilization:.0%})" if top else "-",
     }
@@ -78,7 +80,7 @@ def main() -> int:
         return 0
     header = (
         f"{'case':<17} {'GPUs':>7} {'placement':<9} {'build':>7} {'simulate':>9} {'wall':>7} {'target':>7} "
-        f"{'ratio':>6} {'peak RSS':>9} {'predicted':>10} {'busbw':>10}  bottleneck"
+        f"{'ratio':>6} {'peak RSS':>9} {'predicted':>10} {'exact':>5} {'busbw':>10}  bottleneck"
     )
     print(header)
     print("-" * len(header))
@@ -95,7 +97,8 @@ def main() -> int:
         print(
             f"{case.name:<17} {case.ranks:>7} {case.placement:<9} {row['build_s']:>6.2f}s {row['sim_s']:>8.2f}s "
             f"{wall:>6.2f}s {case.target_s:>6.0f}s {wall / case.target_s:>6.2f} {peak / 1e6:>7.0f}MB "
-            f"{float(row['predicted_s']) * 1e3:>8.1f}ms {float(row['busbw_GBps']):>6.2f}GB/s  {row['bottleneck']}"
+            f"{float(row['predicted_s']) * 1e3:>8.1f}ms {'yes' if row['exact'] else 'no':>5} "
+            f"{float(row['busbw_GBps']):>6.2f}GB/s  {row['bottleneck']}"
         )
     return 0
 
