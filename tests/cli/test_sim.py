@@ -145,3 +145,11 @@ def test_the_installed_command_exits_2_without_a_traceback() -> None:
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("allreduce sim: error: ")
+
+
+@pytest.mark.parametrize("seed", ["-1", "x"])
+def test_a_bad_seed_is_named(capsys: pytest.CaptureFixture[str], seed: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["sim", "--topology", "switch:8", "--size", "1MiB", "--placement", "random", "--seed", seed])
+    assert exc.value.code == 2
+    assert "argument --seed: --seed must be" in capsys.readouterr().err

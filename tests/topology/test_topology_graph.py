@@ -106,6 +106,12 @@ def test_random_placement_depends_on_the_seed() -> None:
     assert not np.array_equal(place(64, t, "random", seed=1), place(64, t, "random", seed=2))
 
 
+@pytest.mark.parametrize("seed", [-1, 1.5, "7"])
+def test_random_placement_needs_a_whole_seed(seed: object) -> None:
+    with pytest.raises(ValueError, match=r"seed that is a whole number >= 0, got"):
+        place(4, fat_tree(4), "random", seed=seed)  # type: ignore[arg-type]
+
+
 def test_explicit_placement() -> None:
     t = fat_tree(4)
     assert place(3, t, [5, 0, 9]).tolist() == [5, 0, 9]

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from allreduce.cli._args import positive_int
+from allreduce.cli._args import non_negative_int, positive_int
 from allreduce.cli._main import CLIError
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, all_reduce
 from allreduce.sim import Faults, SimResult, simulate, write_trace
@@ -62,7 +62,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--group-size", type=positive_int("--group-size"), help="ranks per node for hierarchical")
     p.add_argument("--chunks", type=positive_int("--chunks"), default=8, help="pipeline chunks of double_binary_tree")
     p.add_argument("--placement", default="linear", help="linear (default), random, or a FILE of GPU indices")
-    p.add_argument("--seed", type=int, default=0, help="seed of random placement and of ECMP hashing")
+    p.add_argument(
+        "--seed", type=non_negative_int("--seed"), default=0, help="seed of random placement and of ECMP hashing"
+    )
     p.add_argument("--routing", choices=ROUTINGS, help="default: the topology's (ECMP; dimension_order on tori)")
     p.add_argument(
         "--degrade", action="append", default=[], metavar="LINK=FACTOR", help="run LINK at FACTOR x its bandwidth"

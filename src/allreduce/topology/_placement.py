@@ -32,6 +32,8 @@ def place(num_ranks: int, topology: Topology, placement: str | Sequence[int] = "
         if text == "linear":
             return np.arange(n, dtype=np.int64)
         if text == "random":
+            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+                raise ValueError(f"placement: random placement needs a seed that is a whole number >= 0, got {seed!r}")
             rng = np.random.default_rng(seed)
             return np.asarray(rng.permutation(topology.num_gpus)[:n], dtype=np.int64)
         if "," not in text and not text.isdigit():
