@@ -77,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--engine",
         choices=("auto", "fast", "event"),
         default="auto",
-        help="fast (per flow pattern; exact while ranks run in lockstep, approximate once they drift: marked *), "
+        help="fast (per flow pattern; exact where it can certify so, else approximate: marked *), "
         "event (exact, per transfer), or auto (default): exact on <= 256 ranks (fast where it is exact, else "
         "event), fast beyond",
     )
@@ -282,8 +282,8 @@ def render(outcome: Outcome, top: int, context: str) -> str:
     else:
         lines.append(f"{best.name} waited on no link: its time is path latency and rank delays")
     if not all(r.exact for r in results):
-        lines.append("(* approximate: ranks drifted out of lockstep, which the fast engine does not model; it tends")
-        lines.append("   to overstate the time. --engine event is exact, at one event per transfer)")
+        lines.append("(* approximate: ranks drifted out of lockstep while sharing links, which the fast engine")
+        lines.append("   does not model; it tends to overstate the time. --engine event is exact, and slower)")
     lines.extend(f"(note: {s})" for s in outcome.skipped)
     return "\n".join(lines)
 

@@ -75,7 +75,8 @@ def demo_report() -> str:
         f"  -> {degraded.seconds / healthy.seconds:.1f}x slower: one slow link sets the pace of every ring step; "
         f"the simulator names it: {degraded.bottlenecks[0].name if degraded.bottlenecks else '-'}",
         "",
-        "* the fast engine's estimate: ranks drift out of lockstep, which it does not model (it tends to overstate;",
-        "  allreduce sim --engine event is exact, one event per transfer). Unmarked times are exact.",
+        "* the fast engine's estimate: ranks drift out of lockstep while sharing links, which it does not model",
+        "  (it tends to overstate; allreduce sim --engine event is exact, one event per transfer). Unmarked times",
+        "  are exact.",
     ]
     return "\n".join(lines)

@@ -73,8 +73,9 @@ class SimResult:
     first ``trace_ranks`` ranks, when each of their steps (event engine) or phases (fast engine) began and
     ended, rows in ``trace_labels`` order — bounded so a 131,072-rank run never keeps O(N x steps) times.
 
-    ``exact`` is False only for a fast-engine run whose ranks left lockstep: then its time is the fast engine's
-    approximation (see :mod:`allreduce.sim._fast`), not the event engine's exact figure.
+    ``exact`` is False only for a fast-engine run the fast engine could not certify (ranks left lockstep while
+    flows shared a bottleneck link): then its time is the fast engine's approximation (see
+    :mod:`allreduce.sim._fast`), not the event engine's exact figure.
     """
 
     name: str
@@ -121,7 +122,7 @@ class SimResult:
         """A few lines for a terminal."""
         lines = [
             f"{self.name}: {self.world_size} ranks, {format_bytes(self.size_bytes)} on {self.topology.name} "
-            f"({self.engine} engine{'' if self.exact else ', approximate: ranks left lockstep'})",
+            f"({self.engine} engine{'' if self.exact else ', approximate: not certified exact'})",
             f"  time {format_seconds(self.seconds)}, algbw {format_bandwidth(self.algbw_Bps)}, "
             f"busbw {format_bandwidth(self.busbw_Bps)}",
         ]

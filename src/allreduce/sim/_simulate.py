@@ -18,10 +18,10 @@ from allreduce.topology import Topology, place
 __all__ = ["AUTO_EXACT_MAX_RANKS", "TRACE_RANKS", "simulate"]
 
 # engine="auto" gives the exact result on at most AUTO_EXACT_MAX_RANKS ranks (issue #4: the two paths must agree
-# there): the fast engine's when its run stayed in lockstep (it is exact then), else the event engine's, however
-# many transfers that takes (the slowest case measured, a 256-rank ring on a randomly placed torus, is
-# benchmarks/bench_sim_agreement.py's last rows). Beyond it: the fast engine, whose result says whether it is
-# exact (SimResult.exact).
+# there): the fast engine's when it certified its result (SimResult.exact: see sim/_fast.py), else the event
+# engine's, however many transfers that takes (the slowest measured in benchmarks/bench_sim_agreement.py: 30
+# CPU-seconds, a 256-rank ring on a randomly placed torus). Beyond it: the fast engine, whose result says whether
+# it is exact.
 AUTO_EXACT_MAX_RANKS = 256
 # Ranks whose per-step (or per-phase) times a result keeps for traces.
 TRACE_RANKS = 64
@@ -70,8 +70,8 @@ def simulate(
         return run_event(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
     if engine == "fast" or n > AUTO_EXACT_MAX_RANKS:
         return run_fast(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
-    # The fast run is cheap, and exact when it stayed in lockstep; only otherwise pay for the event engine.
-    result, lockstep = run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
-    if lockstep:
+    # The fast run is cheap, and exact when it certified itself; only otherwise pay for the event engine.
+    result, exact = run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
+    if exact:
         return result
     return run_event(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
