@@ -306,10 +306,14 @@ def run(args: argparse.Namespace) -> int:
     status = sys.stderr.isatty() and not args.json
     results = []
     for i, schedule in enumerate(schedules):
+        label = f"simulating {schedule.name} ({i + 1}/{len(schedules)})"
+
+        def show(fraction: float | None = None, label: str = label) -> None:
+            done = "" if fraction is None else f": event engine, {fraction:.0%} of transfers delivered"
+            print(f"\r{label}{done}...\033[K", end="", file=sys.stderr, flush=True)
+
         if status:
-            print(
-                f"\rsimulating {schedule.name} ({i + 1}/{len(schedules)})...\033[K", end="", file=sys.stderr, flush=True
-            )
+            show()
         results.append(
             simulate(
                 schedule,
@@ -320,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 faults=faults,
                 engine=args.engine,
+                progress=show if status else None,
             )
         )
     if status:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,8 @@ FloatArray = npt.NDArray[np.float64]
 _START = 0  # a rank begins its next step
 _DELIVER = 1  # a transfer's last byte arrived
 _DRAIN = 2  # a transfer's last byte left (stale unless its version is current: its rate changed since)
+# How many deliveries between two calls of run()'s progress callback.
+_PROGRESS_EVERY = 4096
 # Events within this relative distance of the current time are processed with it.
 _EVENT_RTOL = 1e-12
 # Components with more draining transfers than this are re-solved with numpy (sim/_fair.py), smaller ones
@@ -473,7 +476,11 @@ class _Run:
         rate, bottleneck, _ = fill_dense(ids.size, flow, self.pair_link[entries], self.pair_weight[entries], capacity)
         return dict(zip(flows, rate.tolist(), strict=True)), dict(zip(flows, bottleneck.tolist(), strict=True))
 
-    def run(self) -> None:
+    def run(self, progress: Callable[[float], None] | None = None) -> None:
+        """Run to the end; ``progress`` (if given) is called with the fraction of transfers delivered, every
+        _PROGRESS_EVERY deliveries."""
+        total = max(len(self.t), 1)
+        delivered = 0
         for rank in range(self.schedule.world_size):
             if self.rank_first_slot[rank] < self.rank_stop_slot[rank]:
                 self.push(0.0, _START, int(self.rank_first_slot[rank]))
@@ -489,6 +496,9 @@ class _Run:
                     self.begin_slot(what)
                 elif kind == _DELIVER:
                     self.deliver(what)
+                    delivered += 1
+                    if progress is not None and delivered % _PROGRESS_EVERY == 0:
+                        progress(delivered / total)
                 elif ver == version[what]:
                     self.drain(what)
             if self._changed:
@@ -505,12 +515,13 @@ def run_event(
     size_bytes: float,
     rank_delay_s: FloatArray | None,
     trace_ranks: int,
+    progress: Callable[[float], None] | None = None,
 ) -> SimResult:
     topology = router.topology
     transfers = match_transfers(schedule)
     run = _Run(schedule, router, transfers, size_bytes, rank_delay_s)
     if len(transfers):
-        run.run()
+        run.run(progress)
     n = schedule.world_size
     seconds = float(run.rank_end.max()) if n else 0.0
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -40,13 +40,15 @@ def simulate(
     faults: Faults | None = None,
     engine: str = "auto",
     trace_ranks: int = TRACE_RANKS,
+    progress: Callable[[float], None] | None = None,
 ) -> SimResult:
     """Simulate ``schedule`` on ``topology`` with a buffer of ``size_bytes`` bytes per rank.
 
     ``placement`` maps ranks to GPUs ("linear", "random" with ``seed``, or a list); ``routing`` is one of the
     topology's routings (None: its default — ECMP, or dimension-order on tori); ``faults`` degrades or fails
     links and slows ranks; ``engine`` is "fast", "event", or "auto" (exact on at most AUTO_EXACT_MAX_RANKS ranks:
-    the fast engine where it is exact, else the event engine; the fast engine beyond).
+    the fast engine where it is exact, else the event engine; the fast engine beyond). While the event engine
+    runs, ``progress`` (if given) is called now and then with the fraction of transfers delivered so far.
     """
     try:
         size = float(size_bytes)
@@ -67,11 +69,13 @@ def simulate(
     rank_gpu = np.asarray(place(n, faulted, placement, seed=seed), dtype=np.int64)
     router = Router(faulted, rank_gpu, routing, seed)
     if engine == "event":
-        return run_event(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
+        return run_event(
+            schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks, progress=progress
+        )
     if engine == "fast" or n > AUTO_EXACT_MAX_RANKS:
         return run_fast(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
     # The fast run is cheap, and exact when it certified itself; only otherwise pay for the event engine.
     result, exact = run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
     if exact:
         return result
-    return run_event(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
+    return run_event(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks, progress=progress)
