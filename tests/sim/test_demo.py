@@ -24,10 +24,10 @@ def test_demo_report_shows_oversubscription_placement_and_the_degraded_link() ->
 def test_demo_marks_the_fast_engines_estimates_and_nothing_else() -> None:
     rows = [line for line in demo_report().splitlines() if " busbw " in line]
     assert len(rows) == 8
-    marked = {line.split("  ")[1].strip() for line in rows if re.search(r"\d \w?s\* busbw", line)}
+    marked = {line.split("  ")[1].strip() for line in rows if re.search(r"\d \w?s~ busbw", line)}
     # Contention-free rings (linear placement, and the degraded link) are certified exact; halving-doubling
     # runs on the event engine; the randomly placed rings are the fast engine's estimate.
     assert "ring, random placement" in marked
     assert "ring, random placement (most hops cross)" in marked
     assert not any(name.startswith(("ring, linear", "ring, healthy", "ring, degraded", "halving")) for name in marked)
-    assert "* the fast engine's estimate" in demo_report()
+    assert "~ the fast engine's estimate" in demo_report()

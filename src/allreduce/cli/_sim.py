@@ -77,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--engine",
         choices=("auto", "fast", "event"),
         default="auto",
-        help="fast (per flow pattern; exact where it can certify so, else approximate: marked *), "
+        help="fast (per flow pattern; exact where it can certify so, else approximate: marked ~), "
         "event (exact, per transfer), or auto (default): exact on <= 256 ranks (fast where it is exact, else "
         "event), fast beyond",
     )
@@ -269,7 +269,7 @@ def render(outcome: Outcome, top: int, context: str) -> str:
         where = f"{first.name} ({first.utilization:.0%})" if first else "-"
         lines.append(
             f"{r.name:<20} {format_seconds(r.seconds):>10} {format_bandwidth(r.algbw_Bps):>11} "
-            f"{format_bandwidth(r.busbw_Bps):>11}  {r.engine + ('' if r.exact else '*'):<6} {where}"
+            f"{format_bandwidth(r.busbw_Bps):>11}  {r.engine + ('' if r.exact else '~'):<6} {where}"
         )
     lines += ["", f"best: {best.name}"]
     if best.bottlenecks:
@@ -282,7 +282,7 @@ def render(outcome: Outcome, top: int, context: str) -> str:
     else:
         lines.append(f"{best.name} waited on no link: its time is path latency and rank delays")
     if not all(r.exact for r in results):
-        lines.append("(* approximate: ranks drifted out of lockstep while sharing links, which the fast engine")
+        lines.append("(~ approximate: ranks drifted out of lockstep while sharing links, which the fast engine")
         lines.append("   does not model; it tends to overstate the time. --engine event is exact, and slower)")
     lines.extend(f"(note: {s})" for s in outcome.skipped)
     return "\n".join(lines)

@@ -19,7 +19,7 @@ DEMO_DEGRADE_FACTOR = 0.1
 def _row(label: str, r: SimResult) -> str:
     first = r.bottlenecks[0] if r.bottlenecks else None
     where = f"{first.name} ({first.utilization:.0%} busy)" if first else "-"
-    mark = " " if r.exact else "*"
+    mark = " " if r.exact else "~"
     return (
         f"  {label:<44} {format_seconds(r.seconds):>9}{mark} busbw {format_bandwidth(r.busbw_Bps):>10}  "
         f"bottleneck {where}"
@@ -75,7 +75,7 @@ def demo_report() -> str:
         f"  -> {degraded.seconds / healthy.seconds:.1f}x slower: one slow link sets the pace of every ring step; "
         f"the simulator names it: {degraded.bottlenecks[0].name if degraded.bottlenecks else '-'}",
         "",
-        "* the fast engine's estimate: ranks drift out of lockstep while sharing links, which it does not model",
+        "~ the fast engine's estimate: ranks drift out of lockstep while sharing links, which it does not model",
         "  (it tends to overstate; allreduce sim --engine event is exact, one event per transfer). Unmarked times",
         "  are exact.",
     ]
