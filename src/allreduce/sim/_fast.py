@@ -39,7 +39,9 @@ together; the gap is the staggered *starts*, which follow from every rank's cloc
 resolving them is an event simulation of the step (one rate solve per distinct start time), i.e. the event
 engine. For repeated rings on randomly placed tori the event engine's pace approaches the most loaded
 link's bytes / capacity per step (256 ranks: bound 64.17 ms, event 65.0-65.1 ms, fast 71.82 ms): links stay
-busy while path latencies overlap. Not exact (1.3%), so not used either; nor is jumping to a periodic regime,
+busy while path latencies overlap. Not exact (1.3%), and for other schedules that bound is far off (128 ranks:
+-0.1% for a ring on a random torus, but -7% to -24% for halving-doubling on an ECMP fat-tree and -37% for
+recursive doubling on a random rail), so not used either; nor is jumping to a periodic regime,
 which such runs never reach (per-rank step times measured over all 126 steps of a 64-rank ring on a random
 8x8 torus: no period up to 63 steps, the spread of one step's duration across ranks stays 5-15%). Hence the
 certificate above, and the event engine wherever it fails on at most 256 ranks.
