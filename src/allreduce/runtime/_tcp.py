@@ -33,7 +33,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -701,21 +701,7 @@ class TcpTransport:
         while send_pos or recv_pos:
             if sender is not None and sender.error() is not None:
                 sender.wait(0.0)
-            progress = False
-            for peer in list(send_pos):
-                conn = self._peers[peer]
-                queue = send_q[peer]
-                i = send_pos[peer]
-                while i < len(queue):
-                    moved = self._pump_send(conn, queue[i], seq, label)
-                    progress = progress or moved
-                    if not queue[i].done:
-                        break
-                    i += 1
-                if i == len(queue):
-                    del send_pos[peer]
-                else:
-                    send_pos[peer] = i
+            progress = self._pump_sends(self._peers, send_q, send_pos, seq, label)
             for peer in list(recv_pos):
                 conn = self._peers[peer]
                 queue_in = recv_q[peer]
@@ -778,6 +764,32 @@ class TcpTransport:
         if staged:
             self._apply_staged(staged, all_out, reduce_into)
 
+    def _pump_sends(
+        self,
+        conns: Mapping[int, _Peer],
+        send_q: dict[int, list[_OutFrame]],
+        send_pos: dict[int, int],
+        seq: int,
+        label: str,
+    ) -> bool:
+        """Push every peer's queued frames (from ``send_pos[peer]`` on, in order) as far as its socket takes them;
+        drop the peers whose queue is done. Whether any byte moved."""
+        progress = False
+        for peer in list(send_pos):
+            conn = conns[peer]
+            queue = send_q[peer]
+            i = send_pos[peer]
+            while i < len(queue):
+                progress = self._pump_send(conn, queue[i], seq, label) or progress
+                if not queue[i].done:
+                    break
+                i += 1
+            if i == len(queue):
+                del send_pos[peer]
+            else:
+                send_pos[peer] = i
+        return progress
+
     def _send_all(
         self,
         sends: list[tuple[int, _OutFrame]],
@@ -797,20 +809,7 @@ class TcpTransport:
         poller = select.poll()
         registered: set[int] = set()
         while send_pos and not cancelled():
-            progress = False
-            for peer in list(send_pos):
-                conn = conns[peer]
-                queue = send_q[peer]
-                i = send_pos[peer]
-                while i < len(queue):
-                    progress = self._pump_send(conn, queue[i], seq, label) or progress
-                    if not queue[i].done:
-                        break
-                    i += 1
-                if i == len(queue):
-                    del send_pos[peer]
-                else:
-                    send_pos[peer] = i
+            progress = self._pump_sends(conns, send_q, send_pos, seq, label)
             if progress or not send_pos:
                 continue
             fd_peer = {conns[peer].sock.fileno(): peer for peer in send_pos}
