@@ -1,5 +1,6 @@
 """Executing schedules between real processes: process group, transports (shm, tcp), store, launcher."""
 
+from allreduce.runtime._bootstrap import init
 from allreduce.runtime._errors import (
     ChecksumError,
     CollectiveError,
@@ -8,7 +9,7 @@ from allreduce.runtime._errors import (
     PeerFailureError,
     ProtocolError,
 )
-from allreduce.runtime._group import ALGORITHMS, DTYPES, OPS, ProcessGroup, Work, init
+from allreduce.runtime._group import ALGORITHMS, DTYPES, OPS, ProcessGroup, Work
 from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
 from allreduce.runtime._transport import Transport
 

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._group import DTYPES, OPS, ProcessGroup, init
+from allreduce.runtime._bootstrap import init
+from allreduce.runtime._group import DTYPES, OPS, ProcessGroup
 from allreduce.schedules import Collective, bus_factor
 
 __all__ = ["BenchConfig", "BenchRow", "default_iters", "expected_result", "pattern", "run_bench"]

@@ -23,6 +23,16 @@ from allreduce.schedules._algorithms import (
     ring_reduce_scatter,
 )
 from allreduce.schedules._cost import CostModel, Prediction, bus_factor, predict
+from allreduce.schedules._registry import (
+    MAX_ALGORITHM_NAME_BYTES,
+    PARAMETERS,
+    Algorithm,
+    algorithms,
+    get_algorithm,
+    make_schedule,
+    register_algorithm,
+    unregister_algorithm,
+)
 from allreduce.schedules._schedule import (
     Collective,
     Op,
@@ -38,6 +48,9 @@ from allreduce.schedules._verify import ScheduleError, verify, verify_programs
 
 __all__ = [
     "ALL_REDUCE_ALGORITHMS",
+    "MAX_ALGORITHM_NAME_BYTES",
+    "PARAMETERS",
+    "Algorithm",
     "Collective",
     "CostModel",
     "Op",
@@ -48,6 +61,7 @@ __all__ = [
     "ScheduleError",
     "Streams",
     "Verb",
+    "algorithms",
     "all_reduce",
     "binary_tree_broadcast",
     "binary_tree_reduce",
@@ -60,15 +74,19 @@ __all__ = [
     "direct_all_reduce",
     "direct_reduce_scatter",
     "double_binary_tree_all_reduce",
+    "get_algorithm",
     "halving_doubling_all_reduce",
     "hierarchical_all_reduce",
+    "make_schedule",
     "predict",
     "propagate",
     "recursive_doubling_all_reduce",
+    "register_algorithm",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
     "step_once",
+    "unregister_algorithm",
     "verify",
     "verify_programs",
 ]

@@ -1,0 +1,195 @@
+"""Joining a group: rank and size from the environment (torchrun, mpirun, srun), the rendezvous store, the transport."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import socket
+import uuid
+from typing import Any
+
+from allreduce.runtime._group import ProcessGroup, default_cost_model
+from allreduce.runtime._transport import Transport
+from allreduce.schedules import CostModel
+
+__all__ = ["init"]
+
+# --------------------------------------------------------------------------------------------------------
+# init()
+# --------------------------------------------------------------------------------------------------------
+# Every rank calls init() the same number of times; the count keeps rendezvous keys of successive groups apart.
+_INIT_CALLS = itertools.count()
+
+
+def _torchrun_attempt() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _torchrun_agent_store(host: str, port: int, timeout_s: float) -> Any:
+    """torchrun's own store at MASTER_ADDR:MASTER_PORT when this process is a torchrun worker, else None."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torchrun ships with torch
+        return None
+    # TCPStore is public API, though torch.distributed's stubs do not re-export it.
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+_SIZE_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def _env_int(names: tuple[str, ...], what: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value != "":
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{what}: environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def _host_id() -> str:
+    """Ranks with equal ids share a machine and a network namespace: shared memory and loopback reach each other.
+    (Two network namespaces on one machine, as containers have, are two hosts: 127.0.0.1 is a different
+    interface in each.)"""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}/{boot}/{netns}"
+
+
+def init(
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    transport: str = "auto",
+    timeout_s: float = 300.0,
+    token: str | None = None,
+    group_size: int | None = None,
+    cost_model: CostModel | None = None,
+) -> ProcessGroup:
+    """Join a process group. Unset arguments come from the environment: RANK / WORLD_SIZE / MASTER_ADDR /
+    MASTER_PORT (torchrun), OMPI_COMM_WORLD_RANK / _SIZE (Open MPI), PMI_RANK / PMI_SIZE, SLURM_PROCID /
+    SLURM_NTASKS; with none of them this process is a group of one.
+
+    Rank 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT (default 127.0.0.1:29500); under torchrun, whose
+    own store holds that port, rank 0 hosts it on a free port and publishes it through torchrun's store.
+    ``transport`` is ``"shm"`` (all ranks on this host), ``"tcp"``, or ``"auto"`` (shm when every rank reports the
+    same host). Successive groups may reuse one address: a rank that left the previous group's store is told to come
+    back until the next store is up.
+    """
+    if rank is None:
+        rank = _env_int(_RANK_ENV, "rank")
+    if world_size is None:
+        world_size = _env_int(_SIZE_ENV, "world_size")
+    if world_size is None:
+        world_size = 1 if rank in (None, 0) else None
+    if world_size is None or world_size < 1:
+        raise ValueError(f"world_size: cannot tell the group size (got {world_size}); set WORLD_SIZE or pass it")
+    rank = 0 if rank is None else rank
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: {rank} is not in a group of {world_size}")
+    if transport not in ("auto", "shm", "tcp"):
+        raise ValueError(f"transport: {transport!r} is not one of auto, shm, tcp")
+    host = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = master_port if master_port is not None else _env_int(("MASTER_PORT",), "master_port")
+    port = 29500 if port is None else port
+    token = token or os.environ.get("ALLREDUCE_TOKEN")
+    if world_size == 1 and transport != "tcp":
+        from allreduce.runtime._shm import ShmTransport
+
+        shm = ShmTransport(0, 1, f"solo-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s)
+        model = cost_model or _tuned_model("shm")
+        return ProcessGroup(shm, transport_name="shm", timeout_s=timeout_s, cost_model=model, group_size=1)
+
+    from allreduce.runtime._store import TCPStore
+
+    agent = _torchrun_agent_store(host, port, timeout_s)
+    if agent is None:
+        store = TCPStore(
+            host, port, is_server=rank == 0, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
+        )
+    else:
+        # Under torchrun, MASTER_PORT is the launcher's own store: host ours on a free port and tell the other
+        # ranks where, through the launcher's store (as torch's env:// rendezvous joins it as a client).
+        key = f"allreduce/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_torchrun_attempt()}/{next(_INIT_CALLS)}"
+        if rank == 0:
+            store = TCPStore(host, 0, is_server=True, world_size=world_size, rank=0, timeout_s=timeout_s, token=token)
+            agent.set(key, str(store.port))
+        else:
+            agent_port = int(agent.get(key))
+            store = TCPStore(
+                host, agent_port, is_server=False, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
+            )
+    try:
+        if rank == 0:
+            store.set("allreduce/job", uuid.uuid4().hex.encode())
+        job = store.get("allreduce/job").decode()
+        store.set(f"allreduce/host/{rank}", _host_id().encode())
+        hosts = [store.get(f"allreduce/host/{r}").decode() for r in range(world_size)]
+        same_host = len(set(hosts)) == 1
+        if transport == "auto":
+            transport = "shm" if same_host else "tcp"
+        if transport == "shm" and not same_host:
+            raise ValueError(f"transport: shm needs every rank on one host; ranks report {sorted(set(hosts))}")
+        if group_size is None:
+            group_size = hosts.count(hosts[rank])
+        chosen: Transport
+        if transport == "shm":
+            from allreduce.runtime._shm import ShmTransport
+
+            chosen = ShmTransport(rank, world_size, job, timeout_s=timeout_s)
+        else:
+            from allreduce.runtime._tcp import TcpTransport
+
+            if same_host:
+                chosen = TcpTransport(rank, world_size, store, host="127.0.0.1", token=token, timeout_s=timeout_s)
+            else:
+                # Listening beyond loopback: the TCP transport insists on the shared token.
+                chosen = TcpTransport(
+                    rank,
+                    world_size,
+                    store,
+                    host="0.0.0.0",
+                    token=token,
+                    timeout_s=timeout_s,
+                    advertise_host=_advertised_host(host),
+                )
+    except BaseException:
+        store.close()
+        raise
+    model = cost_model or _tuned_model(transport)
+    return ProcessGroup(
+        chosen, transport_name=transport, timeout_s=timeout_s, cost_model=model, group_size=group_size, store=store
+    )
+
+
+def _advertised_host(master_addr: str) -> str:
+    """The address peers should use to reach this host: the interface that routes to the master."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def _tuned_model(transport: str) -> CostModel:
+    from allreduce.runtime._tune import load_cost_model
+
+    return load_cost_model(transport) or default_cost_model(transport)
