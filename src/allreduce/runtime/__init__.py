@@ -11,9 +11,17 @@ from allreduce.runtime._errors import (
 )
 from allreduce.runtime._group import ALGORITHMS, DTYPES, OPS, ProcessGroup, Work
 from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
-from allreduce.runtime._transport import Transport
+from allreduce.runtime._transport import (
+    ABORT_KINDS,
+    PlanCache,
+    ReduceInto,
+    Transport,
+    abort_kind,
+    error_class,
+)
 
 __all__ = [
+    "ABORT_KINDS",
     "ALGORITHMS",
     "DTYPES",
     "OPS",
@@ -22,13 +30,17 @@ __all__ = [
     "CollectiveTimeoutError",
     "MismatchError",
     "PeerFailureError",
+    "PlanCache",
     "ProcessGroup",
     "ProtocolError",
     "RankPlan",
+    "ReduceInto",
     "Step",
     "Transfer",
     "Transport",
     "Work",
+    "abort_kind",
     "compile_plan",
+    "error_class",
     "init",
 ]

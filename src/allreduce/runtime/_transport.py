@@ -205,6 +205,11 @@ class Transport(abc.ABC):
         self._closed = True
         self._release()
 
+    def inject_corruption(self, *, peer: int, step: int = 0) -> None:
+        """Fault injection for tests: flip one byte of the next block this rank sends to ``peer`` at ``step``,
+        after its checksum was computed (so ``checksum=True`` must catch it). Off unless called."""
+        raise NotImplementedError(f"the {self.name} transport cannot inject corruption")
+
     def statistics(self) -> Mapping[str, int]:
         """Counters a transport keeps about its own paths (for tests and tuning; default: none)."""
         return {}
