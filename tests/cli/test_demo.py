@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from allreduce.sim import demo_report
+from allreduce.cli._demo_sim import demo_report
 
 
 def test_demo_report_shows_oversubscription_placement_and_the_degraded_link() -> None:
