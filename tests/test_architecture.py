@@ -133,7 +133,7 @@ def fail_unless_none(offenders: list[Import], rule: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The rules the issue names, each its own test
+# The rules the map states in words, each its own test
 # ------------------------------------------------------------------------------------------------------------
 def test_the_source_tree_is_found_and_parsed() -> None:
     names = {package_of(m) for m, _ in modules()}
