@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from allreduce.topology._graph import FloatArray, IntArray, Routes, Topology
 
-__all__ = ["Entries", "Layer", "LinkIndex", "assemble", "layer", "resolve", "select"]
+__all__ = ["Entries", "Layer", "LinkIndex", "assemble", "hop_layer", "resolve", "select"]
 
 
 @dataclass
@@ -28,9 +28,10 @@ class Layer:
     weight: float | FloatArray  # scalar or (m, w)
 
 
-def layer(
+def hop_layer(
     flow: IntArray, hop: int | IntArray, src: npt.ArrayLike, dst: npt.ArrayLike, weight: float | FloatArray = 1.0
 ) -> Layer:
+    """The layer of flows ``flow`` at ``hop``: node pairs ``src -> dst``, scalars or one row (of any width) per flow."""
     m = flow.shape[0]
     if m == 0:
         empty = np.zeros((0, 1), dtype=np.int64)
@@ -88,7 +89,6 @@ def resolve(layers: list[Layer], index: LinkIndex, num_flows: int) -> tuple[Entr
         m, w = layer.src.shape
         if m == 0:
             continue
-        weight = layer.weight
         link = index.lookup(layer.src.reshape(-1), layer.dst.reshape(-1))
         flow = np.repeat(layer.flow, w)
         missing = link < 0

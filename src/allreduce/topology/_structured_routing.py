@@ -22,7 +22,7 @@ from allreduce.topology._builders import (
 )
 from allreduce.topology._ecmp import pick_next_hop
 from allreduce.topology._graph import FloatArray, IntArray, Topology
-from allreduce.topology._hop_layers import Layer, layer
+from allreduce.topology._hop_layers import Layer, hop_layer
 
 __all__ = ["structured_layers"]
 
@@ -38,8 +38,8 @@ def _clos_layers(
     same_leaf = leaf_s == leaf_d
     f = flows[same_leaf]
     layers += [
-        layer(f, 0, src[same_leaf], st.leaf0 + leaf_s[same_leaf]),
-        layer(f, 1, st.leaf0 + leaf_d[same_leaf], dst[same_leaf]),
+        hop_layer(f, 0, src[same_leaf], st.leaf0 + leaf_s[same_leaf]),
+        hop_layer(f, 1, st.leaf0 + leaf_d[same_leaf], dst[same_leaf]),
     ]
     same_pod = ~same_leaf & (pod_s == pod_d)
     cross = ~same_leaf & (pod_s != pod_d)
@@ -51,14 +51,14 @@ def _clos_layers(
         ls, ld = st.leaf0 + leaf_s[mask], st.leaf0 + leaf_d[mask]
         ps, pd = pod_s[mask], pod_d[mask]
         last = 2 * tiers - 1
-        layers += [layer(f, 0, s, ls), layer(f, last, ld, d)]
+        layers += [hop_layer(f, 0, s, ls), hop_layer(f, last, ld, d)]
         if routing == "spray":
             i = np.arange(sp, dtype=np.int64)[None, :]
             spine_s = st.spine0 + ps[:, None] * sp + i
             spine_d = st.spine0 + pd[:, None] * sp + i
             layers += [
-                layer(f, 1, ls[:, None], spine_s, 1.0 / sp),
-                layer(f, last - 1, spine_d, ld[:, None], 1.0 / sp),
+                hop_layer(f, 1, ls[:, None], spine_s, 1.0 / sp),
+                hop_layer(f, last - 1, spine_d, ld[:, None], 1.0 / sp),
             ]
             if tiers == 3:
                 # Path (i, j): spine i of the source pod, core j of plane i; every one of sp·cp paths equally.
@@ -66,19 +66,19 @@ def _clos_layers(
                 core = np.broadcast_to(core, (f.shape[0], sp, cp))
                 w = 1.0 / (sp * cp)
                 layers += [
-                    layer(f, 2, np.broadcast_to(spine_s[:, :, None], core.shape), core, w),
-                    layer(f, 3, core, np.broadcast_to(spine_d[:, :, None], core.shape), w),
+                    hop_layer(f, 2, np.broadcast_to(spine_s[:, :, None], core.shape), core, w),
+                    hop_layer(f, 3, core, np.broadcast_to(spine_d[:, :, None], core.shape), w),
                 ]
             continue
         i = pick_next_hop(np.full(f.shape, sp), s, d, routing=routing, seed=seed, hop=1)
         spine_s = st.spine0 + ps * sp + i
         spine_d = st.spine0 + pd * sp + i
-        layers += [layer(f, 1, ls, spine_s), layer(f, last - 1, spine_d, ld)]
+        layers += [hop_layer(f, 1, ls, spine_s), hop_layer(f, last - 1, spine_d, ld)]
         if tiers == 3:
             pick_d = d // sp if routing == "shortest" else d
             j = pick_next_hop(np.full(f.shape, cp), s, pick_d, routing=routing, seed=seed, hop=2)
             core = st.core0 + i * cp + j
-            layers += [layer(f, 2, spine_s, core), layer(f, 3, core, spine_d)]
+            layers += [hop_layer(f, 2, spine_s, core), hop_layer(f, 3, core, spine_d)]
     return layers
 
 
@@ -94,10 +94,10 @@ def _rail_layers(
     intra = node_s == node_d
     f = flows[intra]
     if st.mesh:
-        layers.append(layer(f, 0, src[intra], dst[intra]))
+        layers.append(hop_layer(f, 0, src[intra], dst[intra]))
     else:
         nvs = st.nvswitch0 + node_s[intra]
-        layers += [layer(f, 0, src[intra], nvs), layer(f, 1, nvs, dst[intra])]
+        layers += [hop_layer(f, 0, src[intra], nvs), hop_layer(f, 1, nvs, dst[intra])]
     same_rail = ~intra & (rail_s == rail_d)
     across = ~intra & (rail_s != rail_d)
     for mask, hops in ((same_rail, 4), (across, 6)):
@@ -107,20 +107,20 @@ def _rail_layers(
         s, d = src[mask], dst[mask]
         rs, rd = rail_s[mask], rail_d[mask]
         layers += [
-            layer(f, 0, s, st.nic0 + s),
-            layer(f, 1, st.nic0 + s, rs),
-            layer(f, hops - 2, rd, st.nic0 + d),
-            layer(f, hops - 1, st.nic0 + d, d),
+            hop_layer(f, 0, s, st.nic0 + s),
+            hop_layer(f, 1, st.nic0 + s, rs),
+            hop_layer(f, hops - 2, rd, st.nic0 + d),
+            hop_layer(f, hops - 1, st.nic0 + d, d),
         ]
         if hops == 6:
             if routing == "spray":
                 spine = st.spine0 + np.arange(st.spines, dtype=np.int64)[None, :]
                 spine = np.broadcast_to(spine, (f.shape[0], st.spines))
                 w = 1.0 / st.spines
-                layers += [layer(f, 2, rs[:, None], spine, w), layer(f, 3, spine, rd[:, None], w)]
+                layers += [hop_layer(f, 2, rs[:, None], spine, w), hop_layer(f, 3, spine, rd[:, None], w)]
             else:
                 spine = st.spine0 + pick_next_hop(np.full(f.shape, st.spines), s, d, routing=routing, seed=seed, hop=2)
-                layers += [layer(f, 2, rs, spine), layer(f, 3, spine, rd)]
+                layers += [hop_layer(f, 2, rs, spine), hop_layer(f, 3, spine, rd)]
     return layers
 
 
@@ -150,7 +150,7 @@ def _torus_layers(
         before = np.ravel_multi_index(cur[rows].T, dims).astype(np.int64)
         cur[rows, axis] = np.mod(cur[rows, axis] + sign, size[0, axis])
         after = np.ravel_multi_index(cur[rows].T, dims).astype(np.int64)
-        layers.append(layer(flows[rows], hop[rows], before, after))
+        layers.append(hop_layer(flows[rows], hop[rows], before, after))
         hop[rows] += 1
         steps[rows, axis] -= 1
 
@@ -238,7 +238,7 @@ def _torus_spray_layers(
             src_node = np.ravel_multi_index(tuple(np.moveaxis(here, -1, 0)), dims)
             dst_node = np.ravel_multi_index(tuple(np.moveaxis(there, -1, 0)), dims)
             hop = np.broadcast_to(p.sum(axis=1)[None, :], src_node.shape)
-            layers.append(layer(flows[v], hop, src_node, dst_node, share[members][:, None] * weight[None, :]))
+            layers.append(hop_layer(flows[v], hop, src_node, dst_node, share[members][:, None] * weight[None, :]))
     return layers
 
 
@@ -256,7 +256,7 @@ def structured_layers(
     if isinstance(st, TorusStructure):
         return _torus_layers(st, src_node, dst_node, flows, routing=routing, seed=seed)
     if isinstance(st, DirectStructure):
-        return [layer(flows, 0, src_node, dst_node)]
+        return [hop_layer(flows, 0, src_node, dst_node)]
     if isinstance(st, DragonflyStructure):
         return _dragonfly_layers(st, src_node, dst_node, flows, routing=routing, seed=seed)
     return None
@@ -277,10 +277,10 @@ def _dragonfly_layers(
     across = g_s != g_d
     for mask, local in ((same_router, False), (same_group, True)):
         f = flows[mask]
-        layers.append(layer(f, 0, src[mask], st.router0 + r_s[mask]))
+        layers.append(hop_layer(f, 0, src[mask], st.router0 + r_s[mask]))
         if local:
-            layers.append(layer(f, 1, st.router0 + r_s[mask], st.router0 + r_d[mask]))
-        layers.append(layer(f, 1 + int(local), st.router0 + r_d[mask], dst[mask]))
+            layers.append(hop_layer(f, 1, st.router0 + r_s[mask], st.router0 + r_d[mask]))
+        layers.append(hop_layer(f, 1 + int(local), st.router0 + r_d[mask], dst[mask]))
     if not across.any():
         return layers
     f, s, d = flows[across], src[across], dst[across]
@@ -307,9 +307,9 @@ def _dragonfly_layers(
     gsr, gdr = st.router0 + gate_s[rows, cable], st.router0 + gate_d[rows, cable]
     b, a = before[rows, cable], after[rows, cable]
     # Entries per (flow, cable); hop positions shift by the optional local hop before the global one.
-    layers.append(layer(f, 0, s, st.router0 + rs))
-    layers.append(layer(fr[b], 1, (st.router0 + rs[rows])[b], gsr[b], w[b]))
-    layers.append(layer(fr, 1 + b.astype(np.int64), gsr, gdr, w))
-    layers.append(layer(fr[a], 2 + b[a].astype(np.int64), gdr[a], (st.router0 + rd[rows])[a], w[a]))
-    layers.append(layer(f, 1 + hops.min(axis=1), st.router0 + rd, d))
+    layers.append(hop_layer(f, 0, s, st.router0 + rs))
+    layers.append(hop_layer(fr[b], 1, (st.router0 + rs[rows])[b], gsr[b], w[b]))
+    layers.append(hop_layer(fr, 1 + b.astype(np.int64), gsr, gdr, w))
+    layers.append(hop_layer(fr[a], 2 + b[a].astype(np.int64), gdr[a], (st.router0 + rd[rows])[a], w[a]))
+    layers.append(hop_layer(f, 1 + hops.min(axis=1), st.router0 + rd, d))
     return layers
