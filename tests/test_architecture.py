@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
 import itertools
 import re
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,5 +307,40 @@ def test_no_module_exceeds_the_line_limit() -> None:
     if long:
         pytest.fail(
             f"{len(long)} module(s) exceed {MAX_MODULE_LINES} lines; split each by concern: " + ", ".join(long),
+            pytrace=False,
+        )
+
+
+# An issue number ("issue #4", "(#12)", "gh-7") or a path outside the repository (the machine's shared notes).
+_OUTSIDE_REFERENCE = re.compile(r"(?i)\bissues?\s*#?\d+|\(#\d+\)|\bgh-\d+|(?<![\w/.])shared/|/work/")
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    source = path.read_text(encoding="utf-8")
+    found = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node, clean=False)
+            if doc and node.body:
+                start = node.body[0].lineno
+                found += [(start + k, line) for k, line in enumerate(doc.splitlines())]
+    return found
+
+
+def test_no_comment_refers_to_an_issue_or_a_file_outside_the_repo() -> None:
+    hits = [
+        f"{path.relative_to(REPO)}:{line}: {text.strip()}"
+        for _, path in modules()
+        for line, text in _comments_and_docstrings(path)
+        if _OUTSIDE_REFERENCE.search(text)
+    ]
+    if hits:
+        pytest.fail(
+            f"{len(hits)} comment or docstring line(s) refer to an issue number or a file outside the repo "
+            "(say what the code does and why; history goes in docs/design.md):\n  " + "\n  ".join(hits),
             pytrace=False,
         )
