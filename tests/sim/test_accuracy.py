@@ -1,4 +1,4 @@
-"""The simulator against hand-computed expectations (issue #4's accuracy list).
+"""The simulator against hand-computed expectations (closed forms of simple cases).
 
 Notation: S bytes per rank, B the host link bandwidth, L the latency of one link; on a single switch a flow
 crosses two links (GPU -> switch -> GPU), so the per-step latency is α = 2L.

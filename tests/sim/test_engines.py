@@ -55,7 +55,7 @@ NAMES = ["ring", "halving_doubling", "recursive_doubling", "double_binary_tree",
 )
 def test_agree_where_rates_are_uniform(name: str, spec: str, n: int, kwargs: dict[str, object]) -> None:
     # A tree rank sends to two children and its parent at once; where those flows' paths differ in length
-    # (rails: NVLink vs network), ranks drift a little apart and the engines agree to the issue's 1%, not 1e-6.
+    # (rails: NVLink vs network), ranks drift a little apart and the engines agree to the promised 1%, not 1e-6.
     tree_on_mixed_paths = name == "double_binary_tree" and spec.startswith("rail")
     assert_agree(schedule(name, n), spec, rtol=1e-2 if tree_on_mixed_paths else 1e-6, **kwargs)
 

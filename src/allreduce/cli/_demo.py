@@ -11,7 +11,7 @@ from allreduce.schedules import CostModel
 __all__ = ["register"]
 
 # The default scenario: a 1,024-GPU cluster of 8-GPU nodes on 400 Gb/s links with 5 µs per step, the order of
-# NCCL's per-hop network latency for rings over InfiniBand/RoCE (shared/reference/FIGURES.md).
+# NCCL's per-hop network latency for rings over InfiniBand/RoCE.
 DEMO_RANKS = 1024
 DEMO_GROUP_SIZE = 8
 DEMO_MODEL = CostModel(latency_s=5e-6, bandwidth_Bps=400e9 / 8)
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     _section("3. What the network does to it: simulated 1,024-GPU clusters (allreduce sim)")
     print()
-    from allreduce.sim import demo_report
+    from allreduce.cli._demo_sim import demo_report
 
     print(demo_report())
 

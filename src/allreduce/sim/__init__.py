@@ -3,7 +3,6 @@
 :func:`simulate` is the entry point; :func:`max_min_rates` the rate model both engines share.
 """
 
-from allreduce.sim._demo import demo_report
 from allreduce.sim._event import Transfers, match_transfers
 from allreduce.sim._fair import FairShare, max_min_rates
 from allreduce.sim._faults import Faults, apply_faults, resolve_links
@@ -23,7 +22,6 @@ __all__ = [
     "Transfers",
     "apply_faults",
     "chrome_trace",
-    "demo_report",
     "match_transfers",
     "max_min_rates",
     "resolve_links",

@@ -1,6 +1,6 @@
 """The event-driven engine: per-rank programs, flows that share links max-min fairly as they come and go.
 
-The model (the issue's, stated once):
+The model, stated once:
 
 - every rank runs its program's steps in order; a step's transfers are concurrent; a transfer starts when both
   its sender and its receiver have begun that step (the k-th send from a to b meets the k-th receive at b from
@@ -15,20 +15,16 @@ The engine core is one heap of (time, counter, event) — the counter makes equa
 they were pushed, so runs are deterministic — plus the fluid drain of the active transfers between events.
 Events due at the same instant are processed together and the rates re-solved once, and only for the
 transfers connected to a changed link through shared links: max-min fair rates decompose over the connected
-components of the transfer-link incidence, and when ranks drift apart a component holds a few transfers, not
-all that are draining (5 of 57 on average for ring on 128 randomly placed ranks of an ECMP fat-tree). Within
-it, progressive filling runs exactly as before the change up to the lowest old rate of a transfer that drained
-and up to the level at which a link on a new transfer's path fills: the transfers frozen below that level keep
-their rates and only take capacity, so only the rest is re-solved, on the capacity they leave, found by a
-search from the changed links that does not pass through the frozen ones (256-rank ring on a random 16x16
-torus: 56 s with whole components kept up to date as transfers come and go, 29 s so). This is exact in
-mathematics but not bit for bit: the 256-rank random-torus ring is sensitive to rounding (the same run with a
-different summation order differs by ~0.1%), and ends 0.09% later than re-solving whole components; the other
-benchmarked cases agree to 1e-12. A transfer whose rate changed gets a new drain event; its old one goes stale
-(a version counter). That core is plain Python over sets and dicts — each event touches a handful of
-transfers, where numpy's fixed cost per call dominated (that ring: 15 s with one numpy progressive filling of
-every draining transfer per instant, ~2 CPU-seconds now). It checks the fast engine up to a few hundred ranks
-(see :mod:`allreduce.sim._fast` for where and why the two differ), and engine="auto" uses it there.
+components of the transfer-link incidence. Within a component, progressive filling runs exactly as before the
+change up to the lowest old rate of a transfer that drained and up to the level at which a link on a new
+transfer's path fills: the transfers frozen below that level keep their rates and only take capacity, so only
+the rest is re-solved, on the capacity they leave, found by a search from the changed links that does not pass
+through the frozen ones. That is exact in mathematics, not bit for bit (summation order differs). A transfer
+whose rate changed gets a new drain event; its old one goes stale (a version counter). The core is plain
+Python over sets and dicts, since each event touches a handful of transfers; ``docs/design.md`` ("The event
+engine's incremental re-solve") has the measurements behind these choices. It checks the fast engine up to a
+few hundred ranks (see :mod:`allreduce.sim._fast` for where and why the two differ), and engine="auto" uses it
+there.
 
 The critical path is found by walking back from the rank that finished last: the transfer that ended its last
 step, the rank whose arrival started that transfer, that rank's previous step, and so on to time zero.
@@ -210,7 +206,7 @@ class _Run:
         self.bottleneck = np.full(len(t), -1, dtype=np.int64)
 
         # The fluid core works on plain Python lists: each event touches a handful of transfers and links,
-        # where a numpy call's fixed cost would dominate (profiled: 15 s -> ~1 s for a 128-rank ring).
+        # where a numpy call's fixed cost would dominate.
         self._pending = np.diff(self.slot_ptr).tolist()
         self._slot_ptr = self.slot_ptr.tolist()
         self._ready_ends = [0] * len(t)

@@ -17,8 +17,8 @@ from allreduce.topology import Topology, place
 
 __all__ = ["AUTO_EXACT_MAX_RANKS", "TRACE_RANKS", "simulate"]
 
-# engine="auto" gives the exact result on at most AUTO_EXACT_MAX_RANKS ranks (issue #4: the two paths must agree
-# there): the fast engine's when it certified its result (SimResult.exact: see sim/_fast.py), else the event
+# engine="auto" gives the exact result on at most AUTO_EXACT_MAX_RANKS ranks (where the two engines must
+# agree): the fast engine's when it certified its result (SimResult.exact: see sim/_fast.py), else the event
 # engine's, however many transfers that takes (the slowest measured in benchmarks/bench_sim_agreement.py: 30
 # CPU-seconds, a 256-rank ring on a randomly placed torus). Beyond it: the fast engine, whose result says whether
 # it is exact.

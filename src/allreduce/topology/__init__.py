@@ -25,10 +25,12 @@ from allreduce.topology._builders import (
     switch,
     torus,
 )
+from allreduce.topology._ecmp import ecmp_hash
 from allreduce.topology._files import load_topology
 from allreduce.topology._graph import FloatArray, IntArray, NodeGroup, NodeKind, NodeNames, Routes, Topology
 from allreduce.topology._placement import PLACEMENTS, place
-from allreduce.topology._routing import ROUTINGS, ecmp_hash, reachability_gaps, route
+from allreduce.topology._routing import ROUTINGS, route
+from allreduce.topology._search_routing import reachability_gaps
 from allreduce.topology._spec import TOPOLOGY_KINDS, parse_topology
 
 __all__ = [

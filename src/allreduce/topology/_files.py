@@ -262,7 +262,7 @@ def load_topology(path: str | os.PathLike[str]) -> Topology:
 
 def _check_connected(topology: Topology, path: str, node_line: list[int]) -> None:
     """Every ordered GPU pair must have a path (through transit nodes only)."""
-    from allreduce.topology._routing import reachability_gaps
+    from allreduce.topology._search_routing import reachability_gaps
 
     gap = reachability_gaps(topology)
     if gap is None:

@@ -1,11 +1,10 @@
-"""The simulator's part of ``allreduce demo``: why the network topology decides all-reduce time."""
+"""The simulator's section of ``allreduce demo``: a report of why the network topology decides all-reduce time."""
 
 from __future__ import annotations
 
 from allreduce.schedules import all_reduce
-from allreduce.sim._faults import Faults
-from allreduce.sim._result import SimResult
-from allreduce.sim._simulate import simulate
+from allreduce.sim import Faults, SimResult, simulate
+from allreduce.topology import clos, fat_tree
 from allreduce.units import format_bandwidth, format_bytes, format_seconds
 
 __all__ = ["demo_report"]
@@ -30,8 +29,6 @@ def demo_report() -> str:
     """Simulated 1,024-GPU clusters: a non-blocking fat-tree, a 4:1 oversubscribed Clos, and a degraded link.
     A few seconds (ring / halving-doubling / hierarchical, 1 GiB per GPU; the fast engine, and the event engine
     for halving-doubling, whose ranks drift apart)."""
-    from allreduce.topology import clos, fat_tree
-
     size = DEMO_SIZE_BYTES
     n = 1024
     fat = fat_tree(16)
