@@ -23,8 +23,8 @@ from allreduce.topology import NodeKind, Topology
 __all__ = [
     "MAX_HOSTS",
     "MAX_RATE_BPS",
-    "MIN_RATE_BPS",
     "MIN_BURST_BYTES",
+    "MIN_RATE_BPS",
     "Cable",
     "Layout",
     "Route",
