@@ -139,7 +139,7 @@ def measure_hop_latency(layout: Layout, gpu_a: int = 0, gpu_b: int | None = None
         rtt_s = float(done.stdout)
     finally:
         server.kill()
-        server.wait()
+        server.communicate()
     adjacency: list[list[int]] = [[] for _ in range(topology.num_nodes)]
     for cable in layout.cables:
         adjacency[cable.a].append(cable.b)
@@ -234,10 +234,12 @@ def run(
     """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator."""
     topology = layout.topology
     n = ranks or topology.num_gpus
+    if not 2 <= n <= topology.num_gpus:
+        raise ValueError(f"ranks: {n} does not fit {topology.name}, which has {topology.num_gpus} hosts (2 at least)")
+    schedule = make_schedule("all_reduce", algorithm, n)
     rank_gpu = [int(g) for g in place(n, topology, placement, seed=seed)]
     hop_latency_s = measure_hop_latency(layout, rank_gpu[0], rank_gpu[-1])
     model = predicted_topology(layout, hop_latency_s)
-    schedule = make_schedule("all_reduce", algorithm, n)
     rows = []
     for size in sizes:
         before, retrans_before = _tx_bytes(layout), _retransmissions(layout)
