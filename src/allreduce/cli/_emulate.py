@@ -95,7 +95,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     go.add_argument("--sizes", default="1MiB,8MiB,32MiB", help="bytes per rank (default %(default)s)")
     go.add_argument("--reps", type=positive_int("--reps"), default=3, help="timed repetitions (default %(default)s)")
     go.add_argument("--ranks", "-n", type=positive_int("--ranks"), help="number of ranks (default: every host)")
-    go.add_argument("--placement", default="linear", help="linear (default) or random")
+    go.add_argument(
+        "--placement", default="linear", help="linear (default), random, or host indices by rank: 0,4,1,5,..."
+    )
     go.add_argument("--seed", type=non_negative_int("--seed"), default=0, help="seed of random placement")
     go.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=_main)
@@ -115,6 +117,15 @@ def _pairs(values: list[str], flag: str, convert: type[float] | type[int]) -> tu
             raise CLIError(f"{flag} {text!r}: the value must be greater than 0")
         out.append((link.strip(), number))
     return tuple(out)
+
+
+def _placement(text: str) -> str | list[int]:
+    if text in ("linear", "random"):
+        return text
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise CLIError(f"--placement {text!r}: use linear, random, or host indices such as 0,4,1,5") from None
 
 
 def _spec(args: argparse.Namespace) -> EmulationSpec:
@@ -163,15 +174,16 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"emulation {name!r} removed ({len(removed)} namespaces)")
             return 0
         sizes = parse_size_range(args.sizes, what="--sizes")
+        placement = _placement(args.placement)
         if args.topology is not None:
             spec = _spec(args)
             with running(spec) as built:
                 result = run(built, algorithm=args.algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
-                             placement=args.placement, seed=args.seed)  # fmt: skip
+                             placement=placement, seed=args.seed)  # fmt: skip
         else:
             spec = load(args.name)
             result = run(spec.layout(), algorithm=args.algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
-                         placement=args.placement, seed=args.seed)  # fmt: skip
+                         placement=placement, seed=args.seed)  # fmt: skip
     except EmulationError as exc:
         raise CLIError(str(exc)) from None
     if args.json:

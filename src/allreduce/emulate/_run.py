@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -227,7 +228,7 @@ def run(
     sizes: list[int],
     reps: int = 3,
     ranks: int | None = None,
-    placement: str = "linear",
+    placement: str | Sequence[int] = "linear",
     seed: int = 0,
     timeout_s: float = 120.0,
 ) -> RunResult:
