@@ -61,7 +61,7 @@ def main() -> int:
     rate_bps = parse_bandwidth(args.rate) * 8
     sizes = parse_size_range(args.sizes)
     print(f"# load average at start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; rate {args.rate}")
-    header = f"{'case':<36} {'size':>8} {'measured':>10} {'predicted':>10} {'ratio':>6} {'exact':>5} "
+    header = f"{'case':<36} {'size':>8} {'measured':>10} {'predicted':>10} {'ECMP luck':>19} {'ratio':>6} {'exact':>5} "
     print(header + f"{'busiest link':<14} {'sim bottleneck':<14} {'retrans':>7}")
     rows = []
     started = time.monotonic()
@@ -76,7 +76,9 @@ def main() -> int:
             bottlenecks = row.predicted_bottleneck
             print(
                 f"{case.name:<36} {format_bytes(row.size_bytes):>8} {format_seconds(row.median_s):>10} "
-                f"{format_seconds(row.predicted_s):>10} {row.ratio:>6.3f} {'yes' if row.exact else 'NO':>5} "
+                f"{format_seconds(row.predicted_s):>10} "
+                f"{format_seconds(row.predicted_range_s[0]) + '-' + format_seconds(row.predicted_range_s[1]):>19} "
+                f"{row.ratio:>6.3f} {'yes' if row.exact else 'NO':>5} "
                 f"{row.busiest_link:<14} {bottlenecks:<14} {row.retransmissions:>7}",
                 flush=True,
             )
