@@ -34,6 +34,9 @@ from allreduce.units import (
 
 __all__ = ["register"]
 
+TAIL_MIN_REPS = 20
+"""With at least this many repetitions the output adds the percentiles of the time (the tail)."""
+
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
@@ -150,6 +153,15 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
             f"{format_bytes(row.size_bytes):>9} {format_seconds(row.median_s):>10} {spread:>21} "
             f"{format_seconds(row.predicted_s):>10} {luck:>21} {row.ratio:>6.3f}  {'yes' if row.exact else 'NO':>5}  "
             f"{row.busiest_link:<24} {row.predicted_bottleneck:<18} {row.retransmissions:>7}"
+        )
+    if result.rows and len(result.rows[0].seconds) >= TAIL_MIN_REPS:
+        lines.append("the tail over the repetitions (a dropped packet costs a retransmission; watch retrans):")
+        lines.extend(
+            f"{format_bytes(row.size_bytes):>9}  p50 {format_seconds(row.percentile_s(50))}  p90 "
+            f"{format_seconds(row.percentile_s(90))}  p99 {format_seconds(row.percentile_s(99))}  max "
+            f"{format_seconds(max(row.seconds))}  ({len(row.seconds)} repetitions, {row.retransmissions} "
+            "retransmitted segments)"
+            for row in result.rows
         )
     lines.append("predicted: the simulator for the ECMP split the counters show; (ECMP luck): over 16 hash seeds")
     lines.append("ratio = measured median / predicted; every result was checked exactly against the expected sum")

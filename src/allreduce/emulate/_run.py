@@ -73,6 +73,10 @@ class Measurement:
     def median_s(self) -> float:
         return float(statistics.median(self.seconds))
 
+    def percentile_s(self, q: float) -> float:
+        """The ``q``-th percentile (0-100) of the slowest rank's time over the repetitions."""
+        return float(np.percentile(np.asarray(self.seconds), q))
+
     @property
     def ratio(self) -> float:
         """Measured over predicted (1.0: the simulator was right)."""
@@ -92,6 +96,7 @@ class RunResult:
         out = asdict(self)
         for row, measured in zip(out["rows"], self.rows, strict=True):
             row["median_s"] = measured.median_s
+            row["p99_s"] = measured.percentile_s(99)
             row["ratio"] = measured.ratio
         return out
 
