@@ -25,6 +25,7 @@ _COMMANDS: tuple[str, ...] = (
     "allreduce.cli._tune",
     "allreduce.cli._run",
     "allreduce.cli._train",
+    "allreduce.cli._emulate",
 )
 
 

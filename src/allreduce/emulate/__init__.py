@@ -1,0 +1,52 @@
+"""Emulated clusters: a topology built as Linux network namespaces on this machine, the runtime run across it.
+
+:func:`layout` turns a topology into namespaces, veth cables, addresses, shaped rates and routes (pure);
+:func:`build` creates the layout an :class:`EmulationSpec` describes (root and iproute2 needed), recording
+everything in a state file before it creates it, and :func:`remove` removes exactly that; :func:`running` does
+both around a block. :func:`run` times all-reduce across the hosts with the real runtime over TCP and puts the
+simulator's prediction for the same network beside every measurement.
+"""
+
+from allreduce.emulate._layout import MAX_HOSTS, MIN_BURST_BYTES, Cable, Layout, Route, layout
+from allreduce.emulate._netns import (
+    DEFAULT_NAME,
+    DEFAULT_QUEUE_BYTES,
+    DEFAULT_RATE_BPS,
+    STATE_DIR,
+    EmulationError,
+    EmulationSpec,
+    build,
+    check_privileges,
+    existing_emulations,
+    load,
+    remove,
+    running,
+)
+from allreduce.emulate._run import GOODPUT, Measurement, RunResult, measure_hop_latency, predicted_topology, run
+
+__all__ = [
+    "DEFAULT_NAME",
+    "DEFAULT_QUEUE_BYTES",
+    "DEFAULT_RATE_BPS",
+    "GOODPUT",
+    "MAX_HOSTS",
+    "MIN_BURST_BYTES",
+    "STATE_DIR",
+    "Cable",
+    "EmulationError",
+    "EmulationSpec",
+    "Layout",
+    "Measurement",
+    "Route",
+    "RunResult",
+    "build",
+    "check_privileges",
+    "existing_emulations",
+    "layout",
+    "load",
+    "measure_hop_latency",
+    "predicted_topology",
+    "remove",
+    "run",
+    "running",
+]

@@ -1,0 +1,50 @@
+"""One rank of an emulated run: ``python -m allreduce.emulate._rank SPEC_JSON`` inside a host's namespace.
+
+Joins the group from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ALLREDUCE_TOKEN) over TCP,
+and for every size: one untimed warm-up, then ``reps`` timed all-reduces, each after a barrier, each result
+checked exactly (integer-valued float32 data, so every summation order gives the same bits). Prints one JSON
+line: this rank's seconds per repetition and size, and whether every result was exact.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def main(spec_json: str) -> int:
+    import allreduce
+
+    spec = json.loads(spec_json)
+    group = allreduce.init(transport="tcp", timeout_s=float(spec["timeout_s"]))
+    try:
+        n, rank = group.world_size, group.rank
+        times: dict[str, list[float]] = {}
+        exact = True
+        for size_bytes in spec["sizes"]:
+            count = max(int(size_bytes) // 4, 1)
+            # rank r contributes (r + 1) * (i mod 251): sums stay below 2^24, exact in float32
+            base = (np.arange(count, dtype=np.int64) % 251).astype(np.float32)
+            expected = base * (n * (n + 1) // 2)
+            row = []
+            for rep in range(int(spec["reps"]) + 1):
+                x = base * (rank + 1)
+                group.barrier()
+                started = time.perf_counter()
+                group.all_reduce(x, algorithm=spec["algorithm"])
+                elapsed = time.perf_counter() - started
+                exact = exact and bool(np.array_equal(x, expected))
+                if rep:  # the first is a warm-up: connections, plans, page faults
+                    row.append(elapsed)
+            times[str(size_bytes)] = row
+        print(json.dumps({"rank": rank, "times_s": times, "exact": exact}), flush=True)
+    finally:
+        group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,288 @@
+"""Running the real runtime across an emulated cluster, and the simulator's prediction beside each measurement.
+
+One rank per host namespace (the tcp transport, a fresh token per run), timed after a barrier; the time of a
+repetition is that of the slowest rank, and a row reports the median and the range over repetitions. Beside
+it, the simulator's prediction for the same topology, placement and size, on the emulated network as it really
+is:
+
+- every link at its shaped rate times the TCP goodput share ``1448/1514``: a full-size segment carries 1,448
+  bytes of payload in a 1,514-byte Ethernet frame (20 B IPv4 + 20 B TCP + 12 B timestamp option + 14 B
+  Ethernet header), and the token bucket counts whole frames;
+- every hop at the latency measured on this emulation by a UDP echo between two hosts (half the median round
+  trip, divided by the hops between them), which includes the per-message cost of the kernel and of Python.
+
+Counters read before and after each size: bytes sent on every shaped direction (the busiest link is the one
+the network saturated) and TCP retransmissions in every host namespace.
+
+ECMP: the kernel hashes each connection's addresses and ports onto one of the equal paths, and the simulator
+hashes with a seed of its own, so the two rarely pick the same paths. The prediction beside a measurement is
+the simulator's for the split the kernel actually made: of :data:`ECMP_SEEDS` hash seeds, the one whose
+per-link bytes come closest to the counters'. The range over all seeds is reported too: it is what ECMP luck
+alone can do to this collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from allreduce.emulate._layout import Layout, _hops_to
+from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
+from allreduce.schedules import make_schedule
+from allreduce.sim import simulate
+from allreduce.topology import NodeKind, place
+
+__all__ = ["GOODPUT", "Measurement", "RunResult", "measure_hop_latency", "predicted_topology", "run"]
+
+GOODPUT = 1448 / 1514
+"""Share of a shaped link's rate that carries TCP payload (see the module docstring)."""
+
+ECMP_SEEDS = 16
+"""Hash seeds the simulator tries for each measurement (their spread is reported; the closest to the counters is
+the prediction)."""
+
+_ECHO_ROUND_TRIPS = 200
+_STORE_PORT = 29500  # a fresh namespace: nothing else listens there, so no port can be taken
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One size: the slowest rank's seconds per repetition, and what the simulator predicted."""
+
+    size_bytes: int
+    seconds: tuple[float, ...]
+    predicted_s: float
+    predicted_range_s: tuple[float, float]  # over ECMP hash seeds
+    exact: bool
+    busiest_link: str
+    busiest_link_bytes: int
+    predicted_bottleneck: str
+    retransmissions: int
+
+    @property
+    def median_s(self) -> float:
+        return float(statistics.median(self.seconds))
+
+    def percentile_s(self, q: float) -> float:
+        """The ``q``-th percentile (0-100) of the slowest rank's time over the repetitions."""
+        return float(np.percentile(np.asarray(self.seconds), q))
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted (1.0: the simulator was right)."""
+        return self.median_s / self.predicted_s if self.predicted_s > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    topology: str
+    algorithm: str
+    placement: tuple[int, ...]
+    rate_bps: float
+    hop_latency_s: float
+    rows: tuple[Measurement, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for row, measured in zip(out["rows"], self.rows, strict=True):
+            row["median_s"] = measured.median_s
+            row["p99_s"] = measured.percentile_s(99)
+            row["ratio"] = measured.ratio
+        return out
+
+
+def _ns_python(namespace: str, code: str, *args: str) -> list[str]:
+    return ["ip", "netns", "exec", namespace, sys.executable, "-c", code, *args]
+
+
+_ECHO_SERVER = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 0))
+print(s.getsockname()[1], flush=True)
+s.settimeout(10.0)
+for _ in range(int(sys.argv[2])):
+    data, addr = s.recvfrom(64)
+    s.sendto(data, addr)
+"""
+
+_ECHO_CLIENT = """
+import socket, sys, time, statistics
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(5.0)
+rtts = []
+for i in range(int(sys.argv[3])):
+    t = time.perf_counter()
+    s.sendto(b"x", (sys.argv[1], int(sys.argv[2])))
+    s.recvfrom(64)
+    rtts.append(time.perf_counter() - t)
+print(statistics.median(rtts))
+"""
+
+
+def measure_hop_latency(layout: Layout, gpu_a: int = 0, gpu_b: int | None = None) -> float:
+    """One hop's latency on this emulation: half the median UDP round trip between two hosts, per hop."""
+    topology = layout.topology
+    gpu_b = topology.num_gpus - 1 if gpu_b is None else gpu_b
+    server = subprocess.Popen(
+        _ns_python(layout.host_namespace(gpu_b), _ECHO_SERVER, layout.host_address[gpu_b], str(_ECHO_ROUND_TRIPS)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().strip()
+        done = subprocess.run(
+            _ns_python(
+                layout.host_namespace(gpu_a), _ECHO_CLIENT, layout.host_address[gpu_b], port, str(_ECHO_ROUND_TRIPS)
+            ),
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise EmulationError(f"UDP echo from {layout.host_namespace(gpu_a)} failed: {done.stderr.strip()[-200:]}")
+        rtt_s = float(done.stdout)
+    finally:
+        server.kill()
+        server.communicate()
+    adjacency: list[list[int]] = [[] for _ in range(topology.num_nodes)]
+    for cable in layout.cables:
+        adjacency[cable.a].append(cable.b)
+        adjacency[cable.b].append(cable.a)
+    transit = topology.node_kind != int(NodeKind.GPU)
+    if topology.gpu_transit:
+        transit[:] = True
+    hops = _hops_to(topology, adjacency, int(topology.gpu_node[gpu_b]), transit)[int(topology.gpu_node[gpu_a])]
+    return rtt_s / 2 / max(hops, 1)
+
+
+def predicted_topology(layout: Layout, hop_latency_s: float) -> Any:
+    """The topology as emulated: shaped rates times :data:`GOODPUT`, every hop at ``hop_latency_s``."""
+    topology = layout.topology
+    return replace(
+        topology,
+        link_bandwidth_Bps=topology.link_bandwidth_Bps * layout.scale * GOODPUT,
+        link_latency_s=np.full(topology.num_links, hop_latency_s),
+    )
+
+
+def _tx_bytes(layout: Layout) -> dict[int, int]:
+    """Bytes sent so far on every shaped direction, by topology link index."""
+    out: dict[int, int] = {}
+    for ns_index, ns in enumerate(layout.namespaces):
+        data = json.loads(subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show"], capture_output=True,
+                                         text=True, timeout=COMMAND_TIMEOUT_S, check=True).stdout)  # fmt: skip
+        tx = {entry["ifname"]: int(entry["stats64"]["tx"]["bytes"]) for entry in data}
+        for cable in layout.cables:
+            if cable.a == ns_index and cable.a_dev in tx:
+                out[cable.link_ab] = tx[cable.a_dev]
+            if cable.b == ns_index and cable.b_dev in tx:
+                out[cable.link_ba] = tx[cable.b_dev]
+    return out
+
+
+def _retransmissions(layout: Layout) -> int:
+    total = 0
+    for g in range(layout.num_hosts):
+        snmp = subprocess.run(["ip", "netns", "exec", layout.host_namespace(g), "cat", "/proc/net/snmp"],
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=True).stdout  # fmt: skip
+        tcp = [line.split() for line in snmp.splitlines() if line.startswith("Tcp:")]
+        total += int(tcp[1][tcp[0].index("RetransSegs")])
+    return total
+
+
+def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: list[int], reps: int,
+               timeout_s: float) -> list[dict[str, Any]]:  # fmt: skip
+    n = len(rank_gpu)
+    spec = json.dumps({"algorithm": algorithm, "sizes": sizes, "reps": reps, "timeout_s": timeout_s})
+    env_common = dict(os.environ)
+    env_common.update(
+        WORLD_SIZE=str(n),
+        MASTER_ADDR=layout.host_address[rank_gpu[0]],
+        MASTER_PORT=str(_STORE_PORT),
+        ALLREDUCE_TOKEN=secrets.token_hex(16),
+    )
+    procs = []
+    for rank, gpu in enumerate(rank_gpu):
+        env = dict(env_common, RANK=str(rank))
+        cmd = ["ip", "netns", "exec", layout.host_namespace(gpu), sys.executable, "-m", "allreduce.emulate._rank", spec]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results, errors = [], []
+    deadline = time.monotonic() + timeout_s * (1 + reps) * max(len(sizes), 1)
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise EmulationError(f"rank {rank} on {layout.host_namespace(rank_gpu[rank])} did not finish") from None
+        if proc.returncode != 0:
+            errors.append(f"rank {rank}: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}")
+        else:
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    if errors:
+        raise EmulationError("; ".join(errors))
+    return results
+
+
+def run(
+    layout: Layout,
+    *,
+    algorithm: str = "ring",
+    sizes: list[int],
+    reps: int = 3,
+    ranks: int | None = None,
+    placement: str | Sequence[int] = "linear",
+    seed: int = 0,
+    timeout_s: float = 120.0,
+) -> RunResult:
+    """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator."""
+    topology = layout.topology
+    n = ranks or topology.num_gpus
+    if not 2 <= n <= topology.num_gpus:
+        raise ValueError(f"ranks: {n} does not fit {topology.name}, which has {topology.num_gpus} hosts (2 at least)")
+    schedule = make_schedule("all_reduce", algorithm, n)
+    rank_gpu = [int(g) for g in place(n, topology, placement, seed=seed)]
+    hop_latency_s = measure_hop_latency(layout, rank_gpu[0], rank_gpu[-1])
+    model = predicted_topology(layout, hop_latency_s)
+    rows = []
+    for size in sizes:
+        before, retrans_before = _tx_bytes(layout), _retransmissions(layout)
+        results = _run_ranks(layout, rank_gpu, algorithm=algorithm, sizes=[size], reps=reps, timeout_s=timeout_s)
+        after, retrans_after = _tx_bytes(layout), _retransmissions(layout)
+        slowest = tuple(max(r["times_s"][str(size)][k] for r in results) for k in range(reps))
+        sent = {link: after.get(link, 0) - before.get(link, 0) for link in after}
+        busiest = max(sent, key=lambda link: sent[link])
+        observed = np.array([sent.get(link, 0) for link in range(topology.num_links)], dtype=np.float64) / (reps + 1)
+        candidates = [
+            simulate(schedule, model, size_bytes=float(size), placement=rank_gpu, seed=s) for s in range(ECMP_SEEDS)
+        ]
+        predicted = min(candidates, key=lambda c: float(np.abs(c.link_bytes - observed).sum()))
+        times = [c.seconds for c in candidates]
+        bottleneck = predicted.bottlenecks[0].name if predicted.bottlenecks else "-"
+        rows.append(
+            Measurement(
+                size_bytes=size,
+                seconds=slowest,
+                predicted_s=predicted.seconds,
+                predicted_range_s=(min(times), max(times)),
+                exact=all(r["exact"] for r in results),
+                busiest_link=topology.link_name(busiest),
+                busiest_link_bytes=sent[busiest],
+                predicted_bottleneck=bottleneck,
+                retransmissions=retrans_after - retrans_before,
+            )
+        )
+    return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows))

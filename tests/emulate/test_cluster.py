@@ -1,0 +1,195 @@
+"""Emulated clusters for real: namespaces, shaped veth cables, routes, the runtime across them, and teardown.
+
+Needs root and iproute2 (skipped otherwise). Every test uses a name of its own and a state directory under its
+tmp_path, so it never sees, let alone touches, namespaces it did not create.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from allreduce.emulate import EmulationError, EmulationSpec, Layout, build, remove, run, running
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="needs root and iproute2 (ip, tc) to build network namespaces",
+)
+
+CLOS4 = "clos:leaves=2,spines=2,hosts_per_leaf=2"
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "-j", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {entry["name"] for entry in json.loads(out or "[]")}
+
+
+def _ours(name: str) -> set[str]:
+    return {ns for ns in _namespaces() if ns.startswith(f"ar{name}-")}
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    tag = uuid.uuid4().hex[:6]
+    yield tag
+    for ns in _ours(tag):  # a failed test must not leave its namespaces behind
+        subprocess.run(["ip", "netns", "delete", ns], check=False)
+
+
+def test_build_creates_one_namespace_per_node_and_remove_deletes_them_all(name: str, tmp_path: Path) -> None:
+    built = build(EmulationSpec(CLOS4, name=name), state_dir=tmp_path)
+    assert _ours(name) == set(built.namespaces)
+    removed = remove(name, state_dir=tmp_path)
+    assert set(removed) == set(built.namespaces)
+    assert _ours(name) == set()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_shaped_direction_has_a_token_bucket_at_its_rate(name: str, tmp_path: Path) -> None:
+    with running(EmulationSpec(CLOS4, name=name, rate_bps=100e6), state_dir=tmp_path) as built:
+        cable = built.cables[0]
+        out = subprocess.run(
+            ["tc", "-n", built.namespaces[cable.a], "-j", "qdisc", "show", "dev", cable.a_dev],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        (qdisc,) = [q for q in json.loads(out) if q["kind"] == "tbf"]
+        assert qdisc["options"]["rate"] * 8 == pytest.approx(cable.rate_ab_bps, rel=0.01)
+
+
+def test_a_name_already_in_use_is_refused_before_anything_is_created(name: str, tmp_path: Path) -> None:
+    with running(EmulationSpec(CLOS4, name=name), state_dir=tmp_path) as built:
+        with pytest.raises(EmulationError, match="exists already"):
+            build(EmulationSpec(CLOS4, name=name), state_dir=tmp_path)
+        assert _ours(name) == set(built.namespaces)
+
+
+def test_a_namespace_of_the_same_name_is_refused_before_anything_is_created(name: str, tmp_path: Path) -> None:
+    spec = EmulationSpec(CLOS4, name=name)
+    victim = spec.layout().namespaces[-1]
+    subprocess.run(["ip", "netns", "add", victim], check=True)
+    try:
+        with pytest.raises(EmulationError, match="exist already"):
+            build(spec, state_dir=tmp_path)
+        assert _ours(name) == {victim}  # not ours to remove: it was there before
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        subprocess.run(["ip", "netns", "delete", victim], check=False)
+
+
+def test_remove_refuses_a_state_file_that_lists_foreign_namespaces(tmp_path: Path) -> None:
+    (tmp_path / "x1.json").write_text(json.dumps({"spec": EmulationSpec(CLOS4, name="x1").to_json(),
+                                                  "namespaces": ["someone-elses"]}))  # fmt: skip
+    with pytest.raises(EmulationError, match="not touching them"):
+        remove("x1", state_dir=tmp_path)
+
+
+def _wait_for_state(path: Path, proc: subprocess.Popen[bytes]) -> None:
+    """Until the state file lists at least two namespaces (the build is under way), or the process ended."""
+    while proc.poll() is None:
+        try:
+            if len(json.loads(path.read_text())["namespaces"]) >= 2:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        os.sched_yield()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_up_leaves_nothing(name: str, tmp_path: Path, sig: signal.Signals) -> None:
+    env = dict(os.environ, ALLREDUCE_EMULATE_STATE_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "allreduce", "emulate", "run", "--topology",
+           "clos:leaves=4,spines=2,hosts_per_leaf=4", "--name", name, "--sizes", "1MiB"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for_state(tmp_path / f"{name}.json", proc)
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    assert _ours(name) == set()
+    assert list(tmp_path.glob("*.json")) == []
+
+
+@pytest.mark.slow
+def test_after_sigkill_of_up_down_removes_the_rest(name: str, tmp_path: Path) -> None:
+    env = dict(os.environ, ALLREDUCE_EMULATE_STATE_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "allreduce", "emulate", "up", "--topology", "clos:leaves=4,spines=2,hosts_per_leaf=4",
+           "--name", name]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for_state(tmp_path / f"{name}.json", proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    down = subprocess.run([sys.executable, "-m", "allreduce", "emulate", "down", "--name", name], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert down.returncode == 0, down.stderr
+    assert _ours(name) == set()
+
+
+@pytest.fixture(scope="module")
+def four_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Layout]:
+    tag = uuid.uuid4().hex[:6]
+    with running(EmulationSpec(CLOS4, name=tag), state_dir=tmp_path_factory.mktemp("state")) as built:
+        yield built
+
+
+@pytest.mark.slow
+def test_a_ring_across_four_hosts_is_exact_and_predicted(four_hosts: Layout) -> None:
+    result = run(four_hosts, algorithm="ring", sizes=[1 << 20], reps=2)
+    (row,) = result.rows
+    assert row.exact
+    assert len(row.seconds) == 2
+    assert row.predicted_s > 0
+    # the counters saw the data: a ring sends 2(N-1)/N of the buffer out of every host
+    assert row.busiest_link_bytes >= 2 * 3 / 4 * (1 << 20)
+
+
+@pytest.mark.slow
+def test_halving_doubling_across_four_hosts_is_exact(four_hosts: Layout) -> None:
+    result = run(four_hosts, algorithm="halving_doubling", sizes=[256 << 10], reps=1)
+    assert result.rows[0].exact
+
+
+def test_an_unknown_algorithm_is_refused_before_any_rank_starts(four_hosts: Layout) -> None:
+    with pytest.raises(ValueError, match="no_such_algorithm"):
+        run(four_hosts, algorithm="no_such_algorithm", sizes=[4096], reps=1)
+
+
+def _is_rank(pid: str) -> bool:
+    try:
+        return b"allreduce.emulate._rank" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_is_named_and_the_run_ends(four_hosts: Layout) -> None:
+    outcome: list[BaseException] = []
+
+    def measure() -> None:
+        try:
+            run(four_hosts, algorithm="ring", sizes=[32 << 20], reps=20, timeout_s=10)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=measure)
+    thread.start()
+    victim_ns = four_hosts.host_namespace(1)
+    pids: list[str] = []
+    while thread.is_alive() and not pids:
+        out = subprocess.run(["ip", "netns", "pids", victim_ns], capture_output=True, text=True, check=False)
+        pids = [pid for pid in out.stdout.split() if _is_rank(pid)]
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    thread.join(timeout=200)
+    assert not thread.is_alive()
+    assert outcome
+    assert isinstance(outcome[0], EmulationError)
+    assert "rank" in str(outcome[0])
