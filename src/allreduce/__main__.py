@@ -1,3 +1,5 @@
+"""``python -m allreduce``: the allreduce command line."""
+
 import sys
 
 from allreduce.cli import main
