@@ -156,11 +156,14 @@ def launch(
             err.write(f"allreduce run: {message}\n".encode())
             err.flush()
 
-    reservation = reserve_port() if master_port is None else None
+    reservation = None
+    if master_port is None:
+        reservation = reserve_port()
+        master_port = int(reservation.getsockname()[1])
     run = _Launch(
         command,
         world_size=world_size,
-        master_port=master_port if reservation is None else int(reservation.getsockname()[1]),
+        master_port=master_port,
         token=os.environ.get("ALLREDUCE_TOKEN") or new_token(),
         grace_s=grace_s,
         stdout=stdout if stdout is not None else sys.stdout.buffer,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -25,7 +26,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, TypeVar
 
@@ -112,7 +113,7 @@ def describe_status(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
+def _ranks_text(ranks: Iterable[int]) -> str:
     return ", ".join(map(str, sorted(ranks)))
 
 
@@ -352,8 +353,9 @@ def spawn(
     With ``group=True`` each rank calls ``fn(group, *args)`` on a group made by ``allreduce.init(**init_options)``
     and closed after ``fn`` returns; with ``group=False`` it calls ``fn(*args)`` in the rendezvous environment (see
     the module docstring), for code that makes its own group (``allreduce.init()``, torch's ``env://``). ``env``
-    adds variables. ``fn`` must be importable by name and its result picklable; results come back over pipes from
-    the processes this call started, never over a network.
+    adds variables (an ``ALLREDUCE_TOKEN`` there replaces the job's random one). ``fn`` must be importable by name
+    and its result picklable; results come back over pipes from the processes this call started, never over a
+    network.
 
     Raises :class:`RankFailedError` naming the first rank that raised or died (the others are stopped) or the ranks
     still running after ``timeout_s`` (they are stopped); every rank has exited when this returns.
@@ -367,7 +369,7 @@ def spawn(
     options = None if not group else {"timeout_s": timeout_s, **(init_options or {})}
     ctx = mp.get_context("spawn")
     reservation = reserve_port()
-    token = new_token()
+    token = (env or {}).get("ALLREDUCE_TOKEN") or new_token()
     port = int(reservation.getsockname()[1])
     cores = os.cpu_count() or 1
     shared_env = {
@@ -418,7 +420,7 @@ def spawn(
             return code != 0 or rank not in replies
 
         watch = RankWatch(ranks, grace_s=grace_s, timeout_s=timeout_s, log=messages.append, failed=failed)
-        watch.watch({reports[r].fileno(): (lambda r=r: read(r)) for r in range(world_size)})
+        watch.watch({reports[r].fileno(): functools.partial(read, r) for r in range(world_size)})
         for rank in range(world_size):
             while rank not in replies and read(rank):
                 pass
