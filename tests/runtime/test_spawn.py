@@ -70,6 +70,13 @@ def _raise_on_rank_1_block_on_rank_0(group: Any, directory: str) -> None:
     signal.pause()  # until spawn stops it
 
 
+def _raise_on_rank_1_collective_on_rank_0(group: Any) -> None:
+    group.barrier()
+    if group.rank == 1:
+        raise ValueError("rank 1's own mistake")
+    group.all_reduce(np.zeros(4))  # fails in turn: its peer is gone
+
+
 def _hang_ignoring_sigterm(directory: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _write_pid(directory, int(os.environ["RANK"]))
@@ -155,6 +162,11 @@ def test_a_rank_that_raises_is_named_and_the_others_are_stopped(tmp_path: Path) 
     assert failure.value.rank == 1
     assert "Traceback" in failure.value.detail
     assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
+
+
+def test_the_first_cause_is_named_not_the_failures_it_caused() -> None:
+    with pytest.raises(RankFailedError, match=r"rank 1 failed: ValueError: rank 1's own mistake"):
+        spawn(2, _raise_on_rank_1_collective_on_rank_0, timeout_s=120)
 
 
 def test_a_rank_that_exits_without_a_result_is_named() -> None:
