@@ -181,7 +181,12 @@ class RankWatch:
         with selectors.DefaultSelector() as selector:
             pidfds = {}
             for rank, proc in enumerate(self.procs):
-                pidfd = os.pidfd_open(proc.pid)
+                try:
+                    pidfd = os.pidfd_open(proc.pid)
+                except ProcessLookupError:  # already exited and reaped
+                    remaining.discard(rank)
+                    self._exited(rank, remaining)
+                    continue
                 pidfds[rank] = pidfd
                 selector.register(pidfd, selectors.EVENT_READ, ("exit", rank))
             for fd, callback in (readers or {}).items():
