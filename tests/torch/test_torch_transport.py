@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,8 @@ def _dying_peer_worker(report: str) -> None:
     plan = compile_plan(_schedule("ring", 2, 1), transport.rank, 1 << 16)
     if transport.rank == 1:
         os._exit(3)
+    # spawn stops the other ranks once one dies: stay until the failure is seen and reported.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         transport.execute(
             plan, np.zeros(1 << 16), lambda d, i: np.add(d, i, out=d), seq=0, timeout_s=60.0, checksum=False
@@ -190,7 +193,7 @@ def _dying_peer_worker(report: str) -> None:
 def test_a_dead_peer_is_named(tmp_path: Path) -> None:
     report = tmp_path / "rank0.txt"
     with pytest.raises(RankFailedError, match="rank 1 exited with status 3"):
-        spawn(2, _dying_peer_worker, str(report), group=False, timeout_s=120)
+        spawn(2, _dying_peer_worker, str(report), group=False, timeout_s=120, grace_s=60)
     message = report.read_text()
     assert "rank 1 failed (connection closed) in collective 0 at step 0" in message
     assert message.endswith("|peer=1")
