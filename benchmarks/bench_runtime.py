@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from allreduce.runtime._bench import BenchConfig, default_iters, run_bench
+from allreduce.runtime._spawn import spawn
 from allreduce.units import format_bytes, parse_size_range
 
 _MPI_ENV = {
@@ -38,19 +36,13 @@ _MPI_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ----------------------------------------------------------------------------------------------- peers
-def _gloo_rank(rank: int, world_size: int, port: int, sizes: list[int], out: Any) -> None:
+def _gloo_rank(sizes: list[int]) -> list[float]:
     import torch.distributed as dist
 
     import torch
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method="env://")
     times = []
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32)
@@ -62,20 +54,12 @@ def _gloo_rank(rank: int, world_size: int, port: int, sizes: list[int], out: Any
         for _ in range(iters):
             dist.all_reduce(x)
         times.append((time.perf_counter() - start) / iters)
-    out.put((rank, times))
     dist.destroy_process_group()
+    return times
 
 
 def _gloo(world_size: int, sizes: list[int]) -> list[float]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, world_size, port, sizes, out)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    per_rank = [out.get(timeout=1800)[1] for _ in procs]
-    for p in procs:
-        p.join()
+    per_rank = spawn(world_size, _gloo_rank, sizes, group=False, timeout_s=1800)
     return [max(t[k] for t in per_rank) for k in range(len(sizes))]
 
 

@@ -11,10 +11,8 @@ busbw = S/t * 2(N-1)/N (nccl-tests convention). The header gives the load averag
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import resource
-import socket
 import statistics
 import time
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from allreduce.runtime import compile_plan
+from allreduce.runtime._spawn import new_token, spawn
 from allreduce.runtime._store import TCPStore
 from allreduce.runtime._tcp import TcpTransport
 from allreduce.schedules import all_reduce
@@ -30,19 +29,13 @@ from allreduce.units import format_bytes, parse_bytes
 ALGORITHMS = ("ring", "halving_doubling")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _rank_main(*args: Any) -> None:
-    rank, world_size, store_port, gloo_port, sizes, reps, segments, out = args
+def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> list[Any]:
     import torch.distributed as dist
 
     import torch
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method="env://")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     store = TCPStore("127.0.0.1", store_port, is_server=False, world_size=world_size, rank=rank, timeout_s=300)
     transport = TcpTransport(rank, world_size, store, timeout_s=300)
     seq = 0
@@ -85,11 +78,11 @@ def _rank_main(*args: Any) -> None:
                 {name: statistics.median(ts) for name, ts in cpu_times.items()},
             )
         )
-    # Report the slowest rank's median: a collective is done when its last rank is.
-    out.put((rank, rows))
     transport.close()
     store.close()
     dist.destroy_process_group()
+    # The parent reports the slowest rank's median: a collective is done when its last rank is.
+    return rows
 
 
 def main() -> None:
@@ -100,19 +93,19 @@ def main() -> None:
     parser.add_argument("--segments", type=int, default=1)
     args = parser.parse_args()
     sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
-    ctx = mp.get_context("spawn")
-    server = TCPStore("127.0.0.1", 0, is_server=True, world_size=args.n, rank=-1, timeout_s=300)
-    out = ctx.Queue()
-    gloo_port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.n, server.port, gloo_port, sizes, args.reps, args.segments, out))
-        for r in range(args.n)
-    ]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=3600) for _ in procs]
-    for p in procs:
-        p.join()
+    token = new_token()
+    server = TCPStore("127.0.0.1", 0, is_server=True, world_size=args.n, rank=-1, timeout_s=300, token=token)
+    results = spawn(
+        args.n,
+        _rank_main,
+        server.port,
+        sizes,
+        args.reps,
+        args.segments,
+        group=False,
+        timeout_s=3600,
+        env={"ALLREDUCE_TOKEN": token},
+    )
     server.close()
     bus = 2 * (args.n - 1) / args.n
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -124,7 +117,7 @@ def main() -> None:
     print(header + " | best/gloo")
     print("-" * len(header) + "-+----------")
     for i, size in enumerate(sizes):
-        worst = {name: max(r[1][i][1][name] for r in results) for name in (*ALGORITHMS, "gloo")}
+        worst = {name: max(r[i][1][name] for r in results) for name in (*ALGORITHMS, "gloo")}
         cells = []
         for name in (*ALGORITHMS, "gloo"):
             busbw = size / worst[name] * bus / 1e9 if args.n > 1 else float("nan")
@@ -134,7 +127,7 @@ def main() -> None:
     print("CPU time per all-reduce, median, busiest rank (ms):")
     print(f"{'size':>9} | " + " | ".join(f"{name:>16}" for name in (*ALGORITHMS, "gloo")))
     for i, size in enumerate(sizes):
-        cpu = {name: max(r[1][i][2][name] for r in results) for name in (*ALGORITHMS, "gloo")}
+        cpu = {name: max(r[i][2][name] for r in results) for name in (*ALGORITHMS, "gloo")}
         print(f"{format_bytes(size):>9} | " + " | ".join(f"{cpu[name] * 1e3:>16.1f}" for name in (*ALGORITHMS, "gloo")))
 
 

@@ -30,14 +30,14 @@ def _worker(hidden: int, batch: int, steps: int, rounds: int, bucket_mb: float) 
 
     import torch
     from allreduce.runtime import init
-    from allreduce.train import DataParallel, free_port
+    from allreduce.train import DataParallel
     from torch import nn
 
     dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
-    port = torch.tensor([free_port() if rank == 0 else 0])
-    dist.broadcast(port, src=0)
-    group = init(master_port=int(port.item()), timeout_s=120)
+    # MASTER_PORT is torch's store: allreduce's rank 0 publishes a port of its own there.
+    torch_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    group = init(timeout_s=120, rendezvous_store=torch_store)
 
     def mlp() -> nn.Module:
         torch.manual_seed(0)
@@ -92,14 +92,13 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
 
-    from allreduce.train import run_local
+    from allreduce.runtime._spawn import spawn
 
     params = FEATURES * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden + args.hidden * CLASSES
     params += CLASSES
     load_before = os.getloadavg()[0]
-    per_rank = run_local(
-        args.ranks, _worker, (args.hidden, args.batch, args.steps, args.rounds, args.bucket_mb), timeout_s=600
-    )
+    shape = (args.hidden, args.batch, args.steps, args.rounds, args.bucket_mb)
+    per_rank = spawn(args.ranks, _worker, *shape, group=False, timeout_s=600)
     results: dict[str, Any] = per_rank[0]
     load_after = os.getloadavg()[0]
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from allreduce.cli._tune import fit_cost_model
+from allreduce.runtime import DTYPES, OPS
 from allreduce.runtime._bench import expected_result, pattern
-from allreduce.runtime._group import DTYPES, OPS
 from allreduce.runtime._tune import load_cost_model, save_cost_model
 from allreduce.schedules import CostModel
 

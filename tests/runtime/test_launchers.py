@@ -1,11 +1,14 @@
-"""Scripts run unchanged under torchrun (whose own store holds MASTER_PORT) and under `allreduce run`."""
+"""Scripts run unchanged under torchrun (whose own store holds MASTER_PORT), under `allreduce run`, and by hand."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from allreduce.runtime._spawn import reserve_port
 
 SCRIPT = textwrap.dedent(
     """
@@ -63,3 +66,88 @@ def test_allreduce_run(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     _check(out.stdout, 3)
+
+
+TORCH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    import allreduce.torch  # registers the "allreduce" backend
+
+    # torch's own store binds MASTER_PORT on rank 0 (the port the launcher reserved for the job).
+    dist.init_process_group(sys.argv[1], init_method="env://")
+    x = torch.arange(4, dtype=torch.int64) * (dist.get_rank() + 1)
+    dist.all_reduce(x)
+    sys.stdout.write(f"{sys.argv[1]} rank {dist.get_rank()}: {x.tolist()}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _run_torch_script(tmp_path: Path, backend: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "torch_job.py"
+    script.write_text(TORCH_SCRIPT)
+    return subprocess.run(
+        [sys.executable, "-m", "allreduce", "run", "-n", "2", "--", sys.executable, str(script), backend],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+def test_torch_gloo_under_allreduce_run(tmp_path: Path) -> None:
+    out = _run_torch_script(tmp_path, "gloo")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(out.stdout.splitlines()) == [f"[rank {r}] gloo rank {r}: [0, 3, 6, 9]" for r in range(2)]
+
+
+def test_the_allreduce_torch_backend_under_allreduce_run(tmp_path: Path) -> None:
+    out = _run_torch_script(tmp_path, "allreduce")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(out.stdout.splitlines()) == [f"[rank {r}] allreduce rank {r}: [0, 3, 6, 9]" for r in range(2)]
+
+
+def test_the_allreduce_torch_backend_with_variables_set_by_hand(tmp_path: Path) -> None:
+    script = tmp_path / "torch_job.py"
+    script.write_text(TORCH_SCRIPT)
+    with reserve_port() as reservation:  # held while the ranks run, so no one else takes the port
+        port = reservation.getsockname()[1]
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(script), "allreduce"],
+                env={
+                    **os.environ,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                },
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        outputs = [rank.communicate(timeout=240) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-3000:] for _, err in outputs]
+    assert [out.strip() for out, _ in outputs] == [f"allreduce rank {r}: [0, 3, 6, 9]" for r in range(2)]
+
+
+def test_a_job_token_reaches_every_rank_and_a_given_one_is_kept(tmp_path: Path) -> None:
+    script = tmp_path / "token.py"
+    script.write_text("import os\nprint(os.environ['ALLREDUCE_TOKEN'])\n")
+    command = [sys.executable, "-m", "allreduce", "run", "-n", "2", "--", sys.executable, str(script)]
+    env = {k: v for k, v in os.environ.items() if k != "ALLREDUCE_TOKEN"}
+    fresh = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True, env=env)
+    tokens = {line.split()[-1] for line in fresh.stdout.splitlines()}
+    assert len(tokens) == 1
+    assert len(tokens.pop()) >= 32  # 128 random bits, hex
+    given = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, check=True, env={**env, "ALLREDUCE_TOKEN": "ours"}
+    )
+    assert sorted(given.stdout.splitlines()) == ["[rank 0] ours", "[rank 1] ours"]

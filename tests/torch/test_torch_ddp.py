@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import torch
-from allreduce.train import run_local
+from allreduce.runtime._spawn import spawn
 from torch import nn
 
 STEPS = 10
@@ -94,11 +94,12 @@ def _collectives(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _worker() -> dict[str, Any]:
+    import os
+
     import torch.distributed as dist
 
     import allreduce.torch
     from allreduce.runtime import init
-    from allreduce.train import free_port
 
     dist.init_process_group("allreduce", init_method="env://")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -110,9 +111,11 @@ def _worker() -> dict[str, Any]:
 
     # torch's DDP on Gloo, its buckets averaged by allreduce's shared-memory group through the comm hook.
     gloo = dist.new_group(backend="gloo")
-    port = torch.tensor([free_port() if rank == 0 else 0])
-    dist.broadcast(port, src=0, group=gloo)
-    with init(master_port=int(port.item()), timeout_s=120) as group:
+    # MASTER_PORT is torch's store: allreduce's rank 0 publishes a port of its own there, as under torchrun.
+    torch_store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
+    with init(timeout_s=120, rendezvous_store=torch_store) as group:
         model = make_model(seed=200 + rank)
         ddp = nn.parallel.DistributedDataParallel(model, process_group=gloo, bucket_cap_mb=0.001)
         ddp.register_comm_hook(group, allreduce.torch.comm_hook)
@@ -149,7 +152,7 @@ def expected_collectives(rank: int, n: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_ddp_on_the_allreduce_backend_and_with_the_comm_hook_matches_single_process(world_size: int) -> None:
-    per_rank = run_local(world_size, _worker, timeout_s=280, env={"OMP_NUM_THREADS": "1"})
+    per_rank = spawn(world_size, _worker, group=False, timeout_s=280, env={"OMP_NUM_THREADS": "1"})
     expected_params = reference(world_size)
     for rank, out in enumerate(per_rank):
         assert out["backend"] == "allreduce"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import compile_plan
+from allreduce.runtime._spawn import RankFailedError, spawn
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce
-from allreduce.train import RankFailedError, run_local
 
 COUNTS = (0, 1, 3, 7, 1000, 4099)
 
@@ -77,7 +78,7 @@ def _worker(checksum: bool) -> dict[Any, Any]:
 
 @functools.cache
 def _run(world_size: int) -> list[dict[Any, Any]]:
-    return run_local(world_size, _worker, (world_size == 3,), timeout_s=240)
+    return spawn(world_size, _worker, world_size == 3, group=False, timeout_s=240)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -95,7 +96,7 @@ def _dtypes_and_agree(transport: Any, seq: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # Descriptors of different lengths per rank, one longer than the fixed slot (a second round).
     out["short"] = transport.agree(seq, f"rank{rank}".encode(), timeout_s=30)
-    out["long"] = transport.agree(seq + 1, bytes([rank]) * (50 + 100 * rank), timeout_s=30)
+    out["long"] = transport.agree(seq + 1, bytes([rank]) * (50 + 90 * rank), timeout_s=30)
     out["empty"] = transport.agree(seq + 2, b"", timeout_s=30)
     schedule = _schedule("ring", world_size, 2)
     for dtype in (np.float32, np.float64, np.int32, np.uint8, ml_dtypes.bfloat16, np.float16):
@@ -121,7 +122,7 @@ def test_agree_returns_every_ranks_descriptor_and_dtypes_travel_as_bytes() -> No
     world_size = 3
     for out in (r["agree"] for r in _run(world_size)):
         assert out["short"] == [f"rank{r}".encode() for r in range(world_size)]
-        assert out["long"] == [bytes([r]) * (50 + 100 * r) for r in range(world_size)]
+        assert out["long"] == [bytes([r]) * (50 + 90 * r) for r in range(world_size)]
         assert out["empty"] == [b""] * world_size
         expected = sum(((np.arange(37) % 5) + r) for r in range(world_size)).astype(np.float64)
         for name in ("float32", "float64", "int32", "uint8", "bfloat16", "float16"):
@@ -159,11 +160,11 @@ def _silent_peer_worker(fifo: str) -> str:
 def test_a_silent_peer_raises_a_timeout_naming_it(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    message, silent = run_local(2, _silent_peer_worker, (str(fifo),), timeout_s=120)
+    message, silent = spawn(2, _silent_peer_worker, str(fifo), group=False, timeout_s=120)
     assert silent == "done"
     assert "timed out after 1 s waiting for rank 1" in message
     assert "|peer=1|step=0" in message
-    assert "unusable after an earlier error" in message
+    assert "unusable after an earlier failure" in message
 
 
 def _dying_peer_worker(report: str) -> None:
@@ -175,6 +176,8 @@ def _dying_peer_worker(report: str) -> None:
     plan = compile_plan(_schedule("ring", 2, 1), transport.rank, 1 << 16)
     if transport.rank == 1:
         os._exit(3)
+    # spawn stops the other ranks once one dies: stay until the failure is seen and reported.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         transport.execute(
             plan, np.zeros(1 << 16), lambda d, i: np.add(d, i, out=d), seq=0, timeout_s=60.0, checksum=False
@@ -189,8 +192,8 @@ def _dying_peer_worker(report: str) -> None:
 
 def test_a_dead_peer_is_named(tmp_path: Path) -> None:
     report = tmp_path / "rank0.txt"
-    with pytest.raises(RankFailedError, match="rank 1 died with exit code 3"):
-        run_local(2, _dying_peer_worker, (str(report),), timeout_s=120)
+    with pytest.raises(RankFailedError, match="rank 1 exited with status 3"):
+        spawn(2, _dying_peer_worker, str(report), group=False, timeout_s=120, grace_s=60)
     message = report.read_text()
     assert "rank 1 failed (connection closed) in collective 0 at step 0" in message
     assert message.endswith("|peer=1")

@@ -22,7 +22,8 @@ import pytest
 from hypothesis import given
 
 import torch
-from allreduce.train import DataParallel, bucket_layout, free_port, run_local
+from allreduce.runtime._spawn import spawn
+from allreduce.train import DataParallel, bucket_layout
 from torch import nn
 
 STEPS = 10
@@ -187,9 +188,7 @@ def _group(kind: str) -> tuple[Any, Any]:
         from allreduce.runtime import init
 
         # One rank needs no process of its own: it runs in the test's process, saving a torch start-up.
-        group = (
-            init(0, 1, master_port=free_port(), timeout_s=120) if kind == "shm, this process" else init(timeout_s=120)
-        )
+        group = init(0, 1, timeout_s=120) if kind == "shm, this process" else init(timeout_s=120)
         return group, group.close
     import datetime
 
@@ -229,7 +228,7 @@ def test_data_parallel_matches_single_process_training_and_ranks_stay_identical(
         with one_thread():
             per_rank = [_worker(group_kind)]
     else:
-        per_rank = run_local(world_size, _worker, (group_kind,), timeout_s=280, env=ONE_THREAD)
+        per_rank = spawn(world_size, _worker, group_kind, group=False, timeout_s=280, env=ONE_THREAD)
     for case in cases(world_size):
         name, kind = case.name, case.model
         for rank in range(world_size):

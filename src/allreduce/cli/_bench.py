@@ -6,9 +6,9 @@ import argparse
 import json
 
 from allreduce.cli._main import CLIError
-from allreduce.runtime._bench import BenchConfig, BenchRow, run_bench
-from allreduce.runtime._group import ALGORITHMS, DTYPES, OPS
-from allreduce.schedules import Collective
+from allreduce.runtime import DTYPES, OPS
+from allreduce.runtime._bench import BenchConfig, BenchRow, run_bench  # private until allreduce.runtime exports it
+from allreduce.schedules import Collective, algorithms
 from allreduce.units import parse_size_range
 
 __all__ = ["register", "render"]
@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--algorithm",
         default="auto",
-        help=f"auto (cost model) or one of {', '.join(ALGORITHMS[Collective.ALL_REDUCE])}",
+        help=f"auto (cost model) or one of {', '.join(algorithms(Collective.ALL_REDUCE))}",
     )
     parser.add_argument("--sizes", default="4KiB:256MiB", help="a range lo:hi (powers of two) or a list a,b,c")
     parser.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
@@ -60,9 +60,9 @@ def render(rows: list[BenchRow], *, header: str) -> str:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    algorithms = ("auto", *ALGORITHMS[Collective.ALL_REDUCE])
-    if args.algorithm not in algorithms:
-        raise CLIError(f"--algorithm: unknown algorithm {args.algorithm!r}; choose one of {', '.join(algorithms)}")
+    names = ("auto", *algorithms(Collective.ALL_REDUCE))
+    if args.algorithm not in names:
+        raise CLIError(f"--algorithm: unknown algorithm {args.algorithm!r}; choose one of {', '.join(names)}")
     if args.world_size < 1 or args.world_size > 256:
         raise CLIError(f"-n: world size must be between 1 and 256, got {args.world_size}")
     if not args.timeout > 0:

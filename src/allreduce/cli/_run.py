@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from allreduce.cli._main import CLIError
-from allreduce.runtime._launch import launch
+from allreduce.runtime._launch import launch  # private until allreduce.runtime exports it
 
 __all__ = ["register"]
 
@@ -27,8 +27,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="start N local ranks of a command (like torchrun), prefixing their output with [rank k]",
         description=(
             "Start N copies of COMMAND on this host with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
-            "MASTER_ADDR=127.0.0.1 and MASTER_PORT set (and PYTHONUNBUFFERED=1), so that allreduce.init() - or "
-            "torch.distributed - finds its peers. Every output line is prefixed with [rank k]. Ctrl-C (SIGINT) and "
+            "MASTER_ADDR=127.0.0.1, MASTER_PORT (reserved for the job, so nothing else takes it) and "
+            "ALLREDUCE_TOKEN (random per job unless already set) in the environment (and PYTHONUNBUFFERED=1), so "
+            "that allreduce.init() - or torch.distributed - finds its peers and refuses strangers. Every output line "
+            "is prefixed with [rank k]. Ctrl-C (SIGINT) and "
             "SIGTERM are forwarded to every rank; a second Ctrl-C kills them. If a rank fails, the others are "
             "stopped (SIGTERM, then SIGKILL after --grace seconds) and run exits with the failing rank's status "
             "(128+signal if it was killed), naming it. Ranks get no stdin."
@@ -37,7 +39,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("-n", "--nproc", required=True, type=int, metavar="N", help="number of ranks to start")
     p.add_argument(
-        "--master-port", type=int, default=None, metavar="P", help="rank 0's store port (default: a free one)"
+        "--master-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="rank 0's store port (default: one reserved for the job)",
     )
     p.add_argument(
         "--grace", type=float, default=5.0, metavar="SECONDS", help="after a failure, wait this long before SIGKILL"

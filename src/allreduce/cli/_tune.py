@@ -8,6 +8,8 @@ import time
 import numpy as np
 
 from allreduce.cli._main import CLIError
+
+# Private until allreduce.runtime exports them.
 from allreduce.runtime._bench import BenchConfig, run_bench
 from allreduce.runtime._tune import save_cost_model, tune_file
 from allreduce.schedules import CostModel

@@ -1,16 +1,13 @@
 """Measuring the runtime: N local rank processes time all_reduce over a sweep of sizes, results checked.
 
-Shared by ``allreduce bench``, ``allreduce tune`` and ``benchmarks/bench_runtime.py``. Every size is first run
-once on integer-valued data (exact in every dtype, so float sums are exact) and compared with the closed-form
-reduction; then it is timed. The reported time is the slowest rank's mean over the timed iterations
+The measurement shared by ``allreduce bench``, ``allreduce tune`` and the runtime benchmark, which present it.
+Every size is first run once on integer-valued data (exact in every dtype, so float sums are exact) and compared
+with the closed-form reduction; then it is timed. The reported time is the slowest rank's mean over the timed iterations
 (nccl-tests conventions: algbw = size / time, busbw = algbw × the collective's bus factor).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,8 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._bootstrap import init
 from allreduce.runtime._group import DTYPES, OPS, ProcessGroup
+from allreduce.runtime._spawn import spawn
 from allreduce.schedules import Collective, bus_factor
 
 __all__ = ["BenchConfig", "BenchRow", "default_iters", "expected_result", "pattern", "run_bench"]
@@ -144,54 +141,18 @@ def _measure_rank(group: ProcessGroup, config: BenchConfig) -> list[tuple[int, s
     return out
 
 
-def _rank_main(rank: int, port: int, config: BenchConfig, results: Any) -> None:
-    try:
-        with init(
-            rank,
-            config.world_size,
-            master_port=port,
-            transport=config.transport,
-            timeout_s=config.timeout_s,
-        ) as group:
-            results.put((rank, _measure_rank(group, config)))
-    except BaseException as exc:
-        results.put((rank, f"rank {rank}: {type(exc).__name__}: {exc}"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_bench(config: BenchConfig) -> list[BenchRow]:
-    """Spawn ``config.world_size`` local ranks, measure, and return one row per size."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, port, config, results), daemon=True) for r in range(config.world_size)
-    ]
-    for p in procs:
-        p.start()
-    per_rank: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + config.timeout_s * 2
-        while len(per_rank) < config.world_size:
-            try:
-                rank, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                missing = sorted(set(range(config.world_size)) - set(per_rank))
-                raise RuntimeError(f"bench: ranks {missing} did not report in time") from None
-            if isinstance(value, str):
-                raise RuntimeError(f"bench: {value}")
-            per_rank[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    """Spawn ``config.world_size`` local ranks, measure, and return one row per size.
+
+    Raises :class:`~allreduce.runtime._spawn.RankFailedError` naming the rank when one fails."""
+    per_rank = spawn(
+        config.world_size,
+        _measure_rank,
+        config,
+        init_options={"transport": config.transport, "timeout_s": config.timeout_s},
+        # The whole sweep gets twice the per-collective timeout.
+        timeout_s=config.timeout_s * 2,
+    )
     rows = []
     factor = bus_factor(Collective.ALL_REDUCE, config.world_size)
     for k, size in enumerate(config.sizes_bytes):

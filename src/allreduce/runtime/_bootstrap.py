@@ -82,6 +82,8 @@ def init(
     token: str | None = None,
     group_size: int | None = None,
     cost_model: CostModel | None = None,
+    cross_memory: bool = True,
+    rendezvous_store: Any = None,
 ) -> ProcessGroup:
     """Join a process group. Unset arguments come from the environment: RANK / WORLD_SIZE / MASTER_ADDR /
     MASTER_PORT (torchrun), OMPI_COMM_WORLD_RANK / _SIZE (Open MPI), PMI_RANK / PMI_SIZE, SLURM_PROCID /
@@ -92,6 +94,11 @@ def init(
     ``transport`` is ``"shm"`` (all ranks on this host), ``"tcp"``, or ``"auto"`` (shm when every rank reports the
     same host). Successive groups may reuse one address: a rank that left the previous group's store is told to come
     back until the next store is up.
+
+    ``cross_memory=False`` keeps the shm transport from reading peers' buffers in place (``process_vm_readv``):
+    it stages every transfer through shared memory instead. ``rendezvous_store`` is an existing store of the job
+    (anything with ``set(key, value)`` and ``get(key)``, such as torch's): rank 0 then hosts allreduce's store on
+    a free port and publishes it there, as under torchrun.
     """
     if rank is None:
         rank = _env_int(_RANK_ENV, "rank")
@@ -113,20 +120,20 @@ def init(
     if world_size == 1 and transport != "tcp":
         from allreduce.runtime._shm import ShmTransport
 
-        shm = ShmTransport(0, 1, f"solo-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s)
+        shm = ShmTransport(0, 1, f"solo-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s, cross_memory=cross_memory)
         model = cost_model or _tuned_model("shm")
         return ProcessGroup(shm, transport_name="shm", timeout_s=timeout_s, cost_model=model, group_size=1)
 
     from allreduce.runtime._store import TCPStore
 
-    agent = _torchrun_agent_store(host, port, timeout_s)
+    agent = rendezvous_store if rendezvous_store is not None else _torchrun_agent_store(host, port, timeout_s)
     if agent is None:
         store = TCPStore(
             host, port, is_server=rank == 0, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
         )
     else:
-        # Under torchrun, MASTER_PORT is the launcher's own store: host ours on a free port and tell the other
-        # ranks where, through the launcher's store (as torch's env:// rendezvous joins it as a client).
+        # Under torchrun (or inside torch's own rendezvous), MASTER_PORT is the launcher's store: host ours on a
+        # free port and tell the other ranks where, through that store.
         key = f"allreduce/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_torchrun_attempt()}/{next(_INIT_CALLS)}"
         if rank == 0:
             store = TCPStore(host, 0, is_server=True, world_size=world_size, rank=0, timeout_s=timeout_s, token=token)
@@ -153,7 +160,7 @@ def init(
         if transport == "shm":
             from allreduce.runtime._shm import ShmTransport
 
-            chosen = ShmTransport(rank, world_size, job, timeout_s=timeout_s)
+            chosen = ShmTransport(rank, world_size, job, timeout_s=timeout_s, cross_memory=cross_memory)
         else:
             from allreduce.runtime._tcp import TcpTransport
 

@@ -1,8 +1,9 @@
 """``dist.init_process_group("allreduce", ...)``: allreduce as a torch.distributed backend.
 
 Importing :mod:`allreduce.torch` registers the backend. torch hands the backend factory its rendezvous store;
-rank 0 publishes there the port of allreduce's own store, and every rank then joins an allreduce process group
-(shared memory when all ranks share the host, TCP otherwise) with :func:`allreduce.runtime.init`.
+rank 0 publishes there the port of allreduce's own store (bound to a port the kernel picked), and every rank then
+joins an allreduce process group (shared memory when all ranks share the host, TCP otherwise) with
+:func:`allreduce.runtime.init`.
 ``dist.all_reduce / broadcast / all_gather / all_gather_into_tensor / reduce_scatter / reduce_scatter_tensor /
 barrier`` then run allreduce's schedules on CPU tensors.
 
@@ -26,7 +27,6 @@ __all__ = ["BACKEND_NAME", "register_backend"]
 
 BACKEND_NAME = "allreduce"
 _MIN_TORCH = "2.2"
-_PORT_KEY = "allreduce/backend/port"
 
 _create_work_from_future: Any = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
 # Typed as Any: the backend implements the list-of-tensors calling convention torch uses for Python backends,
@@ -139,15 +139,10 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
 
 def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> _AllreduceBackend:
     from allreduce.runtime import init
-    from allreduce.train import free_port
 
-    timeout_s = timeout.total_seconds()
-    if rank == 0:
-        store.set(_PORT_KEY, str(free_port()))
-    store.wait([_PORT_KEY], timeout)
-    port = int(store.get(_PORT_KEY).decode())
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    group = init(rank, world_size, master_addr=host, master_port=port, timeout_s=timeout_s)
+    # Rank 0 hosts allreduce's store on a port the kernel picks and publishes it through torch's store.
+    group = init(rank, world_size, master_addr=host, timeout_s=timeout.total_seconds(), rendezvous_store=store)
     return _AllreduceBackend(group)
 
 

@@ -1,4 +1,4 @@
-"""Schedules over torch.distributed: a :class:`~allreduce.runtime._transport.Transport` built on isend/irecv.
+"""Schedules over torch.distributed: a :class:`~allreduce.runtime.Transport` built on isend/irecv.
 
 Any allreduce schedule then runs wherever torch.distributed is the engine (Gloo here, NCCL on GPU clusters):
 the schedule decides who sends which block to whom at which step; torch's point-to-point calls move the bytes.
@@ -25,15 +25,17 @@ import numpy as np
 import torch.distributed as dist
 
 import torch
-from allreduce.runtime._errors import (
+from allreduce.runtime import (
     ChecksumError,
     CollectiveError,
     CollectiveTimeoutError,
     PeerFailureError,
     ProtocolError,
+    RankPlan,
+    ReduceInto,
+    Transfer,
+    Transport,
 )
-from allreduce.runtime._plan import RankPlan, Transfer
-from allreduce.runtime._transport import ReduceInto
 
 __all__ = ["TorchTransport"]
 
@@ -63,7 +65,7 @@ class _PendingRecv:
     staged: bool
 
 
-class TorchTransport:
+class TorchTransport(Transport):
     """Runs compiled plans with ``torch.distributed`` point-to-point calls on an existing process group.
 
     ``process_group`` defaults to the default (world) group, which must already be initialised
@@ -71,30 +73,25 @@ class TorchTransport:
     process group: ``close()`` only stops this object from being used.
     """
 
+    name = "torch"
+
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchTransport needs an initialised torch.distributed: call dist.init_process_group(...) first"
             )
-        self._group = process_group if process_group is not None else dist.group.WORLD
-        self.rank: int = dist.get_rank(self._group)
-        self.world_size: int = dist.get_world_size(self._group)
-        if self.rank < 0:
+        group = process_group if process_group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
+        if rank < 0:
             raise ValueError("this process is not a member of the given torch process group")
-        self._closed = False
-        self._failure: CollectiveError | None = None
+        super().__init__(rank, dist.get_world_size(group))
+        self._group = group
         self._scratch = torch.empty(0, dtype=torch.uint8)
-
-    def __repr__(self) -> str:
-        return f"TorchTransport(rank={self.rank}, world_size={self.world_size})"
 
     # ------------------------------------------------------------------------------------------------
     # Agreement: a fixed-size all-gather of raw bytes (nothing is unpickled)
     # ------------------------------------------------------------------------------------------------
-    def agree(self, seq: int, descriptor: bytes, *, timeout_s: float) -> list[bytes]:
-        """Every rank's ``descriptor`` for collective ``seq``, indexed by rank."""
-        self._check_usable()
-        deadline = time.monotonic() + timeout_s
+    def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
         capacity = _SLOT_BYTES - _LENGTH.size
         slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8)
         head = _LENGTH.pack(len(descriptor)) + descriptor[:capacity]
@@ -123,24 +120,19 @@ class TorchTransport:
     # ------------------------------------------------------------------------------------------------
     # Execution of a compiled plan
     # ------------------------------------------------------------------------------------------------
-    def execute(
+    def _execute(
         self,
         plan: RankPlan,
         buffer: np.ndarray[Any, Any],
         reduce_into: ReduceInto,
         *,
         seq: int,
+        deadline: float,
         timeout_s: float,
         checksum: bool,
     ) -> None:
-        """Run ``plan`` on ``buffer`` (1-D, contiguous, ``plan.count`` elements) in place."""
-        self._check_usable()
-        plan.check_fits(self.rank, self.world_size, buffer)
-        if not plan.steps:
-            return
         item = buffer.itemsize
         raw = torch.from_numpy(buffer.view(np.uint8))
-        deadline = time.monotonic() + timeout_s
         for step in plan.steps:
             self._run_step(
                 step.index,
@@ -221,7 +213,7 @@ class TorchTransport:
                 expected = int(p.crc_tensor.item())
                 got = zlib.crc32(p.scratch.numpy().data)
                 if got != expected:
-                    self._failure = ChecksumError(
+                    raise ChecksumError(
                         f"rank {self.rank}: block {t.block} segment {t.segment} from rank {t.peer} at step "
                         f"{step_index} arrived corrupted on link {t.peer} -> {self.rank} "
                         f"(crc32 {got:#010x}, sender computed {expected:#010x})",
@@ -229,7 +221,6 @@ class TorchTransport:
                         peer=t.peer,
                         step=step_index,
                     )
-                    raise self._failure
             if p.staged:
                 deferred.append(p)
             else:
@@ -305,18 +296,8 @@ class TorchTransport:
                 peer=peer,
                 step=step,
             )
-        self._failure = error
         return error
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"rank {self.rank}: this TorchTransport is closed")
-        if self._failure is not None:
-            raise RuntimeError(
-                f"rank {self.rank}: this TorchTransport is unusable after an earlier error: {self._failure}"
-            )
-
-    def close(self) -> None:
-        """Stop using this transport; the torch process group stays as it is (the caller owns it)."""
-        self._closed = True
+    def _release(self) -> None:
+        # The torch process group stays as it is: the caller owns it.
         self._scratch = torch.empty(0, dtype=torch.uint8)

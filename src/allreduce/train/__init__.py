@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from allreduce.runtime._spawn import RankFailedError
     from allreduce.train._data_parallel import DataParallel, SyncStats, bucket_layout
     from allreduce.train._digits import DigitsData, load_digits, make_mlp, shard_batches
-    from allreduce.train._local import RankFailedError, free_port, run_local
     from allreduce.train._run import (
         TRANSPORTS,
         EpochReport,
@@ -32,9 +32,7 @@ _WHERE = {
     "load_digits": "_digits",
     "make_mlp": "_digits",
     "shard_batches": "_digits",
-    "RankFailedError": "_local",
-    "free_port": "_local",
-    "run_local": "_local",
+    "RankFailedError": "allreduce.runtime._spawn",
     "TRANSPORTS": "_run",
     "EpochReport": "_run",
     "TrainConfig": "_run",
@@ -57,10 +55,8 @@ __all__ = [
     "bucket_layout",
     "demo",
     "format_result",
-    "free_port",
     "load_digits",
     "make_mlp",
-    "run_local",
     "shard_batches",
     "train",
     "train_rank",
@@ -71,7 +67,7 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'allreduce.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"allreduce.train.{module}"), name)
+    value = getattr(importlib.import_module(module if "." in module else f"allreduce.train.{module}"), name)
     globals()[name] = value
     return value
 

@@ -106,7 +106,7 @@ class TrainResult:
 
 
 def _make_group(config: TrainConfig) -> tuple[Any, Callable[[], None], str]:
-    """allreduce's process group on the ranks started by :func:`run_local` (rendezvous from the environment)."""
+    """allreduce's process group on the ranks started by :func:`train` (rendezvous from the environment)."""
     if config.transport != "torch":
         from allreduce.runtime import init
 
@@ -129,7 +129,7 @@ def _make_group(config: TrainConfig) -> tuple[Any, Callable[[], None], str]:
 
 
 def train_rank(config: TrainConfig) -> _RankRecord:
-    """One rank's training (run inside a process started by :func:`run_local`)."""
+    """One rank's training (run inside a rank process started by :func:`train`)."""
     import torch
     from allreduce.train._data_parallel import DataParallel
     from allreduce.train._digits import load_digits, make_mlp, shard_batches
@@ -236,8 +236,8 @@ def summarize(config: TrainConfig, records: list[_RankRecord]) -> TrainResult:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config`` on ``config.world_size`` fresh local processes and summarise where the step time went."""
+    from allreduce.runtime._spawn import spawn  # allreduce.runtime.spawn once runtime exports it
     from allreduce.train._digits import num_train_samples
-    from allreduce.train._local import run_local
 
     # Refuse before starting N processes: every rank needs at least one full batch per epoch.
     num_train = num_train_samples()
@@ -246,7 +246,7 @@ def train(config: TrainConfig) -> TrainResult:
             f"batch size {config.batch_size} per rank × {config.world_size} ranks exceeds the "
             f"{num_train} training samples"
         )
-    records = run_local(config.world_size, train_rank, (config,), timeout_s=config.timeout_s)
+    records = spawn(config.world_size, train_rank, config, group=False, timeout_s=config.timeout_s)
     return summarize(config, records)
 
 
