@@ -100,29 +100,34 @@ def test_the_what_if_table_changes_one_thing_per_row() -> None:
     result = plan(request(50 * MiB, 0.05), curve=False)
     changes = [w.change for w in result.what_ifs]
     assert any(c.startswith("algorithm ") for c in changes)
-    assert "bucket cap 5 MiB" in changes and "bucket cap 100 MiB" in changes
-    assert "leaf uplinks at 2:1" in changes and "leaf uplinks at 4:1" in changes
+    assert "bucket cap 5 MiB" in changes
+    assert "bucket cap 100 MiB" in changes
+    assert "leaf uplinks at 2:1" in changes
+    assert "leaf uplinks at 4:1" in changes
     assert "random placement" in changes
     assert any(c.endswith("at 10%") for c in changes)
     assert "one GPU 10% slower" in changes
     assert "fp32 gradients" in changes
     rows = {w.change: w for w in result.what_ifs}
     base = result.base.step
-    assert rows["fp32 gradients"].step is not None and rows["fp32 gradients"].step.comm_s > base.comm_s
+    assert rows["fp32 gradients"].step is not None
+    assert rows["fp32 gradients"].step.comm_s > base.comm_s
     assert rows["leaf uplinks at 4:1"].step is not None
     assert rows["leaf uplinks at 4:1"].step.comm_s >= rows["leaf uplinks at 2:1"].step.comm_s  # type: ignore[union-attr]
     straggler = rows["one GPU 10% slower"].step
-    assert straggler is not None and straggler.waiting_s == pytest.approx(0.1 * base.compute_s, rel=1e-9)
+    assert straggler is not None
+    assert straggler.waiting_s == pytest.approx(0.1 * base.compute_s, rel=1e-9)
 
 
 def test_oversubscription_is_refused_where_there_is_no_uplink() -> None:
     result = plan(dataclasses.replace(request(10 * MiB, 0.05), topology="switch:16"), curve=False)
     row = next(w for w in result.what_ifs if w.change == "leaf uplinks at 2:1")
-    assert row.step is None and "no switch tier" in row.note
+    assert row.step is None
+    assert "no switch tier" in row.note
 
 
 def test_too_many_gpus_for_the_topology_is_an_error_naming_both() -> None:
-    with pytest.raises(ValueError, match="--gpus 32: .* has only 16 GPUs"):
+    with pytest.raises(ValueError, match=r"--gpus 32: .* has only 16 GPUs"):
         plan_step(dataclasses.replace(request(1e6, 0.1), gpus=32))
 
 
@@ -131,4 +136,5 @@ def test_to_json_carries_the_split_and_the_tables() -> None:
     assert data["kind"] == "plan"
     assert set(data["base"]) >= {"step_s", "compute_s", "waiting_s", "exposed_comm_s", "sizes"}
     assert data["scaling"][-1]["gpus"] == 16
-    assert data["busbw_curve"] and data["links"]
+    assert data["busbw_curve"]
+    assert data["links"]

@@ -43,22 +43,23 @@ def test_a_straggler_makes_everyone_wait_for_its_compute() -> None:
     assert step.step_s == pytest.approx(0.15 + 0.05, abs=1e-12)
 
 
-@given(
-    st.lists(st.tuples(st.integers(1, 10**9), st.floats(0, 1)), min_size=1, max_size=20),
+computes = st.builds(
+    Compute,
     st.floats(0, 2),
-    st.floats(0, 1),
-    st.integers(1, 4),
-    st.booleans(),
-    st.floats(0, 1),
+    backward_fraction=st.floats(0, 1),
+    accumulation_steps=st.integers(1, 4),
+    overlap=st.booleans(),
+    straggler_slowdown=st.floats(0, 1),
 )
+
+
+@given(st.lists(st.tuples(st.integers(1, 10**9), st.floats(0, 1)), min_size=1, max_size=20), computes)
 def test_the_split_adds_up_and_the_step_is_bounded_by_its_parts(
-    buckets: list[tuple[int, float]], compute_s: float, backward: float, accumulation: int, overlap: bool, slow: float
+    buckets: list[tuple[int, float]], compute: Compute
 ) -> None:
     sizes = [b for b, _ in buckets]
     seconds = [s for _, s in buckets]
-    compute = Compute(
-        compute_s, backward_fraction=backward, accumulation_steps=accumulation, overlap=overlap, straggler_slowdown=slow
-    )
+    compute_s, accumulation, slow = compute.micro_batch_s, compute.accumulation_steps, compute.straggler_slowdown
     step = step_time(sizes, seconds, compute)
     assert step.step_s == pytest.approx(step.compute_s + step.waiting_s + step.exposed_comm_s, abs=1e-9)
     slowest = accumulation * compute_s * (1 + slow)

@@ -31,6 +31,7 @@ from allreduce.plan._workload import Model, model_from_params, preset
 __all__ = [
     "COLUMNS",
     "PARAMETERS",
+    "DaskExecutor",
     "SweepSummary",
     "case_id",
     "expand_grid",
@@ -188,24 +189,34 @@ def run_case(case: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
+class DaskExecutor(Executor):
+    """The executor of a Dask cluster, owning its client: ``shutdown`` closes the connection."""
+
+    def __init__(self, address: str) -> None:
+        try:
+            distributed = importlib.import_module("distributed")
+        except ImportError:
+            raise ValueError("dask://...: needs the distributed package (pip install 'allreduce[dask]')") from None
+        try:
+            self._client = distributed.Client(address, timeout=DASK_CONNECT_TIMEOUT_S)
+        except OSError as exc:
+            raise ValueError(f"cannot reach the Dask scheduler at {address} ({exc})") from None
+        self._executor: Executor = self._client.get_executor()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._executor.shutdown(wait=wait)
+        self._client.close()
+
+
 def make_executor(spec: str | None, *, workers: int | None = None) -> Executor:
     """A local process pool (``spec`` None or "local"), or the executor of a Dask cluster at ``dask://HOST:PORT``."""
     if spec in (None, "local"):
         return ProcessPoolExecutor(max_workers=workers)
     if spec.startswith("dask://"):
-        try:
-            distributed = importlib.import_module("distributed")
-        except ImportError:
-            raise ValueError(
-                "--executor dask://...: needs the distributed package (pip install 'allreduce[dask]')"
-            ) from None
-        address = "tcp://" + spec.removeprefix("dask://")
-        try:
-            client = distributed.Client(address, timeout=DASK_CONNECT_TIMEOUT_S)
-        except OSError as exc:
-            raise ValueError(f"--executor {spec}: cannot reach the Dask scheduler ({exc})") from None
-        executor: Executor = client.get_executor()
-        return executor
+        return DaskExecutor("tcp://" + spec.removeprefix("dask://"))
     raise ValueError(f"--executor {spec!r}: use local or dask://HOST:PORT")
 
 
