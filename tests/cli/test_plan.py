@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from allreduce.cli import main
+from allreduce.cli._plan import demo_section
 
 SMALL = ("--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4", "--compute-ms", "20")
 
@@ -46,7 +48,7 @@ def test_compute_from_flops_uses_six_params_tokens(capsys: pytest.CaptureFixture
 
 def test_a_torch_module_is_planned(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
-    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[1] / "plan"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "plan"))
     argv = ("--module", "plan_test_nets:two_layer", "--gpus", "4", "--topology", "switch:4", "--compute-ms", "1")
     code, out, err = run(capsys, *argv, "--json", "--no-what-if")
     assert code == 0, err
@@ -80,3 +82,12 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "(default: 25.0)" in out
     assert "(default: auto)" in out
+
+
+@pytest.mark.slow
+def test_the_demo_section_plans_llama2_7b_on_1024_gpus_and_writes_the_report(tmp_path: Path) -> None:
+    text, path = demo_section(tmp_path / "demo.html")
+    assert text.startswith("$ allreduce plan --model llama2-7b --gpus 1024 ")
+    assert "on 1024 GPUs of fat-tree:k=16" in text
+    assert text.endswith(f"report: {path}")
+    assert 'id="d0-scaling"' in path.read_text()

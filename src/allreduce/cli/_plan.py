@@ -250,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         request,
         scaling=not args.no_scaling,
         what_ifs=not args.no_what_if,
+        curve=bool(args.json or args.report),  # the busbw curve is drawn in the report, not printed
         progress=_progress(status),
     )
     if status:
