@@ -80,7 +80,7 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     out = capsys.readouterr().out
-    assert "(default: 25.0)" in out
+    assert "(default: 25)" in out
     assert "(default: auto)" in out
 
 

@@ -28,7 +28,7 @@ from allreduce.plan import (
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS
 from allreduce.units import format_bytes, format_seconds
 
-__all__ = ["demo_section", "register", "render", "request_from_args", "run"]
+__all__ = ["HelpFormatter", "demo_section", "register", "render", "request_from_args", "run"]
 
 MiB = 2**20
 # The demo: a Llama-2-7B-sized model on 1,024 GPUs of a k=16 fat tree, H100-class bf16 dense peak (989 TFLOPS)
@@ -47,6 +47,18 @@ DEMO_ARGS = (
     "--tokens-per-gpu",
     "4096",
 )
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written; every option's default shown (floats short, unset and off ones left out)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        shown = f"{default:.4g}" if isinstance(default, float) else str(default)
+        return f"{text} (default: {shown})"
 
 
 def _positive_float(name: str, *, at_most: float | None = None) -> Callable[[str], float]:
@@ -127,7 +139,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "  allreduce plan --params 1.3e9 --gpus 64 --topology switch:64 --compute-ms 250 --json > plan.json\n"
             "  allreduce report plan.json -o report.html"
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_workload_arguments(p)
     p.add_argument("--no-scaling", action="store_true", help="skip the scaling table")

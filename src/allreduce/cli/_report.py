@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from allreduce.cli._main import CLIError
+from allreduce.cli._plan import HelpFormatter
 from allreduce.report import figures_of, load_documents, write_pngs, write_report
 
 __all__ = ["register", "run"]
@@ -25,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "> plan.json\n"
             "  allreduce report plan.json -o report.html --png figures/"
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("results", nargs="+", metavar="RESULT", help="JSON (plan, sim) or CSV (sweep) files")
     p.add_argument("--output", "-o", default="allreduce-report.html", help="the HTML file to write")

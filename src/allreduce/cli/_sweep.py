@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from allreduce.cli._args import positive_int
 from allreduce.cli._main import CLIError
+from allreduce.cli._plan import HelpFormatter
 from allreduce.plan import load_grid, make_executor, run_sweep
 
 __all__ = ["register", "run"]
@@ -37,14 +38,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "  allreduce sweep grid.yaml -o results.csv --report sweep.html\n"
             "  allreduce sweep grid.yaml -o results.csv --executor dask://127.0.0.1:8786"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("grid", metavar="GRID.yaml", help="the cases")
-    p.add_argument("--output", "-o", default="sweep.csv", help="results CSV, appended to (default: sweep.csv)")
+    p.add_argument("--output", "-o", default="sweep.csv", help="results CSV, appended to")
     p.add_argument(
         "--executor",
         default="local",
-        help="local (a process pool, the default) or dask://HOST:PORT (a Dask scheduler)",
+        help="local or dask://HOST:PORT (a Dask scheduler)",
     )
     p.add_argument("--workers", type=positive_int("--workers"), help="local pool size (default: CPU count)")
     p.add_argument("--report", metavar="FILE", help="also write the HTML report of all rows to FILE")

@@ -21,6 +21,7 @@ from allreduce.plan._step import BACKWARD_FRACTION, Compute, StepTime, step_time
 from allreduce.plan._sweep import (
     COLUMNS,
     PARAMETERS,
+    DaskExecutor,
     SweepSummary,
     case_id,
     expand_grid,
@@ -52,6 +53,7 @@ __all__ = [
     "PARAMETERS",
     "PRESETS",
     "Compute",
+    "DaskExecutor",
     "Model",
     "Plan",
     "PlanRequest",
