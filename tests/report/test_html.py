@@ -101,7 +101,7 @@ def test_a_sweep_csv_and_a_sim_json_are_reported_too(tmp_path: Path, plan_docume
 def test_a_file_that_is_no_result_is_refused_with_its_name(tmp_path: Path) -> None:
     bad = tmp_path / "x.json"
     bad.write_text('{"hello": 1}')
-    with pytest.raises(ValueError, match=r"x\.json: not a plan, sweep or sim result"):
+    with pytest.raises(ValueError, match=r"x\.json: not a plan, sweep, sim or bench result"):
         load_documents([bad])
 
 
@@ -111,3 +111,36 @@ def test_png_figures_are_written_with_matplotlib(tmp_path: Path, plan_document: 
     assert [p.name for p in paths] == ["d0-scaling.png", "d0-breakdown.png", "d0-busbw.png", "d0-links.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measured_bench_rows_are_drawn_beside_the_predicted_busbw(
+    tmp_path: Path, plan_document: dict[str, Any]
+) -> None:
+    # The fields of `allreduce bench --json` rows.
+    rows = [
+        {
+            "size_bytes": size,
+            "count": size // 4,
+            "dtype": "float32",
+            "op": "sum",
+            "algorithm": "ring",
+            "transport": "shm",
+            "world_size": 4,
+            "iters": 10,
+            "time_s": size / 1e9,
+            "algbw_Bps": 1e9,
+            "busbw_Bps": 1.5e9,
+            "wrong": 0,
+        }
+        for size in (4096, 1 << 20, 16 << 20)
+    ]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(rows))
+    saved = tmp_path / "plan.json"
+    saved.write_text(json.dumps(plan_document))
+    documents = load_documents([saved, bench])
+    busbw = next(f for f in figures_of(documents) if f.ident == "d0-busbw")
+    assert [s.label for s in busbw.series][1:] == ["shm ring x4 (measured)"]
+    assert busbw.series[1].x == (4096.0, float(1 << 20), float(16 << 20))
+    cells = parse(render_report(documents))
+    assert float(cells.values["1.rows.2.busbw_Bps"]) == 1.5e9

@@ -368,7 +368,7 @@ def _plan_step(
     for size in sizes:
         count = buckets.count(size)
         if n == 1:
-            runs[size] = SizeRun(size, count, "none", 0.0, math.inf, True, (), None)
+            runs[size] = SizeRun(size, count, "none", 0.0, 0.0, True, (), None)
             continue
         if algorithms is not None and size in algorithms:
             names = [algorithms[size]]

@@ -131,6 +131,8 @@ def _legend(labels: Sequence[str], parts: list[str]) -> None:
 def _line_svg(fig: Figure, parts: list[str]) -> None:
     xs = [x for s in fig.series for x in s.x if not fig.log_x or x > 0]
     ys = [y for s in fig.series for y in s.y if math.isfinite(y) and (not fig.log_y or y > 0)]
+    if not xs or not ys:
+        raise ValueError(f"figure {fig.ident}: no points to draw")
     x_axis = _Axis(min(xs), max(xs), fig.log_x, MARGIN_LEFT, WIDTH - MARGIN_RIGHT)
     y_low = min(ys) if fig.log_y else min(0.0, *ys)
     y_axis = _Axis(y_low, max(ys) * (1.0 if fig.log_y else 1.05), fig.log_y, HEIGHT - MARGIN_BOTTOM, MARGIN_TOP)
@@ -229,7 +231,36 @@ def write_pngs(figures: Sequence[Figure], directory: str | Path) -> list[Path]:
 # ------------------------------------------------------------------------------------------------------------
 # Figures of result documents
 # ------------------------------------------------------------------------------------------------------------
-def _plan_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
+def _measured_series(bench: Sequence[dict[str, Any]]) -> list[Series]:
+    """One series per (transport, algorithm, world size) of measured ``allreduce bench --json`` rows."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for row in bench:
+        key = f"{row.get('transport', '?')} {row.get('algorithm', '?')} x{row.get('world_size', '?')} (measured)"
+        groups.setdefault(key, []).append((float(row["size_bytes"]), float(row["busbw_Bps"]) / 1e9))
+    series = []
+    for key, unsorted in sorted(groups.items()):
+        points = sorted(p for p in unsorted if p[0] > 0)
+        if points:
+            series.append(Series(key, tuple(p[0] for p in points), tuple(p[1] for p in points)))
+    return series
+
+
+def _busbw_figure(ident: str, predicted: Sequence[Series], measured: Sequence[Series], what: str) -> Figure:
+    return Figure(
+        ident,
+        "Bus bandwidth versus message size",
+        f"{what} (nccl-tests definition of busbw). Small messages are latency-bound; the plateau is what the fabric "
+        "gives large buckets, so a bucket cap left of the knee wastes bandwidth. Measured rows, when given, show "
+        "how far a real run is from the prediction.",
+        "line",
+        (*predicted, *measured),
+        "bytes per rank",
+        "busbw GB/s",
+        log_x=True,
+    )
+
+
+def _plan_figures(doc: dict[str, Any], prefix: str, bench: Sequence[dict[str, Any]] = ()) -> list[Figure]:
     figures: list[Figure] = []
     base = doc["base"]
     scaling = doc.get("scaling") or []
@@ -274,26 +305,13 @@ def _plan_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
     curve = doc.get("busbw_curve") or []
     if curve:
         algorithm = curve[0]["algorithm"]
-        figures.append(
-            Figure(
-                f"{prefix}busbw",
-                "Bus bandwidth versus message size",
-                f"Predicted busbw of {algorithm} on {base['gpus']} GPUs (nccl-tests definition). Small messages are "
-                "latency-bound; the plateau is what the fabric gives large buckets. A bucket cap left of the knee "
-                "wastes bandwidth.",
-                "line",
-                (
-                    Series(
-                        f"{algorithm} (predicted)",
-                        tuple(float(p["size_bytes"]) for p in curve),
-                        tuple(p["busbw_GBps"] for p in curve),
-                    ),
-                ),
-                "bytes per rank",
-                "busbw GB/s",
-                log_x=True,
-            )
+        predicted = Series(
+            f"{algorithm} (predicted)",
+            tuple(float(p["size_bytes"]) for p in curve),
+            tuple(p["busbw_GBps"] for p in curve),
         )
+        what = f"Predicted busbw of {algorithm} on {base['gpus']} GPUs"
+        figures.append(_busbw_figure(f"{prefix}busbw", [predicted], _measured_series(bench), what))
     links = doc.get("links") or []
     if links:
         of = doc.get("links_of", {})
@@ -376,22 +394,30 @@ def _sim_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
 
 
 def document_kind(doc: dict[str, Any]) -> str:
-    if doc.get("kind") in ("plan", "sweep"):
+    if doc.get("kind") in ("plan", "sweep", "bench"):
         return str(doc["kind"])
     if "algorithms" in doc and "ranks" in doc:
         return "sim"
-    raise ValueError("not a plan, sweep or sim result (expected the output of plan --json, sweep, or sim --json)")
+    raise ValueError(
+        "not a plan, sweep, sim or bench result (expected the output of plan --json, sweep, sim --json or bench --json)"
+    )
 
 
 def figures_of(documents: Sequence[dict[str, Any]]) -> list[Figure]:
+    """The figures of ``documents``; measured bench rows are drawn beside every plan's predicted busbw."""
+    bench = [row for doc in documents if document_kind(doc) == "bench" for row in doc["rows"]]
+    has_plan = any(document_kind(doc) == "plan" for doc in documents)
     figures: list[Figure] = []
     for i, doc in enumerate(documents):
         prefix = f"d{i}-"
         kind = document_kind(doc)
         if kind == "plan":
-            figures += _plan_figures(doc, prefix)
+            figures += _plan_figures(doc, prefix, bench)
         elif kind == "sweep":
             figures += _sweep_figures(doc, prefix)
+        elif kind == "bench":
+            if not has_plan:
+                figures.append(_busbw_figure(f"{prefix}bench", [], _measured_series(doc["rows"]), "Measured busbw"))
         else:
             figures += _sim_figures(doc, prefix)
     return figures

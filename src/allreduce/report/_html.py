@@ -131,6 +131,24 @@ def _sim_section(doc: dict[str, Any], index: int) -> list[str]:
     return out
 
 
+def _bench_section(doc: dict[str, Any], index: int) -> list[str]:
+    out = [
+        f"<h2>Measured: {len(doc['rows'])} rows of allreduce bench</h2><table><tr><th>transport</th>"
+        "<th>algorithm</th><th>ranks</th><th>size</th><th>time</th><th>busbw</th></tr>"
+    ]
+    for i, row in enumerate(doc["rows"]):
+        out.append(
+            f"<tr><td>{html.escape(str(row.get('transport', '?')))}</td>"
+            f"<td>{html.escape(str(row.get('algorithm', '?')))}</td><td>{row.get('world_size', '?')}</td>"
+            f"<td>{html.escape(format_bytes(row['size_bytes']))}</td>"
+            + _cell(f"{index}.rows.{i}.time_s", row["time_s"], format_seconds(row["time_s"]))
+            + _cell(f"{index}.rows.{i}.busbw_Bps", row["busbw_Bps"], f"{row['busbw_Bps'] / 1e9:.3g} GB/s")
+            + "</tr>"
+        )
+    out.append("</table>")
+    return out
+
+
 def _figure_html(fig: Figure) -> str:
     return (
         f'<figure id="{html.escape(fig.ident)}" class="figure">{svg(fig)}'
@@ -150,6 +168,8 @@ def render_report(documents: Sequence[dict[str, Any]], *, title: str = "allreduc
             body += _plan_section(doc, i)
         elif kind == "sweep":
             body += _sweep_section(doc, i)
+        elif kind == "bench":
+            body += _bench_section(doc, i)
         else:
             body += _sim_section(doc, i)
         body += [_figure_html(fig) for fig in figures if fig.ident.startswith(f"d{i}-")]
@@ -177,7 +197,7 @@ def _number(text: str) -> Any:
 
 
 def load_documents(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """Read results: JSON of ``plan --json`` / ``sim --json``, or a sweep's CSV."""
+    """Read results: JSON of ``plan --json`` / ``sim --json`` / ``bench --json``, or a sweep's CSV."""
     documents = []
     for path in map(Path, paths):
         try:
@@ -192,8 +212,11 @@ def load_documents(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        if isinstance(doc, list) and all(isinstance(r, dict) and {"size_bytes", "busbw_Bps"} <= set(r) for r in doc):
+            documents.append({"kind": "bench", "rows": doc})
+            continue
         if not isinstance(doc, dict):
-            raise ValueError(f"{path}: expected a JSON object (plan --json, sim --json)")
+            raise ValueError(f"{path}: expected the JSON of plan --json, sim --json or bench --json")
         try:
             document_kind(doc)
         except ValueError as exc:
