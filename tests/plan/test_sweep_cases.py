@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 from allreduce.plan import case_id, load_grid, make_executor, plan_step, request_of, run_case, run_sweep
+from allreduce.schedules import all_reduce
+from allreduce.sim import simulate
+from allreduce.topology import parse_topology
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 BASE = {"params": 2e7, "compute_ms": 20, "topology": "fat-tree:k=4", "algorithm": "ring"}
@@ -53,6 +56,13 @@ def test_a_case_is_a_pure_function_of_its_parameters() -> None:
     assert row["error"] == ""
     assert row["step_s"] == plan_step(request_of(case)).step.step_s
     assert row["case_id"] == case_id(dict(case))
+
+
+def test_a_size_case_is_one_simulated_all_reduce() -> None:
+    row = run_case({"size": "8MiB", "gpus": 16, "topology": "fat-tree:k=4", "algorithm": "ring"})
+    expected = simulate(all_reduce("ring", 16), parse_topology("fat-tree:k=4"), size_bytes=8 * 2**20).seconds
+    assert row["buckets"] == 1
+    assert row["step_s"] == pytest.approx(expected, rel=1e-9, abs=0)
 
 
 def test_a_failing_case_is_recorded_with_its_error() -> None:

@@ -1,12 +1,12 @@
 """Parameter sweeps of the planner on any ``concurrent.futures.Executor``: a local process pool or a Dask cluster.
 
 A case is a dict of plan parameters (``model``, ``gpus``, ``topology``, ``compute_ms``, ...: see
-:data:`PARAMETERS`); :func:`run_case` is a pure function of it, so any executor can run it anywhere. A grid file
-(YAML) is either ``grid:`` (every combination of the listed values, over the ``base:`` values) or ``cases:`` (a
-list). Results go to a CSV file one row per case as cases finish; a case that raises is recorded with its error
-and the sweep goes on; a re-run skips the cases whose id is already in the file. With pyarrow installed, a
-Parquet copy is written at the end.
-"""
+:data:`PARAMETERS`), or a single all-reduce (``size: 64MiB`` with ``gpus``, ``topology``, ``algorithm``: what
+``allreduce sim`` computes, as a plan of one bucket and no compute). :func:`run_case` is a pure function of it,
+so any executor can run it anywhere. A grid file (YAML) is either ``grid:`` (every combination of the listed
+values, over the ``base:`` values) or ``cases:`` (a list). Results go to a CSV file one row per case as cases
+finish; a case that raises is recorded with its error and the sweep goes on; a re-run skips the cases whose id
+is already in the file. With pyarrow installed, a Parquet copy is written at the end."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ import yaml
 
 from allreduce.plan._planner import PlanRequest, compute_seconds, plan_step
 from allreduce.plan._step import BACKWARD_FRACTION, Compute
-from allreduce.plan._workload import Model, model_from_params, preset
+from allreduce.plan._workload import GRADIENT_DTYPES, Model, model_from_params, preset
+from allreduce.units import parse_bytes
 
 __all__ = [
     "COLUMNS",
@@ -67,6 +68,7 @@ PARAMETERS: dict[str, Any] = {
     "seed": 0,
     "oversubscription": 1.0,
     "engine": "auto",
+    "size": None,
 }
 RESULTS = ("step_s", "compute_s", "waiting_s", "exposed_comm_s", "comm_s", "buckets", "algorithms", "seconds_to_run")
 COLUMNS = ("case_id", *PARAMETERS, *RESULTS, "error")
@@ -133,8 +135,31 @@ def _model(case: Mapping[str, Any]) -> Model:
     raise ValueError("a case needs model or params")
 
 
+def _all_reduce_case(full: dict[str, Any]) -> dict[str, Any]:
+    """A ``size`` case as a plan: one bucket of ``size`` bytes (bf16 elements), no compute."""
+    size = parse_bytes(str(full["size"]), what="size")
+    if size <= 0 or size % GRADIENT_DTYPES["bf16"]:
+        raise ValueError(f"size {full['size']!r}: a whole number of bf16 elements (even bytes) > 0")
+    if full["model"] is not None or full["params"] is not None:
+        raise ValueError("a case has either size (one all-reduce) or model/params (a training step)")
+    bucket_mb = size / MiB
+    return {
+        **full,
+        "params": size // GRADIENT_DTYPES["bf16"],
+        "dtype": "bf16",
+        "compute_ms": 0.0,
+        "gpu_tflops": None,
+        "overlap": False,
+        "accumulation": 1,
+        "bucket_mb": bucket_mb,
+        "first_bucket_mb": bucket_mb,
+    }
+
+
 def request_of(case: Mapping[str, Any]) -> PlanRequest:
     full = {key: case.get(key, default) for key, default in PARAMETERS.items()}
+    if full["size"] is not None:
+        full = _all_reduce_case(full)
     model = _model(full)
     for key in ("gpus", "topology"):
         if full[key] is None:
