@@ -166,3 +166,14 @@ def test_a_dask_cluster_of_two_worker_processes_runs_the_sweep(tmp_path: Path, d
 def test_an_unknown_executor_is_refused() -> None:
     with pytest.raises(ValueError, match="use local or dask://HOST:PORT"):
         make_executor("spark://x")
+
+
+def test_a_parquet_copy_has_every_row_when_pyarrow_is_there(tmp_path: Path) -> None:
+    parquet = pytest.importorskip("pyarrow.parquet", reason="pyarrow is optional: the sweep then writes CSV only")
+    cases = [{**BASE, "gpus": n} for n in (2, 4, 64)]
+    with ThreadPoolExecutor(2) as pool:
+        summary = run_sweep(cases, tmp_path / "p.csv", pool)
+    assert summary.parquet == tmp_path / "p.parquet"
+    table = parquet.read_table(summary.parquet)
+    assert table.num_rows == 3
+    assert sorted(table.column("gpus").to_pylist()) == [2, 4, 64]
