@@ -41,7 +41,8 @@ def test_json_numbers_match_the_library(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_compute_from_flops_uses_six_params_tokens(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ("--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4")
-    code, out, err = run(capsys, *argv, "--gpu-tflops", "100", "--mfu", "0.5", "--tokens-per-gpu", "1000", "--json")
+    flops = ("--gpu-tflops", "100", "--mfu", "0.5", "--tokens-per-gpu", "1000")
+    code, out, err = run(capsys, *argv, *flops, "--json", "--no-what-if", "--no-scaling")
     assert code == 0, err
     assert json.loads(out)["base"]["compute_s"] == pytest.approx(6 * 5e7 * 1000 / 50e12, rel=1e-12)
 
