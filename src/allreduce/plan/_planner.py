@@ -61,6 +61,9 @@ WHAT_IF_DEGRADED_LINK_FACTOR = 0.1
 WHAT_IF_STRAGGLER_SLOWDOWN = 0.1
 # Sizes of the busbw-versus-message-size curve: 1 KiB to 1 GiB by factors of 4.
 CURVE_SIZES_BYTES = tuple(2**e for e in range(10, 31, 2))
+# A step whose exposed communication is at most this share of it is called compute-bound: below what step-time
+# measurements resolve (run-to-run variation of a training step is typically a few percent).
+COMPUTE_BOUND_EXPOSED_SHARE = 0.01
 # Links the report's utilization view shows.
 UTILIZATION_LINKS = 16
 
@@ -274,8 +277,9 @@ class _Simulator:
     def topology(self, spec: str, oversubscription: float) -> Topology:
         key = (spec, oversubscription)
         if key not in self._topologies:
-            topology = self._topologies[(spec, 1.0)] if (spec, 1.0) in self._topologies else parse_topology(spec)
-            self._topologies[(spec, 1.0)] = topology
+            if (spec, 1.0) not in self._topologies:
+                self._topologies[(spec, 1.0)] = parse_topology(spec)
+            topology = self._topologies[(spec, 1.0)]
             if oversubscription != 1.0:
                 uplinks = _leaf_uplinks(topology)
                 if not uplinks.size:
@@ -404,7 +408,7 @@ def _bottleneck(base: StepPlan) -> str:
     step = base.step
     if step.waiting_s > step.exposed_comm_s and step.waiting_s > 0:
         return f"a straggler: GPUs wait {step.waiting_s / step.step_s:.0%} of the step for the slowest one's compute"
-    if step.step_s <= 0 or step.exposed_comm_s <= 0.01 * step.step_s:
+    if step.step_s <= 0 or step.exposed_comm_s <= COMPUTE_BOUND_EXPOSED_SHARE * step.step_s:
         return (
             f"compute: the all-reduces ({step.comm_s:.3g} s in all) hide behind backward; "
             f"exposed communication is {step.exposed_comm_s / step.step_s if step.step_s else 0:.1%} of the step"
