@@ -75,7 +75,7 @@ def _positive_float(name: str, *, at_most: float | None = None) -> Callable[[str
     return parse
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", "-m", choices=tuple(PRESETS), help="a model preset")
     which.add_argument("--params", type=_positive_float("--params"), help="a transformer of this many parameters: 7e9")
@@ -141,7 +141,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         formatter_class=HelpFormatter,
     )
-    add_workload_arguments(p)
+    _add_workload_arguments(p)
     p.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
     p.add_argument("--no-what-if", action="store_true", help="skip the what-if table")
     p.add_argument("--json", action="store_true", help="machine-readable output (what `allreduce report` reads)")
