@@ -25,6 +25,9 @@ _COMMANDS: tuple[str, ...] = (
     "allreduce.cli._tune",
     "allreduce.cli._run",
     "allreduce.cli._train",
+    "allreduce.cli._plan",
+    "allreduce.cli._report",
+    "allreduce.cli._sweep",
     "allreduce.cli._emulate",
 )
 

@@ -1,0 +1,150 @@
+"""Planner and sweep speed: `allreduce plan` at 1,024 GPUs, its scaling table to 131,072, and a 1,000-case sweep.
+
+    .venv/bin/python benchmarks/bench_plan.py [--skip plan,scaling,local,dask] [--workers 2]
+
+Rows: wall time and CPU time (of this process and its children) of
+
+- `plan` for Llama-2-7B on 1,024 GPUs of a k=16 fat tree with its what-if table (auto algorithm);
+- `plan --algorithm ring --no-what-if` on 131,072 GPUs of a k=82 fat tree (the scaling table from 8 GPUs);
+- the same 1,000-case sweep (5 GPU counts x 5 bucket caps x 5 model sizes x 2 dtypes x overlap on/off x
+  accumulation 1/4, ring on a k=8 fat tree) on a local process pool and on a local Dask cluster of the same
+  number of worker processes, with cases per second.
+
+The machine may be shared: the table prints the load average before each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import Executor, ProcessPoolExecutor
+from pathlib import Path
+
+from allreduce.plan import DaskExecutor, expand_grid, run_sweep
+
+PLAN_1024 = [
+    "plan",
+    "--model",
+    "llama2-7b",
+    "--gpus",
+    "1024",
+    "--topology",
+    "fat-tree:k=16",
+    "--gpu-tflops",
+    "989",
+    "--mfu",
+    "0.4",
+    "--tokens-per-gpu",
+    "4096",
+]
+PLAN_131072 = [
+    "plan",
+    "--model",
+    "llama2-7b",
+    "--gpus",
+    "131072",
+    "--topology",
+    "fat-tree:k=82",
+    "--gpu-tflops",
+    "989",
+    "--mfu",
+    "0.4",
+    "--tokens-per-gpu",
+    "4096",
+    "--algorithm",
+    "ring",
+    "--no-what-if",
+]
+SWEEP_BASE = {"compute_ms": 100, "topology": "fat-tree:k=8", "algorithm": "ring"}
+SWEEP_GRID = {
+    "gpus": [8, 16, 32, 64, 128],
+    "bucket_mb": [5, 10, 25, 50, 100],
+    "params": [1e8, 3e8, 1e9, 3e9, 1e10],
+    "dtype": ["bf16", "fp32"],
+    "overlap": [True, False],
+    "accumulation": [1, 4],
+}
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def time_cli(argv: list[str]) -> tuple[float, float]:
+    cpu0, t0 = _children_cpu_s(), time.perf_counter()
+    subprocess.run([sys.executable, "-m", "allreduce", *argv], check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0, _children_cpu_s() - cpu0
+
+
+def time_sweep(executor: Executor, cases: list[dict[str, object]]) -> tuple[float, int, int]:
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = run_sweep(cases, Path(tmp) / "sweep.csv", executor)
+    return summary.wall_s, summary.ran, summary.failed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip", default="", help="comma-separated rows to skip: plan, scaling, local, dask")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes of the pool and the Dask cluster")
+    args = parser.parse_args()
+    skip = set(args.skip.split(","))
+    rows: list[str] = []
+    header = f"{'what':<52} {'load':>5} {'wall s':>8} {'CPU s':>8} {'cases/s':>8}"
+    print(header)
+    print("-" * len(header))
+
+    def emit(line: str) -> None:
+        rows.append(line)
+        print(line, flush=True)
+
+    if "plan" not in skip:
+        load = _load()
+        wall, cpu = time_cli(PLAN_1024)
+        emit(f"{'plan llama2-7b, 1,024 GPUs, scaling + what-ifs':<52} {load:>5} {wall:>8.2f} {cpu:>8.2f} {'':>8}")
+    if "scaling" not in skip:
+        load = _load()
+        wall, cpu = time_cli(PLAN_131072)
+        emit(f"{'plan ring, scaling table 8 -> 131,072 GPUs':<52} {load:>5} {wall:>8.2f} {cpu:>8.2f} {'':>8}")
+    cases = expand_grid(SWEEP_BASE, SWEEP_GRID)
+    if "local" not in skip:
+        load = _load()
+        cpu0 = _self_cpu_s()
+        with ProcessPoolExecutor(args.workers) as pool:
+            children0 = _children_cpu_s()
+            wall, ran, failed = time_sweep(pool, cases)
+        cpu = _self_cpu_s() - cpu0 + _children_cpu_s() - children0
+        what = f"sweep {ran} cases ({failed} failed), local pool of {args.workers}"
+        emit(f"{what:<52} {load:>5} {wall:>8.2f} {cpu:>8.2f} {ran / wall:>8.1f}")
+    if "dask" not in skip:
+        from distributed import LocalCluster
+
+        load = _load()
+        with LocalCluster(
+            n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster:
+            executor = DaskExecutor(cluster.scheduler_address)
+            try:
+                wall, ran, failed = time_sweep(executor, cases)
+            finally:
+                executor.shutdown()
+        what = f"sweep {ran} cases ({failed} failed), Dask {args.workers} workers"
+        emit(f"{what:<52} {load:>5} {wall:>8.2f} {'-':>8} {ran / wall:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

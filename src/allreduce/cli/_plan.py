@@ -1,0 +1,296 @@
+"""``allreduce plan``: the cost of a training step for a model on a cluster, its scaling, and what-ifs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from allreduce.cli._args import non_negative_int, positive_int
+from allreduce.cli._main import CLIError
+from allreduce.plan import (
+    AUTO,
+    BACKWARD_FRACTION,
+    GRADIENT_DTYPES,
+    PRESETS,
+    Compute,
+    Model,
+    Plan,
+    PlanRequest,
+    compute_seconds,
+    model_from_module,
+    model_from_params,
+    plan,
+    preset,
+)
+from allreduce.schedules import ALL_REDUCE_ALGORITHMS
+from allreduce.units import format_bytes, format_seconds
+
+__all__ = ["HelpFormatter", "demo_section", "register", "render", "request_from_args", "run"]
+
+MiB = 2**20
+# The demo: a Llama-2-7B-sized model on 1,024 GPUs of a k=16 fat tree, H100-class bf16 dense peak (989 TFLOPS)
+# at 40% model FLOPs utilization, 4,096 tokens per GPU per step.
+DEMO_ARGS = (
+    "--model",
+    "llama2-7b",
+    "--gpus",
+    "1024",
+    "--topology",
+    "fat-tree:k=16",
+    "--gpu-tflops",
+    "989",
+    "--mfu",
+    "0.4",
+    "--tokens-per-gpu",
+    "4096",
+)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written; every option's default shown (floats short, unset and off ones left out)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        shown = f"{default:.4g}" if isinstance(default, float) else str(default)
+        return f"{text} (default: {shown})"
+
+
+def _positive_float(name: str, *, at_most: float | None = None) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not value > 0 or (at_most is not None and value > at_most):
+            bound = f" and <= {at_most:g}" if at_most is not None else ""
+            raise argparse.ArgumentTypeError(f"{name} must be > 0{bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", "-m", choices=tuple(PRESETS), help="a model preset")
+    which.add_argument("--params", type=_positive_float("--params"), help="a transformer of this many parameters: 7e9")
+    which.add_argument("--module", metavar="MODULE:FUNCTION", help="a torch.nn.Module that FUNCTION() returns")
+    p.add_argument("--gpus", "-n", type=positive_int("--gpus"), required=True, help="data-parallel GPUs")
+    p.add_argument("--topology", "-t", required=True, help="a spec (fat-tree:k=16, clos:..., rail:...) or a file")
+    p.add_argument(
+        "--algorithm",
+        "-a",
+        default=AUTO,
+        choices=(AUTO, *ALL_REDUCE_ALGORITHMS),
+        help="all-reduce algorithm; auto: the fastest per bucket size in the simulator",
+    )
+    p.add_argument("--bucket-mb", type=_positive_float("--bucket-mb"), default=25.0, help="DDP bucket cap in MiB")
+    p.add_argument(
+        "--first-bucket-mb", type=_positive_float("--first-bucket-mb"), default=1.0, help="DDP's first bucket in MiB"
+    )
+    p.add_argument("--dtype", choices=tuple(GRADIENT_DTYPES), default="bf16", help="gradient element type")
+    compute = p.add_argument_group("compute per step (--compute-ms, or FLOPs from --gpu-tflops and --mfu)")
+    compute.add_argument("--compute-ms", type=float, help="forward + backward of one micro-batch, milliseconds")
+    compute.add_argument("--gpu-tflops", type=_positive_float("--gpu-tflops"), help="the GPU's peak TFLOPS")
+    compute.add_argument(
+        "--mfu", type=_positive_float("--mfu", at_most=1.0), default=0.4, help="model FLOPs utilization"
+    )
+    compute.add_argument("--tokens-per-gpu", type=_positive_float("--tokens-per-gpu"), help="tokens per micro-batch")
+    compute.add_argument("--samples-per-gpu", type=_positive_float("--samples-per-gpu"), help="images (CNN presets)")
+    compute.add_argument(
+        "--backward-fraction",
+        type=_positive_float("--backward-fraction", at_most=1.0),
+        default=BACKWARD_FRACTION,
+        help="share of compute that is backward, when bucket all-reduces may run",
+    )
+    compute.add_argument("--no-overlap", action="store_true", help="all-reduce only after backward ends")
+    compute.add_argument("--accumulation", type=positive_int("--accumulation"), default=1, help="micro-batches/step")
+    p.add_argument("--placement", choices=("linear", "random"), default="linear", help="rank to GPU mapping")
+    p.add_argument("--seed", type=non_negative_int("--seed"), default=0, help="seed of placement and ECMP")
+    p.add_argument("--group-size", type=positive_int("--group-size"), help="ranks per node for hierarchical")
+    p.add_argument(
+        "--engine",
+        choices=("auto", "fast", "event"),
+        default="auto",
+        help="the simulator engine (see allreduce sim --help)",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="step time of a model on a cluster: compute, exposed all-reduce, scaling and what-ifs",
+        description=(
+            "Estimate one training step of data-parallel training: the gradient in DDP buckets (reverse\n"
+            "registration order, a small first bucket), each bucket's all-reduce simulated on the topology,\n"
+            "overlapped with backward. Prints the step split into compute, waiting and exposed communication,\n"
+            "the scaling table from 8 GPUs (doubling, same per-GPU batch), the bottleneck, and what one change\n"
+            "would do."
+        ),
+        epilog=(
+            "examples:\n"
+            "  allreduce plan --model llama2-7b --gpus 1024 --topology fat-tree:k=16 --gpu-tflops 989 --mfu 0.4 "
+            "--tokens-per-gpu 4096\n"
+            "  allreduce plan --params 1.3e9 --gpus 64 --topology switch:64 --compute-ms 250 --json > plan.json\n"
+            "  allreduce report plan.json -o report.html"
+        ),
+        formatter_class=HelpFormatter,
+    )
+    _add_workload_arguments(p)
+    p.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
+    p.add_argument("--no-what-if", action="store_true", help="skip the what-if table")
+    p.add_argument("--json", action="store_true", help="machine-readable output (what `allreduce report` reads)")
+    p.add_argument("--report", metavar="FILE", help="also write the HTML report to FILE")
+    p.set_defaults(handler=run)
+
+
+def _model(args: argparse.Namespace) -> Model:
+    if args.model is not None:
+        return preset(args.model)
+    if args.params is not None:
+        return model_from_params(args.params)
+    return model_from_module(args.module)
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    model = _model(args)
+    if args.compute_ms is not None:
+        if args.compute_ms < 0:
+            raise CLIError(f"--compute-ms must be >= 0, got {args.compute_ms:g}")
+        if args.gpu_tflops is not None:
+            raise CLIError("give --compute-ms or --gpu-tflops, not both")
+        micro_batch_s = args.compute_ms / 1e3
+    elif args.gpu_tflops is not None:
+        micro_batch_s = compute_seconds(
+            model,
+            gpu_tflops=args.gpu_tflops,
+            mfu=args.mfu,
+            tokens_per_gpu=args.tokens_per_gpu,
+            samples_per_gpu=args.samples_per_gpu,
+        )
+    else:
+        raise CLIError("say how long compute takes: --compute-ms, or --gpu-tflops with --tokens-per-gpu")
+    compute = Compute(
+        micro_batch_s,
+        backward_fraction=args.backward_fraction,
+        accumulation_steps=args.accumulation,
+        overlap=not args.no_overlap,
+    )
+    return PlanRequest(
+        model=model,
+        gpus=args.gpus,
+        topology=args.topology,
+        compute=compute,
+        gradient_dtype=args.dtype,
+        bucket_cap_bytes=int(args.bucket_mb * MiB),
+        first_bucket_bytes=int(args.first_bucket_mb * MiB),
+        algorithm=args.algorithm,
+        group_size=args.group_size,
+        placement=args.placement,
+        seed=args.seed,
+        engine=args.engine,
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:10.2f}"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole if whole else 1.0:.1%}"
+
+
+def render(result: Plan) -> str:
+    base = result.base
+    request, step = base.request, base.step
+    lines = [
+        f"{request.model.name} ({request.model.params / 1e9:.3g}B parameters, {request.gradient_dtype} gradients) "
+        f"on {request.gpus} GPUs of {request.topology}",
+        f"{len(step.bucket_bytes)} buckets (first {format_bytes(step.bucket_bytes[0])}, cap "
+        f"{format_bytes(request.bucket_cap_bytes)}); all-reduce: "
+        + ", ".join(
+            f"{r.count} x {format_bytes(r.size_bytes)} by {r.algorithm} in {format_seconds(r.seconds)}"
+            for r in base.runs
+        ),
+        "",
+        f"step time      {format_seconds(step.step_s)}",
+        f"  compute      {format_seconds(step.compute_s)}  ({_share(step.compute_s, step.step_s)})",
+        f"  waiting      {format_seconds(step.waiting_s)}",
+        f"  exposed comm {format_seconds(step.exposed_comm_s)}  (of {format_seconds(step.comm_s)} all-reduce in all)",
+        f"bottleneck: {result.bottleneck}",
+    ]
+    if result.scaling:
+        lines += [
+            "",
+            "scaling (same per-GPU batch)",
+            f"{'GPUs':>8} {'step ms':>10} {'exposed ms':>10} {'efficiency':>10}  algorithm",
+        ]
+        lines.extend(
+            f"{row.gpus:>8} {_ms(row.step.step_s)} {_ms(row.step.exposed_comm_s)} {row.efficiency:>10.1%}  "
+            f"{row.algorithm}"
+            for row in result.scaling
+        )
+    if result.what_ifs:
+        lines += ["", "what if (one change each)", f"{'change':<40} {'step ms':>10} {'vs base':>8} {'exposed ms':>10}"]
+        lines.append(f"{'(base)':<40} {_ms(step.step_s)} {'':>8} {_ms(step.exposed_comm_s)}")
+        for w in result.what_ifs:
+            if w.step is None:
+                lines.append(f"{w.change:<40} {'n/a':>10}  {w.note}")
+                continue
+            delta = w.step.step_s / step.step_s - 1 if step.step_s else 0.0
+            lines.append(f"{w.change:<40} {_ms(w.step.step_s)} {delta:>+8.1%} {_ms(w.step.exposed_comm_s)}")
+    lines.extend(f"(note: {n})" for n in result.notes)
+    return "\n".join(lines)
+
+
+def _progress(enabled: bool) -> Callable[[str], None] | None:
+    def show(text: str) -> None:
+        print(f"\rplanning: {text}...\033[K", end="", file=sys.stderr, flush=True)
+
+    return show if enabled else None
+
+
+def run(args: argparse.Namespace) -> int:
+    request = request_from_args(args)
+    status = sys.stderr.isatty() and not args.json
+    result = plan(
+        request,
+        scaling=not args.no_scaling,
+        what_ifs=not args.no_what_if,
+        curve=bool(args.json or args.report),  # the busbw curve is drawn in the report, not printed
+        progress=_progress(status),
+    )
+    if status:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    if args.report:
+        from allreduce.report import write_report
+
+        try:
+            write_report(args.report, [result.to_json()])
+        except OSError as exc:
+            raise CLIError(f"--report {args.report}: cannot write it ({exc.strerror})") from None
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(render(result))
+        if args.report:
+            print(f"report: {args.report}")
+    return 0
+
+
+def demo_section(report_path: str | Path = "allreduce-plan-report.html") -> tuple[str, Path]:
+    """The demo's last act: plan Llama-2-7B on 1,024 GPUs, write the report; returns (text to print, path)."""
+    from allreduce.cli._main import build_parser
+    from allreduce.report import write_report
+
+    args = build_parser().parse_args(["plan", *DEMO_ARGS])
+    result = plan(request_from_args(args))
+    path = Path(report_path)
+    write_report(path, [result.to_json()])
+    command = "allreduce plan " + " ".join(DEMO_ARGS)
+    return f"$ {command}\n{render(result)}\nreport: {path}", path

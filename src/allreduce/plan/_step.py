@@ -1,0 +1,115 @@
+"""One training step on one GPU: compute, then the bucket all-reduces overlapped with backward as DDP does.
+
+The timeline of the last micro-batch of a step (earlier micro-batches of gradient accumulation run without
+communication, as under ``DistributedDataParallel.no_sync``)::
+
+    forward = (1 - backward_fraction) · compute;  backward produces gradient bytes at a constant rate
+    bucket k is ready when backward has produced the bytes of buckets 0..k (reverse registration order)
+    all-reduce k starts at max(ready k, end of all-reduce k-1)     one communication stream, in bucket order
+    step ends at max(end of compute, end of the last all-reduce)
+
+With ``overlap=False`` every bucket is ready when compute ends. A straggler computes ``1 + straggler_slowdown``
+times longer; every all-reduce needs every rank's bucket, so the others wait for it. The step splits exactly
+into ``compute_s`` (a typical GPU's compute), ``waiting_s`` (for the slowest GPU's compute) and
+``exposed_comm_s`` (all-reduce time not hidden behind compute).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BACKWARD_FRACTION", "Compute", "StepTime", "step_time"]
+
+# Backward costs about twice forward (gradients of activations and of weights), so 2/3 of a step's compute.
+BACKWARD_FRACTION = 2.0 / 3.0
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Compute of one micro-batch on one GPU (``micro_batch_s``), how it overlaps, and how many per step."""
+
+    micro_batch_s: float
+    backward_fraction: float = BACKWARD_FRACTION
+    accumulation_steps: int = 1
+    overlap: bool = True
+    straggler_slowdown: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.micro_batch_s) and self.micro_batch_s >= 0):
+            raise ValueError(
+                f"compute per micro-batch must be a finite number of seconds >= 0, got {self.micro_batch_s}"
+            )
+        if not 0.0 <= self.backward_fraction <= 1.0:
+            raise ValueError(f"the backward fraction must be in [0, 1], got {self.backward_fraction}")
+        if self.accumulation_steps < 1:
+            raise ValueError(f"gradient accumulation steps must be >= 1, got {self.accumulation_steps}")
+        if not (math.isfinite(self.straggler_slowdown) and self.straggler_slowdown >= 0):
+            raise ValueError(f"the straggler slowdown must be a finite number >= 0, got {self.straggler_slowdown}")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's time and its split: ``step_s = compute_s + waiting_s + exposed_comm_s``.
+
+    ``comm_s`` is the sum of the bucket all-reduces (hidden or not); ``bucket_bytes`` and ``bucket_s`` are the
+    buckets in all-reduce order with each one's all-reduce time.
+    """
+
+    step_s: float
+    compute_s: float
+    waiting_s: float
+    exposed_comm_s: float
+    comm_s: float
+    bucket_bytes: tuple[int, ...]
+    bucket_s: tuple[float, ...]
+
+    @property
+    def hidden_comm_s(self) -> float:
+        return self.comm_s - self.exposed_comm_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "waiting_s": self.waiting_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "comm_s": self.comm_s,
+            "buckets": len(self.bucket_bytes),
+        }
+
+
+def step_time(bucket_bytes: Sequence[int], bucket_s: Sequence[float], compute: Compute) -> StepTime:
+    """The step of ``compute`` whose buckets (in all-reduce order) take ``bucket_s`` seconds each."""
+    if len(bucket_bytes) != len(bucket_s):
+        raise ValueError(f"{len(bucket_bytes)} buckets but {len(bucket_s)} all-reduce times")
+    accumulation = compute.accumulation_steps
+    typical_s = compute.micro_batch_s
+    slowest_s = typical_s * (1.0 + compute.straggler_slowdown)
+    compute_end_s = accumulation * slowest_s
+    last_micro_start_s = (accumulation - 1) * slowest_s
+    backward_s = slowest_s * compute.backward_fraction
+    backward_start_s = last_micro_start_s + slowest_s - backward_s
+    total_bytes = float(sum(bucket_bytes))
+    comm_end_s = 0.0
+    produced = 0.0
+    for nbytes, seconds in zip(bucket_bytes, bucket_s, strict=True):
+        produced += nbytes
+        if compute.overlap and total_bytes > 0:
+            ready_s = backward_start_s + backward_s * (produced / total_bytes)
+        else:
+            ready_s = compute_end_s
+        comm_end_s = max(ready_s, comm_end_s) + seconds
+    step_s = max(compute_end_s, comm_end_s)
+    compute_s = accumulation * typical_s
+    return StepTime(
+        step_s=step_s,
+        compute_s=compute_s,
+        waiting_s=compute_end_s - compute_s,
+        exposed_comm_s=step_s - compute_end_s,
+        comm_s=float(sum(bucket_s)),
+        bucket_bytes=tuple(int(b) for b in bucket_bytes),
+        bucket_s=tuple(float(s) for s in bucket_s),
+    )

@@ -1,0 +1,157 @@
+"""A training workload as the all-reduce sees it: the gradient split into DDP buckets, and the compute per step.
+
+Model presets (parameter counts from the papers that introduced them; the exact count of the released weights
+where the paper rounds):
+
+- ``resnet50``: He et al., "Deep Residual Learning for Image Recognition", CVPR 2016 (arXiv:1512.03385), Table 1:
+  3.8·10⁹ multiply-adds per 224×224 image; 25,557,032 parameters in the reference (torchvision) weights.
+- ``bert-large``: Devlin et al., "BERT", NAACL 2019 (arXiv:1810.04805), §3: L=24, H=1024, A=16, 340M parameters.
+- ``gpt2-xl``: Radford et al., "Language Models are Unsupervised Multitask Learners", 2019, Table 2: 1542M.
+- ``llama2-7b`` / ``llama2-70b``: Touvron et al., "Llama 2", 2023 (arXiv:2307.09288), Table 1: 7B and 70B;
+  6,738,415,616 and 68,976,648,192 parameters in the released weights.
+
+Buckets follow ``torch.nn.parallel.DistributedDataParallel``: parameters are taken in reverse registration order
+(the order backward produces their gradients), a bucket closes once it holds at least its cap, the first bucket's
+cap is ``_DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) so the all-reduce starts early, the others' is ``bucket_cap_mb``
+(25 MiB by default). A preset has no tensor boundaries, so its buckets are exactly 1 MiB, then the cap, then the
+remainder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DDP_BUCKET_CAP_BYTES",
+    "DDP_FIRST_BUCKET_BYTES",
+    "GRADIENT_DTYPES",
+    "PRESETS",
+    "TRAINING_FLOPS_PER_PARAM_TOKEN",
+    "Model",
+    "ddp_buckets",
+    "model_from_module",
+    "model_from_params",
+    "preset",
+]
+
+MiB = 2**20
+# torch.distributed._DEFAULT_FIRST_BUCKET_BYTES and DDP's default bucket_cap_mb.
+DDP_FIRST_BUCKET_BYTES = 1 * MiB
+DDP_BUCKET_CAP_BYTES = 25 * MiB
+# Bytes per gradient element.
+GRADIENT_DTYPES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Training FLOPs of a dense transformer per parameter and token: 2 forward + 4 backward (Kaplan et al. 2020, §2.1).
+TRAINING_FLOPS_PER_PARAM_TOKEN = 6.0
+# Training costs forward + backward ≈ 3 forwards (backward computes gradients of inputs and of weights).
+TRAINING_PER_FORWARD_FLOPS = 3.0
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model as a gradient: ``tensor_params`` in registration order.
+
+    ``whole_tensors`` says the entries are real tensors, which DDP never splits across buckets; otherwise (a
+    preset, a parameter count) the gradient is split wherever a bucket fills. ``forward_flops_per_sample`` is set
+    for models whose compute is not 6·params·tokens (CNNs: per image).
+    """
+
+    name: str
+    tensor_params: tuple[int, ...]
+    forward_flops_per_sample: float | None = None
+    whole_tensors: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.tensor_params or any(p <= 0 for p in self.tensor_params):
+            raise ValueError(f"model {self.name}: every parameter tensor must hold at least one element")
+
+    @property
+    def params(self) -> int:
+        return sum(self.tensor_params)
+
+    @property
+    def is_transformer(self) -> bool:
+        return self.forward_flops_per_sample is None
+
+
+PRESETS: dict[str, Model] = {
+    "resnet50": Model("resnet50", (25_557_032,), forward_flops_per_sample=2 * 3.8e9),
+    "bert-large": Model("bert-large", (340_000_000,)),
+    "gpt2-xl": Model("gpt2-xl", (1_542_000_000,)),
+    "llama2-7b": Model("llama2-7b", (6_738_415_616,)),
+    "llama2-70b": Model("llama2-70b", (68_976_648_192,)),
+}
+
+
+def preset(name: str) -> Model:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(PRESETS)}") from None
+
+
+def model_from_params(params: float) -> Model:
+    """A transformer of ``params`` parameters (``7e9``)."""
+    if not (math.isfinite(params) and params >= 1 and params == math.floor(params)):
+        raise ValueError(f"the parameter count must be a whole number >= 1, got {params!r}")
+    return Model(f"{params:.3g} parameters", (int(params),))
+
+
+def model_from_module(spec: str) -> Model:
+    """The parameters of the ``torch.nn.Module`` that ``module:function`` returns (no forward pass)."""
+    module_name, sep, function_name = spec.partition(":")
+    if not sep or not module_name or not function_name:
+        raise ValueError(f"{spec!r}: write a module as module:function, e.g. torchvision.models:resnet50")
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"{spec}: reading a torch module needs torch (pip install 'allreduce[torch]')") from None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{spec}: cannot import {module_name} ({exc})") from None
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise ValueError(f"{spec}: {module_name} has no function {function_name}")
+    net = factory()
+    if not isinstance(net, torch.nn.Module):
+        raise ValueError(f"{spec}: {function_name}() returned {type(net).__name__}, not a torch.nn.Module")
+    sizes = tuple(int(p.numel()) for p in net.parameters() if p.requires_grad and p.numel() > 0)
+    if not sizes:
+        raise ValueError(f"{spec}: the module has no trainable parameters")
+    return Model(spec, sizes, whole_tensors=True)
+
+
+def ddp_buckets(
+    tensor_bytes: Sequence[int],
+    *,
+    bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+    first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+    whole_tensors: bool = True,
+) -> tuple[int, ...]:
+    """Bucket sizes in bytes, in the order DDP all-reduces them, for tensors given in registration order.
+
+    With ``whole_tensors`` (DDP's rule) a bucket closes after the tensor that fills it; without, the bytes are
+    split exactly where a bucket fills (a preset, whose tensor boundaries are unknown).
+    """
+    if bucket_cap_bytes <= 0 or first_bucket_bytes <= 0:
+        raise ValueError("bucket caps must be > 0 bytes")
+    first_cap = min(first_bucket_bytes, bucket_cap_bytes)
+    whole = whole_tensors
+    buckets: list[int] = []
+    filled = 0
+    for nbytes in reversed(tensor_bytes):
+        remaining = int(nbytes)
+        while remaining > 0:
+            cap = first_cap if not buckets else bucket_cap_bytes
+            take = remaining if whole else min(remaining, cap - filled)
+            filled += take
+            remaining -= take
+            if filled >= cap:
+                buckets.append(filled)
+                filled = 0
+    if filled:
+        buckets.append(filled)
+    return tuple(buckets)

@@ -1,0 +1,19 @@
+"""Reports of results: one self-contained HTML page with inline SVG figures, or the figures as PNG files.
+
+Reads results (``plan --json``, a sweep's CSV, ``sim --json``); runs nothing.
+"""
+
+from allreduce.report._figures import Figure, Series, document_kind, figures_of, svg, write_pngs
+from allreduce.report._html import load_documents, render_report, write_report
+
+__all__ = [
+    "Figure",
+    "Series",
+    "document_kind",
+    "figures_of",
+    "load_documents",
+    "render_report",
+    "svg",
+    "write_pngs",
+    "write_report",
+]

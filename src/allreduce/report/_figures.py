@@ -1,0 +1,423 @@
+"""Figures as data, drawn as inline SVG (no dependency, no network) or as PNG with matplotlib.
+
+A :class:`Figure` is a line chart (series of x, y points, log-scaled axes as asked) or a bar chart (categories,
+stacked series). :func:`figures_of` derives the figures from result documents (``plan --json``, a sweep's rows,
+``sim --json``); the report never runs a simulation.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Figure", "Series", "document_kind", "figures_of", "svg", "write_pngs"]
+
+# Drawing area in SVG user units (CSS pixels at 100% zoom) and the margins that hold axis labels.
+WIDTH = 760
+HEIGHT = 380
+MARGIN_LEFT = 78
+MARGIN_RIGHT = 180
+MARGIN_TOP = 16
+MARGIN_BOTTOM = 96
+# Longest category label under a bar, in characters (longer ones are cut; the bar's tooltip has it whole).
+CATEGORY_LABEL_CHARS = 24
+TICKS = 5
+# A colour-blind-safe palette (Okabe and Ito, 2008).
+COLOURS = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+
+
+@dataclass(frozen=True)
+class Series:
+    label: str
+    x: tuple[float, ...]  # line charts: x values; bar charts: unused (the figure's categories)
+    y: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """``kind`` is "line" or "bars"; bars stack their series per category."""
+
+    ident: str
+    title: str
+    caption: str
+    kind: str
+    series: tuple[Series, ...]
+    x_label: str
+    y_label: str
+    categories: tuple[str, ...] = ()
+    log_x: bool = False
+    log_y: bool = False
+
+
+def _ticks(low: float, high: float, log: bool) -> list[float]:
+    if log:
+        first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+        stride = max(1, (last - first) // 6)
+        inside = [10.0**e for e in range(first, last + 1, stride) if low <= 10.0**e <= high]
+        return inside or [low, high]
+    if high <= low:
+        return [low]
+    raw = (high - low) / TICKS
+    magnitude = 10.0 ** math.floor(math.log10(raw))
+    step = min((m * magnitude for m in (1.0, 2.0, 2.5, 5.0, 10.0) if m * magnitude >= raw), default=raw)
+    start = math.ceil(low / step) * step
+    count = int((high - start) / step) + 1
+    return [start + i * step for i in range(count)]
+
+
+def _fmt(value: float) -> str:
+    if value == 0:
+        return "0"
+    if abs(value) >= 1e4 or abs(value) < 1e-2:
+        mantissa, exponent = f"{value:.0e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    return f"{value:g}"
+
+
+class _Axis:
+    def __init__(self, low: float, high: float, log: bool, start_px: float, end_px: float) -> None:
+        if log:
+            low, high = max(low, 1e-300), max(high, low * 10)
+        elif high <= low:
+            high = low + 1.0
+        self.low, self.high, self.log = low, high, log
+        self.start_px, self.end_px = start_px, end_px
+
+    def __call__(self, value: float) -> float:
+        if self.log:
+            t = (math.log10(max(value, self.low)) - math.log10(self.low)) / (
+                math.log10(self.high) - math.log10(self.low)
+            )
+        else:
+            t = (value - self.low) / (self.high - self.low)
+        return self.start_px + t * (self.end_px - self.start_px)
+
+
+def _frame(fig: Figure, x_axis: _Axis | None, y_axis: _Axis, parts: list[str]) -> None:
+    left, right = MARGIN_LEFT, WIDTH - MARGIN_RIGHT
+    top, bottom = MARGIN_TOP, HEIGHT - MARGIN_BOTTOM
+    parts.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" class="plot"/>')
+    for tick in _ticks(y_axis.low, y_axis.high, y_axis.log):
+        y = y_axis(tick)
+        parts.append(f'<line x1="{left}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
+        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(tick)}</text>')
+    if x_axis is not None:
+        for tick in _ticks(x_axis.low, x_axis.high, x_axis.log):
+            x = x_axis(tick)
+            parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom}" class="grid"/>')
+            parts.append(f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_fmt(tick)}</text>')
+    parts.append(
+        f'<text x="{(left + right) / 2:.0f}" y="{HEIGHT - 8}" text-anchor="middle">{html.escape(fig.x_label)}</text>'
+    )
+    parts.append(
+        f'<text transform="translate(16 {(top + bottom) / 2:.0f}) rotate(-90)" text-anchor="middle">'
+        f"{html.escape(fig.y_label)}</text>"
+    )
+
+
+def _legend(labels: Sequence[str], parts: list[str]) -> None:
+    x = WIDTH - MARGIN_RIGHT + 12
+    for i, label in enumerate(labels):
+        y = MARGIN_TOP + 8 + 18 * i
+        colour = COLOURS[i % len(COLOURS)]
+        parts.append(f'<rect x="{x}" y="{y - 8}" width="12" height="10" fill="{colour}"/>')
+        parts.append(f'<text x="{x + 18}" y="{y + 1}">{html.escape(label[:26])}</text>')
+
+
+def _line_svg(fig: Figure, parts: list[str]) -> None:
+    xs = [x for s in fig.series for x in s.x if not fig.log_x or x > 0]
+    ys = [y for s in fig.series for y in s.y if math.isfinite(y) and (not fig.log_y or y > 0)]
+    if not xs or not ys:
+        raise ValueError(f"figure {fig.ident}: no points to draw")
+    x_axis = _Axis(min(xs), max(xs), fig.log_x, MARGIN_LEFT, WIDTH - MARGIN_RIGHT)
+    y_low = min(ys) if fig.log_y else min(0.0, *ys)
+    y_axis = _Axis(y_low, max(ys) * (1.0 if fig.log_y else 1.05), fig.log_y, HEIGHT - MARGIN_BOTTOM, MARGIN_TOP)
+    _frame(fig, x_axis, y_axis, parts)
+    for i, s in enumerate(fig.series):
+        colour = COLOURS[i % len(COLOURS)]
+        points = [(x_axis(x), y_axis(y)) for x, y in zip(s.x, s.y, strict=True) if math.isfinite(y)]
+        path = " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        parts.extend(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{colour}"/>' for px, py in points)
+    _legend([s.label for s in fig.series], parts)
+
+
+def _bars_svg(fig: Figure, parts: list[str]) -> None:
+    count = len(fig.categories)
+    totals = [sum(s.y[i] for s in fig.series) for i in range(count)]
+    y_axis = _Axis(
+        0.0, max(totals) * 1.05 if totals and max(totals) > 0 else 1.0, False, HEIGHT - MARGIN_BOTTOM, MARGIN_TOP
+    )
+    _frame(fig, None, y_axis, parts)
+    slot = (WIDTH - MARGIN_RIGHT - MARGIN_LEFT) / max(count, 1)
+    width = slot * 0.7
+    for i, category in enumerate(fig.categories):
+        x = MARGIN_LEFT + slot * i + (slot - width) / 2
+        base = 0.0
+        for j, s in enumerate(fig.series):
+            top, bottom = y_axis(base + s.y[i]), y_axis(base)
+            colour = COLOURS[j % len(COLOURS)]
+            parts.append(
+                f'<rect x="{x:.1f}" y="{top:.1f}" width="{width:.1f}" height="{max(bottom - top, 0.0):.1f}" '
+                f'fill="{colour}"><title>{html.escape(category)}: {html.escape(s.label)} {s.y[i]:.4g}</title></rect>'
+            )
+            base += s.y[i]
+        label_x = x + width / 2
+        label_y = HEIGHT - MARGIN_BOTTOM + 12
+        parts.append(
+            f'<text transform="translate({label_x:.1f} {label_y}) rotate(35)" class="category">'
+            f"{html.escape(category[:CATEGORY_LABEL_CHARS])}</text>"
+        )
+    _legend([s.label for s in fig.series], parts)
+
+
+def svg(fig: Figure) -> str:
+    """The figure as an inline ``<svg>`` element."""
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}" '
+        f'role="img" aria-label="{html.escape(fig.title)}">'
+    ]
+    if fig.kind == "line":
+        _line_svg(fig, parts)
+    elif fig.kind == "bars":
+        _bars_svg(fig, parts)
+    else:
+        raise ValueError(f"figure {fig.ident}: unknown kind {fig.kind!r}")
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def write_pngs(figures: Sequence[Figure], directory: str | Path) -> list[Path]:
+    """Each figure as ``DIRECTORY/<ident>.png`` (needs matplotlib: pip install 'allreduce[plot]')."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--png needs matplotlib (pip install 'allreduce[plot]')") from None
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for fig in figures:
+        figure, axes = plt.subplots(figsize=(8, 3.6))
+        if fig.kind == "line":
+            for i, s in enumerate(fig.series):
+                axes.plot(s.x, s.y, marker="o", label=s.label, color=COLOURS[i % len(COLOURS)])
+            axes.set_xscale("log" if fig.log_x else "linear")
+            axes.set_yscale("log" if fig.log_y else "linear")
+        else:
+            bottom = [0.0] * len(fig.categories)
+            for i, s in enumerate(fig.series):
+                axes.bar(fig.categories, s.y, bottom=bottom, label=s.label, color=COLOURS[i % len(COLOURS)])
+                bottom = [b + y for b, y in zip(bottom, s.y, strict=True)]
+            axes.tick_params(axis="x", labelrotation=20)
+        axes.set_xlabel(fig.x_label)
+        axes.set_ylabel(fig.y_label)
+        axes.set_title(fig.title)
+        axes.legend(fontsize="small")
+        figure.tight_layout()
+        path = out / f"{fig.ident}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Figures of result documents
+# ------------------------------------------------------------------------------------------------------------
+def _measured_series(bench: Sequence[dict[str, Any]]) -> list[Series]:
+    """One series per (transport, algorithm, world size) of measured ``allreduce bench --json`` rows."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for row in bench:
+        key = f"{row.get('transport', '?')} {row.get('algorithm', '?')} x{row.get('world_size', '?')} (measured)"
+        groups.setdefault(key, []).append((float(row["size_bytes"]), float(row["busbw_Bps"]) / 1e9))
+    series = []
+    for key, unsorted in sorted(groups.items()):
+        points = sorted(p for p in unsorted if p[0] > 0)
+        if points:
+            series.append(Series(key, tuple(p[0] for p in points), tuple(p[1] for p in points)))
+    return series
+
+
+def _busbw_figure(ident: str, predicted: Sequence[Series], measured: Sequence[Series], what: str) -> Figure:
+    return Figure(
+        ident,
+        "Bus bandwidth versus message size",
+        f"{what} (nccl-tests definition of busbw). Small messages are latency-bound; the plateau is what the fabric "
+        "gives large buckets, so a bucket cap left of the knee wastes bandwidth. Measured rows, when given, show "
+        "how far a real run is from the prediction.",
+        "line",
+        (*predicted, *measured),
+        "bytes per rank",
+        "busbw GB/s",
+        log_x=True,
+    )
+
+
+def _plan_figures(doc: dict[str, Any], prefix: str, bench: Sequence[dict[str, Any]] = ()) -> list[Figure]:
+    figures: list[Figure] = []
+    base = doc["base"]
+    scaling = doc.get("scaling") or []
+    if scaling:
+        gpus = tuple(float(r["gpus"]) for r in scaling)
+        figures.append(
+            Figure(
+                f"{prefix}scaling",
+                "Step time versus GPUs",
+                "Step time (and its exposed all-reduce) as data parallelism doubles at the same per-GPU batch. "
+                "A flat step line is perfect weak scaling; the gap between the lines is compute, which stays "
+                "constant, so any rise is communication the backward pass could not hide.",
+                "line",
+                (
+                    Series("step", gpus, tuple(r["step_s"] * 1e3 for r in scaling)),
+                    Series("exposed all-reduce", gpus, tuple(r["exposed_comm_s"] * 1e3 for r in scaling)),
+                    Series("all-reduce in all", gpus, tuple(r["comm_s"] * 1e3 for r in scaling)),
+                ),
+                "GPUs",
+                "milliseconds",
+                log_x=True,
+            )
+        )
+    rows = [("base", base)] + [(w["change"], w) for w in doc.get("what_ifs", []) if "step_s" in w]
+    figures.append(
+        Figure(
+            f"{prefix}breakdown",
+            "Step-time breakdown: base and what-ifs",
+            "Each bar is one step split into compute, waiting for the slowest GPU, and exposed all-reduce. "
+            "Compare a bar's top segment with the base's to see which change buys back communication.",
+            "bars",
+            (
+                Series("compute", (), tuple(r["compute_s"] * 1e3 for _, r in rows)),
+                Series("waiting", (), tuple(r["waiting_s"] * 1e3 for _, r in rows)),
+                Series("exposed all-reduce", (), tuple(r["exposed_comm_s"] * 1e3 for _, r in rows)),
+            ),
+            "",
+            "milliseconds",
+            categories=tuple(name for name, _ in rows),
+        )
+    )
+    curve = doc.get("busbw_curve") or []
+    if curve:
+        algorithm = curve[0]["algorithm"]
+        predicted = Series(
+            f"{algorithm} (predicted)",
+            tuple(float(p["size_bytes"]) for p in curve),
+            tuple(p["busbw_GBps"] for p in curve),
+        )
+        what = f"Predicted busbw of {algorithm} on {base['gpus']} GPUs"
+        figures.append(_busbw_figure(f"{prefix}busbw", [predicted], _measured_series(bench), what))
+    links = doc.get("links") or []
+    if links:
+        of = doc.get("links_of", {})
+        figures.append(
+            Figure(
+                f"{prefix}links",
+                "Busiest links in the bottleneck region",
+                f"Utilization of the busiest links during the all-reduce of one {of.get('size_bytes', '?')}-byte "
+                f"bucket ({of.get('algorithm', '?')}). Links near 100% set the pace; many links at one level "
+                "means the fabric's capacity, one outlier means a hot spot.",
+                "bars",
+                (Series("utilization %", (), tuple(100.0 * link["utilization"] for link in links)),),
+                "",
+                "utilization %",
+                categories=tuple(link["link"] for link in links),
+            )
+        )
+    return figures
+
+
+def _sweep_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
+    rows = [r for r in doc["rows"] if not r.get("error") and r.get("step_s") not in (None, "")]
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        key = f"{r.get('topology', '?')} {r.get('algorithm', '?')}"
+        groups.setdefault(key, []).append((float(r["gpus"]), float(r["step_s"]) * 1e3))
+    series = []
+    for key, points in sorted(groups.items()):
+        by_gpus: dict[float, float] = {}
+        for g, s in points:
+            by_gpus[g] = min(s, by_gpus.get(g, math.inf))
+        xs = tuple(sorted(by_gpus))
+        series.append(Series(key, xs, tuple(by_gpus[x] for x in xs)))
+    if not series:
+        return []
+    return [
+        Figure(
+            f"{prefix}sweep",
+            "Sweep: step time versus GPUs per topology and algorithm",
+            "One line per topology and algorithm (the best case at each GPU count). Lines that rise earlier "
+            "scale worse; where lines cross, the better choice changes with scale.",
+            "line",
+            tuple(series),
+            "GPUs",
+            "step milliseconds",
+            log_x=True,
+        )
+    ]
+
+
+def _sim_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
+    algorithms = doc["algorithms"]
+    figures = [
+        Figure(
+            f"{prefix}sim",
+            f"All-reduce of {doc['size_bytes']} B on {doc['ranks']} ranks",
+            "Simulated time per algorithm on this topology; the shortest bar is the one to use at this size.",
+            "bars",
+            (Series("time ms", (), tuple(a["seconds"] * 1e3 for a in algorithms)),),
+            "",
+            "milliseconds",
+            categories=tuple(a["name"] for a in algorithms),
+        )
+    ]
+    links = doc.get("bottlenecks") or []
+    if links:
+        figures.append(
+            Figure(
+                f"{prefix}simlinks",
+                f"Links {doc['best']} waited on",
+                "Utilization of the links on the critical path of the fastest algorithm.",
+                "bars",
+                (Series("utilization %", (), tuple(100.0 * b["utilization"] for b in links)),),
+                "",
+                "utilization %",
+                categories=tuple(b["link"] for b in links),
+            )
+        )
+    return figures
+
+
+def document_kind(doc: dict[str, Any]) -> str:
+    if doc.get("kind") in ("plan", "sweep", "bench"):
+        return str(doc["kind"])
+    if "algorithms" in doc and "ranks" in doc:
+        return "sim"
+    raise ValueError(
+        "not a plan, sweep, sim or bench result (expected the output of plan --json, sweep, sim --json or bench --json)"
+    )
+
+
+def figures_of(documents: Sequence[dict[str, Any]]) -> list[Figure]:
+    """The figures of ``documents``; measured bench rows are drawn beside every plan's predicted busbw."""
+    bench = [row for doc in documents if document_kind(doc) == "bench" for row in doc["rows"]]
+    has_plan = any(document_kind(doc) == "plan" for doc in documents)
+    figures: list[Figure] = []
+    for i, doc in enumerate(documents):
+        prefix = f"d{i}-"
+        kind = document_kind(doc)
+        if kind == "plan":
+            figures += _plan_figures(doc, prefix, bench)
+        elif kind == "sweep":
+            figures += _sweep_figures(doc, prefix)
+        elif kind == "bench":
+            if not has_plan:
+                figures.append(_busbw_figure(f"{prefix}bench", [], _measured_series(doc["rows"]), "Measured busbw"))
+        else:
+            figures += _sim_figures(doc, prefix)
+    return figures

@@ -1,0 +1,225 @@
+"""The report page: one self-contained HTML file (inline CSS and SVG, no script, nothing fetched).
+
+Every number in a table carries its exact value in ``data-value`` (``repr`` of the float) under a ``data-key``
+path into the result document, so a reader (or a test) can check the page against the result it came from.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from allreduce.report._figures import Figure, document_kind, figures_of, svg
+from allreduce.units import format_bytes, format_seconds
+
+__all__ = ["load_documents", "render_report", "write_report"]
+
+_STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1000px; color: #222; }
+h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 32px; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 8px 0 16px; }
+td, th { padding: 3px 10px; border-bottom: 1px solid #eee; text-align: right; }
+td:first-child, th:first-child { text-align: left; }
+figure { margin: 16px 0 28px; } figcaption { color: #444; max-width: 760px; }
+figcaption b { color: #000; }
+svg text { font: 11px system-ui, sans-serif; fill: #333; }
+svg .plot { fill: #fff; stroke: #999; } svg .grid { stroke: #eee; }
+.bottleneck { background: #fff6e0; padding: 8px 12px; border-left: 4px solid #E69F00; }
+"""
+
+
+def _cell(key: str, value: float, text: str) -> str:
+    return f'<td data-key="{html.escape(key)}" data-value="{value!r}">{html.escape(text)}</td>'
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
+    base = doc["base"]
+    out = [
+        f"<h2>Plan: {html.escape(str(base['model']))} on {base['gpus']} GPUs of {html.escape(base['topology'])}</h2>",
+        f'<p class="bottleneck"><b>Bottleneck:</b> {html.escape(doc["bottleneck"])}</p>',
+        "<table><tr><th>step</th><th>compute</th><th>waiting</th><th>exposed all-reduce</th>"
+        "<th>all-reduce in all</th><th>buckets</th></tr><tr>",
+    ]
+    out += [
+        _cell(f"{index}.base.{key}", base[key], format_seconds(base[key]))
+        for key in ("step_s", "compute_s", "waiting_s", "exposed_comm_s", "comm_s")
+    ]
+    out.append(_cell(f"{index}.base.buckets", base["buckets"], str(base["buckets"])) + "</tr></table>")
+    out.append("<table><tr><th>bucket size</th><th>count</th><th>algorithm</th><th>all-reduce</th><th>busbw</th></tr>")
+    for i, size in enumerate(base["sizes"]):
+        out.append(
+            f"<tr><td>{html.escape(format_bytes(size['size_bytes']))}</td><td>{size['count']}</td>"
+            f"<td>{html.escape(size['algorithm'])}</td>"
+            + _cell(f"{index}.base.sizes.{i}.seconds", size["seconds"], format_seconds(size["seconds"]))
+            + _cell(f"{index}.base.sizes.{i}.busbw_GBps", size["busbw_GBps"], f"{size['busbw_GBps']:.3g} GB/s")
+            + "</tr>"
+        )
+    out.append("</table>")
+    if doc.get("scaling"):
+        out.append(
+            "<h3>Scaling (same per-GPU batch)</h3><table><tr><th>GPUs</th><th>step</th>"
+            "<th>exposed all-reduce</th><th>efficiency</th><th>algorithm</th></tr>"
+        )
+        for i, row in enumerate(doc["scaling"]):
+            out.append(
+                f"<tr><td>{row['gpus']}</td>"
+                + _cell(f"{index}.scaling.{i}.step_s", row["step_s"], _ms(row["step_s"]))
+                + _cell(f"{index}.scaling.{i}.exposed_comm_s", row["exposed_comm_s"], _ms(row["exposed_comm_s"]))
+                + _cell(f"{index}.scaling.{i}.efficiency", row["efficiency"], f"{row['efficiency']:.1%}")
+                + f"<td>{html.escape(row['algorithm'])}</td></tr>"
+            )
+        out.append("</table>")
+    if doc.get("what_ifs"):
+        out.append(
+            "<h3>What if (one change each)</h3><table><tr><th>change</th><th>step</th>"
+            "<th>vs base</th><th>exposed all-reduce</th></tr>"
+        )
+        for i, w in enumerate(doc["what_ifs"]):
+            if "step_s" not in w:
+                out.append(
+                    f"<tr><td>{html.escape(w['change'])}</td><td colspan=3>n/a: {html.escape(w['note'])}</td></tr>"
+                )
+                continue
+            delta = w["step_s"] / base["step_s"] - 1 if base["step_s"] else 0.0
+            out.append(
+                f"<tr><td>{html.escape(w['change'])}</td>"
+                + _cell(f"{index}.what_ifs.{i}.step_s", w["step_s"], _ms(w["step_s"]))
+                + f"<td>{delta:+.1%}</td>"
+                + _cell(f"{index}.what_ifs.{i}.exposed_comm_s", w["exposed_comm_s"], _ms(w["exposed_comm_s"]))
+                + "</tr>"
+            )
+        out.append("</table>")
+    out.extend(f"<p><i>Note: {html.escape(n)}</i></p>" for n in doc.get("notes", []))
+    return out
+
+
+def _sweep_section(doc: dict[str, Any], index: int) -> list[str]:
+    rows = doc["rows"]
+    failed = [r for r in rows if r.get("error")]
+    out = [f"<h2>Sweep: {len(rows)} cases, {len(failed)} failed</h2>"]
+    if failed:
+        out.append("<table><tr><th>case</th><th>error</th></tr>")
+        out += [
+            f"<tr><td>{html.escape(str(r.get('case_id', '?')))}</td><td>{html.escape(str(r['error']))}</td></tr>"
+            for r in failed[:50]
+        ]
+        out.append("</table>")
+    return out
+
+
+def _sim_section(doc: dict[str, Any], index: int) -> list[str]:
+    out = [
+        f"<h2>Simulation: {doc['ranks']} ranks, {html.escape(format_bytes(doc['size_bytes']))} on "
+        f"{html.escape(doc['topology'])}</h2><table><tr><th>algorithm</th><th>time</th><th>busbw</th></tr>"
+    ]
+    for i, a in enumerate(doc["algorithms"]):
+        out.append(
+            f"<tr><td>{html.escape(a['name'])}</td>"
+            + _cell(f"{index}.algorithms.{i}.seconds", a["seconds"], format_seconds(a["seconds"]))
+            + _cell(f"{index}.algorithms.{i}.busbw_GBps", a["busbw_GBps"], f"{a['busbw_GBps']:.3g} GB/s")
+            + "</tr>"
+        )
+    out.append("</table>")
+    return out
+
+
+def _bench_section(doc: dict[str, Any], index: int) -> list[str]:
+    out = [
+        f"<h2>Measured: {len(doc['rows'])} rows of allreduce bench</h2><table><tr><th>transport</th>"
+        "<th>algorithm</th><th>ranks</th><th>size</th><th>time</th><th>busbw</th></tr>"
+    ]
+    for i, row in enumerate(doc["rows"]):
+        out.append(
+            f"<tr><td>{html.escape(str(row.get('transport', '?')))}</td>"
+            f"<td>{html.escape(str(row.get('algorithm', '?')))}</td><td>{row.get('world_size', '?')}</td>"
+            f"<td>{html.escape(format_bytes(row['size_bytes']))}</td>"
+            + _cell(f"{index}.rows.{i}.time_s", row["time_s"], format_seconds(row["time_s"]))
+            + _cell(f"{index}.rows.{i}.busbw_Bps", row["busbw_Bps"], f"{row['busbw_Bps'] / 1e9:.3g} GB/s")
+            + "</tr>"
+        )
+    out.append("</table>")
+    return out
+
+
+def _figure_html(fig: Figure) -> str:
+    return (
+        f'<figure id="{html.escape(fig.ident)}" class="figure">{svg(fig)}'
+        f"<figcaption><b>{html.escape(fig.title)}.</b> {html.escape(fig.caption)}</figcaption></figure>"
+    )
+
+
+def render_report(documents: Sequence[dict[str, Any]], *, title: str = "allreduce report") -> str:
+    """The HTML page of ``documents`` (``plan --json`` output, sweep documents, ``sim --json`` output)."""
+    if not documents:
+        raise ValueError("nothing to report: give at least one result")
+    figures = figures_of(documents)
+    body: list[str] = []
+    for i, doc in enumerate(documents):
+        kind = document_kind(doc)
+        if kind == "plan":
+            body += _plan_section(doc, i)
+        elif kind == "sweep":
+            body += _sweep_section(doc, i)
+        elif kind == "bench":
+            body += _bench_section(doc, i)
+        else:
+            body += _sim_section(doc, i)
+        body += [_figure_html(fig) for fig in figures if fig.ident.startswith(f"d{i}-")]
+    page = "\n".join(body)
+    return (
+        "<!DOCTYPE html>\n"
+        f'<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>\n{page}\n</body></html>\n"
+    )
+
+
+def write_report(path: str | Path, documents: Sequence[dict[str, Any]], *, title: str = "allreduce report") -> Path:
+    out = Path(path)
+    out.write_text(render_report(documents, title=title), encoding="utf-8")
+    return out
+
+
+def _number(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            continue
+    return text
+
+
+def load_documents(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """Read results: JSON of ``plan --json`` / ``sim --json`` / ``bench --json``, or a sweep's CSV."""
+    documents = []
+    for path in map(Path, paths):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read it ({exc})") from None
+        if path.suffix == ".csv":
+            rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(text.splitlines())]
+            documents.append({"kind": "sweep", "rows": rows})
+            continue
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        if isinstance(doc, list) and all(isinstance(r, dict) and {"size_bytes", "busbw_Bps"} <= set(r) for r in doc):
+            documents.append({"kind": "bench", "rows": doc})
+            continue
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: expected the JSON of plan --json, sim --json or bench --json")
+        try:
+            document_kind(doc)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        documents.append(doc)
+    return documents

@@ -1,0 +1,45 @@
+"""``allreduce report``: from a saved plan to an HTML page and PNG figures; bad files are one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from allreduce.cli import main
+
+SMALL = ("--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4", "--compute-ms", "20")
+
+
+def test_plan_json_to_html_and_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["plan", *SMALL, "--json", "--no-what-if"]) == 0
+    saved = tmp_path / "plan.json"
+    saved.write_text(capsys.readouterr().out)
+    page = tmp_path / "report.html"
+    code = main(["report", str(saved), "-o", str(page), "--png", str(tmp_path / "png")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"report: {page}" in out
+    assert "<svg" in page.read_text()
+    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == [
+        "d0-breakdown.png",
+        "d0-busbw.png",
+        "d0-links.png",
+        "d0-scaling.png",
+    ]
+
+
+def test_plan_writes_the_report_itself(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    page = tmp_path / "r.html"
+    assert main(["plan", *SMALL, "--no-what-if", "--report", str(page)]) == 0
+    assert f"report: {page}" in capsys.readouterr().out
+    assert page.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_a_file_that_is_not_json_is_named_with_its_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\n  nope\n}")
+    code = main(["report", str(bad), "-o", str(tmp_path / "x.html")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{bad}:2: not valid JSON" in err

@@ -1,0 +1,68 @@
+"""The overlap timeline: hand-computed steps for no overlap, full overlap, accumulation and a straggler."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from allreduce.plan import Compute, step_time
+
+
+def test_without_overlap_the_step_is_compute_plus_every_all_reduce() -> None:
+    step = step_time([100, 200, 300], [0.01, 0.02, 0.03], Compute(0.5, overlap=False))
+    assert step.step_s == pytest.approx(0.5 + 0.06, abs=1e-12)
+    assert step.exposed_comm_s == pytest.approx(0.06, abs=1e-12)
+    assert step.waiting_s == 0.0
+
+
+def test_with_a_fast_network_only_the_last_bucket_is_exposed() -> None:
+    # Backward is the whole step: bucket k is ready at (k+1)/3 of it, and each all-reduce ends long before
+    # the next bucket is ready, so only the last one (ready when compute ends) adds to the step.
+    step = step_time([1, 1, 1], [0.001, 0.001, 0.002], Compute(0.3, backward_fraction=1.0))
+    assert step.step_s == pytest.approx(0.3 + 0.002, abs=1e-12)
+
+
+def test_a_backlog_of_buckets_queues_on_one_communication_stream() -> None:
+    # Backward 0.2 s of 0.3; two equal buckets ready at 0.2 and 0.3; each all-reduce takes 0.15 s:
+    # the first ends at 0.35, the second starts then and ends at 0.5.
+    step = step_time([1, 1], [0.15, 0.15], Compute(0.3, backward_fraction=2 / 3))
+    assert step.step_s == pytest.approx(0.5, abs=1e-12)
+    assert step.hidden_comm_s == pytest.approx(0.1, abs=1e-12)
+
+
+def test_gradient_accumulation_communicates_once_per_step() -> None:
+    step = step_time([1], [0.05], Compute(0.1, accumulation_steps=4, overlap=False))
+    assert step.step_s == pytest.approx(0.4 + 0.05, abs=1e-12)
+    assert step.compute_s == pytest.approx(0.4, abs=1e-12)
+
+
+def test_a_straggler_makes_everyone_wait_for_its_compute() -> None:
+    step = step_time([1], [0.05], Compute(0.1, overlap=False, straggler_slowdown=0.5))
+    assert step.waiting_s == pytest.approx(0.05, abs=1e-12)
+    assert step.step_s == pytest.approx(0.15 + 0.05, abs=1e-12)
+
+
+computes = st.builds(
+    Compute,
+    st.floats(0, 2),
+    backward_fraction=st.floats(0, 1),
+    accumulation_steps=st.integers(1, 4),
+    overlap=st.booleans(),
+    straggler_slowdown=st.floats(0, 1),
+)
+
+
+@given(st.lists(st.tuples(st.integers(1, 10**9), st.floats(0, 1)), min_size=1, max_size=20), computes)
+def test_the_split_adds_up_and_the_step_is_bounded_by_its_parts(
+    buckets: list[tuple[int, float]], compute: Compute
+) -> None:
+    sizes = [b for b, _ in buckets]
+    seconds = [s for _, s in buckets]
+    compute_s, accumulation, slow = compute.micro_batch_s, compute.accumulation_steps, compute.straggler_slowdown
+    step = step_time(sizes, seconds, compute)
+    assert step.step_s == pytest.approx(step.compute_s + step.waiting_s + step.exposed_comm_s, abs=1e-9)
+    slowest = accumulation * compute_s * (1 + slow)
+    assert step.step_s >= max(slowest, sum(seconds)) - 1e-9
+    assert step.step_s <= slowest + sum(seconds) + 1e-9
+    assert 0 <= step.exposed_comm_s <= step.comm_s + 1e-9

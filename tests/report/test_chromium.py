@@ -1,0 +1,99 @@
+"""The report as a person sees it: headless Chromium opens the file, logs nothing, draws every figure.
+
+The test keeps a screenshot: under ``$ALLREDUCE_ARTIFACTS`` when set, else in the test's tmp directory (its path
+is printed). Skipped, with the reason, where no Chromium is installed.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from allreduce.report import write_report
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
+# Every figure's SVG is 760 CSS pixels wide (report/_figures.py); the window fits it with the tables.
+WINDOW = "1100,2600"
+BROWSER_TIMEOUT_S = 120
+HEADLESS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr", "--v=0"]
+# Measures each figure once the page has laid out, and writes the result into the DOM for --dump-dom.
+PROBE = """<script>
+const figures = [...document.querySelectorAll("figure")].map((f) => {
+  const svg = f.querySelector("svg");
+  const box = svg ? svg.getBBox() : {width: 0, height: 0};
+  const shown = svg ? svg.getBoundingClientRect() : {width: 0, height: 0};
+  return {id: f.id, width: box.width, height: box.height, shown: shown.width * shown.height,
+          shapes: svg ? svg.querySelectorAll("rect, polyline, circle").length : 0};
+});
+document.body.setAttribute("data-probe", JSON.stringify(figures));
+</script>"""
+
+
+def _browser() -> str:
+    for name in BROWSERS:
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.skip(f"no headless browser: none of {', '.join(BROWSERS)} is on PATH (.ci/run installs chromium)")
+
+
+def _run(browser: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [browser, *HEADLESS, *args], capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S, check=False
+    )
+
+
+def _console(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+def _probe(browser: str, page: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    probe = page.with_name("probe-" + page.name)
+    probe.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
+    done = _run(browser, "--dump-dom", probe.as_uri())
+    match = re.search(r'data-probe="([^"]*)"', done.stdout)
+    assert match, f"the browser did not run the probe (exit {done.returncode}): {done.stderr[-500:]}"
+    return json.loads(html.unescape(match.group(1))), _console(done.stderr)
+
+
+@pytest.mark.slow
+def test_the_harness_sees_a_console_error(tmp_path: Path) -> None:
+    browser = _browser()
+    page = tmp_path / "bad.html"
+    page.write_text("<!DOCTYPE html><html><body><figure id='f'></figure><script>missing();</script></body></html>")
+    figures, console = _probe(browser, page)
+    assert any("missing is not defined" in line for line in console)
+    assert figures == [{"id": "f", "width": 0, "height": 0, "shown": 0, "shapes": 0}]
+
+
+@pytest.mark.slow
+def test_chromium_renders_every_figure_without_console_errors(tmp_path: Path, plan_document: dict[str, Any]) -> None:
+    browser = _browser()
+    page = write_report(tmp_path / "report.html", [plan_document])
+    figures, console = _probe(browser, page)
+    assert console == []
+    assert [f["id"] for f in figures] == ["d0-scaling", "d0-breakdown", "d0-busbw", "d0-links"]
+    for figure in figures:
+        assert figure["width"] > 100, figure
+        assert figure["height"] > 100, figure
+        assert figure["shown"] > 0, figure
+        assert figure["shapes"] > 3, figure
+
+    artifacts = Path(os.environ.get("ALLREDUCE_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    screenshot = artifacts / "report.png"
+    shot = _run(browser, f"--window-size={WINDOW}", f"--screenshot={screenshot}", page.as_uri())
+    assert shot.returncode == 0, shot.stderr[-500:]
+    assert _console(shot.stderr) == []
+    data = screenshot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 20_000  # a blank page of this size compresses to a few KB
+    print(f"screenshot: {screenshot}")

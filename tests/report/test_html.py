@@ -1,0 +1,146 @@
+"""The report page: self-contained, one figure per view, and its numbers are the plan's numbers."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from allreduce.report import figures_of, load_documents, render_report, write_pngs
+
+
+class _Cells(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: dict[str, str] = {}
+        self.figures: list[str] = []
+        self.svg_shapes = 0
+        self.tags: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.add(tag)
+        found = dict(attrs)
+        if "data-key" in found and found["data-value"] is not None:
+            self.values[str(found["data-key"])] = found["data-value"]
+        if tag == "figure":
+            self.figures.append(str(found.get("id")))
+        if tag in ("rect", "polyline", "circle"):
+            self.svg_shapes += 1
+
+
+def _lookup(document: dict[str, Any], path: list[str]) -> Any:
+    value: Any = document
+    for part in path:
+        value = value[int(part)] if isinstance(value, list) else value[part]
+    return value
+
+
+def parse(page: str) -> _Cells:
+    cells = _Cells()
+    cells.feed(page)
+    return cells
+
+
+def test_every_number_on_the_page_is_the_plans_number(plan_document: dict[str, Any]) -> None:
+    cells = parse(render_report([plan_document]))
+    assert len(cells.values) >= 20
+    for key, text in cells.values.items():
+        index, *path = key.split(".")
+        assert index == "0"
+        assert float(text) == _lookup(plan_document, path), key
+    assert float(cells.values["0.base.step_s"]) == plan_document["base"]["step_s"]
+
+
+def test_the_page_is_self_contained(plan_document: dict[str, Any]) -> None:
+    page = render_report([plan_document])
+    cells = parse(page)
+    assert not cells.tags & {"script", "link", "img", "iframe"}
+    urls = set(re.findall(r"https?://[^\s\"'<>]+", page))
+    assert urls <= {"http://www.w3.org/2000/svg"}
+
+
+def test_a_plan_has_scaling_breakdown_busbw_and_link_figures_with_captions(plan_document: dict[str, Any]) -> None:
+    figures = figures_of([plan_document])
+    assert [f.ident for f in figures] == ["d0-scaling", "d0-breakdown", "d0-busbw", "d0-links"]
+    assert all(len(f.caption) > 40 for f in figures)
+    page = render_report([plan_document])
+    assert page.count("<figcaption>") == 4
+
+
+def test_a_sweep_csv_and_a_sim_json_are_reported_too(tmp_path: Path, plan_document: dict[str, Any]) -> None:
+    sweep = tmp_path / "s.csv"
+    sweep.write_text(
+        "case_id,gpus,topology,algorithm,step_s,error\n"
+        "a,8,t1,ring,0.5,\nb,16,t1,ring,0.6,\nc,8,t2,ring,0.4,\nd,16,t2,ring,,ValueError: too many GPUs\n"
+    )
+    sim = tmp_path / "sim.json"
+    sim.write_text(
+        json.dumps(
+            {
+                "topology": "switch:8",
+                "ranks": 8,
+                "size_bytes": 1024,
+                "algorithms": [{"name": "ring", "seconds": 1e-5, "busbw_GBps": 1.0}],
+                "best": "ring",
+                "bottlenecks": [{"link": "gpu0->sw0", "utilization": 0.5, "waited_s": 1e-6}],
+            }
+        )
+    )
+    documents = load_documents([sweep, sim])
+    page = render_report(documents)
+    cells = parse(page)
+    assert cells.figures == ["d0-sweep", "d1-sim", "d1-simlinks"]
+    assert "ValueError: too many GPUs" in page
+    assert float(cells.values["1.algorithms.0.seconds"]) == 1e-5
+
+
+def test_a_file_that_is_no_result_is_refused_with_its_name(tmp_path: Path) -> None:
+    bad = tmp_path / "x.json"
+    bad.write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match=r"x\.json: not a plan, sweep, sim or bench result"):
+        load_documents([bad])
+
+
+def test_png_figures_are_written_with_matplotlib(tmp_path: Path, plan_document: dict[str, Any]) -> None:
+    pytest.importorskip("matplotlib")
+    paths = write_pngs(figures_of([plan_document]), tmp_path / "png")
+    assert [p.name for p in paths] == ["d0-scaling.png", "d0-breakdown.png", "d0-busbw.png", "d0-links.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measured_bench_rows_are_drawn_beside_the_predicted_busbw(
+    tmp_path: Path, plan_document: dict[str, Any]
+) -> None:
+    # The fields of `allreduce bench --json` rows.
+    rows = [
+        {
+            "size_bytes": size,
+            "count": size // 4,
+            "dtype": "float32",
+            "op": "sum",
+            "algorithm": "ring",
+            "transport": "shm",
+            "world_size": 4,
+            "iters": 10,
+            "time_s": size / 1e9,
+            "algbw_Bps": 1e9,
+            "busbw_Bps": 1.5e9,
+            "wrong": 0,
+        }
+        for size in (4096, 1 << 20, 16 << 20)
+    ]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(rows))
+    saved = tmp_path / "plan.json"
+    saved.write_text(json.dumps(plan_document))
+    documents = load_documents([saved, bench])
+    busbw = next(f for f in figures_of(documents) if f.ident == "d0-busbw")
+    assert [s.label for s in busbw.series][1:] == ["shm ring x4 (measured)"]
+    assert busbw.series[1].x == (4096.0, float(1 << 20), float(16 << 20))
+    cells = parse(render_report(documents))
+    assert float(cells.values["1.rows.2.busbw_Bps"]) == 1.5e9
