@@ -17,7 +17,7 @@ from test_group_harness import contribution, reference, report, run_ranks
 
 import allreduce
 from allreduce.runtime import ALGORITHMS, DTYPES, OPS, ProcessGroup
-from allreduce.runtime.shm import ShmTransport
+from allreduce.runtime.shm import CROSS_MEMORY_MIN_BYTES, ShmTransport
 from allreduce.schedules import Collective, block_bounds
 
 INT_KINDS = "iu"
@@ -222,3 +222,81 @@ def test_a_rank_that_turns_cross_memory_off_stages(matrix: list[dict[str, Any]])
 def test_shared_arrays_are_read_in_place(matrix: list[dict[str, Any]]) -> None:
     for result in _moving_data(matrix):
         assert ("shm", "shared") in result["paths"]
+
+
+# ----------------------------------------------------------------------------------- which path each buffer takes
+def _paths_worker(rank: int, n: int, port: int, out: Any) -> None:
+    """Each case once, on default knobs unless it says otherwise: the path its execute took, by case."""
+
+    def body() -> dict[str, Any]:
+        taken: dict[str, Any] = {}
+        shm = ShmTransport(rank, n, f"paths-{port}", timeout_s=120)
+        with ProcessGroup(shm, transport_name="shm", timeout_s=120) as group:
+            taken["cross_memory_available"] = bool(shm.statistics()["cross_memory_available"])
+            cases: list[tuple[str, Any, dict[str, Any]]] = [
+                ("small", np.full(1024, rank + 1.0, np.float32), {}),
+                ("small_with_checksum", np.full(1024, rank + 1.0, np.float32), {"checksum": True}),
+                ("medium_plain", np.full(1 << 18, rank + 1.0, np.float32), {}),
+                ("large_plain", np.full(CROSS_MEMORY_MIN_BYTES // 4, rank + 1.0, np.float32), {}),
+            ]
+            shared = group.zeros(1 << 18, np.float32)
+            shared[...] = rank + 1.0
+            cases.append(("medium_shared", shared, {}))
+            for case, x, kwargs in cases:
+                before = dict(shm.statistics())
+                group.all_reduce(x, algorithm="ring", **kwargs)
+                taken[case] = (_path_taken(shm, before), bool((x == n * (n + 1) / 2).all()))
+            shm.eager_bytes = 0
+            before = dict(shm.statistics())
+            y = np.full(1024, rank + 1.0, np.float32)
+            group.all_reduce(y, algorithm="ring")
+            taken["small_without_eager"] = (_path_taken(shm, before), bool((y == n * (n + 1) / 2).all()))
+        # a rank that declines cross-memory reads turns them off for the whole group
+        declining = ShmTransport(rank, n, f"paths-off-{port}", timeout_s=120, cross_memory=rank == 0)
+        with ProcessGroup(declining, transport_name="shm", timeout_s=120) as group:
+            declining.cross_memory_min_bytes = 0
+            before = dict(declining.statistics())
+            z = np.full(1 << 18, rank + 1.0, np.float32)
+            group.all_reduce(z, algorithm="ring")
+            taken["declined"] = (_path_taken(declining, before), bool((z == n * (n + 1) / 2).all()))
+            taken["declined_available"] = bool(declining.statistics()["cross_memory_available"])
+        return taken
+
+    report(out, rank, body)
+
+
+@pytest.fixture(scope="module")
+def paths() -> list[dict[str, Any]]:
+    results = run_ranks(2, _paths_worker)
+    for result in results:
+        assert isinstance(result, dict), result
+    return results
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("small", "eager"),
+        ("small_with_checksum", "staged"),  # crc32s are of the buffer itself, not of snapshots
+        ("small_without_eager", "staged"),
+        ("medium_plain", "staged"),  # below CROSS_MEMORY_MIN_BYTES
+        ("medium_shared", "shared"),
+    ],
+)
+def test_a_buffer_takes_the_path_its_size_and_home_call_for(
+    paths: list[dict[str, Any]], case: str, expected: str
+) -> None:
+    for result in paths:
+        assert result[case] == (expected, True)
+
+
+def test_a_large_plain_array_is_read_in_place_exactly_when_the_probe_allows(paths: list[dict[str, Any]]) -> None:
+    for result in paths:
+        expected = "cross_memory" if result["cross_memory_available"] else "staged"
+        assert result["large_plain"] == (expected, True)
+
+
+def test_a_rank_that_declines_cross_memory_reads_turns_them_off_for_the_group(paths: list[dict[str, Any]]) -> None:
+    for result in paths:
+        assert not result["declined_available"]
+        assert result["declined"] == ("staged", True)
