@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+from allreduce.runtime._transport import MAX_DESCRIPTOR_BYTES
+
 __all__ = [
     "ABORTED_WORD",
     "ATTACHED_WORD",
@@ -59,8 +61,8 @@ MAX_RANKS = 512
 MAGIC = 0x414C4C5245445543
 """``"ALLREDUC"``: written last when a control block is initialised; peers attach only once they see it."""
 
-DESCRIPTOR_BYTES = 240
-"""Payload of one descriptor slot (the transport interface's longest descriptor)."""
+DESCRIPTOR_BYTES = MAX_DESCRIPTOR_BYTES
+"""Payload of one descriptor slot: the transport interface's longest descriptor."""
 
 CRC_SLOTS_PER_PEER = 1024
 """crc32 slots per (sender, receiver) pair and collective: the most transfers ``checksum=True`` supports."""

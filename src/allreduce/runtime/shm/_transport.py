@@ -57,7 +57,6 @@ from allreduce.runtime.shm._layout import (
     CRC_SLOTS_PER_PEER,
     CROSS_MEMORY_WORD,
     CULPRIT_WORD,
-    DESCRIPTOR_BYTES,
     DONE_STEP,
     EAGER_BYTES,
     IN_EAGER_SNAPSHOT,
@@ -195,6 +194,12 @@ class ShmTransport(Transport):
         self.eager_bytes = eager_bytes
         self._prefix = os.path.join(SHM_DIR, shm_prefix(job))
         self._layout = ControlLayout(world_size)
+        # per-call offsets, computed once from the declared layout (by the parity of the sequence number)
+        self._eager_offsets = (self._layout.eager_area_offset(0), self._layout.eager_area_offset(1))
+        self._descriptor_words = (descriptor_word(0), descriptor_word(1))
+        self._descriptor_payloads = (descriptor_payload_offset(0), descriptor_payload_offset(1))
+        # the last compiled program: a training loop repeats one collective, and this skips even hashing the plan
+        self._last_compiled: tuple[RankPlan, bool, Program] | None = None
         self._segments = LocalSegments(self._prefix, rank)
         self._peer_segments = [PeerSegments() for _ in range(world_size)]
         self._spin_s = SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
@@ -221,8 +226,8 @@ class ShmTransport(Transport):
         own_words[PROBE_ADDRESS_WORD] = own.address
         own_words[PROGRESS_WORD] = -1
         own_words[READ_DONE_WORD] = -1
-        own_words[descriptor_word(0)] = -1
-        own_words[descriptor_word(1)] = -1
+        own_words[self._descriptor_words[0]] = -1
+        own_words[self._descriptor_words[1]] = -1
         own_words[MAGIC_WORD] = MAGIC
         try:
             self._attach_peers(own_words, timeout_s)
@@ -408,10 +413,8 @@ class ShmTransport(Transport):
         self._publish(PROGRESS_WORD, seq << STEP_BITS)
 
     def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
-        if len(descriptor) > DESCRIPTOR_BYTES:
-            raise ValueError(f"descriptor of {len(descriptor)} bytes exceeds {DESCRIPTOR_BYTES}")
-        stamp_word = descriptor_word(seq % 2)
-        payload = descriptor_payload_offset(seq % 2)
+        stamp_word = self._descriptor_words[seq & 1]
+        payload = self._descriptor_payloads[seq & 1]
         own = self._ctl[self.rank]
         assert own is not None
         own.mm[payload : payload + len(descriptor)] = descriptor
@@ -456,7 +459,12 @@ class ShmTransport(Transport):
         eager = not checksum and self._agreed_seq == seq and fits
         work = self._choose_home(buffer, plan.count, eager=eager)
         in_shm = work is buffer
-        program = self.plans.get(("shm", plan, in_shm), lambda: compile_program(plan, in_shm))
+        last = self._last_compiled
+        if last is not None and last[0] is plan and last[1] is in_shm:
+            program = last[2]
+        else:
+            program = self.plans.get(("shm", plan, in_shm), lambda: compile_program(plan, in_shm))
+            self._last_compiled = (plan, in_shm, program)
         if checksum and program.max_crc_slots > CRC_SLOTS_PER_PEER:
             raise ValueError(
                 f"checksum=True supports up to {CRC_SLOTS_PER_PEER} transfers per peer per collective; this plan "
@@ -482,7 +490,7 @@ class ShmTransport(Transport):
         view[SEQ_WORD] = seq
         view[STEP_WORD] = -1 if error.step is None else error.step
         self._publish(ABORTED_WORD, abort_kind(error) + 1)
-        for word in (PROGRESS_WORD, READ_DONE_WORD, descriptor_word(0), descriptor_word(1)):
+        for word in (PROGRESS_WORD, READ_DONE_WORD, *self._descriptor_words):
             futex_wake(self._addr[self.rank] + 8 * word)
 
     # ----------------------------------------------------------------------------------------------------
@@ -757,7 +765,7 @@ class ShmTransport(Transport):
         """Rank ``rank``'s snapshot area for collective ``seq`` (two areas, alternating with seq's parity)."""
         ctl = self._ctl[rank]
         assert ctl is not None
-        return ctl.array(dtype, EAGER_BYTES // dtype.itemsize, self._layout.eager_area_offset(seq))
+        return ctl.array(dtype, EAGER_BYTES // dtype.itemsize, self._eager_offsets[seq & 1])
 
     def _scratch_of(self, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
         if self._scratch is None:
