@@ -8,14 +8,14 @@ import subprocess
 import sys
 import uuid
 
-from allreduce.runtime._shm import ShmTransport, shm_prefix, sweep_stale_segments
+from allreduce.runtime.shm import ShmTransport, shm_prefix, sweep_stale_segments
 
 _CHILD = r"""
 import os, signal, sys
-from allreduce.runtime._shm import ShmTransport
+from allreduce.runtime.shm import ShmTransport
 t = ShmTransport(0, 1, sys.argv[1], timeout_s=30)
-t.allocate(1 << 20)          # a group.empty() segment
-t._staging_for(1 << 16)      # a staging segment
+t.allocate(1 << 20)          # two group.empty() segments
+t.allocate(1 << 16)
 print("ready", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)   # die without close(), as a killed rank does
 """

@@ -118,7 +118,7 @@ def init(
     port = 29500 if port is None else port
     token = token or os.environ.get("ALLREDUCE_TOKEN")
     if world_size == 1 and transport != "tcp":
-        from allreduce.runtime._shm import ShmTransport
+        from allreduce.runtime.shm import ShmTransport
 
         shm = ShmTransport(0, 1, f"solo-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s, cross_memory=cross_memory)
         model = cost_model or _tuned_model("shm")
@@ -158,7 +158,7 @@ def init(
             group_size = hosts.count(hosts[rank])
         chosen: Transport
         if transport == "shm":
-            from allreduce.runtime._shm import ShmTransport
+            from allreduce.runtime.shm import ShmTransport
 
             chosen = ShmTransport(rank, world_size, job, timeout_s=timeout_s, cross_memory=cross_memory)
         else:

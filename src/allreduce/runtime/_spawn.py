@@ -478,6 +478,6 @@ def _first_failure(
 
 def _sweep_shared_memory() -> None:
     """Unlink the shared-memory files of ranks that were killed before they could (their owners are gone)."""
-    from allreduce.runtime._shm import sweep_stale_segments
+    from allreduce.runtime.shm import sweep_stale_segments
 
     sweep_stale_segments()

@@ -1,0 +1,38 @@
+"""The shared-memory transport: ranks on one host reduce straight out of each other's memory.
+
+- :mod:`~allreduce.runtime.shm._linux`: futex, ``process_vm_readv``, pidfd, PID namespace;
+- :mod:`~allreduce.runtime.shm._segments`: /dev/shm files (naming, mapping, sweeping, the peer cache);
+- :mod:`~allreduce.runtime.shm._layout`: the control block every rank publishes, one declared layout;
+- :mod:`~allreduce.runtime.shm._compile`: a rank's plan compiled into shared-memory operations (pure);
+- :mod:`~allreduce.runtime.shm._transport`: :class:`ShmTransport`, which runs them.
+"""
+
+from allreduce.runtime.shm._layout import CRC_SLOTS_PER_PEER, DESCRIPTOR_BYTES, EAGER_BYTES, MAX_RANKS
+from allreduce.runtime.shm._segments import PEER_SEGMENT_CACHE_ENTRIES, SHM_DIR, shm_prefix, sweep_stale_segments
+from allreduce.runtime.shm._transport import (
+    CROSS_MEMORY_CHUNK_BYTES,
+    CROSS_MEMORY_MIN_BYTES,
+    POLL_S,
+    SPIN_S,
+    YIELD_S,
+    ShmTransport,
+    eager_step_bound,
+)
+
+__all__ = [
+    "CRC_SLOTS_PER_PEER",
+    "CROSS_MEMORY_CHUNK_BYTES",
+    "CROSS_MEMORY_MIN_BYTES",
+    "DESCRIPTOR_BYTES",
+    "EAGER_BYTES",
+    "MAX_RANKS",
+    "PEER_SEGMENT_CACHE_ENTRIES",
+    "POLL_S",
+    "SHM_DIR",
+    "SPIN_S",
+    "YIELD_S",
+    "ShmTransport",
+    "eager_step_bound",
+    "shm_prefix",
+    "sweep_stale_segments",
+]

@@ -1,0 +1,170 @@
+"""Linux primitives of the shared-memory transport: futex wait/wake, ``process_vm_readv``, pidfd, PID namespace.
+
+Each is loaded once through ``ctypes`` (or ``os``) and degrades to something slower but correct where the kernel
+or the C library lacks it: no futex → a short sleep; no ``process_vm_readv`` → :data:`CROSS_MEMORY_SUPPORTED` is
+false and the transport stages; no pidfd → a dead peer is found by its abort flag or the deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import platform
+import select
+import time
+from typing import Any
+
+import numpy.typing as npt
+
+__all__ = [
+    "CROSS_MEMORY_SUPPORTED",
+    "FUTEX_SUPPORTED",
+    "PID_NAMESPACE",
+    "alive",
+    "close_pidfds",
+    "exited",
+    "futex_wait",
+    "futex_wake",
+    "open_pidfd",
+    "read_remote",
+]
+
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_WAKE_EVERY_WAITER = 0x7FFFFFFF  # futex(2): the number of waiters FUTEX_WAKE wakes at most
+_NO_FUTEX_SLEEP_S = 50e-6  # without futex, a waiter sleeps this long between checks (bounded by its timeout)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = (("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long))
+
+
+def _load_futex() -> Any:
+    if _SYS_FUTEX is None:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_long
+    fn.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    return fn
+
+
+_futex_syscall = _load_futex()
+FUTEX_SUPPORTED = _futex_syscall is not None
+"""Whether waiters block in ``futex(2)`` (else they sleep briefly between checks)."""
+
+
+def futex_wait(address: int, seen: int, timeout_s: float) -> None:
+    """Block until the 32-bit word at ``address`` may differ from the low half of ``seen`` (or ``timeout_s``)."""
+    if _futex_syscall is None:
+        time.sleep(min(timeout_s, _NO_FUTEX_SLEEP_S))
+        return
+    low = seen & 0xFFFFFFFF
+    if low >= 1 << 31:
+        low -= 1 << 32
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+    _futex_syscall(_SYS_FUTEX, address, _FUTEX_WAIT, low, ctypes.byref(ts), None)
+
+
+def futex_wake(address: int) -> None:
+    """Wake every process blocked in :func:`futex_wait` on ``address``."""
+    if _futex_syscall is not None:
+        _futex_syscall(_SYS_FUTEX, address, _FUTEX_WAKE, _WAKE_EVERY_WAITER, None, None)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("length", ctypes.c_size_t))
+
+
+def _load_vm_readv() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = (
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    )
+    return fn
+
+
+_vm_readv = _load_vm_readv()
+CROSS_MEMORY_SUPPORTED = _vm_readv is not None
+"""Whether the C library has ``process_vm_readv(2)`` (the kernel may still refuse it: the transport probes)."""
+
+
+def read_remote(pid: int, address: int, out: npt.NDArray[Any]) -> int:
+    """Copy ``out.nbytes`` bytes at ``address`` in process ``pid`` into ``out`` (contiguous); 0 or an errno."""
+    if _vm_readv is None:
+        return errno.ENOSYS
+    nbytes = out.nbytes
+    done = 0
+    base = int(out.ctypes.data)
+    while done < nbytes:
+        local = _IoVec(base + done, nbytes - done)
+        remote = _IoVec(address + done, nbytes - done)
+        got = _vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            return ctypes.get_errno() or errno.EIO  # a zero-length read of memory that should be there
+        done += got
+    return 0
+
+
+def open_pidfd(pid: int) -> int:
+    """A file descriptor that becomes readable when process ``pid`` exits, or -1 where pidfds are missing."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return -1
+
+
+def exited(pidfds: list[int]) -> set[int]:
+    """The descriptors among ``pidfds`` (from :func:`open_pidfd`; -1 skipped) whose process has exited."""
+    fds = [fd for fd in pidfds if fd >= 0]
+    if not fds:
+        return set()
+    readable, _, _ = select.select(fds, [], [], 0)
+    return set(readable)
+
+
+def close_pidfds(pidfds: list[int]) -> None:
+    for fd in pidfds:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (in this PID namespace); a process we may not signal counts as alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pid_namespace() -> int:
+    """Identity of this process's PID namespace (0 where /proc does not say), so that the stale-segment sweep
+    never judges a file by a PID from another namespace sharing /dev/shm (containers with a shared IPC)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+PID_NAMESPACE = _pid_namespace()
+"""This process's PID namespace (see :func:`_pid_namespace`)."""

@@ -1,0 +1,935 @@
+"""The shared-memory transport: ranks on one host read each other's buffers directly, no socket in the data path.
+
+One-sided execution. A receiver reduces straight out of the sender's memory into its own
+(``np.add(mine, theirs, out=mine)``, one pass). Two counters per rank in its control block
+(:mod:`allreduce.runtime.shm._layout`) carry all synchronisation:
+
+- ``progress`` = (seq, t): "my buffer holds the state at the start of step t" — a receiver waits for it
+  before it reads the sender's step-t blocks;
+- ``read_done`` = (seq, t+1): "I have finished reading your step-t blocks" — a sender waits for it before it
+  overwrites a range that a peer reads at that step or earlier.
+
+Where a rank's data lives for one collective (its *home*, published in its control block; readers follow it):
+
+- **eager** (small buffers): each step's sent ranges are copied into a snapshot area of the owner's control
+  block, so the owner overwrites its buffer without waiting for readers; :meth:`ShmTransport.prepare` publishes
+  step 0 together with the descriptor;
+- **shared**: an array from :meth:`ShmTransport.allocate` (``group.empty()``) is in shared memory already;
+- **cross-memory**: a large plain array is read by peers where it is, in the owner's private memory, with
+  ``process_vm_readv(2)``, when the start-up probe found that every rank may read every other (not under Yama
+  ``ptrace_scope >= 1``, which we never loosen);
+- **staged**: otherwise through a shared staging segment, copying only what the plan needs
+  (:mod:`allreduce.runtime.shm._compile`).
+
+Waiting spins briefly, then yields, then blocks in ``futex(2)`` on the counter with a short timeout, so that N
+ranks on fewer cores do not starve each other. While waiting, the transport watches every peer's process
+(pidfd) and abort flag: a dead rank, a rank that gave up, or the deadline end the wait with an error naming the
+culprit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.runtime._errors import (
+    ChecksumError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    PeerFailureError,
+)
+from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._transport import ReduceInto, Transport, abort_kind, error_class
+from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
+from allreduce.runtime.shm._layout import (
+    ABORTED_WORD,
+    ATTACHED_WORD,
+    BUFFER_OFFSET_WORD,
+    BUFFER_SEGMENT_WORD,
+    CLOSED_WORD,
+    CRC_SLOTS_PER_PEER,
+    CROSS_MEMORY_WORD,
+    CULPRIT_WORD,
+    DONE_STEP,
+    EAGER_BYTES,
+    IN_EAGER_SNAPSHOT,
+    IN_PRIVATE_MEMORY,
+    MAGIC,
+    MAGIC_WORD,
+    MAX_RANKS,
+    NO_ABORT,
+    PID_WORD,
+    PROBE_ADDRESS_WORD,
+    PROGRESS_WORD,
+    READ_DONE_WORD,
+    SEQ_WORD,
+    SLEEPERS_WORD,
+    STEP_BITS,
+    STEP_WORD,
+    UNSATISFIABLE,
+    ControlLayout,
+    descriptor_payload_offset,
+    descriptor_word,
+)
+from allreduce.runtime.shm._linux import (
+    CROSS_MEMORY_SUPPORTED,
+    close_pidfds,
+    exited,
+    futex_wait,
+    futex_wake,
+    open_pidfd,
+    read_remote,
+)
+from allreduce.runtime.shm._segments import (
+    SHM_DIR,
+    LocalSegments,
+    PeerSegments,
+    Segment,
+    control_segment_path,
+    data_segment_path,
+    shm_prefix,
+    sweep_stale_segments,
+    unlink_rank_files,
+)
+
+__all__ = [
+    "CROSS_MEMORY_CHUNK_BYTES",
+    "CROSS_MEMORY_MIN_BYTES",
+    "EAGER_STEPS_PER_RANK",
+    "EAGER_STEPS_SLACK",
+    "POLL_S",
+    "SPIN_S",
+    "YIELD_S",
+    "ShmTransport",
+    "eager_step_bound",
+]
+
+CROSS_MEMORY_MIN_BYTES = 8 << 20
+"""Smallest plain array peers read in place with ``process_vm_readv``; below it staging is faster (the kernel
+pins the peer's pages one by one, and only large numpy arrays are backed by huge pages)."""
+
+CROSS_MEMORY_CHUNK_BYTES = 1 << 20
+"""A cross-memory receive that reduces goes through a scratch piece of this size, which stays in L2."""
+
+EAGER_STEPS_PER_RANK = 2
+EAGER_STEPS_SLACK = 8
+"""``prepare()`` publishes a small buffer before the ranks agree on a plan, so it must bound the steps of any plan:
+``EAGER_STEPS_PER_RANK * N + EAGER_STEPS_SLACK`` (a ring takes 2(N - 1) steps; trees and doubling fewer)."""
+
+SPIN_S = 30e-6
+"""A waiter busy-waits this long first when every rank has a core: a handoff then costs well under a microsecond."""
+
+YIELD_S = 300e-6
+"""Then it gives the core away between checks for this long; then it blocks in futex."""
+
+POLL_S = 0.001
+"""Longest a waiter blocks in futex before it re-checks the deadline, dead peers and abort flags."""
+
+_ATTACH_FIRST_PAUSE_S = 1e-4
+_ATTACH_MAX_PAUSE_S = 0.01
+"""Start-up only (peers are still starting their interpreters): back off from the first to the longest pause."""
+
+
+def eager_step_bound(world_size: int) -> int:
+    """The most steps a plan may have for a buffer that ``prepare()`` published (see :data:`EAGER_STEPS_SLACK`)."""
+    return EAGER_STEPS_PER_RANK * world_size + EAGER_STEPS_SLACK
+
+
+@dataclass(frozen=True, slots=True)
+class _Remote:
+    """A peer's private array, read with process_vm_readv: element i is at ``address + i * itemsize``."""
+
+    peer: int
+    pid: int
+    address: int
+    itemsize: int
+
+
+def _where(step: int) -> str:
+    return f"step {step}" if step >= 0 else "the descriptor exchange"
+
+
+class ShmTransport(Transport):
+    """Shared-memory transport for ``world_size`` ranks of job ``job`` on one host (see the module docstring).
+
+    Construction is collective: every rank creates its control block and waits (up to ``timeout_s``) until
+    all peers have created theirs, then the files are unlinked (nothing is left in /dev/shm if a rank dies later).
+
+    Knobs (each rank decides alone; readers follow what the owner of the data published, so they may differ
+    between ranks and may be changed between collectives through the properties of the same names):
+
+    - ``cross_memory``: let peers read large plain arrays in place (only if the start-up probe allows it on every
+      rank; ``statistics()["cross_memory_available"]`` says what it found);
+    - ``cross_memory_min_bytes``: the smallest array read that way (0: every plain array);
+    - ``eager_bytes``: buffers whose (steps x size) fits go through snapshots (0: never; at most
+      :data:`~allreduce.runtime.shm.EAGER_BYTES`).
+    """
+
+    name = "shm"
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        job: str,
+        *,
+        timeout_s: float = 300.0,
+        cross_memory: bool = True,
+        cross_memory_min_bytes: int = CROSS_MEMORY_MIN_BYTES,
+        eager_bytes: int = EAGER_BYTES,
+    ) -> None:
+        super().__init__(rank, world_size)
+        if world_size > MAX_RANKS:
+            raise ValueError(
+                f"the shared-memory transport supports up to {MAX_RANKS} ranks on one host, got {world_size}"
+            )
+        self.cross_memory_min_bytes = cross_memory_min_bytes
+        self.eager_bytes = eager_bytes
+        self._prefix = os.path.join(SHM_DIR, shm_prefix(job))
+        self._layout = ControlLayout(world_size)
+        # per-call offsets, computed once from the declared layout (by the parity of the sequence number)
+        self._eager_offsets = (self._layout.eager_area_offset(0), self._layout.eager_area_offset(1))
+        self._descriptor_words = (descriptor_word(0), descriptor_word(1))
+        self._descriptor_payloads = (descriptor_payload_offset(0), descriptor_payload_offset(1))
+        # the last compiled program: a training loop repeats one collective, and this skips even hashing the plan
+        self._last_compiled: tuple[RankPlan, bool, Program] | None = None
+        self._segments = LocalSegments(self._prefix, rank)
+        self._peer_segments = [PeerSegments() for _ in range(world_size)]
+        self._spin_s = SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
+        self._pidfds: list[int] = []
+        self._peer_pids: list[int] = []
+        self._corrupt_next: tuple[int, int] | None = None  # (peer, step) of inject_corruption()
+        self._want_cross_memory = bool(cross_memory) and CROSS_MEMORY_SUPPORTED
+        self._cross_memory_available = False  # the start-up probe: every rank can read every other
+        self._cross_memory = False  # available and wanted by this rank
+        self._scratch: npt.NDArray[np.uint8] | None = None
+        self._agreed_seq = -1
+        self._prepared_seq = -1
+        self._executes_eager = 0
+        self._executes_shared = 0
+        self._executes_cross_memory = 0
+        self._executes_staged = 0
+        self._views: list[memoryview] = []
+        self._ctl: list[Segment | None] = [None] * world_size
+        sweep_stale_segments(os.path.dirname(self._prefix))
+        own = Segment(control_segment_path(self._prefix, rank), self._layout.size_bytes, create=True)
+        self._ctl[rank] = own
+        own_words = own.words()
+        own_words[PID_WORD] = os.getpid()
+        own_words[PROBE_ADDRESS_WORD] = own.address
+        own_words[PROGRESS_WORD] = -1
+        own_words[READ_DONE_WORD] = -1
+        own_words[self._descriptor_words[0]] = -1
+        own_words[self._descriptor_words[1]] = -1
+        own_words[MAGIC_WORD] = MAGIC
+        try:
+            self._attach_peers(own_words, timeout_s)
+        except BaseException:
+            if not self._views:
+                own_words.release()
+            self._release_all()
+            raise
+        self._sleepers = self._views[rank][SLEEPERS_WORD : SLEEPERS_WORD + world_size]
+        self._addr = [s.address for s in self._ctl_list()]
+        self._crc = [
+            s.array(np.dtype(np.uint32), self._layout.crc_count, self._layout.crc_offset) for s in self._ctl_list()
+        ]
+        self._cross_memory = self._want_cross_memory and self._cross_memory_available
+
+    # ----------------------------------------------------------------------------------------------------
+    # Knobs and counters
+    # ----------------------------------------------------------------------------------------------------
+    @property
+    def cross_memory(self) -> bool:
+        """Whether this rank's large plain arrays are read by peers in place (wanted and available)."""
+        return self._cross_memory
+
+    @cross_memory.setter
+    def cross_memory(self, wanted: bool) -> None:
+        self._cross_memory = bool(wanted) and self._cross_memory_available
+
+    @property
+    def cross_memory_min_bytes(self) -> int:
+        return self._cross_memory_min_bytes
+
+    @cross_memory_min_bytes.setter
+    def cross_memory_min_bytes(self, size_bytes: int) -> None:
+        if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 0:
+            raise ValueError(f"cross_memory_min_bytes must be a non-negative int, got {size_bytes!r}")
+        self._cross_memory_min_bytes = size_bytes
+
+    @property
+    def eager_bytes(self) -> int:
+        return self._eager_bytes
+
+    @eager_bytes.setter
+    def eager_bytes(self, size_bytes: int) -> None:
+        if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or not 0 <= size_bytes <= EAGER_BYTES:
+            raise ValueError(f"eager_bytes must be an int in [0, {EAGER_BYTES}], got {size_bytes!r}")
+        self._eager_bytes = size_bytes
+
+    def statistics(self) -> Mapping[str, int]:
+        """How many executes took each path, and whether peers may read private memory (the start-up probe)."""
+        return {
+            "executes_eager": self._executes_eager,
+            "executes_shared": self._executes_shared,
+            "executes_cross_memory": self._executes_cross_memory,
+            "executes_staged": self._executes_staged,
+            "cross_memory_available": int(self._cross_memory_available),
+        }
+
+    def inject_corruption(self, *, peer: int, step: int = 0) -> None:
+        """Flip one byte of the next block sent to ``peer`` at ``step`` of a ``checksum=True`` collective, after
+        its crc32 was computed (the receiver must raise :class:`ChecksumError` naming the link)."""
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"peer {peer!r} is not another rank of a group of {self.world_size}")
+        self._corrupt_next = (peer, step)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Start-up
+    # ----------------------------------------------------------------------------------------------------
+    def _ctl_list(self) -> list[Segment]:
+        out = []
+        for s in self._ctl:
+            assert s is not None
+            out.append(s)
+        return out
+
+    def _map_control_block(self, peer: int) -> Segment | None:
+        """Peer's control block once it is created and initialised, else ``None``."""
+        try:
+            segment = Segment(control_segment_path(self._prefix, peer), 0, create=False)
+        except FileNotFoundError:
+            return None
+        if segment.size_bytes >= self._layout.size_bytes:
+            words = segment.words()
+            initialised = words[MAGIC_WORD] == MAGIC
+            words.release()
+            if initialised:
+                return segment
+        segment.close()
+        return None
+
+    def _attach_peers(self, own_words: memoryview, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        missing = [p for p in range(self.world_size) if p != self.rank]
+        pause = _ATTACH_FIRST_PAUSE_S
+        while missing:
+            still = []
+            for p in missing:
+                segment = self._map_control_block(p)
+                if segment is None:
+                    still.append(p)
+                else:
+                    self._ctl[p] = segment
+            missing = still
+            if missing:
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: shared-memory rendezvous timed out after {timeout_s:g} s waiting for "
+                        f"rank(s) {', '.join(map(str, missing))} to join",
+                        rank=self.rank,
+                        peer=missing[0],
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, _ATTACH_MAX_PAUSE_S)
+        self._views = [own_words if p == self.rank else s.words() for p, s in enumerate(self._ctl_list())]
+        views = self._views
+        self._peer_pids = [int(view[PID_WORD]) for view in views]
+        self._pidfds = [open_pidfd(pid) for p, pid in enumerate(self._peer_pids) if p != self.rank]
+        own_words[CROSS_MEMORY_WORD] = int(self._probe_cross_memory())
+        own_words[ATTACHED_WORD] = 1
+        # Unlink our control file once every peer has mapped it, so a crash leaves nothing in /dev/shm.
+        while True:
+            pending = [p for p in range(self.world_size) if views[p][ATTACHED_WORD] != 1]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: shared-memory rendezvous timed out waiting for rank(s) "
+                    f"{', '.join(map(str, pending))} to map the control segments",
+                    rank=self.rank,
+                    peer=pending[0],
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _ATTACH_MAX_PAUSE_S)
+        self._cross_memory_available = all(view[CROSS_MEMORY_WORD] == 1 for view in self._views)
+        own = self._ctl[self.rank]
+        assert own is not None
+        own.unlink()
+
+    def _probe_cross_memory(self) -> bool:
+        """Can this rank read every peer's private memory? (Read each peer's magic word where it mapped it.)"""
+        if not self._want_cross_memory:
+            return False
+        probe = np.zeros(1, dtype=np.int64)
+        for p, view in enumerate(self._views):
+            if p == self.rank:
+                continue
+            if read_remote(self._peer_pids[p], int(view[PROBE_ADDRESS_WORD]), probe) or int(probe[0]) != MAGIC:
+                return False
+        return True
+
+    # ----------------------------------------------------------------------------------------------------
+    # What the group calls
+    # ----------------------------------------------------------------------------------------------------
+    def allocate(self, size_bytes: int) -> npt.NDArray[np.uint8]:
+        """A zero-filled byte array in shared memory that peers can read in place (``group.empty()``)."""
+        self.check_usable()
+        return self._segments.allocate(size_bytes)
+
+    def prepare(self, seq: int, buffer: npt.NDArray[Any], *, checksum: bool) -> None:
+        """Before ``agree(seq)``: publish a small ``buffer``'s step-0 state, so that the descriptor exchange and
+        the first step's data cost one handoff, not two.
+
+        The whole buffer goes into snapshot area 0 (it is the step-0 state whatever plan the ranks agree on)
+        and "at step 0" is published with it. Peers read it only after they have compared the descriptors,
+        so a mismatch still moves no data. Safe to overwrite the area because agree(seq - 1) proved every peer
+        finished reading collective seq - 2; limited to sizes whose every possible plan fits the area.
+        """
+        if (
+            checksum
+            or self._agreed_seq != seq - 1
+            or buffer.nbytes * eager_step_bound(self.world_size) > self._eager_bytes
+            or buffer.ndim != 1
+            or not buffer.flags.c_contiguous
+            or not buffer.size
+        ):
+            return
+        self.check_usable()
+        area = self._eager_area(self.rank, seq, buffer.dtype)
+        area[: buffer.size] = buffer
+        me = self._views[self.rank]
+        me[BUFFER_SEGMENT_WORD] = IN_EAGER_SNAPSHOT
+        me[BUFFER_OFFSET_WORD] = 0
+        self._prepared_seq = seq
+        self._publish(PROGRESS_WORD, seq << STEP_BITS)
+
+    def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
+        stamp_word = self._descriptor_words[seq & 1]
+        payload = self._descriptor_payloads[seq & 1]
+        own = self._ctl[self.rank]
+        assert own is not None
+        own.mm[payload : payload + len(descriptor)] = descriptor
+        self._views[self.rank][stamp_word + 1] = len(descriptor)
+        self._publish(stamp_word, seq)
+        self._agreed_seq = -1
+        out: list[bytes] = []
+        for p in range(self.world_size):
+            if p != self.rank:
+                self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1)
+            length = self._views[p][stamp_word + 1]
+            segment = self._ctl[p]
+            assert segment is not None
+            out.append(bytes(segment.mm[payload : payload + length]))
+        # Every peer has entered collective seq, so it has finished reading our data of seq - 1 and earlier:
+        # execute(seq) may reuse the eager snapshot area of seq - 2 without waiting.
+        self._agreed_seq = seq
+        return out
+
+    def _execute(
+        self,
+        plan: RankPlan,
+        buffer: npt.NDArray[Any],
+        reduce_into: ReduceInto,
+        *,
+        seq: int,
+        deadline: float,
+        timeout_s: float,
+        checksum: bool,
+    ) -> None:
+        steps = plan.steps[-1].index + 1
+        prepared = self._prepared_seq == seq
+        fits = steps * buffer.nbytes <= self._eager_bytes
+        if prepared and not fits:
+            bound = eager_step_bound(self.world_size)
+            raise CollectiveError(
+                f"rank {self.rank}: plan {plan.schedule_name} has {steps} steps, more than the eager path allows for "
+                f"{self.world_size} ranks ({bound}); run it with eager_bytes=0",
+                rank=self.rank,
+            )
+        # Only right after agree(seq), which proves every peer is done with the snapshot area of the same parity.
+        eager = not checksum and self._agreed_seq == seq and fits
+        work = self._choose_home(buffer, plan.count, eager=eager)
+        in_shm = work is buffer
+        last = self._last_compiled
+        if last is not None and last[0] is plan and last[1] is in_shm:
+            program = last[2]
+        else:
+            program = self.plans.get(("shm", plan, in_shm), lambda: compile_program(plan, in_shm))
+            self._last_compiled = (plan, in_shm, program)
+        if checksum and program.max_crc_slots > CRC_SLOTS_PER_PEER:
+            raise ValueError(
+                f"checksum=True supports up to {CRC_SLOTS_PER_PEER} transfers per peer per collective; this plan "
+                f"has {program.max_crc_slots} (use fewer segments)"
+            )
+        self._run_steps(
+            program, plan.count, buffer, work, reduce_into, seq=seq, deadline=deadline, eager=eager,
+            prepared=prepared, checksum=checksum,
+        )  # fmt: skip
+        self._finish(program, buffer, work, seq=seq, deadline=deadline, eager=eager)
+
+    def _release(self) -> None:
+        if self._views:
+            self._publish(CLOSED_WORD, 1)
+        self._release_all()
+
+    def _abort(self, error: CollectiveError, seq: int) -> None:
+        """Publish why this rank gave up (peers waiting on it stop at once and raise the same class)."""
+        if not self._views:
+            return
+        view = self._views[self.rank]
+        view[CULPRIT_WORD] = -1 if error.peer is None else error.peer
+        view[SEQ_WORD] = seq
+        view[STEP_WORD] = -1 if error.step is None else error.step
+        self._publish(ABORTED_WORD, abort_kind(error) + 1)
+        for word in (PROGRESS_WORD, READ_DONE_WORD, *self._descriptor_words):
+            futex_wake(self._addr[self.rank] + 8 * word)
+
+    # ----------------------------------------------------------------------------------------------------
+    # One collective
+    # ----------------------------------------------------------------------------------------------------
+    def _choose_home(self, buffer: npt.NDArray[Any], count: int, *, eager: bool) -> npt.NDArray[Any]:
+        """Decide where peers read this rank's data, publish it, and return the working buffer (``buffer`` unless
+        staged)."""
+        me = self._views[self.rank]
+        work = buffer
+        if eager:
+            segment_id, offset = IN_EAGER_SNAPSHOT, 0
+            self._executes_eager += 1
+        elif (located := self._segments.locate(buffer)) is not None:
+            segment_id, offset = located
+            self._executes_shared += 1
+        elif self._cross_memory and buffer.nbytes >= self._cross_memory_min_bytes:
+            # Peers read the user's array where it is: no staging copy in, none out.
+            segment_id, offset = IN_PRIVATE_MEMORY, int(buffer.ctypes.data)
+            self._executes_cross_memory += 1
+        else:
+            segment_id, staging = self._segments.staging(buffer.nbytes)
+            offset = 0
+            work = staging.array(buffer.dtype, count)
+            self._executes_staged += 1
+        me[BUFFER_SEGMENT_WORD] = segment_id
+        me[BUFFER_OFFSET_WORD] = offset
+        return work
+
+    def _run_steps(
+        self,
+        program: Program,
+        count: int,
+        user: npt.NDArray[Any],
+        work: npt.NDArray[Any],
+        reduce_into: ReduceInto,
+        *,
+        seq: int,
+        deadline: float,
+        eager: bool,
+        prepared: bool,
+        checksum: bool,
+    ) -> None:
+        """Every step: make its sent ranges readable, publish "at step t", receive, publish "read step t"."""
+        dtype = user.dtype
+        ufunc = getattr(reduce_into, "ufunc", None)
+        arrays = (user, work)
+        base = seq << STEP_BITS
+        views = self._views
+        wait = self._wait
+        peer_arrays: dict[int, npt.NDArray[Any] | _Remote] = {}
+        snapshot = self._eager_area(self.rank, seq, dtype) if eager else work
+        try:
+            for st in program.steps:
+                # send: this step's sent ranges must be readable where this rank published them
+                if st.copyins:
+                    self._copy_in(st, user, work, base=base, seq=seq, deadline=deadline)
+                if checksum:
+                    self._sign_sends(st, work)
+                if eager and not (prepared and st.index == 0):
+                    at = st.index * count
+                    for _, _, a, b in st.send_crcs:
+                        snapshot[at + a : at + b] = work[a:b]
+                self._publish(PROGRESS_WORD, base + st.index)
+                # receive (and reduce): straight out of the peer's memory
+                staged: list[tuple[Piece, npt.NDArray[Any]]] = []
+                for rv in st.recvs:
+                    peer = rv.peer
+                    wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
+                         what="its data for this step", step=st.index)  # fmt: skip
+                    source: npt.NDArray[Any] | _Remote
+                    if views[peer][BUFFER_SEGMENT_WORD] == IN_EAGER_SNAPSHOT:
+                        source, shift = self._eager_area(peer, seq, dtype), -st.index * count
+                    else:
+                        theirs = peer_arrays.get(peer)
+                        if theirs is None:
+                            theirs = self._peer_array(peer, dtype, count, seq=seq, step=st.index)
+                            peer_arrays[peer] = theirs
+                        source, shift = theirs, 0
+                    if checksum:
+                        source, shift = self._verify(rv, source, shift, dtype, seq=seq, step=st.index)
+                    for pc in rv.pieces:
+                        a, b = pc.start, pc.stop
+                        if pc.staged and not eager:
+                            tmp = self._receive_staged(pc, rv, source, shift, arrays=arrays, ufunc=ufunc,
+                                                       reduce_into=reduce_into, seq=seq, step=st.index)  # fmt: skip
+                            staged.append((pc, tmp))
+                            continue
+                        for reader, value in () if eager else pc.waits:
+                            wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
+                                 what="reading data this step overwrites", step=st.index)  # fmt: skip
+                        if isinstance(source, _Remote):
+                            self._receive_remote(pc, rv, source, arrays=arrays, ufunc=ufunc, reduce_into=reduce_into,
+                                                 seq=seq, step=st.index)  # fmt: skip
+                        elif rv.reduce:
+                            _apply(ufunc, reduce_into, arrays[pc.src][a:b], source[a - shift : b - shift],
+                                   arrays[pc.dst][a:b], in_place=pc.src == pc.dst)  # fmt: skip
+                        else:
+                            arrays[pc.dst][a:b] = source[a - shift : b - shift]
+                self._publish(READ_DONE_WORD, base + st.index + 1)
+                # staged receives land once the readers of this step are done with the range
+                for pc, tmp in staged:
+                    for reader, value in pc.waits:
+                        wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
+                             what="reading data this step overwrites", step=st.index)  # fmt: skip
+                    arrays[pc.dst][pc.start : pc.stop] = tmp
+        finally:
+            peer_arrays.clear()
+
+    def _copy_in(
+        self, st: StepProgram, user: npt.NDArray[Any], work: npt.NDArray[Any], *, base: int, seq: int, deadline: float
+    ) -> None:
+        """Staged path: copy the ranges sent this step from the user's array into the working buffer."""
+        for reader, value in st.copyin_waits:
+            self._wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
+                       what="reading an earlier step", step=st.index)  # fmt: skip
+        for a, b in st.copyins:
+            work[a:b] = user[a:b]
+
+    def _sign_sends(self, st: StepProgram, work: npt.NDArray[Any]) -> None:
+        """checksum=True: publish the crc32 of every block sent this step (then apply an injected corruption)."""
+        crc = self._crc[self.rank]
+        for dst, slot, a, b in st.send_crcs:
+            crc[dst * CRC_SLOTS_PER_PEER + slot] = zlib.crc32(work[a:b].view(np.uint8).data)
+            if self._corrupt_next == (dst, st.index) and b > a:
+                work.view(np.uint8)[a * work.dtype.itemsize] ^= 0xFF
+                self._corrupt_next = None
+
+    def _verify(
+        self, rv: Receive, source: npt.NDArray[Any] | _Remote, shift: int, dtype: np.dtype[Any], *, seq: int, step: int
+    ) -> tuple[npt.NDArray[Any], int]:
+        """checksum=True: raise :class:`ChecksumError` unless the received block matches the sender's crc32.
+
+        Returns where to read the block from (a private copy when the peer's memory is read with
+        process_vm_readv, so that what is checked is what is reduced)."""
+        if isinstance(source, _Remote):
+            local = np.empty(rv.stop - rv.start, dtype)
+            self._fetch(source, rv.start, local, seq=seq, step=step)
+            source, shift = local, rv.start
+        expected = int(self._crc[rv.peer][self.rank * CRC_SLOTS_PER_PEER + rv.crc_slot])
+        got = zlib.crc32(source[rv.start - shift : rv.stop - shift].view(np.uint8).data)
+        if got != expected:
+            raise ChecksumError(
+                f"rank {self.rank}: checksum mismatch on link rank {rv.peer} -> rank {self.rank} "
+                f"(collective {seq}, step {step}, elements [{rv.start}, {rv.stop}): "
+                f"crc32 {got:#010x}, sender computed {expected:#010x})",
+                rank=self.rank,
+                peer=rv.peer,
+                step=step,
+            )
+        return source, shift
+
+    def _receive_staged(
+        self,
+        pc: Piece,
+        rv: Receive,
+        source: npt.NDArray[Any] | _Remote,
+        shift: int,
+        *,
+        arrays: tuple[npt.NDArray[Any], npt.NDArray[Any]],
+        ufunc: Any,
+        reduce_into: ReduceInto,
+        seq: int,
+        step: int,
+    ) -> npt.NDArray[Any]:
+        """A piece also sent this step: its result goes to scratch, written once this step's readers are done."""
+        a, b = pc.start, pc.stop
+        dtype = arrays[0].dtype
+        if isinstance(source, _Remote):
+            tmp = np.empty(b - a, dtype)
+            self._fetch(source, a, tmp, seq=seq, step=step)
+            if rv.reduce:
+                tmp = _reduced(ufunc, reduce_into, arrays[pc.src][a:b], tmp)
+        elif rv.reduce:
+            tmp = np.empty(b - a, dtype)
+            _apply(ufunc, reduce_into, arrays[pc.src][a:b], source[a - shift : b - shift], tmp, in_place=False)
+        else:
+            tmp = source[a - shift : b - shift].copy()
+        return tmp
+
+    def _receive_remote(
+        self,
+        pc: Piece,
+        rv: Receive,
+        source: _Remote,
+        *,
+        arrays: tuple[npt.NDArray[Any], npt.NDArray[Any]],
+        ufunc: Any,
+        reduce_into: ReduceInto,
+        seq: int,
+        step: int,
+    ) -> None:
+        """A piece in the peer's private memory: copied straight into place, or reduced through scratch pieces."""
+        a, b = pc.start, pc.stop
+        out = arrays[pc.dst][a:b]
+        if not rv.reduce:
+            self._fetch(source, a, out, seq=seq, step=step)
+            return
+        # Read a cache-sized piece, reduce it, next: the peer's data crosses memory once.
+        scratch = self._scratch_of(arrays[0].dtype)
+        mine = arrays[pc.src]
+        for c in range(a, b, scratch.size):
+            d = min(c + scratch.size, b)
+            piece = scratch[: d - c]
+            self._fetch(source, c, piece, seq=seq, step=step)
+            _apply(ufunc, reduce_into, mine[c:d], piece, out[c - a : d - a], in_place=pc.src == pc.dst)
+
+    def _finish(
+        self,
+        program: Program,
+        user: npt.NDArray[Any],
+        work: npt.NDArray[Any],
+        *,
+        seq: int,
+        deadline: float,
+        eager: bool,
+    ) -> None:
+        """Wait until peers have read this rank's last data, copy staged results back, publish "done"."""
+        base = seq << STEP_BITS
+        for reader, value in () if eager else program.final_waits:
+            self._wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
+                       what="reading this rank's data", step=program.steps[-1].index)  # fmt: skip
+        for a, b in program.copyouts:
+            user[a:b] = work[a:b]
+        self._publish(PROGRESS_WORD, base + DONE_STEP)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Peers' memory
+    # ----------------------------------------------------------------------------------------------------
+    def _peer_array(
+        self, peer: int, dtype: np.dtype[Any], count: int, *, seq: int, step: int
+    ) -> npt.NDArray[Any] | _Remote:
+        """Where ``peer`` published its data for this collective, as an array (or a :class:`_Remote`)."""
+        view = self._views[peer]
+        segment_id, offset = view[BUFFER_SEGMENT_WORD], view[BUFFER_OFFSET_WORD]
+        if segment_id == IN_PRIVATE_MEMORY:
+            return _Remote(peer, self._peer_pids[peer], offset, dtype.itemsize)
+        cache = self._peer_segments[peer]
+        segment = cache.get(segment_id)
+        if segment is None:
+            path = data_segment_path(self._prefix, peer, self._peer_pids[peer], segment_id)
+            try:
+                segment = Segment(path, 0, create=False)
+            except FileNotFoundError:
+                # The peer has already given up and released its memory: report why it left.
+                self._check_peers(peer, CLOSED_WORD, UNSATISFIABLE, seq=seq, what="its data", step=step)
+                raise PeerFailureError(
+                    f"rank {self.rank}: rank {peer} released its shared memory during collective {seq}",
+                    rank=self.rank,
+                    peer=peer,
+                    step=step,
+                ) from None
+            cache.add(segment_id, segment)
+        return segment.array(dtype, count, offset)
+
+    def _fetch(self, remote: _Remote, start: int, out: npt.NDArray[Any], *, seq: int, step: int) -> None:
+        """Copy the peer's elements [start, start + out.size) into ``out``."""
+        error = read_remote(remote.pid, remote.address + start * remote.itemsize, out)
+        if not error:
+            return
+        # The peer is gone or gave up (its memory went with it): name the root cause when there is one.
+        self._check_peers(remote.peer, CLOSED_WORD, UNSATISFIABLE, seq=seq, what="its data", step=step)
+        raise PeerFailureError(
+            f"rank {self.rank}: cannot read rank {remote.peer}'s buffer during collective {seq} "
+            f"(step {step}): {os.strerror(error)}",
+            rank=self.rank,
+            peer=remote.peer,
+            step=step,
+        )
+
+    def _eager_area(self, rank: int, seq: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        """Rank ``rank``'s snapshot area for collective ``seq`` (two areas, alternating with seq's parity)."""
+        ctl = self._ctl[rank]
+        assert ctl is not None
+        return ctl.array(dtype, EAGER_BYTES // dtype.itemsize, self._eager_offsets[seq & 1])
+
+    def _scratch_of(self, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        if self._scratch is None:
+            self._scratch = np.empty(CROSS_MEMORY_CHUNK_BYTES, dtype=np.uint8)
+        return self._scratch.view(dtype)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Waiting
+    # ----------------------------------------------------------------------------------------------------
+    def _publish(self, word: int, value: int) -> None:
+        view = self._views[self.rank]
+        view[word] = value
+        # A syscall only when someone sleeps: most handoffs are caught by the waiter's spin. A waiter that
+        # registers just as we look may miss this wake; its futex timeout (POLL_S) bounds the cost.
+        if any(self._sleepers):
+            futex_wake(self._addr[self.rank] + 8 * word)
+
+    def _wait(self, peer: int, word: int, target: int, *, deadline: float, seq: int, what: str, step: int) -> None:
+        view = self._views[peer]
+        if view[word] >= target:
+            return
+        clock = time.perf_counter
+        start = clock()
+        spin_until = start + self._spin_s
+        while clock() < spin_until:
+            if view[word] >= target:
+                return
+        yield_until = start + YIELD_S
+        while clock() < yield_until:
+            os.sched_yield()
+            if view[word] >= target:
+                return
+        address = self._addr[peer] + 8 * word
+        sleeper = SLEEPERS_WORD + self.rank
+        while True:
+            seen = view[word]
+            if seen >= target:
+                return
+            self._check_peers(peer, word, target, seq=seq, what=what, step=step)
+            now = time.monotonic()
+            if now >= deadline:
+                if view[word] >= target:
+                    return
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: collective {seq} timed out at {_where(step)} waiting for rank {peer} ({what})",
+                    rank=self.rank,
+                    peer=peer,
+                    step=step if step >= 0 else None,
+                )
+            view[sleeper] = 1
+            if view[word] == seen:
+                futex_wait(address, seen, min(POLL_S, deadline - now))
+            view[sleeper] = 0
+
+    def _check_peers(self, peer: int, word: int, target: int, *, seq: int, what: str, step: int) -> None:
+        """Raise if a peer died, closed, or gave up (after re-checking the awaited condition)."""
+        dead: list[int] = []
+        if self._pidfds:
+            gone = exited(self._pidfds)
+            if gone:
+                others = [p for p in range(self.world_size) if p != self.rank]
+                dead = [p for p, fd in zip(others, self._pidfds, strict=True) if fd in gone]
+        views = self._views
+        # A rank that gave up set its abort flag before exiting; a rank that closed set its closed flag. Only a
+        # process that exited with neither died unannounced: that is the root cause to name.
+        died = [p for p in dead if views[p][ABORTED_WORD] == NO_ABORT and not views[p][CLOSED_WORD]]
+        aborted = [p for p in range(self.world_size) if p != self.rank and views[p][ABORTED_WORD] != NO_ABORT]
+        # A peer that closed after doing its part is fine unless we still wait on it.
+        if peer != self.rank and views[peer][ABORTED_WORD] == NO_ABORT and (views[peer][CLOSED_WORD] or peer in dead):
+            aborted.append(peer)
+        if not died and not aborted:
+            return
+        if views[peer][word] >= target:
+            return  # the peer did its part before it went away
+        step_or_none = step if step >= 0 else None
+        if died:
+            culprit = died[0]
+            unlink_rank_files(self._prefix, died)
+            raise PeerFailureError(
+                f"rank {self.rank}: rank {culprit} died (process exited) during collective {seq}; "
+                f"this rank was at {_where(step)} waiting for rank {peer} ({what})",
+                rank=self.rank,
+                peer=culprit,
+                step=step_or_none,
+            )
+        p = aborted[0]
+        if views[p][ABORTED_WORD] == NO_ABORT:
+            raise PeerFailureError(
+                f"rank {self.rank}: rank {p} closed the group while this rank was at {_where(step)} of collective "
+                f"{seq} waiting for rank {peer} ({what})",
+                rank=self.rank,
+                peer=p,
+                step=step_or_none,
+            )
+        error_type = error_class(int(views[p][ABORTED_WORD]) - 1)
+        culprit = int(views[p][CULPRIT_WORD])
+        if error_type is PeerFailureError:
+            reason = f"rank {culprit} died"
+        elif error_type is CollectiveTimeoutError:
+            reason = f"it timed out waiting for rank {culprit}"
+        elif error_type is ChecksumError:
+            reason = f"data from rank {culprit} failed its checksum"
+        else:
+            reason = "it failed"
+        raise error_type(
+            f"rank {self.rank}: collective {seq} aborted at {_where(step)}: rank {p} gave up because {reason}",
+            rank=self.rank,
+            peer=culprit if error_type is PeerFailureError else p,
+            step=step_or_none,
+        )
+
+    # ----------------------------------------------------------------------------------------------------
+    # Release
+    # ----------------------------------------------------------------------------------------------------
+    def _release_all(self) -> None:
+        sleepers = getattr(self, "_sleepers", None)
+        if sleepers is not None:
+            sleepers.release()
+        for view in self._views:
+            view.release()
+        self._views = []
+        self._crc = []
+        close_pidfds(self._pidfds)
+        self._pidfds = []
+        for cache in self._peer_segments:
+            cache.close()
+        self._segments.release()
+        for i, ctl in enumerate(self._ctl):
+            if ctl is not None:
+                if i == self.rank:
+                    ctl.unlink()
+                ctl.close()
+        self._ctl = [None] * self.world_size
+
+    def __del__(self) -> None:
+        # Files in /dev/shm outlive the process: never leave ours behind, even without close().
+        segments = getattr(self, "_segments", None)
+        if not getattr(self, "_closed", True) and segments is not None:
+            segments.unlink()
+
+
+def _reduced(ufunc: Any, reduce_into: ReduceInto, mine: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> Any:
+    """op(mine, incoming) in a new array (``incoming`` is a private copy and may be reused as the result)."""
+    if ufunc is not None:
+        ufunc(mine, incoming, out=incoming)
+        return incoming
+    out = mine.copy()
+    reduce_into(out, incoming)
+    return out
+
+
+def _apply(
+    ufunc: Any,
+    reduce_into: ReduceInto,
+    mine: npt.NDArray[Any],
+    incoming: npt.NDArray[Any],
+    dst: npt.NDArray[Any],
+    *,
+    in_place: bool,
+) -> None:
+    """dst = op(mine, incoming), in one pass when the reducer exposes its ufunc."""
+    if ufunc is not None:
+        ufunc(mine, incoming, out=dst)
+        return
+    if not in_place:
+        dst[...] = mine
+    reduce_into(dst, incoming)
