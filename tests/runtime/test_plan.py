@@ -81,3 +81,11 @@ def test_a_plan_refuses_another_rank() -> None:
     plan = compile_plan(ring_all_reduce(3), 1, 12)
     with pytest.raises(ValueError, match="is for rank 1 of 3"):
         plan.check_fits(0, 3, np.zeros(12))
+
+
+def test_plans_are_keyed_by_identity_not_by_their_steps() -> None:
+    schedule = ring_all_reduce(3)
+    first, second = compile_plan(schedule, 0, 12), compile_plan(schedule, 0, 12)
+    assert first.steps == second.steps
+    assert first != second
+    assert len({first, second, first}) == 2

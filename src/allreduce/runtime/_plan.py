@@ -44,9 +44,14 @@ class Step:
     recvs: tuple[Transfer, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class RankPlan:
-    """What ``rank`` does to run ``schedule_name`` on a buffer of ``count`` elements."""
+    """What ``rank`` does to run ``schedule_name`` on a buffer of ``count`` elements.
+
+    Compared and hashed by identity: transports key their compiled forms by the plan object the group hands
+    them (the same object every call, from the group's plan cache); hashing the steps by value would cost
+    microseconds per call (3 µs for a ring of 2, 12 µs for 8).
+    """
 
     schedule_name: str
     rank: int
