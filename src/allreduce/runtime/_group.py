@@ -1,13 +1,18 @@
 """The process group: who is who, and the collectives every rank calls.
 
-Each collective goes through the same three stages:
+Every public collective (and the barrier) goes through one method, ``ProcessGroup._collective``, in three stages:
 
-1. check the arguments locally (dtype, op, shape, root) — bad input raises ``ValueError``/``TypeError`` and
-   consumes nothing;
-2. ``transport.agree``: every rank publishes a small descriptor (collective, element count, dtype, op, root,
-   algorithm, flags) for sequence number k and compares all N — any difference raises :class:`MismatchError`
-   on every rank, naming the field and each rank's value, before any data moves (the buffer is untouched);
-3. ``transport.execute`` on the compiled plan of the chosen schedule (never an algorithm of our own).
+1. check the arguments locally (dtype, op, shape, root, algorithm) — bad input raises ``ValueError``/``TypeError``
+   and consumes nothing;
+2. ``transport.agree``: every rank publishes its descriptor (:mod:`._descriptor`: collective, element count,
+   dtype, op, root, algorithm, flags) for sequence number k and compares all N — any difference raises
+   :class:`MismatchError` on every rank, naming the field and each rank's value, before any data moves (the
+   buffer is untouched);
+3. ``transport.execute`` on the compiled plan of the chosen schedule: a registered algorithm
+   (:func:`allreduce.schedules.algorithms`) or a :class:`Schedule` the caller passed, never one of our own.
+
+Collectives run one at a time in call order (:mod:`._work`); buffers are adapted to 1-D contiguous numpy
+(:mod:`._buffers`). Schedules, plans and the transport's compiled forms share one :class:`PlanCache`.
 
 Buffer conventions (``count`` elements, blocks of ``block_bounds(count, N)``, rank r owns block r):
 
@@ -122,7 +127,8 @@ class ProcessGroup:
     ``algorithm=`` of every collective is ``"auto"`` (the cost model picks among the registered algorithms), the
     name of a registered algorithm (:func:`allreduce.schedules.algorithms`), or a :class:`Schedule` object for
     this collective and world size, verified on first use; every rank must pass an equal schedule (its digest
-    travels in the descriptor, so a difference raises :class:`MismatchError` before any data moves).
+    travels in the descriptor, so a difference raises :class:`MismatchError` before any data moves). ``auto``
+    decides once per size class (powers of two), among the algorithms registered at that moment.
     """
 
     def __init__(

@@ -1,8 +1,9 @@
 """Fixtures for the process group's semantics on the in-process transport: N groups, one thread per rank.
 
-``ranks(n)`` makes ``n`` connected groups (closed after the test); ``on_ranks(groups, fn)`` runs ``fn(group)`` on
-every rank's own thread and returns each rank's result, or the exception it raised, indexed by rank. A thread
-that is still running after ``JOIN_TIMEOUT_S`` fails the test naming the ranks (a hang, never a silent pass).
+``ranks(n)`` makes ``n`` connected groups (closed after the test); ``on_ranks(groups, fn)`` runs ``fn(group)``
+on every rank's own thread (a group or a transport: anything with a ``rank``) and returns each rank's result, or
+the exception it raised, indexed by rank. A thread still running after ``JOIN_TIMEOUT_S`` fails the test naming
+the ranks (a hang, never a silent pass).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ COLLECTIVE_TIMEOUT_S = 10.0
 RunOnRanks = Callable[..., list[Any]]
 
 
-def _on_ranks(groups: list[ProcessGroup], fn: Callable[[ProcessGroup], Any]) -> list[Any]:
+def _on_ranks(groups: list[Any], fn: Callable[[Any], Any]) -> list[Any]:
     results: list[Any] = [None] * len(groups)
 
-    def body(group: ProcessGroup) -> None:
+    def body(group: Any) -> None:
         try:
             results[group.rank] = fn(group)
         except BaseException as exc:  # returned to the test, which asserts on it
