@@ -72,7 +72,11 @@ from allreduce.schedules import (
     verify,
 )
 
-__all__ = ["DTYPES", "OPS", "ProcessGroup", "Work", "default_cost_model"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DTYPES", "OPS", "ProcessGroup", "Work", "default_cost_model"]
+
+DEFAULT_TIMEOUT_S = 300.0
+"""A collective's default timeout: generous enough for a GiB all-reduce over slow TCP on a loaded host, short
+enough that a rank that never calls is reported within minutes rather than hanging a job forever."""
 
 # deterministic=True: one fixed schedule per collective, so each element is reduced along one fixed chain
 # of ranks for a given N whatever algorithm= says and whatever the transport.
@@ -136,7 +140,7 @@ class ProcessGroup:
         transport: Transport,
         *,
         transport_name: str | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         cost_model: CostModel | None = None,
         group_size: int | None = None,
         store: Any = None,

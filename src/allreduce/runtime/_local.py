@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import ChecksumError, CollectiveError, CollectiveTimeoutError, PeerFailureError
-from allreduce.runtime._group import ProcessGroup
+from allreduce.runtime._group import DEFAULT_TIMEOUT_S, ProcessGroup
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind, error_class
 from allreduce.schedules import CostModel
@@ -163,7 +163,8 @@ class LocalTransport(Transport):
         """Wait on the hub (its lock held) until ``ready()``; raise on a peer's abort, a closed peer, the deadline."""
         hub = self._hub
         where = "the descriptor exchange" if step is None else f"step {step}"
-        while not ready():
+        while True:
+            # a peer's abort is checked first and is final: the group failed, even if this rank's data is there
             abort = hub.abort
             if abort is not None and abort.rank != self.rank:
                 raise error_class(abort.kind)(
@@ -173,6 +174,8 @@ class LocalTransport(Transport):
                     peer=abort.culprit if abort.culprit is not None else abort.rank,
                     step=step,
                 )
+            if ready():
+                return
             gone = [peer for peer in waiting_for() if peer in hub.closed]
             if gone:
                 raise PeerFailureError(
@@ -217,7 +220,11 @@ def local_transports(world_size: int) -> list[LocalTransport]:
 
 
 def local_groups(
-    world_size: int, *, timeout_s: float = 300.0, cost_model: CostModel | None = None, group_size: int | None = None
+    world_size: int,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    cost_model: CostModel | None = None,
+    group_size: int | None = None,
 ) -> list[ProcessGroup]:
     """``world_size`` process groups of one in-process group, by rank; call each from its own thread.
 
