@@ -83,7 +83,8 @@ enough that a rank that never calls is reported within minutes rather than hangi
 _DETERMINISTIC = {Collective.ALL_REDUCE: "ring", Collective.REDUCE_SCATTER: "ring", Collective.REDUCE: "binomial"}
 _REQUESTED_AUTO = b"auto"
 _REQUESTED_DETERMINISTIC = b"deterministic"
-_WHAT = {c: f"{c.value}(x)" for c in Collective}  # how errors name the argument of each collective
+# per collective: how errors name its argument, and its code in descriptors and cache keys (one enum hash a call)
+_COLLECTIVE_INFO = {c: (f"{c.value}(x)", KIND_CODES[c]) for c in Collective}
 # plan-cache keys of the group start with one of these (a transport's own keys start with its name)
 _SCHEDULE_KEY = "group-schedule"
 _RUN_KEY = "group-run"
@@ -404,23 +405,26 @@ class ProcessGroup:
             raise ValueError(f"root: {root!r} is not a rank of this group of {self.world_size}")
         if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
             raise ValueError(f"segments must be a positive int, got {segments!r}")
-        buf = as_buffer(x, _WHAT[collective])
+        what, kind = _COLLECTIVE_INFO[collective]
+        buf = as_buffer(x, what)
         dtype = buf.flat.dtype
         if op == "avg" and dtype.kind in "iu":
             raise TypeError(f"op: avg is not defined for integer dtype {dtype}; use sum and divide yourself")
         count = buf.flat.size
         if deterministic and collective in _DETERMINISTIC:
             requested = _REQUESTED_DETERMINISTIC
-            run = self._registered_run(collective, _DETERMINISTIC[collective], root, segments, count)
+            run = self._registered_run(
+                collective, kind, _DETERMINISTIC[collective], root=root, segments=segments, count=count
+            )
         elif isinstance(algorithm, Schedule):
             run = self._schedule_run(collective, algorithm, root, segments, count)
             requested = run.name
         else:
             name = self._resolve(collective, algorithm, count, dtype.itemsize, deterministic=False)
-            run = self._registered_run(collective, name, root, segments, count)
+            run = self._registered_run(collective, kind, name, root=root, segments=segments, count=count)
             requested = _REQUESTED_AUTO if algorithm == "auto" else run.name
         descriptor = DESCRIPTOR.pack(
-            KIND_CODES[collective],
+            kind,
             DTYPE_CODES[dtype],
             NO_OP_CODE if op is None else OP_CODES[op],
             (FLAG_CHECKSUM if checksum else 0) | (FLAG_DETERMINISTIC if deterministic else 0),
@@ -441,7 +445,9 @@ class ProcessGroup:
             descriptors = self._agree(seq, descriptor, timeout)
             chosen = run
             if descriptors[0] != descriptor:  # rank 0's cost model picked another algorithm: run that one
-                chosen = self._registered_run(collective, proposal_of(descriptors[0]), root, segments, count)
+                chosen = self._registered_run(
+                    collective, kind, proposal_of(descriptors[0]), root=root, segments=segments, count=count
+                )
             result = self._execute(
                 collective, buf, chosen.plan, op=op, root=root, seq=seq, timeout=timeout, checksum=checksum
             )
@@ -552,12 +558,16 @@ class ProcessGroup:
 
         return self._plans.get((_SCHEDULE_KEY, collective, name, root, segments, self.group_size), build)
 
-    def _registered_run(self, collective: Collective, name: str, root: int, segments: int, count: int) -> _Run:
+    def _registered_run(
+        self, collective: Collective, kind: int, name: str, *, root: int, segments: int, count: int
+    ) -> _Run:
+        """The cached run of a registered algorithm (``kind``: the collective's code, a cheaper key than the enum)."""
+
         def build() -> _Run:
             schedule = self._schedule(collective, name, root, segments)
             return _Run(schedule, compile_plan(schedule, self.rank, count), algorithm_name_bytes(name), NO_DIGEST)
 
-        return self._plans.get((_RUN_KEY, collective, name, root, segments, self.group_size, count), build)
+        return self._plans.get((_RUN_KEY, kind, name, root, segments, self.group_size, count), build)
 
     def _schedule_run(self, collective: Collective, schedule: Schedule, root: int, segments: int, count: int) -> _Run:
         def build() -> _Run:
