@@ -6,8 +6,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from allreduce.runtime import ProcessGroup
+from allreduce.runtime import ProcessGroup, local_groups
 from allreduce.schedules import Collective, algorithms, block_bounds
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
@@ -159,3 +161,29 @@ def test_all_gather_of_reduce_scatters_buffer_is_an_all_reduce(ranks: Any, on_ra
 
 def test_barrier_returns_on_every_rank(ranks: Any, on_ranks: Any) -> None:
     assert on_ranks(ranks(3), lambda g: g.barrier()) == [None] * 3
+
+
+# on_ranks is a pure function: sharing it between examples is safe
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world_size=st.integers(min_value=1, max_value=6),
+    count=st.integers(min_value=0, max_value=300),
+    segments=st.integers(min_value=1, max_value=4),
+    data=st.data(),
+)
+def test_any_registered_all_reduce_equals_the_sum_of_the_inputs(
+    on_ranks: Any, world_size: int, count: int, segments: int, data: st.DataObject
+) -> None:
+    algorithm = data.draw(st.sampled_from(algorithms(Collective.ALL_REDUCE)), label="algorithm")
+    rng = np.random.default_rng(count * 31 + world_size)
+    inputs = rng.integers(-1000, 1000, size=(world_size, count), dtype=np.int64)
+    groups = local_groups(world_size, timeout_s=10.0, **_options(algorithm, world_size))
+    try:
+        results = on_ranks(
+            groups, lambda g: g.all_reduce(inputs[g.rank].copy(), algorithm=algorithm, segments=segments)
+        )
+    finally:
+        for g in groups:
+            g.close()
+    for result in results:
+        assert np.array_equal(result, inputs.sum(axis=0)), result

@@ -149,3 +149,9 @@ def test_corruption_needs_another_rank_as_peer(ranks: Any) -> None:
     groups = ranks(2)
     with pytest.raises(ValueError, match="peer: 0 is not another rank"):
         groups[0].transport.inject_corruption(peer=0)
+
+
+def test_the_transport_of_a_group_is_read_only(ranks: Any) -> None:
+    (group,) = ranks(1)
+    with pytest.raises(AttributeError):
+        group.transport = group.transport  # type: ignore[misc]
