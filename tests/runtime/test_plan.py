@@ -5,21 +5,22 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from allreduce.runtime import compile_plan
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce, ring_all_reduce
+from allreduce.schedules import Collective, Schedule, algorithms, make_schedule, ring_all_reduce
 
 
-def _schedule(algorithm: str, n: int, segments: int):  # type: ignore[no-untyped-def]
-    group = {"group_size": 2 if n % 2 == 0 else 1} if algorithm == "hierarchical" else {}
-    return all_reduce(algorithm, n, segments=segments, **group)
+def _schedule(algorithm: str, n: int, segments: int) -> Schedule:
+    group_size = 2 if n % 2 == 0 else 1
+    return make_schedule(Collective.ALL_REDUCE, algorithm, n, segments=segments, group_size=group_size)
 
 
 @given(
-    algorithm=st.sampled_from(ALL_REDUCE_ALGORITHMS),
+    algorithm=st.sampled_from(algorithms(Collective.ALL_REDUCE)),
     n=st.integers(min_value=1, max_value=9),
     count=st.integers(min_value=0, max_value=200),
     segments=st.integers(min_value=1, max_value=5),
@@ -61,7 +62,30 @@ def test_tiny_buffers_drop_empty_pieces_on_both_ends() -> None:
     assert sends < 3 * 4  # fewer than the 12 transfers of a ring of 3 with every block non-empty
 
 
-def test_peers_and_bad_count() -> None:
+def test_peers_are_the_ranks_a_plan_exchanges_with() -> None:
     assert compile_plan(ring_all_reduce(5), 2, 10).peers == frozenset({1, 3})
+
+
+def test_a_negative_count_is_refused() -> None:
     with pytest.raises(ValueError, match="count must be >= 0"):
         compile_plan(ring_all_reduce(5), 2, -1)
+
+
+def test_a_plan_refuses_a_buffer_of_another_length() -> None:
+    plan = compile_plan(ring_all_reduce(3), 1, 12)
+    with pytest.raises(ValueError, match="hold 12 elements"):
+        plan.check_fits(1, 3, np.zeros(11))
+
+
+def test_a_plan_refuses_another_rank() -> None:
+    plan = compile_plan(ring_all_reduce(3), 1, 12)
+    with pytest.raises(ValueError, match="is for rank 1 of 3"):
+        plan.check_fits(0, 3, np.zeros(12))
+
+
+def test_plans_are_keyed_by_identity_not_by_their_steps() -> None:
+    schedule = ring_all_reduce(3)
+    first, second = compile_plan(schedule, 0, 12), compile_plan(schedule, 0, 12)
+    assert first.steps == second.steps
+    assert first != second
+    assert len({first, second, first}) == 2

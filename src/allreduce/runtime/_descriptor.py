@@ -1,0 +1,214 @@
+"""The descriptor every rank publishes before a collective, and the diff that names what the ranks disagree on.
+
+A descriptor is one declared struct (:data:`FIELDS`): the *request* (what the caller asked for: collective, dtype,
+op, flags, root, element count, segments, ranks per host, algorithm name and, for a :class:`Schedule` object, a
+digest of its streams) followed by the *proposal* (the algorithm this rank would pick for ``auto``). Ranks compare
+the requests byte for byte; when they differ, :func:`find_mismatch` names the first field that does, with every
+rank's value. All ranks then run the proposal of rank 0, so ``auto`` picks one algorithm even when the ranks'
+cost models disagree.
+
+The dtype and op tables live here because the descriptor carries their codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from allreduce.schedules import MAX_ALGORITHM_NAME_BYTES, Collective, Schedule
+
+__all__ = [
+    "BARRIER_CODE",
+    "DESCRIPTOR",
+    "DIGEST_BYTES",
+    "DTYPES",
+    "DTYPE_CODES",
+    "FIELDS",
+    "FLAG_CHECKSUM",
+    "FLAG_DETERMINISTIC",
+    "KIND_CODES",
+    "NO_DIGEST",
+    "NO_OP_CODE",
+    "OPS",
+    "OP_CODES",
+    "REQUEST_BYTES",
+    "Descriptor",
+    "algorithm_name_bytes",
+    "barrier_descriptor",
+    "find_mismatch",
+    "proposal_of",
+    "schedule_digest",
+]
+
+DTYPES: dict[str, np.dtype[Any]] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+}
+"""The element types collectives accept, by name; a dtype's code in the descriptor is its position here."""
+
+OPS: dict[str, np.ufunc] = {
+    "sum": np.add,
+    "avg": np.add,  # then divided by N
+    "min": np.minimum,
+    "max": np.maximum,
+    "prod": np.multiply,
+}
+"""The reductions, by name; an op's code in the descriptor is its position here."""
+
+DTYPE_CODES: dict[np.dtype[Any], int] = {dt: i for i, dt in enumerate(DTYPES.values())}
+OP_CODES: dict[str, int] = {name: i for i, name in enumerate(OPS)}
+KIND_CODES: dict[Collective, int] = {c: i for i, c in enumerate(Collective)}
+
+BARRIER_CODE = 99
+"""The collective code of a barrier (not a :class:`Collective`: it moves no data). Far from the collectives'
+codes 0..4, so that adding a collective never collides with it."""
+
+NO_OP_CODE = 255
+"""The op code of collectives that do not reduce (all_gather, broadcast, barrier): the largest byte, never an
+index into :data:`OPS`."""
+
+FLAG_CHECKSUM = 1
+FLAG_DETERMINISTIC = 2
+
+DIGEST_BYTES = 8
+"""Bytes of a :class:`Schedule` object's digest in the descriptor (64 bits: a chance mismatch is negligible)."""
+
+NO_DIGEST = bytes(DIGEST_BYTES)
+"""The digest field of a call that names a registered algorithm (every rank builds it from the registry)."""
+
+FIELDS: tuple[tuple[str, str], ...] = (
+    ("collective", "B"),
+    ("dtype", "B"),
+    ("op", "B"),
+    ("flags", "B"),
+    ("root", "i"),
+    ("count", "q"),
+    ("segments", "i"),
+    ("group_size", "i"),
+    ("algorithm", f"{MAX_ALGORITHM_NAME_BYTES}s"),
+    ("schedule", f"{DIGEST_BYTES}s"),
+    ("proposal", f"{MAX_ALGORITHM_NAME_BYTES}s"),
+)
+"""The descriptor's fields in order, with their :mod:`struct` codes; every field but ``proposal`` must agree."""
+
+DESCRIPTOR = struct.Struct("<" + "".join(code for _, code in FIELDS))
+"""Packs a descriptor from the values of :data:`FIELDS`, in order."""
+
+_REQUEST = struct.Struct("<" + "".join(code for name, code in FIELDS if name != "proposal"))
+REQUEST_BYTES = _REQUEST.size
+"""The compared prefix of a descriptor: the request, without the proposal."""
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """A descriptor decoded (for messages; the hot path packs and compares bytes)."""
+
+    collective: int
+    dtype: int
+    op: int
+    flags: int
+    root: int
+    count: int
+    segments: int
+    group_size: int
+    algorithm: bytes
+    schedule: bytes
+    proposal: bytes
+
+    @classmethod
+    def unpack(cls, descriptor: bytes) -> Descriptor:
+        return cls(*DESCRIPTOR.unpack_from(descriptor))
+
+
+assert tuple(f.name for f in dataclasses.fields(Descriptor)) == tuple(name for name, _ in FIELDS)
+
+
+def algorithm_name_bytes(name: str) -> bytes:
+    """``name`` as it travels in a descriptor; a name longer than the field is refused, never cut."""
+    encoded = name.encode()
+    if len(encoded) > MAX_ALGORITHM_NAME_BYTES:
+        raise ValueError(
+            f"algorithm: name {name!r} is {len(encoded)} bytes; names travel in every call's descriptor and may "
+            f"have at most {MAX_ALGORITHM_NAME_BYTES}"
+        )
+    return encoded
+
+
+def schedule_digest(schedule: Schedule) -> bytes:
+    """A digest of everything that decides what ``schedule`` moves (its shape, parameters and streams)."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    header = (
+        schedule.name,
+        schedule.collective.value,
+        schedule.world_size,
+        schedule.num_blocks,
+        schedule.num_steps,
+        schedule.segments,
+        schedule.root,
+    )
+    h.update(repr(header).encode())
+    streams = schedule.streams
+    for field in dataclasses.fields(streams):
+        h.update(field.name.encode())
+        h.update(np.ascontiguousarray(getattr(streams, field.name)).tobytes())
+    digest = h.digest()
+    # a digest is never the "registered algorithm" marker
+    return digest if digest != NO_DIGEST else b"\1" + digest[1:]
+
+
+def barrier_descriptor() -> bytes:
+    return DESCRIPTOR.pack(BARRIER_CODE, 0, NO_OP_CODE, 0, 0, 0, 0, 0, b"", NO_DIGEST, b"")
+
+
+def proposal_of(descriptor: bytes) -> str:
+    """The algorithm a rank proposed (its descriptor's last field)."""
+    raw: bytes = DESCRIPTOR.unpack_from(descriptor)[-1]
+    return raw.rstrip(b"\0").decode()
+
+
+def find_mismatch(descriptors: list[bytes]) -> tuple[str, list[str]] | None:
+    """``None`` if every rank's request is the same; else the first field that differs and each rank's value."""
+    first = descriptors[0][:REQUEST_BYTES]
+    if all(d[:REQUEST_BYTES] == first for d in descriptors):
+        return None
+    decoded = [Descriptor.unpack(d) for d in descriptors]
+    for name, _ in FIELDS:
+        values = [_describe(name, getattr(row, name)) for row in decoded]
+        if len(set(values)) > 1:
+            return name, values
+    return "descriptor", [d.hex() for d in descriptors]
+
+
+_KIND_NAMES = {code: c.value for c, code in KIND_CODES.items()} | {BARRIER_CODE: "barrier"}
+_DTYPE_NAMES = list(DTYPES)
+_OP_NAMES = list(OPS)
+
+
+def _describe(field: str, value: Any) -> str:
+    if field == "collective":
+        return _KIND_NAMES.get(int(value), str(value))
+    if field == "dtype":
+        return _DTYPE_NAMES[value] if value < len(_DTYPE_NAMES) else str(value)
+    if field == "op":
+        return _OP_NAMES[value] if value < len(_OP_NAMES) else "none"
+    if field == "flags":
+        names = [n for bit, n in ((FLAG_CHECKSUM, "checksum"), (FLAG_DETERMINISTIC, "deterministic")) if value & bit]
+        return "+".join(names) or "none"
+    if field in ("algorithm", "proposal"):
+        return bytes(value).rstrip(b"\0").decode(errors="replace")
+    if field == "schedule":
+        return "registered" if value == NO_DIGEST else f"digest {bytes(value).hex()}"
+    return str(value)
