@@ -16,9 +16,9 @@ import pytest
 from test_group_harness import contribution, reference, report, run_ranks
 
 import allreduce
-from allreduce.runtime import ALGORITHMS, DTYPES, OPS, ProcessGroup
+from allreduce.runtime import DTYPES, OPS, ProcessGroup
 from allreduce.runtime.shm import CROSS_MEMORY_MIN_BYTES, ShmTransport
-from allreduce.schedules import Collective, block_bounds
+from allreduce.schedules import Collective, algorithms, block_bounds
 
 INT_KINDS = "iu"
 
@@ -55,7 +55,7 @@ def _run_matrix(group: allreduce.ProcessGroup, shm: ShmTransport | None) -> dict
     ran = 0
     paths: set[tuple[str, str]] = set()
     combos = [(dname, dt, op) for dname, dt in DTYPES.items() for op in OPS if not (op == "avg" and dt.kind in "iu")]
-    for algorithm in ALGORITHMS[Collective.ALL_REDUCE]:
+    for algorithm in algorithms(Collective.ALL_REDUCE):
         if algorithm == "hierarchical":
             group.group_size = 2 if n % 2 == 0 else n
         else:
@@ -87,7 +87,7 @@ def _run_matrix(group: allreduce.ProcessGroup, shm: ShmTransport | None) -> dict
                     if not _close(x, reference(dt, count, n, op), op):
                         failures.append(f"all_reduce {algorithm} {dname} {op} count={count} {mode}")
     group.group_size = n
-    for algorithm in ALGORITHMS[Collective.REDUCE_SCATTER]:
+    for algorithm in algorithms(Collective.REDUCE_SCATTER):
         for dname, dt, op in combos:
             for count in _sizes(n):
                 x = contribution(dt, count, rank, op)
@@ -96,7 +96,7 @@ def _run_matrix(group: allreduce.ProcessGroup, shm: ShmTransport | None) -> dict
                 ran += 1
                 if block.shape != (hi - lo,) or not _close(block, reference(dt, count, n, op)[lo:hi], op):
                     failures.append(f"reduce_scatter {algorithm} {dname} {op} count={count}")
-    for algorithm in ALGORITHMS[Collective.ALL_GATHER]:
+    for algorithm in algorithms(Collective.ALL_GATHER):
         for dname, dt in DTYPES.items():
             for count in _sizes(n):
                 bounds = block_bounds(count, n)
@@ -109,7 +109,7 @@ def _run_matrix(group: allreduce.ProcessGroup, shm: ShmTransport | None) -> dict
                 ran += 1
                 if not np.array_equal(x.view(np.uint8), want.view(np.uint8)):
                     failures.append(f"all_gather {algorithm} {dname} count={count}")
-    for algorithm in ALGORITHMS[Collective.BROADCAST]:
+    for algorithm in algorithms(Collective.BROADCAST):
         for root in sorted({0, n - 1, n // 2}):
             for dname, dt in DTYPES.items():
                 for count in _sizes(n):
@@ -119,7 +119,7 @@ def _run_matrix(group: allreduce.ProcessGroup, shm: ShmTransport | None) -> dict
                     ran += 1
                     if not np.array_equal(x.view(np.uint8), want.view(np.uint8)):
                         failures.append(f"broadcast {algorithm} root={root} {dname} count={count}")
-    for algorithm in ALGORITHMS[Collective.REDUCE]:
+    for algorithm in algorithms(Collective.REDUCE):
         for root in sorted({0, n - 1}):
             for k, (dname, dt, op) in enumerate(combos):
                 count = _sizes(n)[k % 5]

@@ -6,8 +6,7 @@ import argparse
 import json
 
 from allreduce.cli._main import CLIError
-from allreduce.runtime import DTYPES, OPS
-from allreduce.runtime._bench import BenchConfig, BenchRow, run_bench  # private until allreduce.runtime exports it
+from allreduce.runtime import DTYPES, OPS, BenchConfig, BenchRow, run_bench
 from allreduce.schedules import Collective, algorithms
 from allreduce.units import parse_size_range
 

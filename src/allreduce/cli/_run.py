@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from allreduce.cli._main import CLIError
-from allreduce.runtime._launch import launch  # private until allreduce.runtime exports it
+from allreduce.runtime import launch
 
 __all__ = ["register"]
 

@@ -10,8 +10,7 @@ import numpy as np
 from allreduce.cli._main import CLIError
 
 # Private until allreduce.runtime exports them.
-from allreduce.runtime._bench import BenchConfig, run_bench
-from allreduce.runtime._tune import save_cost_model, tune_file
+from allreduce.runtime import BenchConfig, run_bench, save_cost_model, tune_file
 from allreduce.schedules import CostModel
 from allreduce.units import parse_bytes
 

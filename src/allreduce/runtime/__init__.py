@@ -1,5 +1,6 @@
 """Executing schedules between real ranks: process group, transports (shm, tcp, in-process), store, launcher."""
 
+from allreduce.runtime._bench import BenchConfig, BenchRow, default_iters, expected_result, pattern, run_bench
 from allreduce.runtime._bootstrap import init
 from allreduce.runtime._descriptor import DTYPES, OPS
 from allreduce.runtime._errors import (
@@ -11,8 +12,10 @@ from allreduce.runtime._errors import (
     ProtocolError,
 )
 from allreduce.runtime._group import ProcessGroup
+from allreduce.runtime._launch import LaunchResult, launch
 from allreduce.runtime._local import LocalTransport, local_groups, local_transports
 from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
+from allreduce.runtime._spawn import RankFailedError, new_token, reserve_port, spawn
 from allreduce.runtime._transport import (
     ABORT_KINDS,
     PLAN_CACHE_ENTRIES,
@@ -22,6 +25,7 @@ from allreduce.runtime._transport import (
     abort_kind,
     error_class,
 )
+from allreduce.runtime._tune import load_cost_model, save_cost_model, tune_file
 from allreduce.runtime._work import Work
 
 __all__ = [
@@ -29,15 +33,19 @@ __all__ = [
     "DTYPES",
     "OPS",
     "PLAN_CACHE_ENTRIES",
+    "BenchConfig",
+    "BenchRow",
     "ChecksumError",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "LaunchResult",
     "LocalTransport",
     "MismatchError",
     "PeerFailureError",
     "PlanCache",
     "ProcessGroup",
     "ProtocolError",
+    "RankFailedError",
     "RankPlan",
     "ReduceInto",
     "Step",
@@ -46,8 +54,19 @@ __all__ = [
     "Work",
     "abort_kind",
     "compile_plan",
+    "default_iters",
     "error_class",
+    "expected_result",
     "init",
+    "launch",
+    "load_cost_model",
     "local_groups",
     "local_transports",
+    "new_token",
+    "pattern",
+    "reserve_port",
+    "run_bench",
+    "save_cost_model",
+    "spawn",
+    "tune_file",
 ]

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from allreduce.runtime._spawn import RankFailedError
+    from allreduce.runtime import RankFailedError
     from allreduce.train._data_parallel import DataParallel, SyncStats, bucket_layout
     from allreduce.train._digits import DigitsData, load_digits, make_mlp, shard_batches
     from allreduce.train._run import (
@@ -32,7 +32,7 @@ _WHERE = {
     "load_digits": "_digits",
     "make_mlp": "_digits",
     "shard_batches": "_digits",
-    "RankFailedError": "allreduce.runtime._spawn",
+    "RankFailedError": "allreduce.runtime",
     "TRANSPORTS": "_run",
     "EpochReport": "_run",
     "TrainConfig": "_run",

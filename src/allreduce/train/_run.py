@@ -236,7 +236,7 @@ def summarize(config: TrainConfig, records: list[_RankRecord]) -> TrainResult:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config`` on ``config.world_size`` fresh local processes and summarise where the step time went."""
-    from allreduce.runtime._spawn import spawn  # allreduce.runtime.spawn once runtime exports it
+    from allreduce.runtime import spawn
     from allreduce.train._digits import num_train_samples
 
     # Refuse before starting N processes: every rank needs at least one full batch per epoch.
