@@ -22,7 +22,9 @@ from test_group_harness import kill_rounds
 
 from allreduce.runtime import CollectiveError, compile_plan
 from allreduce.runtime._store import TCPStore
-from allreduce.runtime._tcp import _LOOPBACK_SNDBUF_BYTES, _THREAD_MIN_BYTES, TcpTransport
+from allreduce.runtime.tcp import TcpTransport
+from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES as _LOOPBACK_SNDBUF_BYTES
+from allreduce.runtime.tcp._transport import THREAD_MIN_BYTES as _THREAD_MIN_BYTES
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce
 
 SPAWN = mp.get_context("spawn")
@@ -196,7 +198,7 @@ def _max_op(rank: int, world_size: int, store: TCPStore, transport: TcpTransport
 
 def _corrupt(rank: int, world_size: int, store: TCPStore, transport: TcpTransport, count: int) -> None:
     if rank == 1:
-        transport._test_corrupt_frame = (0, 0)  # rank 1's first frame to rank 0 flips a byte
+        transport.inject_corruption(peer=0, step=0)  # rank 1's first frame to rank 0 flips a byte
     buffer = rank_data(rank, count)
     transport.execute(
         compile_plan(all_reduce("ring", world_size), rank, count),
