@@ -465,23 +465,41 @@ def test_killed_peer_is_named_by_every_rank(world_size: int) -> None:
         assert f"rank {victim}" in message
 
 
-def test_bad_arguments_fail_before_any_data_moves() -> None:
-    with TCPStore("127.0.0.1", 0, is_server=True, world_size=1, rank=0, timeout_s=30) as store:
-        with TcpTransport(0, 1, store) as transport:
-            plan = compile_plan(all_reduce("ring", 1), 0, 10)
-            with pytest.raises(ValueError, match="buffer must be 1-D, contiguous and hold 10 elements"):
-                transport.execute(plan, np.zeros(11), add_into, seq=0, timeout_s=1, checksum=False)
-            with pytest.raises(ValueError, match="is for rank 1 of 2, but this transport is rank 0 of 1"):
-                transport.execute(
-                    compile_plan(all_reduce("ring", 2), 1, 10),
-                    np.zeros(10),
-                    add_into,
-                    seq=0,
-                    timeout_s=1,
-                    checksum=False,
-                )
-        with pytest.raises(ValueError, match="beyond loopback: set a shared token"):
-            TcpTransport(0, 1, store, host="0.0.0.0", token=None)
+@pytest.fixture
+def solo() -> Iterator[TcpTransport]:
+    """A transport of a group of one (no peers: arguments are checked, nothing moves)."""
+    with (
+        TCPStore("127.0.0.1", 0, is_server=True, world_size=1, rank=0, timeout_s=30) as store,
+        TcpTransport(0, 1, store) as transport,
+    ):
+        yield transport
+
+
+def test_a_buffer_that_does_not_fit_the_plan_is_refused(solo: TcpTransport) -> None:
+    plan = compile_plan(all_reduce("ring", 1), 0, 10)
+    with pytest.raises(ValueError, match="buffer must be 1-D, contiguous and hold 10 elements"):
+        solo.execute(plan, np.zeros(11), add_into, seq=0, timeout_s=1, checksum=False)
+    assert solo.failure is None  # an input error leaves the transport usable
+
+
+def test_another_rank_plan_is_refused(solo: TcpTransport) -> None:
+    with pytest.raises(ValueError, match="is for rank 1 of 2, but this transport is rank 0 of 1"):
+        solo.execute(
+            compile_plan(all_reduce("ring", 2), 1, 10), np.zeros(10), add_into, seq=0, timeout_s=1, checksum=False
+        )
+
+
+def test_a_closed_transport_raises_a_collective_error(solo: TcpTransport) -> None:
+    solo.close()
+    with pytest.raises(CollectiveError, match="rank 0: the tcp transport is closed"):
+        solo.execute(
+            compile_plan(all_reduce("ring", 1), 0, 10), np.zeros(10), add_into, seq=0, timeout_s=1, checksum=False
+        )
+
+
+def test_corruption_can_only_be_injected_towards_another_rank(solo: TcpTransport) -> None:
+    with pytest.raises(ValueError, match="peer 0 is not another rank"):
+        solo.inject_corruption(peer=0)
 
 
 def _token_worker(rank: int, port: int, token: str, wrong: bool, out: Any) -> None:
