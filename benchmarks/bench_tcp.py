@@ -22,7 +22,7 @@ import numpy as np
 from allreduce.runtime import compile_plan
 from allreduce.runtime._spawn import new_token, spawn
 from allreduce.runtime._store import TCPStore
-from allreduce.runtime._tcp import TcpTransport
+from allreduce.runtime.tcp import TcpTransport
 from allreduce.schedules import all_reduce
 from allreduce.units import format_bytes, parse_bytes
 

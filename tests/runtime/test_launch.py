@@ -183,7 +183,7 @@ import os
 import numpy as np
 from allreduce.runtime import compile_plan
 from allreduce.runtime._store import TCPStore
-from allreduce.runtime._tcp import TcpTransport
+from allreduce.runtime.tcp import TcpTransport
 from allreduce.schedules import all_reduce
 
 rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

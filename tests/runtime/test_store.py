@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -59,28 +60,58 @@ def _host_store(ready: Any) -> None:
 # ----------------------------------------------------------------------------------- tests
 
 
-def test_set_get_add_wait_across_processes(no_env_token: None) -> None:
+@dataclass(frozen=True)
+class Rendezvous:
+    """What 4 ranks (rank 0 hosting, 1-3 spawned) saw in one set / add / wait / get / check rendezvous."""
+
+    worker_results: list[tuple[int, int, list[str], bool, bool]]
+    host_arrival: int
+    final_count: int
+    exit_codes: list[int | None]
+
+
+@pytest.fixture(scope="module")
+def rendezvous() -> Rendezvous:
     world_size = 4
-    server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=0, timeout_s=60)
-    out = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_rendezvous_worker, args=(server.port, r, world_size, out)) for r in range(1, 4)]
-    for p in procs:
-        p.start()
-    server.set("addr/0", b"rank-0")
-    own_arrival = server.add("arrived", 1)
-    server.wait([f"addr/{r}" for r in range(world_size)])
-    server.set("go", b"")
-    results = sorted(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    expected = [f"rank-{r}" for r in range(world_size)]
-    assert [r[2] for r in results] == [expected] * 3
-    # The counter is atomic: every rank saw a distinct value and they total to 1..N.
-    assert sorted([r[1] for r in results] + [own_arrival]) == [1, 2, 3, 4]
-    assert int(server.get("arrived")) == world_size
-    assert all(r[3] is True and r[4] is False for r in results)
-    server.close()
+    token = os.environ.pop("ALLREDUCE_TOKEN", None)
+    try:
+        server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=0, timeout_s=60)
+        out = SPAWN.Queue()
+        procs = [SPAWN.Process(target=_rendezvous_worker, args=(server.port, r, world_size, out)) for r in range(1, 4)]
+        for p in procs:
+            p.start()
+        server.set("addr/0", b"rank-0")
+        own_arrival = server.add("arrived", 1)
+        server.wait([f"addr/{r}" for r in range(world_size)])
+        server.set("go", b"")
+        results = sorted(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+        final = int(server.get("arrived"))
+        server.close()
+    finally:
+        if token is not None:
+            os.environ["ALLREDUCE_TOKEN"] = token
+    return Rendezvous(results, own_arrival, final, [p.exitcode for p in procs])
+
+
+def test_rendezvous_workers_exit_cleanly(rendezvous: Rendezvous) -> None:
+    assert rendezvous.exit_codes == [0, 0, 0]
+
+
+def test_every_rank_gets_every_value(rendezvous: Rendezvous) -> None:
+    expected = [f"rank-{r}" for r in range(4)]
+    assert [r[2] for r in rendezvous.worker_results] == [expected] * 3
+
+
+def test_add_across_processes_is_atomic(rendezvous: Rendezvous) -> None:
+    # Every rank saw a distinct value and they total to 1..N.
+    assert sorted([r[1] for r in rendezvous.worker_results] + [rendezvous.host_arrival]) == [1, 2, 3, 4]
+    assert rendezvous.final_count == 4
+
+
+def test_check_tells_present_from_missing_keys(rendezvous: Rendezvous) -> None:
+    assert all(r[3] is True and r[4] is False for r in rendezvous.worker_results)
 
 
 def test_add_is_atomic_under_concurrency(no_env_token: None) -> None:
@@ -210,10 +241,16 @@ def test_client_gives_up_connecting_with_a_clear_error(no_env_token: None) -> No
             TCPStore("127.0.0.1", port, is_server=False, world_size=2, rank=1, timeout_s=0.3)
 
 
-def test_duplicate_rank_and_world_size_mismatch_are_refused(no_env_token: None) -> None:
+def test_a_duplicate_rank_is_refused(no_env_token: None) -> None:
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, timeout_s=60) as server:
         with pytest.raises(ProtocolError, match="rank 0 is already connected"):
             _client(server.port, 0, 2)
+        # A rank that was refused can still join correctly.
+        _client(server.port, 1, 2).close()
+
+
+def test_a_world_size_mismatch_is_refused(no_env_token: None) -> None:
+    with TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, timeout_s=60) as server:
         with pytest.raises(ProtocolError, match="world size mismatch: the store has 2, rank 1 says 3"):
             _client(server.port, 1, 3)
         # A rank that was refused can still join correctly.
@@ -223,6 +260,9 @@ def test_duplicate_rank_and_world_size_mismatch_are_refused(no_env_token: None) 
 def test_beyond_loopback_without_token_refuses_to_start(no_env_token: None) -> None:
     with pytest.raises(ValueError, match=r"beyond loopback: set a shared token"):
         TCPStore("0.0.0.0", 0, is_server=True, world_size=2, rank=0)
+
+
+def test_require_token_without_one_refuses_to_start(no_env_token: None) -> None:
     with pytest.raises(ValueError, match="ALLREDUCE_TOKEN"):
         TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, require_token=True)
 
@@ -301,3 +341,47 @@ def test_the_hosting_rank_closes_only_after_the_others_leave(no_env_token: None)
     client.close()
     closing.join(timeout=60)
     assert not closing.is_alive()
+
+
+# ----------------------------------------------------------------------------------- an adopted listening socket
+
+
+def test_the_server_serves_on_an_adopted_listening_socket(no_env_token: None) -> None:
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    with TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, timeout_s=60, listener=sock) as server:
+        assert server.port == port
+        with _client(port, 1, 2) as client:
+            client.set("k", b"v")
+        assert server.get("k") == b"v"
+    assert sock.fileno() == -1  # the store owned it and closed it with the server
+
+
+def test_an_adopted_socket_must_be_listening(no_env_token: None) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        with pytest.raises(ValueError, match="is not listening"):
+            TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, listener=sock)
+
+
+def test_an_adopted_socket_must_be_on_the_port_asked_for(no_env_token: None) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port = sock.getsockname()[1]
+        with pytest.raises(ValueError, match=f"listens on port {port}, but port=1 was asked for"):
+            TCPStore("127.0.0.1", 1, is_server=True, world_size=2, rank=0, listener=sock)
+
+
+def test_only_the_hosting_side_takes_a_listening_socket(no_env_token: None) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port = sock.getsockname()[1]
+        with pytest.raises(ValueError, match="only the hosting side"):
+            TCPStore("127.0.0.1", port, is_server=False, world_size=2, rank=1, listener=sock)
+
+
+def test_an_adopted_socket_beyond_loopback_needs_a_token(no_env_token: None) -> None:
+    # Its own address decides, not the host argument.
+    with (
+        socket.create_server(("0.0.0.0", 0)) as sock,
+        pytest.raises(ValueError, match=r"would listen on '0\.0\.0\.0', beyond loopback"),
+    ):
+        TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, listener=sock)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from allreduce.runtime import ProtocolError
-from allreduce.runtime._wire import (
+from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
     FLAG_AGREE,
     FLAG_CHECKSUM,

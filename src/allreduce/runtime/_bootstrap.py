@@ -162,7 +162,7 @@ def init(
 
             chosen = ShmTransport(rank, world_size, job, timeout_s=timeout_s, cross_memory=cross_memory)
         else:
-            from allreduce.runtime._tcp import TcpTransport
+            from allreduce.runtime.tcp import TcpTransport
 
             if same_host:
                 chosen = TcpTransport(rank, world_size, store, host="127.0.0.1", token=token, timeout_s=timeout_s)

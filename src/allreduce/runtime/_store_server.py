@@ -1,0 +1,409 @@
+"""The store's server: one event loop thread in the hosting process, and the binary protocol it speaks.
+
+Every client (the host's own included) keeps one persistent connection, authenticated by the shared listener
+(:class:`allreduce.runtime.tcp.Listener`), and sends length-prefixed requests; the server answers each in order.
+Nothing is unpickled. ``GET`` and ``WAIT`` carry their deadline: the server answers with the value once some
+client sets the key, or with "timed out" and what it knows about the missing keys (which rank a
+``<prefix>/<rank>`` key belongs to, which ranks never connected). A registered rank whose connection drops
+without ``CLOSE`` is dead: the server sets ``__dead__/<rank>`` and fails every pending and later wait naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from allreduce.runtime.tcp import ClientHello, HandshakeRetryError, Listener, RetryLater
+
+__all__ = [
+    "DEAD_PREFIX",
+    "KEY_SEPARATOR",
+    "MAX_VALUE_BYTES",
+    "NO_TIMEOUT",
+    "REQUEST",
+    "RESPONSE",
+    "SERVER_STOP_S",
+    "SERVICE",
+    "Op",
+    "Status",
+    "StoreServer",
+    "check_key",
+    "encode_keys",
+]
+
+_log = logging.getLogger("allreduce.store")
+
+DEAD_PREFIX = "__dead__/"
+SERVICE = b"store"
+
+REQUEST = struct.Struct("!BIII")
+"""A request: op, timeout in ms (:data:`NO_TIMEOUT`: none), key length, value length; then key (utf-8), value."""
+RESPONSE = struct.Struct("!BI")
+"""A response: status, payload length; then the payload."""
+NO_TIMEOUT = 0xFFFFFFFF
+MAX_KEY_BYTES = 64 * 1024
+MAX_VALUE_BYTES = 256 * 1024 * 1024
+_MAX_REQUEST_KEY_BYTES = MAX_KEY_BYTES * 64  # a WAIT or CHECK joins many keys in one request
+KEY_SEPARATOR = "\x00"  # joins several keys in one WAIT/CHECK request; keys may not contain it
+_RECV_BYTES = 1 << 16  # read per recv from a client
+
+SERVER_STOP_S = 10.0
+"""How long stopping the server waits for its loop thread (woken at once; this bounds a loop stuck in a client)."""
+
+
+class Op:
+    """Request opcodes."""
+
+    SET, GET, ADD, WAIT, CHECK, DELETE, CLOSE, DEAD = range(1, 9)
+
+
+class Status:
+    """Response statuses."""
+
+    OK, MISSING, TIMEOUT, DEAD_RANK, ERROR = range(5)
+
+
+def encode_keys(keys: Iterable[str]) -> str:
+    keys = list(keys)
+    for key in keys:
+        check_key(key)
+    return KEY_SEPARATOR.join(keys)
+
+
+def check_key(key: str) -> None:
+    if not isinstance(key, str):
+        raise TypeError(f"store keys are str, got {type(key).__name__}")
+    if not key or KEY_SEPARATOR in key or len(key.encode()) > MAX_KEY_BYTES:
+        raise ValueError(f"bad store key {key!r}: must be non-empty, without NUL, at most {MAX_KEY_BYTES} bytes")
+
+
+def _owner_of(key: str) -> int | None:
+    """By convention a key ``<prefix>/<rank>`` is set by that rank; used to name who a waiter waits for."""
+    _, _, tail = key.rpartition("/")
+    return int(tail) if tail.isdigit() else None
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    address: str
+    rank: int | None = None
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    closing: bool = False  # the client said CLOSE: its disconnect is not a death
+    waiting: _Waiter | None = None
+
+
+@dataclass(eq=False)
+class _Waiter:
+    conn: _Conn
+    keys: list[str]
+    deadline: float | None
+    want_value: bool  # GET answers with the value, WAIT with an empty OK
+
+
+class StoreServer:
+    """The store's event loop; runs in its own daemon thread of the rank-0 process."""
+
+    def __init__(self, sock: socket.socket, *, world_size: int, token: bytes | None, single_group: bool) -> None:
+        # single_group: hosted by a member of the group (init()'s rank 0), so it lives exactly as long as that group
+        # and a rank that has left it can only be on its way to the next group's store. A standalone store
+        # (rank -1) may serve successive groups, and lets ranks come back.
+        self._single_group = single_group
+        self._world_size = world_size
+        self._token = token
+        self._data: dict[str, bytes] = {}
+        self._waiters: list[_Waiter] = []
+        self._conns: set[_Conn] = set()
+        self._ranks_seen: set[int] = set()
+        self._dead: dict[int, str] = {}
+        # Touched by handshake threads too: live ranks (None while a handshake holds the rank) and new connections.
+        # A condition so that close() can wait for the ranks to leave.
+        self._lock = threading.Condition()
+        self._ranks_live: dict[int, _Conn | None] = {}
+        self._to_register: list[_Conn] = []
+        self._left: set[int] = set()  # ranks that closed cleanly: their group is over for them
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stop = False
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._run, name="allreduce-store-server", daemon=True)
+        self._thread.start()
+        # Handshakes run off the loop, in the listener's threads, so a slow or hostile client cannot stall the
+        # store; the loop registers a connection once it has authenticated.
+        self._listener = Listener(
+            sock,
+            service=SERVICE,
+            token=token,
+            check=self._check_hello,
+            accepted=self._accepted,
+            refused=self._refused,
+            name="allreduce-store",
+        )
+
+    @property
+    def port(self) -> int:
+        return self._listener.port
+
+    def wait_for_ranks_to_leave(self, timeout_s: float) -> list[int]:
+        """Wait until no rank client is connected (each closed or died); the ranks still there at the timeout."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._ranks_live, timeout_s)
+            return sorted(self._ranks_live)
+
+    def stop(self) -> None:
+        self._listener.close()
+        self._stop = True
+        self._wake()
+        self._thread.join(timeout=SERVER_STOP_S)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    # -- loop
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                for key, mask in self._selector.select(self._next_timeout()):
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        conn: _Conn = key.data
+                        if mask & selectors.EVENT_READ:
+                            self._readable(conn)
+                        if mask & selectors.EVENT_WRITE and conn in self._conns:
+                            self._flush(conn)
+                self._register_new()
+                self._expire_waiters()
+        except Exception:  # never die silently: every client would then see rank 0 as dead
+            _log.exception("store server crashed")
+        finally:
+            for conn in list(self._conns):
+                self._drop(conn, died=False)
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _next_timeout(self) -> float | None:
+        deadlines = [w.deadline for w in self._waiters if w.deadline is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _accepted(self, sock: socket.socket, hello: ClientHello, address: str) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._to_register.append(_Conn(sock, address, hello.rank if hello.rank >= 0 else None))
+        self._wake()
+
+    def _refused(self, address: str, error: BaseException, admitted: ClientHello | None) -> None:
+        # "not yet" to a rank already joining the next group is routine; anything else is worth a warning
+        log = _log.debug if isinstance(error, HandshakeRetryError) else _log.warning
+        log("store refused a client from %s: %s", address, error)
+        if admitted is not None and admitted.rank >= 0:
+            with self._lock:  # the client left after its rank was reserved: free the seat
+                if admitted.rank in self._ranks_live and self._ranks_live[admitted.rank] is None:
+                    del self._ranks_live[admitted.rank]
+
+    def _check_hello(self, hello: ClientHello) -> str | None:
+        """A reason to refuse this client, or None (then its rank is reserved for it)."""
+        if hello.world_size != self._world_size:
+            return f"world size mismatch: the store has {self._world_size}, rank {hello.rank} says {hello.world_size}"
+        if hello.rank >= self._world_size:
+            return f"rank {hello.rank} out of range for world size {self._world_size}"
+        if hello.rank >= 0:
+            with self._lock:
+                if self._single_group and hello.rank in self._left:
+                    # This rank closed its group and is joining the next one, whose store (same address) is not
+                    # up until this one stops: have it come back rather than rejoin a finished group.
+                    return RetryLater(f"rank {hello.rank} already left this store's group; the next is not up yet")
+                if hello.rank in self._ranks_live:
+                    return f"rank {hello.rank} is already connected (two processes with the same RANK?)"
+                self._ranks_live[hello.rank] = None
+        return None
+
+    def _register_new(self) -> None:
+        with self._lock:
+            new, self._to_register = self._to_register, []
+            for conn in new:
+                if conn.rank is not None:
+                    self._ranks_live[conn.rank] = conn
+        for conn in new:
+            self._conns.add(conn)
+            if conn.rank is not None:
+                self._ranks_seen.add(conn.rank)
+                if conn.rank in self._dead:  # a restarted rank: it is alive again
+                    del self._dead[conn.rank]
+                    self._data.pop(f"{DEAD_PREFIX}{conn.rank}", None)
+            self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _readable(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn, died=not conn.closing)
+            return
+        conn.inbuf += chunk
+        self._parse(conn)
+
+    def _parse(self, conn: _Conn) -> None:
+        """Handle every complete request in ``conn.inbuf``; requests behind a pending wait stay queued."""
+        while conn in self._conns and conn.waiting is None and len(conn.inbuf) >= REQUEST.size:
+            op, timeout_ms, key_len, value_len = REQUEST.unpack_from(conn.inbuf)
+            if key_len > _MAX_REQUEST_KEY_BYTES or value_len > MAX_VALUE_BYTES:
+                _log.warning("store: client %s sent an oversized request; dropping it", conn.address)
+                self._drop(conn, died=False)
+                return
+            total = REQUEST.size + key_len + value_len
+            if len(conn.inbuf) < total:
+                return
+            key_bytes = bytes(conn.inbuf[REQUEST.size : REQUEST.size + key_len])
+            value = bytes(conn.inbuf[REQUEST.size + key_len : total])
+            del conn.inbuf[:total]
+            try:
+                key = key_bytes.decode()
+            except UnicodeDecodeError:
+                self._reply(conn, Status.ERROR, b"key is not utf-8")
+                continue
+            self._handle(conn, op, None if timeout_ms == NO_TIMEOUT else timeout_ms / 1000.0, key, value)
+
+    def _handle(self, conn: _Conn, op: int, timeout_s: float | None, key: str, value: bytes) -> None:
+        if op == Op.SET:
+            self._data[key] = value
+            self._reply(conn, Status.OK, b"")
+            self._notify()
+        elif op == Op.ADD:
+            try:
+                current = int(self._data.get(key, b"0"))
+                (amount,) = struct.unpack("!q", value)
+            except (ValueError, struct.error):
+                self._reply(conn, Status.ERROR, f"add: key {key!r} does not hold an integer".encode())
+                return
+            current += amount
+            self._data[key] = str(current).encode()
+            self._reply(conn, Status.OK, struct.pack("!q", current))
+            self._notify()
+        elif op in (Op.GET, Op.WAIT):
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            waiter = _Waiter(conn, key.split(KEY_SEPARATOR), deadline, want_value=op == Op.GET)
+            if not self._try_answer(waiter):
+                conn.waiting = waiter
+                self._waiters.append(waiter)
+        elif op == Op.CHECK:
+            present = all(k in self._data for k in key.split(KEY_SEPARATOR))
+            self._reply(conn, Status.OK if present else Status.MISSING, b"")
+        elif op == Op.DELETE:
+            existed = self._data.pop(key, None) is not None
+            self._reply(conn, Status.OK if existed else Status.MISSING, b"")
+        elif op == Op.DEAD:
+            self._reply(conn, Status.OK, ",".join(map(str, sorted(self._dead))).encode())
+        elif op == Op.CLOSE:
+            conn.closing = True
+            if conn.rank is not None:
+                with self._lock:
+                    self._left.add(conn.rank)
+            self._reply(conn, Status.OK, b"")
+        else:
+            self._reply(conn, Status.ERROR, f"unknown request {op}".encode())
+
+    def _try_answer(self, waiter: _Waiter) -> bool:
+        if all(k in self._data for k in waiter.keys):
+            self._reply(waiter.conn, Status.OK, self._data[waiter.keys[0]] if waiter.want_value else b"")
+            return True
+        # A dead rank breaks the rendezvous: fail the wait now, naming it, instead of at the timeout.
+        # Waiting for a death notice itself is of course allowed.
+        if self._dead and not any(k.startswith(DEAD_PREFIX) for k in waiter.keys):
+            dead = min(self._dead)
+            self._reply(waiter.conn, Status.DEAD_RANK, f"{dead}\n{self._dead[dead]}".encode())
+            return True
+        return False
+
+    def _notify(self) -> None:
+        still = []
+        woken = []
+        for waiter in self._waiters:
+            if waiter.conn not in self._conns:
+                continue
+            if self._try_answer(waiter):
+                waiter.conn.waiting = None
+                woken.append(waiter.conn)
+            else:
+                still.append(waiter)
+        self._waiters = still
+        for conn in woken:
+            self._parse(conn)
+
+    def _expire_waiters(self) -> None:
+        now = time.monotonic()
+        still = []
+        woken = []
+        for waiter in self._waiters:
+            if waiter.conn not in self._conns:
+                continue
+            if waiter.deadline is not None and now >= waiter.deadline:
+                missing = [k for k in waiter.keys if k not in self._data]
+                owners = {owner for k in missing if (owner := _owner_of(k)) is not None}
+                never = sorted(set(range(self._world_size)) - self._ranks_seen)
+                report = "\n".join(
+                    [KEY_SEPARATOR.join(missing), ",".join(map(str, sorted(owners))), ",".join(map(str, never))]
+                )
+                self._reply(waiter.conn, Status.TIMEOUT, report.encode())
+                waiter.conn.waiting = None
+                woken.append(waiter.conn)
+            else:
+                still.append(waiter)
+        self._waiters = still
+        for conn in woken:
+            self._parse(conn)
+
+    def _reply(self, conn: _Conn, status: int, payload: bytes) -> None:
+        conn.outbuf += RESPONSE.pack(status, len(payload))
+        conn.outbuf += payload
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        try:
+            while conn.outbuf:
+                sent = conn.sock.send(conn.outbuf)
+                del conn.outbuf[:sent]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._drop(conn, died=not conn.closing)
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.modify(conn.sock, events, conn)
+
+    def _drop(self, conn: _Conn, *, died: bool) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.discard(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        conn.sock.close()
+        if conn.rank is None:
+            return
+        with self._lock:
+            if self._ranks_live.get(conn.rank) is conn:
+                del self._ranks_live[conn.rank]
+                self._lock.notify_all()
+        if died and not self._stop:
+            reason = f"rank {conn.rank} disconnected from the store without close() (process died?)"
+            _log.warning("store: %s", reason)
+            self._dead[conn.rank] = reason
+            self._data[f"{DEAD_PREFIX}{conn.rank}"] = reason.encode()
+            self._notify()

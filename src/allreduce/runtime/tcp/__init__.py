@@ -1,0 +1,39 @@
+"""The TCP transport and what it shares with the store: sockets, the authenticated handshake, the listener.
+
+Files, one concern each (after Gloo's ``transport/tcp``):
+
+- :mod:`._socket`: socket helpers (tuning, exact reads, bounded sends, drain-and-close);
+- :mod:`._handshake`: the authenticated handshake, spoken by the store and the transport;
+- :mod:`._listener`: a listening socket whose connections are authenticated in threads of their own;
+- :mod:`._frames`: the 44-byte frame header and the frames being sent and received;
+- :mod:`._prepared`: a rank's plan compiled to byte ranges, per step and peer;
+- :mod:`._pair`: one connection to a peer, and the windowed reduction of what it receives;
+- :mod:`._loop`: the event loop of one step, and the sender thread;
+- :mod:`._transport`: :class:`TcpTransport`.
+"""
+
+from allreduce.runtime.tcp._handshake import (
+    CONNECT_HANDSHAKE_MAX_S,
+    ClientHello,
+    HandshakeRetryError,
+    RetryLater,
+    connect_handshake,
+    resolve_token,
+)
+from allreduce.runtime.tcp._listener import Listener
+from allreduce.runtime.tcp._socket import family_of, is_loopback, read_exact
+from allreduce.runtime.tcp._transport import TcpTransport
+
+__all__ = [
+    "CONNECT_HANDSHAKE_MAX_S",
+    "ClientHello",
+    "HandshakeRetryError",
+    "Listener",
+    "RetryLater",
+    "TcpTransport",
+    "connect_handshake",
+    "family_of",
+    "is_loopback",
+    "read_exact",
+    "resolve_token",
+]

@@ -1,0 +1,142 @@
+"""Socket helpers shared by the TCP transport and the store: tuning, exact reads, bounded sends, drain-and-close."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import select
+import socket
+import time
+
+__all__ = [
+    "DRAIN_LINGER_S",
+    "IO_CHUNK_BYTES",
+    "LOOPBACK_SNDBUF_BYTES",
+    "POLL_ERR",
+    "POLL_IN",
+    "drain_and_close",
+    "family_of",
+    "is_loopback",
+    "read_exact",
+    "send_until",
+    "tune",
+    "wait_readable",
+]
+
+IO_CHUNK_BYTES = 1 << 20
+"""At most this much per send/recv call: keeps an event loop alternating between its peers."""
+
+LOOPBACK_SNDBUF_BYTES = 256 << 10
+"""The send buffer of a loopback connection (see :func:`tune`)."""
+
+DRAIN_LINGER_S = 5.0
+"""How long a rank that gave up keeps reading (and discarding) from its peers before closing: long enough for a
+peer blocked sending to it to reach its ABORT frame instead of a reset, short enough not to keep a dead group."""
+
+_DRAIN_SINK_BYTES = 1 << 16  # discarded per recv while draining
+
+POLL_IN = select.POLLIN | select.POLLPRI
+POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` keeps the port on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def family_of(host: str) -> socket.AddressFamily:
+    """The address family for listening on or connecting to ``host`` (IPv6 when it has a colon)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def tune(sock: socket.socket) -> None:
+    """Make a freshly authenticated data connection non-blocking, without Nagle, with a loopback-sized buffer."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        peer_host = sock.getpeername()[0]
+    except OSError:  # the peer is already gone: the first read or write will name it
+        peer_host = ""
+    if is_loopback(peer_host):
+        # Over loopback the bytes in flight are copied twice by the CPU (into the socket, out of it): a small
+        # send buffer keeps them in cache between the two copies (measured in docs/design.md, "The TCP
+        # transport"). Across a real network the buffer must cover the bandwidth-delay product, so there the
+        # kernel's autotuning stays.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOOPBACK_SNDBUF_BYTES)
+    sock.setblocking(False)
+
+
+def read_exact(sock: socket.socket, size: int, *, deadline: float | None = None) -> bytes:
+    """Exactly ``size`` bytes from ``sock``.
+
+    Raises EOFError if the peer closes first. A blocking socket waits as its own timeout says (``TimeoutError``);
+    a non-blocking one waits until ``deadline`` (``time.monotonic()``; required then), then ``TimeoutError``."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:])
+        except (BlockingIOError, InterruptedError):
+            if deadline is None or time.monotonic() >= deadline:
+                raise TimeoutError(f"read {got} of {size} bytes before the deadline") from None
+            wait_readable([sock], deadline)
+            continue
+        if n == 0:
+            raise EOFError(f"connection closed after {got} of {size} bytes")
+        got += n
+    return bytes(buf)
+
+
+def wait_readable(socks: list[socket.socket], deadline: float) -> list[socket.socket]:
+    """The sockets of ``socks`` readable before ``deadline`` (poll: file descriptors may exceed 1024)."""
+    poller = select.poll()
+    by_fd = {}
+    for sock in socks:
+        with contextlib.suppress(OSError, ValueError):
+            poller.register(sock, POLL_IN)
+            by_fd[sock.fileno()] = sock
+    events = poller.poll(max(deadline - time.monotonic(), 0.0) * 1000.0)
+    return [by_fd[fd] for fd, _ in events if fd in by_fd]
+
+
+def send_until(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:
+    """Send all of ``data`` before ``deadline`` on a non-blocking socket, else raise TimeoutError."""
+    view = memoryview(data).cast("B")
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while view:
+        try:
+            view = view[sock.send(view[:IO_CHUNK_BYTES]) :]
+        except (BlockingIOError, InterruptedError):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("peer not reading") from None
+            poller.poll(remaining * 1000.0)
+
+
+def drain_and_close(socks: list[socket.socket], linger_s: float = DRAIN_LINGER_S) -> None:
+    """Read and discard from ``socks`` until each peer closes or ``linger_s`` passes, then close them all."""
+    deadline = time.monotonic() + linger_s
+    open_socks = list(socks)
+    sink = bytearray(_DRAIN_SINK_BYTES)
+    for sock in open_socks:
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+    while open_socks and time.monotonic() < deadline:
+        for sock in wait_readable(open_socks, deadline):
+            try:
+                n = sock.recv_into(sink)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                n = 0
+            if n == 0:
+                open_socks.remove(sock)
+                sock.close()
+    for sock in open_socks:
+        sock.close()

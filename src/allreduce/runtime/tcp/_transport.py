@@ -1,0 +1,425 @@
+"""The TCP transport: executes compiled plans over one TCP connection per peer pair the schedule uses.
+
+Data path. The calling thread drives every socket of a step (:mod:`._loop`): it sends each frame (header and
+payload in one ``sendmsg``, straight from the user's buffer) while receiving the step's frames into their
+destination: directly into the user's buffer for a copy, into a reusable per-peer window for a reduction
+(:mod:`._pair`). A step sending at least :data:`THREAD_MIN_BYTES` hands its sends to the rank's sender thread, so
+the rank copies out and copies in at once.
+
+Connections are made lazily, the first time a plan needs a peer: the higher rank connects to the lower one's
+listening port (published in the store as ``<prefix>/addr/<rank>``), and the lower one's :class:`Listener`
+answers, so no two ranks ever wait on each other to accept.
+
+Failures: a peer's EOF or reset raises :class:`PeerFailureError` naming it at once; a rank that fails sends an
+ABORT frame naming the culprit to every peer (then drains and closes its sockets in the background so that no
+peer stays blocked sending to it), so a death propagates along the schedule's connections in milliseconds.
+After any error the transport is unusable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError
+from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
+from allreduce.runtime.tcp._frames import (
+    FLAG_ABORT,
+    FLAG_AGREE,
+    FLAG_CHECKSUM,
+    HEADER_SIZE,
+    MAX_ABORT_BYTES,
+    NO_CULPRIT,
+    InFrame,
+    OutFrame,
+    encode_header,
+)
+from allreduce.runtime.tcp._handshake import (
+    CONNECT_HANDSHAKE_MAX_S,
+    ClientHello,
+    connect_handshake,
+    resolve_token,
+)
+from allreduce.runtime.tcp._listener import Listener, listening_socket
+from allreduce.runtime.tcp._loop import Sender, exchange
+from allreduce.runtime.tcp._pair import Pair
+from allreduce.runtime.tcp._prepared import WINDOW_BYTES, PreparedPlan, prepare
+from allreduce.runtime.tcp._socket import drain_and_close, is_loopback, send_until, tune
+
+__all__ = ["ABORT_BUDGET_S", "CONNECT_RETRY_S", "CONNECT_TIMEOUT_MAX_S", "THREAD_MIN_BYTES", "TcpTransport"]
+
+THREAD_MIN_BYTES = 1 << 20
+"""A step sending at least this much hands its sends to the rank's sender thread; smaller steps run in the
+calling thread, where a hand-off would cost more than it saves."""
+
+ABORT_BUDGET_S = 2.0
+"""How long a failing rank spends, over all its peers together, finishing half-sent frames and sending ABORT
+frames: a peer normally reads them at once; one that does not sees EOF instead (naming this rank)."""
+
+CONNECT_TIMEOUT_MAX_S = 10.0
+"""The longest one TCP connection attempt to a peer may take (less when the deadline is nearer)."""
+
+CONNECT_RETRY_S = 0.05
+"""The pause before connecting again after a transient error (not a refusal: a refused connection means the
+peer's published listener is gone, i.e. the peer exited)."""
+
+_SERVICE = b"tcp"
+
+
+class _Store(Protocol):
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str, *, timeout_s: float | None = None) -> bytes: ...
+
+
+class TcpTransport(Transport):
+    """Moves compiled plans' data over TCP; see the module docstring."""
+
+    name = "tcp"
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: _Store,
+        *,
+        host: str = "127.0.0.1",
+        token: str | bytes | None = None,
+        timeout_s: float = 300.0,
+        advertise_host: str | None = None,
+        prefix: str = "tcp",
+    ) -> None:
+        super().__init__(rank, world_size)
+        self.timeout_s = timeout_s
+        self._store = store
+        self._prefix = prefix
+        self._token = resolve_token(token)
+        if not is_loopback(host) and self._token is None:
+            raise ValueError(
+                f"rank {rank}: the TCP transport would listen on {host!r}, beyond loopback: set a shared token "
+                "(token= or the ALLREDUCE_TOKEN environment variable)"
+            )
+        self._peers: dict[int, Pair] = {}
+        self._cond = threading.Condition()
+        self._refused: list[str] = []
+        self._scratch = np.empty(0, np.uint8)
+        self._sender: Sender | None = None  # started by the first step large enough to use it
+        self._corrupt: tuple[int, int] | None = None  # (step, peer) of the next frame inject_corruption spoils
+        self._connections_made = 0
+        self._connections_accepted = 0
+        self._frames_sent = 0
+        self._frames_received = 0
+        self._sender_handoffs = 0
+        self._listener = Listener(
+            listening_socket(host, backlog=world_size),
+            service=_SERVICE,
+            token=self._token,
+            check=self._check_hello,
+            accepted=self._accepted,
+            refused=self._refused_connection,
+            name=f"allreduce-tcp-{rank}",
+        )
+        if advertise_host is None:
+            advertise_host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+        store.set(f"{prefix}/addr/{rank}", f"{advertise_host}:{self._listener.port}".encode())
+
+    # ------------------------------------------------------------------------------------------------ public
+    def inject_corruption(self, *, peer: int, step: int = 0) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"rank {self.rank}: peer {peer} is not another rank of a group of {self.world_size}")
+        self._corrupt = (step, peer)
+
+    def statistics(self) -> Mapping[str, int]:
+        """``connections_made`` (to lower ranks) and ``connections_accepted`` (from higher ranks);
+        ``frames_sent`` and ``frames_received`` (data and agreement frames); ``sender_handoffs`` (steps whose
+        sends went through the sender thread); ``largest_send_buffer_bytes`` (SO_SNDBUF, as the kernel
+        reports it, over the open connections)."""
+        with self._cond:
+            socks = [pair.sock for pair in self._peers.values()]
+        send_buffers = []
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                send_buffers.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+        return {
+            "connections_made": self._connections_made,
+            "connections_accepted": self._connections_accepted,
+            "frames_sent": self._frames_sent,
+            "frames_received": self._frames_received,
+            "sender_handoffs": self._sender_handoffs,
+            "largest_send_buffer_bytes": max(send_buffers, default=0),
+        }
+
+    # ------------------------------------------------------------------------------------------------ connections
+    def _accepted(self, sock: socket.socket, hello: ClientHello, address: str) -> None:
+        tune(sock)
+        with self._cond:
+            self._peers[hello.rank] = Pair(self.rank, hello.rank, sock)
+            self._connections_accepted += 1
+            self._cond.notify_all()
+
+    def _refused_connection(self, address: str, error: BaseException, admitted: ClientHello | None) -> None:
+        with self._cond:
+            self._refused.append(f"{address}: {error}")
+            self._cond.notify_all()
+
+    def _check_hello(self, hello: ClientHello) -> str | None:
+        if hello.world_size != self.world_size:
+            return f"world size mismatch: rank {self.rank} has {self.world_size}, rank {hello.rank} {hello.world_size}"
+        if hello.target != self.rank:
+            return f"rank {hello.rank} meant to reach rank {hello.target}, this is rank {self.rank}"
+        if not self.rank < hello.rank < self.world_size:
+            return f"rank {hello.rank} may not connect to rank {self.rank} (higher ranks connect to lower ones)"
+        with self._cond:
+            if hello.rank in self._peers:
+                return f"rank {hello.rank} is already connected (two processes with the same rank?)"
+        return None
+
+    def _ensure_connected(self, peers: frozenset[int] | set[int], deadline: float, what: str) -> None:
+        for peer in sorted(p for p in peers if p < self.rank and p not in self._peers):
+            self._connect(peer, deadline, what)
+        higher = {p for p in peers if p > self.rank}
+        with self._cond:
+            while not higher <= self._peers.keys():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(higher - self._peers.keys())
+                    refused = f"; refused connections: {'; '.join(self._refused)}" if self._refused else ""
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: timed out waiting for rank(s) {', '.join(map(str, missing))} to connect "
+                        f"({what}): they have not reached this collective, or cannot reach this host{refused}",
+                        rank=self.rank,
+                        peer=missing[0],
+                    )
+                self._cond.wait(remaining)
+
+    def _connect(self, peer: int, deadline: float, what: str) -> None:
+        remaining = max(deadline - time.monotonic(), 0.001)
+        address = self._store.get(f"{self._prefix}/addr/{peer}", timeout_s=remaining).decode()
+        host, _, port_text = address.rpartition(":")
+        last_error: OSError | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: could not connect to rank {peer} at {address} ({what}): {last_error}",
+                    rank=self.rank,
+                    peer=peer,
+                )
+            try:
+                sock = socket.create_connection(
+                    (host.strip("[]"), int(port_text)), timeout=min(remaining, CONNECT_TIMEOUT_MAX_S)
+                )
+                break
+            except ConnectionRefusedError as exc:  # its listener is published before we read it: a real failure
+                raise PeerFailureError(
+                    f"rank {self.rank}: rank {peer} refused a connection at {address} ({what}): it has exited",
+                    rank=self.rank,
+                    peer=peer,
+                ) from exc
+            except OSError as exc:
+                last_error = exc
+                time.sleep(CONNECT_RETRY_S)
+        try:
+            sock.settimeout(max(min(deadline - time.monotonic(), CONNECT_HANDSHAKE_MAX_S), 1.0))
+            connect_handshake(
+                sock,
+                _SERVICE,
+                self._token,
+                ClientHello(rank=self.rank, world_size=self.world_size, target=peer),
+                what=f"rank {peer} at {address}",
+            )
+        except (OSError, EOFError) as exc:
+            sock.close()
+            raise PeerFailureError(
+                f"rank {self.rank}: lost rank {peer} during the handshake ({what}): {exc}", rank=self.rank, peer=peer
+            ) from exc
+        except BaseException:
+            sock.close()
+            raise
+        tune(sock)
+        with self._cond:
+            self._peers[peer] = Pair(self.rank, peer, sock)
+            self._connections_made += 1
+
+    # ------------------------------------------------------------------------------------------------ collectives
+    def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
+        """A ring all-gather of small AGREE frames (N-1 steps)."""
+        result: list[bytes | None] = [None] * self.world_size
+        result[self.rank] = descriptor
+        nxt, prv = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        self._ensure_connected({nxt, prv}, deadline, f"agreement for collective {seq}")
+        for k in range(self.world_size - 1):
+            origin_out = (self.rank - k) % self.world_size
+            origin_in = (self.rank - k - 1) % self.world_size
+            payload = result[origin_out]
+            assert payload is not None
+            out = OutFrame(
+                encode_header(sequence=seq, step=k, block=origin_out, segment=0, length=len(payload), flags=FLAG_AGREE),
+                memoryview(payload),
+            )
+            incoming = InFrame(step=k, block=origin_in, segment=0, flags=FLAG_AGREE, length=-1, dest=memoryview(b""))
+            exchange(
+                self.rank,
+                self._peers,
+                seq,
+                tag=0,
+                sends=[(nxt, out)],
+                recvs=[(prv, incoming)],
+                deadline=deadline,
+                timeout_s=timeout_s,
+                reduce_into=_no_reduction,
+                step=None,
+                label=f"agreement step {k}",
+                sender=None,
+            )
+            self._frames_sent += 1
+            self._frames_received += 1
+            result[origin_in] = bytes(incoming.dest)
+        return [r if r is not None else b"" for r in result]
+
+    def _execute(
+        self,
+        plan: RankPlan,
+        buffer: npt.NDArray[Any],
+        reduce_into: ReduceInto,
+        *,
+        seq: int,
+        deadline: float,
+        timeout_s: float,
+        checksum: bool,
+    ) -> None:
+        itemsize = buffer.itemsize
+        prepared: PreparedPlan = self.plans.get(
+            ("tcp", plan, itemsize, checksum), lambda: prepare(plan, itemsize, checksum=checksum)
+        )
+        if self._scratch.size < prepared.scratch_bytes:
+            self._scratch = np.empty(prepared.scratch_bytes, np.uint8)
+        raw = buffer.view(np.uint8).data
+        scratch = self._scratch.data
+        flags = FLAG_CHECKSUM if checksum else 0
+        self._ensure_connected(plan.peers, deadline, f"collective {seq} ({plan.schedule_name})")
+        for step in prepared.steps:
+            sends = []
+            for spec in step.sends:
+                payload = raw[spec.byte_start : spec.byte_stop]
+                crc = zlib.crc32(payload) if checksum else 0
+                if self._corrupt == (step.index, spec.peer):
+                    self._corrupt = None
+                    corrupted = bytearray(payload)
+                    corrupted[len(corrupted) // 2] ^= 0xFF
+                    payload = memoryview(corrupted)
+                header = encode_header(
+                    sequence=seq,
+                    step=step.index,
+                    block=spec.block,
+                    segment=spec.segment,
+                    length=spec.byte_stop - spec.byte_start,
+                    flags=flags,
+                    crc32=crc,
+                    tag=prepared.tag,
+                )
+                sends.append((spec.peer, OutFrame(header, payload)))
+            recvs = []
+            for rspec in step.recvs:
+                length = rspec.byte_stop - rspec.byte_start
+                if rspec.scratch_offset >= 0:
+                    room = min(length, WINDOW_BYTES) if rspec.windowed else length
+                    dest = scratch[rspec.scratch_offset : rspec.scratch_offset + room]
+                else:
+                    dest = raw[rspec.byte_start : rspec.byte_stop]
+                frame = InFrame(
+                    step=step.index, block=rspec.block, segment=rspec.segment, flags=flags, length=length, dest=dest
+                )
+                frame.spec = rspec
+                frame.staged = rspec.staged
+                frame.reduce = rspec.reduce
+                frame.windowed = rspec.windowed
+                if rspec.scratch_offset >= 0:
+                    e0, e1 = rspec.byte_start // itemsize, rspec.byte_stop // itemsize
+                    frame.dst_typed = buffer[e0:e1]
+                    frame.src_typed = self._scratch[rspec.scratch_offset : rspec.scratch_offset + len(dest)].view(
+                        buffer.dtype
+                    )
+                recvs.append((rspec.peer, frame))
+            sender = None
+            if sends and sum(len(out.payload) for _, out in sends) >= THREAD_MIN_BYTES:
+                if self._sender is None:
+                    self._sender = Sender(self.rank)
+                sender = self._sender
+                self._sender_handoffs += 1
+            exchange(
+                self.rank,
+                self._peers,
+                seq,
+                tag=prepared.tag,
+                sends=sends,
+                recvs=recvs,
+                deadline=deadline,
+                timeout_s=timeout_s,
+                reduce_into=reduce_into,
+                step=step.index,
+                label=f"step {step.index}",
+                sender=sender,
+            )
+            self._frames_sent += len(sends)
+            self._frames_received += len(recvs)
+
+    # ------------------------------------------------------------------------------------------------ endings
+    def _release(self) -> None:
+        self._listener.close()
+        if self._sender is not None:
+            self._sender.stop()
+        with self._cond:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.sock.close()
+
+    def _abort(self, error: CollectiveError, seq: int) -> None:
+        """Send every peer an ABORT frame naming the culprit, then drain and close the connections."""
+        if self._sender is not None and self._sender.busy:
+            self._sender.cancel()  # from here on this thread alone writes to the sockets
+        # An interruption (not a collective error: wrapped by the base class) names this rank as the culprit.
+        culprit = error.peer if error.peer is not None or type(error) is not CollectiveError else self.rank
+        message = str(error).encode()[:MAX_ABORT_BYTES]
+        with self._cond:
+            peers, self._peers = list(self._peers.values()), {}
+        abort = encode_header(
+            sequence=seq,
+            step=0,
+            block=NO_CULPRIT if culprit is None else culprit,
+            segment=abort_kind(error),
+            length=len(message),
+            flags=FLAG_ABORT,
+        )
+        # A peer reading our half-sent frame would see the ABORT header as payload: finish that frame first (the
+        # peer is normally reading it), within a short budget shared by all peers; else it just sees EOF.
+        budget_end = time.monotonic() + ABORT_BUDGET_S
+        for peer in peers:
+            with contextlib.suppress(OSError):
+                out = peer.current_out
+                if out is not None:
+                    send_until(
+                        peer.sock, memoryview(out.header)[out.sent :] if out.sent < HEADER_SIZE else b"", budget_end
+                    )
+                    send_until(peer.sock, out.payload[max(out.sent - HEADER_SIZE, 0) :], budget_end)
+                    peer.current_out = None
+                send_until(peer.sock, abort + message, budget_end)
+            with contextlib.suppress(OSError):
+                peer.sock.shutdown(socket.SHUT_WR)
+        if peers:
+            # Keep reading (and discarding) for a while so peers blocked sending to us get unblocked and reach
+            # our ABORT frame instead of seeing a reset that would name us rather than the culprit.
+            threading.Thread(target=drain_and_close, args=([p.sock for p in peers],), daemon=True).start()
+
+
+def _no_reduction(dst: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> None:
+    """The reducer of the agreement exchange, whose frames are never reduced."""
+    raise AssertionError("agreement frames are not reduced")

@@ -1,0 +1,75 @@
+"""The socket helpers the store and the transport share, on real socket pairs."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from allreduce.runtime.tcp import read_exact
+from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES, drain_and_close, send_until, tune
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    with a, b:
+        yield a, b
+
+
+def test_read_exact_joins_pieces(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(b"abc")
+    a.sendall(b"defg")
+    assert read_exact(b, 7) == b"abcdefg"
+
+
+def test_read_exact_names_an_early_close(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(b"ab")
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(EOFError, match="connection closed after 2 of 5 bytes"):
+        read_exact(b, 5)
+
+
+def test_read_exact_on_a_non_blocking_socket_stops_at_the_deadline(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    b.setblocking(False)
+    a.sendall(b"x")
+    with pytest.raises(TimeoutError, match="read 1 of 2 bytes before the deadline"):
+        read_exact(b, 2, deadline=time.monotonic() + 0.05)
+
+
+def test_read_exact_on_a_blocking_socket_honours_its_timeout(pair: tuple[socket.socket, socket.socket]) -> None:
+    _, b = pair
+    b.settimeout(0.05)
+    with pytest.raises(TimeoutError):
+        read_exact(b, 1)
+
+
+def test_send_until_gives_up_when_the_peer_does_not_read(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, _ = pair
+    a.setblocking(False)
+    with pytest.raises(TimeoutError, match="peer not reading"):
+        send_until(a, bytes(64 << 20), time.monotonic() + 0.05)
+
+
+def test_drain_and_close_reads_until_the_peer_closes() -> None:
+    a, b = socket.socketpair()
+    with b:
+        b.sendall(b"leftover")
+        b.shutdown(socket.SHUT_WR)
+        drain_and_close([a], linger_s=30.0)
+        assert a.fileno() == -1
+
+
+def test_tune_keeps_the_loopback_send_buffer_small() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
+        tune(client)
+        assert not client.getblocking()
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        # The kernel doubles what is asked; autotuning would grow it to megabytes.
+        assert client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) <= 2 * LOOPBACK_SNDBUF_BYTES
+        server.accept()[0].close()
