@@ -219,6 +219,11 @@ class RankWatch:
             # A process group outlives its leader while members remain, and its id is not reused meanwhile.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        # SIGKILL is delivered asynchronously: return only once nothing of those groups runs any more.
+        deadline = time.monotonic() + KILL_WAIT_S
+        groups = {proc.pid for proc in self.procs}
+        while _running_in_groups(groups) and time.monotonic() < deadline:
+            time.sleep(KILL_POLL_S)
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -260,6 +265,26 @@ class RankWatch:
             self.signal_all(signal.SIGTERM)
             self._stop_deadline = now + self.grace_s
             self.deadline = None
+
+
+KILL_WAIT_S = 5.0
+"""Longest :meth:`RankWatch.close` waits for killed process groups to be gone (the kernel takes microseconds)."""
+KILL_POLL_S = 0.005
+
+
+def _running_in_groups(groups: set[int]) -> bool:
+    """Whether any process (not a zombie) belongs to one of the process groups ``groups``."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) in groups:
+            return True
+    return False
 
 
 def _signal_rank(pid: int, sig: int) -> None:
