@@ -17,6 +17,29 @@ DEMO_GROUP_SIZE = 8
 DEMO_MODEL = CostModel(latency_s=5e-6, bandwidth_Bps=400e9 / 8)
 
 
+DEMO_REPORT = "allreduce-demo-report.html"
+"""Where the demo writes its report (in the current directory)."""
+EMULATE_COMMAND = (
+    "allreduce emulate run --topology clos:leaves=2,spines=2,hosts_per_leaf=2 --algorithm ring --sizes 1MiB,8MiB"
+)
+
+
+def _emulate_hint() -> str:
+    """What the demo says about emulation: it builds network namespaces, which needs root, so the demo never runs
+    it; it names the command (and, without root, says why it would not run here)."""
+    import os
+    import shutil
+
+    lines = [
+        "Builds the topology as network namespaces with shaped veth links, runs a real 4-rank all-reduce across",
+        "them over TCP, and prints each measurement beside the simulator's prediction. Try:",
+        f"  sudo .venv/bin/{EMULATE_COMMAND}",
+    ]
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        lines.append("(this shell is not root with iproute2, so it would refuse here: it needs both)")
+    return "\n".join(lines)
+
+
 def _section(title: str) -> None:
     print()
     print(title)
@@ -30,9 +53,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "The built-in scenario, end to end: which all-reduce algorithm wins on a 1,024-GPU cluster and why "
             "(explain); a real 4-rank all-reduce on this machine (bench); the same schedules on simulated "
-            "1,024-GPU fat-tree and oversubscribed Clos fabrics with a degraded link (sim); and a short 2-rank "
-            "data-parallel training run with its step-time breakdown (train)."
+            "1,024-GPU fat-tree and oversubscribed Clos fabrics with a degraded link (sim); a short 2-rank "
+            "data-parallel training run with its step-time breakdown (train); a training step of Llama-2-7B on 1,024 "
+            "simulated GPUs with its HTML report (plan, report); and the command that checks the simulator against "
+            "an emulated cluster (emulate)."
         ),
+    )
+    p.add_argument(
+        "--report", default=DEMO_REPORT, metavar="FILE", help="where to write the HTML report (default %(default)s)"
     )
     p.set_defaults(handler=run)
 
@@ -64,5 +92,17 @@ def run(args: argparse.Namespace) -> int:
     from allreduce.train import demo as train_demo
 
     print(train_demo(world_size=2, epochs=1))
+
+    _section("5. A training step at scale: Llama-2-7B on 1,024 simulated GPUs (allreduce plan, allreduce report)")
+    print()
+    from allreduce.cli._plan import demo_section as plan_demo
+
+    text, _ = plan_demo(args.report)
+    print(text)
+    print("(open the report in a browser: one self-contained HTML file, nothing fetched)")
+
+    _section("6. The simulator against real TCP: an emulated cluster (allreduce emulate, needs root)")
+    print()
+    print(_emulate_hint())
     print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return 0
