@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["non_negative_int", "positive_int"]
+from allreduce.schedules import Collective, algorithms, get_algorithm, load_algorithm
+
+__all__ = ["AlgorithmSelection", "algorithm_selection", "non_negative_int", "positive_int"]
 
 
 def _int_at_least(name: str, minimum: int) -> Callable[[str], int]:
@@ -31,3 +34,36 @@ def positive_int(name: str) -> Callable[[str], int]:
 def non_negative_int(name: str) -> Callable[[str], int]:
     """A whole number >= 0."""
     return _int_at_least(name, 0)
+
+
+@dataclass(frozen=True)
+class AlgorithmSelection:
+    """What ``--algorithm`` named: registered all-reduce algorithm names, and whether the user listed them."""
+
+    names: tuple[str, ...]
+    explicit: bool
+    """False for ``all``: then consumers may leave out an algorithm that does not fit the run, with a note."""
+
+
+def algorithm_selection(flag: str) -> Callable[[str], AlgorithmSelection]:
+    """An argparse type for ``--algorithm``: comma-separated registered names, ``all``, and ``module:function``
+    or ``file.py:function`` specs, which are loaded (imported, verified, registered) and stand for their name."""
+
+    def parse(text: str) -> AlgorithmSelection:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{flag} is empty; name an algorithm, a module:function, or all")
+        names: list[str] = []
+        for item in items:
+            try:
+                if ":" in item:
+                    names.append(load_algorithm(item).name)
+                elif item != "all":
+                    names.append(get_algorithm(Collective.ALL_REDUCE, item).name)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+        if "all" in items:
+            return AlgorithmSelection(algorithms(Collective.ALL_REDUCE), explicit=False)
+        return AlgorithmSelection(tuple(dict.fromkeys(names)), explicit=True)
+
+    return parse

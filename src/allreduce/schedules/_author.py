@@ -178,10 +178,6 @@ def _pair(ops: tuple[list[int], ...], name: str) -> _Transfers:
 def _unpaired(s_key: np.ndarray, r_key: np.ndarray, i: int, reduce: np.ndarray, name: str) -> str:
     """Say why position ``i`` of the channel-sorted sends and receives do not pair."""
 
-    def nth(key: np.ndarray, row: int) -> int:
-        same = np.flatnonzero((key[:, 0] == key[row, 0]) & (key[:, 1] == key[row, 1]))
-        return int(np.searchsorted(same, row)) + 1
-
     def recv_text(row: int) -> str:
         src, dst, step, start, stop = (int(x) for x in r_key[row])
         verb = "recv_reduce" if reduce[row] else "recv_copy"
@@ -193,10 +189,16 @@ def _unpaired(s_key: np.ndarray, r_key: np.ndarray, i: int, reduce: np.ndarray, 
 
     has_send, has_recv = i < len(s_key), i < len(r_key)
     if has_send and has_recv and tuple(s_key[i, :2]) == tuple(r_key[i, :2]):
-        if s_key[i, 2] != r_key[i, 2]:
+        src, dst = (int(x) for x in s_key[i, :2])
+        if s_key[i, 2] < r_key[i, 2]:
             return (
-                f"{name}: {send_text(i)} (send #{nth(s_key, i)} on that channel), but its receive is "
-                f"{recv_text(i)}; a receive happens in the step of its send"
+                f"{name}: {send_text(i)}, but rank {dst} posts no matching receive in that step (its next "
+                f"receive from rank {src} is {recv_text(i)}); a receive happens in the step of its send"
+            )
+        if s_key[i, 2] > r_key[i, 2]:
+            return (
+                f"{name}: {recv_text(i)}, but rank {src} sends nothing to rank {dst} in that step (its next send "
+                f"to rank {dst} is {send_text(i)}); a receive happens in the step of its send"
             )
         return f"{name}: {recv_text(i)}, but the matching send is {send_text(i)}: they name different blocks"
     if has_send and (not has_recv or tuple(s_key[i, :2]) < tuple(r_key[i, :2])):
