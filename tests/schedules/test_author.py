@@ -30,7 +30,8 @@ MODELS = [
 
 def load_example(stem: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"example_{stem}", EXAMPLES / f"{stem}.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -141,7 +142,9 @@ def test_a_receive_in_another_step_than_its_send_is_named() -> None:
             return True
         return False
 
-    with pytest.raises(ScheduleError, match=r"rank 0 step 0: send block 3 to rank 1, but rank 1 posts no matching receive in that step"):
+    with pytest.raises(
+        ScheduleError, match=r"rank 0 step 0: send block 3 to rank 1, but rank 1 posts no matching receive in that step"
+    ):
         broken(late).compile()
 
 
@@ -188,11 +191,11 @@ def test_a_bad_verb_is_refused_where_it_is_issued(issue: Callable[..., None], me
 def test_a_range_of_blocks_moves_together() -> None:
     p = Program(2, num_blocks=4)
     step = p.step()
-    step.send(0, 1, range(0, 4))
-    step.recv_reduce(1, 0, range(0, 4))
+    step.send(0, 1, range(4))
+    step.recv_reduce(1, 0, range(4))
     step = p.step()
-    step.send(1, 0, range(0, 4))
-    step.recv_copy(0, 1, range(0, 4))
+    step.send(1, 0, range(4))
+    step.recv_copy(0, 1, range(4))
     schedule = p.compile()
     verify(schedule)
     assert [(op.block_start, op.block_stop) for op in schedule.program(0)] == [(0, 4), (0, 4)]

@@ -94,7 +94,7 @@ def test_an_algorithm_that_declines_every_world_size_is_refused() -> None:
     def nothing(world_size: int) -> Schedule:
         raise ValueError(f"no group of {world_size} ranks suits me")
 
-    with pytest.raises(ScheduleError, match="declined every world size.*no group of 1 ranks"):
+    with pytest.raises(ScheduleError, match=r"declined every world size.*no group of 1 ranks"):
         register_algorithm("all_reduce", "nothing", nothing)
 
 

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from allreduce.cli._main import CLIError
 from allreduce.schedules import Collective, algorithms, get_algorithm, load_algorithm
 
 __all__ = ["AlgorithmSelection", "algorithm_selection", "non_negative_int", "positive_int"]
@@ -43,6 +44,15 @@ class AlgorithmSelection:
     names: tuple[str, ...]
     explicit: bool
     """False for ``all``: then consumers may leave out an algorithm that does not fit the run, with a note."""
+    error: str | None = None
+    """Why the value could not be resolved. Kept rather than raised so that the subcommand reports it as its
+    one-line error (argparse would print its usage first); :meth:`checked` raises it."""
+
+    def checked(self) -> AlgorithmSelection:
+        """This selection, or :class:`CLIError` with the reason it could not be resolved."""
+        if self.error is not None:
+            raise CLIError(self.error)
+        return self
 
 
 def algorithm_selection(flag: str) -> Callable[[str], AlgorithmSelection]:
@@ -52,7 +62,7 @@ def algorithm_selection(flag: str) -> Callable[[str], AlgorithmSelection]:
     def parse(text: str) -> AlgorithmSelection:
         items = [item.strip() for item in text.split(",") if item.strip()]
         if not items:
-            raise argparse.ArgumentTypeError(f"{flag} is empty; name an algorithm, a module:function, or all")
+            return AlgorithmSelection((), explicit=True, error=f"{flag} is empty; name an algorithm or all")
         names: list[str] = []
         for item in items:
             try:
@@ -61,7 +71,7 @@ def algorithm_selection(flag: str) -> Callable[[str], AlgorithmSelection]:
                 elif item != "all":
                     names.append(get_algorithm(Collective.ALL_REDUCE, item).name)
             except ValueError as exc:
-                raise argparse.ArgumentTypeError(str(exc)) from None
+                return AlgorithmSelection((), explicit=True, error=f"{flag}: {exc}")
         if "all" in items:
             return AlgorithmSelection(algorithms(Collective.ALL_REDUCE), explicit=False)
         return AlgorithmSelection(tuple(dict.fromkeys(names)), explicit=True)

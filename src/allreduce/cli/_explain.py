@@ -78,7 +78,7 @@ def _schedules(  # noqa: PLR0917 (one private call site)
 ) -> tuple[list[tuple[Schedule, str]], list[str]]:
     chosen: list[tuple[Schedule, str]] = []
     skipped: list[str] = []
-    for name in selection.names:
+    for name in selection.checked().names:
         entry = get_algorithm(Collective.ALL_REDUCE, name)
         limit = _QUADRATIC_MAX_RANKS.get(name) if entry.origin == "built-in" else None
         if limit is not None and world_size > limit and not selection.explicit:

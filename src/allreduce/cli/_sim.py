@@ -187,7 +187,7 @@ def _group_size(args: argparse.Namespace, topology: Topology, world_size: int) -
 
 
 def _schedules(args: argparse.Namespace, topology: Topology, world_size: int) -> tuple[list[Schedule], list[str]]:
-    selection = args.algorithm
+    selection = args.algorithm.checked()
     explicit = selection.explicit
     schedules: list[Schedule] = []
     skipped: list[str] = []
