@@ -9,12 +9,18 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allreduce.schedules import (
+    ALL_REDUCE_ALGORITHMS,
     CostModel,
     Program,
     Schedule,
     ScheduleError,
+    Step,
+    Verb,
+    all_reduce,
     binomial_broadcast,
     predict,
     ring_all_reduce,
@@ -199,3 +205,29 @@ def test_a_range_of_blocks_moves_together() -> None:
     schedule = p.compile()
     verify(schedule)
     assert [(op.block_start, op.block_stop) for op in schedule.program(0)] == [(0, 4), (0, 4)]
+
+
+def reauthored(schedule: Schedule) -> Program:
+    """``schedule`` written again verb by verb from its per-rank programs."""
+    p = Program(
+        schedule.world_size,
+        num_blocks=schedule.num_blocks,
+        collective=schedule.collective,
+        root=schedule.root,
+        name=schedule.name,
+    )
+    if schedule.num_steps:
+        p.step(schedule.num_steps - 1)  # a schedule may end in steps where no rank moves data
+    verbs = {Verb.SEND: Step.send, Verb.RECV_REDUCE: Step.recv_reduce, Verb.RECV_COPY: Step.recv_copy}
+    for rank in range(schedule.world_size):
+        for op in schedule.program(rank):
+            verbs[op.verb](p.step(op.step), rank, op.peer, range(op.block_start, op.block_stop))
+    return p
+
+
+@settings(max_examples=60, deadline=None)
+@given(algorithm=st.sampled_from(ALL_REDUCE_ALGORITHMS), n=st.integers(1, 24), chunks=st.integers(1, 5))
+def test_any_builtin_written_verb_by_verb_compiles_back_to_itself(algorithm: str, n: int, chunks: int) -> None:
+    group_size = next(g for g in (4, 3, 2, 1) if n % g == 0)
+    builtin = all_reduce(algorithm, n, chunks=chunks, group_size=group_size)
+    assert_same(reauthored(builtin).compile(builtin.name), builtin)

@@ -165,6 +165,9 @@ def _pair(ops: tuple[list[int], ...], name: str) -> _Transfers:
     if differs.size or len(s_order) != len(r_order):
         i = int(differs[0]) if differs.size else common
         raise ScheduleError(_unpaired(s_key, r_key, i, is_reduce[r_order], name))
+    # Paired; now in step order (channel order within a step), which is how _chain walks them.
+    by_step = np.argsort(step[s_order], kind="stable")
+    s_order, r_order = s_order[by_step], r_order[by_step]
     return _Transfers(
         step=step[s_order].tolist(),
         src=rank[s_order].tolist(),
@@ -273,6 +276,26 @@ def _chain(t: _Transfers, world_size: int, num_blocks: int) -> Streams:
             next_singles.setdefault(kind, []).append(len(chains) - 1)
         expect, singles = next_expect, next_singles
         i = j
+    # A two-transfer chain whose peer moves saves one stream but makes every step of it a flow pattern of its
+    # own (the cost model and the simulator walk patterns): two fixed-peer streams are the better form.
+    for c in range(len(chains)):
+        ch = chains[c]
+        if ch[4] == 2 and ch[2] != 0:
+            second = [
+                ch[0],
+                (ch[1] + ch[2]) % n,
+                0,
+                ch[3] + 1,
+                1,
+                ch[5],
+                ch[6],
+                (ch[7] + ch[8]) % ch[9],
+                0,
+                ch[9],
+                ch[10],
+            ]
+            ch[2], ch[4], ch[8] = 0, 1, 0
+            chains.append(second)
     if not chains:
         return Streams.empty()
     table = np.asarray(chains, dtype=np.int64)
