@@ -226,7 +226,7 @@ def reauthored(schedule: Schedule) -> Program:
 
 
 @settings(max_examples=60, deadline=None)
-@given(algorithm=st.sampled_from(ALL_REDUCE_ALGORITHMS), n=st.integers(1, 24), chunks=st.integers(1, 5))
+@given(algorithm=st.sampled_from((*ALL_REDUCE_ALGORITHMS, "naive")), n=st.integers(1, 24), chunks=st.integers(1, 5))
 def test_any_builtin_written_verb_by_verb_compiles_back_to_itself(algorithm: str, n: int, chunks: int) -> None:
     group_size = next(g for g in (4, 3, 2, 1) if n % g == 0)
     builtin = all_reduce(algorithm, n, chunks=chunks, group_size=group_size)

@@ -554,7 +554,7 @@ ALL_REDUCE_ALGORITHMS: tuple[str, ...] = (
     "double_binary_tree",
     "direct",
     "hierarchical",
-    "naive",
 )
-"""The built-in all-reduce algorithms, in the registry's order. Users add more with ``register_algorithm``; the
-registry (``allreduce.schedules.algorithms()``) is the list every consumer reads."""
+"""The built-in all-reduce algorithms meant for use, in the registry's order; the registry
+(``allreduce.schedules.algorithms()``) also holds the strawman ``naive`` and every user algorithm, and is the
+list every consumer reads."""
