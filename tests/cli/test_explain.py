@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +116,62 @@ def test_demo_runs_every_part_end_to_end() -> None:
     assert "slowest rank:" in text
     for section in ("1. Which algorithm", "2. The real thing", "3. What the network does", "4. Data-parallel training"):
         assert section in text
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "algorithms" / "my_ring.py"
+COMMON = ("--bandwidth", "50GB/s", "--latency", "5us")
+
+
+def test_naive_beside_ring_at_1024_ranks_matches_both_closed_forms() -> None:
+    out = run_cli("explain", "--ranks", "1024", "--size", "1GiB", *COMMON, "--algorithm", "naive,ring", "--json")
+    assert out.returncode == 0, out.stderr
+    by_name = {a["name"]: a for a in json.loads(out.stdout)["algorithms"]}
+    assert set(by_name) == {"naive", "ring"}
+    n, s, a, b = 1024, 2.0**30, 5e-6, 1 / 50e9
+    assert by_name["naive"]["seconds"] == pytest.approx(a + (n - 1) * s * b, rel=1e-9)
+    assert by_name["naive"]["bytes_sent_per_rank"] == pytest.approx((n - 1) * s)
+    assert by_name["naive"]["steps"] == 1
+    assert by_name["ring"]["seconds"] == pytest.approx(2 * (n - 1) * a + 2 * (n - 1) / n * s * b, rel=1e-9)
+
+
+def test_all_includes_naive_and_a_loaded_user_algorithm() -> None:
+    spec = f"{EXAMPLE}:bidirectional_ring"
+    out = run_cli("explain", "--ranks", "16", "--size", "64MiB", *COMMON, "--algorithm", f"all,{spec}", "--json")
+    assert out.returncode == 0, out.stderr
+    names = {a["name"] for a in json.loads(out.stdout)["algorithms"]}
+    assert {"ring", "naive", "bidirectional_ring"} <= names
+
+
+def test_a_module_spec_on_pythonpath_is_explained() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLE.parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-m", "allreduce", "explain", "-n", "8", "--size", "1MiB", *COMMON, "-a",
+         "my_ring:bidirectional_ring,ring"],
+        capture_output=True, text=True, timeout=120, check=False, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [line.lstrip("* ").split()[0] for line in out.stdout.splitlines() if line.endswith(("bandwidth", "latency"))]
+    assert sorted(rows) == ["bidirectional_ring", "ring"]
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "culprit"),
+    [
+        ("bogus", "unknown all-reduce algorithm 'bogus'"),
+        ("no_such_module_q:fn", "no_such_module_q:fn: no module named 'no_such_module_q'"),
+        (f"{EXAMPLE}:nope", "has no attribute 'nope'"),
+    ],
+)
+def test_a_bad_algorithm_is_one_line_exit_2(algorithm: str, culprit: str) -> None:
+    out = run_cli("explain", "-n", "8", "--size", "1MiB", *COMMON, "--algorithm", algorithm)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("allreduce explain: error: --algorithm: ")
+    assert culprit in lines[0]
+
+
+def test_naive_is_left_out_of_all_above_its_bound_with_a_note() -> None:
+    out = run_cli("explain", "--ranks", "4096", "--size", "1GiB", *COMMON)
+    assert out.returncode == 0, out.stderr
+    assert "(note: naive: left out above 2048 ranks" in out.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,26 @@ def test_a_bad_seed_is_named(capsys: pytest.CaptureFixture[str], seed: str) -> N
         main(["sim", "--topology", "switch:8", "--size", "1MiB", "--placement", "random", "--seed", seed])
     assert exc.value.code == 2
     assert "argument --seed: --seed must be" in capsys.readouterr().err
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "algorithms"
+
+
+def test_naive_and_a_user_algorithm_from_pythonpath_are_simulated_beside_ring() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "allreduce", "sim", "--topology", "fat-tree:k=4", "--size", "16MiB", "--json",
+         "--algorithm", "my_ring:bidirectional_ring,ring,naive"],
+        capture_output=True, text=True, timeout=300, check=False, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    by_name = {a["name"]: a for a in json.loads(proc.stdout)["algorithms"]}
+    assert set(by_name) == {"bidirectional_ring", "ring", "naive"}
+    # Naive sends 15 times the buffer from every rank; ring sends under twice: naive cannot win.
+    assert by_name["naive"]["seconds"] > 4 * by_name["ring"]["seconds"]
+
+
+def test_naive_is_left_out_of_all_on_many_ranks_with_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--topology", "fat-tree:k=16", "--ranks", "512", "--size", "1MiB", "-a", "all")
+    assert code == 0, err
+    assert "(note: naive: left out above 256 ranks" in out

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["non_negative_int", "positive_int"]
+from allreduce.cli._main import CLIError
+from allreduce.schedules import Collective, algorithms, get_algorithm, load_algorithm
+
+__all__ = ["AlgorithmSelection", "algorithm_selection", "non_negative_int", "positive_int"]
 
 
 def _int_at_least(name: str, minimum: int) -> Callable[[str], int]:
@@ -31,3 +35,45 @@ def positive_int(name: str) -> Callable[[str], int]:
 def non_negative_int(name: str) -> Callable[[str], int]:
     """A whole number >= 0."""
     return _int_at_least(name, 0)
+
+
+@dataclass(frozen=True)
+class AlgorithmSelection:
+    """What ``--algorithm`` named: registered all-reduce algorithm names, and whether the user listed them."""
+
+    names: tuple[str, ...]
+    explicit: bool
+    """False for ``all``: then consumers may leave out an algorithm that does not fit the run, with a note."""
+    error: str | None = None
+    """Why the value could not be resolved. Kept rather than raised so that the subcommand reports it as its
+    one-line error (argparse would print its usage first); :meth:`checked` raises it."""
+
+    def checked(self) -> AlgorithmSelection:
+        """This selection, or :class:`CLIError` with the reason it could not be resolved."""
+        if self.error is not None:
+            raise CLIError(self.error)
+        return self
+
+
+def algorithm_selection(flag: str) -> Callable[[str], AlgorithmSelection]:
+    """An argparse type for ``--algorithm``: comma-separated registered names, ``all``, and ``module:function``
+    or ``file.py:function`` specs, which are loaded (imported, verified, registered) and stand for their name."""
+
+    def parse(text: str) -> AlgorithmSelection:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            return AlgorithmSelection((), explicit=True, error=f"{flag} is empty; name an algorithm or all")
+        names: list[str] = []
+        for item in items:
+            try:
+                if ":" in item:
+                    names.append(load_algorithm(item).name)
+                elif item != "all":
+                    names.append(get_algorithm(Collective.ALL_REDUCE, item).name)
+            except ValueError as exc:
+                return AlgorithmSelection((), explicit=True, error=f"{flag}: {exc}")
+        if "all" in items:
+            return AlgorithmSelection(algorithms(Collective.ALL_REDUCE), explicit=False)
+        return AlgorithmSelection(tuple(dict.fromkeys(names)), explicit=True)
+
+    return parse

@@ -1,4 +1,4 @@
-"""``allreduce explain``: every all-reduce algorithm under the α–β–γ model, the fastest, and why."""
+"""``allreduce explain``: every registered all-reduce algorithm under the α–β–γ model, the fastest, and why."""
 
 from __future__ import annotations
 
@@ -7,10 +7,20 @@ import json
 import math
 from dataclasses import dataclass
 
-from allreduce.cli._args import positive_int
+from allreduce.cli._args import AlgorithmSelection, algorithm_selection, positive_int
 from allreduce.cli._main import CLIError
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS, CostModel, Prediction, Schedule, all_reduce, predict
-from allreduce.schedules._cost import predict_seconds
+from allreduce.schedules import (
+    NAIVE_MAX_RANKS,
+    Collective,
+    CostModel,
+    Prediction,
+    Schedule,
+    algorithms,
+    get_algorithm,
+    make_schedule,
+    predict,
+    predict_seconds,
+)
 from allreduce.units import (
     format_bandwidth,
     format_bytes,
@@ -22,12 +32,17 @@ from allreduce.units import (
 
 __all__ = ["Explanation", "explain", "register", "render"]
 
-# Pipelined trees pick their chunk count the way a tuner would: the best of these under the model.
+# Pipelined algorithms (those that take ``chunks``) pick their chunk count the way a tuner would: the best of
+# these under the model.
 _TREE_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Above this many ranks the direct algorithm (one flow pattern per step, N-1 steps) is left out: it is an
-# algorithm for small groups, and modelling it costs O(N^2).
-_DIRECT_MAX_RANKS = 4096
+# Algorithms for small groups whose modelling costs O(N^2), left out of ``all`` above this many ranks (named
+# explicitly, they run up to what their generator accepts): direct has one flow pattern per step for N-1 steps,
+# naive N(N-1) transfers in its one step.
+_QUADRATIC_MAX_RANKS = {"direct": 4096, "naive": NAIVE_MAX_RANKS}
 _DEFAULT_GROUP_SIZE = 8
+# The crossover is bisected over log2(size) in [0, 50]: 40 halvings pin it to 50·2^-40 octaves, a relative error
+# of 3e-11, far below the 4 digits printed (each halving evaluates both schedules).
+_BISECTION_STEPS = 40
 
 
 @dataclass(frozen=True)
@@ -53,40 +68,64 @@ class Explanation:
         return self.candidates[0]
 
 
-def _schedules(world_size: int, group_size: int | None, segments: int) -> tuple[list[tuple[Schedule, str]], list[str]]:
+def _schedules(  # noqa: PLR0917 (one private call site)
+    world_size: int,
+    size_bytes: float,
+    model: CostModel,
+    group_size: int | None,
+    segments: int,
+    selection: AlgorithmSelection,
+) -> tuple[list[tuple[Schedule, str]], list[str]]:
     chosen: list[tuple[Schedule, str]] = []
     skipped: list[str] = []
-    for name in ALL_REDUCE_ALGORITHMS:
-        if name == "direct" and world_size > _DIRECT_MAX_RANKS:
-            skipped.append(f"direct: left out above {_DIRECT_MAX_RANKS} ranks (a small-group algorithm)")
+    for name in selection.checked().names:
+        entry = get_algorithm(Collective.ALL_REDUCE, name)
+        limit = _QUADRATIC_MAX_RANKS.get(name) if entry.origin == "built-in" else None
+        if limit is not None and world_size > limit and not selection.explicit:
+            skipped.append(f"{name}: left out above {limit} ranks (a small-group algorithm; ask for it by name)")
             continue
-        if name == "hierarchical":
-            g = group_size
+        detail = ""
+        g = group_size
+        if "group_size" in entry.parameters:
             if g is None:
                 if world_size % _DEFAULT_GROUP_SIZE or world_size <= _DEFAULT_GROUP_SIZE:
-                    skipped.append(
-                        f"hierarchical: needs --group-size (the default {_DEFAULT_GROUP_SIZE} does not divide "
+                    why = (
+                        f"{name}: needs --group-size (the default {_DEFAULT_GROUP_SIZE} does not divide "
                         f"{world_size} ranks into several groups)"
                     )
+                    if selection.explicit:
+                        raise CLIError(why)
+                    skipped.append(why)
                     continue
                 g = _DEFAULT_GROUP_SIZE
-            chosen.append((all_reduce(name, world_size, group_size=g, segments=segments), f"group size {g}"))
+            detail = f"group size {g}"
+        try:
+            if "chunks" in entry.parameters:
+                schedule, detail = _best_chunks(name, world_size, size_bytes, model, segments, g)
+            else:
+                schedule = make_schedule(Collective.ALL_REDUCE, name, world_size, group_size=g, segments=segments)
+        except ValueError as exc:
+            if selection.explicit:
+                raise
+            skipped.append(f"{name}: {exc}")
             continue
-        if name == "double_binary_tree":
-            continue  # chunk count chosen per size below
-        chosen.append((all_reduce(name, world_size, segments=segments), ""))
+        chosen.append((schedule, detail))
     return chosen, skipped
 
 
-def _best_tree(world_size: int, size_bytes: float, model: CostModel, segments: int) -> tuple[Schedule, str]:
-    best: tuple[float, Schedule] | None = None
+def _best_chunks(  # noqa: PLR0917 (one private call site)
+    name: str, world_size: int, size_bytes: float, model: CostModel, segments: int, group_size: int | None
+) -> tuple[Schedule, str]:
+    best: tuple[float, Schedule, int] | None = None
     for chunks in _TREE_CHUNKS:
-        schedule = all_reduce("double_binary_tree", world_size, chunks=chunks, segments=segments)
+        schedule = make_schedule(
+            Collective.ALL_REDUCE, name, world_size, chunks=chunks, group_size=group_size, segments=segments
+        )
         seconds = predict_seconds(schedule, size_bytes, model)
         if best is None or seconds < best[0]:
-            best = (seconds, schedule)
+            best = (seconds, schedule, chunks)
     assert best is not None
-    return best[1], f"{best[1].num_blocks // 2} chunks"
+    return best[1], f"{best[2]} chunks"
 
 
 def explain(
@@ -96,8 +135,10 @@ def explain(
     *,
     group_size: int | None = None,
     segments: int = 1,
+    selection: AlgorithmSelection | None = None,
 ) -> Explanation:
-    """Predict every all-reduce algorithm for ``world_size`` ranks and ``size_bytes`` per rank."""
+    """Predict the selected all-reduce algorithms (default: every registered one) for ``world_size`` ranks and
+    ``size_bytes`` per rank."""
     if world_size < 1:
         raise ValueError(f"--ranks must be >= 1, got {world_size}")
     if size_bytes <= 0:
@@ -109,11 +150,15 @@ def explain(
             raise ValueError(f"--ranks {world_size} is not divisible by --group-size {group_size}")
     if segments < 1:
         raise ValueError(f"--segments must be >= 1, got {segments}")
-    chosen, skipped = _schedules(world_size, group_size, segments)
-    chosen.append(_best_tree(world_size, size_bytes, model, segments))
+    if selection is None:
+        selection = AlgorithmSelection(algorithms(Collective.ALL_REDUCE), explicit=False)
+    chosen, skipped = _schedules(world_size, size_bytes, model, group_size, segments, selection)
+    if not chosen:
+        raise CLIError("no algorithm left to explain: " + "; ".join(skipped))
+    order = algorithms(Collective.ALL_REDUCE)
     candidates = sorted(
         (Candidate(predict(s, size_bytes, model), detail, s) for s, detail in chosen),
-        key=lambda c: (c.prediction.seconds, ALL_REDUCE_ALGORITHMS.index(c.prediction.name)),
+        key=lambda c: (c.prediction.seconds, order.index(c.prediction.name)),
     )
     crossover = None
     if len(candidates) >= 2:
@@ -136,7 +181,7 @@ def _crossover(first: Schedule, second: Schedule, size_bytes: float, model: Cost
             continue
         lo, hi = (far, here) if far < here else (here, far)
         g_lo = gap(lo)
-        for _ in range(60):
+        for _ in range(_BISECTION_STEPS):
             mid = (lo + hi) / 2
             g_mid = gap(mid)
             if (g_mid > 0) == (g_lo > 0):
@@ -288,6 +333,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=1,
         help="pipeline each transfer in this many segments (overlaps transfer and reduction; default 1)",
     )
+    p.add_argument(
+        "--algorithm",
+        "-a",
+        default="all",
+        type=algorithm_selection("--algorithm"),
+        help="registered names, module:function or file.py:function specs of your own (loaded, verified and "
+        "registered), comma-separated, or all (default: every registered algorithm, plug-ins included)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=run)
 
@@ -305,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.group_size is not None and args.ranks % args.group_size:
         raise CLIError(f"--ranks {args.ranks} is not divisible by --group-size {args.group_size}")
-    e = explain(args.ranks, size, model, group_size=args.group_size, segments=args.segments)
+    e = explain(args.ranks, size, model, group_size=args.group_size, segments=args.segments, selection=args.algorithm)
     if args.json:
         print(json.dumps(as_json(e), indent=2))
     else:

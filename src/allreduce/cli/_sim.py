@@ -9,9 +9,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from allreduce.cli._args import non_negative_int, positive_int
+from allreduce.cli._args import algorithm_selection, non_negative_int, positive_int
 from allreduce.cli._main import CLIError
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, all_reduce
+from allreduce.schedules import Collective, Schedule, get_algorithm, make_schedule
 from allreduce.sim import Faults, SimResult, simulate, write_trace
 from allreduce.topology import Topology, parse_topology
 from allreduce.units import format_bandwidth, format_bytes, format_seconds, parse_bytes, parse_seconds
@@ -19,8 +19,10 @@ from allreduce.units import format_bandwidth, format_bytes, format_seconds, pars
 __all__ = ["register", "run"]
 
 # Direct all-reduce has one flow pattern per step (its peers move), so simulating it costs O(N^2) routing and
-# rate solves: an algorithm for small groups, left out above this many ranks.
+# rate solves; naive puts N(N-1) flows in its one step. Algorithms for small groups, left out of ``all`` above
+# this many ranks (named explicitly, they are simulated).
 DIRECT_MAX_RANKS = 256
+_QUADRATIC = ("direct", "naive")
 # Group size for hierarchical when neither --group-size nor the topology says what a node is.
 FALLBACK_GROUP_SIZE = 8
 ROUTINGS = ("ecmp", "spray", "shortest", "dimension_order")
@@ -57,10 +59,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--algorithm",
         "-a",
         default="all",
-        help=f"one of {', '.join(ALL_REDUCE_ALGORITHMS)}, a comma-separated list, or all (default)",
+        type=algorithm_selection("--algorithm"),
+        help="registered names, module:function or file.py:function specs of your own (loaded, verified and "
+        "registered), comma-separated, or all (default: every registered algorithm, plug-ins included)",
     )
     p.add_argument("--group-size", type=positive_int("--group-size"), help="ranks per node for hierarchical")
-    p.add_argument("--chunks", type=positive_int("--chunks"), default=8, help="pipeline chunks of double_binary_tree")
+    p.add_argument(
+        "--chunks", type=positive_int("--chunks"), default=8, help="pipeline chunks (double_binary_tree and others)"
+    )
     p.add_argument("--placement", default="linear", help="linear (default), random, or a FILE of GPU indices")
     p.add_argument(
         "--seed", type=non_negative_int("--seed"), default=0, help="seed of random placement and of ECMP hashing"
@@ -181,32 +187,32 @@ def _group_size(args: argparse.Namespace, topology: Topology, world_size: int) -
 
 
 def _schedules(args: argparse.Namespace, topology: Topology, world_size: int) -> tuple[list[Schedule], list[str]]:
-    if args.algorithm == "all":
-        names = list(ALL_REDUCE_ALGORITHMS)
-        explicit = False
-    else:
-        names = [n.strip() for n in args.algorithm.split(",") if n.strip()]
-        explicit = True
-        for name in names:
-            if name not in ALL_REDUCE_ALGORITHMS:
-                known = ", ".join(ALL_REDUCE_ALGORITHMS)
-                raise CLIError(f"--algorithm: unknown all-reduce algorithm {name!r}; choose from {known}")
+    selection = args.algorithm.checked()
+    explicit = selection.explicit
     schedules: list[Schedule] = []
     skipped: list[str] = []
-    for name in names:
-        if name == "direct" and world_size > DIRECT_MAX_RANKS and not explicit:
-            skipped.append(f"direct: left out above {DIRECT_MAX_RANKS} ranks (O(N) flow patterns; ask for it by name)")
+    for name in selection.names:
+        entry = get_algorithm(Collective.ALL_REDUCE, name)
+        quadratic = entry.origin == "built-in" and name in _QUADRATIC
+        if quadratic and world_size > DIRECT_MAX_RANKS and not explicit:
+            skipped.append(f"{name}: left out above {DIRECT_MAX_RANKS} ranks (O(N^2) flows; ask for it by name)")
             continue
-        if name == "hierarchical":
-            g, why = _group_size(args, topology, world_size)
-            if g is None:
+        group_size = None
+        if "group_size" in entry.parameters:
+            group_size, why = _group_size(args, topology, world_size)
+            if group_size is None:
                 if explicit:
-                    raise CLIError(why)
-                skipped.append(why)
+                    raise CLIError(why.replace("hierarchical", name, 1))
+                skipped.append(why.replace("hierarchical", name, 1))
                 continue
-            schedules.append(all_reduce(name, world_size, group_size=g))
-            continue
-        schedules.append(all_reduce(name, world_size, chunks=args.chunks))
+        try:
+            schedules.append(
+                make_schedule(Collective.ALL_REDUCE, name, world_size, chunks=args.chunks, group_size=group_size)
+            )
+        except ValueError as exc:
+            if explicit:
+                raise
+            skipped.append(f"{name}: {exc}")
     return schedules, skipped
 
 

@@ -6,10 +6,20 @@ import argparse
 import json
 
 from allreduce.cli._main import CLIError
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS
+from allreduce.schedules import Collective, get_algorithm
 from allreduce.units import parse_seconds
 
 __all__ = ["register"]
+
+
+def _algorithm(text: str) -> str:
+    """``auto`` or a registered all-reduce algorithm (plug-ins included)."""
+    if text == "auto":
+        return text
+    try:
+        return get_algorithm(Collective.ALL_REDUCE, text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _slow_rank(text: str) -> tuple[int, float]:
@@ -48,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--algorithm",
         default="auto",
-        choices=("auto", *ALL_REDUCE_ALGORITHMS),
+        type=_algorithm,
         help="all-reduce algorithm for the gradient buckets (default auto: the cost model picks)",
     )
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)")

@@ -1,12 +1,15 @@
-"""Collective algorithms as data: schedules, their verifier, and the α–β–γ cost model.
+"""Collective algorithms as data: schedules, their verifier, the α–β–γ cost model, and the algorithm registry.
 
 Pure: no I/O, no threads. The runtime executes :meth:`Schedule.program`; the simulator and the cost model read
-:meth:`Schedule.phases`.
+:meth:`Schedule.phases`. Algorithms are looked up by name in the registry (:func:`algorithms`,
+:func:`make_schedule`); users add their own with :func:`register_algorithm`, :func:`load_algorithm`, an entry
+point or ``ALLREDUCE_ALGORITHMS``, and may write them with :class:`Program`. :mod:`._plugins` is the one module
+that imports user code.
 """
 
 from allreduce.schedules._algorithms import (
     ALL_REDUCE_ALGORITHMS,
-    all_reduce,
+    NAIVE_MAX_RANKS,
     binary_tree_broadcast,
     binary_tree_reduce,
     binomial_broadcast,
@@ -17,17 +20,29 @@ from allreduce.schedules._algorithms import (
     double_binary_tree_all_reduce,
     halving_doubling_all_reduce,
     hierarchical_all_reduce,
+    naive_all_reduce,
     recursive_doubling_all_reduce,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from allreduce.schedules._cost import CostModel, Prediction, bus_factor, predict
+from allreduce.schedules._author import Program, Step
+from allreduce.schedules._cost import CostModel, Prediction, bus_factor, predict, predict_seconds
+from allreduce.schedules._plugins import (
+    ENTRY_POINT_GROUP,
+    ENVIRONMENT_VARIABLE,
+    AlgorithmLoadError,
+    PluginWarning,
+    load_algorithm,
+    plugin_errors,
+)
 from allreduce.schedules._registry import (
     MAX_ALGORITHM_NAME_BYTES,
     PARAMETERS,
+    VERIFY_WORLD_SIZES,
     Algorithm,
     algorithms,
+    all_reduce,
     get_algorithm,
     make_schedule,
     register_algorithm,
@@ -48,17 +63,25 @@ from allreduce.schedules._verify import ScheduleError, verify, verify_programs
 
 __all__ = [
     "ALL_REDUCE_ALGORITHMS",
+    "ENTRY_POINT_GROUP",
+    "ENVIRONMENT_VARIABLE",
     "MAX_ALGORITHM_NAME_BYTES",
+    "NAIVE_MAX_RANKS",
     "PARAMETERS",
+    "VERIFY_WORLD_SIZES",
     "Algorithm",
+    "AlgorithmLoadError",
     "Collective",
     "CostModel",
     "Op",
     "Phase",
     "PhaseTiming",
+    "PluginWarning",
     "Prediction",
+    "Program",
     "Schedule",
     "ScheduleError",
+    "Step",
     "Streams",
     "Verb",
     "algorithms",
@@ -77,8 +100,12 @@ __all__ = [
     "get_algorithm",
     "halving_doubling_all_reduce",
     "hierarchical_all_reduce",
+    "load_algorithm",
     "make_schedule",
+    "naive_all_reduce",
+    "plugin_errors",
     "predict",
+    "predict_seconds",
     "propagate",
     "recursive_doubling_all_reduce",
     "register_algorithm",

@@ -16,7 +16,7 @@ from allreduce.schedules._schedule import Collective, Schedule, Streams, concat_
 
 __all__ = [
     "ALL_REDUCE_ALGORITHMS",
-    "all_reduce",
+    "NAIVE_MAX_RANKS",
     "binary_tree_broadcast",
     "binary_tree_reduce",
     "binomial_broadcast",
@@ -27,6 +27,7 @@ __all__ = [
     "double_binary_tree_all_reduce",
     "halving_doubling_all_reduce",
     "hierarchical_all_reduce",
+    "naive_all_reduce",
     "recursive_doubling_all_reduce",
     "ring_all_gather",
     "ring_all_reduce",
@@ -518,6 +519,34 @@ def hierarchical_all_reduce(world_size: int, group_size: int, inter: str = "ring
     return Schedule("hierarchical", Collective.ALL_REDUCE, world_size, g * part_blocks, steps, streams)
 
 
+# --------------------------------------------------------------------------------------------------------
+# Naive (the strawman)
+# --------------------------------------------------------------------------------------------------------
+NAIVE_MAX_RANKS = 2048
+"""Naive all-reduce is N(N-1) transfers, each its own stream of 81 bytes: at 2,048 ranks that is 4.2 million
+streams (340 MB). Larger groups are refused rather than exhausting memory; ring shows the point at any size."""
+
+
+def naive_all_reduce(world_size: int) -> Schedule:
+    """The strawman: in one step every rank sends its whole buffer to every other rank, which reduces it.
+
+    (N-1)·S bytes leave every rank and N(N-1) transfers cross the network; under the α–β–γ model it takes
+    α + (N-1)·S·β + (N-1)·S·γ, against ring's 2(N-1)·α + 2(N-1)/N·S·β + (N-1)/N·S·γ. One step is the only
+    correct way to do it in place: a rank that sent in a later step would pass on partial sums."""
+    _check_world_size(world_size)
+    n = world_size
+    if n > NAIVE_MAX_RANKS:
+        raise ValueError(
+            f"naive all-reduce on {n} ranks is {n * (n - 1):,} transfers; it is refused above "
+            f"{NAIVE_MAX_RANKS} ranks (ring shows the point at any size)"
+        )
+    src = np.repeat(np.arange(n, dtype=np.int64), n - 1)
+    distance = np.tile(np.arange(1, n, dtype=np.int64), n)
+    # step 0, the only one: rank r sends all of its buffer to rank r+d for every d in 1..N-1; each reduces it.
+    streams = Streams.build(src=src, peer=(src + distance) % n, start=0, block_base=0, reduce=True)
+    return Schedule("naive", Collective.ALL_REDUCE, n, 1, 1 if n > 1 else 0, streams)
+
+
 ALL_REDUCE_ALGORITHMS: tuple[str, ...] = (
     "ring",
     "halving_doubling",
@@ -526,33 +555,6 @@ ALL_REDUCE_ALGORITHMS: tuple[str, ...] = (
     "direct",
     "hierarchical",
 )
-
-
-def all_reduce(
-    algorithm: str,
-    world_size: int,
-    *,
-    group_size: int | None = None,
-    chunks: int = 8,
-    segments: int = 1,
-) -> Schedule:
-    """The all-reduce schedule called ``algorithm`` (one of :data:`ALL_REDUCE_ALGORITHMS`)."""
-    if algorithm == "ring":
-        schedule = ring_all_reduce(world_size)
-    elif algorithm == "halving_doubling":
-        schedule = halving_doubling_all_reduce(world_size)
-    elif algorithm == "recursive_doubling":
-        schedule = recursive_doubling_all_reduce(world_size)
-    elif algorithm == "double_binary_tree":
-        schedule = double_binary_tree_all_reduce(world_size, chunks)
-    elif algorithm == "direct":
-        schedule = direct_all_reduce(world_size)
-    elif algorithm == "hierarchical":
-        if group_size is None:
-            raise ValueError("hierarchical all-reduce needs group_size (ranks per node)")
-        schedule = hierarchical_all_reduce(world_size, group_size)
-    else:
-        raise ValueError(
-            f"unknown all-reduce algorithm {algorithm!r}; choose one of {', '.join(ALL_REDUCE_ALGORITHMS)}"
-        )
-    return schedule.with_segments(segments) if segments != 1 else schedule
+"""The built-in all-reduce algorithms meant for use, in the registry's order; the registry
+(``allreduce.schedules.algorithms()``) also holds the strawman ``naive`` and every user algorithm, and is the
+list every consumer reads."""

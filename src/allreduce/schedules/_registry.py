@@ -4,13 +4,19 @@ The runtime, the cost model, ``explain``, the simulator, ``bench``, ``tune``, tr
 algorithm names up here and nowhere else. Built-in generators are registered when this package is imported;
 users add their own with :func:`register_algorithm`.
 
-A generator is a plain function ``build(world_size, **parameters) -> Schedule``. It declares which of the
-standard parameters it takes (:data:`PARAMETERS`); :func:`make_schedule` passes exactly those, so one call shape
-serves every algorithm.
+A generator is a plain function ``build(world_size, **parameters)`` that returns a :class:`Schedule` or an
+authored :class:`Program` (compiled on the way out). It declares which of the standard parameters it takes
+(:data:`PARAMETERS`); :func:`make_schedule` passes exactly those, so one call shape serves every algorithm.
+
+Registration verifies: the generator's schedules for :data:`VERIFY_WORLD_SIZES` (and representative parameters)
+are replayed by the verifier, and a wrong algorithm is refused with its message, which names the rank, step and
+block. Plug-ins (entry points, ``ALLREDUCE_ALGORITHMS``) are loaded by :mod:`allreduce.schedules._plugins` on the
+first lookup.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -26,18 +32,24 @@ from allreduce.schedules._algorithms import (
     double_binary_tree_all_reduce,
     halving_doubling_all_reduce,
     hierarchical_all_reduce,
+    naive_all_reduce,
     recursive_doubling_all_reduce,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from allreduce.schedules._author import Program
 from allreduce.schedules._schedule import Collective, Schedule
+from allreduce.schedules._verify import ScheduleError, verify
 
 __all__ = [
     "MAX_ALGORITHM_NAME_BYTES",
     "PARAMETERS",
+    "VERIFY_WORLD_SIZES",
     "Algorithm",
     "algorithms",
+    "all_reduce",
+    "declared_parameters",
     "get_algorithm",
     "make_schedule",
     "register_algorithm",
@@ -51,7 +63,11 @@ pipelined chunks (trees), and the ranks per host (hierarchical)."""
 MAX_ALGORITHM_NAME_BYTES = 24
 """An algorithm's name travels in every call's descriptor, in this many bytes of UTF-8 at most."""
 
-Generator = Callable[..., Schedule]
+VERIFY_WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16)
+"""World sizes a new algorithm is verified on: every size up to 9 catches off-by-one and odd/even mistakes,
+16 a larger power of two; small enough that registering takes milliseconds."""
+
+Generator = Callable[..., Schedule | Program]
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,14 @@ def _check_name(name: str) -> None:
         )
 
 
+def declared_parameters(build: Callable[..., object]) -> frozenset[str]:
+    """The standard parameters (:data:`PARAMETERS`) that ``build``'s signature names."""
+    try:
+        return frozenset(set(inspect.signature(build).parameters) & PARAMETERS)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
 def register_algorithm(
     collective: Collective | str,
     name: str,
@@ -92,22 +116,22 @@ def register_algorithm(
     description: str = "",
     origin: str = "python",
     replace: bool = False,
+    verify_on: Iterable[int] | None = VERIFY_WORLD_SIZES,
 ) -> Algorithm:
     """Add ``build`` as ``name`` for ``collective`` and return its entry.
 
     ``parameters`` are the standard parameters ``build`` takes (default: those of its signature that are in
-    :data:`PARAMETERS`). A name already registered is refused unless ``replace=True``.
+    :data:`PARAMETERS`). A name already registered is refused unless ``replace=True``. The algorithm is verified
+    on the world sizes ``verify_on`` (None: not at all, for generators with tests of their own) and refused with
+    a :class:`ScheduleError` naming the world size, parameters, rank, step and block when it is wrong. A
+    generator may decline a world size it does not support by raising ``ValueError``; it must accept one.
     """
     coll = Collective(collective)
     _check_name(name)
     if not callable(build):
         raise TypeError(f"algorithm {name!r}: build must be callable, got {type(build).__name__}")
     if parameters is None:
-        try:
-            declared = set(inspect.signature(build).parameters)
-        except (TypeError, ValueError):
-            declared = set()
-        params = frozenset(declared & PARAMETERS)
+        params = declared_parameters(build)
     else:
         params = frozenset(parameters)
         unknown = params - PARAMETERS
@@ -123,8 +147,63 @@ def register_algorithm(
             "pass replace=True to replace it"
         )
     entry = Algorithm(coll, name, build, params, description, origin)
+    if verify_on is not None:
+        _verify_algorithm(entry, tuple(verify_on))
     table[name] = entry
     return entry
+
+
+def _trial_parameters(entry: Algorithm, world_size: int) -> list[dict[str, int]]:
+    """Representative values of the parameters ``entry`` declares, for a group of ``world_size``."""
+    trials: list[dict[str, int]] = [{}]
+    if "root" in entry.parameters:
+        trials = [{**t, "root": r} for t in trials for r in sorted({0, world_size - 1})]
+    if "chunks" in entry.parameters:
+        trials = [{**t, "chunks": c} for t in trials for c in (1, 3)]
+    if "group_size" in entry.parameters:
+        sizes = sorted({g for g in (1, 2, world_size) if world_size % g == 0})
+        trials = [{**t, "group_size": g} for t in trials for g in sizes]
+    return trials
+
+
+def _verify_algorithm(entry: Algorithm, world_sizes: tuple[int, ...]) -> None:
+    label = f"{entry.collective.value} algorithm {entry.name!r} ({entry.origin})"
+    accepted = 0
+    declined: list[str] = []
+    for n in world_sizes:
+        for kwargs in _trial_parameters(entry, n):
+            where = f"world_size={n}" + "".join(f", {k}={v}" for k, v in kwargs.items())
+            try:
+                built = entry.build(n, **kwargs)
+            except ScheduleError as exc:
+                raise ScheduleError(f"{label} is wrong at {where}: {exc}") from None
+            except ValueError as exc:
+                declined.append(f"{where}: {exc}")
+                continue
+            try:
+                schedule = _as_schedule(entry, built)
+                if schedule.world_size != n:
+                    raise ScheduleError(f"it built a schedule for {schedule.world_size} ranks")
+                if schedule.collective is not entry.collective:
+                    raise ScheduleError(f"it built a {schedule.collective.value} schedule")
+                verify(schedule)
+            except (ScheduleError, TypeError) as exc:
+                raise ScheduleError(f"{label} is wrong at {where}: {exc}") from None
+            accepted += 1
+    if world_sizes and not accepted:
+        raise ScheduleError(f"{label} declined every world size it was verified on: {declined[0]}")
+
+
+def _as_schedule(entry: Algorithm, built: object) -> Schedule:
+    """The generator's result as a schedule named after the entry (a :class:`Program` is compiled)."""
+    if isinstance(built, Program):
+        return built.compile(name=entry.name)
+    if not isinstance(built, Schedule):
+        raise TypeError(
+            f"{entry.collective.value} algorithm {entry.name!r} ({entry.origin}) returned {type(built).__name__}, "
+            "not a Schedule or a Program"
+        )
+    return built if built.name == entry.name else dataclasses.replace(built, name=entry.name)
 
 
 def unregister_algorithm(collective: Collective | str, name: str) -> None:
@@ -135,18 +214,23 @@ def unregister_algorithm(collective: Collective | str, name: str) -> None:
 
 
 def algorithms(collective: Collective | str = Collective.ALL_REDUCE) -> tuple[str, ...]:
-    """The names registered for ``collective``, built-ins first, then in registration order."""
+    """The names registered for ``collective``, built-ins first, then in registration order (plug-ins
+    included: the first lookup loads them)."""
+    _load_plugins_once()
     return tuple(_REGISTRY[Collective(collective)])
 
 
 def get_algorithm(collective: Collective | str, name: str) -> Algorithm:
     """The registered entry, or ``ValueError`` listing the names there are."""
     coll = Collective(collective)
+    if name not in _REGISTRY[coll]:
+        _load_plugins_once()
     try:
         return _REGISTRY[coll][name]
     except (KeyError, TypeError):
         names = ", ".join(_REGISTRY[coll]) or "none"
-        raise ValueError(f"unknown {coll.value} algorithm {name!r}; choose one of {names}") from None
+        what = coll.value.replace("_", "-")
+        raise ValueError(f"unknown {what} algorithm {name!r}; choose one of {names}") from None
 
 
 def make_schedule(
@@ -175,17 +259,39 @@ def make_schedule(
         if group_size is None:
             raise ValueError(f"{entry.collective.value} algorithm {name!r} needs group_size (ranks per host)")
         kwargs["group_size"] = group_size
-    schedule = entry.build(world_size, **kwargs)
-    if not isinstance(schedule, Schedule):
-        raise TypeError(
-            f"{entry.collective.value} algorithm {name!r} ({entry.origin}) returned {type(schedule).__name__}, "
-            "not a Schedule"
-        )
+    schedule = _as_schedule(entry, entry.build(world_size, **kwargs))
     return schedule.with_segments(segments) if segments != 1 else schedule
 
 
+def all_reduce(
+    algorithm: str,
+    world_size: int,
+    *,
+    group_size: int | None = None,
+    chunks: int = 8,
+    segments: int = 1,
+) -> Schedule:
+    """The all-reduce schedule of the registered algorithm ``algorithm`` (:func:`make_schedule` for all-reduce)."""
+    return make_schedule(
+        Collective.ALL_REDUCE, algorithm, world_size, chunks=chunks, group_size=group_size, segments=segments
+    )
+
+
+_plugins_loaded: list[bool] = []
+
+
+def _load_plugins_once() -> None:
+    """Load entry-point and ``ALLREDUCE_ALGORITHMS`` plug-ins, once per process, on the first lookup."""
+    if _plugins_loaded:
+        return
+    _plugins_loaded.append(True)  # before loading: a plug-in that looks names up must not load them again
+    from allreduce.schedules._plugins import load_plugins
+
+    load_plugins()
+
+
 def _register_builtins() -> None:
-    all_reduce = Collective.ALL_REDUCE
+    # Built-ins are verified exhaustively by their own tests, so registration skips it (and stays instant).
     for name, build, description in (
         ("ring", ring_all_reduce, "ring reduce-scatter then ring all-gather: 2(N-1) steps, bandwidth-optimal"),
         ("halving_doubling", halving_doubling_all_reduce, "Rabenseifner: recursive halving, then doubling"),
@@ -193,18 +299,21 @@ def _register_builtins() -> None:
         ("double_binary_tree", double_binary_tree_all_reduce, "NCCL's two complementary pipelined trees"),
         ("direct", direct_all_reduce, "pairwise reduce-scatter and all-gather, one peer per step"),
         ("hierarchical", hierarchical_all_reduce, "ring inside each host, an all-reduce across hosts, ring back"),
+        ("naive", naive_all_reduce, "the strawman: every rank sends its whole buffer to every other rank"),
     ):
-        register_algorithm(all_reduce, name, build, description=description, origin="built-in")
+        register_algorithm(
+            Collective.ALL_REDUCE, name, build, description=description, origin="built-in", verify_on=None
+        )
     for coll, ring, direct in (
         (Collective.REDUCE_SCATTER, ring_reduce_scatter, direct_reduce_scatter),
         (Collective.ALL_GATHER, ring_all_gather, direct_all_gather),
     ):
-        register_algorithm(coll, "ring", ring, description="N-1 steps around a ring", origin="built-in")
-        register_algorithm(coll, "direct", direct, description="one peer per step", origin="built-in")
-    register_algorithm(Collective.BROADCAST, "binomial", binomial_broadcast, origin="built-in")
-    register_algorithm(Collective.BROADCAST, "binary_tree", binary_tree_broadcast, origin="built-in")
-    register_algorithm(Collective.REDUCE, "binomial", binomial_reduce, origin="built-in")
-    register_algorithm(Collective.REDUCE, "binary_tree", binary_tree_reduce, origin="built-in")
+        register_algorithm(coll, "ring", ring, description="N-1 steps around a ring", origin="built-in", verify_on=None)
+        register_algorithm(coll, "direct", direct, description="one peer per step", origin="built-in", verify_on=None)
+    register_algorithm(Collective.BROADCAST, "binomial", binomial_broadcast, origin="built-in", verify_on=None)
+    register_algorithm(Collective.BROADCAST, "binary_tree", binary_tree_broadcast, origin="built-in", verify_on=None)
+    register_algorithm(Collective.REDUCE, "binomial", binomial_reduce, origin="built-in", verify_on=None)
+    register_algorithm(Collective.REDUCE, "binary_tree", binary_tree_reduce, origin="built-in", verify_on=None)
 
 
 _register_builtins()

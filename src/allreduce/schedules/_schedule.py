@@ -47,6 +47,11 @@ __all__ = [
 ]
 
 IntArray = npt.NDArray[np.int64]
+# Phases are kept after their first full pass when they hold at most this many flows in all (about 100 MB of
+# arrays, naive all-reduce at 2,048 ranks): the cost model walks them once per size it tries, and re-deriving a
+# million-flow phase each time dominated `explain`. Schedules with more flow patterns (direct on thousands of
+# ranks) are re-derived on demand instead of held.
+_PHASE_CACHE_MAX_FLOWS = 1 << 22
 BoolArray = npt.NDArray[np.bool_]
 FloatArray = npt.NDArray[np.float64]
 
@@ -358,6 +363,24 @@ class Schedule:
 
     def phases(self) -> Iterator[Phase]:
         """The flow patterns in step order; consecutive steps with the same active streams form one phase."""
+        cached: list[Phase] | None = self.__dict__.get("_phase_cache")
+        if cached is not None:
+            yield from cached
+            return
+        kept: list[Phase] | None = []
+        flows = 0
+        for phase in self._derive_phases():
+            if kept is not None:
+                flows += len(phase)
+                if flows <= _PHASE_CACHE_MAX_FLOWS:
+                    kept.append(phase)
+                else:
+                    kept = None
+            yield phase
+        if kept is not None:
+            self.__dict__["_phase_cache"] = kept
+
+    def _derive_phases(self) -> Iterator[Phase]:
         s = self.streams
         bounds = self._phase_bounds
         order = np.argsort(s.start, kind="stable")
