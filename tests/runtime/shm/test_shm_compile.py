@@ -69,6 +69,18 @@ def test_recursive_doubling_in_shared_memory_stages_the_whole_exchange() -> None
     assert program.final_waits == ((1, 1),)
 
 
+def test_naive_receives_of_one_range_from_every_peer_name_the_same_staged_pieces() -> None:
+    # every peer's whole buffer is reduced into this rank's in one step: the executor accumulates the staged
+    # results by piece, so each receive must cut the range into the same pieces
+    plan = _plan(Collective.ALL_REDUCE, "naive", 4, 0, 100)
+    program = compile_program(plan, in_shm=True)
+    (step,) = program.steps
+    assert len(step.recvs) == 3
+    cuts = [[(pc.start, pc.stop) for pc in receive.pieces] for receive in step.recvs]
+    assert cuts[0] == cuts[1] == cuts[2]
+    assert all(pc.staged for receive in step.recvs for pc in receive.pieces)
+
+
 def test_recursive_doubling_from_a_user_array_reduces_straight_into_it() -> None:
     plan = _plan(Collective.ALL_REDUCE, "recursive_doubling", 2, 0, 100)
     program = compile_program(plan, in_shm=False)

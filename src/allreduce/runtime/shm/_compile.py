@@ -13,7 +13,9 @@ value is in ``W`` are copied out.
 Every write into ``W`` waits until the peers that read the overwritten range at an earlier (or the same) step
 have said so: a *wait* ``(reader, value)`` means "until ``reader``'s ``read_done`` reaches step ``value``". A
 range received in the step it is also sent (recursive doubling) is *staged*: reduced into scratch memory and
-written once the readers of the step are done (sends read the step-start state).
+written once the readers of the step are done (sends read the step-start state). When several peers' data is
+reduced into one staged range in one step (naive all-reduce), every receive after the first reduces into that
+scratch result, not into the step-start value.
 """
 
 from __future__ import annotations
@@ -173,10 +175,12 @@ def compile_program(plan: RankPlan, in_shm: bool) -> Program:
                 src = IN_WORK if loc[i] == IN_WORK else IN_USER
                 dst = IN_WORK if (in_shm or sent_again_after(i, step.index)) else IN_USER
                 staged = dst == IN_WORK and any(sa < b and a < sb for sa, sb in sent_now)
-                items.append((a, b, (src, dst, staged)))
+                # Staged pieces stay one per interval, so that receives of one range from several peers in one
+                # step (naive, a tree node's children) name the same piece and accumulate into one result.
+                items.append((a, b, (src, dst, staged, i if staged else -1)))
                 loc[i] = dst
             pieces = []
-            for a, b, (src, dst, staged) in _runs(items):
+            for a, b, (src, dst, staged, _) in _runs(items):
                 waits = write_waits(a, b, step.index) if dst == IN_WORK else {}
                 pieces.append(Piece(a, b, src, dst, staged, _merge_waits(waits)))
             recvs.append(Receive(t.peer, t.start, t.stop, t.reduce, slot, tuple(pieces)))

@@ -556,7 +556,7 @@ class ShmTransport(Transport):
                         snapshot[at + a : at + b] = work[a:b]
                 self._publish(PROGRESS_WORD, base + st.index)
                 # receive (and reduce): straight out of the peer's memory
-                staged: list[tuple[Piece, npt.NDArray[Any]]] = []
+                staged: dict[tuple[int, int], tuple[Piece, npt.NDArray[Any]]] = {}
                 for rv in st.recvs:
                     peer = rv.peer
                     wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
@@ -575,9 +575,11 @@ class ShmTransport(Transport):
                     for pc in rv.pieces:
                         a, b = pc.start, pc.stop
                         if pc.staged and not eager:
+                            earlier = staged.get((a, b))
                             tmp = self._receive_staged(pc, rv, source, shift, arrays=arrays, ufunc=ufunc,
-                                                       reduce_into=reduce_into, seq=seq, step=st.index)  # fmt: skip
-                            staged.append((pc, tmp))
+                                                       reduce_into=reduce_into, seq=seq, step=st.index,
+                                                       into=None if earlier is None else earlier[1])  # fmt: skip
+                            staged[a, b] = (pc, tmp)
                             continue
                         for reader, value in () if eager else pc.waits:
                             wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
@@ -592,7 +594,7 @@ class ShmTransport(Transport):
                             arrays[pc.dst][a:b] = source[a - shift : b - shift]
                 self._publish(READ_DONE_WORD, base + st.index + 1)
                 # staged receives land once the readers of this step are done with the range
-                for pc, tmp in staged:
+                for pc, tmp in staged.values():
                     for reader, value in pc.waits:
                         wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
                              what="reading data this step overwrites", step=st.index)  # fmt: skip
@@ -655,10 +657,24 @@ class ShmTransport(Transport):
         reduce_into: ReduceInto,
         seq: int,
         step: int,
+        into: npt.NDArray[Any] | None,
     ) -> npt.NDArray[Any]:
-        """A piece also sent this step: its result goes to scratch, written once this step's readers are done."""
+        """A piece also sent this step: its result goes to scratch, written once this step's readers are done.
+
+        ``into`` is the scratch result of an earlier receive of the same range in this step: the data is reduced
+        into it (the buffer itself still holds the step-start value that peers are reading)."""
         a, b = pc.start, pc.stop
         dtype = arrays[0].dtype
+        if into is not None:
+            incoming = np.empty(b - a, dtype)
+            if isinstance(source, _Remote):
+                self._fetch(source, a, incoming, seq=seq, step=step)
+            else:
+                incoming[...] = source[a - shift : b - shift]
+            if rv.reduce:
+                reduce_into(into, incoming)
+                return into
+            return incoming
         if isinstance(source, _Remote):
             tmp = np.empty(b - a, dtype)
             self._fetch(source, a, tmp, seq=seq, step=step)
