@@ -175,3 +175,12 @@ def test_naive_is_left_out_of_all_above_its_bound_with_a_note() -> None:
     out = run_cli("explain", "--ranks", "4096", "--size", "1GiB", *COMMON)
     assert out.returncode == 0, out.stderr
     assert "(note: naive: left out above 2048 ranks" in out.stdout
+
+
+def test_two_algorithms_of_equal_cost_are_a_tie_not_a_crossover() -> None:
+    spec = f"{Path(__file__).parents[2] / 'examples' / 'algorithms' / 'my_ring.py'}:bidirectional_ring"
+    out = run_cli("explain", "--ranks", "64", "--size", "1GiB", "--bandwidth", "50GB/s", "--latency", "5us",
+                  "--algorithm", f"ring,{spec}")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "takes the same time in this model" in out.stdout
+    assert "Crossover" not in out.stdout

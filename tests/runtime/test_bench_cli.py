@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -117,3 +118,17 @@ def test_fit_recovers_the_constants_of_a_synthetic_ring() -> None:
     model = fit_cost_model(n, small_s=2 * (n - 1) * alpha, large_bytes=large, large_s=ring_s(large), reduce_Bps=red)
     assert model.latency_s == pytest.approx(alpha)
     assert model.bandwidth_Bps == pytest.approx(bw)
+
+
+def test_bench_runs_a_user_algorithm_given_as_a_file_spec(tmp_path: Path) -> None:
+    (tmp_path / "algo.py").write_text(
+        "from allreduce.schedules import ring_all_reduce\n\n\n"
+        "def my_ring(world_size):\n    return ring_all_reduce(world_size)\n"
+    )
+    done = _bench(
+        "-n", "2", "--sizes", "4KiB", "--iters", "2", "--algorithm", f"{tmp_path / 'algo.py'}:my_ring", "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)
+    assert row["algorithm"] == "my_ring"
+    assert row["wrong"] == 0

@@ -203,3 +203,38 @@ def test_ranks_rendezvous_through_master_addr_and_port() -> None:
     result = run_cli("-n", "3", "--", sys.executable, "-c", _TCP_SCRIPT)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == [f"[rank {r}] sum 6" for r in range(3)]
+
+
+USER_ALGORITHM = """
+from allreduce.schedules import ring_all_reduce
+
+
+def my_ring(world_size):
+    return ring_all_reduce(world_size)
+"""
+
+
+def test_a_user_algorithm_given_to_run_is_registered_in_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "algo.py").write_text(USER_ALGORITHM)
+    result = run_cli(
+        "-n",
+        "3",
+        "--algorithm",
+        f"{tmp_path / 'algo.py'}:my_ring",
+        *script("""
+            import numpy as np, allreduce
+            with allreduce.init() as group:
+                x = np.full(1001, group.rank + 1, dtype=np.int64)
+                group.all_reduce(x, algorithm="my_ring")
+                print("exact" if (x == 6).all() else "WRONG")
+        """),
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(line.split("] ", 1)[1] for line in result.stdout.splitlines()) == ["exact"] * 3
+
+
+def test_a_user_algorithm_that_does_not_load_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    result = run_cli("-n", "2", "--algorithm", f"{tmp_path / 'missing.py'}:f", *script("print('started')"))
+    assert result.returncode == 2
+    assert "missing.py" in result.stderr
+    assert "started" not in result.stdout

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from allreduce.cli._main import CLIError
-from allreduce.schedules import Collective, algorithms, get_algorithm, load_algorithm
+from allreduce.schedules import ENVIRONMENT_VARIABLE, Collective, algorithms, get_algorithm, load_algorithm
 
-__all__ = ["AlgorithmSelection", "algorithm_selection", "non_negative_int", "positive_int"]
+__all__ = ["AlgorithmSelection", "algorithm_for_ranks", "algorithm_selection", "non_negative_int", "positive_int"]
 
 
 def _int_at_least(name: str, minimum: int) -> Callable[[str], int]:
@@ -77,3 +78,27 @@ def algorithm_selection(flag: str) -> Callable[[str], AlgorithmSelection]:
         return AlgorithmSelection(tuple(dict.fromkeys(names)), explicit=True)
 
     return parse
+
+
+def algorithm_for_ranks(flag: str, text: str) -> str:
+    """The algorithm name that ranks started by this command should use for ``flag text``.
+
+    ``auto`` and registered names stand for themselves. A ``module:function`` or ``file.py:function`` spec is
+    loaded (imported, verified, registered) here, so a wrong one is refused before any rank starts, and added to
+    the environment variable the ranks inherit (``allreduce.schedules.ENVIRONMENT_VARIABLE``), so that each of
+    them registers it too (a file path is made absolute first: ranks may run elsewhere)."""
+    if text == "auto":
+        return text
+    try:
+        if ":" not in text:
+            return get_algorithm(Collective.ALL_REDUCE, text).name
+        module_text, _, function = text.rpartition(":")
+        if module_text.endswith(".py") or os.sep in module_text:
+            text = f"{os.path.abspath(module_text)}:{function}"
+        name = load_algorithm(text).name
+    except ValueError as exc:
+        raise CLIError(f"{flag}: {exc}") from None
+    specs = [s for s in os.environ.get(ENVIRONMENT_VARIABLE, "").split(",") if s]
+    if text not in specs:
+        os.environ[ENVIRONMENT_VARIABLE] = ",".join([*specs, text])
+    return name

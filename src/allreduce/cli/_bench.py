@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._main import CLIError
 from allreduce.runtime import DTYPES, OPS, BenchConfig, BenchRow, run_bench
 from allreduce.schedules import Collective, algorithms
@@ -25,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--algorithm",
         default="auto",
-        help=f"auto (cost model) or one of {', '.join(algorithms(Collective.ALL_REDUCE))}",
+        help=f"auto (cost model, default), one of {', '.join(algorithms(Collective.ALL_REDUCE))}, or a user "
+        "algorithm as module:function or file.py:function",
     )
     parser.add_argument("--sizes", default="4KiB:256MiB", help="a range lo:hi (powers of two) or a list a,b,c")
     parser.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
@@ -59,9 +61,7 @@ def render(rows: list[BenchRow], *, header: str) -> str:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    names = ("auto", *algorithms(Collective.ALL_REDUCE))
-    if args.algorithm not in names:
-        raise CLIError(f"--algorithm: unknown algorithm {args.algorithm!r}; choose one of {', '.join(names)}")
+    algorithm = algorithm_for_ranks("--algorithm", args.algorithm)
     if args.world_size < 1 or args.world_size > 256:
         raise CLIError(f"-n: world size must be between 1 and 256, got {args.world_size}")
     if not args.timeout > 0:
@@ -70,7 +70,7 @@ def _handle(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         sizes_bytes=tuple(parse_size_range(args.sizes, what="--sizes")),
         transport=args.transport,
-        algorithm=args.algorithm,
+        algorithm=algorithm,
         dtype=args.dtype,
         op=args.op,
         iters=args.iters,
@@ -86,7 +86,7 @@ def _handle(args: argparse.Namespace) -> int:
             render(
                 rows,
                 header=f"allreduce bench: N={args.world_size} transport={args.transport} "
-                f"algorithm={args.algorithm} dtype={args.dtype} op={args.op}, {memory}",
+                f"algorithm={algorithm} dtype={args.dtype} op={args.op}, {memory}",
             )
         )
     return 0 if all(r.wrong == 0 for r in rows) else 1

@@ -166,18 +166,24 @@ def explain(
     return Explanation(world_size, size_bytes, model, tuple(candidates), tuple(skipped), crossover)
 
 
+_TIE_RELATIVE = 1e-9
+"""Predicted times within this relative difference are a tie (the cost model's sums round differently)."""
+
+
 def _crossover(first: Schedule, second: Schedule, size_bytes: float, model: CostModel) -> float | None:
     """The buffer size nearest ``size_bytes`` at which ``first`` and ``second`` take equal time, if any."""
 
     def gap(log_size: float) -> float:
         s = 2.0**log_size
-        return predict_seconds(first, s, model) - predict_seconds(second, s, model)
+        a, b = predict_seconds(first, s, model), predict_seconds(second, s, model)
+        # equal up to rounding (two schedules with the same cost): no sign, so no crossover from noise
+        return 0.0 if abs(a - b) <= _TIE_RELATIVE * max(abs(a), abs(b)) else a - b
 
     here = math.log2(size_bytes)
     at_here = gap(here)
     for far in (0.0, 50.0):  # 1 byte, 1 PiB
         at_far = gap(far)
-        if (at_far > 0) == (at_here > 0) or at_far == 0.0:
+        if (at_far > 0) == (at_here > 0) or at_far == 0.0 or at_here == 0.0:
             continue
         lo, hi = (far, here) if far < here else (here, far)
         g_lo = gap(lo)
@@ -266,7 +272,10 @@ def why(e: Explanation) -> str:
     text = f"* {_row_name(e.best)} is fastest, {reason}."
     if len(e.candidates) > 1:
         runner = e.candidates[1]
-        if e.crossover_bytes is None:
+        a, b = e.best.prediction.seconds, runner.prediction.seconds
+        if abs(a - b) <= _TIE_RELATIVE * max(a, b):
+            text += f" The runner-up, {_row_name(runner)}, takes the same time in this model."
+        elif e.crossover_bytes is None:
             text += f" It beats the runner-up, {_row_name(runner)}, at every size from 1 B to 1 PiB."
         else:
             side = "below" if e.crossover_bytes < e.size_bytes else "above"

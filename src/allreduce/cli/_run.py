@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._main import CLIError
 from allreduce.runtime import launch
 
@@ -18,6 +19,8 @@ def _handle(args: argparse.Namespace) -> int:
         raise CLIError("no command to run: allreduce run -n N -- python script.py [args...]")
     if args.nproc < 1:
         raise CLIError(f"-n/--nproc must be >= 1, got {args.nproc}")
+    for spec in args.algorithm:
+        algorithm_for_ranks("--algorithm", spec)
     return launch(command, world_size=args.nproc, master_port=args.master_port, grace_s=args.grace).exit_code
 
 
@@ -47,6 +50,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--grace", type=float, default=5.0, metavar="SECONDS", help="after a failure, wait this long before SIGKILL"
+    )
+    p.add_argument(
+        "--algorithm",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a user algorithm (module:function or file.py:function) to verify here and register in every rank, "
+        "so that group.all_reduce(x, algorithm=NAME) finds it; repeatable",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs, after --")
     p.set_defaults(handler=_handle)
