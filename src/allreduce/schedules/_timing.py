@@ -157,7 +157,9 @@ class Incidence:
             for j in range(int(occurrence.max()) + 1 if ranks.size else 0):
                 chosen = order[occurrence == j].astype(np.int64)
                 ranks = side[chosen].astype(np.int64)
-                identity = np.array_equal(ranks, everyone) and np.array_equal(chosen, everyone)
+                identity = (
+                    side.size == world_size and np.array_equal(ranks, everyone) and np.array_equal(chosen, everyone)
+                )
                 layers.append((ranks, chosen, identity))
         src_identity = np.array_equal(phase.src, everyone)
         return cls(np.flatnonzero(_active(world_size, phase)).astype(np.int64), tuple(layers), src_identity)

@@ -111,10 +111,11 @@ class TimedFault:
 
     def active(self, t: FloatArray) -> npt.NDArray[np.bool_]:
         """Whether the fault is in effect at times ``t``."""
-        since = t - self.start_s
+        started = t >= self.start_s
         if self.kind == "flap":
-            return (since >= 0) & (np.mod(np.maximum(since, 0.0), self.period_s) < self.duty * self.period_s)
-        return (since >= 0) & (since < self.duration_s)
+            cycle = np.floor(np.maximum(t - self.start_s, 0.0) / self.period_s)
+            return started & (t < self.start_s + cycle * self.period_s + self.duty * self.period_s)
+        return started & (t < self.start_s + self.duration_s)
 
     def next_change(self, t: FloatArray) -> FloatArray:
         """The first instant after ``t`` at which the fault switches on or off (inf: never)."""

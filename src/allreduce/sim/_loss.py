@@ -154,12 +154,12 @@ def draw_extra_seconds(
     packets: IntArray,
     rtt_s: FloatArray,
     packet_s: FloatArray,
-) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
+) -> tuple[FloatArray, IntArray]:
     """The delay each of these transfers suffers, given that it lost at least one packet: per transfer its
     per-packet loss probability ``q``, its ``packets``, round-trip time and one packet's serialisation time.
-    Returns (extra seconds, whether a timeout fired)."""
+    Returns (extra seconds, how many retransmission timeouts fired)."""
     extra = np.zeros(q.size)
-    timeout = np.zeros(q.size, dtype=np.bool_)
+    timeout = np.zeros(q.size, dtype=np.int64)
     rto = model.rto
     first = _first_loss(rng, q, packets)
     if model.fabric == "tcp":
@@ -168,12 +168,12 @@ def draw_extra_seconds(
         while lost.size:
             tail = position >= packets[lost] - DUPTHRESH
             extra[lost] += np.where(tail, rto + packet_s[lost], rtt_s[lost])
-            timeout[lost[tail]] = True
+            timeout[lost] += tail
             # The resent packet is lost again with probability q: another timeout, doubled (RFC 6298 §5.5).
             again = rng.geometric(1 - q[lost]) - 1
             again = np.minimum(again, _MAX_RESENDS)
             extra[lost] += rto * (np.exp2(again) - 1)
-            timeout[lost[again > 0]] = True
+            timeout[lost] += again
             position = _next_loss(rng, q[lost], position)
             keep = position < packets[lost]
             lost, position = lost[keep], position[keep]
@@ -185,7 +185,7 @@ def draw_extra_seconds(
     for _ in range(_MAX_RESENDS * 64):
         tail = position >= remaining[lost] - 1
         extra[lost] += np.where(tail, rto + packet_s[lost], rtt_s[lost] + 2 * packet_s[lost])
-        timeout[lost[tail]] = True
+        timeout[lost] += tail
         remaining[lost] -= position
         # The resent run: does it lose a packet, and where first?
         u = rng.random(lost.size)

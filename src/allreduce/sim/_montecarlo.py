@@ -125,7 +125,7 @@ class TailResult:
     culprit: IntArray  # per sample: rank r as r, link l as world_size + l, none as -1
     culprit_delay_s: FloatArray
     lost_transfers: IntArray  # per sample
-    timeouts: IntArray  # per sample: lost transfers that waited for a retransmission timeout
+    timeouts: IntArray  # per sample: retransmission timeouts that fired
     link_names: tuple[str, ...]
     description: str = ""
 
@@ -272,7 +272,7 @@ class _Losses:
     sample: IntArray
     extra_s: FloatArray
     link: IntArray
-    timeout: npt.NDArray[np.bool_]
+    timeouts: IntArray
 
     def bounds(self, repeat: int) -> IntArray:
         return np.searchsorted(self.step, np.arange(repeat + 1))
@@ -281,7 +281,8 @@ class _Losses:
 def _draw_losses(rng: np.random.Generator, model: LossModel, d: _PhaseData, samples: int) -> _Losses:
     """Which transfers of ``repeat x flows x samples`` lose packets (thinning from the largest per-transfer
     loss probability, over geometric gaps: exact and O(losses)), and what each loss costs."""
-    empty = _Losses(*(np.zeros(0, dtype=np.int64),) * 3, np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, bool))
+    none = np.zeros(0, dtype=np.int64)
+    empty = _Losses(none, none, none, np.zeros(0), none, none)
     mtu = model.mtu
     packets = np.ceil(d.nbytes / mtu).astype(np.int64)
     q = d.loss_q
@@ -608,7 +609,7 @@ def _run_phase(
     losses = _draw_losses(rng, config.loss, d, samples) if config.loss else None
     if losses is not None:
         np.add.at(lost, cols[losses.sample], 1)
-        np.add.at(timeouts, cols[losses.sample[losses.timeout]], 1)
+        np.add.at(timeouts, cols[losses.sample], losses.timeouts)
         bounds = losses.bounds(phase.repeat)
     jitter = config.link_jitter if config.link_jitter is not None and not config.link_jitter.is_zero else None
     link_code = np.where(d.blame_link >= 0, n + d.blame_link, -1)
