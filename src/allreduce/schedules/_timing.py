@@ -209,7 +209,17 @@ _Rows = TypeVar("_Rows", FloatArray, npt.NDArray[np.int64])
 
 
 def _rows(values: _Rows, index: npt.NDArray[np.int64], identity: bool) -> _Rows:
-    return values if identity else values[index]
+    """``values[index]`` along the rank axis; ``np.take`` gathers whole rows about 3x faster than indexing."""
+    return values if identity else np.take(values, index, axis=0)
+
+
+def _select_into(target: npt.NDArray[np.int64], source: npt.NDArray[np.int64], mask: npt.NDArray[np.bool_]) -> None:
+    """``target[mask] = source[mask]`` as arithmetic: a masked copy with an unpredictable mask costs ~15x a
+    maximum (branch mispredictions), ``target += (source − target)·mask`` three plain passes. Keys are
+    non-negative int64, so the difference cannot overflow."""
+    difference = source - target
+    difference *= mask
+    target += difference
 
 
 def step_samples(
@@ -233,12 +243,11 @@ def step_samples(
     delays without a dense array (lost packets); ``rank_seconds`` (per rank) is blamed as ``rank_blame[rank]``."""
     base = flow_seconds if flow_seconds.ndim == 2 else flow_seconds[:, None]
     from_src = _rows(clock, phase.src, incidence.src_identity)
-    from_dst = clock[phase.dst]
+    from_dst = np.take(clock, phase.dst, axis=0)
     end = np.maximum(from_src, from_dst)
     if blame is not None:
-        later = from_dst > from_src
         end_blame = _rows(blame.key, phase.src, incidence.src_identity).copy()
-        np.copyto(end_blame, blame.key[phase.dst], where=later)
+        _select_into(end_blame, np.take(blame.key, phase.dst, axis=0), from_dst > from_src)
         if extra_blame is not None:
             np.maximum(end_blame, extra_blame, out=end_blame)
     end += base
@@ -251,16 +260,16 @@ def step_samples(
             np.maximum.at(end_blame, (flow, sample), key)
     done = clock.copy()
     for ranks, flows, identity in incidence.layers:
-        candidate = end if identity else end[flows]
         if identity:
             if blame is not None:
-                np.copyto(blame.key, end_blame, where=candidate > done)
-            np.maximum(done, candidate, out=done)
+                _select_into(blame.key, end_blame, end > done)
+            np.maximum(done, end, out=done)
             continue
-        current = done[ranks]
+        candidate = np.take(end, flows, axis=0)
+        current = np.take(done, ranks, axis=0)
         if blame is not None:
-            keys = blame.key[ranks]
-            np.copyto(keys, end_blame[flows], where=candidate > current)
+            keys = np.take(blame.key, ranks, axis=0)
+            _select_into(keys, np.take(end_blame, flows, axis=0), candidate > current)
             blame.key[ranks] = keys
         done[ranks] = np.maximum(current, candidate)
     if rank_seconds is not None:
