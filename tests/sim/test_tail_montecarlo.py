@@ -219,3 +219,11 @@ def test_unknown_link_in_a_loss_model_is_named() -> None:
     loss = LossModel(links=(("gpu99->switch0", 0.1),))
     with pytest.raises(ValueError, match="gpu99"):
         simulate_tail(all_reduce("ring", 8), switch(8), size_bytes=2**20, config=TailConfig(samples=2, loss=loss))
+
+
+def test_attribution_by_kind_lists_only_that_kind() -> None:
+    loss = LossModel(links=(("gpu3->edge1", 0.05),), fabric="tcp", rto_s=5e-3)
+    config = TailConfig(samples=100, seed=2, loss=loss, rank_jitter=Distribution.exponential(2e-3))
+    result = simulate_tail(all_reduce("ring", 16), fat_tree(4), size_bytes=2**20, config=config)
+    assert {c.kind for c in result.attribution(20, "rank")} == {"rank"}
+    assert [c.name for c in result.attribution(20, "link")] == ["gpu3->edge1"]
