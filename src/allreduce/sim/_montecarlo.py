@@ -56,6 +56,8 @@ PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 _CHUNK_ELEMENTS = 2**15
 # States kept to detect that every sample's clocks advance uniformly (as in schedules/_timing.py).
 _MAX_HISTORY = 5
+# Geometric gaps drawn at once when placing lost transfers (bounds the memory of a very lossy run: 128 MiB).
+_MAX_GAPS_PER_DRAW = 2**24
 # How many times a transfer that finds no path waits for the fault's next change before giving up.
 _MAX_WAITS = 64
 
@@ -303,7 +305,7 @@ def _draw_losses(rng: np.random.Generator, model: LossModel, d: _PhaseData, samp
     positions: list[IntArray] = []
     last = -1
     while last < total:
-        batch = int(expected + 6 * math.sqrt(expected) + 16)
+        batch = min(int(expected + 6 * math.sqrt(expected) + 16), _MAX_GAPS_PER_DRAW)
         gaps = rng.geometric(top, size=batch).astype(np.int64)
         at = last + np.cumsum(gaps)
         positions.append(at[at < total])
