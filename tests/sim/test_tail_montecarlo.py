@@ -227,3 +227,24 @@ def test_attribution_by_kind_lists_only_that_kind() -> None:
     result = simulate_tail(all_reduce("ring", 16), fat_tree(4), size_bytes=2**20, config=config)
     assert {c.kind for c in result.attribution(20, "rank")} == {"rank"}
     assert [c.name for c in result.attribution(20, "link")] == ["gpu3->edge1"]
+
+
+def test_a_link_degraded_from_time_zero_equals_the_static_fault() -> None:
+    schedule = all_reduce("ring", 16)
+    degraded = TimedFault("gpu5->edge2", "degrade", 0.0, factor=0.1)
+    result = simulate_tail(
+        schedule, fat_tree(4), size_bytes=2**22, config=TailConfig(samples=1, timed_faults=(degraded,))
+    )
+    static = simulate(
+        schedule, fat_tree(4), size_bytes=2**22, engine="fast", faults=Faults(degraded=(("gpu5->edge2", 0.1),))
+    )
+    assert result.step_s[0] == pytest.approx(static.seconds, rel=1e-9)
+    assert result.attribution(1)[0].name == "gpu5->edge2"
+
+
+def test_a_flapping_link_without_another_path_delays_the_step() -> None:
+    flap = TimedFault("gpu1<->switch0", "flap", 0.0, period_s=200e-6, duty=0.5)
+    schedule = all_reduce("ring", 8)
+    result = simulate_tail(schedule, switch(8), size_bytes=2**22, config=TailConfig(samples=1, timed_faults=(flap,)))
+    assert result.step_s[0] > result.baseline_s
+    assert result.attribution(1)[0].name in ("gpu1->switch0", "switch0->gpu1")
