@@ -25,6 +25,14 @@ CASES = [
     ("1,024 GPUs, ring, no attribution", "fat-tree:k=16", 1024, "ring", 1000, "loss+jitter-noblame"),
     ("1,024 GPUs, ring", "fat-tree:k=16", 1024, "ring", 1000, "jitter+ecmp"),
     ("16,384 GPUs, hierarchical", "rail:nodes=2048,gpus=8", 16384, "hierarchical", 100, "loss+jitter"),
+    (
+        "16,384 GPUs, hierarchical, no attr.",
+        "rail:nodes=2048,gpus=8",
+        16384,
+        "hierarchical",
+        100,
+        "loss+jitter-noblame",
+    ),
     ("16,384 GPUs, ring", "fat-tree:k=42", 16384, "ring", 100, "jitter+ecmp"),
     ("131,072 GPUs, hierarchical", "rail:nodes=16384,gpus=8", 131072, "hierarchical", 20, "jitter+ecmp"),
 ]
