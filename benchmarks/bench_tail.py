@@ -2,7 +2,7 @@
 
 Each case runs in a fresh process (so its peak resident memory is its own) and prints one row: wall time,
 and CPU time of the simulation (what the wall time would be on an idle core; the machine is shared). The
-issue's targets: 1,000 samples of a 1 GiB ring on a 1,024-GPU fat-tree with loss and jitter <= 10 s; 100 samples at
+targets: 1,000 samples of a 1 GiB ring on a 1,024-GPU fat-tree with loss and jitter <= 10 s; 100 samples at
 16,384 GPUs <= 60 s; 20 samples at 131,072 GPUs (hierarchical on a rail-optimised fabric) <= 120 s and
 <= 4 GB. Run: ``PYTHONPATH=src python benchmarks/bench_tail.py [--quick]``.
 """
