@@ -11,6 +11,10 @@ constants; the simulator feeds it durations from max-min fair link rates. Per st
 max-plus linear and shift-invariant (adding c to every clock adds c to the result), so once a repeated pattern's
 clocks advance by the same amount every c steps, the remaining repeats are extrapolated exactly instead of
 stepped: a ring of 131,072 ranks costs a few array passes, not 262,142.
+
+:func:`step_samples` is the same step with a sample axis (clocks of shape (ranks, samples)), for the Monte
+Carlo of :mod:`allreduce.sim._montecarlo`; it carries each clock's :class:`Blame` (the largest single delay on
+its critical path and its cause) through the argmax the recurrence takes.
 """
 
 from __future__ import annotations
