@@ -45,11 +45,11 @@ def test_each_column_is_the_single_sample_step(
         np.testing.assert_array_equal(got[:, k], expected)
 
 
-def test_a_ring_phase_has_one_identity_layer_and_one_shifted() -> None:
+def test_a_ring_phase_has_one_identity_layer_and_one_permuted() -> None:
     phase = next(iter(all_reduce("ring", 8).phases()))
     incidence = Incidence.of(8, phase)
     assert incidence.src_identity
-    assert [identity for _, _, identity in incidence.layers] == [True, False]
+    assert [(every, identity) for _, _, every, identity in incidence.layers] == [(True, True), (True, False)]
 
 
 def test_blame_follows_the_largest_delay_to_the_receiver() -> None:

@@ -146,12 +146,14 @@ class Incidence:
     is unbuffered and slow on 2-D arrays). A ring has one layer per side."""
 
     active: npt.NDArray[np.int64]  # ranks that transfer in the phase
-    layers: tuple[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], bool], ...]  # (ranks, flows, identity)
+    # (ranks, flows, every rank, identity): with every rank, ranks is 0..N-1 and flows[r] is rank r's flow, so
+    # the update is a gather of ``end`` in rank order and a maximum, no scatter; identity: flows is 0..N-1 too.
+    layers: tuple[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], bool, bool], ...]
     src_identity: bool  # phase.src is 0..world_size-1 in order (a ring): gathers by it are the array itself
 
     @classmethod
     def of(cls, world_size: int, phase: Phase) -> Incidence:
-        layers: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], bool]] = []
+        layers: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], bool, bool]] = []
         everyone = np.arange(world_size)
         for side in (phase.src, phase.dst):
             order = np.argsort(side, kind="stable")
@@ -161,10 +163,10 @@ class Incidence:
             for j in range(int(occurrence.max()) + 1 if ranks.size else 0):
                 chosen = order[occurrence == j].astype(np.int64)
                 ranks = side[chosen].astype(np.int64)
-                identity = (
-                    side.size == world_size and np.array_equal(ranks, everyone) and np.array_equal(chosen, everyone)
-                )
-                layers.append((ranks, chosen, identity))
+                # Sorted by rank: a layer of every rank has ranks == 0..N-1 and chosen[r] is rank r's flow.
+                every_rank = bool(np.array_equal(ranks, everyone))
+                identity = every_rank and side.size == world_size and bool(np.array_equal(chosen, everyone))
+                layers.append((ranks, chosen, every_rank, identity))
         src_identity = np.array_equal(phase.src, everyone)
         return cls(np.flatnonzero(_active(world_size, phase)).astype(np.int64), tuple(layers), src_identity)
 
@@ -263,11 +265,12 @@ def step_samples(
         if blame is not None:
             np.maximum.at(end_blame, (flow, sample), key)
     done = clock.copy()
-    for ranks, flows, identity in incidence.layers:
-        if identity:
+    for ranks, flows, every_rank, identity in incidence.layers:
+        if every_rank:
+            candidate = end if identity else np.take(end, flows, axis=0)
             if blame is not None:
-                _select_into(blame.key, end_blame, end > done)
-            np.maximum(done, end, out=done)
+                _select_into(blame.key, end_blame if identity else np.take(end_blame, flows, axis=0), candidate > done)
+            np.maximum(done, candidate, out=done)
             continue
         candidate = np.take(end, flows, axis=0)
         current = np.take(done, ranks, axis=0)

@@ -129,7 +129,7 @@ class TailResult:
     culprit_delay_s: FloatArray
     lost_transfers: IntArray  # per sample
     timeouts: IntArray  # per sample: retransmission timeouts that fired
-    link_names: tuple[str, ...]
+    topology: Topology  # the one culprit link codes index (after static faults)
     description: str = ""
 
     @property
@@ -154,7 +154,7 @@ class TailResult:
             return "none", "-"
         if code < self.world_size:
             return "rank", f"rank {code}"
-        return "link", self.link_names[code - self.world_size]
+        return "link", self.topology.link_name(code - self.world_size)
 
     def attribution(self, top: int = 5, kind: str | None = None) -> list[Culprit]:
         """The causes that most often set a sample's largest delay, most frequent first: ranks and links, or
@@ -567,7 +567,6 @@ def simulate_tail(
             if progress is not None:
                 progress(done / k)
     arrived = arrival.max(axis=0)
-    names = tuple(base_topology.link_name(i) for i in range(base_topology.num_links))
     return TailResult(
         name=schedule.name,
         world_size=n,
@@ -582,7 +581,7 @@ def simulate_tail(
         culprit_delay_s=culprit_s,
         lost_transfers=lost,
         timeouts=timeouts,
-        link_names=names,
+        topology=base_topology,
         description=_describe(config, faults),
     )
 
