@@ -264,15 +264,30 @@ def step_samples(
         np.add.at(end, (flow, sample), seconds)
         if blame is not None:
             np.maximum.at(end_blame, (flow, sample), key)
+    # A flow ends no earlier than either end's clock (durations are >= 0), so the first layer's flows win
+    # outright: their ranks take the flow's end and blame, with no comparison.
     done = clock.copy()
-    for ranks, flows, every_rank, identity in incidence.layers:
+    for index, (ranks, flows, every_rank, identity) in enumerate(incidence.layers):
+        first = index == 0
         if every_rank:
             candidate = end if identity else np.take(end, flows, axis=0)
             if blame is not None:
-                _select_into(blame.key, end_blame if identity else np.take(end_blame, flows, axis=0), candidate > done)
-            np.maximum(done, candidate, out=done)
+                flow_blame = end_blame if identity else np.take(end_blame, flows, axis=0)
+                if first:
+                    blame.key[...] = flow_blame
+                else:
+                    _select_into(blame.key, flow_blame, candidate > done)
+            if first:
+                done[...] = candidate
+            else:
+                np.maximum(done, candidate, out=done)
             continue
         candidate = np.take(end, flows, axis=0)
+        if first:
+            if blame is not None:
+                blame.key[ranks] = np.take(end_blame, flows, axis=0)
+            done[ranks] = candidate
+            continue
         current = np.take(done, ranks, axis=0)
         if blame is not None:
             keys = np.take(blame.key, ranks, axis=0)
