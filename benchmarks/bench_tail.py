@@ -35,6 +35,14 @@ CASES = [
     ),
     ("16,384 GPUs, ring", "fat-tree:k=42", 16384, "ring", 100, "jitter+ecmp"),
     ("131,072 GPUs, hierarchical", "rail:nodes=16384,gpus=8", 131072, "hierarchical", 20, "jitter+ecmp"),
+    (
+        "131,072 GPUs, hierarchical, no attr.",
+        "rail:nodes=16384,gpus=8",
+        131072,
+        "hierarchical",
+        20,
+        "loss+jitter-noblame",
+    ),
 ]
 QUICK = [c for c in CASES if c[2] <= 1024]
 
