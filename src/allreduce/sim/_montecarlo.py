@@ -71,7 +71,7 @@ class TailConfig:
     spread), drawn per rank and sample; ``timed_faults``: links that go down, flap or degrade at given
     times; ``ecmp_seeds``: if > 0, that many ECMP hash seeds are drawn and the samples spread over them, so the
     distribution over path assignments shows (0: the simulation's one seed); ``attribution``: carry each
-    sample's culprit through the recurrence (about 2.5x the stepping's array work; off: culprits are not named);
+    sample's culprit through the recurrence (2-2.5x the stepping's array work; off: culprits are not named);
     ``stragglers``: (rank, seconds) pairs, ranks that reach the collective that much later in every sample."""
 
     samples: int = 1000
