@@ -21,6 +21,7 @@ _COMMANDS: tuple[str, ...] = (
     "allreduce.cli._explain",
     "allreduce.cli._demo",
     "allreduce.cli._sim",
+    "allreduce.cli._tail",
     "allreduce.cli._bench",
     "allreduce.cli._tune",
     "allreduce.cli._run",

@@ -1,30 +1,55 @@
 """Flow-level network simulation: run a schedule on a topology with max-min fair link sharing.
 
-:func:`simulate` is the entry point; :func:`max_min_rates` the rate model both engines share.
+:func:`simulate` is the entry point; :func:`max_min_rates` the rate model both engines share;
+:func:`simulate_tail` the Monte Carlo of the tail (packet loss, jitter, stragglers, timed faults).
 """
 
 from allreduce.sim._event import Transfers, match_transfers
 from allreduce.sim._fair import FairShare, max_min_rates
-from allreduce.sim._faults import Faults, apply_faults, resolve_links
+from allreduce.sim._faults import (
+    TIMED_FAULT_KINDS,
+    Faults,
+    TimedFault,
+    apply_faults,
+    parse_timed_fault,
+    resolve_links,
+)
+from allreduce.sim._loss import FABRICS, LossModel, transfer_loss_probability
+from allreduce.sim._montecarlo import PERCENTILES, Culprit, TailConfig, TailResult, simulate_tail
 from allreduce.sim._result import Bottleneck, CriticalStep, PhaseResult, SimResult
 from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS, TRACE_RANKS, simulate
+from allreduce.sim._stochastic import DISTRIBUTIONS, Distribution, parse_distribution
 from allreduce.sim._trace import chrome_trace, write_trace
 
 __all__ = [
     "AUTO_EXACT_MAX_RANKS",
+    "DISTRIBUTIONS",
+    "FABRICS",
+    "PERCENTILES",
+    "TIMED_FAULT_KINDS",
     "TRACE_RANKS",
     "Bottleneck",
     "CriticalStep",
+    "Culprit",
+    "Distribution",
     "FairShare",
     "Faults",
+    "LossModel",
     "PhaseResult",
     "SimResult",
+    "TailConfig",
+    "TailResult",
+    "TimedFault",
     "Transfers",
     "apply_faults",
     "chrome_trace",
     "match_transfers",
     "max_min_rates",
+    "parse_distribution",
+    "parse_timed_fault",
     "resolve_links",
     "simulate",
+    "simulate_tail",
+    "transfer_loss_probability",
     "write_trace",
 ]

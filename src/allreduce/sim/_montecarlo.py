@@ -1,0 +1,688 @@
+"""Monte Carlo of the tail: K samples of a collective with packet loss, jitter, stragglers and timed faults.
+
+Every sample runs the fast engine's recurrence (:mod:`allreduce.schedules._timing`) on the flow durations of
+the noise-free run — path latency + bytes at the pattern's max-min fair rate — plus what the noise adds. The
+samples are a column axis of the clocks, so each step is a few array operations over all samples at once.
+Two methods, chosen by what the noise is, both exact with respect to that recurrence:
+
+- ``sensitivity`` — noise only in when ranks reach the collective (compute jitter per rank, any ECMP draw):
+  the recurrence is max-plus linear, so the end time is ``T = max_r (a_r + m_r)`` for arrival offsets ``a``,
+  where ``m_r`` is the longest path from rank r's start to the end. ``m`` comes from one backward pass (the
+  transposed recurrence, which has the forward one's form and its cycle jumps), then every sample costs
+  O(ranks). The culprit is the argmax rank.
+- ``stepping`` — noise per transfer (packet loss, latency jitter, faults that come and go): every step of every
+  sample is stepped (clocks ``(ranks, samples)``); the largest single delay on each sample's critical path and
+  its cause (a rank's late arrival or delay, a link that dropped a packet, jittered or failed) ride along with
+  the clocks through the argmax the recurrence takes anyway (:class:`allreduce.schedules._timing.Blame`).
+  Phases free of per-transfer noise still jump whole cycles once every sample's clocks advance uniformly.
+
+The recurrence is the event engine's exactly where the fast engine certifies its noise-free run (lockstep or
+timing-independent rates: see :mod:`allreduce.sim._fast`); ``TailResult.exact`` reports that certificate, and
+``engine`` names the method. Noise can make ranks drift where the noise-free run was in lockstep; with
+timing-independent rates (rings with linear placement on fat-trees, Clos, tori) the durations, and so the
+result, stay exact under any noise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.schedules import Phase, Schedule, propagate
+from allreduce.schedules._timing import Blame, Incidence, blame_key, jump_samples, step_samples
+from allreduce.sim._fast import run_fast_checked
+from allreduce.sim._faults import Faults, TimedFault, apply_faults, resolve_links
+from allreduce.sim._loss import LossModel, draw_extra_seconds, packet_loss_probability
+from allreduce.sim._routing import Pattern, Router
+from allreduce.sim._stochastic import Distribution
+from allreduce.topology import Topology, place
+from allreduce.units import format_bytes, format_seconds
+
+__all__ = ["PERCENTILES", "Culprit", "TailConfig", "TailResult", "simulate_tail"]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+# The percentiles a tail report shows.
+PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+# Samples stepped together: (ranks x samples) arrays of about this many elements (256 KiB of float64) stay in
+# the CPU's caches with the step's temporaries (measured, 256 samples of a 1,024-rank ring with loss: 2^15
+# elements per chunk took 25% less CPU time than 2^17, and 2^14 more again, Python's cost per call showing).
+_CHUNK_ELEMENTS = 2**15
+# States kept to detect that every sample's clocks advance uniformly (as in schedules/_timing.py).
+_MAX_HISTORY = 5
+# Geometric gaps drawn at once when placing lost transfers (bounds the memory of a very lossy run: 128 MiB).
+_MAX_GAPS_PER_DRAW = 2**24
+# How many times a transfer that finds no path waits for the fault's next change before giving up.
+_MAX_WAITS = 64
+
+
+@dataclass(frozen=True)
+class TailConfig:
+    """The noise of a tail simulation.
+
+    ``loss``: packet loss and the fabric's retransmission model; ``link_jitter``: extra one-way latency of every
+    transfer, drawn per transfer; ``rank_jitter``: when each rank reaches the collective (its compute time's
+    spread), drawn per rank and sample; ``timed_faults``: links that go down, flap or degrade at given
+    times; ``ecmp_seeds``: if > 0, that many ECMP hash seeds are drawn and the samples spread over them, so the
+    distribution over path assignments shows (0: the simulation's one seed); ``attribution``: carry each
+    sample's culprit through the recurrence (2-2.5x the stepping's array work; off: culprits are not named);
+    ``stragglers``: (rank, seconds) pairs, ranks that reach the collective that much later in every sample."""
+
+    samples: int = 1000
+    seed: int = 0
+    loss: LossModel = field(default_factory=LossModel)
+    link_jitter: Distribution | None = None
+    rank_jitter: Distribution | None = None
+    timed_faults: tuple[TimedFault, ...] = ()
+    ecmp_seeds: int = 0
+    attribution: bool = True
+    stragglers: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.ecmp_seeds < 0:
+            raise ValueError(f"ecmp_seeds must be >= 0, got {self.ecmp_seeds}")
+        for rank, seconds in self.stragglers:
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"straggler rank {rank}: the delay must be a finite time >= 0, got {seconds}")
+
+    @property
+    def per_transfer(self) -> bool:
+        """Whether any noise is drawn per transfer (which needs stepping every step)."""
+        jitter = self.link_jitter is not None and not self.link_jitter.is_zero
+        return bool(self.loss) or jitter or bool(self.timed_faults)
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """A cause named in the attribution table: a rank or a link, the fraction of samples whose largest
+    single delay on the critical path it caused, and that delay's mean over those samples."""
+
+    kind: str  # "rank" or "link"
+    name: str
+    fraction: float
+    mean_delay_s: float
+
+
+@dataclass(frozen=True, eq=False)
+class TailResult:
+    """K samples of one schedule: step time (from the step's start: arrival + collective), collective time
+    (from the last rank's arrival), the noise-free time, and per sample the culprit of its largest delay."""
+
+    name: str
+    world_size: int
+    size_bytes: float
+    topology_name: str
+    engine: str  # "sensitivity" or "stepping"
+    exact: bool
+    baseline_s: float
+    step_s: FloatArray
+    collective_s: FloatArray
+    culprit: IntArray  # per sample: rank r as r, link l as world_size + l, none as -1
+    culprit_delay_s: FloatArray
+    lost_transfers: IntArray  # per sample
+    timeouts: IntArray  # per sample: retransmission timeouts that fired
+    topology: Topology  # the one culprit link codes index (after static faults)
+    description: str = ""
+
+    @property
+    def samples(self) -> int:
+        return int(self.step_s.size)
+
+    def percentiles(self, which: str = "step") -> dict[str, float]:
+        """p50, p90, p99, p99.9, max and mean of the step (or ``"collective"``) time."""
+        values = self.step_s if which == "step" else self.collective_s
+        out = {f"p{p:g}": float(np.percentile(values, p)) for p in PERCENTILES}
+        out["max"] = float(values.max())
+        out["mean"] = float(values.mean())
+        return out
+
+    def slowdown(self, statistic: str = "p50") -> float:
+        """A statistic of the collective time over the noise-free run's time."""
+        value = self.percentiles("collective")[statistic]
+        return value / self.baseline_s if self.baseline_s > 0 else math.inf
+
+    def culprit_name(self, code: int) -> tuple[str, str]:
+        if code < 0:
+            return "none", "-"
+        if code < self.world_size:
+            return "rank", f"rank {code}"
+        return "link", self.topology.link_name(code - self.world_size)
+
+    def attribution(self, top: int = 5, kind: str | None = None) -> list[Culprit]:
+        """The causes that most often set a sample's largest delay, most frequent first: ranks and links, or
+        only ``kind`` ("rank" or "link")."""
+        named = self.culprit >= 0
+        if kind == "rank":
+            named &= self.culprit < self.world_size
+        elif kind == "link":
+            named &= self.culprit >= self.world_size
+        if not named.any():
+            return []
+        codes, counts = np.unique(self.culprit[named], return_counts=True)
+        order = np.lexsort((codes, -counts))[:top]
+        out = []
+        for i in order:
+            kind, name = self.culprit_name(int(codes[i]))
+            delay = self.culprit_delay_s[self.culprit == codes[i]]
+            out.append(Culprit(kind, name, float(counts[i]) / self.samples, float(delay.mean())))
+        return out
+
+    def loss_frequency(self) -> float:
+        """Fraction of samples with at least one lost transfer."""
+        return float(np.mean(self.lost_transfers > 0))
+
+    def to_json(self, *, top: int = 5) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "ranks": self.world_size,
+            "size_bytes": self.size_bytes,
+            "topology": self.topology_name,
+            "samples": self.samples,
+            "engine": self.engine,
+            "exact": self.exact,
+            "noise": self.description,
+            "noise_free_s": self.baseline_s,
+            "step_s": self.percentiles("step"),
+            "collective_s": self.percentiles("collective"),
+            "slowdown_p50": self.slowdown("p50"),
+            "slowdown_p99": self.slowdown("p99"),
+            "samples_with_loss": self.loss_frequency(),
+            "attribution": [
+                {"kind": c.kind, "name": c.name, "fraction": c.fraction, "mean_delay_s": c.mean_delay_s}
+                for c in self.attribution(top)
+            ],
+        }
+
+    def summary(self) -> str:
+        p = self.percentiles("step")
+        return (
+            f"{self.name}: {self.world_size} ranks, {format_bytes(self.size_bytes)}, {self.samples} samples: "
+            f"p50 {format_seconds(p['p50'])}, p99 {format_seconds(p['p99'])}, max {format_seconds(p['max'])} "
+            f"(noise-free {format_seconds(self.baseline_s)})"
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Per phase: the flows' noise-free durations and what the noise models need about them
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class _PhaseData:
+    phase: Phase
+    incidence: Incidence
+    seconds: FloatArray  # noise-free duration per flow
+    pattern: Pattern
+    nbytes: FloatArray
+    loss_q: FloatArray  # per-packet loss probability per flow
+    loss_hazard: FloatArray  # per route entry
+    blame_link: IntArray  # the link a flow's jitter is blamed on (its bottleneck, else its first link; -1)
+
+
+def _phase_data(schedule: Schedule, router: Router, size_bytes: float, link_loss: FloatArray) -> list[_PhaseData]:
+    out = []
+    n = schedule.world_size
+    for phase in schedule.phases():
+        pattern = router.pattern(phase.src, phase.dst)
+        nbytes = phase.fraction * size_bytes
+        seconds = pattern.routes.latency_s + pattern.transfer_seconds(nbytes)
+        q, hazard = packet_loss_probability(pattern.routes, link_loss)
+        first = np.full(len(phase), -1, dtype=np.int64)
+        has = np.diff(pattern.routes.flow_ptr) > 0
+        first[has] = pattern.routes.link[pattern.routes.flow_ptr[:-1][has]]
+        blame = np.where(pattern.bottleneck_link >= 0, pattern.bottleneck_link, first)
+        out.append(_PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame))
+    return out
+
+
+def _backward(world_size: int, data: list[_PhaseData], rank_delay: FloatArray | None) -> FloatArray:
+    """Per rank, the longest path from its start to the end of the schedule: the transposed recurrence run
+    from the last step to the first. A step's transpose is ``y = step(y' + rank_seconds)`` — the same form as
+    the forward step — so :func:`propagate` (and its cycle jumps) runs it: with rank delays it adds them after
+    each step, so the input is pre-shifted and the last addition taken back."""
+    y = np.zeros(world_size)
+    for d in reversed(data):
+        delay = None
+        if rank_delay is not None:
+            active = np.zeros(world_size, dtype=np.bool_)
+            active[d.phase.src] = True
+            active[d.phase.dst] = True
+            delay = np.where(active, rank_delay, 0.0)
+            y = y + delay
+
+        def flows(_: Phase, seconds: FloatArray = d.seconds) -> FloatArray:
+            return seconds
+
+        def ranks(_: Phase, delay: FloatArray | None = delay) -> FloatArray | None:
+            return delay
+
+        y, _ = propagate(world_size, [d.phase], flows, ranks, clock=y)
+        if delay is not None:
+            y = y - delay
+    return y
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Noise per step
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class _Losses:
+    """A phase's lost transfers in a chunk of samples, sorted by step."""
+
+    step: IntArray
+    flow: IntArray
+    sample: IntArray
+    extra_s: FloatArray
+    link: IntArray
+    timeouts: IntArray
+
+    def bounds(self, repeat: int) -> IntArray:
+        return np.searchsorted(self.step, np.arange(repeat + 1))
+
+
+def _draw_losses(rng: np.random.Generator, model: LossModel, d: _PhaseData, samples: int) -> _Losses:
+    """Which transfers of ``repeat x flows x samples`` lose packets (thinning from the largest per-transfer
+    loss probability, over geometric gaps: exact and O(losses)), and what each loss costs."""
+    none = np.zeros(0, dtype=np.int64)
+    empty = _Losses(none, none, none, np.zeros(0), none, none)
+    mtu = model.mtu
+    packets = np.ceil(d.nbytes / mtu).astype(np.int64)
+    q = d.loss_q
+    with np.errstate(divide="ignore"):
+        transfer_p = np.where(packets > 0, -np.expm1(packets * np.log1p(-q)), 0.0)
+    top = float(transfer_p.max()) if transfer_p.size else 0.0
+    if top <= 0:
+        return empty
+    flows = len(d.phase)
+    total = d.phase.repeat * flows * samples
+    expected = top * total
+    positions: list[IntArray] = []
+    last = -1
+    while last < total:
+        batch = min(int(expected + 6 * math.sqrt(expected) + 16), _MAX_GAPS_PER_DRAW)
+        gaps = rng.geometric(top, size=batch).astype(np.int64)
+        at = last + np.cumsum(gaps)
+        positions.append(at[at < total])
+        last = int(at[-1])
+    index = np.concatenate(positions)
+    flow = (index // samples) % flows
+    keep = rng.random(index.size) < transfer_p[flow] / top
+    index, flow = index[keep], flow[keep]
+    step = index // (samples * flows)
+    sample = index % samples
+    rate = d.pattern.rate_Bps[flow]
+    packet_s = np.where(np.isfinite(rate), mtu / rate, 0.0)
+    rtt = 2 * d.pattern.routes.latency_s[flow]
+    extra, timeout = draw_extra_seconds(rng, model, q=q[flow], packets=packets[flow], rtt_s=rtt, packet_s=packet_s)
+    # The link that dropped the (first) lost packet: drawn in proportion to each path link's hazard.
+    routes = d.pattern.routes
+    cumulative = np.cumsum(d.loss_hazard)
+    before = np.concatenate([[0.0], cumulative])[routes.flow_ptr[flow]]
+    own = np.bincount(routes.flow_of_entry(), weights=d.loss_hazard, minlength=flows)[flow]
+    entry = np.searchsorted(cumulative, before + rng.random(flow.size) * own, side="right")
+    entry = np.clip(entry, routes.flow_ptr[flow], routes.flow_ptr[flow + 1] - 1)
+    return _Losses(step, flow, sample, extra, routes.link[entry], timeout)
+
+
+class _TimedRates:
+    """Flow durations of one phase under each combination of active timed faults (cached), for the transfers
+    that start while some are active."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        router: Router,
+        d: _PhaseData,
+        *,
+        faults: Sequence[TimedFault],
+        fault_link: IntArray,
+        size_bytes: float,
+    ) -> None:
+        self.topology = topology
+        self.router = router
+        self.d = d
+        self.faults = faults
+        self.fault_link = fault_link
+        self.size_bytes = size_bytes
+        self._table: dict[int, FloatArray] = {0: d.seconds}
+        # Which flows cross each fault's links on their healthy route: those wait when a fault leaves no path.
+        routes = d.pattern.routes
+        entry_flow = routes.flow_of_entry()
+        self._crosses = []
+        for fault in faults:
+            links = resolve_links(topology, fault.link)
+            hit = np.zeros(len(d.phase), dtype=np.bool_)
+            hit[np.unique(entry_flow[np.isin(routes.link, links)])] = True
+            self._crosses.append(hit)
+
+    def seconds(self, mask: int) -> FloatArray:
+        hit = self._table.get(mask)
+        if hit is not None:
+            return hit
+        combined = Faults(
+            degraded=tuple(x for i, f in enumerate(self.faults) if mask >> i & 1 for x in f.as_faults().degraded),
+            failed=tuple(x for i, f in enumerate(self.faults) if mask >> i & 1 for x in f.as_faults().failed),
+        )
+        faulted = apply_faults(self.topology, combined)
+        router = Router(faulted, self.router.rank_gpu, self.router.routing, self.router.seed)
+        try:
+            pattern = router.pattern(self.d.phase.src, self.d.phase.dst)
+            seconds = pattern.routes.latency_s + pattern.transfer_seconds(self.d.nbytes)
+        except ValueError:
+            # No path for some flow: the flows that crossed a failed link wait; the others keep their pace.
+            seconds = self.d.seconds.copy()
+            for i, crosses in enumerate(self._crosses):
+                if mask >> i & 1 and self.faults[i].kind != "degrade":
+                    seconds[crosses] = math.inf
+        self._table[mask] = seconds
+        return seconds
+
+    def extra(self, start: FloatArray) -> tuple[FloatArray, IntArray]:
+        """Per flow and sample, the delay the faults add to a transfer starting at ``start`` (waiting for a
+        link to come back included; negative for a link running faster than before), and its culprit code
+        (the first active fault's link). A transfer is rated by the faults active when it starts."""
+        extra = np.zeros_like(start)
+        culprit = np.full(start.shape, -1, dtype=np.int64)
+        base = np.broadcast_to(self.d.seconds[:, None], start.shape)
+        t = start.copy()
+        pending = np.ones(start.shape, dtype=np.bool_)
+        for _ in range(_MAX_WAITS):
+            mask = np.zeros(start.shape, dtype=np.int64)
+            for i, fault in enumerate(self.faults):
+                mask |= fault.active(t).astype(np.int64) << i
+            healthy = pending & (mask == 0)
+            extra[healthy] = (t - start)[healthy]
+            pending &= ~healthy
+            blocked = np.zeros(start.shape, dtype=np.bool_)
+            for value in np.unique(mask[pending]):
+                here = pending & (mask == value)
+                seconds = np.broadcast_to(self.seconds(int(value))[:, None], start.shape)
+                lowest = (int(value) & -int(value)).bit_length() - 1
+                culprit[here] = self.fault_link[lowest]
+                ok = here & np.isfinite(seconds)
+                extra[ok] = (t - start)[ok] + seconds[ok] - base[ok]
+                blocked |= here & ~ok
+            pending = blocked
+            if not pending.any():
+                return extra, culprit
+            changes = np.full(start.shape, math.inf)
+            for fault in self.faults:
+                changes = np.minimum(changes, fault.next_change(t))
+            if not np.all(np.isfinite(changes[pending])):
+                raise ValueError(
+                    f"{self.topology.name}: a transfer waits for a link that never comes back "
+                    f"({', '.join(f.describe() for f in self.faults)})"
+                )
+            t = np.where(pending, changes, t)
+        raise ValueError(f"{self.topology.name}: a transfer waited through {_MAX_WAITS} fault changes")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The simulation
+# ------------------------------------------------------------------------------------------------------------
+def _describe(config: TailConfig, faults: Faults) -> str:
+    parts = []
+    if config.loss:
+        loss = config.loss
+        what = f"loss {loss.probability:g}/packet" if loss.probability else "loss"
+        what += "".join(f", {name} {p:g}" for name, p in loss.links)
+        parts.append(f"{what} ({loss.fabric}, MTU {loss.mtu} B, RTO {format_seconds(loss.rto)})")
+    if config.link_jitter is not None and not config.link_jitter.is_zero:
+        parts.append(f"link jitter {config.link_jitter}")
+    if config.rank_jitter is not None and not config.rank_jitter.is_zero:
+        parts.append(f"rank jitter {config.rank_jitter}")
+    parts.extend(f"rank {r} {format_seconds(s)} late" for r, s in config.stragglers)
+    parts.extend(f.describe() for f in config.timed_faults)
+    parts.extend(f"{link} x{f:g}" for link, f in faults.degraded)
+    parts.extend(f"{link} failed" for link in faults.failed)
+    parts.extend(f"rank {r} +{format_seconds(s)}/step" for r, s in faults.slow_ranks)
+    if config.ecmp_seeds:
+        parts.append(f"{config.ecmp_seeds} ECMP seeds")
+    return ", ".join(parts) or "no noise"
+
+
+def simulate_tail(
+    schedule: Schedule,
+    topology: Topology,
+    *,
+    size_bytes: float,
+    config: TailConfig,
+    placement: str | Sequence[int] = "linear",
+    routing: str | None = None,
+    seed: int = 0,
+    faults: Faults | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> TailResult:
+    """Monte Carlo of ``schedule`` on ``topology`` with ``config.samples`` draws of ``config``'s noise.
+
+    ``placement``, ``routing``, ``seed`` (placement and ECMP) and ``faults`` (static: degraded or failed links,
+    slow ranks) are :func:`allreduce.sim.simulate`'s. ``progress`` (if given) is called now and then with the
+    fraction of samples done. Reproducible: the same ``config.seed`` gives the same samples."""
+    size = float(size_bytes)
+    if not (math.isfinite(size) and size >= 0):
+        raise ValueError(f"size_bytes must be a finite number >= 0, got {size_bytes!r}")
+    faults = faults or Faults()
+    n = schedule.world_size
+    if n > topology.num_gpus:
+        raise ValueError(f"{schedule.name} needs {n} ranks but {topology.name} has only {topology.num_gpus} GPUs")
+    rank_delay = faults.rank_delay_s(n)
+    base_topology = apply_faults(topology, faults)
+    rank_gpu = np.asarray(place(n, base_topology, placement, seed=seed), dtype=np.int64)
+    link_loss = np.full(base_topology.num_links, config.loss.probability)
+    for name, p in config.loss.links:
+        link_loss[resolve_links(base_topology, name)] = p
+    fault_link = np.asarray([resolve_links(base_topology, f.link)[0] for f in config.timed_faults], dtype=np.int64)
+    rng = np.random.default_rng(config.seed)
+    k = config.samples
+
+    # The noise-free run (the simulation's own ECMP seed): the baseline, and the fast engine's certificate.
+    baseline, exact = run_fast_checked(
+        schedule,
+        Router(base_topology, rank_gpu, routing, seed),
+        size_bytes=size,
+        rank_delay_s=rank_delay,
+        trace_ranks=0,
+    )
+    seeds = [seed] if config.ecmp_seeds == 0 else [int(s) for s in rng.integers(0, 2**31 - 1, config.ecmp_seeds)]
+    group = np.arange(k) % len(seeds)
+
+    arrival = np.zeros((n, k))
+    if config.rank_jitter is not None and not config.rank_jitter.is_zero:
+        arrival = config.rank_jitter.sample(rng, (k, n)).T.copy()
+    for rank, seconds in config.stragglers:
+        if not 0 <= rank < n:
+            raise ValueError(f"straggler rank {rank} is not a rank of a group of {n}")
+        arrival[rank] += seconds
+    step_s = np.zeros(k)
+    culprit = np.full(k, -1, dtype=np.int64)
+    culprit_s = np.zeros(k)
+    lost = np.zeros(k, dtype=np.int64)
+    timeouts = np.zeros(k, dtype=np.int64)
+    rank_culprit = np.arange(n, dtype=np.int64)
+    done = 0
+    for g, ecmp_seed in enumerate(seeds):
+        router = Router(base_topology, rank_gpu, routing, ecmp_seed)
+        if g > 0 or config.ecmp_seeds:
+            exact = (
+                exact and run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0)[1]
+            )
+        data = _phase_data(schedule, router, size, link_loss)
+        members = np.flatnonzero(group == g)
+        if not config.per_transfer:
+            to_end = _backward(n, data, rank_delay)
+            total = arrival[:, members] + to_end[:, None]
+            last = np.argmax(total, axis=0)
+            step_s[members] = total[last, np.arange(members.size)]
+            late = arrival[last, members] > 0
+            culprit[members] = np.where(late, last, -1)
+            culprit_s[members] = np.where(late, arrival[last, members], 0.0)
+            done += members.size
+            if progress is not None:
+                progress(done / k)
+            continue
+        timed = [
+            _TimedRates(
+                base_topology, router, d, faults=config.timed_faults, fault_link=n + fault_link, size_bytes=size
+            )
+            if config.timed_faults
+            else None
+            for d in data
+        ]
+        chunk = max(1, min(members.size, _CHUNK_ELEMENTS // max(n, 1)))
+        for lo in range(0, members.size, chunk):
+            cols = members[lo : lo + chunk]
+            clock = arrival[:, cols].copy()
+            blame = None
+            if config.attribution:
+                blame = Blame(blame_key(clock, np.where(clock > 0, rank_culprit[:, None], -1)))
+            for d, rates in zip(data, timed, strict=True):
+                clock = _run_phase(
+                    clock,
+                    d,
+                    rates=rates,
+                    rng=rng,
+                    config=config,
+                    rank_delay=rank_delay,
+                    rank_culprit=rank_culprit,
+                    blame=blame,
+                    n=n,
+                    lost=lost,
+                    timeouts=timeouts,
+                    cols=cols,
+                )
+            last = np.argmax(clock, axis=0)
+            columns = np.arange(cols.size)
+            step_s[cols] = clock[last, columns]
+            if blame is not None:
+                final = Blame(blame.key[last, columns])
+                culprit[cols] = final.culprit
+                culprit_s[cols] = final.seconds
+            done += cols.size
+            if progress is not None:
+                progress(done / k)
+    arrived = arrival.max(axis=0)
+    return TailResult(
+        name=schedule.name,
+        world_size=n,
+        size_bytes=size,
+        topology_name=topology.name,
+        engine="stepping" if config.per_transfer else "sensitivity",
+        exact=exact,
+        baseline_s=baseline.seconds,
+        step_s=step_s,
+        collective_s=step_s - arrived,
+        culprit=culprit,
+        culprit_delay_s=culprit_s,
+        lost_transfers=lost,
+        timeouts=timeouts,
+        topology=base_topology,
+        description=_describe(config, faults),
+    )
+
+
+def _run_phase(
+    clock: FloatArray,
+    d: _PhaseData,
+    *,
+    rates: _TimedRates | None,
+    rng: np.random.Generator,
+    config: TailConfig,
+    rank_delay: FloatArray | None,
+    rank_culprit: IntArray,
+    blame: Blame | None,
+    n: int,
+    lost: IntArray,
+    timeouts: IntArray,
+    cols: IntArray,
+) -> FloatArray:
+    """Step ``clock`` (ranks x samples of the chunk ``cols``) through the ``repeat`` steps of one phase."""
+    phase = d.phase
+    samples = clock.shape[1]
+    flows = len(phase)
+    if flows == 0:
+        return clock
+    delay = None
+    delay_blame = None
+    if rank_delay is not None:
+        delay = np.zeros(n)
+        delay[d.incidence.active] = rank_delay[d.incidence.active]
+        delay_blame = blame_key(delay, rank_culprit)
+    losses = _draw_losses(rng, config.loss, d, samples) if config.loss else None
+    if losses is not None:
+        np.add.at(lost, cols[losses.sample], 1)
+        np.add.at(timeouts, cols[losses.sample], losses.timeouts)
+        bounds = losses.bounds(phase.repeat)
+    jitter = config.link_jitter if config.link_jitter is not None and not config.link_jitter.is_zero else None
+    link_code = np.where(d.blame_link >= 0, n + d.blame_link, -1)
+    quiet = losses is None and jitter is None and rates is None
+    history: list[FloatArray] = [clock]
+    blames: list[IntArray | None] = [_snapshot(blame)]
+    remaining = phase.repeat
+    j = 0
+    while remaining > 0:
+        extra: FloatArray | None = None
+        code: IntArray | None = None
+        sparse = None
+        if jitter is not None:
+            extra = jitter.sample(rng, (flows, samples))
+            code = np.broadcast_to(link_code[:, None], (flows, samples))
+        if losses is not None and bounds[j + 1] > bounds[j]:
+            sl = slice(int(bounds[j]), int(bounds[j + 1]))
+            seconds = losses.extra_s[sl]
+            sparse = (losses.flow[sl], losses.sample[sl], seconds, blame_key(seconds, n + losses.link[sl]))
+        if rates is not None:
+            start = np.maximum(clock[phase.src], clock[phase.dst])
+            fault_extra, fault_code = rates.extra(start)
+            if extra is None or code is None:
+                extra, code = fault_extra, fault_code
+            else:
+                code = np.where(fault_extra > extra, fault_code, code)
+                extra = extra + fault_extra
+        clock = step_samples(
+            clock,
+            phase,
+            d.incidence,
+            d.seconds,
+            delay,
+            extra_s=extra,
+            extra_blame=None if blame is None or extra is None else blame_key(extra, -1 if code is None else code),
+            rank_blame=delay_blame,
+            sparse=sparse,
+            blame=blame,
+        )
+        remaining -= 1
+        j += 1
+        if not quiet or remaining == 0:
+            continue
+        history.append(clock)
+        blames.append(_snapshot(blame))
+        jumped = jump_samples(history, remaining, d.incidence.active)
+        # Jump only once the blame has settled too: it moves with the argmax, which repeats with the clocks.
+        settled = all(_same(b, blames[-1]) for b in blames)
+        if jumped is not None and settled:
+            shift, left = jumped
+            clock = clock.copy()
+            clock[d.incidence.active] += shift
+            j += remaining - left
+            remaining = left
+            history, blames = [clock], [_snapshot(blame)]
+        elif len(history) > _MAX_HISTORY:
+            history.pop(0)
+            blames.pop(0)
+    return clock
+
+
+def _snapshot(blame: Blame | None) -> IntArray | None:
+    return None if blame is None else blame.key.copy()
+
+
+def _same(a: IntArray | None, b: IntArray | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(np.array_equal(a, b))
