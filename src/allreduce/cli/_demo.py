@@ -53,11 +53,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "The built-in scenario, end to end: which all-reduce algorithm wins on a 1,024-GPU cluster and why "
             "(explain); a real 4-rank all-reduce on this machine (bench); the same schedules on simulated "
-            "1,024-GPU fat-tree and oversubscribed Clos fabrics with a degraded link (sim); the tail of a 1,024-GPU all-reduce under packet loss, a congested port and a "
-            "straggler, with the culprit named (tail); a short 2-rank "
-            "data-parallel training run with its step-time breakdown (train); a training step of Llama-2-7B on 1,024 "
-            "simulated GPUs with its HTML report (plan, report); and the command that checks the simulator against "
-            "an emulated cluster (emulate)."
+            "1,024-GPU fat-tree and oversubscribed Clos fabrics with a degraded link (sim); the tail of that "
+            "all-reduce under packet loss, a congested port and a straggler, with the culprit named (tail); a short "
+            "2-rank data-parallel training run with its step-time breakdown (train); a training step of Llama-2-7B "
+            "on 1,024 simulated GPUs with its HTML report (plan, report); and the command that checks the simulator "
+            "against an emulated cluster (emulate)."
         ),
     )
     p.add_argument(
