@@ -8,8 +8,9 @@ recurrence (:mod:`allreduce.schedules._timing`) with
 
 so a rank that sends to, or receives from, several peers in one step shares its one port among them. With S
 segments a step's transfer and reduction overlap as a two-stage pipeline: α + max(T, R) + min(T, R)/S instead of
-α + T + R (T = transfer time, R = reduce time). The closed forms of `shared/reference/FIGURES.md` follow from
-this for ring, halving-doubling and recursive doubling (tests check them to 1e-9).
+α + T + R (T = transfer time, R = reduce time). The textbook closed forms follow from this: ring
+2(N−1)·α + 2(N−1)/N·S·β, Rabenseifner 2·log2(N)·α + 2(N−1)/N·S·β, recursive doubling log2(N)·(α + S·β) (tests check
+them to 1e-9).
 
 The latency, transfer and reduce terms of the prediction are the partial derivatives of the critical path with
 respect to α, β and γ (times α, β, γ): the time each constant contributes along the path that decides.
