@@ -519,13 +519,15 @@ class ProcessGroup:
     def _cheapest(self, collective: Collective, size_bytes: float) -> str:
         """The registered algorithm the cost model predicts fastest for ``size_bytes``.
 
-        Algorithms that take ranks per host are candidates only when the group spans several hosts of equal
-        size; one that cannot be built for this world size is not a candidate.
+        Only algorithms registered as automatic (identical results on every rank) are candidates; those that take
+        ranks per host only when the group spans several hosts of equal size; one that cannot be built for this
+        world size is not a candidate.
         """
         multi_host = self.group_size < self.world_size and self.world_size % self.group_size == 0
         best, best_s = "", math.inf
         for name in algorithms(collective):
-            if "group_size" in get_algorithm(collective, name).parameters and not multi_host:
+            entry = get_algorithm(collective, name)
+            if not entry.automatic or ("group_size" in entry.parameters and not multi_host):
                 continue
             try:
                 schedule = self._schedule(collective, name, 0, 1)

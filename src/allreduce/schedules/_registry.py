@@ -82,6 +82,10 @@ class Algorithm:
     origin: str = "built-in"
     """Where it came from: ``built-in``, ``python`` (register_algorithm), a ``module:function`` spec, or
     ``entry point <distribution>``."""
+    automatic: bool = False
+    """Whether ``algorithm="auto"`` may choose it. Only for algorithms whose result is bitwise identical on every
+    rank (each element reduced once, in one order, then copied), so that replicas of a model never drift apart:
+    every built-in but ``naive``, whose ranks each sum the N contributions in an order of their own."""
 
 
 _REGISTRY: dict[Collective, dict[str, Algorithm]] = {c: {} for c in Collective}
@@ -117,6 +121,7 @@ def register_algorithm(
     origin: str = "python",
     replace: bool = False,
     verify_on: Iterable[int] | None = VERIFY_WORLD_SIZES,
+    automatic: bool = False,
 ) -> Algorithm:
     """Add ``build`` as ``name`` for ``collective`` and return its entry.
 
@@ -125,6 +130,8 @@ def register_algorithm(
     on the world sizes ``verify_on`` (None: not at all, for generators with tests of their own) and refused with
     a :class:`ScheduleError` naming the world size, parameters, rank, step and block when it is wrong. A
     generator may decline a world size it does not support by raising ``ValueError``; it must accept one.
+    ``automatic=True`` lets ``algorithm="auto"`` choose it (see :attr:`Algorithm.automatic`: only for algorithms
+    whose result is identical on every rank); otherwise it runs when named.
     """
     coll = Collective(collective)
     _check_name(name)
@@ -146,7 +153,7 @@ def register_algorithm(
             f"a {coll.value} algorithm named {name!r} is already registered ({table[name].origin}); "
             "pass replace=True to replace it"
         )
-    entry = Algorithm(coll, name, build, params, description, origin)
+    entry = Algorithm(coll, name, build, params, description, origin, automatic)
     if verify_on is not None:
         _verify_algorithm(entry, tuple(verify_on))
     table[name] = entry
@@ -302,18 +309,32 @@ def _register_builtins() -> None:
         ("naive", naive_all_reduce, "the strawman: every rank sends its whole buffer to every other rank"),
     ):
         register_algorithm(
-            Collective.ALL_REDUCE, name, build, description=description, origin="built-in", verify_on=None
+            Collective.ALL_REDUCE,
+            name,
+            build,
+            description=description,
+            origin="built-in",
+            verify_on=None,
+            automatic=name != "naive",
         )
     for coll, ring, direct in (
         (Collective.REDUCE_SCATTER, ring_reduce_scatter, direct_reduce_scatter),
         (Collective.ALL_GATHER, ring_all_gather, direct_all_gather),
     ):
-        register_algorithm(coll, "ring", ring, description="N-1 steps around a ring", origin="built-in", verify_on=None)
-        register_algorithm(coll, "direct", direct, description="one peer per step", origin="built-in", verify_on=None)
-    register_algorithm(Collective.BROADCAST, "binomial", binomial_broadcast, origin="built-in", verify_on=None)
-    register_algorithm(Collective.BROADCAST, "binary_tree", binary_tree_broadcast, origin="built-in", verify_on=None)
-    register_algorithm(Collective.REDUCE, "binomial", binomial_reduce, origin="built-in", verify_on=None)
-    register_algorithm(Collective.REDUCE, "binary_tree", binary_tree_reduce, origin="built-in", verify_on=None)
+        for name, build, description in (
+            ("ring", ring, "N-1 steps around a ring"),
+            ("direct", direct, "one peer per step"),
+        ):
+            register_algorithm(
+                coll, name, build, description=description, origin="built-in", verify_on=None, automatic=True
+            )
+    for coll, name, build in (
+        (Collective.BROADCAST, "binomial", binomial_broadcast),
+        (Collective.BROADCAST, "binary_tree", binary_tree_broadcast),
+        (Collective.REDUCE, "binomial", binomial_reduce),
+        (Collective.REDUCE, "binary_tree", binary_tree_reduce),
+    ):
+        register_algorithm(coll, name, build, origin="built-in", verify_on=None, automatic=True)
 
 
 _register_builtins()
