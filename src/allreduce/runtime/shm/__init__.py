@@ -4,20 +4,17 @@
 - :mod:`~allreduce.runtime.shm._segments`: /dev/shm files (naming, mapping, sweeping, the peer cache);
 - :mod:`~allreduce.runtime.shm._layout`: the control block every rank publishes, one declared layout;
 - :mod:`~allreduce.runtime.shm._compile`: a rank's plan compiled into shared-memory operations (pure);
-- :mod:`~allreduce.runtime.shm._transport`: :class:`ShmTransport`, which runs them.
+- :mod:`~allreduce.runtime.shm._rendezvous`: start-up (map the peers' control blocks, pidfds, the cross-memory probe);
+- :mod:`~allreduce.runtime.shm._waiting`: waiting on peers' counters while watching for dead or aborted peers;
+- :mod:`~allreduce.runtime.shm._peer_data`: where a peer's data is for one collective, and reading it;
+- :mod:`~allreduce.runtime.shm._transport`: :class:`ShmTransport`, which runs the compiled steps.
 """
 
 from allreduce.runtime.shm._layout import CRC_SLOTS_PER_PEER, DESCRIPTOR_BYTES, EAGER_BYTES, MAX_RANKS
+from allreduce.runtime.shm._peer_data import CROSS_MEMORY_CHUNK_BYTES
 from allreduce.runtime.shm._segments import PEER_SEGMENT_CACHE_ENTRIES, SHM_DIR, shm_prefix, sweep_stale_segments
-from allreduce.runtime.shm._transport import (
-    CROSS_MEMORY_CHUNK_BYTES,
-    CROSS_MEMORY_MIN_BYTES,
-    POLL_S,
-    SPIN_S,
-    YIELD_S,
-    ShmTransport,
-    eager_step_bound,
-)
+from allreduce.runtime.shm._transport import CROSS_MEMORY_MIN_BYTES, ShmTransport, eager_step_bound
+from allreduce.runtime.shm._waiting import POLL_S, SPIN_S, YIELD_S
 
 __all__ = [
     "CRC_SLOTS_PER_PEER",

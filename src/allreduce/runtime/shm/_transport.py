@@ -21,41 +21,33 @@ Where a rank's data lives for one collective (its *home*, published in its contr
 - **staged**: otherwise through a shared staging segment, copying only what the plan needs
   (:mod:`allreduce.runtime.shm._compile`).
 
-Waiting spins briefly, then yields, then blocks in ``futex(2)`` on the counter with a short timeout, so that N
-ranks on fewer cores do not starve each other. While waiting, the transport watches every peer's process
-(pidfd) and abort flag: a dead rank, a rank that gave up, or the deadline end the wait with an error naming the
-culprit.
+The class is assembled from mixins, one concern each, whose methods resolve like its own (no extra layer on
+the per-step path): :class:`~allreduce.runtime.shm._rendezvous.Rendezvous` (start-up),
+:class:`~allreduce.runtime.shm._waiting.PeerWaiting` (waiting on peers' counters while watching for dead or
+aborted peers) and :class:`~allreduce.runtime.shm._peer_data.PeerData` (reading a peer's data). This module
+holds the knobs, what the group calls, and the step loop.
 """
 
 from __future__ import annotations
 
 import os
-import time
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._errors import (
-    ChecksumError,
-    CollectiveError,
-    CollectiveTimeoutError,
-    PeerFailureError,
-)
+from allreduce.runtime._errors import ChecksumError, CollectiveError
 from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import ReduceInto, Transport, abort_kind, error_class
+from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
 from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
 from allreduce.runtime.shm._layout import (
     ABORTED_WORD,
-    ATTACHED_WORD,
     BUFFER_OFFSET_WORD,
     BUFFER_SEGMENT_WORD,
     CLOSED_WORD,
     CRC_SLOTS_PER_PEER,
-    CROSS_MEMORY_WORD,
     CULPRIT_WORD,
     DONE_STEP,
     EAGER_BYTES,
@@ -64,7 +56,6 @@ from allreduce.runtime.shm._layout import (
     MAGIC,
     MAGIC_WORD,
     MAX_RANKS,
-    NO_ABORT,
     PID_WORD,
     PROBE_ADDRESS_WORD,
     PROGRESS_WORD,
@@ -73,40 +64,28 @@ from allreduce.runtime.shm._layout import (
     SLEEPERS_WORD,
     STEP_BITS,
     STEP_WORD,
-    UNSATISFIABLE,
     ControlLayout,
     descriptor_payload_offset,
     descriptor_word,
 )
-from allreduce.runtime.shm._linux import (
-    CROSS_MEMORY_SUPPORTED,
-    close_pidfds,
-    exited,
-    futex_wait,
-    futex_wake,
-    open_pidfd,
-    read_remote,
-)
+from allreduce.runtime.shm._linux import CROSS_MEMORY_SUPPORTED, close_pidfds, futex_wake
+from allreduce.runtime.shm._peer_data import PeerData, Remote, apply_op
+from allreduce.runtime.shm._rendezvous import Rendezvous
 from allreduce.runtime.shm._segments import (
     SHM_DIR,
     LocalSegments,
     PeerSegments,
     Segment,
     control_segment_path,
-    data_segment_path,
     shm_prefix,
     sweep_stale_segments,
-    unlink_rank_files,
 )
+from allreduce.runtime.shm._waiting import SPIN_S
 
 __all__ = [
-    "CROSS_MEMORY_CHUNK_BYTES",
     "CROSS_MEMORY_MIN_BYTES",
     "EAGER_STEPS_PER_RANK",
     "EAGER_STEPS_SLACK",
-    "POLL_S",
-    "SPIN_S",
-    "YIELD_S",
     "ShmTransport",
     "eager_step_bound",
 ]
@@ -115,26 +94,10 @@ CROSS_MEMORY_MIN_BYTES = 8 << 20
 """Smallest plain array peers read in place with ``process_vm_readv``; below it staging is faster (the kernel
 pins the peer's pages one by one, and only large numpy arrays are backed by huge pages)."""
 
-CROSS_MEMORY_CHUNK_BYTES = 1 << 20
-"""A cross-memory receive that reduces goes through a scratch piece of this size, which stays in L2."""
-
 EAGER_STEPS_PER_RANK = 2
 EAGER_STEPS_SLACK = 8
 """``prepare()`` publishes a small buffer before the ranks agree on a plan, so it must bound the steps of any plan:
 ``EAGER_STEPS_PER_RANK * N + EAGER_STEPS_SLACK`` (a ring takes 2(N - 1) steps; trees and doubling fewer)."""
-
-SPIN_S = 30e-6
-"""A waiter busy-waits this long first when every rank has a core: a handoff then costs well under a microsecond."""
-
-YIELD_S = 300e-6
-"""Then it gives the core away between checks for this long; then it blocks in futex."""
-
-POLL_S = 0.001
-"""Longest a waiter blocks in futex before it re-checks the deadline, dead peers and abort flags."""
-
-_ATTACH_FIRST_PAUSE_S = 1e-4
-_ATTACH_MAX_PAUSE_S = 0.01
-"""Start-up only (peers are still starting their interpreters): back off from the first to the longest pause."""
 
 
 def eager_step_bound(world_size: int) -> int:
@@ -142,21 +105,7 @@ def eager_step_bound(world_size: int) -> int:
     return EAGER_STEPS_PER_RANK * world_size + EAGER_STEPS_SLACK
 
 
-@dataclass(frozen=True, slots=True)
-class _Remote:
-    """A peer's private array, read with process_vm_readv: element i is at ``address + i * itemsize``."""
-
-    peer: int
-    pid: int
-    address: int
-    itemsize: int
-
-
-def _where(step: int) -> str:
-    return f"step {step}" if step >= 0 else "the descriptor exchange"
-
-
-class ShmTransport(Transport):
+class ShmTransport(PeerData, Rendezvous, Transport):
     """Shared-memory transport for ``world_size`` ranks of job ``job`` on one host (see the module docstring).
 
     Construction is collective: every rank creates its control block and waits (up to ``timeout_s``) until
@@ -291,91 +240,6 @@ class ShmTransport(Transport):
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise ValueError(f"peer {peer!r} is not another rank of a group of {self.world_size}")
         self._corrupt_next = (peer, step)
-
-    # ----------------------------------------------------------------------------------------------------
-    # Start-up
-    # ----------------------------------------------------------------------------------------------------
-    def _ctl_list(self) -> list[Segment]:
-        out = []
-        for s in self._ctl:
-            assert s is not None
-            out.append(s)
-        return out
-
-    def _map_control_block(self, peer: int) -> Segment | None:
-        """Peer's control block once it is created and initialised, else ``None``."""
-        try:
-            segment = Segment(control_segment_path(self._prefix, peer), 0, create=False)
-        except FileNotFoundError:
-            return None
-        if segment.size_bytes >= self._layout.size_bytes:
-            words = segment.words()
-            initialised = words[MAGIC_WORD] == MAGIC
-            words.release()
-            if initialised:
-                return segment
-        segment.close()
-        return None
-
-    def _attach_peers(self, own_words: memoryview, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        missing = [p for p in range(self.world_size) if p != self.rank]
-        pause = _ATTACH_FIRST_PAUSE_S
-        while missing:
-            still = []
-            for p in missing:
-                segment = self._map_control_block(p)
-                if segment is None:
-                    still.append(p)
-                else:
-                    self._ctl[p] = segment
-            missing = still
-            if missing:
-                if time.monotonic() > deadline:
-                    raise CollectiveTimeoutError(
-                        f"rank {self.rank}: shared-memory rendezvous timed out after {timeout_s:g} s waiting for "
-                        f"rank(s) {', '.join(map(str, missing))} to join",
-                        rank=self.rank,
-                        peer=missing[0],
-                    )
-                time.sleep(pause)
-                pause = min(pause * 2, _ATTACH_MAX_PAUSE_S)
-        self._views = [own_words if p == self.rank else s.words() for p, s in enumerate(self._ctl_list())]
-        views = self._views
-        self._peer_pids = [int(view[PID_WORD]) for view in views]
-        self._pidfds = [open_pidfd(pid) for p, pid in enumerate(self._peer_pids) if p != self.rank]
-        own_words[CROSS_MEMORY_WORD] = int(self._probe_cross_memory())
-        own_words[ATTACHED_WORD] = 1
-        # Unlink our control file once every peer has mapped it, so a crash leaves nothing in /dev/shm.
-        while True:
-            pending = [p for p in range(self.world_size) if views[p][ATTACHED_WORD] != 1]
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank}: shared-memory rendezvous timed out waiting for rank(s) "
-                    f"{', '.join(map(str, pending))} to map the control segments",
-                    rank=self.rank,
-                    peer=pending[0],
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, _ATTACH_MAX_PAUSE_S)
-        self._cross_memory_available = all(view[CROSS_MEMORY_WORD] == 1 for view in self._views)
-        own = self._ctl[self.rank]
-        assert own is not None
-        own.unlink()
-
-    def _probe_cross_memory(self) -> bool:
-        """Can this rank read every peer's private memory? (Read each peer's magic word where it mapped it.)"""
-        if not self._want_cross_memory:
-            return False
-        probe = np.zeros(1, dtype=np.int64)
-        for p, view in enumerate(self._views):
-            if p == self.rank:
-                continue
-            if read_remote(self._peer_pids[p], int(view[PROBE_ADDRESS_WORD]), probe) or int(probe[0]) != MAGIC:
-                return False
-        return True
 
     # ----------------------------------------------------------------------------------------------------
     # What the group calls
@@ -541,7 +405,7 @@ class ShmTransport(Transport):
         base = seq << STEP_BITS
         views = self._views
         wait = self._wait
-        peer_arrays: dict[int, npt.NDArray[Any] | _Remote] = {}
+        peer_arrays: dict[int, npt.NDArray[Any] | Remote] = {}
         snapshot = self._eager_area(self.rank, seq, dtype) if eager else work
         try:
             for st in program.steps:
@@ -561,7 +425,7 @@ class ShmTransport(Transport):
                     peer = rv.peer
                     wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
                          what="its data for this step", step=st.index)  # fmt: skip
-                    source: npt.NDArray[Any] | _Remote
+                    source: npt.NDArray[Any] | Remote
                     if views[peer][BUFFER_SEGMENT_WORD] == IN_EAGER_SNAPSHOT:
                         source, shift = self._eager_area(peer, seq, dtype), -st.index * count
                     else:
@@ -584,11 +448,11 @@ class ShmTransport(Transport):
                         for reader, value in () if eager else pc.waits:
                             wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
                                  what="reading data this step overwrites", step=st.index)  # fmt: skip
-                        if isinstance(source, _Remote):
+                        if isinstance(source, Remote):
                             self._receive_remote(pc, rv, source, arrays=arrays, ufunc=ufunc, reduce_into=reduce_into,
                                                  seq=seq, step=st.index)  # fmt: skip
                         elif rv.reduce:
-                            _apply(ufunc, reduce_into, arrays[pc.src][a:b], source[a - shift : b - shift],
+                            apply_op(ufunc, reduce_into, arrays[pc.src][a:b], source[a - shift : b - shift],
                                    arrays[pc.dst][a:b], in_place=pc.src == pc.dst)  # fmt: skip
                         else:
                             arrays[pc.dst][a:b] = source[a - shift : b - shift]
@@ -622,13 +486,13 @@ class ShmTransport(Transport):
                 self._corrupt_next = None
 
     def _verify(
-        self, rv: Receive, source: npt.NDArray[Any] | _Remote, shift: int, dtype: np.dtype[Any], *, seq: int, step: int
+        self, rv: Receive, source: npt.NDArray[Any] | Remote, shift: int, dtype: np.dtype[Any], *, seq: int, step: int
     ) -> tuple[npt.NDArray[Any], int]:
         """checksum=True: raise :class:`ChecksumError` unless the received block matches the sender's crc32.
 
         Returns where to read the block from (a private copy when the peer's memory is read with
         process_vm_readv, so that what is checked is what is reduced)."""
-        if isinstance(source, _Remote):
+        if isinstance(source, Remote):
             local = np.empty(rv.stop - rv.start, dtype)
             self._fetch(source, rv.start, local, seq=seq, step=step)
             source, shift = local, rv.start
@@ -644,75 +508,6 @@ class ShmTransport(Transport):
                 step=step,
             )
         return source, shift
-
-    def _receive_staged(
-        self,
-        pc: Piece,
-        rv: Receive,
-        source: npt.NDArray[Any] | _Remote,
-        shift: int,
-        *,
-        arrays: tuple[npt.NDArray[Any], npt.NDArray[Any]],
-        ufunc: Any,
-        reduce_into: ReduceInto,
-        seq: int,
-        step: int,
-        into: npt.NDArray[Any] | None,
-    ) -> npt.NDArray[Any]:
-        """A piece also sent this step: its result goes to scratch, written once this step's readers are done.
-
-        ``into`` is the scratch result of an earlier receive of the same range in this step: the data is reduced
-        into it (the buffer itself still holds the step-start value that peers are reading)."""
-        a, b = pc.start, pc.stop
-        dtype = arrays[0].dtype
-        if into is not None:
-            incoming = np.empty(b - a, dtype)
-            if isinstance(source, _Remote):
-                self._fetch(source, a, incoming, seq=seq, step=step)
-            else:
-                incoming[...] = source[a - shift : b - shift]
-            if rv.reduce:
-                reduce_into(into, incoming)
-                return into
-            return incoming
-        if isinstance(source, _Remote):
-            tmp = np.empty(b - a, dtype)
-            self._fetch(source, a, tmp, seq=seq, step=step)
-            if rv.reduce:
-                tmp = _reduced(ufunc, reduce_into, arrays[pc.src][a:b], tmp)
-        elif rv.reduce:
-            tmp = np.empty(b - a, dtype)
-            _apply(ufunc, reduce_into, arrays[pc.src][a:b], source[a - shift : b - shift], tmp, in_place=False)
-        else:
-            tmp = source[a - shift : b - shift].copy()
-        return tmp
-
-    def _receive_remote(
-        self,
-        pc: Piece,
-        rv: Receive,
-        source: _Remote,
-        *,
-        arrays: tuple[npt.NDArray[Any], npt.NDArray[Any]],
-        ufunc: Any,
-        reduce_into: ReduceInto,
-        seq: int,
-        step: int,
-    ) -> None:
-        """A piece in the peer's private memory: copied straight into place, or reduced through scratch pieces."""
-        a, b = pc.start, pc.stop
-        out = arrays[pc.dst][a:b]
-        if not rv.reduce:
-            self._fetch(source, a, out, seq=seq, step=step)
-            return
-        # Read a cache-sized piece, reduce it, next: the peer's data crosses memory once.
-        scratch = self._scratch_of(arrays[0].dtype)
-        mine = arrays[pc.src]
-        for c in range(a, b, scratch.size):
-            d = min(c + scratch.size, b)
-            piece = scratch[: d - c]
-            self._fetch(source, c, piece, seq=seq, step=step)
-            _apply(ufunc, reduce_into, mine[c:d], piece, out[c - a : d - a], in_place=pc.src == pc.dst)
 
     def _finish(
         self,
@@ -732,166 +527,6 @@ class ShmTransport(Transport):
         for a, b in program.copyouts:
             user[a:b] = work[a:b]
         self._publish(PROGRESS_WORD, base + DONE_STEP)
-
-    # ----------------------------------------------------------------------------------------------------
-    # Peers' memory
-    # ----------------------------------------------------------------------------------------------------
-    def _peer_array(
-        self, peer: int, dtype: np.dtype[Any], count: int, *, seq: int, step: int
-    ) -> npt.NDArray[Any] | _Remote:
-        """Where ``peer`` published its data for this collective, as an array (or a :class:`_Remote`)."""
-        view = self._views[peer]
-        segment_id, offset = view[BUFFER_SEGMENT_WORD], view[BUFFER_OFFSET_WORD]
-        if segment_id == IN_PRIVATE_MEMORY:
-            return _Remote(peer, self._peer_pids[peer], offset, dtype.itemsize)
-        cache = self._peer_segments[peer]
-        segment = cache.get(segment_id)
-        if segment is None:
-            path = data_segment_path(self._prefix, peer, self._peer_pids[peer], segment_id)
-            try:
-                segment = Segment(path, 0, create=False)
-            except FileNotFoundError:
-                # The peer has already given up and released its memory: report why it left.
-                self._check_peers(peer, CLOSED_WORD, UNSATISFIABLE, seq=seq, what="its data", step=step)
-                raise PeerFailureError(
-                    f"rank {self.rank}: rank {peer} released its shared memory during collective {seq}",
-                    rank=self.rank,
-                    peer=peer,
-                    step=step,
-                ) from None
-            cache.add(segment_id, segment)
-        return segment.array(dtype, count, offset)
-
-    def _fetch(self, remote: _Remote, start: int, out: npt.NDArray[Any], *, seq: int, step: int) -> None:
-        """Copy the peer's elements [start, start + out.size) into ``out``."""
-        error = read_remote(remote.pid, remote.address + start * remote.itemsize, out)
-        if not error:
-            return
-        # The peer is gone or gave up (its memory went with it): name the root cause when there is one.
-        self._check_peers(remote.peer, CLOSED_WORD, UNSATISFIABLE, seq=seq, what="its data", step=step)
-        raise PeerFailureError(
-            f"rank {self.rank}: cannot read rank {remote.peer}'s buffer during collective {seq} "
-            f"(step {step}): {os.strerror(error)}",
-            rank=self.rank,
-            peer=remote.peer,
-            step=step,
-        )
-
-    def _eager_area(self, rank: int, seq: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-        """Rank ``rank``'s snapshot area for collective ``seq`` (two areas, alternating with seq's parity)."""
-        ctl = self._ctl[rank]
-        assert ctl is not None
-        return ctl.array(dtype, EAGER_BYTES // dtype.itemsize, self._eager_offsets[seq & 1])
-
-    def _scratch_of(self, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-        if self._scratch is None:
-            self._scratch = np.empty(CROSS_MEMORY_CHUNK_BYTES, dtype=np.uint8)
-        return self._scratch.view(dtype)
-
-    # ----------------------------------------------------------------------------------------------------
-    # Waiting
-    # ----------------------------------------------------------------------------------------------------
-    def _publish(self, word: int, value: int) -> None:
-        view = self._views[self.rank]
-        view[word] = value
-        # A syscall only when someone sleeps: most handoffs are caught by the waiter's spin. A waiter that
-        # registers just as we look may miss this wake; its futex timeout (POLL_S) bounds the cost.
-        if any(self._sleepers):
-            futex_wake(self._addr[self.rank] + 8 * word)
-
-    def _wait(self, peer: int, word: int, target: int, *, deadline: float, seq: int, what: str, step: int) -> None:
-        view = self._views[peer]
-        if view[word] >= target:
-            return
-        clock = time.perf_counter
-        start = clock()
-        spin_until = start + self._spin_s
-        while clock() < spin_until:
-            if view[word] >= target:
-                return
-        yield_until = start + YIELD_S
-        while clock() < yield_until:
-            os.sched_yield()
-            if view[word] >= target:
-                return
-        address = self._addr[peer] + 8 * word
-        sleeper = SLEEPERS_WORD + self.rank
-        while True:
-            seen = view[word]
-            if seen >= target:
-                return
-            self._check_peers(peer, word, target, seq=seq, what=what, step=step)
-            now = time.monotonic()
-            if now >= deadline:
-                if view[word] >= target:
-                    return
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank}: collective {seq} timed out at {_where(step)} waiting for rank {peer} ({what})",
-                    rank=self.rank,
-                    peer=peer,
-                    step=step if step >= 0 else None,
-                )
-            view[sleeper] = 1
-            if view[word] == seen:
-                futex_wait(address, seen, min(POLL_S, deadline - now))
-            view[sleeper] = 0
-
-    def _check_peers(self, peer: int, word: int, target: int, *, seq: int, what: str, step: int) -> None:
-        """Raise if a peer died, closed, or gave up (after re-checking the awaited condition)."""
-        dead: list[int] = []
-        if self._pidfds:
-            gone = exited(self._pidfds)
-            if gone:
-                others = [p for p in range(self.world_size) if p != self.rank]
-                dead = [p for p, fd in zip(others, self._pidfds, strict=True) if fd in gone]
-        views = self._views
-        # A rank that gave up set its abort flag before exiting; a rank that closed set its closed flag. Only a
-        # process that exited with neither died unannounced: that is the root cause to name.
-        died = [p for p in dead if views[p][ABORTED_WORD] == NO_ABORT and not views[p][CLOSED_WORD]]
-        aborted = [p for p in range(self.world_size) if p != self.rank and views[p][ABORTED_WORD] != NO_ABORT]
-        # A peer that closed after doing its part is fine unless we still wait on it.
-        if peer != self.rank and views[peer][ABORTED_WORD] == NO_ABORT and (views[peer][CLOSED_WORD] or peer in dead):
-            aborted.append(peer)
-        if not died and not aborted:
-            return
-        if views[peer][word] >= target:
-            return  # the peer did its part before it went away
-        step_or_none = step if step >= 0 else None
-        if died:
-            culprit = died[0]
-            unlink_rank_files(self._prefix, died)
-            raise PeerFailureError(
-                f"rank {self.rank}: rank {culprit} died (process exited) during collective {seq}; "
-                f"this rank was at {_where(step)} waiting for rank {peer} ({what})",
-                rank=self.rank,
-                peer=culprit,
-                step=step_or_none,
-            )
-        p = aborted[0]
-        if views[p][ABORTED_WORD] == NO_ABORT:
-            raise PeerFailureError(
-                f"rank {self.rank}: rank {p} closed the group while this rank was at {_where(step)} of collective "
-                f"{seq} waiting for rank {peer} ({what})",
-                rank=self.rank,
-                peer=p,
-                step=step_or_none,
-            )
-        error_type = error_class(int(views[p][ABORTED_WORD]) - 1)
-        culprit = int(views[p][CULPRIT_WORD])
-        if error_type is PeerFailureError:
-            reason = f"rank {culprit} died"
-        elif error_type is CollectiveTimeoutError:
-            reason = f"it timed out waiting for rank {culprit}"
-        elif error_type is ChecksumError:
-            reason = f"data from rank {culprit} failed its checksum"
-        else:
-            reason = "it failed"
-        raise error_type(
-            f"rank {self.rank}: collective {seq} aborted at {_where(step)}: rank {p} gave up because {reason}",
-            rank=self.rank,
-            peer=culprit if error_type is PeerFailureError else p,
-            step=step_or_none,
-        )
 
     # ----------------------------------------------------------------------------------------------------
     # Release
@@ -921,31 +556,3 @@ class ShmTransport(Transport):
         segments = getattr(self, "_segments", None)
         if not getattr(self, "_closed", True) and segments is not None:
             segments.unlink()
-
-
-def _reduced(ufunc: Any, reduce_into: ReduceInto, mine: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> Any:
-    """op(mine, incoming) in a new array (``incoming`` is a private copy and may be reused as the result)."""
-    if ufunc is not None:
-        ufunc(mine, incoming, out=incoming)
-        return incoming
-    out = mine.copy()
-    reduce_into(out, incoming)
-    return out
-
-
-def _apply(
-    ufunc: Any,
-    reduce_into: ReduceInto,
-    mine: npt.NDArray[Any],
-    incoming: npt.NDArray[Any],
-    dst: npt.NDArray[Any],
-    *,
-    in_place: bool,
-) -> None:
-    """dst = op(mine, incoming), in one pass when the reducer exposes its ufunc."""
-    if ufunc is not None:
-        ufunc(mine, incoming, out=dst)
-        return
-    if not in_place:
-        dst[...] = mine
-    reduce_into(dst, incoming)

@@ -1,0 +1,209 @@
+"""Reading a peer's data for one collective: where the peer published it, and receiving (and reducing) from it.
+
+A mixin of :class:`~allreduce.runtime.shm.ShmTransport` (its methods resolve like the class's own, so the
+per-step loop pays no extra layer). A peer's data is in its eager snapshot area, in a shared segment (its
+``group.empty()`` arrays or its staging buffer), or in its private memory, read with ``process_vm_readv``
+(:class:`Remote`); a receive that reduces out of private memory goes through a scratch piece that stays in L2.
+A read that fails because the peer went away names the root cause (see
+:mod:`allreduce.runtime.shm._waiting`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.runtime._errors import PeerFailureError
+from allreduce.runtime._transport import ReduceInto
+from allreduce.runtime.shm._compile import Piece, Receive
+from allreduce.runtime.shm._layout import (
+    BUFFER_OFFSET_WORD,
+    BUFFER_SEGMENT_WORD,
+    CLOSED_WORD,
+    EAGER_BYTES,
+    IN_PRIVATE_MEMORY,
+    UNSATISFIABLE,
+)
+from allreduce.runtime.shm._linux import read_remote
+from allreduce.runtime.shm._segments import PeerSegments, Segment, data_segment_path
+from allreduce.runtime.shm._waiting import PeerWaiting
+
+__all__ = ["CROSS_MEMORY_CHUNK_BYTES", "PeerData", "Remote", "apply_op"]
+
+CROSS_MEMORY_CHUNK_BYTES = 1 << 20
+"""A cross-memory receive that reduces goes through a scratch piece of this size, which stays in L2."""
+
+
+@dataclass(frozen=True, slots=True)
+class Remote:
+    """A peer's private array, read with process_vm_readv: element i is at ``address + i * itemsize``."""
+
+    peer: int
+    pid: int
+    address: int
+    itemsize: int
+
+
+class PeerData(PeerWaiting):
+    """Peers' data as this rank reads it (mixed into the transport, which sets the state)."""
+
+    _ctl: list[Segment | None]
+    _peer_pids: list[int]
+    _peer_segments: list[PeerSegments]
+    """Per peer, the data segments this rank has mapped (by segment id)."""
+    _eager_offsets: tuple[int, int]
+    """Offset of snapshot area 0 and 1 in a control block (alternating with the parity of the sequence number)."""
+    _scratch: npt.NDArray[np.uint8] | None
+
+    def _peer_array(
+        self, peer: int, dtype: np.dtype[Any], count: int, *, seq: int, step: int
+    ) -> npt.NDArray[Any] | Remote:
+        """Where ``peer`` published its data for this collective, as an array (or a :class:`Remote`)."""
+        view = self._views[peer]
+        segment_id, offset = view[BUFFER_SEGMENT_WORD], view[BUFFER_OFFSET_WORD]
+        if segment_id == IN_PRIVATE_MEMORY:
+            return Remote(peer, self._peer_pids[peer], offset, dtype.itemsize)
+        cache = self._peer_segments[peer]
+        segment = cache.get(segment_id)
+        if segment is None:
+            path = data_segment_path(self._prefix, peer, self._peer_pids[peer], segment_id)
+            try:
+                segment = Segment(path, 0, create=False)
+            except FileNotFoundError:
+                # The peer has already given up and released its memory: report why it left.
+                self._check_peers(peer, CLOSED_WORD, UNSATISFIABLE, seq=seq, what="its data", step=step)
+                raise PeerFailureError(
+                    f"rank {self.rank}: rank {peer} released its shared memory during collective {seq}",
+                    rank=self.rank,
+                    peer=peer,
+                    step=step,
+                ) from None
+            cache.add(segment_id, segment)
+        return segment.array(dtype, count, offset)
+
+    def _fetch(self, remote: Remote, start: int, out: npt.NDArray[Any], *, seq: int, step: int) -> None:
+        """Copy the peer's elements [start, start + out.size) into ``out``."""
+        error = read_remote(remote.pid, remote.address + start * remote.itemsize, out)
+        if not error:
+            return
+        # The peer is gone or gave up (its memory went with it): name the root cause when there is one.
+        self._check_peers(remote.peer, CLOSED_WORD, UNSATISFIABLE, seq=seq, what="its data", step=step)
+        raise PeerFailureError(
+            f"rank {self.rank}: cannot read rank {remote.peer}'s buffer during collective {seq} "
+            f"(step {step}): {os.strerror(error)}",
+            rank=self.rank,
+            peer=remote.peer,
+            step=step,
+        )
+
+    def _eager_area(self, rank: int, seq: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        """Rank ``rank``'s snapshot area for collective ``seq`` (two areas, alternating with seq's parity)."""
+        ctl = self._ctl[rank]
+        assert ctl is not None
+        return ctl.array(dtype, EAGER_BYTES // dtype.itemsize, self._eager_offsets[seq & 1])
+
+    def _scratch_of(self, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        if self._scratch is None:
+            self._scratch = np.empty(CROSS_MEMORY_CHUNK_BYTES, dtype=np.uint8)
+        return self._scratch.view(dtype)
+
+    def _receive_staged(
+        self,
+        pc: Piece,
+        rv: Receive,
+        source: npt.NDArray[Any] | Remote,
+        shift: int,
+        *,
+        arrays: tuple[npt.NDArray[Any], npt.NDArray[Any]],
+        ufunc: Any,
+        reduce_into: ReduceInto,
+        seq: int,
+        step: int,
+        into: npt.NDArray[Any] | None,
+    ) -> npt.NDArray[Any]:
+        """A piece also sent this step: its result goes to scratch, written once this step's readers are done.
+
+        ``into`` is the scratch result of an earlier receive of the same range in this step: the data is reduced
+        into it (the buffer itself still holds the step-start value that peers are reading)."""
+        a, b = pc.start, pc.stop
+        dtype = arrays[0].dtype
+        if into is not None:
+            incoming = np.empty(b - a, dtype)
+            if isinstance(source, Remote):
+                self._fetch(source, a, incoming, seq=seq, step=step)
+            else:
+                incoming[...] = source[a - shift : b - shift]
+            if rv.reduce:
+                reduce_into(into, incoming)
+                return into
+            return incoming
+        if isinstance(source, Remote):
+            tmp = np.empty(b - a, dtype)
+            self._fetch(source, a, tmp, seq=seq, step=step)
+            if rv.reduce:
+                tmp = _reduced(ufunc, reduce_into, arrays[pc.src][a:b], tmp)
+        elif rv.reduce:
+            tmp = np.empty(b - a, dtype)
+            apply_op(ufunc, reduce_into, arrays[pc.src][a:b], source[a - shift : b - shift], tmp, in_place=False)
+        else:
+            tmp = source[a - shift : b - shift].copy()
+        return tmp
+
+    def _receive_remote(
+        self,
+        pc: Piece,
+        rv: Receive,
+        source: Remote,
+        *,
+        arrays: tuple[npt.NDArray[Any], npt.NDArray[Any]],
+        ufunc: Any,
+        reduce_into: ReduceInto,
+        seq: int,
+        step: int,
+    ) -> None:
+        """A piece in the peer's private memory: copied straight into place, or reduced through scratch pieces."""
+        a, b = pc.start, pc.stop
+        out = arrays[pc.dst][a:b]
+        if not rv.reduce:
+            self._fetch(source, a, out, seq=seq, step=step)
+            return
+        # Read a cache-sized piece, reduce it, next: the peer's data crosses memory once.
+        scratch = self._scratch_of(arrays[0].dtype)
+        mine = arrays[pc.src]
+        for c in range(a, b, scratch.size):
+            d = min(c + scratch.size, b)
+            piece = scratch[: d - c]
+            self._fetch(source, c, piece, seq=seq, step=step)
+            apply_op(ufunc, reduce_into, mine[c:d], piece, out[c - a : d - a], in_place=pc.src == pc.dst)
+
+
+def _reduced(ufunc: Any, reduce_into: ReduceInto, mine: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> Any:
+    """op(mine, incoming) in a new array (``incoming`` is a private copy and may be reused as the result)."""
+    if ufunc is not None:
+        ufunc(mine, incoming, out=incoming)
+        return incoming
+    out = mine.copy()
+    reduce_into(out, incoming)
+    return out
+
+
+def apply_op(
+    ufunc: Any,
+    reduce_into: ReduceInto,
+    mine: npt.NDArray[Any],
+    incoming: npt.NDArray[Any],
+    dst: npt.NDArray[Any],
+    *,
+    in_place: bool,
+) -> None:
+    """dst = op(mine, incoming), in one pass when the reducer exposes its ufunc."""
+    if ufunc is not None:
+        ufunc(mine, incoming, out=dst)
+        return
+    if not in_place:
+        dst[...] = mine
+    reduce_into(dst, incoming)

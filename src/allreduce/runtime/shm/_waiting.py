@@ -1,0 +1,159 @@
+"""Waiting on peers' counters, and watching the peers while waiting.
+
+A mixin of :class:`~allreduce.runtime.shm.ShmTransport` (its methods resolve like the class's own, so the hot
+path pays no extra layer). A waiter spins briefly when every rank has a core, then yields, then blocks in
+``futex(2)`` on the counter with a short timeout, so that N ranks on fewer cores do not starve each other; a
+publisher wakes the futex only when a peer has marked itself asleep. While waiting it watches every peer's
+process (pidfd) and abort flag: a dead rank, a rank that closed or gave up, or the deadline end the wait with an
+error naming the culprit, the step and what was awaited.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from allreduce.runtime._errors import ChecksumError, CollectiveTimeoutError, PeerFailureError
+from allreduce.runtime._transport import error_class
+from allreduce.runtime.shm._layout import ABORTED_WORD, CLOSED_WORD, CULPRIT_WORD, NO_ABORT, SLEEPERS_WORD
+from allreduce.runtime.shm._linux import exited, futex_wait, futex_wake
+from allreduce.runtime.shm._segments import unlink_rank_files
+
+__all__ = ["POLL_S", "SPIN_S", "YIELD_S", "PeerWaiting"]
+
+SPIN_S = 30e-6
+"""A waiter busy-waits this long first when every rank has a core: a handoff then costs well under a microsecond."""
+
+YIELD_S = 300e-6
+"""Then it gives the core away between checks for this long; then it blocks in futex."""
+
+POLL_S = 0.001
+"""Longest a waiter blocks in futex before it re-checks the deadline, dead peers and abort flags."""
+
+
+def _where(step: int) -> str:
+    """``step`` in a message (-1 is the descriptor exchange, before the first step)."""
+    return f"step {step}" if step >= 0 else "the descriptor exchange"
+
+
+class PeerWaiting:
+    """Publishing this rank's counters and waiting on peers' (mixed into the transport, which sets the state)."""
+
+    rank: int
+    world_size: int
+    _prefix: str
+    _views: list[memoryview]
+    """Every rank's control block as int64 words (this rank's included)."""
+    _sleepers: memoryview
+    """This rank's "asleep in futex" flags, one per rank that waits on it."""
+    _addr: list[int]
+    """Every rank's control block address in this process (futex keys)."""
+    _spin_s: float
+    _pidfds: list[int]
+    """The peers' pidfds, in rank order without this rank."""
+
+    def _publish(self, word: int, value: int) -> None:
+        """Set this rank's counter ``word`` to ``value`` and wake the peers asleep on this rank's block."""
+        view = self._views[self.rank]
+        view[word] = value
+        # A syscall only when someone sleeps: most handoffs are caught by the waiter's spin. A waiter that
+        # registers just as we look may miss this wake; its futex timeout (POLL_S) bounds the cost.
+        if any(self._sleepers):
+            futex_wake(self._addr[self.rank] + 8 * word)
+
+    def _wait(self, peer: int, word: int, target: int, *, deadline: float, seq: int, what: str, step: int) -> None:
+        """Return once ``peer``'s counter ``word`` reaches ``target``; raise naming the culprit if it cannot.
+
+        ``what`` (what is awaited) and ``step`` (-1: the descriptor exchange) go into the error messages."""
+        view = self._views[peer]
+        if view[word] >= target:
+            return
+        clock = time.perf_counter
+        start = clock()
+        spin_until = start + self._spin_s
+        while clock() < spin_until:
+            if view[word] >= target:
+                return
+        yield_until = start + YIELD_S
+        while clock() < yield_until:
+            os.sched_yield()
+            if view[word] >= target:
+                return
+        address = self._addr[peer] + 8 * word
+        sleeper = SLEEPERS_WORD + self.rank
+        while True:
+            seen = view[word]
+            if seen >= target:
+                return
+            self._check_peers(peer, word, target, seq=seq, what=what, step=step)
+            now = time.monotonic()
+            if now >= deadline:
+                if view[word] >= target:
+                    return
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: collective {seq} timed out at {_where(step)} waiting for rank {peer} ({what})",
+                    rank=self.rank,
+                    peer=peer,
+                    step=step if step >= 0 else None,
+                )
+            view[sleeper] = 1
+            if view[word] == seen:
+                futex_wait(address, seen, min(POLL_S, deadline - now))
+            view[sleeper] = 0
+
+    def _check_peers(self, peer: int, word: int, target: int, *, seq: int, what: str, step: int) -> None:
+        """Raise if a peer died, closed, or gave up (after re-checking the awaited condition)."""
+        dead: list[int] = []
+        if self._pidfds:
+            gone = exited(self._pidfds)
+            if gone:
+                others = [p for p in range(self.world_size) if p != self.rank]
+                dead = [p for p, fd in zip(others, self._pidfds, strict=True) if fd in gone]
+        views = self._views
+        # A rank that gave up set its abort flag before exiting; a rank that closed set its closed flag. Only a
+        # process that exited with neither died unannounced: that is the root cause to name.
+        died = [p for p in dead if views[p][ABORTED_WORD] == NO_ABORT and not views[p][CLOSED_WORD]]
+        aborted = [p for p in range(self.world_size) if p != self.rank and views[p][ABORTED_WORD] != NO_ABORT]
+        # A peer that closed after doing its part is fine unless we still wait on it.
+        if peer != self.rank and views[peer][ABORTED_WORD] == NO_ABORT and (views[peer][CLOSED_WORD] or peer in dead):
+            aborted.append(peer)
+        if not died and not aborted:
+            return
+        if views[peer][word] >= target:
+            return  # the peer did its part before it went away
+        step_or_none = step if step >= 0 else None
+        if died:
+            culprit = died[0]
+            unlink_rank_files(self._prefix, died)
+            raise PeerFailureError(
+                f"rank {self.rank}: rank {culprit} died (process exited) during collective {seq}; "
+                f"this rank was at {_where(step)} waiting for rank {peer} ({what})",
+                rank=self.rank,
+                peer=culprit,
+                step=step_or_none,
+            )
+        p = aborted[0]
+        if views[p][ABORTED_WORD] == NO_ABORT:
+            raise PeerFailureError(
+                f"rank {self.rank}: rank {p} closed the group while this rank was at {_where(step)} of collective "
+                f"{seq} waiting for rank {peer} ({what})",
+                rank=self.rank,
+                peer=p,
+                step=step_or_none,
+            )
+        error_type = error_class(int(views[p][ABORTED_WORD]) - 1)
+        culprit = int(views[p][CULPRIT_WORD])
+        if error_type is PeerFailureError:
+            reason = f"rank {culprit} died"
+        elif error_type is CollectiveTimeoutError:
+            reason = f"it timed out waiting for rank {culprit}"
+        elif error_type is ChecksumError:
+            reason = f"data from rank {culprit} failed its checksum"
+        else:
+            reason = "it failed"
+        raise error_type(
+            f"rank {self.rank}: collective {seq} aborted at {_where(step)}: rank {p} gave up because {reason}",
+            rank=self.rank,
+            peer=culprit if error_type is PeerFailureError else p,
+            step=step_or_none,
+        )
