@@ -91,8 +91,7 @@ def _probability(text: str, what: str) -> float:
 
 
 def _config(args: argparse.Namespace, topology: Topology) -> TailConfig:
-    from allreduce.sim import LossModel, parse_distribution, parse_timed_fault, resolve_links
-    from allreduce.sim._stochastic import parse_time
+    from allreduce.sim import LossModel, parse_distribution, parse_time, parse_timed_fault, resolve_links
 
     links = []
     for text in args.loss_link:

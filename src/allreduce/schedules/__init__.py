@@ -58,7 +58,16 @@ from allreduce.schedules._schedule import (
     block_bounds,
     concat_streams,
 )
-from allreduce.schedules._timing import PhaseTiming, propagate, step_once
+from allreduce.schedules._timing import (
+    Blame,
+    Incidence,
+    PhaseTiming,
+    blame_key,
+    jump_samples,
+    propagate,
+    step_once,
+    step_samples,
+)
 from allreduce.schedules._verify import ScheduleError, verify, verify_programs
 
 __all__ = [
@@ -71,8 +80,10 @@ __all__ = [
     "VERIFY_WORLD_SIZES",
     "Algorithm",
     "AlgorithmLoadError",
+    "Blame",
     "Collective",
     "CostModel",
+    "Incidence",
     "Op",
     "Phase",
     "PhaseTiming",
@@ -90,6 +101,7 @@ __all__ = [
     "binary_tree_reduce",
     "binomial_broadcast",
     "binomial_reduce",
+    "blame_key",
     "block_bounds",
     "bus_factor",
     "concat_streams",
@@ -100,6 +112,7 @@ __all__ = [
     "get_algorithm",
     "halving_doubling_all_reduce",
     "hierarchical_all_reduce",
+    "jump_samples",
     "load_algorithm",
     "make_schedule",
     "naive_all_reduce",
@@ -113,6 +126,7 @@ __all__ = [
     "ring_all_reduce",
     "ring_reduce_scatter",
     "step_once",
+    "step_samples",
     "unregister_algorithm",
     "verify",
     "verify_programs",

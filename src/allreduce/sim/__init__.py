@@ -18,7 +18,7 @@ from allreduce.sim._loss import FABRICS, LossModel, transfer_loss_probability
 from allreduce.sim._montecarlo import PERCENTILES, Culprit, TailConfig, TailResult, simulate_tail
 from allreduce.sim._result import Bottleneck, CriticalStep, PhaseResult, SimResult
 from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS, TRACE_RANKS, simulate
-from allreduce.sim._stochastic import DISTRIBUTIONS, Distribution, parse_distribution
+from allreduce.sim._stochastic import DISTRIBUTIONS, Distribution, parse_distribution, parse_time
 from allreduce.sim._trace import chrome_trace, write_trace
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "match_transfers",
     "max_min_rates",
     "parse_distribution",
+    "parse_time",
     "parse_timed_fault",
     "resolve_links",
     "simulate",

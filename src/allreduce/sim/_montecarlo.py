@@ -33,8 +33,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Phase, Schedule, propagate
-from allreduce.schedules._timing import Blame, Incidence, blame_key, jump_samples, step_samples
+from allreduce.schedules import (
+    Blame,
+    Incidence,
+    Phase,
+    Schedule,
+    blame_key,
+    jump_samples,
+    propagate,
+    step_samples,
+)
 from allreduce.sim._fast import run_fast_checked
 from allreduce.sim._faults import Faults, TimedFault, apply_faults, resolve_links
 from allreduce.sim._loss import LossModel, draw_extra_seconds, packet_loss_probability
