@@ -176,7 +176,9 @@ class TCPStore:
                     ClientHello(rank=self.rank, world_size=self.world_size, target=0),
                     what=f"the store at {host}:{port}",
                 )
-            except HandshakeRetryError as exc:  # the previous group's store is still stopping
+            except (HandshakeRetryError, ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as exc:
+                # The previous group's store is still stopping (it says so, or it closed this connection while
+                # the handshake was under way): come back until the next store is up, within the deadline.
                 sock.close()
                 last_error = OSError(str(exc))
                 time.sleep(min(delay_s, max(0.0, remaining)))
