@@ -190,6 +190,10 @@ class StoreServer:
         finally:
             for conn in list(self._conns):
                 self._drop(conn, died=False)
+            with self._lock:  # handed over by the listener but never registered
+                pending, self._to_register = self._to_register, []
+            for conn in pending:
+                conn.sock.close()
             self._selector.close()
             self._wake_r.close()
             self._wake_w.close()

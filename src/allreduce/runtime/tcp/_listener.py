@@ -62,6 +62,9 @@ class Listener:
         self._refused = refused
         self._name = name
         self._closed = False
+        # Held while a connection is handed over and while closing, so that no connection is handed over after
+        # close() returned (its owner has released what it holds by then and would never close it).
+        self._handover = threading.Lock()
         sock.setblocking(False)  # a connection that vanishes between poll and accept must not block the loop
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
@@ -73,9 +76,10 @@ class Listener:
 
     def close(self) -> None:
         """Stop accepting and close the listening socket (connections already handed over stay open)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._handover:
+            if self._closed:
+                return
+            self._closed = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         self._thread.join(timeout=ACCEPTOR_JOIN_S)
@@ -113,4 +117,8 @@ class Listener:
             sock.close()
             self._refused(address, exc, admitted[0] if admitted else None)
             return
-        self._accepted(sock, hello, address)
+        with self._handover:
+            if self._closed:  # the owner has stopped: nobody would ever close this connection
+                sock.close()
+                return
+            self._accepted(sock, hello, address)
