@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from allreduce.runtime._spawn import reserve_port
 
 SCRIPT = textwrap.dedent(
@@ -40,6 +42,7 @@ def _check(stdout: str, world_size: int) -> None:
             assert line.endswith(str(_expected(call, world_size))), line
 
 
+@pytest.mark.slow
 def test_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
@@ -54,6 +57,7 @@ def test_torchrun(tmp_path: Path) -> None:
     _check(out.stdout, 2)
 
 
+@pytest.mark.slow
 def test_allreduce_run(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
@@ -100,18 +104,21 @@ def _run_torch_script(tmp_path: Path, backend: str) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.slow
 def test_torch_gloo_under_allreduce_run(tmp_path: Path) -> None:
     out = _run_torch_script(tmp_path, "gloo")
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(out.stdout.splitlines()) == [f"[rank {r}] gloo rank {r}: [0, 3, 6, 9]" for r in range(2)]
 
 
+@pytest.mark.slow
 def test_the_allreduce_torch_backend_under_allreduce_run(tmp_path: Path) -> None:
     out = _run_torch_script(tmp_path, "allreduce")
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(out.stdout.splitlines()) == [f"[rank {r}] allreduce rank {r}: [0, 3, 6, 9]" for r in range(2)]
 
 
+@pytest.mark.slow
 def test_the_allreduce_torch_backend_with_variables_set_by_hand(tmp_path: Path) -> None:
     script = tmp_path / "torch_job.py"
     script.write_text(TORCH_SCRIPT)

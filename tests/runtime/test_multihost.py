@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two namespaces and four rank processes per test
+
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, sys

@@ -41,6 +41,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", [a for a in ALL_REDUCE_ALGORITHMS if a != "hierarchical"])
 def test_every_all_reduce_verifies_for_n_1_to_64(algorithm: str) -> None:
     for n in WORLD_SIZES:
@@ -49,6 +50,7 @@ def test_every_all_reduce_verifies_for_n_1_to_64(algorithm: str) -> None:
         verify(schedule)
 
 
+@pytest.mark.slow
 def test_hierarchical_verifies_for_every_group_size_n_1_to_64() -> None:
     for n in WORLD_SIZES:
         for g in _divisors(n):
@@ -63,12 +65,14 @@ def test_double_binary_tree_verifies_for_chunk_counts(chunks: int) -> None:
         verify(double_binary_tree_all_reduce(n, chunks))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("generator", [ring_reduce_scatter, ring_all_gather, direct_reduce_scatter, direct_all_gather])
 def test_reduce_scatter_and_all_gather_verify_for_n_1_to_64(generator: Callable[[int], Schedule]) -> None:
     for n in WORLD_SIZES:
         verify(generator(n))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("generator", [binomial_broadcast, binomial_reduce, binary_tree_broadcast, binary_tree_reduce])
 def test_rooted_collectives_verify_for_n_1_to_64_and_roots(generator: Callable[[int, int], Schedule]) -> None:
     for n in WORLD_SIZES:
@@ -184,6 +188,7 @@ def test_double_binary_tree_leaves_of_one_tree_are_inner_nodes_of_the_other() ->
     assert not (inner_a & inner_b), "a rank is an inner node of both trees"
 
 
+@pytest.mark.slow
 def test_ring_for_131072_ranks_stays_compact() -> None:
     n = 131_072
     s = ring_all_reduce(n)

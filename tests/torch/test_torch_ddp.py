@@ -150,6 +150,7 @@ def expected_collectives(rank: int, n: int) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_ddp_on_the_allreduce_backend_and_with_the_comm_hook_matches_single_process(world_size: int) -> None:
     per_rank = spawn(world_size, _worker, group=False, timeout_s=280, env={"OMP_NUM_THREADS": "1"})

@@ -81,6 +81,7 @@ def _run(world_size: int) -> list[dict[Any, Any]]:
     return spawn(world_size, _worker, world_size == 3, group=False, timeout_s=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_all_reduce_algorithm_gives_the_exact_sum(world_size: int) -> None:
     per_rank = _run(world_size)
@@ -157,6 +158,7 @@ def _silent_peer_worker(fifo: str) -> str:
     return message
 
 
+@pytest.mark.slow
 def test_a_silent_peer_raises_a_timeout_naming_it(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -190,6 +192,7 @@ def _dying_peer_worker(report: str) -> None:
         f.write(message)
 
 
+@pytest.mark.slow
 def test_a_dead_peer_is_named(tmp_path: Path) -> None:
     report = tmp_path / "rank0.txt"
     with pytest.raises(RankFailedError, match="rank 1 exited with status 3"):

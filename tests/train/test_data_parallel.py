@@ -220,6 +220,7 @@ def reference(kind: str, world_size: int, micro: int, *, set_to_none: bool) -> d
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "group_kind"), [(1, "shm, this process"), (2, "torch"), (4, "shm")])
 def test_data_parallel_matches_single_process_training_and_ranks_stay_identical(
     world_size: int, group_kind: str

@@ -11,6 +11,7 @@ import pytest
 from allreduce.cli._main import main
 
 
+@pytest.mark.slow
 def test_train_json_names_the_injected_slow_rank() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "allreduce", "train", "-n", "2", "--epochs", "2", "--slow-rank", "1=0.05", "--json"],
