@@ -65,6 +65,7 @@ class Listener:
         # Held while a connection is handed over and while closing, so that no connection is handed over after
         # close() returned (its owner has released what it holds by then and would never close it).
         self._handover = threading.Lock()
+        self._in_handshake: dict[threading.Thread, socket.socket] = {}  # guarded by _handover
         sock.setblocking(False)  # a connection that vanishes between poll and accept must not block the loop
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
@@ -75,16 +76,23 @@ class Listener:
         return int(self.sock.getsockname()[1])
 
     def close(self) -> None:
-        """Stop accepting and close the listening socket (connections already handed over stay open)."""
+        """Stop accepting and close the listening socket (connections already handed over stay open).
+
+        Handshakes still under way are cut short and have reported (accepted or refused) when this returns."""
         with self._handover:
             if self._closed:
                 return
             self._closed = True
+            in_handshake = dict(self._in_handshake)
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         self._thread.join(timeout=ACCEPTOR_JOIN_S)
         for sock in (self.sock, self._wake_r, self._wake_w):
             sock.close()
+        for thread, sock in in_handshake.items():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # the handshake's next read fails at once
+            thread.join(timeout=ACCEPTOR_JOIN_S)
 
     def _accept_loop(self) -> None:
         poller = select.poll()
@@ -98,7 +106,15 @@ class Listener:
                 sock, addr = self.sock.accept()
             except OSError:
                 continue
-            threading.Thread(target=self._handshake, args=(sock, addr), name=f"{self._name}-hello", daemon=True).start()
+            thread = threading.Thread(
+                target=self._handshake, args=(sock, addr), name=f"{self._name}-hello", daemon=True
+            )
+            with self._handover:
+                if self._closed:
+                    sock.close()
+                    return
+                self._in_handshake[thread] = sock
+            thread.start()
 
     def _handshake(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         address = f"{addr[0]}:{addr[1]}"
@@ -111,14 +127,18 @@ class Listener:
             return reason
 
         try:
-            sock.settimeout(ACCEPT_HANDSHAKE_TIMEOUT_S)
-            hello = accept_handshake(sock, self._service, self._token, check)
-        except (OSError, ProtocolError) as exc:
-            sock.close()
-            self._refused(address, exc, admitted[0] if admitted else None)
-            return
-        with self._handover:
-            if self._closed:  # the owner has stopped: nobody would ever close this connection
+            try:
+                sock.settimeout(ACCEPT_HANDSHAKE_TIMEOUT_S)
+                hello = accept_handshake(sock, self._service, self._token, check)
+            except (OSError, ProtocolError) as exc:
                 sock.close()
+                self._refused(address, exc, admitted[0] if admitted else None)
                 return
-            self._accepted(sock, hello, address)
+            with self._handover:
+                if self._closed:  # the owner has stopped: nobody would ever close this connection
+                    sock.close()
+                    return
+                self._accepted(sock, hello, address)
+        finally:
+            with self._handover:
+                self._in_handshake.pop(threading.current_thread(), None)
