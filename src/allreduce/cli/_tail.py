@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.cli._args import algorithm_selection, non_negative_int, positive_int
+from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.sim import TailConfig, TailResult
 from allreduce.topology import Topology
@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
         _write_plot(args.plot, results, header)
     if args.json:
         print(
-            json.dumps(
+            dumps(
                 {
                     "topology": topology.name,
                     "ranks": world_size,
@@ -319,8 +319,7 @@ def run(args: argparse.Namespace) -> int:
                     "seed": args.seed,
                     "algorithms": [r.to_json(top=args.top) for r in results],
                     "skipped": skipped,
-                },
-                indent=2,
+                }
             )
         )
         return 0

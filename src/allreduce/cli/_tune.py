@@ -26,7 +26,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         f"and transport (default file: {tune_file()}; set ALLREDUCE_TUNE_FILE to change it).",
     )
     parser.add_argument("-n", "--world-size", type=int, default=2, help="ranks to measure with (default 2)")
-    parser.add_argument("--transport", choices=("shm", "tcp", "both"), default="both")
+    parser.add_argument(
+        "--transport", choices=("shm", "tcp", "both"), default="both", help="the transport to measure (default both)"
+    )
     parser.add_argument("--small", default="4KiB", help="latency probe size (default 4KiB)")
     parser.add_argument("--large", default="64MiB", help="bandwidth probe size (default 64MiB)")
     parser.add_argument("--dry-run", action="store_true", help="print the fit, do not write the cache")
