@@ -12,7 +12,7 @@ import pytest
 
 from allreduce.cli._explain import MAX_EXPLAIN_RANKS, explain
 from allreduce.cli._main import main
-from allreduce.cli._sim import MAX_CHUNKS
+from allreduce.cli._sim import MAX_CHUNKS, MAX_SIM_RANKS
 from allreduce.schedules import CostModel
 from allreduce.topology import MAX_TOPOLOGY_LINKS, MAX_TOPOLOGY_NODES, parse_topology
 
@@ -96,6 +96,11 @@ def test_topologies_beyond_the_cap_are_refused_before_building(
     with pytest.raises(ValueError, match="is more than the cap") as info:
         parse_topology(spec)
     assert str(info.value) == message
+
+
+def test_sim_refuses_more_ranks_than_its_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _cli(capsys, "sim", "-t", "torus:1024x1024", "--size", "1MiB", "-a", "ring")
+    _one_line_error(code, err, "--ranks 1048576", f"{MAX_SIM_RANKS:,}", "would need about")
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:

@@ -355,7 +355,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         epilog="example: allreduce explain --ranks 1024 --size 1GiB --bandwidth 400Gbps --latency 5us --group-size 8",
     )
-    p.add_argument("--ranks", "-n", required=True, type=positive_int("--ranks"), help="number of ranks N")
+    p.add_argument(
+        "--ranks",
+        "-n",
+        required=True,
+        type=positive_int("--ranks"),
+        help=f"number of ranks N (at most {MAX_EXPLAIN_RANKS:,})",
+    )
     p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GB, 512")
     p.add_argument("--bandwidth", required=True, help="link bandwidth per rank: 400Gbps, 100Gb/s, 50GB/s")
     p.add_argument("--latency", required=True, help="α, per-step latency: 5us, 2ms, 100ns")

@@ -17,7 +17,7 @@ from allreduce.sim import Faults, SimResult, simulate, write_trace
 from allreduce.topology import Topology, parse_topology
 from allreduce.units import format_bandwidth, format_bytes, format_seconds, parse_bytes, parse_seconds
 
-__all__ = ["ELEMENT_BYTES", "MAX_CHUNKS", "check_chunks", "register", "run"]
+__all__ = ["ELEMENT_BYTES", "MAX_CHUNKS", "MAX_SIM_RANKS", "check_chunks", "register", "run"]
 
 # Direct all-reduce has one flow pattern per step (its peers move), so simulating it costs O(N^2) routing and
 # rate solves; naive puts N(N-1) flows in its one step. Algorithms for small groups, left out of ``all`` above
@@ -33,6 +33,12 @@ MAX_CHUNKS = 4096
 grow with it (double_binary_tree on 16 ranks: 1,024 chunks 4 s and 100 MB, 65,536 chunks 4 minutes and 2.7 GB).
 The best chunk count of a pipelined tree, sqrt(depth · size · β / α), stays below it up to 16 GiB per rank at
 400 Gb/s and 1 µs on 131,072 ranks (depth 17: about 2,400)."""
+MAX_SIM_RANKS = 1 << 17
+"""The most ranks sim accepts (131,072, the largest cluster the simulator is benchmarked on: hierarchical on a
+rail-optimized network of that size peaks at 340 MB). A topology may hold more GPUs; pass --ranks to use some."""
+_SIM_BYTES_PER_RANK = 4 << 10
+"""Peak memory per rank of a simulation, rounded up from the measurements above (2.6 KB per rank at 131,072,
+4.5 KB for ring at 16,384), for the estimate in the refusal."""
 ELEMENT_BYTES = 4
 """Bytes per element when counting the elements of --size: float32, the usual gradient dtype. A chunk needs at
 least one element, or the schedule moves empty blocks."""
@@ -83,7 +89,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         required=True,
         help="a spec (fat-tree:k=16, clos:..., rail:..., torus:8x8x8, ...) or a .yaml/.json file",
     )
-    p.add_argument("--ranks", "-n", type=positive_int("--ranks"), help="number of ranks (default: every GPU)")
+    p.add_argument(
+        "--ranks",
+        "-n",
+        type=positive_int("--ranks"),
+        help=f"number of ranks (default: every GPU; at most {MAX_SIM_RANKS:,})",
+    )
     p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GiB")
     p.add_argument(
         "--algorithm",
@@ -365,6 +376,11 @@ def run(args: argparse.Namespace) -> int:
     world_size = args.ranks if args.ranks is not None else topology.num_gpus
     if world_size > topology.num_gpus:
         raise CLIError(f"--ranks {world_size}: {topology.name} has only {topology.num_gpus} GPUs")
+    if world_size > MAX_SIM_RANKS:
+        raise CLIError(
+            f"--ranks {world_size}: more than the cap of {MAX_SIM_RANKS:,} ranks (simulating would need about "
+            f"{format_bytes(world_size * _SIM_BYTES_PER_RANK)} of memory; pass --ranks to simulate fewer)"
+        )
     size = parse_bytes(args.size, what="--size")
     if size <= 0:
         raise CLIError(f"--size must be greater than 0 bytes, got {args.size!r}")
