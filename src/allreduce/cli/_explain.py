@@ -38,10 +38,10 @@ __all__ = ["MAX_EXPLAIN_RANKS", "Explanation", "explain", "register", "render"]
 _TREE_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Algorithms for small groups whose modelling costs O(N^2): direct has one flow pattern per step for N-1 steps
 # (2N(N-1) flows, about _QUADRATIC_BYTES_PER_FLOW each in the timing recurrence: 800 MB and 6 s at 4,096 ranks),
-# naive N(N-1) transfers in its one step. `all` leaves them out above _QUADRATIC_ALL_MAX_RANKS (1,024 ranks: 2 M
-# flows, about 50 MB); named explicitly, they are explained up to _QUADRATIC_MAX_RANKS (direct at 4,096 ranks
-# takes 800 MB; naive's generator stops at NAIVE_MAX_RANKS).
-_QUADRATIC_ALL_MAX_RANKS = 1024
+# naive N(N-1) transfers in its one step (260 MB at 1,024 ranks). `all` leaves them out above
+# _QUADRATIC_ALL_MAX_RANKS, where each costs about 50-65 MB (peak RSS over the interpreter's); named explicitly,
+# they are explained up to _QUADRATIC_MAX_RANKS (naive's generator stops at NAIVE_MAX_RANKS).
+_QUADRATIC_ALL_MAX_RANKS = {"direct": 1024, "naive": 512}
 _QUADRATIC_MAX_RANKS = {"direct": 4096, "naive": NAIVE_MAX_RANKS}
 _QUADRATIC_BYTES_PER_FLOW = 24
 """Peak bytes per flow of direct's cost-model prediction (tracemalloc: 807 MB for its 33.5 M flows at 4,096)."""
@@ -93,10 +93,9 @@ def _schedules(  # noqa: PLR0917 (one private call site)
     for name in selection.checked().names:
         entry = get_algorithm(Collective.ALL_REDUCE, name)
         limit = _QUADRATIC_MAX_RANKS.get(name) if entry.origin == "built-in" else None
-        if limit is not None and world_size > _QUADRATIC_ALL_MAX_RANKS and not selection.explicit:
-            skipped.append(
-                f"{name}: left out above {_QUADRATIC_ALL_MAX_RANKS} ranks (a small-group algorithm; ask for it by name)"
-            )
+        all_limit = _QUADRATIC_ALL_MAX_RANKS.get(name, 0)
+        if limit is not None and world_size > all_limit and not selection.explicit:
+            skipped.append(f"{name}: left out above {all_limit} ranks (a small-group algorithm; ask for it by name)")
             continue
         if limit is not None and world_size > limit:
             need = format_bytes(2 * world_size * (world_size - 1) * _QUADRATIC_BYTES_PER_FLOW)
