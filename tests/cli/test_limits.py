@@ -59,6 +59,13 @@ def test_explain_of_every_algorithm_stays_within_100_MB(world_size: int) -> None
         assert any(s.startswith("direct: left out above") for s in e.skipped)
 
 
+def test_the_library_refuses_a_schedule_beyond_its_cap() -> None:
+    from allreduce.schedules import Collective, make_schedule
+
+    with pytest.raises(ValueError, match=r"world_size 1000000000: more than the cap of 131,072 ranks .* GiB"):
+        make_schedule(Collective.ALL_REDUCE, "halving_doubling", 1_000_000_000)
+
+
 def test_explain_refuses_direct_by_name_beyond_what_it_can_hold(capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _cli(capsys, *EXPLAIN, "--ranks", "65536", "-a", "direct")
     _one_line_error(code, err, "direct", "65536", "would need about")
