@@ -41,13 +41,12 @@ def test_json_of_one_rank_has_no_nan_or_infinity(capsys: pytest.CaptureFixture[s
     _strict_json(out)
 
 
-@pytest.mark.parametrize("command", ["explain", "sim"])
+@pytest.mark.parametrize("command", ["explain", "sim", "tail"])
 def test_tables_of_one_rank_show_no_inf_or_nan(capsys: pytest.CaptureFixture[str], command: str) -> None:
     code, out, err = _run(capsys, *ONE_RANK[command])
     assert code == 0, err
     words = out.lower().replace("(", " ").replace(")", " ").split()
-    assert "inf" not in words
-    assert "nan" not in words
+    assert not {"inf", "nan", "infx", "nanx"} & set(words)
 
 
 @pytest.mark.parametrize(

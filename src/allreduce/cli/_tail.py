@@ -16,7 +16,7 @@ from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.sim import TailConfig, TailResult
 from allreduce.topology import Topology
-from allreduce.units import format_bytes, format_seconds, parse_bytes
+from allreduce.units import NOT_A_NUMBER, format_bytes, format_seconds, parse_bytes
 
 __all__ = ["demo_section", "register", "run"]
 
@@ -155,9 +155,10 @@ def render_table(results: list[TailResult]) -> list[str]:
     for r in results:
         p = r.percentiles("step")
         cells = " ".join(f"{format_seconds(p[key]):>10}" for key in ("p50", "p90", "p99", "p99.9", "max", "mean"))
-        ratio = p["p99"] / r.baseline_s if r.baseline_s > 0 else math.inf
+        # a run that takes no time (one rank) has no slowdown ratio: n/a rather than inf
+        ratio = f"{p['p99'] / r.baseline_s:>7.2f}x" if r.baseline_s > 0 else f"{NOT_A_NUMBER:>8}"
         method = r.engine + ("" if r.exact else " ~")
-        lines.append(f"{r.name:<20} {format_seconds(r.baseline_s):>10} {cells} {ratio:>7.2f}x  {method}")
+        lines.append(f"{r.name:<20} {format_seconds(r.baseline_s):>10} {cells} {ratio}  {method}")
     return lines
 
 
