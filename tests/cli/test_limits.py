@@ -131,6 +131,12 @@ def test_bench_refuses_a_size_beyond_shared_memory_and_memory() -> None:
     assert free.sub("()", str(info.value)) == free.sub("()", message)
 
 
+def test_bench_over_tcp_refuses_a_size_beyond_memory() -> None:
+    done = _bench("--sizes", "1TiB", "--transport", "tcp")
+    _one_line_error(done.returncode, done.stderr, "--sizes", "of memory")
+    assert "/dev/shm" not in done.stderr
+
+
 @pytest.mark.parametrize(("args", "culprit"), [(("--sizes", "0"), "--sizes"), (("--timeout", "0.0001"), "--timeout")])
 def test_bench_user_errors_are_not_internal_errors(args: tuple[str, ...], culprit: str) -> None:
     done = _bench(*args)

@@ -189,14 +189,16 @@ def check_bench_fits(config: BenchConfig) -> None:
     count = size // DTYPES[config.dtype].itemsize
     shm_need = config.world_size * size if config.group_memory and config.transport == "shm" else 0
     memory_need = config.world_size * (2 * size + _CHECK_BYTES_PER_ELEMENT * count)
-    shm = os.statvfs(SHM_DIR)
-    shm_free = shm.f_bavail * shm.f_frsize
+    shm_free = 0
+    if shm_need:
+        shm = os.statvfs(SHM_DIR)
+        shm_free = shm.f_bavail * shm.f_frsize
     memory_free = _memory_available_bytes()
     if shm_need > shm_free or memory_need > memory_free:
+        shm_text = f"{format_bytes(shm_need)} of {SHM_DIR} ({format_bytes(shm_free)} free) and " if shm_need else ""
         raise ValueError(
-            f"--sizes: {format_bytes(size)} per rank on {config.world_size} ranks needs "
-            f"{format_bytes(shm_need)} of {SHM_DIR} ({format_bytes(shm_free)} free) and {format_bytes(memory_need)} "
-            f"of memory ({format_bytes(memory_free)} available)"
+            f"--sizes: {format_bytes(size)} per rank on {config.world_size} ranks needs {shm_text}"
+            f"{format_bytes(memory_need)} of memory ({format_bytes(memory_free)} available)"
         )
 
 
