@@ -87,3 +87,14 @@ _SCALE = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB":
 def test_formatted_bytes_read_back_within_display_precision(n: int) -> None:
     number, unit = format_bytes(n).split()
     assert float(number) * _SCALE[unit] == pytest.approx(n, rel=1e-3)
+
+
+@pytest.mark.parametrize("text", ["1e400Gbps", "1e400GB/s"])
+def test_a_bandwidth_too_large_for_a_float_says_it_is_not_finite(text: str) -> None:
+    with pytest.raises(UnitError, match="not finite"):
+        parse_bandwidth(text)
+
+
+def test_a_zero_bandwidth_says_it_must_be_greater_than_zero() -> None:
+    with pytest.raises(UnitError, match="greater than zero"):
+        parse_bandwidth("0Gbps")

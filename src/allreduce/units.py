@@ -10,6 +10,7 @@ import math
 import re
 
 __all__ = [
+    "NOT_A_NUMBER",
     "UnitError",
     "format_bandwidth",
     "format_bytes",
@@ -19,6 +20,10 @@ __all__ = [
     "parse_seconds",
     "parse_size_range",
 ]
+
+
+NOT_A_NUMBER = "n/a"
+"""How the formatters show a value that is not finite (inf or nan), instead of Python's 'inf' and 'nan'."""
 
 
 class UnitError(ValueError):
@@ -54,7 +59,9 @@ def parse_bytes(text: str, *, what: str = "size") -> int:
     if not m:
         raise UnitError(f"{what}: cannot read {text!r} as a size; use e.g. 4KiB, 64MiB, 1GB or 512 (bytes)")
     value = float(m["num"]) * _PREFIX[m["prefix"]]
-    if not math.isfinite(value) or value != math.floor(value):
+    if not math.isfinite(value):
+        raise UnitError(f"{what}: {text!r} is not finite (it overflows a 64-bit float)")
+    if value != math.floor(value):
         raise UnitError(f"{what}: {text!r} is not a whole number of bytes")
     return int(value)
 
@@ -69,7 +76,9 @@ def parse_bandwidth(text: str, *, what: str = "bandwidth") -> float:
     value = float(m["num"]) * _PREFIX[m["prefix"]]
     if m["unit"].startswith("b"):
         value /= 8.0
-    if not (math.isfinite(value) and value > 0):
+    if not math.isfinite(value):
+        raise UnitError(f"{what}: {text!r} is not finite (it overflows a 64-bit float)")
+    if value <= 0:
         raise UnitError(f"{what}: {text!r} must be greater than zero")
     return value
 
@@ -81,7 +90,7 @@ def parse_seconds(text: str, *, what: str = "time") -> float:
         raise UnitError(f"{what}: cannot read {text!r} as a time; use e.g. 5us, 2ms, 100ns or 1.5s")
     value = float(m["num"]) * _TIME_UNITS[m["unit"]]
     if not math.isfinite(value):
-        raise UnitError(f"{what}: {text!r} is not finite")
+        raise UnitError(f"{what}: {text!r} is not finite (it overflows a 64-bit float)")
     return value
 
 
@@ -102,7 +111,9 @@ def parse_size_range(text: str, *, what: str = "sizes") -> list[int]:
 
 
 def format_bytes(n: float) -> str:
-    """4096 → '4 KiB', 1.5 * 2**30 → '1.5 GiB'."""
+    """4096 → '4 KiB', 1.5 * 2**30 → '1.5 GiB'; 'n/a' for a non-finite value."""
+    if not math.isfinite(n):
+        return NOT_A_NUMBER
     for unit, scale in (
         ("PiB", 2.0**50),
         ("TiB", 2.0**40),
@@ -116,7 +127,9 @@ def format_bytes(n: float) -> str:
 
 
 def format_seconds(s: float) -> str:
-    """0.0000052 → '5.2 µs'."""
+    """0.0000052 → '5.2 µs'; 'n/a' for a non-finite value."""
+    if not math.isfinite(s):
+        return NOT_A_NUMBER
     if s == 0:
         return "0 s"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
@@ -126,7 +139,10 @@ def format_seconds(s: float) -> str:
 
 
 def format_bandwidth(bytes_per_s: float) -> str:
-    """5e10 → '50 GB/s' (decimal, as nccl-tests reports)."""
+    """5e10 → '50 GB/s' (decimal, as nccl-tests reports); 'n/a' for a non-finite value (the bandwidth of a run
+    that takes no time: one rank)."""
+    if not math.isfinite(bytes_per_s):
+        return NOT_A_NUMBER
     for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3)):
         if abs(bytes_per_s) >= scale:
             return f"{bytes_per_s / scale:.4g} {unit}"

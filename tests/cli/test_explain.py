@@ -177,7 +177,8 @@ def test_a_bad_algorithm_is_one_line_exit_2(algorithm: str, culprit: str) -> Non
 def test_naive_is_left_out_of_all_above_its_bound_with_a_note() -> None:
     out = run_cli("explain", "--ranks", "4096", "--size", "1GiB", *COMMON)
     assert out.returncode == 0, out.stderr
-    assert "(note: naive: left out above 2048 ranks" in out.stdout
+    assert "(note: naive: left out above 512 ranks" in out.stdout
+    assert "(note: direct: left out above 1024 ranks" in out.stdout
 
 
 def test_two_algorithms_of_equal_cost_are_a_tie_not_a_crossover() -> None:

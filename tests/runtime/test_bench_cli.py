@@ -132,3 +132,34 @@ def test_bench_runs_a_user_algorithm_given_as_a_file_spec(tmp_path: Path) -> Non
     (row,) = json.loads(done.stdout)
     assert row["algorithm"] == "my_ring"
     assert row["wrong"] == 0
+
+
+@pytest.mark.slow
+def test_tune_repeats_and_reports_the_median_and_range(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from allreduce.cli import _tune
+
+    parser = argparse.ArgumentParser()
+    _tune.register(parser.add_subparsers())
+    monkeypatch.setenv("ALLREDUCE_TUNE_FILE", str(tmp_path / "tune.json"))
+    argv = ["tune", "-n", "2", "--transport", "shm", "--small", "4KiB", "--large", "1MiB", "--repeats", "3"]
+    args = parser.parse_args(argv)
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "median of 3 runs" in out
+    low, high = out.split("alpha=")[1].split("(")[1].split(")")[0].split(" to ")
+    median = float(out.split("alpha=")[1].split("us")[0])
+    assert float(low.removesuffix("us")) <= median <= float(high.removesuffix("us"))
+    entry = next(iter(json.loads((tmp_path / "tune.json").read_text()).values()))["shm"]
+    assert entry["latency_s"] == pytest.approx(median * 1e-6, rel=0.01)
+
+
+def test_tune_refuses_zero_repeats(capsys: pytest.CaptureFixture[str]) -> None:
+    from allreduce.cli import _tune
+
+    parser = argparse.ArgumentParser()
+    _tune.register(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["tune", "--repeats", "0"])
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err

@@ -144,6 +144,12 @@ def test_json_file_with_a_one_way_link(tmp_path: Path) -> None:
         (GOOD.replace("latency: 1us}", "latency: 1us, colour: red}"), r"topo.yaml:6: link: unknown key 'colour'"),
         (GOOD + "extras: 1\n", r"topo.yaml:8: topology: unknown key 'extras'"),
         (GOOD.replace("bandwidth: 100Gbps, ", ""), r"topo.yaml:6: link a->sw: no bandwidth"),
+        (GOOD.replace("100Gbps", "12500000000"), r"topo.yaml:6: link a->sw: bandwidth: 12500000000 has no unit"),
+        (GOOD.replace("latency: 1us", "latency: 0.000001"), r"topo.yaml:6: link a->sw: latency: 1e-06 has no unit"),
+        (
+            "defaults: {bandwidth: 100, latency: 1us}\n" + GOOD,
+            r"topo.yaml:1: defaults: bandwidth: 100 has no unit",
+        ),
         ("nodes: [\n", r"topo.yaml:2: not valid YAML"),
         ("- 1\n- 2\n", r"topo.yaml:1: a topology file is a mapping"),
         ("nodes: []\nlinks: []\n", r"topo.yaml:1: 'nodes' must be a non-empty list"),
@@ -204,3 +210,30 @@ def test_json_errors_name_the_line_of_the_culprit(tmp_path: Path) -> None:
 def test_yaml_key_given_twice(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"topo.yaml:2: key 'kind' given twice \(first at line 2\)"):
         load_topology(write(tmp_path, "nodes:\n  - {name: a, kind: gpu, kind: nic}\nlinks: []\n"))
+
+
+def test_the_example_file_points_to_the_public_format_document() -> None:
+    root = Path(__file__).resolve().parents[2]
+    example = (root / "examples" / "topologies" / "two_racks.yaml").read_text()
+    assert "docs/topology-files.md" in example
+    assert "allreduce.topology._files" not in example
+    doc = (root / "docs" / "topology-files.md").read_text()
+    for key in ("gpu_transit", "defaults", "reverse_bandwidth", "reverse_latency", "directed"):
+        assert key in doc
+
+
+def test_one_more_unreachable_pair_is_called_a_pair(tmp_path: Path) -> None:
+    text = """\
+nodes:
+  - {name: a, kind: gpu}
+  - {name: b, kind: gpu}
+  - {name: c, kind: gpu}
+  - {name: sw, kind: switch}
+links:
+  - {src: a, dst: sw, bandwidth: 1GB/s}
+  - {src: b, dst: sw, bandwidth: 1GB/s}
+  - {src: sw, dst: c, bandwidth: 1GB/s, directed: true}
+"""
+    with pytest.raises(ValueError, match=r"no path from c .*; 1 more GPU pair has no path either") as info:
+        load_topology(write(tmp_path, text))
+    assert "pairs" not in str(info.value)

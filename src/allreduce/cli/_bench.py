@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from allreduce.cli._args import algorithm_for_ranks
+from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
-from allreduce.runtime import DTYPES, OPS, BenchConfig, BenchRow, run_bench
+from allreduce.runtime import DTYPES, OPS, BenchConfig, BenchRow, RankFailedError, run_bench
 from allreduce.schedules import Collective, algorithms
 from allreduce.units import parse_size_range
 
@@ -22,16 +22,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "the exact reduction of integer-valued inputs (#wrong counts the elements that differ).",
     )
     parser.add_argument("-n", "--world-size", type=int, default=2, help="number of ranks (default 2)")
-    parser.add_argument("--transport", choices=("shm", "tcp"), default="shm", help="default shm")
+    parser.add_argument("--transport", choices=("shm", "tcp"), default="shm", help="(default shm)")
     parser.add_argument(
         "--algorithm",
         default="auto",
         help=f"auto (cost model, default), one of {', '.join(algorithms(Collective.ALL_REDUCE))}, or a user "
         "algorithm as module:function or file.py:function",
     )
-    parser.add_argument("--sizes", default="4KiB:256MiB", help="a range lo:hi (powers of two) or a list a,b,c")
-    parser.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
-    parser.add_argument("--op", default="sum", help=f"one of {', '.join(OPS)}")
+    parser.add_argument(
+        "--sizes",
+        default="4KiB:256MiB",
+        help="bytes per rank: a range lo:hi (powers of two) or a list a,b,c (default 4KiB:256MiB); refused if the "
+        "largest does not fit in /dev/shm or memory",
+    )
+    parser.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)} (default float32)")
+    parser.add_argument("--op", default="sum", help=f"one of {', '.join(OPS)} (default sum)")
     parser.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: by size)")
     parser.add_argument(
         "--copy",
@@ -39,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="use ordinary numpy arrays (peers read them in place from 8 MiB up, staged below) instead of "
         "group.empty() buffers",
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="per-collective timeout in seconds")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="per-collective timeout in seconds (default 300, at least 1)"
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.set_defaults(handler=_handle)
 
@@ -77,9 +84,12 @@ def _handle(args: argparse.Namespace) -> int:
         group_memory=not args.copy,
         timeout_s=args.timeout,
     )
-    rows = run_bench(config)
+    try:
+        rows = run_bench(config)
+    except RankFailedError as exc:
+        raise CLIError(str(exc)) from None
     if args.json:
-        print(json.dumps([r.as_dict() for r in rows], indent=2))
+        print(dumps([r.as_dict() for r in rows]))
     else:
         memory = "plain numpy arrays" if args.copy else "group.empty() buffers"
         print(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass
 
 from allreduce.cli._args import AlgorithmSelection, algorithm_selection, positive_int
+from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import (
     NAIVE_MAX_RANKS,
@@ -22,6 +22,7 @@ from allreduce.schedules import (
     predict_seconds,
 )
 from allreduce.units import (
+    NOT_A_NUMBER,
     format_bandwidth,
     format_bytes,
     format_seconds,
@@ -30,15 +31,26 @@ from allreduce.units import (
     parse_seconds,
 )
 
-__all__ = ["Explanation", "explain", "register", "render"]
+__all__ = ["MAX_EXPLAIN_RANKS", "Explanation", "explain", "register", "render"]
 
 # Pipelined algorithms (those that take ``chunks``) pick their chunk count the way a tuner would: the best of
 # these under the model.
 _TREE_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Algorithms for small groups whose modelling costs O(N^2), left out of ``all`` above this many ranks (named
-# explicitly, they run up to what their generator accepts): direct has one flow pattern per step for N-1 steps,
-# naive N(N-1) transfers in its one step.
+# Algorithms for small groups whose modelling costs O(N^2): direct has one flow pattern per step for N-1 steps
+# (2N(N-1) flows, about _QUADRATIC_BYTES_PER_FLOW each in the timing recurrence: 800 MB and 6 s at 4,096 ranks),
+# naive N(N-1) transfers in its one step (260 MB at 1,024 ranks). `all` leaves them out above
+# _QUADRATIC_ALL_MAX_RANKS, where each costs about 50-65 MB (peak RSS over the interpreter's); named explicitly,
+# they are explained up to _QUADRATIC_MAX_RANKS (naive's generator stops at NAIVE_MAX_RANKS).
+_QUADRATIC_ALL_MAX_RANKS = {"direct": 1024, "naive": 512}
 _QUADRATIC_MAX_RANKS = {"direct": 4096, "naive": NAIVE_MAX_RANKS}
+_QUADRATIC_BYTES_PER_FLOW = 24
+"""Peak bytes per flow of direct's cost-model prediction (tracemalloc: 807 MB for its 33.5 M flows at 4,096)."""
+MAX_EXPLAIN_RANKS = 1 << 17
+"""The most ranks explain accepts (131,072, the largest cluster the project models): about 1 GB and 10 s for
+every algorithm. Above it the streams of the O(N log N) algorithms and the pipelined trees' chunk search grow
+past what a workstation holds (2^20 ranks took 7.7 GB and two minutes)."""
+_EXPLAIN_BYTES_PER_RANK = 8 << 10
+"""Peak memory per rank of explaining every algorithm (measured: 1.0 GB at 131,072 ranks, 7.7 GB at 2^20)."""
 _DEFAULT_GROUP_SIZE = 8
 # The crossover is bisected over log2(size) in [0, 50]: 40 halvings pin it to 50·2^-40 octaves, a relative error
 # of 3e-11, far below the 4 digits printed (each halving evaluates both schedules).
@@ -81,9 +93,16 @@ def _schedules(  # noqa: PLR0917 (one private call site)
     for name in selection.checked().names:
         entry = get_algorithm(Collective.ALL_REDUCE, name)
         limit = _QUADRATIC_MAX_RANKS.get(name) if entry.origin == "built-in" else None
-        if limit is not None and world_size > limit and not selection.explicit:
-            skipped.append(f"{name}: left out above {limit} ranks (a small-group algorithm; ask for it by name)")
+        all_limit = _QUADRATIC_ALL_MAX_RANKS.get(name, 0)
+        if limit is not None and world_size > all_limit and not selection.explicit:
+            skipped.append(f"{name}: left out above {all_limit} ranks (a small-group algorithm; ask for it by name)")
             continue
+        if limit is not None and world_size > limit:
+            need = format_bytes(2 * world_size * (world_size - 1) * _QUADRATIC_BYTES_PER_FLOW)
+            raise ValueError(
+                f"--ranks {world_size}: {name} is explained on at most {limit:,} ranks (its model costs O(N^2) "
+                f"flows: {world_size} ranks would need about {need} of memory)"
+            )
         detail = ""
         g = group_size
         if "group_size" in entry.parameters:
@@ -141,6 +160,12 @@ def explain(
     ``size_bytes`` per rank."""
     if world_size < 1:
         raise ValueError(f"--ranks must be >= 1, got {world_size}")
+    if world_size > MAX_EXPLAIN_RANKS:
+        need = format_bytes(world_size * _EXPLAIN_BYTES_PER_RANK)
+        raise ValueError(
+            f"--ranks {world_size}: more than the cap of {MAX_EXPLAIN_RANKS:,} ranks (explaining would need about "
+            f"{need} of memory)"
+        )
     if size_bytes <= 0:
         raise ValueError(f"--size must be > 0 bytes, got {size_bytes}")
     if group_size is not None:
@@ -202,6 +227,11 @@ def _row_name(c: Candidate) -> str:
     return f"{c.prediction.name} ({c.detail})" if c.detail else c.prediction.name
 
 
+def _gb_per_s(bandwidth_Bps: float) -> str:
+    """The table's bandwidth column: GB/s with two decimals, n/a where the time is 0 (one rank)."""
+    return f"{bandwidth_Bps / 1e9:.2f} GB/s" if math.isfinite(bandwidth_Bps) else NOT_A_NUMBER
+
+
 def render(e: Explanation) -> str:
     """The human table and the one-sentence why."""
     m = e.model
@@ -219,8 +249,8 @@ def render(e: Explanation) -> str:
             (
                 ("* " if i == 0 else "  ") + _row_name(c),
                 format_seconds(p.seconds),
-                f"{p.algbw_Bps / 1e9:.2f} GB/s",
-                f"{p.busbw_Bps / 1e9:.2f} GB/s",
+                _gb_per_s(p.algbw_Bps),
+                _gb_per_s(p.busbw_Bps),
                 str(p.steps),
                 format_bytes(p.bytes_sent_per_rank),
                 p.bound,
@@ -324,7 +354,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         epilog="example: allreduce explain --ranks 1024 --size 1GiB --bandwidth 400Gbps --latency 5us --group-size 8",
     )
-    p.add_argument("--ranks", "-n", required=True, type=positive_int("--ranks"), help="number of ranks N")
+    p.add_argument(
+        "--ranks",
+        "-n",
+        required=True,
+        type=positive_int("--ranks"),
+        help=f"number of ranks N (at most {MAX_EXPLAIN_RANKS:,})",
+    )
     p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GB, 512")
     p.add_argument("--bandwidth", required=True, help="link bandwidth per rank: 400Gbps, 100Gb/s, 50GB/s")
     p.add_argument("--latency", required=True, help="α, per-step latency: 5us, 2ms, 100ns")
@@ -369,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--ranks {args.ranks} is not divisible by --group-size {args.group_size}")
     e = explain(args.ranks, size, model, group_size=args.group_size, segments=args.segments, selection=args.algorithm)
     if args.json:
-        print(json.dumps(as_json(e), indent=2))
+        print(dumps(as_json(e)))
     else:
         print(render(e))
     return 0

@@ -16,6 +16,17 @@ from collections.abc import Sequence
 
 __all__ = ["CLIError", "main"]
 
+_ENVIRONMENT_HELP = """\
+environment variables:
+  ALLREDUCE_TOKEN       shared secret of a job's ranks: every TCP connection (store and peers) proves it
+                        (required when MASTER_ADDR is not a loopback address)
+  ALLREDUCE_ALGORITHMS  comma-separated module:function or file.py:function algorithms of your own, loaded,
+                        verified and registered in every process (the ranks inherit it)
+  ALLREDUCE_TUNE_FILE   where `allreduce tune` caches the measured latency and bandwidth that auto reads
+  ALLREDUCE_DEBUG       set to 1: an internal error prints its traceback
+
+run `allreduce COMMAND --help` for a command's options and defaults"""
+
 # Subcommand modules, in the order `allreduce --help` lists them.
 _COMMANDS: tuple[str, ...] = (
     "allreduce.cli._explain",
@@ -41,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="allreduce",
         description="Gradient All-Reduce: verified schedules, a fast runtime, and a network simulator.",
+        epilog=_ENVIRONMENT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from allreduce import __version__
 

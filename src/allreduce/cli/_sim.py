@@ -10,22 +10,57 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from allreduce.cli._args import algorithm_selection, non_negative_int, positive_int
+from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import Collective, Schedule, get_algorithm, make_schedule
 from allreduce.sim import Faults, SimResult, simulate, write_trace
 from allreduce.topology import Topology, parse_topology
 from allreduce.units import format_bandwidth, format_bytes, format_seconds, parse_bytes, parse_seconds
 
-__all__ = ["register", "run"]
+__all__ = ["ELEMENT_BYTES", "MAX_CHUNKS", "MAX_SIM_RANKS", "check_chunks", "register", "run"]
 
 # Direct all-reduce has one flow pattern per step (its peers move), so simulating it costs O(N^2) routing and
 # rate solves; naive puts N(N-1) flows in its one step. Algorithms for small groups, left out of ``all`` above
 # this many ranks (named explicitly, they are simulated).
 DIRECT_MAX_RANKS = 256
 _QUADRATIC = ("direct", "naive")
-# Group size for hierarchical when neither --group-size nor the topology says what a node is.
+# Largest group size for hierarchical when neither --group-size nor the topology says what a node is (a node of
+# 8 GPUs, as DGX/HGX servers): the largest divisor of the ranks up to it is used.
 FALLBACK_GROUP_SIZE = 8
 ROUTINGS = ("ecmp", "spray", "shortest", "dimension_order")
+MAX_CHUNKS = 4096
+"""The most pipeline chunks sim accepts. Every chunk is a step of every rank, so the simulator's time and memory
+grow with it (double_binary_tree on 16 ranks: 1,024 chunks 4 s and 100 MB, 65,536 chunks 4 minutes and 2.7 GB).
+The best chunk count of a pipelined tree, sqrt(depth · size · β / α), stays below it up to 16 GiB per rank at
+400 Gb/s and 1 µs on 131,072 ranks (depth 17: about 2,400)."""
+MAX_SIM_RANKS = 1 << 17
+"""The most ranks sim accepts (131,072, the largest cluster the simulator is benchmarked on: hierarchical on a
+rail-optimized network of that size peaks at 340 MB). A topology may hold more GPUs; pass --ranks to use some."""
+_SIM_BYTES_PER_RANK = 4 << 10
+"""Peak memory per rank of a simulation, rounded up from the measurements above (2.6 KB per rank at 131,072,
+4.5 KB for ring at 16,384), for the estimate in the refusal."""
+ELEMENT_BYTES = 4
+"""Bytes per element when counting the elements of --size: float32, the usual gradient dtype. A chunk needs at
+least one element, or the schedule moves empty blocks."""
+
+
+_TOPOLOGY_HELP = """\
+topology specs (KIND:ARG,KEY=VALUE,...; bandwidths take units: 400Gbps, 50GB/s; latencies: 1us, 500ns):
+  fat-tree:k=16               k (even): k pods, k^3/4 GPUs; bw, lat
+  clos:leaves=32,spines=8,hosts_per_leaf=32,oversub=4
+                              leaves, spines, hosts_per_leaf (hosts), oversub, cores, pods, core_oversub,
+                              bw, lat
+  rail:nodes=128,gpus=8       nodes, gpus (per node), nvlink, nvlink_lat, nic, pcie, nodes_per_unit, spines,
+                              oversub, mesh (NVLink full mesh instead of an NVSwitch), lat
+  torus:8x8x8                 dimensions (or dims=), bw, lat
+  dragonfly:groups=9,routers=4,hosts=2
+                              groups, routers, hosts, global_links, bw, local_bw, global_bw, lat
+  switch:64, ring:8, full:8   GPU count (or n=), bw, lat
+  FILE.yaml / FILE.json       nodes and links listed one by one: see docs/topology-files.md
+link names (for --degrade, --fail and the bottleneck report): SRC->DST by node name, e.g. gpu0->edge0,
+edge0->agg1, agg1->core2 (fat-tree), leaf0->spine1 (clos), gpu3->nvs0, nic3->rail3 (rail), r0.1->r0.0
+(dragonfly), gpu0->switch0 (switch);
+nodes are numbered from 0 per kind (gpu, nic, switches of each tier)"""
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "busbw (nccl-tests definitions) per algorithm and the links the critical path waited on."
         ),
         epilog=(
+            _TOPOLOGY_HELP + "\n\n"
             "examples:\n"
             "  allreduce sim --topology fat-tree:k=16 --size 1GiB\n"
             "  allreduce sim --topology clos:leaves=32,spines=8,hosts_per_leaf=32,oversub=4 --ranks 1024 --size 1GiB "
@@ -53,7 +89,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         required=True,
         help="a spec (fat-tree:k=16, clos:..., rail:..., torus:8x8x8, ...) or a .yaml/.json file",
     )
-    p.add_argument("--ranks", "-n", type=positive_int("--ranks"), help="number of ranks (default: every GPU)")
+    p.add_argument(
+        "--ranks",
+        "-n",
+        type=positive_int("--ranks"),
+        help=f"number of ranks (default: every GPU; at most {MAX_SIM_RANKS:,})",
+    )
     p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GiB")
     p.add_argument(
         "--algorithm",
@@ -65,11 +106,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--group-size", type=positive_int("--group-size"), help="ranks per node for hierarchical")
     p.add_argument(
-        "--chunks", type=positive_int("--chunks"), default=8, help="pipeline chunks (double_binary_tree and others)"
+        "--chunks",
+        type=positive_int("--chunks"),
+        default=8,
+        help=f"pipeline chunks of double_binary_tree and others (default 8; at most {MAX_CHUNKS:,} and the "
+        f"{ELEMENT_BYTES}-byte elements of --size)",
     )
     p.add_argument("--placement", default="linear", help="linear (default), random, or a FILE of GPU indices")
     p.add_argument(
-        "--seed", type=non_negative_int("--seed"), default=0, help="seed of random placement and of ECMP hashing"
+        "--seed",
+        type=non_negative_int("--seed"),
+        default=0,
+        help="seed of random placement and of ECMP hashing (default 0)",
     )
     p.add_argument("--routing", choices=ROUTINGS, help="default: the topology's (ECMP; dimension_order on tori)")
     p.add_argument(
@@ -87,7 +135,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "event (exact, per transfer), or auto (default): exact on <= 256 ranks (fast where it is exact, else "
         "event), fast beyond",
     )
-    p.add_argument("--top", type=positive_int("--top"), default=3, help="bottleneck links to list (default 3)")
+    p.add_argument("--top", type=non_negative_int("--top"), default=3, help="bottleneck links to list (default 3)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of per-rank steps to FILE")
     p.set_defaults(handler=run)
@@ -169,6 +217,21 @@ def _placement(text: str) -> str | list[int]:
     return gpus
 
 
+def check_chunks(chunks: int, size_bytes: int) -> None:
+    """Refuse more pipeline chunks than :data:`MAX_CHUNKS` or than the buffer has (float32) elements."""
+    elements = size_bytes // ELEMENT_BYTES
+    if chunks > elements:
+        raise ValueError(
+            f"--chunks {chunks}: more chunks than the {elements:,} elements ({ELEMENT_BYTES}-byte) of --size "
+            f"{size_bytes} bytes"
+        )
+    if chunks > MAX_CHUNKS:
+        raise ValueError(
+            f"--chunks {chunks}: more than the cap of {MAX_CHUNKS:,} chunks (each chunk is a pipeline step of every "
+            "rank; the best chunk count of a tree stays below the cap)"
+        )
+
+
 def _group_size(args: argparse.Namespace, topology: Topology, world_size: int) -> tuple[int | None, str]:
     """The hierarchical group size and where it came from, or None and why hierarchical is left out."""
     if args.group_size is not None:
@@ -180,10 +243,16 @@ def _group_size(args: argparse.Namespace, topology: Topology, world_size: int) -
         g = getattr(structure, attribute, None)
         if isinstance(g, int) and 1 < g < world_size and world_size % g == 0:
             return g, f"group size {g} ({what})"
-    g = FALLBACK_GROUP_SIZE
-    if 1 < g < world_size and world_size % g == 0:
-        return g, f"group size {g}"
-    return None, f"hierarchical: needs --group-size (no group size divides {world_size} ranks into several groups)"
+    divisors = [g for g in range(2, min(FALLBACK_GROUP_SIZE, world_size - 1) + 1) if world_size % g == 0]
+    if divisors:
+        g = divisors[-1]
+        if g == FALLBACK_GROUP_SIZE:
+            return g, f"group size {g}"
+        return g, f"group size {g} (the largest divisor of {world_size} ranks up to {FALLBACK_GROUP_SIZE})"
+    return None, (
+        f"hierarchical: needs --group-size (no group size up to {FALLBACK_GROUP_SIZE} divides {world_size} ranks "
+        "into several groups)"
+    )
 
 
 def _schedules(args: argparse.Namespace, topology: Topology, world_size: int) -> tuple[list[Schedule], list[str]]:
@@ -197,6 +266,14 @@ def _schedules(args: argparse.Namespace, topology: Topology, world_size: int) ->
         if quadratic and world_size > DIRECT_MAX_RANKS and not explicit:
             skipped.append(f"{name}: left out above {DIRECT_MAX_RANKS} ranks (O(N^2) flows; ask for it by name)")
             continue
+        if "chunks" in entry.parameters:
+            try:
+                check_chunks(args.chunks, parse_bytes(args.size, what="--size"))
+            except ValueError as exc:
+                if explicit:
+                    raise
+                skipped.append(f"{name}: {exc}")
+                continue
         group_size = None
         if "group_size" in entry.parameters:
             group_size, why = _group_size(args, topology, world_size)
@@ -299,6 +376,11 @@ def run(args: argparse.Namespace) -> int:
     world_size = args.ranks if args.ranks is not None else topology.num_gpus
     if world_size > topology.num_gpus:
         raise CLIError(f"--ranks {world_size}: {topology.name} has only {topology.num_gpus} GPUs")
+    if world_size > MAX_SIM_RANKS:
+        raise CLIError(
+            f"--ranks {world_size}: more than the cap of {MAX_SIM_RANKS:,} ranks (simulating would need about "
+            f"{format_bytes(world_size * _SIM_BYTES_PER_RANK)} of memory; pass --ranks to simulate fewer)"
+        )
     size = parse_bytes(args.size, what="--size")
     if size <= 0:
         raise CLIError(f"--size must be greater than 0 bytes, got {args.size!r}")
@@ -342,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--trace {args.trace}: cannot write it ({exc.strerror})") from None
     outcome = Outcome(topology, world_size, size, results, skipped)
     if args.json:
-        print(json.dumps(as_json(outcome, args.top), indent=2))
+        print(dumps(as_json(outcome, args.top)))
     else:
         routing = args.routing or topology.default_routing
         placement_text = args.placement if isinstance(placement, str) else f"placement from {args.placement}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import sys
 from pathlib import Path
@@ -13,10 +12,11 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.cli._args import algorithm_selection, non_negative_int, positive_int
+from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.sim import TailConfig, TailResult
 from allreduce.topology import Topology
-from allreduce.units import format_bytes, format_seconds, parse_bytes
+from allreduce.units import NOT_A_NUMBER, format_bytes, format_seconds, parse_bytes
 
 __all__ = ["demo_section", "register", "run"]
 
@@ -155,9 +155,10 @@ def render_table(results: list[TailResult]) -> list[str]:
     for r in results:
         p = r.percentiles("step")
         cells = " ".join(f"{format_seconds(p[key]):>10}" for key in ("p50", "p90", "p99", "p99.9", "max", "mean"))
-        ratio = p["p99"] / r.baseline_s if r.baseline_s > 0 else math.inf
+        # a run that takes no time (one rank) has no slowdown ratio: n/a rather than inf
+        ratio = f"{p['p99'] / r.baseline_s:>7.2f}x" if r.baseline_s > 0 else f"{NOT_A_NUMBER:>8}"
         method = r.engine + ("" if r.exact else " ~")
-        lines.append(f"{r.name:<20} {format_seconds(r.baseline_s):>10} {cells} {ratio:>7.2f}x  {method}")
+        lines.append(f"{r.name:<20} {format_seconds(r.baseline_s):>10} {cells} {ratio}  {method}")
     return lines
 
 
@@ -310,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         _write_plot(args.plot, results, header)
     if args.json:
         print(
-            json.dumps(
+            dumps(
                 {
                     "topology": topology.name,
                     "ranks": world_size,
@@ -319,8 +320,7 @@ def run(args: argparse.Namespace) -> int:
                     "seed": args.seed,
                     "algorithms": [r.to_json(top=args.top) for r in results],
                     "skipped": skipped,
-                },
-                indent=2,
+                }
             )
         )
         return 0

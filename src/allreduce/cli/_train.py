@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import Collective, get_algorithm
 from allreduce.units import parse_seconds
@@ -54,7 +54,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("-n", "--ranks", type=int, default=2, metavar="N", help="number of local ranks (default 2)")
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set (default 3)")
-    p.add_argument("--batch-size", type=int, default=32, metavar="PER_RANK", help="samples per rank per step")
+    p.add_argument(
+        "--batch-size", type=int, default=32, metavar="PER_RANK", help="samples per rank per step (default 32)"
+    )
     p.add_argument(
         "--algorithm",
         default="auto",
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     except RankFailedError as exc:
         raise CLIError(str(exc)) from None
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        print(dumps(result.to_json()))
     else:
         print(format_result(result))
     return 0

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
 
+from allreduce.cli._args import positive_int
 from allreduce.cli._main import CLIError
-
-# Private until allreduce.runtime exports them.
 from allreduce.runtime import BenchConfig, run_bench, save_cost_model, tune_file
 from allreduce.schedules import CostModel
 from allreduce.units import parse_bytes
@@ -17,18 +17,32 @@ from allreduce.units import parse_bytes
 __all__ = ["fit_cost_model", "register"]
 
 
+DEFAULT_REPEATS = 5
+"""Measurements per size: enough for a median that one descheduled run does not move, and a range that shows
+how much the host's load moved the others."""
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "tune",
         help="measure the transport's latency and bandwidth on this host; auto uses them",
-        description="Time ring all-reduce between N local ranks at a small and a large size, fit "
+        description="Time ring all-reduce between N local ranks at a small and a large size (repeated; the "
+        "median of each is fitted, the range over the repeats printed), fit "
         "t = 2(N-1)·α + 2(N-1)/N·S·β + (N-1)/N·S·γ (γ from a local numpy add), and cache α, β, γ per host "
         f"and transport (default file: {tune_file()}; set ALLREDUCE_TUNE_FILE to change it).",
     )
     parser.add_argument("-n", "--world-size", type=int, default=2, help="ranks to measure with (default 2)")
-    parser.add_argument("--transport", choices=("shm", "tcp", "both"), default="both")
+    parser.add_argument(
+        "--transport", choices=("shm", "tcp", "both"), default="both", help="the transport to measure (default both)"
+    )
     parser.add_argument("--small", default="4KiB", help="latency probe size (default 4KiB)")
     parser.add_argument("--large", default="64MiB", help="bandwidth probe size (default 64MiB)")
+    parser.add_argument(
+        "--repeats",
+        type=positive_int("--repeats"),
+        default=DEFAULT_REPEATS,
+        help=f"measure both sizes this many times; the median is cached, the range printed (default {DEFAULT_REPEATS})",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the fit, do not write the cache")
     parser.set_defaults(handler=_handle)
 
@@ -65,17 +79,41 @@ def _handle(args: argparse.Namespace) -> int:
     transports = ("shm", "tcp") if args.transport == "both" else (args.transport,)
     reduce_Bps = _reduce_Bps(large)
     for transport in transports:
+        # One start of the ranks measures every repeat: the sweep is small, large, small, large, ...
         rows = run_bench(
-            BenchConfig(world_size=args.world_size, sizes_bytes=(small, large), transport=transport, algorithm="ring")
+            BenchConfig(
+                world_size=args.world_size,
+                sizes_bytes=(small, large) * args.repeats,
+                transport=transport,
+                algorithm="ring",
+            )
         )
         if any(r.wrong for r in rows):
             raise CLIError(f"{transport}: the measurement run gave wrong results; not caching")
+        fits = [
+            fit_cost_model(
+                args.world_size,
+                small_s=rows[k].time_s,
+                large_bytes=large,
+                large_s=rows[k + 1].time_s,
+                reduce_Bps=reduce_Bps,
+            )
+            for k in range(0, len(rows), 2)
+        ]
         model = fit_cost_model(
-            args.world_size, small_s=rows[0].time_s, large_bytes=large, large_s=rows[1].time_s, reduce_Bps=reduce_Bps
+            args.world_size,
+            small_s=statistics.median(r.time_s for r in rows[0::2]),
+            large_bytes=large,
+            large_s=statistics.median(r.time_s for r in rows[1::2]),
+            reduce_Bps=reduce_Bps,
         )
+        alphas_us = [f.latency_s * 1e6 for f in fits]
+        bandwidths_GBps = [f.bandwidth_Bps / 1e9 for f in fits]
         where = "(dry run, not saved)" if args.dry_run else f"-> {save_cost_model(transport, model)}"
         print(
-            f"{transport}: alpha={model.latency_s * 1e6:.1f}us bandwidth={model.bandwidth_Bps / 1e9:.2f}GB/s "
-            f"reduce={reduce_Bps / 1e9:.2f}GB/s {where}"
+            f"{transport}: alpha={model.latency_s * 1e6:.1f}us ({min(alphas_us):.1f}us to {max(alphas_us):.1f}us) "
+            f"bandwidth={model.bandwidth_Bps / 1e9:.2f}GB/s ({min(bandwidths_GBps):.2f} to "
+            f"{max(bandwidths_GBps):.2f}GB/s) reduce={reduce_Bps / 1e9:.2f}GB/s, median of {args.repeats} runs "
+            f"{where}"
         )
     return 0

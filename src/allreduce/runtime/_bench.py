@@ -8,6 +8,7 @@ with the closed-form reduction; then it is timed. The reported time is the slowe
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,9 +18,27 @@ import numpy.typing as npt
 
 from allreduce.runtime._group import DTYPES, OPS, ProcessGroup
 from allreduce.runtime._spawn import spawn
+from allreduce.runtime.shm import SHM_DIR
 from allreduce.schedules import Collective, bus_factor
+from allreduce.units import format_bytes
 
-__all__ = ["BenchConfig", "BenchRow", "default_iters", "expected_result", "pattern", "run_bench"]
+__all__ = [
+    "MIN_BENCH_TIMEOUT_S",
+    "BenchConfig",
+    "BenchRow",
+    "check_bench_fits",
+    "default_iters",
+    "expected_result",
+    "pattern",
+    "run_bench",
+]
+
+MIN_BENCH_TIMEOUT_S = 1.0
+"""The shortest per-collective timeout a measurement accepts: below a second the ranks' start (a Python process
+importing numpy, the rendezvous) cannot finish, so a shorter timeout only ever reports a spurious failure."""
+_CHECK_BYTES_PER_ELEMENT = 16
+"""Working memory per element of a rank beyond its buffer: the check's int64 element index and float64 exact
+reduction (8 bytes each), alive together with the buffer and its expected value."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +69,16 @@ class BenchConfig:
             raise ValueError(f"--iters must be >= 0, got {self.iters}")
         if not self.sizes_bytes:
             raise ValueError("--sizes: no sizes to measure")
+        if not self.timeout_s >= MIN_BENCH_TIMEOUT_S:
+            raise ValueError(
+                f"--timeout must be at least {MIN_BENCH_TIMEOUT_S:g} s (the ranks' start takes about that), "
+                f"got {self.timeout_s:g}"
+            )
         itemsize = DTYPES[self.dtype].itemsize
         for size in self.sizes_bytes:
-            if size < 0 or size % itemsize:
+            if size <= 0:
+                raise ValueError(f"--sizes: {size} bytes; every size must hold at least one {self.dtype} element")
+            if size % itemsize:
                 raise ValueError(f"--sizes: {size} bytes is not a whole number of {self.dtype} elements")
 
 
@@ -141,10 +167,47 @@ def _measure_rank(group: ProcessGroup, config: BenchConfig) -> list[tuple[int, s
     return out
 
 
+def _memory_available_bytes() -> int:
+    """What the kernel estimates can be allocated without swapping (MemAvailable), or the free physical pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_bench_fits(config: BenchConfig) -> None:
+    """Refuse, before any rank starts, a sweep whose largest size does not fit this machine: every rank holds
+    its buffer (in ``/dev/shm`` for ``group.empty()`` buffers over shm) and the check's working arrays.
+
+    Raises ValueError naming both figures: what the sweep needs and what ``/dev/shm`` (statvfs) and memory
+    (MemAvailable) have."""
+    size = max(config.sizes_bytes)
+    count = size // DTYPES[config.dtype].itemsize
+    shm_need = config.world_size * size if config.group_memory and config.transport == "shm" else 0
+    memory_need = config.world_size * (2 * size + _CHECK_BYTES_PER_ELEMENT * count)
+    shm_free = 0
+    if shm_need:
+        shm = os.statvfs(SHM_DIR)
+        shm_free = shm.f_bavail * shm.f_frsize
+    memory_free = _memory_available_bytes()
+    if shm_need > shm_free or memory_need > memory_free:
+        shm_text = f"{format_bytes(shm_need)} of {SHM_DIR} ({format_bytes(shm_free)} free) and " if shm_need else ""
+        raise ValueError(
+            f"--sizes: {format_bytes(size)} per rank on {config.world_size} ranks needs {shm_text}"
+            f"{format_bytes(memory_need)} of memory ({format_bytes(memory_free)} available)"
+        )
+
+
 def run_bench(config: BenchConfig) -> list[BenchRow]:
     """Spawn ``config.world_size`` local ranks, measure, and return one row per size.
 
-    Raises :class:`~allreduce.runtime._spawn.RankFailedError` naming the rank when one fails."""
+    Raises ValueError if the largest size does not fit (:func:`check_bench_fits`), and
+    :class:`~allreduce.runtime._spawn.RankFailedError` naming the rank when one fails."""
+    check_bench_fits(config)
     per_rank = spawn(
         config.world_size,
         _measure_rank,

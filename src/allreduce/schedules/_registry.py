@@ -44,6 +44,7 @@ from allreduce.schedules._verify import ScheduleError, verify
 
 __all__ = [
     "MAX_ALGORITHM_NAME_BYTES",
+    "MAX_SCHEDULE_RANKS",
     "PARAMETERS",
     "VERIFY_WORLD_SIZES",
     "Algorithm",
@@ -62,6 +63,13 @@ pipelined chunks (trees), and the ranks per host (hierarchical)."""
 
 MAX_ALGORITHM_NAME_BYTES = 24
 """An algorithm's name travels in every call's descriptor, in this many bytes of UTF-8 at most."""
+
+MAX_SCHEDULE_RANKS = 1 << 17
+"""The most ranks :func:`make_schedule` builds a schedule for (131,072, the largest cluster the project models).
+The built-in streams grow as O(N log N): halving_doubling, the largest, takes 7.2 GB at 2^20 ranks."""
+_SCHEDULE_BYTES_PER_RANK = 7 << 10
+"""Peak bytes per rank of building halving_doubling at 2^20 ranks (tracemalloc), for the estimate in the
+refusal."""
 
 VERIFY_WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16)
 """World sizes a new algorithm is verified on: every size up to 9 catches off-by-one and odd/even mistakes,
@@ -257,6 +265,12 @@ def make_schedule(
     cache.
     """
     entry = get_algorithm(collective, name)
+    if world_size > MAX_SCHEDULE_RANKS:
+        need = world_size * _SCHEDULE_BYTES_PER_RANK
+        raise ValueError(
+            f"world_size {world_size}: more than the cap of {MAX_SCHEDULE_RANKS:,} ranks a schedule is built for "
+            f"(the largest built-in schedule would need about {need / 2**30:.4g} GiB of memory)"
+        )
     kwargs: dict[str, int] = {}
     if "root" in entry.parameters:
         kwargs["root"] = root

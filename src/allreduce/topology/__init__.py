@@ -7,6 +7,8 @@
 """
 
 from allreduce.topology._builders import (
+    MAX_TOPOLOGY_LINKS,
+    MAX_TOPOLOGY_NODES,
     NETWORK_BANDWIDTH_BPS,
     NETWORK_LATENCY_S,
     NVLINK_BANDWIDTH_BPS,
@@ -34,6 +36,8 @@ from allreduce.topology._search_routing import reachability_gaps
 from allreduce.topology._spec import TOPOLOGY_KINDS, parse_topology
 
 __all__ = [
+    "MAX_TOPOLOGY_LINKS",
+    "MAX_TOPOLOGY_NODES",
     "NETWORK_BANDWIDTH_BPS",
     "NETWORK_LATENCY_S",
     "NVLINK_BANDWIDTH_BPS",

@@ -25,8 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from allreduce.topology._graph import IntArray, NodeGroup, NodeKind, NodeNames, Topology
+from allreduce.units import format_bytes
 
 __all__ = [
+    "MAX_TOPOLOGY_LINKS",
+    "MAX_TOPOLOGY_NODES",
     "NETWORK_BANDWIDTH_BPS",
     "NETWORK_LATENCY_S",
     "NVLINK_BANDWIDTH_BPS",
@@ -52,6 +55,19 @@ NETWORK_LATENCY_S = 1e-6
 NVLINK_BANDWIDTH_BPS = 450e9
 NVLINK_LATENCY_S = 0.5e-6
 PCIE_BANDWIDTH_BPS = 64e9
+
+MAX_TOPOLOGY_NODES = 1 << 20
+"""Nodes a builder makes at most (1,048,576): four times the largest cluster the simulator is benchmarked on
+(131,072 GPUs on a rail-optimized network, 282,632 nodes with their NICs and switches). Checked before anything
+is allocated, so a mistyped size is refused at once instead of exhausting memory."""
+MAX_TOPOLOGY_LINKS = 1 << 23
+"""Directed links a builder makes at most (8,388,608): about 540 MB to build (:data:`_BUILD_BYTES_PER_LINK`),
+and ten times the links of that 131,072-GPU cluster; a full mesh of 2,048 GPUs (4.2 M links) fits."""
+_BUILD_BYTES_PER_LINK = 64
+"""Peak bytes per directed link while building (measured with tracemalloc, 43-64 over the builders): source,
+destination, bandwidth and latency at 8 bytes each, and the copies that join the parts."""
+_BUILD_BYTES_PER_NODE = 16
+"""Bytes per node: its kind and, for GPUs, the node index and the coordinates the builders compute."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -129,6 +145,17 @@ def _check_int(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or int(value) < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _check_size(kind: str, nodes: int, links: int) -> None:
+    """Refuse a topology beyond :data:`MAX_TOPOLOGY_NODES` or :data:`MAX_TOPOLOGY_LINKS`, before building it."""
+    need = format_bytes(nodes * _BUILD_BYTES_PER_NODE + links * _BUILD_BYTES_PER_LINK)
+    for count, cap, what in ((nodes, MAX_TOPOLOGY_NODES, "nodes"), (links, MAX_TOPOLOGY_LINKS, "links")):
+        if count > cap:
+            raise ValueError(
+                f"{kind}: {count:,} {what} is more than the cap of {cap:,} {what} "
+                f"(building it would need about {need} of memory)"
+            )
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -227,6 +254,7 @@ def torus(
     bw = _check_positive("torus bandwidth_Bps", bandwidth_Bps)
     lat = _check_latency("torus latency_s", latency_s)
     n = math.prod(dims_t)
+    _check_size("torus", n, sum(0 if size == 1 else n if size == 2 else 2 * n for size in dims_t))
     coords = np.stack(np.unravel_index(np.arange(n, dtype=np.int64), dims_t), axis=1)
     links = _Links()
     for axis, size in enumerate(dims_t):
@@ -276,6 +304,7 @@ def fully_connected(
     n = _check_int("fully_connected size", num_gpus)
     bw = _check_positive("fully_connected bandwidth_Bps", bandwidth_Bps)
     lat = _check_latency("fully_connected latency_s", latency_s)
+    _check_size("full", n, n * (n - 1))
     a, b = np.triu_indices(n, k=1)
     links = _Links()
     links.cable(a.astype(np.int64), b.astype(np.int64), bw, lat)
@@ -312,6 +341,11 @@ def _clos_topology(
     cores = cores_per_plane * spines_per_pod
     leaf0, spine0 = hosts, hosts + leaves
     core0 = spine0 + spines
+    _check_size(
+        name.partition(":")[0],
+        core0 + cores,
+        2 * (hosts + leaves * spines_per_pod + spines * cores_per_plane),
+    )
     links = _Links()
     host = np.arange(hosts, dtype=np.int64)
     links.cable(host, leaf0 + host // hosts_per_leaf, host_bandwidth_Bps, latency_s)
@@ -506,6 +540,8 @@ def rail_optimized(
     rail0 = nvs0 + num_nvs
     rails = units * g
     spine0 = rail0 + rails
+    nvlink_cables = nodes * g * (g - 1) // 2 if mesh else gpus
+    _check_size("rail", spine0 + num_spines, 2 * (nvlink_cables + 2 * gpus + rails * num_spines))
     links = _Links()
     gpu = np.arange(gpus, dtype=np.int64)
     node_of = gpu // g
@@ -580,6 +616,11 @@ def dragonfly(
     num_routers = groups * routers
     hosts = num_routers * hpr
     r0 = hosts
+    _check_size(
+        "dragonfly",
+        hosts + num_routers,
+        2 * (hosts + groups * routers * (routers - 1) // 2 + groups * (groups - 1) // 2 * gl),
+    )
     links = _Links()
     host = np.arange(hosts, dtype=np.int64)
     links.cable(host, r0 + host // hpr, bw, lat)

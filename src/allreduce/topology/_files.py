@@ -5,8 +5,8 @@ Format (JSON is the same structure)::
     name: two-racks            # optional; default: the file name
     gpu_transit: false         # optional; may routes pass *through* a GPU? (true for switchless designs)
     defaults:                  # optional; for links that do not say
-      bandwidth: 400Gbps       # per direction; bits (Gbps, Gb/s) or bytes (GB/s, GBps); a bare number is bytes/s
-      latency: 1us             # per link; a bare number is seconds; without a default, 0
+      bandwidth: 400Gbps       # per direction; bits (Gbps, Gb/s) or bytes (GB/s, GBps); the unit is required
+      latency: 1us             # per link (s, ms, us, ns); the unit is required; without a default, 0
     nodes:                     # GPUs are numbered 0, 1, ... in the order they appear
       - {name: gpu0, kind: gpu}     # kind: gpu, nic or switch
       - {name: tor0, kind: switch}
@@ -16,9 +16,12 @@ Format (JSON is the same structure)::
       - {src: spine0, dst: tor1, latency: 2us, reverse_latency: 1us}
       - {src: tor1, dst: gpu1, directed: true}                  # one direction only
 
+The full description, with an example, is ``docs/topology-files.md``.
+
 Checked when loaded, each error naming the file and line: unknown keys, unknown or repeated node names, a
 link to an unknown node, a link from a node to itself, a link given twice (a cable counts for both
-directions), an unreadable bandwidth or latency, and every ordered pair of GPUs must have a path.
+directions), an unreadable bandwidth or latency or one without its unit, and every ordered pair of GPUs must
+have a path.
 """
 
 from __future__ import annotations
@@ -117,9 +120,7 @@ def _bandwidth(value: Any, what: str) -> float:
     if isinstance(value, bool):
         raise ValueError(f"{what}: {value!r} is not a bandwidth")
     if isinstance(value, int | float):
-        if not (np.isfinite(value) and value > 0):
-            raise ValueError(f"{what}: {value!r} must be a positive number of bytes/s")
-        return float(value)
+        raise ValueError(f"{what}: {value!r} has no unit; write e.g. 400Gbps (bits) or 50GB/s (bytes)")
     return parse_bandwidth(str(value), what=what)
 
 
@@ -127,9 +128,7 @@ def _latency(value: Any, what: str) -> float:
     if isinstance(value, bool):
         raise ValueError(f"{what}: {value!r} is not a latency")
     if isinstance(value, int | float):
-        if not (np.isfinite(value) and value >= 0):
-            raise ValueError(f"{what}: {value!r} must be a number of seconds >= 0")
-        return float(value)
+        raise ValueError(f"{what}: {value!r} has no unit; write e.g. 1us, 500ns or 2ms")
     seconds = parse_seconds(str(value), what=what)
     if seconds < 0:
         raise ValueError(f"{what}: {value!r} is negative")
@@ -223,13 +222,14 @@ def load_topology(path: str | os.PathLike[str]) -> Topology:
         if not isinstance(directed, bool):
             fail(line, f"link {label}: directed must be true or false, got {directed!r}")
         try:
-            bw_value = item.get("bandwidth", default_bw)
-            if bw_value is None:
+            bw = _bandwidth(item["bandwidth"], "bandwidth") if "bandwidth" in item else default_bw
+            if bw is None:
                 raise ValueError("no bandwidth (give one, or a defaults: bandwidth)")
-            bw = _bandwidth(bw_value, "bandwidth")
-            lat = _latency(item.get("latency", default_lat), "latency")
-            reverse_bw = _bandwidth(item.get("reverse_bandwidth", bw), "reverse_bandwidth")
-            reverse_lat = _latency(item.get("reverse_latency", lat), "reverse_latency")
+            lat = _latency(item["latency"], "latency") if "latency" in item else default_lat
+            reverse_bw = (
+                _bandwidth(item["reverse_bandwidth"], "reverse_bandwidth") if "reverse_bandwidth" in item else bw
+            )
+            reverse_lat = _latency(item["reverse_latency"], "reverse_latency") if "reverse_latency" in item else lat
         except ValueError as exc:
             fail(line, f"link {label}: {exc}")
         if directed and ("reverse_bandwidth" in item or "reverse_latency" in item):
@@ -269,7 +269,8 @@ def _check_connected(topology: Topology, path: str, node_line: list[int]) -> Non
         return
     src_gpu, dst_gpu, count = gap
     a, b = int(topology.gpu_node[src_gpu]), int(topology.gpu_node[dst_gpu])
-    more = f"; {count - 1} more GPU pairs have no path either" if count > 1 else ""
+    others = count - 1
+    more = f"; {others} more GPU {'pair has' if others == 1 else 'pairs have'} no path either" if others else ""
     hint = "" if topology.gpu_transit else " (routes never pass through a GPU unless gpu_transit: true)"
     raise ValueError(
         f"{path}:{node_line[b]}: no path from {topology.node_name(a)} (line {node_line[a]}) to "

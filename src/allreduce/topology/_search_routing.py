@@ -247,7 +247,8 @@ def _spray_walk(
 
 
 def _raise_no_path(topology: Topology, src_gpu: int, dst_gpu: int, how_many: int) -> None:
-    others = f" (and at least {how_many - 1} more GPU pairs)" if how_many > 1 else ""
+    count = how_many - 1
+    others = f" (and at least {count} more GPU {'pair' if count == 1 else 'pairs'})" if count else ""
     failed = ""
     if topology.failed_links:
         shown = ", ".join(topology.failed_links[:8])
