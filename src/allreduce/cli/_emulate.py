@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from allreduce.cli._args import non_negative_int, positive_int
+from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.emulate import (
     DEFAULT_NAME,
@@ -202,8 +201,7 @@ def _main(args: argparse.Namespace) -> int:
     except EmulationError as exc:
         raise CLIError(str(exc)) from None
     if args.json:
-        json.dump({"spec": spec.to_json(), **result.to_json()}, sys.stdout, indent=2)
-        print()
+        print(dumps({"spec": spec.to_json(), **result.to_json()}))
     else:
         print(_format(result, spec))
     return 0

@@ -80,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--slow-rank", action="append", default=[], metavar="R=SECONDS", help="SECONDS more per step")
     p.add_argument("--ecmp-seeds", type=non_negative_int("--ecmp-seeds"), default=0, help="ECMP hash seeds to draw")
     p.add_argument("--no-attribution", action="store_true", help="skip naming culprits (faster with loss/jitter)")
-    p.add_argument("--top", type=positive_int("--top"), default=5, help="culprits to list (default 5)")
+    p.add_argument("--top", type=non_negative_int("--top"), default=5, help="culprits to list (default 5)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--csv", metavar="FILE", help="write every sample to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write the step-time CDF to FILE.png (needs matplotlib)")

@@ -38,6 +38,7 @@ from allreduce.schedules._plugins import (
 )
 from allreduce.schedules._registry import (
     MAX_ALGORITHM_NAME_BYTES,
+    MAX_SCHEDULE_RANKS,
     PARAMETERS,
     VERIFY_WORLD_SIZES,
     Algorithm,
@@ -75,6 +76,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "ENVIRONMENT_VARIABLE",
     "MAX_ALGORITHM_NAME_BYTES",
+    "MAX_SCHEDULE_RANKS",
     "NAIVE_MAX_RANKS",
     "PARAMETERS",
     "VERIFY_WORLD_SIZES",
