@@ -50,7 +50,9 @@ from allreduce.runtime._errors import (
     PeerFailureError,
     ProtocolError,
 )
+from allreduce.runtime._inject import Injection
 from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._stats import Recorder
 
 __all__ = [
     "ABORT_KINDS",
@@ -147,6 +149,10 @@ class Transport(abc.ABC):
         self.plans = PlanCache()
         self._closed = False
         self._failure: CollectiveError | None = None
+        self.recorder = Recorder()
+        """Per-transfer wait records (:mod:`allreduce.runtime._stats`); ``recorder.enabled = False`` skips them."""
+        self.injection: Injection | None = None
+        """Faults to inject (``ALLREDUCE_INJECT``, set by the group); None in production."""
 
     # ------------------------------------------------------------------------------------------------
     # What the group may call
