@@ -60,6 +60,7 @@ from allreduce.runtime._errors import CollectiveError, MismatchError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plan import RankPlan, compile_plan
 from allreduce.runtime._stats import GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import OrderedExecutor, Work
 from allreduce.schedules import (
@@ -173,6 +174,11 @@ class ProcessGroup:
         own_prepare = getattr(type(transport), "prepare", Transport.prepare)
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
         transport.injection = injection_from_env(None, self.rank, self.world_size)
+        # Off by default: recording measured 1-3% slower at 1 MiB on a loaded 2-core machine, above the 1% it may
+        # cost when always on (benchmarks/bench_stats.py).
+        transport.recorder.enabled = os.environ.get("ALLREDUCE_STATS", "0") != "0" or any(
+            os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
+        )
 
     # ----------------------------------------------------------------------------------------------------
     # Lifetime
@@ -186,8 +192,10 @@ class ProcessGroup:
         """Finish pending asynchronous collectives, then release the transport and the store."""
         if self._closed:
             return
-        if not self._closed and (os.environ.get("ALLREDUCE_STATS") or os.environ.get(STATS_FILE_ENV)):
+        if not self._closed and (os.environ.get("ALLREDUCE_STATS", "0") != "0" or os.environ.get(STATS_FILE_ENV)):
             self._print_stats()
+        if not self._closed and os.environ.get(TRACE_ENV):
+            self._write_trace(os.environ[TRACE_ENV])
         self._closed = True
         self._executor.close()
         self._transport.close()
@@ -376,9 +384,20 @@ class ProcessGroup:
             segments=1,
         )
 
+    @property
+    def recording(self) -> bool:
+        """Whether collectives record their per-step waits for :meth:`stats` and ``ALLREDUCE_TRACE`` (off unless
+        ``ALLREDUCE_STATS=1``, ``ALLREDUCE_TRACE`` or ``allreduce run --stats/--trace``; set it on every rank)."""
+        return self._transport.recorder.enabled
+
+    @recording.setter
+    def recording(self, enabled: bool) -> None:
+        self._executor.run(lambda: None)  # collectives already submitted keep the setting they were called with
+        self._transport.recorder.enabled = bool(enabled)
+
     def stats(self, last: int = 1000) -> GroupStats:
-        """Waits, lateness and transfer times over the last ``last`` collectives of every rank (a collective: call
-        it on every rank with the same ``last``); names the slowest rank and the slowest link."""
+        """Waits, lateness and transfer times over the last ``last`` recorded collectives of every rank (a
+        collective: call it on every rank with the same ``last``); names the slowest rank and the slowest link."""
         if isinstance(last, bool) or not isinstance(last, int) or last < 1:
             raise ValueError(f"last must be a positive int, got {last!r}")
         recorder = self._transport.recorder
@@ -402,6 +421,12 @@ class ProcessGroup:
                 out.write(table + "\n")
         else:
             print(table, file=sys.stderr, flush=True)
+
+    def _write_trace(self, path: str) -> None:
+        write_part(path, self._transport.recorder, self.rank)
+        self.barrier()
+        if self.rank == 0:
+            merge_parts(path, self.world_size, self.transport_name)
 
     def choose_algorithm(self, count: int, dtype: Any = np.float32, collective: Collective | str = "all_reduce") -> str:
         """The algorithm ``algorithm="auto"`` picks for ``count`` elements of ``dtype`` (by the cost model)."""

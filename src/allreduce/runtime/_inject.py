@@ -1,6 +1,6 @@
 """Fault injection for tests and demos: ``ALLREDUCE_INJECT`` names a rank or a link and what to do to it.
 
-Off unless the variable is set; when it is, every rank it applies to prints a warning on stderr at init. Effects
+Off unless the variable is set; when it is, every rank of the job prints a warning on stderr at init. Effects
 are separated by ``;``, their fields by ``:``:
 
 - ``delay:rank=R:DIST`` — rank R sleeps a draw of DIST before each collective (a straggler: it arrives late);

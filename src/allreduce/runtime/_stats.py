@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 __all__ = [
     "CALL_CAPACITY",
+    "STANDOUT_RATIO",
     "TRANSFER_CAPACITY",
     "GroupStats",
     "LinkStats",
@@ -47,6 +48,10 @@ TRANSFER_CAPACITY = 1 << 16
 CALL_CAPACITY = 1 << 14
 """Collectives kept (a ring): the most ``stats(last=K)`` can look back."""
 
+STANDOUT_RATIO = 2.0
+"""A rank (link) is named the slowest only if its median lateness (total transfer time) is at least this many
+times the runner-up's: in a healthy run the argmax is noise, and naming it would send users after nothing."""
+
 _TRANSFER_FIELDS = 7  # seq, step, peer, step_start_ns, wait_ns, transfer_ns, size_bytes
 _CALL_FIELDS = 4  # seq, arrival_ns, end_ns, size_bytes
 
@@ -54,7 +59,7 @@ _CALL_FIELDS = 4  # seq, arrival_ns, end_ns, size_bytes
 class Recorder:
     """The two rings of one rank (see the module docstring). ``enabled`` False makes transports skip it."""
 
-    def __init__(self, *, enabled: bool = True) -> None:
+    def __init__(self, *, enabled: bool = False) -> None:
         self.enabled = enabled
         self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
         self._calls = np.zeros((CALL_CAPACITY, _CALL_FIELDS), np.int64)
@@ -215,9 +220,11 @@ class GroupStats:
     ranks: tuple[RankStats, ...]
     links: tuple[LinkStats, ...]
     slowest_rank: int | None
-    """The rank that arrived latest on average (the others waited for it); None with no calls or one rank."""
+    """The rank with the largest median lateness (the others waited for it), if it stands out (``STANDOUT_RATIO``
+    times the runner-up); None otherwise, with no calls, or with one rank."""
     slowest_link: tuple[int, int] | None
-    """``(src, dst)`` of the link with the largest total transfer time; None if no data moved."""
+    """``(src, dst)`` of the link with the largest total transfer time, if it stands out (``STANDOUT_RATIO`` times
+    the runner-up); None otherwise or if no data moved."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -225,7 +232,10 @@ class GroupStats:
     def table(self) -> str:
         """The summary as text: one line per rank, one per link, the slowest of each named."""
         if self.calls == 0:
-            return "allreduce stats: no collectives recorded"
+            return (
+                "allreduce stats: no collectives recorded (recording is off unless ALLREDUCE_STATS=1 or "
+                "group.recording = True)"
+            )
         lines = [
             f"allreduce stats: {self.world_size} ranks, last {self.calls} collectives (seq {self.first_seq}-"
             f"{self.last_seq})",
@@ -249,6 +259,10 @@ class GroupStats:
                     f"{_ms(link.wait_p99_s)} {_ms(link.transfer_total_s)} {_ms(link.transfer_p50_s)} "
                     f"{_ms(link.transfer_p99_s)}{mark}"
                 )
+        if self.slowest_rank is None:
+            lines.append(f"no rank stands out ({STANDOUT_RATIO:g}x the runner-up's median lateness)")
+        if self.slowest_link is None and self.links:
+            lines.append(f"no link stands out ({STANDOUT_RATIO:g}x the runner-up's transfer time)")
         lines.append("(ms; late = how much later than the earliest rank it reached the collective, estimated from "
                      "time spent in it)")  # fmt: skip
         return "\n".join(lines)
@@ -293,11 +307,15 @@ def merge_summaries(rows: npt.NDArray[np.float64], last: int) -> GroupStats:
             if src == dst or values[0] <= 0:
                 continue
             links.append(LinkStats(src, dst, int(values[0]), *(float(v) for v in values[1:])))
-    slowest_rank = int(np.argmax([r.late_mean_s for r in ranks])) if world_size > 1 else None
+    # the median, not the mean: one call's setup (connections, first-touch pages) must not outvote the rest
+    lateness = sorted(((r.late_p50_s, r.rank) for r in ranks), reverse=True)
+    slowest_rank = None
+    if world_size > 1 and lateness[0][0] > STANDOUT_RATIO * lateness[1][0]:
+        slowest_rank = lateness[0][1]
+    moving = sorted(((link.transfer_total_s, (link.src, link.dst)) for link in links), reverse=True)
     slowest_link = None
-    if links:
-        worst = max(links, key=lambda link: link.transfer_total_s)
-        slowest_link = (worst.src, worst.dst)
+    if moving and (len(moving) == 1 or moving[0][0] > STANDOUT_RATIO * moving[1][0]):
+        slowest_link = moving[0][1]
     return GroupStats(
         world_size,
         calls,

@@ -150,7 +150,8 @@ class Transport(abc.ABC):
         self._closed = False
         self._failure: CollectiveError | None = None
         self.recorder = Recorder()
-        """Per-transfer wait records (:mod:`allreduce.runtime._stats`); ``recorder.enabled = False`` skips them."""
+        """Per-transfer wait records (:mod:`allreduce.runtime._stats`), kept while ``recorder.enabled`` (the group
+        sets it)."""
         self.injection: Injection | None = None
         """Faults to inject (``ALLREDUCE_INJECT``, set by the group); None in production."""
 

@@ -412,6 +412,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         injection = self.injection
         clock = time.perf_counter_ns
         step_start = waited = 0
+        received: list[tuple[int, int, int, int]] = []
         try:
             for st in program.steps:
                 if injection is not None:
@@ -470,11 +471,16 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                         else:
                             arrays[pc.dst][a:b] = source[a - shift : b - shift]
                     if injection is not None:
-                        injection.pace(peer, sum(pc.stop - pc.start for pc in rv.pieces) * dtype.itemsize, arrived)
+                        injection.pace(peer, (rv.stop - rv.start) * dtype.itemsize, arrived)
                     if recorder is not None:
-                        recorder.transfer(seq, st.index, peer, step_start, arrived - waited, clock() - arrived,
-                                          sum(pc.stop - pc.start for pc in rv.pieces) * dtype.itemsize)  # fmt: skip
+                        received.append(
+                            (peer, arrived - waited, clock() - arrived, (rv.stop - rv.start) * dtype.itemsize)
+                        )
                 self._publish(READ_DONE_WORD, base + st.index + 1)
+                if recorder is not None:  # recorded once the peers may go on: a record never delays a handoff
+                    for peer, wait_ns, transfer_ns, size_bytes in received:
+                        recorder.transfer(seq, st.index, peer, step_start, wait_ns, transfer_ns, size_bytes)
+                    received.clear()
                 # staged receives land once the readers of this step are done with the range
                 for pc, tmp in staged.values():
                     for reader, value in pc.waits:
