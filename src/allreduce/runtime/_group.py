@@ -33,6 +33,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -192,10 +193,8 @@ class ProcessGroup:
         """Finish pending asynchronous collectives, then release the transport and the store."""
         if self._closed:
             return
-        if not self._closed and (os.environ.get("ALLREDUCE_STATS", "0") != "0" or os.environ.get(STATS_FILE_ENV)):
-            self._print_stats()
-        if not self._closed and os.environ.get(TRACE_ENV):
-            self._write_trace(os.environ[TRACE_ENV])
+        if not self._closed and self._transport.failure is None:
+            self._report_at_close()
         self._closed = True
         self._executor.close()
         self._transport.close()
@@ -411,22 +410,24 @@ class ProcessGroup:
             recorder.enabled = was
         return merge_summaries(rows, last)
 
-    def _print_stats(self) -> None:
-        table = self.stats().table()
-        if self.rank != 0:
-            return
-        target = os.environ.get(STATS_FILE_ENV)
-        if target:
-            with open(target, "w") as out:
-                out.write(table + "\n")
-        else:
-            print(table, file=sys.stderr, flush=True)
-
-    def _write_trace(self, path: str) -> None:
-        write_part(path, self._transport.recorder, self.rank)
-        self.barrier()
-        if self.rank == 0:
-            merge_parts(path, self.world_size, self.transport_name)
+    def _report_at_close(self) -> None:
+        """``ALLREDUCE_STATS`` / ``ALLREDUCE_TRACE``: collectives of their own, so a failure is reported, not raised
+        (closing must release the transport whatever happened). Rank 0 prints, or writes where the launcher reads."""
+        try:
+            if os.environ.get("ALLREDUCE_STATS", "0") != "0" or os.environ.get(STATS_FILE_ENV):
+                table = self.stats().table()
+                target = os.environ.get(STATS_FILE_ENV)
+                if self.rank == 0 and target:
+                    Path(target).write_text(table + "\n")
+                elif self.rank == 0:
+                    print(table, file=sys.stderr, flush=True)
+            if trace := os.environ.get(TRACE_ENV):
+                write_part(trace, self._transport.recorder, self.rank)
+                self.barrier()
+                if self.rank == 0:
+                    merge_parts(trace, self.world_size, self.transport_name)
+        except (CollectiveError, OSError, ValueError) as exc:
+            print(f"[allreduce rank {self.rank}] no stats or trace at close: {exc}", file=sys.stderr, flush=True)
 
     def choose_algorithm(self, count: int, dtype: Any = np.float32, collective: Collective | str = "all_reduce") -> str:
         """The algorithm ``algorithm="auto"`` picks for ``count`` elements of ``dtype`` (by the cost model)."""

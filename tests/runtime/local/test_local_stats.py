@@ -90,3 +90,17 @@ def test_the_trace_has_a_slice_per_collective_and_per_step(ranks: Any, on_ranks:
     assert names.count("collective 0") == names.count("collective 1") == 1
     assert sorted(n for n in names if n.startswith("step")) == sorted([f"step {s}" for s in range(4)] * 2)
     assert all(e["tid"] == 1 and e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_close_reports_instead_of_raising_when_stats_cannot_be_gathered(
+    ranks: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ALLREDUCE_STATS", "1")
+    first, second = ranks(2, timeout_s=0.5)
+    first.close()  # its peer never joins the stats collective: it times out
+    second.close()  # its peer has gone
+    err = capsys.readouterr().err
+    assert "[allreduce rank 0] no stats or trace at close" in err
+    assert "[allreduce rank 1] no stats or trace at close" in err
+    assert first.transport.closed
+    assert second.transport.closed
