@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
 
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._main import CLIError
-from allreduce.runtime import launch
+from allreduce.runtime import STATS_FILE_ENV, TRACE_ENV, launch
 
 __all__ = ["register"]
 
@@ -21,7 +25,27 @@ def _handle(args: argparse.Namespace) -> int:
         raise CLIError(f"-n/--nproc must be >= 1, got {args.nproc}")
     for spec in args.algorithm:
         algorithm_for_ranks("--algorithm", spec)
-    return launch(command, world_size=args.nproc, master_port=args.master_port, grace_s=args.grace).exit_code
+    env: dict[str, str] = {}
+    if args.trace:
+        trace = Path(args.trace).resolve()
+        if not trace.parent.is_dir():
+            raise CLIError(f"--trace: directory {trace.parent} does not exist")
+        env[TRACE_ENV] = str(trace)
+    with tempfile.TemporaryDirectory(prefix="allreduce-stats-") as tmp:
+        stats_file = Path(tmp) / "stats.txt"
+        if args.stats:
+            env[STATS_FILE_ENV] = str(stats_file)
+        code = launch(
+            command, world_size=args.nproc, master_port=args.master_port, grace_s=args.grace, env=env
+        ).exit_code
+        if args.stats:
+            if stats_file.exists():
+                sys.stdout.write(stats_file.read_text())
+            else:
+                print("allreduce run: --stats: no rank made a process group, or it was not closed", file=sys.stderr)
+    if args.trace and os.path.exists(env[TRACE_ENV]):
+        print(f"allreduce run: trace written to {env[TRACE_ENV]} (open it in ui.perfetto.dev)", file=sys.stderr)
+    return code
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,6 +82,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="SPEC",
         help="a user algorithm (module:function or file.py:function) to verify here and register in every rank, "
         "so that group.all_reduce(x, algorithm=NAME) finds it; repeatable",
+    )
+    p.add_argument(
+        "--stats",
+        action="store_true",
+        help="print one table for all ranks at exit: per-rank and per-link waits over the last 1,000 collectives, "
+        "the slowest rank and link named (the ranks' process groups compute it when they close)",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write every rank's collectives and steps as a Chrome/Perfetto trace (the format of allreduce sim "
+        "--trace)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs, after --")
     p.set_defaults(handler=_handle)

@@ -11,11 +11,14 @@ from allreduce.runtime._errors import (
     PeerFailureError,
     ProtocolError,
 )
-from allreduce.runtime._group import ProcessGroup
+from allreduce.runtime._group import STATS_FILE_ENV, ProcessGroup
+from allreduce.runtime._inject import ENV_VAR as INJECT_ENV
 from allreduce.runtime._launch import LaunchResult, launch
 from allreduce.runtime._local import LocalTransport, local_groups, local_transports
 from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
 from allreduce.runtime._spawn import RankFailedError, new_token, reserve_port, spawn
+from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
+from allreduce.runtime._trace import TRACE_ENV
 from allreduce.runtime._transport import (
     ABORT_KINDS,
     PLAN_CACHE_ENTRIES,
@@ -31,14 +34,19 @@ from allreduce.runtime._work import Work
 __all__ = [
     "ABORT_KINDS",
     "DTYPES",
+    "INJECT_ENV",
     "OPS",
     "PLAN_CACHE_ENTRIES",
+    "STATS_FILE_ENV",
+    "TRACE_ENV",
     "BenchConfig",
     "BenchRow",
     "ChecksumError",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "GroupStats",
     "LaunchResult",
+    "LinkStats",
     "LocalTransport",
     "MismatchError",
     "PeerFailureError",
@@ -47,6 +55,7 @@ __all__ = [
     "ProtocolError",
     "RankFailedError",
     "RankPlan",
+    "RankStats",
     "ReduceInto",
     "Step",
     "Transfer",

@@ -33,6 +33,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -57,7 +58,10 @@ from allreduce.runtime._descriptor import (
     schedule_digest,
 )
 from allreduce.runtime._errors import CollectiveError, MismatchError
+from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plan import RankPlan, compile_plan
+from allreduce.runtime._stats import GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import OrderedExecutor, Work
 from allreduce.schedules import (
@@ -72,7 +76,10 @@ from allreduce.schedules import (
     verify,
 )
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DTYPES", "OPS", "ProcessGroup", "Work", "default_cost_model"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DTYPES", "OPS", "STATS_FILE_ENV", "ProcessGroup", "Work", "default_cost_model"]
+
+STATS_FILE_ENV = "ALLREDUCE_STATS_FILE"
+"""Where rank 0 writes the stats table at close instead of stderr (``allreduce run --stats`` sets it)."""
 
 DEFAULT_TIMEOUT_S = 300.0
 """A collective's default timeout: generous enough for a GiB all-reduce over slow TCP on a loaded host, short
@@ -167,6 +174,12 @@ class ProcessGroup:
         # Skip the call when the transport keeps the base class's prepare (which does nothing).
         own_prepare = getattr(type(transport), "prepare", Transport.prepare)
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
+        transport.injection = injection_from_env(None, self.rank, self.world_size)
+        # Off by default: recording measured 1-3% slower at 1 MiB on a loaded 2-core machine, above the 1% it may
+        # cost when always on (benchmarks/bench_stats.py).
+        transport.recorder.enabled = os.environ.get("ALLREDUCE_STATS", "0") != "0" or any(
+            os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
+        )
 
     # ----------------------------------------------------------------------------------------------------
     # Lifetime
@@ -180,6 +193,8 @@ class ProcessGroup:
         """Finish pending asynchronous collectives, then release the transport and the store."""
         if self._closed:
             return
+        if not self._closed and self._transport.failure is None:
+            self._report_at_close()
         self._closed = True
         self._executor.close()
         self._transport.close()
@@ -368,6 +383,52 @@ class ProcessGroup:
             segments=1,
         )
 
+    @property
+    def recording(self) -> bool:
+        """Whether collectives record their per-step waits for :meth:`stats` and ``ALLREDUCE_TRACE`` (off unless
+        ``ALLREDUCE_STATS=1``, ``ALLREDUCE_TRACE`` or ``allreduce run --stats/--trace``; set it on every rank)."""
+        return self._transport.recorder.enabled
+
+    @recording.setter
+    def recording(self, enabled: bool) -> None:
+        self._executor.run(lambda: None)  # collectives already submitted keep the setting they were called with
+        self._transport.recorder.enabled = bool(enabled)
+
+    def stats(self, last: int = 1000) -> GroupStats:
+        """Waits, lateness and transfer times over the last ``last`` recorded collectives of every rank (a
+        collective: call it on every rank with the same ``last``); names the slowest rank and the slowest link."""
+        if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+            raise ValueError(f"last must be a positive int, got {last!r}")
+        recorder = self._transport.recorder
+        self._executor.run(lambda: None)  # earlier asynchronous collectives have finished
+        rows = np.zeros((self.world_size, summary_row_length(self.world_size, last)))
+        rows[self.rank] = summary_row(recorder, self.rank, self.world_size, last)
+        was, recorder.enabled = recorder.enabled, False
+        try:
+            self.all_gather(rows.reshape(-1), algorithm="ring" if self.world_size > 1 else "auto")
+        finally:
+            recorder.enabled = was
+        return merge_summaries(rows, last)
+
+    def _report_at_close(self) -> None:
+        """``ALLREDUCE_STATS`` / ``ALLREDUCE_TRACE``: collectives of their own, so a failure is reported, not raised
+        (closing must release the transport whatever happened). Rank 0 prints, or writes where the launcher reads."""
+        try:
+            if os.environ.get("ALLREDUCE_STATS", "0") != "0" or os.environ.get(STATS_FILE_ENV):
+                table = self.stats().table()
+                target = os.environ.get(STATS_FILE_ENV)
+                if self.rank == 0 and target:
+                    Path(target).write_text(table + "\n")
+                elif self.rank == 0:
+                    print(table, file=sys.stderr, flush=True)
+            if trace := os.environ.get(TRACE_ENV):
+                write_part(trace, self._transport.recorder, self.rank)
+                self.barrier()
+                if self.rank == 0:
+                    merge_parts(trace, self.world_size, self.transport_name)
+        except (CollectiveError, OSError, ValueError) as exc:
+            print(f"[allreduce rank {self.rank}] no stats or trace at close: {exc}", file=sys.stderr, flush=True)
+
     def choose_algorithm(self, count: int, dtype: Any = np.float32, collective: Collective | str = "all_reduce") -> str:
         """The algorithm ``algorithm="auto"`` picks for ``count`` elements of ``dtype`` (by the cost model)."""
         coll = Collective(collective)
@@ -437,7 +498,13 @@ class ProcessGroup:
             run.name,
         )
 
+        recorder, injection = self._transport.recorder, self._transport.injection
+
         def execute() -> Any:
+            if injection is not None:
+                injection.sleep_before_call()
+            if recorder.enabled:
+                recorder.call_begin()
             seq = self._take_seq()
             started = time.perf_counter()
             if self._prepare is not None:
@@ -451,6 +518,8 @@ class ProcessGroup:
             result = self._execute(
                 collective, buf, chosen.plan, op=op, root=root, seq=seq, timeout=timeout, checksum=checksum
             )
+            if recorder.enabled:
+                recorder.call_end(seq, count * dtype.itemsize)
             if self._debug:
                 self._log(collective, chosen.schedule, count * dtype.itemsize, time.perf_counter() - started, seq)
             return result

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import IO
@@ -60,8 +60,10 @@ class _Launch:
         stderr: IO[bytes],
         log: Callable[[str], None],
         write_lock: threading.Lock,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.command = list(command)
+        self.extra_env = dict(extra_env or {})
         self.world_size = world_size
         self.master_port = master_port
         self.token = token
@@ -74,6 +76,7 @@ class _Launch:
 
     def environment(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(self.extra_env)
         env.update(rank_environment(rank, self.world_size, master_port=self.master_port, token=self.token))
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
@@ -138,8 +141,10 @@ def launch(
     grace_s: float = DEFAULT_GRACE_S,
     stdout: IO[bytes] | None = None,
     stderr: IO[bytes] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> LaunchResult:
-    """Run ``command`` as ``world_size`` local ranks until all exit (see the module docstring).
+    """Run ``command`` as ``world_size`` local ranks until all exit (see the module docstring); ``env`` adds
+    variables to every rank's environment.
 
     Signal forwarding is installed only when called from the main thread."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -170,6 +175,7 @@ def launch(
         stderr=err,
         log=log,
         write_lock=write_lock,
+        extra_env=env,
     )
     in_main = threading.current_thread() is threading.main_thread()
     previous = {}

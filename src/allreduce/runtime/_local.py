@@ -109,7 +109,15 @@ class LocalTransport(Transport):
         checksum: bool,
     ) -> None:
         hub = self._hub
+        recorder = self.recorder if self.recorder.enabled else None
+        injection = self.injection
+        clock = time.perf_counter_ns
+        step_start = waited = 0
         for step in plan.steps:
+            if injection is not None:
+                injection.hold_step()
+            if recorder is not None:
+                step_start = clock()
             # sends read the state at the start of the step: copy them all out before applying any receive
             outgoing = []
             for t in step.sends:
@@ -126,6 +134,8 @@ class LocalTransport(Transport):
                 hub.cond.notify_all()
             for t in step.recvs:
                 key = (seq, step.index, t.peer, self.rank, t.block, t.segment)
+                if recorder is not None:
+                    waited = clock()
                 with hub.cond:
                     self._wait(
                         lambda key=key: key in hub.messages,  # type: ignore[misc]
@@ -136,6 +146,7 @@ class LocalTransport(Transport):
                         timeout_s=timeout_s,
                     )
                     payload, crc = hub.messages.pop(key)
+                arrived = clock() if recorder is not None or injection is not None else 0
                 if checksum and zlib.crc32(payload.data) != crc:
                     raise ChecksumError(
                         f"rank {self.rank}: block {t.block} of collective {seq} arrived corrupted (crc32) at step "
@@ -149,6 +160,12 @@ class LocalTransport(Transport):
                     reduce_into(view, payload)
                 else:
                     view[...] = payload
+                if injection is not None:
+                    injection.pace(t.peer, payload.nbytes, arrived)
+                if recorder is not None:
+                    recorder.transfer(
+                        seq, step.index, t.peer, step_start, arrived - waited, clock() - arrived, payload.nbytes
+                    )
 
     def _wait(
         self,

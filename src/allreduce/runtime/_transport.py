@@ -17,6 +17,11 @@ calls, in this order:
 :meth:`Transport.allocate` (optional capability; the default returns ``None``) hands out memory that the
 transport can move without a copy (shared memory for shm); the group falls back to ``numpy.empty``.
 
+Every transport owns a :class:`~allreduce.runtime._stats.Recorder` (``recorder``): while it is enabled,
+``_execute`` records each received transfer - how long it waited for the peer's data, how long moving it took -
+where it already knows (shm: its counter wait; tcp: the first and last byte of the peer's frames).
+``injection`` (``ALLREDUCE_INJECT``; None in production) holds a step's sends and paces slow links there too.
+
 The base class does once what every transport needs: it checks that the transport is usable and that the plan
 fits the buffer, turns ``timeout_s`` into a deadline, latches the first failure (after which every call raises
 an error of the same class, naming the original), maps failures to the small integer *kinds* that transports
@@ -50,7 +55,9 @@ from allreduce.runtime._errors import (
     PeerFailureError,
     ProtocolError,
 )
+from allreduce.runtime._inject import Injection
 from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._stats import Recorder
 
 __all__ = [
     "ABORT_KINDS",
@@ -147,6 +154,11 @@ class Transport(abc.ABC):
         self.plans = PlanCache()
         self._closed = False
         self._failure: CollectiveError | None = None
+        self.recorder = Recorder()
+        """Per-transfer wait records (:mod:`allreduce.runtime._stats`), kept while ``recorder.enabled`` (the group
+        sets it)."""
+        self.injection: Injection | None = None
+        """Faults to inject (``ALLREDUCE_INJECT``, set by the group); None in production."""
 
     # ------------------------------------------------------------------------------------------------
     # What the group may call

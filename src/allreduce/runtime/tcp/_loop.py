@@ -48,10 +48,12 @@ def exchange(
     step: int | None,
     label: str,
     sender: Sender | None,
+    arrivals: dict[int, list[int]] | None = None,
 ) -> None:
     """Send and receive one step's frames concurrently; apply staged receives; raise naming the culprit.
 
-    With ``sender``, that thread sends while this one receives, reduces and applies staged receives."""
+    With ``sender``, that thread sends while this one receives, reduces and applies staged receives. With
+    ``arrivals``, each receiving peer's entry becomes ``[first byte, last byte]`` (``time.perf_counter_ns``)."""
     send_q: dict[int, list[OutFrame]] = {}
     for peer, out in sends:
         send_q.setdefault(peer, []).append(out)
@@ -78,12 +80,16 @@ def exchange(
             i = recv_pos[peer]
             while i < len(queue_in):
                 moved = pair.receive(queue_in[i], seq, tag=tag, reduce_into=reduce_into, label=label)
+                if moved and arrivals is not None and peer not in arrivals:
+                    arrivals[peer] = [time.perf_counter_ns(), 0]
                 progress = progress or moved
                 if queue_in[i].got < queue_in[i].length or queue_in[i].length < 0:
                     break
                 i += 1
             if i == len(queue_in):
                 del recv_pos[peer]
+                if arrivals is not None:
+                    arrivals.setdefault(peer, [0, 0])[1] = time.perf_counter_ns()
             else:
                 recv_pos[peer] = i
         if staged:

@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError
 from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._stats import Recorder
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
 from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
@@ -306,7 +307,13 @@ class TcpTransport(Transport):
         scratch = self._scratch.data
         flags = FLAG_CHECKSUM if checksum else 0
         self._ensure_connected(plan.peers, deadline, f"collective {seq} ({plan.schedule_name})")
+        recorder = self.recorder if self.recorder.enabled else None
+        injection = self.injection
         for step in prepared.steps:
+            if injection is not None:
+                injection.hold_step()
+            step_start = time.perf_counter_ns() if recorder is not None else 0
+            arrivals: dict[int, list[int]] | None = {} if recorder is not None or injection is not None else None
             sends = []
             for spec in step.sends:
                 payload = raw[spec.byte_start : spec.byte_stop]
@@ -368,9 +375,37 @@ class TcpTransport(Transport):
                 step=step.index,
                 label=f"step {step.index}",
                 sender=sender,
+                arrivals=arrivals,
             )
+            if arrivals is not None:
+                self._record_step(
+                    recorder, seq=seq, step=step.index, step_start=step_start, recvs=recvs, arrivals=arrivals
+                )
             self._frames_sent += len(sends)
             self._frames_received += len(recvs)
+
+    def _record_step(
+        self,
+        recorder: Recorder | None,
+        *,
+        seq: int,
+        step: int,
+        step_start: int,
+        recvs: list[tuple[int, InFrame]],
+        arrivals: dict[int, list[int]],
+    ) -> None:
+        """Pace the injected slow links, then record each peer's wait (to its first byte) and transfer."""
+        sizes: dict[int, int] = {}
+        for peer, frame in recvs:
+            sizes[peer] = sizes.get(peer, 0) + frame.length
+        for peer, size_bytes in sizes.items():
+            first, last = arrivals.get(peer, (step_start, step_start))
+            if self.injection is not None and self.injection.paces(peer):
+                self.injection.pace(peer, size_bytes, first)
+                last = max(last, time.perf_counter_ns())
+            if recorder is not None:
+                recorder.transfer(seq, step, peer, step_start, max(first - step_start, 0), max(last - first, 0),
+                                  size_bytes)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ endings
     def _release(self) -> None:

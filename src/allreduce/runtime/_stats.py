@@ -1,0 +1,328 @@
+"""Per-step wait records of the collectives a rank runs, and the group-wide summary built from them.
+
+Recording is a few integer stores per received transfer into preallocated int64 ring buffers (a flat
+``memoryview`` over a numpy array, the cheapest store CPython has), and two clock reads
+(``time.perf_counter_ns``, a vDSO call, no syscall) around each wait; nothing is allocated per call and
+nothing is aggregated until :func:`summarise` is asked for.
+
+Two rings, owned by :class:`Recorder` (one per transport, ``Transport.recorder``):
+
+- *transfers*: one record per received transfer: ``(seq, step, peer, step_start_ns, wait_ns, transfer_ns,
+  size_bytes)``. ``wait_ns`` is how long this rank waited for ``peer``'s data to become available (shm: blocked
+  on the peer's progress counter; tcp: from the step's start until the first byte of the peer's frames; local:
+  until the message was in the hub); ``transfer_ns`` how long moving it took once it was there (a paced link
+  shows here).
+- *calls*: one record per collective: ``(seq, arrival_ns, end_ns, size_bytes)``: when this rank called it and
+  when it returned.
+
+How a rank that arrived late is found without comparing clocks across hosts: every rank leaves a collective at
+about the same time (it is a barrier), so a rank that arrived late spends less time in it; its lateness in call
+k is ``max_r(duration_r,k) − duration_rank,k``. The slowest link is the one with the largest transfer time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "CALL_CAPACITY",
+    "STANDOUT_RATIO",
+    "TRANSFER_CAPACITY",
+    "GroupStats",
+    "LinkStats",
+    "RankStats",
+    "Recorder",
+    "merge_summaries",
+    "summary_row",
+    "summary_row_length",
+]
+
+TRANSFER_CAPACITY = 1 << 16
+"""Transfers kept (a ring): 65,536 × 7 int64 = 3.5 MiB, enough for the last 1,000 ring all-reduces of 32 ranks."""
+
+CALL_CAPACITY = 1 << 14
+"""Collectives kept (a ring): the most ``stats(last=K)`` can look back."""
+
+STANDOUT_RATIO = 2.0
+"""A rank (link) is named the slowest only if its median lateness (total transfer time) is at least this many
+times the runner-up's: in a healthy run the argmax is noise, and naming it would send users after nothing."""
+
+_TRANSFER_FIELDS = 7  # seq, step, peer, step_start_ns, wait_ns, transfer_ns, size_bytes
+_CALL_FIELDS = 4  # seq, arrival_ns, end_ns, size_bytes
+
+
+class Recorder:
+    """The two rings of one rank (see the module docstring). ``enabled`` False makes transports skip it."""
+
+    def __init__(self, *, enabled: bool = False) -> None:
+        self.enabled = enabled
+        self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
+        self._calls = np.zeros((CALL_CAPACITY, _CALL_FIELDS), np.int64)
+        self._t = memoryview(self._transfers.data).cast("B").cast("q")
+        self._c = memoryview(self._calls.data).cast("B").cast("q")
+        self.transfers_recorded = 0
+        self.calls_recorded = 0
+        self._arrival_ns = 0
+
+    def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
+        self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
+    ) -> None:
+        """Record one received transfer (called by the transports, once per receive)."""
+        n = self.transfers_recorded
+        i = (n & (TRANSFER_CAPACITY - 1)) * _TRANSFER_FIELDS
+        t = self._t
+        t[i] = seq
+        t[i + 1] = step
+        t[i + 2] = peer
+        t[i + 3] = step_start_ns
+        t[i + 4] = wait_ns
+        t[i + 5] = transfer_ns
+        t[i + 6] = size_bytes
+        self.transfers_recorded = n + 1
+
+    def call_begin(self) -> None:
+        """This rank called a collective (its arrival)."""
+        self._arrival_ns = time.perf_counter_ns()
+
+    def call_end(self, seq: int, size_bytes: int) -> None:
+        """The collective ``seq`` that began at the last :meth:`call_begin` returned."""
+        n = self.calls_recorded
+        i = (n & (CALL_CAPACITY - 1)) * _CALL_FIELDS
+        c = self._c
+        c[i] = seq
+        c[i + 1] = self._arrival_ns
+        c[i + 2] = time.perf_counter_ns()
+        c[i + 3] = size_bytes
+        self.calls_recorded = n + 1
+
+    def calls(self, last: int) -> npt.NDArray[np.int64]:
+        """The last ``last`` call records, oldest first (rows of seq, arrival_ns, end_ns, size_bytes)."""
+        n = min(self.calls_recorded, CALL_CAPACITY, last)
+        rows = np.arange(self.calls_recorded - n, self.calls_recorded) & (CALL_CAPACITY - 1)
+        out: npt.NDArray[np.int64] = self._calls[rows]
+        return out
+
+    def transfers(self, first_seq: int) -> npt.NDArray[np.int64]:
+        """The transfer records kept of collectives ``first_seq`` and later, oldest first."""
+        n = min(self.transfers_recorded, TRANSFER_CAPACITY)
+        rows = np.arange(self.transfers_recorded - n, self.transfers_recorded) & (TRANSFER_CAPACITY - 1)
+        records = self._transfers[rows]
+        kept: npt.NDArray[np.int64] = records[records[:, 0] >= first_seq]
+        return kept
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The per-rank summary exchanged between ranks: one fixed-size float64 row
+# ------------------------------------------------------------------------------------------------------------
+_HEADER = 4  # first_seq, last_seq, calls, this rank
+_PER_PEER = 9  # size_bytes, wait total/p50/p99/max, transfer total/p50/p99/max
+
+
+def summary_row_length(world_size: int, last: int) -> int:
+    """Elements of one rank's summary row: a header, ``last`` durations, ``last`` waits, and 9 per peer."""
+    return _HEADER + 2 * last + _PER_PEER * world_size
+
+
+def _percentiles(values: npt.NDArray[np.float64]) -> tuple[float, float, float]:
+    if values.size == 0:
+        return 0.0, 0.0, 0.0
+    p50, p99 = np.percentile(values, [50.0, 99.0])
+    return float(p50), float(p99), float(values.max())
+
+
+def summary_row(recorder: Recorder, rank: int, world_size: int, last: int) -> npt.NDArray[np.float64]:
+    """This rank's summary of its last ``last`` recorded collectives (NaN where it recorded fewer)."""
+    row = np.full(summary_row_length(world_size, last), np.nan)
+    calls = recorder.calls(last)
+    k = len(calls)
+    row[3] = rank
+    row[2] = k
+    if k == 0:
+        return row
+    seqs = calls[:, 0]
+    row[0], row[1] = seqs[0], seqs[-1]
+    row[_HEADER : _HEADER + k] = (calls[:, 2] - calls[:, 1]) * 1e-9
+    transfers = recorder.transfers(int(seqs[0]))
+    transfers = transfers[np.isin(transfers[:, 0], seqs)]
+    call_index = np.searchsorted(seqs, transfers[:, 0])
+    waits = np.zeros(k)
+    np.add.at(waits, call_index, transfers[:, 4] * 1e-9)
+    row[_HEADER + last : _HEADER + last + k] = waits
+    base = _HEADER + 2 * last
+    for peer in range(world_size):
+        mine = transfers[:, 2] == peer
+        if peer == rank or not mine.any():
+            row[base + _PER_PEER * peer : base + _PER_PEER * (peer + 1)] = 0.0
+            continue
+        wait = np.zeros(k)
+        moved = np.zeros(k)
+        np.add.at(wait, call_index[mine], transfers[mine, 4] * 1e-9)
+        np.add.at(moved, call_index[mine], transfers[mine, 5] * 1e-9)
+        row[base + _PER_PEER * peer : base + _PER_PEER * (peer + 1)] = (
+            float(transfers[mine, 6].sum()),
+            float(wait.sum()),
+            *_percentiles(wait),
+            float(moved.sum()),
+            *_percentiles(moved),
+        )
+    return row
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank over the collectives summarised: its time in them, its waits on peers, how late it arrived."""
+
+    rank: int
+    time_p50_s: float
+    time_p99_s: float
+    time_max_s: float
+    wait_total_s: float
+    wait_p50_s: float
+    wait_p99_s: float
+    wait_max_s: float
+    late_mean_s: float
+    """``max over ranks(duration) − own duration``, averaged: how long the others waited for this rank."""
+    late_p50_s: float
+    late_p99_s: float
+    late_max_s: float
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    """The link ``src -> dst`` as its receiver saw it: bytes, time waiting for the data, time moving it."""
+
+    src: int
+    dst: int
+    size_bytes: int
+    wait_total_s: float
+    wait_p50_s: float
+    wait_p99_s: float
+    wait_max_s: float
+    transfer_total_s: float
+    transfer_p50_s: float
+    transfer_p99_s: float
+    transfer_max_s: float
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """The last ``calls`` collectives of a group: per rank, per link, and who held them back."""
+
+    world_size: int
+    calls: int
+    first_seq: int
+    last_seq: int
+    ranks: tuple[RankStats, ...]
+    links: tuple[LinkStats, ...]
+    slowest_rank: int | None
+    """The rank with the largest median lateness (the others waited for it), if it stands out (``STANDOUT_RATIO``
+    times the runner-up); None otherwise, with no calls, or with one rank."""
+    slowest_link: tuple[int, int] | None
+    """``(src, dst)`` of the link with the largest total transfer time, if it stands out (``STANDOUT_RATIO`` times
+    the runner-up); None otherwise or if no data moved."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    def table(self) -> str:
+        """The summary as text: one line per rank, one per link, the slowest of each named."""
+        if self.calls == 0:
+            return (
+                "allreduce stats: no collectives recorded (recording is off unless ALLREDUCE_STATS=1 or "
+                "group.recording = True)"
+            )
+        lines = [
+            f"allreduce stats: {self.world_size} ranks, last {self.calls} collectives (seq {self.first_seq}-"
+            f"{self.last_seq})",
+            f"{'rank':>6} {'time p50':>10} {'p99':>10} {'max':>10} {'waited':>10} {'late p50':>10} {'late p99':>10}"
+            f" {'late mean':>10}",
+        ]
+        for r in self.ranks:
+            mark = "  <- slowest rank" if r.rank == self.slowest_rank else ""
+            lines.append(
+                f"{r.rank:>6} {_ms(r.time_p50_s)} {_ms(r.time_p99_s)} {_ms(r.time_max_s)} {_ms(r.wait_total_s)} "
+                f"{_ms(r.late_p50_s)} {_ms(r.late_p99_s)} {_ms(r.late_mean_s)}{mark}"
+            )
+        if self.links:
+            lines.append(
+                f"{'link':>8} {'bytes':>12} {'wait p50':>10} {'p99':>10} {'move total':>10} {'p50':>10} {'p99':>10}"
+            )
+            for link in self.links:
+                mark = "  <- slowest link" if (link.src, link.dst) == self.slowest_link else ""
+                lines.append(
+                    f"{f'{link.src}->{link.dst}':>8} {link.size_bytes:>12,} {_ms(link.wait_p50_s)} "
+                    f"{_ms(link.wait_p99_s)} {_ms(link.transfer_total_s)} {_ms(link.transfer_p50_s)} "
+                    f"{_ms(link.transfer_p99_s)}{mark}"
+                )
+        if self.slowest_rank is None:
+            lines.append(f"no rank stands out ({STANDOUT_RATIO:g}x the runner-up's median lateness)")
+        if self.slowest_link is None and self.links:
+            lines.append(f"no link stands out ({STANDOUT_RATIO:g}x the runner-up's transfer time)")
+        lines.append("(ms; late = how much later than the earliest rank it reached the collective, estimated from "
+                     "time spent in it)")  # fmt: skip
+        return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:>10.3f}"
+
+
+def merge_summaries(rows: npt.NDArray[np.float64], last: int) -> GroupStats:
+    """Every rank's :func:`summary_row` (one row per rank, in rank order) as one :class:`GroupStats`."""
+    world_size = rows.shape[0]
+    calls = int(rows[:, 2].min()) if world_size else 0
+    if calls == 0:
+        return GroupStats(world_size, 0, -1, -1, (), (), None, None)
+    first = {int(v) for v in rows[:, 0]}
+    last_seqs = {int(v) for v in rows[:, 1]}
+    if len(first) != 1 or len(last_seqs) != 1 or len({int(v) for v in rows[:, 2]}) != 1:
+        raise ValueError(
+            "stats: the ranks recorded different collectives (first seq per rank "
+            f"{[int(v) for v in rows[:, 0]]}, last {[int(v) for v in rows[:, 1]]})"
+        )
+    durations = rows[:, _HEADER : _HEADER + calls]
+    waits = rows[:, _HEADER + last : _HEADER + last + calls]
+    late = durations.max(axis=0, keepdims=True) - durations
+    ranks = [
+        RankStats(
+            r,
+            *_percentiles(durations[r]),
+            float(waits[r].sum()),
+            *_percentiles(waits[r]),
+            float(late[r].mean()),
+            *_percentiles(late[r]),
+        )
+        for r in range(world_size)
+    ]
+    links = []
+    base = _HEADER + 2 * last
+    for dst in range(world_size):
+        for src in range(world_size):
+            values = rows[dst, base + _PER_PEER * src : base + _PER_PEER * (src + 1)]
+            if src == dst or values[0] <= 0:
+                continue
+            links.append(LinkStats(src, dst, int(values[0]), *(float(v) for v in values[1:])))
+    # the median, not the mean: one call's setup (connections, first-touch pages) must not outvote the rest
+    lateness = sorted(((r.late_p50_s, r.rank) for r in ranks), reverse=True)
+    slowest_rank = None
+    if world_size > 1 and lateness[0][0] > STANDOUT_RATIO * lateness[1][0]:
+        slowest_rank = lateness[0][1]
+    moving = sorted(((link.transfer_total_s, (link.src, link.dst)) for link in links), reverse=True)
+    slowest_link = None
+    if moving and (len(moving) == 1 or moving[0][0] > STANDOUT_RATIO * moving[1][0]):
+        slowest_link = moving[0][1]
+    return GroupStats(
+        world_size,
+        calls,
+        int(rows[0, 0]),
+        int(rows[0, 1]),
+        tuple(ranks),
+        tuple(sorted(links, key=lambda link: (link.src, link.dst))),
+        slowest_rank,
+        slowest_link,
+    )

@@ -1,0 +1,97 @@
+"""Runtime statistics on real processes: an injected straggler, a paced link and a rare hold are named."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from allreduce.runtime import spawn
+from allreduce.runtime._inject import parse_injection
+from allreduce.runtime._stats import GroupStats
+
+CALLS = 30
+SIZE = 1 << 14  # float32 elements: 64 KiB per rank
+
+
+def _run(group: Any, calls: int, size: int) -> GroupStats:
+    group.recording = True
+    x = np.ones(size, np.float32)
+    for _ in range(calls):
+        group.all_reduce(x, algorithm="ring")
+    assert np.all(x == group.world_size**calls)
+    return group.stats(last=calls)
+
+
+def _stats(transport: str, inject: str | None, calls: int = CALLS, world_size: int = 4) -> GroupStats:
+    env = {"ALLREDUCE_INJECT": inject} if inject else None
+    results = spawn(world_size, _run, calls, SIZE, init_options={"transport": transport}, env=env)
+    assert all(r == results[0] for r in results)  # every rank computes the same summary
+    return results[0]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_delayed_rank_is_named_and_costs_every_rank(transport: str) -> None:
+    clean = _stats(transport, None)
+    slow = _stats(transport, "delay:rank=2:2ms")
+    assert slow.slowest_rank == 2
+    others = [r for r in slow.ranks if r.rank != 2]
+    # every other rank spends the straggler's delay inside the all-reduce
+    assert min(r.time_p50_s for r in others) > max(r.time_p50_s for r in clean.ranks) + 1e-3
+
+
+@pytest.mark.slow
+def test_a_delayed_rank_of_eight_is_named_and_every_rank_waits_for_it() -> None:
+    delay_s = 2e-3
+    clean = _stats("shm", None, world_size=8)
+    slow = _stats("shm", f"delay:rank=5:{delay_s}s", world_size=8)
+    assert slow.slowest_rank == 5
+    # the others wait for most of the delay (8 ranks on fewer cores overlap some of it: the sleeper frees a core)
+    assert slow.ranks[5].late_p50_s > delay_s / 2
+    clean_p50 = float(np.median([r.time_p50_s for r in clean.ranks]))
+    assert float(np.median([r.time_p50_s for r in slow.ranks if r.rank != 5])) > clean_p50 + delay_s / 4
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_paced_link_is_named(transport: str) -> None:
+    stats = _stats(transport, "pace:link=0->1:rate=20MB/s")
+    assert stats.slowest_link == (0, 1)
+
+
+def test_a_rare_hold_shows_in_the_p99_not_the_p50() -> None:
+    # a 30 ms hold before 2% of rank 1's steps: about 11% of the ring's calls (6 steps each) are held
+    stats = _stats("tcp", "hold:rank=1:p=0.02:ms=30:seed=3", calls=200)
+    for r in stats.ranks:
+        assert r.time_p99_s > 10 * r.time_p50_s, r
+
+
+def test_stats_json_round_trips() -> None:
+    import json
+
+    stats = _stats("shm", None, calls=5, world_size=2)
+    data = json.loads(stats.to_json())
+    assert data["calls"] == 5
+    assert len(data["ranks"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "culprit"),
+    [
+        ("delay:rank=1:bogus:1ms", "bogus"),
+        ("delay:rank=9:1ms", "rank 9"),
+        ("pace:link=0->1", "rate"),
+        ("hold:rank=1:p=0.5:ms=1:when=now", "when"),
+        ("explode:rank=1", "explode"),
+        ("delay:rank=1:lognormal:median=2ms,p99=1ms", "median < p99"),
+    ],
+)
+def test_bad_injection_is_refused_naming_it(spec: str, culprit: str) -> None:
+    with pytest.raises(ValueError, match=culprit):
+        parse_injection(spec, 0, 4)
+
+
+def test_injection_applies_only_to_its_rank() -> None:
+    assert parse_injection("delay:rank=1:1ms", 0, 4).active is False
+    assert parse_injection("delay:rank=1:1ms", 1, 4).active is True
+    assert parse_injection("pace:link=0->1:rate=1MB/s", 1, 4).paces(0)
