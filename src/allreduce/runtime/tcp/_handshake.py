@@ -149,8 +149,10 @@ def connect_handshake(
     service8 = _service_field(service)
     try:
         raw = read_exact(sock, _GREETING.size)
-    except EOFError as exc:
-        raise ProtocolError(f"{what} closed the connection before the handshake") from exc
+    except (EOFError, ConnectionResetError) as exc:
+        # An endpoint greets every connection it accepts, even one it then refuses: closing before the greeting
+        # means it is going away (the previous group's store stopping), so the caller may come back.
+        raise HandshakeRetryError(f"{what} closed the connection before the handshake (stopping?)") from exc
     magic, version, their_service, flags, nonce_a = _GREETING.unpack(raw)
     if magic != _HS_MAGIC:
         raise ProtocolError(f"{what} is not an allreduce endpoint (bad handshake magic {magic!r})")
@@ -178,8 +180,9 @@ def connect_handshake(
     try:
         magic, status, length, mac_a = _REPLY.unpack(read_exact(sock, _REPLY.size))
         message = read_exact(sock, length).decode(errors="replace") if length else ""
-    except EOFError as exc:
-        raise ProtocolError(f"{what} closed the connection during the handshake") from exc
+    except (EOFError, ConnectionResetError) as exc:
+        # A refusal is a reply; closing without one means the endpoint is going away: the caller may come back.
+        raise HandshakeRetryError(f"{what} closed the connection during the handshake (stopping?)") from exc
     if status == _STATUS_RETRY:
         raise HandshakeRetryError(f"{what} is not ready for this client yet: {message}")
     if status != _STATUS_OK:

@@ -94,6 +94,10 @@ class Listener:
                 sock.shutdown(socket.SHUT_RDWR)  # the handshake's next read fails at once
             thread.join(timeout=ACCEPTOR_JOIN_S)
 
+    def _stopped(self) -> bool:
+        """Whether close() has begun (read again after every wait: another thread sets it)."""
+        return self._closed
+
     def _accept_loop(self) -> None:
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
@@ -110,7 +114,7 @@ class Listener:
                 target=self._handshake, args=(sock, addr), name=f"{self._name}-hello", daemon=True
             )
             with self._handover:
-                if self._closed:
+                if self._stopped():
                     sock.close()
                     return
                 self._in_handshake[thread] = sock
