@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.plan._step import Compute, StepTime, step_time
+from allreduce.plan._step import Compute, StepTime, step_seconds, step_time
 from allreduce.plan._workload import (
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_BYTES,
@@ -27,9 +27,9 @@ from allreduce.plan._workload import (
     ddp_buckets,
 )
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, all_reduce
-from allreduce.sim import Faults, SimResult, simulate
+from allreduce.sim import Distribution, Faults, LossModel, SimResult, TailConfig, TailResult, simulate, simulate_tail
 from allreduce.topology import NodeKind, Topology, parse_topology
-from allreduce.units import format_bytes
+from allreduce.units import format_bytes, format_seconds
 
 __all__ = [
     "AUTO",
@@ -38,6 +38,7 @@ __all__ = [
     "ScalingRow",
     "SizeRun",
     "StepPlan",
+    "StepQuantiles",
     "WhatIf",
     "compute_seconds",
     "plan",
@@ -66,6 +67,25 @@ CURVE_SIZES_BYTES = tuple(2**e for e in range(10, 31, 2))
 COMPUTE_BOUND_EXPOSED_SHARE = 0.01
 # Links the report's utilization view shows.
 UTILIZATION_LINKS = 16
+# The loss what-if: one packet in a million dropped on every link (a healthy datacenter link drops far fewer; a
+# marginal optic or a congested lossy fabric this many), under three retransmission models that span practice:
+# RoCE with the InfiniBand ACK timeout NCCL and HCCL default to (4.096 us x 2^20 = 4.29 s), TCP with Linux's
+# minimum RTO (200 ms), and TCP with a tuned 4 ms RTO.
+WHAT_IF_LOSS_PROBABILITY = 1e-6
+WHAT_IF_LOSS_MODELS: tuple[tuple[str, str, float | None], ...] = (
+    ("RoCE", "roce", None),
+    ("TCP", "tcp", None),
+    ("TCP", "tcp", 4e-3),
+)
+# simulate_tail samples per bucket size for the loss rows (a bucket size's all-reduce loses a timeout's worth in a
+# few percent of runs, which 100 samples resolve; each costs O(ranks x steps) array work), and the steps sampled
+# from them (enough that p99 rests on 10 steps beyond it).
+LOSS_TAIL_SAMPLES = 100
+STEP_SAMPLES = 1000
+# Draws of the slowest GPU's compute under gradient accumulation (no closed form for the max of sums).
+COMPUTE_SAMPLES = 1000
+# The quantiles a distribution of step times reports.
+STEP_QUANTILES = (0.5, 0.99)
 
 
 def compute_seconds(
@@ -111,6 +131,8 @@ class PlanRequest:
     uplink_oversubscription: float = 1.0
     faults: Faults = field(default_factory=Faults)
     engine: str = "auto"
+    # Compute per micro-batch as a distribution over GPUs and steps (``compute`` then holds its median).
+    compute_distribution: Distribution | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -150,6 +172,7 @@ class PlanRequest:
             "placement": self.placement,
             "uplink_oversubscription": self.uplink_oversubscription,
             "engine": self.engine,
+            "compute_distribution": self.compute_distribution.spec if self.compute_distribution else None,
         }
 
 
@@ -200,26 +223,50 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class StepQuantiles:
+    """The step at its p50 and p99 when something in it is random, and how they were computed."""
+
+    p50: StepTime
+    p99: StepTime
+    method: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"p50_step_s": self.p50.step_s, "p99_step_s": self.p99.step_s, "method": self.method}
+
+
+@dataclass(frozen=True)
 class ScalingRow:
     gpus: int
     step: StepTime
     efficiency: float  # step time at the first row / step time here (same per-GPU batch)
     algorithm: str
+    quantiles: StepQuantiles | None = None  # with a compute distribution
 
     def to_json(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "efficiency": self.efficiency, "algorithm": self.algorithm, **self.step.to_json()}
+        extra = self.quantiles.to_json() if self.quantiles else {}
+        return {
+            "gpus": self.gpus,
+            "efficiency": self.efficiency,
+            "algorithm": self.algorithm,
+            **self.step.to_json(),
+            **extra,
+        }
 
 
 @dataclass(frozen=True)
 class WhatIf:
-    """One change against the base plan; ``step`` is None when the change does not apply (``note`` says why)."""
+    """One change against the base plan; ``step`` is None when the change does not apply (``note`` says why).
+
+    A random change (packet loss) has ``quantiles``; ``step`` is then its p50 step."""
 
     change: str
     step: StepTime | None
     note: str = ""
+    quantiles: StepQuantiles | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"change": self.change, "note": self.note, **(self.step.to_json() if self.step else {})}
+        extra = self.quantiles.to_json() if self.quantiles else {}
+        return {"change": self.change, "note": self.note, **(self.step.to_json() if self.step else {}), **extra}
 
 
 @dataclass(frozen=True)
@@ -232,12 +279,13 @@ class Plan:
     bottleneck: str
     curve: tuple[tuple[int, float, float], ...]  # (size_bytes, seconds, busbw_Bps) of the dominant algorithm
     notes: tuple[str, ...] = ()
+    quantiles: StepQuantiles | None = None  # of the base step, with a compute distribution
 
     def to_json(self) -> dict[str, Any]:
         dominant = self.base.dominant
         return {
             "kind": "plan",
-            "base": self.base.to_json(),
+            "base": {**self.base.to_json(), **(self.quantiles.to_json() if self.quantiles else {})},
             "bottleneck": self.bottleneck,
             "scaling": [row.to_json() for row in self.scaling],
             "what_ifs": [w.to_json() for w in self.what_ifs],
@@ -348,6 +396,18 @@ class _Simulator:
             )
         return self._results[key]
 
+    def tail(self, request: PlanRequest, name: str, gpus: int, size_bytes: int, config: TailConfig) -> TailResult:
+        """:func:`allreduce.sim.simulate_tail` of one bucket size under the request's topology, placement, faults."""
+        return simulate_tail(
+            self.schedule(request, name, gpus),
+            self.topology(request.topology, request.uplink_oversubscription),
+            size_bytes=size_bytes,
+            config=config,
+            placement=request.placement,
+            seed=request.seed,
+            faults=request.faults,
+        )
+
 
 def _size_run(result: SimResult, size_bytes: int, count: int) -> SizeRun:
     return SizeRun(
@@ -426,7 +486,9 @@ def _bottleneck(base: StepPlan) -> str:
     )
 
 
-def _what_ifs(base: StepPlan, sim: _Simulator, request: PlanRequest) -> tuple[list[WhatIf], list[str]]:
+def _what_ifs(
+    base: StepPlan, sim: _Simulator, request: PlanRequest, loss_probability: float
+) -> tuple[list[WhatIf], list[str]]:
     rows: list[WhatIf] = []
     notes: list[str] = []
     chosen = base.algorithms
@@ -474,8 +536,105 @@ def _what_ifs(base: StepPlan, sim: _Simulator, request: PlanRequest) -> tuple[li
     )
     other_dtype = "fp32" if request.gradient_dtype != "fp32" else "bf16"
     row(f"{other_dtype} gradients", replace(request, gradient_dtype=other_dtype), keep_algorithms=False)
-    notes.append("a loss-rate row needs the simulator's packet-loss model, which it does not have yet")
+    if loss_probability > 0 and request.gpus > 1:
+        for label, fabric, rto_s in WHAT_IF_LOSS_MODELS:
+            model = LossModel(loss_probability, fabric=fabric, rto_s=rto_s)
+            timeout = "timeout" if fabric == "roce" else "RTO"
+            change = f"loss {loss_probability:g}, {label} {timeout} {format_seconds(model.rto)}"
+            try:
+                quantiles = loss_quantiles(base, sim, model)
+            except ValueError as exc:
+                rows.append(WhatIf(change, None, str(exc)))
+                continue
+            rows.append(WhatIf(change, quantiles.p50, quantiles.method, quantiles))
+        notes.append(
+            f"loss rows: p50 (step ms) and p99 of {STEP_SAMPLES} sampled steps; each bucket's all-reduce is drawn "
+            f"from {LOSS_TAIL_SAMPLES} samples of allreduce tail for its size (loss {loss_probability:g} per packet "
+            "on every link), added to the plan's own time"
+        )
     return rows, notes
+
+
+def _nearest_rank(p: float, count: int) -> int:
+    """Index of the p-quantile in ``count`` sorted values (the nearest-rank definition)."""
+    return min(count - 1, max(0, math.ceil(p * count) - 1))
+
+
+def loss_quantiles(base: StepPlan, sim: _Simulator, loss: LossModel, *, seed: int = 0) -> StepQuantiles:
+    """The base step with packet loss: p50 and p99 of :data:`STEP_SAMPLES` steps.
+
+    Per bucket size, :func:`allreduce.sim.simulate_tail` draws :data:`LOSS_TAIL_SAMPLES` all-reduces with loss;
+    what loss adds to each (its collective time minus the tail's noise-free time) is added to the plan's time for
+    that size. A step draws every bucket's all-reduce independently (loss is independent per packet) from those
+    samples and runs the plan's timeline; the step at the p-quantile is reported whole (its split too)."""
+    request = base.request
+    buckets = base.step.bucket_bytes
+    config = TailConfig(samples=LOSS_TAIL_SAMPLES, seed=seed, loss=loss, attribution=False)
+    rng = np.random.default_rng(seed)
+    draws = np.empty((STEP_SAMPLES, len(buckets)))
+    exact = True
+    for run in base.runs:
+        columns = [k for k, b in enumerate(buckets) if b == run.size_bytes]
+        if run.algorithm == "none":
+            draws[:, columns] = 0.0
+            continue
+        tail = sim.tail(request, run.algorithm, request.gpus, run.size_bytes, config)
+        exact = exact and tail.exact
+        seconds = run.seconds + (tail.collective_s - tail.baseline_s)
+        draws[:, columns] = seconds[rng.integers(0, seconds.size, size=(STEP_SAMPLES, len(columns)))]
+    steps = step_seconds(buckets, draws, request.compute)
+    order = np.argsort(steps, kind="stable")
+    p50, p99 = (
+        step_time(buckets, draws[order[_nearest_rank(p, STEP_SAMPLES)]], request.compute) for p in STEP_QUANTILES
+    )
+    method = (
+        f"p50 of {STEP_SAMPLES} steps (p99 {format_seconds(p99.step_s)}); each bucket from "
+        f"{LOSS_TAIL_SAMPLES} tail samples of its size{'' if exact else ' (~ fast engine)'}"
+    )
+    return StepQuantiles(p50, p99, method)
+
+
+def slowest_compute_quantile(
+    distribution: Distribution, p: float, *, gpus: int, accumulation: int, rng: np.random.Generator
+) -> float:
+    """The p-quantile of the slowest GPU's compute per step: max over ``gpus`` of the sum of ``accumulation``
+    independent draws. With one micro-batch it is exact, F⁻¹(p^(1/gpus)) (the max of n iid draws is below x with
+    probability F(x)^n); with several, the p-quantile of :data:`COMPUTE_SAMPLES` Monte Carlo draws."""
+    if accumulation == 1:
+        return distribution.quantile(p ** (1.0 / gpus))
+    slowest = np.zeros(COMPUTE_SAMPLES)
+    chunk = max(1, 2**22 // (COMPUTE_SAMPLES * accumulation))
+    for start in range(0, gpus, chunk):
+        count = min(chunk, gpus - start)
+        sums = distribution.sample(rng, (COMPUTE_SAMPLES, count, accumulation)).sum(axis=2)
+        slowest = np.maximum(slowest, sums.max(axis=1))
+    return float(np.sort(slowest)[_nearest_rank(p, COMPUTE_SAMPLES)])
+
+
+def compute_quantiles(step: StepPlan, distribution: Distribution, *, gpus: int) -> StepQuantiles:
+    """p50 and p99 of the step when every GPU's compute per micro-batch is drawn from ``distribution``.
+
+    Every all-reduce needs every GPU's bucket, so the step's timeline follows the slowest GPU's compute S, and
+    the step time is non-decreasing in S: its p-quantile is the step at S's p-quantile, exactly (no sampling of
+    the timeline). The typical GPU computes the distribution's median; ``waiting`` is the slowest's excess."""
+    compute = step.request.compute
+    accumulation = compute.accumulation_steps
+    median_s = distribution.quantile(0.5)
+    rng = np.random.default_rng(step.request.seed)
+    times: list[StepTime] = []
+    for p in STEP_QUANTILES:
+        slowest_s = slowest_compute_quantile(distribution, p, gpus=gpus, accumulation=accumulation, rng=rng)
+        per_micro_s = slowest_s / accumulation
+        typical_s = min(median_s, per_micro_s)
+        slowdown = per_micro_s / typical_s - 1.0 if typical_s > 0 else 0.0
+        changed = dataclasses.replace(
+            compute, micro_batch_s=typical_s if typical_s > 0 else per_micro_s, straggler_slowdown=max(slowdown, 0.0)
+        )
+        times.append(step_time(step.step.bucket_bytes, step.step.bucket_s, changed))
+    method = f"the slowest of {gpus} GPUs' compute ({distribution.spec}) at its quantile: " + (
+        "exact (F^-1(p^(1/n)))" if accumulation == 1 else f"{COMPUTE_SAMPLES} draws of the sum of {accumulation}"
+    )
+    return StepQuantiles(times[0], times[1], method)
 
 
 def plan(
@@ -484,9 +643,16 @@ def plan(
     scaling: bool = True,
     what_ifs: bool = True,
     curve: bool = True,
+    loss_probability: float = WHAT_IF_LOSS_PROBABILITY,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
-    """The base step, the scaling table from 8 GPUs (doubling, same per-GPU batch), and the what-if table."""
+    """The base step, the scaling table from 8 GPUs (doubling, same per-GPU batch), and the what-if table.
+
+    ``loss_probability`` (per packet, every link) sets the loss rows of the what-if table; 0 leaves them out.
+    With ``request.compute_distribution`` the base and every scaling row also carry their p50 and p99."""
+    if not (math.isfinite(loss_probability) and 0 <= loss_probability < 1):
+        raise ValueError(f"--loss must be a probability in [0, 1), got {loss_probability}")
+    distribution = request.compute_distribution
     sim = _Simulator()
     say = progress or (lambda _text: None)
     say(f"base plan on {request.gpus} GPUs")
@@ -500,12 +666,13 @@ def plan(
             step = row_plan.step
             first = step.step_s if first is None else first
             algorithm = "/".join(sorted({r.algorithm for r in row_plan.runs}))
-            rows.append(ScalingRow(n, step, first / step.step_s if step.step_s > 0 else 1.0, algorithm))
+            quantiles = compute_quantiles(row_plan, distribution, gpus=n) if distribution else None
+            rows.append(ScalingRow(n, step, first / step.step_s if step.step_s > 0 else 1.0, algorithm, quantiles))
     whats: list[WhatIf] = []
     notes: list[str] = []
     if what_ifs:
         say("what-if table")
-        whats, notes = _what_ifs(base, sim, request)
+        whats, notes = _what_ifs(base, sim, request, loss_probability)
     points: list[tuple[int, float, float]] = []
     if curve and request.gpus > 1:
         say("busbw curve")
@@ -515,4 +682,5 @@ def plan(
             points.append((size, result.seconds, result.busbw_Bps))
     if not all(r.exact for r in base.runs):
         notes.append("some all-reduce times are the fast engine's approximation (ranks left lockstep)")
-    return Plan(base, tuple(rows), tuple(whats), _bottleneck(base), tuple(points), tuple(notes))
+    base_quantiles = compute_quantiles(base, distribution, gpus=request.gpus) if distribution else None
+    return Plan(base, tuple(rows), tuple(whats), _bottleneck(base), tuple(points), tuple(notes), base_quantiles)
