@@ -250,7 +250,7 @@ def render(result: Plan) -> str:
         f"step time      {format_seconds(step.step_s)}"
         + (
             f"  (p50 {format_seconds(result.quantiles.p50.step_s)}, p99 {format_seconds(result.quantiles.p99.step_s)}"
-            f" over {result.quantiles.method})"
+            f": {result.quantiles.method})"
             if result.quantiles
             else ""
         ),
@@ -278,17 +278,17 @@ def render(result: Plan) -> str:
         lines += [
             "",
             "what if (one change each)",
-            f"{'change':<40} {'step ms':>10} {'vs base':>8} {'exposed ms':>10}"
+            f"{'change':<40} {'step ms':>10} {'vs base':>9} {'exposed ms':>10}"
             + (f" {'p99 ms':>10}" if any(w.quantiles for w in result.what_ifs) else ""),
         ]
-        lines.append(f"{'(base)':<40} {_ms(step.step_s)} {'':>8} {_ms(step.exposed_comm_s)}")
+        lines.append(f"{'(base)':<40} {_ms(step.step_s)} {'':>9} {_ms(step.exposed_comm_s)}")
         for w in result.what_ifs:
             if w.step is None:
                 lines.append(f"{w.change:<40} {'n/a':>10}  {w.note}")
                 continue
             delta = w.step.step_s / step.step_s - 1 if step.step_s else 0.0
             p99 = f" {_ms(w.quantiles.p99.step_s)}" if w.quantiles else ""
-            lines.append(f"{w.change:<40} {_ms(w.step.step_s)} {delta:>+8.1%} {_ms(w.step.exposed_comm_s)}{p99}")
+            lines.append(f"{w.change:<40} {_ms(w.step.step_s)} {delta:>+9.1%} {_ms(w.step.exposed_comm_s)}{p99}")
     lines.extend(f"(note: {n})" for n in result.notes)
     return "\n".join(lines)
 

@@ -16,7 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.plan._step import Compute, StepTime, step_seconds, step_time
+from allreduce.plan._step import Compute, StepTime, step_time
+from allreduce.plan._tail import (
+    LOSS_TAIL_SAMPLES,
+    STEP_SAMPLES,
+    StepQuantiles,
+    compute_step_quantiles,
+    loss_step_quantiles,
+)
 from allreduce.plan._workload import (
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_BYTES,
@@ -27,7 +34,17 @@ from allreduce.plan._workload import (
     ddp_buckets,
 )
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, all_reduce
-from allreduce.sim import Distribution, Faults, LossModel, SimResult, TailConfig, TailResult, simulate, simulate_tail
+from allreduce.sim import (
+    AUTO_EXACT_MAX_RANKS,
+    Distribution,
+    Faults,
+    LossModel,
+    SimResult,
+    TailConfig,
+    TailResult,
+    simulate,
+    simulate_tail,
+)
 from allreduce.topology import NodeKind, Topology, parse_topology
 from allreduce.units import format_bytes, format_seconds
 
@@ -77,15 +94,6 @@ WHAT_IF_LOSS_MODELS: tuple[tuple[str, str, float | None], ...] = (
     ("TCP", "tcp", None),
     ("TCP", "tcp", 4e-3),
 )
-# simulate_tail samples per bucket size for the loss rows (a bucket size's all-reduce loses a timeout's worth in a
-# few percent of runs, which 100 samples resolve; each costs O(ranks x steps) array work), and the steps sampled
-# from them (enough that p99 rests on 10 steps beyond it).
-LOSS_TAIL_SAMPLES = 100
-STEP_SAMPLES = 1000
-# Draws of the slowest GPU's compute under gradient accumulation (no closed form for the max of sums).
-COMPUTE_SAMPLES = 1000
-# The quantiles a distribution of step times reports.
-STEP_QUANTILES = (0.5, 0.99)
 
 
 def compute_seconds(
@@ -223,18 +231,6 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class StepQuantiles:
-    """The step at its p50 and p99 when something in it is random, and how they were computed."""
-
-    p50: StepTime
-    p99: StepTime
-    method: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"p50_step_s": self.p50.step_s, "p99_step_s": self.p99.step_s, "method": self.method}
-
-
-@dataclass(frozen=True)
 class ScalingRow:
     gpus: int
     step: StepTime
@@ -321,6 +317,8 @@ class _Simulator:
         self._topologies: dict[tuple[str, float], Topology] = {}
         self._schedules: dict[tuple[str, int, int | None], Schedule] = {}
         self._results: dict[tuple[Any, ...], SimResult] = {}
+        # Seconds by size of each (algorithm, gpus, setting) already simulated: lower bounds for auto (see fastest).
+        self._seconds_by_size: dict[tuple[Any, ...], dict[int, float]] = {}
 
     def topology(self, spec: str, oversubscription: float) -> Topology:
         key = (spec, oversubscription)
@@ -368,11 +366,11 @@ class _Simulator:
             )
         return self._schedules[key]
 
-    def run(self, request: PlanRequest, name: str, gpus: int, size_bytes: int) -> SimResult:
-        key = (
+    @staticmethod
+    def _setting(request: PlanRequest, name: str, gpus: int) -> tuple[Any, ...]:
+        return (
             name,
             gpus,
-            size_bytes,
             request.topology,
             request.uplink_oversubscription,
             request.placement,
@@ -381,6 +379,10 @@ class _Simulator:
             request.engine,
             request.group_size,
         )
+
+    def run(self, request: PlanRequest, name: str, gpus: int, size_bytes: int) -> SimResult:
+        setting = self._setting(request, name, gpus)
+        key = (*setting, size_bytes)
         if key not in self._results:
             topology = self.topology(request.topology, request.uplink_oversubscription)
             if gpus > topology.num_gpus:
@@ -394,7 +396,36 @@ class _Simulator:
                 faults=request.faults,
                 engine=request.engine,
             )
+            self._seconds_by_size.setdefault(setting, {})[size_bytes] = self._results[key].seconds
         return self._results[key]
+
+    def fastest(self, request: PlanRequest, gpus: int, size_bytes: int) -> SimResult:
+        """The fastest candidate algorithm for one bucket size (the first in candidate order among equals).
+
+        Where the fast engine computes every time, an all-reduce's time is non-decreasing in its size (flow
+        durations are latency + bytes / a rate that does not depend on bytes, and the recurrence only adds and
+        takes maxima), so a time already simulated at a smaller size is a lower bound. Candidates are simulated in
+        order of that bound, and those whose bound already exceeds the best time found are skipped: they cannot
+        win or tie, so the choice and its time are the full search's. The event engine's times carry no such
+        guarantee, so where it may run (at most AUTO_EXACT_MAX_RANKS ranks under engine "auto") every candidate
+        is simulated."""
+        names = self.candidates(request, gpus)
+        monotone = request.engine == "fast" or (request.engine == "auto" and gpus > AUTO_EXACT_MAX_RANKS)
+        bound: dict[str, float] = {}
+        for name in names:
+            known = self._seconds_by_size.get(self._setting(request, name, gpus), {})
+            smaller = [seconds for size, seconds in known.items() if size <= size_bytes]
+            bound[name] = max(smaller) if monotone and smaller else 0.0
+        best: tuple[float, int, SimResult] | None = None
+        for index, name in sorted(enumerate(names), key=lambda item: bound[item[1]]):
+            if best is not None and bound[name] > best[0]:
+                break
+            result = self.run(request, name, gpus, size_bytes)
+            if best is None or (result.seconds, index) < best[:2]:
+                best = (result.seconds, index, result)
+        if best is None:
+            raise ValueError(f"no all-reduce algorithm applies to {gpus} GPUs")
+        return best[2]
 
     def tail(self, request: PlanRequest, name: str, gpus: int, size_bytes: int, config: TailConfig) -> TailResult:
         """:func:`allreduce.sim.simulate_tail` of one bucket size under the request's topology, placement, faults."""
@@ -435,15 +466,15 @@ def _plan_step(
             runs[size] = SizeRun(size, count, "none", 0.0, 0.0, True, (), None)
             continue
         if algorithms is not None and size in algorithms:
-            names = [algorithms[size]]
-            if names[0] == "hierarchical" and sim.group_size(request, n) is None:
-                names = ["ring"]
+            name = algorithms[size]
+            if name == "hierarchical" and sim.group_size(request, n) is None:
+                name = "ring"
+            result = sim.run(request, name, n, size)
         elif request.algorithm == AUTO:
-            names = sim.candidates(request, n)
+            result = sim.fastest(request, n, size)
         else:
-            names = [request.algorithm]
-        results = [sim.run(request, name, n, size) for name in names]
-        runs[size] = _size_run(min(results, key=lambda r: r.seconds), size, count)
+            result = sim.run(request, request.algorithm, n, size)
+        runs[size] = _size_run(result, size, count)
     step = step_time(buckets, [runs[b].seconds for b in buckets], request.compute)
     return StepPlan(request, step, tuple(runs[s] for s in sizes))
 
@@ -555,86 +586,21 @@ def _what_ifs(
     return rows, notes
 
 
-def _nearest_rank(p: float, count: int) -> int:
-    """Index of the p-quantile in ``count`` sorted values (the nearest-rank definition)."""
-    return min(count - 1, max(0, math.ceil(p * count) - 1))
-
-
-def loss_quantiles(base: StepPlan, sim: _Simulator, loss: LossModel, *, seed: int = 0) -> StepQuantiles:
-    """The base step with packet loss: p50 and p99 of :data:`STEP_SAMPLES` steps.
-
-    Per bucket size, :func:`allreduce.sim.simulate_tail` draws :data:`LOSS_TAIL_SAMPLES` all-reduces with loss;
-    what loss adds to each (its collective time minus the tail's noise-free time) is added to the plan's time for
-    that size. A step draws every bucket's all-reduce independently (loss is independent per packet) from those
-    samples and runs the plan's timeline; the step at the p-quantile is reported whole (its split too)."""
+def loss_quantiles(base: StepPlan, sim: _Simulator, loss: LossModel) -> StepQuantiles:
+    """The base step with packet loss (see :func:`allreduce.plan._tail.loss_step_quantiles`)."""
     request = base.request
-    buckets = base.step.bucket_bytes
-    config = TailConfig(samples=LOSS_TAIL_SAMPLES, seed=seed, loss=loss, attribution=False)
-    rng = np.random.default_rng(seed)
-    draws = np.empty((STEP_SAMPLES, len(buckets)))
-    exact = True
-    for run in base.runs:
-        columns = [k for k, b in enumerate(buckets) if b == run.size_bytes]
-        if run.algorithm == "none":
-            draws[:, columns] = 0.0
-            continue
-        tail = sim.tail(request, run.algorithm, request.gpus, run.size_bytes, config)
-        exact = exact and tail.exact
-        seconds = run.seconds + (tail.collective_s - tail.baseline_s)
-        draws[:, columns] = seconds[rng.integers(0, seconds.size, size=(STEP_SAMPLES, len(columns)))]
-    steps = step_seconds(buckets, draws, request.compute)
-    order = np.argsort(steps, kind="stable")
-    p50, p99 = (
-        step_time(buckets, draws[order[_nearest_rank(p, STEP_SAMPLES)]], request.compute) for p in STEP_QUANTILES
-    )
-    method = (
-        f"p50 of {STEP_SAMPLES} steps (p99 {format_seconds(p99.step_s)}); each bucket from "
-        f"{LOSS_TAIL_SAMPLES} tail samples of its size{'' if exact else ' (~ fast engine)'}"
-    )
-    return StepQuantiles(p50, p99, method)
 
+    def tail(name: str, size_bytes: int, config: TailConfig) -> TailResult:
+        return sim.tail(request, name, request.gpus, size_bytes, config)
 
-def slowest_compute_quantile(
-    distribution: Distribution, p: float, *, gpus: int, accumulation: int, rng: np.random.Generator
-) -> float:
-    """The p-quantile of the slowest GPU's compute per step: max over ``gpus`` of the sum of ``accumulation``
-    independent draws. With one micro-batch it is exact, F⁻¹(p^(1/gpus)) (the max of n iid draws is below x with
-    probability F(x)^n); with several, the p-quantile of :data:`COMPUTE_SAMPLES` Monte Carlo draws."""
-    if accumulation == 1:
-        return distribution.quantile(p ** (1.0 / gpus))
-    slowest = np.zeros(COMPUTE_SAMPLES)
-    chunk = max(1, 2**22 // (COMPUTE_SAMPLES * accumulation))
-    for start in range(0, gpus, chunk):
-        count = min(chunk, gpus - start)
-        sums = distribution.sample(rng, (COMPUTE_SAMPLES, count, accumulation)).sum(axis=2)
-        slowest = np.maximum(slowest, sums.max(axis=1))
-    return float(np.sort(slowest)[_nearest_rank(p, COMPUTE_SAMPLES)])
+    runs = [(r.size_bytes, r.algorithm, r.seconds) for r in base.runs]
+    return loss_step_quantiles(base.step, request.compute, runs, loss, tail, seed=request.seed)
 
 
 def compute_quantiles(step: StepPlan, distribution: Distribution, *, gpus: int) -> StepQuantiles:
-    """p50 and p99 of the step when every GPU's compute per micro-batch is drawn from ``distribution``.
-
-    Every all-reduce needs every GPU's bucket, so the step's timeline follows the slowest GPU's compute S, and
-    the step time is non-decreasing in S: its p-quantile is the step at S's p-quantile, exactly (no sampling of
-    the timeline). The typical GPU computes the distribution's median; ``waiting`` is the slowest's excess."""
-    compute = step.request.compute
-    accumulation = compute.accumulation_steps
-    median_s = distribution.quantile(0.5)
-    rng = np.random.default_rng(step.request.seed)
-    times: list[StepTime] = []
-    for p in STEP_QUANTILES:
-        slowest_s = slowest_compute_quantile(distribution, p, gpus=gpus, accumulation=accumulation, rng=rng)
-        per_micro_s = slowest_s / accumulation
-        typical_s = min(median_s, per_micro_s)
-        slowdown = per_micro_s / typical_s - 1.0 if typical_s > 0 else 0.0
-        changed = dataclasses.replace(
-            compute, micro_batch_s=typical_s if typical_s > 0 else per_micro_s, straggler_slowdown=max(slowdown, 0.0)
-        )
-        times.append(step_time(step.step.bucket_bytes, step.step.bucket_s, changed))
-    method = f"the slowest of {gpus} GPUs' compute ({distribution.spec}) at its quantile: " + (
-        "exact (F^-1(p^(1/n)))" if accumulation == 1 else f"{COMPUTE_SAMPLES} draws of the sum of {accumulation}"
-    )
-    return StepQuantiles(times[0], times[1], method)
+    """p50 and p99 of ``step`` with compute drawn from ``distribution`` on ``gpus`` GPUs (see
+    :func:`allreduce.plan._tail.compute_step_quantiles`)."""
+    return compute_step_quantiles(step.step, step.request.compute, distribution, gpus=gpus, seed=step.request.seed)
 
 
 def plan(
