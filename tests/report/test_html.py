@@ -174,3 +174,12 @@ def test_the_tail_cdf_draws_each_algorithms_reported_quantiles_at_their_nines(ta
     assert figure.series[0].y == pytest.approx([0.0, math.log10(2), 1.0, 2.0, 3.0], rel=1e-12)
     assert [label for _, label in figure.y_ticks] == ["0%", "p50", "p90", "p99", "max"]
     assert "nines" in figure.caption
+
+
+def test_the_breakdown_bars_leave_the_random_loss_rows_to_the_table(plan_document: dict[str, Any]) -> None:
+    breakdown = next(f for f in figures_of([plan_document]) if f.ident == "d0-breakdown")
+    loss_rows = [w["change"] for w in plan_document["what_ifs"] if "p99_step_s" in w]
+    assert loss_rows
+    assert not set(loss_rows) & set(breakdown.categories)
+    assert breakdown.categories[0] == "base"
+    assert len(breakdown.categories) == 1 + len(plan_document["what_ifs"]) - len(loss_rows)
