@@ -10,7 +10,8 @@ Rows: wall time and CPU time (of this process and its children) of
   accumulation 1/4, ring on a k=8 fat tree) on a local process pool and on a local Dask cluster of the same
   number of worker processes, with cases per second.
 
-The machine may be shared: the table prints the load average before each row.
+The machine may be shared: the table prints the 1-minute load average before each row, and `uptime` after the
+last. Run it with PYTHONPATH pointing at another checkout's src/ to time that code (a before/after pair).
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def main() -> None:
                 executor.shutdown()
         what = f"sweep {ran} cases ({failed} failed), Dask {args.workers} workers"
         emit(f"{what:<52} {load:>5} {wall:>8.2f} {'-':>8} {ran / wall:>8.1f}")
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    print(f"uptime after the runs: {uptime}")
 
 
 if __name__ == "__main__":

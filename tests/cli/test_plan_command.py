@@ -64,6 +64,12 @@ def test_a_torch_module_is_planned(capsys: pytest.CaptureFixture[str], monkeypat
         (("--module", "nope", "--gpus", "4", "--topology", "switch:4", "--compute-ms", "1"), "module:function"),
         (("--model", "resnet50", "--gpus", "4", "--topology", "switch:4", "--gpu-tflops", "100"), "--samples-per-gpu"),
         (("--params", "5e7", "--gpus", "4", "--topology", "nonsense:4", "--compute-ms", "1"), "nonsense"),
+        (("--params", "5e7", "--gpus", "4", "--topology", "switch:4", "--compute", "lognormal:median=1ms"), "p99"),
+        (
+            ("--params", "5e7", "--gpus", "4", "--topology", "switch:4", "--compute", "1ms", "--compute-ms", "1"),
+            "not several",
+        ),
+        (("--params", "5e7", "--gpus", "4", "--topology", "switch:4", "--compute-ms", "1", "--loss", "1.5"), "[0, 1)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -92,3 +98,36 @@ def test_the_demo_section_plans_llama2_7b_on_1024_gpus_and_writes_the_report(tmp
     assert "on 1024 GPUs of fat-tree:k=16" in text
     assert text.endswith(f"report: {path}")
     assert 'id="d0-scaling"' in path.read_text()
+
+
+def test_the_what_if_table_has_loss_rows_with_p99_and_no_placeholder(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL, "--no-scaling")
+    assert code == 0, err
+    assert "p99 ms" in out
+    for change in ("loss 1e-06, RoCE timeout 4.295 s", "loss 1e-06, TCP RTO 200 ms", "loss 1e-06, TCP RTO 4 ms"):
+        assert f"\n{change}" in out
+    assert "packet-loss model" not in out
+
+
+def test_loss_zero_prints_no_loss_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL, "--no-scaling", "--loss", "0")
+    assert code == 0, err
+    assert "\nloss " not in out
+
+
+def test_compute_from_a_distribution_adds_p50_and_p99(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    steps = tmp_path / "steps.csv"
+    steps.write_text("step_s\n0.020\n0.021\n0.025\n0.040\n")
+    argv = ("--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4", "--compute", f"empirical:{steps}")
+    code, out, err = run(capsys, *argv, "--no-what-if")
+    assert code == 0, err
+    assert "(p50 " in out
+    assert ", p99 " in out
+    assert "p50 ms     p99 ms" in out
+    code, out, err = run(capsys, *argv, "--no-what-if", "--json")
+    data = json.loads(out)
+    # 16 GPUs each drawing one of 4 values: the slowest is 40 ms at p50 (1 - 0.75^16 > 0.5) and p99.
+    assert data["base"]["compute_distribution"] == f"empirical:{steps}"
+    assert data["base"]["micro_batch_s"] == 0.025
+    assert data["base"]["p99_step_s"] == data["base"]["p50_step_s"]
+    assert data["base"]["p99_step_s"] > data["base"]["step_s"]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from allreduce.cli import main
+from allreduce.schedules import all_reduce
+from allreduce.sim import LossModel, TailConfig, simulate_tail
+from allreduce.topology import parse_topology
 
 SMALL = ("--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4", "--compute-ms", "20")
 
@@ -43,3 +47,29 @@ def test_a_file_that_is_not_json_is_named_with_its_line(capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert code == 2
     assert f"{bad}:2: not valid JSON" in err
+
+
+def test_a_tail_json_gets_its_cdf_as_html_and_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    topology = parse_topology("fat-tree:k=4")
+    config = TailConfig(samples=200, seed=3, loss=LossModel(1e-5, fabric="tcp", rto_s=4e-3))
+    result = simulate_tail(all_reduce("ring", 16), topology, size_bytes=2**24, config=config)
+    saved = tmp_path / "tail.json"  # the document of `allreduce tail --json`
+    saved.write_text(
+        json.dumps(
+            {
+                "topology": topology.name,
+                "ranks": 16,
+                "size_bytes": 2**24,
+                "samples": 200,
+                "seed": 3,
+                "algorithms": [result.to_json()],
+                "skipped": [],
+            }
+        )
+    )
+    page = tmp_path / "tail.html"
+    code = main(["report", str(saved), "-o", str(page), "--png", str(tmp_path / "png")])
+    _out, err = capsys.readouterr()
+    assert code == 0, err
+    assert 'id="d0-tail"' in page.read_text()
+    assert [p.name for p in (tmp_path / "png").iterdir()] == ["d0-tail.png"]

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from allreduce.plan import Compute, PlanRequest, model_from_params, plan, plan_step, scaling_counts
-from allreduce.schedules import all_reduce
+from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce
 from allreduce.sim import simulate
 from allreduce.topology import parse_topology
 
@@ -138,3 +138,21 @@ def test_to_json_carries_the_split_and_the_tables() -> None:
     assert data["scaling"][-1]["gpus"] == 16
     assert data["busbw_curve"]
     assert data["links"]
+
+
+@pytest.mark.parametrize("engine", ["fast", "auto"])
+def test_auto_with_size_bounds_chooses_what_simulating_every_algorithm_chooses(engine: str) -> None:
+    # Several bucket sizes, so smaller sizes' times bound the larger ones' (the fast engine's pruning).
+    req = request(60 * MiB, 0.01, algorithm="auto", engine=engine, bucket_cap_bytes=8 * MiB, first_bucket_bytes=MiB)
+    chosen = plan_step(req)
+    assert len(chosen.runs) >= 3
+    per_algorithm = {}
+    for name in ALL_REDUCE_ALGORITHMS:
+        try:
+            per_algorithm[name] = plan_step(dataclasses.replace(req, algorithm=name)).runs
+        except ValueError:
+            continue
+    for i, run in enumerate(chosen.runs):
+        best = min(per_algorithm, key=lambda name: per_algorithm[name][i].seconds)
+        assert run.seconds == per_algorithm[best][i].seconds, run.size_bytes
+        assert run.algorithm == best, run.size_bytes

@@ -97,3 +97,26 @@ def test_chromium_renders_every_figure_without_console_errors(tmp_path: Path, pl
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 20_000  # a blank page of this size compresses to a few KB
     print(f"screenshot: {screenshot}")
+
+
+@pytest.mark.slow
+def test_chromium_draws_the_tail_cdf_beside_a_plan(
+    tmp_path: Path, plan_document: dict[str, Any], tail_document: dict[str, Any]
+) -> None:
+    browser = _browser()
+    page = write_report(tmp_path / "tail.html", [plan_document, tail_document])
+    figures, console = _probe(browser, page)
+    assert console == []
+    assert [f["id"] for f in figures] == ["d0-scaling", "d0-breakdown", "d0-busbw", "d0-links", "d1-tail"]
+    tail = figures[-1]
+    assert tail["width"] > 100, tail
+    assert tail["height"] > 100, tail
+    assert tail["shown"] > 0, tail
+    assert tail["shapes"] > 3, tail  # the frame, two polylines and their points
+
+    artifacts = Path(os.environ.get("ALLREDUCE_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    screenshot = artifacts / "report-tail.png"
+    shot = _run(browser, f"--window-size={WINDOW}", f"--screenshot={screenshot}", page.as_uri())
+    assert shot.returncode == 0, shot.stderr[-500:]
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

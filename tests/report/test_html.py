@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -101,7 +102,7 @@ def test_a_sweep_csv_and_a_sim_json_are_reported_too(tmp_path: Path, plan_docume
 def test_a_file_that_is_no_result_is_refused_with_its_name(tmp_path: Path) -> None:
     bad = tmp_path / "x.json"
     bad.write_text('{"hello": 1}')
-    with pytest.raises(ValueError, match=r"x\.json: not a plan, sweep, sim or bench result"):
+    with pytest.raises(ValueError, match=r"x\.json: not a plan, sweep, sim, tail or bench result"):
         load_documents([bad])
 
 
@@ -144,3 +145,41 @@ def test_measured_bench_rows_are_drawn_beside_the_predicted_busbw(
     assert busbw.series[1].x == (4096.0, float(1 << 20), float(16 << 20))
     cells = parse(render_report(documents))
     assert float(cells.values["1.rows.2.busbw_Bps"]) == 1.5e9
+
+
+def test_a_tail_json_is_a_table_and_a_cdf_whose_numbers_are_the_jsons(
+    tmp_path: Path, tail_document: dict[str, Any]
+) -> None:
+    saved = tmp_path / "tail.json"
+    saved.write_text(json.dumps(tail_document))
+    documents = load_documents([saved])
+    cells = parse(render_report(documents))
+    assert cells.figures == ["d0-tail"]
+    keys = {"noise_free_s", "step_s.p50", "step_s.p90", "step_s.p99", "step_s.p99.9", "step_s.max", "step_s.mean"}
+    for i, _ in enumerate(tail_document["algorithms"]):
+        for key in keys:
+            algorithm = tail_document["algorithms"][i]
+            expected = algorithm["noise_free_s"] if key == "noise_free_s" else algorithm["step_s"][key[7:]]
+            assert float(cells.values[f"0.algorithms.{i}.{key}"]) == expected, key
+
+
+def test_the_tail_cdf_draws_each_algorithms_reported_quantiles_at_their_nines(tail_document: dict[str, Any]) -> None:
+    (figure,) = figures_of([tail_document])
+    assert [s.label for s in figure.series] == ["ring", "halving_doubling"]
+    ring = tail_document["algorithms"][0]
+    step = ring["step_s"]
+    # 300 samples resolve p50, p90 and p99 (at least one sample beyond each), not p99.9.
+    expected_ms = [ring["noise_free_s"], step["p50"], step["p90"], step["p99"], step["max"]]
+    assert figure.series[0].x == pytest.approx([s * 1e3 for s in expected_ms], rel=1e-12)
+    assert figure.series[0].y == pytest.approx([0.0, math.log10(2), 1.0, 2.0, 3.0], rel=1e-12)
+    assert [label for _, label in figure.y_ticks] == ["0%", "p50", "p90", "p99", "max"]
+    assert "nines" in figure.caption
+
+
+def test_the_breakdown_bars_leave_the_random_loss_rows_to_the_table(plan_document: dict[str, Any]) -> None:
+    breakdown = next(f for f in figures_of([plan_document]) if f.ident == "d0-breakdown")
+    loss_rows = [w["change"] for w in plan_document["what_ifs"] if "p99_step_s" in w]
+    assert loss_rows
+    assert not set(loss_rows) & set(breakdown.categories)
+    assert breakdown.categories[0] == "base"
+    assert len(breakdown.categories) == 1 + len(plan_document["what_ifs"]) - len(loss_rows)

@@ -15,6 +15,7 @@ from allreduce.plan import (
     BACKWARD_FRACTION,
     GRADIENT_DTYPES,
     PRESETS,
+    WHAT_IF_LOSS_PROBABILITY,
     Compute,
     Model,
     Plan,
@@ -26,6 +27,7 @@ from allreduce.plan import (
     preset,
 )
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS
+from allreduce.sim import Distribution, parse_distribution
 from allreduce.units import format_bytes, format_seconds
 
 __all__ = ["HelpFormatter", "demo_section", "register", "render", "request_from_args", "run"]
@@ -94,8 +96,16 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "--first-bucket-mb", type=_positive_float("--first-bucket-mb"), default=1.0, help="DDP's first bucket in MiB"
     )
     p.add_argument("--dtype", choices=tuple(GRADIENT_DTYPES), default="bf16", help="gradient element type")
-    compute = p.add_argument_group("compute per step (--compute-ms, or FLOPs from --gpu-tflops and --mfu)")
+    compute = p.add_argument_group(
+        "compute per step (--compute-ms, --compute DIST, or FLOPs from --gpu-tflops and --mfu)"
+    )
     compute.add_argument("--compute-ms", type=float, help="forward + backward of one micro-batch, milliseconds")
+    compute.add_argument(
+        "--compute",
+        metavar="DIST",
+        help="compute per micro-batch as a distribution over GPUs and steps: lognormal:median=300ms,p99=400ms, "
+        "empirical:steps.csv (as allreduce tail); adds p50/p99 step times",
+    )
     compute.add_argument("--gpu-tflops", type=_positive_float("--gpu-tflops"), help="the GPU's peak TFLOPS")
     compute.add_argument(
         "--mfu", type=_positive_float("--mfu", at_most=1.0), default=0.4, help="model FLOPs utilization"
@@ -144,6 +154,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_workload_arguments(p)
     p.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
     p.add_argument("--no-what-if", action="store_true", help="skip the what-if table")
+    p.add_argument(
+        "--loss",
+        type=float,
+        default=WHAT_IF_LOSS_PROBABILITY,
+        metavar="P",
+        help="packet loss per link of the what-if loss rows (RoCE 4.29 s timeout, TCP 200 ms and 4 ms RTO); 0: none",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output (what `allreduce report` reads)")
     p.add_argument("--report", metavar="FILE", help="also write the HTML report to FILE")
     p.set_defaults(handler=run)
@@ -159,7 +176,16 @@ def _model(args: argparse.Namespace) -> Model:
 
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
     model = _model(args)
-    if args.compute_ms is not None:
+    distribution: Distribution | None = None
+    if args.compute is not None and (args.compute_ms is not None or args.gpu_tflops is not None):
+        raise CLIError("give one of --compute-ms, --compute DIST or --gpu-tflops, not several")
+    if args.compute is not None:
+        try:
+            distribution = parse_distribution(args.compute)
+        except ValueError as exc:
+            raise CLIError(f"--compute: {exc}") from None
+        micro_batch_s = distribution.quantile(0.5)
+    elif args.compute_ms is not None:
         if args.compute_ms < 0:
             raise CLIError(f"--compute-ms must be >= 0, got {args.compute_ms:g}")
         if args.gpu_tflops is not None:
@@ -174,7 +200,9 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
             samples_per_gpu=args.samples_per_gpu,
         )
     else:
-        raise CLIError("say how long compute takes: --compute-ms, or --gpu-tflops with --tokens-per-gpu")
+        raise CLIError(
+            "say how long compute takes: --compute-ms, --compute DIST, or --gpu-tflops with --tokens-per-gpu"
+        )
     compute = Compute(
         micro_batch_s,
         backward_fraction=args.backward_fraction,
@@ -194,6 +222,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         placement=args.placement,
         seed=args.seed,
         engine=args.engine,
+        compute_distribution=distribution,
     )
 
 
@@ -218,32 +247,48 @@ def render(result: Plan) -> str:
             for r in base.runs
         ),
         "",
-        f"step time      {format_seconds(step.step_s)}",
+        f"step time      {format_seconds(step.step_s)}"
+        + (
+            f"  (p50 {format_seconds(result.quantiles.p50.step_s)}, p99 {format_seconds(result.quantiles.p99.step_s)}"
+            f": {result.quantiles.method})"
+            if result.quantiles
+            else ""
+        ),
         f"  compute      {format_seconds(step.compute_s)}  ({_share(step.compute_s, step.step_s)})",
         f"  waiting      {format_seconds(step.waiting_s)}",
         f"  exposed comm {format_seconds(step.exposed_comm_s)}  (of {format_seconds(step.comm_s)} all-reduce in all)",
         f"bottleneck: {result.bottleneck}",
     ]
     if result.scaling:
+        spread = any(row.quantiles for row in result.scaling)
         lines += [
             "",
             "scaling (same per-GPU batch)",
-            f"{'GPUs':>8} {'step ms':>10} {'exposed ms':>10} {'efficiency':>10}  algorithm",
+            f"{'GPUs':>8} {'step ms':>10} {'exposed ms':>10} {'efficiency':>10}  "
+            + (f"{'p50 ms':>10} {'p99 ms':>10}  " if spread else "")
+            + "algorithm",
         ]
         lines.extend(
             f"{row.gpus:>8} {_ms(row.step.step_s)} {_ms(row.step.exposed_comm_s)} {row.efficiency:>10.1%}  "
-            f"{row.algorithm}"
+            + (f"{_ms(row.quantiles.p50.step_s)} {_ms(row.quantiles.p99.step_s)}  " if row.quantiles else "")
+            + row.algorithm
             for row in result.scaling
         )
     if result.what_ifs:
-        lines += ["", "what if (one change each)", f"{'change':<40} {'step ms':>10} {'vs base':>8} {'exposed ms':>10}"]
-        lines.append(f"{'(base)':<40} {_ms(step.step_s)} {'':>8} {_ms(step.exposed_comm_s)}")
+        lines += [
+            "",
+            "what if (one change each)",
+            f"{'change':<40} {'step ms':>10} {'vs base':>9} {'exposed ms':>10}"
+            + (f" {'p99 ms':>10}" if any(w.quantiles for w in result.what_ifs) else ""),
+        ]
+        lines.append(f"{'(base)':<40} {_ms(step.step_s)} {'':>9} {_ms(step.exposed_comm_s)}")
         for w in result.what_ifs:
             if w.step is None:
                 lines.append(f"{w.change:<40} {'n/a':>10}  {w.note}")
                 continue
             delta = w.step.step_s / step.step_s - 1 if step.step_s else 0.0
-            lines.append(f"{w.change:<40} {_ms(w.step.step_s)} {delta:>+8.1%} {_ms(w.step.exposed_comm_s)}")
+            p99 = f" {_ms(w.quantiles.p99.step_s)}" if w.quantiles else ""
+            lines.append(f"{w.change:<40} {_ms(w.step.step_s)} {delta:>+9.1%} {_ms(w.step.exposed_comm_s)}{p99}")
     lines.extend(f"(note: {n})" for n in result.notes)
     return "\n".join(lines)
 
@@ -257,9 +302,12 @@ def _progress(enabled: bool) -> Callable[[str], None] | None:
 
 def run(args: argparse.Namespace) -> int:
     request = request_from_args(args)
+    if not 0 <= args.loss < 1:
+        raise CLIError(f"--loss {args.loss:g}: a probability per packet must be in [0, 1)")
     status = sys.stderr.isatty() and not args.json
     result = plan(
         request,
+        loss_probability=args.loss,
         scaling=not args.no_scaling,
         what_ifs=not args.no_what_if,
         curve=bool(args.json or args.report),  # the busbw curve is drawn in the report, not printed

@@ -14,11 +14,11 @@ __all__ = ["register", "run"]
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "report",
-        help="write a self-contained HTML report with figures from plan, sweep or sim results",
+        help="write a self-contained HTML report with figures from plan, sweep, sim or tail results",
         description=(
-            "Read results (the JSON of `allreduce plan --json`, `sim --json` or `bench --json`, or a sweep's\n"
-            "CSV) and write one HTML file that opens without network access: tables, and figures with captions\n"
-            "that say what to read from them. Measured bench rows are drawn beside a plan's predicted busbw."
+            "Read results (the JSON of `allreduce plan --json`, `sim --json`, `tail --json` or `bench --json`, or a\n"
+            "sweep's CSV) and write one HTML file that opens without network access: tables, and figures with\n"
+            "captions that say what to read from them. Measured bench rows are drawn beside a plan's predicted busbw."
         ),
         epilog=(
             "examples:\n"
@@ -26,11 +26,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "> plan.json\n"
             "  allreduce report plan.json -o report.html --png figures/\n"
             "  allreduce bench -n 4 --sizes 4KiB:64MiB --json > bench.json\n"
-            "  allreduce report plan.json bench.json -o report.html"
+            "  allreduce report plan.json bench.json -o report.html\n"
+            "  allreduce tail -t fat-tree:k=8 --size 256MiB --loss 1e-6 --rto 4ms --json > tail.json\n"
+            "  allreduce report tail.json -o tail.html"
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("results", nargs="+", metavar="RESULT", help="JSON (plan, sim, bench) or CSV (sweep) files")
+    p.add_argument("results", nargs="+", metavar="RESULT", help="JSON (plan, sim, tail, bench) or CSV (sweep) files")
     p.add_argument("--output", "-o", default="allreduce-report.html", help="the HTML file to write")
     p.add_argument("--png", metavar="DIR", help="also write each figure as DIR/<figure>.png (needs matplotlib)")
     p.add_argument("--title", default="allreduce report", help="the page title")

@@ -6,18 +6,21 @@
 
 from allreduce.plan._planner import (
     AUTO,
+    WHAT_IF_LOSS_PROBABILITY,
     Plan,
     PlanRequest,
     ScalingRow,
     SizeRun,
     StepPlan,
+    StepQuantiles,
     WhatIf,
+    compute_quantiles,
     compute_seconds,
     plan,
     plan_step,
     scaling_counts,
 )
-from allreduce.plan._step import BACKWARD_FRACTION, Compute, StepTime, step_time
+from allreduce.plan._step import BACKWARD_FRACTION, Compute, StepTime, step_seconds, step_time
 from allreduce.plan._sweep import (
     COLUMNS,
     PARAMETERS,
@@ -52,6 +55,7 @@ __all__ = [
     "GRADIENT_DTYPES",
     "PARAMETERS",
     "PRESETS",
+    "WHAT_IF_LOSS_PROBABILITY",
     "Compute",
     "DaskExecutor",
     "Model",
@@ -60,10 +64,12 @@ __all__ = [
     "ScalingRow",
     "SizeRun",
     "StepPlan",
+    "StepQuantiles",
     "StepTime",
     "SweepSummary",
     "WhatIf",
     "case_id",
+    "compute_quantiles",
     "compute_seconds",
     "ddp_buckets",
     "expand_grid",
@@ -78,5 +84,6 @@ __all__ = [
     "run_case",
     "run_sweep",
     "scaling_counts",
+    "step_seconds",
     "step_time",
 ]

@@ -17,6 +17,13 @@ from typing import Any
 import numpy as np
 
 from allreduce.plan._step import Compute, StepTime, step_time
+from allreduce.plan._tail import (
+    LOSS_TAIL_SAMPLES,
+    STEP_SAMPLES,
+    StepQuantiles,
+    compute_step_quantiles,
+    loss_step_quantiles,
+)
 from allreduce.plan._workload import (
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_BYTES,
@@ -27,9 +34,19 @@ from allreduce.plan._workload import (
     ddp_buckets,
 )
 from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, all_reduce
-from allreduce.sim import Faults, SimResult, simulate
+from allreduce.sim import (
+    AUTO_EXACT_MAX_RANKS,
+    Distribution,
+    Faults,
+    LossModel,
+    SimResult,
+    TailConfig,
+    TailResult,
+    simulate,
+    simulate_tail,
+)
 from allreduce.topology import NodeKind, Topology, parse_topology
-from allreduce.units import format_bytes
+from allreduce.units import format_bytes, format_seconds
 
 __all__ = [
     "AUTO",
@@ -38,6 +55,7 @@ __all__ = [
     "ScalingRow",
     "SizeRun",
     "StepPlan",
+    "StepQuantiles",
     "WhatIf",
     "compute_seconds",
     "plan",
@@ -66,6 +84,16 @@ CURVE_SIZES_BYTES = tuple(2**e for e in range(10, 31, 2))
 COMPUTE_BOUND_EXPOSED_SHARE = 0.01
 # Links the report's utilization view shows.
 UTILIZATION_LINKS = 16
+# The loss what-if: one packet in a million dropped on every link (a healthy datacenter link drops far fewer; a
+# marginal optic or a congested lossy fabric this many), under three retransmission models that span practice:
+# RoCE with the InfiniBand ACK timeout NCCL and HCCL default to (4.096 us x 2^20 = 4.29 s), TCP with Linux's
+# minimum RTO (200 ms), and TCP with a tuned 4 ms RTO.
+WHAT_IF_LOSS_PROBABILITY = 1e-6
+WHAT_IF_LOSS_MODELS: tuple[tuple[str, str, float | None], ...] = (
+    ("RoCE", "roce", None),
+    ("TCP", "tcp", None),
+    ("TCP", "tcp", 4e-3),
+)
 
 
 def compute_seconds(
@@ -111,6 +139,8 @@ class PlanRequest:
     uplink_oversubscription: float = 1.0
     faults: Faults = field(default_factory=Faults)
     engine: str = "auto"
+    # Compute per micro-batch as a distribution over GPUs and steps (``compute`` then holds its median).
+    compute_distribution: Distribution | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -150,6 +180,7 @@ class PlanRequest:
             "placement": self.placement,
             "uplink_oversubscription": self.uplink_oversubscription,
             "engine": self.engine,
+            "compute_distribution": self.compute_distribution.spec if self.compute_distribution else None,
         }
 
 
@@ -205,21 +236,33 @@ class ScalingRow:
     step: StepTime
     efficiency: float  # step time at the first row / step time here (same per-GPU batch)
     algorithm: str
+    quantiles: StepQuantiles | None = None  # with a compute distribution
 
     def to_json(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "efficiency": self.efficiency, "algorithm": self.algorithm, **self.step.to_json()}
+        extra = self.quantiles.to_json() if self.quantiles else {}
+        return {
+            "gpus": self.gpus,
+            "efficiency": self.efficiency,
+            "algorithm": self.algorithm,
+            **self.step.to_json(),
+            **extra,
+        }
 
 
 @dataclass(frozen=True)
 class WhatIf:
-    """One change against the base plan; ``step`` is None when the change does not apply (``note`` says why)."""
+    """One change against the base plan; ``step`` is None when the change does not apply (``note`` says why).
+
+    A random change (packet loss) has ``quantiles``; ``step`` is then its p50 step."""
 
     change: str
     step: StepTime | None
     note: str = ""
+    quantiles: StepQuantiles | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"change": self.change, "note": self.note, **(self.step.to_json() if self.step else {})}
+        extra = self.quantiles.to_json() if self.quantiles else {}
+        return {"change": self.change, "note": self.note, **(self.step.to_json() if self.step else {}), **extra}
 
 
 @dataclass(frozen=True)
@@ -232,12 +275,13 @@ class Plan:
     bottleneck: str
     curve: tuple[tuple[int, float, float], ...]  # (size_bytes, seconds, busbw_Bps) of the dominant algorithm
     notes: tuple[str, ...] = ()
+    quantiles: StepQuantiles | None = None  # of the base step, with a compute distribution
 
     def to_json(self) -> dict[str, Any]:
         dominant = self.base.dominant
         return {
             "kind": "plan",
-            "base": self.base.to_json(),
+            "base": {**self.base.to_json(), **(self.quantiles.to_json() if self.quantiles else {})},
             "bottleneck": self.bottleneck,
             "scaling": [row.to_json() for row in self.scaling],
             "what_ifs": [w.to_json() for w in self.what_ifs],
@@ -273,6 +317,8 @@ class _Simulator:
         self._topologies: dict[tuple[str, float], Topology] = {}
         self._schedules: dict[tuple[str, int, int | None], Schedule] = {}
         self._results: dict[tuple[Any, ...], SimResult] = {}
+        # Seconds by size of each (algorithm, gpus, setting) already simulated: lower bounds for auto (see fastest).
+        self._seconds_by_size: dict[tuple[Any, ...], dict[int, float]] = {}
 
     def topology(self, spec: str, oversubscription: float) -> Topology:
         key = (spec, oversubscription)
@@ -320,11 +366,11 @@ class _Simulator:
             )
         return self._schedules[key]
 
-    def run(self, request: PlanRequest, name: str, gpus: int, size_bytes: int) -> SimResult:
-        key = (
+    @staticmethod
+    def _setting(request: PlanRequest, name: str, gpus: int) -> tuple[Any, ...]:
+        return (
             name,
             gpus,
-            size_bytes,
             request.topology,
             request.uplink_oversubscription,
             request.placement,
@@ -333,6 +379,10 @@ class _Simulator:
             request.engine,
             request.group_size,
         )
+
+    def run(self, request: PlanRequest, name: str, gpus: int, size_bytes: int) -> SimResult:
+        setting = self._setting(request, name, gpus)
+        key = (*setting, size_bytes)
         if key not in self._results:
             topology = self.topology(request.topology, request.uplink_oversubscription)
             if gpus > topology.num_gpus:
@@ -346,7 +396,48 @@ class _Simulator:
                 faults=request.faults,
                 engine=request.engine,
             )
+            self._seconds_by_size.setdefault(setting, {})[size_bytes] = self._results[key].seconds
         return self._results[key]
+
+    def fastest(self, request: PlanRequest, gpus: int, size_bytes: int) -> SimResult:
+        """The fastest candidate algorithm for one bucket size (the first in candidate order among equals).
+
+        Where the fast engine computes every time, an all-reduce's time is non-decreasing in its size (flow
+        durations are latency + bytes / a rate that does not depend on bytes, and the recurrence only adds and
+        takes maxima), so a time already simulated at a smaller size is a lower bound. Candidates are simulated in
+        order of that bound, and those whose bound already exceeds the best time found are skipped: they cannot
+        win or tie, so the choice and its time are the full search's. The event engine's times carry no such
+        guarantee, so where it may run (at most AUTO_EXACT_MAX_RANKS ranks under engine "auto") every candidate
+        is simulated."""
+        names = self.candidates(request, gpus)
+        monotone = request.engine == "fast" or (request.engine == "auto" and gpus > AUTO_EXACT_MAX_RANKS)
+        bound: dict[str, float] = {}
+        for name in names:
+            known = self._seconds_by_size.get(self._setting(request, name, gpus), {})
+            smaller = [seconds for size, seconds in known.items() if size <= size_bytes]
+            bound[name] = max(smaller) if monotone and smaller else 0.0
+        best: tuple[float, int, SimResult] | None = None
+        for index, name in sorted(enumerate(names), key=lambda item: bound[item[1]]):
+            if best is not None and bound[name] > best[0]:
+                break
+            result = self.run(request, name, gpus, size_bytes)
+            if best is None or (result.seconds, index) < best[:2]:
+                best = (result.seconds, index, result)
+        if best is None:
+            raise ValueError(f"no all-reduce algorithm applies to {gpus} GPUs")
+        return best[2]
+
+    def tail(self, request: PlanRequest, name: str, gpus: int, size_bytes: int, config: TailConfig) -> TailResult:
+        """:func:`allreduce.sim.simulate_tail` of one bucket size under the request's topology, placement, faults."""
+        return simulate_tail(
+            self.schedule(request, name, gpus),
+            self.topology(request.topology, request.uplink_oversubscription),
+            size_bytes=size_bytes,
+            config=config,
+            placement=request.placement,
+            seed=request.seed,
+            faults=request.faults,
+        )
 
 
 def _size_run(result: SimResult, size_bytes: int, count: int) -> SizeRun:
@@ -375,15 +466,15 @@ def _plan_step(
             runs[size] = SizeRun(size, count, "none", 0.0, 0.0, True, (), None)
             continue
         if algorithms is not None and size in algorithms:
-            names = [algorithms[size]]
-            if names[0] == "hierarchical" and sim.group_size(request, n) is None:
-                names = ["ring"]
+            name = algorithms[size]
+            if name == "hierarchical" and sim.group_size(request, n) is None:
+                name = "ring"
+            result = sim.run(request, name, n, size)
         elif request.algorithm == AUTO:
-            names = sim.candidates(request, n)
+            result = sim.fastest(request, n, size)
         else:
-            names = [request.algorithm]
-        results = [sim.run(request, name, n, size) for name in names]
-        runs[size] = _size_run(min(results, key=lambda r: r.seconds), size, count)
+            result = sim.run(request, request.algorithm, n, size)
+        runs[size] = _size_run(result, size, count)
     step = step_time(buckets, [runs[b].seconds for b in buckets], request.compute)
     return StepPlan(request, step, tuple(runs[s] for s in sizes))
 
@@ -426,7 +517,9 @@ def _bottleneck(base: StepPlan) -> str:
     )
 
 
-def _what_ifs(base: StepPlan, sim: _Simulator, request: PlanRequest) -> tuple[list[WhatIf], list[str]]:
+def _what_ifs(
+    base: StepPlan, sim: _Simulator, request: PlanRequest, loss_probability: float
+) -> tuple[list[WhatIf], list[str]]:
     rows: list[WhatIf] = []
     notes: list[str] = []
     chosen = base.algorithms
@@ -474,8 +567,40 @@ def _what_ifs(base: StepPlan, sim: _Simulator, request: PlanRequest) -> tuple[li
     )
     other_dtype = "fp32" if request.gradient_dtype != "fp32" else "bf16"
     row(f"{other_dtype} gradients", replace(request, gradient_dtype=other_dtype), keep_algorithms=False)
-    notes.append("a loss-rate row needs the simulator's packet-loss model, which it does not have yet")
+    if loss_probability > 0 and request.gpus > 1:
+        for label, fabric, rto_s in WHAT_IF_LOSS_MODELS:
+            model = LossModel(loss_probability, fabric=fabric, rto_s=rto_s)
+            timeout = "timeout" if fabric == "roce" else "RTO"
+            change = f"loss {loss_probability:g}, {label} {timeout} {format_seconds(model.rto)}"
+            try:
+                quantiles = loss_quantiles(base, sim, model)
+            except ValueError as exc:
+                rows.append(WhatIf(change, None, str(exc)))
+                continue
+            rows.append(WhatIf(change, quantiles.p50, quantiles.method, quantiles))
+        notes.append(
+            f"loss rows: p50 (step ms) and p99 of {STEP_SAMPLES} sampled steps; each bucket's all-reduce is drawn "
+            f"from {LOSS_TAIL_SAMPLES} samples of allreduce tail for its size (loss {loss_probability:g} per packet "
+            "on every link), added to the plan's own time"
+        )
     return rows, notes
+
+
+def loss_quantiles(base: StepPlan, sim: _Simulator, loss: LossModel) -> StepQuantiles:
+    """The base step with packet loss (see :func:`allreduce.plan._tail.loss_step_quantiles`)."""
+    request = base.request
+
+    def tail(name: str, size_bytes: int, config: TailConfig) -> TailResult:
+        return sim.tail(request, name, request.gpus, size_bytes, config)
+
+    runs = [(r.size_bytes, r.algorithm, r.seconds) for r in base.runs]
+    return loss_step_quantiles(base.step, request.compute, runs, loss, tail, seed=request.seed)
+
+
+def compute_quantiles(step: StepPlan, distribution: Distribution, *, gpus: int) -> StepQuantiles:
+    """p50 and p99 of ``step`` with compute drawn from ``distribution`` on ``gpus`` GPUs (see
+    :func:`allreduce.plan._tail.compute_step_quantiles`)."""
+    return compute_step_quantiles(step.step, step.request.compute, distribution, gpus=gpus, seed=step.request.seed)
 
 
 def plan(
@@ -484,9 +609,16 @@ def plan(
     scaling: bool = True,
     what_ifs: bool = True,
     curve: bool = True,
+    loss_probability: float = WHAT_IF_LOSS_PROBABILITY,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
-    """The base step, the scaling table from 8 GPUs (doubling, same per-GPU batch), and the what-if table."""
+    """The base step, the scaling table from 8 GPUs (doubling, same per-GPU batch), and the what-if table.
+
+    ``loss_probability`` (per packet, every link) sets the loss rows of the what-if table; 0 leaves them out.
+    With ``request.compute_distribution`` the base and every scaling row also carry their p50 and p99."""
+    if not (math.isfinite(loss_probability) and 0 <= loss_probability < 1):
+        raise ValueError(f"--loss must be a probability in [0, 1), got {loss_probability}")
+    distribution = request.compute_distribution
     sim = _Simulator()
     say = progress or (lambda _text: None)
     say(f"base plan on {request.gpus} GPUs")
@@ -500,12 +632,13 @@ def plan(
             step = row_plan.step
             first = step.step_s if first is None else first
             algorithm = "/".join(sorted({r.algorithm for r in row_plan.runs}))
-            rows.append(ScalingRow(n, step, first / step.step_s if step.step_s > 0 else 1.0, algorithm))
+            quantiles = compute_quantiles(row_plan, distribution, gpus=n) if distribution else None
+            rows.append(ScalingRow(n, step, first / step.step_s if step.step_s > 0 else 1.0, algorithm, quantiles))
     whats: list[WhatIf] = []
     notes: list[str] = []
     if what_ifs:
         say("what-if table")
-        whats, notes = _what_ifs(base, sim, request)
+        whats, notes = _what_ifs(base, sim, request, loss_probability)
     points: list[tuple[int, float, float]] = []
     if curve and request.gpus > 1:
         say("busbw curve")
@@ -515,4 +648,5 @@ def plan(
             points.append((size, result.seconds, result.busbw_Bps))
     if not all(r.exact for r in base.runs):
         notes.append("some all-reduce times are the fast engine's approximation (ranks left lockstep)")
-    return Plan(base, tuple(rows), tuple(whats), _bottleneck(base), tuple(points), tuple(notes))
+    base_quantiles = compute_quantiles(base, distribution, gpus=request.gpus) if distribution else None
+    return Plan(base, tuple(rows), tuple(whats), _bottleneck(base), tuple(points), tuple(notes), base_quantiles)

@@ -21,7 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BACKWARD_FRACTION", "Compute", "StepTime", "step_time"]
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["BACKWARD_FRACTION", "Compute", "StepTime", "step_seconds", "step_time"]
 
 # Backward costs about twice forward (gradients of activations and of weights), so 2/3 of a step's compute.
 BACKWARD_FRACTION = 2.0 / 3.0
@@ -101,7 +104,7 @@ def step_time(bucket_bytes: Sequence[int], bucket_s: Sequence[float], compute: C
             ready_s = backward_start_s + backward_s * (produced / total_bytes)
         else:
             ready_s = compute_end_s
-        comm_end_s = max(ready_s, comm_end_s) + seconds
+        comm_end_s = max(ready_s, comm_end_s) + float(seconds)
     step_s = max(compute_end_s, comm_end_s)
     compute_s = accumulation * typical_s
     return StepTime(
@@ -113,3 +116,29 @@ def step_time(bucket_bytes: Sequence[int], bucket_s: Sequence[float], compute: C
         bucket_bytes=tuple(int(b) for b in bucket_bytes),
         bucket_s=tuple(float(s) for s in bucket_s),
     )
+
+
+def step_seconds(
+    bucket_bytes: Sequence[int], bucket_s: npt.NDArray[np.float64], compute: Compute
+) -> npt.NDArray[np.float64]:
+    """:func:`step_time`'s ``step_s`` for many draws at once: row i of ``bucket_s`` (samples x buckets) holds
+    draw i's all-reduce time of every bucket. The same timeline, one array operation per bucket."""
+    times = np.asarray(bucket_s, dtype=np.float64)
+    if times.ndim != 2 or times.shape[1] != len(bucket_bytes):
+        raise ValueError(f"{len(bucket_bytes)} buckets but all-reduce times of shape {times.shape}")
+    accumulation = compute.accumulation_steps
+    slowest_s = compute.micro_batch_s * (1.0 + compute.straggler_slowdown)
+    compute_end_s = accumulation * slowest_s
+    backward_s = slowest_s * compute.backward_fraction
+    backward_start_s = (accumulation - 1) * slowest_s + slowest_s - backward_s
+    total_bytes = float(sum(bucket_bytes))
+    comm_end_s = np.zeros(times.shape[0])
+    produced = 0.0
+    for k, nbytes in enumerate(bucket_bytes):
+        produced += nbytes
+        if compute.overlap and total_bytes > 0:
+            ready_s = backward_start_s + backward_s * (produced / total_bytes)
+        else:
+            ready_s = compute_end_s
+        comm_end_s = np.maximum(comm_end_s, ready_s) + times[:, k]
+    return np.asarray(np.maximum(comm_end_s, compute_end_s), dtype=np.float64)

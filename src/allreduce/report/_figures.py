@@ -51,6 +51,7 @@ class Figure:
     categories: tuple[str, ...] = ()
     log_x: bool = False
     log_y: bool = False
+    y_ticks: tuple[tuple[float, str], ...] = ()  # (position, label) replacing the automatic y ticks
 
 
 def _ticks(low: float, high: float, log: bool) -> list[float]:
@@ -101,10 +102,11 @@ def _frame(fig: Figure, x_axis: _Axis | None, y_axis: _Axis, parts: list[str]) -
     left, right = MARGIN_LEFT, WIDTH - MARGIN_RIGHT
     top, bottom = MARGIN_TOP, HEIGHT - MARGIN_BOTTOM
     parts.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" class="plot"/>')
-    for tick in _ticks(y_axis.low, y_axis.high, y_axis.log):
+    y_ticks = fig.y_ticks or tuple((t, _fmt(t)) for t in _ticks(y_axis.low, y_axis.high, y_axis.log))
+    for tick, label in y_ticks:
         y = y_axis(tick)
         parts.append(f'<line x1="{left}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
-        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(tick)}</text>')
+        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{html.escape(label)}</text>')
     if x_axis is not None:
         for tick in _ticks(x_axis.low, x_axis.high, x_axis.log):
             x = x_axis(tick)
@@ -135,7 +137,10 @@ def _line_svg(fig: Figure, parts: list[str]) -> None:
         raise ValueError(f"figure {fig.ident}: no points to draw")
     x_axis = _Axis(min(xs), max(xs), fig.log_x, MARGIN_LEFT, WIDTH - MARGIN_RIGHT)
     y_low = min(ys) if fig.log_y else min(0.0, *ys)
-    y_axis = _Axis(y_low, max(ys) * (1.0 if fig.log_y else 1.05), fig.log_y, HEIGHT - MARGIN_BOTTOM, MARGIN_TOP)
+    y_high = max(ys) * (1.0 if fig.log_y else 1.05)
+    if fig.y_ticks:
+        y_high = max(y_high, *(t for t, _ in fig.y_ticks))
+    y_axis = _Axis(y_low, y_high, fig.log_y, HEIGHT - MARGIN_BOTTOM, MARGIN_TOP)
     _frame(fig, x_axis, y_axis, parts)
     for i, s in enumerate(fig.series):
         colour = COLOURS[i % len(COLOURS)]
@@ -210,6 +215,8 @@ def write_pngs(figures: Sequence[Figure], directory: str | Path) -> list[Path]:
                 axes.plot(s.x, s.y, marker="o", label=s.label, color=COLOURS[i % len(COLOURS)])
             axes.set_xscale("log" if fig.log_x else "linear")
             axes.set_yscale("log" if fig.log_y else "linear")
+            if fig.y_ticks:
+                axes.set_yticks([t for t, _ in fig.y_ticks], [label for _, label in fig.y_ticks])
         else:
             bottom = [0.0] * len(fig.categories)
             for i, s in enumerate(fig.series):
@@ -284,13 +291,18 @@ def _plan_figures(doc: dict[str, Any], prefix: str, bench: Sequence[dict[str, An
                 log_x=True,
             )
         )
-    rows = [("base", base)] + [(w["change"], w) for w in doc.get("what_ifs", []) if "step_s" in w]
+    # Random rows (packet loss: a p50 and a p99) are left to the table: a timeout-bound step can be 100x the base,
+    # which would flatten every other bar.
+    rows = [("base", base)] + [
+        (w["change"], w) for w in doc.get("what_ifs", []) if "step_s" in w and "p99_step_s" not in w
+    ]
     figures.append(
         Figure(
             f"{prefix}breakdown",
             "Step-time breakdown: base and what-ifs",
             "Each bar is one step split into compute, waiting for the slowest GPU, and exposed all-reduce. "
-            "Compare a bar's top segment with the base's to see which change buys back communication.",
+            "Compare a bar's top segment with the base's to see which change buys back communication. "
+            "The packet-loss rows are random (p50 and p99) and stay in the table above.",
             "bars",
             (
                 Series("compute", (), tuple(r["compute_s"] * 1e3 for _, r in rows)),
@@ -393,13 +405,75 @@ def _sim_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
     return figures
 
 
+# The tail CDF's vertical axis: a quantile p sits at -log10(1 - p) ("nines"), so p50, p90, p99 and p99.9 are
+# evenly spaced and the tail gets as much room as the body.
+TAIL_QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999))
+
+
+def _nines(p: float) -> float:
+    return -math.log10(1.0 - p)
+
+
+def tail_cdf_points(algorithm: dict[str, Any], samples: int) -> list[tuple[str, float, float]]:
+    """(label, seconds, height) of the tail CDF of one algorithm of ``allreduce tail --json``: the noise-free time
+    at 0, each reported quantile that ``samples`` resolve (at least one sample beyond it) at its nines, the
+    largest sample one step above the last."""
+    step = algorithm["step_s"]
+    points = [("noise-free", float(algorithm["noise_free_s"]), 0.0)]
+    for label, p in TAIL_QUANTILES:
+        if (1.0 - p) * samples >= 1.0:
+            points.append((label, float(step[label]), _nines(p)))
+    points.append(("max", float(step["max"]), points[-1][2] + 1.0))
+    return points
+
+
+def _tail_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
+    algorithms = doc["algorithms"]
+    if not algorithms:
+        return []
+    samples = int(doc["samples"])
+    curves = [(a["name"], tail_cdf_points(a, samples)) for a in algorithms]
+    ticks = {height: label for _, points in curves for label, _, height in points}
+    times = [s for _, points in curves for _, s, _ in points if s > 0]
+    log_x = bool(times) and max(times) > 20 * min(times)
+    return [
+        Figure(
+            f"{prefix}tail",
+            f"Tail of the step time over {samples} samples",
+            "The step time's cumulative distribution per algorithm, from the noise-free run (0%) through p50, p90, "
+            "p99 and p99.9 to the slowest sample; the vertical axis is spaced in nines so the tail is as wide as "
+            "the body. A line that bends right early means noise reaches the median (every step pays); one that "
+            "bends only near the top means rare stalls (a timeout) that a barrier passes on to every rank.",
+            "line",
+            tuple(
+                Series(name, tuple(s * 1e3 for _, s, _ in points), tuple(h for _, _, h in points))
+                for name, points in curves
+            ),
+            "step milliseconds (arrival + all-reduce)",
+            "samples at or below",
+            log_x=log_x,
+            y_ticks=tuple((h, "0%" if label == "noise-free" else label) for h, label in sorted(ticks.items())),
+        )
+    ]
+
+
+def _is_tail(doc: dict[str, Any]) -> bool:
+    algorithms = doc.get("algorithms")
+    return (
+        "samples" in doc
+        and isinstance(algorithms, list)
+        and all(isinstance(a, dict) and isinstance(a.get("step_s"), dict) for a in algorithms)
+    )
+
+
 def document_kind(doc: dict[str, Any]) -> str:
     if doc.get("kind") in ("plan", "sweep", "bench"):
         return str(doc["kind"])
     if "algorithms" in doc and "ranks" in doc:
-        return "sim"
+        return "tail" if _is_tail(doc) else "sim"
     raise ValueError(
-        "not a plan, sweep, sim or bench result (expected the output of plan --json, sweep, sim --json or bench --json)"
+        "not a plan, sweep, sim, tail or bench result (expected the output of plan --json, sweep, sim --json, "
+        "tail --json or bench --json)"
     )
 
 
@@ -415,6 +489,8 @@ def figures_of(documents: Sequence[dict[str, Any]]) -> list[Figure]:
             figures += _plan_figures(doc, prefix, bench)
         elif kind == "sweep":
             figures += _sweep_figures(doc, prefix)
+        elif kind == "tail":
+            figures += _tail_figures(doc, prefix)
         elif kind == "bench":
             if not has_plan:
                 figures.append(_busbw_figure(f"{prefix}bench", [], _measured_series(doc["rows"]), "Measured busbw"))

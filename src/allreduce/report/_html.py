@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from allreduce.report._figures import Figure, document_kind, figures_of, svg
+from allreduce.report._figures import TAIL_QUANTILES, Figure, document_kind, figures_of, svg
 from allreduce.units import format_bytes, format_seconds
 
 __all__ = ["load_documents", "render_report", "write_report"]
@@ -53,6 +53,15 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
         for key in ("step_s", "compute_s", "waiting_s", "exposed_comm_s", "comm_s")
     ]
     out.append(_cell(f"{index}.base.buckets", base["buckets"], str(base["buckets"])) + "</tr></table>")
+    if "p99_step_s" in base:
+        out.append(
+            "<table><tr><th>with compute drawn from "
+            f"{html.escape(str(base.get('compute_distribution')))}</th><th>p50 step</th><th>p99 step</th></tr>"
+            f"<tr><td>{html.escape(base['method'])}</td>"
+            + _cell(f"{index}.base.p50_step_s", base["p50_step_s"], format_seconds(base["p50_step_s"]))
+            + _cell(f"{index}.base.p99_step_s", base["p99_step_s"], format_seconds(base["p99_step_s"]))
+            + "</tr></table>"
+        )
     out.append("<table><tr><th>bucket size</th><th>count</th><th>algorithm</th><th>all-reduce</th><th>busbw</th></tr>")
     for i, size in enumerate(base["sizes"]):
         out.append(
@@ -64,23 +73,34 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
         )
     out.append("</table>")
     if doc.get("scaling"):
+        spread = any("p99_step_s" in row for row in doc["scaling"])
         out.append(
             "<h3>Scaling (same per-GPU batch)</h3><table><tr><th>GPUs</th><th>step</th>"
-            "<th>exposed all-reduce</th><th>efficiency</th><th>algorithm</th></tr>"
+            "<th>exposed all-reduce</th><th>efficiency</th>"
+            + ("<th>p50 step</th><th>p99 step</th>" if spread else "")
+            + "<th>algorithm</th></tr>"
         )
         for i, row in enumerate(doc["scaling"]):
+            quantiles = (
+                "".join(
+                    _cell(f"{index}.scaling.{i}.{key}", row[key], _ms(row[key])) for key in ("p50_step_s", "p99_step_s")
+                )
+                if "p99_step_s" in row
+                else ("<td></td><td></td>" if spread else "")
+            )
             out.append(
                 f"<tr><td>{row['gpus']}</td>"
                 + _cell(f"{index}.scaling.{i}.step_s", row["step_s"], _ms(row["step_s"]))
                 + _cell(f"{index}.scaling.{i}.exposed_comm_s", row["exposed_comm_s"], _ms(row["exposed_comm_s"]))
                 + _cell(f"{index}.scaling.{i}.efficiency", row["efficiency"], f"{row['efficiency']:.1%}")
+                + quantiles
                 + f"<td>{html.escape(row['algorithm'])}</td></tr>"
             )
         out.append("</table>")
     if doc.get("what_ifs"):
         out.append(
             "<h3>What if (one change each)</h3><table><tr><th>change</th><th>step</th>"
-            "<th>vs base</th><th>exposed all-reduce</th></tr>"
+            "<th>vs base</th><th>exposed all-reduce</th><th>p99 step</th></tr>"
         )
         for i, w in enumerate(doc["what_ifs"]):
             if "step_s" not in w:
@@ -94,6 +114,11 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
                 + _cell(f"{index}.what_ifs.{i}.step_s", w["step_s"], _ms(w["step_s"]))
                 + f"<td>{delta:+.1%}</td>"
                 + _cell(f"{index}.what_ifs.{i}.exposed_comm_s", w["exposed_comm_s"], _ms(w["exposed_comm_s"]))
+                + (
+                    _cell(f"{index}.what_ifs.{i}.p99_step_s", w["p99_step_s"], _ms(w["p99_step_s"]))
+                    if "p99_step_s" in w
+                    else "<td></td>"
+                )
                 + "</tr>"
             )
         out.append("</table>")
@@ -128,6 +153,29 @@ def _sim_section(doc: dict[str, Any], index: int) -> list[str]:
             + "</tr>"
         )
     out.append("</table>")
+    return out
+
+
+def _tail_section(doc: dict[str, Any], index: int) -> list[str]:
+    keys = [label for label, _ in TAIL_QUANTILES] + ["max", "mean"]
+    out = [
+        f"<h2>Tail: {doc['ranks']} ranks, {html.escape(format_bytes(doc['size_bytes']))} on "
+        f"{html.escape(str(doc['topology']))}, {doc['samples']} samples (seed {doc.get('seed', '?')})</h2>",
+        "<table><tr><th>algorithm</th><th>noise-free</th>"
+        + "".join(f"<th>{k}</th>" for k in keys)
+        + "<th>method</th><th>noise</th></tr>",
+    ]
+    for i, a in enumerate(doc["algorithms"]):
+        step = a["step_s"]
+        out.append(
+            f"<tr><td>{html.escape(a['name'])}</td>"
+            + _cell(f"{index}.algorithms.{i}.noise_free_s", a["noise_free_s"], format_seconds(a["noise_free_s"]))
+            + "".join(_cell(f"{index}.algorithms.{i}.step_s.{k}", step[k], format_seconds(step[k])) for k in keys)
+            + f"<td>{html.escape(str(a.get('engine', '')))}{'' if a.get('exact', True) else ' ~'}</td>"
+            f"<td>{html.escape(str(a.get('noise', '')))}</td></tr>"
+        )
+    out.append("</table>")
+    out.extend(f"<p><i>Note: {html.escape(str(n))}</i></p>" for n in doc.get("skipped", []))
     return out
 
 
@@ -170,6 +218,8 @@ def render_report(documents: Sequence[dict[str, Any]], *, title: str = "allreduc
             body += _sweep_section(doc, i)
         elif kind == "bench":
             body += _bench_section(doc, i)
+        elif kind == "tail":
+            body += _tail_section(doc, i)
         else:
             body += _sim_section(doc, i)
         body += [_figure_html(fig) for fig in figures if fig.ident.startswith(f"d{i}-")]
@@ -216,7 +266,7 @@ def load_documents(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
             documents.append({"kind": "bench", "rows": doc})
             continue
         if not isinstance(doc, dict):
-            raise ValueError(f"{path}: expected the JSON of plan --json, sim --json or bench --json")
+            raise ValueError(f"{path}: expected the JSON of plan --json, sim --json, tail --json or bench --json")
         try:
             document_kind(doc)
         except ValueError as exc:
