@@ -115,7 +115,8 @@ def test_demo_runs_every_part_end_to_end(tmp_path: Path) -> None:
     assert "the simulator names it: gpu5->edge0" in text
     assert "slowest rank:" in text
     sections = ("1. Which algorithm", "2. The real thing", "3. What the network does", "4. The tail",
-                "5. Data-parallel", "6. A training step at scale", "7. The simulator against real TCP")  # fmt: skip
+                "5. The tail on real processes", "6. Data-parallel", "7. A training step at scale",
+                "8. The simulator against real TCP")  # fmt: skip
     for section in sections:
         assert section in text
     assert (tmp_path / "report.html").stat().st_size > 0

@@ -54,10 +54,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "The built-in scenario, end to end: which all-reduce algorithm wins on a 1,024-GPU cluster and why "
             "(explain); a real 4-rank all-reduce on this machine (bench); the same schedules on simulated "
             "1,024-GPU fat-tree and oversubscribed Clos fabrics with a degraded link (sim); the tail of that "
-            "all-reduce under packet loss, a congested port and a straggler, with the culprit named (tail); a short "
-            "2-rank data-parallel training run with its step-time breakdown (train); a training step of Llama-2-7B "
-            "on 1,024 simulated GPUs with its HTML report (plan, report); and the command that checks the simulator "
-            "against an emulated cluster (emulate)."
+            "all-reduce under packet loss, a congested port and a straggler, with the culprit named (tail); a real "
+            "4-rank run with one injected straggler that group.stats() names; a short 2-rank data-parallel "
+            "training run with its step-time breakdown (train); a training step of Llama-2-7B on 1,024 simulated "
+            "GPUs with its HTML report (plan, report); and the command that checks the simulator against an "
+            "emulated cluster (emulate)."
         ),
     )
     p.add_argument(
@@ -94,13 +95,19 @@ def run(args: argparse.Namespace) -> int:
 
     print(tail_demo())
 
-    _section("5. Data-parallel training on allreduce: 2 ranks, digits MLP (allreduce train -n 2)")
+    _section("5. The tail on real processes: one injected straggler among 4 ranks (group.stats())")
+    print()
+    from allreduce.cli._stats_demo import demo_section as stats_demo
+
+    print(stats_demo())
+
+    _section("6. Data-parallel training on allreduce: 2 ranks, digits MLP (allreduce train -n 2)")
     print()
     from allreduce.train import demo as train_demo
 
     print(train_demo(world_size=2, epochs=1))
 
-    _section("6. A training step at scale: Llama-2-7B on 1,024 simulated GPUs (allreduce plan, allreduce report)")
+    _section("7. A training step at scale: Llama-2-7B on 1,024 simulated GPUs (allreduce plan, allreduce report)")
     print()
     from allreduce.cli._plan import demo_section as plan_demo
 
@@ -108,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     print("(open the report in a browser: one self-contained HTML file, nothing fetched)")
 
-    _section("7. The simulator against real TCP: an emulated cluster (allreduce emulate, needs root)")
+    _section("8. The simulator against real TCP: an emulated cluster (allreduce emulate, needs root)")
     print()
     print(_emulate_hint())
     print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")

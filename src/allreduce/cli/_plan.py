@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from allreduce.cli._args import non_negative_int, positive_int
+from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.plan import (
     AUTO,
@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CLIError(f"--report {args.report}: cannot write it ({exc.strerror})") from None
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        print(dumps(result.to_json()))
     else:
         print(render(result))
         if args.report:
