@@ -1,5 +1,6 @@
 # One command each from a fresh clone: `make demo`, `make test` (lint, types and the full suite).
-# `make test-fast` is the edit loop: the tests not marked slow, under a minute on 2 cores; no lint or types.
+# `make test-fast` is the edit loop: the tests not marked slow, on 2 workers, under a minute on 2 cores; no lint
+# or types.
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -30,7 +31,7 @@ test: lint typecheck
 
 # pytest exits 5 when the marker selects no test: make stops on it, as on any failure.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

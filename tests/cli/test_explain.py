@@ -103,6 +103,7 @@ def test_help_and_no_command() -> None:
     assert "explain" in bare.stdout
 
 
+@pytest.mark.slow
 def test_demo_runs_every_part_end_to_end(tmp_path: Path) -> None:
     out = run_cli("demo", "--report", str(tmp_path / "report.html"))
     assert out.returncode == 0, out.stderr

@@ -119,6 +119,7 @@ def _dtypes_and_agree(transport: Any, seq: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_agree_returns_every_ranks_descriptor_and_dtypes_travel_as_bytes() -> None:
     world_size = 3
     for out in (r["agree"] for r in _run(world_size)):
@@ -216,6 +217,7 @@ def _wrong_plan(transport: Any) -> str:
     return message
 
 
+@pytest.mark.slow
 def test_a_plan_for_another_rank_or_size_is_refused_before_any_data_moves() -> None:
     for rank, message in enumerate(r["wrong plan"] for r in _run(2)):
         assert f"is for rank {1 - rank} of 2, but this transport is rank {rank} of 2" in message
