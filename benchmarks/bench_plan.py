@@ -26,23 +26,10 @@ import time
 from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 
+from allreduce.cli._plan import DEMO_ARGS
 from allreduce.plan import DaskExecutor, expand_grid, run_sweep
 
-PLAN_1024 = [
-    "plan",
-    "--model",
-    "llama2-7b",
-    "--gpus",
-    "1024",
-    "--topology",
-    "fat-tree:k=16",
-    "--gpu-tflops",
-    "989",
-    "--mfu",
-    "0.4",
-    "--tokens-per-gpu",
-    "4096",
-]
+PLAN_1024 = ["plan", *DEMO_ARGS]  # the demo's plan: Llama-2-7B on 1,024 GPUs
 PLAN_131072 = [
     "plan",
     "--model",
