@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from allreduce.cli._main import CLIError
 from allreduce.schedules import ENVIRONMENT_VARIABLE, Collective, algorithms, get_algorithm, load_algorithm
 
-__all__ = ["AlgorithmSelection", "algorithm_for_ranks", "algorithm_selection", "non_negative_int", "positive_int"]
+__all__ = [
+    "AlgorithmSelection",
+    "add_algorithm_argument",
+    "algorithm_for_ranks",
+    "algorithm_selection",
+    "non_negative_int",
+    "positive_int",
+]
 
 
 def _int_at_least(name: str, minimum: int) -> Callable[[str], int]:
@@ -102,3 +109,15 @@ def algorithm_for_ranks(flag: str, text: str) -> str:
     if text not in specs:
         os.environ[ENVIRONMENT_VARIABLE] = ",".join([*specs, text])
     return name
+
+
+def add_algorithm_argument(parser: argparse.ArgumentParser, *, default: str = "all") -> None:
+    """``--algorithm/-a`` as explain, sim and tail take it (an :class:`AlgorithmSelection`)."""
+    parser.add_argument(
+        "--algorithm",
+        "-a",
+        default=default,
+        type=algorithm_selection("--algorithm"),
+        help="registered names, module:function or file.py:function specs of your own (loaded, verified and "
+        f"registered), comma-separated, or all (default: {default})",
+    )

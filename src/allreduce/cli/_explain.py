@@ -6,7 +6,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from allreduce.cli._args import AlgorithmSelection, algorithm_selection, positive_int
+from allreduce.cli._args import AlgorithmSelection, add_algorithm_argument, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import (
@@ -378,14 +378,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=1,
         help="pipeline each transfer in this many segments (overlaps transfer and reduction; default 1)",
     )
-    p.add_argument(
-        "--algorithm",
-        "-a",
-        default="all",
-        type=algorithm_selection("--algorithm"),
-        help="registered names, module:function or file.py:function specs of your own (loaded, verified and "
-        "registered), comma-separated, or all (default: every registered algorithm, plug-ins included)",
-    )
+    add_algorithm_argument(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=run)
 

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from allreduce.cli._args import algorithm_selection, non_negative_int, positive_int
+from allreduce.cli._args import add_algorithm_argument, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import Collective, Schedule, get_algorithm, make_schedule
@@ -96,14 +96,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"number of ranks (default: every GPU; at most {MAX_SIM_RANKS:,})",
     )
     p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GiB")
-    p.add_argument(
-        "--algorithm",
-        "-a",
-        default="all",
-        type=algorithm_selection("--algorithm"),
-        help="registered names, module:function or file.py:function specs of your own (loaded, verified and "
-        "registered), comma-separated, or all (default: every registered algorithm, plug-ins included)",
-    )
+    add_algorithm_argument(p)
     p.add_argument("--group-size", type=positive_int("--group-size"), help="ranks per node for hierarchical")
     p.add_argument(
         "--chunks",

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.cli._args import algorithm_selection, non_negative_int, positive_int
+from allreduce.cli._args import add_algorithm_argument, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.sim import TailConfig, TailResult
@@ -49,14 +49,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--topology", "-t", required=True, help="a spec (fat-tree:k=16, rail:..., ...) or a file")
     p.add_argument("--ranks", "-n", type=positive_int("--ranks"), help="number of ranks (default: every GPU)")
     p.add_argument("--size", required=True, help="bytes per rank: 64MiB, 1GiB")
-    p.add_argument(
-        "--algorithm",
-        "-a",
-        default="ring",
-        type=algorithm_selection("--algorithm"),
-        help="an all-reduce algorithm (registered name or module:function / file.py:function spec), a "
-        "comma-separated list, or all (default ring)",
-    )
+    add_algorithm_argument(p, default="ring")
     p.add_argument("--group-size", type=positive_int("--group-size"), help="ranks per node for hierarchical")
     p.add_argument("--chunks", type=positive_int("--chunks"), default=8, help="pipeline chunks of double_binary_tree")
     p.add_argument("--placement", default="linear", help="linear (default), random, or a FILE of GPU indices")

@@ -121,14 +121,7 @@ def exchange(
         wait_s = min(remaining, SENDER_POLL_S if sender is not None else _IDLE_POLL_S)
         for fd, revents in poller.poll(wait_s * 1000.0):
             if revents & POLL_ERR and not revents & (POLL_IN | select.POLLOUT):
-                peer = fd_peer[fd]
-                raise PeerFailureError(
-                    f"rank {rank}: the connection to rank {peer} broke at {label} of collective {seq} "
-                    f"(rank {peer} died or aborted)",
-                    rank=rank,
-                    peer=peer,
-                    step=step,
-                )
+                raise _broken(rank, fd_peer[fd], label=label, seq=seq, step=step)
     if sender is not None:
         # The sender raises its own timeout at the deadline; the margin only covers its last poll.
         sender.wait(max(deadline - time.monotonic(), 0.0) + _SENDER_LAST_POLL_S)
@@ -207,13 +200,18 @@ def send_all(
             )
         for fd, revents in poller.poll(min(remaining, SENDER_POLL_S) * 1000.0):
             if revents & POLL_ERR and not revents & select.POLLOUT:
-                peer = fd_peer[fd]
-                raise PeerFailureError(
-                    f"rank {rank}: the connection to rank {peer} broke at {label} of collective {seq} "
-                    f"(rank {peer} died or aborted)",
-                    rank=rank,
-                    peer=peer,
-                )
+                raise _broken(rank, fd_peer[fd], label=label, seq=seq, step=None)
+
+
+def _broken(rank: int, peer: int, *, label: str, seq: int, step: int | None) -> PeerFailureError:
+    """The error for a connection the poller reports broken (hang-up or error, nothing left to read or write)."""
+    return PeerFailureError(
+        f"rank {rank}: the connection to rank {peer} broke at {label} of collective {seq} "
+        f"(rank {peer} died or aborted)",
+        rank=rank,
+        peer=peer,
+        step=step,
+    )
 
 
 def _raise_timeout(
