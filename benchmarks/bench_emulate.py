@@ -62,7 +62,7 @@ def main() -> int:
     sizes = parse_size_range(args.sizes)
     print(f"# load average at start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; rate {args.rate}")
     header = f"{'case':<36} {'size':>8} {'measured':>10} {'predicted':>10} {'ECMP luck':>19} {'ratio':>6} {'exact':>5} "
-    print(header + f"{'busiest link':<14} {'sim bottleneck':<14} {'retrans':>7}")
+    print(header + f"{'busiest link':<14} {'sim bottleneck':<14} {'agree':>5} {'paths':>6} {'retrans':>7}")
     rows = []
     started = time.monotonic()
     for case in CASES:
@@ -79,14 +79,19 @@ def main() -> int:
                 f"{format_seconds(row.predicted_s):>10} "
                 f"{format_seconds(row.predicted_range_s[0]) + '-' + format_seconds(row.predicted_range_s[1]):>19} "
                 f"{row.ratio:>6.3f} {'yes' if row.exact else 'NO':>5} "
-                f"{row.busiest_link:<14} {bottlenecks:<14} {row.retransmissions:>7}",
+                f"{row.busiest_link:<14} {bottlenecks:<14} {'yes' if row.bottleneck_agrees else 'no':>5} "
+                f"{'kernel' if row.paths == 'kernel' else 'seed':>6} {row.retransmissions:>7}",
                 flush=True,
             )
         rows.extend({"case": case.name, "placement": placement, **entry} for entry in result.to_json()["rows"])
     errors = [abs(r["ratio"] - 1) for r in rows]
+    within5 = sum(e <= 0.05 for e in errors)
+    within15 = sum(e <= 0.15 for e in errors)
+    agree = sum(bool(r["bottleneck_agrees"]) for r in rows)
     print(
         f"# {len(rows)} rows in {time.monotonic() - started:.0f} s; median |measured/predicted - 1| = "
-        f"{100 * statistics.median(errors):.1f}%, worst {100 * max(errors):.1f}%; load average at end: "
+        f"{100 * statistics.median(errors):.1f}%, worst {100 * max(errors):.1f}%; {within5} within 5%, "
+        f"{within15} within 15%; bottleneck agrees on {agree}; load average at end: "
         f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     if args.json:

@@ -19,7 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from allreduce.emulate import EmulationError, EmulationSpec, Layout, build, remove, run, running
+from allreduce.emulate import (
+    Connection,
+    EmulationError,
+    EmulationSpec,
+    Layout,
+    build,
+    kernel_paths,
+    remove,
+    run,
+    running,
+)
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -149,6 +159,30 @@ def test_a_ring_across_four_hosts_is_exact_and_predicted(four_hosts: Layout) -> 
     assert row.predicted_s > 0
     # the counters saw the data: a ring sends 2(N-1)/N of the buffer out of every host
     assert row.busiest_link_bytes >= 2 * 3 / 4 * (1 << 20)
+
+
+@pytest.mark.slow
+def test_the_prediction_routes_every_flow_where_the_kernel_sent_it(four_hosts: Layout) -> None:
+    # Interleaved: every ring neighbour is across the spines, where the kernel's 5-tuple hash picks the path.
+    result = run(four_hosts, algorithm="ring", sizes=[1 << 20], reps=1, placement=[0, 2, 1, 3])
+    (row,) = result.rows
+    assert row.paths == "kernel"
+
+
+def test_kernel_paths_walk_a_connection_both_ways_across_a_spine(four_hosts: Layout) -> None:
+    connection = Connection(0, four_hosts.host_address[0], 40000, four_hosts.host_address[2], 50000)
+    table = kernel_paths(four_hosts, [connection], ignore_ports=frozenset())
+    topology = four_hosts.topology
+    there = [topology.link_name(link) for link in table.paths[(0, 2)]]
+    back = [topology.link_name(link) for link in table.paths[(2, 0)]]
+    assert len(there) == len(back) == 4
+    assert "spine" in there[1]
+    assert "spine" in back[1]
+
+
+def test_kernel_paths_skip_the_store_port(four_hosts: Layout) -> None:
+    connection = Connection(0, four_hosts.host_address[0], 40000, four_hosts.host_address[2], 29500)
+    assert kernel_paths(four_hosts, [connection], ignore_ports=frozenset({29500})).paths == {}
 
 
 @pytest.mark.slow

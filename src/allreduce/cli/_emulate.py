@@ -143,7 +143,7 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
         f"{format_bandwidth(result.rate_bps / 8)}, one hop {format_seconds(result.hop_latency_s)} (UDP echo)",
         f"{'size':>9} {'measured':>10} {'(min-max)':>21} {'predicted':>10} {'(ECMP luck)':>21} {'ratio':>6}  "
         f"{'exact':>5}  "
-        f"{'busiest link (counters)':<24} {'sim bottleneck':<18} {'retrans':>7}",
+        f"{'busiest link (counters)':<24} {'sim bottleneck':<18} {'agree':>5} {'retrans':>7}",
     ]
     for row in result.rows:
         spread = f"{format_seconds(min(row.seconds))}-{format_seconds(max(row.seconds))}"
@@ -151,7 +151,8 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
         lines.append(
             f"{format_bytes(row.size_bytes):>9} {format_seconds(row.median_s):>10} {spread:>21} "
             f"{format_seconds(row.predicted_s):>10} {luck:>21} {row.ratio:>6.3f}  {'yes' if row.exact else 'NO':>5}  "
-            f"{row.busiest_link:<24} {row.predicted_bottleneck:<18} {row.retransmissions:>7}"
+            f"{row.busiest_link:<24} {row.predicted_bottleneck:<18} {'yes' if row.bottleneck_agrees else 'no':>5} "
+            f"{row.retransmissions:>7}"
         )
     if result.rows and len(result.rows[0].seconds) >= TAIL_MIN_REPS:
         lines.append("the tail over the repetitions (a dropped packet costs a retransmission; watch retrans):")
@@ -162,7 +163,10 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
             "retransmitted segments)"
             for row in result.rows
         )
-    lines.append("predicted: the simulator for the ECMP split the counters show; (ECMP luck): over 16 hash seeds")
+    how = {row.paths for row in result.rows}
+    split = "the paths the kernel chose" if how == {"kernel"} else "the closest hash seed (paths unreadable)"
+    lines.append(f"predicted: the simulator routing every flow on {split}; (ECMP luck): over 16 hash seeds")
+    lines.append("busiest link: most bytes per second of its shaped rate; agree: the sim's bottleneck is that busy")
     lines.append("ratio = measured median / predicted; every result was checked exactly against the expected sum")
     return "\n".join(lines)
 

@@ -4,7 +4,8 @@
 :func:`build` creates the layout an :class:`EmulationSpec` describes (root and iproute2 needed), recording
 everything in a state file before it creates it, and :func:`remove` removes exactly that; :func:`running` does
 both around a block. :func:`run` times all-reduce across the hosts with the real runtime over TCP and puts the
-simulator's prediction for the same network beside every measurement.
+simulator's prediction for the same network beside every measurement, routing every flow on the path the
+kernel chose for it (:func:`kernel_paths`).
 """
 
 from allreduce.emulate._layout import MAX_HOSTS, MIN_BURST_BYTES, Cable, Layout, Route, layout
@@ -22,6 +23,7 @@ from allreduce.emulate._netns import (
     remove,
     running,
 )
+from allreduce.emulate._paths import Connection, kernel_paths
 from allreduce.emulate._run import GOODPUT, Measurement, RunResult, measure_hop_latency, predicted_topology, run
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "MIN_BURST_BYTES",
     "STATE_DIR",
     "Cable",
+    "Connection",
     "EmulationError",
     "EmulationSpec",
     "Layout",
@@ -42,6 +45,7 @@ __all__ = [
     "build",
     "check_privileges",
     "existing_emulations",
+    "kernel_paths",
     "layout",
     "load",
     "measure_hop_latency",

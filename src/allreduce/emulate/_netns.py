@@ -53,6 +53,11 @@ DEFAULT_QUEUE_BYTES = 2 * MIN_BURST_BYTES
 emulation's rates with the few flows a collective starts, so a plain run measures bandwidth, not loss."""
 
 
+_FIVE_TUPLE_FIELDS = 0x0001 | 0x0002 | 0x0004 | 0x0010 | 0x0020
+"""``fib_multipath_hash_fields``: source and destination address, protocol, source and destination port (the
+kernel's FIB_MULTIPATH_HASH_FIELD_* bits), hashed by every router for every packet, so ``ip route get ... sport
+... dport`` answers with the next hop a connection's packets take."""
+
 DEFAULT_NAME = "emu"
 """Name of an emulation when none is given (namespaces are then ``aremu-<node>``)."""
 
@@ -212,7 +217,10 @@ def build(spec: EmulationSpec, *, state_dir: Path = STATE_DIR) -> Layout:
                 [
                     "ip", "netns", "exec", built.namespaces[node], "sysctl", "-q", "-w",
                     "net.ipv4.ip_forward=1",
-                    "net.ipv4.fib_multipath_hash_policy=1",  # L4 hash: flows of one host pair take different paths
+                    # A switch's ECMP: a hash of the 5-tuple (policy 3 = the fields below). Policy 1 would reuse a
+                    # local socket's random flow hash, which TCP redraws after a timeout: no lookup can predict it.
+                    "net.ipv4.fib_multipath_hash_policy=3",
+                    f"net.ipv4.fib_multipath_hash_fields={_FIVE_TUPLE_FIELDS:#x}",
                     "net.ipv4.conf.all.rp_filter=0",  # ECMP returns by another path than it went
                     "net.ipv4.conf.default.rp_filter=0",
                 ]

@@ -3,16 +3,41 @@
 Joins the group from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ALLREDUCE_TOKEN) over TCP,
 and for every size: one untimed warm-up, then ``reps`` timed all-reduces, each after a barrier, each result
 checked exactly (integer-valued float32 data, so every summation order gives the same bits). Prints one JSON
-line: this rank's seconds per repetition and size, and whether every result was exact.
+line: this rank's seconds per repetition and size, whether every result was exact, and the TCP connections it
+had open at the end (local and remote address and port, from this namespace's ``/proc/net/tcp``), so the caller
+can ask the kernel which path each connection's packets took.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import sys
 import time
 
 import numpy as np
+
+_ESTABLISHED = "01"  # the state column of /proc/net/tcp
+
+
+def _address(hex_address: str) -> tuple[str, int]:
+    """``0100007F:1F90`` (the kernel's little-endian IPv4 and big-endian port in hex) -> ("127.0.0.1", 8080)."""
+    address, port = hex_address.split(":")
+    return socket.inet_ntoa(struct.pack("<I", int(address, 16))), int(port, 16)
+
+
+def established_connections() -> list[tuple[str, int, str, int]]:
+    """(local address, local port, remote address, remote port) of every established IPv4 TCP connection in this
+    network namespace."""
+    out = []
+    with open("/proc/net/tcp", encoding="ascii") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if fields[3] == _ESTABLISHED:
+                out.append((*_address(fields[1]), *_address(fields[2])))
+    return out
 
 
 def main(spec_json: str) -> int:
@@ -40,7 +65,9 @@ def main(spec_json: str) -> int:
                 if rep:  # the first is a warm-up: connections, plans, page faults
                     row.append(elapsed)
             times[str(size_bytes)] = row
-        print(json.dumps({"rank": rank, "times_s": times, "exact": exact}), flush=True)
+        group.barrier()  # every connection of the collectives is open on every rank
+        report = {"rank": rank, "times_s": times, "exact": exact, "connections": established_connections()}
+        print(json.dumps(report), flush=True)
     finally:
         group.close()
     return 0

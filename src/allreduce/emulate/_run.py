@@ -16,9 +16,15 @@ the network saturated) and TCP retransmissions in every host namespace.
 
 ECMP: the kernel hashes each connection's addresses and ports onto one of the equal paths, and the simulator
 hashes with a seed of its own, so the two rarely pick the same paths. The prediction beside a measurement is
-the simulator's for the split the kernel actually made: of :data:`ECMP_SEEDS` hash seeds, the one whose
-per-link bytes come closest to the counters'. The range over all seeds is reported too: it is what ECMP luck
-alone can do to this collective.
+the simulator's for the split the kernel actually made: every rank reports its connections, the kernel is asked
+which path each took (:mod:`._paths`), and the simulator routes every flow on exactly that path. Where that
+cannot be read (two connections between one pair of hosts hashed apart), the fallback is the closest of
+:data:`ECMP_SEEDS` hash seeds by per-link bytes, and the row says so. The range over all seeds is reported too:
+it is what ECMP luck alone can do to this collective.
+
+Bottleneck: the link the counters show busiest is the one with the most bytes per second of its shaped rate
+(the largest share of the run it was busy); the simulator's bottleneck *agrees* when its measured busy share is
+within :data:`BUSY_TIE` of that maximum (in a ring on equal links, every link is equally busy).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import numpy as np
 
 from allreduce.emulate._layout import Layout, _hops_to
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
+from allreduce.emulate._paths import Connection, kernel_paths
 from allreduce.schedules import make_schedule
 from allreduce.sim import simulate
 from allreduce.topology import NodeKind, place
@@ -50,6 +57,10 @@ GOODPUT = 1448 / 1514
 ECMP_SEEDS = 16
 """Hash seeds the simulator tries for each measurement (their spread is reported; the closest to the counters is
 the prediction)."""
+
+BUSY_TIE = 0.05
+"""Links whose busy share is within this fraction of the busiest link's count as equally busy (counter noise: a
+few retransmitted segments, ACKs)."""
 
 _ECHO_ROUND_TRIPS = 200
 _STORE_PORT = 29500  # a fresh namespace: nothing else listens there, so no port can be taken
@@ -68,6 +79,8 @@ class Measurement:
     busiest_link_bytes: int
     predicted_bottleneck: str
     retransmissions: int
+    paths: str  # "kernel": the prediction routes every flow where the kernel sent it; else the closest hash seed
+    bottleneck_agrees: bool  # the simulator's bottleneck is (one of) the busiest links by the counters
 
     @property
     def median_s(self) -> float:
@@ -257,6 +270,7 @@ def run(
     rank_gpu = [int(g) for g in place(n, topology, placement, seed=seed)]
     hop_latency_s = measure_hop_latency(layout, rank_gpu[0], rank_gpu[-1])
     model = predicted_topology(layout, hop_latency_s)
+    shaped_Bps = topology.link_bandwidth_Bps * layout.scale
     rows = []
     for size in sizes:
         before, retrans_before = _tx_bytes(layout), _retransmissions(layout)
@@ -264,14 +278,25 @@ def run(
         after, retrans_after = _tx_bytes(layout), _retransmissions(layout)
         slowest = tuple(max(r["times_s"][str(size)][k] for r in results) for k in range(reps))
         sent = {link: after.get(link, 0) - before.get(link, 0) for link in after}
-        busiest = max(sent, key=lambda link: sent[link])
+        busy = {link: sent[link] / float(shaped_Bps[link]) for link in sent}
+        busiest = max(busy, key=lambda link: busy[link])
         observed = np.array([sent.get(link, 0) for link in range(topology.num_links)], dtype=np.float64) / (reps + 1)
         candidates = [
             simulate(schedule, model, size_bytes=float(size), placement=rank_gpu, seed=s) for s in range(ECMP_SEEDS)
         ]
-        predicted = min(candidates, key=lambda c: float(np.abs(c.link_bytes - observed).sum()))
+        connections = [Connection(rank_gpu[int(r["rank"])], *c) for r in results for c in r.get("connections", [])]
+        try:
+            table = kernel_paths(layout, connections, ignore_ports=frozenset({_STORE_PORT}))
+            predicted = simulate(schedule, model, size_bytes=float(size), placement=rank_gpu, routing=table)
+            paths = "kernel"
+        except (EmulationError, ValueError) as exc:
+            print(f"emulate: the kernel's paths could not be used ({exc}); predicting the closest hash seed",
+                  file=sys.stderr)  # fmt: skip
+            predicted = min(candidates, key=lambda c: float(np.abs(c.link_bytes - observed).sum()))
+            paths = "closest hash seed"
         times = [c.seconds for c in candidates]
-        bottleneck = predicted.bottlenecks[0].name if predicted.bottlenecks else "-"
+        bottleneck = predicted.bottlenecks[0] if predicted.bottlenecks else None
+        agrees = bottleneck is not None and busy.get(bottleneck.link, 0.0) >= (1 - BUSY_TIE) * busy[busiest]
         rows.append(
             Measurement(
                 size_bytes=size,
@@ -281,8 +306,10 @@ def run(
                 exact=all(r["exact"] for r in results),
                 busiest_link=topology.link_name(busiest),
                 busiest_link_bytes=sent[busiest],
-                predicted_bottleneck=bottleneck,
+                predicted_bottleneck=bottleneck.name if bottleneck is not None else "-",
                 retransmissions=retrans_after - retrans_before,
+                paths=paths,
+                bottleneck_agrees=agrees,
             )
         )
     return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows))

@@ -30,6 +30,7 @@ from allreduce.topology._builders import (
 from allreduce.topology._ecmp import ecmp_hash
 from allreduce.topology._files import load_topology
 from allreduce.topology._graph import FloatArray, IntArray, NodeGroup, NodeKind, NodeNames, Routes, Topology
+from allreduce.topology._path_table import PathTable
 from allreduce.topology._placement import PLACEMENTS, place
 from allreduce.topology._routing import ROUTINGS, route
 from allreduce.topology._search_routing import reachability_gaps
@@ -53,6 +54,7 @@ __all__ = [
     "NodeGroup",
     "NodeKind",
     "NodeNames",
+    "PathTable",
     "RailStructure",
     "Routes",
     "Topology",

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from allreduce.topology._builders import TorusStructure
 from allreduce.topology._graph import IntArray, Routes, Topology
 from allreduce.topology._hop_layers import Entries, LinkIndex, assemble, resolve, select
+from allreduce.topology._path_table import PathTable, table_routes
 from allreduce.topology._search_routing import search_routes
 from allreduce.topology._structured_routing import structured_layers
 
@@ -60,17 +61,22 @@ def route(
     src_gpu: npt.ArrayLike | Sequence[int],
     dst_gpu: npt.ArrayLike | Sequence[int],
     *,
-    routing: str | None = None,
+    routing: str | PathTable | None = None,
     seed: int = 0,
 ) -> Routes:
     """The links each flow ``src_gpu[f] -> dst_gpu[f]`` crosses under ``routing`` (see the module docstring).
 
+    ``routing`` may also be a :class:`~allreduce.topology.PathTable` of measured paths.
     ``routing=None`` (the default) takes the topology's default: dimension order on tori and rings, ECMP
     everywhere else. A flow from a GPU to
     itself gets an empty path with latency 0. A pair with no path raises ValueError naming both GPUs (and the
     failed links, if any).
     """
     routing = topology.default_routing if routing is None else routing
+    if isinstance(routing, PathTable):
+        return table_routes(
+            topology, routing, _as_gpus(topology, src_gpu, "src_gpu"), _as_gpus(topology, dst_gpu, "dst_gpu")
+        )
     if routing not in ROUTINGS:
         raise ValueError(f"route: unknown routing {routing!r}; choose one of {', '.join(ROUTINGS)}")
     src = _as_gpus(topology, src_gpu, "src_gpu")
