@@ -48,7 +48,7 @@ from allreduce.sim._faults import Faults, TimedFault, apply_faults, resolve_link
 from allreduce.sim._loss import LossModel, draw_extra_seconds, packet_loss_probability
 from allreduce.sim._routing import Pattern, Router
 from allreduce.sim._stochastic import Distribution
-from allreduce.topology import Topology, place
+from allreduce.topology import PathTable, Topology, place
 from allreduce.units import format_bytes, format_seconds
 
 __all__ = ["PERCENTILES", "Culprit", "TailConfig", "TailResult", "simulate_tail"]
@@ -462,7 +462,7 @@ def simulate_tail(
     size_bytes: float,
     config: TailConfig,
     placement: str | Sequence[int] = "linear",
-    routing: str | None = None,
+    routing: str | PathTable | None = None,
     seed: int = 0,
     faults: Faults | None = None,
     progress: Callable[[float], None] | None = None,

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.sim._fair import max_min_rates
-from allreduce.topology import Routes, Topology, route
+from allreduce.topology import PathTable, Routes, Topology, route
 
 __all__ = ["Pattern", "Router"]
 
@@ -51,7 +51,7 @@ class Pattern:
 class Router:
     """Routes rank-to-rank flows on one topology and placement; remembers recent patterns."""
 
-    def __init__(self, topology: Topology, rank_gpu: IntArray, routing: str | None, seed: int) -> None:
+    def __init__(self, topology: Topology, rank_gpu: IntArray, routing: str | PathTable | None, seed: int) -> None:
         self.topology = topology
         self.rank_gpu = rank_gpu
         self.routing = routing

@@ -13,7 +13,7 @@ from allreduce.sim._fast import run_fast, run_fast_checked
 from allreduce.sim._faults import Faults, apply_faults
 from allreduce.sim._result import SimResult
 from allreduce.sim._routing import Router
-from allreduce.topology import Topology, place
+from allreduce.topology import PathTable, Topology, place
 
 __all__ = ["AUTO_EXACT_MAX_RANKS", "TRACE_RANKS", "simulate"]
 
@@ -35,7 +35,7 @@ def simulate(
     *,
     size_bytes: float,
     placement: str | Sequence[int] = "linear",
-    routing: str | None = None,
+    routing: str | PathTable | None = None,
     seed: int = 0,
     faults: Faults | None = None,
     engine: str = "auto",
