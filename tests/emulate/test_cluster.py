@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from allreduce.emulate import (
+    TAIL_MIN_REPS,
     Connection,
     EmulationError,
     EmulationSpec,
@@ -183,6 +184,16 @@ def test_kernel_paths_walk_a_connection_both_ways_across_a_spine(four_hosts: Lay
 def test_kernel_paths_skip_the_store_port(four_hosts: Layout) -> None:
     connection = Connection(0, four_hosts.host_address[0], 40000, four_hosts.host_address[2], 29500)
     assert kernel_paths(four_hosts, [connection], ignore_ports=frozenset({29500})).paths == {}
+
+
+@pytest.mark.slow
+def test_a_shallow_queue_drops_packets_and_the_tail_model_runs_at_the_measured_rate(name: str, tmp_path: Path) -> None:
+    spec = EmulationSpec(CLOS4, name=name, queue=(("leaf0->spine0", 30_000), ("leaf0->spine1", 30_000)))
+    with running(spec, state_dir=tmp_path) as built:
+        (row,) = run(built, algorithm="ring", sizes=[256 << 10], reps=TAIL_MIN_REPS, placement=[0, 2, 1, 3]).rows
+    assert row.exact
+    assert row.dropped
+    assert row.predicted_tail_s is not None
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from allreduce.emulate import (
     DEFAULT_NAME,
     DEFAULT_RATE_BPS,
     MAX_HOSTS,
+    TAIL_MIN_REPS,
     EmulationError,
     EmulationSpec,
     RunResult,
@@ -32,9 +33,6 @@ from allreduce.units import (
 )
 
 __all__ = ["register"]
-
-TAIL_MIN_REPS = 20
-"""With at least this many repetitions the output adds the percentiles of the time (the tail)."""
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -156,13 +154,23 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
         )
     if result.rows and len(result.rows[0].seconds) >= TAIL_MIN_REPS:
         lines.append("the tail over the repetitions (a dropped packet costs a retransmission; watch retrans):")
-        lines.extend(
-            f"{format_bytes(row.size_bytes):>9}  p50 {format_seconds(row.percentile_s(50))}  p90 "
-            f"{format_seconds(row.percentile_s(90))}  p99 {format_seconds(row.percentile_s(99))}  max "
-            f"{format_seconds(max(row.seconds))}  ({len(row.seconds)} repetitions, {row.retransmissions} "
-            "retransmitted segments)"
-            for row in result.rows
-        )
+        for row in result.rows:
+            lines.append(
+                f"{format_bytes(row.size_bytes):>9}  p50 {format_seconds(row.percentile_s(50))}  p90 "
+                f"{format_seconds(row.percentile_s(90))}  p99 {format_seconds(row.percentile_s(99))}  max "
+                f"{format_seconds(max(row.seconds))}  ({len(row.seconds)} repetitions, {row.retransmissions} "
+                "retransmitted segments)"
+            )
+            for link, sent, drops in row.dropped:
+                lines.append(
+                    f"{'':>9}  {link} dropped {drops:,} of {sent + drops:,} packets ({drops / (sent + drops):.2e})"
+                )
+            if row.predicted_tail_s is not None:
+                p50, p99 = row.predicted_tail_s
+                lines.append(
+                    f"{'':>9}  the tail model at those loss rates (TCP, RTO 200 ms): p50 {format_seconds(p50)}  "
+                    f"p99 {format_seconds(p99)}"
+                )
     how = {row.paths for row in result.rows}
     split = "the paths the kernel chose" if how == {"kernel"} else "the closest hash seed (paths unreadable)"
     lines.append(f"predicted: the simulator routing every flow on {split}; (ECMP luck): over 16 hash seeds")

@@ -24,7 +24,15 @@ from allreduce.emulate._netns import (
     running,
 )
 from allreduce.emulate._paths import Connection, kernel_paths
-from allreduce.emulate._run import GOODPUT, Measurement, RunResult, measure_hop_latency, predicted_topology, run
+from allreduce.emulate._run import (
+    GOODPUT,
+    TAIL_MIN_REPS,
+    Measurement,
+    RunResult,
+    measure_hop_latency,
+    predicted_topology,
+    run,
+)
 
 __all__ = [
     "DEFAULT_NAME",
@@ -34,6 +42,7 @@ __all__ = [
     "MAX_HOSTS",
     "MIN_BURST_BYTES",
     "STATE_DIR",
+    "TAIL_MIN_REPS",
     "Cable",
     "Connection",
     "EmulationError",

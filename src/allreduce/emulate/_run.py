@@ -22,6 +22,12 @@ cannot be read (two connections between one pair of hosts hashed apart), the fal
 :data:`ECMP_SEEDS` hash seeds by per-link bytes, and the row says so. The range over all seeds is reported too:
 it is what ECMP luck alone can do to this collective.
 
+Loss: every shaped link's queue counts the packets it sent and dropped (``tc -s qdisc``). Where a queue dropped
+packets (a shallow ``--queue``: a congested port), the loss rate per link is dropped / (sent + dropped), and with
+at least :data:`TAIL_MIN_REPS` repetitions the row also carries the tail model's p50 and p99
+(:func:`allreduce.sim.simulate_tail`, TCP: fast retransmit costs a round trip, a tail loss the 200 ms minimum
+retransmission timeout of Linux) for exactly those link loss rates, beside the measured percentiles.
+
 Bottleneck: the link the counters show busiest is the one with the most bytes per second of its shaped rate
 (the largest share of the run it was busy); the simulator's bottleneck *agrees* when its measured busy share is
 within :data:`BUSY_TIE` of that maximum (in a ring on equal links, every link is equally busy).
@@ -45,9 +51,9 @@ import numpy as np
 from allreduce.emulate._layout import Layout, _hops_to
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
-from allreduce.schedules import make_schedule
-from allreduce.sim import simulate
-from allreduce.topology import NodeKind, place
+from allreduce.schedules import Schedule, make_schedule
+from allreduce.sim import LossModel, TailConfig, simulate, simulate_tail
+from allreduce.topology import NodeKind, PathTable, Topology, place
 
 __all__ = ["GOODPUT", "Measurement", "RunResult", "measure_hop_latency", "predicted_topology", "run"]
 
@@ -61,6 +67,12 @@ the prediction)."""
 BUSY_TIE = 0.05
 """Links whose busy share is within this fraction of the busiest link's count as equally busy (counter noise: a
 few retransmitted segments, ACKs)."""
+
+TAIL_MIN_REPS = 20
+"""Repetitions from which a row's percentiles mean something, and the tail model is run beside them."""
+
+TAIL_SAMPLES = 2000
+"""Samples of the tail model per row (its p99 then rests on 20 samples above it)."""
 
 _ECHO_ROUND_TRIPS = 200
 _STORE_PORT = 29500  # a fresh namespace: nothing else listens there, so no port can be taken
@@ -81,6 +93,8 @@ class Measurement:
     retransmissions: int
     paths: str  # "kernel": the prediction routes every flow where the kernel sent it; else the closest hash seed
     bottleneck_agrees: bool  # the simulator's bottleneck is (one of) the busiest links by the counters
+    dropped: tuple[tuple[str, int, int], ...] = ()  # (link, packets sent, packets dropped) where a queue dropped
+    predicted_tail_s: tuple[float, float] | None = None  # (p50, p99) of the tail model at the measured loss
 
     @property
     def median_s(self) -> float:
@@ -206,6 +220,21 @@ def _tx_bytes(layout: Layout) -> dict[int, int]:
     return out
 
 
+def _queue_counters(layout: Layout) -> dict[int, tuple[int, int]]:
+    """(packets sent, packets dropped) so far by every shaped direction's token bucket, by topology link index."""
+    out: dict[int, tuple[int, int]] = {}
+    for ns_index, ns in enumerate(layout.namespaces):
+        data = json.loads(subprocess.run(["tc", "-n", ns, "-s", "-j", "qdisc", "show"], capture_output=True,
+                                         text=True, timeout=COMMAND_TIMEOUT_S, check=True).stdout)  # fmt: skip
+        stats = {q["dev"]: (int(q.get("packets", 0)), int(q.get("drops", 0))) for q in data if q.get("kind") == "tbf"}
+        for cable in layout.cables:
+            if cable.a == ns_index and cable.a_dev in stats:
+                out[cable.link_ab] = stats[cable.a_dev]
+            if cable.b == ns_index and cable.b_dev in stats:
+                out[cable.link_ba] = stats[cable.b_dev]
+    return out
+
+
 def _retransmissions(layout: Layout) -> int:
     total = 0
     for g in range(layout.num_hosts):
@@ -250,6 +279,18 @@ def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: li
     return results
 
 
+def _tail(schedule: Schedule, model: Topology, size: int, *, rank_gpu: list[int], routing: PathTable | None,
+          dropped: tuple[tuple[str, int, int], ...]) -> tuple[float, float] | None:  # fmt: skip
+    """The tail model's (p50, p99) at the loss rates the queues showed (None where nothing was dropped)."""
+    if not dropped:
+        return None
+    links = tuple((name, drops / (sent + drops)) for name, sent, drops in dropped)
+    config = TailConfig(samples=TAIL_SAMPLES, seed=0, loss=LossModel(fabric="tcp", links=links))
+    result = simulate_tail(schedule, model, size_bytes=float(size), config=config, placement=rank_gpu, routing=routing)
+    values = result.collective_s
+    return float(np.percentile(values, 50)), float(np.percentile(values, 99))
+
+
 def run(
     layout: Layout,
     *,
@@ -273,9 +314,18 @@ def run(
     shaped_Bps = topology.link_bandwidth_Bps * layout.scale
     rows = []
     for size in sizes:
-        before, retrans_before = _tx_bytes(layout), _retransmissions(layout)
+        before, retrans_before, queues_before = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
         results = _run_ranks(layout, rank_gpu, algorithm=algorithm, sizes=[size], reps=reps, timeout_s=timeout_s)
-        after, retrans_after = _tx_bytes(layout), _retransmissions(layout)
+        after, retrans_after, queues_after = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
+        dropped = tuple(
+            (
+                topology.link_name(link),
+                sent - queues_before.get(link, (0, 0))[0],
+                drops - queues_before.get(link, (0, 0))[1],
+            )
+            for link, (sent, drops) in sorted(queues_after.items())
+            if drops > queues_before.get(link, (0, 0))[1]
+        )
         slowest = tuple(max(r["times_s"][str(size)][k] for r in results) for k in range(reps))
         sent = {link: after.get(link, 0) - before.get(link, 0) for link in after}
         busy = {link: sent[link] / float(shaped_Bps[link]) for link in sent}
@@ -289,11 +339,13 @@ def run(
             table = kernel_paths(layout, connections, ignore_ports=frozenset({_STORE_PORT}))
             predicted = simulate(schedule, model, size_bytes=float(size), placement=rank_gpu, routing=table)
             paths = "kernel"
+            routing: PathTable | None = table
         except (EmulationError, ValueError) as exc:
             print(f"emulate: the kernel's paths could not be used ({exc}); predicting the closest hash seed",
                   file=sys.stderr)  # fmt: skip
             predicted = min(candidates, key=lambda c: float(np.abs(c.link_bytes - observed).sum()))
             paths = "closest hash seed"
+            routing = None
         times = [c.seconds for c in candidates]
         bottleneck = predicted.bottlenecks[0] if predicted.bottlenecks else None
         agrees = bottleneck is not None and busy.get(bottleneck.link, 0.0) >= (1 - BUSY_TIE) * busy[busiest]
@@ -310,6 +362,12 @@ def run(
                 retransmissions=retrans_after - retrans_before,
                 paths=paths,
                 bottleneck_agrees=agrees,
+                dropped=dropped,
+                predicted_tail_s=(
+                    _tail(schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped)
+                    if reps >= TAIL_MIN_REPS
+                    else None
+                ),
             )
         )
     return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows))
