@@ -9,6 +9,7 @@ their own) is killed and the test fails with the job's output, so a hang is a fa
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -30,14 +30,15 @@ from allreduce.runtime._spawn import reserve_port
 WORLD_SIZE = 2
 # A job's deadline: torch start-up costs seconds per process on two shared cores; a hang costs the whole deadline.
 JOB_DEADLINE_S = 200.0
-# How long a stopped job's processes get to exit after SIGKILL before the test gives up on reaping them.
+# How long a job stopped at its deadline gets to print its stacks and exit before SIGKILL (and then to be reaped).
 REAP_S = 10.0
 JOB = Path(__file__).with_name("launched_ddp_job.py")
 
 
 def _load_job() -> ModuleType:
     spec = importlib.util.spec_from_file_location("launched_ddp_job", JOB)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -75,13 +76,22 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill_tree(procs: list[subprocess.Popen[str]]) -> None:
-    """SIGKILL every process the job started, and each one's process group (never the test's own).
+def _job_processes(procs: list[subprocess.Popen[str]]) -> list[int]:
+    """The job's processes and everything they started; only of processes not yet reaped, whose pids are theirs."""
+    return [pid for proc in procs if proc.poll() is None for pid in (proc.pid, *_descendants(proc.pid))]
 
-    Only processes not yet reaped: a reaped one's pid may already belong to someone else."""
-    victims = [pid for proc in procs if proc.poll() is None for pid in (proc.pid, *_descendants(proc.pid))]
+
+def _dump_stacks(procs: list[subprocess.Popen[str]]) -> None:
+    """SIGABRT every process of the job: with PYTHONFAULTHANDLER set, each prints where it is stuck, and dies."""
+    for pid in _job_processes(procs):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+
+
+def _kill_tree(procs: list[subprocess.Popen[str]]) -> None:
+    """SIGKILL every process the job started, and each one's process group (never the test's own)."""
     own_group = os.getpgrp()
-    for pid in victims:
+    for pid in _job_processes(procs):
         try:
             group = os.getpgid(pid)
             if group != own_group:
@@ -118,9 +128,17 @@ def _run(commands: list[tuple[list[str], dict[str, str]]], out_dir: Path) -> Job
             remaining_s = max(deadline - time.monotonic(), 0.1)
             outputs.append(proc.communicate(timeout=remaining_s)[0])
     except subprocess.TimeoutExpired:
-        _kill_tree(procs)
-        tails = [(proc.communicate(timeout=REAP_S)[0] or "")[-3000:] for proc in procs]
-        pytest.fail(f"the job did not finish within {JOB_DEADLINE_S:g} s (killed); its output:\n" + "\n".join(tails))
+        _dump_stacks(procs)
+        tails = []
+        for proc in procs:
+            try:
+                tails.append(proc.communicate(timeout=REAP_S)[0][-5000:])
+            except subprocess.TimeoutExpired:
+                _kill_tree(procs)
+                tails.append(proc.communicate(timeout=REAP_S)[0][-5000:])
+        pytest.fail(
+            f"the job did not finish within {JOB_DEADLINE_S:g} s (stopped); where it was stuck:\n" + "\n".join(tails)
+        )
     finally:
         # A job that finished may still have left processes behind: none may outlive the test.
         _kill_tree(procs)
@@ -135,6 +153,7 @@ def _base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     # One thread per rank, as torchrun sets it: the reference computed here uses one thread too.
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank stopped at the deadline prints its stack
     return env
 
 
@@ -165,12 +184,12 @@ LAUNCHERS = {"torchrun": _torchrun, "allreduce run": _allreduce_run, "by hand": 
 
 
 @pytest.fixture(scope="module", params=list(LAUNCHERS))
-def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobResult]:
+def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     out_dir = tmp_path_factory.mktemp("job")
     result = LAUNCHERS[request.param](JOB, [str(out_dir)])
     assert result.returncodes == [0] * len(result.returncodes), result.output[-5000:]
     assert len(result.per_rank) == WORLD_SIZE, result.output[-5000:]
-    yield result
+    return result
 
 
 # ------------------------------------------------------------------------------------------------------------

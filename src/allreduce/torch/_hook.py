@@ -25,7 +25,7 @@ def comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch
         state = state.allreduce_group
     if not hasattr(state, "all_reduce"):
         raise TypeError(
-            f"comm_hook's state must be an allreduce process group (dist.new_group(backend=\"allreduce\"), "
+            f"comm_hook's state must be an allreduce process group (dist.new_group(backend='allreduce'), "
             f"allreduce.runtime.init() or allreduce.torch.torch_group()), got {type(state).__name__}"
         )
     tensor = bucket.buffer()
