@@ -1,9 +1,11 @@
 """``dist.init_process_group("allreduce", ...)``: allreduce as a torch.distributed backend.
 
-Importing :mod:`allreduce.torch` registers the backend. torch hands the backend factory its rendezvous store;
+Importing :mod:`allreduce.torch` registers the backend. torch hands the backend factory a store of the group's
+own (its rendezvous store, already connected and agreed by every rank, under a prefix that names the group);
 rank 0 publishes there the port of allreduce's own store (bound to a port the kernel picked), and every rank then
 joins an allreduce process group (shared memory when all ranks share the host, TCP otherwise) with
-:func:`allreduce.runtime.init`.
+:func:`allreduce.runtime.init`. Nothing depends on the launcher: torchrun, ``allreduce run`` and variables set
+by hand all reach the backend through torch's store.
 ``dist.all_reduce / broadcast / all_gather / all_gather_into_tensor / reduce_scatter / reduce_scatter_tensor /
 barrier`` then run allreduce's schedules on CPU tensors.
 
@@ -27,6 +29,8 @@ __all__ = ["BACKEND_NAME", "register_backend"]
 
 BACKEND_NAME = "allreduce"
 _MIN_TORCH = "2.2"
+# Where rank 0 publishes the port of allreduce's store, in the store torch gives one process group.
+_PORT_KEY = "allreduce/store_port"
 
 _create_work_from_future: Any = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
 # Typed as Any: the backend implements the list-of-tensors calling convention torch uses for Python backends,
@@ -60,6 +64,11 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
     def __init__(self, group: Any) -> None:
         super().__init__(group.rank, group.world_size)
         self._group = group
+
+    @property
+    def allreduce_group(self) -> Any:
+        """The allreduce :class:`~allreduce.runtime.ProcessGroup` whose collectives this backend runs."""
+        return self._group
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -137,12 +146,36 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
         self._group.close()
 
 
+class _GroupStore:
+    """torch's store for one process group, as :func:`allreduce.runtime.init` sees it: its one publication (the
+    port of allreduce's store) lives under :data:`_PORT_KEY`, whatever key ``init`` names.
+
+    torch gives every process group a store of its own (prefixed with the group's name, and new for each torchrun
+    attempt), and only the group's members build its backend. ``init`` counts the groups *this process* has
+    joined in its key, and that count differs between ranks that are members of different subgroups, so the
+    key of a group's port must not depend on it.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(_PORT_KEY, value)
+
+    def get(self, key: str) -> bytes:
+        value: bytes = self._store.get(_PORT_KEY)
+        return value
+
+
 def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> _AllreduceBackend:
     from allreduce.runtime import init
 
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    # Rank 0 hosts allreduce's store on a port the kernel picks and publishes it through torch's store.
-    group = init(rank, world_size, master_addr=host, timeout_s=timeout.total_seconds(), rendezvous_store=store)
+    # Rank 0 hosts allreduce's store on a port the kernel picks and publishes it through torch's store, so no
+    # port is guessed and none of the launcher's is reused.
+    group = init(
+        rank, world_size, master_addr=host, timeout_s=timeout.total_seconds(), rendezvous_store=_GroupStore(store)
+    )
     return _AllreduceBackend(group)
 
 
