@@ -254,9 +254,7 @@ def _rank_children_with_segments(parent: int) -> list[int] | None:
     ],
     ids=["bench", "train"],
 )
-def test_a_stopped_bench_or_train_leaves_no_rank_and_no_shared_memory(
-    command: list[str], stop: signal.Signals
-) -> None:
+def test_a_stopped_bench_or_train_leaves_no_rank_and_no_shared_memory(command: list[str], stop: signal.Signals) -> None:
     with subprocess.Popen(
         [sys.executable, "-m", "allreduce", *command],
         stdout=subprocess.PIPE,
