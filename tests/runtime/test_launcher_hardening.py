@@ -395,8 +395,8 @@ def test_too_many_ranks_is_one_line_and_exit_2() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
-        f"allreduce run: error: -n/--nproc: at most {MAX_LOCAL_RANKS} local ranks (the launcher holds three open "
-        "files per rank), got 100000"
+        f"allreduce run: error: the number of ranks: at most {MAX_LOCAL_RANKS} local ranks (the launcher holds "
+        "three open files per rank), got 100000"
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import signal
 import sys
@@ -13,9 +14,11 @@ from pathlib import Path
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._main import CLIError
 from allreduce.runtime import STATS_FILE_ENV, TRACE_ENV, launch
-from allreduce.runtime._spawn import DEFAULT_GRACE_S, MAX_LOCAL_RANKS
 
 __all__ = ["register"]
+
+_DEFAULT_GRACE_S: float = inspect.signature(launch).parameters["grace_s"].default
+"""launch()'s own default, shown in --help."""
 
 _HELP_WIDTH = 78
 """Columns of the pre-wrapped description (the epilog's environment table is laid out by hand, so argparse must
@@ -30,11 +33,6 @@ def _handle(args: argparse.Namespace) -> int:
         raise CLIError("no command to run: allreduce run -n N -- python script.py [args...]")
     if args.nproc < 1:
         raise CLIError(f"-n/--nproc must be >= 1, got {args.nproc}")
-    if args.nproc > MAX_LOCAL_RANKS:
-        raise CLIError(
-            f"-n/--nproc: at most {MAX_LOCAL_RANKS} local ranks (the launcher holds three open files per rank), "
-            f"got {args.nproc}"
-        )
     if not args.grace >= 0:
         raise CLIError(f"--grace must be >= 0 seconds, got {args.grace}")
     for spec in args.algorithm:
@@ -84,7 +82,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "rank that failed first (128+signal if it was killed), naming it. If run's output is closed "
             "(run ... | head) the ranks are stopped and run exits with 141. Every stop sends SIGTERM, then "
             "SIGKILL after --grace seconds. Ranks die with run, even if it is killed with SIGKILL, and the "
-            f"shared memory they leave is removed. At most {MAX_LOCAL_RANKS} ranks. Ranks get no stdin.",
+            "shared memory they leave is removed. The number of ranks is capped (see the error beyond it). Ranks get "
+            "no stdin.",
             width=_HELP_WIDTH,
         ),
         epilog=(
@@ -110,10 +109,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--grace",
         type=float,
-        default=DEFAULT_GRACE_S,
+        default=_DEFAULT_GRACE_S,
         metavar="SECONDS",
         help=f"after SIGTERM (a failure, an interrupt, a closed output), wait this long before SIGKILL "
-        f"(default: {DEFAULT_GRACE_S:g})",
+        f"(default: {_DEFAULT_GRACE_S:g})",
     )
     p.add_argument(
         "--algorithm",
