@@ -112,6 +112,11 @@ def _children(parent: int) -> list[int]:
     return found
 
 
+def _environment(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -129,6 +134,8 @@ def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path: Path, target: str
     with _start_run(tmp_path) as launcher:
         pids = _pids(tmp_path, 2)
         assert _shm_files_of(pids)  # the ranks hold /dev/shm
+        scratch = Path(_environment(pids[0])["ALLREDUCE_FAILURE_DIR"])
+        assert scratch.is_dir()
         if target == "process":
             launcher.kill()
         else:
@@ -136,6 +143,7 @@ def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path: Path, target: str
         launcher.communicate(timeout=WAIT_S)
         assert launcher.returncode == -signal.SIGKILL
         _assert_gone(pids)
+        _wait_until(lambda: not scratch.exists(), f"the launcher's {scratch} was left behind")
 
 
 @pytest.mark.slow

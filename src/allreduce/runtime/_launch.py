@@ -233,7 +233,7 @@ def launch(
         reservation = reserve_port()
         master_port = int(reservation.getsockname()[1])
     failure_dir = tempfile.mkdtemp(prefix="allreduce-run-")
-    reaper = Reaper()
+    reaper = Reaper(scratch_dir=failure_dir)
     run = _Launch(
         command,
         world_size=world_size,

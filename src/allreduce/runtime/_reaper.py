@@ -5,17 +5,19 @@ so that a signal sent to the launcher's process group or terminal (``timeout -s 
 not reach it, and writes each rank's process id to the reaper's stdin as the rank starts. A launcher that ends
 normally writes ``done`` and the reaper exits. When stdin ends without ``done``, the launcher died (even by
 SIGKILL, which it cannot catch): the reaper kills every rank's process group, waits until none of them runs, and
-unlinks the shared-memory files they left in ``/dev/shm``. The ranks themselves already die with the launcher
-(``PR_SET_PDEATHSIG``); the reaper covers what they started and the files they could not unlink.
+unlinks the shared-memory files they left in ``/dev/shm`` (and removes the launcher's scratch directory, if it
+named one). The ranks themselves already die with the launcher (``PR_SET_PDEATHSIG``); the reaper covers what
+they started and the files they could not unlink.
 
-Run as a script (``python -I _reaper.py SRC_DIR``), it imports only the standard library until it must sweep,
-so that it starts in milliseconds; ``SRC_DIR`` is where the launcher's ``allreduce`` package lives.
+Run as a script (``python -I _reaper.py SRC_DIR [SCRATCH_DIR]``), it imports only the standard library until it
+must sweep, so that it starts in milliseconds; ``SRC_DIR`` is where the launcher's ``allreduce`` package lives.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,7 +63,7 @@ def kill_groups(groups: set[int], *, wait_s: float = KILL_WAIT_S) -> None:
 class Reaper:
     """The launcher's side: starts the reaper process, tells it the ranks, and says ``done`` at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, scratch_dir: str | None = None) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
         self._pipe: int | None = None
         if not sys.executable:  # an embedded interpreter cannot start another one: no reaper
@@ -71,7 +73,7 @@ class Reaper:
         read, write = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", os.path.abspath(__file__), src_dir],
+                [sys.executable, "-I", os.path.abspath(__file__), src_dir, *([scratch_dir] if scratch_dir else [])],
                 stdin=read,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -120,7 +122,8 @@ def _sweep(src_dir: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Read rank ids until ``done`` (exit) or the end of input (the launcher died: kill, wait, sweep)."""
+    """Read rank ids until ``done`` (exit) or the end of input (the launcher died: kill, wait, sweep, remove the
+    scratch directory)."""
     groups: set[int] = set()
     for line in sys.stdin.buffer:
         if line == _DONE:
@@ -128,6 +131,8 @@ def main(argv: list[str]) -> int:
         with contextlib.suppress(ValueError):
             groups.add(int(line))
     kill_groups(groups)
+    if len(argv) > 2:
+        shutil.rmtree(argv[2], ignore_errors=True)
     if len(argv) > 1:
         _sweep(argv[1])
     return 0
