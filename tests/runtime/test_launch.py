@@ -97,7 +97,7 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path: P
         """),
     )
     assert result.returncode == 1
-    assert "ranks 0 did not stop in 0.5 s; killing" in result.stderr
+    assert "rank 0 did not stop in 0.5 s; killing it" in result.stderr
 
 
 def test_ctrl_c_is_forwarded_to_every_rank() -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
+import signal
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 from allreduce.cli._args import algorithm_for_ranks
@@ -13,6 +16,13 @@ from allreduce.cli._main import CLIError
 from allreduce.runtime import STATS_FILE_ENV, TRACE_ENV, launch
 
 __all__ = ["register"]
+
+_DEFAULT_GRACE_S: float = inspect.signature(launch).parameters["grace_s"].default
+"""launch()'s own default, shown in --help."""
+
+_HELP_WIDTH = 78
+"""Columns of the pre-wrapped description (the epilog's environment table is laid out by hand, so argparse must
+not re-wrap either)."""
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -23,6 +33,8 @@ def _handle(args: argparse.Namespace) -> int:
         raise CLIError("no command to run: allreduce run -n N -- python script.py [args...]")
     if args.nproc < 1:
         raise CLIError(f"-n/--nproc must be >= 1, got {args.nproc}")
+    if not args.grace >= 0:
+        raise CLIError(f"--grace must be >= 0 seconds, got {args.grace}")
     for spec in args.algorithm:
         algorithm_for_ranks("--algorithm", spec)
     env: dict[str, str] = {}
@@ -38,6 +50,13 @@ def _handle(args: argparse.Namespace) -> int:
         code = launch(
             command, world_size=args.nproc, master_port=args.master_port, grace_s=args.grace, env=env
         ).exit_code
+        if code == 128 + signal.SIGPIPE:
+            # Our reader has gone (`| head`): what is left in stdout's buffer has nowhere to go, and flushing it
+            # at exit would print a BrokenPipeError.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return code
         if args.stats:
             if stats_file.exists():
                 sys.stdout.write(stats_file.read_text())
@@ -52,17 +71,32 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = subparsers.add_parser(
         "run",
         help="start N local ranks of a command (like torchrun), prefixing their output with [rank k]",
-        description=(
+        description=textwrap.fill(
             "Start N copies of COMMAND on this host with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
             "MASTER_ADDR=127.0.0.1, MASTER_PORT (reserved for the job, so nothing else takes it) and "
             "ALLREDUCE_TOKEN (random per job unless already set) in the environment (and PYTHONUNBUFFERED=1), so "
             "that allreduce.init() - or torch.distributed - finds its peers and refuses strangers. Every output line "
-            "is prefixed with [rank k]. Ctrl-C (SIGINT) and "
-            "SIGTERM are forwarded to every rank; a second Ctrl-C kills them. If a rank fails, the others are "
-            "stopped (SIGTERM, then SIGKILL after --grace seconds) and run exits with the failing rank's status "
-            "(128+signal if it was killed), naming it. Ranks get no stdin."
+            "is prefixed with [rank k]. Ctrl-C (SIGINT), SIGTERM and SIGHUP are forwarded to every rank; a second "
+            "Ctrl-C kills them. If a rank fails on its own, the others are stopped; ranks that fail only because "
+            "a peer failed (PeerFailureError) are named as having reacted, and run exits with the status of the "
+            "rank that failed first (128+signal if it was killed), naming it. If run's output is closed "
+            "(run ... | head) the ranks are stopped and run exits with 141. Every stop sends SIGTERM, then "
+            "SIGKILL after --grace seconds. Ranks die with run, even if it is killed with SIGKILL, and the "
+            "shared memory they leave is removed. The number of ranks is capped (see the error beyond it). Ranks get "
+            "no stdin.",
+            width=_HELP_WIDTH,
         ),
-        epilog="example: allreduce run -n 4 -- python train.py --epochs 3",
+        epilog=(
+            "environment variables:\n"
+            "  ALLREDUCE_TOKEN        the job's shared secret: random per job unless set;\n"
+            "                         set it when MASTER_ADDR is not a loopback address\n"
+            "  ALLREDUCE_DEBUG        set to 1: an internal error of run prints its traceback\n"
+            "  ALLREDUCE_FAILURE_DIR  set by run in each rank: where the rank reports an\n"
+            "                         uncaught exception (how run tells causes from reactions)\n"
+            "\n"
+            "example: allreduce run -n 4 -- python train.py --epochs 3"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-n", "--nproc", required=True, type=int, metavar="N", help="number of ranks to start")
     p.add_argument(
@@ -73,7 +107,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="rank 0's store port (default: one reserved for the job)",
     )
     p.add_argument(
-        "--grace", type=float, default=5.0, metavar="SECONDS", help="after a failure, wait this long before SIGKILL"
+        "--grace",
+        type=float,
+        default=_DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help=f"after SIGTERM (a failure, an interrupt, a closed output), wait this long before SIGKILL "
+        f"(default: {_DEFAULT_GRACE_S:g})",
     )
     p.add_argument(
         "--algorithm",

@@ -2,47 +2,67 @@
 
 Each rank gets the rendezvous environment of :mod:`allreduce.runtime._spawn` (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT - a port reserved for the job unless given - and a per-job
-ALLREDUCE_TOKEN unless one is set), and PYTHONUNBUFFERED=1 so that its lines arrive as they are printed. Every
-line it writes is prefixed with ``[rank k]`` on the same stream. SIGINT and SIGTERM sent to the launcher are
-forwarded to every rank (each rank runs in its own process group, so a terminal's Ctrl-C reaches it exactly once,
-through us); a second Ctrl-C kills them. When a rank fails, the others are sent SIGTERM, then SIGKILL after a grace
-period, and the launcher exits with the failing rank's status (128 + signal number if it was killed), naming it.
-Ranks get no stdin.
+ALLREDUCE_TOKEN unless one is set), PYTHONUNBUFFERED=1 so that its lines arrive as they are printed, and
+ALLREDUCE_FAILURE_DIR, where a rank that imports allreduce reports an uncaught exception. Every line it writes is
+prefixed with ``[rank k]`` on the same stream. Ranks get no stdin.
+
+Stopping: SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every rank (each rank runs in its own
+process group, so a terminal's Ctrl-C reaches it exactly once, through us); a second one kills them. When the
+launcher's output is closed (``allreduce run ... | head``) the ranks get SIGTERM. When a rank fails on its own
+(not in reaction to another rank's failure), the others get SIGTERM. Every stop is followed by SIGKILL after the
+grace period. The launcher exits with the status of the rank it blames (128 + signal number if it was killed),
+naming it and the ranks that only reacted, or with 128 + the signal it received. Ranks die with the launcher
+(``PR_SET_PDEATHSIG``), and its reaper kills their process groups and sweeps their shared memory if the launcher
+itself is killed; the launcher sweeps the shared memory of ranks it had to kill.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType
 from typing import IO
 
+from allreduce.runtime._rank_report import FAILURE_DIR_ENV, read_report
+from allreduce.runtime._reaper import Reaper
 from allreduce.runtime._spawn import (
     DEFAULT_GRACE_S,
     RankWatch,
+    check_world_size,
     describe_status,
+    die_with_parent,
     new_token,
     rank_environment,
     reserve_port,
+    stop_signal_handlers,
 )
+from allreduce.runtime._watch import ranks_phrase
 
 __all__ = ["LaunchResult", "describe_status", "launch"]
+
+OUTPUT_DRAIN_S = 5.0
+"""How long the launcher waits, after its ranks exited, for their last output: a rank's orphaned children may
+hold its pipes open, and the launcher does not wait on them."""
 
 
 @dataclass(frozen=True)
 class LaunchResult:
-    """How a launch ended: ``exit_code`` for the shell, the ranks' return codes, and the first failure if any."""
+    """How a launch ended: ``exit_code`` for the shell, the ranks' return codes, the rank blamed for the failure
+    (the first whose failure was its own), the ranks that failed only in reaction to another's, and the signal
+    the launcher received (SIGPIPE when its output was closed), if any."""
 
     exit_code: int
     returncodes: tuple[int | None, ...]
     failed_rank: int | None
-    interrupted_by: int | None  # the signal the launcher received, if any
+    interrupted_by: int | None
+    reacted_ranks: tuple[int, ...] = ()
 
 
 class _Launch:
@@ -60,6 +80,8 @@ class _Launch:
         stderr: IO[bytes],
         log: Callable[[str], None],
         write_lock: threading.Lock,
+        failure_dir: str,
+        reaper: Reaper,
         extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.command = list(command)
@@ -69,20 +91,32 @@ class _Launch:
         self.token = token
         self.out = stdout
         self.err = stderr
+        self.log = log
+        self.failure_dir = failure_dir
+        self.reaper = reaper
         self.procs: list[subprocess.Popen[bytes]] = []
         self.write_lock = write_lock
+        self.closed_outputs: set[int] = set()  # id() of destinations whose reader has gone
         self.threads: list[threading.Thread] = []
-        self.watch = RankWatch(self.procs, grace_s=grace_s, log=log)
+        self.watch = RankWatch(self.procs, grace_s=grace_s, log=log, reaction=self.reaction)
 
     def environment(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.extra_env)
         env.update(rank_environment(rank, self.world_size, master_port=self.master_port, token=self.token))
+        env[FAILURE_DIR_ENV] = self.failure_dir
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
+    def reaction(self, rank: int) -> int | None:
+        report = read_report(self.failure_dir, rank, self.world_size)
+        return None if report is None else report.reacted_to
+
     def start(self) -> None:
+        in_child = die_with_parent(os.getpid())
         for rank in range(self.world_size):
+            if self.watch.interrupted_by is not None:  # stopped while starting: start no more
+                break
             try:
                 proc = subprocess.Popen(
                     self.command,
@@ -91,10 +125,13 @@ class _Launch:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     process_group=0,
+                    # Only prctl and getppid run between fork and exec (the libc function is resolved already).
+                    preexec_fn=in_child,  # noqa: PLW1509
                 )
             except OSError as exc:
                 self.watch.signal_all(signal.SIGKILL)
                 raise ValueError(f"cannot run {self.command[0]!r} for rank {rank}: {exc.strerror or exc}") from exc
+            self.reaper.add(proc.pid)
             self.procs.append(proc)
             self.watch.procs.append(proc)
             assert proc.stdout is not None
@@ -107,30 +144,58 @@ class _Launch:
     def _copy_lines(self, rank: int, pipe: IO[bytes], dest: IO[bytes]) -> None:
         prefix = f"[rank {rank}] ".encode()
         with pipe:
+            # Read to the end even once ``dest`` is closed, so that no rank blocks on a full pipe while it stops.
             for line in iter(pipe.readline, b""):
-                with self.write_lock, contextlib.suppress(OSError, ValueError):
-                    dest.write(prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
-                    dest.flush()
+                if id(dest) in self.closed_outputs:
+                    continue
+                try:
+                    with self.write_lock:
+                        dest.write(prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
+                        dest.flush()
+                except BrokenPipeError:
+                    self._output_closed(dest)
+                except (OSError, ValueError):
+                    pass  # a terminal gone (EIO) or a closed file: the ranks decide for themselves
 
-    def on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.watch.interrupt(signum)
+    def _output_closed(self, dest: IO[bytes]) -> None:
+        """The reader of ``dest`` has gone (``| head``): nobody reads the ranks' output any more; stop them."""
+        if id(dest) in self.closed_outputs:
+            return
+        self.closed_outputs.add(id(dest))
+        if self.watch.interrupted_by is None:
+            self.log("output closed (broken pipe); stopping every rank")
+        self.watch.interrupt(signal.SIGPIPE, forward=signal.SIGTERM)
 
     def run(self) -> LaunchResult:
         self.watch.watch()
         for thread in self.threads:
-            thread.join(timeout=5.0)  # a rank's orphaned children may hold its pipes open: do not wait on them
+            thread.join(timeout=OUTPUT_DRAIN_S)
         codes = tuple(p.returncode for p in self.procs)
-        failed_rank = self.watch.failed_rank
+        blamed = self.watch.blamed_rank()
+        reacted = tuple(sorted(self.watch.reactions))
         interrupted_by = self.watch.interrupted_by
-        if failed_rank is not None:
-            code = codes[failed_rank]
+        if blamed is not None:
+            own = self.watch.failed_rank is not None
+            # Blamed only by others' reports: its own status may be the launcher's stop; report the first failure.
+            status_rank = blamed if own else self.watch.first_failed_rank
+            assert status_rank is not None
+            code = codes[status_rank]
             assert code is not None
             exit_code = 128 - code if code < 0 else code
+            if reacted:
+                self.log(self._blame_message(blamed, own=own, reacted=reacted, code=codes[blamed]))
         elif interrupted_by is not None:
             exit_code = 128 + interrupted_by
         else:
             exit_code = 0
-        return LaunchResult(exit_code, codes, failed_rank, interrupted_by)
+        return LaunchResult(exit_code, codes, blamed, interrupted_by, reacted)
+
+    def _blame_message(self, blamed: int, *, own: bool, reacted: tuple[int, ...], code: int | None) -> str:
+        report = read_report(self.failure_dir, blamed, self.world_size)
+        if own:
+            what = describe_status(code or 0) if report is None else f"{describe_status(code or 0)}: {report.error}"
+            return f"rank {blamed} failed first ({what}); {ranks_phrase(reacted)} failed in reaction to it"
+        return f"{ranks_phrase(reacted)} failed in reaction to rank {blamed}, which failed or left the group first"
 
 
 def launch(
@@ -146,13 +211,15 @@ def launch(
     """Run ``command`` as ``world_size`` local ranks until all exit (see the module docstring); ``env`` adds
     variables to every rank's environment.
 
-    Signal forwarding is installed only when called from the main thread."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"the number of ranks must be an integer >= 1, got {world_size!r}")
+    Signals are handled only when called from the main thread; ranks are started from the calling thread, which
+    must not exit before this returns (it does not: this returns once every rank has exited)."""
+    check_world_size(world_size, "the number of ranks")
     if not command:
         raise ValueError("no command to run (usage: allreduce run -n N -- python script.py ...)")
     if master_port is not None and not 0 < master_port < 65536:
         raise ValueError(f"--master-port must be in 1..65535, got {master_port}")
+    if not grace_s >= 0:
+        raise ValueError(f"--grace must be >= 0 seconds, got {grace_s}")
     err = stderr if stderr is not None else sys.stderr.buffer
     write_lock = threading.Lock()
 
@@ -165,6 +232,8 @@ def launch(
     if master_port is None:
         reservation = reserve_port()
         master_port = int(reservation.getsockname()[1])
+    failure_dir = tempfile.mkdtemp(prefix="allreduce-run-")
+    reaper = Reaper(scratch_dir=failure_dir)
     run = _Launch(
         command,
         world_size=world_size,
@@ -175,22 +244,29 @@ def launch(
         stderr=err,
         log=log,
         write_lock=write_lock,
+        failure_dir=failure_dir,
+        reaper=reaper,
         extra_env=env,
     )
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = {}
-    if in_main:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, run.on_signal)
     try:
-        run.start()
-        result = run.run()
+        with stop_signal_handlers(run.watch.interrupt):
+            run.start()
+            result = run.run()
     finally:
         run.watch.close()  # kills only ranks still running: after an exception in the launcher itself
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        _sweep_shared_memory()
+        reaper.close()
+        shutil.rmtree(failure_dir, ignore_errors=True)
         if reservation is not None:
             reservation.close()
-    if result.interrupted_by is not None:
+    if result.interrupted_by not in (None, signal.SIGPIPE):  # a closed output was said when it happened
+        assert result.interrupted_by is not None
         log(f"interrupted by {signal.Signals(result.interrupted_by).name}; forwarded to every rank")
     return result
+
+
+def _sweep_shared_memory() -> None:
+    """Unlink what ranks killed before their own cleanup left in /dev/shm (only files whose owner is gone)."""
+    from allreduce.runtime.shm import sweep_stale_segments
+
+    sweep_stale_segments()

@@ -7,9 +7,13 @@ taken by anyone else: the parent holds a *port reservation* for the whole job, a
 ``SO_REUSEADDR`` that never listens. The kernel hands that port to no other ``bind(0)`` or outgoing connection,
 while rank 0's store (allreduce's, or torch's, both of which set ``SO_REUSEADDR``) binds and listens on it.
 
-A :class:`RankWatch` waits on the ranks' exits (pidfds, no polling): on the first failure it names the rank and
-stops the others (SIGTERM, then SIGKILL after a grace period), and at the job's deadline it stops every rank still
-running. Each rank leads its own process group and is signalled as a group, so what a rank started goes with it.
+A rank never outlives its job: it asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), each
+rank leads its own process group and is signalled as a group, and a :class:`~allreduce.runtime._reaper.Reaper`
+kills those groups and sweeps their shared memory if the parent is killed without warning. A
+:class:`~allreduce.runtime._watch.RankWatch` waits on the ranks' exits: on the first failure it names the rank and
+stops the others (SIGTERM, then SIGKILL after a grace period), as it does at the job's deadline and when the
+parent receives SIGINT, SIGTERM or SIGHUP; the parent then delivers that signal to itself as if it had arrived
+once the ranks were gone.
 """
 
 from __future__ import annotations
@@ -21,25 +25,36 @@ import multiprocessing as mp
 import os
 import pickle
 import secrets
-import selectors
 import signal
 import socket
+import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Protocol, TypeVar
+from types import FrameType
+from typing import Any, TypeVar
+
+from allreduce.runtime._rank_report import install_failure_report, reacted_to
+from allreduce.runtime._reaper import Reaper
+from allreduce.runtime._watch import RankWatch, describe_status, ranks_phrase
 
 __all__ = [
     "DEFAULT_GRACE_S",
     "MASTER_ADDR",
+    "MAX_LOCAL_RANKS",
+    "STOP_SIGNALS",
+    "JobInterruptedError",
     "RankFailedError",
     "RankWatch",
+    "check_world_size",
     "describe_status",
+    "die_with_parent",
     "new_token",
     "rank_environment",
     "reserve_port",
     "spawn",
+    "stop_signal_handlers",
 ]
 
 R = TypeVar("R")
@@ -48,13 +63,22 @@ MASTER_ADDR = "127.0.0.1"
 """Local ranks meet on loopback."""
 
 DEFAULT_GRACE_S = 5.0
-"""After a failure, how long the other ranks get to exit on SIGTERM (time to close their groups and unlink shared
-memory) before SIGKILL."""
+"""After a failure or an interrupt, how long the ranks get to exit on SIGTERM (time to close their groups and
+unlink shared memory) before SIGKILL."""
+
+MAX_LOCAL_RANKS = 256
+"""The most ranks one launcher starts on one host. The launcher holds three descriptors per rank (its two output
+pipes and a pidfd), so 256 ranks stay within the usual limit of 1,024 open files; past the cores, more ranks only
+time-share them."""
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a job: Ctrl-C, a polite kill, and a closed terminal or lost ssh session."""
 
 TOKEN_BYTES = 16
 """Random bytes in a job's token: 128 bits, not guessable by a stranger on the host."""
 
 _PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a process receives when the thread that started it exits
+_ORPHANED_AT_START_STATUS = 1  # a rank whose parent died before it asked to die with it exits at once
 
 
 class RankFailedError(RuntimeError):
@@ -64,6 +88,14 @@ class RankFailedError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.detail = detail
+
+
+class JobInterruptedError(RuntimeError):
+    """The parent received ``signum`` (SIGINT, SIGTERM, SIGHUP) while its ranks ran; they were stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; every rank was stopped")
+        self.signum = signum
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -102,201 +134,70 @@ def rank_environment(
     }
 
 
-def describe_status(returncode: int) -> str:
-    """``exited with status 3`` or ``was killed by SIGKILL``."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with status {returncode}"
+def check_world_size(world_size: object, what: str = "world_size") -> int:
+    """``world_size`` as a number of local ranks, or ValueError naming ``what`` and :data:`MAX_LOCAL_RANKS`."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {world_size!r}")
+    if world_size > MAX_LOCAL_RANKS:
+        raise ValueError(
+            f"{what}: at most {MAX_LOCAL_RANKS} local ranks (the launcher holds three open files per rank), "
+            f"got {world_size}"
+        )
+    return world_size
 
 
-def _ranks_text(ranks: Iterable[int]) -> str:
-    return ", ".join(map(str, sorted(ranks)))
-
-
-class RankProcess(Protocol):
-    """What the watch needs of a started rank (``subprocess.Popen`` is one)."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-
-class RankWatch:
-    """Waits for N rank processes to exit; stops them all on the first failure, an interrupt, or the deadline.
-
-    ``failed(rank, returncode)`` judges an exit (default: a non-zero status). ``readers`` maps file descriptors to
-    callbacks run when they are readable (a callback returns False at end of file). :meth:`interrupt` may be
-    called from a signal handler: the first forwards the signal to every rank, a second one kills them.
-    """
-
-    def __init__(
-        self,
-        procs: Sequence[RankProcess],
-        *,
-        grace_s: float,
-        timeout_s: float | None = None,
-        log: Callable[[str], None],
-        failed: Callable[[int, int], bool] = lambda rank, code: code != 0,
-    ) -> None:
-        self.procs = list(procs)
-        self.grace_s = grace_s
-        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.timeout_s = timeout_s
-        self.log = log
-        self.failed = failed
-        self.failed_rank: int | None = None
-        self.failed_at: float | None = None  # time.monotonic() when the failure was seen
-        self.stopped_at: float | None = None  # when the watch began stopping ranks (failure, deadline, interrupt)
-        self.timed_out: tuple[int, ...] = ()
-        self.interrupted_by: int | None = None
-        self.interrupts = 0
-        self._stop_deadline: float | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-
-    def signal_all(self, sig: int) -> None:
-        """Send ``sig`` to every rank still running (its whole process group)."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                _signal_rank(proc.pid, sig)
-
-    def interrupt(self, signum: int) -> None:
-        """The launcher received ``signum``: forward it once; a second interrupt means "now"."""
-        self.interrupts += 1
-        if self.interrupted_by is None:
-            self.interrupted_by = signum
-            self.stopped_at = time.monotonic()
-        self.signal_all(signum if self.interrupts == 1 else signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
-
-    def watch(self, readers: Mapping[int, Callable[[], bool]] | None = None) -> None:
-        """Return once every rank has exited."""
-        remaining = set(range(len(self.procs)))
-        with selectors.DefaultSelector() as selector:
-            pidfds = {}
-            for rank, proc in enumerate(self.procs):
-                try:
-                    pidfd = os.pidfd_open(proc.pid)
-                except ProcessLookupError:  # already exited and reaped
-                    remaining.discard(rank)
-                    self._exited(rank, remaining)
-                    continue
-                pidfds[rank] = pidfd
-                selector.register(pidfd, selectors.EVENT_READ, ("exit", rank))
-            for fd, callback in (readers or {}).items():
-                selector.register(fd, selectors.EVENT_READ, ("read", callback))
-            selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
-            try:
-                while remaining:
-                    for key, _ in selector.select(self._next_timeout()):
-                        what, value = key.data
-                        if what == "read" and not value():
-                            selector.unregister(key.fd)
-                        elif what == "wake":
-                            os.read(self._wake_r, 64)
-                            if self._stop_deadline is None:
-                                self._stop_deadline = time.monotonic() + self.grace_s
-                        elif what == "exit" and self.procs[value].poll() is not None:
-                            selector.unregister(key.fd)
-                            remaining.discard(value)
-                            self._exited(value, remaining)
-                    self._check_deadlines(remaining)
-            finally:
-                for pidfd in pidfds.values():
-                    os.close(pidfd)
-
-    def close(self) -> None:
-        """Kill whatever still runs (after an error in the caller), and what exited ranks left running in their
-        process groups; free the watch's own descriptors."""
-        self.signal_all(signal.SIGKILL)
-        for proc in self.procs:
-            # A process group outlives its leader while members remain, and its id is not reused meanwhile.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        # SIGKILL is delivered asynchronously: return only once nothing of those groups runs any more.
-        deadline = time.monotonic() + KILL_WAIT_S
-        groups = {proc.pid for proc in self.procs}
-        while _running_in_groups(groups) and time.monotonic() < deadline:
-            time.sleep(KILL_POLL_S)
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    # ------------------------------------------------------------------------------------------------
-    def _next_timeout(self) -> float | None:
-        deadlines = [d for d in (self._stop_deadline, self.deadline) if d is not None]
-        return max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
-
-    def _exited(self, rank: int, remaining: set[int]) -> None:
-        code = self.procs[rank].poll()
-        assert code is not None
-        if self.failed_rank is not None or self.interrupted_by is not None or self.timed_out:
-            return
-        if not self.failed(rank, code):
-            return
-        self.failed_rank = rank
-        self.failed_at = self.stopped_at = time.monotonic()
-        if remaining:
-            self.log(f"rank {rank} {describe_status(code)}; stopping ranks {_ranks_text(remaining)}")
-        else:
-            self.log(f"rank {rank} {describe_status(code)}")
-        self.signal_all(signal.SIGTERM)
-        self._stop_deadline = time.monotonic() + self.grace_s
-
-    def _check_deadlines(self, remaining: set[int]) -> None:
-        now = time.monotonic()
-        if not remaining:
-            return
-        if self._stop_deadline is not None and now >= self._stop_deadline:
-            self.log(f"ranks {_ranks_text(remaining)} did not stop in {self.grace_s:g} s; killing")
-            self.signal_all(signal.SIGKILL)
-            self._stop_deadline = None
-            self.deadline = None
-        elif self.deadline is not None and now >= self.deadline and self._stop_deadline is None:
-            self.timed_out = tuple(sorted(remaining))
-            self.stopped_at = now
-            self.log(f"ranks {_ranks_text(remaining)} still running after {self.timeout_s:g} s; stopping them")
-            self.signal_all(signal.SIGTERM)
-            self._stop_deadline = now + self.grace_s
-            self.deadline = None
-
-
-KILL_WAIT_S = 5.0
-"""Longest :meth:`RankWatch.close` waits for killed process groups to be gone (the kernel takes microseconds)."""
-KILL_POLL_S = 0.005
-
-
-def _running_in_groups(groups: set[int]) -> bool:
-    """Whether any process (not a zombie) belongs to one of the process groups ``groups``."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] not in ("Z", "X") and int(fields[2]) in groups:
-            return True
-    return False
-
-
-def _signal_rank(pid: int, sig: int) -> None:
-    # A rank leads its own process group once it has started; before that, signal the process itself.
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    # Resolved once in the parent: between fork and exec a child must not load libraries.
     try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-    except PermissionError:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
+        function: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return function
+
+
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A function that, run in a new child of ``parent_pid`` (at its start, or between fork and exec), makes the
+    kernel SIGKILL the child when the parent dies, and ends the child at once if the parent is already gone.
+
+    ``PR_SET_PDEATHSIG`` fires when the parent *thread* that forked the child exits: the caller must start ranks
+    from a thread that outlives them (the launcher's and spawn()'s calling thread waits for them)."""
+    prctl = _prctl()
+
+    def in_child() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent went before prctl took effect
+            os._exit(_ORPHANED_AT_START_STATUS)
+
+    return in_child
+
+
+@contextlib.contextmanager
+def stop_signal_handlers(on_signal: Callable[[int], None]) -> Iterator[None]:
+    """Route :data:`STOP_SIGNALS` to ``on_signal(signum)`` inside the block, from the main thread only (elsewhere
+    nothing changes); a signal the process ignores (``nohup`` ignores SIGHUP) stays ignored."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            on_signal(signum)
+
+        for stop in STOP_SIGNALS:
+            if signal.getsignal(stop) is not signal.SIG_IGN:
+                previous[stop] = signal.signal(stop, handler)
+    try:
+        yield
+    finally:
+        for stop_signal, old in previous.items():
+            signal.signal(stop_signal, old)
+
+
+def _deliver_to_self(signum: int) -> None:
+    """Deliver ``signum`` to this process as if it arrived now, to whatever handled it before the job: the default
+    action (a SIGTERM ends the process with that status), a KeyboardInterrupt, or the caller's own handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.raise_signal(signum)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -318,17 +219,10 @@ class _SpawnedRank:
         return code
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to kill this process when its parent goes (a rank must never outlive its job)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent went before prctl took effect
-        os._exit(1)
-
-
 def _on_sigterm(signum: int, frame: object) -> None:
-    # Unwind (closing the group, unlinking shared memory) instead of vanishing mid-collective.
+    # Unwind (closing the group, unlinking shared memory) instead of vanishing mid-collective; a second SIGTERM
+    # must not interrupt that unwinding (SIGKILL follows after the grace period if it takes too long).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
@@ -342,7 +236,7 @@ def _rank_main(
     report: Connection,
     parent_pid: int,
 ) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)()
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -361,7 +255,8 @@ def _rank_main(
     except BaseException as exc:
         failed_at = time.monotonic()
         text = f"{type(exc).__name__}: {exc}"
-        report.send_bytes(pickle.dumps(("error", (failed_at, text, traceback.format_exc()))))
+        reply = (failed_at, text, traceback.format_exc(), reacted_to(exc, rank))
+        report.send_bytes(pickle.dumps(("error", reply)))
         report.close()
         raise SystemExit(1) from None
     report.send_bytes(payload)
@@ -387,11 +282,15 @@ def spawn(
     and its result picklable; results come back over pipes from the processes this call started, never over a
     network.
 
-    Raises :class:`RankFailedError` naming the first rank that raised or died (the others are stopped) or the ranks
-    still running after ``timeout_s`` (they are stopped); every rank has exited when this returns.
+    Raises :class:`RankFailedError` naming the first rank whose failure was its own (not a
+    :class:`~allreduce.runtime.PeerFailureError` in reaction to another rank's) or the ranks still running after
+    ``timeout_s``; the others are stopped. Called from the main thread, SIGINT, SIGTERM and SIGHUP stop the ranks
+    (SIGTERM, SIGKILL after ``grace_s``) and are then delivered to this process as if they arrived at that moment
+    (SIGINT raises KeyboardInterrupt; a SIGTERM with no handler ends the process); a handler that returns makes
+    this raise :class:`JobInterruptedError`. Every rank has exited and its shared memory is unlinked when this
+    returns or raises.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_world_size(world_size)
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     if not group and init_options is not None:
@@ -413,59 +312,71 @@ def spawn(
     ranks: list[_SpawnedRank] = []
     replies: dict[int, tuple[str, Any]] = {}
     messages: list[str] = []
-    watch: RankWatch | None = None
+
+    def read(rank: int) -> bool:
+        try:
+            data = reports[rank].recv_bytes()
+        except (EOFError, OSError):
+            return False
+        replies[rank] = pickle.loads(data)  # bytes from a process this call started, not from the network
+        return True
+
+    def failed(rank: int, code: int) -> bool:
+        while rank not in replies and read(rank):
+            pass
+        return code != 0 or rank not in replies
+
+    def reaction(rank: int) -> int | None:
+        kind, value = replies.get(rank, ("", None))
+        return value[3] if kind == "error" else None
+
+    watch = RankWatch(
+        ranks, grace_s=grace_s, timeout_s=timeout_s, log=messages.append, failed=failed, reaction=reaction
+    )
+    reaper = Reaper()
     try:
-        for rank in range(world_size):
-            receive, send = ctx.Pipe(duplex=False)
-            rank_env = {**shared_env, **rank_environment(rank, world_size, master_port=port, token=token)}
-            process = ctx.Process(
-                target=_rank_main,
-                kwargs={
-                    "rank": rank,
-                    "env": rank_env,
-                    "fn": fn,
-                    "args": args,
-                    "init_options": options,
-                    "report": send,
-                    "parent_pid": os.getpid(),
-                },
-                name=f"allreduce-rank-{rank}",
-            )
-            process.start()
-            send.close()
-            reports.append(receive)
-            ranks.append(_SpawnedRank(process))
-
-        def read(rank: int) -> bool:
-            try:
-                data = reports[rank].recv_bytes()
-            except (EOFError, OSError):
-                return False
-            replies[rank] = pickle.loads(data)  # bytes from a process this call started, not from the network
-            return True
-
-        def failed(rank: int, code: int) -> bool:
-            while rank not in replies and read(rank):
-                pass
-            return code != 0 or rank not in replies
-
-        watch = RankWatch(ranks, grace_s=grace_s, timeout_s=timeout_s, log=messages.append, failed=failed)
-        watch.watch({reports[r].fileno(): functools.partial(read, r) for r in range(world_size)})
-        for rank in range(world_size):
-            while rank not in replies and read(rank):
-                pass
+        with stop_signal_handlers(lambda signum: watch.interrupt(signum, forward=signal.SIGTERM)):
+            for rank in range(world_size):
+                if watch.interrupted_by is not None:
+                    break
+                receive, send = ctx.Pipe(duplex=False)
+                rank_env = {**shared_env, **rank_environment(rank, world_size, master_port=port, token=token)}
+                process = ctx.Process(
+                    target=_rank_main,
+                    kwargs={
+                        "rank": rank,
+                        "env": rank_env,
+                        "fn": fn,
+                        "args": args,
+                        "init_options": options,
+                        "report": send,
+                        "parent_pid": os.getpid(),
+                    },
+                    name=f"allreduce-rank-{rank}",
+                )
+                process.start()
+                send.close()
+                assert process.pid is not None  # started
+                reaper.add(process.pid)
+                reports.append(receive)
+                ranks.append(_SpawnedRank(process))
+                watch.procs.append(ranks[-1])
+            watch.watch({reports[r].fileno(): functools.partial(read, r) for r in range(len(ranks))})
+            for rank in range(len(ranks)):
+                while rank not in replies and read(rank):
+                    pass
     finally:
-        if watch is not None:
-            watch.close()
-        else:
-            for proc in ranks:
-                _signal_rank(proc.pid, signal.SIGKILL)
+        watch.close()
         for proc in ranks:
             proc.process.join()
         for conn in reports:
             conn.close()
         reservation.close()
         _sweep_shared_memory()
+        reaper.close()
+    if watch.interrupted_by is not None:
+        _deliver_to_self(watch.interrupted_by)
+        raise JobInterruptedError(watch.interrupted_by)
     error = _first_failure(watch, ranks, replies, timeout_s)
     if error is not None:
         raise error
@@ -475,14 +386,15 @@ def spawn(
 def _first_failure(
     watch: RankWatch, ranks: Sequence[_SpawnedRank], replies: Mapping[int, tuple[str, Any]], timeout_s: float
 ) -> RankFailedError | None:
-    """The earliest failure: a rank's own report of an exception, else the first exit judged a failure. Errors
-    raised after the watch began stopping ranks are its consequence, not a cause."""
+    """The first cause: the earliest exception a rank reported as its own (not a reaction to a peer's failure),
+    else the first exit judged a failure, else the peer the reactions named. Errors raised after the watch began
+    stopping ranks are its consequence, not a cause."""
     stopped_at = watch.stopped_at if watch.stopped_at is not None else float("inf")
     candidates: list[tuple[float, RankFailedError]] = []
     for rank, (kind, value) in replies.items():
         if kind == "error":
-            failed_at, text, detail = value
-            if failed_at >= stopped_at and rank != watch.failed_rank:
+            failed_at, text, detail, peer = value
+            if peer is not None or (failed_at >= stopped_at and rank != watch.failed_rank):
                 continue
             candidates.append((failed_at, RankFailedError(f"rank {rank} failed: {text}", rank=rank, detail=detail)))
     if watch.failed_rank is not None and watch.failed_rank not in {e.rank for _, e in candidates}:
@@ -491,12 +403,22 @@ def _first_failure(
         how = "exited without returning a result" if code == 0 else describe_status(code or 0)
         assert watch.failed_at is not None
         candidates.append((watch.failed_at, RankFailedError(f"rank {rank} {how}", rank=rank)))
+    reacted = sorted(watch.reactions)
+    also = f" ({ranks_phrase(reacted)} failed in reaction)" if reacted else ""
     if candidates:
-        return min(candidates, key=lambda c: c[0])[1]
+        first = min(candidates, key=lambda c: c[0])[1]
+        return RankFailedError(f"{first}{also}", rank=first.rank, detail=first.detail)
+    blamed = watch.blamed_rank()
+    if blamed is not None:
+        first_reaction = replies[reacted[0]][1]
+        return RankFailedError(
+            f"rank {blamed} failed or left the group: {ranks_phrase(reacted)} raised PeerFailureError naming it",
+            rank=blamed,
+            detail=first_reaction[2],
+        )
     if watch.timed_out:
         return RankFailedError(
-            f"ranks {_ranks_text(watch.timed_out)} still running after {timeout_s:g} s; stopped",
-            rank=watch.timed_out[0],
+            f"{ranks_phrase(watch.timed_out)} still running after {timeout_s:g} s; stopped", rank=watch.timed_out[0]
         )
     return None
 
@@ -506,3 +428,8 @@ def _sweep_shared_memory() -> None:
     from allreduce.runtime.shm import sweep_stale_segments
 
     sweep_stale_segments()
+
+
+# Every `import allreduce` reaches this module: in a rank of `allreduce run` (and only there, see
+# _rank_report), an uncaught exception is reported to the launcher, which needs it to tell causes from reactions.
+install_failure_report()

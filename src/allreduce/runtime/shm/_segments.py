@@ -78,12 +78,25 @@ def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
         return removed
     for name in names:
         m = _DATA_NAME.match(name)
-        if m is None or int(m[1]) != PID_NAMESPACE or alive(int(m[2])):
+        if m is None or int(m[1]) != PID_NAMESPACE or _owner_running(int(m[2])):
             continue
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(directory, name))
             removed.append(name)
     return removed
+
+
+def _owner_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie. A killed rank whose parent died too stays a zombie
+    until init reaps it; it has unmapped everything and will never unlink its files, so it counts as gone."""
+    if not alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # cannot tell: leave its files alone
+    return state not in ("Z", "X")
 
 
 def unlink_rank_files(prefix: str, ranks: list[int]) -> None:
