@@ -12,8 +12,8 @@ Who may do what (the threat model is in docs/security.md): a client is a rank of
 rank), or anonymous. Without a token, an anonymous client is admitted only from the hosting process itself (the
 listener has verified its pid); with a token, knowing it is the proof. Keys under ``__`` are the server's
 (``__dead__/<rank>``, :data:`GROUP_SECRET_KEY`): clients read them, never write them. A key ``<prefix>/<r>``,
-``r`` a rank of the group, is rank ``r``'s: only ``r`` and the trusted clients (the hosting process, or anyone
-with the token) write it. Sizes are bounded: a value (:data:`MAX_VALUE_BYTES`), everything stored
+``r`` a rank of the group, is rank ``r``'s: only ``r`` and the anonymous clients (which act for the job) write
+it. Sizes are bounded: a value (:data:`MAX_VALUE_BYTES`), everything stored
 (:data:`MAX_STORED_BYTES`), anonymous connections (:data:`MAX_ANONYMOUS_CLIENTS`), and what one connection may
 have in flight (one request: clients never pipeline, so the server reads no further until it has answered).
 """
@@ -126,7 +126,6 @@ class _Conn:
     sock: socket.socket
     address: str
     rank: int | None = None
-    trusted: bool = False  # the hosting process, or a client with the token: may write any client key
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     closing: bool = False  # the client said CLOSE: its disconnect is not a death
@@ -246,9 +245,8 @@ class StoreServer:
     def _accepted(self, sock: socket.socket, hello: ClientHello, address: str) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        trusted = self._token is not None or hello.pid == os.getpid()
         with self._lock:
-            self._to_register.append(_Conn(sock, address, hello.rank if hello.rank >= 0 else None, trusted=trusted))
+            self._to_register.append(_Conn(sock, address, hello.rank if hello.rank >= 0 else None))
             if hello.rank >= 0:
                 self._refusals.pop(hello.rank, None)
         self._wake()
@@ -269,7 +267,7 @@ class StoreServer:
                 # Reported when a wait for this rank times out: it tried, and was turned away (the rank it claims
                 # is unauthenticated, so this only explains, it never fails anyone).
                 assert isinstance(error, HandshakeRefusedError)
-                self._refusals[claimed.rank] = f"{error.kind.value}, from {address}: {error}"[:_MAX_REFUSAL_CHARS]
+                self._refusals[claimed.rank] = f"{error.reason[:_MAX_REFUSAL_CHARS]}; from {address}"
 
     def _check_hello(self, hello: ClientHello) -> str | None:
         """A reason to refuse this client, or None (then its rank, or an anonymous seat, is reserved for it)."""
@@ -367,7 +365,8 @@ class StoreServer:
         if key.startswith(RESERVED_PREFIX):
             return f"key {key!r} is the store's own (keys under {RESERVED_PREFIX!r} are read-only)"
         owner = _owner_of(key)
-        if conn.trusted or owner is None or owner >= self._world_size or owner == conn.rank:
+        # Anonymous clients are admitted only from the hosting process or with the token: they act for the job.
+        if conn.rank is None or owner is None or owner >= self._world_size or owner == conn.rank:
             return None
         return f"key {key!r} belongs to rank {owner}; {conn.who} may not write it"
 

@@ -90,14 +90,14 @@ class HandshakeRetryError(ProtocolError):
 
 
 class HandshakeRefusedError(ProtocolError):
-    """The acceptor refused a client: ``kind`` says why, ``hello`` is what the client claimed (None if it never
-    said), ``pid`` the client's pid when it was verified."""
+    """The acceptor refused a client: ``kind`` says why, ``reason`` is what the client was told (or the message),
+    ``hello`` is what the client claimed (None if it never said)."""
 
-    def __init__(self, message: str, *, kind: Refusal, hello: ClientHello | None, pid: int | None = None) -> None:
+    def __init__(self, message: str, *, kind: Refusal, hello: ClientHello | None, reason: str | None = None) -> None:
         super().__init__(message, peer=hello.rank if hello is not None and hello.rank >= 0 else None)
         self.kind = kind
         self.hello = hello
-        self.pid = pid
+        self.reason = message if reason is None else reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +212,7 @@ class AcceptHandshake:
         message = reason.encode()[:_MAX_REPLY_MESSAGE_BYTES]
         status = _STATUS_RETRY if kind is Refusal.RETRY else _STATUS_REFUSED
         who = f"rank {rank}" if rank >= 0 else "an anonymous client"
-        error = HandshakeRefusedError(f"refused {who} (pid {pid_c}): {reason}", kind=kind, hello=claimed)
+        error = HandshakeRefusedError(f"refused {who} (pid {pid_c}): {reason}", kind=kind, hello=claimed, reason=reason)
         return _REPLY.pack(_HS_MAGIC, status, len(message), bytes(32)) + message, error
 
 

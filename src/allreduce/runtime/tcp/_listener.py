@@ -59,8 +59,9 @@ Accepted = Callable[[socket.socket, ClientHello, str], None]
 ``sock`` from now on."""
 
 Refused = Callable[[str, BaseException, "ClientHello | None"], None]
-"""``refused(address, error, admitted)``: a connection failed its handshake (already closed); ``admitted`` is its
-hello when ``check`` had let it in before the handshake broke (so the owner can release what it reserved). A
+"""``refused(address, error, admitted)``: a connection failed its handshake (it is closed, or is being closed
+once the refusal has been sent: the owner hears of a refusal before the client does); ``admitted`` is its hello
+when ``check`` had let it in before the handshake broke (so the owner can release what it reserved). A
 :class:`~._handshake.HandshakeRefusedError` says why (``kind``) and who the client claimed to be (``hello``)."""
 
 
@@ -75,6 +76,7 @@ class _Pending:
     outbuf: bytearray
     inbuf: bytearray = field(default_factory=bytearray)
     outcome: ClientHello | HandshakeRefusedError | None = None  # decided; sent once outbuf drains
+    reported: bool = False  # the owner has heard of the refusal
 
 
 class Listener:
@@ -229,6 +231,9 @@ class Listener:
                     pending.inbuf += chunk
                 reply, outcome = pending.handshake.answer(bytes(pending.inbuf))
                 pending.outcome = outcome
+                if not isinstance(outcome, ClientHello):
+                    pending.reported = True
+                    self._refused(pending.address, outcome, None)
                 pending.outbuf += reply
                 while pending.outbuf:
                     sent = pending.sock.send(pending.outbuf)
@@ -257,7 +262,8 @@ class Listener:
             # The owner has stopped: nobody would ever close this connection.
             outcome = ProtocolError("the endpoint closed during the handshake")
         pending.sock.close()
-        self._refused(pending.address, outcome, admitted)
+        if not pending.reported:
+            self._refused(pending.address, outcome, admitted)
 
 
 def _refusal(pending: _Pending, message: str) -> HandshakeRefusedError:
