@@ -106,6 +106,7 @@ class Listener:
         self._handover = threading.Lock()
         self._pending: dict[socket.socket, _Pending] = {}  # only the accepting thread touches it
         self._listening = True  # whether the selector watches self.sock (not while the handshakes are full)
+        self._paused_until = 0.0  # after a failed accept (out of descriptors): time.monotonic() to listen again
         sock.setblocking(False)  # a connection that vanishes between poll and accept must not block the loop
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
@@ -165,22 +166,26 @@ class Listener:
                 sock.close()
 
     def _next_timeout(self) -> float | None:
-        if not self._pending:
-            return None
-        oldest = min(p.started for p in self._pending.values())
-        wake_at = oldest + (ACCEPT_HANDSHAKE_TIMEOUT_S if self._listening else EVICT_AFTER_S)
-        return max(0.0, wake_at - time.monotonic())
+        wake_at = [] if self._listening else [self._paused_until]
+        if self._pending:
+            wake_at.append(min(p.started for p in self._pending.values()) + ACCEPT_HANDSHAKE_TIMEOUT_S)
+        return max(0.0, min(wake_at) - time.monotonic()) if wake_at else None
 
     def _accept_some(self) -> None:
         for _ in range(_ACCEPTS_PER_WAKE):
-            if len(self._pending) >= MAX_PENDING_HANDSHAKES and not self._evict_oldest():
-                self._stop_listening()
-                return
+            if len(self._pending) >= MAX_PENDING_HANDSHAKES:
+                oldest = min(self._pending.values(), key=lambda p: p.started)
+                if time.monotonic() - oldest.started < EVICT_AFTER_S:
+                    self._pause(until=oldest.started + EVICT_AFTER_S)
+                    return
+                message = f"closed after {EVICT_AFTER_S:g} s: too many connections in handshake"
+                self._finish(oldest, _refusal(oldest, message))
             try:
                 sock, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # e.g. out of file descriptors: leave the rest queued in the kernel for now
+                break
+            except OSError:  # e.g. out of file descriptors: leave the rest in the kernel's queue for a while
+                self._pause(until=time.monotonic() + EVICT_AFTER_S)
                 return
             sock.setblocking(False)
             handshake = AcceptHandshake(self._service, self._token, self._check, functools.partial(loopback_peer, sock))
@@ -188,15 +193,21 @@ class Listener:
             self._pending[sock] = pending
             self._selector.register(sock, selectors.EVENT_READ, pending)
             self._progress(pending)
+        if len(self._pending) < MAX_PENDING_HANDSHAKES:
+            self._start_listening()
 
-    def _evict_oldest(self) -> bool:
-        oldest = min(self._pending.values(), key=lambda p: p.started)
-        if time.monotonic() - oldest.started < EVICT_AFTER_S:
-            return False
-        self._finish(oldest, _refusal(oldest, f"closed after {EVICT_AFTER_S:g} s: too many connections in handshake"))
-        return True
+    def _resume(self) -> None:
+        """Listen again after a pause, or make room in the handshakes if it can be made now."""
+        if self._listening or time.monotonic() < self._paused_until:
+            return
+        if len(self._pending) < MAX_PENDING_HANDSHAKES:
+            self._start_listening()
+        else:
+            self._accept_some()  # room only if the oldest can be closed now
 
-    def _stop_listening(self) -> None:
+    def _pause(self, *, until: float) -> None:
+        """Stop taking connections from the kernel's queue until ``until`` (``time.monotonic()``)."""
+        self._paused_until = until
         if self._listening:
             self._selector.unregister(self.sock)
             self._listening = False
@@ -211,10 +222,7 @@ class Listener:
         for pending in [p for p in self._pending.values() if now - p.started >= ACCEPT_HANDSHAKE_TIMEOUT_S]:
             message = f"did not finish the handshake within {ACCEPT_HANDSHAKE_TIMEOUT_S:g} s"
             self._finish(pending, _refusal(pending, message))
-        if not self._listening and len(self._pending) < MAX_PENDING_HANDSHAKES:
-            self._start_listening()
-        elif not self._listening:
-            self._accept_some()  # room only if the oldest can be evicted now
+        self._resume()
 
     def _progress(self, pending: _Pending) -> None:
         """Send what is owed, read what is due, and decide once the client's hello is complete."""
