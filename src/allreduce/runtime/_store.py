@@ -93,8 +93,9 @@ class TCPStore:
     binds port 0 itself and hands the socket over, so no other process can take the port in between); the store
     owns it from then on and closes it with the server. Its own address then decides whether a token is needed.
     ``rank`` registers this client so its death is reported as ``__dead__/<rank>`` (pass -1 for an anonymous
-    client: admitted only from the hosting process, or with the token). ``timeout_s`` bounds connecting and every call without its own timeout. Calls are serialised on
-    one connection: a thread blocked in ``get`` holds it; use a second ``TCPStore`` for concurrent waits.
+    client: admitted only from the hosting process, or with the token). ``timeout_s`` bounds connecting and every
+    call without its own timeout. Calls are serialised on one connection: a thread blocked in ``get`` holds it; use
+    a second ``TCPStore`` for concurrent waits.
     """
 
     def __init__(

@@ -77,8 +77,9 @@ user's blob while a client cannot make the hosting rank hold much."""
 MAX_STORED_BYTES = 64 * 1024 * 1024
 """The most the store holds in keys and values together, in bytes: rendezvous of a group of 4,096 ranks stores
 kilobytes per rank, so this only stops a client filling rank 0's memory."""
-MAX_ANONYMOUS_CLIENTS = 64
-"""Anonymous connections (no rank) served at once: the hosting process's own helpers, or clients with the token."""
+MAX_ANONYMOUS_CLIENTS = 1024
+"""Anonymous connections (no rank) open at once. They come only from the hosting process or from holders of the
+token, so this bounds the descriptors a buggy one can hold, well above the few helpers a job opens."""
 _MAX_REQUEST_KEY_BYTES = MAX_KEY_BYTES * 64  # a WAIT or CHECK joins many keys in one request
 _MAX_REQUEST_BYTES = REQUEST.size + _MAX_REQUEST_KEY_BYTES + MAX_VALUE_BYTES
 KEY_SEPARATOR = "\x00"  # joins several keys in one WAIT/CHECK request; keys may not contain it
@@ -419,10 +420,13 @@ class StoreServer:
         elif op == Op.DEAD:
             self._reply(conn, Status.OK, ",".join(map(str, sorted(self._dead))).encode())
         elif op == Op.CLOSE:
+            first_close = not conn.closing
             conn.closing = True
-            if conn.rank is not None:
-                with self._lock:
+            with self._lock:
+                if conn.rank is not None:
                     self._left.add(conn.rank)
+                elif first_close:  # its seat is free once it has said goodbye, before the loop reads its EOF
+                    self._anonymous -= 1
             self._reply(conn, Status.OK, b"")
         else:
             self._reply(conn, Status.ERROR, f"unknown request {op}".encode())
@@ -511,8 +515,9 @@ class StoreServer:
             self._selector.unregister(conn.sock)
         conn.sock.close()
         if conn.rank is None:
-            with self._lock:
-                self._anonymous -= 1
+            if not conn.closing:
+                with self._lock:
+                    self._anonymous -= 1
             return
         with self._lock:
             if self._ranks_live.get(conn.rank) is conn:
