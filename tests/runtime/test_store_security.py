@@ -203,6 +203,7 @@ def _foreign_store_endpoint(port_out: Any) -> Callable[[], str]:
 
     def work() -> str:
         with socket.socket() as listener:
+            listener.settimeout(TIMEOUT_S)  # never outlive the test
             listener.bind(("127.0.0.1", 0))
             listener.listen()
             os.write(port_out, str(listener.getsockname()[1]).encode().ljust(8))
