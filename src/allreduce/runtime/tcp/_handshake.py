@@ -180,11 +180,9 @@ class AcceptHandshake:
         """The reply to send for the client's HELLO ``raw``, and the verified hello or why it was refused."""
         magic, version, flags, rank, target, world_size, pid_c, nonce_c, mac_c = _HELLO.unpack(raw)
         claimed = ClientHello(rank=rank, world_size=world_size, target=target)
-        if magic != _HS_MAGIC:
-            refused = HandshakeRefusedError(
-                f"not an allreduce client (bad handshake magic {magic!r})", kind=Refusal.PROTOCOL, hello=None
-            )
-            return b"", refused
+        if magic != _HS_MAGIC:  # not our protocol: no reply, the connection is closed
+            message = f"not an allreduce client (bad handshake magic {magic!r})"
+            return b"", HandshakeRefusedError(message, kind=Refusal.PROTOCOL, hello=None)
         fields = struct.pack("!iiII", rank, target, world_size, pid_c)
         token = self._token
         problem: tuple[Refusal, str] | None = None
@@ -194,7 +192,7 @@ class AcceptHandshake:
         elif token is not None and not flags & _AUTH:
             problem = (
                 Refusal.NO_TOKEN,
-                ("no token: a shared token is required (set ALLREDUCE_TOKEN) and the client presented none"),
+                "no token: a shared token is required (set ALLREDUCE_TOKEN) and the client presented none",
             )
         elif token is not None and not hmac.compare_digest(
             mac_c, _mac(token, b"connect", self._service8, self._nonce_a, nonce_c, fields)
