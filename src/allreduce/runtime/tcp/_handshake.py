@@ -181,8 +181,8 @@ class AcceptHandshake:
         magic, version, flags, rank, target, world_size, pid_c, nonce_c, mac_c = _HELLO.unpack(raw)
         claimed = ClientHello(rank=rank, world_size=world_size, target=target)
         if magic != _HS_MAGIC:  # not our protocol: no reply, the connection is closed
-            message = f"not an allreduce client (bad handshake magic {magic!r})"
-            return b"", HandshakeRefusedError(message, kind=Refusal.PROTOCOL, hello=None)
+            why = f"not an allreduce client (bad handshake magic {magic!r})"
+            return b"", HandshakeRefusedError(why, kind=Refusal.PROTOCOL, hello=None)
         fields = struct.pack("!iiII", rank, target, world_size, pid_c)
         token = self._token
         problem: tuple[Refusal, str] | None = None
