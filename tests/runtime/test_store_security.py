@@ -25,7 +25,7 @@ from allreduce.runtime._store_server import (
     RESPONSE,
     Op,
 )
-from allreduce.runtime.tcp import ClientHello, connect_handshake, read_exact
+from allreduce.runtime.tcp import ClientHello, TcpTransport, connect_handshake, read_exact
 from allreduce.runtime.tcp._handshake import HANDSHAKE_VERSION, AcceptHandshake
 from allreduce.runtime.tcp._listener import MAX_PENDING_HANDSHAKES
 
@@ -136,15 +136,15 @@ HELLO = struct.Struct("!4sBBiiII32s32s")  # magic, version, flags, rank, target,
 REPLY_BYTES = 39  # magic, status, message length, mac: "!4sBH32s"; then the message
 
 
-def _hello_as_rank_1(port: int) -> Callable[[], str]:
-    """A client that ignores who the store is and says its hello as rank 1 (as any program can); the reply."""
+def _hello_as_rank_1(port: int, world_size: int = 3) -> Callable[[], str]:
+    """A client that ignores whom it reached and says its hello as rank 1 (as any program can); the reply."""
 
     def work() -> str:
         with socket.socket() as sock:
             sock.settimeout(TIMEOUT_S)
             sock.connect(("127.0.0.1", port))
             read_exact(sock, GREETING_BYTES)
-            hello = HELLO.pack(b"ARHS", HANDSHAKE_VERSION, 0, 1, 0, 3, os.getpid(), bytes(32), bytes(32))
+            hello = HELLO.pack(b"ARHS", HANDSHAKE_VERSION, 0, 1, 0, world_size, os.getpid(), bytes(32), bytes(32))
             sock.sendall(hello)
             reply = read_exact(sock, REPLY_BYTES)
             length = struct.unpack_from("!H", reply, 5)[0]
@@ -156,6 +156,17 @@ def _hello_as_rank_1(port: int) -> Callable[[], str]:
 @needs_root
 def test_a_rank_of_another_user_is_refused_as_foreign(store: TCPStore) -> None:
     outcome = _as_nobody(_hello_as_rank_1(store.port))
+    assert outcome.startswith("status 1: foreign uid: the client's socket belongs to uid 65534"), outcome
+
+
+@needs_root
+def test_a_rank_of_another_user_is_refused_by_a_ranks_tcp_listener() -> None:
+    with (
+        TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=-1, timeout_s=TIMEOUT_S) as standalone,
+        TcpTransport(0, 2, standalone, timeout_s=TIMEOUT_S),
+    ):
+        port = int(standalone.get("tcp/addr/0").decode().rpartition(":")[2])
+        outcome = _as_nobody(_hello_as_rank_1(port, world_size=2))
     assert outcome.startswith("status 1: foreign uid: the client's socket belongs to uid 65534"), outcome
 
 
