@@ -7,9 +7,11 @@ fails them at once, naming the rank, when a registered rank dies (``__dead__/<ra
 on a dead process. When the server dies, the kernel closes its sockets and every client call raises
 :class:`PeerFailureError` naming rank 0.
 
-Security: the server binds 127.0.0.1 unless given another host. Listening beyond loopback requires a shared
-token (``token=`` or ``ALLREDUCE_TOKEN``); the peers then prove they know it with an HMAC challenge-response in
-both directions (:mod:`allreduce.runtime.tcp._handshake`), so the token never crosses the network.
+Security (docs/security.md): the server binds 127.0.0.1 unless given another host. Listening beyond loopback
+requires a shared token (``token=`` or ``ALLREDUCE_TOKEN``); the peers then prove they know it with an HMAC
+challenge-response in both directions (:mod:`allreduce.runtime.tcp._handshake`), so the token never crosses the
+network. Without a token, each side checks that the other's socket belongs to this user and to the process it
+announces; the server admits anonymous clients only from its own process, and a client checks whom it reached.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError
 from allreduce.runtime._store_server import (
     DEAD_PREFIX,
+    GROUP_SECRET_KEY,
     KEY_SEPARATOR,
     MAX_VALUE_BYTES,
     NO_TIMEOUT,
@@ -90,8 +93,9 @@ class TCPStore:
     binds port 0 itself and hands the socket over, so no other process can take the port in between); the store
     owns it from then on and closes it with the server. Its own address then decides whether a token is needed.
     ``rank`` registers this client so its death is reported as ``__dead__/<rank>`` (pass -1 for an anonymous
-    client). ``timeout_s`` bounds connecting and every call without its own timeout. Calls are serialised on
-    one connection: a thread blocked in ``get`` holds it; use a second ``TCPStore`` for concurrent waits.
+    client: admitted only from the hosting process, or with the token). ``timeout_s`` bounds connecting and every
+    call without its own timeout. Calls are serialised on one connection: a thread blocked in ``get`` holds it; use
+    a second ``TCPStore`` for concurrent waits.
     """
 
     def __init__(
@@ -236,7 +240,9 @@ class TCPStore:
         return status, payload
 
     def _raise_timeout(self, payload: bytes, timeout_s: float | None) -> None:
-        missing_text, owners_text, never_text = [*payload.decode(errors="replace").split("\n"), "", ""][:3]
+        lines = payload.decode(errors="replace").split("\n")
+        missing_text, owners_text, never_text = [*lines, "", ""][:3]
+        refused = [line.partition(":") for line in lines[3:]]
         missing = [k for k in missing_text.split(KEY_SEPARATOR) if k]
         owners = sorted({int(o) for o in owners_text.split(",") if o.isdigit()})
         never = [int(r) for r in never_text.split(",") if r]
@@ -245,7 +251,9 @@ class TCPStore:
             message += f" (expected from rank{'s' if len(owners) > 1 else ''} {', '.join(map(str, owners))})"
         if never:
             message += f"; rank(s) {', '.join(map(str, never))} never connected to the store"
-        peer = owners[0] if owners else (never[0] if never else None)
+        for rank_text, _, why in refused:
+            message += f"; rank {rank_text} tried to connect and was refused ({why})"
+        peer = owners[0] if owners else (never[0] if never else int(refused[0][0]) if refused else None)
         raise CollectiveTimeoutError(message, rank=self.rank, peer=peer)
 
     # -- API
@@ -287,6 +295,11 @@ class TCPStore:
         """Remove ``key``; whether it existed."""
         check_key(key)
         return self._request(Op.DELETE, key)[0] == Status.OK
+
+    def group_secret(self) -> bytes:
+        """A random secret of this store's group, known only to the clients the store admitted: ranks without a
+        shared token use it to authenticate their connections to each other."""
+        return self.get(GROUP_SECRET_KEY)
 
     def dead_ranks(self) -> list[int]:
         """Ranks whose store connection dropped without ``close()``."""

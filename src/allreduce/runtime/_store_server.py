@@ -4,14 +4,26 @@ Every client (the host's own included) keeps one persistent connection, authenti
 (:class:`allreduce.runtime.tcp.Listener`), and sends length-prefixed requests; the server answers each in order.
 Nothing is unpickled. ``GET`` and ``WAIT`` carry their deadline: the server answers with the value once some
 client sets the key, or with "timed out" and what it knows about the missing keys (which rank a
-``<prefix>/<rank>`` key belongs to, which ranks never connected). A registered rank whose connection drops
-without ``CLOSE`` is dead: the server sets ``__dead__/<rank>`` and fails every pending and later wait naming it.
+``<prefix>/<rank>`` key belongs to, which ranks never connected and which were refused, and why). A registered
+rank whose connection drops without ``CLOSE`` is dead: the server sets ``__dead__/<rank>`` and fails every pending
+and later wait naming it.
+
+Who may do what (the threat model is in docs/security.md): a client is a rank of the group (one connection per
+rank), or anonymous. Without a token, an anonymous client is admitted only from the hosting process itself (the
+listener has verified its pid); with a token, knowing it is the proof. Keys under ``__`` are the server's
+(``__dead__/<rank>``, :data:`GROUP_SECRET_KEY`): clients read them, never write them. A key ``<prefix>/<r>``,
+``r`` a rank of the group, is rank ``r``'s: only ``r`` and the anonymous clients (which act for the job) write
+it. Sizes are bounded: a value (:data:`MAX_VALUE_BYTES`), everything stored
+(:data:`MAX_STORED_BYTES`), anonymous connections (:data:`MAX_ANONYMOUS_CLIENTS`), and what one connection may
+have in flight (one request: clients never pipeline, so the server reads no further until it has answered).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import secrets
 import selectors
 import socket
 import struct
@@ -20,14 +32,19 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from allreduce.runtime.tcp import ClientHello, HandshakeRetryError, Listener, RetryLater
+from allreduce.runtime.tcp import ClientHello, Listener, RetryLater
+from allreduce.runtime.tcp._handshake import HandshakeRefusedError, Refusal
 
 __all__ = [
     "DEAD_PREFIX",
+    "GROUP_SECRET_KEY",
     "KEY_SEPARATOR",
+    "MAX_ANONYMOUS_CLIENTS",
+    "MAX_STORED_BYTES",
     "MAX_VALUE_BYTES",
     "NO_TIMEOUT",
     "REQUEST",
+    "RESERVED_PREFIX",
     "RESPONSE",
     "SERVER_STOP_S",
     "SERVICE",
@@ -40,7 +57,12 @@ __all__ = [
 
 _log = logging.getLogger("allreduce.store")
 
+RESERVED_PREFIX = "__"
+"""Keys the server itself writes; clients may only read them."""
 DEAD_PREFIX = "__dead__/"
+GROUP_SECRET_KEY = "__group_secret__"
+"""A random secret the server makes at start, readable by every admitted client: a proof of membership in this
+group for connections between ranks that have no token (the TCP transport's handshake on loopback)."""
 SERVICE = b"store"
 
 REQUEST = struct.Struct("!BIII")
@@ -49,10 +71,20 @@ RESPONSE = struct.Struct("!BI")
 """A response: status, payload length; then the payload."""
 NO_TIMEOUT = 0xFFFFFFFF
 MAX_KEY_BYTES = 64 * 1024
-MAX_VALUE_BYTES = 256 * 1024 * 1024
+MAX_VALUE_BYTES = 4 * 1024 * 1024
+"""The largest value, in bytes. Rendezvous values are addresses and ids (tens of bytes); 4 MiB leaves room for a
+user's blob while a client cannot make the hosting rank hold much."""
+MAX_STORED_BYTES = 64 * 1024 * 1024
+"""The most the store holds in keys and values together, in bytes: rendezvous of a group of 4,096 ranks stores
+kilobytes per rank, so this only stops a client filling rank 0's memory."""
+MAX_ANONYMOUS_CLIENTS = 1024
+"""Anonymous connections (no rank) open at once. They come only from the hosting process or from holders of the
+token, so this bounds the descriptors a buggy one can hold, well above the few helpers a job opens."""
 _MAX_REQUEST_KEY_BYTES = MAX_KEY_BYTES * 64  # a WAIT or CHECK joins many keys in one request
+_MAX_REQUEST_BYTES = REQUEST.size + _MAX_REQUEST_KEY_BYTES + MAX_VALUE_BYTES
 KEY_SEPARATOR = "\x00"  # joins several keys in one WAIT/CHECK request; keys may not contain it
 _RECV_BYTES = 1 << 16  # read per recv from a client
+_MAX_REFUSAL_CHARS = 300  # of why a rank was refused, as a timed-out waiter is told
 
 SERVER_STOP_S = 10.0
 """How long stopping the server waits for its loop thread (woken at once; this bounds a loop stuck in a client)."""
@@ -100,6 +132,11 @@ class _Conn:
     closing: bool = False  # the client said CLOSE: its disconnect is not a death
     waiting: _Waiter | None = None
 
+    @property
+    def who(self) -> str:
+        name = f"rank {self.rank}" if self.rank is not None else "an anonymous client"
+        return f"{name} ({self.address})"
+
 
 @dataclass(eq=False)
 class _Waiter:
@@ -119,7 +156,8 @@ class StoreServer:
         self._single_group = single_group
         self._world_size = world_size
         self._token = token
-        self._data: dict[str, bytes] = {}
+        self._data: dict[str, bytes] = {GROUP_SECRET_KEY: secrets.token_hex(32).encode()}
+        self._stored_bytes = sum(len(k.encode()) + len(v) for k, v in self._data.items())
         self._waiters: list[_Waiter] = []
         self._conns: set[_Conn] = set()
         self._ranks_seen: set[int] = set()
@@ -130,6 +168,8 @@ class StoreServer:
         self._ranks_live: dict[int, _Conn | None] = {}
         self._to_register: list[_Conn] = []
         self._left: set[int] = set()  # ranks that closed cleanly: their group is over for them
+        self._anonymous = 0  # anonymous connections admitted or being admitted
+        self._refusals: dict[int, str] = {}  # claimed rank -> why its last attempt to join was refused
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
@@ -183,6 +223,7 @@ class StoreServer:
                             self._readable(conn)
                         if mask & selectors.EVENT_WRITE and conn in self._conns:
                             self._flush(conn)
+                            self._parse(conn)  # requests held back until the last answer was sent
                 self._register_new()
                 self._expire_waiters()
         except Exception:  # never die silently: every client would then see rank 0 as dead
@@ -207,23 +248,45 @@ class StoreServer:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             self._to_register.append(_Conn(sock, address, hello.rank if hello.rank >= 0 else None))
+            if hello.rank >= 0:
+                self._refusals.pop(hello.rank, None)
         self._wake()
 
     def _refused(self, address: str, error: BaseException, admitted: ClientHello | None) -> None:
         # "not yet" to a rank already joining the next group is routine; anything else is worth a warning
-        log = _log.debug if isinstance(error, HandshakeRetryError) else _log.warning
-        log("store refused a client from %s: %s", address, error)
-        if admitted is not None and admitted.rank >= 0:
-            with self._lock:  # the client left after its rank was reserved: free the seat
+        retry = isinstance(error, HandshakeRefusedError) and error.kind is Refusal.RETRY
+        (_log.debug if retry else _log.warning)("store refused a client from %s: %s", address, error)
+        with self._lock:
+            if admitted is not None and admitted.rank >= 0:
+                # the client left after its rank was reserved: free the seat
                 if admitted.rank in self._ranks_live and self._ranks_live[admitted.rank] is None:
                     del self._ranks_live[admitted.rank]
+            elif admitted is not None:
+                self._anonymous -= 1
+            claimed = error.hello if isinstance(error, HandshakeRefusedError) else None
+            if not retry and claimed is not None and 0 <= claimed.rank < self._world_size:
+                # Reported when a wait for this rank times out: it tried, and was turned away (the rank it claims
+                # is unauthenticated, so this only explains, it never fails anyone).
+                assert isinstance(error, HandshakeRefusedError)
+                self._refusals[claimed.rank] = f"{error.reason[:_MAX_REFUSAL_CHARS]}; from {address}"
 
     def _check_hello(self, hello: ClientHello) -> str | None:
-        """A reason to refuse this client, or None (then its rank is reserved for it)."""
+        """A reason to refuse this client, or None (then its rank, or an anonymous seat, is reserved for it)."""
         if hello.world_size != self._world_size:
             return f"world size mismatch: the store has {self._world_size}, rank {hello.rank} says {hello.world_size}"
         if hello.rank >= self._world_size:
             return f"rank {hello.rank} out of range for world size {self._world_size}"
+        if hello.rank < 0:
+            if self._token is None and hello.pid != os.getpid():
+                return (
+                    f"anonymous clients (no rank) are not admitted from another process (pid {hello.pid}); "
+                    "join with your RANK, or set a shared token (ALLREDUCE_TOKEN)"
+                )
+            with self._lock:
+                if self._anonymous >= MAX_ANONYMOUS_CLIENTS:
+                    return f"too many anonymous clients (at most {MAX_ANONYMOUS_CLIENTS})"
+                self._anonymous += 1
+            return None
         if hello.rank >= 0:
             with self._lock:
                 if self._single_group and hello.rank in self._left:
@@ -261,14 +324,28 @@ class StoreServer:
             self._drop(conn, died=not conn.closing)
             return
         conn.inbuf += chunk
+        if len(conn.inbuf) > _MAX_REQUEST_BYTES:
+            # A client sends its next request only after reading the answer to the last, so its buffer never
+            # holds more than one request: this one floods it.
+            _log.warning("store: client %s sent more than one request's worth without waiting; dropping it", conn.who)
+            self._drop(conn, died=False)
+            return
         self._parse(conn)
 
     def _parse(self, conn: _Conn) -> None:
-        """Handle every complete request in ``conn.inbuf``; requests behind a pending wait stay queued."""
-        while conn in self._conns and conn.waiting is None and len(conn.inbuf) >= REQUEST.size:
+        """Handle every complete request in ``conn.inbuf``; requests behind a pending wait or an unsent answer stay
+        queued (so what one connection makes the server hold is bounded by one request and one answer)."""
+        while conn in self._conns and conn.waiting is None and not conn.outbuf and len(conn.inbuf) >= REQUEST.size:
             op, timeout_ms, key_len, value_len = REQUEST.unpack_from(conn.inbuf)
             if key_len > _MAX_REQUEST_KEY_BYTES or value_len > MAX_VALUE_BYTES:
-                _log.warning("store: client %s sent an oversized request; dropping it", conn.address)
+                _log.warning(
+                    "store: %s sent a request of a %d-byte key and a %d-byte value (at most %d and %d); dropping it",
+                    conn.who,
+                    key_len,
+                    value_len,
+                    _MAX_REQUEST_KEY_BYTES,
+                    MAX_VALUE_BYTES,
+                )
                 self._drop(conn, died=False)
                 return
             total = REQUEST.size + key_len + value_len
@@ -284,11 +361,37 @@ class StoreServer:
                 continue
             self._handle(conn, op, None if timeout_ms == NO_TIMEOUT else timeout_ms / 1000.0, key, value)
 
+    def _forbidden(self, conn: _Conn, key: str) -> str | None:
+        """Why ``conn`` may not write ``key``, or None."""
+        if key.startswith(RESERVED_PREFIX):
+            return f"key {key!r} is the store's own (keys under {RESERVED_PREFIX!r} are read-only)"
+        owner = _owner_of(key)
+        # Anonymous clients are admitted only from the hosting process or with the token: they act for the job.
+        if conn.rank is None or owner is None or owner >= self._world_size or owner == conn.rank:
+            return None
+        return f"key {key!r} belongs to rank {owner}; {conn.who} may not write it"
+
+    def _put(self, conn: _Conn, key: str, value: bytes) -> bool:
+        """Store ``value`` at ``key`` within :data:`MAX_STORED_BYTES`; else answer an error and return False."""
+        old = self._data.get(key)
+        grown = self._stored_bytes + len(value) - (len(old) if old is not None else -len(key.encode()))
+        if grown > MAX_STORED_BYTES:
+            message = f"store full: {key!r} would bring it to {grown} bytes (at most {MAX_STORED_BYTES})"
+            self._reply(conn, Status.ERROR, message.encode())
+            return False
+        self._data[key] = value
+        self._stored_bytes = grown
+        return True
+
     def _handle(self, conn: _Conn, op: int, timeout_s: float | None, key: str, value: bytes) -> None:
+        if op in (Op.SET, Op.ADD, Op.DELETE) and (reason := self._forbidden(conn, key)) is not None:
+            _log.warning("store: refused a write from %s: %s", conn.who, reason)
+            self._reply(conn, Status.ERROR, reason.encode())
+            return
         if op == Op.SET:
-            self._data[key] = value
-            self._reply(conn, Status.OK, b"")
-            self._notify()
+            if self._put(conn, key, value):
+                self._reply(conn, Status.OK, b"")
+                self._notify()
         elif op == Op.ADD:
             try:
                 current = int(self._data.get(key, b"0"))
@@ -297,9 +400,9 @@ class StoreServer:
                 self._reply(conn, Status.ERROR, f"add: key {key!r} does not hold an integer".encode())
                 return
             current += amount
-            self._data[key] = str(current).encode()
-            self._reply(conn, Status.OK, struct.pack("!q", current))
-            self._notify()
+            if self._put(conn, key, str(current).encode()):
+                self._reply(conn, Status.OK, struct.pack("!q", current))
+                self._notify()
         elif op in (Op.GET, Op.WAIT):
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             waiter = _Waiter(conn, key.split(KEY_SEPARATOR), deadline, want_value=op == Op.GET)
@@ -310,15 +413,20 @@ class StoreServer:
             present = all(k in self._data for k in key.split(KEY_SEPARATOR))
             self._reply(conn, Status.OK if present else Status.MISSING, b"")
         elif op == Op.DELETE:
-            existed = self._data.pop(key, None) is not None
-            self._reply(conn, Status.OK if existed else Status.MISSING, b"")
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._stored_bytes -= len(key.encode()) + len(old)
+            self._reply(conn, Status.OK if old is not None else Status.MISSING, b"")
         elif op == Op.DEAD:
             self._reply(conn, Status.OK, ",".join(map(str, sorted(self._dead))).encode())
         elif op == Op.CLOSE:
+            first_close = not conn.closing
             conn.closing = True
-            if conn.rank is not None:
-                with self._lock:
+            with self._lock:
+                if conn.rank is not None:
                     self._left.add(conn.rank)
+                elif first_close:  # its seat is free once it has said goodbye, before the loop reads its EOF
+                    self._anonymous -= 1
             self._reply(conn, Status.OK, b"")
         else:
             self._reply(conn, Status.ERROR, f"unknown request {op}".encode())
@@ -360,9 +468,16 @@ class StoreServer:
             if waiter.deadline is not None and now >= waiter.deadline:
                 missing = [k for k in waiter.keys if k not in self._data]
                 owners = {owner for k in missing if (owner := _owner_of(k)) is not None}
-                never = sorted(set(range(self._world_size)) - self._ranks_seen)
+                with self._lock:
+                    refusals = {r: why for r, why in self._refusals.items() if r not in self._ranks_seen}
+                never = sorted(set(range(self._world_size)) - self._ranks_seen - refusals.keys())
                 report = "\n".join(
-                    [KEY_SEPARATOR.join(missing), ",".join(map(str, sorted(owners))), ",".join(map(str, never))]
+                    [
+                        KEY_SEPARATOR.join(missing),
+                        ",".join(map(str, sorted(owners))),
+                        ",".join(map(str, never)),
+                        *(f"{r}:{why.replace(chr(10), ' ')}" for r, why in sorted(refusals.items())),
+                    ]
                 )
                 self._reply(waiter.conn, Status.TIMEOUT, report.encode())
                 waiter.conn.waiting = None
@@ -400,6 +515,9 @@ class StoreServer:
             self._selector.unregister(conn.sock)
         conn.sock.close()
         if conn.rank is None:
+            if not conn.closing:
+                with self._lock:
+                    self._anonymous -= 1
             return
         with self._lock:
             if self._ranks_live.get(conn.rank) is conn:

@@ -1,18 +1,24 @@
 """The authenticated connection handshake, spoken by the store and the TCP transport alike.
 
-Both directions authenticate when a token is set; the token itself never crosses the network::
+Both directions authenticate; the token itself never crosses the network::
 
-    acceptor  -> connector: GREETING  magic "ARHS", version, service, flags(auth), nonce_a
-    connector -> acceptor : HELLO     magic, version, flags(has mac), rank, target, world_size, nonce_c,
+    acceptor  -> connector: GREETING  magic "ARHS", version, service, flags(auth), nonce_a, pid_a
+    connector -> acceptor : HELLO     magic, version, flags(has mac), rank, target, world_size, pid_c, nonce_c,
                                       mac_c = HMAC-SHA256(token, "connect" | service | nonce_a | nonce_c | fields)
     acceptor  -> connector: REPLY     magic, status, message length, mac_a = HMAC(token, "accept" | ... ), message
 
-``service`` ("store", "tcp") keeps a client from talking to the wrong kind of endpoint. Nothing here unpickles
-or evaluates anything received.
+With a token, the MACs prove each side knows it. Without one (loopback only), each side checks the other's
+socket instead (:mod:`allreduce.runtime._peercred`): it must belong to this user's uid and be held by the
+process whose pid the other side announced (``pid_a``, ``pid_c``). ``service`` ("store", "tcp") keeps a client
+from talking to the wrong kind of endpoint. Nothing here unpickles or evaluates anything received.
+
+The acceptor's side is a state machine without I/O (:class:`AcceptHandshake`), so that one thread can run the
+handshakes of many connections at once (:mod:`._listener`).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import os
@@ -23,25 +29,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from allreduce.runtime._errors import ProtocolError
+from allreduce.runtime._peercred import PeerCredentials, holds_socket, loopback_peer
 from allreduce.runtime.tcp._socket import read_exact
 
 __all__ = [
     "ACCEPT_HANDSHAKE_TIMEOUT_S",
     "CONNECT_HANDSHAKE_MAX_S",
     "HANDSHAKE_VERSION",
+    "AcceptHandshake",
     "ClientHello",
+    "HandshakeRefusedError",
     "HandshakeRetryError",
+    "Refusal",
     "RetryLater",
-    "accept_handshake",
     "connect_handshake",
     "resolve_token",
 ]
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2
 
-ACCEPT_HANDSHAKE_TIMEOUT_S = 10.0
+ACCEPT_HANDSHAKE_TIMEOUT_S = 5.0
 """How long the accepting side gives a new connection to complete the handshake: a few small messages that take
-milliseconds, so a client still silent after this long is stuck or hostile and its thread is freed."""
+milliseconds, so a client still silent after this long is stuck or hostile and is closed."""
 
 CONNECT_HANDSHAKE_MAX_S = 30.0
 """The most the connecting side waits for the endpoint's answers (less when the caller's deadline is nearer)."""
@@ -50,8 +59,8 @@ _MAX_REPLY_MESSAGE_BYTES = 1024  # a refusal's reason, cut to this length
 _SERVICE_BYTES = 8
 _NONCE_BYTES = 32
 _HS_MAGIC = b"ARHS"
-_GREETING = struct.Struct("!4sB8sB32s")
-_HELLO = struct.Struct("!4sBBiiI32s32s")
+_GREETING = struct.Struct("!4sB8sB32sI")
+_HELLO = struct.Struct("!4sBBiiII32s32s")
 _REPLY = struct.Struct("!4sBH32s")
 _AUTH = 0x01
 _STATUS_OK, _STATUS_REFUSED, _STATUS_RETRY = 0, 1, 2
@@ -64,17 +73,42 @@ class RetryLater(str):
     __slots__ = ()
 
 
+class Refusal(enum.Enum):
+    """Why an acceptor refused a connection, as its owner reports it."""
+
+    WRONG_TOKEN = "wrong token"
+    NO_TOKEN = "no token"
+    FOREIGN_UID = "foreign uid"
+    UNVERIFIED_PEER = "unverified peer"
+    PROTOCOL = "protocol"
+    OWNER = "refused by the endpoint"  # the owner's check said no (duplicate rank, size mismatch, ...)
+    RETRY = "not yet"
+
+
 class HandshakeRetryError(ProtocolError):
     """The endpoint answered "not yet" (:class:`RetryLater`); connecting again later may succeed."""
 
 
+class HandshakeRefusedError(ProtocolError):
+    """The acceptor refused a client: ``kind`` says why, ``reason`` is what the client was told (or the message),
+    ``hello`` is what the client claimed (None if it never said)."""
+
+    def __init__(self, message: str, *, kind: Refusal, hello: ClientHello | None, reason: str | None = None) -> None:
+        super().__init__(message, peer=hello.rank if hello is not None and hello.rank >= 0 else None)
+        self.kind = kind
+        self.hello = hello
+        self.reason = message if reason is None else reason
+
+
 @dataclass(frozen=True, slots=True)
 class ClientHello:
-    """Who is connecting: ``rank`` (-1: anonymous), the ``target`` rank it means to reach, its ``world_size``."""
+    """Who is connecting: ``rank`` (-1: anonymous), the ``target`` rank it means to reach, its ``world_size``;
+    ``pid``: its process id, once the acceptor has verified it (None with a token, or before the check)."""
 
     rank: int
     world_size: int
     target: int
+    pid: int | None = None
 
 
 def resolve_token(token: str | bytes | None) -> bytes | None:
@@ -99,61 +133,111 @@ def _service_field(service: bytes) -> bytes:
     return service.ljust(_SERVICE_BYTES, b"\0")
 
 
-def accept_handshake(
-    sock: socket.socket,
-    service: bytes,
-    token: bytes | None,
-    check: Callable[[ClientHello], str | None],
-) -> ClientHello:
-    """Run the acceptor's side on a fresh connection; return the authenticated hello or raise ProtocolError.
+def _unverified_peer(peer: PeerCredentials | None, pid: int, whose: str) -> tuple[Refusal, str] | None:
+    """Why the other end of a loopback connection without a token is not to be trusted, or None."""
+    uid = os.geteuid()
+    if peer is None:
+        return Refusal.UNVERIFIED_PEER, (
+            f"cannot tell who owns {whose} socket (not on loopback, or /proc/net/tcp unreadable): set ALLREDUCE_TOKEN"
+        )
+    if peer.uid != uid:
+        return Refusal.FOREIGN_UID, f"foreign uid: {whose} socket belongs to uid {peer.uid}, this side runs as {uid}"
+    if not holds_socket(pid, peer.inode):
+        return Refusal.UNVERIFIED_PEER, (
+            f"{whose} announced pid {pid}, which does not hold its socket "
+            "(in another PID namespace? then set ALLREDUCE_TOKEN)"
+        )
+    return None
 
-    ``check`` may refuse a well-authenticated client by returning a reason (sent back to it)."""
-    nonce_a = secrets.token_bytes(_NONCE_BYTES)
-    service8 = _service_field(service)
-    sock.sendall(_GREETING.pack(_HS_MAGIC, HANDSHAKE_VERSION, service8, _AUTH if token else 0, nonce_a))
-    try:
-        raw = read_exact(sock, _HELLO.size)
-    except EOFError as exc:
-        raise ProtocolError(f"client left during the handshake: {exc}") from exc
-    magic, version, flags, rank, target, world_size, nonce_c, mac_c = _HELLO.unpack(raw)
-    if magic != _HS_MAGIC:
-        raise ProtocolError(f"not an allreduce client (bad handshake magic {magic!r})")
-    fields = struct.pack("!iiI", rank, target, world_size)
-    reason: str | None = None
-    if version != HANDSHAKE_VERSION:
-        reason = f"protocol version {version}, this side speaks {HANDSHAKE_VERSION}"
-    elif token is not None and not flags & _AUTH:
-        reason = "a shared token is required (set ALLREDUCE_TOKEN) and the client presented none"
-    elif token is not None and not hmac.compare_digest(
-        mac_c, _mac(token, b"connect", service8, nonce_a, nonce_c, fields)
-    ):
-        reason = "wrong token"
-    hello = ClientHello(rank=rank, world_size=world_size, target=target)
-    if reason is None:
-        reason = check(hello)
-    message = (reason or "").encode()[:_MAX_REPLY_MESSAGE_BYTES]
-    mac_a = _mac(token, b"accept", service8, nonce_c, nonce_a, fields) if token and reason is None else bytes(32)
-    status = _STATUS_OK if reason is None else _STATUS_RETRY if isinstance(reason, RetryLater) else _STATUS_REFUSED
-    sock.sendall(_REPLY.pack(_HS_MAGIC, status, len(message), mac_a) + message)
-    if reason is not None:
+
+class AcceptHandshake:
+    """The acceptor's side on one fresh connection: send :attr:`greeting`, read :data:`hello_size` bytes, pass them
+    to :meth:`answer`, send its reply; then the connection is the owner's (accepted) or closed (refused).
+
+    ``check`` may refuse a well-authenticated client by returning a reason (sent back to it). ``peer`` reads the
+    credentials of the connection's other end, used without a token (loopback only)."""
+
+    hello_size = _HELLO.size
+
+    def __init__(
+        self,
+        service: bytes,
+        token: bytes | None,
+        check: Callable[[ClientHello], str | None],
+        peer: Callable[[], PeerCredentials | None],
+    ) -> None:
+        self._service8 = _service_field(service)
+        self._token = token
+        self._check = check
+        self._peer = peer
+        self._nonce_a = secrets.token_bytes(_NONCE_BYTES)
+        self._pid = os.getpid()
+        self.greeting = _GREETING.pack(
+            _HS_MAGIC, HANDSHAKE_VERSION, self._service8, _AUTH if token else 0, self._nonce_a, self._pid
+        )
+
+    def answer(self, raw: bytes) -> tuple[bytes, ClientHello | HandshakeRefusedError]:
+        """The reply to send for the client's HELLO ``raw``, and the verified hello or why it was refused."""
+        magic, version, flags, rank, target, world_size, pid_c, nonce_c, mac_c = _HELLO.unpack(raw)
+        claimed = ClientHello(rank=rank, world_size=world_size, target=target)
+        if magic != _HS_MAGIC:  # not our protocol: no reply, the connection is closed
+            why = f"not an allreduce client (bad handshake magic {magic!r})"
+            return b"", HandshakeRefusedError(why, kind=Refusal.PROTOCOL, hello=None)
+        fields = struct.pack("!iiII", rank, target, world_size, pid_c)
+        token = self._token
+        problem: tuple[Refusal, str] | None = None
+        verified_pid: int | None = None
+        if version != HANDSHAKE_VERSION:
+            problem = Refusal.PROTOCOL, f"protocol version {version}, this side speaks {HANDSHAKE_VERSION}"
+        elif token is not None and not flags & _AUTH:
+            problem = (
+                Refusal.NO_TOKEN,
+                "no token: a shared token is required (set ALLREDUCE_TOKEN) and the client presented none",
+            )
+        elif token is not None and not hmac.compare_digest(
+            mac_c, _mac(token, b"connect", self._service8, self._nonce_a, nonce_c, fields)
+        ):
+            problem = Refusal.WRONG_TOKEN, "wrong token"
+        elif token is None:
+            problem = _unverified_peer(self._peer(), pid_c, "the client's")
+            verified_pid = pid_c if problem is None else None
+        hello = ClientHello(rank=rank, world_size=world_size, target=target, pid=verified_pid)
+        if problem is None:
+            reason = self._check(hello)
+            if reason is not None:
+                problem = (Refusal.RETRY if isinstance(reason, RetryLater) else Refusal.OWNER), reason
+        if problem is None:
+            mac_a = _mac(token, b"accept", self._service8, nonce_c, self._nonce_a, fields) if token else bytes(32)
+            return _REPLY.pack(_HS_MAGIC, _STATUS_OK, 0, mac_a), hello
+        kind, reason = problem
+        message = reason.encode()[:_MAX_REPLY_MESSAGE_BYTES]
+        status = _STATUS_RETRY if kind is Refusal.RETRY else _STATUS_REFUSED
         who = f"rank {rank}" if rank >= 0 else "an anonymous client"
-        kind = HandshakeRetryError if isinstance(reason, RetryLater) else ProtocolError
-        raise kind(f"refused {who}: {reason}", peer=rank if rank >= 0 else None)
-    return hello
+        error = HandshakeRefusedError(f"refused {who} (pid {pid_c}): {reason}", kind=kind, hello=claimed, reason=reason)
+        return _REPLY.pack(_HS_MAGIC, status, len(message), bytes(32)) + message, error
 
 
 def connect_handshake(
-    sock: socket.socket, service: bytes, token: bytes | None, hello: ClientHello, *, what: str
-) -> None:
-    """Run the connector's side; raise ProtocolError (naming ``what`` we connect to) if refused or spoofed."""
+    sock: socket.socket,
+    service: bytes,
+    token: bytes | None,
+    hello: ClientHello,
+    *,
+    what: str,
+    expected_pid: int | None = None,
+) -> int:
+    """Run the connector's side; raise ProtocolError (naming ``what`` we connect to) if refused or spoofed.
+
+    Without a token, the endpoint's socket must belong to this user and be held by the process it announces
+    (and that process must be ``expected_pid`` when given). Returns the endpoint's pid."""
     service8 = _service_field(service)
     try:
         raw = read_exact(sock, _GREETING.size)
     except (EOFError, ConnectionResetError) as exc:
         # An endpoint greets every connection it accepts, even one it then refuses: closing before the greeting
-        # means it is going away (the previous group's store stopping), so the caller may come back.
+        # means it is going away (the previous group's store stopping), or it is full: the caller may come back.
         raise HandshakeRetryError(f"{what} closed the connection before the handshake (stopping?)") from exc
-    magic, version, their_service, flags, nonce_a = _GREETING.unpack(raw)
+    magic, version, their_service, flags, nonce_a, pid_a = _GREETING.unpack(raw)
     if magic != _HS_MAGIC:
         raise ProtocolError(f"{what} is not an allreduce endpoint (bad handshake magic {magic!r})")
     if their_service != service8:
@@ -161,8 +245,15 @@ def connect_handshake(
         raise ProtocolError(f"{what} is a {kind!r} endpoint, expected {service.decode()!r}")
     if version != HANDSHAKE_VERSION:
         raise ProtocolError(f"{what} speaks protocol version {version}, this side {HANDSHAKE_VERSION}")
+    if token is None:
+        problem = _unverified_peer(loopback_peer(sock), pid_a, f"{what}'s")
+        if problem is not None:
+            raise ProtocolError(f"{what} is not this job's endpoint: {problem[1]}")
+        if expected_pid is not None and pid_a != expected_pid:
+            raise ProtocolError(f"{what} is held by pid {pid_a}, not by pid {expected_pid} as expected")
     nonce_c = secrets.token_bytes(_NONCE_BYTES)
-    fields = struct.pack("!iiI", hello.rank, hello.target, hello.world_size)
+    pid_c = os.getpid()
+    fields = struct.pack("!iiII", hello.rank, hello.target, hello.world_size, pid_c)
     use_auth = token is not None
     mac_c = _mac(token, b"connect", service8, nonce_a, nonce_c, fields) if token is not None else bytes(32)
     sock.sendall(
@@ -173,6 +264,7 @@ def connect_handshake(
             hello.rank,
             hello.target,
             hello.world_size,
+            pid_c,
             nonce_c,
             mac_c,
         )
@@ -192,3 +284,4 @@ def connect_handshake(
             raise ProtocolError(f"{what} does not use a token but this side has one (ALLREDUCE_TOKEN mismatch?)")
         if not hmac.compare_digest(mac_a, _mac(token, b"accept", service8, nonce_c, nonce_a, fields)):
             raise ProtocolError(f"{what} failed to prove it knows the shared token")
+    return int(pid_a)
