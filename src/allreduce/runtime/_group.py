@@ -181,6 +181,11 @@ class ProcessGroup:
         return self._transport
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has been called."""
+        return self._closed
+
+    @property
     def thread(self) -> threading.Thread:
         """The thread whose collectives this group runs (see *Threads* above)."""
         return self._owner.thread
