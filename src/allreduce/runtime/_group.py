@@ -85,7 +85,6 @@ _REQUESTED_DETERMINISTIC = b"deterministic"
 _COLLECTIVE_INFO = {c: (f"{c.value}(x)", KIND_CODES[c]) for c in Collective}
 
 
-
 def default_cost_model(transport: str) -> CostModel:
     """Built-in α, β, γ per transport (measured on the 2-core development machine; ``allreduce tune`` refines)."""
     if transport == "shm":

@@ -113,9 +113,7 @@ class Runs:
                     f"{', '.join(algorithms(collective))}"
                 ) from None
             try:
-                return make_schedule(
-                    collective, name, world_size, root=root, group_size=group_size, segments=segments
-                )
+                return make_schedule(collective, name, world_size, root=root, group_size=group_size, segments=segments)
             except ValueError as exc:
                 raise ValueError(f"algorithm: {name} on {world_size} ranks: {exc}") from None
 
