@@ -4,11 +4,16 @@
                                                           [--sizes 4KiB,1MiB,64MiB] [--rounds 30]
 
 Every rank alternates recording on and off call by call (``transport.recorder.enabled``), so load from other
-jobs hurts both alike. The table shows rank 0's median time per call with recording on and off, their ratio, and
-an A/A ratio (the off calls 1, 5, 9, ... over the off calls 3, 7, 11, ...): the noise floor of the comparison.
-The last column is what the records alone cost: the measured cost of one record (a ring all-reduce records
-2(N-1) per call) over the median all-reduce time; the difference to on/off is the rest of the instrumented path
-(clock reads, the call records, tcp's per-step bookkeeping) and, with more ranks than cores, its cost to peers.
+jobs hurts both alike. The table shows rank 0's median time per call with recording on and off and their ratio;
+"paired" is the median over adjacent (on, off) pairs of their ratio, which a preempted call moves far less on a
+loaded machine; "A/A" is the ratio of medians between two sets of off calls in balanced positions: the noise floor
+of the comparison. The calls follow ``_BLOCK``, so neither mode owns a position.
+
+The last two columns are the CPU cost of what a ring all-reduce records per call (2(N-1) steps, one receive each,
+and the call's own record), measured in-process as the minimum over short repeats (what the code costs when not
+preempted), over the median all-reduce time: "old" for a clock read per step, three per receive and a whole-record
+``transfer()``, "steps" for the step API (``step`` + ``arrived``: two clock reads per step). The transports use
+whichever their call sites call; the CPU columns say what each costs, whichever that is.
 """
 
 from __future__ import annotations
@@ -24,11 +29,16 @@ from allreduce.runtime import spawn
 from allreduce.runtime._stats import Recorder
 from allreduce.units import format_bytes, parse_size_range
 
+_BLOCK = np.array([1, 0, 0, 1, 0, 1, 1, 0], dtype=bool)
+"""Recording on (1) or off (0), call by call, repeated: each mode takes every position in a block of 4 equally
+often and comes first in half of the adjacent pairs, so a bias by position (on a loaded machine, calls at even
+positions ran several percent slower than odd ones even with recording doing nothing) cancels."""
+
 _BATCH_S = 0.05
 """Target length of one batch: long enough to average many calls, short enough for many alternations."""
 
 
-def _rank(group: Any, sizes: list[int], rounds: int) -> list[tuple[float, float, float]]:
+def _rank(group: Any, sizes: list[int], rounds: int) -> list[tuple[float, float, float, float]]:
     recorder = group.transport.recorder  # toggled per call: the group's setter would add a queue round trip
     out = []
     for size in sizes:
@@ -40,32 +50,81 @@ def _rank(group: Any, sizes: list[int], rounds: int) -> list[tuple[float, float,
         # every rank must run the same number of calls: rank 0 decides and tells the others
         iters_arr = np.array([max(4, int(_BATCH_S / max(time.perf_counter() - start, 1e-6)))], np.float64)
         group.broadcast(iters_arr)
-        calls = 4 * (int(iters_arr[0]) * rounds // 4)
+        calls = _BLOCK.size * max(1, int(iters_arr[0]) * rounds // _BLOCK.size)
+        recording = np.tile(_BLOCK, calls // _BLOCK.size)
         times = np.empty(calls)
         clock = time.perf_counter
         for i in range(calls):
-            recorder.enabled = i % 2 == 0
+            recorder.enabled = bool(recording[i])
             t0 = clock()
             group.all_reduce(x, algorithm="ring")
             times[i] = clock() - t0
         recorder.enabled = False
-        on, off = float(np.median(times[0::2])), float(np.median(times[1::2]))
-        same = float(np.median(times[1::4]) / np.median(times[3::4]))
-        out.append((on, off, same))
+        on_times, off_times = times[recording], times[~recording]
+        on, off = float(np.median(on_times)), float(np.median(off_times))
+        # adjacent (on, off) pairs of each block: (0, 1), (3, 2), (5, 4), (6, 7), on first in half of them
+        blocks = times.reshape(-1, _BLOCK.size)
+        paired = float(np.median(blocks[:, [0, 3, 5, 6]] / blocks[:, [1, 2, 4, 7]]))
+        off_a, off_b = blocks[:, [1, 2]], blocks[:, [4, 7]]
+        same = float(np.median(off_a) / np.median(off_b))
+        out.append((on, off, paired, same))
     return out
 
 
-def _record_cost_s(records: int = 200_000) -> float:
-    """What the shm path adds per received transfer: three clock reads and one record."""
-    recorder = Recorder()
+_COST_STEPS = 2_000
+_COST_REPEATS = 100
+
+
+def _min_time_s(fn: Any) -> float:
+    """The fastest of several runs of ``fn()``, per step: the code's cost when the machine did not preempt it."""
+    best = float("inf")
+    for _ in range(_COST_REPEATS):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best / _COST_STEPS
+
+
+def _old_step_cost_s() -> float:
+    """One step with one receive, recorded the old way: a clock read per step, three per receive, one record."""
+    recorder = Recorder(enabled=True)
     transfer = recorder.transfer
     clock = time.perf_counter_ns
-    start = time.perf_counter()
-    for i in range(records):
-        a = clock()
-        b = clock()
-        transfer(i, 1, 2, a, b - a, clock() - b, 4096)
-    return (time.perf_counter() - start) / records
+
+    def steps() -> None:
+        for i in range(_COST_STEPS):
+            step_start = clock()
+            waited = clock()
+            arrived = clock()
+            transfer(1, i, 2, step_start, arrived - waited, clock() - arrived, 4096)
+
+    return _min_time_s(steps)
+
+
+def _step_api_cost_s() -> float:
+    """One step with one receive through the step API: ``step`` and ``arrived`` (two clock reads, one record)."""
+    recorder = Recorder(enabled=True)
+    step, arrived = recorder.step, recorder.arrived
+
+    def steps() -> None:
+        for i in range(_COST_STEPS):
+            step(1, i)
+            arrived(2, 4096)
+
+    return _min_time_s(steps)
+
+
+def _call_cost_s() -> float:
+    """The call's own record: ``call_begin`` and ``call_end``."""
+    recorder = Recorder(enabled=True)
+    begin, end = recorder.call_begin, recorder.call_end
+
+    def calls() -> None:
+        for i in range(_COST_STEPS):
+            begin()
+            end(i, 4096)
+
+    return _min_time_s(calls)
 
 
 def main() -> None:
@@ -76,21 +135,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="batches of ~50 ms worth of calls, per mode")
     args = parser.parse_args()
     sizes = parse_size_range(args.sizes)
-    per_record_s = _record_cost_s()
-    print(f"one record (three clock reads + the ring store): {per_record_s * 1e9:.0f} ns")
+    old_s, step_s, call_s = _old_step_cost_s(), _step_api_cost_s(), _call_cost_s()
     print(
-        f"{'transport':>9} {'N':>3} {'size':>9} {'on':>11} {'off':>11} {'on/off':>7} {'A/A':>7} {'records':>8} "
-        f"{'records alone':>13}"
+        f"CPU per recorded step: old {old_s * 1e9:.0f} ns, step API {step_s * 1e9:.0f} ns; per call record "
+        f"{call_s * 1e9:.0f} ns"
+    )
+    print(
+        f"{'transport':>9} {'N':>3} {'size':>9} {'on':>11} {'off':>11} {'on/off':>7} {'paired':>7} {'A/A':>7} "
+        f"{'steps':>6} {'CPU old':>8} {'CPU steps':>9}"
     )
     for transport in args.transports.split(","):
         for world_size in (int(w) for w in args.world_sizes.split(",")):
             results = spawn(world_size, _rank, sizes, args.rounds, init_options={"transport": transport})
-            for size, (on_s, off_s, same) in zip(sizes, results[0], strict=True):
-                records = 2 * (world_size - 1)
-                modelled = records * per_record_s / off_s
+            for size, (on_s, off_s, paired, same) in zip(sizes, results[0], strict=True):
+                steps = 2 * (world_size - 1)
+                cpu_old = (steps * old_s + call_s) / off_s
+                cpu_steps = (steps * step_s + call_s) / off_s
                 print(
                     f"{transport:>9} {world_size:>3} {format_bytes(size):>9} {on_s * 1e6:>9.1f}us "
-                    f"{off_s * 1e6:>9.1f}us {on_s / off_s:>7.3f} {same:>7.3f} {records:>8} {modelled * 100:>12.3f}%"
+                    f"{off_s * 1e6:>9.1f}us {on_s / off_s:>7.3f} {paired:>7.3f} {same:>7.3f} {steps:>6} "
+                    f"{cpu_old * 100:>7.3f}% {cpu_steps * 100:>8.3f}%"
                 )
     print(f"load average (1, 5, 15 min): {os.getloadavg()}")
 

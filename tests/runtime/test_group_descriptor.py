@@ -14,6 +14,7 @@ from allreduce.runtime._descriptor import (
     KIND_CODES,
     NO_DIGEST,
     NO_OP_CODE,
+    NO_TAG,
     OPS,
     REQUEST_BYTES,
     algorithm_name_bytes,
@@ -36,6 +37,7 @@ BASE = {
     "group_size": 4,
     "algorithm": b"auto",
     "schedule": NO_DIGEST,
+    "tag": NO_TAG,
     "proposal": b"ring",
 }
 
@@ -71,6 +73,7 @@ def test_equal_requests_with_different_proposals_agree() -> None:
         ("group_size", 2, "2"),
         ("algorithm", b"direct", "direct"),
         ("schedule", b"\x01" * 8, "digest 0101010101010101"),
+        ("tag", b"bucket-3", "'bucket-3'"),
     ],
 )
 def test_a_differing_field_is_named_with_each_ranks_value(field: str, value: object, shown: str) -> None:

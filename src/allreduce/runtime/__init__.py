@@ -18,6 +18,7 @@ from allreduce.runtime._local import LocalTransport, local_groups, local_transpo
 from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
 from allreduce.runtime._spawn import RankFailedError, new_token, reserve_port, spawn
 from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
+from allreduce.runtime._threads import WrongThreadError
 from allreduce.runtime._trace import TRACE_ENV
 from allreduce.runtime._transport import (
     ABORT_KINDS,
@@ -61,6 +62,7 @@ __all__ = [
     "Transfer",
     "Transport",
     "Work",
+    "WrongThreadError",
     "abort_kind",
     "compile_plan",
     "default_iters",

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import itertools
 import os
 import socket
 import uuid
+import weakref
 from typing import Any
 
+from allreduce.runtime._args import integer_arg
+from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
 from allreduce.runtime._group import ProcessGroup, default_cost_model
 from allreduce.runtime._transport import Transport
 from allreduce.schedules import CostModel
@@ -42,6 +46,17 @@ def _torchrun_agent_store(host: str, port: int, timeout_s: float) -> Any:
 
 _RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 _SIZE_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+DEFAULT_MASTER_PORT = 29500
+"""torchrun's default rendezvous port, so a job set up for torch finds the store where torch would."""
+
+MAX_TCP_PORT = 65535
+"""The largest TCP port number (16 bits)."""
+
+# The groups of this process that host or joined a store at (MASTER_ADDR, MASTER_PORT), to refuse a second init()
+# on the same address while the first group is open (its store still holds the port).
+_OPEN_GROUPS: dict[tuple[str, int], weakref.ref[ProcessGroup]] = {}
 
 
 def _env_int(names: tuple[str, ...], what: str) -> int | None:
@@ -100,10 +115,8 @@ def init(
     (anything with ``set(key, value)`` and ``get(key)``, such as torch's): rank 0 then hosts allreduce's store on
     a free port and publishes it there, as under torchrun.
     """
-    if rank is None:
-        rank = _env_int(_RANK_ENV, "rank")
-    if world_size is None:
-        world_size = _env_int(_SIZE_ENV, "world_size")
+    rank = _env_int(_RANK_ENV, "rank") if rank is None else integer_arg(rank, "rank")
+    world_size = _env_int(_SIZE_ENV, "world_size") if world_size is None else integer_arg(world_size, "world_size")
     if world_size is None:
         world_size = 1 if rank in (None, 0) else None
     if world_size is None or world_size < 1:
@@ -114,8 +127,7 @@ def init(
     if transport not in ("auto", "shm", "tcp"):
         raise ValueError(f"transport: {transport!r} is not one of auto, shm, tcp")
     host = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = master_port if master_port is not None else _env_int(("MASTER_PORT",), "master_port")
-    port = 29500 if port is None else port
+    port = _master_port(master_port)
     token = token or os.environ.get("ALLREDUCE_TOKEN")
     if world_size == 1 and transport != "tcp":
         from allreduce.runtime.shm import ShmTransport
@@ -128,9 +140,8 @@ def init(
 
     agent = rendezvous_store if rendezvous_store is not None else _torchrun_agent_store(host, port, timeout_s)
     if agent is None:
-        store = TCPStore(
-            host, port, is_server=rank == 0, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
-        )
+        _refuse_if_open(host, port, rank)
+        store = _store_at(host, port, rank=rank, world_size=world_size, timeout_s=timeout_s, token=token)
     else:
         # Under torchrun (or inside torch's own rendezvous), MASTER_PORT is the launcher's store: host ours on a
         # free port and tell the other ranks where, through that store.
@@ -181,9 +192,84 @@ def init(
         store.close()
         raise
     model = cost_model or _tuned_model(transport)
-    return ProcessGroup(
+    group = ProcessGroup(
         chosen, transport_name=transport, timeout_s=timeout_s, cost_model=model, group_size=group_size, store=store
     )
+    if agent is None:
+        _OPEN_GROUPS[(host, port)] = weakref.ref(group)
+    return group
+
+
+def _master_port(master_port: object) -> int:
+    """The store's port: ``master_port``, else MASTER_PORT, else the default; ``ValueError`` naming the source."""
+    source = "master_port"
+    if master_port is None:
+        source = "MASTER_PORT"
+        port = _env_int(("MASTER_PORT",), "master_port")
+        if port is None:
+            return DEFAULT_MASTER_PORT
+    else:
+        port = integer_arg(master_port, "master_port")
+    if not 1 <= port <= MAX_TCP_PORT:
+        raise ValueError(
+            f"{source}: {port} is not a TCP port (1..{MAX_TCP_PORT}); set {source} to a free port, the same on "
+            f"every rank"
+        )
+    return port
+
+
+def _refuse_if_open(host: str, port: int, rank: int) -> None:
+    """Every rank refuses a second init() on the address of its own group that is still open (its store, hosted by
+    rank 0, still holds the port, and the other ranks would reach it and be taken for duplicates)."""
+    ref = _OPEN_GROUPS.get((host, port))
+    group = ref() if ref is not None else None
+    if group is not None and not group.closed:
+        raise RuntimeError(
+            f"rank {rank}: init() while this process's group at {host}:{port} (MASTER_ADDR:MASTER_PORT, rank "
+            f"{group.rank} of {group.world_size}) is still open: close it first (group.close(), or "
+            f"`with allreduce.init() as group:`), or give the new group another MASTER_PORT, the same on every rank"
+        )
+
+
+def _store_at(host: str, port: int, *, rank: int, world_size: int, timeout_s: float, token: str | None) -> Any:
+    """The store client (rank 0 also hosts the server) at MASTER_ADDR:MASTER_PORT, with errors that say which
+    variable to change: the port is taken, or what answered there is not this job's store."""
+    from allreduce.runtime._store import TCPStore
+
+    where = f"{host}:{port} (MASTER_ADDR:MASTER_PORT)"
+    try:
+        return TCPStore(
+            host, port, is_server=rank == 0, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
+        )
+    except OSError as exc:
+        if rank == 0 and exc.errno == errno.EADDRINUSE:
+            raise OSError(
+                exc.errno,
+                f"rank 0: cannot host the rendezvous store at {where}: the port is already in use (by another "
+                f"service, another job, or a group of this process that is still open). Set MASTER_PORT to a free "
+                f"port, the same on every rank",
+            ) from exc
+        if rank == 0 and exc.errno == errno.EADDRNOTAVAIL:
+            raise OSError(
+                exc.errno, f"rank 0: cannot host the rendezvous store at {where}: {host} is not an address of this host"
+            ) from exc
+        if isinstance(exc, TimeoutError) and not isinstance(exc, CollectiveError):
+            raise CollectiveTimeoutError(
+                f"rank {rank}: something at {where} accepted the connection but never answered as allreduce's "
+                f"rendezvous store: another service may hold MASTER_PORT (rank 0 then cannot host the store). Set "
+                f"MASTER_PORT to a free port, the same on every rank",
+                rank=rank,
+                peer=0,
+            ) from exc
+        raise
+    except ProtocolError as exc:
+        raise type(exc)(
+            f"{exc}. If no two processes share RANK={rank}, what answered at {where} is not this job's store: "
+            f"another job, or a group still open in another process, holds MASTER_PORT; give each concurrent "
+            f"group its own MASTER_PORT",
+            rank=rank,
+            peer=0,
+        ) from exc
 
 
 def _advertised_host(master_addr: str) -> str:

@@ -1,11 +1,11 @@
 """The descriptor every rank publishes before a collective, and the diff that names what the ranks disagree on.
 
 A descriptor is one declared struct (:data:`FIELDS`): the *request* (what the caller asked for: collective, dtype,
-op, flags, root, element count, segments, ranks per host, algorithm name and, for a :class:`Schedule` object, a
-digest of its streams) followed by the *proposal* (the algorithm this rank would pick for ``auto``). Ranks compare
-the requests byte for byte; when they differ, :func:`find_mismatch` names the first field that does, with every
-rank's value. All ranks then run the proposal of rank 0, so ``auto`` picks one algorithm even when the ranks'
-cost models disagree.
+op, flags, root, element count, segments, ranks per host, algorithm name, for a :class:`Schedule` object a digest
+of its streams, and the caller's ``tag``) followed by the *proposal* (the algorithm this rank would pick for
+``auto``). Ranks compare the requests byte for byte; when they differ, :func:`find_mismatch` names the first
+field that does, with every rank's value. All ranks then run the proposal of rank 0, so ``auto`` picks one
+algorithm even when the ranks' cost models disagree.
 
 The dtype and op tables live here because the descriptor carries their codes.
 """
@@ -33,8 +33,10 @@ __all__ = [
     "FLAG_CHECKSUM",
     "FLAG_DETERMINISTIC",
     "KIND_CODES",
+    "MAX_TAG_BYTES",
     "NO_DIGEST",
     "NO_OP_CODE",
+    "NO_TAG",
     "OPS",
     "OP_CODES",
     "REQUEST_BYTES",
@@ -44,6 +46,7 @@ __all__ = [
     "find_mismatch",
     "proposal_of",
     "schedule_digest",
+    "tag_bytes",
 ]
 
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -89,6 +92,13 @@ DIGEST_BYTES = 8
 NO_DIGEST = bytes(DIGEST_BYTES)
 """The digest field of a call that names a registered algorithm (every rank builds it from the registry)."""
 
+MAX_TAG_BYTES = 32
+"""Bytes of a call's ``tag=`` in the descriptor (UTF-8): room for a name such as ``"grad-bucket-1023"`` while the
+whole descriptor stays far below the transports' limit."""
+
+NO_TAG = b""
+"""The tag field of an untagged call (a tag is never empty, so the two cannot be confused)."""
+
 FIELDS: tuple[tuple[str, str], ...] = (
     ("collective", "B"),
     ("dtype", "B"),
@@ -100,6 +110,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ("group_size", "i"),
     ("algorithm", f"{MAX_ALGORITHM_NAME_BYTES}s"),
     ("schedule", f"{DIGEST_BYTES}s"),
+    ("tag", f"{MAX_TAG_BYTES}s"),
     ("proposal", f"{MAX_ALGORITHM_NAME_BYTES}s"),
 )
 """The descriptor's fields in order, with their :mod:`struct` codes; every field but ``proposal`` must agree."""
@@ -126,6 +137,7 @@ class Descriptor:
     group_size: int
     algorithm: bytes
     schedule: bytes
+    tag: bytes
     proposal: bytes
 
     @classmethod
@@ -169,8 +181,23 @@ def schedule_digest(schedule: Schedule) -> bytes:
     return digest if digest != NO_DIGEST else b"\1" + digest[1:]
 
 
-def barrier_descriptor() -> bytes:
-    return DESCRIPTOR.pack(BARRIER_CODE, 0, NO_OP_CODE, 0, 0, 0, 0, 0, b"", NO_DIGEST, b"")
+def tag_bytes(tag: str | None) -> bytes:
+    """``tag`` as it travels in a descriptor; one that would not travel intact is refused, never cut."""
+    if tag is None:
+        return NO_TAG
+    if not isinstance(tag, str):
+        raise TypeError(f"tag: expected a str or None, got {type(tag).__name__}")
+    encoded = tag.encode()
+    if not encoded or b"\0" in encoded or len(encoded) > MAX_TAG_BYTES:
+        raise ValueError(
+            f"tag: {tag!r} must be a non-empty string of at most {MAX_TAG_BYTES} UTF-8 bytes without NUL "
+            f"(it travels in every call's descriptor)"
+        )
+    return encoded
+
+
+def barrier_descriptor(tag: bytes = NO_TAG) -> bytes:
+    return DESCRIPTOR.pack(BARRIER_CODE, 0, NO_OP_CODE, 0, 0, 0, 0, 0, b"", NO_DIGEST, tag, b"")
 
 
 def proposal_of(descriptor: bytes) -> str:
@@ -209,6 +236,8 @@ def _describe(field: str, value: Any) -> str:
         return "+".join(names) or "none"
     if field in ("algorithm", "proposal"):
         return bytes(value).rstrip(b"\0").decode(errors="replace")
+    if field == "tag":
+        return repr(bytes(value).rstrip(b"\0").decode(errors="replace")) if any(value) else "no tag"
     if field == "schedule":
         return "registered" if value == NO_DIGEST else f"digest {bytes(value).hex()}"
     return str(value)

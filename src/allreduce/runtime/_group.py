@@ -31,50 +31,44 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from allreduce.runtime._args import integer_arg, rank_arg
 from allreduce.runtime._buffers import Buffer, as_buffer, check_dtype
 from allreduce.runtime._descriptor import (
+    BARRIER_CODE,
     DESCRIPTOR,
     DTYPE_CODES,
     DTYPES,
     FLAG_CHECKSUM,
     FLAG_DETERMINISTIC,
     KIND_CODES,
-    NO_DIGEST,
     NO_OP_CODE,
+    NO_TAG,
     OP_CODES,
     OPS,
-    algorithm_name_bytes,
     barrier_descriptor,
     find_mismatch,
     proposal_of,
-    schedule_digest,
+    tag_bytes,
 )
 from allreduce.runtime._errors import CollectiveError, MismatchError
 from allreduce.runtime._inject import injection_from_env
-from allreduce.runtime._plan import RankPlan, compile_plan
+from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._runs import DETERMINISTIC, Runs
 from allreduce.runtime._stats import GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._threads import ThreadOwner
 from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import OrderedExecutor, Work
-from allreduce.schedules import (
-    Collective,
-    CostModel,
-    Schedule,
-    algorithms,
-    block_bounds,
-    get_algorithm,
-    make_schedule,
-    predict,
-    verify,
-)
+from allreduce.schedules import Collective, CostModel, Schedule, block_bounds, predict
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DTYPES", "OPS", "STATS_FILE_ENV", "ProcessGroup", "Work", "default_cost_model"]
 
@@ -85,16 +79,10 @@ DEFAULT_TIMEOUT_S = 300.0
 """A collective's default timeout: generous enough for a GiB all-reduce over slow TCP on a loaded host, short
 enough that a rank that never calls is reported within minutes rather than hanging a job forever."""
 
-# deterministic=True: one fixed schedule per collective, so each element is reduced along one fixed chain
-# of ranks for a given N whatever algorithm= says and whatever the transport.
-_DETERMINISTIC = {Collective.ALL_REDUCE: "ring", Collective.REDUCE_SCATTER: "ring", Collective.REDUCE: "binomial"}
 _REQUESTED_AUTO = b"auto"
 _REQUESTED_DETERMINISTIC = b"deterministic"
 # per collective: how errors name its argument, and its code in descriptors and cache keys (one enum hash a call)
 _COLLECTIVE_INFO = {c: (f"{c.value}(x)", KIND_CODES[c]) for c in Collective}
-# plan-cache keys of the group start with one of these (a transport's own keys start with its name)
-_SCHEDULE_KEY = "group-schedule"
-_RUN_KEY = "group-run"
 
 
 def default_cost_model(transport: str) -> CostModel:
@@ -120,15 +108,6 @@ _REDUCERS = {name: _Reducer(ufunc) for name, ufunc in OPS.items()}
 _BARRIER_DESCRIPTOR = barrier_descriptor()
 
 
-class _Run(NamedTuple):
-    """Everything per-call constant about running one schedule on ``count`` elements (cached per group)."""
-
-    schedule: Schedule
-    plan: RankPlan
-    name: bytes  # the algorithm field of the descriptor
-    digest: bytes  # NO_DIGEST for a registered algorithm
-
-
 class ProcessGroup:
     """N ranks that run collectives together over one :class:`Transport` (made by :func:`init`).
 
@@ -141,6 +120,16 @@ class ProcessGroup:
     this collective and world size, verified on first use; every rank must pass an equal schedule (its digest
     travels in the descriptor, so a difference raises :class:`MismatchError` before any data moves). ``auto``
     decides once per size class (powers of two), among the algorithms registered at that moment.
+
+    Threads: collectives pair by call order (the k-th call on every rank is one collective), so a group belongs to
+    one thread, the one that created it. A collective from another thread raises :class:`WrongThreadError` before
+    anything is consumed, naming both threads: two threads could reach the ranks in different orders and combine
+    different arrays without any error. To use the group from another thread, the owner hands it over with
+    :meth:`hand_over` (the group comes back when that thread finishes). A call with ``tag=`` may come from any
+    thread: its tag travels in the descriptor, so calls that pair differently on different ranks raise
+    :class:`MismatchError` on every rank instead (give each thread its own tags). ``async_op=True`` is safe from
+    the owner: collectives run in call order on the group's worker. :meth:`close` may be called from any thread.
+    ``empty``, ``zeros``, ``block_range`` and ``choose_algorithm`` move nothing and are safe from any thread.
     """
 
     def __init__(
@@ -167,10 +156,11 @@ class ProcessGroup:
         self._closed = False
         self._debug = bool(os.environ.get("ALLREDUCE_DEBUG"))
         self._executor = OrderedExecutor(f"allreduce-rank{self.rank}")
-        self._auto: dict[tuple[Collective, int, int], str] = {}
         # One cache for every compiled form: the group's schedules and plans, and the transport's own.
         self._plans = PlanCache(PLAN_CACHE_ENTRIES)
         transport.plans = self._plans
+        self._runs = Runs(self, self._plans)
+        self._owner = ThreadOwner()
         # Skip the call when the transport keeps the base class's prepare (which does nothing).
         own_prepare = getattr(type(transport), "prepare", Transport.prepare)
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
@@ -188,6 +178,22 @@ class ProcessGroup:
     def transport(self) -> Transport:
         """The transport this group runs on (read-only; for its ``statistics()`` and test hooks)."""
         return self._transport
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has been called."""
+        return self._closed
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread whose collectives this group runs (see *Threads* above)."""
+        return self._owner.thread
+
+    def hand_over(self, thread: threading.Thread) -> None:
+        """Let ``thread`` (started or not) call this group's collectives instead of the calling thread, which must
+        own the group; it gets the group back once ``thread`` has finished. Collectives submitted before keep their
+        place in the order. Every rank hands its own group over."""
+        self._owner.hand_over(thread, self.rank)
 
     def close(self) -> None:
         """Finish pending asynchronous collectives, then release the transport and the store."""
@@ -233,7 +239,7 @@ class ProcessGroup:
 
     def block_range(self, count: int, rank: int | None = None) -> tuple[int, int]:
         """Elements [start, stop) of the block that ``rank`` (default: this rank) owns in reduce_scatter."""
-        r = self.rank if rank is None else rank
+        r = self.rank if rank is None else rank_arg(rank, "rank", self.world_size)
         bounds = block_bounds(count, self.world_size)
         return int(bounds[r]), int(bounds[r + 1])
 
@@ -251,6 +257,7 @@ class ProcessGroup:
         checksum: bool = False,
         deterministic: bool = False,
         segments: int = 1,
+        tag: str | None = None,
     ) -> Any:
         """Reduce ``x`` (numpy array or CPU tensor, any shape) over all ranks, in place; returns ``x``."""
         return self._collective(
@@ -264,6 +271,7 @@ class ProcessGroup:
             checksum=checksum,
             deterministic=deterministic,
             segments=segments,
+            tag=tag,
         )
 
     def reduce_scatter(
@@ -277,6 +285,7 @@ class ProcessGroup:
         checksum: bool = False,
         deterministic: bool = False,
         segments: int = 1,
+        tag: str | None = None,
     ) -> Any:
         """Reduce ``x`` over all ranks and return this rank's block of it (see the module docstring)."""
         return self._collective(
@@ -290,6 +299,7 @@ class ProcessGroup:
             checksum=checksum,
             deterministic=deterministic,
             segments=segments,
+            tag=tag,
         )
 
     def all_gather(
@@ -301,6 +311,7 @@ class ProcessGroup:
         timeout_s: float | None = None,
         checksum: bool = False,
         segments: int = 1,
+        tag: str | None = None,
     ) -> Any:
         """Fill every block of ``x`` from its owner (block r from rank r); returns ``x``."""
         return self._collective(
@@ -314,6 +325,7 @@ class ProcessGroup:
             checksum=checksum,
             deterministic=False,
             segments=segments,
+            tag=tag,
         )
 
     def broadcast(
@@ -326,6 +338,7 @@ class ProcessGroup:
         timeout_s: float | None = None,
         checksum: bool = False,
         segments: int = 1,
+        tag: str | None = None,
     ) -> Any:
         """Copy the root's ``x`` into every rank's ``x``; returns ``x``."""
         return self._collective(
@@ -339,6 +352,7 @@ class ProcessGroup:
             checksum=checksum,
             deterministic=False,
             segments=segments,
+            tag=tag,
         )
 
     def reduce(
@@ -353,6 +367,7 @@ class ProcessGroup:
         checksum: bool = False,
         deterministic: bool = False,
         segments: int = 1,
+        tag: str | None = None,
     ) -> Any:
         """Reduce ``x`` over all ranks into the root's ``x`` (other ranks' ``x`` untouched); returns ``x``."""
         return self._collective(
@@ -366,9 +381,10 @@ class ProcessGroup:
             checksum=checksum,
             deterministic=deterministic,
             segments=segments,
+            tag=tag,
         )
 
-    def barrier(self, *, timeout_s: float | None = None) -> None:
+    def barrier(self, *, timeout_s: float | None = None, tag: str | None = None) -> None:
         """Return once every rank has entered the barrier."""
         self._collective(
             None,
@@ -381,6 +397,7 @@ class ProcessGroup:
             checksum=False,
             deterministic=False,
             segments=1,
+            tag=tag,
         )
 
     @property
@@ -397,7 +414,9 @@ class ProcessGroup:
     def stats(self, last: int = 1000) -> GroupStats:
         """Waits, lateness and transfer times over the last ``last`` recorded collectives of every rank (a
         collective: call it on every rank with the same ``last``); names the slowest rank and the slowest link."""
-        if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+        self._owner.check(self.rank, "stats()")
+        last = integer_arg(last, "last")
+        if last < 1:
             raise ValueError(f"last must be a positive int, got {last!r}")
         recorder = self._transport.recorder
         self._executor.run(lambda: None)  # earlier asynchronous collectives have finished
@@ -432,7 +451,8 @@ class ProcessGroup:
     def choose_algorithm(self, count: int, dtype: Any = np.float32, collective: Collective | str = "all_reduce") -> str:
         """The algorithm ``algorithm="auto"`` picks for ``count`` elements of ``dtype`` (by the cost model)."""
         coll = Collective(collective)
-        return self._resolve(coll, "auto", count, check_dtype(np.dtype(dtype), "dtype").itemsize, deterministic=False)
+        itemsize = check_dtype(np.dtype(dtype), "dtype").itemsize
+        return self._runs.resolve(coll, "auto", count, itemsize, deterministic=False)
 
     # ----------------------------------------------------------------------------------------------------
     # The one path every collective takes
@@ -450,6 +470,7 @@ class ProcessGroup:
         checksum: bool,
         deterministic: bool,
         segments: int,
+        tag: str | None,
     ) -> Any:
         """Check the arguments (consuming nothing on bad input), then run agree + execute in call order.
 
@@ -457,32 +478,40 @@ class ProcessGroup:
         """
         if self._closed:
             raise CollectiveError(f"rank {self.rank}: the process group is closed", rank=self.rank)
+        what, kind = _COLLECTIVE_INFO[collective] if collective is not None else ("barrier()", BARRIER_CODE)
+        if tag is None:
+            self._owner.check(self.rank, what)
+            tagged = NO_TAG
+        else:
+            tagged = tag_bytes(tag)
         timeout = self.timeout_s if timeout_s is None else self._timeout(timeout_s)
         if collective is None:
-            return self._executor.run(lambda: self._agree(self._take_seq(), _BARRIER_DESCRIPTOR, timeout))
+            barrier = _BARRIER_DESCRIPTOR if tag is None else barrier_descriptor(tagged)
+            return self._executor.run(lambda: self._agree(self._take_seq(), barrier, timeout))
         if op is not None and op not in OPS:
             raise ValueError(f"op: unknown reduction {op!r}; choose one of {', '.join(OPS)}")
-        if not isinstance(root, int) or not 0 <= root < self.world_size:
-            raise ValueError(f"root: {root!r} is not a rank of this group of {self.world_size}")
-        if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
-            raise ValueError(f"segments must be a positive int, got {segments!r}")
-        what, kind = _COLLECTIVE_INFO[collective]
+        if root.__class__ is not int or not 0 <= root < self.world_size:
+            root = rank_arg(root, "root", self.world_size)
+        if segments.__class__ is not int or segments < 1:
+            segments = integer_arg(segments, "segments")
+            if segments < 1:
+                raise ValueError(f"segments must be a positive int, got {segments!r}")
         buf = as_buffer(x, what)
         dtype = buf.flat.dtype
         if op == "avg" and dtype.kind in "iu":
             raise TypeError(f"op: avg is not defined for integer dtype {dtype}; use sum and divide yourself")
         count = buf.flat.size
-        if deterministic and collective in _DETERMINISTIC:
+        if deterministic and collective in DETERMINISTIC:
             requested = _REQUESTED_DETERMINISTIC
-            run = self._registered_run(
-                collective, kind, _DETERMINISTIC[collective], root=root, segments=segments, count=count
+            run = self._runs.registered(
+                collective, kind, DETERMINISTIC[collective], root=root, segments=segments, count=count
             )
         elif isinstance(algorithm, Schedule):
-            run = self._schedule_run(collective, algorithm, root, segments, count)
+            run = self._runs.of_schedule(collective, algorithm, root, segments, count)
             requested = run.name
         else:
-            name = self._resolve(collective, algorithm, count, dtype.itemsize, deterministic=False)
-            run = self._registered_run(collective, kind, name, root=root, segments=segments, count=count)
+            name = self._runs.resolve(collective, algorithm, count, dtype.itemsize, deterministic=False)
+            run = self._runs.registered(collective, kind, name, root=root, segments=segments, count=count)
             requested = _REQUESTED_AUTO if algorithm == "auto" else run.name
         descriptor = DESCRIPTOR.pack(
             kind,
@@ -495,6 +524,7 @@ class ProcessGroup:
             self.group_size,
             requested,
             run.digest,
+            tagged,
             run.name,
         )
 
@@ -512,7 +542,7 @@ class ProcessGroup:
             descriptors = self._agree(seq, descriptor, timeout)
             chosen = run
             if descriptors[0] != descriptor:  # rank 0's cost model picked another algorithm: run that one
-                chosen = self._registered_run(
+                chosen = self._runs.registered(
                     collective, kind, proposal_of(descriptors[0]), root=root, segments=segments, count=count
                 )
             result = self._execute(
@@ -568,102 +598,9 @@ class ProcessGroup:
         return buf.original
 
     # ----------------------------------------------------------------------------------------------------
-    # Choosing and caching schedules
-    # ----------------------------------------------------------------------------------------------------
     def _resolve(self, collective: Collective, algorithm: str, count: int, itemsize: int, deterministic: bool) -> str:
-        """The registered algorithm to run: ``algorithm`` itself, or the cost model's pick for ``auto``."""
-        if deterministic and collective in _DETERMINISTIC:
-            return _DETERMINISTIC[collective]
-        if algorithm != "auto":
-            if not isinstance(algorithm, str):
-                raise TypeError(f"algorithm: expected a registered name or a Schedule, got {type(algorithm).__name__}")
-            return algorithm
-        size_class = max(count * itemsize, 1).bit_length()
-        key = (collective, size_class, self.group_size)
-        best = self._auto.get(key)
-        if best is None:
-            best = self._auto[key] = self._cheapest(collective, float(1 << (size_class - 1)))
-        return best
+        return self._runs.resolve(collective, algorithm, count, itemsize, deterministic)
 
-    def _cheapest(self, collective: Collective, size_bytes: float) -> str:
-        """The registered algorithm the cost model predicts fastest for ``size_bytes``.
-
-        Only algorithms registered as automatic (identical results on every rank) are candidates; those that take
-        ranks per host only when the group spans several hosts of equal size; one that cannot be built for this
-        world size is not a candidate.
-        """
-        multi_host = self.group_size < self.world_size and self.world_size % self.group_size == 0
-        best, best_s = "", math.inf
-        for name in algorithms(collective):
-            entry = get_algorithm(collective, name)
-            if not entry.automatic or ("group_size" in entry.parameters and not multi_host):
-                continue
-            try:
-                schedule = self._schedule(collective, name, 0, 1)
-            except ValueError:
-                continue
-            predicted_s = predict(schedule, size_bytes, self.cost_model).seconds
-            if predicted_s < best_s:
-                best, best_s = name, predicted_s
-        if not best:
-            raise ValueError(f"algorithm: no registered {collective.value} algorithm runs on {self.world_size} ranks")
-        return best
-
-    def _schedule(self, collective: Collective, name: str, root: int, segments: int) -> Schedule:
-        """The registered algorithm's schedule for this group (cached); ``ValueError`` naming what is wrong."""
-
-        def build() -> Schedule:
-            try:
-                get_algorithm(collective, name)
-            except ValueError:
-                raise ValueError(
-                    f"algorithm: unknown {collective.value} algorithm {name!r}; choose auto or one of "
-                    f"{', '.join(algorithms(collective))}"
-                ) from None
-            try:
-                return make_schedule(
-                    collective, name, self.world_size, root=root, group_size=self.group_size, segments=segments
-                )
-            except ValueError as exc:
-                raise ValueError(f"algorithm: {name} on {self.world_size} ranks: {exc}") from None
-
-        return self._plans.get((_SCHEDULE_KEY, collective, name, root, segments, self.group_size), build)
-
-    def _registered_run(
-        self, collective: Collective, kind: int, name: str, *, root: int, segments: int, count: int
-    ) -> _Run:
-        """The cached run of a registered algorithm (``kind``: the collective's code, a cheaper key than the enum)."""
-
-        def build() -> _Run:
-            schedule = self._schedule(collective, name, root, segments)
-            return _Run(schedule, compile_plan(schedule, self.rank, count), algorithm_name_bytes(name), NO_DIGEST)
-
-        return self._plans.get((_RUN_KEY, kind, name, root, segments, self.group_size, count), build)
-
-    def _schedule_run(self, collective: Collective, schedule: Schedule, root: int, segments: int, count: int) -> _Run:
-        def build() -> _Run:
-            if schedule.collective is not collective:
-                raise ValueError(
-                    f"algorithm: schedule {schedule.name!r} is a {schedule.collective.value} schedule; "
-                    f"this call is {collective.value}"
-                )
-            if schedule.world_size != self.world_size:
-                raise ValueError(
-                    f"algorithm: schedule {schedule.name!r} is for {schedule.world_size} ranks; "
-                    f"this group has {self.world_size}"
-                )
-            if collective in (Collective.BROADCAST, Collective.REDUCE) and schedule.root != root:
-                raise ValueError(
-                    f"algorithm: schedule {schedule.name!r} is rooted at rank {schedule.root}, but root={root}"
-                )
-            name = algorithm_name_bytes(schedule.name)
-            verify(schedule)
-            effective = schedule if segments == 1 else schedule.with_segments(segments)
-            return _Run(effective, compile_plan(effective, self.rank, count), name, schedule_digest(effective))
-
-        return self._plans.get((_RUN_KEY, schedule, root, segments, count), build)
-
-    # ----------------------------------------------------------------------------------------------------
     def _timeout(self, timeout_s: float) -> float:
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")

@@ -1,9 +1,9 @@
 """Fixtures for the process group's semantics on the in-process transport: N groups, one thread per rank.
 
 ``ranks(n)`` makes ``n`` connected groups (closed after the test); ``on_ranks(groups, fn)`` runs ``fn(group)``
-on every rank's own thread (a group or a transport: anything with a ``rank``) and returns each rank's result, or
-the exception it raised, indexed by rank. A thread still running after ``JOIN_TIMEOUT_S`` fails the test naming
-the ranks (a hang, never a silent pass).
+on every rank's own thread (a group, handed over to that thread, or a transport: anything with a ``rank``) and
+returns each rank's result, or the exception it raised, indexed by rank. A thread still running after
+``JOIN_TIMEOUT_S`` fails the test naming the ranks (a hang, never a silent pass).
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ def _on_ranks(groups: list[Any], fn: Callable[[Any], Any]) -> list[Any]:
             results[group.rank] = exc
 
     threads = [threading.Thread(target=body, args=(g,), name=f"rank{g.rank}", daemon=True) for g in groups]
+    for g, t in zip(groups, threads, strict=True):
+        if isinstance(g, ProcessGroup):
+            g.hand_over(t)  # the test's thread made the groups; each rank's thread calls its own
     for t in threads:
         t.start()
     for t in threads:

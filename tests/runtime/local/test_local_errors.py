@@ -34,10 +34,11 @@ BAD_ARGUMENTS: dict[str, tuple[Callable[[ProcessGroup], Any], type[Exception], s
     "algorithm of another type": (lambda g: g.all_reduce(np.zeros(3), algorithm=3), TypeError, "got int"),
     "unknown op": (lambda g: g.all_reduce(np.zeros(3), op="median"), ValueError, "median"),
     "root out of range": (lambda g: g.broadcast(np.zeros(3), root=WORLD_SIZE), ValueError, "root: 3"),
-    "root not an int": (lambda g: g.reduce(np.zeros(3), root=0.5), ValueError, "root: 0.5"),  # type: ignore[arg-type]
+    "root a float": (lambda g: g.reduce(np.zeros(3), root=0.5), TypeError, "root: .* float 0.5"),  # type: ignore[arg-type]
+    "root a bool": (lambda g: g.broadcast(np.zeros(3), root=True), TypeError, "root: .* bool True"),
     "a list": (lambda g: g.all_reduce([1, 2, 3]), TypeError, "got list"),
     "zero segments": (lambda g: g.all_reduce(np.zeros(3), segments=0), ValueError, "segments .* got 0"),
-    "boolean segments": (lambda g: g.all_reduce(np.zeros(3), segments=True), ValueError, "segments .* got True"),
+    "boolean segments": (lambda g: g.all_reduce(np.zeros(3), segments=True), TypeError, "segments: .* bool True"),
     "negative timeout": (lambda g: g.all_reduce(np.zeros(3), timeout_s=-1.0), ValueError, "timeout_s .* -1.0"),
     "hierarchical on unequal hosts": (
         lambda g: g.all_reduce(np.zeros(3), algorithm="hierarchical"),

@@ -1,0 +1,116 @@
+"""Threads and the process group, on real processes over shm and tcp.
+
+Two threads of each rank all-reduce their own arrays and reach the call in a different order on the two ranks
+(rank 0: thread A first, rank 1: thread B first; an event orders them, never a sleep). Before the group checked
+threads, both calls completed and paired A's array on one rank with B's on the other: a wrong sum, no error.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from test_group_harness import report, run_ranks
+
+import allreduce
+
+THREADS = ("A", "B")
+# each thread's contribution per rank: any cross-pairing of A with B gives a sum no correct pairing gives
+VALUES = {"A": (1.0, 2.0), "B": (100.0, 200.0)}
+EXPECTED = {name: sum(values) for name, values in VALUES.items()}
+TURN_TIMEOUT_S = 120.0
+"""How long a thread waits for its turn: far above the collective's timeout, so a hang fails, never passes."""
+
+
+def _racing_rank(rank: int, n: int, port: int, out: Any, case: tuple[str, str]) -> None:
+    """Each thread's outcome: ("ok", the sum) or (the exception's class name, its message).
+
+    ``case`` is (transport, mode); mode: "plain" (no tags), "tagged" (each thread tags its calls with its name),
+    or "handed" (the main thread hands the group to thread A, which then calls alone; B does not call).
+    """
+
+    transport, mode = case
+
+    def body() -> dict[str, tuple[str, Any]]:
+        outcome: dict[str, tuple[str, Any]] = {}
+        with allreduce.init(rank, n, master_port=port, transport=transport, timeout_s=60) as group:
+            order = THREADS if rank == 0 or mode == "handed" else THREADS[::-1]
+            turn = {name: threading.Event() for name in THREADS}
+            turn[order[0]].set()
+
+            def thread_body(name: str) -> None:
+                try:
+                    if not turn[name].wait(TURN_TIMEOUT_S):
+                        outcome[name] = ("no turn", None)
+                        return
+                    if mode == "handed" and name == "B":
+                        return
+                    x = np.full(1024, VALUES[name][rank])
+                    kwargs = {"tag": name} if mode == "tagged" else {}
+                    group.all_reduce(x, algorithm="ring", **kwargs)
+                    outcome[name] = ("ok", float(x[0]))
+                except Exception as exc:  # reported to the test, which asserts on it
+                    outcome[name] = (type(exc).__name__, str(exc))
+                finally:
+                    if name == order[0]:
+                        turn[order[1]].set()
+
+            threads = [threading.Thread(target=thread_body, args=(name,), name=f"worker-{name}") for name in THREADS]
+            if mode == "handed":
+                group.hand_over(threads[0])
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        return outcome
+
+    report(out, rank, body)
+
+
+def _assert_no_wrong_sum(results: list[Any]) -> None:
+    for rank, outcome in enumerate(results):
+        assert isinstance(outcome, dict), outcome
+        for name in THREADS:
+            status, value = outcome[name]
+            assert status != "ok" or value == EXPECTED[name], f"rank {rank} thread {name}: silent wrong sum {value}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_two_threads_racing_on_one_group_never_get_a_wrong_sum(transport: str) -> None:
+    _assert_no_wrong_sum(run_ranks(2, _racing_rank, (transport, "plain")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_thread_that_does_not_own_the_group_raises_naming_both_threads(transport: str) -> None:
+    for rank, outcome in enumerate(run_ranks(2, _racing_rank, (transport, "plain"))):
+        for name in THREADS:
+            status, message = outcome[name]
+            assert status == "WrongThreadError", (rank, name, outcome[name])
+            assert f"'worker-{name}'" in message, message
+            assert "'MainThread'" in message, message
+            assert "hand_over" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_tagged_calls_paired_across_threads_raise_mismatch_on_every_rank(transport: str) -> None:
+    results = run_ranks(2, _racing_rank, (transport, "tagged"))
+    _assert_no_wrong_sum(results)
+    for rank, outcome in enumerate(results):
+        for name in THREADS:
+            status, message = outcome[name]
+            assert status == "MismatchError", (rank, name, outcome[name])
+            assert "different tag (rank 0: " in message, message
+            assert "'A'" in message, message
+            assert "'B'" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_thread_handed_the_group_gets_the_right_sum(transport: str) -> None:
+    for outcome in run_ranks(2, _racing_rank, (transport, "handed")):
+        assert outcome["A"] == ("ok", EXPECTED["A"]), outcome
