@@ -12,6 +12,7 @@ from allreduce.runtime import (
     ProcessGroup,
     ProtocolError,
     Work,
+    WrongThreadError,
     init,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "ProcessGroup",
     "ProtocolError",
     "Work",
+    "WrongThreadError",
     "__version__",
     "init",
 ]

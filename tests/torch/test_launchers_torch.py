@@ -337,11 +337,6 @@ INIT_AFTER_SUBGROUP = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="under torchrun, init() keys its rendezvous by the number of groups this process joined, backend "
-    "groups included: it needs a key of the backend's own (init(rendezvous_key=...)) that does not count",
-    strict=True,
-)
 def test_under_torchrun_an_init_after_a_subgroup_some_ranks_are_not_in_joins(tmp_path: Path) -> None:
     script = tmp_path / "init_after_subgroup.py"
     script.write_text(INIT_AFTER_SUBGROUP)

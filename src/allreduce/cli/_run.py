@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import signal
 import sys
@@ -13,12 +12,9 @@ from pathlib import Path
 
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._main import CLIError
-from allreduce.runtime import STATS_FILE_ENV, TRACE_ENV, launch
+from allreduce.runtime import DEFAULT_GRACE_S, STATS_FILE_ENV, TRACE_ENV, launch
 
 __all__ = ["register"]
-
-_DEFAULT_GRACE_S: float = inspect.signature(launch).parameters["grace_s"].default
-"""launch()'s own default, shown in --help."""
 
 _HELP_WIDTH = 78
 """Columns of the pre-wrapped description (the epilog's environment table is laid out by hand, so argparse must
@@ -109,10 +105,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--grace",
         type=float,
-        default=_DEFAULT_GRACE_S,
+        default=DEFAULT_GRACE_S,
         metavar="SECONDS",
         help=f"after SIGTERM (a failure, an interrupt, a closed output), wait this long before SIGKILL "
-        f"(default: {_DEFAULT_GRACE_S:g})",
+        f"(default: {DEFAULT_GRACE_S:g})",
     )
     p.add_argument(
         "--algorithm",

@@ -16,7 +16,15 @@ from allreduce.runtime._inject import ENV_VAR as INJECT_ENV
 from allreduce.runtime._launch import LaunchResult, launch
 from allreduce.runtime._local import LocalTransport, local_groups, local_transports
 from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
-from allreduce.runtime._spawn import RankFailedError, new_token, reserve_port, spawn
+from allreduce.runtime._spawn import (
+    DEFAULT_GRACE_S,
+    MAX_LOCAL_RANKS,
+    JobInterruptedError,
+    RankFailedError,
+    new_token,
+    reserve_port,
+    spawn,
+)
 from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
 from allreduce.runtime._threads import WrongThreadError
 from allreduce.runtime._trace import TRACE_ENV
@@ -34,8 +42,10 @@ from allreduce.runtime._work import Work
 
 __all__ = [
     "ABORT_KINDS",
+    "DEFAULT_GRACE_S",
     "DTYPES",
     "INJECT_ENV",
+    "MAX_LOCAL_RANKS",
     "OPS",
     "PLAN_CACHE_ENTRIES",
     "STATS_FILE_ENV",
@@ -46,6 +56,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "GroupStats",
+    "JobInterruptedError",
     "LaunchResult",
     "LinkStats",
     "LocalTransport",

@@ -152,7 +152,7 @@ def _measure_rank(group: ProcessGroup, config: BenchConfig) -> list[tuple[int, s
         x[...] = pattern(dtype, count, group.rank, config.op)
         group.all_reduce(x, op=config.op, algorithm=config.algorithm)
         wrong = _count_wrong(x, expected_result(dtype, count, group.world_size, config.op), config.op)
-        name = group._resolve(Collective.ALL_REDUCE, config.algorithm, count, dtype.itemsize, deterministic=False)
+        name = group.choose_algorithm(count, dtype) if config.algorithm == "auto" else config.algorithm
         iters = config.iters or default_iters(size)
         with np.errstate(all="ignore"):  # repeated in-place sums overflow; the timing does not care
             for _ in range(max(1, iters // 10)):

@@ -99,6 +99,7 @@ def init(
     cost_model: CostModel | None = None,
     cross_memory: bool = True,
     rendezvous_store: Any = None,
+    rendezvous_key: str | None = None,
 ) -> ProcessGroup:
     """Join a process group. Unset arguments come from the environment: RANK / WORLD_SIZE / MASTER_ADDR /
     MASTER_PORT (torchrun), OMPI_COMM_WORLD_RANK / _SIZE (Open MPI), PMI_RANK / PMI_SIZE, SLURM_PROCID /
@@ -113,7 +114,9 @@ def init(
     ``cross_memory=False`` keeps the shm transport from reading peers' buffers in place (``process_vm_readv``):
     it stages every transfer through shared memory instead. ``rendezvous_store`` is an existing store of the job
     (anything with ``set(key, value)`` and ``get(key)``, such as torch's): rank 0 then hosts allreduce's store on
-    a free port and publishes it there, as under torchrun.
+    a free port and publishes it there, as under torchrun; ``rendezvous_key`` names the key it publishes under
+    (every rank must pass the same; by default a key counting this process's calls of ``init()``, which agrees
+    across ranks only when every rank joined the same groups before).
     """
     rank = _env_int(_RANK_ENV, "rank") if rank is None else integer_arg(rank, "rank")
     world_size = _env_int(_SIZE_ENV, "world_size") if world_size is None else integer_arg(world_size, "world_size")
@@ -145,7 +148,9 @@ def init(
     else:
         # Under torchrun (or inside torch's own rendezvous), MASTER_PORT is the launcher's store: host ours on a
         # free port and tell the other ranks where, through that store.
-        key = f"allreduce/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_torchrun_attempt()}/{next(_INIT_CALLS)}"
+        key = rendezvous_key or (
+            f"allreduce/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_torchrun_attempt()}/{next(_INIT_CALLS)}"
+        )
         if rank == 0:
             store = TCPStore(host, 0, is_server=True, world_size=world_size, rank=0, timeout_s=timeout_s, token=token)
             agent.set(key, str(store.port))

@@ -598,9 +598,6 @@ class ProcessGroup:
         return buf.original
 
     # ----------------------------------------------------------------------------------------------------
-    def _resolve(self, collective: Collective, algorithm: str, count: int, itemsize: int, deterministic: bool) -> str:
-        return self._runs.resolve(collective, algorithm, count, itemsize, deterministic)
-
     def _timeout(self, timeout_s: float) -> float:
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")

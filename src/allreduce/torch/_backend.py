@@ -146,35 +146,20 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
         self._group.close()
 
 
-class _GroupStore:
-    """torch's store for one process group, as :func:`allreduce.runtime.init` sees it: its one publication (the
-    port of allreduce's store) lives under :data:`_PORT_KEY`, whatever key ``init`` names.
-
-    torch gives every process group a store of its own (prefixed with the group's name, and new for each torchrun
-    attempt), and only the group's members build its backend. ``init`` counts the groups *this process* has
-    joined in its key, and that count differs between ranks that are members of different subgroups, so the
-    key of a group's port must not depend on it.
-    """
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self._store.set(_PORT_KEY, value)
-
-    def get(self, key: str) -> bytes:
-        value: bytes = self._store.get(_PORT_KEY)
-        return value
-
-
 def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> _AllreduceBackend:
     from allreduce.runtime import init
 
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    # Rank 0 hosts allreduce's store on a port the kernel picks and publishes it through torch's store, so no
-    # port is guessed and none of the launcher's is reused.
+    # Rank 0 hosts allreduce's store on a port the kernel picks and publishes it through torch's store (one per
+    # process group, given only to its members), under a key of the backend's own, so no port is guessed, none
+    # of the launcher's is reused, and no count of this process's other groups enters the key.
     group = init(
-        rank, world_size, master_addr=host, timeout_s=timeout.total_seconds(), rendezvous_store=_GroupStore(store)
+        rank,
+        world_size,
+        master_addr=host,
+        timeout_s=timeout.total_seconds(),
+        rendezvous_store=store,
+        rendezvous_key=_PORT_KEY,
     )
     return _AllreduceBackend(group)
 
