@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -222,6 +222,143 @@ class TailResult:
 # Per phase: the flows' noise-free durations and what the noise models need about them
 # ------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
+class _Cyclic:
+    """A phase in which every rank sends one flow, to the rank ``shift`` places ahead of it in its block of
+    ``block`` consecutive ranks (cyclically): a ring is one block of every rank, shift 1; the inter-node ring of
+    hierarchical all-reduce one block, shift ranks-per-node; its intra-node rings blocks of a node.
+
+    Then a step's gathers are two slices of the clocks seen as ``(ranks / block, block, samples)``, and its
+    scatter is one maximum with the ends shifted back: no index arrays, about a third of the passes of
+    :func:`allreduce.schedules.step_samples`, whose arithmetic it repeats operation for operation (so the
+    clocks are the same bit for bit, and so are the blames: the same strict comparisons pick them)."""
+
+    block: int
+    shift: int
+    order: IntArray  # order[r]: the flow whose sender is rank r (flow-ordered arrays -> rank order)
+
+    @classmethod
+    def of(cls, world_size: int, phase: Phase) -> _Cyclic | None:
+        n = world_size
+        if n < 2 or len(phase) != n:
+            return None
+        src, dst = phase.src.astype(np.int64), phase.dst.astype(np.int64)
+        if not np.array_equal(np.bincount(src, minlength=n), np.ones(n, dtype=np.int64)):
+            return None
+        offsets = np.unique(dst - src)
+        if offsets.size == 1:
+            block, shift = n, int(offsets[0]) % n
+        elif offsets.size == 2:
+            block, shift = int(offsets[1] - offsets[0]), int(offsets[1])
+        else:
+            return None
+        if not (0 < shift < block <= n and n % block == 0):
+            return None
+        base = src - src % block
+        if not np.array_equal(dst, base + (src % block + shift) % block):
+            return None
+        order = np.empty(n, dtype=np.int64)
+        order[src] = np.arange(n, dtype=np.int64)
+        return cls(block, shift, order)
+
+    def ahead(self, values: _Values) -> _Values:
+        """``values`` of rank ``r + shift`` (in its block) in row r."""
+        b, s = self.block, self.shift
+        v = values.reshape(-1, b, values.shape[-1])
+        out = np.empty_like(v)
+        out[:, : b - s] = v[:, s:]
+        out[:, b - s :] = v[:, :s]
+        return out.reshape(values.shape)
+
+    def behind(self, values: _Values) -> _Values:
+        """``values`` of rank ``r - shift`` (in its block) in row r."""
+        b, s = self.block, self.shift
+        v = values.reshape(-1, b, values.shape[-1])
+        out = np.empty_like(v)
+        out[:, s:] = v[:, : b - s]
+        out[:, :s] = v[:, b - s :]
+        return out.reshape(values.shape)
+
+    def max_ahead(self, values: FloatArray) -> FloatArray:
+        """``max(values[r], values[r + shift])`` per row, without materialising the shifted copy."""
+        b, s = self.block, self.shift
+        v = values.reshape(-1, b, values.shape[-1])
+        out = np.empty_like(v)
+        np.maximum(v[:, : b - s], v[:, s:], out=out[:, : b - s])
+        np.maximum(v[:, b - s :], v[:, :s], out=out[:, b - s :])
+        return out.reshape(values.shape)
+
+    def max_behind(self, values: FloatArray) -> FloatArray:
+        """``max(values[r], values[r - shift])`` per row."""
+        b, s = self.block, self.shift
+        v = values.reshape(-1, b, values.shape[-1])
+        out = np.empty_like(v)
+        np.maximum(v[:, s:], v[:, : b - s], out=out[:, s:])
+        np.maximum(v[:, :s], v[:, b - s :], out=out[:, :s])
+        return out.reshape(values.shape)
+
+
+_Values = TypeVar("_Values", FloatArray, IntArray)
+
+
+def _step_cyclic(
+    clock: FloatArray,
+    cyclic: _Cyclic,
+    flow_seconds: FloatArray,
+    rank_seconds: FloatArray | None,
+    *,
+    extra_s: FloatArray | None,
+    extra_blame: IntArray | None,
+    rank_blame: IntArray | None,
+    sparse: tuple[IntArray, IntArray, FloatArray, IntArray | None] | None,
+    blame: Blame | None,
+) -> FloatArray:
+    """:func:`allreduce.schedules.step_samples` for a cyclic phase, with every per-flow array in rank order
+    (row r: the flow rank r sends; ``sparse`` rows likewise). Rank r's flow starts at
+    ``max(clock[r], clock[r + shift])``; rank r's clock becomes the later of its own flow's end and the end of
+    the flow it receives, rank ``r − shift``'s; then its own delay."""
+    base = flow_seconds if flow_seconds.ndim == 2 else flow_seconds[:, None]
+    end_blame: IntArray | None = None
+    if blame is None:
+        end = cyclic.max_ahead(clock)
+    else:
+        from_dst = cyclic.ahead(clock)
+        end = np.maximum(clock, from_dst)
+        end_blame = blame.key.copy()
+        _select_into(end_blame, cyclic.ahead(blame.key), from_dst > clock)
+        if extra_blame is not None:
+            np.maximum(end_blame, extra_blame, out=end_blame)
+    end += base
+    if extra_s is not None:
+        end += extra_s
+    if sparse is not None:
+        rows, sample, seconds, key = sparse
+        np.add.at(end, (rows, sample), seconds)
+        if end_blame is not None and key is not None:
+            np.maximum.at(end_blame, (rows, sample), key)
+    if blame is None or end_blame is None:
+        done = cyclic.max_behind(end)
+    else:
+        received = cyclic.behind(end)
+        blame.key[...] = end_blame
+        _select_into(blame.key, cyclic.behind(end_blame), received > end)
+        done = np.maximum(end, received)
+    if rank_seconds is not None:
+        done += rank_seconds[:, None]
+        if blame is not None and rank_blame is not None:
+            np.maximum(blame.key, rank_blame[:, None], out=blame.key)
+    return done
+
+
+def _select_into(target: IntArray, source: IntArray, mask: npt.NDArray[np.bool_]) -> None:
+    """``target[mask] = source[mask]`` as arithmetic, as :func:`allreduce.schedules.step_samples` does it (a
+    masked copy with an unpredictable mask costs many times a maximum). Keys are non-negative int64, so the
+    difference cannot overflow."""
+    difference = source - target
+    difference *= mask
+    target += difference
+
+
+@dataclass(frozen=True, eq=False)
 class _PhaseData:
     phase: Phase
     incidence: Incidence
@@ -231,6 +368,7 @@ class _PhaseData:
     loss_q: FloatArray  # per-packet loss probability per flow
     loss_hazard: FloatArray  # per route entry
     blame_link: IntArray  # the link a flow's jitter is blamed on (its bottleneck, else its first link; -1)
+    cyclic: _Cyclic | None  # the phase is a cyclic shift of the ranks: stepped with slices (see _step_cyclic)
 
 
 def _phase_data(schedule: Schedule, router: Router, size_bytes: float, link_loss: FloatArray) -> list[_PhaseData]:
@@ -245,7 +383,8 @@ def _phase_data(schedule: Schedule, router: Router, size_bytes: float, link_loss
         has = np.diff(pattern.routes.flow_ptr) > 0
         first[has] = pattern.routes.link[pattern.routes.flow_ptr[:-1][has]]
         blame = np.where(pattern.bottleneck_link >= 0, pattern.bottleneck_link, first)
-        out.append(_PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame))
+        cyclic = _Cyclic.of(n, phase)
+        out.append(_PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic))
     return out
 
 
@@ -629,6 +768,11 @@ def _run_phase(
     jitter = config.link_jitter if config.link_jitter is not None and not config.link_jitter.is_zero else None
     link_code = np.where(d.blame_link >= 0, n + d.blame_link, -1)
     quiet = losses is None and jitter is None and rates is None
+    cyclic = d.cyclic
+    if cyclic is not None:
+        # Per-flow arrays in rank order (the draws stay in flow order: the same samples either way).
+        rank_seconds_of_flow = d.seconds[cyclic.order]
+        loss_rows = phase.src[losses.flow] if losses is not None else None
     history: list[FloatArray] = [clock]
     blames: list[IntArray | None] = [_snapshot(blame)]
     remaining = phase.repeat
@@ -643,7 +787,8 @@ def _run_phase(
         if losses is not None and bounds[j + 1] > bounds[j]:
             sl = slice(int(bounds[j]), int(bounds[j + 1]))
             seconds = losses.extra_s[sl]
-            sparse = (losses.flow[sl], losses.sample[sl], seconds, blame_key(seconds, n + losses.link[sl]))
+            key = blame_key(seconds, n + losses.link[sl]) if blame is not None else None
+            sparse = (losses.flow[sl], losses.sample[sl], seconds, key)
         if rates is not None:
             start = np.maximum(clock[phase.src], clock[phase.dst])
             fault_extra, fault_code = rates.extra(start)
@@ -652,18 +797,32 @@ def _run_phase(
             else:
                 code = np.where(fault_extra > extra, fault_code, code)
                 extra = extra + fault_extra
-        clock = step_samples(
-            clock,
-            phase,
-            d.incidence,
-            d.seconds,
-            delay,
-            extra_s=extra,
-            extra_blame=None if blame is None or extra is None else blame_key(extra, -1 if code is None else code),
-            rank_blame=delay_blame,
-            sparse=sparse,
-            blame=blame,
-        )
+        extra_blame = None if blame is None or extra is None else blame_key(extra, -1 if code is None else code)
+        if cyclic is not None:
+            clock = _step_cyclic(
+                clock,
+                cyclic,
+                rank_seconds_of_flow,
+                delay,
+                extra_s=None if extra is None else np.take(extra, cyclic.order, axis=0),
+                extra_blame=None if extra_blame is None else np.take(extra_blame, cyclic.order, axis=0),
+                rank_blame=delay_blame,
+                sparse=None if sparse is None or loss_rows is None else (loss_rows[sl], *sparse[1:]),
+                blame=blame,
+            )
+        else:
+            clock = step_samples(
+                clock,
+                phase,
+                d.incidence,
+                d.seconds,
+                delay,
+                extra_s=extra,
+                extra_blame=extra_blame,
+                rank_blame=delay_blame,
+                sparse=None if sparse is None else (*sparse[:3], _keys(sparse[3], sparse[2].size)),
+                blame=blame,
+            )
         remaining -= 1
         j += 1
         if not quiet or remaining == 0:
@@ -684,6 +843,11 @@ def _run_phase(
             history.pop(0)
             blames.pop(0)
     return clock
+
+
+def _keys(key: IntArray | None, size: int) -> IntArray:
+    """Blame keys of sparse delays, or placeholders where no blame is carried (step_samples ignores them)."""
+    return key if key is not None else np.zeros(size, dtype=np.int64)
 
 
 def _snapshot(blame: Blame | None) -> IntArray | None:
