@@ -47,7 +47,7 @@ from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
 
-__all__ = ["Transfers", "match_transfers", "run_event"]
+__all__ = ["SampleRun", "Transfers", "match_transfers", "run_event", "run_event_sample"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -143,10 +143,15 @@ class _Run:
         *,
         local: bool = True,
         numpy_min_flows: int = _NUMPY_MIN_FLOWS,
+        start_s: FloatArray | None = None,
+        extra_s: FloatArray | None = None,
     ) -> None:
         """``local=False`` re-solves the rates of every draining transfer at every change, not only those
         of the changed transfers' component (the reference the local re-solve is tested against);
-        components of more than ``numpy_min_flows`` transfers are solved with numpy, smaller ones over dicts."""
+        components of more than ``numpy_min_flows`` transfers are solved with numpy, smaller ones over dicts.
+        ``start_s`` (per rank): when each rank reaches the collective (default: all at 0); ``extra_s`` (per
+        transfer): a delay added to its delivery after its last byte drained — a retransmission or latency
+        jitter, which the fluid model charges to no link's capacity (as the fast engine's recurrence does)."""
         self.local = local
         self.numpy_min_flows = numpy_min_flows
         self.schedule = schedule
@@ -174,6 +179,9 @@ class _Run:
             bad = int(self.used_links[~(link_capacity > 0)][0])
             raise ValueError(f"link {bad} carries flows but has capacity {self.capacity[bad]} (must be > 0)")
         self.latency = routes.latency_s[self.pair]
+        if extra_s is not None:
+            self.latency = self.latency + extra_s
+        self.start_at = np.zeros(n) if start_s is None else np.asarray(start_s, dtype=np.float64)
 
         # Slots: one per (rank, step) in which the rank transfers; each transfer sits in two (send, receive).
         slot_rank = np.concatenate([t.src, t.dst])
@@ -479,7 +487,9 @@ class _Run:
         delivered = 0
         for rank in range(self.schedule.world_size):
             if self.rank_first_slot[rank] < self.rank_stop_slot[rank]:
-                self.push(0.0, _START, int(self.rank_first_slot[rank]))
+                self.push(float(self.start_at[rank]), _START, int(self.rank_first_slot[rank]))
+            else:
+                self.rank_end[rank] = self.start_at[rank]
         heap = self.heap
         version = self._version
         while heap:
@@ -566,6 +576,51 @@ def run_event(
         trace_start_s=trace_start,
         trace_end_s=trace_end,
     )
+
+
+@dataclass(frozen=True, eq=False)
+class SampleRun:
+    """One event-driven run with noise (:func:`run_event_sample`): each rank's end, and the critical path
+    walked back from the last one: its transfers, the rank whose delay follows each, and the rank it starts
+    from (-1 when the last rank had no transfers)."""
+
+    rank_end_s: FloatArray
+    chain_transfers: IntArray
+    chain_ranks: IntArray
+    start_rank: int
+
+
+def run_event_sample(
+    schedule: Schedule,
+    router: Router,
+    transfers: Transfers,
+    *,
+    size_bytes: float,
+    rank_delay_s: FloatArray | None,
+    start_s: FloatArray,
+    extra_s: FloatArray,
+) -> SampleRun:
+    """The event engine with ranks reaching the collective at ``start_s`` and a delay ``extra_s`` added to
+    each transfer's delivery (``transfers`` in :func:`match_transfers`' order): one Monte Carlo sample."""
+    run = _Run(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
+    if len(transfers):
+        run.run()
+    last_rank = int(np.argmax(run.rank_end)) if schedule.world_size else 0
+    chain: list[int] = []
+    ranks: list[int] = []
+    start = -1
+    slot = int(run.rank_stop_slot[last_rank]) - 1 if len(transfers) else -1
+    if slot >= run.rank_first_slot[last_rank]:
+        while slot >= 0:
+            x = int(run.slot_last[slot])
+            chain.append(x)
+            ranks.append(int(run.slot_rank[slot]))
+            cause = int(run.trigger[x])
+            start = int(run.slot_rank[cause])
+            slot = cause - 1 if cause > run.rank_first_slot[start] else -1
+    else:
+        start = last_rank
+    return SampleRun(run.rank_end.copy(), np.asarray(chain, dtype=np.int64), np.asarray(ranks, dtype=np.int64), start)
 
 
 def _critical_path(run: _Run, seconds: float, num_links: int) -> tuple[tuple[CriticalStep, ...], FloatArray]:

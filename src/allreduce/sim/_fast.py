@@ -63,7 +63,7 @@ from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
 from allreduce.topology import Routes, Topology
 
-__all__ = ["run_fast", "run_fast_checked"]
+__all__ = ["rates_fixed_under_any_timing", "run_fast", "run_fast_checked"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -251,3 +251,17 @@ def _rates_independent_of_timing(routes: Routes, topology: Topology) -> bool:
     finite = np.isfinite(solo[flow])
     load = np.bincount(routes.link[finite], weights=routes.weight[finite] * solo[flow][finite], minlength=capacity.size)
     return bool(np.all(load <= capacity * (1 + _LOCKSTEP_RTOL)))
+
+
+def rates_fixed_under_any_timing(schedule: Schedule, router: Router) -> bool:
+    """Whether every flow of ``schedule`` gets its solo rate however the ranks drift — the certificate that
+    survives noise (late arrivals, retransmissions, jitter), where lockstep does not: every rank pair the
+    schedule ever uses, each at its solo rate at once, fits every link (a pair counts once: its transfers
+    run one after the other). Sufficient, not necessary: transfers of one rank in different steps never
+    overlap, but count here as if they might."""
+    n = schedule.world_size
+    keys = [phase.src * n + phase.dst for phase in schedule.phases() if len(phase)]
+    if not keys:
+        return True
+    pairs = np.unique(np.concatenate(keys))
+    return _rates_independent_of_timing(router.route_ranks(pairs // n, pairs % n), router.topology)

@@ -43,15 +43,27 @@ from allreduce.schedules import (
     propagate,
     step_samples,
 )
-from allreduce.sim._fast import run_fast_checked
+from allreduce.sim._event import Transfers, match_transfers, run_event, run_event_sample
+from allreduce.sim._fast import rates_fixed_under_any_timing, run_fast_checked
 from allreduce.sim._faults import Faults, TimedFault, apply_faults, resolve_links
 from allreduce.sim._loss import LossModel, draw_extra_seconds, packet_loss_probability
 from allreduce.sim._routing import Pattern, Router
+from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS, ENGINES
 from allreduce.sim._stochastic import Distribution
 from allreduce.topology import Topology, place
 from allreduce.units import format_bytes, format_seconds
 
-__all__ = ["PERCENTILES", "Culprit", "TailConfig", "TailResult", "simulate_tail"]
+__all__ = [
+    "EVENT_MAX_TRANSFERS",
+    "PERCENTILES",
+    "SAMPLE_EVENT",
+    "SAMPLE_FAST",
+    "SAMPLE_FAST_UNCERTIFIED",
+    "Culprit",
+    "TailConfig",
+    "TailResult",
+    "simulate_tail",
+]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -68,6 +80,16 @@ _MAX_HISTORY = 5
 _MAX_GAPS_PER_DRAW = 2**24
 # How many times a transfer that finds no path waits for the fault's next change before giving up.
 _MAX_WAITS = 64
+# How each sample was computed (TailResult.sample_engine): by the fast engine's recurrence, certified exact;
+# by it, not certified (the "~" of the output); by the event engine.
+SAMPLE_FAST = 0
+SAMPLE_FAST_UNCERTIFIED = 1
+SAMPLE_EVENT = 2
+# engine="auto" re-runs the samples the fast engine cannot certify with the event engine when the group has at
+# most AUTO_EXACT_MAX_RANKS ranks and the re-runs take at most this many transfers in all: the event engine
+# costs 30-80 µs of CPU per transfer (measured on the development machine: rings, halving-doubling and
+# double binary trees of 16-64 ranks on a fat-tree), so about 10-15 s at most.
+EVENT_MAX_TRANSFERS = 200_000
 
 
 @dataclass(frozen=True)
@@ -80,7 +102,11 @@ class TailConfig:
     times; ``ecmp_seeds``: if > 0, that many ECMP hash seeds are drawn and the samples spread over them, so the
     distribution over path assignments shows (0: the simulation's one seed); ``attribution``: carry each
     sample's culprit through the recurrence (2-2.5x the stepping's array work; off: culprits are not named);
-    ``stragglers``: (rank, seconds) pairs, ranks that reach the collective that much later in every sample."""
+    ``stragglers``: (rank, seconds) pairs, ranks that reach the collective that much later in every sample;
+    ``engine``: "fast" (every sample by the fast engine's recurrence), "event" (every sample by the event
+    engine, whatever it costs) or "auto" (the samples the fast engine cannot certify exact by the event
+    engine, when the group has at most AUTO_EXACT_MAX_RANKS ranks and the re-runs at most
+    EVENT_MAX_TRANSFERS transfers; never with timed faults, which only the fast engine models)."""
 
     samples: int = 1000
     seed: int = 0
@@ -91,8 +117,13 @@ class TailConfig:
     ecmp_seeds: int = 0
     attribution: bool = True
     stragglers: tuple[tuple[int, float], ...] = ()
+    engine: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "event" and self.timed_faults:
+            raise ValueError("engine 'event': the event engine does not model timed faults; use auto or fast")
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.ecmp_seeds < 0:
@@ -139,6 +170,18 @@ class TailResult:
     timeouts: IntArray  # per sample: retransmission timeouts that fired
     topology: Topology  # the one culprit link codes index (after static faults)
     description: str = ""
+    sample_engine: IntArray | None = None  # per sample: SAMPLE_FAST, SAMPLE_FAST_UNCERTIFIED or SAMPLE_EVENT
+
+    def engine_counts(self) -> dict[str, int]:
+        """How many samples each engine computed: "fast" (certified exact), "fast ~" (not certified) and
+        "event"."""
+        codes = self.sample_engine if self.sample_engine is not None else np.zeros(self.samples, dtype=np.int64)
+        counts = np.bincount(codes, minlength=3)
+        return {
+            "fast": int(counts[SAMPLE_FAST]),
+            "fast ~": int(counts[SAMPLE_FAST_UNCERTIFIED]),
+            "event": int(counts[SAMPLE_EVENT]),
+        }
 
     @property
     def samples(self) -> int:
@@ -196,6 +239,7 @@ class TailResult:
             "samples": self.samples,
             "engine": self.engine,
             "exact": self.exact,
+            "samples_by_engine": self.engine_counts(),
             "noise": self.description,
             "noise_free_s": self.baseline_s,
             "step_s": self.percentiles("step"),
@@ -629,13 +673,23 @@ def simulate_tail(
     k = config.samples
 
     # The noise-free run (the simulation's own ECMP seed): the baseline, and the fast engine's certificate.
-    baseline, exact = run_fast_checked(
+    baseline, free_exact = run_fast_checked(
         schedule,
         Router(base_topology, rank_gpu, routing, seed),
         size_bytes=size,
         rank_delay_s=rank_delay,
         trace_ranks=0,
     )
+    baseline_s = baseline.seconds
+    if config.engine == "event" or (config.engine == "auto" and not free_exact and n <= AUTO_EXACT_MAX_RANKS):
+        # The noise-free time the slowdowns are measured against: exact, as the samples are.
+        baseline_s = run_event(
+            schedule,
+            Router(base_topology, rank_gpu, routing, seed),
+            size_bytes=size,
+            rank_delay_s=rank_delay,
+            trace_ranks=0,
+        ).seconds
     seeds = [seed] if config.ecmp_seeds == 0 else [int(s) for s in rng.integers(0, 2**31 - 1, config.ecmp_seeds)]
     group = np.arange(k) % len(seeds)
 
@@ -651,16 +705,21 @@ def simulate_tail(
     culprit_s = np.zeros(k)
     lost = np.zeros(k, dtype=np.int64)
     timeouts = np.zeros(k, dtype=np.int64)
+    sample_engine = np.full(k, SAMPLE_FAST, dtype=np.int64)
     rank_culprit = np.arange(n, dtype=np.int64)
+    transfers = _event_transfers(schedule, config, k)
+    # The link jitter of every transfer is kept for the event engine only if all samples' fit its budget.
+    keep_dense = transfers is not None and (config.engine == "event" or len(transfers) * k <= EVENT_MAX_TRANSFERS)
     done = 0
     for g, ecmp_seed in enumerate(seeds):
         router = Router(base_topology, rank_gpu, routing, ecmp_seed)
+        group_exact = free_exact
         if g > 0 or config.ecmp_seeds:
-            exact = (
-                exact and run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0)[1]
-            )
+            group_exact = run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0)[1]
+        any_timing = rates_fixed_under_any_timing(schedule, router)
         data = _phase_data(schedule, router, size, link_loss)
         members = np.flatnonzero(group == g)
+        record = _Recorder(schedule, transfers, data, dense=keep_dense) if transfers is not None else None
         if not config.per_transfer:
             to_end = _backward(n, data, rank_delay)
             total = arrival[:, members] + to_end[:, None]
@@ -669,50 +728,50 @@ def simulate_tail(
             late = arrival[last, members] > 0
             culprit[members] = np.where(late, last, -1)
             culprit_s[members] = np.where(late, arrival[last, members], 0.0)
-            done += members.size
-            if progress is not None:
-                progress(done / k)
-            continue
-        timed = [
-            _TimedRates(
-                base_topology, router, d, faults=config.timed_faults, fault_link=n + fault_link, size_bytes=size
+        else:
+            _step_group(
+                members,
+                data,
+                config=config,
+                arrival=arrival,
+                rng=rng,
+                base_topology=base_topology,
+                router=router,
+                size=size,
+                fault_link=n + fault_link,
+                rank_delay=rank_delay,
+                rank_culprit=rank_culprit,
+                out=(step_s, culprit, culprit_s, lost, timeouts),
+                record=record,
+                progress=None if progress is None else _offset_progress(progress, done, k),
             )
-            if config.timed_faults
-            else None
-            for d in data
-        ]
-        chunk = max(1, min(members.size, _CHUNK_ELEMENTS // max(n, 1)))
-        for lo in range(0, members.size, chunk):
-            cols = members[lo : lo + chunk]
-            clock = arrival[:, cols].copy()
-            blame = None
-            if config.attribution:
-                blame = Blame(blame_key(clock, np.where(clock > 0, rank_culprit[:, None], -1)))
-            for d, rates in zip(data, timed, strict=True):
-                clock = _run_phase(
-                    clock,
-                    d,
-                    rates=rates,
-                    rng=rng,
-                    config=config,
+        # Which samples the fast engine's recurrence gives exactly: all, if no timing can change a rate;
+        # else the noise-free ones, if the noise-free run was certified.
+        if not any_timing:
+            quiet = ~np.any(arrival[:, members] != 0, axis=0) & (lost[members] == 0)
+            quiet &= not config.timed_faults and (config.link_jitter is None or config.link_jitter.is_zero)
+            sample_engine[members] = np.where(quiet & group_exact, SAMPLE_FAST, SAMPLE_FAST_UNCERTIFIED)
+        if record is not None:
+            rerun = members if config.engine == "event" else members[sample_engine[members] == SAMPLE_FAST_UNCERTIFIED]
+            affordable = config.engine == "event" or (
+                n <= AUTO_EXACT_MAX_RANKS
+                and len(record.transfers) * rerun.size <= EVENT_MAX_TRANSFERS
+                and (keep_dense or config.link_jitter is None or config.link_jitter.is_zero)
+            )
+            if rerun.size and affordable:
+                record.rerun(
+                    rerun,
+                    router,
+                    size_bytes=size,
                     rank_delay=rank_delay,
-                    rank_culprit=rank_culprit,
-                    blame=blame,
-                    n=n,
-                    lost=lost,
-                    timeouts=timeouts,
-                    cols=cols,
+                    arrival=arrival,
+                    attribution=config.attribution,
+                    out=(step_s, culprit, culprit_s),
                 )
-            last = np.argmax(clock, axis=0)
-            columns = np.arange(cols.size)
-            step_s[cols] = clock[last, columns]
-            if blame is not None:
-                final = Blame(blame.key[last, columns])
-                culprit[cols] = final.culprit
-                culprit_s[cols] = final.seconds
-            done += cols.size
-            if progress is not None:
-                progress(done / k)
+                sample_engine[rerun] = SAMPLE_EVENT
+        done += members.size
+        if progress is not None:
+            progress(done / k)
     arrived = arrival.max(axis=0)
     return TailResult(
         name=schedule.name,
@@ -720,8 +779,8 @@ def simulate_tail(
         size_bytes=size,
         topology_name=topology.name,
         engine="stepping" if config.per_transfer else "sensitivity",
-        exact=exact,
-        baseline_s=baseline.seconds,
+        exact=bool(np.all(sample_engine != SAMPLE_FAST_UNCERTIFIED)),
+        baseline_s=baseline_s,
         step_s=step_s,
         collective_s=step_s - arrived,
         culprit=culprit,
@@ -730,7 +789,213 @@ def simulate_tail(
         timeouts=timeouts,
         topology=base_topology,
         description=_describe(config, faults),
+        sample_engine=sample_engine,
     )
+
+
+def _offset_progress(progress: Callable[[float], None], done: int, total: int) -> Callable[[int], None]:
+    """A callback for samples done within a group, reporting the fraction done over all samples."""
+
+    def report(count: int) -> None:
+        progress((done + count) / total)
+
+    return report
+
+
+def _event_transfers(schedule: Schedule, config: TailConfig, samples: int) -> Transfers | None:
+    """The schedule's transfers in the event engine's order, if some samples may be re-run with it."""
+    if config.engine == "fast" or config.timed_faults:
+        return None
+    if config.engine == "auto" and (schedule.world_size > AUTO_EXACT_MAX_RANKS or samples < 1):
+        return None
+    return match_transfers(schedule)
+
+
+def _occurrence(keys: IntArray) -> IntArray:
+    """Per key, how many equal keys come before it (0 for the first of its value)."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    out = np.empty_like(keys)
+    out[order] = np.arange(keys.size) - np.searchsorted(ordered, ordered, side="left")
+    return out
+
+
+# The blame key of "no delay" (blame_key(0, -1)): every real delay's key exceeds it.
+_NO_BLAME = int(blame_key(np.zeros(1), -1)[0])
+
+
+class _Recorder:
+    """The noise the stepping method drew, per sample and event-engine transfer, for samples re-run with the
+    event engine: the delay added to each transfer (losses, link jitter) and the blame key of its largest
+    part. Phase ``p``'s flow ``f`` at its ``j``-th step is transfer ``index[p][j, f]``: the k-th transfer from
+    a to b at a step is the k-th such flow of the phase."""
+
+    def __init__(self, schedule: Schedule, transfers: Transfers, data: list[_PhaseData], *, dense: bool) -> None:
+        self.schedule = schedule
+        self.transfers = transfers
+        self.dense = dense
+        n = schedule.world_size
+        t = transfers
+        keys = (t.step * n + t.src) * n + t.dst
+        occurrence = _occurrence(keys)
+        width = int(occurrence.max()) + 1 if occurrence.size else 1
+        combined = keys * width + occurrence
+        order = np.argsort(combined)
+        ordered = combined[order]
+        self.index: list[IntArray] = []
+        for d in data:
+            phase = d.phase
+            steps = phase.first_step + np.arange(phase.repeat, dtype=np.int64)
+            flow_keys = (steps[:, None] * n + phase.src[None, :]) * n + phase.dst[None, :]
+            wanted = flow_keys * width + _occurrence(phase.src * n + phase.dst)[None, :]
+            at = np.minimum(np.searchsorted(ordered, wanted), max(ordered.size - 1, 0))
+            if (ordered.size == 0 and wanted.size) or not np.array_equal(ordered[at], wanted):
+                raise AssertionError(f"{schedule.name}: a phase's flows do not match the event engine's transfers")
+            self.index.append(order[at])
+        self._sample: list[IntArray] = []
+        self._transfer: list[IntArray] = []
+        self._seconds: list[FloatArray] = []
+        self._key: list[IntArray] = []
+
+    def add(
+        self,
+        phase_index: int,
+        j: int,
+        cols: IntArray,
+        *,
+        extra: FloatArray | None,
+        extra_key: IntArray | None,
+        sparse: tuple[IntArray, IntArray, FloatArray, IntArray | None] | None,
+    ) -> None:
+        """The delays of step ``j`` of a phase: ``extra`` (flows x samples of ``cols``) and ``sparse``."""
+        ids = self.index[phase_index][j]
+        if extra is not None and self.dense:
+            shape = extra.shape
+            self._sample.append(np.broadcast_to(cols[None, :], shape).ravel())
+            self._transfer.append(np.broadcast_to(ids[:, None], shape).ravel())
+            self._seconds.append(extra.ravel())
+            self._key.append(np.full(extra.size, _NO_BLAME) if extra_key is None else extra_key.ravel())
+        if sparse is not None:
+            flow, sample, seconds, key = sparse
+            self._sample.append(cols[sample])
+            self._transfer.append(ids[flow])
+            self._seconds.append(seconds)
+            self._key.append(np.full(seconds.size, _NO_BLAME) if key is None else key)
+
+    def rerun(
+        self,
+        samples: IntArray,
+        router: Router,
+        *,
+        size_bytes: float,
+        rank_delay: FloatArray | None,
+        arrival: FloatArray,
+        attribution: bool,
+        out: tuple[FloatArray, IntArray, FloatArray],
+    ) -> None:
+        """Run ``samples`` with the event engine and their recorded noise; write their step time (and, with
+        ``attribution``, the culprit of the largest single delay on the event engine's critical path) to
+        ``out``."""
+        step_s, culprit, culprit_s = out
+        count = len(self.transfers)
+        empty_i = np.zeros(0, dtype=np.int64)
+        sample = np.concatenate(self._sample) if self._sample else empty_i
+        transfer = np.concatenate(self._transfer) if self._transfer else empty_i
+        seconds = np.concatenate(self._seconds) if self._seconds else np.zeros(0)
+        key = np.concatenate(self._key) if self._key else empty_i
+        order = np.argsort(sample, kind="stable")
+        sample, transfer, seconds, key = sample[order], transfer[order], seconds[order], key[order]
+        for s in samples.tolist():
+            lo, hi = np.searchsorted(sample, [s, s + 1])
+            extra = np.zeros(count)
+            np.add.at(extra, transfer[lo:hi], seconds[lo:hi])
+            run = run_event_sample(
+                self.schedule,
+                router,
+                self.transfers,
+                size_bytes=size_bytes,
+                rank_delay_s=rank_delay,
+                start_s=arrival[:, s],
+                extra_s=extra,
+            )
+            step_s[s] = float(run.rank_end_s.max())
+            if not attribution:
+                continue
+            keys = np.full(count, _NO_BLAME, dtype=np.int64)
+            np.maximum.at(keys, transfer[lo:hi], key[lo:hi])
+            best = _NO_BLAME
+            if run.chain_transfers.size:
+                best = max(best, int(keys[run.chain_transfers].max()))
+            if rank_delay is not None and run.chain_ranks.size:
+                ranks = run.chain_ranks
+                best = max(best, int(blame_key(rank_delay[ranks], ranks).max()))
+            start = run.start_rank
+            if start >= 0 and arrival[start, s] > 0:
+                best = max(best, int(blame_key(np.asarray([arrival[start, s]]), start)[0]))
+            final = Blame(np.asarray([[best]], dtype=np.int64))
+            culprit[s] = int(final.culprit[0, 0])
+            culprit_s[s] = float(final.seconds[0, 0])
+
+
+def _step_group(
+    members: IntArray,
+    data: list[_PhaseData],
+    *,
+    config: TailConfig,
+    arrival: FloatArray,
+    rng: np.random.Generator,
+    base_topology: Topology,
+    router: Router,
+    size: float,
+    fault_link: IntArray,
+    rank_delay: FloatArray | None,
+    rank_culprit: IntArray,
+    out: tuple[FloatArray, IntArray, FloatArray, IntArray, IntArray],
+    record: _Recorder | None,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """The stepping method for the samples ``members`` (of one ECMP seed), chunk by chunk; ``progress`` is
+    called with the count of samples done."""
+    step_s, culprit, culprit_s, lost, timeouts = out
+    n = arrival.shape[0]
+    timed = [
+        _TimedRates(base_topology, router, d, faults=config.timed_faults, fault_link=fault_link, size_bytes=size)
+        if config.timed_faults
+        else None
+        for d in data
+    ]
+    chunk = max(1, min(members.size, _CHUNK_ELEMENTS // max(n, 1)))
+    for lo in range(0, members.size, chunk):
+        cols = members[lo : lo + chunk]
+        clock = arrival[:, cols].copy()
+        blame = None
+        if config.attribution:
+            blame = Blame(blame_key(clock, np.where(clock > 0, rank_culprit[:, None], -1)))
+        for index, (d, rates) in enumerate(zip(data, timed, strict=True)):
+            clock = _run_phase(
+                clock,
+                d,
+                rates=rates,
+                rng=rng,
+                config=config,
+                rank_delay=rank_delay,
+                rank_culprit=rank_culprit,
+                blame=blame,
+                n=n,
+                lost=lost,
+                timeouts=timeouts,
+                cols=cols,
+                record=None if record is None else (record, index),
+            )
+        last = np.argmax(clock, axis=0)
+        columns = np.arange(cols.size)
+        step_s[cols] = clock[last, columns]
+        if blame is not None:
+            final = Blame(blame.key[last, columns])
+            culprit[cols] = final.culprit
+            culprit_s[cols] = final.seconds
+        if progress is not None and lo + chunk < members.size:
+            progress(lo + chunk)
 
 
 def _run_phase(
@@ -747,8 +1012,10 @@ def _run_phase(
     lost: IntArray,
     timeouts: IntArray,
     cols: IntArray,
+    record: tuple[_Recorder, int] | None = None,
 ) -> FloatArray:
-    """Step ``clock`` (ranks x samples of the chunk ``cols``) through the ``repeat`` steps of one phase."""
+    """Step ``clock`` (ranks x samples of the chunk ``cols``) through the ``repeat`` steps of one phase;
+    ``record``: (recorder, this phase's index), which keeps the noise drawn for the event engine."""
     phase = d.phase
     samples = clock.shape[1]
     flows = len(phase)
@@ -787,7 +1054,7 @@ def _run_phase(
         if losses is not None and bounds[j + 1] > bounds[j]:
             sl = slice(int(bounds[j]), int(bounds[j + 1]))
             seconds = losses.extra_s[sl]
-            key = blame_key(seconds, n + losses.link[sl]) if blame is not None else None
+            key = blame_key(seconds, n + losses.link[sl]) if blame is not None or record is not None else None
             sparse = (losses.flow[sl], losses.sample[sl], seconds, key)
         if rates is not None:
             start = np.maximum(clock[phase.src], clock[phase.dst])
@@ -797,7 +1064,11 @@ def _run_phase(
             else:
                 code = np.where(fault_extra > extra, fault_code, code)
                 extra = extra + fault_extra
-        extra_blame = None if blame is None or extra is None else blame_key(extra, -1 if code is None else code)
+        extra_blame = None
+        if extra is not None and (blame is not None or record is not None):
+            extra_blame = blame_key(extra, -1 if code is None else code)
+        if record is not None:
+            record[0].add(record[1], j, cols, extra=extra, extra_key=extra_blame, sparse=sparse)
         if cyclic is not None:
             clock = _step_cyclic(
                 clock,
