@@ -15,7 +15,7 @@ from allreduce.sim import (
     TailConfig,
     TailResult,
     TimedFault,
-    _montecarlo,
+    _cyclic,
     simulate_tail,
 )
 from allreduce.topology import Topology, fat_tree, rail_optimized, switch
@@ -45,7 +45,7 @@ def test_cyclic_step_equals_the_general_step_bit_for_bit(
     n = blocks * block
     shift = 1 + shift_seed % (block - 1)
     phase = _cyclic_phase(blocks, block, shift, rng.permutation(n))
-    cyclic = _montecarlo._Cyclic.of(n, phase)
+    cyclic = _cyclic.Cyclic.of(n, phase)
     assert cyclic is not None
     assert (cyclic.block, cyclic.shift) == ((block, shift) if blocks > 1 else (n, shift))
     # Clocks with ties (rounded), so the strict comparisons that pick blames are exercised.
@@ -75,7 +75,7 @@ def test_cyclic_step_equals_the_general_step_bit_for_bit(
     )
     blame = Blame(keys.copy())
     order = cyclic.order
-    got = _montecarlo._step_cyclic(
+    got = _cyclic.step_cyclic(
         clock,
         cyclic,
         seconds[order],
@@ -88,7 +88,7 @@ def test_cyclic_step_equals_the_general_step_bit_for_bit(
     )
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(blame.key, expected_blame.key)
-    unblamed = _montecarlo._step_cyclic(
+    unblamed = _cyclic.step_cyclic(
         clock,
         cyclic,
         seconds[order],
@@ -113,12 +113,12 @@ def test_cyclic_step_equals_the_general_step_bit_for_bit(
 def test_phases_that_are_no_cyclic_shift_take_the_general_step(src: list[int], dst: list[int]) -> None:
     s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
     phase = Phase(0, 1, s, d, np.full(s.size, 0.25), np.ones(s.size, dtype=np.bool_))
-    assert _montecarlo._Cyclic.of(4, phase) is None
+    assert _cyclic.Cyclic.of(4, phase) is None
 
 
 def _general_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Turn the cyclic step off: every phase takes the general step (the path before it existed)."""
-    monkeypatch.setattr(_montecarlo._Cyclic, "of", classmethod(lambda cls, world_size, phase: None))
+    monkeypatch.setattr(_cyclic.Cyclic, "of", classmethod(lambda cls, world_size, phase: None))
 
 
 def _same(a: TailResult, b: TailResult) -> None:
@@ -152,7 +152,7 @@ def test_tail_with_cyclic_steps_equals_the_general_path(
         attribution=attribution,
     )
     faults = Faults(slow_ranks=((3, 5e-6),))
-    assert any(_montecarlo._Cyclic.of(16, phase) is not None for phase in schedule.phases())
+    assert any(_cyclic.Cyclic.of(16, phase) is not None for phase in schedule.phases())
     fast = simulate_tail(schedule, topology, size_bytes=2**22, config=config, faults=faults)
     assert fast.lost_transfers.sum() > 0
     _general_only(monkeypatch)

@@ -47,7 +47,7 @@ from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
 
-__all__ = ["SampleRun", "Transfers", "match_transfers", "run_event", "run_event_sample"]
+__all__ = ["Transfers", "match_transfers", "run_event"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -576,51 +576,6 @@ def run_event(
         trace_start_s=trace_start,
         trace_end_s=trace_end,
     )
-
-
-@dataclass(frozen=True, eq=False)
-class SampleRun:
-    """One event-driven run with noise (:func:`run_event_sample`): each rank's end, and the critical path
-    walked back from the last one: its transfers, the rank whose delay follows each, and the rank it starts
-    from (-1 when the last rank had no transfers)."""
-
-    rank_end_s: FloatArray
-    chain_transfers: IntArray
-    chain_ranks: IntArray
-    start_rank: int
-
-
-def run_event_sample(
-    schedule: Schedule,
-    router: Router,
-    transfers: Transfers,
-    *,
-    size_bytes: float,
-    rank_delay_s: FloatArray | None,
-    start_s: FloatArray,
-    extra_s: FloatArray,
-) -> SampleRun:
-    """The event engine with ranks reaching the collective at ``start_s`` and a delay ``extra_s`` added to
-    each transfer's delivery (``transfers`` in :func:`match_transfers`' order): one Monte Carlo sample."""
-    run = _Run(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
-    if len(transfers):
-        run.run()
-    last_rank = int(np.argmax(run.rank_end)) if schedule.world_size else 0
-    chain: list[int] = []
-    ranks: list[int] = []
-    start = -1
-    slot = int(run.rank_stop_slot[last_rank]) - 1 if len(transfers) else -1
-    if slot >= run.rank_first_slot[last_rank]:
-        while slot >= 0:
-            x = int(run.slot_last[slot])
-            chain.append(x)
-            ranks.append(int(run.slot_rank[slot]))
-            cause = int(run.trigger[x])
-            start = int(run.slot_rank[cause])
-            slot = cause - 1 if cause > run.rank_first_slot[start] else -1
-    else:
-        start = last_rank
-    return SampleRun(run.rank_end.copy(), np.asarray(chain, dtype=np.int64), np.asarray(ranks, dtype=np.int64), start)
 
 
 def _critical_path(run: _Run, seconds: float, num_links: int) -> tuple[tuple[CriticalStep, ...], FloatArray]:

@@ -27,49 +27,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import (
-    Blame,
-    Incidence,
-    Phase,
-    Schedule,
-    blame_key,
-    jump_samples,
-    propagate,
-    step_samples,
-)
-from allreduce.sim._event import Transfers, match_transfers, run_event, run_event_sample
+from allreduce.schedules import Blame, Incidence, Phase, Schedule, blame_key, jump_samples, propagate, step_samples
+from allreduce.sim._cyclic import Cyclic, step_cyclic
+from allreduce.sim._event import run_event
 from allreduce.sim._fast import rates_fixed_under_any_timing, run_fast_checked
 from allreduce.sim._faults import Faults, TimedFault, apply_faults, resolve_links
 from allreduce.sim._loss import LossModel, draw_extra_seconds, packet_loss_probability
+from allreduce.sim._rerun import Recorder, event_transfers
 from allreduce.sim._routing import Pattern, Router
-from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS, ENGINES
-from allreduce.sim._stochastic import Distribution
+from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS
+from allreduce.sim._tailresult import (
+    EVENT_MAX_TRANSFERS,
+    SAMPLE_EVENT,
+    SAMPLE_FAST,
+    SAMPLE_FAST_UNCERTIFIED,
+    TailConfig,
+    TailResult,
+)
 from allreduce.topology import Topology, place
-from allreduce.units import format_bytes, format_seconds
+from allreduce.units import format_seconds
 
-__all__ = [
-    "EVENT_MAX_TRANSFERS",
-    "PERCENTILES",
-    "SAMPLE_EVENT",
-    "SAMPLE_FAST",
-    "SAMPLE_FAST_UNCERTIFIED",
-    "Culprit",
-    "TailConfig",
-    "TailResult",
-    "simulate_tail",
-]
+__all__ = ["simulate_tail"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-# The percentiles a tail report shows.
-PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 # Samples stepped together: (ranks x samples) arrays of about this many elements (256 KiB of float64) stay in
 # the CPU's caches with the step's temporaries (measured, 256 samples of a 1,024-rank ring with loss: 2^15
 # elements per chunk took 25% less CPU time than 2^17, and 2^14 more again, Python's cost per call showing).
@@ -80,328 +67,11 @@ _MAX_HISTORY = 5
 _MAX_GAPS_PER_DRAW = 2**24
 # How many times a transfer that finds no path waits for the fault's next change before giving up.
 _MAX_WAITS = 64
-# How each sample was computed (TailResult.sample_engine): by the fast engine's recurrence, certified exact;
-# by it, not certified (the "~" of the output); by the event engine.
-SAMPLE_FAST = 0
-SAMPLE_FAST_UNCERTIFIED = 1
-SAMPLE_EVENT = 2
-# engine="auto" re-runs the samples the fast engine cannot certify with the event engine when the group has at
-# most AUTO_EXACT_MAX_RANKS ranks and the re-runs take at most this many transfers in all: the event engine
-# costs 30-80 µs of CPU per transfer (measured on the development machine: rings, halving-doubling and
-# double binary trees of 16-64 ranks on a fat-tree), so about 10-15 s at most.
-EVENT_MAX_TRANSFERS = 200_000
-
-
-@dataclass(frozen=True)
-class TailConfig:
-    """The noise of a tail simulation.
-
-    ``loss``: packet loss and the fabric's retransmission model; ``link_jitter``: extra one-way latency of every
-    transfer, drawn per transfer; ``rank_jitter``: when each rank reaches the collective (its compute time's
-    spread), drawn per rank and sample; ``timed_faults``: links that go down, flap or degrade at given
-    times; ``ecmp_seeds``: if > 0, that many ECMP hash seeds are drawn and the samples spread over them, so the
-    distribution over path assignments shows (0: the simulation's one seed); ``attribution``: carry each
-    sample's culprit through the recurrence (2-2.5x the stepping's array work; off: culprits are not named);
-    ``stragglers``: (rank, seconds) pairs, ranks that reach the collective that much later in every sample;
-    ``engine``: "fast" (every sample by the fast engine's recurrence), "event" (every sample by the event
-    engine, whatever it costs) or "auto" (the samples the fast engine cannot certify exact by the event
-    engine, when the group has at most AUTO_EXACT_MAX_RANKS ranks and the re-runs at most
-    EVENT_MAX_TRANSFERS transfers; never with timed faults, which only the fast engine models)."""
-
-    samples: int = 1000
-    seed: int = 0
-    loss: LossModel = field(default_factory=LossModel)
-    link_jitter: Distribution | None = None
-    rank_jitter: Distribution | None = None
-    timed_faults: tuple[TimedFault, ...] = ()
-    ecmp_seeds: int = 0
-    attribution: bool = True
-    stragglers: tuple[tuple[int, float], ...] = ()
-    engine: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "event" and self.timed_faults:
-            raise ValueError("engine 'event': the event engine does not model timed faults; use auto or fast")
-        if self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if self.ecmp_seeds < 0:
-            raise ValueError(f"ecmp_seeds must be >= 0, got {self.ecmp_seeds}")
-        for rank, seconds in self.stragglers:
-            if not (math.isfinite(seconds) and seconds >= 0):
-                raise ValueError(f"straggler rank {rank}: the delay must be a finite time >= 0, got {seconds}")
-
-    @property
-    def per_transfer(self) -> bool:
-        """Whether any noise is drawn per transfer (which needs stepping every step)."""
-        jitter = self.link_jitter is not None and not self.link_jitter.is_zero
-        return bool(self.loss) or jitter or bool(self.timed_faults)
-
-
-@dataclass(frozen=True)
-class Culprit:
-    """A cause named in the attribution table: a rank or a link, the fraction of samples whose largest
-    single delay on the critical path it caused, and that delay's mean over those samples."""
-
-    kind: str  # "rank" or "link"
-    name: str
-    fraction: float
-    mean_delay_s: float
-
-
-@dataclass(frozen=True, eq=False)
-class TailResult:
-    """K samples of one schedule: step time (from the step's start: arrival + collective), collective time
-    (from the last rank's arrival), the noise-free time, and per sample the culprit of its largest delay."""
-
-    name: str
-    world_size: int
-    size_bytes: float
-    topology_name: str
-    engine: str  # "sensitivity" or "stepping"
-    exact: bool
-    baseline_s: float
-    step_s: FloatArray
-    collective_s: FloatArray
-    culprit: IntArray  # per sample: rank r as r, link l as world_size + l, none as -1
-    culprit_delay_s: FloatArray
-    lost_transfers: IntArray  # per sample
-    timeouts: IntArray  # per sample: retransmission timeouts that fired
-    topology: Topology  # the one culprit link codes index (after static faults)
-    description: str = ""
-    sample_engine: IntArray | None = None  # per sample: SAMPLE_FAST, SAMPLE_FAST_UNCERTIFIED or SAMPLE_EVENT
-
-    def engine_counts(self) -> dict[str, int]:
-        """How many samples each engine computed: "fast" (certified exact), "fast ~" (not certified) and
-        "event"."""
-        codes = self.sample_engine if self.sample_engine is not None else np.zeros(self.samples, dtype=np.int64)
-        counts = np.bincount(codes, minlength=3)
-        return {
-            "fast": int(counts[SAMPLE_FAST]),
-            "fast ~": int(counts[SAMPLE_FAST_UNCERTIFIED]),
-            "event": int(counts[SAMPLE_EVENT]),
-        }
-
-    @property
-    def samples(self) -> int:
-        return int(self.step_s.size)
-
-    def percentiles(self, which: str = "step") -> dict[str, float]:
-        """p50, p90, p99, p99.9, max and mean of the step (or ``"collective"``) time."""
-        values = self.step_s if which == "step" else self.collective_s
-        out = {f"p{p:g}": float(np.percentile(values, p)) for p in PERCENTILES}
-        out["max"] = float(values.max())
-        out["mean"] = float(values.mean())
-        return out
-
-    def slowdown(self, statistic: str = "p50") -> float:
-        """A statistic of the collective time over the noise-free run's time."""
-        value = self.percentiles("collective")[statistic]
-        return value / self.baseline_s if self.baseline_s > 0 else math.inf
-
-    def culprit_name(self, code: int) -> tuple[str, str]:
-        if code < 0:
-            return "none", "-"
-        if code < self.world_size:
-            return "rank", f"rank {code}"
-        return "link", self.topology.link_name(code - self.world_size)
-
-    def attribution(self, top: int = 5, kind: str | None = None) -> list[Culprit]:
-        """The causes that most often set a sample's largest delay, most frequent first: ranks and links, or
-        only ``kind`` ("rank" or "link")."""
-        named = self.culprit >= 0
-        if kind == "rank":
-            named &= self.culprit < self.world_size
-        elif kind == "link":
-            named &= self.culprit >= self.world_size
-        if not named.any():
-            return []
-        codes, counts = np.unique(self.culprit[named], return_counts=True)
-        order = np.lexsort((codes, -counts))[:top]
-        out = []
-        for i in order:
-            kind, name = self.culprit_name(int(codes[i]))
-            delay = self.culprit_delay_s[self.culprit == codes[i]]
-            out.append(Culprit(kind, name, float(counts[i]) / self.samples, float(delay.mean())))
-        return out
-
-    def loss_frequency(self) -> float:
-        """Fraction of samples with at least one lost transfer."""
-        return float(np.mean(self.lost_transfers > 0))
-
-    def to_json(self, *, top: int = 5) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "ranks": self.world_size,
-            "size_bytes": self.size_bytes,
-            "topology": self.topology_name,
-            "samples": self.samples,
-            "engine": self.engine,
-            "exact": self.exact,
-            "samples_by_engine": self.engine_counts(),
-            "noise": self.description,
-            "noise_free_s": self.baseline_s,
-            "step_s": self.percentiles("step"),
-            "collective_s": self.percentiles("collective"),
-            "slowdown_p50": self.slowdown("p50"),
-            "slowdown_p99": self.slowdown("p99"),
-            "samples_with_loss": self.loss_frequency(),
-            "attribution": [
-                {"kind": c.kind, "name": c.name, "fraction": c.fraction, "mean_delay_s": c.mean_delay_s}
-                for c in self.attribution(top)
-            ],
-        }
-
-    def summary(self) -> str:
-        p = self.percentiles("step")
-        return (
-            f"{self.name}: {self.world_size} ranks, {format_bytes(self.size_bytes)}, {self.samples} samples: "
-            f"p50 {format_seconds(p['p50'])}, p99 {format_seconds(p['p99'])}, max {format_seconds(p['max'])} "
-            f"(noise-free {format_seconds(self.baseline_s)})"
-        )
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Per phase: the flows' noise-free durations and what the noise models need about them
 # ------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class _Cyclic:
-    """A phase in which every rank sends one flow, to the rank ``shift`` places ahead of it in its block of
-    ``block`` consecutive ranks (cyclically): a ring is one block of every rank, shift 1; the inter-node ring of
-    hierarchical all-reduce one block, shift ranks-per-node; its intra-node rings blocks of a node.
-
-    Then a step's gathers are two slices of the clocks seen as ``(ranks / block, block, samples)``, and its
-    scatter is one maximum with the ends shifted back: no index arrays, about a third of the passes of
-    :func:`allreduce.schedules.step_samples`, whose arithmetic it repeats operation for operation (so the
-    clocks are the same bit for bit, and so are the blames: the same strict comparisons pick them)."""
-
-    block: int
-    shift: int
-    order: IntArray  # order[r]: the flow whose sender is rank r (flow-ordered arrays -> rank order)
-
-    @classmethod
-    def of(cls, world_size: int, phase: Phase) -> _Cyclic | None:
-        n = world_size
-        if n < 2 or len(phase) != n:
-            return None
-        src, dst = phase.src.astype(np.int64), phase.dst.astype(np.int64)
-        if not np.array_equal(np.bincount(src, minlength=n), np.ones(n, dtype=np.int64)):
-            return None
-        offsets = np.unique(dst - src)
-        if offsets.size == 1:
-            block, shift = n, int(offsets[0]) % n
-        elif offsets.size == 2:
-            block, shift = int(offsets[1] - offsets[0]), int(offsets[1])
-        else:
-            return None
-        if not (0 < shift < block <= n and n % block == 0):
-            return None
-        base = src - src % block
-        if not np.array_equal(dst, base + (src % block + shift) % block):
-            return None
-        order = np.empty(n, dtype=np.int64)
-        order[src] = np.arange(n, dtype=np.int64)
-        return cls(block, shift, order)
-
-    def ahead(self, values: _Values) -> _Values:
-        """``values`` of rank ``r + shift`` (in its block) in row r."""
-        b, s = self.block, self.shift
-        v = values.reshape(-1, b, values.shape[-1])
-        out = np.empty_like(v)
-        out[:, : b - s] = v[:, s:]
-        out[:, b - s :] = v[:, :s]
-        return out.reshape(values.shape)
-
-    def behind(self, values: _Values) -> _Values:
-        """``values`` of rank ``r - shift`` (in its block) in row r."""
-        b, s = self.block, self.shift
-        v = values.reshape(-1, b, values.shape[-1])
-        out = np.empty_like(v)
-        out[:, s:] = v[:, : b - s]
-        out[:, :s] = v[:, b - s :]
-        return out.reshape(values.shape)
-
-    def max_ahead(self, values: FloatArray) -> FloatArray:
-        """``max(values[r], values[r + shift])`` per row, without materialising the shifted copy."""
-        b, s = self.block, self.shift
-        v = values.reshape(-1, b, values.shape[-1])
-        out = np.empty_like(v)
-        np.maximum(v[:, : b - s], v[:, s:], out=out[:, : b - s])
-        np.maximum(v[:, b - s :], v[:, :s], out=out[:, b - s :])
-        return out.reshape(values.shape)
-
-    def max_behind(self, values: FloatArray) -> FloatArray:
-        """``max(values[r], values[r - shift])`` per row."""
-        b, s = self.block, self.shift
-        v = values.reshape(-1, b, values.shape[-1])
-        out = np.empty_like(v)
-        np.maximum(v[:, s:], v[:, : b - s], out=out[:, s:])
-        np.maximum(v[:, :s], v[:, b - s :], out=out[:, :s])
-        return out.reshape(values.shape)
-
-
-_Values = TypeVar("_Values", FloatArray, IntArray)
-
-
-def _step_cyclic(
-    clock: FloatArray,
-    cyclic: _Cyclic,
-    flow_seconds: FloatArray,
-    rank_seconds: FloatArray | None,
-    *,
-    extra_s: FloatArray | None,
-    extra_blame: IntArray | None,
-    rank_blame: IntArray | None,
-    sparse: tuple[IntArray, IntArray, FloatArray, IntArray | None] | None,
-    blame: Blame | None,
-) -> FloatArray:
-    """:func:`allreduce.schedules.step_samples` for a cyclic phase, with every per-flow array in rank order
-    (row r: the flow rank r sends; ``sparse`` rows likewise). Rank r's flow starts at
-    ``max(clock[r], clock[r + shift])``; rank r's clock becomes the later of its own flow's end and the end of
-    the flow it receives, rank ``r − shift``'s; then its own delay."""
-    base = flow_seconds if flow_seconds.ndim == 2 else flow_seconds[:, None]
-    end_blame: IntArray | None = None
-    if blame is None:
-        end = cyclic.max_ahead(clock)
-    else:
-        from_dst = cyclic.ahead(clock)
-        end = np.maximum(clock, from_dst)
-        end_blame = blame.key.copy()
-        _select_into(end_blame, cyclic.ahead(blame.key), from_dst > clock)
-        if extra_blame is not None:
-            np.maximum(end_blame, extra_blame, out=end_blame)
-    end += base
-    if extra_s is not None:
-        end += extra_s
-    if sparse is not None:
-        rows, sample, seconds, key = sparse
-        np.add.at(end, (rows, sample), seconds)
-        if end_blame is not None and key is not None:
-            np.maximum.at(end_blame, (rows, sample), key)
-    if blame is None or end_blame is None:
-        done = cyclic.max_behind(end)
-    else:
-        received = cyclic.behind(end)
-        blame.key[...] = end_blame
-        _select_into(blame.key, cyclic.behind(end_blame), received > end)
-        done = np.maximum(end, received)
-    if rank_seconds is not None:
-        done += rank_seconds[:, None]
-        if blame is not None and rank_blame is not None:
-            np.maximum(blame.key, rank_blame[:, None], out=blame.key)
-    return done
-
-
-def _select_into(target: IntArray, source: IntArray, mask: npt.NDArray[np.bool_]) -> None:
-    """``target[mask] = source[mask]`` as arithmetic, as :func:`allreduce.schedules.step_samples` does it (a
-    masked copy with an unpredictable mask costs many times a maximum). Keys are non-negative int64, so the
-    difference cannot overflow."""
-    difference = source - target
-    difference *= mask
-    target += difference
-
-
 @dataclass(frozen=True, eq=False)
 class _PhaseData:
     phase: Phase
@@ -412,7 +82,7 @@ class _PhaseData:
     loss_q: FloatArray  # per-packet loss probability per flow
     loss_hazard: FloatArray  # per route entry
     blame_link: IntArray  # the link a flow's jitter is blamed on (its bottleneck, else its first link; -1)
-    cyclic: _Cyclic | None  # the phase is a cyclic shift of the ranks: stepped with slices (see _step_cyclic)
+    cyclic: Cyclic | None  # the phase is a cyclic shift of the ranks: stepped with slices (see _step_cyclic)
 
 
 def _phase_data(schedule: Schedule, router: Router, size_bytes: float, link_loss: FloatArray) -> list[_PhaseData]:
@@ -427,7 +97,7 @@ def _phase_data(schedule: Schedule, router: Router, size_bytes: float, link_loss
         has = np.diff(pattern.routes.flow_ptr) > 0
         first[has] = pattern.routes.link[pattern.routes.flow_ptr[:-1][has]]
         blame = np.where(pattern.bottleneck_link >= 0, pattern.bottleneck_link, first)
-        cyclic = _Cyclic.of(n, phase)
+        cyclic = Cyclic.of(n, phase)
         out.append(_PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic))
     return out
 
@@ -707,7 +377,7 @@ def simulate_tail(
     timeouts = np.zeros(k, dtype=np.int64)
     sample_engine = np.full(k, SAMPLE_FAST, dtype=np.int64)
     rank_culprit = np.arange(n, dtype=np.int64)
-    transfers = _event_transfers(schedule, config, k)
+    transfers = event_transfers(schedule, config, k)
     # The link jitter of every transfer is kept for the event engine only if all samples' fit its budget.
     keep_dense = transfers is not None and (config.engine == "event" or len(transfers) * k <= EVENT_MAX_TRANSFERS)
     done = 0
@@ -719,7 +389,9 @@ def simulate_tail(
         any_timing = rates_fixed_under_any_timing(schedule, router)
         data = _phase_data(schedule, router, size, link_loss)
         members = np.flatnonzero(group == g)
-        record = _Recorder(schedule, transfers, data, dense=keep_dense) if transfers is not None else None
+        record = (
+            Recorder(schedule, transfers, [d.phase for d in data], dense=keep_dense) if transfers is not None else None
+        )
         if not config.per_transfer:
             to_end = _backward(n, data, rank_delay)
             total = arrival[:, members] + to_end[:, None]
@@ -802,141 +474,6 @@ def _offset_progress(progress: Callable[[float], None], done: int, total: int) -
     return report
 
 
-def _event_transfers(schedule: Schedule, config: TailConfig, samples: int) -> Transfers | None:
-    """The schedule's transfers in the event engine's order, if some samples may be re-run with it."""
-    if config.engine == "fast" or config.timed_faults:
-        return None
-    if config.engine == "auto" and (schedule.world_size > AUTO_EXACT_MAX_RANKS or samples < 1):
-        return None
-    return match_transfers(schedule)
-
-
-def _occurrence(keys: IntArray) -> IntArray:
-    """Per key, how many equal keys come before it (0 for the first of its value)."""
-    order = np.argsort(keys, kind="stable")
-    ordered = keys[order]
-    out = np.empty_like(keys)
-    out[order] = np.arange(keys.size) - np.searchsorted(ordered, ordered, side="left")
-    return out
-
-
-# The blame key of "no delay" (blame_key(0, -1)): every real delay's key exceeds it.
-_NO_BLAME = int(blame_key(np.zeros(1), -1)[0])
-
-
-class _Recorder:
-    """The noise the stepping method drew, per sample and event-engine transfer, for samples re-run with the
-    event engine: the delay added to each transfer (losses, link jitter) and the blame key of its largest
-    part. Phase ``p``'s flow ``f`` at its ``j``-th step is transfer ``index[p][j, f]``: the k-th transfer from
-    a to b at a step is the k-th such flow of the phase."""
-
-    def __init__(self, schedule: Schedule, transfers: Transfers, data: list[_PhaseData], *, dense: bool) -> None:
-        self.schedule = schedule
-        self.transfers = transfers
-        self.dense = dense
-        n = schedule.world_size
-        t = transfers
-        keys = (t.step * n + t.src) * n + t.dst
-        occurrence = _occurrence(keys)
-        width = int(occurrence.max()) + 1 if occurrence.size else 1
-        combined = keys * width + occurrence
-        order = np.argsort(combined)
-        ordered = combined[order]
-        self.index: list[IntArray] = []
-        for d in data:
-            phase = d.phase
-            steps = phase.first_step + np.arange(phase.repeat, dtype=np.int64)
-            flow_keys = (steps[:, None] * n + phase.src[None, :]) * n + phase.dst[None, :]
-            wanted = flow_keys * width + _occurrence(phase.src * n + phase.dst)[None, :]
-            at = np.minimum(np.searchsorted(ordered, wanted), max(ordered.size - 1, 0))
-            if (ordered.size == 0 and wanted.size) or not np.array_equal(ordered[at], wanted):
-                raise AssertionError(f"{schedule.name}: a phase's flows do not match the event engine's transfers")
-            self.index.append(order[at])
-        self._sample: list[IntArray] = []
-        self._transfer: list[IntArray] = []
-        self._seconds: list[FloatArray] = []
-        self._key: list[IntArray] = []
-
-    def add(
-        self,
-        phase_index: int,
-        j: int,
-        cols: IntArray,
-        *,
-        extra: FloatArray | None,
-        extra_key: IntArray | None,
-        sparse: tuple[IntArray, IntArray, FloatArray, IntArray | None] | None,
-    ) -> None:
-        """The delays of step ``j`` of a phase: ``extra`` (flows x samples of ``cols``) and ``sparse``."""
-        ids = self.index[phase_index][j]
-        if extra is not None and self.dense:
-            shape = extra.shape
-            self._sample.append(np.broadcast_to(cols[None, :], shape).ravel())
-            self._transfer.append(np.broadcast_to(ids[:, None], shape).ravel())
-            self._seconds.append(extra.ravel())
-            self._key.append(np.full(extra.size, _NO_BLAME) if extra_key is None else extra_key.ravel())
-        if sparse is not None:
-            flow, sample, seconds, key = sparse
-            self._sample.append(cols[sample])
-            self._transfer.append(ids[flow])
-            self._seconds.append(seconds)
-            self._key.append(np.full(seconds.size, _NO_BLAME) if key is None else key)
-
-    def rerun(
-        self,
-        samples: IntArray,
-        router: Router,
-        *,
-        size_bytes: float,
-        rank_delay: FloatArray | None,
-        arrival: FloatArray,
-        attribution: bool,
-        out: tuple[FloatArray, IntArray, FloatArray],
-    ) -> None:
-        """Run ``samples`` with the event engine and their recorded noise; write their step time (and, with
-        ``attribution``, the culprit of the largest single delay on the event engine's critical path) to
-        ``out``."""
-        step_s, culprit, culprit_s = out
-        count = len(self.transfers)
-        empty_i = np.zeros(0, dtype=np.int64)
-        sample = np.concatenate(self._sample) if self._sample else empty_i
-        transfer = np.concatenate(self._transfer) if self._transfer else empty_i
-        seconds = np.concatenate(self._seconds) if self._seconds else np.zeros(0)
-        key = np.concatenate(self._key) if self._key else empty_i
-        order = np.argsort(sample, kind="stable")
-        sample, transfer, seconds, key = sample[order], transfer[order], seconds[order], key[order]
-        for s in samples.tolist():
-            lo, hi = np.searchsorted(sample, [s, s + 1])
-            extra = np.zeros(count)
-            np.add.at(extra, transfer[lo:hi], seconds[lo:hi])
-            run = run_event_sample(
-                self.schedule,
-                router,
-                self.transfers,
-                size_bytes=size_bytes,
-                rank_delay_s=rank_delay,
-                start_s=arrival[:, s],
-                extra_s=extra,
-            )
-            step_s[s] = float(run.rank_end_s.max())
-            if not attribution:
-                continue
-            keys = np.full(count, _NO_BLAME, dtype=np.int64)
-            np.maximum.at(keys, transfer[lo:hi], key[lo:hi])
-            best = _NO_BLAME
-            if run.chain_transfers.size:
-                best = max(best, int(keys[run.chain_transfers].max()))
-            if rank_delay is not None and run.chain_ranks.size:
-                ranks = run.chain_ranks
-                best = max(best, int(blame_key(rank_delay[ranks], ranks).max()))
-            start = run.start_rank
-            if start >= 0 and arrival[start, s] > 0:
-                best = max(best, int(blame_key(np.asarray([arrival[start, s]]), start)[0]))
-            final = Blame(np.asarray([[best]], dtype=np.int64))
-            culprit[s] = int(final.culprit[0, 0])
-            culprit_s[s] = float(final.seconds[0, 0])
-
-
 def _step_group(
     members: IntArray,
     data: list[_PhaseData],
@@ -951,7 +488,7 @@ def _step_group(
     rank_delay: FloatArray | None,
     rank_culprit: IntArray,
     out: tuple[FloatArray, IntArray, FloatArray, IntArray, IntArray],
-    record: _Recorder | None,
+    record: Recorder | None,
     progress: Callable[[int], None] | None,
 ) -> None:
     """The stepping method for the samples ``members`` (of one ECMP seed), chunk by chunk; ``progress`` is
@@ -1012,7 +549,7 @@ def _run_phase(
     lost: IntArray,
     timeouts: IntArray,
     cols: IntArray,
-    record: tuple[_Recorder, int] | None = None,
+    record: tuple[Recorder, int] | None = None,
 ) -> FloatArray:
     """Step ``clock`` (ranks x samples of the chunk ``cols``) through the ``repeat`` steps of one phase;
     ``record``: (recorder, this phase's index), which keeps the noise drawn for the event engine."""
@@ -1070,7 +607,7 @@ def _run_phase(
         if record is not None:
             record[0].add(record[1], j, cols, extra=extra, extra_key=extra_blame, sparse=sparse)
         if cyclic is not None:
-            clock = _step_cyclic(
+            clock = step_cyclic(
                 clock,
                 cyclic,
                 rank_seconds_of_flow,
