@@ -120,8 +120,7 @@ def step_cyclic(
     else:
         from_dst = cyclic.ahead(clock)
         end = np.maximum(clock, from_dst)
-        end_blame = blame.key.copy()
-        _select_into(end_blame, cyclic.ahead(blame.key), from_dst > clock)
+        end_blame = _pick(from_dst > clock, cyclic.ahead(blame.key), blame.key)
         if extra_blame is not None:
             np.maximum(end_blame, extra_blame, out=end_blame)
     end += base
@@ -136,8 +135,7 @@ def step_cyclic(
         done = cyclic.max_behind(end)
     else:
         received = cyclic.behind(end)
-        blame.key[...] = end_blame
-        _select_into(blame.key, cyclic.behind(end_blame), received > end)
+        blame.key = _pick(received > end, cyclic.behind(end_blame), end_blame)
         done = np.maximum(end, received)
     if rank_seconds is not None:
         done += rank_seconds[:, None]
@@ -146,10 +144,12 @@ def step_cyclic(
     return done
 
 
-def _select_into(target: IntArray, source: IntArray, mask: npt.NDArray[np.bool_]) -> None:
-    """``target[mask] = source[mask]`` as arithmetic, as :func:`allreduce.schedules.step_samples` does it (a
-    masked copy with an unpredictable mask costs many times a maximum). Keys are non-negative int64, so the
-    difference cannot overflow."""
-    difference = source - target
-    difference *= mask
-    target += difference
+def _pick(mask: npt.NDArray[np.bool_], source: IntArray, target: IntArray) -> IntArray:
+    """``np.where(mask, source, target)`` for blame keys, as four plain passes: ``target + (source − target) ·
+    mask``, the mask widened to int64 first. Measured on (1,024 × 32) arrays: 0.7 ns per element, against
+    1.25 for ``np.where`` (a data-dependent choice per element) and 6.5 for multiplying by the boolean mask
+    itself (numpy casts it in buffered chunks). Keys are non-negative int64, so the difference cannot overflow."""
+    picked = np.subtract(source, target)
+    picked *= mask.astype(np.int64)
+    picked += target
+    return picked
