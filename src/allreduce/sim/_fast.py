@@ -253,15 +253,38 @@ def _rates_independent_of_timing(routes: Routes, topology: Topology) -> bool:
     return bool(np.all(load <= capacity * (1 + _LOCKSTEP_RTOL)))
 
 
-def rates_fixed_under_any_timing(schedule: Schedule, router: Router) -> bool:
-    """Whether every flow of ``schedule`` gets its solo rate however the ranks drift — the certificate that
+def rates_fixed_under_any_timing(phases: list[tuple[Phase, Routes]], world_size: int, topology: Topology) -> bool:
+    """Whether every flow of a schedule gets its solo rate however the ranks drift — the certificate that
     survives noise (late arrivals, retransmissions, jitter), where lockstep does not: every rank pair the
-    schedule ever uses, each at its solo rate at once, fits every link (a pair counts once: its transfers
-    run one after the other). Sufficient, not necessary: transfers of one rank in different steps never
-    overlap, but count here as if they might."""
-    n = schedule.world_size
-    keys = [phase.src * n + phase.dst for phase in schedule.phases() if len(phase)]
-    if not keys:
+    schedule uses (``phases``: each phase with the routes of its flows), each at its solo rate at once, fits
+    every link. A pair counts once: its transfers run one after the other. Sufficient, not necessary:
+    transfers of one rank in different steps never overlap either, but count here as if they might."""
+    capacity = topology.link_bandwidth_Bps
+    load = np.zeros(capacity.size)
+    if not phases:
         return True
-    pairs = np.unique(np.concatenate(keys))
-    return _rates_independent_of_timing(router.route_ranks(pairs // n, pairs % n), router.topology)
+    keys = np.concatenate([phase.src * world_size + phase.dst for phase, _ in phases])
+    # Each pair's first flow in the whole schedule (a stable sort, not np.unique: measured several times
+    # faster on the 400,000 flows of a 131,072-rank hierarchical all-reduce).
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    first = np.ones(keys.size, dtype=np.bool_)
+    first[1:] = ordered[1:] != ordered[:-1]
+    fresh_all = np.zeros(keys.size, dtype=np.bool_)
+    fresh_all[order[first]] = True
+    offset = 0
+    for phase, routes in phases:
+        fresh = fresh_all[offset : offset + len(phase)]
+        offset += len(phase)
+        if not fresh.any():
+            continue
+        flow = routes.flow_of_entry()
+        with np.errstate(divide="ignore"):
+            per_entry = capacity[routes.link] / routes.weight
+        solo = np.full(routes.num_flows, np.inf)
+        np.minimum.at(solo, flow, per_entry)
+        counted = fresh[flow] & np.isfinite(solo[flow])
+        load += np.bincount(
+            routes.link[counted], weights=routes.weight[counted] * solo[flow][counted], minlength=capacity.size
+        )
+    return bool(np.all(load <= capacity * (1 + _LOCKSTEP_RTOL)))

@@ -383,11 +383,8 @@ def simulate_tail(
     done = 0
     for g, ecmp_seed in enumerate(seeds):
         router = Router(base_topology, rank_gpu, routing, ecmp_seed)
-        group_exact = free_exact
-        if g > 0 or config.ecmp_seeds:
-            group_exact = run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0)[1]
-        any_timing = rates_fixed_under_any_timing(schedule, router)
         data = _phase_data(schedule, router, size, link_loss)
+        any_timing = rates_fixed_under_any_timing([(d.phase, d.pattern.routes) for d in data], n, base_topology)
         members = np.flatnonzero(group == g)
         record = (
             Recorder(schedule, transfers, [d.phase for d in data], dense=keep_dense) if transfers is not None else None
@@ -418,11 +415,15 @@ def simulate_tail(
                 progress=None if progress is None else _offset_progress(progress, done, k),
             )
         # Which samples the fast engine's recurrence gives exactly: all, if no timing can change a rate;
-        # else the noise-free ones, if the noise-free run was certified.
+        # else the noise-free ones, if the noise-free run (with this ECMP seed) was certified.
         if not any_timing:
             quiet = ~np.any(arrival[:, members] != 0, axis=0) & (lost[members] == 0)
             quiet &= not config.timed_faults and (config.link_jitter is None or config.link_jitter.is_zero)
-            sample_engine[members] = np.where(quiet & group_exact, SAMPLE_FAST, SAMPLE_FAST_UNCERTIFIED)
+            if quiet.any() and (g > 0 or config.ecmp_seeds):
+                quiet &= run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0)[1]
+            elif quiet.any():
+                quiet &= free_exact
+            sample_engine[members] = np.where(quiet, SAMPLE_FAST, SAMPLE_FAST_UNCERTIFIED)
         if record is not None:
             rerun = members if config.engine == "event" else members[sample_engine[members] == SAMPLE_FAST_UNCERTIFIED]
             affordable = config.engine == "event" or (

@@ -1,5 +1,5 @@
-"""Monte Carlo samples re-run with the event engine: the noise the fast engine's stepping drew, recorded per
-sample and transfer, replayed with :func:`allreduce.sim._event` (ranks starting at their arrival, each
+"""Monte Carlo samples re-run with the event engine (:mod:`allreduce.sim._event`): the noise the fast
+engine's stepping drew, recorded per sample and transfer, replayed (ranks starting at their arrival, each
 transfer delivered its recorded delay later), and the culprit found on the event engine's critical path."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ IntArray = npt.NDArray[np.int64]
 @dataclass(frozen=True, eq=False)
 class SampleRun:
     """One event-driven run with noise (:func:`run_event_sample`): each rank's end, and the critical path
-    walked back from the last one: its transfers, the rank whose delay follows each, and the rank it starts
-    from (-1 when the last rank had no transfers)."""
+    walked back from the last one: its transfers, the rank whose delay follows each, and the rank whose
+    arrival it starts from (the last rank itself when that one had no transfers)."""
 
     rank_end_s: FloatArray
     chain_transfers: IntArray
