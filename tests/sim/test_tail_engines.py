@@ -19,6 +19,7 @@ from allreduce.sim import (
     LossModel,
     TailConfig,
     TimedFault,
+    simulate,
     simulate_tail,
 )
 from allreduce.sim._event import match_transfers
@@ -98,6 +99,10 @@ def test_auto_reruns_every_sample_when_the_noise_free_run_is_not_certified() -> 
     assert auto.exact
     assert auto.engine_counts() == {"fast": 0, "fast ~": 0, "event": 40}
     assert not np.allclose(auto.step_s, fast.step_s, rtol=1e-6)
+    # The noise-free time each compares with is its own engine's.
+    kwargs = {"size_bytes": 2**22, "placement": "random", "seed": 3}
+    assert auto.baseline_s == pytest.approx(simulate(schedule, topology, engine="event", **kwargs).seconds, rel=1e-12)
+    assert fast.baseline_s == pytest.approx(simulate(schedule, topology, engine="fast", **kwargs).seconds, rel=1e-12)
 
 
 def test_auto_reruns_only_lossy_samples_when_the_noise_free_run_is_certified_by_lockstep() -> None:

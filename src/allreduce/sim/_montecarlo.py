@@ -350,16 +350,6 @@ def simulate_tail(
         rank_delay_s=rank_delay,
         trace_ranks=0,
     )
-    baseline_s = baseline.seconds
-    if config.engine == "event" or (config.engine == "auto" and not free_exact and n <= AUTO_EXACT_MAX_RANKS):
-        # The noise-free time the slowdowns are measured against: exact, as the samples are.
-        baseline_s = run_event(
-            schedule,
-            Router(base_topology, rank_gpu, routing, seed),
-            size_bytes=size,
-            rank_delay_s=rank_delay,
-            trace_ranks=0,
-        ).seconds
     seeds = [seed] if config.ecmp_seeds == 0 else [int(s) for s in rng.integers(0, 2**31 - 1, config.ecmp_seeds)]
     group = np.arange(k) % len(seeds)
 
@@ -445,6 +435,13 @@ def simulate_tail(
         done += members.size
         if progress is not None:
             progress(done / k)
+    exact = bool(np.all(sample_engine != SAMPLE_FAST_UNCERTIFIED))
+    baseline_s = baseline.seconds
+    if exact and not free_exact:
+        # Every sample is exact, some by the event engine: so is the noise-free time the slowdowns divide by.
+        # (With uncertified samples left, the fast engine's noise-free time is the one they compare with.)
+        router = Router(base_topology, rank_gpu, routing, seed)
+        baseline_s = run_event(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0).seconds
     arrived = arrival.max(axis=0)
     return TailResult(
         name=schedule.name,
@@ -452,7 +449,7 @@ def simulate_tail(
         size_bytes=size,
         topology_name=topology.name,
         engine="stepping" if config.per_transfer else "sensitivity",
-        exact=bool(np.all(sample_engine != SAMPLE_FAST_UNCERTIFIED)),
+        exact=exact,
         baseline_s=baseline_s,
         step_s=step_s,
         collective_s=step_s - arrived,
