@@ -1,7 +1,8 @@
 """Speed of the tail Monte Carlo (``allreduce.sim.simulate_tail``): wall time and peak memory per case.
 
 Each case runs in a fresh process (so its peak resident memory is its own) and prints one row: wall time,
-and CPU time of the simulation (what the wall time would be on an idle core; the machine is shared). The
+and CPU time of the simulation (what the wall time would be on an idle core; the machine is shared), between
+the load averages before and after. The
 targets: 1,000 samples of a 1 GiB ring on a 1,024-GPU fat-tree with loss and jitter <= 10 s; 100 samples at
 16,384 GPUs <= 60 s; 20 samples at 131,072 GPUs (hierarchical on a rail-optimised fabric) <= 120 s and
 <= 4 GB. Run: ``PYTHONPATH=src python benchmarks/bench_tail.py [--quick]``.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -88,6 +90,7 @@ def main() -> None:
         _, topology, ranks, algorithm, samples, noise = CASES[args.case]
         print(json.dumps(run_case(topology, ranks, algorithm, samples, noise)))
         return
+    print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
     header = (
         f"{'case':<34} {'noise':<20} {'samples':>7} {'method':<11} {'wall':>8} {'cpu':>8} {'peak':>8} "
         f"{'noise-free':>10} {'p50':>9} {'p99':>9}"
@@ -109,6 +112,7 @@ def main() -> None:
             f"{row['p99_s'] * 1e3:>7.1f}ms",
             flush=True,
         )
+    print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import numpy.typing as npt
 from allreduce.cli._args import add_algorithm_argument, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
-from allreduce.sim import TailConfig, TailResult
+from allreduce.sim import AUTO_EXACT_MAX_RANKS, EVENT_MAX_TRANSFERS, TailConfig, TailResult
 from allreduce.topology import Topology
 from allreduce.units import NOT_A_NUMBER, format_bytes, format_seconds, parse_bytes
 
@@ -72,6 +72,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--fail", action="append", default=[], metavar="LINK", help="remove LINK throughout")
     p.add_argument("--slow-rank", action="append", default=[], metavar="R=SECONDS", help="SECONDS more per step")
     p.add_argument("--ecmp-seeds", type=non_negative_int("--ecmp-seeds"), default=0, help="ECMP hash seeds to draw")
+    p.add_argument(
+        "--engine",
+        choices=("auto", "fast", "event"),
+        default="auto",
+        help="auto (default): samples the fast engine cannot certify exact are re-run by the event engine when "
+        f"affordable (<= {AUTO_EXACT_MAX_RANKS} ranks, <= {EVENT_MAX_TRANSFERS:,} transfers in all); fast; "
+        "event: every sample",
+    )
     p.add_argument("--no-attribution", action="store_true", help="skip naming culprits (faster with loss/jitter)")
     p.add_argument("--top", type=non_negative_int("--top"), default=5, help="culprits to list (default 5)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -134,6 +142,7 @@ def _config(args: argparse.Namespace, topology: Topology) -> TailConfig:
         timed_faults=tuple(timed),
         ecmp_seeds=args.ecmp_seeds,
         attribution=not args.no_attribution,
+        engine=args.engine,
     )
 
 
@@ -152,6 +161,16 @@ def render_table(results: list[TailResult]) -> list[str]:
         ratio = f"{p['p99'] / r.baseline_s:>7.2f}x" if r.baseline_s > 0 else f"{NOT_A_NUMBER:>8}"
         method = r.engine + ("" if r.exact else " ~")
         lines.append(f"{r.name:<20} {format_seconds(r.baseline_s):>10} {cells} {ratio}  {method}")
+    return lines
+
+
+def render_engines(results: list[TailResult]) -> list[str]:
+    """How many samples of each algorithm each engine computed."""
+    lines = ["samples by engine (fast: the fast engine's recurrence, certified exact; ~: not certified; event):"]
+    for r in results:
+        counts = r.engine_counts()
+        parts = [f"{counts[name]} {name}" for name in ("fast", "fast ~", "event") if counts[name]]
+        lines.append(f"  {r.name:<20} {', '.join(parts)}")
     return lines
 
 
@@ -318,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     lines = [header, "", "step time (arrival + all-reduce) over the samples:", *render_table(results)]
+    lines += ["", *render_engines(results)]
     for r in results:
         if r.culprit.max() >= 0 or not args.no_attribution:
             lines += ["", *render_attribution(r, args.top)]
@@ -325,7 +345,10 @@ def run(args: argparse.Namespace) -> int:
     lines += ["", f"histogram of {worst.name}'s step time (count, cumulative fraction):"]
     lines += render_histogram(worst.step_s)
     if not all(r.exact for r in results):
-        lines.append("(~ the noise-free run was not certified exact: the fast engine's recurrence, see allreduce sim)")
+        lines.append(
+            "(~ samples the fast engine's recurrence could not certify exact and the event engine did not re-run: "
+            "see --engine and docs/tail.md)"
+        )
     lines.extend(f"(note: {s})" for s in skipped)
     if args.csv:
         lines.append(f"samples: {args.csv}")

@@ -15,17 +15,32 @@ from allreduce.sim._faults import (
     resolve_links,
 )
 from allreduce.sim._loss import FABRICS, LossModel, transfer_loss_probability
-from allreduce.sim._montecarlo import PERCENTILES, Culprit, TailConfig, TailResult, simulate_tail
+from allreduce.sim._montecarlo import simulate_tail
 from allreduce.sim._result import Bottleneck, CriticalStep, PhaseResult, SimResult
-from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS, TRACE_RANKS, simulate
+from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS, ENGINES, TRACE_RANKS, simulate
 from allreduce.sim._stochastic import DISTRIBUTIONS, Distribution, parse_distribution, parse_time
+from allreduce.sim._tailresult import (
+    EVENT_MAX_TRANSFERS,
+    PERCENTILES,
+    SAMPLE_EVENT,
+    SAMPLE_FAST,
+    SAMPLE_FAST_UNCERTIFIED,
+    Culprit,
+    TailConfig,
+    TailResult,
+)
 from allreduce.sim._trace import chrome_trace, write_trace
 
 __all__ = [
     "AUTO_EXACT_MAX_RANKS",
     "DISTRIBUTIONS",
+    "ENGINES",
+    "EVENT_MAX_TRANSFERS",
     "FABRICS",
     "PERCENTILES",
+    "SAMPLE_EVENT",
+    "SAMPLE_FAST",
+    "SAMPLE_FAST_UNCERTIFIED",
     "TIMED_FAULT_KINDS",
     "TRACE_RANKS",
     "Bottleneck",

@@ -143,10 +143,15 @@ class _Run:
         *,
         local: bool = True,
         numpy_min_flows: int = _NUMPY_MIN_FLOWS,
+        start_s: FloatArray | None = None,
+        extra_s: FloatArray | None = None,
     ) -> None:
         """``local=False`` re-solves the rates of every draining transfer at every change, not only those
         of the changed transfers' component (the reference the local re-solve is tested against);
-        components of more than ``numpy_min_flows`` transfers are solved with numpy, smaller ones over dicts."""
+        components of more than ``numpy_min_flows`` transfers are solved with numpy, smaller ones over dicts.
+        ``start_s`` (per rank): when each rank reaches the collective (default: all at 0); ``extra_s`` (per
+        transfer): a delay added to its delivery after its last byte drained — a retransmission or latency
+        jitter, which the fluid model charges to no link's capacity (as the fast engine's recurrence does)."""
         self.local = local
         self.numpy_min_flows = numpy_min_flows
         self.schedule = schedule
@@ -174,6 +179,9 @@ class _Run:
             bad = int(self.used_links[~(link_capacity > 0)][0])
             raise ValueError(f"link {bad} carries flows but has capacity {self.capacity[bad]} (must be > 0)")
         self.latency = routes.latency_s[self.pair]
+        if extra_s is not None:
+            self.latency = self.latency + extra_s
+        self.start_at = np.zeros(n) if start_s is None else np.asarray(start_s, dtype=np.float64)
 
         # Slots: one per (rank, step) in which the rank transfers; each transfer sits in two (send, receive).
         slot_rank = np.concatenate([t.src, t.dst])
@@ -479,7 +487,9 @@ class _Run:
         delivered = 0
         for rank in range(self.schedule.world_size):
             if self.rank_first_slot[rank] < self.rank_stop_slot[rank]:
-                self.push(0.0, _START, int(self.rank_first_slot[rank]))
+                self.push(float(self.start_at[rank]), _START, int(self.rank_first_slot[rank]))
+            else:
+                self.rank_end[rank] = self.start_at[rank]
         heap = self.heap
         version = self._version
         while heap:

@@ -27,37 +27,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import (
-    Blame,
-    Incidence,
-    Phase,
-    Schedule,
-    blame_key,
-    jump_samples,
-    propagate,
-    step_samples,
-)
-from allreduce.sim._fast import run_fast_checked
+from allreduce.schedules import Blame, Incidence, Phase, Schedule, blame_key, jump_samples, propagate, step_samples
+from allreduce.sim._cyclic import Cyclic, step_cyclic
+from allreduce.sim._event import run_event
+from allreduce.sim._fast import rates_fixed_under_any_timing, run_fast_checked
 from allreduce.sim._faults import Faults, TimedFault, apply_faults, resolve_links
 from allreduce.sim._loss import LossModel, draw_extra_seconds, packet_loss_probability
+from allreduce.sim._rerun import Recorder, event_transfers
 from allreduce.sim._routing import Pattern, Router
-from allreduce.sim._stochastic import Distribution
+from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS
+from allreduce.sim._tailresult import (
+    EVENT_MAX_TRANSFERS,
+    SAMPLE_EVENT,
+    SAMPLE_FAST,
+    SAMPLE_FAST_UNCERTIFIED,
+    TailConfig,
+    TailResult,
+)
 from allreduce.topology import PathTable, Topology, place
-from allreduce.units import format_bytes, format_seconds
+from allreduce.units import format_seconds
 
-__all__ = ["PERCENTILES", "Culprit", "TailConfig", "TailResult", "simulate_tail"]
+__all__ = ["simulate_tail"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-# The percentiles a tail report shows.
-PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 # Samples stepped together: (ranks x samples) arrays of about this many elements (256 KiB of float64) stay in
 # the CPU's caches with the step's temporaries (measured, 256 samples of a 1,024-rank ring with loss: 2^15
 # elements per chunk took 25% less CPU time than 2^17, and 2^14 more again, Python's cost per call showing).
@@ -68,154 +67,6 @@ _MAX_HISTORY = 5
 _MAX_GAPS_PER_DRAW = 2**24
 # How many times a transfer that finds no path waits for the fault's next change before giving up.
 _MAX_WAITS = 64
-
-
-@dataclass(frozen=True)
-class TailConfig:
-    """The noise of a tail simulation.
-
-    ``loss``: packet loss and the fabric's retransmission model; ``link_jitter``: extra one-way latency of every
-    transfer, drawn per transfer; ``rank_jitter``: when each rank reaches the collective (its compute time's
-    spread), drawn per rank and sample; ``timed_faults``: links that go down, flap or degrade at given
-    times; ``ecmp_seeds``: if > 0, that many ECMP hash seeds are drawn and the samples spread over them, so the
-    distribution over path assignments shows (0: the simulation's one seed); ``attribution``: carry each
-    sample's culprit through the recurrence (2-2.5x the stepping's array work; off: culprits are not named);
-    ``stragglers``: (rank, seconds) pairs, ranks that reach the collective that much later in every sample."""
-
-    samples: int = 1000
-    seed: int = 0
-    loss: LossModel = field(default_factory=LossModel)
-    link_jitter: Distribution | None = None
-    rank_jitter: Distribution | None = None
-    timed_faults: tuple[TimedFault, ...] = ()
-    ecmp_seeds: int = 0
-    attribution: bool = True
-    stragglers: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if self.ecmp_seeds < 0:
-            raise ValueError(f"ecmp_seeds must be >= 0, got {self.ecmp_seeds}")
-        for rank, seconds in self.stragglers:
-            if not (math.isfinite(seconds) and seconds >= 0):
-                raise ValueError(f"straggler rank {rank}: the delay must be a finite time >= 0, got {seconds}")
-
-    @property
-    def per_transfer(self) -> bool:
-        """Whether any noise is drawn per transfer (which needs stepping every step)."""
-        jitter = self.link_jitter is not None and not self.link_jitter.is_zero
-        return bool(self.loss) or jitter or bool(self.timed_faults)
-
-
-@dataclass(frozen=True)
-class Culprit:
-    """A cause named in the attribution table: a rank or a link, the fraction of samples whose largest
-    single delay on the critical path it caused, and that delay's mean over those samples."""
-
-    kind: str  # "rank" or "link"
-    name: str
-    fraction: float
-    mean_delay_s: float
-
-
-@dataclass(frozen=True, eq=False)
-class TailResult:
-    """K samples of one schedule: step time (from the step's start: arrival + collective), collective time
-    (from the last rank's arrival), the noise-free time, and per sample the culprit of its largest delay."""
-
-    name: str
-    world_size: int
-    size_bytes: float
-    topology_name: str
-    engine: str  # "sensitivity" or "stepping"
-    exact: bool
-    baseline_s: float
-    step_s: FloatArray
-    collective_s: FloatArray
-    culprit: IntArray  # per sample: rank r as r, link l as world_size + l, none as -1
-    culprit_delay_s: FloatArray
-    lost_transfers: IntArray  # per sample
-    timeouts: IntArray  # per sample: retransmission timeouts that fired
-    topology: Topology  # the one culprit link codes index (after static faults)
-    description: str = ""
-
-    @property
-    def samples(self) -> int:
-        return int(self.step_s.size)
-
-    def percentiles(self, which: str = "step") -> dict[str, float]:
-        """p50, p90, p99, p99.9, max and mean of the step (or ``"collective"``) time."""
-        values = self.step_s if which == "step" else self.collective_s
-        out = {f"p{p:g}": float(np.percentile(values, p)) for p in PERCENTILES}
-        out["max"] = float(values.max())
-        out["mean"] = float(values.mean())
-        return out
-
-    def slowdown(self, statistic: str = "p50") -> float:
-        """A statistic of the collective time over the noise-free run's time."""
-        value = self.percentiles("collective")[statistic]
-        return value / self.baseline_s if self.baseline_s > 0 else math.inf
-
-    def culprit_name(self, code: int) -> tuple[str, str]:
-        if code < 0:
-            return "none", "-"
-        if code < self.world_size:
-            return "rank", f"rank {code}"
-        return "link", self.topology.link_name(code - self.world_size)
-
-    def attribution(self, top: int = 5, kind: str | None = None) -> list[Culprit]:
-        """The causes that most often set a sample's largest delay, most frequent first: ranks and links, or
-        only ``kind`` ("rank" or "link")."""
-        named = self.culprit >= 0
-        if kind == "rank":
-            named &= self.culprit < self.world_size
-        elif kind == "link":
-            named &= self.culprit >= self.world_size
-        if not named.any():
-            return []
-        codes, counts = np.unique(self.culprit[named], return_counts=True)
-        order = np.lexsort((codes, -counts))[:top]
-        out = []
-        for i in order:
-            kind, name = self.culprit_name(int(codes[i]))
-            delay = self.culprit_delay_s[self.culprit == codes[i]]
-            out.append(Culprit(kind, name, float(counts[i]) / self.samples, float(delay.mean())))
-        return out
-
-    def loss_frequency(self) -> float:
-        """Fraction of samples with at least one lost transfer."""
-        return float(np.mean(self.lost_transfers > 0))
-
-    def to_json(self, *, top: int = 5) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "ranks": self.world_size,
-            "size_bytes": self.size_bytes,
-            "topology": self.topology_name,
-            "samples": self.samples,
-            "engine": self.engine,
-            "exact": self.exact,
-            "noise": self.description,
-            "noise_free_s": self.baseline_s,
-            "step_s": self.percentiles("step"),
-            "collective_s": self.percentiles("collective"),
-            "slowdown_p50": self.slowdown("p50"),
-            "slowdown_p99": self.slowdown("p99"),
-            "samples_with_loss": self.loss_frequency(),
-            "attribution": [
-                {"kind": c.kind, "name": c.name, "fraction": c.fraction, "mean_delay_s": c.mean_delay_s}
-                for c in self.attribution(top)
-            ],
-        }
-
-    def summary(self) -> str:
-        p = self.percentiles("step")
-        return (
-            f"{self.name}: {self.world_size} ranks, {format_bytes(self.size_bytes)}, {self.samples} samples: "
-            f"p50 {format_seconds(p['p50'])}, p99 {format_seconds(p['p99'])}, max {format_seconds(p['max'])} "
-            f"(noise-free {format_seconds(self.baseline_s)})"
-        )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -231,6 +82,7 @@ class _PhaseData:
     loss_q: FloatArray  # per-packet loss probability per flow
     loss_hazard: FloatArray  # per route entry
     blame_link: IntArray  # the link a flow's jitter is blamed on (its bottleneck, else its first link; -1)
+    cyclic: Cyclic | None  # the phase is a cyclic shift of the ranks: stepped with slices (see _step_cyclic)
 
 
 def _phase_data(schedule: Schedule, router: Router, size_bytes: float, link_loss: FloatArray) -> list[_PhaseData]:
@@ -245,7 +97,8 @@ def _phase_data(schedule: Schedule, router: Router, size_bytes: float, link_loss
         has = np.diff(pattern.routes.flow_ptr) > 0
         first[has] = pattern.routes.link[pattern.routes.flow_ptr[:-1][has]]
         blame = np.where(pattern.bottleneck_link >= 0, pattern.bottleneck_link, first)
-        out.append(_PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame))
+        cyclic = Cyclic.of(n, phase)
+        out.append(_PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic))
     return out
 
 
@@ -490,7 +343,7 @@ def simulate_tail(
     k = config.samples
 
     # The noise-free run (the simulation's own ECMP seed): the baseline, and the fast engine's certificate.
-    baseline, exact = run_fast_checked(
+    baseline, free_exact = run_fast_checked(
         schedule,
         Router(base_topology, rank_gpu, routing, seed),
         size_bytes=size,
@@ -512,16 +365,20 @@ def simulate_tail(
     culprit_s = np.zeros(k)
     lost = np.zeros(k, dtype=np.int64)
     timeouts = np.zeros(k, dtype=np.int64)
+    sample_engine = np.full(k, SAMPLE_FAST, dtype=np.int64)
     rank_culprit = np.arange(n, dtype=np.int64)
+    transfers = event_transfers(schedule, config, k)
+    # The link jitter of every transfer is kept for the event engine only if all samples' fit its budget.
+    keep_dense = transfers is not None and (config.engine == "event" or len(transfers) * k <= EVENT_MAX_TRANSFERS)
     done = 0
     for g, ecmp_seed in enumerate(seeds):
         router = Router(base_topology, rank_gpu, routing, ecmp_seed)
-        if g > 0 or config.ecmp_seeds:
-            exact = (
-                exact and run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0)[1]
-            )
         data = _phase_data(schedule, router, size, link_loss)
+        any_timing = rates_fixed_under_any_timing([(d.phase, d.pattern.routes) for d in data], n, base_topology)
         members = np.flatnonzero(group == g)
+        record = (
+            Recorder(schedule, transfers, [d.phase for d in data], dense=keep_dense) if transfers is not None else None
+        )
         if not config.per_transfer:
             to_end = _backward(n, data, rank_delay)
             total = arrival[:, members] + to_end[:, None]
@@ -530,50 +387,61 @@ def simulate_tail(
             late = arrival[last, members] > 0
             culprit[members] = np.where(late, last, -1)
             culprit_s[members] = np.where(late, arrival[last, members], 0.0)
-            done += members.size
-            if progress is not None:
-                progress(done / k)
-            continue
-        timed = [
-            _TimedRates(
-                base_topology, router, d, faults=config.timed_faults, fault_link=n + fault_link, size_bytes=size
+        else:
+            _step_group(
+                members,
+                data,
+                config=config,
+                arrival=arrival,
+                rng=rng,
+                base_topology=base_topology,
+                router=router,
+                size=size,
+                fault_link=n + fault_link,
+                rank_delay=rank_delay,
+                rank_culprit=rank_culprit,
+                out=(step_s, culprit, culprit_s, lost, timeouts),
+                record=record,
+                progress=None if progress is None else _offset_progress(progress, done, k),
             )
-            if config.timed_faults
-            else None
-            for d in data
-        ]
-        chunk = max(1, min(members.size, _CHUNK_ELEMENTS // max(n, 1)))
-        for lo in range(0, members.size, chunk):
-            cols = members[lo : lo + chunk]
-            clock = arrival[:, cols].copy()
-            blame = None
-            if config.attribution:
-                blame = Blame(blame_key(clock, np.where(clock > 0, rank_culprit[:, None], -1)))
-            for d, rates in zip(data, timed, strict=True):
-                clock = _run_phase(
-                    clock,
-                    d,
-                    rates=rates,
-                    rng=rng,
-                    config=config,
+        # Which samples the fast engine's recurrence gives exactly: all, if no timing can change a rate;
+        # else the noise-free ones, if the noise-free run (with this ECMP seed) was certified.
+        if not any_timing:
+            quiet = ~np.any(arrival[:, members] != 0, axis=0) & (lost[members] == 0)
+            quiet &= not config.timed_faults and (config.link_jitter is None or config.link_jitter.is_zero)
+            if quiet.any() and (g > 0 or config.ecmp_seeds):
+                quiet &= run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0)[1]
+            elif quiet.any():
+                quiet &= free_exact
+            sample_engine[members] = np.where(quiet, SAMPLE_FAST, SAMPLE_FAST_UNCERTIFIED)
+        if record is not None:
+            rerun = members if config.engine == "event" else members[sample_engine[members] == SAMPLE_FAST_UNCERTIFIED]
+            affordable = config.engine == "event" or (
+                n <= AUTO_EXACT_MAX_RANKS
+                and len(record.transfers) * rerun.size <= EVENT_MAX_TRANSFERS
+                and (keep_dense or config.link_jitter is None or config.link_jitter.is_zero)
+            )
+            if rerun.size and affordable:
+                record.rerun(
+                    rerun,
+                    router,
+                    size_bytes=size,
                     rank_delay=rank_delay,
-                    rank_culprit=rank_culprit,
-                    blame=blame,
-                    n=n,
-                    lost=lost,
-                    timeouts=timeouts,
-                    cols=cols,
+                    arrival=arrival,
+                    attribution=config.attribution,
+                    out=(step_s, culprit, culprit_s),
                 )
-            last = np.argmax(clock, axis=0)
-            columns = np.arange(cols.size)
-            step_s[cols] = clock[last, columns]
-            if blame is not None:
-                final = Blame(blame.key[last, columns])
-                culprit[cols] = final.culprit
-                culprit_s[cols] = final.seconds
-            done += cols.size
-            if progress is not None:
-                progress(done / k)
+                sample_engine[rerun] = SAMPLE_EVENT
+        done += members.size
+        if progress is not None:
+            progress(done / k)
+    exact = bool(np.all(sample_engine != SAMPLE_FAST_UNCERTIFIED))
+    baseline_s = baseline.seconds
+    if exact and not free_exact:
+        # Every sample is exact, some by the event engine: so is the noise-free time the slowdowns divide by.
+        # (With uncertified samples left, the fast engine's noise-free time is the one they compare with.)
+        router = Router(base_topology, rank_gpu, routing, seed)
+        baseline_s = run_event(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0).seconds
     arrived = arrival.max(axis=0)
     return TailResult(
         name=schedule.name,
@@ -582,7 +450,7 @@ def simulate_tail(
         topology_name=topology.name,
         engine="stepping" if config.per_transfer else "sensitivity",
         exact=exact,
-        baseline_s=baseline.seconds,
+        baseline_s=baseline_s,
         step_s=step_s,
         collective_s=step_s - arrived,
         culprit=culprit,
@@ -591,7 +459,78 @@ def simulate_tail(
         timeouts=timeouts,
         topology=base_topology,
         description=_describe(config, faults),
+        sample_engine=sample_engine,
     )
+
+
+def _offset_progress(progress: Callable[[float], None], done: int, total: int) -> Callable[[int], None]:
+    """A callback for samples done within a group, reporting the fraction done over all samples."""
+
+    def report(count: int) -> None:
+        progress((done + count) / total)
+
+    return report
+
+
+def _step_group(
+    members: IntArray,
+    data: list[_PhaseData],
+    *,
+    config: TailConfig,
+    arrival: FloatArray,
+    rng: np.random.Generator,
+    base_topology: Topology,
+    router: Router,
+    size: float,
+    fault_link: IntArray,
+    rank_delay: FloatArray | None,
+    rank_culprit: IntArray,
+    out: tuple[FloatArray, IntArray, FloatArray, IntArray, IntArray],
+    record: Recorder | None,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """The stepping method for the samples ``members`` (of one ECMP seed), chunk by chunk; ``progress`` is
+    called with the count of samples done."""
+    step_s, culprit, culprit_s, lost, timeouts = out
+    n = arrival.shape[0]
+    timed = [
+        _TimedRates(base_topology, router, d, faults=config.timed_faults, fault_link=fault_link, size_bytes=size)
+        if config.timed_faults
+        else None
+        for d in data
+    ]
+    chunk = max(1, min(members.size, _CHUNK_ELEMENTS // max(n, 1)))
+    for lo in range(0, members.size, chunk):
+        cols = members[lo : lo + chunk]
+        clock = arrival[:, cols].copy()
+        blame = None
+        if config.attribution:
+            blame = Blame(blame_key(clock, np.where(clock > 0, rank_culprit[:, None], -1)))
+        for index, (d, rates) in enumerate(zip(data, timed, strict=True)):
+            clock = _run_phase(
+                clock,
+                d,
+                rates=rates,
+                rng=rng,
+                config=config,
+                rank_delay=rank_delay,
+                rank_culprit=rank_culprit,
+                blame=blame,
+                n=n,
+                lost=lost,
+                timeouts=timeouts,
+                cols=cols,
+                record=None if record is None else (record, index),
+            )
+        last = np.argmax(clock, axis=0)
+        columns = np.arange(cols.size)
+        step_s[cols] = clock[last, columns]
+        if blame is not None:
+            final = Blame(blame.key[last, columns])
+            culprit[cols] = final.culprit
+            culprit_s[cols] = final.seconds
+        if progress is not None and lo + chunk < members.size:
+            progress(lo + chunk)
 
 
 def _run_phase(
@@ -608,8 +547,10 @@ def _run_phase(
     lost: IntArray,
     timeouts: IntArray,
     cols: IntArray,
+    record: tuple[Recorder, int] | None = None,
 ) -> FloatArray:
-    """Step ``clock`` (ranks x samples of the chunk ``cols``) through the ``repeat`` steps of one phase."""
+    """Step ``clock`` (ranks x samples of the chunk ``cols``) through the ``repeat`` steps of one phase;
+    ``record``: (recorder, this phase's index), which keeps the noise drawn for the event engine."""
     phase = d.phase
     samples = clock.shape[1]
     flows = len(phase)
@@ -629,6 +570,11 @@ def _run_phase(
     jitter = config.link_jitter if config.link_jitter is not None and not config.link_jitter.is_zero else None
     link_code = np.where(d.blame_link >= 0, n + d.blame_link, -1)
     quiet = losses is None and jitter is None and rates is None
+    cyclic = d.cyclic
+    if cyclic is not None:
+        # Per-flow arrays in rank order (the draws stay in flow order: the same samples either way).
+        rank_seconds_of_flow = d.seconds[cyclic.order]
+        loss_rows = phase.src[losses.flow] if losses is not None else None
     history: list[FloatArray] = [clock]
     blames: list[IntArray | None] = [_snapshot(blame)]
     remaining = phase.repeat
@@ -643,7 +589,8 @@ def _run_phase(
         if losses is not None and bounds[j + 1] > bounds[j]:
             sl = slice(int(bounds[j]), int(bounds[j + 1]))
             seconds = losses.extra_s[sl]
-            sparse = (losses.flow[sl], losses.sample[sl], seconds, blame_key(seconds, n + losses.link[sl]))
+            key = blame_key(seconds, n + losses.link[sl]) if blame is not None or record is not None else None
+            sparse = (losses.flow[sl], losses.sample[sl], seconds, key)
         if rates is not None:
             start = np.maximum(clock[phase.src], clock[phase.dst])
             fault_extra, fault_code = rates.extra(start)
@@ -652,18 +599,36 @@ def _run_phase(
             else:
                 code = np.where(fault_extra > extra, fault_code, code)
                 extra = extra + fault_extra
-        clock = step_samples(
-            clock,
-            phase,
-            d.incidence,
-            d.seconds,
-            delay,
-            extra_s=extra,
-            extra_blame=None if blame is None or extra is None else blame_key(extra, -1 if code is None else code),
-            rank_blame=delay_blame,
-            sparse=sparse,
-            blame=blame,
-        )
+        extra_blame = None
+        if extra is not None and (blame is not None or record is not None):
+            extra_blame = blame_key(extra, -1 if code is None else code)
+        if record is not None:
+            record[0].add(record[1], j, cols, extra=extra, extra_key=extra_blame, sparse=sparse)
+        if cyclic is not None:
+            clock = step_cyclic(
+                clock,
+                cyclic,
+                rank_seconds_of_flow,
+                delay,
+                extra_s=None if extra is None else np.take(extra, cyclic.order, axis=0),
+                extra_blame=None if extra_blame is None else np.take(extra_blame, cyclic.order, axis=0),
+                rank_blame=delay_blame,
+                sparse=None if sparse is None or loss_rows is None else (loss_rows[sl], *sparse[1:]),
+                blame=blame,
+            )
+        else:
+            clock = step_samples(
+                clock,
+                phase,
+                d.incidence,
+                d.seconds,
+                delay,
+                extra_s=extra,
+                extra_blame=extra_blame,
+                rank_blame=delay_blame,
+                sparse=None if sparse is None else (*sparse[:3], _keys(sparse[3], sparse[2].size)),
+                blame=blame,
+            )
         remaining -= 1
         j += 1
         if not quiet or remaining == 0:
@@ -684,6 +649,11 @@ def _run_phase(
             history.pop(0)
             blames.pop(0)
     return clock
+
+
+def _keys(key: IntArray | None, size: int) -> IntArray:
+    """Blame keys of sparse delays, or placeholders where no blame is carried (step_samples ignores them)."""
+    return key if key is not None else np.zeros(size, dtype=np.int64)
 
 
 def _snapshot(blame: Blame | None) -> IntArray | None:

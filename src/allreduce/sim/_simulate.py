@@ -15,7 +15,7 @@ from allreduce.sim._result import SimResult
 from allreduce.sim._routing import Router
 from allreduce.topology import PathTable, Topology, place
 
-__all__ = ["AUTO_EXACT_MAX_RANKS", "TRACE_RANKS", "simulate"]
+__all__ = ["AUTO_EXACT_MAX_RANKS", "ENGINES", "TRACE_RANKS", "simulate"]
 
 # engine="auto" gives the exact result on at most AUTO_EXACT_MAX_RANKS ranks (where the two engines must
 # agree): the fast engine's when it certified its result (SimResult.exact: see sim/_fast.py), else the event
@@ -26,7 +26,8 @@ AUTO_EXACT_MAX_RANKS = 256
 # Ranks whose per-step (or per-phase) times a result keeps for traces.
 TRACE_RANKS = 64
 
-_ENGINES = ("auto", "fast", "event")
+# The engines simulate (and simulate_tail, per sample) can run.
+ENGINES = ("auto", "fast", "event")
 
 
 def simulate(
@@ -56,8 +57,8 @@ def simulate(
         raise ValueError(f"size_bytes must be a number of bytes, got {size_bytes!r}") from None
     if not (math.isfinite(size) and size >= 0):
         raise ValueError(f"size_bytes must be a finite number >= 0, got {size_bytes!r}")
-    if engine not in _ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(_ENGINES)}, got {engine!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if trace_ranks < 0:
         raise ValueError(f"trace_ranks must be >= 0, got {trace_ranks}")
     faults = faults or Faults()

@@ -1,0 +1,155 @@
+"""The Monte Carlo's step for cyclic-shift phases: rings, the rings of hierarchical all-reduce, the pairwise
+exchanges of halving-doubling — every rank sends one flow, to the rank a fixed distance ahead in its block.
+Two slices replace :func:`allreduce.schedules.step_samples`' index gathers, with the same arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.schedules import Blame, Phase
+
+__all__ = ["Cyclic", "step_cyclic"]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, eq=False)
+class Cyclic:
+    """A phase in which every rank sends one flow, to the rank ``shift`` places ahead of it in its block of
+    ``block`` consecutive ranks (cyclically): a ring is one block of every rank, shift 1; the inter-node ring of
+    hierarchical all-reduce one block, shift ranks-per-node; its intra-node rings blocks of a node.
+
+    Then a step's gathers are two slices of the clocks seen as ``(ranks / block, block, samples)``, and its
+    scatter is one maximum with the ends shifted back: no index arrays, about a third of the passes of
+    :func:`allreduce.schedules.step_samples`, whose arithmetic it repeats operation for operation (so the
+    clocks are the same bit for bit, and so are the blames: the same strict comparisons pick them)."""
+
+    block: int
+    shift: int
+    order: IntArray  # order[r]: the flow whose sender is rank r (flow-ordered arrays -> rank order)
+
+    @classmethod
+    def of(cls, world_size: int, phase: Phase) -> Cyclic | None:
+        n = world_size
+        if n < 2 or len(phase) != n:
+            return None
+        src, dst = phase.src.astype(np.int64), phase.dst.astype(np.int64)
+        if not np.array_equal(np.bincount(src, minlength=n), np.ones(n, dtype=np.int64)):
+            return None
+        offsets = np.unique(dst - src)
+        if offsets.size == 1:
+            block, shift = n, int(offsets[0]) % n
+        elif offsets.size == 2:
+            block, shift = int(offsets[1] - offsets[0]), int(offsets[1])
+        else:
+            return None
+        if not (0 < shift < block <= n and n % block == 0):
+            return None
+        base = src - src % block
+        if not np.array_equal(dst, base + (src % block + shift) % block):
+            return None
+        order = np.empty(n, dtype=np.int64)
+        order[src] = np.arange(n, dtype=np.int64)
+        return cls(block, shift, order)
+
+    def ahead(self, values: _Values) -> _Values:
+        """``values`` of rank ``r + shift`` (in its block) in row r."""
+        b, s = self.block, self.shift
+        v = values.reshape(-1, b, values.shape[-1])
+        out = np.empty_like(v)
+        out[:, : b - s] = v[:, s:]
+        out[:, b - s :] = v[:, :s]
+        return out.reshape(values.shape)
+
+    def behind(self, values: _Values) -> _Values:
+        """``values`` of rank ``r - shift`` (in its block) in row r."""
+        b, s = self.block, self.shift
+        v = values.reshape(-1, b, values.shape[-1])
+        out = np.empty_like(v)
+        out[:, s:] = v[:, : b - s]
+        out[:, :s] = v[:, b - s :]
+        return out.reshape(values.shape)
+
+    def max_ahead(self, values: FloatArray) -> FloatArray:
+        """``max(values[r], values[r + shift])`` per row, without materialising the shifted copy."""
+        b, s = self.block, self.shift
+        v = values.reshape(-1, b, values.shape[-1])
+        out = np.empty_like(v)
+        np.maximum(v[:, : b - s], v[:, s:], out=out[:, : b - s])
+        np.maximum(v[:, b - s :], v[:, :s], out=out[:, b - s :])
+        return out.reshape(values.shape)
+
+    def max_behind(self, values: FloatArray) -> FloatArray:
+        """``max(values[r], values[r - shift])`` per row."""
+        b, s = self.block, self.shift
+        v = values.reshape(-1, b, values.shape[-1])
+        out = np.empty_like(v)
+        np.maximum(v[:, s:], v[:, : b - s], out=out[:, s:])
+        np.maximum(v[:, :s], v[:, b - s :], out=out[:, :s])
+        return out.reshape(values.shape)
+
+
+_Values = TypeVar("_Values", FloatArray, IntArray)
+
+
+def step_cyclic(
+    clock: FloatArray,
+    cyclic: Cyclic,
+    flow_seconds: FloatArray,
+    rank_seconds: FloatArray | None,
+    *,
+    extra_s: FloatArray | None,
+    extra_blame: IntArray | None,
+    rank_blame: IntArray | None,
+    sparse: tuple[IntArray, IntArray, FloatArray, IntArray | None] | None,
+    blame: Blame | None,
+) -> FloatArray:
+    """:func:`allreduce.schedules.step_samples` for a cyclic phase, with every per-flow array in rank order
+    (row r: the flow rank r sends; ``sparse`` rows likewise). Rank r's flow starts at
+    ``max(clock[r], clock[r + shift])``; rank r's clock becomes the later of its own flow's end and the end of
+    the flow it receives, rank ``r − shift``'s; then its own delay."""
+    base = flow_seconds if flow_seconds.ndim == 2 else flow_seconds[:, None]
+    end_blame: IntArray | None = None
+    if blame is None:
+        end = cyclic.max_ahead(clock)
+    else:
+        from_dst = cyclic.ahead(clock)
+        end = np.maximum(clock, from_dst)
+        end_blame = _pick(from_dst > clock, cyclic.ahead(blame.key), blame.key)
+        if extra_blame is not None:
+            np.maximum(end_blame, extra_blame, out=end_blame)
+    end += base
+    if extra_s is not None:
+        end += extra_s
+    if sparse is not None:
+        rows, sample, seconds, key = sparse
+        np.add.at(end, (rows, sample), seconds)
+        if end_blame is not None and key is not None:
+            np.maximum.at(end_blame, (rows, sample), key)
+    if blame is None or end_blame is None:
+        done = cyclic.max_behind(end)
+    else:
+        received = cyclic.behind(end)
+        blame.key = _pick(received > end, cyclic.behind(end_blame), end_blame)
+        done = np.maximum(end, received)
+    if rank_seconds is not None:
+        done += rank_seconds[:, None]
+        if blame is not None and rank_blame is not None:
+            np.maximum(blame.key, rank_blame[:, None], out=blame.key)
+    return done
+
+
+def _pick(mask: npt.NDArray[np.bool_], source: IntArray, target: IntArray) -> IntArray:
+    """``np.where(mask, source, target)`` for blame keys, as four plain passes: ``target + (source − target) ·
+    mask``, the mask widened to int64 first. Measured on (1,024 × 32) arrays: 0.7 ns per element, against
+    1.25 for ``np.where`` (a data-dependent choice per element) and 6.5 for multiplying by the boolean mask
+    itself (numpy casts it in buffered chunks). Keys are non-negative int64, so the difference cannot overflow."""
+    picked = np.subtract(source, target)
+    picked *= mask.astype(np.int64)
+    picked += target
+    return picked

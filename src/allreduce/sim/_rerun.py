@@ -1,0 +1,200 @@
+"""Monte Carlo samples re-run with the event engine (:mod:`allreduce.sim._event`): the noise the fast
+engine's stepping drew, recorded per sample and transfer, replayed (ranks starting at their arrival, each
+transfer delivered its recorded delay later), and the culprit found on the event engine's critical path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.schedules import Blame, Phase, Schedule, blame_key
+from allreduce.sim._event import Transfers, _Run, match_transfers
+from allreduce.sim._routing import Router
+from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS
+from allreduce.sim._tailresult import TailConfig
+
+__all__ = ["Recorder", "SampleRun", "event_transfers", "run_event_sample"]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, eq=False)
+class SampleRun:
+    """One event-driven run with noise (:func:`run_event_sample`): each rank's end, and the critical path
+    walked back from the last one: its transfers, the rank whose delay follows each, and the rank whose
+    arrival it starts from (the last rank itself when that one had no transfers)."""
+
+    rank_end_s: FloatArray
+    chain_transfers: IntArray
+    chain_ranks: IntArray
+    start_rank: int
+
+
+def run_event_sample(
+    schedule: Schedule,
+    router: Router,
+    transfers: Transfers,
+    *,
+    size_bytes: float,
+    rank_delay_s: FloatArray | None,
+    start_s: FloatArray,
+    extra_s: FloatArray,
+) -> SampleRun:
+    """The event engine with ranks reaching the collective at ``start_s`` and a delay ``extra_s`` added to
+    each transfer's delivery (``transfers`` in :func:`match_transfers`' order): one Monte Carlo sample."""
+    run = _Run(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
+    if len(transfers):
+        run.run()
+    last_rank = int(np.argmax(run.rank_end)) if schedule.world_size else 0
+    chain: list[int] = []
+    ranks: list[int] = []
+    start = -1
+    slot = int(run.rank_stop_slot[last_rank]) - 1 if len(transfers) else -1
+    if slot >= run.rank_first_slot[last_rank]:
+        while slot >= 0:
+            x = int(run.slot_last[slot])
+            chain.append(x)
+            ranks.append(int(run.slot_rank[slot]))
+            cause = int(run.trigger[x])
+            start = int(run.slot_rank[cause])
+            slot = cause - 1 if cause > run.rank_first_slot[start] else -1
+    else:
+        start = last_rank
+    return SampleRun(run.rank_end.copy(), np.asarray(chain, dtype=np.int64), np.asarray(ranks, dtype=np.int64), start)
+
+
+def event_transfers(schedule: Schedule, config: TailConfig, samples: int) -> Transfers | None:
+    """The schedule's transfers in the event engine's order, if some samples may be re-run with it."""
+    if config.engine == "fast" or config.timed_faults:
+        return None
+    if config.engine == "auto" and (schedule.world_size > AUTO_EXACT_MAX_RANKS or samples < 1):
+        return None
+    return match_transfers(schedule)
+
+
+def _occurrence(keys: IntArray) -> IntArray:
+    """Per key, how many equal keys come before it (0 for the first of its value)."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    out = np.empty_like(keys)
+    out[order] = np.arange(keys.size) - np.searchsorted(ordered, ordered, side="left")
+    return out
+
+
+# The blame key of "no delay" (blame_key(0, -1)): every real delay's key exceeds it.
+_NO_BLAME = int(blame_key(np.zeros(1), -1)[0])
+
+
+class Recorder:
+    """The noise the stepping method drew, per sample and event-engine transfer, for samples re-run with the
+    event engine: the delay added to each transfer (losses, link jitter) and the blame key of its largest
+    part. Phase ``p``'s flow ``f`` at its ``j``-th step is transfer ``index[p][j, f]``: the k-th transfer from
+    a to b at a step is the k-th such flow of the phase."""
+
+    def __init__(self, schedule: Schedule, transfers: Transfers, phases: list[Phase], *, dense: bool) -> None:
+        self.schedule = schedule
+        self.transfers = transfers
+        self.dense = dense
+        n = schedule.world_size
+        t = transfers
+        keys = (t.step * n + t.src) * n + t.dst
+        occurrence = _occurrence(keys)
+        width = int(occurrence.max()) + 1 if occurrence.size else 1
+        combined = keys * width + occurrence
+        order = np.argsort(combined)
+        ordered = combined[order]
+        self.index: list[IntArray] = []
+        for phase in phases:
+            steps = phase.first_step + np.arange(phase.repeat, dtype=np.int64)
+            flow_keys = (steps[:, None] * n + phase.src[None, :]) * n + phase.dst[None, :]
+            wanted = flow_keys * width + _occurrence(phase.src * n + phase.dst)[None, :]
+            at = np.minimum(np.searchsorted(ordered, wanted), max(ordered.size - 1, 0))
+            if (ordered.size == 0 and wanted.size) or not np.array_equal(ordered[at], wanted):
+                raise AssertionError(f"{schedule.name}: a phase's flows do not match the event engine's transfers")
+            self.index.append(order[at])
+        self._sample: list[IntArray] = []
+        self._transfer: list[IntArray] = []
+        self._seconds: list[FloatArray] = []
+        self._key: list[IntArray] = []
+
+    def add(
+        self,
+        phase_index: int,
+        j: int,
+        cols: IntArray,
+        *,
+        extra: FloatArray | None,
+        extra_key: IntArray | None,
+        sparse: tuple[IntArray, IntArray, FloatArray, IntArray | None] | None,
+    ) -> None:
+        """The delays of step ``j`` of a phase: ``extra`` (flows x samples of ``cols``) and ``sparse``."""
+        ids = self.index[phase_index][j]
+        if extra is not None and self.dense:
+            shape = extra.shape
+            self._sample.append(np.broadcast_to(cols[None, :], shape).ravel())
+            self._transfer.append(np.broadcast_to(ids[:, None], shape).ravel())
+            self._seconds.append(extra.ravel())
+            self._key.append(np.full(extra.size, _NO_BLAME) if extra_key is None else extra_key.ravel())
+        if sparse is not None:
+            flow, sample, seconds, key = sparse
+            self._sample.append(cols[sample])
+            self._transfer.append(ids[flow])
+            self._seconds.append(seconds)
+            self._key.append(np.full(seconds.size, _NO_BLAME) if key is None else key)
+
+    def rerun(
+        self,
+        samples: IntArray,
+        router: Router,
+        *,
+        size_bytes: float,
+        rank_delay: FloatArray | None,
+        arrival: FloatArray,
+        attribution: bool,
+        out: tuple[FloatArray, IntArray, FloatArray],
+    ) -> None:
+        """Run ``samples`` with the event engine and their recorded noise; write their step time (and, with
+        ``attribution``, the culprit of the largest single delay on the event engine's critical path) to
+        ``out``."""
+        step_s, culprit, culprit_s = out
+        count = len(self.transfers)
+        empty_i = np.zeros(0, dtype=np.int64)
+        sample = np.concatenate(self._sample) if self._sample else empty_i
+        transfer = np.concatenate(self._transfer) if self._transfer else empty_i
+        seconds = np.concatenate(self._seconds) if self._seconds else np.zeros(0)
+        key = np.concatenate(self._key) if self._key else empty_i
+        order = np.argsort(sample, kind="stable")
+        sample, transfer, seconds, key = sample[order], transfer[order], seconds[order], key[order]
+        for s in samples.tolist():
+            lo, hi = np.searchsorted(sample, [s, s + 1])
+            extra = np.zeros(count)
+            np.add.at(extra, transfer[lo:hi], seconds[lo:hi])
+            run = run_event_sample(
+                self.schedule,
+                router,
+                self.transfers,
+                size_bytes=size_bytes,
+                rank_delay_s=rank_delay,
+                start_s=arrival[:, s],
+                extra_s=extra,
+            )
+            step_s[s] = float(run.rank_end_s.max())
+            if not attribution:
+                continue
+            keys = np.full(count, _NO_BLAME, dtype=np.int64)
+            np.maximum.at(keys, transfer[lo:hi], key[lo:hi])
+            best = _NO_BLAME
+            if run.chain_transfers.size:
+                best = max(best, int(keys[run.chain_transfers].max()))
+            if rank_delay is not None and run.chain_ranks.size:
+                ranks = run.chain_ranks
+                best = max(best, int(blame_key(rank_delay[ranks], ranks).max()))
+            start = run.start_rank
+            if start >= 0 and arrival[start, s] > 0:
+                best = max(best, int(blame_key(np.asarray([arrival[start, s]]), start)[0]))
+            final = Blame(np.asarray([[best]], dtype=np.int64))
+            culprit[s] = int(final.culprit[0, 0])
+            culprit_s[s] = float(final.seconds[0, 0])
