@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/bench_tcp.py [-n 2] [--sizes 4KiB,1MiB,16MiB,64MiB,256MiB] [--reps 5]
 
-Prints, per size: the median time and busbw of allreduce's TCP transport (ring and the best other algorithm)
+Prints, per size: the median time and busbw of allreduce's TCP transport (ring and the best other algorithm, with
+Unix sockets between the ranks as a same-host group takes by default; and the ring with every connection on TCP)
 and of Gloo, and the ratio; then the ceiling: what one raw TCP stream (rank 0 -> rank 1, plain blocking socket,
 1 MiB ``send``/``recv_into`` calls into a preallocated buffer, the better of the kernel's default buffers and the
 transport's loopback send buffer) moves in the same run, beside one raw Unix-socket stream, and the transport's
@@ -32,6 +33,7 @@ from allreduce.schedules import all_reduce
 from allreduce.units import format_bytes, parse_bytes
 
 ALGORITHMS = ("ring", "halving_doubling")
+FORCED_TCP = "ring, tcp only"  # the ring with every connection on TCP (Unix sockets off)
 RAW = ("raw tcp", "raw unix")
 RAW_CHUNK_BYTES = 1 << 20  # per send/recv_into call of the raw streams, as the transport's own calls
 
@@ -105,13 +107,14 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
     rank, world_size = dist.get_rank(), dist.get_world_size()
     store = TCPStore("127.0.0.1", store_port, is_server=False, world_size=world_size, rank=rank, timeout_s=300)
     transport = TcpTransport(rank, world_size, store, timeout_s=300)
+    tcp_only = TcpTransport(rank, world_size, store, timeout_s=300, prefix="tcp-only", unix_sockets=False)
     raw = RawStreams(rank, store)
     seq = 0
 
     def add_into(dst: np.ndarray, src: np.ndarray) -> None:
         np.add(dst, src, out=dst)
 
-    names = (*ALGORITHMS, "gloo", *RAW)
+    names = (*ALGORITHMS, FORCED_TCP, "gloo", *RAW)
     rows = []
     for size in sizes:
         count = size // 4
@@ -119,6 +122,7 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
         theirs = torch.ones(count, dtype=torch.float32)
         sink = np.empty(count, np.float32)
         plans = {a: compile_plan(all_reduce(a, world_size, segments=segments), rank, count) for a in ALGORITHMS}
+        plans[FORCED_TCP] = plans["ring"]
         times: dict[str, list[float]] = {name: [] for name in names}
         cpu_times: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(reps + 1):  # the first repetition warms up connections and buffers
@@ -134,7 +138,8 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
                         raw.stream(name.split()[1], which, ours, sink)
                     else:
                         seq += 1
-                        transport.execute(plans[name], ours, add_into, seq=seq, timeout_s=300, checksum=False)
+                        chosen = tcp_only if name == FORCED_TCP else transport
+                        chosen.execute(plans[name], ours, add_into, seq=seq, timeout_s=300, checksum=False)
                     elapsed = time.perf_counter() - start
                     after = resource.getrusage(resource.RUSAGE_SELF)
                     best = min(best, elapsed)
@@ -142,7 +147,7 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
                     times[name].append(best)
                     cpu_times[name].append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
         # Everything reduced is exact in float32 (small integers), so check it.
-        expected = float(world_size) ** (2 * (reps + 1))
+        expected = float(world_size) ** ((len(ALGORITHMS) + 1) * (reps + 1))
         wrong = int(np.count_nonzero(ours != expected))
         if wrong:
             raise RuntimeError(f"rank {rank}: {wrong} wrong elements at size {size}")
@@ -154,6 +159,7 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
             )
         )
     raw.close()
+    tcp_only.close()
     transport.close()
     store.close()
     dist.destroy_process_group()
@@ -191,33 +197,42 @@ def main() -> None:
         f"TCP over loopback, N={args.n}, float32 sum, median of {args.reps} (slowest rank), segments={args.segments}, "
         f"load average {load}"
     )
-    header = f"{'size':>9} | " + " | ".join(f"{n + ' µs':>22} {'busbw GB/s':>10}" for n in (*ALGORITHMS, "gloo"))
-    print(header + " | best/gloo")
-    print("-" * len(header) + "-+----------")
+    header = f"{'size':>9} | " + " | ".join(
+        f"{n + ' µs':>22} {'busbw GB/s':>10}" for n in (*ALGORITHMS, FORCED_TCP, "gloo")
+    )
+    print(header + " | best/gloo | tcp only/gloo")
+    print("-" * len(header) + "-+-----------+--------------")
     for i, size in enumerate(sizes):
-        worst = {name: max(r[i][1][name] for r in results) for name in (*ALGORITHMS, "gloo")}
+        worst = {name: max(r[i][1][name] for r in results) for name in (*ALGORITHMS, FORCED_TCP, "gloo")}
         cells = []
-        for name in (*ALGORITHMS, "gloo"):
+        for name in (*ALGORITHMS, FORCED_TCP, "gloo"):
             busbw = size / worst[name] * bus / 1e9
             cells.append(f"{worst[name] * 1e6:>22.0f} {busbw:>10.2f}")
         best = min(worst[a] for a in ALGORITHMS)
-        print(f"{format_bytes(size):>9} | " + " | ".join(cells) + f" | {worst['gloo'] / best:>8.2f}×")
-    print("Ceiling: one raw stream rank 0 -> rank 1, same run (GB/s = size/time); best busbw as a share of raw tcp:")
-    print(f"{'size':>9} | {'raw tcp GB/s':>12} | {'raw unix GB/s':>13} | best busbw / raw tcp")
+        print(
+            f"{format_bytes(size):>9} | " + " | ".join(cells) + f" | {worst['gloo'] / best:>8.2f}× | "
+            f"{worst['gloo'] / worst[FORCED_TCP]:>7.2f}×"
+        )
+    print("Ceiling: one raw stream rank 0 -> rank 1, same run (GB/s = size/time); busbw as a share of raw tcp:")
+    print(f"{'size':>9} | {'raw tcp GB/s':>12} | {'raw unix GB/s':>13} | best busbw / raw tcp | tcp only / raw tcp")
     for i, size in enumerate(sizes):
         # The receiver's time (rank 1) is the stream's: it ends when the last byte landed.
         raw = {name: results[1][i][1][name] for name in RAW}
         best = min(max(r[i][1][a] for r in results) for a in ALGORITHMS)
-        share = size / best * bus / (size / raw["raw tcp"])
+        share = raw["raw tcp"] / best * bus
+        forced = raw["raw tcp"] / max(r[i][1][FORCED_TCP] for r in results) * bus
         print(
             f"{format_bytes(size):>9} | {size / raw['raw tcp'] / 1e9:>12.2f} | {size / raw['raw unix'] / 1e9:>13.2f} | "
-            f"{share:>19.0%}"
+            f"{share:>20.0%} | {forced:>17.0%}"
         )
     print("CPU time per all-reduce, median, busiest rank (ms):")
-    print(f"{'size':>9} | " + " | ".join(f"{name:>16}" for name in (*ALGORITHMS, "gloo")))
+    print(f"{'size':>9} | " + " | ".join(f"{name:>16}" for name in (*ALGORITHMS, FORCED_TCP, "gloo")))
     for i, size in enumerate(sizes):
-        cpu = {name: max(r[i][2][name] for r in results) for name in (*ALGORITHMS, "gloo")}
-        print(f"{format_bytes(size):>9} | " + " | ".join(f"{cpu[name] * 1e3:>16.1f}" for name in (*ALGORITHMS, "gloo")))
+        cpu = {name: max(r[i][2][name] for r in results) for name in (*ALGORITHMS, FORCED_TCP, "gloo")}
+        print(
+            f"{format_bytes(size):>9} | "
+            + " | ".join(f"{cpu[name] * 1e3:>16.1f}" for name in (*ALGORITHMS, FORCED_TCP, "gloo"))
+        )
 
 
 if __name__ == "__main__":

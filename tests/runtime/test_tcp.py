@@ -64,13 +64,15 @@ def schedules_for(world_size: int, segments: int = 1) -> list[tuple[str, Any]]:
 
 
 def _setup(rank: int, world_size: int, port: int, **transport_kwargs: Any) -> tuple[TCPStore, TcpTransport]:
+    # Every connection on TCP, as between hosts (same-host ranks over Unix sockets: tests/runtime/tcp).
     store = TCPStore("127.0.0.1", port, is_server=False, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S)
-    return store, TcpTransport(rank, world_size, store, timeout_s=TIMEOUT_S, **transport_kwargs)
+    options: dict[str, Any] = {"unix_sockets": False, **transport_kwargs}
+    return store, TcpTransport(rank, world_size, store, timeout_s=TIMEOUT_S, **options)
 
 
-def _worker(scenario: str, rank: int, world_size: int, port: int, out: Any, *args: Any) -> None:
+def _worker(scenario: str, rank: int, world_size: int, port: int, out: Any, *args: Any, unix_sockets: bool) -> None:
     try:
-        store, transport = _setup(rank, world_size, port)
+        store, transport = _setup(rank, world_size, port, unix_sockets=unix_sockets)
         try:
             result = SCENARIOS[scenario](rank, world_size, store, transport, *args)
             out.put((rank, "ok", result))
@@ -89,12 +91,18 @@ def run_ranks(
     *args: Any,
     wait_for: set[int] | None = None,
     kill: Callable[..., None] | None = None,
+    unix_sockets: bool = False,
 ) -> dict[int, tuple[str, Any]]:
     """Run ``scenario`` on ``world_size`` spawned ranks (rank 0's store hosted here); results by rank."""
     server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=-1, timeout_s=TIMEOUT_S)
     out = SPAWN.Queue()
     procs = [
-        SPAWN.Process(target=_worker, args=(scenario, r, world_size, server.port, out, *args), daemon=True)
+        SPAWN.Process(
+            target=_worker,
+            args=(scenario, r, world_size, server.port, out, *args),
+            kwargs={"unix_sockets": unix_sockets},
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -446,8 +454,9 @@ def test_mismatched_sizes_raise_on_every_rank() -> None:
         assert "different plan" in message
 
 
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_killed_peer_is_named_by_every_rank(world_size: int) -> None:
+def test_killed_peer_is_named_by_every_rank(world_size: int, unix_sockets: bool) -> None:
     victim = world_size - 1
 
     def kill_victim(server: TCPStore, procs: list[Any]) -> None:
@@ -456,7 +465,7 @@ def test_killed_peer_is_named_by_every_rank(world_size: int) -> None:
         server.set("test/kill-sent", b"")
 
     survivors = set(range(world_size)) - {victim}
-    results = run_ranks("die", world_size, victim, wait_for=survivors, kill=kill_victim)
+    results = run_ranks("die", world_size, victim, wait_for=survivors, kill=kill_victim, unix_sockets=unix_sockets)
     for rank in survivors:
         status, payload = results[rank]
         assert status == "PeerFailureError", f"rank {rank}: {status} {payload}"
@@ -557,8 +566,8 @@ def test_transport_beyond_loopback_refuses_a_wrong_token_on_both_sides() -> None
 # ----------------------------------------------------------------------------------- SIGKILL, repeated
 
 
-def _looping_rank(rank: int, world_size: int, port: int, started: Any, out: Any) -> None:
-    _store, transport = _setup(rank, world_size, port)
+def _looping_rank(rank: int, world_size: int, port: int, started: Any, out: Any, *, unix_sockets: bool) -> None:
+    _store, transport = _setup(rank, world_size, port, unix_sockets=unix_sockets)
     plan = compile_plan(all_reduce("ring", world_size, segments=2), rank, 1 << 17)
     buffer = np.zeros(1 << 17, np.int64)  # 1 MiB: the kill lands mid-collective most of the time
     seq = 0
@@ -577,14 +586,18 @@ def _looping_rank(rank: int, world_size: int, port: int, started: Any, out: Any)
         os._exit(0)  # skip interpreter teardown in a forked child (inherited threads and handlers)
 
 
-def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
+def _kill_launcher(repetitions: int, world_size: int, unix_sockets: bool, results: Any) -> None:
     """Runs in one spawned process and forks each rank set from it (fast: numpy is already imported)."""
     fork = mp.get_context("fork")
 
     def start(rep: int, started: Any, out: Any) -> tuple[list[Any], Callable[[], None]]:
         server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=-1, timeout_s=60)
         procs = [
-            fork.Process(target=_looping_rank, args=(r, world_size, server.port, started, out))
+            fork.Process(
+                target=_looping_rank,
+                args=(r, world_size, server.port, started, out),
+                kwargs={"unix_sockets": unix_sockets},
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -595,9 +608,10 @@ def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_20_times_every_survivor_names_the_victim() -> None:
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+def test_sigkill_20_times_every_survivor_names_the_victim(unix_sockets: bool) -> None:
     results = SPAWN.Queue()
-    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, results))
+    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, unix_sockets, results))
     launcher.start()
     runs = results.get(timeout=280)
     launcher.join(timeout=30)
