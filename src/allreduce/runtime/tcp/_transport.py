@@ -90,6 +90,7 @@ UNIX_ENV = "ALLREDUCE_TCP_UNIX"
 """Set to ``0`` to keep connections between ranks of one host on TCP (the default takes Unix sockets there)."""
 
 _SERVICE = b"tcp"
+_NOTHING = memoryview(b"")  # where an agreement frame lands until its header says its length
 _UNIX_BACKLOG = 128  # pending connections the kernel queues, as the TCP listener's
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (SO_PEERCRED)
 
@@ -363,28 +364,47 @@ class TcpTransport(Transport):
 
     # ------------------------------------------------------------------------------------------------ collectives
     def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
-        """A ring all-gather of small AGREE frames (N-1 steps)."""
-        result: list[bytes | None] = [None] * self.world_size
-        result[self.rank] = descriptor
-        nxt, prv = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
-        self._ensure_connected({nxt, prv}, deadline, f"agreement for collective {seq}")
-        for k in range(self.world_size - 1):
-            origin_out = (self.rank - k) % self.world_size
-            origin_in = (self.rank - k - 1) % self.world_size
-            payload = result[origin_out]
-            assert payload is not None
-            out = OutFrame(
-                encode_header(sequence=seq, step=k, block=origin_out, segment=0, length=len(payload), flags=FLAG_AGREE),
-                memoryview(payload),
-            )
-            incoming = InFrame(step=k, block=origin_in, segment=0, flags=FLAG_AGREE, length=-1, dest=memoryview(b""))
+        """An all-gather of small AGREE frames in ceil(log2 N) steps (Bruck's): at step k this rank holds the
+        descriptors of ranks ``rank .. rank + 2^k - 1`` and sends up to ``2^k`` of them to ``rank - 2^k`` while
+        receiving as many from ``rank + 2^k`` (a ring takes N-1 steps, each a round trip)."""
+        n = self.world_size
+        held = [descriptor]  # held[i] is the descriptor of rank (self.rank + i) % n
+        distance, k = 1, 0
+        while distance < n:
+            count = min(distance, n - distance)
+            to, source = (self.rank - distance) % n, (self.rank + distance) % n
+            self._ensure_connected({to, source}, deadline, f"agreement for collective {seq}")
+            sends = [
+                (
+                    to,
+                    OutFrame(
+                        encode_header(
+                            sequence=seq,
+                            step=k,
+                            block=(self.rank + i) % n,
+                            segment=0,
+                            length=len(held[i]),
+                            flags=FLAG_AGREE,
+                        ),
+                        memoryview(held[i]),
+                    ),
+                )
+                for i in range(count)
+            ]
+            recvs = [
+                (
+                    source,
+                    InFrame(step=k, block=(source + i) % n, segment=0, flags=FLAG_AGREE, length=-1, dest=_NOTHING),
+                )
+                for i in range(count)
+            ]
             exchange(
                 self.rank,
                 self._peers,
                 seq,
                 tag=0,
-                sends=[(nxt, out)],
-                recvs=[(prv, incoming)],
+                sends=sends,
+                recvs=recvs,
                 deadline=deadline,
                 timeout_s=timeout_s,
                 reduce_into=_no_reduction,
@@ -392,10 +412,11 @@ class TcpTransport(Transport):
                 label=f"agreement step {k}",
                 sender=None,
             )
-            self._frames_sent += 1
-            self._frames_received += 1
-            result[origin_in] = bytes(incoming.dest)
-        return [r if r is not None else b"" for r in result]
+            self._frames_sent += count
+            self._frames_received += count
+            held.extend(bytes(incoming.dest) for _, incoming in recvs)
+            distance, k = 2 * distance, k + 1
+        return [held[(r - self.rank) % n] for r in range(n)]
 
     def _execute(
         self,
