@@ -373,7 +373,8 @@ class TcpTransport(Transport):
         while distance < n:
             count = min(distance, n - distance)
             to, source = (self.rank - distance) % n, (self.rank + distance) % n
-            self._ensure_connected({to, source}, deadline, f"agreement for collective {seq}")
+            if to not in self._peers or source not in self._peers:
+                self._ensure_connected({to, source}, deadline, f"agreement for collective {seq}")
             sends = [
                 (
                     to,
@@ -438,7 +439,8 @@ class TcpTransport(Transport):
         raw = buffer.view(np.uint8).data
         scratch = self._scratch.data
         flags = FLAG_CHECKSUM if checksum else 0
-        self._ensure_connected(plan.peers, deadline, f"collective {seq} ({plan.schedule_name})")
+        if not prepared.peers <= self._peers.keys():
+            self._ensure_connected(prepared.peers, deadline, f"collective {seq} ({plan.schedule_name})")
         recorder = self.recorder if self.recorder.enabled else None
         injection = self.injection
         for step in prepared.steps:
@@ -489,7 +491,7 @@ class TcpTransport(Transport):
                     )
                 recvs.append((rspec.peer, frame))
             sender = None
-            if sends and sum(len(out.payload) for _, out in sends) >= THREAD_MIN_BYTES:
+            if step.send_bytes >= THREAD_MIN_BYTES:
                 if self._sender is None:
                     self._sender = Sender(self.rank)
                 sender = self._sender
