@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from allreduce.runtime import ChecksumError, ProtocolError, compile_plan
+from allreduce.runtime import ChecksumError, PeerFailureError, ProtocolError, compile_plan
 from allreduce.runtime._store import TCPStore
 from allreduce.runtime.tcp import ClientHello, TcpTransport, connect_handshake
 from allreduce.runtime.tcp._transport import THREAD_MIN_BYTES, UNIX_ENV
@@ -183,3 +183,13 @@ def test_a_rank_of_another_group_is_refused_over_a_unix_socket(store: TCPStore) 
     # The same checks as over TCP: a hello for another world size is turned away.
     with TcpTransport(0, 3, store, timeout_s=TIMEOUT_S), pytest.raises(ProtocolError, match="world size"):
         _unix_client(store, None)
+
+
+def test_a_peer_that_exited_is_named_when_its_unix_socket_refuses(store: TCPStore) -> None:
+    # Rank 0 published its names and closed (as a process that exited): rank 1's connection is refused.
+    TcpTransport(0, 2, store, timeout_s=TIMEOUT_S).close()
+    with TcpTransport(1, 2, store, timeout_s=TIMEOUT_S) as transport:
+        plan = compile_plan(all_reduce("ring", 2), 1, 8)
+        with pytest.raises(PeerFailureError, match="rank 0 refused a connection on its Unix socket") as caught:
+            transport.execute(plan, rank_data(1, 8), add_into, seq=0, timeout_s=TIMEOUT_S, checksum=False)
+        assert caught.value.peer == 0
