@@ -425,9 +425,10 @@ def test_max_op(pool: RankPool) -> None:
 
 
 # Sent from the calling thread, from the sender thread.
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
 @pytest.mark.parametrize("count", [4096, pytest.param(LARGE_COUNT, marks=pytest.mark.slow)])
-def test_checksum_names_the_corrupting_link(count: int) -> None:
-    results = run_ranks("corrupt", 2, count)
+def test_checksum_names_the_corrupting_link(count: int, unix_sockets: bool) -> None:
+    results = run_ranks("corrupt", 2, count, unix_sockets=unix_sockets)
     status, (message, peer) = results[0]
     assert status == "ChecksumError"
     assert "link rank 1 -> rank 0" in message
@@ -438,8 +439,9 @@ def test_checksum_names_the_corrupting_link(count: int) -> None:
 
 
 @pytest.mark.slow
-def test_timeout_names_the_missing_peer() -> None:
-    results = run_ranks("absent_peer", 3, 2, wait_for={0, 1})
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+def test_timeout_names_the_missing_peer(unix_sockets: bool) -> None:
+    results = run_ranks("absent_peer", 3, 2, wait_for={0, 1}, unix_sockets=unix_sockets)
     for rank in (0, 1):
         status, (message, peer) = results[rank]
         assert status == "CollectiveTimeoutError", message
@@ -447,8 +449,9 @@ def test_timeout_names_the_missing_peer() -> None:
         assert peer == 2
 
 
-def test_mismatched_sizes_raise_on_every_rank() -> None:
-    results = run_ranks("mismatched_count", 2)
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+def test_mismatched_sizes_raise_on_every_rank(unix_sockets: bool) -> None:
+    results = run_ranks("mismatched_count", 2, unix_sockets=unix_sockets)
     for rank, (status, (message, _)) in results.items():
         assert status == "MismatchError", f"rank {rank}: {message}"
         assert "different plan" in message
