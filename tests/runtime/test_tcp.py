@@ -33,6 +33,7 @@ COUNTS = (0, 1, 2, 7, 13, 97, 1000, 65_537)
 LARGE_COUNT = (3 << 19) + 7
 # Generous: N=8 oversubscribes the 2 cores of the CI machine.
 TIMEOUT_S = 120.0
+UNIX_TOKEN = "unix-test-token"  # Unix sockets are taken only by ranks that share a token
 
 
 def add_into(dst: np.ndarray, src: np.ndarray) -> None:
@@ -63,11 +64,11 @@ def schedules_for(world_size: int, segments: int = 1) -> list[tuple[str, Any]]:
 # ----------------------------------------------------------------------------------- harness
 
 
-def _setup(rank: int, world_size: int, port: int, **transport_kwargs: Any) -> tuple[TCPStore, TcpTransport]:
-    # Every connection on TCP, as between hosts (same-host ranks over Unix sockets: tests/runtime/tcp).
+def _setup(rank: int, world_size: int, port: int, *, unix_sockets: bool = False) -> tuple[TCPStore, TcpTransport]:
+    """Every connection on TCP, as between hosts; or ``unix_sockets``, as ranks of one host sharing a token."""
     store = TCPStore("127.0.0.1", port, is_server=False, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S)
-    options: dict[str, Any] = {"unix_sockets": False, **transport_kwargs}
-    return store, TcpTransport(rank, world_size, store, timeout_s=TIMEOUT_S, **options)
+    token = UNIX_TOKEN if unix_sockets else None
+    return store, TcpTransport(rank, world_size, store, token=token, timeout_s=TIMEOUT_S, unix_sockets=unix_sockets)
 
 
 def _worker(scenario: str, rank: int, world_size: int, port: int, out: Any, *args: Any, unix_sockets: bool) -> None:

@@ -1,4 +1,5 @@
-"""Ranks of one host connect over Unix sockets: same handshake, same frames, exact sums, and TCP when they can't.
+"""Ranks of one host that share a token connect over Unix sockets: same handshake, same frames, exact sums, and
+TCP when they can't.
 
 Every rank is a :class:`TcpTransport` of its own in a thread of this process (real sockets, real listeners);
 a rank process killed mid-collective over a Unix socket is in ``tests/runtime/test_tcp.py`` (the ``unix`` cases).
@@ -78,12 +79,14 @@ def ring_all_reduce(
     count: int,
     *,
     unix_sockets: Callable[[int], bool | None] = lambda rank: None,
+    token: str | None = TOKEN,
     checksum: bool = False,
     before: Callable[[int, TcpTransport], None] = lambda rank, transport: None,
 ) -> list[tuple[bool, dict[str, int]]]:
     """A ring all-reduce on every rank: (whether its result is the exact sum, its transport's statistics)."""
     transports = [
-        TcpTransport(r, world_size, store, timeout_s=TIMEOUT_S, unix_sockets=unix_sockets(r)) for r in range(world_size)
+        TcpTransport(r, world_size, store, token=token, timeout_s=TIMEOUT_S, unix_sockets=unix_sockets(r))
+        for r in range(world_size)
     ]
 
     def body(rank: int) -> tuple[bool, dict[str, int]]:
@@ -124,6 +127,13 @@ def test_unix_sockets_off_keeps_every_connection_on_tcp(store: TCPStore) -> None
 def test_the_environment_turns_unix_sockets_off(store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(UNIX_ENV, "0")
     assert all(stats["unix_connections"] == 0 for _, stats in ring_all_reduce(store, 2, 1001))
+
+
+def test_without_a_token_every_connection_stays_on_tcp(store: TCPStore) -> None:
+    # Without a token a connection is admitted by who owns its loopback TCP socket, which a Unix socket is not.
+    for rank, (exact, stats) in enumerate(ring_all_reduce(store, 3, 1001, token=None)):
+        assert exact, f"rank {rank}"
+        assert stats["unix_connections"] == 0, f"rank {rank}"
 
 
 def test_a_rank_without_unix_sockets_is_reached_over_tcp(store: TCPStore) -> None:
@@ -181,15 +191,28 @@ def test_a_unix_connection_without_the_token_is_refused(store: TCPStore) -> None
 
 def test_a_rank_of_another_group_is_refused_over_a_unix_socket(store: TCPStore) -> None:
     # The same checks as over TCP: a hello for another world size is turned away.
-    with TcpTransport(0, 3, store, timeout_s=TIMEOUT_S), pytest.raises(ProtocolError, match="world size"):
-        _unix_client(store, None)
+    with TcpTransport(0, 3, store, token=TOKEN, timeout_s=TIMEOUT_S), pytest.raises(ProtocolError, match="world size"):
+        _unix_client(store, TOKEN)
 
 
 def test_a_peer_that_exited_is_named_when_its_unix_socket_refuses(store: TCPStore) -> None:
     # Rank 0 published its names and closed (as a process that exited): rank 1's connection is refused.
-    TcpTransport(0, 2, store, timeout_s=TIMEOUT_S).close()
-    with TcpTransport(1, 2, store, timeout_s=TIMEOUT_S) as transport:
+    TcpTransport(0, 2, store, token=TOKEN, timeout_s=TIMEOUT_S).close()
+    with TcpTransport(1, 2, store, token=TOKEN, timeout_s=TIMEOUT_S) as transport:
         plan = compile_plan(all_reduce("ring", 2), 1, 8)
         with pytest.raises(PeerFailureError, match="rank 0 refused a connection on its Unix socket") as caught:
             transport.execute(plan, rank_data(1, 8), add_into, seq=0, timeout_s=TIMEOUT_S, checksum=False)
         assert caught.value.peer == 0
+
+
+def test_a_client_without_an_address_is_answered(store: TCPStore) -> None:
+    # A Unix client that did not bind has no address; the listener still answers it (here: refuses the token).
+    with TcpTransport(0, 2, store, token=TOKEN, timeout_s=TIMEOUT_S) as transport:
+        name_hex = store.get("tcp/unix/0").partition(b"\n")[2]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(TIMEOUT_S)
+            sock.connect(bytes.fromhex(name_hex.decode()))
+            hello = ClientHello(rank=1, world_size=2, target=0)
+            with pytest.raises(ProtocolError):
+                connect_handshake(sock, b"tcp", b"guess", hello, what="rank 0's Unix socket")
+        assert transport.failure is None
