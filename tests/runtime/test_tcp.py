@@ -33,6 +33,7 @@ COUNTS = (0, 1, 2, 7, 13, 97, 1000, 65_537)
 LARGE_COUNT = (3 << 19) + 7
 # Generous: N=8 oversubscribes the 2 cores of the CI machine.
 TIMEOUT_S = 120.0
+UNIX_TOKEN = "unix-test-token"  # Unix sockets are taken only by ranks that share a token
 
 
 def add_into(dst: np.ndarray, src: np.ndarray) -> None:
@@ -63,14 +64,16 @@ def schedules_for(world_size: int, segments: int = 1) -> list[tuple[str, Any]]:
 # ----------------------------------------------------------------------------------- harness
 
 
-def _setup(rank: int, world_size: int, port: int, **transport_kwargs: Any) -> tuple[TCPStore, TcpTransport]:
+def _setup(rank: int, world_size: int, port: int, *, unix_sockets: bool = False) -> tuple[TCPStore, TcpTransport]:
+    """Every connection on TCP, as between hosts; or ``unix_sockets``, as ranks of one host sharing a token."""
     store = TCPStore("127.0.0.1", port, is_server=False, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S)
-    return store, TcpTransport(rank, world_size, store, timeout_s=TIMEOUT_S, **transport_kwargs)
+    token = UNIX_TOKEN if unix_sockets else None
+    return store, TcpTransport(rank, world_size, store, token=token, timeout_s=TIMEOUT_S, unix_sockets=unix_sockets)
 
 
-def _worker(scenario: str, rank: int, world_size: int, port: int, out: Any, *args: Any) -> None:
+def _worker(scenario: str, rank: int, world_size: int, port: int, out: Any, *args: Any, unix_sockets: bool) -> None:
     try:
-        store, transport = _setup(rank, world_size, port)
+        store, transport = _setup(rank, world_size, port, unix_sockets=unix_sockets)
         try:
             result = SCENARIOS[scenario](rank, world_size, store, transport, *args)
             out.put((rank, "ok", result))
@@ -89,12 +92,18 @@ def run_ranks(
     *args: Any,
     wait_for: set[int] | None = None,
     kill: Callable[..., None] | None = None,
+    unix_sockets: bool = False,
 ) -> dict[int, tuple[str, Any]]:
     """Run ``scenario`` on ``world_size`` spawned ranks (rank 0's store hosted here); results by rank."""
     server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=-1, timeout_s=TIMEOUT_S)
     out = SPAWN.Queue()
     procs = [
-        SPAWN.Process(target=_worker, args=(scenario, r, world_size, server.port, out, *args), daemon=True)
+        SPAWN.Process(
+            target=_worker,
+            args=(scenario, r, world_size, server.port, out, *args),
+            kwargs={"unix_sockets": unix_sockets},
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -417,9 +426,10 @@ def test_max_op(pool: RankPool) -> None:
 
 
 # Sent from the calling thread, from the sender thread.
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
 @pytest.mark.parametrize("count", [4096, pytest.param(LARGE_COUNT, marks=pytest.mark.slow)])
-def test_checksum_names_the_corrupting_link(count: int) -> None:
-    results = run_ranks("corrupt", 2, count)
+def test_checksum_names_the_corrupting_link(count: int, unix_sockets: bool) -> None:
+    results = run_ranks("corrupt", 2, count, unix_sockets=unix_sockets)
     status, (message, peer) = results[0]
     assert status == "ChecksumError"
     assert "link rank 1 -> rank 0" in message
@@ -430,8 +440,9 @@ def test_checksum_names_the_corrupting_link(count: int) -> None:
 
 
 @pytest.mark.slow
-def test_timeout_names_the_missing_peer() -> None:
-    results = run_ranks("absent_peer", 3, 2, wait_for={0, 1})
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+def test_timeout_names_the_missing_peer(unix_sockets: bool) -> None:
+    results = run_ranks("absent_peer", 3, 2, wait_for={0, 1}, unix_sockets=unix_sockets)
     for rank in (0, 1):
         status, (message, peer) = results[rank]
         assert status == "CollectiveTimeoutError", message
@@ -439,15 +450,17 @@ def test_timeout_names_the_missing_peer() -> None:
         assert peer == 2
 
 
-def test_mismatched_sizes_raise_on_every_rank() -> None:
-    results = run_ranks("mismatched_count", 2)
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+def test_mismatched_sizes_raise_on_every_rank(unix_sockets: bool) -> None:
+    results = run_ranks("mismatched_count", 2, unix_sockets=unix_sockets)
     for rank, (status, (message, _)) in results.items():
         assert status == "MismatchError", f"rank {rank}: {message}"
         assert "different plan" in message
 
 
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_killed_peer_is_named_by_every_rank(world_size: int) -> None:
+def test_killed_peer_is_named_by_every_rank(world_size: int, unix_sockets: bool) -> None:
     victim = world_size - 1
 
     def kill_victim(server: TCPStore, procs: list[Any]) -> None:
@@ -456,7 +469,7 @@ def test_killed_peer_is_named_by_every_rank(world_size: int) -> None:
         server.set("test/kill-sent", b"")
 
     survivors = set(range(world_size)) - {victim}
-    results = run_ranks("die", world_size, victim, wait_for=survivors, kill=kill_victim)
+    results = run_ranks("die", world_size, victim, wait_for=survivors, kill=kill_victim, unix_sockets=unix_sockets)
     for rank in survivors:
         status, payload = results[rank]
         assert status == "PeerFailureError", f"rank {rank}: {status} {payload}"
@@ -557,8 +570,8 @@ def test_transport_beyond_loopback_refuses_a_wrong_token_on_both_sides() -> None
 # ----------------------------------------------------------------------------------- SIGKILL, repeated
 
 
-def _looping_rank(rank: int, world_size: int, port: int, started: Any, out: Any) -> None:
-    _store, transport = _setup(rank, world_size, port)
+def _looping_rank(rank: int, world_size: int, port: int, started: Any, out: Any, *, unix_sockets: bool) -> None:
+    _store, transport = _setup(rank, world_size, port, unix_sockets=unix_sockets)
     plan = compile_plan(all_reduce("ring", world_size, segments=2), rank, 1 << 17)
     buffer = np.zeros(1 << 17, np.int64)  # 1 MiB: the kill lands mid-collective most of the time
     seq = 0
@@ -577,14 +590,18 @@ def _looping_rank(rank: int, world_size: int, port: int, started: Any, out: Any)
         os._exit(0)  # skip interpreter teardown in a forked child (inherited threads and handlers)
 
 
-def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
+def _kill_launcher(repetitions: int, world_size: int, unix_sockets: bool, results: Any) -> None:
     """Runs in one spawned process and forks each rank set from it (fast: numpy is already imported)."""
     fork = mp.get_context("fork")
 
     def start(rep: int, started: Any, out: Any) -> tuple[list[Any], Callable[[], None]]:
         server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=-1, timeout_s=60)
         procs = [
-            fork.Process(target=_looping_rank, args=(r, world_size, server.port, started, out))
+            fork.Process(
+                target=_looping_rank,
+                args=(r, world_size, server.port, started, out),
+                kwargs={"unix_sockets": unix_sockets},
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -595,9 +612,10 @@ def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_20_times_every_survivor_names_the_victim() -> None:
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+def test_sigkill_20_times_every_survivor_names_the_victim(unix_sockets: bool) -> None:
     results = SPAWN.Queue()
-    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, results))
+    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, unix_sockets, results))
     launcher.start()
     runs = results.get(timeout=280)
     launcher.join(timeout=30)

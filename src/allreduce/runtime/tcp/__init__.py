@@ -2,14 +2,15 @@
 
 Files, one concern each (after Gloo's ``transport/tcp``):
 
-- :mod:`._socket`: socket helpers (tuning, exact reads, bounded sends, drain-and-close);
+- :mod:`._socket`: socket helpers (tuning, exact reads, bounded sends, drain-and-close, the host key that says
+  whether a peer is reachable over a Unix socket);
 - :mod:`._handshake`: the authenticated handshake, spoken by the store and the transport;
 - :mod:`._listener`: a listening socket whose connections are authenticated in threads of their own;
 - :mod:`._frames`: the 44-byte frame header and the frames being sent and received;
 - :mod:`._prepared`: a rank's plan compiled to byte ranges, per step and peer;
 - :mod:`._pair`: one connection to a peer, and the windowed reduction of what it receives;
 - :mod:`._loop`: the event loop of one step, and the sender thread;
-- :mod:`._transport`: :class:`TcpTransport`.
+- :mod:`._transport`: :class:`TcpTransport` (over TCP, or over a Unix socket between ranks of one host).
 """
 
 from allreduce.runtime.tcp._handshake import (

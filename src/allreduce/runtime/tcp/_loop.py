@@ -63,8 +63,8 @@ def exchange(
     send_pos = dict.fromkeys(send_q, 0)
     recv_pos = dict.fromkeys(recv_q, 0)
     staged = [inc for _, inc in recvs if inc.staged]
-    all_out = [out for _, out in sends]
-    poller = select.poll()
+    all_out = [out for _, out in sends] if staged else []
+    poller: select.poll | None = None  # made the first time nothing can move (small steps rarely get there)
     registered: dict[int, int] = {}
     fd_peer: dict[int, int] = {}
     if sender is not None:
@@ -78,15 +78,17 @@ def exchange(
             pair = pairs[peer]
             queue_in = recv_q[peer]
             i = recv_pos[peer]
-            while i < len(queue_in):
-                moved = pair.receive(queue_in[i], seq, tag=tag, reduce_into=reduce_into, label=label)
+            n_in = len(queue_in)
+            while i < n_in:
+                inc = queue_in[i]
+                moved = pair.receive(inc, seq, tag=tag, reduce_into=reduce_into, label=label)
                 if moved and arrivals is not None and peer not in arrivals:
                     arrivals[peer] = [time.perf_counter_ns(), 0]
                 progress = progress or moved
-                if queue_in[i].got < queue_in[i].length or queue_in[i].length < 0:
+                if inc.got < inc.length or inc.length < 0:
                     break
                 i += 1
-            if i == len(queue_in):
+            if i == n_in:
                 del recv_pos[peer]
                 if arrivals is not None:
                     arrivals.setdefault(peer, [0, 0])[1] = time.perf_counter_ns()
@@ -105,6 +107,8 @@ def exchange(
             fd = pairs[peer].sock.fileno()
             wanted[fd] = wanted.get(fd, 0) | POLL_IN
             fd_peer[fd] = peer
+        if poller is None:
+            poller = select.poll()
         for fd, events in wanted.items():
             if registered.get(fd) != events:
                 poller.register(fd, events)

@@ -49,6 +49,7 @@ class PreparedStep:
     index: int
     sends: tuple[SendSpec, ...]
     recvs: tuple[RecvSpec, ...]
+    send_bytes: int  # what the step sends, over all its peers
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,7 @@ class PreparedPlan:
     tag: int  # the frames' plan tag: both ends of a connection must compute the same
     steps: tuple[PreparedStep, ...]
     scratch_bytes: int
+    peers: frozenset[int]  # every rank the plan exchanges data with
 
 
 def plan_tag(plan: RankPlan, itemsize: int) -> int:
@@ -108,5 +110,6 @@ def prepare(plan: RankPlan, itemsize: int, *, checksum: bool) -> PreparedPlan:
             offset += peer_size[peer]
         recvs = [r if r.staged or not r.reduce else replace(r, scratch_offset=peer_region[r.peer]) for r in recvs]
         scratch_bytes = max(scratch_bytes, offset)
-        steps.append(PreparedStep(step.index, sends, tuple(recvs)))
-    return PreparedPlan(plan_tag(plan, itemsize), tuple(steps), scratch_bytes)
+        send_bytes = sum(s.byte_stop - s.byte_start for s in sends)
+        steps.append(PreparedStep(step.index, sends, tuple(recvs), send_bytes))
+    return PreparedPlan(plan_tag(plan, itemsize), tuple(steps), scratch_bytes, plan.peers)

@@ -1,9 +1,11 @@
-"""Socket helpers shared by the TCP transport and the store: tuning, exact reads, bounded sends, drain-and-close."""
+"""Socket helpers shared by the TCP transport and the store: tuning, exact reads, bounded sends, drain-and-close,
+and the key that says whether two processes can reach each other over a Unix socket."""
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import select
 import socket
 import time
@@ -14,8 +16,10 @@ __all__ = [
     "LOOPBACK_SNDBUF_BYTES",
     "POLL_ERR",
     "POLL_IN",
+    "UNIX_SNDBUF_BYTES",
     "drain_and_close",
     "family_of",
+    "host_key",
     "is_loopback",
     "read_exact",
     "send_until",
@@ -28,6 +32,9 @@ IO_CHUNK_BYTES = 1 << 20
 
 LOOPBACK_SNDBUF_BYTES = 256 << 10
 """The send buffer of a loopback connection (see :func:`tune`)."""
+
+UNIX_SNDBUF_BYTES = 512 << 10
+"""The send buffer of a Unix-socket connection (see :func:`tune`)."""
 
 DRAIN_LINGER_S = 5.0
 """How long a rank that gave up keeps reading (and discarding) from its peers before closing: long enough for a
@@ -54,8 +61,28 @@ def family_of(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+def host_key() -> str:
+    """Equal for two processes exactly when they share a kernel and a network namespace, i.e. when one reaches the
+    other's abstract Unix socket (abstract names are scoped to the network namespace; two namespaces on one
+    machine, as containers or an emulated topology have, are two hosts)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return ""  # not Linux, or /proc hidden: never claim to share a host
+    return f"{socket.gethostname()}/{boot}/{netns}"
+
+
 def tune(sock: socket.socket) -> None:
-    """Make a freshly authenticated data connection non-blocking, without Nagle, with a loopback-sized buffer."""
+    """Make a freshly authenticated data connection non-blocking, without Nagle, with a loopback-sized buffer
+    (a Unix socket: non-blocking; it has no Nagle and its buffer is the kernel's)."""
+    if sock.family == socket.AF_UNIX:
+        # The kernel's default (about 208 KiB) cost a fifth more CPU per all-reduce than this (measured in
+        # docs/design.md, "The TCP transport"): a Unix sender may write again only once most of it drained.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF_BYTES)
+        sock.setblocking(False)
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         peer_host = sock.getpeername()[0]
