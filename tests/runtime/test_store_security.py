@@ -167,7 +167,9 @@ def test_a_rank_of_another_user_is_refused_by_a_ranks_tcp_listener() -> None:
     ):
         port = int(standalone.get("tcp/addr/0").decode().rpartition(":")[2])
         outcome = _as_nobody(_hello_as_rank_1(port, world_size=2))
-    assert outcome.startswith("status 1: foreign uid: the client's socket belongs to uid 65534"), outcome
+    # Without ALLREDUCE_TOKEN a rank's listener requires the group's secret, which only admitted ranks have.
+    assert outcome.startswith("status 1: "), outcome
+    assert "token" in outcome, outcome
 
 
 @needs_root

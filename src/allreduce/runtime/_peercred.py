@@ -45,10 +45,16 @@ _DIAG_MSG_TAIL = struct.Struct("=IIIII")  # expires, receive queue, send queue, 
 @dataclass(frozen=True, slots=True)
 class PeerCredentials:
     """The other end of a loopback connection: the ``uid`` owning its socket and that socket's ``inode``
-    (0 while no process holds it yet, e.g. a connection still waiting in a listener's accept queue)."""
+    (0 while no process holds it yet, e.g. a connection still waiting in a listener's accept queue). For a Unix
+    socket the kernel names the process itself (``SO_PEERCRED``): ``pid`` is set and ``inode`` is 0."""
 
     uid: int
     inode: int
+    pid: int | None = None
+
+
+_UCRED = struct.Struct("=iII")
+"""``struct ucred`` (pid, uid, gid), what ``SO_PEERCRED`` answers for a Unix socket."""
 
 
 def _hex_address(family: int, address: tuple[str, int]) -> str:
@@ -89,9 +95,15 @@ def diag_lookup(family: int, local: tuple[str, int], remote: tuple[str, int]) ->
 
 
 def loopback_peer(sock: socket.socket) -> PeerCredentials | None:
-    """The credentials of the other end of the connected TCP socket ``sock``; None when the peer is not on
+    """The credentials of the other end of the connected TCP or Unix socket ``sock``; None when the peer is not on
     loopback or its socket cannot be found (it closed already)."""
     family = sock.family
+    if family == socket.AF_UNIX:
+        try:
+            pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        except OSError:
+            return None
+        return PeerCredentials(uid=uid, inode=0, pid=pid) if pid > 0 else None
     if family not in _PROC_NET:
         return None
     try:

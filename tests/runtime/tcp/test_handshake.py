@@ -59,10 +59,10 @@ def endpoint(request: pytest.FixtureRequest) -> Iterator[Endpoint]:
     yield from ENDPOINTS[request.param](TOKEN)
 
 
-@pytest.fixture(params=sorted(ENDPOINTS))
-def open_endpoint(request: pytest.FixtureRequest) -> Iterator[Endpoint]:
-    """An endpoint without a token (loopback only)."""
-    yield from ENDPOINTS[request.param](None)
+@pytest.fixture
+def open_endpoint() -> Iterator[Endpoint]:
+    """The store without a token (loopback only); a rank's TCP listener without one uses its group's secret."""
+    yield from _store_endpoint(None)
 
 
 def _connect(endpoint: Endpoint, token: str | None) -> socket.socket:
@@ -98,6 +98,18 @@ def test_a_client_with_a_token_refuses_an_endpoint_without_one(open_endpoint: En
 
 def test_without_a_token_loopback_clients_are_admitted(open_endpoint: Endpoint) -> None:
     _connect(open_endpoint, None).close()
+
+
+def test_a_rank_listener_without_a_shared_token_requires_the_group_secret() -> None:
+    with (
+        TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=-1, timeout_s=TIMEOUT_S) as store,
+        TcpTransport(0, 2, store, token=None, timeout_s=TIMEOUT_S),
+    ):
+        port = int(store.get("tcp/addr/0").decode().rpartition(":")[2])
+        endpoint = Endpoint(port, b"tcp", ClientHello(rank=1, world_size=2, target=0))
+        with pytest.raises(ProtocolError, match="a shared token is required"):
+            _connect(endpoint, None)
+        _connect(endpoint, store.group_secret().decode()).close()
 
 
 def test_the_wrong_service_is_named(endpoint: Endpoint) -> None:

@@ -142,7 +142,9 @@ def _unverified_peer(peer: PeerCredentials | None, pid: int, whose: str) -> tupl
         )
     if peer.uid != uid:
         return Refusal.FOREIGN_UID, f"foreign uid: {whose} socket belongs to uid {peer.uid}, this side runs as {uid}"
-    if not holds_socket(pid, peer.inode):
+    if peer.pid is not None and peer.pid != pid:
+        return Refusal.UNVERIFIED_PEER, f"{whose} announced pid {pid}, but the kernel says pid {peer.pid} holds it"
+    if peer.pid is None and not holds_socket(pid, peer.inode):
         return Refusal.UNVERIFIED_PEER, (
             f"{whose} announced pid {pid}, which does not hold its socket "
             "(in another PID namespace? then set ALLREDUCE_TOKEN)"

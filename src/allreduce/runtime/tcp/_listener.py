@@ -189,7 +189,7 @@ class Listener:
                 return
             sock.setblocking(False)
             handshake = AcceptHandshake(self._service, self._token, self._check, functools.partial(loopback_peer, sock))
-            pending = _Pending(sock, f"{addr[0]}:{addr[1]}", handshake, time.monotonic(), bytearray(handshake.greeting))
+            pending = _Pending(sock, _describe(sock, addr), handshake, time.monotonic(), bytearray(handshake.greeting))
             self._pending[sock] = pending
             self._selector.register(sock, selectors.EVENT_READ, pending)
             self._progress(pending)
@@ -278,3 +278,14 @@ def _refusal(pending: _Pending, message: str) -> HandshakeRefusedError:
     """Why a connection that broke or stalled in its handshake was closed."""
     admitted = pending.outcome if isinstance(pending.outcome, ClientHello) else None
     return HandshakeRefusedError(f"{pending.address}: {message}", kind=Refusal.PROTOCOL, hello=admitted)
+
+
+def _describe(sock: socket.socket, addr: object) -> str:
+    """Where a connection came from, for messages: host:port, or for a Unix socket (whose client may have no
+    address at all) the process the kernel names."""
+    if sock.family == socket.AF_UNIX:
+        peer = loopback_peer(sock)
+        return f"unix socket of pid {peer.pid}" if peer is not None else "an unnamed unix socket"
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)

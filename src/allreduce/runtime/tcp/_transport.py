@@ -27,7 +27,6 @@ import contextlib
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 import zlib
@@ -94,7 +93,6 @@ UNIX_ENV = "ALLREDUCE_TCP_UNIX"
 _SERVICE = b"tcp"
 _NOTHING = memoryview(b"")  # where an agreement frame lands until its header says its length
 _UNIX_BACKLOG = 128  # pending connections the kernel queues, as the TCP listener's
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (SO_PEERCRED)
 
 
 def _unix_listening_socket(backlog: int) -> tuple[socket.socket, bytes]:
@@ -109,18 +107,6 @@ def _unix_listening_socket(backlog: int) -> tuple[socket.socket, bytes]:
         sock.close()
         raise
     return sock, name
-
-
-class _UnixListener(Listener):
-    """A :class:`Listener` on a Unix socket. A client that did not bind has no address (``""``), so the address
-    a refusal names is the client's process id, which the kernel reports for a Unix socket."""
-
-    def _handshake(self, sock: socket.socket, addr: tuple[str, int]) -> None:
-        try:
-            pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        except OSError:
-            pid = 0
-        super()._handshake(sock, ("unix socket of pid", pid))
 
 
 class _Store(Protocol):
@@ -156,6 +142,12 @@ class TcpTransport(Transport):
                 f"rank {rank}: the TCP transport would listen on {host!r}, beyond loopback: set a shared token "
                 "(token= or the ALLREDUCE_TOKEN environment variable)"
             )
+        group_secret = getattr(store, "group_secret", None)
+        if self._token is None and group_secret is not None:
+            # No shared token (loopback only): the group's secret, which the store hands only to the ranks it
+            # admitted (checked by the kernel's word on who holds each connection), proves to every peer that the
+            # other end is a rank of this group, over TCP and Unix sockets alike.
+            self._token = resolve_token(group_secret())
         self._peers: dict[int, Pair] = {}
         self._cond = threading.Condition()
         self._refused: list[str] = []
@@ -169,13 +161,12 @@ class TcpTransport(Transport):
         self._sender_handoffs = 0
         if unix_sockets is None:
             unix_sockets = os.environ.get(UNIX_ENV, "1") != "0"
-        # Without a token a connection is trusted by who owns its loopback TCP socket: Unix sockets need the token.
         self._host_key = host_key() if unix_sockets and self._token is not None else ""
         self._unix_listener: Listener | None = None
         unix_address = b""
         if self._host_key:
             unix_sock, unix_name = _unix_listening_socket(world_size)
-            self._unix_listener = _UnixListener(
+            self._unix_listener = Listener(
                 unix_sock,
                 service=_SERVICE,
                 token=self._token,
