@@ -33,12 +33,14 @@ def _stats(transport: str, inject: str | None, calls: int = CALLS, world_size: i
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_delayed_rank_is_named_and_costs_every_rank(transport: str) -> None:
-    clean = _stats(transport, None)
-    slow = _stats(transport, "delay:rank=2:2ms")
+    delay_s = 2e-3
+    slow = _stats(transport, f"delay:rank=2:{delay_s}s")
     assert slow.slowest_rank == 2
     others = [r for r in slow.ranks if r.rank != 2]
-    # every other rank spends the straggler's delay inside the all-reduce
-    assert min(r.time_p50_s for r in others) > max(r.time_p50_s for r in clean.ranks) + 1e-3
+    # every other rank spends (most of) the straggler's delay inside the all-reduce, the straggler does not; a
+    # clean run's time is not the reference, as on a loaded machine it varies by more than the delay
+    assert min(r.time_p50_s for r in others) > delay_s / 2
+    assert slow.ranks[2].time_p50_s < min(r.time_p50_s for r in others)
 
 
 @pytest.mark.slow
