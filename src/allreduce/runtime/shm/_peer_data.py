@@ -6,6 +6,10 @@ per-step loop pays no extra layer). A peer's data is in its eager snapshot area,
 (:class:`Remote`); a receive that reduces out of private memory goes through a scratch piece that stays in L2.
 A read that fails because the peer went away names the root cause (see
 :mod:`allreduce.runtime.shm._waiting`).
+
+Under the ptracer discipline (Yama ``ptrace_scope = 1``) the owner of private data admits its readers one at a
+time (:meth:`PeerData._admit`): before publishing step t it names step t's reader its ptracer, after the previous
+ptracer has said it finished reading (its ``read_done``), so a peer is never refused mid-read.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._errors import PeerFailureError
+from allreduce.runtime._errors import PeerFailureError, ProtocolError
 from allreduce.runtime._transport import ReduceInto
 from allreduce.runtime.shm._compile import Piece, Receive
 from allreduce.runtime.shm._layout import (
@@ -26,9 +30,11 @@ from allreduce.runtime.shm._layout import (
     CLOSED_WORD,
     EAGER_BYTES,
     IN_PRIVATE_MEMORY,
+    PTRACER_WORD,
+    READ_DONE_WORD,
     UNSATISFIABLE,
 )
-from allreduce.runtime.shm._linux import read_remote
+from allreduce.runtime.shm._linux import read_remote, set_ptracer
 from allreduce.runtime.shm._segments import PeerSegments, Segment, data_segment_path
 from allreduce.runtime.shm._waiting import PeerWaiting
 
@@ -58,6 +64,25 @@ class PeerData(PeerWaiting):
     _eager_offsets: tuple[int, int]
     """Offset of snapshot area 0 and 1 in a control block (alternating with the parity of the sequence number)."""
     _scratch: npt.NDArray[np.uint8] | None
+    _ptracer: bool
+    """The ptracer discipline is in force (see the module docstring)."""
+    _tracer: int
+    """The peer this rank last named its ptracer (-1: none)."""
+    _tracer_release: int
+    """The ``read_done`` value the current ptracer reaches once it has read everything it was admitted for."""
+    _ptracer_switches: int
+
+    def _admit(self, reader: int, release: int, *, deadline: float, seq: int, step: int) -> None:
+        """Ptracer discipline: let ``reader`` alone read this rank's private memory until its ``read_done`` reaches
+        ``release``; the peer admitted before it first finishes what it was admitted for."""
+        if reader != self._tracer:
+            if self._tracer >= 0 and self._tracer_release >= 0:
+                self._wait(self._tracer, READ_DONE_WORD, self._tracer_release, deadline=deadline, seq=seq,
+                           what="reading this rank's data before the next reader is admitted", step=step)  # fmt: skip
+            set_ptracer(self._peer_pids[reader])
+            self._tracer = self._views[self.rank][PTRACER_WORD] = reader
+            self._ptracer_switches += 1
+        self._tracer_release = release
 
     def _peer_array(
         self, peer: int, dtype: np.dtype[Any], count: int, *, seq: int, step: int
@@ -87,6 +112,16 @@ class PeerData(PeerWaiting):
 
     def _fetch(self, remote: Remote, start: int, out: npt.NDArray[Any], *, seq: int, step: int) -> None:
         """Copy the peer's elements [start, start + out.size) into ``out``."""
+        if self._ptracer and self._views[remote.peer][PTRACER_WORD] != self.rank:
+            # Under Yama the kernel would refuse this read; checked everywhere, so that the discipline is tested
+            # where the kernel has no Yama too.
+            raise ProtocolError(
+                f"rank {self.rank}: rank {remote.peer} had not named this rank its ptracer when it read rank "
+                f"{remote.peer}'s buffer (collective {seq}, step {step})",
+                rank=self.rank,
+                peer=remote.peer,
+                step=step,
+            )
         error = read_remote(remote.pid, remote.address + start * remote.itemsize, out)
         if not error:
             return
