@@ -63,6 +63,8 @@ class PeerData(PeerWaiting):
     """Per peer, the data segments this rank has mapped (by segment id)."""
     _eager_offsets: tuple[int, int]
     """Offset of snapshot area 0 and 1 in a control block (alternating with the parity of the sequence number)."""
+    _eager_areas: dict[tuple[int, int, np.dtype[Any]], npt.NDArray[Any]]
+    """Views of the snapshot areas made so far (dropped before the control blocks are unmapped)."""
     _scratch: npt.NDArray[np.uint8] | None
     _ptracer: bool
     """The ptracer discipline is in force (see the module docstring)."""
@@ -136,10 +138,18 @@ class PeerData(PeerWaiting):
         )
 
     def _eager_area(self, rank: int, seq: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-        """Rank ``rank``'s snapshot area for collective ``seq`` (two areas, alternating with seq's parity)."""
-        ctl = self._ctl[rank]
-        assert ctl is not None
-        return ctl.array(dtype, EAGER_BYTES // dtype.itemsize, self._eager_offsets[seq & 1])
+        """Rank ``rank``'s snapshot area for collective ``seq`` (two areas, alternating with seq's parity).
+
+        Cached per (rank, parity, dtype): making the view costs more than the rest of a small step's bookkeeping."""
+        key = (rank, seq & 1, dtype)
+        area = self._eager_areas.get(key)
+        if area is None:
+            ctl = self._ctl[rank]
+            assert ctl is not None
+            area = self._eager_areas[key] = ctl.array(
+                dtype, EAGER_BYTES // dtype.itemsize, self._eager_offsets[seq & 1]
+            )
+        return area
 
     def _scratch_of(self, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
         if self._scratch is None:

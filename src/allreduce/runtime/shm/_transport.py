@@ -161,6 +161,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         self._layout = ControlLayout(world_size)
         # per-call offsets, computed once from the declared layout (by the parity of the sequence number)
         self._eager_offsets = (self._layout.eager_area_offset(0), self._layout.eager_area_offset(1))
+        self._eager_areas: dict[tuple[int, int, np.dtype[Any]], npt.NDArray[Any]] = {}
+        self._eager_step_bound = eager_step_bound(world_size)
         self._descriptor_words = (descriptor_word(0), descriptor_word(1))
         self._descriptor_payloads = (descriptor_payload_offset(0), descriptor_payload_offset(1))
         # the last compiled program: a training loop repeats one collective, and this skips even hashing the plan
@@ -284,7 +286,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         if (
             checksum
             or self._agreed_seq != seq - 1
-            or buffer.nbytes * eager_step_bound(self.world_size) > self._eager_bytes
+            or buffer.nbytes * self._eager_step_bound > self._eager_bytes
             or buffer.ndim != 1
             or not buffer.flags.c_contiguous
             or not buffer.size
@@ -305,17 +307,18 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         own = self._ctl[self.rank]
         assert own is not None
         own.mm[payload : payload + len(descriptor)] = descriptor
-        self._views[self.rank][stamp_word + 1] = len(descriptor)
+        views = self._views
+        views[self.rank][stamp_word + 1] = len(descriptor)
         self._publish(stamp_word, seq)
         self._agreed_seq = -1
         out: list[bytes] = []
-        for p in range(self.world_size):
-            if p != self.rank:
-                self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1)
-            length = self._views[p][stamp_word + 1]
-            segment = self._ctl[p]
+        for p, segment in enumerate(self._ctl):
+            if p == self.rank:
+                out.append(descriptor)
+                continue
+            self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1)
             assert segment is not None
-            out.append(bytes(segment.mm[payload : payload + length]))
+            out.append(segment.mm[payload : payload + views[p][stamp_word + 1]])  # a slice of an mmap is bytes
         # Every peer has entered collective seq, so it has finished reading our data of seq - 1 and earlier:
         # execute(seq) may reuse the eager snapshot area of seq - 2 without waiting.
         self._agreed_seq = seq
@@ -456,13 +459,14 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                     self._copy_in(st, user, work, base=base, seq=seq, deadline=deadline)
                 if checksum:
                     self._sign_sends(st, work)
-                if eager and not (prepared and st.index == 0):
-                    at = st.index * count
-                    for _, _, a, b in st.send_crcs:
-                        snapshot[at + a : at + b] = work[a:b]
-                if admit and st.readers:
-                    self._admit(st.readers[0], base + st.index + 1, deadline=deadline, seq=seq, step=st.index)
-                self._publish(PROGRESS_WORD, base + st.index)
+                if not (prepared and st.index == 0):  # prepare() published the step-0 snapshot already
+                    if eager:
+                        at = st.index * count
+                        for _, _, a, b in st.send_crcs:
+                            snapshot[at + a : at + b] = work[a:b]
+                    if admit and st.readers:
+                        self._admit(st.readers[0], base + st.index + 1, deadline=deadline, seq=seq, step=st.index)
+                    self._publish(PROGRESS_WORD, base + st.index)
                 # receive (and reduce): straight out of the peer's memory
                 staged: dict[tuple[int, int], tuple[Piece, npt.NDArray[Any]]] = {}
                 for rv in st.recvs:
@@ -591,6 +595,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
     # ----------------------------------------------------------------------------------------------------
     def _release_all(self) -> None:
         self._release_ptracer()
+        self._eager_areas.clear()
         sleepers = getattr(self, "_sleepers", None)
         if sleepers is not None:
             sleepers.release()
