@@ -274,6 +274,7 @@ def _measure_once(rows: list[_Row], skip: set[str]) -> dict[tuple[str, int, int]
             cases = [(_OURS[key][2], size, _OURS[key][3], _OURS[key][4]) for key, size in items]
             for (key, size), t in zip(items, _ours(n, cases, transport=transport, mode=mode), strict=True):
                 out[key, n, size] = t
+            print(f"# measured N={n} allreduce {transport} {mode}", file=sys.stderr, flush=True)
         sizes = sorted({r.size for r in mine})
         for name, run in (("gloo", _gloo), ("mpi", _mpi)):
             if name in skip:
@@ -282,6 +283,7 @@ def _measure_once(rows: list[_Row], skip: set[str]) -> dict[tuple[str, int, int]
             if times is not None:
                 for size, t in zip(sizes, times, strict=True):
                     out[name, n, size] = t
+            print(f"# measured N={n} {name}", file=sys.stderr, flush=True)
     return out
 
 

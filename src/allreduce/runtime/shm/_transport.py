@@ -169,7 +169,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         self._last_compiled: tuple[RankPlan, bool, Program] | None = None
         self._segments = LocalSegments(self._prefix, rank)
         self._peer_segments = [PeerSegments() for _ in range(world_size)]
-        self._spin_s = SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
+        self._spin_limit_s = SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
+        self._spin_s = self._spin_limit_s
         self._pidfds: list[int] = []
         self._peer_pids: list[int] = []
         self._corrupt_next: tuple[int, int] | None = None  # (peer, step) of inject_corruption()
