@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from allreduce.runtime._spawn import spawn
-from allreduce.runtime.shm import CROSS_MEMORY_ENV, ShmTransport
+from allreduce.runtime.shm import CROSS_MEMORY_ENV, CROSS_MEMORY_MIN_BYTES, ShmTransport
+from allreduce.runtime.shm._linux import TRANSPARENT_HUGEPAGES
+from allreduce.runtime.shm._peer_data import NUMPY_HUGEPAGE_MIN_BYTES, huge_pages_likely
 
 ELEMENTS = 100_003
 """Plain float32 arrays of this many elements (not a multiple of any block count; above the eager area)."""
@@ -58,7 +60,7 @@ def test_the_argument_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch)
 
 # ----------------------------------------------------------------------------------------------- the ptracer way
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "recursive_doubling"])
 def test_forced_ptracer_reads_plain_arrays_in_place_and_exactly(world_size: int, algorithm: str) -> None:
     for rank, result in enumerate(_run(world_size, algorithm, "ptracer")):
@@ -138,3 +140,36 @@ def test_only_one_group_per_process_holds_the_ptracer_slot() -> None:
     job = f"slot-{uuid.uuid4().hex[:8]}"
     for rank, result in enumerate(spawn(2, _two_groups, 2, job, group=False, timeout_s=120)):
         assert result == (1, 0, 1), rank
+
+
+# ----------------------------------------------------------------------------------------------- whose pages
+def test_memory_that_is_not_numpys_is_not_taken_for_huge_pages_unless_the_kernel_gives_them_to_all() -> None:
+    foreign = np.frombuffer(bytearray(2 * NUMPY_HUGEPAGE_MIN_BYTES), np.uint8)
+    assert huge_pages_likely(foreign) == (TRANSPARENT_HUGEPAGES == "always")
+
+
+def test_a_small_numpy_array_is_not_taken_for_huge_pages_unless_the_kernel_gives_them_to_all() -> None:
+    assert huge_pages_likely(np.ones(1024, np.float32)) == (TRANSPARENT_HUGEPAGES == "always")
+
+
+def test_a_view_into_a_large_numpy_array_counts_as_the_array() -> None:
+    array = np.ones(NUMPY_HUGEPAGE_MIN_BYTES, np.uint8)
+    assert huge_pages_likely(array[100:]) == huge_pages_likely(array)
+
+
+def _torch_default_threshold(group: Any) -> dict[str, Any]:
+    import torch
+
+    x = torch.full((CROSS_MEMORY_MIN_BYTES // 4,), group.rank + 1.0, dtype=torch.float32)
+    group.all_reduce(x, algorithm="ring")
+    return {"exact": bool((x == _sum_of_ranks(group.world_size)).all()), **group.transport.statistics()}
+
+
+@pytest.mark.slow
+def test_a_large_torch_tensor_is_staged_unless_the_kernel_backs_it_with_huge_pages() -> None:
+    # torch's allocator does not ask for huge pages: pinning its 4 KiB pages one by one costs more than staging
+    pytest.importorskip("torch")
+    for rank, result in enumerate(spawn(2, _torch_default_threshold, timeout_s=120, env={CROSS_MEMORY_ENV: "auto"})):
+        assert result["exact"], rank
+        in_place = result["cross_memory_available"] and TRANSPARENT_HUGEPAGES == "always"
+        assert result["executes_cross_memory" if in_place else "executes_staged"] == 1, rank

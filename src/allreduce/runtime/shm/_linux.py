@@ -23,6 +23,7 @@ __all__ = [
     "CROSS_MEMORY_SUPPORTED",
     "FUTEX_SUPPORTED",
     "PID_NAMESPACE",
+    "TRANSPARENT_HUGEPAGES",
     "alive",
     "close_pidfds",
     "exited",
@@ -211,3 +212,19 @@ def _pid_namespace() -> int:
 
 PID_NAMESPACE = _pid_namespace()
 """This process's PID namespace (see :func:`_pid_namespace`)."""
+
+
+def _transparent_hugepages() -> str:
+    """The kernel's transparent huge page mode: ``always``, ``madvise`` (only regions that ask, as numpy's large
+    arrays do), ``never``, or ``never`` where the file is missing."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return "never"
+    start, stop = text.find("["), text.find("]")
+    return text[start + 1 : stop] if 0 <= start < stop else "never"
+
+
+TRANSPARENT_HUGEPAGES = _transparent_hugepages()
+"""This kernel's transparent huge page mode (see :func:`_transparent_hugepages`)."""

@@ -14,6 +14,7 @@ ptracer has said it finished reading (its ``read_done``), so a peer is never ref
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -34,14 +35,56 @@ from allreduce.runtime.shm._layout import (
     READ_DONE_WORD,
     UNSATISFIABLE,
 )
-from allreduce.runtime.shm._linux import read_remote, set_ptracer
+from allreduce.runtime.shm._linux import TRANSPARENT_HUGEPAGES, read_remote, set_ptracer
 from allreduce.runtime.shm._segments import PeerSegments, Segment, data_segment_path
 from allreduce.runtime.shm._waiting import PeerWaiting
 
-__all__ = ["CROSS_MEMORY_CHUNK_BYTES", "PeerData", "Remote", "apply_op"]
+__all__ = [
+    "CROSS_MEMORY_CHUNK_BYTES",
+    "NUMPY_HUGEPAGE_MIN_BYTES",
+    "PeerData",
+    "Remote",
+    "apply_op",
+    "huge_pages_likely",
+]
 
 CROSS_MEMORY_CHUNK_BYTES = 1 << 20
 """A cross-memory receive that reduces goes through a scratch piece of this size, which stays in L2."""
+
+
+NUMPY_HUGEPAGE_MIN_BYTES = 4 << 20
+"""numpy asks the kernel for huge pages (``madvise(MADV_HUGEPAGE)``) for the arrays it allocates from this size."""
+
+
+def _numpy_asks_for_huge_pages() -> bool:
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):  # numpy 2, numpy 1
+        try:
+            ask = getattr(importlib.import_module(module), "_get_madvise_hugepage", None)
+        except ImportError:
+            continue
+        if ask is not None:
+            return bool(ask())
+    return False
+
+
+_NUMPY_HUGE_PAGES = _numpy_asks_for_huge_pages()
+
+
+def huge_pages_likely(buffer: npt.NDArray[Any]) -> bool:
+    """Whether ``buffer`` is most likely backed by 2 MiB pages: the kernel gives them to every large region, or it
+    gives them on request and the memory is a large array numpy allocated (numpy asks; torch's allocator does not).
+
+    Reading a peer's memory with ``process_vm_readv`` pins it page by page: over 4 KiB pages that costs more than
+    staging the buffer through shared memory (64 MiB, N = 2: 12-14.5 ms of CPU per call in place against 9.4 ms
+    staged, and 5.3-6.2 ms in place over huge pages), so only buffers this returns True for are read in place."""
+    if TRANSPARENT_HUGEPAGES == "always":
+        return True
+    if TRANSPARENT_HUGEPAGES != "madvise" or not _NUMPY_HUGE_PAGES:
+        return False
+    owner = buffer
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    return owner.base is None and owner.nbytes >= NUMPY_HUGEPAGE_MIN_BYTES
 
 
 @dataclass(frozen=True, slots=True)

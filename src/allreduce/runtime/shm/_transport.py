@@ -73,7 +73,7 @@ from allreduce.runtime.shm._layout import (
     descriptor_word,
 )
 from allreduce.runtime.shm._linux import CROSS_MEMORY_SUPPORTED, close_pidfds, futex_wake
-from allreduce.runtime.shm._peer_data import PeerData, Remote, apply_op
+from allreduce.runtime.shm._peer_data import PeerData, Remote, apply_op, huge_pages_likely
 from allreduce.runtime.shm._rendezvous import Rendezvous
 from allreduce.runtime.shm._rendezvous import cross_memory_mode as resolve_cross_memory_mode
 from allreduce.runtime.shm._segments import (
@@ -130,7 +130,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
       reads go through the ptracer discipline). How the probe may find them is the constructor's
       ``cross_memory_mode`` (``auto``, ``open``, ``ptracer``, ``off``; default: the environment variable
       ``ALLREDUCE_SHM_CROSS_MEMORY``, else ``auto``; see :mod:`allreduce.runtime.shm._rendezvous`);
-    - ``cross_memory_min_bytes``: the smallest array read that way (0: every plain array);
+    - ``cross_memory_min_bytes``: the smallest array read that way, among those likely backed by huge pages
+      (:func:`~allreduce.runtime.shm._peer_data.huge_pages_likely`; 0: every plain array, whatever its pages);
     - ``eager_bytes``: buffers whose (steps x size) fits go through snapshots (0: never; at most
       :data:`~allreduce.runtime.shm.EAGER_BYTES`).
     """
@@ -402,6 +403,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         elif (
             self._cross_memory
             and buffer.nbytes >= self._cross_memory_min_bytes
+            and (self._cross_memory_min_bytes == 0 or huge_pages_likely(buffer))
             and (not self._ptracer or self.plans.get(("shm-one-reader", plan), lambda: _one_reader_per_step(plan)))
         ):
             # Peers read the user's array where it is: no staging copy in, none out.
