@@ -243,7 +243,7 @@ def _paths_worker(rank: int, n: int, port: int, out: Any) -> None:
             shared = group.zeros(1 << 18, np.float32)
             shared[...] = rank + 1.0
             cases.append(("medium_shared", shared, {}))
-            taken["large_plain_on_huge_pages"] = huge_pages_likely(cases[-1][1])
+            taken["large_plain_on_huge_pages"] = huge_pages_likely({c: x for c, x, _ in cases}["large_plain"])
             for case, x, kwargs in cases:
                 before = dict(shm.statistics())
                 group.all_reduce(x, algorithm="ring", **kwargs)
