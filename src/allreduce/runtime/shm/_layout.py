@@ -41,6 +41,10 @@ __all__ = [
     "PID_WORD",
     "PROBE_ADDRESS_WORD",
     "PROGRESS_WORD",
+    "PTRACER_READY_WORD",
+    "PTRACER_WORD",
+    "READS_OPEN",
+    "READS_WITH_PTRACER",
     "READ_DONE_WORD",
     "SEQ_WORD",
     "SLEEPERS_WORD",
@@ -93,6 +97,14 @@ IN_EAGER_SNAPSHOT = -2
 """``buffer_segment``: each step's sent data is a snapshot in the owner's control block (small buffers)."""
 
 
+READS_OPEN = 1
+"""``cross_memory`` bit: the owner read every peer's private memory with no permission of theirs (no Yama)."""
+
+READS_WITH_PTRACER = 2
+"""``cross_memory`` bit: the owner read its predecessor's private memory once that peer had named it its ptracer
+(``PR_SET_PTRACER``; how ranks read each other under Yama ``ptrace_scope = 1``)."""
+
+
 class DescriptorSlot(ctypes.Structure):
     """One collective's descriptor: ``stamp`` is the sequence number once ``length`` bytes of payload are valid."""
 
@@ -120,7 +132,9 @@ class ControlHeader(ctypes.Structure):
         ("buffer_offset", ctypes.c_int64),  # byte offset in that segment, or the private array's address
         ("closed", ctypes.c_int64),  # 1: the owner closed the transport
         ("probe_address", ctypes.c_int64),  # where the owner mapped this block (peers probe process_vm_readv there)
-        ("cross_memory", ctypes.c_int64),  # 1: the owner can read every peer's private memory
+        ("cross_memory", ctypes.c_int64),  # READS_OPEN | READS_WITH_PTRACER: how the owner could read peers
+        ("ptracer_ready", ctypes.c_int64),  # 1: the owner has named its successor its ptracer (start-up probe)
+        ("ptracer", ctypes.c_int64),  # the rank the owner has named its ptracer (-1: none); readers check it
         ("descriptors", DescriptorSlot * 2),  # by the parity of seq
         ("sleepers", ctypes.c_int64 * MAX_RANKS),  # [r] = 1: rank r is (about to be) blocked on one of my counters
     )
@@ -148,6 +162,8 @@ BUFFER_OFFSET_WORD = _word("buffer_offset")
 CLOSED_WORD = _word("closed")
 PROBE_ADDRESS_WORD = _word("probe_address")
 CROSS_MEMORY_WORD = _word("cross_memory")
+PTRACER_READY_WORD = _word("ptracer_ready")
+PTRACER_WORD = _word("ptracer")
 SLEEPERS_WORD = _word("sleepers")
 
 

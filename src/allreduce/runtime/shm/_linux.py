@@ -1,4 +1,5 @@
-"""Linux primitives of the shared-memory transport: futex wait/wake, ``process_vm_readv``, pidfd, PID namespace.
+"""Linux primitives of the shared-memory transport: futex wait/wake, ``process_vm_readv``, Yama's
+``PR_SET_PTRACER``, pidfd, PID namespace.
 
 Each is loaded once through ``ctypes`` (or ``os``) and degrades to something slower but correct where the kernel
 or the C library lacks it: no futex → a short sleep; no ``process_vm_readv`` → :data:`CROSS_MEMORY_SUPPORTED` is
@@ -22,6 +23,7 @@ __all__ = [
     "CROSS_MEMORY_SUPPORTED",
     "FUTEX_SUPPORTED",
     "PID_NAMESPACE",
+    "TRANSPARENT_HUGEPAGES",
     "alive",
     "close_pidfds",
     "exited",
@@ -29,6 +31,8 @@ __all__ = [
     "futex_wake",
     "open_pidfd",
     "read_remote",
+    "set_ptracer",
+    "yama_ptrace_scope",
 ]
 
 _FUTEX_WAIT = 0
@@ -122,6 +126,46 @@ def read_remote(pid: int, address: int, out: npt.NDArray[Any]) -> int:
     return 0
 
 
+PR_SET_PTRACER = 0x59616D61
+"""prctl(2) option of the Yama LSM: name the one process (with its descendants) that may ptrace this one - and so
+read its memory with ``process_vm_readv`` under ``ptrace_scope = 1``. 0 clears it. (``PR_SET_PTRACER_ANY``, which
+would let every process of the user in, is never used.)"""
+
+
+def _load_prctl() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+    return fn
+
+
+_prctl = _load_prctl()
+
+
+def set_ptracer(pid: int) -> int:
+    """Let process ``pid`` (only it and its descendants; 0: nobody) read this process's memory under Yama
+    ``ptrace_scope = 1``; 0 or an errno (EINVAL where the kernel has no Yama: nothing to lift then)."""
+    if _prctl is None:
+        return errno.ENOSYS
+    if _prctl(PR_SET_PTRACER, pid, 0, 0, 0) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EINVAL
+
+
+def yama_ptrace_scope() -> int | None:
+    """Yama's ``ptrace_scope`` (0 classic, 1 restricted to descendants and declared tracers, 2 admin only,
+    3 none), or None where the kernel has no Yama."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope", encoding="ascii") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def open_pidfd(pid: int) -> int:
     """A file descriptor that becomes readable when process ``pid`` exits, or -1 where pidfds are missing."""
     try:
@@ -168,3 +212,19 @@ def _pid_namespace() -> int:
 
 PID_NAMESPACE = _pid_namespace()
 """This process's PID namespace (see :func:`_pid_namespace`)."""
+
+
+def _transparent_hugepages() -> str:
+    """The kernel's transparent huge page mode: ``always``, ``madvise`` (only regions that ask, as numpy's large
+    arrays do), ``never``, or ``never`` where the file is missing."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return "never"
+    start, stop = text.find("["), text.find("]")
+    return text[start + 1 : stop] if 0 <= start < stop else "never"
+
+
+TRANSPARENT_HUGEPAGES = _transparent_hugepages()
+"""This kernel's transparent huge page mode (see :func:`_transparent_hugepages`)."""

@@ -16,8 +16,10 @@ Where a rank's data lives for one collective (its *home*, published in its contr
   step 0 together with the descriptor;
 - **shared**: an array from :meth:`ShmTransport.allocate` (``group.empty()``) is in shared memory already;
 - **cross-memory**: a large plain array is read by peers where it is, in the owner's private memory, with
-  ``process_vm_readv(2)``, when the start-up probe found that every rank may read every other (not under Yama
-  ``ptrace_scope >= 1``, which we never loosen);
+  ``process_vm_readv(2)``, when the start-up probe found that every rank may read every other
+  (:mod:`allreduce.runtime.shm._rendezvous`): openly, or under Yama ``ptrace_scope = 1`` with the ptracer
+  discipline (before it publishes a step, the owner names that step's one reader its ptracer, once the previous
+  one is done reading; a plan with two readers in one step stages instead);
 - **staged**: otherwise through a shared staging segment, copying only what the plan needs
   (:mod:`allreduce.runtime.shm._compile`).
 
@@ -60,6 +62,7 @@ from allreduce.runtime.shm._layout import (
     PID_WORD,
     PROBE_ADDRESS_WORD,
     PROGRESS_WORD,
+    PTRACER_WORD,
     READ_DONE_WORD,
     SEQ_WORD,
     SLEEPERS_WORD,
@@ -70,8 +73,9 @@ from allreduce.runtime.shm._layout import (
     descriptor_word,
 )
 from allreduce.runtime.shm._linux import CROSS_MEMORY_SUPPORTED, close_pidfds, futex_wake
-from allreduce.runtime.shm._peer_data import PeerData, Remote, apply_op
+from allreduce.runtime.shm._peer_data import PeerData, Remote, apply_op, huge_pages_likely
 from allreduce.runtime.shm._rendezvous import Rendezvous
+from allreduce.runtime.shm._rendezvous import cross_memory_mode as resolve_cross_memory_mode
 from allreduce.runtime.shm._segments import (
     SHM_DIR,
     LocalSegments,
@@ -101,6 +105,12 @@ EAGER_STEPS_SLACK = 8
 ``EAGER_STEPS_PER_RANK * N + EAGER_STEPS_SLACK`` (a ring takes 2(N - 1) steps; trees and doubling fewer)."""
 
 
+def _one_reader_per_step(plan: RankPlan) -> bool:
+    """Whether at most one peer reads this rank's data at every step of ``plan`` (ring, halving-doubling and
+    recursive doubling: one ptracer at a time admits them all)."""
+    return all(len({t.peer for t in step.sends}) <= 1 for step in plan.steps)
+
+
 def eager_step_bound(world_size: int) -> int:
     """The most steps a plan may have for a buffer that ``prepare()`` published (see :data:`EAGER_STEPS_SLACK`)."""
     return EAGER_STEPS_PER_RANK * world_size + EAGER_STEPS_SLACK
@@ -116,8 +126,12 @@ class ShmTransport(PeerData, Rendezvous, Transport):
     between ranks and may be changed between collectives through the properties of the same names):
 
     - ``cross_memory``: let peers read large plain arrays in place (only if the start-up probe allows it on every
-      rank; ``statistics()["cross_memory_available"]`` says what it found);
-    - ``cross_memory_min_bytes``: the smallest array read that way (0: every plain array);
+      rank; ``statistics()["cross_memory_available"]`` says what it found, ``["cross_memory_ptracer"]`` whether
+      reads go through the ptracer discipline). How the probe may find them is the constructor's
+      ``cross_memory_mode`` (``auto``, ``open``, ``ptracer``, ``off``; default: the environment variable
+      ``ALLREDUCE_SHM_CROSS_MEMORY``, else ``auto``; see :mod:`allreduce.runtime.shm._rendezvous`);
+    - ``cross_memory_min_bytes``: the smallest array read that way, among those likely backed by huge pages
+      (:func:`~allreduce.runtime.shm._peer_data.huge_pages_likely`; 0: every plain array, whatever its pages);
     - ``eager_bytes``: buffers whose (steps x size) fits go through snapshots (0: never; at most
       :data:`~allreduce.runtime.shm.EAGER_BYTES`).
     """
@@ -134,8 +148,10 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         cross_memory: bool = True,
         cross_memory_min_bytes: int = CROSS_MEMORY_MIN_BYTES,
         eager_bytes: int = EAGER_BYTES,
+        cross_memory_mode: str | None = None,
     ) -> None:
         super().__init__(rank, world_size)
+        self._cross_memory_mode = resolve_cross_memory_mode(cross_memory_mode)
         if world_size > MAX_RANKS:
             raise ValueError(
                 f"the shared-memory transport supports up to {MAX_RANKS} ranks on one host, got {world_size}"
@@ -146,18 +162,25 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         self._layout = ControlLayout(world_size)
         # per-call offsets, computed once from the declared layout (by the parity of the sequence number)
         self._eager_offsets = (self._layout.eager_area_offset(0), self._layout.eager_area_offset(1))
+        self._eager_areas: dict[tuple[int, int, np.dtype[Any]], npt.NDArray[Any]] = {}
+        self._eager_step_bound = eager_step_bound(world_size)
         self._descriptor_words = (descriptor_word(0), descriptor_word(1))
         self._descriptor_payloads = (descriptor_payload_offset(0), descriptor_payload_offset(1))
         # the last compiled program: a training loop repeats one collective, and this skips even hashing the plan
         self._last_compiled: tuple[RankPlan, bool, Program] | None = None
         self._segments = LocalSegments(self._prefix, rank)
         self._peer_segments = [PeerSegments() for _ in range(world_size)]
-        self._spin_s = SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
+        self._spin_limit_s = SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
+        self._spin_s = self._spin_limit_s
         self._pidfds: list[int] = []
         self._peer_pids: list[int] = []
         self._corrupt_next: tuple[int, int] | None = None  # (peer, step) of inject_corruption()
-        self._want_cross_memory = bool(cross_memory) and CROSS_MEMORY_SUPPORTED
+        self._want_cross_memory = bool(cross_memory) and CROSS_MEMORY_SUPPORTED and self._cross_memory_mode != "off"
         self._cross_memory_available = False  # the start-up probe: every rank can read every other
+        self._ptracer = False  # ... by naming each step's reader its ptracer first
+        self._tracer = -1
+        self._tracer_release = -1  # the read_done value the current ptracer must reach before another is named
+        self._ptracer_switches = 0
         self._cross_memory = False  # available and wanted by this rank
         self._scratch: npt.NDArray[np.uint8] | None = None
         self._agreed_seq = -1
@@ -176,6 +199,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         own_words[PROBE_ADDRESS_WORD] = own.address
         own_words[PROGRESS_WORD] = -1
         own_words[READ_DONE_WORD] = -1
+        own_words[PTRACER_WORD] = -1
         own_words[self._descriptor_words[0]] = -1
         own_words[self._descriptor_words[1]] = -1
         own_words[MAGIC_WORD] = MAGIC
@@ -233,6 +257,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             "executes_cross_memory": self._executes_cross_memory,
             "executes_staged": self._executes_staged,
             "cross_memory_available": int(self._cross_memory_available),
+            "cross_memory_ptracer": int(self._ptracer),
+            "ptracer_switches": self._ptracer_switches,
         }
 
     def inject_corruption(self, *, peer: int, step: int = 0) -> None:
@@ -262,7 +288,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         if (
             checksum
             or self._agreed_seq != seq - 1
-            or buffer.nbytes * eager_step_bound(self.world_size) > self._eager_bytes
+            or buffer.nbytes * self._eager_step_bound > self._eager_bytes
             or buffer.ndim != 1
             or not buffer.flags.c_contiguous
             or not buffer.size
@@ -283,17 +309,18 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         own = self._ctl[self.rank]
         assert own is not None
         own.mm[payload : payload + len(descriptor)] = descriptor
-        self._views[self.rank][stamp_word + 1] = len(descriptor)
+        views = self._views
+        views[self.rank][stamp_word + 1] = len(descriptor)
         self._publish(stamp_word, seq)
         self._agreed_seq = -1
         out: list[bytes] = []
-        for p in range(self.world_size):
-            if p != self.rank:
-                self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1)
-            length = self._views[p][stamp_word + 1]
-            segment = self._ctl[p]
+        for p, segment in enumerate(self._ctl):
+            if p == self.rank:
+                out.append(descriptor)
+                continue
+            self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1)
             assert segment is not None
-            out.append(bytes(segment.mm[payload : payload + length]))
+            out.append(segment.mm[payload : payload + views[p][stamp_word + 1]])  # a slice of an mmap is bytes
         # Every peer has entered collective seq, so it has finished reading our data of seq - 1 and earlier:
         # execute(seq) may reuse the eager snapshot area of seq - 2 without waiting.
         self._agreed_seq = seq
@@ -322,7 +349,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             )
         # Only right after agree(seq), which proves every peer is done with the snapshot area of the same parity.
         eager = not checksum and self._agreed_seq == seq and fits
-        work = self._choose_home(buffer, plan.count, eager=eager)
+        work, private = self._choose_home(buffer, plan, eager=eager)
         in_shm = work is buffer
         last = self._last_compiled
         if last is not None and last[0] is plan and last[1] is in_shm:
@@ -337,7 +364,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             )
         self._run_steps(
             program, plan.count, buffer, work, reduce_into, seq=seq, deadline=deadline, eager=eager,
-            prepared=prepared, checksum=checksum,
+            prepared=prepared, checksum=checksum, admit=private and self._ptracer,
         )  # fmt: skip
         self._finish(program, buffer, work, seq=seq, deadline=deadline, eager=eager)
 
@@ -361,29 +388,36 @@ class ShmTransport(PeerData, Rendezvous, Transport):
     # ----------------------------------------------------------------------------------------------------
     # One collective
     # ----------------------------------------------------------------------------------------------------
-    def _choose_home(self, buffer: npt.NDArray[Any], count: int, *, eager: bool) -> npt.NDArray[Any]:
-        """Decide where peers read this rank's data, publish it, and return the working buffer (``buffer`` unless
-        staged)."""
+    def _choose_home(self, buffer: npt.NDArray[Any], plan: RankPlan, *, eager: bool) -> tuple[npt.NDArray[Any], bool]:
+        """Decide where peers read this rank's data and publish it; return the working buffer (``buffer`` unless
+        staged) and whether that is this rank's private memory (read with ``process_vm_readv``)."""
         me = self._views[self.rank]
         work = buffer
+        private = False
         if eager:
             segment_id, offset = IN_EAGER_SNAPSHOT, 0
             self._executes_eager += 1
         elif (located := self._segments.locate(buffer)) is not None:
             segment_id, offset = located
             self._executes_shared += 1
-        elif self._cross_memory and buffer.nbytes >= self._cross_memory_min_bytes:
+        elif (
+            self._cross_memory
+            and buffer.nbytes >= self._cross_memory_min_bytes
+            and (self._cross_memory_min_bytes == 0 or huge_pages_likely(buffer))
+            and (not self._ptracer or self.plans.get(("shm-one-reader", plan), lambda: _one_reader_per_step(plan)))
+        ):
             # Peers read the user's array where it is: no staging copy in, none out.
             segment_id, offset = IN_PRIVATE_MEMORY, int(buffer.ctypes.data)
+            private = True
             self._executes_cross_memory += 1
         else:
             segment_id, staging = self._segments.staging(buffer.nbytes)
             offset = 0
-            work = staging.array(buffer.dtype, count)
+            work = staging.array(buffer.dtype, plan.count)
             self._executes_staged += 1
         me[BUFFER_SEGMENT_WORD] = segment_id
         me[BUFFER_OFFSET_WORD] = offset
-        return work
+        return work, private
 
     def _run_steps(
         self,
@@ -398,8 +432,12 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         eager: bool,
         prepared: bool,
         checksum: bool,
+        admit: bool,
     ) -> None:
-        """Every step: make its sent ranges readable, publish "at step t", receive, publish "read step t"."""
+        """Every step: make its sent ranges readable, publish "at step t", receive, publish "read step t".
+
+        ``admit``: the ptracer discipline (this rank's private memory, under Yama): name each step's reader this
+        rank's ptracer before publishing the step."""
         dtype = user.dtype
         ufunc = getattr(reduce_into, "ufunc", None)
         arrays = (user, work)
@@ -424,11 +462,14 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                     self._copy_in(st, user, work, base=base, seq=seq, deadline=deadline)
                 if checksum:
                     self._sign_sends(st, work)
-                if eager and not (prepared and st.index == 0):
-                    at = st.index * count
-                    for _, _, a, b in st.send_crcs:
-                        snapshot[at + a : at + b] = work[a:b]
-                self._publish(PROGRESS_WORD, base + st.index)
+                if not (prepared and st.index == 0):  # prepare() published the step-0 snapshot already
+                    if eager:
+                        at = st.index * count
+                        for _, _, a, b in st.send_crcs:
+                            snapshot[at + a : at + b] = work[a:b]
+                    if admit and st.readers:
+                        self._admit(st.readers[0], base + st.index + 1, deadline=deadline, seq=seq, step=st.index)
+                    self._publish(PROGRESS_WORD, base + st.index)
                 # receive (and reduce): straight out of the peer's memory
                 staged: dict[tuple[int, int], tuple[Piece, npt.NDArray[Any]]] = {}
                 for rv in st.recvs:
@@ -556,6 +597,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
     # Release
     # ----------------------------------------------------------------------------------------------------
     def _release_all(self) -> None:
+        self._release_ptracer()
+        self._eager_areas.clear()
         sleepers = getattr(self, "_sleepers", None)
         if sleepers is not None:
             sleepers.release()

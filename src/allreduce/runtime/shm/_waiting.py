@@ -3,7 +3,9 @@
 A mixin of :class:`~allreduce.runtime.shm.ShmTransport` (its methods resolve like the class's own, so the hot
 path pays no extra layer). A waiter spins briefly when every rank has a core, then yields, then blocks in
 ``futex(2)`` on the counter with a short timeout, so that N ranks on fewer cores do not starve each other; a
-publisher wakes the futex only when a peer has marked itself asleep. While waiting it watches every peer's
+publisher wakes the futex only when a peer has marked itself asleep. The spin adapts: a wait that had to block
+halves the next spin (a busy machine: spinning only takes the core from the peer being waited for), and a wait
+that a full spin would have caught restores it. While waiting it watches every peer's
 process (pidfd) and abort flag: a dead rank, a rank that closed or gave up, or the deadline end the wait with an
 error naming the culprit, the step and what was awaited.
 """
@@ -19,10 +21,13 @@ from allreduce.runtime.shm._layout import ABORTED_WORD, CLOSED_WORD, CULPRIT_WOR
 from allreduce.runtime.shm._linux import exited, futex_wait, futex_wake
 from allreduce.runtime.shm._segments import unlink_rank_files
 
-__all__ = ["POLL_S", "SPIN_S", "YIELD_S", "PeerWaiting"]
+__all__ = ["MIN_SPIN_S", "POLL_S", "SPIN_S", "YIELD_S", "PeerWaiting"]
 
 SPIN_S = 30e-6
 """A waiter busy-waits this long first when every rank has a core: a handoff then costs well under a microsecond."""
+
+MIN_SPIN_S = 1e-6
+"""A spin budget halved below this is zero (a spin shorter than a few reads of the clock catches nothing)."""
 
 YIELD_S = 300e-6
 """Then it gives the core away between checks for this long; then it blocks in futex."""
@@ -49,6 +54,9 @@ class PeerWaiting:
     _addr: list[int]
     """Every rank's control block address in this process (futex keys)."""
     _spin_s: float
+    """How long the next wait spins (adapted between 0 and ``_spin_limit_s``)."""
+    _spin_limit_s: float
+    """The longest spin: :data:`SPIN_S` when every rank has a core, else 0."""
     _pidfds: list[int]
     """The peers' pidfds, in rank order without this rank."""
 
@@ -78,7 +86,11 @@ class PeerWaiting:
         while clock() < yield_until:
             os.sched_yield()
             if view[word] >= target:
+                if clock() - start <= self._spin_limit_s:
+                    self._spin_s = self._spin_limit_s  # a full spin would have caught it
                 return
+        spin_s = self._spin_s / 2
+        self._spin_s = spin_s if spin_s >= MIN_SPIN_S else 0.0
         address = self._addr[peer] + 8 * word
         sleeper = SLEEPERS_WORD + self.rank
         while True:
