@@ -7,8 +7,8 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
