@@ -15,8 +15,10 @@ This relies on torch letting Python code implement a backend (``dist.Backend.reg
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +66,7 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
     def __init__(self, group: Any) -> None:
         super().__init__(group.rank, group.world_size)
         self._group = group
+        _LIVE_GROUPS.append(group)
 
     @property
     def allreduce_group(self) -> Any:
@@ -144,6 +147,21 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._group.close()
+        with contextlib.suppress(ValueError):
+            _LIVE_GROUPS.remove(self._group)
+
+
+_LIVE_GROUPS: list[Any] = []
+"""The allreduce groups behind this process's open ``"allreduce"`` torch process groups (for :func:`hand_over`)."""
+
+
+def hand_over(thread: threading.Thread) -> None:
+    """Let ``thread`` run the collectives of every open ``"allreduce"`` torch process group of this process (each
+    is bound to the thread that created it; see :meth:`allreduce.runtime.ProcessGroup.hand_over`). Call it on
+    every rank, from the thread that ran ``init_process_group``; the groups come back when ``thread`` ends."""
+    for group in _LIVE_GROUPS:
+        if not group.closed:
+            group.hand_over(thread)
 
 
 def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> _AllreduceBackend:
