@@ -449,14 +449,13 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         recorder = self.recorder if self.recorder.enabled else None
         injection = self.injection
         clock = time.perf_counter_ns
-        step_start = waited = 0
-        received: list[tuple[int, int, int, int]] = []
+        arrived = 0
         try:
             for st in program.steps:
                 if injection is not None:
                     injection.hold_step()
                 if recorder is not None:
-                    step_start = clock()
+                    recorder.step(seq, st.index)
                 # send: this step's sent ranges must be readable where this rank published them
                 if st.copyins:
                     self._copy_in(st, user, work, base=base, seq=seq, deadline=deadline)
@@ -474,11 +473,11 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                 staged: dict[tuple[int, int], tuple[Piece, npt.NDArray[Any]]] = {}
                 for rv in st.recvs:
                     peer = rv.peer
-                    if recorder is not None:
-                        waited = clock()
                     wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
                          what="its data for this step", step=st.index)  # fmt: skip
-                    if recorder is not None or injection is not None:
+                    if recorder is not None:
+                        recorder.arrived(peer, (rv.stop - rv.start) * dtype.itemsize)
+                    if injection is not None:
                         arrived = clock()
                     source: npt.NDArray[Any] | Remote
                     if views[peer][BUFFER_SEGMENT_WORD] == IN_EAGER_SNAPSHOT:
@@ -513,15 +512,9 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                             arrays[pc.dst][a:b] = source[a - shift : b - shift]
                     if injection is not None:
                         injection.pace(peer, (rv.stop - rv.start) * dtype.itemsize, arrived)
-                    if recorder is not None:
-                        received.append(
-                            (peer, arrived - waited, clock() - arrived, (rv.stop - rv.start) * dtype.itemsize)
-                        )
+                    if recorder is not None and len(st.recvs) > 1:
+                        recorder.moved()  # the next receive's wait starts now (a single one closes at the next step)
                 self._publish(READ_DONE_WORD, base + st.index + 1)
-                if recorder is not None:  # recorded once the peers may go on: a record never delays a handoff
-                    for peer, wait_ns, transfer_ns, size_bytes in received:
-                        recorder.transfer(seq, st.index, peer, step_start, wait_ns, transfer_ns, size_bytes)
-                    received.clear()
                 # staged receives land once the readers of this step are done with the range
                 for pc, tmp in staged.values():
                     for reader, value in pc.waits:
