@@ -1,0 +1,142 @@
+"""The fault campaign's short version: two faults of every kind, run by ``benchmarks/faults.py`` once per module.
+
+Real ranks started by hand (no launcher), real faults (SIGKILL, SIGSTOP, exits, mismatched calls, racing threads,
+strangers on every listening port, junk in the store, corrupted shared-memory control words). Each test asserts one
+property of one kind's row of the campaign's table: no hang, no silent wrong result, the culprit named, nothing
+left behind. The full campaign (1,000 faults) and what each column means: docs/faults.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+FAULTS_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "faults.py"
+SEED = 2026
+FAULTS_PER_KIND = 2
+CAMPAIGN_TIMEOUT_S = 270.0  # about a minute on 2 loaded cores; a hang inside a case is killed by the campaign
+
+KINDS = (
+    "kill",
+    "exit",
+    "exit_mid",
+    "stall",
+    "mismatch_count",
+    "mismatch_dtype",
+    "mismatch_op",
+    "mismatch_root",
+    "mismatch_algorithm",
+    "threads",
+    "port_garbage",
+    "port_oversized",
+    "port_forged",
+    "port_idle",
+    "store_junk",
+    "shm_corrupt",
+)
+
+pytestmark = pytest.mark.slow
+
+THREADS_RACE = pytest.mark.xfail(
+    strict=True,
+    reason="two threads calling collectives get silently wrong sums (every run of the 1,000-fault campaign); "
+    "the group's owner makes the group detect it and raise",
+)
+# Intermittent in the 1,000-fault campaign, so a strict xfail would fail whenever both faults happen to be handled.
+STALL_BLAME = pytest.mark.xfail(
+    strict=False,
+    reason="a stalled rank (SIGSTOP past the timeout) is named only by the ranks waiting on it directly; the others "
+    "time out naming a neighbour (40 of 63 stalls in the 1,000-fault campaign, shm and tcp)",
+)
+EXIT_DURING_CONNECT_BLAME = pytest.mark.xfail(
+    strict=False,
+    reason="tcp: a rank dying while the group connects (collective 0) makes ranks blame a neighbour that exited in "
+    "reaction ('rank K refused a connection: it has exited'), or time out (8 of 63 in the 1,000-fault campaign)",
+)
+STORE_JUNK_BLAME = pytest.mark.xfail(
+    strict=False,
+    reason="a client with the job's token writing junk into the store's group keys makes ranks fail with "
+    "UnicodeDecodeError / ValueError('invalid literal for int()') or blame a live rank (28 of 62 in the 1,000-fault "
+    "campaign); the store's owner refuses anonymous clients and validates what it reads",
+)
+SHM_CORRUPT_BLAME = pytest.mark.xfail(
+    strict=False,
+    reason="a corrupted 'aborted' word or descriptor reads as 'rank K gave up because it failed' naming different "
+    "ranks on different ranks (2 of 62 in the 1,000-fault campaign)",
+)
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("faults") / "campaign.json"
+    command = [
+        sys.executable,
+        str(FAULTS_SCRIPT),
+        "--faults",
+        str(FAULTS_PER_KIND * len(KINDS)),
+        "--seed",
+        str(SEED),
+        "--jobs",
+        "2",
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run(
+        command, check=False, capture_output=True, text=True, timeout=CAMPAIGN_TIMEOUT_S, env=dict(os.environ)
+    )
+    assert out.exists(), f"the campaign did not finish: {result.stderr[-3000:]}"
+    report = json.loads(out.read_text())
+    rows: dict[str, dict[str, Any]] = {row["kind"]: row for row in report["summary"]}
+    for case in report["cases"]:  # each failing case's problems and seed, for the assertion messages
+        rows[case["kind"]].setdefault("problems", []).extend(f"seed {case['seed']}: {p}" for p in case["problems"])
+    return rows
+
+
+def _row(campaign: dict[str, dict[str, Any]], kind: str) -> dict[str, Any]:
+    row = campaign[kind]
+    assert row["faults"] == FAULTS_PER_KIND
+    return row
+
+
+def _problems(campaign: dict[str, dict[str, Any]], kind: str) -> str:
+    return "; ".join(campaign[kind].get("problems", []))[:2000]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_fault_hangs_a_rank(campaign: dict[str, dict[str, Any]], kind: str) -> None:
+    assert _row(campaign, kind)["hangs"] == 0, _problems(campaign, kind)
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=THREADS_RACE) if k == "threads" else k for k in KINDS])
+def test_no_fault_gives_a_silent_wrong_result(campaign: dict[str, dict[str, Any]], kind: str) -> None:
+    assert _row(campaign, kind)["silent_wrong"] == 0, _problems(campaign, kind)
+
+
+_BLAME_MARKS = {
+    "threads": THREADS_RACE,
+    "stall": STALL_BLAME,
+    "exit_mid": EXIT_DURING_CONNECT_BLAME,
+    "store_junk": STORE_JUNK_BLAME,
+    "shm_corrupt": SHM_CORRUPT_BLAME,
+}
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=_BLAME_MARKS[k]) if k in _BLAME_MARKS else k for k in KINDS])
+def test_every_error_names_the_culprit(campaign: dict[str, dict[str, Any]], kind: str) -> None:
+    assert _row(campaign, kind)["culprit_named_pct"] == 100.0, _problems(campaign, kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_fault_leaves_a_process_behind(campaign: dict[str, dict[str, Any]], kind: str) -> None:
+    assert _row(campaign, kind)["leftover_processes"] == 0, _problems(campaign, kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_fault_leaves_shared_memory_behind(campaign: dict[str, dict[str, Any]], kind: str) -> None:
+    assert _row(campaign, kind)["leftover_shm_files"] == 0, _problems(campaign, kind)
