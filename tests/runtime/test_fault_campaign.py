@@ -43,11 +43,6 @@ KINDS = (
 
 pytestmark = pytest.mark.slow
 
-THREADS_RACE = pytest.mark.xfail(
-    strict=True,
-    reason="two threads calling collectives get silently wrong sums (every run of the 1,000-fault campaign); "
-    "the group's owner makes the group detect it and raise",
-)
 # Intermittent in the 1,000-fault campaign, so a strict xfail would fail whenever both faults happen to be handled.
 STALL_BLAME = pytest.mark.xfail(
     strict=False,
@@ -113,13 +108,12 @@ def test_no_fault_hangs_a_rank(campaign: dict[str, dict[str, Any]], kind: str) -
     assert _row(campaign, kind)["hangs"] == 0, _problems(campaign, kind)
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=THREADS_RACE) if k == "threads" else k for k in KINDS])
+@pytest.mark.parametrize("kind", KINDS)
 def test_no_fault_gives_a_silent_wrong_result(campaign: dict[str, dict[str, Any]], kind: str) -> None:
     assert _row(campaign, kind)["silent_wrong"] == 0, _problems(campaign, kind)
 
 
 _BLAME_MARKS = {
-    "threads": THREADS_RACE,
     "stall": STALL_BLAME,
     "exit_mid": EXIT_DURING_CONNECT_BLAME,
     "store_junk": STORE_JUNK_BLAME,
