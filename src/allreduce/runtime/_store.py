@@ -24,11 +24,12 @@ import threading
 import time
 from collections.abc import Sequence
 
-from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError
+from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError, ProtocolError
 from allreduce.runtime._store_server import (
     DEAD_PREFIX,
     GROUP_SECRET_KEY,
     KEY_SEPARATOR,
+    MAX_ANSWER_BYTES,
     MAX_VALUE_BYTES,
     NO_TIMEOUT,
     REQUEST,
@@ -81,6 +82,9 @@ hung server."""
 CLOSE_TIMEOUT_S = 5.0
 """How long a leaving client waits for the server to acknowledge its CLOSE (then leaves anyway)."""
 
+ADD_ANSWER = struct.Struct("!q")
+"""The answer to an add: the counter's new value, a signed 64-bit integer."""
+
 WAIT_FOR_RANKS_MAX_S = 30.0
 """By default, the longest the hosting rank waits in :meth:`TCPStore.close` for the other ranks to leave."""
 
@@ -126,6 +130,7 @@ class TCPStore:
         self._broken: str | None = None
         self._server: StoreServer | None = None
         self._sock: socket.socket | None = None
+        self._where = f"the store at {host}:{port}"
         if is_server:
             adopted = _adopt(listener, port) if listener is not None else None
             listen_host = str(adopted.getsockname()[0]) if adopted is not None else host
@@ -137,6 +142,7 @@ class TCPStore:
             sock = adopted if adopted is not None else _bind(host, port)
             self._server = StoreServer(sock, world_size=world_size, token=self._token, single_group=rank >= 0)
             self.port = self._server.port
+            self._where = f"the store at {host}:{self.port}"
             connect_host = _loopback_for(listen_host)
         else:
             if listener is not None:
@@ -208,6 +214,14 @@ class TCPStore:
             try:
                 self._sock.sendall(REQUEST.pack(op, timeout_ms, len(key_bytes), len(value)) + key_bytes + value)
                 status, length = RESPONSE.unpack(read_exact(self._sock, RESPONSE.size))
+                if length > MAX_ANSWER_BYTES:
+                    self._broken = f"{self._where} answered with a {length}-byte payload"
+                    raise ProtocolError(
+                        f"rank {self.rank}: {self._where} answered a request for {key!r} with a {length}-byte "
+                        f"payload (at most {MAX_ANSWER_BYTES}): it is not a store of this version, or is broken",
+                        rank=self.rank,
+                        peer=0,
+                    )
                 payload = read_exact(self._sock, length) if length else b""
             except TimeoutError as exc:
                 self._broken = "the store did not answer in time"
@@ -222,6 +236,8 @@ class TCPStore:
                     rank=self.rank,
                     peer=0,
                 ) from exc
+            except ProtocolError:
+                raise
             except BaseException:
                 self._broken = "a request was interrupted mid-way"
                 raise
@@ -240,6 +256,13 @@ class TCPStore:
         return status, payload
 
     def _raise_timeout(self, payload: bytes, timeout_s: float | None) -> None:
+        if timeout_s is None:  # the server times out only requests that carry a deadline
+            raise ProtocolError(
+                f"rank {self.rank}: {self._where} answered 'timed out' to a request without a deadline: it is not a "
+                "store of this version, or is broken",
+                rank=self.rank,
+                peer=0,
+            )
         lines = payload.decode(errors="replace").split("\n")
         missing_text, owners_text, never_text = [*lines, "", ""][:3]
         refused = [line.partition(":") for line in lines[3:]]
@@ -273,7 +296,18 @@ class TCPStore:
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 if unset) and return the new value."""
         check_key(key)
-        return int(struct.unpack("!q", self._request(Op.ADD, key, struct.pack("!q", amount))[1])[0])
+        if not isinstance(amount, int) or not -(2**63) <= amount < 2**63:
+            raise ValueError(f"add: amount for {key!r} must be an int of 64 bits, got {amount!r}")
+        status, payload = self._request(Op.ADD, key, ADD_ANSWER.pack(amount))
+        if status != Status.OK or len(payload) != ADD_ANSWER.size:
+            raise ProtocolError(
+                f"rank {self.rank}: {self._where} answered an add to {key!r} with status {status} and a "
+                f"{len(payload)}-byte payload (expected OK and {ADD_ANSWER.size} bytes): it is not a store of this "
+                "version, or is broken",
+                rank=self.rank,
+                peer=0,
+            )
+        return int(ADD_ANSWER.unpack(payload)[0])
 
     def wait(self, keys: Sequence[str], *, timeout_s: float | None = None) -> None:
         """Block until every key in ``keys`` exists."""

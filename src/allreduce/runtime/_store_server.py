@@ -40,6 +40,7 @@ __all__ = [
     "GROUP_SECRET_KEY",
     "KEY_SEPARATOR",
     "MAX_ANONYMOUS_CLIENTS",
+    "MAX_ANSWER_BYTES",
     "MAX_STORED_BYTES",
     "MAX_VALUE_BYTES",
     "NO_TIMEOUT",
@@ -74,6 +75,9 @@ MAX_KEY_BYTES = 64 * 1024
 MAX_VALUE_BYTES = 4 * 1024 * 1024
 """The largest value, in bytes. Rendezvous values are addresses and ids (tens of bytes); 4 MiB leaves room for a
 user's blob while a client cannot make the hosting rank hold much."""
+MAX_ANSWER_BYTES = MAX_VALUE_BYTES
+"""The longest answer payload, in bytes: a value, or a timeout report cut to this size. A client refuses a longer
+declared length before allocating it, so a bad server cannot make every rank allocate gigabytes."""
 MAX_STORED_BYTES = 64 * 1024 * 1024
 """The most the store holds in keys and values together, in bytes: rendezvous of a group of 4,096 ranks stores
 kilobytes per rank, so this only stops a client filling rank 0's memory."""
@@ -84,6 +88,7 @@ _MAX_REQUEST_KEY_BYTES = MAX_KEY_BYTES * 64  # a WAIT or CHECK joins many keys i
 _MAX_REQUEST_BYTES = REQUEST.size + _MAX_REQUEST_KEY_BYTES + MAX_VALUE_BYTES
 KEY_SEPARATOR = "\x00"  # joins several keys in one WAIT/CHECK request; keys may not contain it
 _RECV_BYTES = 1 << 16  # read per recv from a client
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what an ADD's counter may hold: its answer is a signed 64-bit int
 _MAX_REFUSAL_CHARS = 300  # of why a rank was refused, as a timed-out waiter is told
 
 SERVER_STOP_S = 10.0
@@ -219,11 +224,15 @@ class StoreServer:
                             self._wake_r.recv(4096)
                     else:
                         conn: _Conn = key.data
-                        if mask & selectors.EVENT_READ:
-                            self._readable(conn)
-                        if mask & selectors.EVENT_WRITE and conn in self._conns:
-                            self._flush(conn)
-                            self._parse(conn)  # requests held back until the last answer was sent
+                        try:
+                            if mask & selectors.EVENT_READ:
+                                self._readable(conn)
+                            if mask & selectors.EVENT_WRITE and conn in self._conns:
+                                self._flush(conn)
+                                self._parse(conn)  # requests held back until the last answer was sent
+                        except Exception:  # one client's request must never stop the store for every rank
+                            _log.exception("store: handling a request from %s failed; dropping that client", conn.who)
+                            self._drop(conn, died=False)
                 self._register_new()
                 self._expire_waiters()
         except Exception:  # never die silently: every client would then see rank 0 as dead
@@ -400,6 +409,10 @@ class StoreServer:
                 self._reply(conn, Status.ERROR, f"add: key {key!r} does not hold an integer".encode())
                 return
             current += amount
+            if not _INT64_MIN <= current <= _INT64_MAX:
+                message = f"add: key {key!r} would hold {current}, which does not fit in a signed 64-bit integer"
+                self._reply(conn, Status.ERROR, message.encode())
+                return
             if self._put(conn, key, str(current).encode()):
                 self._reply(conn, Status.OK, struct.pack("!q", current))
                 self._notify()
@@ -479,7 +492,8 @@ class StoreServer:
                         *(f"{r}:{why.replace(chr(10), ' ')}" for r, why in sorted(refusals.items())),
                     ]
                 )
-                self._reply(waiter.conn, Status.TIMEOUT, report.encode())
+                # Cut to what a client accepts (the keys echoed back could be longer): the report only explains.
+                self._reply(waiter.conn, Status.TIMEOUT, report.encode()[:MAX_ANSWER_BYTES])
                 waiter.conn.waiting = None
                 woken.append(waiter.conn)
             else:
