@@ -247,7 +247,8 @@ class TCPStore:
             rank_text, _, reason = payload.decode(errors="replace").partition("\n")
             dead = int(rank_text)
             raise PeerFailureError(
-                f"rank {self.rank}: rank {dead} died while waiting for {key.replace(KEY_SEPARATOR, ', ')!r}: {reason}",
+                f"rank {self.rank}: the store reports rank {dead} gone while waiting for "
+                f"{key.replace(KEY_SEPARATOR, ', ')!r}: {reason}",
                 rank=self.rank,
                 peer=dead,
             )

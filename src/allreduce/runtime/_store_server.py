@@ -132,15 +132,23 @@ class _Conn:
     sock: socket.socket
     address: str
     rank: int | None = None
+    pid: int | None = None  # verified by the handshake without a token; unknown with one
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     closing: bool = False  # the client said CLOSE: its disconnect is not a death
     waiting: _Waiter | None = None
+    # Clients refused because this one held their rank's seat, as "a client from <address>"; touched under the
+    # server's lock (by handshake threads). Then this one may not be the real rank: the report of its end says so.
+    rivals: list[str] = field(default_factory=list)
 
     @property
     def who(self) -> str:
         name = f"rank {self.rank}" if self.rank is not None else "an anonymous client"
         return f"{name} ({self.address})"
+
+    @property
+    def origin(self) -> str:
+        return f"{self.address} (pid {self.pid})" if self.pid is not None else self.address
 
 
 @dataclass(eq=False)
@@ -256,7 +264,7 @@ class StoreServer:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
-            self._to_register.append(_Conn(sock, address, hello.rank if hello.rank >= 0 else None))
+            self._to_register.append(_Conn(sock, address, hello.rank if hello.rank >= 0 else None, hello.pid))
             if hello.rank >= 0:
                 self._refusals.pop(hello.rank, None)
         self._wake()
@@ -273,6 +281,10 @@ class StoreServer:
             elif admitted is not None:
                 self._anonymous -= 1
             claimed = error.hello if isinstance(error, HandshakeRefusedError) else None
+            holder = self._ranks_live.get(claimed.rank) if claimed is not None and admitted is None else None
+            if holder is not None and isinstance(error, HandshakeRefusedError) and error.kind is Refusal.OWNER:
+                # an authenticated client claimed a rank whose seat is held
+                holder.rivals.append(f"a client from {address}")
             if not retry and claimed is not None and 0 <= claimed.rank < self._world_size:
                 # Reported when a wait for this rank times out: it tried, and was turned away (the rank it claims
                 # is unauthenticated, so this only explains, it never fails anyone).
@@ -303,7 +315,12 @@ class StoreServer:
                     # up until this one stops: have it come back rather than rejoin a finished group.
                     return RetryLater(f"rank {hello.rank} already left this store's group; the next is not up yet")
                 if hello.rank in self._ranks_live:
-                    return f"rank {hello.rank} is already connected (two processes with the same RANK?)"
+                    holder = self._ranks_live[hello.rank]
+                    held = f", from {holder.origin}" if holder is not None else " (joining now)"
+                    return (
+                        f"rank {hello.rank} is already connected{held}: two processes with the same RANK, or another "
+                        f"process took rank {hello.rank}'s seat (set ALLREDUCE_TOKEN so only this job's processes join)"
+                    )
                 self._ranks_live[hello.rank] = None
         return None
 
@@ -482,7 +499,8 @@ class StoreServer:
                 missing = [k for k in waiter.keys if k not in self._data]
                 owners = {owner for k in missing if (owner := _owner_of(k)) is not None}
                 with self._lock:
-                    refusals = {r: why for r, why in self._refusals.items() if r not in self._ranks_seen}
+                    # a rank admitted since its refusal has no entry; a seen rank's entry is a rival of its seat
+                    refusals = dict(self._refusals)
                 never = sorted(set(range(self._world_size)) - self._ranks_seen - refusals.keys())
                 report = "\n".join(
                     [
@@ -539,6 +557,16 @@ class StoreServer:
                 self._lock.notify_all()
         if died and not self._stop:
             reason = f"rank {conn.rank} disconnected from the store without close() (process died?)"
+            with self._lock:
+                rivals = list(conn.rivals)
+            if rivals:
+                reason = (
+                    f"rank {conn.rank}'s seat in the store was held by a client from {conn.origin}, which left "
+                    f"without close(); while it held the seat, {' and '.join(rivals)} claiming rank {conn.rank} "
+                    f"{'was' if len(rivals) == 1 else 'were'} refused, so the one that left may not have been the "
+                    f"real rank {conn.rank}: two processes claimed rank {conn.rank} (a duplicate RANK, or another "
+                    "process took the seat; set ALLREDUCE_TOKEN so only this job's processes join)"
+                )
             _log.warning("store: %s", reason)
             self._dead[conn.rank] = reason
             self._data[f"{DEAD_PREFIX}{conn.rank}"] = reason.encode()
