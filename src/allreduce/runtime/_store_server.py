@@ -556,7 +556,10 @@ class StoreServer:
                 del self._ranks_live[conn.rank]
                 self._lock.notify_all()
         if died and not self._stop:
-            reason = f"rank {conn.rank} disconnected from the store without close() (process died?)"
+            reason = (
+                f"rank {conn.rank} disconnected from the store without close() (process died?); its seat was held "
+                f"by a client from {conn.origin}"
+            )
             with self._lock:
                 rivals = list(conn.rivals)
             if rivals:
