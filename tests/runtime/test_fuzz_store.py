@@ -211,3 +211,15 @@ def test_an_answer_declaring_gigabytes_is_refused_without_allocating_them() -> N
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20
+
+
+@pytest.mark.parametrize("key", ["k/²", "k/١"], ids=["superscript-two", "arabic-indic-one"])
+def test_a_key_ending_in_a_non_ascii_digit_belongs_to_no_rank(key: str) -> None:
+    with TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, timeout_s=30, token=TOKEN) as own:
+        with pytest.raises(CollectiveError) as info:
+            own.get(key, timeout_s=0.2)
+        assert f"waiting for store key(s) {key};" in str(info.value)
+        assert "expected from" not in str(info.value)  # no rank owns it
+        with TCPStore("127.0.0.1", own.port, is_server=False, world_size=2, rank=1, token=TOKEN) as rank_1:
+            rank_1.set(key, b"anyone's")
+        assert _serving(own)

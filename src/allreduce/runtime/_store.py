@@ -268,7 +268,7 @@ class TCPStore:
         missing_text, owners_text, never_text = [*lines, "", ""][:3]
         refused = [line.partition(":") for line in lines[3:]]
         missing = [k for k in missing_text.split(KEY_SEPARATOR) if k]
-        owners = sorted({int(o) for o in owners_text.split(",") if o.isdigit()})
+        owners = sorted({int(o) for o in owners_text.split(",") if o.isascii() and o.isdigit()})
         never = [int(r) for r in never_text.split(",") if r]
         message = f"rank {self.rank}: timed out after {timeout_s:g} s waiting for store key(s) {', '.join(missing)}"
         if owners:

@@ -21,6 +21,7 @@ have in flight (one request: clients never pipeline, so the server reads no furt
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -29,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from allreduce.runtime.tcp import ClientHello, Listener, RetryLater
@@ -124,7 +125,7 @@ def check_key(key: str) -> None:
 def _owner_of(key: str) -> int | None:
     """By convention a key ``<prefix>/<rank>`` is set by that rank; used to name who a waiter waits for."""
     _, _, tail = key.rpartition("/")
-    return int(tail) if tail.isdigit() else None
+    return int(tail) if tail.isascii() and tail.isdigit() else None  # "²" is a digit, but no int
 
 
 @dataclass(eq=False)
@@ -231,16 +232,7 @@ class StoreServer:
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
                     else:
-                        conn: _Conn = key.data
-                        try:
-                            if mask & selectors.EVENT_READ:
-                                self._readable(conn)
-                            if mask & selectors.EVENT_WRITE and conn in self._conns:
-                                self._flush(conn)
-                                self._parse(conn)  # requests held back until the last answer was sent
-                        except Exception:  # one client's request must never stop the store for every rank
-                            _log.exception("store: handling a request from %s failed; dropping that client", conn.who)
-                            self._drop(conn, died=False)
+                        self._guarded(key.data, functools.partial(self._ready, key.data, mask))
                 self._register_new()
                 self._expire_waiters()
         except Exception:  # never die silently: every client would then see rank 0 as dead
@@ -255,6 +247,22 @@ class StoreServer:
             self._selector.close()
             self._wake_r.close()
             self._wake_w.close()
+
+    def _ready(self, conn: _Conn, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            self._readable(conn)
+        if mask & selectors.EVENT_WRITE and conn in self._conns:
+            self._flush(conn)
+            self._parse(conn)  # requests held back until the last answer was sent
+
+    def _guarded(self, conn: _Conn, action: Callable[[], None]) -> None:
+        """Run ``action`` for ``conn``; if it fails, drop that client: one client's request never stops the store
+        for every rank."""
+        try:
+            action()
+        except Exception:
+            _log.exception("store: handling a request from %s failed; dropping that client", conn.who)
+            self._drop(conn, died=False)
 
     def _next_timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._waiters if w.deadline is not None]
@@ -486,7 +494,7 @@ class StoreServer:
                 still.append(waiter)
         self._waiters = still
         for conn in woken:
-            self._parse(conn)
+            self._guarded(conn, functools.partial(self._parse, conn))
 
     def _expire_waiters(self) -> None:
         now = time.monotonic()
@@ -496,29 +504,33 @@ class StoreServer:
             if waiter.conn not in self._conns:
                 continue
             if waiter.deadline is not None and now >= waiter.deadline:
-                missing = [k for k in waiter.keys if k not in self._data]
-                owners = {owner for k in missing if (owner := _owner_of(k)) is not None}
-                with self._lock:
-                    # a rank admitted since its refusal has no entry; a seen rank's entry is a rival of its seat
-                    refusals = dict(self._refusals)
-                never = sorted(set(range(self._world_size)) - self._ranks_seen - refusals.keys())
-                report = "\n".join(
-                    [
-                        KEY_SEPARATOR.join(missing),
-                        ",".join(map(str, sorted(owners))),
-                        ",".join(map(str, never)),
-                        *(f"{r}:{why.replace(chr(10), ' ')}" for r, why in sorted(refusals.items())),
-                    ]
-                )
-                # Cut to what a client accepts (the keys echoed back could be longer): the report only explains.
-                self._reply(waiter.conn, Status.TIMEOUT, report.encode()[:MAX_ANSWER_BYTES])
-                waiter.conn.waiting = None
+                self._guarded(waiter.conn, functools.partial(self._time_out, waiter))
                 woken.append(waiter.conn)
             else:
                 still.append(waiter)
         self._waiters = still
         for conn in woken:
-            self._parse(conn)
+            self._guarded(conn, functools.partial(self._parse, conn))
+
+    def _time_out(self, waiter: _Waiter) -> None:
+        """Answer ``waiter`` "timed out", with what the server knows about the keys it still misses."""
+        missing = [k for k in waiter.keys if k not in self._data]
+        owners = {owner for k in missing if (owner := _owner_of(k)) is not None}
+        with self._lock:
+            # a rank admitted since its refusal has no entry; a seen rank's entry is a rival of its seat
+            refusals = dict(self._refusals)
+        never = sorted(set(range(self._world_size)) - self._ranks_seen - refusals.keys())
+        report = "\n".join(
+            [
+                KEY_SEPARATOR.join(missing),
+                ",".join(map(str, sorted(owners))),
+                ",".join(map(str, never)),
+                *(f"{r}:{why.replace(chr(10), ' ')}" for r, why in sorted(refusals.items())),
+            ]
+        )
+        waiter.conn.waiting = None
+        # Cut to what a client accepts (the keys echoed back could be longer): the report only explains.
+        self._reply(waiter.conn, Status.TIMEOUT, report.encode()[:MAX_ANSWER_BYTES])
 
     def _reply(self, conn: _Conn, status: int, payload: bytes) -> None:
         conn.outbuf += RESPONSE.pack(status, len(payload))
