@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allreduce.runtime import CollectiveError
+from allreduce.runtime import CollectiveError, ProtocolError
 from allreduce.runtime._peercred import loopback_peer
 from allreduce.runtime._store import TCPStore
 from allreduce.runtime.tcp import ClientHello, connect_handshake, read_exact
@@ -29,6 +29,7 @@ WORLD_SIZE = 64
 REQUEST = struct.Struct("!BIII")  # op, timeout ms, key length, value length (as a client writes it)
 RESPONSE = struct.Struct("!BI")  # status, payload length
 OP_ADD, OP_CLOSE = 3, 7
+STATUS_ERROR = 4
 SOCKET_TIMEOUT_S = 10.0  # a live server answers in milliseconds; this only turns a hang into a failure
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -188,8 +189,25 @@ answers = st.builds(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(answers, st.integers(0, 3))
 def test_the_client_raises_only_its_documented_errors_on_any_answer(answer: bytes, call: int) -> None:
-    with contextlib.suppress(CollectiveError, ValueError):
+    try:
         _call_with_answer(answer, call)
+    except CollectiveError:
+        pass
+    except ValueError as exc:
+        if answer[0] != STATUS_ERROR or not str(exc).startswith("store: "):
+            raise  # only the server's own error answer is a ValueError
+
+
+@pytest.mark.parametrize("status", [1, 5, 255], ids=["missing", "unknown-5", "unknown-255"])
+def test_a_get_answered_with_another_status_than_ok_raises_a_protocol_error(status: int) -> None:
+    with pytest.raises(ProtocolError, match=rf"the store at 127.0.0.1:\d+ answered .*'k' with status {status}:"):
+        _call_with_answer(RESPONSE.pack(status, 5) + b"value", call=0)
+
+
+@pytest.mark.parametrize("payload", [b"\xd9\xa1\nreason", b"x\nreason", b"9" * 5000 + b"\nreason"])
+def test_a_dead_rank_answer_that_names_no_rank_raises_a_protocol_error(payload: bytes) -> None:
+    with pytest.raises(ProtocolError, match="answered a request for 'k' with a dead rank"):
+        _call_with_answer(RESPONSE.pack(3, len(payload)) + payload, call=0)
 
 
 def test_a_timeout_answer_to_add_raises_a_collective_error() -> None:

@@ -245,6 +245,8 @@ class TCPStore:
             raise ValueError(f"store: {payload.decode(errors='replace')}")
         if status == Status.DEAD_RANK:
             rank_text, _, reason = payload.decode(errors="replace").partition("\n")
+            if not _is_number(rank_text):
+                raise self._bad_answer(f"a request for {key!r}", f"a dead rank {rank_text[:40]!r}")
             dead = int(rank_text)
             raise PeerFailureError(
                 f"rank {self.rank}: the store reports rank {dead} gone while waiting for "
@@ -254,22 +256,27 @@ class TCPStore:
             )
         if status == Status.TIMEOUT:
             self._raise_timeout(payload, timeout_s)
+        if status not in (Status.OK, Status.MISSING):
+            raise self._bad_answer(f"a request for {key!r}", f"status {status}")
         return status, payload
+
+    def _bad_answer(self, request: str, answer: str) -> ProtocolError:
+        return ProtocolError(
+            f"rank {self.rank}: {self._where} answered {request} with {answer}: it is not a store of this version, "
+            "or is broken",
+            rank=self.rank,
+            peer=0,
+        )
 
     def _raise_timeout(self, payload: bytes, timeout_s: float | None) -> None:
         if timeout_s is None:  # the server times out only requests that carry a deadline
-            raise ProtocolError(
-                f"rank {self.rank}: {self._where} answered 'timed out' to a request without a deadline: it is not a "
-                "store of this version, or is broken",
-                rank=self.rank,
-                peer=0,
-            )
+            raise self._bad_answer("a request without a deadline", "'timed out'")
         lines = payload.decode(errors="replace").split("\n")
         missing_text, owners_text, never_text = [*lines, "", ""][:3]
-        refused = [line.partition(":") for line in lines[3:]]
+        refused = [line.partition(":") for line in lines[3:] if _is_number(line.partition(":")[0])]
         missing = [k for k in missing_text.split(KEY_SEPARATOR) if k]
-        owners = sorted({int(o) for o in owners_text.split(",") if o.isascii() and o.isdigit()})
-        never = [int(r) for r in never_text.split(",") if r]
+        owners = sorted({int(o) for o in owners_text.split(",") if _is_number(o)})
+        never = [int(r) for r in never_text.split(",") if _is_number(r)]
         message = f"rank {self.rank}: timed out after {timeout_s:g} s waiting for store key(s) {', '.join(missing)}"
         if owners:
             message += f" (expected from rank{'s' if len(owners) > 1 else ''} {', '.join(map(str, owners))})"
@@ -292,7 +299,10 @@ class TCPStore:
     def get(self, key: str, *, timeout_s: float | None = None) -> bytes:
         """The value of ``key``, waiting until some client sets it (``timeout_s`` defaults to the store's)."""
         check_key(key)
-        return self._request(Op.GET, key, timeout_s=self.timeout_s if timeout_s is None else timeout_s)[1]
+        status, value = self._request(Op.GET, key, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+        if status != Status.OK:
+            raise self._bad_answer(f"a get of {key!r}", f"status {status}")
+        return value
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 if unset) and return the new value."""
@@ -301,13 +311,8 @@ class TCPStore:
             raise ValueError(f"add: amount for {key!r} must be an int of 64 bits, got {amount!r}")
         status, payload = self._request(Op.ADD, key, ADD_ANSWER.pack(amount))
         if status != Status.OK or len(payload) != ADD_ANSWER.size:
-            raise ProtocolError(
-                f"rank {self.rank}: {self._where} answered an add to {key!r} with status {status} and a "
-                f"{len(payload)}-byte payload (expected OK and {ADD_ANSWER.size} bytes): it is not a store of this "
-                "version, or is broken",
-                rank=self.rank,
-                peer=0,
-            )
+            answer = f"status {status} and a {len(payload)}-byte payload (expected OK and {ADD_ANSWER.size} bytes)"
+            raise self._bad_answer(f"an add to {key!r}", answer)
         return int(ADD_ANSWER.unpack(payload)[0])
 
     def wait(self, keys: Sequence[str], *, timeout_s: float | None = None) -> None:
@@ -338,8 +343,10 @@ class TCPStore:
 
     def dead_ranks(self) -> list[int]:
         """Ranks whose store connection dropped without ``close()``."""
-        payload = self._request(Op.DEAD, "__dead__")[1].decode()
-        return [int(r) for r in payload.split(",") if r]
+        ranks = self._request(Op.DEAD, "__dead__")[1].decode(errors="replace").split(",")
+        if not all(_is_number(r) for r in ranks if r):
+            raise self._bad_answer("a request for the dead ranks", f"{','.join(ranks)[:80]!r}")
+        return [int(r) for r in ranks if r]
 
     def close(self, *, wait_for_ranks_s: float | None = None) -> None:
         """Leave the store (a clean exit, not a death); with ``is_server`` also stop the server.
@@ -369,6 +376,14 @@ class TCPStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_MAX_RANK_DIGITS = 10  # a rank is below 2**32 (the handshake's field), so at most 10 decimal digits
+
+
+def _is_number(text: str) -> bool:
+    """Whether ``text`` is a rank as the server writes it (ASCII digits; ``int`` takes more, such as "١")."""
+    return 0 < len(text) <= _MAX_RANK_DIGITS and text.isascii() and text.isdigit()
 
 
 def _bind(host: str, port: int) -> socket.socket:
