@@ -90,6 +90,7 @@ _MAX_REQUEST_BYTES = REQUEST.size + _MAX_REQUEST_KEY_BYTES + MAX_VALUE_BYTES
 KEY_SEPARATOR = "\x00"  # joins several keys in one WAIT/CHECK request; keys may not contain it
 _RECV_BYTES = 1 << 16  # read per recv from a client
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what an ADD's counter may hold: its answer is a signed 64-bit int
+_MAX_RIVALS_LISTED = 3  # clients refused a held seat, named in its holder's death report (a bound: they may retry)
 _MAX_REFUSAL_CHARS = 300  # of why a rank was refused, as a timed-out waiter is told
 
 SERVER_STOP_S = 10.0
@@ -271,10 +272,12 @@ class StoreServer:
     def _accepted(self, sock: socket.socket, hello: ClientHello, address: str) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Conn(sock, address, hello.rank if hello.rank >= 0 else None, hello.pid)
         with self._lock:
-            self._to_register.append(_Conn(sock, address, hello.rank if hello.rank >= 0 else None, hello.pid))
-            if hello.rank >= 0:
-                self._refusals.pop(hello.rank, None)
+            self._to_register.append(conn)
+            if conn.rank is not None:
+                self._ranks_live[conn.rank] = conn  # the seat's holder from now on, as a rival would be told
+                self._refusals.pop(conn.rank, None)
         self._wake()
 
     def _refused(self, address: str, error: BaseException, admitted: ClientHello | None) -> None:
@@ -290,8 +293,9 @@ class StoreServer:
                 self._anonymous -= 1
             claimed = error.hello if isinstance(error, HandshakeRefusedError) else None
             holder = self._ranks_live.get(claimed.rank) if claimed is not None and admitted is None else None
-            if holder is not None and isinstance(error, HandshakeRefusedError) and error.kind is Refusal.OWNER:
-                # an authenticated client claimed a rank whose seat is held
+            # an authenticated client claimed a rank whose seat is held
+            rival = isinstance(error, HandshakeRefusedError) and error.kind is Refusal.OWNER
+            if holder is not None and rival and len(holder.rivals) < _MAX_RIVALS_LISTED:
                 holder.rivals.append(f"a client from {address}")
             if not retry and claimed is not None and 0 <= claimed.rank < self._world_size:
                 # Reported when a wait for this rank times out: it tried, and was turned away (the rank it claims
@@ -335,9 +339,6 @@ class StoreServer:
     def _register_new(self) -> None:
         with self._lock:
             new, self._to_register = self._to_register, []
-            for conn in new:
-                if conn.rank is not None:
-                    self._ranks_live[conn.rank] = conn
         for conn in new:
             self._conns.add(conn)
             if conn.rank is not None:
