@@ -241,3 +241,10 @@ def test_a_key_ending_in_a_non_ascii_digit_belongs_to_no_rank(key: str) -> None:
         with TCPStore("127.0.0.1", own.port, is_server=False, world_size=2, rank=1, token=TOKEN) as rank_1:
             rank_1.set(key, b"anyone's")
         assert _serving(own)
+
+
+@pytest.mark.parametrize("amount", [2**63, -(2**63) - 1])
+def test_an_add_amount_beyond_int64_is_refused_by_the_client(store: TCPStore, amount: int) -> None:
+    with pytest.raises(ValueError, match=r"add: the amount for 'c' must fit in a signed 64-bit integer"):
+        store.add("c", amount)
+    assert _serving(store)

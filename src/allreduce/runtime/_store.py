@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import socket
 import struct
 import threading
@@ -307,8 +308,9 @@ class TCPStore:
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 if unset) and return the new value."""
         check_key(key)
-        if not isinstance(amount, int) or not -(2**63) <= amount < 2**63:
-            raise ValueError(f"add: amount for {key!r} must be an int of 64 bits, got {amount!r}")
+        amount = operator.index(amount)
+        if not -(2**63) <= amount < 2**63:
+            raise ValueError(f"add: the amount for {key!r} must fit in a signed 64-bit integer, got {amount}")
         status, payload = self._request(Op.ADD, key, ADD_ANSWER.pack(amount))
         if status != Status.OK or len(payload) != ADD_ANSWER.size:
             answer = f"status {status} and a {len(payload)}-byte payload (expected OK and {ADD_ANSWER.size} bytes)"
