@@ -18,16 +18,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allreduce.runtime import CollectiveError
+from allreduce.runtime import CollectiveError, ProtocolError
+from allreduce.runtime._peercred import loopback_peer
 from allreduce.runtime._store import TCPStore
-from allreduce.runtime.tcp import ClientHello, connect_handshake
-from allreduce.runtime.tcp._handshake import accept_handshake
+from allreduce.runtime.tcp import ClientHello, connect_handshake, read_exact
+from allreduce.runtime.tcp._handshake import AcceptHandshake
 
 TOKEN = b"fuzz-token"
 WORLD_SIZE = 64
 REQUEST = struct.Struct("!BIII")  # op, timeout ms, key length, value length (as a client writes it)
 RESPONSE = struct.Struct("!BI")  # status, payload length
 OP_ADD, OP_CLOSE = 3, 7
+STATUS_ERROR = 4
 SOCKET_TIMEOUT_S = 10.0  # a live server answers in milliseconds; this only turns a hang into a failure
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -118,11 +120,6 @@ def test_add_answers_with_the_sum(store: TCPStore, first: int, second: int) -> N
     assert answers == [(0, struct.pack("!q", first)), (0, struct.pack("!q", first + second))]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="store server: an ADD that overflows int64 raises struct.error in the server loop, which stops the store "
-    "for every rank (found by benchmarks/fuzz.py; the store's owner fixes it)",
-)
 def test_an_overflowing_add_is_refused_and_the_server_lives_on() -> None:
     own = TCPStore("127.0.0.1", 0, is_server=True, world_size=WORLD_SIZE, rank=0, timeout_s=30, token=TOKEN)
     try:
@@ -152,7 +149,9 @@ class FakeStore:
         conn, _ = self._listener.accept()
         with conn, contextlib.suppress(OSError, EOFError, CollectiveError):
             conn.settimeout(SOCKET_TIMEOUT_S)
-            accept_handshake(conn, b"store", None, lambda hello: None)
+            handshake = AcceptHandshake(b"store", None, lambda hello: None, lambda: loopback_peer(conn))
+            conn.sendall(handshake.greeting)
+            conn.sendall(handshake.answer(read_exact(conn, handshake.hello_size))[0])
             conn.recv(1 << 16)
             conn.sendall(self.answer)
             conn.settimeout(0.2)  # then: acknowledge a CLOSE, or hang up on a client waiting for more
@@ -192,41 +191,35 @@ answers = st.builds(
 def test_the_client_raises_only_its_documented_errors_on_any_answer(answer: bytes, call: int) -> None:
     try:
         _call_with_answer(answer, call)
-    except (CollectiveError, ValueError):
+    except CollectiveError:
         pass
-    except TypeError as exc:  # a known case, tested below; any other TypeError is a new finding
-        if "NoneType.__format__" not in str(exc):
-            raise
-    except struct.error as exc:  # a known case, tested below
-        if call != 1 or "unpack requires a buffer of 8 bytes" not in str(exc):
-            raise
+    except ValueError as exc:
+        if answer[0] != STATUS_ERROR or not str(exc).startswith("store: "):
+            raise  # only the server's own error answer is a ValueError
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="store client: a TIMEOUT answer to a request without a timeout (add, set, check) formats None with "
-    ":g and raises TypeError (found by benchmarks/fuzz.py; the store's owner fixes it)",
-)
+@pytest.mark.parametrize("status", [1, 5, 255], ids=["missing", "unknown-5", "unknown-255"])
+def test_a_get_answered_with_another_status_than_ok_raises_a_protocol_error(status: int) -> None:
+    with pytest.raises(ProtocolError, match=rf"the store at 127.0.0.1:\d+ answered .*'k' with status {status}:"):
+        _call_with_answer(RESPONSE.pack(status, 5) + b"value", call=0)
+
+
+@pytest.mark.parametrize("payload", [b"\xd9\xa1\nreason", b"x\nreason", b"9" * 5000 + b"\nreason"])
+def test_a_dead_rank_answer_that_names_no_rank_raises_a_protocol_error(payload: bytes) -> None:
+    with pytest.raises(ProtocolError, match="answered a request for 'k' with a dead rank"):
+        _call_with_answer(RESPONSE.pack(3, len(payload)) + payload, call=0)
+
+
 def test_a_timeout_answer_to_add_raises_a_collective_error() -> None:
     with pytest.raises(CollectiveError):
         _call_with_answer(RESPONSE.pack(2, 0), call=1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="store client: add() unpacks the answer's payload as an int64 without checking its length, so a short "
-    "answer raises struct.error (found by benchmarks/fuzz.py; the store's owner fixes it)",
-)
 def test_a_short_answer_to_add_raises_a_collective_error() -> None:
     with pytest.raises(CollectiveError):
         _call_with_answer(RESPONSE.pack(0, 3) + b"abc", call=1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="store client: it allocates the answer's declared length (up to 4 GiB) before reading it, so a bad "
-    "server makes every rank allocate gigabytes (found by benchmarks/fuzz.py; the store's owner fixes it)",
-)
 def test_an_answer_declaring_gigabytes_is_refused_without_allocating_them() -> None:
     tracemalloc.start()
     try:
@@ -236,3 +229,22 @@ def test_an_answer_declaring_gigabytes_is_refused_without_allocating_them() -> N
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20
+
+
+@pytest.mark.parametrize("key", ["k/²", "k/١"], ids=["superscript-two", "arabic-indic-one"])
+def test_a_key_ending_in_a_non_ascii_digit_belongs_to_no_rank(key: str) -> None:
+    with TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, timeout_s=30, token=TOKEN) as own:
+        with pytest.raises(CollectiveError) as info:
+            own.get(key, timeout_s=0.2)
+        assert f"waiting for store key(s) {key};" in str(info.value)
+        assert "expected from" not in str(info.value)  # no rank owns it
+        with TCPStore("127.0.0.1", own.port, is_server=False, world_size=2, rank=1, token=TOKEN) as rank_1:
+            rank_1.set(key, b"anyone's")
+        assert _serving(own)
+
+
+@pytest.mark.parametrize("amount", [2**63, -(2**63) - 1])
+def test_an_add_amount_beyond_int64_is_refused_by_the_client(store: TCPStore, amount: int) -> None:
+    with pytest.raises(ValueError, match=r"add: the amount for 'c' must fit in a signed 64-bit integer"):
+        store.add("c", amount)
+    assert _serving(store)

@@ -6,6 +6,7 @@ import datetime
 import errno
 import itertools
 import os
+import re
 import socket
 import uuid
 import weakref
@@ -68,6 +69,38 @@ def _env_int(names: tuple[str, ...], what: str) -> int | None:
             except ValueError:
                 raise ValueError(f"{what}: environment variable {name}={value!r} is not an integer") from None
     return None
+
+
+_JOB_ID = re.compile(r"[0-9a-f]{32}")
+"""What rank 0 publishes as ``allreduce/job``: ``uuid4().hex``."""
+_HOST_ID = re.compile(r"[^/\s]{1,255}/[0-9a-f-]{0,36}/[0-9]{0,20}")
+"""What :func:`_host_id` publishes: a hostname (at most 255 characters, no slash), the boot id, the netns inode."""
+_PORT = re.compile(r"[0-9]{1,5}")
+"""What rank 0 publishes in the job's own store under torchrun: the port of allreduce's store, in decimal."""
+_SHOWN_VALUE_BYTES = 40  # of a malformed value, in an error message
+
+
+def _read_checked(store: Any, key: str, pattern: re.Pattern[str], what: str, rank: int) -> str:
+    """The value of ``key`` in ``store``, which must match ``pattern``; else a ProtocolError naming the key and
+    the store (another process writing to the job's store is the likely cause)."""
+    raw = bytes(store.get(key))
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and pattern.fullmatch(text):
+        return text
+    shown = repr(raw[:_SHOWN_VALUE_BYTES]) + ("..." if len(raw) > _SHOWN_VALUE_BYTES else "")
+    where = (
+        f"the rendezvous store at {store.host}:{store.port}"
+        if hasattr(store, "host") and hasattr(store, "port")
+        else f"the job's rendezvous store ({type(store).__name__})"
+    )
+    raise ProtocolError(
+        f"rank {rank}: {where} holds {key!r} = {shown}, which is not {what}; another process "
+        "may be writing to this job's store: set ALLREDUCE_TOKEN to a secret of this job's own",
+        rank=rank,
+    )
 
 
 def _host_id() -> str:
@@ -155,16 +188,19 @@ def init(
             store = TCPStore(host, 0, is_server=True, world_size=world_size, rank=0, timeout_s=timeout_s, token=token)
             agent.set(key, str(store.port))
         else:
-            agent_port = int(agent.get(key))
+            agent_port = int(_read_checked(agent, key, _PORT, "a TCP port", rank))
             store = TCPStore(
                 host, agent_port, is_server=False, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
             )
     try:
         if rank == 0:
             store.set("allreduce/job", uuid.uuid4().hex.encode())
-        job = store.get("allreduce/job").decode()
+        job = _read_checked(store, "allreduce/job", _JOB_ID, "a job id (32 hex digits)", rank)
         store.set(f"allreduce/host/{rank}", _host_id().encode())
-        hosts = [store.get(f"allreduce/host/{r}").decode() for r in range(world_size)]
+        hosts = [
+            _read_checked(store, f"allreduce/host/{r}", _HOST_ID, "a host id (hostname/boot id/netns)", rank)
+            for r in range(world_size)
+        ]
         same_host = len(set(hosts)) == 1
         if transport == "auto":
             transport = "shm" if same_host else "tcp"

@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import socket
 import struct
 import threading
 import time
 from collections.abc import Sequence
 
-from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError
+from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError, ProtocolError
 from allreduce.runtime._store_server import (
     DEAD_PREFIX,
     GROUP_SECRET_KEY,
     KEY_SEPARATOR,
+    MAX_ANSWER_BYTES,
     MAX_VALUE_BYTES,
     NO_TIMEOUT,
     REQUEST,
@@ -81,6 +83,9 @@ hung server."""
 CLOSE_TIMEOUT_S = 5.0
 """How long a leaving client waits for the server to acknowledge its CLOSE (then leaves anyway)."""
 
+ADD_ANSWER = struct.Struct("!q")
+"""The answer to an add: the counter's new value, a signed 64-bit integer."""
+
 WAIT_FOR_RANKS_MAX_S = 30.0
 """By default, the longest the hosting rank waits in :meth:`TCPStore.close` for the other ranks to leave."""
 
@@ -126,6 +131,7 @@ class TCPStore:
         self._broken: str | None = None
         self._server: StoreServer | None = None
         self._sock: socket.socket | None = None
+        self._where = f"the store at {host}:{port}"
         if is_server:
             adopted = _adopt(listener, port) if listener is not None else None
             listen_host = str(adopted.getsockname()[0]) if adopted is not None else host
@@ -137,6 +143,7 @@ class TCPStore:
             sock = adopted if adopted is not None else _bind(host, port)
             self._server = StoreServer(sock, world_size=world_size, token=self._token, single_group=rank >= 0)
             self.port = self._server.port
+            self._where = f"the store at {host}:{self.port}"
             connect_host = _loopback_for(listen_host)
         else:
             if listener is not None:
@@ -208,6 +215,14 @@ class TCPStore:
             try:
                 self._sock.sendall(REQUEST.pack(op, timeout_ms, len(key_bytes), len(value)) + key_bytes + value)
                 status, length = RESPONSE.unpack(read_exact(self._sock, RESPONSE.size))
+                if length > MAX_ANSWER_BYTES:
+                    self._broken = f"{self._where} answered with a {length}-byte payload"
+                    raise ProtocolError(
+                        f"rank {self.rank}: {self._where} answered a request for {key!r} with a {length}-byte "
+                        f"payload (at most {MAX_ANSWER_BYTES}): it is not a store of this version, or is broken",
+                        rank=self.rank,
+                        peer=0,
+                    )
                 payload = read_exact(self._sock, length) if length else b""
             except TimeoutError as exc:
                 self._broken = "the store did not answer in time"
@@ -222,6 +237,8 @@ class TCPStore:
                     rank=self.rank,
                     peer=0,
                 ) from exc
+            except ProtocolError:
+                raise
             except BaseException:
                 self._broken = "a request was interrupted mid-way"
                 raise
@@ -229,23 +246,38 @@ class TCPStore:
             raise ValueError(f"store: {payload.decode(errors='replace')}")
         if status == Status.DEAD_RANK:
             rank_text, _, reason = payload.decode(errors="replace").partition("\n")
+            if not _is_number(rank_text):
+                raise self._bad_answer(f"a request for {key!r}", f"a dead rank {rank_text[:40]!r}")
             dead = int(rank_text)
             raise PeerFailureError(
-                f"rank {self.rank}: rank {dead} died while waiting for {key.replace(KEY_SEPARATOR, ', ')!r}: {reason}",
+                f"rank {self.rank}: the store reports rank {dead} gone while waiting for "
+                f"{key.replace(KEY_SEPARATOR, ', ')!r}: {reason}",
                 rank=self.rank,
                 peer=dead,
             )
         if status == Status.TIMEOUT:
             self._raise_timeout(payload, timeout_s)
+        if status not in (Status.OK, Status.MISSING):
+            raise self._bad_answer(f"a request for {key!r}", f"status {status}")
         return status, payload
 
+    def _bad_answer(self, request: str, answer: str) -> ProtocolError:
+        return ProtocolError(
+            f"rank {self.rank}: {self._where} answered {request} with {answer}: it is not a store of this version, "
+            "or is broken",
+            rank=self.rank,
+            peer=0,
+        )
+
     def _raise_timeout(self, payload: bytes, timeout_s: float | None) -> None:
+        if timeout_s is None:  # the server times out only requests that carry a deadline
+            raise self._bad_answer("a request without a deadline", "'timed out'")
         lines = payload.decode(errors="replace").split("\n")
         missing_text, owners_text, never_text = [*lines, "", ""][:3]
-        refused = [line.partition(":") for line in lines[3:]]
+        refused = [line.partition(":") for line in lines[3:] if _is_number(line.partition(":")[0])]
         missing = [k for k in missing_text.split(KEY_SEPARATOR) if k]
-        owners = sorted({int(o) for o in owners_text.split(",") if o.isdigit()})
-        never = [int(r) for r in never_text.split(",") if r]
+        owners = sorted({int(o) for o in owners_text.split(",") if _is_number(o)})
+        never = [int(r) for r in never_text.split(",") if _is_number(r)]
         message = f"rank {self.rank}: timed out after {timeout_s:g} s waiting for store key(s) {', '.join(missing)}"
         if owners:
             message += f" (expected from rank{'s' if len(owners) > 1 else ''} {', '.join(map(str, owners))})"
@@ -268,12 +300,22 @@ class TCPStore:
     def get(self, key: str, *, timeout_s: float | None = None) -> bytes:
         """The value of ``key``, waiting until some client sets it (``timeout_s`` defaults to the store's)."""
         check_key(key)
-        return self._request(Op.GET, key, timeout_s=self.timeout_s if timeout_s is None else timeout_s)[1]
+        status, value = self._request(Op.GET, key, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+        if status != Status.OK:
+            raise self._bad_answer(f"a get of {key!r}", f"status {status}")
+        return value
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 if unset) and return the new value."""
         check_key(key)
-        return int(struct.unpack("!q", self._request(Op.ADD, key, struct.pack("!q", amount))[1])[0])
+        amount = operator.index(amount)
+        if not -(2**63) <= amount < 2**63:
+            raise ValueError(f"add: the amount for {key!r} must fit in a signed 64-bit integer, got {amount}")
+        status, payload = self._request(Op.ADD, key, ADD_ANSWER.pack(amount))
+        if status != Status.OK or len(payload) != ADD_ANSWER.size:
+            answer = f"status {status} and a {len(payload)}-byte payload (expected OK and {ADD_ANSWER.size} bytes)"
+            raise self._bad_answer(f"an add to {key!r}", answer)
+        return int(ADD_ANSWER.unpack(payload)[0])
 
     def wait(self, keys: Sequence[str], *, timeout_s: float | None = None) -> None:
         """Block until every key in ``keys`` exists."""
@@ -303,8 +345,10 @@ class TCPStore:
 
     def dead_ranks(self) -> list[int]:
         """Ranks whose store connection dropped without ``close()``."""
-        payload = self._request(Op.DEAD, "__dead__")[1].decode()
-        return [int(r) for r in payload.split(",") if r]
+        ranks = self._request(Op.DEAD, "__dead__")[1].decode(errors="replace").split(",")
+        if not all(_is_number(r) for r in ranks if r):
+            raise self._bad_answer("a request for the dead ranks", f"{','.join(ranks)[:80]!r}")
+        return [int(r) for r in ranks if r]
 
     def close(self, *, wait_for_ranks_s: float | None = None) -> None:
         """Leave the store (a clean exit, not a death); with ``is_server`` also stop the server.
@@ -334,6 +378,14 @@ class TCPStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_MAX_RANK_DIGITS = 10  # a rank is below 2**32 (the handshake's field), so at most 10 decimal digits
+
+
+def _is_number(text: str) -> bool:
+    """Whether ``text`` is a rank as the server writes it (ASCII digits; ``int`` takes more, such as "١")."""
+    return 0 < len(text) <= _MAX_RANK_DIGITS and text.isascii() and text.isdigit()
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -21,6 +21,7 @@ have in flight (one request: clients never pipeline, so the server reads no furt
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -29,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from allreduce.runtime.tcp import ClientHello, Listener, RetryLater
@@ -40,6 +41,7 @@ __all__ = [
     "GROUP_SECRET_KEY",
     "KEY_SEPARATOR",
     "MAX_ANONYMOUS_CLIENTS",
+    "MAX_ANSWER_BYTES",
     "MAX_STORED_BYTES",
     "MAX_VALUE_BYTES",
     "NO_TIMEOUT",
@@ -74,6 +76,9 @@ MAX_KEY_BYTES = 64 * 1024
 MAX_VALUE_BYTES = 4 * 1024 * 1024
 """The largest value, in bytes. Rendezvous values are addresses and ids (tens of bytes); 4 MiB leaves room for a
 user's blob while a client cannot make the hosting rank hold much."""
+MAX_ANSWER_BYTES = MAX_VALUE_BYTES
+"""The longest answer payload, in bytes: a value, or a timeout report cut to this size. A client refuses a longer
+declared length before allocating it, so a bad server cannot make every rank allocate gigabytes."""
 MAX_STORED_BYTES = 64 * 1024 * 1024
 """The most the store holds in keys and values together, in bytes: rendezvous of a group of 4,096 ranks stores
 kilobytes per rank, so this only stops a client filling rank 0's memory."""
@@ -84,6 +89,8 @@ _MAX_REQUEST_KEY_BYTES = MAX_KEY_BYTES * 64  # a WAIT or CHECK joins many keys i
 _MAX_REQUEST_BYTES = REQUEST.size + _MAX_REQUEST_KEY_BYTES + MAX_VALUE_BYTES
 KEY_SEPARATOR = "\x00"  # joins several keys in one WAIT/CHECK request; keys may not contain it
 _RECV_BYTES = 1 << 16  # read per recv from a client
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what an ADD's counter may hold: its answer is a signed 64-bit int
+_MAX_RIVALS_LISTED = 3  # clients refused a held seat, named in its holder's death report (a bound: they may retry)
 _MAX_REFUSAL_CHARS = 300  # of why a rank was refused, as a timed-out waiter is told
 
 SERVER_STOP_S = 10.0
@@ -119,7 +126,7 @@ def check_key(key: str) -> None:
 def _owner_of(key: str) -> int | None:
     """By convention a key ``<prefix>/<rank>`` is set by that rank; used to name who a waiter waits for."""
     _, _, tail = key.rpartition("/")
-    return int(tail) if tail.isdigit() else None
+    return int(tail) if tail.isascii() and tail.isdigit() else None  # "²" is a digit, but no int
 
 
 @dataclass(eq=False)
@@ -127,15 +134,23 @@ class _Conn:
     sock: socket.socket
     address: str
     rank: int | None = None
+    pid: int | None = None  # verified by the handshake without a token; unknown with one
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     closing: bool = False  # the client said CLOSE: its disconnect is not a death
     waiting: _Waiter | None = None
+    # Clients refused because this one held their rank's seat, as "a client from <address>"; touched under the
+    # server's lock (by handshake threads). Then this one may not be the real rank: the report of its end says so.
+    rivals: list[str] = field(default_factory=list)
 
     @property
     def who(self) -> str:
         name = f"rank {self.rank}" if self.rank is not None else "an anonymous client"
         return f"{name} ({self.address})"
+
+    @property
+    def origin(self) -> str:
+        return f"{self.address} (pid {self.pid})" if self.pid is not None else self.address
 
 
 @dataclass(eq=False)
@@ -218,12 +233,7 @@ class StoreServer:
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
                     else:
-                        conn: _Conn = key.data
-                        if mask & selectors.EVENT_READ:
-                            self._readable(conn)
-                        if mask & selectors.EVENT_WRITE and conn in self._conns:
-                            self._flush(conn)
-                            self._parse(conn)  # requests held back until the last answer was sent
+                        self._guarded(key.data, functools.partial(self._ready, key.data, mask))
                 self._register_new()
                 self._expire_waiters()
         except Exception:  # never die silently: every client would then see rank 0 as dead
@@ -239,6 +249,22 @@ class StoreServer:
             self._wake_r.close()
             self._wake_w.close()
 
+    def _ready(self, conn: _Conn, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            self._readable(conn)
+        if mask & selectors.EVENT_WRITE and conn in self._conns:
+            self._flush(conn)
+            self._parse(conn)  # requests held back until the last answer was sent
+
+    def _guarded(self, conn: _Conn, action: Callable[[], None]) -> None:
+        """Run ``action`` for ``conn``; if it fails, drop that client: one client's request never stops the store
+        for every rank."""
+        try:
+            action()
+        except Exception:
+            _log.exception("store: handling a request from %s failed; dropping that client", conn.who)
+            self._drop(conn, died=False)
+
     def _next_timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._waiters if w.deadline is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
@@ -246,10 +272,12 @@ class StoreServer:
     def _accepted(self, sock: socket.socket, hello: ClientHello, address: str) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Conn(sock, address, hello.rank if hello.rank >= 0 else None, hello.pid)
         with self._lock:
-            self._to_register.append(_Conn(sock, address, hello.rank if hello.rank >= 0 else None))
-            if hello.rank >= 0:
-                self._refusals.pop(hello.rank, None)
+            self._to_register.append(conn)
+            if conn.rank is not None:
+                self._ranks_live[conn.rank] = conn  # the seat's holder from now on, as a rival would be told
+                self._refusals.pop(conn.rank, None)
         self._wake()
 
     def _refused(self, address: str, error: BaseException, admitted: ClientHello | None) -> None:
@@ -264,6 +292,11 @@ class StoreServer:
             elif admitted is not None:
                 self._anonymous -= 1
             claimed = error.hello if isinstance(error, HandshakeRefusedError) else None
+            holder = self._ranks_live.get(claimed.rank) if claimed is not None and admitted is None else None
+            # an authenticated client claimed a rank whose seat is held
+            rival = isinstance(error, HandshakeRefusedError) and error.kind is Refusal.OWNER
+            if holder is not None and rival and len(holder.rivals) < _MAX_RIVALS_LISTED:
+                holder.rivals.append(f"a client from {address}")
             if not retry and claimed is not None and 0 <= claimed.rank < self._world_size:
                 # Reported when a wait for this rank times out: it tried, and was turned away (the rank it claims
                 # is unauthenticated, so this only explains, it never fails anyone).
@@ -294,16 +327,18 @@ class StoreServer:
                     # up until this one stops: have it come back rather than rejoin a finished group.
                     return RetryLater(f"rank {hello.rank} already left this store's group; the next is not up yet")
                 if hello.rank in self._ranks_live:
-                    return f"rank {hello.rank} is already connected (two processes with the same RANK?)"
+                    holder = self._ranks_live[hello.rank]
+                    held = f", from {holder.origin}" if holder is not None else " (joining now)"
+                    return (
+                        f"rank {hello.rank} is already connected{held}: two processes with the same RANK, or another "
+                        f"process took rank {hello.rank}'s seat (set ALLREDUCE_TOKEN so only this job's processes join)"
+                    )
                 self._ranks_live[hello.rank] = None
         return None
 
     def _register_new(self) -> None:
         with self._lock:
             new, self._to_register = self._to_register, []
-            for conn in new:
-                if conn.rank is not None:
-                    self._ranks_live[conn.rank] = conn
         for conn in new:
             self._conns.add(conn)
             if conn.rank is not None:
@@ -400,6 +435,10 @@ class StoreServer:
                 self._reply(conn, Status.ERROR, f"add: key {key!r} does not hold an integer".encode())
                 return
             current += amount
+            if not _INT64_MIN <= current <= _INT64_MAX:
+                message = f"add: key {key!r} would hold {current}, which does not fit in a signed 64-bit integer"
+                self._reply(conn, Status.ERROR, message.encode())
+                return
             if self._put(conn, key, str(current).encode()):
                 self._reply(conn, Status.OK, struct.pack("!q", current))
                 self._notify()
@@ -456,7 +495,7 @@ class StoreServer:
                 still.append(waiter)
         self._waiters = still
         for conn in woken:
-            self._parse(conn)
+            self._guarded(conn, functools.partial(self._parse, conn))
 
     def _expire_waiters(self) -> None:
         now = time.monotonic()
@@ -466,27 +505,33 @@ class StoreServer:
             if waiter.conn not in self._conns:
                 continue
             if waiter.deadline is not None and now >= waiter.deadline:
-                missing = [k for k in waiter.keys if k not in self._data]
-                owners = {owner for k in missing if (owner := _owner_of(k)) is not None}
-                with self._lock:
-                    refusals = {r: why for r, why in self._refusals.items() if r not in self._ranks_seen}
-                never = sorted(set(range(self._world_size)) - self._ranks_seen - refusals.keys())
-                report = "\n".join(
-                    [
-                        KEY_SEPARATOR.join(missing),
-                        ",".join(map(str, sorted(owners))),
-                        ",".join(map(str, never)),
-                        *(f"{r}:{why.replace(chr(10), ' ')}" for r, why in sorted(refusals.items())),
-                    ]
-                )
-                self._reply(waiter.conn, Status.TIMEOUT, report.encode())
-                waiter.conn.waiting = None
+                self._guarded(waiter.conn, functools.partial(self._time_out, waiter))
                 woken.append(waiter.conn)
             else:
                 still.append(waiter)
         self._waiters = still
         for conn in woken:
-            self._parse(conn)
+            self._guarded(conn, functools.partial(self._parse, conn))
+
+    def _time_out(self, waiter: _Waiter) -> None:
+        """Answer ``waiter`` "timed out", with what the server knows about the keys it still misses."""
+        missing = [k for k in waiter.keys if k not in self._data]
+        owners = {owner for k in missing if (owner := _owner_of(k)) is not None}
+        with self._lock:
+            # a rank admitted since its refusal has no entry; a seen rank's entry is a rival of its seat
+            refusals = dict(self._refusals)
+        never = sorted(set(range(self._world_size)) - self._ranks_seen - refusals.keys())
+        report = "\n".join(
+            [
+                KEY_SEPARATOR.join(missing),
+                ",".join(map(str, sorted(owners))),
+                ",".join(map(str, never)),
+                *(f"{r}:{why.replace(chr(10), ' ')}" for r, why in sorted(refusals.items())),
+            ]
+        )
+        waiter.conn.waiting = None
+        # Cut to what a client accepts (the keys echoed back could be longer): the report only explains.
+        self._reply(waiter.conn, Status.TIMEOUT, report.encode()[:MAX_ANSWER_BYTES])
 
     def _reply(self, conn: _Conn, status: int, payload: bytes) -> None:
         conn.outbuf += RESPONSE.pack(status, len(payload))
@@ -524,7 +569,20 @@ class StoreServer:
                 del self._ranks_live[conn.rank]
                 self._lock.notify_all()
         if died and not self._stop:
-            reason = f"rank {conn.rank} disconnected from the store without close() (process died?)"
+            reason = (
+                f"rank {conn.rank} disconnected from the store without close() (process died?); its seat was held "
+                f"by a client from {conn.origin}"
+            )
+            with self._lock:
+                rivals = list(conn.rivals)
+            if rivals:
+                reason = (
+                    f"rank {conn.rank}'s seat in the store was held by a client from {conn.origin}, which left "
+                    f"without close(); while it held the seat, {' and '.join(rivals)} claiming rank {conn.rank} "
+                    f"{'was' if len(rivals) == 1 else 'were'} refused, so the one that left may not have been the "
+                    f"real rank {conn.rank}: two processes claimed rank {conn.rank} (a duplicate RANK, or another "
+                    "process took the seat; set ALLREDUCE_TOKEN so only this job's processes join)"
+                )
             _log.warning("store: %s", reason)
             self._dead[conn.rank] = reason
             self._data[f"{DEAD_PREFIX}{conn.rank}"] = reason.encode()
