@@ -53,9 +53,9 @@ EXIT_DURING_CONNECT_BLAME = pytest.mark.xfail(
 )
 STORE_JUNK_BLAME = pytest.mark.xfail(
     strict=False,
-    reason="a client with the job's token writing junk into the store's group keys makes ranks fail with "
-    "UnicodeDecodeError / ValueError('invalid literal for int()') or blame a live rank (28 of 62 in the 1,000-fault "
-    "campaign); the store's owner refuses anonymous clients and validates what it reads",
+    reason="a client with the job's token that overwrites group keys stops the ranks with a ProtocolError naming the "
+    "key (the campaign counts only an unaffected job), and an impostor that takes a rank's seat and leaves is "
+    "reported as that rank gone, naming the impostor's address and pid: the store cannot tell it was not the rank",
 )
 SHM_CORRUPT_BLAME = pytest.mark.xfail(
     strict=False,

@@ -42,6 +42,7 @@ __all__ = [
     "HandshakeRetryError",
     "Refusal",
     "RetryLater",
+    "accept_handshake",
     "connect_handshake",
     "resolve_token",
 ]
@@ -287,3 +288,18 @@ def connect_handshake(
         if not hmac.compare_digest(mac_a, _mac(token, b"accept", service8, nonce_c, nonce_a, fields)):
             raise ProtocolError(f"{what} failed to prove it knows the shared token")
     return int(pid_a)
+
+
+def accept_handshake(
+    sock: socket.socket, service: bytes, token: bytes | None, check: Callable[[ClientHello], str | None]
+) -> ClientHello:
+    """The acceptor's side run to its end on one blocking socket: the verified hello, or the refusal raised (for
+    tools and tests; listeners drive :class:`AcceptHandshake` from their selector without blocking)."""
+    handshake = AcceptHandshake(service, token, check, lambda: loopback_peer(sock))
+    sock.sendall(handshake.greeting)
+    reply, outcome = handshake.answer(read_exact(sock, handshake.hello_size))
+    if reply:
+        sock.sendall(reply)
+    if isinstance(outcome, HandshakeRefusedError):
+        raise outcome
+    return outcome
