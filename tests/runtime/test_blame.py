@@ -48,3 +48,54 @@ def test_tcp_death_before_the_connections_exist_is_named_by_every_survivor() -> 
         kind, peer, message = result
         assert (kind, peer) == ("PeerFailureError", victim), f"rank {rank}: {message}"
         assert f"rank {victim}" in message
+
+
+def _corrupts_its_control_word(rank: int, n: int, port: int, out: Any, case: tuple[int, str, Any, Any]) -> None:
+    """The victim overwrites one word of its own control block between two collectives with a value its code never
+    writes (the campaign does it from outside, through /proc/PID/mem), and joins the next collective only once the
+    others have reported: they read the corrupted word, never a value it rewrote."""
+    from allreduce.runtime.shm._layout import ABORTED_WORD, descriptor_word
+
+    victim, word, survivors, finished_first = case
+    group = allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=BLAME_TIMEOUT_S)
+
+    def body() -> tuple[str, int | None, str]:
+        try:
+            group.all_reduce(np.ones(1024, np.float32))
+            finished_first.wait(timeout=BLAME_TIMEOUT_S)  # nobody reads the victim's block of collective 0 anymore
+            if rank == victim:
+                index = ABORTED_WORD if word == "aborted" else descriptor_word(1)
+                group._transport._views[rank][index] = 1 << 40  # type: ignore[attr-defined]
+                for _ in range(n - 1):
+                    survivors.get(timeout=BLAME_TIMEOUT_S * 2)
+            group.all_reduce(np.ones(1024, np.float32))
+        except allreduce.CollectiveError as exc:
+            if rank != victim:
+                survivors.put(rank)
+            return type(exc).__name__, exc.peer, str(exc)
+        finally:
+            group.close()
+        return "returned", None, ""
+
+    report(out, rank, body)
+
+
+def _corruption_reports(word: str) -> list[Any]:
+    from test_group_harness import SPAWN
+
+    n, victim = 3, 2
+    return run_ranks(
+        n, _corrupts_its_control_word, (victim, word, SPAWN.Queue(), SPAWN.Barrier(n)), timeout_s=BLAME_TIMEOUT_S * 3
+    )
+
+
+def test_shm_corrupt_abort_word_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:
+    for rank, (kind, peer, message) in enumerate(_corruption_reports("aborted")):
+        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
+        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+
+
+def test_shm_corrupt_descriptor_stamp_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:
+    for rank, (kind, peer, message) in enumerate(_corruption_reports("descriptor")):
+        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
+        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"

@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 import time
 
-from allreduce.runtime._errors import ChecksumError, CollectiveTimeoutError, PeerFailureError
-from allreduce.runtime._transport import error_class
+from allreduce.runtime._errors import ChecksumError, CollectiveTimeoutError, PeerFailureError, ProtocolError
+from allreduce.runtime._transport import ABORT_KINDS, error_class
 from allreduce.runtime.shm._layout import ABORTED_WORD, CLOSED_WORD, CULPRIT_WORD, NO_ABORT, SLEEPERS_WORD
 from allreduce.runtime.shm._linux import exited, futex_wait, futex_wake
 from allreduce.runtime.shm._segments import unlink_rank_files
 
-__all__ = ["MIN_SPIN_S", "POLL_S", "SPIN_S", "YIELD_S", "PeerWaiting"]
+__all__ = ["MIN_SPIN_S", "POLL_S", "SPIN_S", "YIELD_S", "PeerWaiting", "corrupt_block_error"]
 
 SPIN_S = 30e-6
 """A waiter busy-waits this long first when every rank has a core: a handoff then costs well under a microsecond."""
@@ -34,6 +34,18 @@ YIELD_S = 300e-6
 
 POLL_S = 0.001
 """Longest a waiter blocks in futex before it re-checks the deadline, dead peers and abort flags."""
+
+
+def corrupt_block_error(rank: int, owner: int, word: str, value: int, *, seq: int, step: int) -> ProtocolError:
+    """The error for a value in ``owner``'s control block that no legitimate writer produces: the same message on
+    every rank that reads it, naming the block's owner."""
+    return ProtocolError(
+        f"rank {rank}: rank {owner}'s control block is corrupt (word {word} = {value}) at {_where(step)} of "
+        f"collective {seq}",
+        rank=rank,
+        peer=owner,
+        step=step if step >= 0 else None,
+    )
 
 
 def _where(step: int) -> str:
@@ -122,6 +134,7 @@ class PeerWaiting:
                 others = [p for p in range(self.world_size) if p != self.rank]
                 dead = [p for p, fd in zip(others, self._pidfds, strict=True) if fd in gone]
         views = self._views
+        self._check_abort_words(seq=seq, step=step)
         # A rank that gave up set its abort flag before exiting; a rank that closed set its closed flag. Only a
         # process that exited with neither died unannounced: that is the root cause to name.
         died = [p for p in dead if views[p][ABORTED_WORD] == NO_ABORT and not views[p][CLOSED_WORD]]
@@ -161,11 +174,31 @@ class PeerWaiting:
             reason = f"it timed out waiting for rank {culprit}"
         elif error_type is ChecksumError:
             reason = f"data from rank {culprit} failed its checksum"
+        elif error_type is ProtocolError and culprit >= 0:
+            reason = f"rank {culprit}'s control block is corrupt"
         else:
             reason = "it failed"
         raise error_type(
             f"rank {self.rank}: collective {seq} aborted at {_where(step)}: rank {p} gave up because {reason}",
             rank=self.rank,
-            peer=culprit if error_type is PeerFailureError else p,
+            peer=culprit if error_type in (PeerFailureError, ProtocolError) and culprit >= 0 else p,
             step=step_or_none,
         )
+
+    def _check_abort_words(self, *, seq: int, step: int) -> None:
+        """Raise :func:`corrupt_block_error` for the lowest peer whose ``aborted``, ``culprit`` or ``closed`` word
+        holds a value its owner never writes (a kind out of range, a rank outside the group, a flag not 0 or 1)."""
+        views = self._views
+        for p in range(self.world_size):
+            if p == self.rank:
+                continue
+            view = views[p]
+            kind = view[ABORTED_WORD]
+            if not NO_ABORT <= kind <= len(ABORT_KINDS):
+                raise corrupt_block_error(self.rank, p, "aborted", kind, seq=seq, step=step)
+            culprit = view[CULPRIT_WORD]
+            if kind != NO_ABORT and not -1 <= culprit < self.world_size:
+                raise corrupt_block_error(self.rank, p, "culprit", culprit, seq=seq, step=step)
+            closed = view[CLOSED_WORD]
+            if closed not in (0, 1):
+                raise corrupt_block_error(self.rank, p, "closed", closed, seq=seq, step=step)
