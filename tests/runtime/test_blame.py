@@ -99,3 +99,34 @@ def test_shm_corrupt_descriptor_stamp_is_named_as_corruption_of_its_owners_block
     for rank, (kind, peer, message) in enumerate(_corruption_reports("descriptor")):
         assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
         assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+
+
+STALL_TIMEOUT_S = 3.0
+"""The collective timeout of the stall test's group; the stalled rank holds each step four times as long."""
+
+
+def _one_rank_stalls_mid_collective(rank: int, n: int, port: int, out: Any, stalled: int) -> None:
+    hold_ms = int(STALL_TIMEOUT_S * 4 * 1000)
+    os.environ["ALLREDUCE_INJECT"] = f"hold:rank={stalled}:p=1:ms={hold_ms}"  # this process's own environment
+
+    def body() -> tuple[str, int | None, str]:
+        with allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=STALL_TIMEOUT_S) as group:
+            try:
+                group.all_reduce(np.ones(1 << 16, np.float32), algorithm="ring")
+            except allreduce.CollectiveError as exc:
+                return type(exc).__name__, exc.peer, str(exc)
+        return "returned", None, ""
+
+    report(out, rank, body)
+
+
+def test_shm_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
+    # In the ring, only rank 0 receives from rank 3; ranks 1 and 2 wait for ranks 0 and 1, which wait for rank 3.
+    n, stalled = 4, 3
+    results = run_ranks(n, _one_rank_stalls_mid_collective, stalled, timeout_s=BLAME_TIMEOUT_S * 3)
+    for rank, result in enumerate(results):
+        if rank == stalled:
+            continue
+        assert isinstance(result, tuple), result
+        kind, peer, message = result
+        assert peer == stalled, f"rank {rank}: {kind}: {message}"

@@ -60,6 +60,7 @@ from allreduce.runtime.shm._layout import (
     MAGIC,
     MAGIC_WORD,
     MAX_RANKS,
+    NOT_WAITING,
     PID_WORD,
     PROBE_ADDRESS_WORD,
     PROGRESS_WORD,
@@ -69,6 +70,7 @@ from allreduce.runtime.shm._layout import (
     SLEEPERS_WORD,
     STEP_BITS,
     STEP_WORD,
+    WAITING_FOR_WORD,
     ControlLayout,
     descriptor_payload_offset,
     descriptor_word,
@@ -201,6 +203,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         own_words[PROGRESS_WORD] = -1
         own_words[READ_DONE_WORD] = -1
         own_words[PTRACER_WORD] = -1
+        own_words[WAITING_FOR_WORD] = NOT_WAITING
         own_words[self._descriptor_words[0]] = -1
         own_words[self._descriptor_words[1]] = -1
         own_words[MAGIC_WORD] = MAGIC
