@@ -105,12 +105,13 @@ STALL_TIMEOUT_S = 3.0
 """The collective timeout of the stall test's group; the stalled rank holds each step four times as long."""
 
 
-def _one_rank_stalls_mid_collective(rank: int, n: int, port: int, out: Any, stalled: int) -> None:
+def _one_rank_stalls_mid_collective(rank: int, n: int, port: int, out: Any, case: tuple[int, str]) -> None:
+    stalled, transport = case
     hold_ms = int(STALL_TIMEOUT_S * 4 * 1000)
     os.environ["ALLREDUCE_INJECT"] = f"hold:rank={stalled}:p=1:ms={hold_ms}"  # this process's own environment
 
     def body() -> tuple[str, int | None, str]:
-        with allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=STALL_TIMEOUT_S) as group:
+        with allreduce.init(rank, n, master_port=port, transport=transport, timeout_s=STALL_TIMEOUT_S) as group:
             try:
                 group.all_reduce(np.ones(1 << 16, np.float32), algorithm="ring")
             except allreduce.CollectiveError as exc:
@@ -120,13 +121,16 @@ def _one_rank_stalls_mid_collective(rank: int, n: int, port: int, out: Any, stal
     report(out, rank, body)
 
 
-def test_shm_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
+def _stall_reports(transport: str) -> list[Any]:
     # In the ring, only rank 0 receives from rank 3; ranks 1 and 2 wait for ranks 0 and 1, which wait for rank 3.
-    n, stalled = 4, 3
-    results = run_ranks(n, _one_rank_stalls_mid_collective, stalled, timeout_s=BLAME_TIMEOUT_S * 3)
-    for rank, result in enumerate(results):
-        if rank == stalled:
-            continue
-        assert isinstance(result, tuple), result
-        kind, peer, message = result
-        assert peer == stalled, f"rank {rank}: {kind}: {message}"
+    return run_ranks(4, _one_rank_stalls_mid_collective, (3, transport), timeout_s=BLAME_TIMEOUT_S * 3)
+
+
+def test_shm_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
+    for rank, (kind, peer, message) in enumerate(_stall_reports("shm")[:3]):
+        assert peer == 3, f"rank {rank}: {kind}: {message}"
+
+
+def test_tcp_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
+    for rank, (kind, peer, message) in enumerate(_stall_reports("tcp")[:3]):
+        assert peer == 3, f"rank {rank}: {kind}: {message}"

@@ -68,6 +68,7 @@ __all__ = [
     "CONNECT_RETRY_S",
     "CONNECT_TIMEOUT_MAX_S",
     "DEAD_POLL_S",
+    "STALL_GRACE_S",
     "THREAD_MIN_BYTES",
     "UNIX_ENV",
     "TcpTransport",
@@ -91,6 +92,11 @@ peer's published listener is gone, i.e. the peer exited)."""
 DEAD_POLL_S = 0.2
 """How often a rank waiting for peers to connect asks the store which ranks died (one small request each time): a
 rank that dies before its connections exist is named by every waiting rank within this, not at the timeout."""
+
+STALL_GRACE_S = 2.0
+"""After a timeout, how long a rank waits for the rank it waited for to say (in the store) whom that one waited for:
+ranks that are blocked behind a stalled rank time out within about this of each other, the stalled rank never
+says; so the chain of waits is followed to the rank at its root, which every rank then names."""
 
 UNIX_ENV = "ALLREDUCE_TCP_UNIX"
 """Set to ``0`` to keep connections between ranks of one host on TCP (the default takes Unix sockets there)."""
@@ -438,9 +444,7 @@ class TcpTransport(Transport):
                 )
                 for i in range(count)
             ]
-            exchange(
-                self.rank,
-                self._peers,
+            self._exchange(
                 seq,
                 tag=0,
                 sends=sends,
@@ -535,9 +539,7 @@ class TcpTransport(Transport):
                     self._sender = Sender(self.rank)
                 sender = self._sender
                 self._sender_handoffs += 1
-            exchange(
-                self.rank,
-                self._peers,
+            self._exchange(
                 seq,
                 tag=prepared.tag,
                 sends=sends,
@@ -556,6 +558,46 @@ class TcpTransport(Transport):
                 )
             self._frames_sent += len(sends)
             self._frames_received += len(recvs)
+
+    def _exchange(self, seq: int, **kwargs: Any) -> None:
+        """:func:`exchange` over this rank's connections, whose timeout names the root of the stall
+        (:meth:`_stall_root`)."""
+        try:
+            exchange(self.rank, self._peers, seq, **kwargs)
+        except CollectiveTimeoutError as exc:
+            if exc.peer is None:
+                raise
+            root, links = self._stall_root(seq, exc.peer)
+            if root == exc.peer:
+                raise
+            raise CollectiveTimeoutError(
+                f"{exc}: rank {root} stopped responding ({'; '.join(links)}; this rank waited for rank {exc.peer})",
+                rank=self.rank,
+                peer=root,
+                step=exc.step,
+            ) from exc
+
+    def _stall_root(self, seq: int, peer: int) -> tuple[int, list[str]]:
+        """Publish that this rank timed out waiting for ``peer`` in collective ``seq``, then follow the ranks' such
+        records from ``peer`` on: the first rank that publishes none within :data:`STALL_GRACE_S` is the root,
+        returned with the links followed ("rank A waited for rank B"), from the root back."""
+        key = f"{self._prefix}/waited/{seq}/"
+        links: list[str] = []
+        try:
+            self._store.set(key + str(self.rank), str(peer).encode())
+            chain = [self.rank, peer]
+            while True:
+                try:
+                    following = int(self._store.get(key + str(chain[-1]), timeout_s=STALL_GRACE_S).decode())
+                except CollectiveTimeoutError:
+                    break
+                if not 0 <= following < self.world_size or following in chain:
+                    break
+                links.insert(0, f"rank {chain[-1]} waited for rank {following}")
+                chain.append(following)
+        except (ValueError, OSError):
+            return peer, []  # the store cannot tell: name the rank this one waited for
+        return chain[-1], links
 
     def _record_step(
         self,
