@@ -36,6 +36,7 @@ __all__ = [
     "MAGIC",
     "MAGIC_WORD",
     "MAX_RANKS",
+    "NOT_WAITING",
     "NO_ABORT",
     "PAGE_BYTES",
     "PID_WORD",
@@ -51,6 +52,7 @@ __all__ = [
     "STEP_BITS",
     "STEP_WORD",
     "UNSATISFIABLE",
+    "WAITING_FOR_WORD",
     "ControlHeader",
     "ControlLayout",
     "DescriptorSlot",
@@ -89,6 +91,9 @@ NO_ABORT = 0
 
 UNSATISFIABLE = 2
 """A target no flag ever reaches (flags are 0 or 1): waiting for it makes any departure of the peer an error."""
+
+NOT_WAITING = -1
+"""``waiting_for`` of a rank that is not blocked on a peer (a stalled rank's, whoever waits for it)."""
 
 IN_PRIVATE_MEMORY = -1
 """``buffer_segment``: the owner's private array at address ``buffer_offset``, read with ``process_vm_readv``."""
@@ -135,6 +140,7 @@ class ControlHeader(ctypes.Structure):
         ("cross_memory", ctypes.c_int64),  # READS_OPEN | READS_WITH_PTRACER: how the owner could read peers
         ("ptracer_ready", ctypes.c_int64),  # 1: the owner has named its successor its ptracer (start-up probe)
         ("ptracer", ctypes.c_int64),  # the rank the owner has named its ptracer (-1: none); readers check it
+        ("waiting_for", ctypes.c_int64),  # the rank the owner is blocked waiting on, or NOT_WAITING
         ("descriptors", DescriptorSlot * 2),  # by the parity of seq
         ("sleepers", ctypes.c_int64 * MAX_RANKS),  # [r] = 1: rank r is (about to be) blocked on one of my counters
     )
@@ -165,6 +171,7 @@ CROSS_MEMORY_WORD = _word("cross_memory")
 PTRACER_READY_WORD = _word("ptracer_ready")
 PTRACER_WORD = _word("ptracer")
 SLEEPERS_WORD = _word("sleepers")
+WAITING_FOR_WORD = _word("waiting_for")
 
 
 def descriptor_word(parity: int) -> int:

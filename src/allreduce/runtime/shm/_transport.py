@@ -52,6 +52,7 @@ from allreduce.runtime.shm._layout import (
     CLOSED_WORD,
     CRC_SLOTS_PER_PEER,
     CULPRIT_WORD,
+    DESCRIPTOR_BYTES,
     DONE_STEP,
     EAGER_BYTES,
     IN_EAGER_SNAPSHOT,
@@ -59,6 +60,7 @@ from allreduce.runtime.shm._layout import (
     MAGIC,
     MAGIC_WORD,
     MAX_RANKS,
+    NOT_WAITING,
     PID_WORD,
     PROBE_ADDRESS_WORD,
     PROGRESS_WORD,
@@ -68,6 +70,7 @@ from allreduce.runtime.shm._layout import (
     SLEEPERS_WORD,
     STEP_BITS,
     STEP_WORD,
+    WAITING_FOR_WORD,
     ControlLayout,
     descriptor_payload_offset,
     descriptor_word,
@@ -85,7 +88,7 @@ from allreduce.runtime.shm._segments import (
     shm_prefix,
     sweep_stale_segments,
 )
-from allreduce.runtime.shm._waiting import SPIN_S
+from allreduce.runtime.shm._waiting import SPIN_S, corrupt_block_error
 
 __all__ = [
     "CROSS_MEMORY_MIN_BYTES",
@@ -200,6 +203,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         own_words[PROGRESS_WORD] = -1
         own_words[READ_DONE_WORD] = -1
         own_words[PTRACER_WORD] = -1
+        own_words[WAITING_FOR_WORD] = NOT_WAITING
         own_words[self._descriptor_words[0]] = -1
         own_words[self._descriptor_words[1]] = -1
         own_words[MAGIC_WORD] = MAGIC
@@ -304,13 +308,14 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         self._publish(PROGRESS_WORD, seq << STEP_BITS)
 
     def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
-        stamp_word = self._descriptor_words[seq & 1]
-        payload = self._descriptor_payloads[seq & 1]
+        parity = seq & 1
+        stamp_word = self._descriptor_words[parity]
+        payload = self._descriptor_payloads[parity]
         own = self._ctl[self.rank]
         assert own is not None
         own.mm[payload : payload + len(descriptor)] = descriptor
         views = self._views
-        views[self.rank][stamp_word + 1] = len(descriptor)
+        views[self.rank][stamp_word + 1] = _descriptor_length_word(descriptor)
         self._publish(stamp_word, seq)
         self._agreed_seq = -1
         out: list[bytes] = []
@@ -320,7 +325,21 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                 continue
             self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1)
             assert segment is not None
-            out.append(segment.mm[payload : payload + views[p][stamp_word + 1]])  # a slice of an mmap is bytes
+            view = views[p]
+            stamped, length_word = view[stamp_word], view[stamp_word + 1]
+            # A slot holds the stamps of its parity only, and no peer is two collectives ahead of this one.
+            if stamped & 1 != parity or stamped > seq + 2:
+                raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].stamp", stamped, seq=seq, step=-1)
+            length = length_word & _DESCRIPTOR_LENGTH_MASK
+            if not 0 <= length <= DESCRIPTOR_BYTES or length_word < 0:
+                raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].length", length_word, seq=seq, step=-1)
+            received = segment.mm[payload : payload + length]  # a slice of an mmap is bytes
+            if _descriptor_length_word(received) != length_word:
+                raise corrupt_block_error(
+                    self.rank, p, f"descriptors[{parity}].payload", int.from_bytes(received[:8], "little"),
+                    seq=seq, step=-1,
+                )  # fmt: skip
+            out.append(received)
         # Every peer has entered collective seq, so it has finished reading our data of seq - 1 and earlier:
         # execute(seq) may reuse the eager snapshot area of seq - 2 without waiting.
         self._agreed_seq = seq
@@ -616,3 +635,14 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         segments = getattr(self, "_segments", None)
         if not getattr(self, "_closed", True) and segments is not None:
             segments.unlink()
+
+
+_DESCRIPTOR_LENGTH_MASK = (1 << 32) - 1
+"""A descriptor slot's ``length`` word holds the payload's length in its low 32 bits and its crc32 (low 31 bits) above
+them, so a reader tells a corrupted slot from a peer's different call."""
+
+
+def _descriptor_length_word(descriptor: bytes) -> int:
+    """The ``length`` word published with ``descriptor``: its length, and its crc32 (31 bits, so the word stays a
+    non-negative int64) above it."""
+    return (zlib.crc32(descriptor) & 0x7FFFFFFF) << 32 | len(descriptor)

@@ -15,13 +15,22 @@ from __future__ import annotations
 import os
 import time
 
-from allreduce.runtime._errors import ChecksumError, CollectiveTimeoutError, PeerFailureError
-from allreduce.runtime._transport import error_class
-from allreduce.runtime.shm._layout import ABORTED_WORD, CLOSED_WORD, CULPRIT_WORD, NO_ABORT, SLEEPERS_WORD
+from allreduce.runtime._errors import ChecksumError, CollectiveTimeoutError, PeerFailureError, ProtocolError
+from allreduce.runtime._transport import ABORT_KINDS, error_class
+from allreduce.runtime.shm._layout import (
+    ABORTED_WORD,
+    CLOSED_WORD,
+    CULPRIT_WORD,
+    NO_ABORT,
+    NOT_WAITING,
+    PID_WORD,
+    SLEEPERS_WORD,
+    WAITING_FOR_WORD,
+)
 from allreduce.runtime.shm._linux import exited, futex_wait, futex_wake
 from allreduce.runtime.shm._segments import unlink_rank_files
 
-__all__ = ["MIN_SPIN_S", "POLL_S", "SPIN_S", "YIELD_S", "PeerWaiting"]
+__all__ = ["MIN_SPIN_S", "POLL_S", "SPIN_S", "YIELD_S", "PeerWaiting", "corrupt_block_error"]
 
 SPIN_S = 30e-6
 """A waiter busy-waits this long first when every rank has a core: a handoff then costs well under a microsecond."""
@@ -34,6 +43,28 @@ YIELD_S = 300e-6
 
 POLL_S = 0.001
 """Longest a waiter blocks in futex before it re-checks the deadline, dead peers and abort flags."""
+
+
+def corrupt_block_error(rank: int, owner: int, word: str, value: int, *, seq: int, step: int) -> ProtocolError:
+    """The error for a value in ``owner``'s control block that no legitimate writer produces: the same message on
+    every rank that reads it, naming the block's owner."""
+    return ProtocolError(
+        f"rank {rank}: rank {owner}'s control block is corrupt (word {word} = {value}) at {_where(step)} of "
+        f"collective {seq}",
+        rank=rank,
+        peer=owner,
+        step=step if step >= 0 else None,
+    )
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal or a tracer (state T or t in /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return False
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 def _where(step: int) -> str:
@@ -93,25 +124,50 @@ class PeerWaiting:
         self._spin_s = spin_s if spin_s >= MIN_SPIN_S else 0.0
         address = self._addr[peer] + 8 * word
         sleeper = SLEEPERS_WORD + self.rank
-        while True:
-            seen = view[word]
-            if seen >= target:
-                return
-            self._check_peers(peer, word, target, seq=seq, what=what, step=step)
-            now = time.monotonic()
-            if now >= deadline:
-                if view[word] >= target:
+        me = self._views[self.rank]
+        me[WAITING_FOR_WORD] = peer  # read by ranks that time out waiting for this one (blame's chain)
+        try:
+            while True:
+                seen = view[word]
+                if seen >= target:
                     return
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank}: collective {seq} timed out at {_where(step)} waiting for rank {peer} ({what})",
-                    rank=self.rank,
-                    peer=peer,
-                    step=step if step >= 0 else None,
-                )
-            view[sleeper] = 1
-            if view[word] == seen:
-                futex_wait(address, seen, min(POLL_S, deadline - now))
-            view[sleeper] = 0
+                self._check_peers(peer, word, target, seq=seq, what=what, step=step)
+                now = time.monotonic()
+                if now >= deadline:
+                    if view[word] >= target:
+                        return
+                    raise self._timeout_error(peer, seq=seq, what=what, step=step)
+                view[sleeper] = 1
+                if view[word] == seen:
+                    futex_wait(address, seen, min(POLL_S, deadline - now))
+                view[sleeper] = 0
+        finally:
+            me[WAITING_FOR_WORD] = NOT_WAITING
+
+    def _timeout_error(self, peer: int, *, seq: int, what: str, step: int) -> CollectiveTimeoutError:
+        """The timeout waiting for ``peer``, naming the rank at the root of the wait: a peer whose process is
+        stopped (SIGSTOP, a debugger) if any, else the end of the chain of ranks each blocked waiting for the next
+        (``waiting_for`` words), so every rank names the same stalled rank, not only its direct waiters."""
+        head = f"rank {self.rank}: collective {seq} timed out at {_where(step)} waiting for rank {peer} ({what})"
+        step_or_none = step if step >= 0 else None
+        views = self._views
+        stopped = [p for p in range(self.world_size) if p != self.rank and _is_stopped(int(views[p][PID_WORD]))]
+        if stopped:
+            root = stopped[0]
+            reason = f"rank {root} stopped responding (its process is stopped)"
+            return CollectiveTimeoutError(f"{head}: {reason}", rank=self.rank, peer=root, step=step_or_none)
+        chain = [peer]
+        while True:
+            following = int(views[chain[-1]][WAITING_FOR_WORD])
+            if not 0 <= following < self.world_size or following == self.rank or following in chain:
+                break
+            chain.append(following)
+        if len(chain) == 1:
+            return CollectiveTimeoutError(head, rank=self.rank, peer=peer, step=step_or_none)
+        root = chain[-1]
+        links = "; ".join(f"rank {a} waited for rank {b}" for a, b in zip(chain[-2::-1], chain[:0:-1], strict=True))
+        reason = f"rank {root} stopped responding ({links}; this rank waited for rank {peer})"
+        return CollectiveTimeoutError(f"{head}: {reason}", rank=self.rank, peer=root, step=step_or_none)
 
     def _check_peers(self, peer: int, word: int, target: int, *, seq: int, what: str, step: int) -> None:
         """Raise if a peer died, closed, or gave up (after re-checking the awaited condition)."""
@@ -122,6 +178,7 @@ class PeerWaiting:
                 others = [p for p in range(self.world_size) if p != self.rank]
                 dead = [p for p, fd in zip(others, self._pidfds, strict=True) if fd in gone]
         views = self._views
+        self._check_abort_words(seq=seq, step=step)
         # A rank that gave up set its abort flag before exiting; a rank that closed set its closed flag. Only a
         # process that exited with neither died unannounced: that is the root cause to name.
         died = [p for p in dead if views[p][ABORTED_WORD] == NO_ABORT and not views[p][CLOSED_WORD]]
@@ -161,11 +218,33 @@ class PeerWaiting:
             reason = f"it timed out waiting for rank {culprit}"
         elif error_type is ChecksumError:
             reason = f"data from rank {culprit} failed its checksum"
+        elif error_type is ProtocolError and culprit >= 0:
+            reason = f"rank {culprit}'s control block is corrupt"
         else:
             reason = "it failed"
         raise error_type(
             f"rank {self.rank}: collective {seq} aborted at {_where(step)}: rank {p} gave up because {reason}",
             rank=self.rank,
-            peer=culprit if error_type is PeerFailureError else p,
+            peer=culprit
+            if error_type in (PeerFailureError, CollectiveTimeoutError, ProtocolError) and culprit >= 0
+            else p,
             step=step_or_none,
         )
+
+    def _check_abort_words(self, *, seq: int, step: int) -> None:
+        """Raise :func:`corrupt_block_error` for the lowest peer whose ``aborted``, ``culprit`` or ``closed`` word
+        holds a value its owner never writes (a kind out of range, a rank outside the group, a flag not 0 or 1)."""
+        views = self._views
+        for p in range(self.world_size):
+            if p == self.rank:
+                continue
+            view = views[p]
+            kind = view[ABORTED_WORD]
+            if not NO_ABORT <= kind <= len(ABORT_KINDS):
+                raise corrupt_block_error(self.rank, p, "aborted", kind, seq=seq, step=step)
+            culprit = view[CULPRIT_WORD]
+            if kind != NO_ABORT and not -1 <= culprit < self.world_size:
+                raise corrupt_block_error(self.rank, p, "culprit", culprit, seq=seq, step=step)
+            closed = view[CLOSED_WORD]
+            if closed not in (0, 1):
+                raise corrupt_block_error(self.rank, p, "closed", closed, seq=seq, step=step)

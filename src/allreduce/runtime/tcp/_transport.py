@@ -67,6 +67,8 @@ __all__ = [
     "ABORT_BUDGET_S",
     "CONNECT_RETRY_S",
     "CONNECT_TIMEOUT_MAX_S",
+    "DEAD_POLL_S",
+    "STALL_GRACE_S",
     "THREAD_MIN_BYTES",
     "UNIX_ENV",
     "TcpTransport",
@@ -86,6 +88,15 @@ CONNECT_TIMEOUT_MAX_S = 10.0
 CONNECT_RETRY_S = 0.05
 """The pause before connecting again after a transient error (not a refusal: a refused connection means the
 peer's published listener is gone, i.e. the peer exited)."""
+
+DEAD_POLL_S = 0.2
+"""How often a rank waiting for peers to connect asks the store which ranks died (one small request each time): a
+rank that dies before its connections exist is named by every waiting rank within this, not at the timeout."""
+
+STALL_GRACE_S = 2.0
+"""After a timeout, how long a rank waits for the rank it waited for to say (in the store) whom that one waited for:
+ranks that are blocked behind a stalled rank time out within about this of each other, the stalled rank never
+says; so the chain of waits is followed to the rank at its root, which every rank then names."""
 
 UNIX_ENV = "ALLREDUCE_TCP_UNIX"
 """Set to ``0`` to keep connections between ranks of one host on TCP (the default takes Unix sockets there)."""
@@ -254,19 +265,58 @@ class TcpTransport(Transport):
         for peer in sorted(p for p in peers if p < self.rank and p not in self._peers):
             self._connect(peer, deadline, what)
         higher = {p for p in peers if p > self.rank}
-        with self._cond:
-            while not higher <= self._peers.keys():
+        while True:
+            with self._cond:
+                missing = higher - self._peers.keys()
+                if not missing:
+                    return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = sorted(higher - self._peers.keys())
+                    self._raise_if_dead(missing, what)
                     refused = f"; refused connections: {'; '.join(self._refused)}" if self._refused else ""
                     raise CollectiveTimeoutError(
-                        f"rank {self.rank}: timed out waiting for rank(s) {', '.join(map(str, missing))} to connect "
-                        f"({what}): they have not reached this collective, or cannot reach this host{refused}",
+                        f"rank {self.rank}: timed out waiting for rank(s) {', '.join(map(str, sorted(missing)))} to "
+                        f"connect ({what}): they have not reached this collective, or cannot reach this host{refused}",
                         rank=self.rank,
-                        peer=missing[0],
+                        peer=min(missing),
                     )
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, DEAD_POLL_S))
+                missing = higher - self._peers.keys()
+                if not missing:
+                    return
+            self._raise_if_dead(missing, what)  # outside the lock: the listener's thread reports under it
+
+    def _dead_ranks(self) -> list[int]:
+        """The ranks the store saw die (their connection to it dropped without a close), lowest first; empty if
+        the store does not track deaths."""
+        dead_ranks = getattr(self._store, "dead_ranks", None)
+        return sorted(dead_ranks()) if dead_ranks is not None else []
+
+    def _raise_if_dead(self, waiting_for: set[int], what: str) -> None:
+        """Raise PeerFailureError naming the lowest dead rank if any rank of the group died: every rank that waits
+        for a connection then names the same rank, whether it waits for that one or for one that exited in
+        reaction to it."""
+        dead = self._dead_ranks()
+        if not dead:
+            return
+        culprit = dead[0]
+        message = f"rank {self.rank}: rank {culprit} died ({what})"
+        if len(dead) > 1:
+            message += f"; rank(s) {', '.join(map(str, dead[1:]))} died too"
+        others = sorted(waiting_for - set(dead))
+        if others:
+            message += f"; rank(s) {', '.join(map(str, others))} did not connect (exited in reaction, or waiting)"
+        raise PeerFailureError(message, rank=self.rank, peer=culprit)
+
+    def _exited_peer_error(self, peer: int, what: str, detail: str) -> PeerFailureError:
+        """The error for ``peer`` gone while this rank connects to it: if some rank died (as the store saw it) and
+        it was not ``peer``, ``peer`` exited in reaction and the error names the dead rank."""
+        dead = self._dead_ranks()
+        culprit = peer if not dead or peer in dead else dead[0]
+        message = f"rank {self.rank}: {detail}"
+        if culprit != peer:
+            message = f"rank {self.rank}: rank {culprit} died ({what}); {detail}, in reaction"
+        return PeerFailureError(message, rank=self.rank, peer=culprit)
 
     def _connect(self, peer: int, deadline: float, what: str) -> None:
         remaining = max(deadline - time.monotonic(), 0.001)
@@ -288,9 +338,7 @@ class TcpTransport(Transport):
             )
         except (OSError, EOFError) as exc:
             sock.close()
-            raise PeerFailureError(
-                f"rank {self.rank}: lost rank {peer} during the handshake ({what}): {exc}", rank=self.rank, peer=peer
-            ) from exc
+            raise self._exited_peer_error(peer, what, f"lost rank {peer} during the handshake ({what}): {exc}") from exc
         except BaseException:
             sock.close()
             raise
@@ -322,10 +370,8 @@ class TcpTransport(Transport):
             sock.connect(name)
         except (ConnectionRefusedError, FileNotFoundError) as exc:  # published before we read it: it has exited
             sock.close()
-            raise PeerFailureError(
-                f"rank {self.rank}: rank {peer} refused a connection on its Unix socket ({what}): it has exited",
-                rank=self.rank,
-                peer=peer,
+            raise self._exited_peer_error(
+                peer, what, f"rank {peer} refused a connection on its Unix socket ({what}): it has exited"
             ) from exc
         except OSError as exc:
             sock.close()
@@ -353,10 +399,8 @@ class TcpTransport(Transport):
                 )
                 break
             except ConnectionRefusedError as exc:  # its listener is published before we read it: a real failure
-                raise PeerFailureError(
-                    f"rank {self.rank}: rank {peer} refused a connection at {address} ({what}): it has exited",
-                    rank=self.rank,
-                    peer=peer,
+                raise self._exited_peer_error(
+                    peer, what, f"rank {peer} refused a connection at {address} ({what}): it has exited"
                 ) from exc
             except OSError as exc:
                 last_error = exc
@@ -400,9 +444,7 @@ class TcpTransport(Transport):
                 )
                 for i in range(count)
             ]
-            exchange(
-                self.rank,
-                self._peers,
+            self._exchange(
                 seq,
                 tag=0,
                 sends=sends,
@@ -497,9 +539,7 @@ class TcpTransport(Transport):
                     self._sender = Sender(self.rank)
                 sender = self._sender
                 self._sender_handoffs += 1
-            exchange(
-                self.rank,
-                self._peers,
+            self._exchange(
                 seq,
                 tag=prepared.tag,
                 sends=sends,
@@ -518,6 +558,46 @@ class TcpTransport(Transport):
                 )
             self._frames_sent += len(sends)
             self._frames_received += len(recvs)
+
+    def _exchange(self, seq: int, **kwargs: Any) -> None:
+        """:func:`exchange` over this rank's connections, whose timeout names the root of the stall
+        (:meth:`_stall_root`)."""
+        try:
+            exchange(self.rank, self._peers, seq, **kwargs)
+        except CollectiveTimeoutError as exc:
+            if exc.peer is None:
+                raise
+            root, links = self._stall_root(seq, exc.peer)
+            if root == exc.peer:
+                raise
+            raise CollectiveTimeoutError(
+                f"{exc}: rank {root} stopped responding ({'; '.join(links)}; this rank waited for rank {exc.peer})",
+                rank=self.rank,
+                peer=root,
+                step=exc.step,
+            ) from exc
+
+    def _stall_root(self, seq: int, peer: int) -> tuple[int, list[str]]:
+        """Publish that this rank timed out waiting for ``peer`` in collective ``seq``, then follow the ranks' such
+        records from ``peer`` on: the first rank that publishes none within :data:`STALL_GRACE_S` is the root,
+        returned with the links followed ("rank A waited for rank B"), from the root back."""
+        key = f"{self._prefix}/waited/{seq}/"
+        links: list[str] = []
+        try:
+            self._store.set(key + str(self.rank), str(peer).encode())
+            chain = [self.rank, peer]
+            while True:
+                try:
+                    following = int(self._store.get(key + str(chain[-1]), timeout_s=STALL_GRACE_S).decode())
+                except CollectiveTimeoutError:
+                    break
+                if not 0 <= following < self.world_size or following in chain:
+                    break
+                links.insert(0, f"rank {chain[-1]} waited for rank {following}")
+                chain.append(following)
+        except (ValueError, OSError):
+            return peer, []  # the store cannot tell: name the rank this one waited for
+        return chain[-1], links
 
     def _record_step(
         self,

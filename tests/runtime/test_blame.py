@@ -1,0 +1,136 @@
+"""Who is blamed when a rank fails: every survivor names the rank at fault, not a neighbour that reacted to it.
+
+Real processes over the real transports: a dying rank really exits, without closing anything.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+from test_group_harness import report, run_ranks
+
+import allreduce
+
+BLAME_TIMEOUT_S = 60.0
+"""The collective timeout of these groups: far longer than detecting a death takes, so a survivor that raises
+CollectiveTimeoutError (instead of PeerFailureError) waited out the clock instead of hearing of the death."""
+
+
+def _dies_before_collective_zero(rank: int, n: int, port: int, out: Any, victim: int) -> None:
+    group = allreduce.init(rank, n, master_port=port, transport="tcp", timeout_s=BLAME_TIMEOUT_S)
+    if rank == victim:
+        out.put((rank, None))
+        out.close()
+        out.join_thread()
+        os._exit(1)  # no close: the store sees the connection drop, no connection to a peer exists yet
+
+    def body() -> tuple[str, int | None, str]:
+        try:
+            group.all_reduce(np.ones(1024, np.float32), algorithm="ring")
+        except allreduce.CollectiveError as exc:
+            return type(exc).__name__, exc.peer, str(exc)
+        finally:
+            group.close()
+        return "returned", None, ""
+
+    report(out, rank, body)
+
+
+def test_tcp_death_before_the_connections_exist_is_named_by_every_survivor() -> None:
+    n, victim = 4, 3
+    results = run_ranks(n, _dies_before_collective_zero, victim, timeout_s=BLAME_TIMEOUT_S * 3)
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        assert isinstance(result, tuple), result
+        kind, peer, message = result
+        assert (kind, peer) == ("PeerFailureError", victim), f"rank {rank}: {message}"
+        assert f"rank {victim}" in message
+
+
+def _corrupts_its_control_word(rank: int, n: int, port: int, out: Any, case: tuple[int, str, Any, Any]) -> None:
+    """The victim overwrites one word of its own control block between two collectives with a value its code never
+    writes (the campaign does it from outside, through /proc/PID/mem), and joins the next collective only once the
+    others have reported: they read the corrupted word, never a value it rewrote."""
+    from allreduce.runtime.shm._layout import ABORTED_WORD, descriptor_word
+
+    victim, word, survivors, finished_first = case
+    group = allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=BLAME_TIMEOUT_S)
+
+    def body() -> tuple[str, int | None, str]:
+        try:
+            group.all_reduce(np.ones(1024, np.float32))
+            finished_first.wait(timeout=BLAME_TIMEOUT_S)  # nobody reads the victim's block of collective 0 anymore
+            if rank == victim:
+                index = ABORTED_WORD if word == "aborted" else descriptor_word(1)
+                group._transport._views[rank][index] = 1 << 40  # type: ignore[attr-defined]
+                for _ in range(n - 1):
+                    survivors.get(timeout=BLAME_TIMEOUT_S * 2)
+            group.all_reduce(np.ones(1024, np.float32))
+        except allreduce.CollectiveError as exc:
+            if rank != victim:
+                survivors.put(rank)
+            return type(exc).__name__, exc.peer, str(exc)
+        finally:
+            group.close()
+        return "returned", None, ""
+
+    report(out, rank, body)
+
+
+def _corruption_reports(word: str) -> list[Any]:
+    from test_group_harness import SPAWN
+
+    n, victim = 3, 2
+    return run_ranks(
+        n, _corrupts_its_control_word, (victim, word, SPAWN.Queue(), SPAWN.Barrier(n)), timeout_s=BLAME_TIMEOUT_S * 3
+    )
+
+
+def test_shm_corrupt_abort_word_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:
+    for rank, (kind, peer, message) in enumerate(_corruption_reports("aborted")):
+        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
+        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+
+
+def test_shm_corrupt_descriptor_stamp_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:
+    for rank, (kind, peer, message) in enumerate(_corruption_reports("descriptor")):
+        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
+        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+
+
+STALL_TIMEOUT_S = 3.0
+"""The collective timeout of the stall test's group; the stalled rank holds each step four times as long."""
+
+
+def _one_rank_stalls_mid_collective(rank: int, n: int, port: int, out: Any, case: tuple[int, str]) -> None:
+    stalled, transport = case
+    hold_ms = int(STALL_TIMEOUT_S * 4 * 1000)
+    os.environ["ALLREDUCE_INJECT"] = f"hold:rank={stalled}:p=1:ms={hold_ms}"  # this process's own environment
+
+    def body() -> tuple[str, int | None, str]:
+        with allreduce.init(rank, n, master_port=port, transport=transport, timeout_s=STALL_TIMEOUT_S) as group:
+            try:
+                group.all_reduce(np.ones(1 << 16, np.float32), algorithm="ring")
+            except allreduce.CollectiveError as exc:
+                return type(exc).__name__, exc.peer, str(exc)
+        return "returned", None, ""
+
+    report(out, rank, body)
+
+
+def _stall_reports(transport: str) -> list[Any]:
+    # In the ring, only rank 0 receives from rank 3; ranks 1 and 2 wait for ranks 0 and 1, which wait for rank 3.
+    return run_ranks(4, _one_rank_stalls_mid_collective, (3, transport), timeout_s=BLAME_TIMEOUT_S * 3)
+
+
+def test_shm_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
+    for rank, (kind, peer, message) in enumerate(_stall_reports("shm")[:3]):
+        assert peer == 3, f"rank {rank}: {kind}: {message}"
+
+
+def test_tcp_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
+    for rank, (kind, peer, message) in enumerate(_stall_reports("tcp")[:3]):
+        assert peer == 3, f"rank {rank}: {kind}: {message}"
