@@ -1,107 +1,133 @@
-"""The recorder's step API: two clock reads per one-receive step, records equal to what the old API would write.
+"""The recorder: marks written on the hot path, transfer records rebuilt from the call's layout when read.
 
-The clock is real (``time.perf_counter_ns``); the tests bracket each event with their own clock reads, so every
-derived wait and transfer is checked against bounds, never against a wall-clock expectation.
+The marks are written here exactly as the transports write them (a store into ``recorder.tsv``), with chosen
+values, so every rebuilt wait and transfer is checked exactly; the transports' own marks are checked end to end
+on real processes in ``test_stats.py``.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
 
-from allreduce.runtime._stats import TRANSFER_CAPACITY, Recorder
+from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, MARK_MASK, Layout, Recorder
 
 SEQ, STEP, PEER, START, WAIT, MOVE, SIZE = range(7)  # the fields of a transfer record
 
 
-def _records(recorder: Recorder) -> np.ndarray:
-    return recorder.transfers(0)
+def _call(recorder: Recorder, seq: int, layout: Layout, marks: list[int], *, unit: int = 1, end: bool = True) -> None:
+    """One collective as a transport runs it: call_begin, the layout, the marks, call_end (unless it failed)."""
+    recorder.call_begin(marks[0] if marks else 0)
+    recorder.layout, recorder.unit = layout, unit
+    tsv, k = recorder.tsv, recorder.marks
+    for value in marks:
+        tsv[k & MARK_MASK] = value
+        k += 1
+    recorder.marks = k
+    if end:
+        recorder.call_end(seq, 8)
 
 
-def test_a_one_receive_step_is_recorded_when_the_next_step_begins() -> None:
+def test_a_one_receive_step_waits_from_its_start_and_moves_until_the_next_mark() -> None:
     recorder = Recorder(enabled=True)
-    before_step = time.perf_counter_ns()
-    recorder.step(3, 0)
-    between = time.perf_counter_ns()
-    recorder.arrived(1, 4096)
-    assert len(_records(recorder)) == 0  # still open: the move is not over
-    after_arrival = time.perf_counter_ns()
-    recorder.step(3, 1)
-    after_next_step = time.perf_counter_ns()
-    (record,) = _records(recorder)
-    assert tuple(record[[SEQ, STEP, PEER, SIZE]]) == (3, 0, 1, 4096)
-    assert before_step <= record[START] <= between
-    assert 0 <= record[WAIT] <= after_arrival - before_step
-    assert 0 <= record[MOVE] <= after_next_step - between
-
-
-def test_wait_and_move_add_up_to_the_time_between_the_step_and_the_close() -> None:
-    recorder = Recorder(enabled=True)
-    recorder.call_begin()
-    recorder.step(0, 0)
-    recorder.arrived(1, 8)
-    recorder.call_end(0, 8)
-    (record,) = _records(recorder)
+    ring = Layout([(0, [(1, 16)]), (1, [(1, 16)])], concurrent=False)
+    assert ring.marks == 4  # two clock reads per one-receive step
+    _call(recorder, 7, ring, [100, 130, 200, 260], unit=4)
+    first, second = recorder.transfers(0)
+    assert tuple(first) == (7, 0, 1, 100, 30, 70, 64)  # waited 100 -> 130, moved until step 1 began at 200
+    assert tuple(second[[SEQ, STEP, PEER, START, WAIT, SIZE]]) == (7, 1, 1, 200, 60, 64)
     (call,) = recorder.calls(1)
-    # the receive closes at the call's end: start + wait + move is exactly that clock read
-    assert record[START] + record[WAIT] + record[MOVE] == call[2]
+    assert second[MOVE] == call[2] - 260  # the last move ends at the call's end
 
 
-def test_moved_separates_the_receives_of_one_step() -> None:
+def test_receives_of_one_step_wait_one_after_another() -> None:
     recorder = Recorder(enabled=True)
-    recorder.step(5, 2)
-    recorder.arrived(1, 100)
-    t0 = time.perf_counter_ns()
-    recorder.moved()
-    t1 = time.perf_counter_ns()
-    recorder.arrived(3, 300)
-    t2 = time.perf_counter_ns()
-    recorder.moved()
-    first, second = _records(recorder)
-    assert (first[PEER], first[SIZE], second[PEER], second[SIZE]) == (1, 100, 3, 300)
-    assert first[START] == second[START]
-    first_closed = first[START] + first[WAIT] + first[MOVE]
-    assert t0 <= first_closed <= t1
+    layout = Layout([(2, [(1, 100), (3, 300)])], concurrent=False)
+    assert layout.marks == 4  # start, arrived 1, moved 1, arrived 3
+    _call(recorder, 5, layout, [1000, 1010, 1050, 1090])
+    first, second = recorder.transfers(0)
+    assert tuple(first) == (5, 2, 1, 1000, 10, 40, 100)
     # the second wait starts where the first move ended: nothing counted twice, nothing lost
-    assert t1 <= first_closed + second[WAIT] <= t2
+    assert tuple(second[[PEER, START, WAIT, SIZE]]) == (3, 1000, 40, 300)
 
 
-def test_call_begin_drops_a_receive_left_open_by_a_failed_collective() -> None:
+def test_a_step_without_receives_takes_one_mark_and_records_nothing() -> None:
     recorder = Recorder(enabled=True)
-    recorder.call_begin()
-    recorder.step(0, 0)
-    recorder.arrived(1, 8)  # the collective fails here: no step and no call_end follow
-    recorder.call_begin()
-    recorder.step(1, 0)
-    recorder.arrived(2, 8)
-    recorder.call_end(1, 8)
-    (record,) = _records(recorder)
-    assert (record[SEQ], record[PEER]) == (1, 2)
+    layout = Layout([(0, []), (1, [(2, 8)])], concurrent=False)
+    assert layout.marks == 3
+    _call(recorder, 1, layout, [10, 20, 25])
+    (record,) = recorder.transfers(0)
+    assert tuple(record[[STEP, PEER, START, WAIT]]) == (1, 2, 20, 5)
 
 
-def test_the_ring_keeps_the_last_records_when_it_wraps() -> None:
+def test_concurrent_receives_wait_from_the_step_start_to_each_first_byte() -> None:
     recorder = Recorder(enabled=True)
-    total = TRANSFER_CAPACITY + 5
-    for step in range(total):
-        recorder.step(step, 0)
-        recorder.arrived(1, 8)
-    recorder.step(total, 0)
-    records = _records(recorder)
-    assert len(records) == TRANSFER_CAPACITY
-    assert records[-1][SEQ] == total - 1
-    assert records[0][SEQ] == total - TRANSFER_CAPACITY
+    layout = Layout([(0, [(1, 512), (2, 256)])], concurrent=True)
+    assert layout.marks == 5  # start, (first, last) per peer
+    _call(recorder, 3, layout, [0, 40, 90, 10, 70])
+    first, second = recorder.transfers(0)
+    assert tuple(first) == (3, 0, 1, 0, 40, 50, 512)
+    assert tuple(second) == (3, 0, 2, 0, 10, 60, 256)
 
 
-def test_the_step_api_keeps_no_memory_per_step() -> None:
+def test_a_failed_call_leaves_no_records_and_the_next_call_is_read_right() -> None:
     recorder = Recorder(enabled=True)
-    step, arrived = recorder.step, recorder.arrived
-    for i in range(1000):  # warm up: every page of the rings this test touches, every cached int
-        step(0, i)
-        arrived(1, 8)
+    layout = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False)
+    _call(recorder, 0, layout, [1, 2], end=False)  # failed after two of its four marks
+    _call(recorder, 1, layout, [10, 11, 20, 22])
+    records = recorder.transfers(0)
+    assert list(records[:, SEQ]) == [1, 1]
+    assert list(records[:, WAIT]) == [1, 2]
+    assert len(recorder.calls(10)) == 1
+
+
+def test_a_call_that_wrote_fewer_marks_than_its_layout_is_not_read() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False)
+    _call(recorder, 0, layout, [1, 2, 3])  # a transport bug: one mark short
+    assert len(recorder.transfers(0)) == 0
+    assert len(recorder.calls(1)) == 1  # the call itself is still counted
+
+
+def test_calls_whose_marks_the_ring_overwrote_are_dropped_and_the_rest_kept() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)])], concurrent=False)  # two marks per call
+    calls = MARK_CAPACITY // 2 + 3
+    for seq in range(calls):
+        _call(recorder, seq, layout, [10 * seq, 10 * seq + 1])
+    records = recorder.transfers(0)
+    kept = min(MARK_CAPACITY // 2, CALL_CAPACITY)
+    assert len(records) == kept
+    assert records[-1][SEQ] == calls - 1
+    assert np.all(records[:, WAIT] == 1)
+
+
+def test_whole_records_and_rebuilt_ones_come_out_by_seq_then_step() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    recorder.transfer(2, 0, 3, 0, 1, 1, 8)
+    _call(recorder, 1, layout, [5, 6])
+    recorder.transfer(0, 1, 3, 0, 1, 1, 8)
+    records = recorder.transfers(0)
+    assert [(int(r[SEQ]), int(r[STEP])) for r in records] == [(0, 1), (1, 0), (2, 0)]
+
+
+def test_transfers_from_a_seq_on_leave_out_the_earlier_calls() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    for seq in range(5):
+        _call(recorder, seq, layout, [seq, seq + 1])
+    assert list(recorder.transfers(3)[:, SEQ]) == [3, 4]
+
+
+def test_the_hot_path_keeps_no_memory_per_call() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False)
+    marks = [1, 2, 3, 4]
+    for seq in range(2000):  # warm up: every page of the rings this test touches, every cached int
+        _call(recorder, seq, layout, marks)
     blocks = sys.getallocatedblocks()
-    for i in range(10_000):
-        step(0, i)
-        arrived(1, 8)
+    for seq in range(2000, 12_000):
+        _call(recorder, seq, layout, marks)
     assert sys.getallocatedblocks() - blocks < 10

@@ -533,10 +533,10 @@ class ProcessGroup:
         def execute() -> Any:
             if injection is not None:
                 injection.sleep_before_call()
+            started = time.perf_counter_ns()  # one clock read: the call's arrival and the debug log's start
             if recorder.enabled:
-                recorder.call_begin()
+                recorder.call_begin(started)
             seq = self._take_seq()
-            started = time.perf_counter()
             if self._prepare is not None:
                 self._prepare(seq, buf.flat, checksum=checksum)
             descriptors = self._agree(seq, descriptor, timeout)
@@ -551,7 +551,9 @@ class ProcessGroup:
             if recorder.enabled:
                 recorder.call_end(seq, count * dtype.itemsize)
             if self._debug:
-                self._log(collective, chosen.schedule, count * dtype.itemsize, time.perf_counter() - started, seq)
+                self._log(
+                    collective, chosen.schedule, count * dtype.itemsize, (time.perf_counter_ns() - started) * 1e-9, seq
+                )
             return result
 
         # the description is formatted only when a Work needs it (str(dtype) alone costs microseconds)

@@ -1,28 +1,31 @@
 """Per-step wait records of the collectives a rank runs, and the group-wide summary built from them.
 
-Recording is a few integer stores per received transfer into preallocated int64 ring buffers (a flat
-``memoryview`` over a numpy array, the cheapest store CPython has) and one clock read (``time.perf_counter_ns``, a
-vDSO call, no syscall) per event: nothing is allocated per call and nothing is aggregated until
-:func:`summary_row` is asked for. Clock reads are the dearest part (about 60-150 ns each from Python, against
-20-30 ns for a store), so the step API reads the clock once per event and derives the rest:
+What a transport writes while a collective runs is only clock reads (``time.perf_counter_ns``, a vDSO call, no
+syscall), one int64 store each into a preallocated ring of *marks*: nothing is allocated, no method is called, and
+nothing is aggregated until :func:`summary_row` asks. Which peer, which step and how many bytes each mark belongs
+to is not written at all: it is fixed by the call's compiled plan, so the transport hands the recorder that plan's
+:class:`Layout` once per call and the records are rebuilt from it when they are read. Measured on this machine
+(``benchmarks/bench_stats.py``), the earlier design that wrote whole records through method calls cost about
+2 µs per 1 MiB ring all-reduce in place (its code and data are cold after a megabyte streams through the cache);
+marks cost a clock read and a store each.
 
-- :meth:`Recorder.step` (a step begins; the wait for its first receive starts), :meth:`Recorder.arrived` (a
-  peer's data is there: the wait ends, the move starts), :meth:`Recorder.moved` (the move is done: the record is
-  written, and the wait for the step's next receive starts). A step's last receive needs no :meth:`moved`: the
-  next :meth:`step` or :meth:`call_end` closes it, so a step with one receive (ring, halving-doubling, trees)
-  costs two clock reads.
-- :meth:`Recorder.transfer` writes a whole record measured by the caller (a transport whose receives from
-  several peers interleave, such as tcp's poll loop).
+Two kinds of layout, by how a transport receives:
 
-Two rings, owned by :class:`Recorder` (one per transport, ``Transport.recorder``):
+- *sequential* (shm: one receive after another): per step a mark when it begins, then per receive a mark when
+  the peer's data is there and one when it is moved, except the step's last receive, whose move ends at the next
+  mark (the next step's start, or the call's end). A step with one receive costs two clock reads.
+- *concurrent* (tcp: receives from several peers interleave in one poll loop): per step a mark when it begins,
+  then per peer the first and the last byte's arrival.
 
-- *transfers*: one record per received transfer: ``(seq, step, peer, step_start_ns, wait_ns, transfer_ns,
-  size_bytes)``. ``wait_ns`` is how long this rank waited for ``peer``'s data to become available (shm: blocked
-  on the peer's progress counter; tcp: from the step's start until the first byte of the peer's frames; local:
-  until the message was in the hub); ``transfer_ns`` how long moving it took once it was there (a paced link
-  shows here).
-- *calls*: one record per collective: ``(seq, arrival_ns, end_ns, size_bytes)``: when this rank called it and
-  when it returned.
+A transport whose receives are neither (the in-process transport) writes whole records with
+:meth:`Recorder.transfer`.
+
+Rebuilt (or written), each received transfer is one record ``(seq, step, peer, step_start_ns, wait_ns,
+transfer_ns, size_bytes)``: ``wait_ns`` is how long this rank waited for ``peer``'s data to become available (shm:
+blocked on the peer's progress counter; tcp: from the step's start until the first byte of the peer's frames;
+local: until the message was in the hub); ``transfer_ns`` how long moving it took once it was there (a paced link
+shows here). Each collective is one call record ``(seq, arrival_ns, end_ns, size_bytes)``: when this rank called
+it and when it returned. A collective that fails leaves no call record, and its marks are never read.
 
 How a rank that arrived late is found without comparing clocks across hosts: every rank leaves a collective at
 about the same time (it is a barrier), so a rank that arrived late spends less time in it; its lateness in call
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -40,9 +44,12 @@ import numpy.typing as npt
 
 __all__ = [
     "CALL_CAPACITY",
+    "MARK_CAPACITY",
+    "MARK_MASK",
     "STANDOUT_RATIO",
     "TRANSFER_CAPACITY",
     "GroupStats",
+    "Layout",
     "LinkStats",
     "RankStats",
     "Recorder",
@@ -52,7 +59,13 @@ __all__ = [
 ]
 
 TRANSFER_CAPACITY = 1 << 16
-"""Transfers kept (a ring): 65,536 × 7 int64 = 3.5 MiB, enough for the last 1,000 ring all-reduces of 32 ranks."""
+"""Whole records kept (a ring, for :meth:`Recorder.transfer`): 65,536 × 7 int64 = 3.5 MiB."""
+
+MARK_CAPACITY = 1 << 17
+"""Marks kept (a ring): 1 MiB, the last 1,000 ring all-reduces of 64 ranks (2 marks per step)."""
+
+MARK_MASK = MARK_CAPACITY - 1
+"""A mark's slot is its running number ``& MARK_MASK``."""
 
 CALL_CAPACITY = 1 << 14
 """Collectives kept (a ring): the most ``stats(last=K)`` can look back."""
@@ -64,92 +77,121 @@ times the runner-up's: in a healthy run the argmax is noise, and naming it would
 _clock = time.perf_counter_ns
 
 _TRANSFER_FIELDS = 7  # seq, step, peer, step_start_ns, wait_ns, transfer_ns, size_bytes
-_CALL_FIELDS = 4  # seq, arrival_ns, end_ns, size_bytes
+_CALL_FIELDS = 7  # seq, arrival_ns, end_ns, size_bytes, first mark, marks written, unit bytes
+_NO_MARKS = -1  # the call wrote no marks (its transport writes whole records, or it has no layout)
 
 
-_NO_PEER = -1  # no receive is open
+class Layout:
+    """What the marks of one call of a compiled plan mean (see the module docstring).
+
+    ``steps``: per step, its index and its receives in the order the transport marks them, each ``(peer,
+    units)``; a record's size is ``units`` × the call's unit (shm: elements, with the itemsize as the unit; tcp:
+    bytes). Built once per compiled plan, so nothing of it is computed on the hot path."""
+
+    __slots__ = ("arrive", "begin", "concurrent", "end", "marks", "peer", "start", "step", "units")
+
+    def __init__(self, steps: Iterable[tuple[int, Sequence[tuple[int, int]]]], *, concurrent: bool) -> None:
+        self.concurrent = concurrent
+        step_of, peer, units, start, begin, arrive, end = [], [], [], [], [], [], []
+        pos = 0
+        for index, recvs in steps:
+            first = pos
+            for i, (p, u) in enumerate(recvs):
+                step_of.append(index)
+                peer.append(p)
+                units.append(u)
+                start.append(first)
+                if concurrent:  # start, then (first byte, last byte) per peer
+                    begin.append(first)
+                    arrive.append(first + 1 + 2 * i)
+                    end.append(first + 2 + 2 * i)
+                else:  # start, arrived_1, moved_1, ..., arrived_R (moved_R is the next mark)
+                    begin.append(first if i == 0 else first + 2 * i)
+                    arrive.append(first + 1 + 2 * i)
+                    end.append(first + 2 + 2 * i)
+            pos += 1 + 2 * len(recvs) if concurrent else max(1, 2 * len(recvs))
+        self.marks = pos
+        """Marks one call writes."""
+
+        def column(values: list[int]) -> npt.NDArray[np.int64]:
+            return np.array(values, dtype=np.int64)
+
+        self.step, self.peer, self.units = column(step_of), column(peer), column(units)
+        self.start, self.begin, self.arrive, self.end = column(start), column(begin), column(arrive), column(end)
+
+    def records(self, calls: npt.NDArray[np.int64], marks: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The transfer records of ``calls`` (call records of this layout), from their ``marks`` (one row each,
+        ``self.marks`` wide); the call's end is the mark after the last."""
+        n, r = len(calls), len(self.step)
+        if n == 0 or r == 0:
+            return np.zeros((0, _TRANSFER_FIELDS), np.int64)
+        m = np.concatenate([marks, calls[:, 2:3]], axis=1)
+        out = np.empty((n, r, _TRANSFER_FIELDS), np.int64)
+        out[:, :, 0] = calls[:, 0:1]
+        out[:, :, 1] = self.step
+        out[:, :, 2] = self.peer
+        out[:, :, 3] = m[:, self.start]
+        arrived = m[:, self.arrive]
+        out[:, :, 4] = np.maximum(arrived - m[:, self.begin], 0)
+        out[:, :, 5] = np.maximum(m[:, self.end] - arrived, 0)
+        out[:, :, 6] = self.units * calls[:, 6:7]
+        return out.reshape(n * r, _TRANSFER_FIELDS)
 
 
 class Recorder:
-    """The two rings of one rank (see the module docstring). ``enabled`` False makes transports skip it."""
+    """The rings of one rank (see the module docstring). ``enabled`` False makes transports skip it.
+
+    The hot path, as a transport writes it (``k`` a local copy of :attr:`marks`)::
+
+        recorder.layout, recorder.unit = plan.layout, itemsize
+        tsv, k = recorder.tsv, recorder.marks
+        tsv[k & MARK_MASK] = clock(); k += 1     # once per mark
+        recorder.marks = k
+    """
 
     __slots__ = (
         "_arrival_ns",
-        "_arrived_ns",
         "_c",
+        "_call_layouts",
         "_calls",
-        "_mark_ns",
-        "_open_peer",
-        "_open_size",
-        "_seq",
-        "_step",
-        "_step_start_ns",
+        "_first_mark",
+        "_marks",
         "_t",
         "_transfers",
         "calls_recorded",
         "enabled",
+        "layout",
+        "marks",
         "transfers_recorded",
+        "tsv",
+        "unit",
     )
 
     def __init__(self, *, enabled: bool = False) -> None:
         self.enabled = enabled
         self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
         self._calls = np.zeros((CALL_CAPACITY, _CALL_FIELDS), np.int64)
+        self._marks = np.zeros(MARK_CAPACITY, np.int64)
         self._t = memoryview(self._transfers.data).cast("B").cast("q")
         self._c = memoryview(self._calls.data).cast("B").cast("q")
+        self.tsv = memoryview(self._marks.data).cast("B").cast("q")
+        """The marks ring, for the transports' stores."""
+        self._call_layouts: list[Layout | None] = [None] * CALL_CAPACITY
         self.transfers_recorded = 0
         self.calls_recorded = 0
+        self.marks = 0
+        """Marks written so far (a running number: the next one goes to slot ``marks & MARK_MASK``)."""
+        self.layout: Layout | None = None
+        """The running call's layout, set by its transport before the first mark."""
+        self.unit = 1
+        """Bytes per layout unit in the running call."""
         self._arrival_ns = 0
-        # the step API's state: the step under way, the receive open in it, when its wait began
-        self._seq = self._step = 0
-        self._step_start_ns = self._mark_ns = self._arrived_ns = 0
-        self._open_peer = _NO_PEER
-        self._open_size = 0
-
-    def step(self, seq: int, step: int) -> None:
-        """Step ``step`` of collective ``seq`` begins: the wait for its first receive starts (one clock read)."""
-        now = _clock()
-        if self._open_peer != _NO_PEER:
-            self._close(now)
-        self._seq = seq
-        self._step = step
-        self._step_start_ns = self._mark_ns = now
-
-    def arrived(self, peer: int, size_bytes: int) -> None:
-        """``peer``'s ``size_bytes`` for this step are there to read: the wait ends, the move begins (one clock
-        read). A receive still open (no :meth:`moved` since the last ``arrived``) is closed now."""
-        now = _clock()
-        if self._open_peer != _NO_PEER:
-            self._close(now)
-        self._open_peer = peer
-        self._open_size = size_bytes
-        self._arrived_ns = now
-
-    def moved(self) -> None:
-        """The data of the last :meth:`arrived` is moved (one clock read): its record is written and the wait for
-        the step's next receive starts. Needed only between receives of one step."""
-        self._close(_clock())
-
-    def _close(self, now: int) -> None:
-        n = self.transfers_recorded
-        i = (n & (TRANSFER_CAPACITY - 1)) * _TRANSFER_FIELDS
-        t = self._t
-        arrived = self._arrived_ns
-        t[i] = self._seq
-        t[i + 1] = self._step
-        t[i + 2] = self._open_peer
-        t[i + 3] = self._step_start_ns
-        t[i + 4] = arrived - self._mark_ns
-        t[i + 5] = now - arrived
-        t[i + 6] = self._open_size
-        self.transfers_recorded = n + 1
-        self._mark_ns = now
-        self._open_peer = _NO_PEER
+        self._first_mark = 0
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
         self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
     ) -> None:
-        """Record one received transfer (called by the transports, once per receive)."""
+        """Record one received transfer whole (for a transport whose receives no :class:`Layout` describes)."""
         n = self.transfers_recorded
         i = (n & (TRANSFER_CAPACITY - 1)) * _TRANSFER_FIELDS
         t = self._t
@@ -162,34 +204,66 @@ class Recorder:
         t[i + 6] = size_bytes
         self.transfers_recorded = n + 1
 
-    def call_begin(self) -> None:
-        """This rank called a collective (its arrival); a receive left open by a failed collective is dropped."""
-        self._open_peer = _NO_PEER
-        self._arrival_ns = _clock()
+    def call_begin(self, now_ns: int | None = None) -> None:
+        """This rank called a collective (its arrival, ``now_ns`` if the caller read the clock already)."""
+        self._arrival_ns = _clock() if now_ns is None else now_ns
+        self.layout = None
+        self._first_mark = self.marks
 
     def call_end(self, seq: int, size_bytes: int) -> None:
-        """The collective ``seq`` that began at the last :meth:`call_begin` returned (closing its last receive)."""
+        """The collective ``seq`` that began at the last :meth:`call_begin` returned: its call record."""
         now = _clock()
-        if self._open_peer != _NO_PEER:
-            self._close(now)
         n = self.calls_recorded
-        i = (n & (CALL_CAPACITY - 1)) * _CALL_FIELDS
+        slot = n & (CALL_CAPACITY - 1)
+        i = slot * _CALL_FIELDS
         c = self._c
         c[i] = seq
         c[i + 1] = self._arrival_ns
         c[i + 2] = now
         c[i + 3] = size_bytes
+        layout = self.layout
+        if layout is None:
+            c[i + 4] = _NO_MARKS
+        else:
+            c[i + 4] = self._first_mark
+            c[i + 5] = self.marks - self._first_mark
+            c[i + 6] = self.unit
+        self._call_layouts[slot] = layout
         self.calls_recorded = n + 1
+
+    def _kept_call_rows(self, last: int) -> npt.NDArray[np.int64]:
+        n = min(self.calls_recorded, CALL_CAPACITY, last)
+        rows: npt.NDArray[np.int64] = np.arange(self.calls_recorded - n, self.calls_recorded) & (CALL_CAPACITY - 1)
+        return rows
 
     def calls(self, last: int) -> npt.NDArray[np.int64]:
         """The last ``last`` call records, oldest first (rows of seq, arrival_ns, end_ns, size_bytes)."""
-        n = min(self.calls_recorded, CALL_CAPACITY, last)
-        rows = np.arange(self.calls_recorded - n, self.calls_recorded) & (CALL_CAPACITY - 1)
-        out: npt.NDArray[np.int64] = self._calls[rows]
+        out: npt.NDArray[np.int64] = self._calls[self._kept_call_rows(last), :4]
         return out
 
     def transfers(self, first_seq: int) -> npt.NDArray[np.int64]:
-        """The transfer records kept of collectives ``first_seq`` and later, oldest first."""
+        """The transfer records kept of collectives ``first_seq`` and later, oldest first (by seq, then step)."""
+        parts = [self._written_transfers(first_seq)]
+        rows = self._kept_call_rows(CALL_CAPACITY)
+        calls = self._calls[rows]
+        keep = (calls[:, 0] >= first_seq) & (calls[:, 4] != _NO_MARKS)
+        # marks overwritten since (the ring wrapped) are gone: so are those calls' records
+        keep &= calls[:, 4] >= self.marks - MARK_CAPACITY
+        by_layout: dict[int, tuple[Layout, list[int]]] = {}
+        for j in np.flatnonzero(keep):
+            layout = self._call_layouts[int(rows[j])]
+            if layout is not None and calls[j, 5] == layout.marks:  # a call cut short wrote fewer
+                by_layout.setdefault(id(layout), (layout, []))[1].append(int(j))
+        for layout, picked in by_layout.values():
+            mine = calls[picked]
+            at = (mine[:, 4:5] + np.arange(layout.marks)) & MARK_MASK
+            parts.append(layout.records(mine, self._marks[at]))
+        records = np.concatenate(parts)
+        order = np.lexsort((records[:, 1], records[:, 0]))
+        out: npt.NDArray[np.int64] = records[order]
+        return out
+
+    def _written_transfers(self, first_seq: int) -> npt.NDArray[np.int64]:
         n = min(self.transfers_recorded, TRANSFER_CAPACITY)
         rows = np.arange(self.transfers_recorded - n, self.transfers_recorded) & (TRANSFER_CAPACITY - 1)
         records = self._transfers[rows]

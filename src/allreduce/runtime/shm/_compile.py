@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._stats import Layout
 
 __all__ = ["IN_BOTH", "IN_USER", "IN_WORK", "Piece", "Program", "Receive", "StepProgram", "Wait", "compile_program"]
 
@@ -86,6 +87,7 @@ class Program:
     final_waits: tuple[Wait, ...]
     copyouts: tuple[tuple[int, int], ...]
     max_crc_slots: int
+    layout: Layout  # what the recorder's marks of one call mean (sequential: one receive after another)
 
 
 def _merge_waits(waits: dict[int, int]) -> tuple[Wait, ...]:
@@ -198,4 +200,5 @@ def compile_program(plan: RankPlan, in_shm: bool) -> Program:
         copyouts = tuple(
             (a, b) for a, b, _ in _runs([(cuts[i], cuts[i + 1], None) for i in range(n_int) if loc[i] == IN_WORK])
         )
-    return Program(tuple(steps), _merge_waits(final), copyouts, max_slots)
+    layout = Layout(((st.index, [(rv.peer, rv.stop - rv.start) for rv in st.recvs]) for st in steps), concurrent=False)
+    return Program(tuple(steps), _merge_waits(final), copyouts, max_slots, layout)

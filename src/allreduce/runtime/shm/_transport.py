@@ -43,6 +43,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import ChecksumError, CollectiveError
 from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._stats import MARK_MASK
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
 from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
 from allreduce.runtime.shm._layout import (
@@ -469,12 +470,18 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         injection = self.injection
         clock = time.perf_counter_ns
         arrived = 0
+        # the recorder's marks (see allreduce.runtime._stats): a clock read and a store each, nothing else
+        rec = recorder is not None
+        tsv, k = (recorder.tsv, recorder.marks) if recorder is not None else (None, 0)
+        if recorder is not None:
+            recorder.layout, recorder.unit = program.layout, dtype.itemsize
         try:
             for st in program.steps:
                 if injection is not None:
                     injection.hold_step()
-                if recorder is not None:
-                    recorder.step(seq, st.index)
+                if rec:
+                    tsv[k & MARK_MASK] = clock()  # type: ignore[index]
+                    k += 1
                 # send: this step's sent ranges must be readable where this rank published them
                 if st.copyins:
                     self._copy_in(st, user, work, base=base, seq=seq, deadline=deadline)
@@ -494,9 +501,10 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                     peer = rv.peer
                     wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
                          what="its data for this step", step=st.index)  # fmt: skip
-                    if recorder is not None:
-                        recorder.arrived(peer, (rv.stop - rv.start) * dtype.itemsize)
-                    if injection is not None:
+                    if rec:
+                        tsv[k & MARK_MASK] = arrived = clock()  # type: ignore[index]
+                        k += 1
+                    elif injection is not None:
                         arrived = clock()
                     source: npt.NDArray[Any] | Remote
                     if views[peer][BUFFER_SEGMENT_WORD] == IN_EAGER_SNAPSHOT:
@@ -531,8 +539,9 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                             arrays[pc.dst][a:b] = source[a - shift : b - shift]
                     if injection is not None:
                         injection.pace(peer, (rv.stop - rv.start) * dtype.itemsize, arrived)
-                    if recorder is not None and len(st.recvs) > 1:
-                        recorder.moved()  # the next receive's wait starts now (a single one closes at the next step)
+                    if rec and rv is not st.recvs[-1]:  # the step's last move ends at the next mark
+                        tsv[k & MARK_MASK] = clock()  # type: ignore[index]
+                        k += 1
                 self._publish(READ_DONE_WORD, base + st.index + 1)
                 # staged receives land once the readers of this step are done with the range
                 for pc, tmp in staged.values():
@@ -540,6 +549,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                         wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
                              what="reading data this step overwrites", step=st.index)  # fmt: skip
                     arrays[pc.dst][pc.start : pc.stop] = tmp
+            if recorder is not None:
+                recorder.marks = k
         finally:
             peer_arrays.clear()
 

@@ -12,6 +12,7 @@ import zlib
 from dataclasses import dataclass, replace
 
 from allreduce.runtime._plan import RankPlan
+from allreduce.runtime._stats import Layout
 
 __all__ = ["WINDOW_BYTES", "PreparedPlan", "PreparedStep", "RecvSpec", "SendSpec", "prepare"]
 
@@ -50,6 +51,7 @@ class PreparedStep:
     sends: tuple[SendSpec, ...]
     recvs: tuple[RecvSpec, ...]
     send_bytes: int  # what the step sends, over all its peers
+    recv_peers: tuple[int, ...]  # the peers it receives from, each once, in the order the recorder marks them
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,7 @@ class PreparedPlan:
     steps: tuple[PreparedStep, ...]
     scratch_bytes: int
     peers: frozenset[int]  # every rank the plan exchanges data with
+    layout: Layout  # what the recorder's marks of one call mean (concurrent: first and last byte per peer)
 
 
 def plan_tag(plan: RankPlan, itemsize: int) -> int:
@@ -68,6 +71,7 @@ def plan_tag(plan: RankPlan, itemsize: int) -> int:
 def prepare(plan: RankPlan, itemsize: int, *, checksum: bool) -> PreparedPlan:
     """Compile ``plan`` for elements of ``itemsize`` bytes (``checksum``: reductions are verified whole first)."""
     steps = []
+    layout_steps: list[tuple[int, list[tuple[int, int]]]] = []
     scratch_bytes = 0
     for step in plan.steps:
         sends = tuple(SendSpec(t.peer, t.start * itemsize, t.stop * itemsize, t.block, t.segment) for t in step.sends)
@@ -111,5 +115,10 @@ def prepare(plan: RankPlan, itemsize: int, *, checksum: bool) -> PreparedPlan:
         recvs = [r if r.staged or not r.reduce else replace(r, scratch_offset=peer_region[r.peer]) for r in recvs]
         scratch_bytes = max(scratch_bytes, offset)
         send_bytes = sum(s.byte_stop - s.byte_start for s in sends)
-        steps.append(PreparedStep(step.index, sends, tuple(recvs), send_bytes))
-    return PreparedPlan(plan_tag(plan, itemsize), tuple(steps), scratch_bytes, plan.peers)
+        received: dict[int, int] = {}
+        for r in recvs:
+            received[r.peer] = received.get(r.peer, 0) + r.byte_stop - r.byte_start
+        steps.append(PreparedStep(step.index, sends, tuple(recvs), send_bytes, tuple(received)))
+        layout_steps.append((step.index, list(received.items())))
+    layout = Layout(layout_steps, concurrent=True)
+    return PreparedPlan(plan_tag(plan, itemsize), tuple(steps), scratch_bytes, plan.peers, layout)

@@ -38,7 +38,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError
 from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._stats import Recorder
+from allreduce.runtime._stats import MARK_MASK
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
 from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
@@ -60,7 +60,7 @@ from allreduce.runtime.tcp._handshake import (
 from allreduce.runtime.tcp._listener import Listener, listening_socket
 from allreduce.runtime.tcp._loop import Sender, exchange
 from allreduce.runtime.tcp._pair import Pair
-from allreduce.runtime.tcp._prepared import WINDOW_BYTES, PreparedPlan, prepare
+from allreduce.runtime.tcp._prepared import WINDOW_BYTES, PreparedPlan, PreparedStep, prepare
 from allreduce.runtime.tcp._socket import drain_and_close, host_key, is_loopback, send_until, tune
 
 __all__ = [
@@ -486,10 +486,17 @@ class TcpTransport(Transport):
             self._ensure_connected(prepared.peers, deadline, f"collective {seq} ({plan.schedule_name})")
         recorder = self.recorder if self.recorder.enabled else None
         injection = self.injection
+        # the recorder's marks (see allreduce.runtime._stats): a clock read and a store each, nothing else
+        tsv, k = (recorder.tsv, recorder.marks) if recorder is not None else (None, 0)
+        if recorder is not None:
+            recorder.layout, recorder.unit = prepared.layout, 1
         for step in prepared.steps:
             if injection is not None:
                 injection.hold_step()
             step_start = time.perf_counter_ns() if recorder is not None else 0
+            if tsv is not None:
+                tsv[k & MARK_MASK] = step_start
+                k += 1
             arrivals: dict[int, list[int]] | None = {} if recorder is not None or injection is not None else None
             sends = []
             for spec in step.sends:
@@ -552,12 +559,21 @@ class TcpTransport(Transport):
                 sender=sender,
                 arrivals=arrivals,
             )
-            if arrivals is not None:
-                self._record_step(
-                    recorder, seq=seq, step=step.index, step_start=step_start, recvs=recvs, arrivals=arrivals
-                )
+            if injection is not None and arrivals is not None:
+                self._pace_step(step, arrivals)
+            if tsv is not None and arrivals is not None:
+                for peer in step.recv_peers:  # first and last byte, in the layout's order
+                    first_last = arrivals.get(peer)
+                    if first_last is None:
+                        tsv[k & MARK_MASK] = tsv[(k + 1) & MARK_MASK] = step_start
+                    else:
+                        tsv[k & MARK_MASK] = first_last[0] or first_last[1]
+                        tsv[(k + 1) & MARK_MASK] = first_last[1]
+                    k += 2
             self._frames_sent += len(sends)
             self._frames_received += len(recvs)
+        if recorder is not None:
+            recorder.marks = k
 
     def _exchange(self, seq: int, **kwargs: Any) -> None:
         """:func:`exchange` over this rank's connections, whose timeout names the root of the stall
@@ -599,28 +615,16 @@ class TcpTransport(Transport):
             return peer, []  # the store cannot tell: name the rank this one waited for
         return chain[-1], links
 
-    def _record_step(
-        self,
-        recorder: Recorder | None,
-        *,
-        seq: int,
-        step: int,
-        step_start: int,
-        recvs: list[tuple[int, InFrame]],
-        arrivals: dict[int, list[int]],
-    ) -> None:
-        """Pace the injected slow links, then record each peer's wait (to its first byte) and transfer."""
-        sizes: dict[int, int] = {}
-        for peer, frame in recvs:
-            sizes[peer] = sizes.get(peer, 0) + frame.length
-        for peer, size_bytes in sizes.items():
-            first, last = arrivals.get(peer, (step_start, step_start))
-            if self.injection is not None and self.injection.paces(peer):
-                self.injection.pace(peer, size_bytes, first)
-                last = max(last, time.perf_counter_ns())
-            if recorder is not None:
-                recorder.transfer(seq, step, peer, step_start, max(first - step_start, 0), max(last - first, 0),
-                                  size_bytes)  # fmt: skip
+    def _pace_step(self, step: PreparedStep, arrivals: dict[int, list[int]]) -> None:
+        """Pace the injected slow links of this step (its last byte moves to when the pacing let it through)."""
+        injection = self.injection
+        assert injection is not None
+        for peer in step.recv_peers:
+            if injection.paces(peer) and peer in arrivals:
+                first_last = arrivals[peer]
+                size_bytes = sum(r.byte_stop - r.byte_start for r in step.recvs if r.peer == peer)
+                injection.pace(peer, size_bytes, first_last[0] or first_last[1])
+                first_last[1] = max(first_last[1], time.perf_counter_ns())
 
     # ------------------------------------------------------------------------------------------------ endings
     def _release(self) -> None:
