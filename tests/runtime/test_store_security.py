@@ -361,3 +361,30 @@ def test_idle_connections_hold_no_thread_and_are_closed(store: TCPStore) -> None
         for sock in idle:
             sock.close()
     assert store.get("allreduce/host/1") == b"here"
+
+
+def _anonymous_token_writer(port: int, token: str, keys: list[str], out: Any) -> None:
+    """As an anonymous client of another process that knows the job's token, try to set each key; report."""
+    results = {}
+    with TCPStore("127.0.0.1", port, is_server=False, world_size=3, rank=-1, timeout_s=TIMEOUT_S, token=token) as c:
+        for key in keys:
+            try:
+                c.set(key, b"junk")
+                results[key] = "set"
+            except ValueError as exc:
+                results[key] = str(exc)
+    out.put(results)
+
+
+def test_an_anonymous_token_holder_of_another_process_writes_no_key_a_rank_owns() -> None:
+    token = "campaign-insider-token"
+    keys = ["tcp/addr/1", "allreduce/host/2", "allreduce/job", "user/notes"]
+    with TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=TIMEOUT_S, token=token) as host:
+        out = SPAWN.Queue()
+        proc = SPAWN.Process(target=_anonymous_token_writer, args=(host.port, token, keys, out))
+        proc.start()
+        results = out.get(timeout=TIMEOUT_S)
+        proc.join(TIMEOUT_S)
+    assert results["user/notes"] == "set"
+    for key, owner in (("tcp/addr/1", 1), ("allreduce/host/2", 2), ("allreduce/job", 0)):
+        assert f"key {key!r} belongs to rank {owner}; an anonymous client" in results[key]

@@ -12,8 +12,9 @@ Who may do what (the threat model is in docs/security.md): a client is a rank of
 rank), or anonymous. Without a token, an anonymous client is admitted only from the hosting process itself (the
 listener has verified its pid); with a token, knowing it is the proof. Keys under ``__`` are the server's
 (``__dead__/<rank>``, :data:`GROUP_SECRET_KEY`): clients read them, never write them. A key ``<prefix>/<r>``,
-``r`` a rank of the group, is rank ``r``'s: only ``r`` and the anonymous clients (which act for the job) write
-it. Sizes are bounded: a value (:data:`MAX_VALUE_BYTES`), everything stored
+``r`` a rank of the group, is rank ``r``'s (and ``allreduce/job`` rank 0's): only ``r`` and an anonymous client
+of the hosting process itself write it; an anonymous client from another process, admitted for the token it
+knows, writes only keys no rank owns. Sizes are bounded: a value (:data:`MAX_VALUE_BYTES`), everything stored
 (:data:`MAX_STORED_BYTES`), anonymous connections (:data:`MAX_ANONYMOUS_CLIENTS`), and what one connection may
 have in flight (one request: clients never pipeline, so the server reads no further until it has answered).
 """
@@ -121,6 +122,10 @@ def check_key(key: str) -> None:
         raise TypeError(f"store keys are str, got {type(key).__name__}")
     if not key or KEY_SEPARATOR in key or len(key.encode()) > MAX_KEY_BYTES:
         raise ValueError(f"bad store key {key!r}: must be non-empty, without NUL, at most {MAX_KEY_BYTES} bytes")
+
+
+_RANK_ZERO_KEYS = frozenset({"allreduce/job"})
+"""Keys without a rank in their name that rank 0 alone publishes (the job's id)."""
 
 
 def _owner_of(key: str) -> int | None:
@@ -400,9 +405,13 @@ class StoreServer:
         """Why ``conn`` may not write ``key``, or None."""
         if key.startswith(RESERVED_PREFIX):
             return f"key {key!r} is the store's own (keys under {RESERVED_PREFIX!r} are read-only)"
-        owner = _owner_of(key)
-        # Anonymous clients are admitted only from the hosting process or with the token: they act for the job.
-        if conn.rank is None or owner is None or owner >= self._world_size or owner == conn.rank:
+        owner = 0 if key in _RANK_ZERO_KEYS else _owner_of(key)
+        if owner is None or owner >= self._world_size or owner == conn.rank:
+            return None
+        # The hosting process's own anonymous client acts for the job (a harness hosting the store); one from
+        # another process, admitted for the token it knows, writes only keys no rank owns: it cannot rewrite where
+        # a rank listens, which host it is on, or which job this is.
+        if conn.rank is None and conn.pid == os.getpid():
             return None
         return f"key {key!r} belongs to rank {owner}; {conn.who} may not write it"
 
