@@ -583,7 +583,7 @@ class TcpTransport(Transport):
         except CollectiveTimeoutError as exc:
             if exc.peer is None:
                 raise
-            root, links = self._stall_root(seq, exc.peer)
+            root, links = self._stall_root(exc.peer)
             if root == exc.peer:
                 raise
             raise CollectiveTimeoutError(
@@ -593,11 +593,15 @@ class TcpTransport(Transport):
                 step=exc.step,
             ) from exc
 
-    def _stall_root(self, seq: int, peer: int) -> tuple[int, list[str]]:
-        """Publish that this rank timed out waiting for ``peer`` in collective ``seq``, then follow the ranks' such
+    def _stall_root(self, peer: int) -> tuple[int, list[str]]:
+        """Publish that this rank timed out waiting for ``peer``, then follow the ranks' such
         records from ``peer`` on: the first rank that publishes none within :data:`STALL_GRACE_S` is the root,
-        returned with the links followed ("rank A waited for rank B"), from the root back."""
-        key = f"{self._prefix}/waited/{seq}/"
+        returned with the links followed ("rank A waited for rank B"), from the root back.
+
+        The records are per rank, not per collective: a rank one collective behind (still in ``seq - 1``, blocked
+        on the stalled rank there) is what the ranks ahead of it wait for, and a timeout ends the group, so every
+        record is of this one stall."""
+        key = f"{self._prefix}/waited/"
         links: list[str] = []
         try:
             self._store.set(key + str(self.rank), str(peer).encode())
