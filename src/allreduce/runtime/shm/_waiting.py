@@ -125,24 +125,25 @@ class PeerWaiting:
         address = self._addr[peer] + 8 * word
         sleeper = SLEEPERS_WORD + self.rank
         me = self._views[self.rank]
-        me[WAITING_FOR_WORD] = peer  # read by ranks that time out waiting for this one (blame's chain)
-        try:
-            while True:
-                seen = view[word]
-                if seen >= target:
-                    return
-                self._check_peers(peer, word, target, seq=seq, what=what, step=step)
-                now = time.monotonic()
-                if now >= deadline:
-                    if view[word] >= target:
-                        return
-                    raise self._timeout_error(peer, seq=seq, what=what, step=step)
-                view[sleeper] = 1
-                if view[word] == seen:
-                    futex_wait(address, seen, min(POLL_S, deadline - now))
-                view[sleeper] = 0
-        finally:
-            me[WAITING_FOR_WORD] = NOT_WAITING
+        # Read by ranks that time out waiting for this one (blame's chain). Cleared only when the wait succeeds: a
+        # rank that gave up keeps saying whom it waited for, so a rank timing out just after it still follows the
+        # chain through it to the root.
+        me[WAITING_FOR_WORD] = peer
+        while True:
+            seen = view[word]
+            if seen >= target:
+                break
+            self._check_peers(peer, word, target, seq=seq, what=what, step=step)
+            now = time.monotonic()
+            if now >= deadline:
+                if view[word] >= target:
+                    break
+                raise self._timeout_error(peer, seq=seq, what=what, step=step)
+            view[sleeper] = 1
+            if view[word] == seen:
+                futex_wait(address, seen, min(POLL_S, deadline - now))
+            view[sleeper] = 0
+        me[WAITING_FOR_WORD] = NOT_WAITING
 
     def _timeout_error(self, peer: int, *, seq: int, what: str, step: int) -> CollectiveTimeoutError:
         """The timeout waiting for ``peer``, naming the rank at the root of the wait: a peer whose process is
