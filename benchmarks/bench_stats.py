@@ -9,6 +9,9 @@ jobs hurts both alike. The table shows rank 0's median time per call with record
 loaded machine; "A/A" is the ratio of medians between two sets of off calls in balanced positions: the noise floor
 of the comparison. The calls follow ``_BLOCK``, so neither mode owns a position.
 
+The header's "in situ" lines measure the same writes in one process with the data streamed through the caches
+between them, as in a real call (the recorder's code and data are cold then): what the recording costs in place.
+
 The last column is the CPU cost of what a ring all-reduce records per call (2(N-1) steps of one receive, two
 marks each, and the call's own record), measured in-process as the minimum over short repeats (what the code costs
 with hot caches and no preemption), over the median all-reduce time. In a real call the recorder's code and data
@@ -25,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from allreduce.runtime import spawn
-from allreduce.runtime._stats import MARK_MASK, Recorder
+from allreduce.runtime._stats import MARK_MASK, Layout, Recorder
 from allreduce.units import format_bytes, parse_size_range
 
 _BLOCK = np.array([1, 0, 0, 1, 0, 1, 1, 0], dtype=bool)
@@ -37,7 +40,7 @@ _BATCH_S = 0.05
 """Target length of one batch: long enough to average many calls, short enough for many alternations."""
 
 
-def _rank(group: Any, sizes: list[int], rounds: int) -> list[tuple[float, float, float, float]]:
+def _rank(group: Any, sizes: list[int], rounds: int, run: int) -> list[tuple[float, float, float, float]]:
     recorder = group.transport.recorder  # toggled per call: the group's setter would add a queue round trip
     out = []
     for size in sizes:
@@ -49,8 +52,8 @@ def _rank(group: Any, sizes: list[int], rounds: int) -> list[tuple[float, float,
         # every rank must run the same number of calls: rank 0 decides and tells the others
         iters_arr = np.array([max(4, int(_BATCH_S / max(time.perf_counter() - start, 1e-6)))], np.float64)
         group.broadcast(iters_arr)
-        calls = _BLOCK.size * max(1, int(iters_arr[0]) * rounds // _BLOCK.size)
-        recording = np.tile(_BLOCK, calls // _BLOCK.size)
+        calls = _BLOCK.size * run * max(1, int(iters_arr[0]) * rounds // (_BLOCK.size * run))
+        recording = np.repeat(np.tile(_BLOCK, calls // (_BLOCK.size * run)), run)
         times = np.empty(calls)
         clock = time.perf_counter
         for i in range(calls):
@@ -62,7 +65,7 @@ def _rank(group: Any, sizes: list[int], rounds: int) -> list[tuple[float, float,
         on_times, off_times = times[recording], times[~recording]
         on, off = float(np.median(on_times)), float(np.median(off_times))
         # adjacent (on, off) pairs of each block: (0, 1), (3, 2), (5, 4), (6, 7), on first in half of them
-        blocks = times.reshape(-1, _BLOCK.size)
+        blocks = np.median(times.reshape(-1, run), axis=1).reshape(-1, _BLOCK.size)  # runs' medians
         paired = float(np.median(blocks[:, [0, 3, 5, 6]] / blocks[:, [1, 2, 4, 7]]))
         off_a, off_b = blocks[:, [1, 2]], blocks[:, [4, 7]]
         same = float(np.median(off_a) / np.median(off_b))
@@ -102,17 +105,70 @@ def _mark_step_cost_s() -> float:
 
 
 def _call_cost_s() -> float:
-    """The call's own record: ``call_begin`` and ``call_end``."""
+    """The call's own part of the stream: arrival, the unit, the steps' end, the tail (the group writes them
+    inline; here through :meth:`Recorder.begin` and :meth:`Recorder.commit`, so a little dearer)."""
     recorder = Recorder(enabled=True)
-    begin, end = recorder.call_begin, recorder.call_end
+    begin, commit = recorder.begin, recorder.commit
     clock = time.perf_counter_ns
 
     def calls() -> None:
         for i in range(_COST_STEPS):
             begin(clock())  # the group reads this clock whether recording or not
-            end(i, 4096)
+            tsv, k = recorder.tsv, recorder.marks
+            tsv[k & MARK_MASK] = 4
+            tsv[(k + 1) & MARK_MASK] = clock()
+            recorder.marks = k + 2
+            commit(i, 4096)
 
     return _min_time_s(calls)
+
+
+_IN_SITU_MAX_BYTES = 1 << 20
+"""Beyond this the timing noise of streaming the data is larger than the recording's whole cost."""
+
+
+def _in_situ_cost_ns(size_bytes: int, steps: int, repeats: int = 3000) -> float:
+    """What recording adds to one call when its code and data are cold: one process runs a ring all-reduce's
+    shape (``steps`` steps, each reducing half of ``size_bytes`` in place, streaming it through the caches) with and
+    without the stream writes of the group and the shm transport, alternately; the difference of the medians."""
+    recorder = Recorder(enabled=True)
+    layout = Layout([(s, [(1, size_bytes // 8)]) for s in range(steps)], concurrent=False)
+    a = np.ones(size_bytes // 8, np.float32)
+    b = np.ones(size_bytes // 8, np.float32)
+    clock = time.perf_counter_ns
+
+    def call(rec: bool) -> None:  # the writes exactly as _group.py and shm/_transport.py do them
+        started = clock()
+        if rec:
+            k = recorder.committed
+            recorder.tsv[k & MARK_MASK] = started
+            recorder.marks = k + 1
+            recorder.layout = None
+        tsv, k = (recorder.tsv, recorder.marks) if rec else (None, 0)
+        if tsv is not None:
+            recorder.layout = layout
+            tsv[k & MARK_MASK] = 4
+            k += 1
+        for _ in range(steps):
+            if tsv is not None:
+                tsv[k & MARK_MASK] = clock()
+                k += 1
+            np.add(a, b, out=a)
+            if tsv is not None:
+                tsv[k & MARK_MASK] = clock()
+                k += 1
+        if tsv is not None:
+            tsv[k & MARK_MASK] = clock()
+            recorder.marks = k + 1
+            recorder.commit(1, size_bytes)
+
+    times: dict[bool, list[int]] = {True: [], False: []}
+    for i in range(repeats):
+        rec = bool(i & 1)
+        t0 = clock()
+        call(rec)
+        times[rec].append(clock() - t0)
+    return float(np.median(times[True]) - np.median(times[False]))
 
 
 def main() -> None:
@@ -121,17 +177,29 @@ def main() -> None:
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--sizes", default="4KiB,1MiB,64MiB")
     parser.add_argument("--rounds", type=int, default=30, help="batches of ~50 ms worth of calls, per mode")
+    parser.add_argument(
+        "--run",
+        type=int,
+        default=1,
+        help="calls in a row in one mode (1: alternate call by call; more: whole runs on, then off, so an "
+        "interpreter that specialises its code to the last path taken is measured in steady state)",
+    )
     args = parser.parse_args()
     sizes = parse_size_range(args.sizes)
     step_s, call_s = _mark_step_cost_s(), _call_cost_s()
     print(f"CPU per recorded step: {step_s * 1e9:.0f} ns (two marks); per call record {call_s * 1e9:.0f} ns")
+    for size in (s for s in sizes if s <= _IN_SITU_MAX_BYTES):
+        print(
+            f"in situ, {format_bytes(size)} ring of 2 (2 steps, the data streamed through the caches between marks): "
+            f"{_in_situ_cost_ns(size, 2):.0f} ns per call"
+        )
     print(
         f"{'transport':>9} {'N':>3} {'size':>9} {'on':>11} {'off':>11} {'on/off':>7} {'paired':>7} {'A/A':>7} "
         f"{'steps':>6} {'CPU':>8}"
     )
     for transport in args.transports.split(","):
         for world_size in (int(w) for w in args.world_sizes.split(",")):
-            results = spawn(world_size, _rank, sizes, args.rounds, init_options={"transport": transport})
+            results = spawn(world_size, _rank, sizes, args.rounds, args.run, init_options={"transport": transport})
             for size, (on_s, off_s, paired, same) in zip(sizes, results[0], strict=True):
                 steps = 2 * (world_size - 1)
                 cpu = (steps * step_s + call_s) / off_s

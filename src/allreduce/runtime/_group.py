@@ -63,7 +63,7 @@ from allreduce.runtime._errors import CollectiveError, MismatchError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
-from allreduce.runtime._stats import GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._stats import MARK_MASK, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
 from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
@@ -534,8 +534,12 @@ class ProcessGroup:
             if injection is not None:
                 injection.sleep_before_call()
             started = time.perf_counter_ns()  # one clock read: the call's arrival and the debug log's start
-            if recorder.enabled:
-                recorder.call_begin(started)
+            recording = recorder.enabled
+            if recording:  # Recorder.begin, inline (the hot path: no call, see allreduce.runtime._stats)
+                k = recorder.committed
+                recorder.tsv[k & MARK_MASK] = started
+                recorder.marks = k + 1
+                recorder.layout = None
             seq = self._take_seq()
             if self._prepare is not None:
                 self._prepare(seq, buf.flat, checksum=checksum)
@@ -548,8 +552,15 @@ class ProcessGroup:
             result = self._execute(
                 collective, buf, chosen.plan, op=op, root=root, seq=seq, timeout=timeout, checksum=checksum
             )
-            if recorder.enabled:
-                recorder.call_end(seq, count * dtype.itemsize)
+            if recording:  # Recorder.commit, inline
+                layout = recorder.layout
+                k = recorder.committed + 1 + (0 if layout is None else 1 + layout.marks)
+                tsv = recorder.tsv
+                tsv[k & MARK_MASK] = time.perf_counter_ns()
+                tsv[(k + 1) & MARK_MASK] = seq
+                tsv[(k + 2) & MARK_MASK] = count * dtype.itemsize
+                tsv[(k + 3) & MARK_MASK] = -1 if layout is None else layout.key
+                recorder.committed = recorder.marks = k + 4
             if self._debug:
                 self._log(
                     collective, chosen.schedule, count * dtype.itemsize, (time.perf_counter_ns() - started) * 1e-9, seq

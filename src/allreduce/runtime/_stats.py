@@ -1,31 +1,40 @@
 """Per-step wait records of the collectives a rank runs, and the group-wide summary built from them.
 
-What a transport writes while a collective runs is only clock reads (``time.perf_counter_ns``, a vDSO call, no
-syscall), one int64 store each into a preallocated ring of *marks*: nothing is allocated, no method is called, and
-nothing is aggregated until :func:`summary_row` asks. Which peer, which step and how many bytes each mark belongs
-to is not written at all: it is fixed by the call's compiled plan, so the transport hands the recorder that plan's
-:class:`Layout` once per call and the records are rebuilt from it when they are read. Measured on this machine
-(``benchmarks/bench_stats.py``), the earlier design that wrote whole records through method calls cost about
-2 µs per 1 MiB ring all-reduce in place (its code and data are cold after a megabyte streams through the cache);
-marks cost a clock read and a store each.
+Everything a rank records while a collective runs goes into one preallocated int64 ring, the *stream*, one store
+per value, with no method call and no allocation: a collective's arrival and end (clock reads,
+``time.perf_counter_ns``, a vDSO call, no syscall), its transport's *marks* (one clock read each), and after its
+end its seq, size and which plan it ran. Which peer, step and byte count each mark belongs to is not written at
+all: it is fixed by the call's compiled plan, whose :class:`Layout` rebuilds the records when they are read
+(:meth:`Recorder.calls`, :meth:`Recorder.transfers`, nothing aggregated before :func:`summary_row` asks).
+
+One collective in the stream, written by the group (G) and its transport (T)::
+
+    arrival (G) | unit (T) | marks (T), Layout.marks of them | end (G) | seq (G) | size_bytes (G) | layout key (G)
+
+The unit is the bytes of one of the layout's units (shm: the itemsize; tcp: 1). A transport that writes no marks
+(the in-process transport, which writes whole records with :meth:`Recorder.transfer`) leaves out the unit and the
+marks, and the key is -1. A collective is *committed* when its end is written; one that fails never is, and the
+next one writes over it, so the stream read backwards from the last commit is always whole collectives.
+
+Measured on this machine (``benchmarks/bench_stats.py``): writing whole records through method calls cost about
+2-3 µs per 1 MiB ring all-reduce in place (the recorder's code and data are cold after a megabyte streams through
+the caches), more than the 1% the recording may cost there.
 
 Two kinds of layout, by how a transport receives:
 
 - *sequential* (shm: one receive after another): per step a mark when it begins, then per receive a mark when
   the peer's data is there and one when it is moved, except the step's last receive, whose move ends at the next
-  mark (the next step's start, or the call's end). A step with one receive costs two clock reads.
+  mark (the next step's start); after the last step, one mark where the steps end. A step with one receive costs
+  two clock reads.
 - *concurrent* (tcp: receives from several peers interleave in one poll loop): per step a mark when it begins,
   then per peer the first and the last byte's arrival.
-
-A transport whose receives are neither (the in-process transport) writes whole records with
-:meth:`Recorder.transfer`.
 
 Rebuilt (or written), each received transfer is one record ``(seq, step, peer, step_start_ns, wait_ns,
 transfer_ns, size_bytes)``: ``wait_ns`` is how long this rank waited for ``peer``'s data to become available (shm:
 blocked on the peer's progress counter; tcp: from the step's start until the first byte of the peer's frames;
 local: until the message was in the hub); ``transfer_ns`` how long moving it took once it was there (a paced link
 shows here). Each collective is one call record ``(seq, arrival_ns, end_ns, size_bytes)``: when this rank called
-it and when it returned. A collective that fails leaves no call record, and its marks are never read.
+it and when it returned.
 
 How a rank that arrived late is found without comparing clocks across hosts: every rank leaves a collective at
 about the same time (it is a barrier), so a rank that arrived late spends less time in it; its lateness in call
@@ -34,8 +43,10 @@ k is ``max_r(duration_r,k) − duration_rank,k``. The slowest link is the one wi
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -61,8 +72,9 @@ __all__ = [
 TRANSFER_CAPACITY = 1 << 16
 """Whole records kept (a ring, for :meth:`Recorder.transfer`): 65,536 × 7 int64 = 3.5 MiB."""
 
-MARK_CAPACITY = 1 << 17
-"""Marks kept (a ring): 1 MiB, the last 1,000 ring all-reduces of 64 ranks (2 marks per step)."""
+MARK_CAPACITY = 1 << 18
+"""Values the stream keeps (a ring): 2 MiB, the last 1,000 ring all-reduces of 64 ranks (2 marks per step, 7
+values per call)."""
 
 MARK_MASK = MARK_CAPACITY - 1
 """A mark's slot is its running number ``& MARK_MASK``."""
@@ -77,8 +89,11 @@ times the runner-up's: in a healthy run the argmax is noise, and naming it would
 _clock = time.perf_counter_ns
 
 _TRANSFER_FIELDS = 7  # seq, step, peer, step_start_ns, wait_ns, transfer_ns, size_bytes
-_CALL_FIELDS = 7  # seq, arrival_ns, end_ns, size_bytes, first mark, marks written, unit bytes
-_NO_MARKS = -1  # the call wrote no marks (its transport writes whole records, or it has no layout)
+_NO_LAYOUT = -1  # a collective's layout key when its transport wrote no marks
+_TAIL = 4  # end, seq, size_bytes, layout key
+_LAYOUTS: weakref.WeakValueDictionary[int, Layout] = weakref.WeakValueDictionary()
+"""Every live layout by its key (a layout lives as long as the compiled plan that holds it)."""
+_LAYOUT_KEYS = itertools.count()
 
 
 class Layout:
@@ -88,7 +103,19 @@ class Layout:
     units)``; a record's size is ``units`` × the call's unit (shm: elements, with the itemsize as the unit; tcp:
     bytes). Built once per compiled plan, so nothing of it is computed on the hot path."""
 
-    __slots__ = ("arrive", "begin", "concurrent", "end", "marks", "peer", "start", "step", "units")
+    __slots__ = (
+        "__weakref__",
+        "arrive",
+        "begin",
+        "concurrent",
+        "end",
+        "key",
+        "marks",
+        "peer",
+        "start",
+        "step",
+        "units",
+    )
 
     def __init__(self, steps: Iterable[tuple[int, Sequence[tuple[int, int]]]], *, concurrent: bool) -> None:
         self.concurrent = concurrent
@@ -110,6 +137,9 @@ class Layout:
                     arrive.append(first + 1 + 2 * i)
                     end.append(first + 2 + 2 * i)
             pos += 1 + 2 * len(recvs) if concurrent else max(1, 2 * len(recvs))
+        if not concurrent:
+            pos += 1  # the steps' end: the last step's last move ends there (not at the call's end, after the
+            # final waits for this rank's readers, which are theirs to account for)
         self.marks = pos
         """Marks one call writes."""
 
@@ -118,10 +148,15 @@ class Layout:
 
         self.step, self.peer, self.units = column(step_of), column(peer), column(units)
         self.start, self.begin, self.arrive, self.end = column(start), column(begin), column(arrive), column(end)
+        self.key = next(_LAYOUT_KEYS)
+        """What the stream stores to name this layout."""
+        _LAYOUTS[self.key] = self
 
-    def records(self, calls: npt.NDArray[np.int64], marks: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """The transfer records of ``calls`` (call records of this layout), from their ``marks`` (one row each,
-        ``self.marks`` wide); the call's end is the mark after the last."""
+    def records(
+        self, calls: npt.NDArray[np.int64], units: npt.NDArray[np.int64], marks: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        """The transfer records of ``calls`` (call records of this layout), each with its unit's bytes and its
+        ``marks`` (one row each, ``self.marks`` wide); the call's end is the mark after the last."""
         n, r = len(calls), len(self.step)
         if n == 0 or r == 0:
             return np.zeros((0, _TRANSFER_FIELDS), np.int64)
@@ -134,59 +169,40 @@ class Layout:
         arrived = m[:, self.arrive]
         out[:, :, 4] = np.maximum(arrived - m[:, self.begin], 0)
         out[:, :, 5] = np.maximum(m[:, self.end] - arrived, 0)
-        out[:, :, 6] = self.units * calls[:, 6:7]
+        out[:, :, 6] = self.units * units[:, None]
         return out.reshape(n * r, _TRANSFER_FIELDS)
 
 
 class Recorder:
-    """The rings of one rank (see the module docstring). ``enabled`` False makes transports skip it.
+    """The stream of one rank, and the ring of whole transfer records (see the module docstring).
 
-    The hot path, as a transport writes it (``k`` a local copy of :attr:`marks`)::
+    ``enabled`` False makes the group and the transports skip it. Who writes what, without calling anything:
 
-        recorder.layout, recorder.unit = plan.layout, itemsize
-        tsv, k = recorder.tsv, recorder.marks
-        tsv[k & MARK_MASK] = clock(); k += 1     # once per mark
-        recorder.marks = k
+    - the group, when a collective begins: ``stream[committed] = arrival``, ``marks = committed + 1``,
+      ``layout = None``;
+    - the transport, if it marks: ``layout = plan.layout``, then ``stream[marks] = unit`` and a clock read per
+      mark, advancing ``marks`` (a local copy of it while it runs; see :data:`MARK_MASK`);
+    - the group, when the collective returns: the tail (end, seq, size_bytes, layout key) right after where the
+      layout's marks end (computed from ``committed``, not from ``marks``, so a transport that wrote fewer marks
+      cannot shift the stream), and ``committed`` past it (:meth:`commit` does exactly this).
     """
 
-    __slots__ = (
-        "_arrival_ns",
-        "_c",
-        "_call_layouts",
-        "_calls",
-        "_first_mark",
-        "_marks",
-        "_t",
-        "_transfers",
-        "calls_recorded",
-        "enabled",
-        "layout",
-        "marks",
-        "transfers_recorded",
-        "tsv",
-        "unit",
-    )
+    __slots__ = ("_stream", "_t", "_transfers", "committed", "enabled", "layout", "marks", "transfers_recorded", "tsv")
 
     def __init__(self, *, enabled: bool = False) -> None:
         self.enabled = enabled
         self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
-        self._calls = np.zeros((CALL_CAPACITY, _CALL_FIELDS), np.int64)
-        self._marks = np.zeros(MARK_CAPACITY, np.int64)
+        self._stream = np.zeros(MARK_CAPACITY, np.int64)
         self._t = memoryview(self._transfers.data).cast("B").cast("q")
-        self._c = memoryview(self._calls.data).cast("B").cast("q")
-        self.tsv = memoryview(self._marks.data).cast("B").cast("q")
-        """The marks ring, for the transports' stores."""
-        self._call_layouts: list[Layout | None] = [None] * CALL_CAPACITY
+        self.tsv = memoryview(self._stream.data).cast("B").cast("q")
+        """The stream, for the group's and the transports' stores (slot ``position & MARK_MASK``)."""
         self.transfers_recorded = 0
-        self.calls_recorded = 0
+        self.committed = 0
+        """Where the stream's whole collectives end (a running position; the next collective begins here)."""
         self.marks = 0
-        """Marks written so far (a running number: the next one goes to slot ``marks & MARK_MASK``)."""
+        """The running collective's write head (a running position)."""
         self.layout: Layout | None = None
-        """The running call's layout, set by its transport before the first mark."""
-        self.unit = 1
-        """Bytes per layout unit in the running call."""
-        self._arrival_ns = 0
-        self._first_mark = 0
+        """The running collective's layout, set by its transport before its first mark."""
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
         self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
@@ -204,60 +220,82 @@ class Recorder:
         t[i + 6] = size_bytes
         self.transfers_recorded = n + 1
 
-    def call_begin(self, now_ns: int | None = None) -> None:
-        """This rank called a collective (its arrival, ``now_ns`` if the caller read the clock already)."""
-        self._arrival_ns = _clock() if now_ns is None else now_ns
+    def begin(self, arrival_ns: int) -> None:
+        """A collective begins (what the group writes inline; for tests and other callers)."""
+        k = self.committed
+        self.tsv[k & MARK_MASK] = arrival_ns
+        self.marks = k + 1
         self.layout = None
-        self._first_mark = self.marks
 
-    def call_end(self, seq: int, size_bytes: int) -> None:
-        """The collective ``seq`` that began at the last :meth:`call_begin` returned: its call record."""
-        now = _clock()
-        n = self.calls_recorded
-        slot = n & (CALL_CAPACITY - 1)
-        i = slot * _CALL_FIELDS
-        c = self._c
-        c[i] = seq
-        c[i + 1] = self._arrival_ns
-        c[i + 2] = now
-        c[i + 3] = size_bytes
+    def commit(self, seq: int, size_bytes: int, end_ns: int | None = None) -> None:
+        """The collective begun at the last :meth:`begin` returned: write its tail and commit it."""
         layout = self.layout
-        if layout is None:
-            c[i + 4] = _NO_MARKS
-        else:
-            c[i + 4] = self._first_mark
-            c[i + 5] = self.marks - self._first_mark
-            c[i + 6] = self.unit
-        self._call_layouts[slot] = layout
-        self.calls_recorded = n + 1
+        k = self.committed + 1 + (0 if layout is None else 1 + layout.marks)
+        tsv = self.tsv
+        tsv[k & MARK_MASK] = _clock() if end_ns is None else end_ns
+        tsv[(k + 1) & MARK_MASK] = seq
+        tsv[(k + 2) & MARK_MASK] = size_bytes
+        tsv[(k + 3) & MARK_MASK] = _NO_LAYOUT if layout is None else layout.key
+        self.committed = self.marks = k + 4
 
-    def _kept_call_rows(self, last: int) -> npt.NDArray[np.int64]:
-        n = min(self.calls_recorded, CALL_CAPACITY, last)
-        rows: npt.NDArray[np.int64] = np.arange(self.calls_recorded - n, self.calls_recorded) & (CALL_CAPACITY - 1)
+    def _collectives(self, last: int) -> list[tuple[int, Layout | None]]:
+        """The last ``last`` committed collectives still whole in the ring, newest first: (start, layout)."""
+        tsv = self.tsv
+        floor = max(0, self.committed - MARK_CAPACITY)
+        out: list[tuple[int, Layout | None]] = []
+        pos = self.committed
+        while len(out) < last and pos - (1 + _TAIL) >= floor:
+            key = tsv[(pos - 1) & MARK_MASK]
+            layout = None
+            if key != _NO_LAYOUT:
+                layout = _LAYOUTS.get(key)
+                if layout is None:  # its plan is gone: the length of what lies before is unknown
+                    break
+            start = pos - 1 - _TAIL - (0 if layout is None else 1 + layout.marks)
+            if start < floor:
+                break
+            out.append((start, layout))
+            pos = start
+        return out
+
+    def _rows(self, found: list[tuple[int, Layout | None]]) -> npt.NDArray[np.int64]:
+        """Call records (seq, arrival_ns, end_ns, size_bytes) of ``found``, in its order."""
+        stream = self._stream
+        rows = np.zeros((len(found), 4), np.int64)
+        for i, (start, layout) in enumerate(found):
+            tail = start + 1 + (0 if layout is None else 1 + layout.marks)
+            rows[i] = (
+                stream[(tail + 1) & MARK_MASK],
+                stream[start & MARK_MASK],
+                stream[tail & MARK_MASK],
+                stream[(tail + 2) & MARK_MASK],
+            )
         return rows
+
+    @property
+    def calls_recorded(self) -> int:
+        """Collectives whose records the stream still holds whole (at most :data:`CALL_CAPACITY`)."""
+        return len(self._collectives(CALL_CAPACITY))
 
     def calls(self, last: int) -> npt.NDArray[np.int64]:
         """The last ``last`` call records, oldest first (rows of seq, arrival_ns, end_ns, size_bytes)."""
-        out: npt.NDArray[np.int64] = self._calls[self._kept_call_rows(last), :4]
-        return out
+        return self._rows(self._collectives(min(last, CALL_CAPACITY))[::-1])
 
     def transfers(self, first_seq: int) -> npt.NDArray[np.int64]:
         """The transfer records kept of collectives ``first_seq`` and later, oldest first (by seq, then step)."""
         parts = [self._written_transfers(first_seq)]
-        rows = self._kept_call_rows(CALL_CAPACITY)
-        calls = self._calls[rows]
-        keep = (calls[:, 0] >= first_seq) & (calls[:, 4] != _NO_MARKS)
-        # marks overwritten since (the ring wrapped) are gone: so are those calls' records
-        keep &= calls[:, 4] >= self.marks - MARK_CAPACITY
+        found = [c for c in reversed(self._collectives(CALL_CAPACITY)) if c[1] is not None]
+        calls = self._rows(found)
         by_layout: dict[int, tuple[Layout, list[int]]] = {}
-        for j in np.flatnonzero(keep):
-            layout = self._call_layouts[int(rows[j])]
-            if layout is not None and calls[j, 5] == layout.marks:  # a call cut short wrote fewer
-                by_layout.setdefault(id(layout), (layout, []))[1].append(int(j))
+        for j, (_, layout) in enumerate(found):
+            if calls[j, 0] >= first_seq and calls[j, 1] <= calls[j, 2] and layout is not None:
+                by_layout.setdefault(layout.key, (layout, []))[1].append(j)
+        starts = np.array([start for start, _ in found], np.int64)
         for layout, picked in by_layout.values():
-            mine = calls[picked]
-            at = (mine[:, 4:5] + np.arange(layout.marks)) & MARK_MASK
-            parts.append(layout.records(mine, self._marks[at]))
+            first = starts[picked] + 1  # the unit, then the marks
+            units = self._stream[first & MARK_MASK]
+            at = (first[:, None] + 1 + np.arange(layout.marks)) & MARK_MASK
+            parts.append(layout.records(calls[picked], units, self._stream[at]))
         records = np.concatenate(parts)
         order = np.lexsort((records[:, 1], records[:, 0]))
         out: npt.NDArray[np.int64] = records[order]

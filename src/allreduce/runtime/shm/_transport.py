@@ -474,7 +474,9 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         rec = recorder is not None
         tsv, k = (recorder.tsv, recorder.marks) if recorder is not None else (None, 0)
         if recorder is not None:
-            recorder.layout, recorder.unit = program.layout, dtype.itemsize
+            recorder.layout = program.layout
+            tsv[k & MARK_MASK] = dtype.itemsize  # type: ignore[index]  # the layout's unit
+            k += 1
         try:
             for st in program.steps:
                 if injection is not None:
@@ -549,6 +551,9 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                         wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
                              what="reading data this step overwrites", step=st.index)  # fmt: skip
                     arrays[pc.dst][pc.start : pc.stop] = tmp
+            if rec:
+                tsv[k & MARK_MASK] = clock()  # type: ignore[index]  # the steps' end
+                k += 1
             if recorder is not None:
                 recorder.marks = k
         finally:

@@ -488,8 +488,10 @@ class TcpTransport(Transport):
         injection = self.injection
         # the recorder's marks (see allreduce.runtime._stats): a clock read and a store each, nothing else
         tsv, k = (recorder.tsv, recorder.marks) if recorder is not None else (None, 0)
-        if recorder is not None:
-            recorder.layout, recorder.unit = prepared.layout, 1
+        if tsv is not None:
+            recorder.layout = prepared.layout  # type: ignore[union-attr]
+            tsv[k & MARK_MASK] = 1  # the layout's unit: bytes
+            k += 1
         for step in prepared.steps:
             if injection is not None:
                 injection.hold_step()
