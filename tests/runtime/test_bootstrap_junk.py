@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -71,3 +72,53 @@ def test_a_junk_host_id_is_refused_naming_the_key_and_the_store(store: TCPStore,
     assert kind == "ProtocolError", message
     assert f"rank 1: the rendezvous store at 127.0.0.1:{store.port} holds 'allreduce/host/0' = {junk!r}" in message
     assert "which is not a host id" in message
+
+
+def test_a_junk_value_names_the_client_that_wrote_it(store: TCPStore) -> None:
+    store.set("allreduce/job", b"not a job id")  # written by this process, seated as rank 0
+    kind, message = _rank_1_outcome(store.port)
+    assert kind == "ProtocolError", message
+    assert "(written by rank 0 (127.0.0.1:" in message
+
+
+def _init_reporting(rank: int, world_size: int, port: int, out: Any, go: Any = None) -> None:
+    if go is not None:
+        go.wait(TIMEOUT_S)
+    try:
+        allreduce.init(rank, world_size, master_port=port, token=TOKEN, timeout_s=TIMEOUT_S).close()
+    except Exception as exc:
+        out.put((rank, type(exc).__name__, str(exc)))
+    else:
+        out.put((rank, "ok", ""))
+
+
+def test_a_rank_joining_after_rank_0_gave_up_is_told_why() -> None:
+    from test_group_harness import free_port
+
+    port = free_port()
+    out: Any = SPAWN.Queue()
+    go = SPAWN.Event()
+    procs = [
+        SPAWN.Process(target=_init_reporting, args=(0, 3, port, out), daemon=True),
+        SPAWN.Process(target=_init_reporting, args=(2, 3, port, out, go), daemon=True),  # joins when told to
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        # a process with the job's token takes rank 1's seat and plants a junk host id: rank 0 gives up on it
+        impostor = TCPStore("127.0.0.1", port, is_server=False, world_size=3, rank=1, timeout_s=TIMEOUT_S, token=TOKEN)
+        impostor_address = f"127.0.0.1:{impostor._sock.getsockname()[1]}"  # type: ignore[union-attr]
+        impostor.set("allreduce/host/1", b"junk")
+        impostor.get("__dead__/0")  # rank 0 gave up: the store says so
+        impostor.close()
+        go.set()  # rank 2 joins only now
+        reports = {rank: (kind, message) for rank, kind, message in (out.get(timeout=TIMEOUT_S) for _ in procs)}
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert reports[0][0] == "ProtocolError", reports[0]
+    assert f"(written by rank 1 ({impostor_address}" in reports[0][1]
+    assert "the group failed before rank 2 joined: rank 0 gave up" in reports[2][1], reports[2]
+    assert f"written by rank 1 ({impostor_address}" in reports[2][1], reports[2]

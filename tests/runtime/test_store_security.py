@@ -388,3 +388,15 @@ def test_an_anonymous_token_holder_of_another_process_writes_no_key_a_rank_owns(
     assert results["user/notes"] == "set"
     for key, owner in (("tcp/addr/1", 1), ("allreduce/host/2", 2), ("allreduce/job", 0)):
         assert f"key {key!r} belongs to rank {owner}; an anonymous client" in results[key]
+
+
+def test_the_store_records_which_client_wrote_each_key(store: TCPStore) -> None:
+    with _rank_client(store.port, 1) as rank_1:
+        rank_1.set("user/notes", b"hello")
+        address = f"127.0.0.1:{rank_1._sock.getsockname()[1]}"  # type: ignore[union-attr]
+    assert store.get("__writer__/user/notes").decode().startswith(f"rank 1 ({address}")
+
+
+def test_no_client_forges_who_wrote_a_key(store: TCPStore) -> None:
+    with pytest.raises(ValueError, match="is the store's own"):
+        store.set("__writer__/tcp/addr/1", b"rank 1")

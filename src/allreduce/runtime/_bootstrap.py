@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import itertools
@@ -78,6 +79,7 @@ _HOST_ID = re.compile(r"[^/\s]{1,255}/[0-9a-f-]{0,36}/[0-9]{0,20}")
 _PORT = re.compile(r"[0-9]{1,5}")
 """What rank 0 publishes in the job's own store under torchrun: the port of allreduce's store, in decimal."""
 _SHOWN_VALUE_BYTES = 40  # of a malformed value, in an error message
+_WRITER_LOOKUP_S = 1.0  # how long to ask the store who wrote a malformed value
 
 
 def _read_checked(store: Any, key: str, pattern: re.Pattern[str], what: str, rank: int) -> str:
@@ -91,13 +93,20 @@ def _read_checked(store: Any, key: str, pattern: re.Pattern[str], what: str, ran
     if text is not None and pattern.fullmatch(text):
         return text
     shown = repr(raw[:_SHOWN_VALUE_BYTES]) + ("..." if len(raw) > _SHOWN_VALUE_BYTES else "")
+    written_by = ""
+    from allreduce.runtime._store import TCPStore
+    from allreduce.runtime._store_server import WRITER_PREFIX
+
+    if isinstance(store, TCPStore):  # ours records every write's client
+        with contextlib.suppress(CollectiveError, OSError, ValueError):
+            written_by = f" (written by {store.get(WRITER_PREFIX + key, timeout_s=_WRITER_LOOKUP_S).decode()})"
     where = (
         f"the rendezvous store at {store.host}:{store.port}"
         if hasattr(store, "host") and hasattr(store, "port")
         else f"the job's rendezvous store ({type(store).__name__})"
     )
     raise ProtocolError(
-        f"rank {rank}: {where} holds {key!r} = {shown}, which is not {what}; another process "
+        f"rank {rank}: {where} holds {key!r} = {shown}{written_by}, which is not {what}; another process "
         "may be writing to this job's store: set ALLREDUCE_TOKEN to a secret of this job's own",
         rank=rank,
     )
@@ -229,7 +238,9 @@ def init(
                     timeout_s=timeout_s,
                     advertise_host=_advertised_host(host),
                 )
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, Exception):  # not on Ctrl-C: then nobody waits to hear why
+            store.fail(str(exc))
         store.close()
         raise
     model = cost_model or _tuned_model(transport)

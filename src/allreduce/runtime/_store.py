@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError, ProtocolError
 from allreduce.runtime._store_server import (
     DEAD_PREFIX,
+    FAILED_LINGER_S,
     GROUP_SECRET_KEY,
     KEY_SEPARATOR,
     MAX_ANSWER_BYTES,
@@ -130,6 +131,7 @@ class TCPStore:
         self._lock = threading.Lock()
         self._broken: str | None = None
         self._server: StoreServer | None = None
+        self._failed = False  # fail() was called: close() lingers to tell late ranks why
         self._sock: socket.socket | None = None
         self._where = f"the store at {host}:{port}"
         if is_server:
@@ -152,8 +154,11 @@ class TCPStore:
             connect_host = host
         try:
             self._sock = self._connect(connect_host, self.port)
-        except BaseException:
+        except BaseException as exc:
             if self._server is not None:
+                if rank >= 0 and isinstance(exc, ProtocolError):  # refused by its own store (its seat taken):
+                    self._server.fail(rank, str(exc))  # tell the ranks that join why there is no group
+                    self._server.wait_until_told(min(self.timeout_s, FAILED_LINGER_S))
                 self._server.stop()
             raise
 
@@ -350,6 +355,14 @@ class TCPStore:
             raise self._bad_answer("a request for the dead ranks", f"{','.join(ranks)[:80]!r}")
         return [int(r) for r in ranks if r]
 
+    def fail(self, reason: str) -> None:
+        """This rank gives up during the rendezvous. Hosting the store, it tells every rank why: those waiting on
+        it now, and for up to :data:`FAILED_LINGER_S` (at :meth:`close`) those that join later. A no-op on a
+        client."""
+        if self._server is not None and self.rank >= 0:
+            self._server.fail(self.rank, reason)
+            self._failed = True
+
     def close(self, *, wait_for_ranks_s: float | None = None) -> None:
         """Leave the store (a clean exit, not a death); with ``is_server`` also stop the server.
 
@@ -366,10 +379,15 @@ class TCPStore:
                     read_exact(sock, RESPONSE.size)
             sock.close()
         if self._server is not None:
-            wait_s = min(self.timeout_s, WAIT_FOR_RANKS_MAX_S) if wait_for_ranks_s is None else wait_for_ranks_s
-            staying = self._server.wait_for_ranks_to_leave(wait_s)
-            if staying:
-                _log.warning("store: closing with rank(s) %s still connected after %g s", staying, wait_s)
+            if self._failed:
+                untold = self._server.wait_until_told(min(self.timeout_s, FAILED_LINGER_S))
+                if untold:
+                    _log.warning("store: closing before rank(s) %s joined to hear why the group failed", untold)
+            else:
+                wait_s = min(self.timeout_s, WAIT_FOR_RANKS_MAX_S) if wait_for_ranks_s is None else wait_for_ranks_s
+                staying = self._server.wait_for_ranks_to_leave(wait_s)
+                if staying:
+                    _log.warning("store: closing with rank(s) %s still connected after %g s", staying, wait_s)
             self._server.stop()
             self._server = None
 

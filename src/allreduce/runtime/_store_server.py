@@ -63,6 +63,12 @@ _log = logging.getLogger("allreduce.store")
 RESERVED_PREFIX = "__"
 """Keys the server itself writes; clients may only read them."""
 DEAD_PREFIX = "__dead__/"
+WRITER_PREFIX = "__writer__/"
+"""``__writer__/<key>``: which client last wrote ``<key>`` ("rank 1 (127.0.0.1:40112, pid 4242)"), set by the server
+with every write, so a rank that reads a malformed value can name who wrote it."""
+FAILED_LINGER_S = 5.0
+"""When the hosting rank gives up during the rendezvous, how long its store stays up to tell ranks that have not
+joined yet why (instead of their finding nothing listening and timing out)."""
 GROUP_SECRET_KEY = "__group_secret__"
 """A random secret the server makes at start, readable by every admitted client: a proof of membership in this
 group for connections between ranks that have no token (the TCP transport's handshake on loopback)."""
@@ -154,6 +160,12 @@ class _Conn:
         return f"{name} ({self.address})"
 
     @property
+    def writer(self) -> str:
+        """How a write of this client is attributed (``__writer__/<key>``)."""
+        name = f"rank {self.rank}" if self.rank is not None else "an anonymous client"
+        return f"{name} ({self.origin})"
+
+    @property
     def origin(self) -> str:
         return f"{self.address} (pid {self.pid})" if self.pid is not None else self.address
 
@@ -190,6 +202,9 @@ class StoreServer:
         self._left: set[int] = set()  # ranks that closed cleanly: their group is over for them
         self._anonymous = 0  # anonymous connections admitted or being admitted
         self._refusals: dict[int, str] = {}  # claimed rank -> why its last attempt to join was refused
+        self._failure: str | None = None  # the hosting rank gave up: what every rank is told (under the lock)
+        self._failure_applied = False  # the loop has told the ranks already connected
+        self._told: set[int] = set()  # ranks refused at the handshake with the failure
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
@@ -219,6 +234,25 @@ class StoreServer:
             self._lock.wait_for(lambda: not self._ranks_live, timeout_s)
             return sorted(self._ranks_live)
 
+    def fail(self, rank: int, reason: str) -> None:
+        """The hosting ``rank`` gave up during the rendezvous: every rank waiting on the store is answered that
+        rank ``rank`` is gone, with ``reason``, and every rank that joins from now on is refused with it."""
+        with self._lock:
+            self._failure = f"rank {rank} gave up: {reason}"
+            self._told.add(rank)
+        self._wake()
+
+    def wait_until_told(self, timeout_s: float) -> list[int]:
+        """After :meth:`fail`: wait until every rank has joined (and been told) or been refused with the failure,
+        and no rank is still connected; the ranks never reached within ``timeout_s``."""
+
+        def done() -> bool:
+            return not self._ranks_live and self._ranks_seen | self._told >= set(range(self._world_size))
+
+        with self._lock:
+            self._lock.wait_for(done, timeout_s)
+            return sorted(set(range(self._world_size)) - self._ranks_seen - self._told)
+
     def stop(self) -> None:
         self._listener.close()
         self._stop = True
@@ -240,6 +274,7 @@ class StoreServer:
                     else:
                         self._guarded(key.data, functools.partial(self._ready, key.data, mask))
                 self._register_new()
+                self._apply_failure()
                 self._expire_waiters()
         except Exception:  # never die silently: every client would then see rank 0 as dead
             _log.exception("store server crashed")
@@ -253,6 +288,18 @@ class StoreServer:
             self._selector.close()
             self._wake_r.close()
             self._wake_w.close()
+
+    def _apply_failure(self) -> None:
+        """Once, after :meth:`fail`: the host is dead to every rank (pending and later waits fail naming it)."""
+        with self._lock:
+            failure = self._failure
+        if failure is None or self._failure_applied:
+            return
+        self._failure_applied = True
+        host = int(failure.split()[1])
+        self._dead[host] = failure
+        self._data[f"{DEAD_PREFIX}{host}"] = failure.encode()
+        self._notify()
 
     def _ready(self, conn: _Conn, mask: int) -> None:
         if mask & selectors.EVENT_READ:
@@ -327,6 +374,10 @@ class StoreServer:
             return None
         if hello.rank >= 0:
             with self._lock:
+                if self._failure is not None:
+                    self._told.add(hello.rank)
+                    self._lock.notify_all()
+                    return f"the group failed before rank {hello.rank} joined: {self._failure}"
                 if self._single_group and hello.rank in self._left:
                     # This rank closed its group and is joining the next one, whose store (same address) is not
                     # up until this one stops: have it come back rather than rejoin a finished group.
@@ -425,7 +476,21 @@ class StoreServer:
             return False
         self._data[key] = value
         self._stored_bytes = grown
+        self._attribute(conn, key)
         return True
+
+    def _attribute(self, conn: _Conn, key: str) -> None:
+        """Record ``conn`` as the last writer of ``key`` (``__writer__/<key>``, counted like any value; skipped
+        when that would overflow the key limit or the store)."""
+        name = WRITER_PREFIX + key
+        if len(name.encode()) > MAX_KEY_BYTES:
+            return
+        writer = conn.writer.encode()
+        old = self._data.get(name)
+        grown = self._stored_bytes + len(writer) - (len(old) if old is not None else -len(name.encode()))
+        if grown <= MAX_STORED_BYTES:
+            self._data[name] = writer
+            self._stored_bytes = grown
 
     def _handle(self, conn: _Conn, op: int, timeout_s: float | None, key: str, value: bytes) -> None:
         if op in (Op.SET, Op.ADD, Op.DELETE) and (reason := self._forbidden(conn, key)) is not None:
@@ -464,6 +529,7 @@ class StoreServer:
             old = self._data.pop(key, None)
             if old is not None:
                 self._stored_bytes -= len(key.encode()) + len(old)
+                self._attribute(conn, key)  # who deleted it
             self._reply(conn, Status.OK if old is not None else Status.MISSING, b"")
         elif op == Op.DEAD:
             self._reply(conn, Status.OK, ",".join(map(str, sorted(self._dead))).encode())
