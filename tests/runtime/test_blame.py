@@ -61,11 +61,16 @@ def _corrupts_its_control_word(rank: int, n: int, port: int, out: Any, case: tup
 
     def body() -> tuple[str, int | None, str]:
         try:
-            group.all_reduce(np.ones(1024, np.float32))
-            finished_first.wait(timeout=BLAME_TIMEOUT_S)  # nobody reads the victim's block of collective 0 anymore
+            for _ in range(2 if word == "descriptor_low" else 1):  # a low stamp is detectable from collective 2 on
+                group.all_reduce(np.ones(1024, np.float32))
+            finished_first.wait(timeout=BLAME_TIMEOUT_S)  # nobody reads the victim's block of these anymore
             if rank == victim:
-                index = ABORTED_WORD if word == "aborted" else descriptor_word(1)
-                group._transport._views[rank][index] = 1 << 40  # type: ignore[attr-defined]
+                index, value = {
+                    "aborted": (ABORTED_WORD, 1 << 40),
+                    "descriptor": (descriptor_word(1), 1 << 40),  # the next collective's stamp, too far ahead
+                    "descriptor_low": (descriptor_word(0), -5),  # below what the slot already held
+                }[word]
+                group._transport._views[rank][index] = value  # type: ignore[attr-defined]
                 for _ in range(n - 1):
                     survivors.get(timeout=BLAME_TIMEOUT_S * 2)
             group.all_reduce(np.ones(1024, np.float32))
@@ -93,6 +98,14 @@ def test_shm_corrupt_abort_word_is_named_as_corruption_of_its_owners_block_on_ev
     for rank, (kind, peer, message) in enumerate(_corruption_reports("aborted")):
         assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
         assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+
+
+def test_shm_a_descriptor_stamp_gone_backwards_is_named_as_corruption_not_waited_out() -> None:
+    reports = _corruption_reports("descriptor_low")
+    for rank, (kind, peer, message) in enumerate(reports):
+        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
+        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+    assert any("(word descriptors[0].stamp = -5)" in message for _, _, message in reports), reports
 
 
 def test_shm_corrupt_descriptor_stamp_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:

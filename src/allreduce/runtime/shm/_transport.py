@@ -324,7 +324,9 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             if p == self.rank:
                 out.append(descriptor)
                 continue
-            self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1)
+            # The slot held seq - 2 at the last agreement of this parity (stamps only grow): less is corruption.
+            self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1,
+                       floor=seq - 2 if seq >= 2 else None, word_name=f"descriptors[{parity}].stamp")  # fmt: skip
             assert segment is not None
             view = views[p]
             stamped, length_word = view[stamp_word], view[stamp_word + 1]

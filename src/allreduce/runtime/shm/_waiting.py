@@ -100,10 +100,24 @@ class PeerWaiting:
         if any(self._sleepers):
             futex_wake(self._addr[self.rank] + 8 * word)
 
-    def _wait(self, peer: int, word: int, target: int, *, deadline: float, seq: int, what: str, step: int) -> None:
+    def _wait(
+        self,
+        peer: int,
+        word: int,
+        target: int,
+        *,
+        deadline: float,
+        seq: int,
+        what: str,
+        step: int,
+        floor: int | None = None,
+        word_name: str = "",
+    ) -> None:
         """Return once ``peer``'s counter ``word`` reaches ``target``; raise naming the culprit if it cannot.
 
-        ``what`` (what is awaited) and ``step`` (-1: the descriptor exchange) go into the error messages."""
+        ``what`` (what is awaited) and ``step`` (-1: the descriptor exchange) go into the error messages. With
+        ``floor``, a counter below it is one no writer produces (the counter only grows, and was at least ``floor``
+        already): ``peer``'s block is corrupt, named ``word_name``, instead of a wait until the timeout."""
         view = self._views[peer]
         if view[word] >= target:
             return
@@ -133,6 +147,8 @@ class PeerWaiting:
             seen = view[word]
             if seen >= target:
                 break
+            if floor is not None and seen < floor:
+                raise corrupt_block_error(self.rank, peer, word_name, seen, seq=seq, step=step)
             self._check_peers(peer, word, target, seq=seq, what=what, step=step)
             now = time.monotonic()
             if now >= deadline:
