@@ -122,3 +122,14 @@ def test_a_rank_joining_after_rank_0_gave_up_is_told_why() -> None:
     assert f"(written by rank 1 ({impostor_address}" in reports[0][1]
     assert "the group failed before rank 2 joined: rank 0 gave up" in reports[2][1], reports[2]
     assert f"written by rank 1 ({impostor_address}" in reports[2][1], reports[2]
+
+
+def test_a_rank_that_gives_up_tells_the_ranks_waiting_for_it_why(store: TCPStore) -> None:
+    from allreduce.runtime import PeerFailureError
+
+    store.set("allreduce/job", b"not a job id")
+    kind, _ = _rank_1_outcome(store.port)
+    assert kind == "ProtocolError"
+    # rank 0 would wait for rank 1's host id until its timeout: the store says at once that rank 1 gave up, and why
+    with pytest.raises(PeerFailureError, match=r"rank 1 gave up \(a client from 127\.0\.0\.1:\d+\): rank 1: .*job id"):
+        store.wait(["allreduce/host/1"], timeout_s=TIMEOUT_S)

@@ -25,13 +25,14 @@ import threading
 import time
 from collections.abc import Sequence
 
-from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError, ProtocolError
+from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError
 from allreduce.runtime._store_server import (
     DEAD_PREFIX,
     FAILED_LINGER_S,
     GROUP_SECRET_KEY,
     KEY_SEPARATOR,
     MAX_ANSWER_BYTES,
+    MAX_FAIL_REASON_BYTES,
     MAX_VALUE_BYTES,
     NO_TIMEOUT,
     REQUEST,
@@ -356,12 +357,17 @@ class TCPStore:
         return [int(r) for r in ranks if r]
 
     def fail(self, reason: str) -> None:
-        """This rank gives up during the rendezvous. Hosting the store, it tells every rank why: those waiting on
-        it now, and for up to :data:`FAILED_LINGER_S` (at :meth:`close`) those that join later. A no-op on a
-        client."""
-        if self._server is not None and self.rank >= 0:
+        """This rank gives up during the rendezvous: every rank waiting on it is told why at once (not at its
+        timeout). Hosting the store, it also tells the ranks that join later, for up to :data:`FAILED_LINGER_S`
+        (at :meth:`close`). Best effort: a store that cannot be told is left alone."""
+        if self.rank < 0:
+            return
+        if self._server is not None:
             self._server.fail(self.rank, reason)
             self._failed = True
+            return
+        with contextlib.suppress(CollectiveError, OSError, ValueError):
+            self._request(Op.FAIL, "fail", reason.encode()[:MAX_FAIL_REASON_BYTES], timeout_s=CLOSE_TIMEOUT_S)
 
     def close(self, *, wait_for_ranks_s: float | None = None) -> None:
         """Leave the store (a clean exit, not a death); with ``is_server`` also stop the server.

@@ -66,7 +66,7 @@ DEAD_PREFIX = "__dead__/"
 WRITER_PREFIX = "__writer__/"
 """``__writer__/<key>``: which client last wrote ``<key>`` ("rank 1 (127.0.0.1:40112, pid 4242)"), set by the server
 with every write, so a rank that reads a malformed value can name who wrote it."""
-FAILED_LINGER_S = 5.0
+FAILED_LINGER_S = 15.0
 """When the hosting rank gives up during the rendezvous, how long its store stays up to tell ranks that have not
 joined yet why (instead of their finding nothing listening and timing out)."""
 GROUP_SECRET_KEY = "__group_secret__"
@@ -99,6 +99,7 @@ _RECV_BYTES = 1 << 16  # read per recv from a client
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what an ADD's counter may hold: its answer is a signed 64-bit int
 _MAX_RIVALS_LISTED = 3  # clients refused a held seat, named in its holder's death report (a bound: they may retry)
 _MAX_REFUSAL_CHARS = 300  # of why a rank was refused, as a timed-out waiter is told
+MAX_FAIL_REASON_BYTES = 2048  # of why a rank gave up (Op.FAIL), as the ranks waiting on it are told
 
 SERVER_STOP_S = 10.0
 """How long stopping the server waits for its loop thread (woken at once; this bounds a loop stuck in a client)."""
@@ -107,7 +108,7 @@ SERVER_STOP_S = 10.0
 class Op:
     """Request opcodes."""
 
-    SET, GET, ADD, WAIT, CHECK, DELETE, CLOSE, DEAD = range(1, 9)
+    SET, GET, ADD, WAIT, CHECK, DELETE, CLOSE, DEAD, FAIL = range(1, 10)
 
 
 class Status:
@@ -533,6 +534,17 @@ class StoreServer:
             self._reply(conn, Status.OK if old is not None else Status.MISSING, b"")
         elif op == Op.DEAD:
             self._reply(conn, Status.OK, ",".join(map(str, sorted(self._dead))).encode())
+        elif op == Op.FAIL:  # a rank gives up (its init failed): every rank waiting on it hears why at once
+            if conn.rank is None:
+                self._reply(conn, Status.ERROR, b"only a rank can give up")
+                return
+            why = value[:MAX_FAIL_REASON_BYTES].decode(errors="replace")
+            reason = f"rank {conn.rank} gave up (a client from {conn.origin}): {why}"
+            _log.warning("store: %s", reason)
+            self._dead[conn.rank] = reason
+            self._data[f"{DEAD_PREFIX}{conn.rank}"] = reason.encode()
+            self._reply(conn, Status.OK, b"")
+            self._notify()
         elif op == Op.CLOSE:
             first_close = not conn.closing
             conn.closing = True
