@@ -247,12 +247,14 @@ class StoreServer:
         """After :meth:`fail`: wait until every rank has joined (and been told) or been refused with the failure,
         and no rank is still connected; the ranks never reached within ``timeout_s``."""
 
+        # Told: the ranks refused with the failure, and those connected when it was applied (their waits fail
+        # with it). Not a rank merely seen: an impostor that held a rank's seat and left has told that rank nothing.
         def done() -> bool:
-            return not self._ranks_live and self._ranks_seen | self._told >= set(range(self._world_size))
+            return not self._ranks_live and self._told >= set(range(self._world_size))
 
         with self._lock:
             self._lock.wait_for(done, timeout_s)
-            return sorted(set(range(self._world_size)) - self._ranks_seen - self._told)
+            return sorted(set(range(self._world_size)) - self._told)
 
     def stop(self) -> None:
         self._listener.close()
@@ -298,6 +300,9 @@ class StoreServer:
             return
         self._failure_applied = True
         host = int(failure.split()[1])
+        with self._lock:  # every rank connected now hears of it (its waits fail with it)
+            self._told.update(conn.rank for conn in self._conns if conn.rank is not None)
+            self._lock.notify_all()
         self._dead[host] = failure
         self._data[f"{DEAD_PREFIX}{host}"] = failure.encode()
         self._notify()
@@ -543,6 +548,9 @@ class StoreServer:
             _log.warning("store: %s", reason)
             self._dead[conn.rank] = reason
             self._data[f"{DEAD_PREFIX}{conn.rank}"] = reason.encode()
+            with self._lock:  # it knows why the group failed: a lingering store need not wait for it
+                self._told.add(conn.rank)
+                self._lock.notify_all()
             self._reply(conn, Status.OK, b"")
             self._notify()
         elif op == Op.CLOSE:
