@@ -40,29 +40,6 @@ KINDS = _kinds()
 
 pytestmark = pytest.mark.slow
 
-# Intermittent in the 1,000-fault campaign, so a strict xfail would fail whenever both faults happen to be handled.
-STALL_BLAME = pytest.mark.xfail(
-    strict=False,
-    reason="a stalled rank (SIGSTOP past the timeout) is named only by the ranks waiting on it directly; the others "
-    "time out naming a neighbour (40 of 63 stalls in the 1,000-fault campaign, shm and tcp)",
-)
-EXIT_DURING_CONNECT_BLAME = pytest.mark.xfail(
-    strict=False,
-    reason="tcp: a rank dying while the group connects (collective 0) makes ranks blame a neighbour that exited in "
-    "reaction ('rank K refused a connection: it has exited'), or time out (8 of 63 in the 1,000-fault campaign)",
-)
-STORE_JUNK_BLAME = pytest.mark.xfail(
-    strict=False,
-    reason="a client with the job's token that overwrites group keys stops the ranks with a ProtocolError naming the "
-    "key (the campaign counts only an unaffected job), and an impostor that takes a rank's seat and leaves is "
-    "reported as that rank gone, naming the impostor's address and pid: the store cannot tell it was not the rank",
-)
-SHM_CORRUPT_BLAME = pytest.mark.xfail(
-    strict=False,
-    reason="a corrupted 'aborted' word or descriptor reads as 'rank K gave up because it failed' naming different "
-    "ranks on different ranks (2 of 62 in the 1,000-fault campaign)",
-)
-
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
@@ -110,15 +87,7 @@ def test_no_fault_gives_a_silent_wrong_result(campaign: dict[str, dict[str, Any]
     assert _row(campaign, kind)["silent_wrong"] == 0, _problems(campaign, kind)
 
 
-_BLAME_MARKS = {
-    "stall": STALL_BLAME,
-    "exit_mid": EXIT_DURING_CONNECT_BLAME,
-    "store_junk": STORE_JUNK_BLAME,
-    "shm_corrupt": SHM_CORRUPT_BLAME,
-}
-
-
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=_BLAME_MARKS[k]) if k in _BLAME_MARKS else k for k in KINDS])
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_error_names_the_culprit(campaign: dict[str, dict[str, Any]], kind: str) -> None:
     assert _row(campaign, kind)["culprit_named_pct"] == 100.0, _problems(campaign, kind)
 

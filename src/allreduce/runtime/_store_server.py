@@ -150,6 +150,7 @@ class _Conn:
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     closing: bool = False  # the client said CLOSE: its disconnect is not a death
+    gave_up: bool = False  # the client said FAIL (a rank whose init failed)
     waiting: _Waiter | None = None
     # Clients refused because this one held their rank's seat, as "a client from <address>"; touched under the
     # server's lock (by handshake threads). Then this one may not be the real rank: the report of its end says so.
@@ -548,9 +549,7 @@ class StoreServer:
             _log.warning("store: %s", reason)
             self._dead[conn.rank] = reason
             self._data[f"{DEAD_PREFIX}{conn.rank}"] = reason.encode()
-            with self._lock:  # it knows why the group failed: a lingering store need not wait for it
-                self._told.add(conn.rank)
-                self._lock.notify_all()
+            conn.gave_up = True  # if it also says goodbye (CLOSE), a lingering store need not wait for it
             self._reply(conn, Status.OK, b"")
             self._notify()
         elif op == Op.CLOSE:
@@ -559,6 +558,9 @@ class StoreServer:
             with self._lock:
                 if conn.rank is not None:
                     self._left.add(conn.rank)
+                    if conn.gave_up:  # a rank that gave up and left in order knows why the group failed
+                        self._told.add(conn.rank)
+                        self._lock.notify_all()
                 elif first_close:  # its seat is free once it has said goodbye, before the loop reads its EOF
                     self._anonymous -= 1
             self._reply(conn, Status.OK, b"")
