@@ -65,12 +65,16 @@ def _corrupts_its_control_word(rank: int, n: int, port: int, out: Any, case: tup
                 group.all_reduce(np.ones(1024, np.float32))
             finished_first.wait(timeout=BLAME_TIMEOUT_S)  # nobody reads the victim's block of these anymore
             if rank == victim:
-                index, value = {
-                    "aborted": (ABORTED_WORD, 1 << 40),
-                    "descriptor": (descriptor_word(1), 1 << 40),  # the next collective's stamp, too far ahead
-                    "descriptor_low": (descriptor_word(0), -5),  # below what the slot already held
+                writes = {
+                    "aborted": [(ABORTED_WORD, 1 << 40)],
+                    "descriptor": [(descriptor_word(1), 1 << 40)],  # the next collective's stamp, too far ahead
+                    "descriptor_low": [(descriptor_word(0), -5)],  # below what the slot already held
+                    # the next collective's stamp as the victim would publish it, over an empty descriptor (the
+                    # crc32 of b"" is 0, so a zeroed length word passes a crc check)
+                    "descriptor_length": [(descriptor_word(1) + 1, 0), (descriptor_word(1), 1)],
                 }[word]
-                group._transport._views[rank][index] = value  # type: ignore[attr-defined]
+                for index, value in writes:
+                    group._transport._views[rank][index] = value  # type: ignore[attr-defined]
                 for _ in range(n - 1):
                     survivors.get(timeout=BLAME_TIMEOUT_S * 2)
             group.all_reduce(np.ones(1024, np.float32))
@@ -106,6 +110,13 @@ def test_shm_a_descriptor_stamp_gone_backwards_is_named_as_corruption_not_waited
         assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
         assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
     assert any("(word descriptors[0].stamp = -5)" in message for _, _, message in reports), reports
+
+
+def test_shm_a_zeroed_descriptor_length_is_named_as_corruption_not_parsed() -> None:
+    reports = _corruption_reports("descriptor_length")
+    for rank, (kind, peer, message) in enumerate(reports):
+        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
+        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
 
 
 def test_shm_corrupt_descriptor_stamp_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:

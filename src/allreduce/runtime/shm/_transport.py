@@ -53,7 +53,6 @@ from allreduce.runtime.shm._layout import (
     CLOSED_WORD,
     CRC_SLOTS_PER_PEER,
     CULPRIT_WORD,
-    DESCRIPTOR_BYTES,
     DONE_STEP,
     EAGER_BYTES,
     IN_EAGER_SNAPSHOT,
@@ -334,7 +333,9 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             if stamped & 1 != parity or stamped > seq + 2:
                 raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].stamp", stamped, seq=seq, step=-1)
             length = length_word & _DESCRIPTOR_LENGTH_MASK
-            if not 0 <= length <= DESCRIPTOR_BYTES or length_word < 0:
+            # Every rank's descriptor has the same length (a fixed layout): any other, 0 included (whose crc32 is
+            # 0 too, so a zeroed word would pass the crc check below), is a word no writer produced.
+            if length != len(descriptor) or length_word < 0:
                 raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].length", length_word, seq=seq, step=-1)
             received = segment.mm[payload : payload + length]  # a slice of an mmap is bytes
             if _descriptor_length_word(received) != length_word:
