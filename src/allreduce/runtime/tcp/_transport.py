@@ -54,6 +54,7 @@ from allreduce.runtime.tcp._frames import (
 from allreduce.runtime.tcp._handshake import (
     CONNECT_HANDSHAKE_MAX_S,
     ClientHello,
+    HandshakeRetryError,
     connect_handshake,
     resolve_token,
 )
@@ -92,6 +93,10 @@ peer's published listener is gone, i.e. the peer exited)."""
 DEAD_POLL_S = 0.2
 """How often a rank waiting for peers to connect asks the store which ranks died (one small request each time): a
 rank that dies before its connections exist is named by every waiting rank within this, not at the timeout."""
+
+STOP_SETTLE_S = 2.0
+"""A peer found stopping while this rank connects reacted to a failure: how long to wait for the store to learn
+which rank died, so that rank is the one named."""
 
 STALL_GRACE_S = 2.0
 """After a timeout, how long a rank waits for the rank it waited for to say (in the store) whom that one waited for:
@@ -308,10 +313,16 @@ class TcpTransport(Transport):
             message += f"; rank(s) {', '.join(map(str, others))} did not connect (exited in reaction, or waiting)"
         raise PeerFailureError(message, rank=self.rank, peer=culprit)
 
-    def _exited_peer_error(self, peer: int, what: str, detail: str) -> PeerFailureError:
+    def _exited_peer_error(self, peer: int, what: str, detail: str, *, settle_s: float = 0.0) -> PeerFailureError:
         """The error for ``peer`` gone while this rank connects to it: if some rank died (as the store saw it) and
-        it was not ``peer``, ``peer`` exited in reaction and the error names the dead rank."""
+        it was not ``peer``, ``peer`` exited in reaction and the error names the dead rank. ``settle_s``: how long
+        to wait for the store to learn of a death (a peer that is stopping reacts to a failure the store may not
+        have seen yet)."""
         dead = self._dead_ranks()
+        settle_until = time.monotonic() + settle_s
+        while not dead and time.monotonic() < settle_until:
+            time.sleep(DEAD_POLL_S / 4)
+            dead = self._dead_ranks()
         culprit = peer if not dead or peer in dead else dead[0]
         message = f"rank {self.rank}: {detail}"
         if culprit != peer:
@@ -339,6 +350,11 @@ class TcpTransport(Transport):
         except (OSError, EOFError) as exc:
             sock.close()
             raise self._exited_peer_error(peer, what, f"lost rank {peer} during the handshake ({what}): {exc}") from exc
+        except HandshakeRetryError as exc:  # the peer is stopping: it saw a failure, name that (when the store has)
+            sock.close()
+            raise self._exited_peer_error(
+                peer, what, f"rank {peer} was stopping when this rank connected ({what}): {exc}", settle_s=STOP_SETTLE_S
+            ) from exc
         except BaseException:
             sock.close()
             raise
