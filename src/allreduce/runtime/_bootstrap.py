@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
 import itertools
@@ -80,26 +79,35 @@ _PORT = re.compile(r"[0-9]{1,5}")
 """What rank 0 publishes in the job's own store under torchrun: the port of allreduce's store, in decimal."""
 _SHOWN_VALUE_BYTES = 40  # of a malformed value, in an error message
 _WRITER_LOOKUP_S = 1.0  # how long to ask the store who wrote a malformed value
+_REREADS = 3  # reads of a malformed value that keeps changing while its writer is looked up
 
 
 def _read_checked(store: Any, key: str, pattern: re.Pattern[str], what: str, rank: int) -> str:
-    """The value of ``key`` in ``store``, which must match ``pattern``; else a ProtocolError naming the key and
-    the store (another process writing to the job's store is the likely cause)."""
-    raw = bytes(store.get(key))
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError:
-        text = None
-    if text is not None and pattern.fullmatch(text):
-        return text
-    shown = repr(raw[:_SHOWN_VALUE_BYTES]) + ("..." if len(raw) > _SHOWN_VALUE_BYTES else "")
-    written_by = ""
+    """The value of ``key`` in ``store``, which must match ``pattern``; else a ProtocolError naming the key, the
+    store and, with allreduce's store, the client that wrote the value (another process writing to the job's store
+    is the likely cause). A malformed value rewritten while its writer is looked up is read again."""
     from allreduce.runtime._store import TCPStore
     from allreduce.runtime._store_server import WRITER_PREFIX
 
-    if isinstance(store, TCPStore):  # ours records every write's client
-        with contextlib.suppress(CollectiveError, OSError, ValueError):
-            written_by = f" (written by {store.get(WRITER_PREFIX + key, timeout_s=_WRITER_LOOKUP_S).decode()})"
+    written_by = ""
+    for _ in range(_REREADS):
+        raw = bytes(store.get(key))
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            text = None
+        if text is not None and pattern.fullmatch(text):
+            return text
+        if not isinstance(store, TCPStore):  # only ours records every write's client
+            break
+        try:
+            writer = store.get(WRITER_PREFIX + key, timeout_s=_WRITER_LOOKUP_S).decode()
+            if bytes(store.get(key, timeout_s=_WRITER_LOOKUP_S)) == raw:  # the writer of the value shown
+                written_by = f" (written by {writer})"
+                break
+        except (CollectiveError, OSError, ValueError):
+            break
+    shown = repr(raw[:_SHOWN_VALUE_BYTES]) + ("..." if len(raw) > _SHOWN_VALUE_BYTES else "")
     where = (
         f"the rendezvous store at {store.host}:{store.port}"
         if hasattr(store, "host") and hasattr(store, "port")
