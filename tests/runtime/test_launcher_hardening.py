@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,21 @@ def _pids(directory: Path, count: int) -> list[int]:
 
     pids: list[int] = _wait_until(ready, f"{count} ranks did not start")
     return pids
+
+
+@pytest.fixture(autouse=True)
+def hangups_not_ignored() -> Iterator[None]:
+    """These tests model a terminal that hangs up. Under ``nohup`` (SIGHUP ignored, and inherited so by every
+    child) a launcher keeps ignoring SIGHUP, as `allreduce run` promises: so the launchers here start with the
+    default disposition, whatever the test runner was started with."""
+    previous = signal.getsignal(signal.SIGHUP)
+    if previous is signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        if previous is signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def _start_run(tmp_path: Path) -> subprocess.Popen[str]:
