@@ -83,18 +83,19 @@ def _pids(directory: Path, count: int) -> list[int]:
 
 
 @pytest.fixture(autouse=True)
-def hangups_not_ignored() -> Iterator[None]:
-    """These tests model a terminal that hangs up. Under ``nohup`` (SIGHUP ignored, and inherited so by every
-    child) a launcher keeps ignoring SIGHUP, as `allreduce run` promises: so the launchers here start with the
-    default disposition, whatever the test runner was started with."""
-    previous = signal.getsignal(signal.SIGHUP)
-    if previous is signal.SIG_IGN:
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+def stop_signals_not_ignored() -> Iterator[None]:
+    """These tests model a terminal: Ctrl-C and hang-ups reach the launcher. A launcher started with SIGINT or
+    SIGHUP ignored (a background job of a non-interactive shell, ``nohup``; children inherit it) keeps ignoring
+    them, as `allreduce run` promises: so the launchers here start with the default disposition, whatever the test
+    runner was started with."""
+    ignored = [s for s in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(s) is signal.SIG_IGN]
+    for stop in ignored:
+        signal.signal(stop, signal.SIG_DFL)
     try:
         yield
     finally:
-        if previous is signal.SIG_IGN:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        for stop in ignored:
+            signal.signal(stop, signal.SIG_IGN)
 
 
 def _start_run(tmp_path: Path) -> subprocess.Popen[str]:
