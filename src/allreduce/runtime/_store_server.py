@@ -207,6 +207,7 @@ class StoreServer:
         self._failure: str | None = None  # the hosting rank gave up: what every rank is told (under the lock)
         self._failure_applied = False  # the loop has told the ranks already connected
         self._told: set[int] = set()  # ranks refused at the handshake with the failure
+        self._failed_rank = -1  # the hosting rank that gave up
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
@@ -241,6 +242,7 @@ class StoreServer:
         rank ``rank`` is gone, with ``reason``, and every rank that joins from now on is refused with it."""
         with self._lock:
             self._failure = f"rank {rank} gave up: {reason}"
+            self._failed_rank = rank
             self._told.add(rank)
         self._wake()
 
@@ -254,6 +256,8 @@ class StoreServer:
             return not self._ranks_live and self._told >= set(range(self._world_size))
 
         with self._lock:
+            if not (self._ranks_seen | self._told) - {self._failed_rank}:
+                return []  # no other rank ever came: none is waiting to hear (a store nobody else joined)
             self._lock.wait_for(done, timeout_s)
             return sorted(set(range(self._world_size)) - self._told)
 

@@ -12,6 +12,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError
 from allreduce.runtime._transport import ReduceInto
@@ -19,7 +20,7 @@ from allreduce.runtime.tcp._frames import InFrame, OutFrame
 from allreduce.runtime.tcp._pair import Pair, apply_staged
 from allreduce.runtime.tcp._socket import POLL_ERR, POLL_IN
 
-__all__ = ["SENDER_POLL_S", "SENDER_STOP_S", "Sender", "exchange"]
+__all__ = ["SENDER_POLL_S", "SENDER_STOP_S", "Sender", "exchange", "pace_step"]
 
 SENDER_POLL_S = 0.05
 """How often a thread blocked in ``poll`` while the sender thread runs wakes to look for the other's failure or
@@ -336,3 +337,14 @@ class Sender:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+
+
+def pace_step(injection: Any, step: Any, arrivals: dict[int, list[int]]) -> None:
+    """Pace the injected slow links of ``step`` (a prepared step): each paced peer's last byte moves to when the
+    pacing let it through."""
+    for peer in step.recv_peers:
+        if injection.paces(peer) and peer in arrivals:
+            first_last = arrivals[peer]
+            size_bytes = sum(r.byte_stop - r.byte_start for r in step.recvs if r.peer == peer)
+            injection.pace(peer, size_bytes, first_last[0] or first_last[1])
+            first_last[1] = max(first_last[1], time.perf_counter_ns())

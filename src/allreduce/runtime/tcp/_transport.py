@@ -59,9 +59,9 @@ from allreduce.runtime.tcp._handshake import (
     resolve_token,
 )
 from allreduce.runtime.tcp._listener import Listener, listening_socket
-from allreduce.runtime.tcp._loop import Sender, exchange
+from allreduce.runtime.tcp._loop import Sender, exchange, pace_step
 from allreduce.runtime.tcp._pair import Pair
-from allreduce.runtime.tcp._prepared import WINDOW_BYTES, PreparedPlan, PreparedStep, prepare
+from allreduce.runtime.tcp._prepared import WINDOW_BYTES, PreparedPlan, prepare
 from allreduce.runtime.tcp._socket import drain_and_close, host_key, is_loopback, send_until, tune
 
 __all__ = [
@@ -578,7 +578,7 @@ class TcpTransport(Transport):
                 arrivals=arrivals,
             )
             if injection is not None and arrivals is not None:
-                self._pace_step(step, arrivals)
+                pace_step(injection, step, arrivals)
             if tsv is not None and arrivals is not None:
                 for peer in step.recv_peers:  # first and last byte, in the layout's order
                     first_last = arrivals.get(peer)
@@ -636,17 +636,6 @@ class TcpTransport(Transport):
         except (ValueError, OSError):
             return peer, []  # the store cannot tell: name the rank this one waited for
         return chain[-1], links
-
-    def _pace_step(self, step: PreparedStep, arrivals: dict[int, list[int]]) -> None:
-        """Pace the injected slow links of this step (its last byte moves to when the pacing let it through)."""
-        injection = self.injection
-        assert injection is not None
-        for peer in step.recv_peers:
-            if injection.paces(peer) and peer in arrivals:
-                first_last = arrivals[peer]
-                size_bytes = sum(r.byte_stop - r.byte_start for r in step.recvs if r.peer == peer)
-                injection.pace(peer, size_bytes, first_last[0] or first_last[1])
-                first_last[1] = max(first_last[1], time.perf_counter_ns())
 
     # ------------------------------------------------------------------------------------------------ endings
     def _release(self) -> None:
