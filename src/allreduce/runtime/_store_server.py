@@ -300,11 +300,10 @@ class StoreServer:
     def _apply_failure(self) -> None:
         """Once, after :meth:`fail`: the host is dead to every rank (pending and later waits fail naming it)."""
         with self._lock:
-            failure = self._failure
+            failure, host = self._failure, self._failed_rank
         if failure is None or self._failure_applied:
             return
         self._failure_applied = True
-        host = int(failure.split()[1])
         with self._lock:  # every rank connected now hears of it (its waits fail with it)
             self._told.update(conn.rank for conn in self._conns if conn.rank is not None)
             self._lock.notify_all()
