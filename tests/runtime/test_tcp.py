@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from test_group_harness import kill_rounds
 
-from allreduce.runtime import CollectiveError, compile_plan
+from allreduce.runtime import CollectiveError, PeerFailureError, compile_plan
 from allreduce.runtime._store import TCPStore
 from allreduce.runtime.tcp import TcpTransport
 from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES
@@ -320,7 +320,35 @@ def _die_mid_collective(rank: int, world_size: int, store: TCPStore, transport: 
     transport.execute(plan, buffer, add_into, seq=2, timeout_s=TIMEOUT_S, checksum=False)
 
 
+def _gives_up_unread(rank: int, world_size: int, store: TCPStore, transport: TcpTransport) -> str:
+    """A ring of 3: rank 2 gives up because of rank 0 while rank 1 sends to it (and never reads from it, so its
+    ABORT frame stays unread), then exits at once (its unread input makes the kernel reset the connection).
+    Rank 0 is parked outside the collective and tells rank 1 nothing."""
+    small = compile_plan(all_reduce("ring", world_size), rank, 1000)
+    transport.execute(small, rank_data(rank, 1000), add_into, seq=1, timeout_s=TIMEOUT_S, checksum=False)
+    if rank == 0:
+        store.get("test/release", timeout_s=TIMEOUT_S)
+        return "parked"
+    if rank == 2:
+        store.get("test/sending", timeout_s=TIMEOUT_S)
+        time.sleep(0.5)  # rank 1's send to this rank has filled the socket buffers: it is blocked in send
+        transport._record_failure(PeerFailureError("rank 2: rank 0 failed (injected)", rank=2, peer=0), 2)
+        os._exit(0)
+    count = 4 << 20  # 32 MiB of int64: far more than the socket buffers hold
+    store.set("test/sending", b"")
+    transport.execute(
+        compile_plan(all_reduce("ring", world_size), rank, count),
+        rank_data(rank, count),
+        add_into,
+        seq=2,
+        timeout_s=TIMEOUT_S,
+        checksum=False,
+    )
+    return "returned"
+
+
 SCENARIOS: dict[str, Callable[..., Any]] = {
+    "gives_up_unread": _gives_up_unread,
     "agree": _agree,
     "algorithm": _algorithm,
     "statistics": _statistics,
@@ -476,6 +504,16 @@ def test_killed_peer_is_named_by_every_rank(world_size: int, unix_sockets: bool)
         message, peer = payload
         assert peer == victim, f"rank {rank}: {message}"
         assert f"rank {victim}" in message
+
+
+@pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+def test_a_peer_reset_before_its_abort_was_read_is_traced_to_the_rank_it_gave_up_for(unix_sockets: bool) -> None:
+    results = run_ranks("gives_up_unread", 3, wait_for={1}, unix_sockets=unix_sockets)
+    status, payload = results[1]
+    assert status == "PeerFailureError", f"rank 1: {status} {payload}"
+    message, peer = payload
+    assert peer == 0, f"rank 1: {message}"
+    assert "rank 2 gave up because of rank 0" in message
 
 
 @pytest.fixture

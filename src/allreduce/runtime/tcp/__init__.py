@@ -10,6 +10,7 @@ Files, one concern each (after Gloo's ``transport/tcp``):
 - :mod:`._prepared`: a rank's plan compiled to byte ranges, per step and peer;
 - :mod:`._pair`: one connection to a peer, and the windowed reduction of what it receives;
 - :mod:`._loop`: the event loop of one step, and the sender thread;
+- :mod:`._blame`: whom a rank names when a peer is gone or silent (the records ranks leave in the store);
 - :mod:`._transport`: :class:`TcpTransport` (over TCP, or over a Unix socket between ranks of one host).
 """
 

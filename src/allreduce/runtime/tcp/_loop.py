@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from allreduce.runtime._errors import CollectiveTimeoutError, PeerFailureError
+from allreduce.runtime._errors import CollectiveTimeoutError
 from allreduce.runtime._transport import ReduceInto
+from allreduce.runtime.tcp._blame import LostPeerError
 from allreduce.runtime.tcp._frames import InFrame, OutFrame
 from allreduce.runtime.tcp._pair import Pair, apply_staged
 from allreduce.runtime.tcp._socket import POLL_ERR, POLL_IN
@@ -208,9 +209,9 @@ def send_all(
                 raise _broken(rank, fd_peer[fd], label=label, seq=seq, step=None)
 
 
-def _broken(rank: int, peer: int, *, label: str, seq: int, step: int | None) -> PeerFailureError:
+def _broken(rank: int, peer: int, *, label: str, seq: int, step: int | None) -> LostPeerError:
     """The error for a connection the poller reports broken (hang-up or error, nothing left to read or write)."""
-    return PeerFailureError(
+    return LostPeerError(
         f"rank {rank}: the connection to rank {peer} broke at {label} of collective {seq} "
         f"(rank {peer} died or aborted)",
         rank=rank,

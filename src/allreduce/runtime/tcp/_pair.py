@@ -18,10 +18,10 @@ import numpy as np
 from allreduce.runtime._errors import (
     ChecksumError,
     MismatchError,
-    PeerFailureError,
     ProtocolError,
 )
 from allreduce.runtime._transport import MAX_DESCRIPTOR_BYTES, ReduceInto, error_class
+from allreduce.runtime.tcp._blame import LostPeerError
 from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
     FLAG_AGREE,
@@ -70,7 +70,7 @@ class Pair:
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
-            raise PeerFailureError(
+            raise LostPeerError(
                 f"rank {self.local}: lost rank {self.rank} while sending at {label} of collective {seq} "
                 f"({exc.strerror or exc}): rank {self.rank} died or aborted",
                 rank=self.local,
@@ -105,7 +105,7 @@ class Pair:
         except (BlockingIOError, InterruptedError):
             return moved
         except ConnectionError as exc:
-            raise PeerFailureError(
+            raise LostPeerError(
                 f"rank {self.local}: lost rank {self.rank} while receiving at {label} of collective {seq} "
                 f"({exc.strerror or exc}): rank {self.rank} died or aborted",
                 rank=self.local,
@@ -235,7 +235,7 @@ class Pair:
         )
 
     def raise_eof(self, seq: int, label: str) -> None:
-        raise PeerFailureError(
+        raise LostPeerError(
             f"rank {self.local}: rank {self.rank} closed its connection at {label} of collective {seq} "
             f"(rank {self.rank} died or aborted)",
             rank=self.local,

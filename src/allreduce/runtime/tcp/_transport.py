@@ -17,7 +17,8 @@ TCP.
 
 Failures: a peer's EOF or reset raises :class:`PeerFailureError` naming it at once; a rank that fails sends an
 ABORT frame naming the culprit to every peer (then drains and closes its sockets in the background so that no
-peer stays blocked sending to it), so a death propagates along the schedule's connections in milliseconds.
+peer stays blocked sending to it), so a death propagates along the schedule's connections in milliseconds. A peer
+that finds such a connection closed before it read the ABORT frame names the first cause anyway (:mod:`._blame`).
 After any error the transport is unusable.
 """
 
@@ -36,10 +37,11 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError
+from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._stats import MARK_MASK
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
+from allreduce.runtime.tcp._blame import DEAD_POLL_S, STALL_GRACE_S, STOP_SETTLE_S, Blame, LostPeerError
 from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
     FLAG_AGREE,
@@ -90,18 +92,6 @@ CONNECT_RETRY_S = 0.05
 """The pause before connecting again after a transient error (not a refusal: a refused connection means the
 peer's published listener is gone, i.e. the peer exited)."""
 
-DEAD_POLL_S = 0.2
-"""How often a rank waiting for peers to connect asks the store which ranks died (one small request each time): a
-rank that dies before its connections exist is named by every waiting rank within this, not at the timeout."""
-
-STOP_SETTLE_S = 2.0
-"""A peer found stopping while this rank connects reacted to a failure: how long to wait for the store to learn
-which rank died, so that rank is the one named."""
-
-STALL_GRACE_S = 2.0
-"""After a timeout, how long a rank waits for the rank it waited for to say (in the store) whom that one waited for:
-ranks that are blocked behind a stalled rank time out within about this of each other, the stalled rank never
-says; so the chain of waits is followed to the rank at its root, which every rank then names."""
 
 UNIX_ENV = "ALLREDUCE_TCP_UNIX"
 """Set to ``0`` to keep connections between ranks of one host on TCP (the default takes Unix sockets there)."""
@@ -152,6 +142,7 @@ class TcpTransport(Transport):
         self.timeout_s = timeout_s
         self._store = store
         self._prefix = prefix
+        self._blame = Blame(store, prefix, rank, world_size)
         self._token = resolve_token(token)
         if not is_loopback(host) and self._token is None:
             raise ValueError(
@@ -277,7 +268,7 @@ class TcpTransport(Transport):
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._raise_if_dead(missing, what)
+                    self._blame.raise_if_dead(missing, what)
                     refused = f"; refused connections: {'; '.join(self._refused)}" if self._refused else ""
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: timed out waiting for rank(s) {', '.join(map(str, sorted(missing)))} to "
@@ -289,45 +280,7 @@ class TcpTransport(Transport):
                 missing = higher - self._peers.keys()
                 if not missing:
                     return
-            self._raise_if_dead(missing, what)  # outside the lock: the listener's thread reports under it
-
-    def _dead_ranks(self) -> list[int]:
-        """The ranks the store saw die (their connection to it dropped without a close), lowest first; empty if
-        the store does not track deaths."""
-        dead_ranks = getattr(self._store, "dead_ranks", None)
-        return sorted(dead_ranks()) if dead_ranks is not None else []
-
-    def _raise_if_dead(self, waiting_for: set[int], what: str) -> None:
-        """Raise PeerFailureError naming the lowest dead rank if any rank of the group died: every rank that waits
-        for a connection then names the same rank, whether it waits for that one or for one that exited in
-        reaction to it."""
-        dead = self._dead_ranks()
-        if not dead:
-            return
-        culprit = dead[0]
-        message = f"rank {self.rank}: rank {culprit} died ({what})"
-        if len(dead) > 1:
-            message += f"; rank(s) {', '.join(map(str, dead[1:]))} died too"
-        others = sorted(waiting_for - set(dead))
-        if others:
-            message += f"; rank(s) {', '.join(map(str, others))} did not connect (exited in reaction, or waiting)"
-        raise PeerFailureError(message, rank=self.rank, peer=culprit)
-
-    def _exited_peer_error(self, peer: int, what: str, detail: str, *, settle_s: float = 0.0) -> PeerFailureError:
-        """The error for ``peer`` gone while this rank connects to it: if some rank died (as the store saw it) and
-        it was not ``peer``, ``peer`` exited in reaction and the error names the dead rank. ``settle_s``: how long
-        to wait for the store to learn of a death (a peer that is stopping reacts to a failure the store may not
-        have seen yet)."""
-        dead = self._dead_ranks()
-        settle_until = time.monotonic() + settle_s
-        while not dead and time.monotonic() < settle_until:
-            time.sleep(DEAD_POLL_S / 4)
-            dead = self._dead_ranks()
-        culprit = peer if not dead or peer in dead else dead[0]
-        message = f"rank {self.rank}: {detail}"
-        if culprit != peer:
-            message = f"rank {self.rank}: rank {culprit} died ({what}); {detail}, in reaction"
-        return PeerFailureError(message, rank=self.rank, peer=culprit)
+            self._blame.raise_if_dead(missing, what)  # outside the lock: the listener's thread reports under it
 
     def _connect(self, peer: int, deadline: float, what: str) -> None:
         remaining = max(deadline - time.monotonic(), 0.001)
@@ -349,10 +302,12 @@ class TcpTransport(Transport):
             )
         except (OSError, EOFError) as exc:
             sock.close()
-            raise self._exited_peer_error(peer, what, f"lost rank {peer} during the handshake ({what}): {exc}") from exc
+            raise self._blame.exited_peer_error(
+                peer, what, f"lost rank {peer} during the handshake ({what}): {exc}"
+            ) from exc
         except HandshakeRetryError as exc:  # the peer is stopping: it saw a failure, name that (when the store has)
             sock.close()
-            raise self._exited_peer_error(
+            raise self._blame.exited_peer_error(
                 peer, what, f"rank {peer} was stopping when this rank connected ({what}): {exc}", settle_s=STOP_SETTLE_S
             ) from exc
         except BaseException:
@@ -386,7 +341,7 @@ class TcpTransport(Transport):
             sock.connect(name)
         except (ConnectionRefusedError, FileNotFoundError) as exc:  # published before we read it: it has exited
             sock.close()
-            raise self._exited_peer_error(
+            raise self._blame.exited_peer_error(
                 peer, what, f"rank {peer} refused a connection on its Unix socket ({what}): it has exited"
             ) from exc
         except OSError as exc:
@@ -415,7 +370,7 @@ class TcpTransport(Transport):
                 )
                 break
             except ConnectionRefusedError as exc:  # its listener is published before we read it: a real failure
-                raise self._exited_peer_error(
+                raise self._blame.exited_peer_error(
                     peer, what, f"rank {peer} refused a connection at {address} ({what}): it has exited"
                 ) from exc
             except OSError as exc:
@@ -594,14 +549,16 @@ class TcpTransport(Transport):
             recorder.marks = k
 
     def _exchange(self, seq: int, **kwargs: Any) -> None:
-        """:func:`exchange` over this rank's connections, whose timeout names the root of the stall
-        (:meth:`_stall_root`)."""
+        """:func:`exchange` over this rank's connections, whose errors name the first cause: the root of a stall,
+        the rank a lost peer gave up because of (:class:`Blame`)."""
         try:
             exchange(self.rank, self._peers, seq, **kwargs)
+        except LostPeerError as exc:
+            raise self._blame.lost(exc) from exc
         except CollectiveTimeoutError as exc:
             if exc.peer is None:
                 raise
-            root, links = self._stall_root(exc.peer)
+            root, links = self._blame.stall_root(exc.peer)
             if root == exc.peer:
                 raise
             raise CollectiveTimeoutError(
@@ -610,32 +567,6 @@ class TcpTransport(Transport):
                 peer=root,
                 step=exc.step,
             ) from exc
-
-    def _stall_root(self, peer: int) -> tuple[int, list[str]]:
-        """Publish that this rank timed out waiting for ``peer``, then follow the ranks' such
-        records from ``peer`` on: the first rank that publishes none within :data:`STALL_GRACE_S` is the root,
-        returned with the links followed ("rank A waited for rank B"), from the root back.
-
-        The records are per rank, not per collective: a rank one collective behind (still in ``seq - 1``, blocked
-        on the stalled rank there) is what the ranks ahead of it wait for, and a timeout ends the group, so every
-        record is of this one stall."""
-        key = f"{self._prefix}/waited/"
-        links: list[str] = []
-        try:
-            self._store.set(key + str(self.rank), str(peer).encode())
-            chain = [self.rank, peer]
-            while True:
-                try:
-                    following = int(self._store.get(key + str(chain[-1]), timeout_s=STALL_GRACE_S).decode())
-                except CollectiveTimeoutError:
-                    break
-                if not 0 <= following < self.world_size or following in chain:
-                    break
-                links.insert(0, f"rank {chain[-1]} waited for rank {following}")
-                chain.append(following)
-        except (ValueError, OSError):
-            return peer, []  # the store cannot tell: name the rank this one waited for
-        return chain[-1], links
 
     # ------------------------------------------------------------------------------------------------ endings
     def _release(self) -> None:
@@ -655,6 +586,7 @@ class TcpTransport(Transport):
             self._sender.cancel()  # from here on this thread alone writes to the sockets
         # An interruption (not a collective error: wrapped by the base class) names this rank as the culprit.
         culprit = error.peer if error.peer is not None or type(error) is not CollectiveError else self.rank
+        self._blame.record_abort(culprit)  # before any connection closes: a peer that sees one close finds it
         message = str(error).encode()[:MAX_ABORT_BYTES]
         with self._cond:
             peers, self._peers = list(self._peers.values()), {}
