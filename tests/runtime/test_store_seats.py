@@ -4,6 +4,7 @@ report are told. Real store, real processes: the impostor is a spawned process h
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -107,3 +108,25 @@ def test_a_seat_holder_that_was_never_contested_is_reported_dead_naming_its_addr
     assert "its seat was held by a client from 127.0.0.1:" in message
     assert f"(pid {holder.pid})" in message
     assert "refused" not in message
+
+
+def test_a_host_refused_its_own_seat_lingers_to_tell_the_ranks_that_join_why() -> None:
+    """Another client took the hosting rank's seat before the host's own client: the host gives up, and its store
+    stays up (for a while) to refuse the ranks that join with the reason, rather than vanish so that they time out
+    trying to reach it."""
+    from allreduce.runtime._store_server import StoreServer
+    from allreduce.runtime.tcp._listener import listening_socket
+
+    server = StoreServer(listening_socket("127.0.0.1", backlog=8), world_size=WORLD_SIZE, token=None, single_group=True)
+    impostor = _client(server.port, 0)
+    try:
+        with pytest.raises(ProtocolError, match="rank 0 is already connected"):
+            _client(server.port, 0)  # the host's own client, refused: what TCPStore(is_server=True) then does
+        server.fail(0, "rank 0's seat was taken by another client")
+        lingering = threading.Thread(target=lambda: (server.wait_until_told(TIMEOUT_S), server.stop()), daemon=True)
+        lingering.start()
+        with pytest.raises(ProtocolError, match="the group failed before rank 1 joined: rank 0 gave up: rank 0.s seat was taken"):
+            TCPStore("127.0.0.1", server.port, is_server=False, world_size=WORLD_SIZE, rank=1, timeout_s=5.0)
+    finally:
+        impostor.close()
+        server.stop()

@@ -208,6 +208,7 @@ class StoreServer:
         self._failure_applied = False  # the loop has told the ranks already connected
         self._told: set[int] = set()  # ranks refused at the handshake with the failure
         self._failed_rank = -1  # the hosting rank that gave up
+        self._clients_came = 0  # clients that said who they are (admitted, or refused after their hello)
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
@@ -256,8 +257,10 @@ class StoreServer:
             return not self._ranks_live and self._told >= set(range(self._world_size))
 
         with self._lock:
-            if not (self._ranks_seen | self._told) - {self._failed_rank}:
-                return []  # no other rank ever came: none is waiting to hear (a store nobody else joined)
+            if self._clients_came <= 1 and not (self._ranks_seen | self._told) - {self._failed_rank}:
+                # Nobody but the host's own client ever came: none is waiting to hear (a store nobody else joined).
+                # A client that took the host's own seat is someone: the ranks that join after it must hear why.
+                return []
             self._lock.wait_for(done, timeout_s)
             return sorted(set(range(self._world_size)) - self._told)
 
@@ -336,6 +339,7 @@ class StoreServer:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = _Conn(sock, address, hello.rank if hello.rank >= 0 else None, hello.pid)
         with self._lock:
+            self._clients_came += 1
             self._to_register.append(conn)
             if conn.rank is not None:
                 self._ranks_live[conn.rank] = conn  # the seat's holder from now on, as a rival would be told
@@ -354,6 +358,8 @@ class StoreServer:
             elif admitted is not None:
                 self._anonymous -= 1
             claimed = error.hello if isinstance(error, HandshakeRefusedError) else None
+            if claimed is not None or admitted is not None:
+                self._clients_came += 1
             holder = self._ranks_live.get(claimed.rank) if claimed is not None and admitted is None else None
             # an authenticated client claimed a rank whose seat is held
             rival = isinstance(error, HandshakeRefusedError) and error.kind is Refusal.OWNER
