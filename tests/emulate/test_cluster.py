@@ -238,3 +238,15 @@ def test_a_rank_killed_mid_run_is_named_and_the_run_ends(four_hosts: Layout) -> 
     assert outcome
     assert isinstance(outcome[0], EmulationError)
     assert "rank" in str(outcome[0])
+
+
+def test_a_congestion_control_the_kernel_lacks_is_refused_before_any_rank_starts(four_hosts: Layout) -> None:
+    with pytest.raises(ValueError, match="'no-such-cc' cannot be set here"):
+        run(four_hosts, algorithm="ring", sizes=[4096], reps=1, congestion="no-such-cc")
+
+
+@pytest.mark.slow
+def test_a_run_says_which_congestion_control_its_ranks_used(four_hosts: Layout) -> None:
+    result = run(four_hosts, algorithm="ring", sizes=[64 << 10], reps=1, congestion="reno")
+    assert result.congestion == "reno"
+    assert result.rows[0].exact

@@ -126,7 +126,7 @@ def test_a_host_refused_its_own_seat_lingers_to_tell_the_ranks_that_join_why() -
         lingering = threading.Thread(target=lambda: (server.wait_until_told(TIMEOUT_S), server.stop()), daemon=True)
         lingering.start()
         with pytest.raises(
-            ProtocolError, match="the group failed before rank 1 joined: rank 0 gave up: rank 0.s seat was taken"
+            ProtocolError, match=r"the group failed before rank 1 joined: rank 0 gave up: rank 0.s seat was taken"
         ):
             TCPStore("127.0.0.1", server.port, is_server=False, world_size=WORLD_SIZE, rank=1, timeout_s=5.0)
     finally:

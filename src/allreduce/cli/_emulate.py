@@ -8,6 +8,7 @@ from allreduce.cli._args import non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.emulate import (
+    DEFAULT_CONGESTION,
     DEFAULT_NAME,
     DEFAULT_RATE_BPS,
     MAX_HOSTS,
@@ -99,6 +100,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--placement", default="linear", help="linear (default), random, or host indices by rank: 0,4,1,5,..."
     )
     go.add_argument("--seed", type=non_negative_int("--seed"), default=0, help="seed of random placement")
+    go.add_argument(
+        "--congestion",
+        default=DEFAULT_CONGESTION,
+        help="TCP congestion control of the ranks' connections (default %(default)s, stock Linux's; 'default' keeps "
+        "the kernel's: BBR's rate estimate is misled by the emulated links' token-bucket burst, see docs/emulate.md)",
+    )
     go.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=_main)
 
@@ -138,7 +145,8 @@ def _spec(args: argparse.Namespace) -> EmulationSpec:
 def _format(result: RunResult, spec: EmulationSpec) -> str:
     lines = [
         f"{spec.topology}: {len(result.placement)} ranks, {result.algorithm}, fastest host link "
-        f"{format_bandwidth(result.rate_bps / 8)}, one hop {format_seconds(result.hop_latency_s)} (UDP echo)",
+        f"{format_bandwidth(result.rate_bps / 8)}, one hop {format_seconds(result.hop_latency_s)} (UDP echo), TCP "
+        f"congestion control {result.congestion}",
         f"{'size':>9} {'measured':>10} {'(min-max)':>21} {'predicted':>10} {'(ECMP luck)':>21} {'ratio':>6}  "
         f"{'exact':>5}  "
         f"{'busiest link (counters)':<24} {'sim bottleneck':<18} {'agree':>5} {'retrans':>7}",
@@ -205,11 +213,11 @@ def _main(args: argparse.Namespace) -> int:
             spec = _spec(args)
             with running(spec) as built:
                 result = run(built, algorithm=args.algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
-                             placement=placement, seed=args.seed)  # fmt: skip
+                             placement=placement, seed=args.seed, congestion=args.congestion)  # fmt: skip
         else:
             spec = load(args.name)
             result = run(spec.layout(), algorithm=args.algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
-                         placement=placement, seed=args.seed)  # fmt: skip
+                         placement=placement, seed=args.seed, congestion=args.congestion)  # fmt: skip
     except EmulationError as exc:
         raise CLIError(str(exc)) from None
     if args.json:

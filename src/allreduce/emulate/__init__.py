@@ -25,6 +25,7 @@ from allreduce.emulate._netns import (
 )
 from allreduce.emulate._paths import Connection, kernel_paths
 from allreduce.emulate._run import (
+    DEFAULT_CONGESTION,
     GOODPUT,
     TAIL_MIN_REPS,
     Measurement,
@@ -35,6 +36,7 @@ from allreduce.emulate._run import (
 )
 
 __all__ = [
+    "DEFAULT_CONGESTION",
     "DEFAULT_NAME",
     "DEFAULT_QUEUE_BYTES",
     "DEFAULT_RATE_BPS",

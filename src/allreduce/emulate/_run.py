@@ -28,6 +28,16 @@ at least :data:`TAIL_MIN_REPS` repetitions the row also carries the tail model's
 (:func:`allreduce.sim.simulate_tail`, TCP: fast retransmit costs a round trip, a tail loss the 200 ms minimum
 retransmission timeout of Linux) for exactly those link loss rates, beside the measured percentiles.
 
+Congestion control: the ranks' data connections use ``congestion`` (default :data:`DEFAULT_CONGESTION`, stock
+Linux's; ``"default"`` keeps the kernel's, BBR on some machines). BBR estimates the bottleneck's rate from the
+delivery rate of each round trip, and a token bucket's burst (1 MiB here, which Python senders need to reach the
+rate) lets data leave at the veth's speed until the bucket is empty: measured in a host namespace during a 32 MiB
+ring, BBR's estimate reached 14-35 Gbit/s on a 200 Mbit/s link, it stopped pacing, and with ACKs queued behind
+data in the hosts' uplinks (smoothed RTT 25 ms, against a minimum of 11 us) its window fell short of the link:
+32 MiB rings ran 1.12-1.22x the fluid model's time, against 0.98-0.99x with CUBIC, interleaved runs
+(docs/emulate.md). The fluid model describes a congestion control that keeps a bottleneck busy; a switch port
+has no burst above its line rate to mislead one.
+
 Bottleneck: the link the counters show busiest is the one with the most bytes per second of its shaped rate
 (the largest share of the run it was busy); the simulator's bottleneck *agrees* when its measured busy share is
 within :data:`BUSY_TIE` of that maximum (in a ring on equal links, every link is equally busy).
@@ -51,11 +61,20 @@ import numpy as np
 from allreduce.emulate._layout import Layout, _hops_to
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
+from allreduce.runtime.tcp import CONGESTION_ENV, congestion_control
 from allreduce.schedules import Schedule, make_schedule
 from allreduce.sim import LossModel, TailConfig, simulate, simulate_tail
 from allreduce.topology import NodeKind, PathTable, Topology, place
 
-__all__ = ["GOODPUT", "Measurement", "RunResult", "measure_hop_latency", "predicted_topology", "run"]
+__all__ = [
+    "DEFAULT_CONGESTION",
+    "GOODPUT",
+    "Measurement",
+    "RunResult",
+    "measure_hop_latency",
+    "predicted_topology",
+    "run",
+]
 
 GOODPUT = 1448 / 1514
 """Share of a shaped link's rate that carries TCP payload (see the module docstring)."""
@@ -73,6 +92,10 @@ TAIL_MIN_REPS = 20
 
 TAIL_SAMPLES = 2000
 """Samples of the tail model per row (its p99 then rests on 20 samples above it)."""
+
+DEFAULT_CONGESTION = "cubic"
+"""The TCP congestion control of the ranks' data connections unless told otherwise: stock Linux's default, which
+keeps a shaped link busy as the fluid model assumes (see the module docstring for BBR)."""
 
 _ECHO_ROUND_TRIPS = 200
 _STORE_PORT = 29500  # a fresh namespace: nothing else listens there, so no port can be taken
@@ -118,6 +141,7 @@ class RunResult:
     rate_bps: float
     hop_latency_s: float
     rows: tuple[Measurement, ...]
+    congestion: str = "default"  # the ranks' TCP congestion control ("default": the kernel's)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -246,7 +270,7 @@ def _retransmissions(layout: Layout) -> int:
 
 
 def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: list[int], reps: int,
-               timeout_s: float) -> list[dict[str, Any]]:  # fmt: skip
+               timeout_s: float, congestion: str) -> list[dict[str, Any]]:  # fmt: skip
     n = len(rank_gpu)
     spec = json.dumps({"algorithm": algorithm, "sizes": sizes, "reps": reps, "timeout_s": timeout_s})
     env_common = dict(os.environ)
@@ -256,6 +280,9 @@ def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: li
         MASTER_PORT=str(_STORE_PORT),
         ALLREDUCE_TOKEN=secrets.token_hex(16),
     )
+    env_common.pop(CONGESTION_ENV, None)
+    if congestion != "default":
+        env_common[CONGESTION_ENV] = congestion
     procs = []
     for rank, gpu in enumerate(rank_gpu):
         env = dict(env_common, RANK=str(rank))
@@ -301,8 +328,12 @@ def run(
     placement: str | Sequence[int] = "linear",
     seed: int = 0,
     timeout_s: float = 120.0,
+    congestion: str = DEFAULT_CONGESTION,
 ) -> RunResult:
-    """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator."""
+    """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator.
+    ``congestion``: the TCP congestion control of the ranks' data connections (``"default"``: the kernel's)."""
+    if congestion != "default":
+        congestion_control(congestion)  # ValueError naming what this kernel has, before anything starts
     topology = layout.topology
     n = ranks or topology.num_gpus
     if not 2 <= n <= topology.num_gpus:
@@ -315,7 +346,8 @@ def run(
     rows = []
     for size in sizes:
         before, retrans_before, queues_before = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
-        results = _run_ranks(layout, rank_gpu, algorithm=algorithm, sizes=[size], reps=reps, timeout_s=timeout_s)
+        results = _run_ranks(layout, rank_gpu, algorithm=algorithm, sizes=[size], reps=reps, timeout_s=timeout_s,
+                              congestion=congestion)  # fmt: skip
         after, retrans_after, queues_after = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
         dropped = tuple(
             (
@@ -370,4 +402,4 @@ def run(
                 ),
             )
         )
-    return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows))
+    return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows), congestion)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from allreduce.runtime.tcp import read_exact
-from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES, drain_and_close, send_until, tune
+from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES, congestion_control, drain_and_close, send_until, tune
 
 
 @pytest.fixture
@@ -73,3 +73,28 @@ def test_tune_keeps_the_loopback_send_buffer_small() -> None:
         # The kernel doubles what is asked; autotuning would grow it to megabytes.
         assert client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) <= 2 * LOOPBACK_SNDBUF_BYTES
         server.accept()[0].close()
+
+
+def test_tune_sets_the_congestion_control_asked_for() -> None:
+    # reno is built into every Linux kernel and always allowed
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
+        tune(client, congestion=congestion_control("reno"))
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == b"reno"
+        server.accept()[0].close()
+
+
+def test_an_unknown_congestion_control_is_refused_naming_what_the_kernel_has() -> None:
+    with pytest.raises(ValueError, match=r"'no-such-cc' cannot be set here .*this kernel has .*reno"):
+        congestion_control("no-such-cc")
+
+
+def test_the_transport_names_the_variable_of_an_unknown_congestion_control(monkeypatch: pytest.MonkeyPatch) -> None:
+    from allreduce.runtime._store import TCPStore
+    from allreduce.runtime.tcp import CONGESTION_ENV, TcpTransport
+
+    monkeypatch.setenv(CONGESTION_ENV, "no-such-cc")
+    with (
+        TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, timeout_s=30) as store,
+        pytest.raises(ValueError, match=rf"rank 0: {CONGESTION_ENV}='no-such-cc': .*cannot be set here"),
+    ):
+        TcpTransport(0, 2, store)

@@ -23,16 +23,18 @@ from allreduce.runtime.tcp._handshake import (
     resolve_token,
 )
 from allreduce.runtime.tcp._listener import Listener
-from allreduce.runtime.tcp._socket import family_of, is_loopback, read_exact
-from allreduce.runtime.tcp._transport import TcpTransport
+from allreduce.runtime.tcp._socket import congestion_control, family_of, is_loopback, read_exact
+from allreduce.runtime.tcp._transport import CONGESTION_ENV, TcpTransport
 
 __all__ = [
+    "CONGESTION_ENV",
     "CONNECT_HANDSHAKE_MAX_S",
     "ClientHello",
     "HandshakeRetryError",
     "Listener",
     "RetryLater",
     "TcpTransport",
+    "congestion_control",
     "connect_handshake",
     "family_of",
     "is_loopback",

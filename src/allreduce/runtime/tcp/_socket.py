@@ -74,9 +74,32 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{boot}/{netns}"
 
 
-def tune(sock: socket.socket) -> None:
+def congestion_control(name: str) -> bytes:
+    """``name`` checked as a TCP congestion control this process may set on its sockets (``TCP_CONGESTION``);
+    ValueError naming the ones this kernel has if it may not."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+    except OSError as exc:
+        try:
+            with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+                available = f.read().split()
+        except OSError:
+            available = []
+        raise ValueError(
+            f"TCP congestion control {name!r} cannot be set here ({exc.strerror or exc}); this kernel has "
+            f"{', '.join(available) or 'none listed'} (one not in net.ipv4.tcp_allowed_congestion_control needs "
+            "CAP_NET_ADMIN)"
+        ) from exc
+    finally:
+        probe.close()
+    return name.encode()
+
+
+def tune(sock: socket.socket, *, congestion: bytes | None = None) -> None:
     """Make a freshly authenticated data connection non-blocking, without Nagle, with a loopback-sized buffer
-    (a Unix socket: non-blocking; it has no Nagle and its buffer is the kernel's)."""
+    (a Unix socket: non-blocking; it has no Nagle and its buffer is the kernel's); ``congestion``: the TCP
+    congestion control to use instead of the kernel's default (checked by :func:`congestion_control`)."""
     if sock.family == socket.AF_UNIX:
         # The kernel's default (about 208 KiB) cost a fifth more CPU per all-reduce than this (measured in
         # docs/design.md, "The TCP transport"): a Unix sender may write again only once most of it drained.
@@ -84,6 +107,8 @@ def tune(sock: socket.socket) -> None:
         sock.setblocking(False)
         return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if congestion is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion)
     try:
         peer_host = sock.getpeername()[0]
     except OSError:  # the peer is already gone: the first read or write will name it

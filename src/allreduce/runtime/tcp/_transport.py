@@ -64,10 +64,18 @@ from allreduce.runtime.tcp._listener import Listener, listening_socket
 from allreduce.runtime.tcp._loop import Sender, exchange, pace_step
 from allreduce.runtime.tcp._pair import Pair
 from allreduce.runtime.tcp._prepared import WINDOW_BYTES, PreparedPlan, prepare
-from allreduce.runtime.tcp._socket import drain_and_close, host_key, is_loopback, send_until, tune
+from allreduce.runtime.tcp._socket import (
+    congestion_control,
+    drain_and_close,
+    host_key,
+    is_loopback,
+    send_until,
+    tune,
+)
 
 __all__ = [
     "ABORT_BUDGET_S",
+    "CONGESTION_ENV",
     "CONNECT_RETRY_S",
     "CONNECT_TIMEOUT_MAX_S",
     "DEAD_POLL_S",
@@ -92,6 +100,10 @@ CONNECT_RETRY_S = 0.05
 """The pause before connecting again after a transient error (not a refusal: a refused connection means the
 peer's published listener is gone, i.e. the peer exited)."""
 
+
+CONGESTION_ENV = "ALLREDUCE_TCP_CONGESTION"
+"""Set to a TCP congestion control (``cubic``, ``bbr``, ``reno``) to use it on every TCP data connection instead
+of the kernel's default: for experiments on how the congestion control shapes an all-reduce (``emulate``)."""
 
 UNIX_ENV = "ALLREDUCE_TCP_UNIX"
 """Set to ``0`` to keep connections between ranks of one host on TCP (the default takes Unix sockets there)."""
@@ -144,6 +156,11 @@ class TcpTransport(Transport):
         self._prefix = prefix
         self._blame = Blame(store, prefix, rank, world_size)
         self._token = resolve_token(token)
+        congestion = os.environ.get(CONGESTION_ENV, "")
+        try:
+            self._congestion = congestion_control(congestion) if congestion else None
+        except ValueError as exc:
+            raise ValueError(f"rank {rank}: {CONGESTION_ENV}={congestion!r}: {exc}") from None
         if not is_loopback(host) and self._token is None:
             raise ValueError(
                 f"rank {rank}: the TCP transport would listen on {host!r}, beyond loopback: set a shared token "
@@ -234,7 +251,7 @@ class TcpTransport(Transport):
 
     # ------------------------------------------------------------------------------------------------ connections
     def _accepted(self, sock: socket.socket, hello: ClientHello, address: str) -> None:
-        tune(sock)
+        tune(sock, congestion=self._congestion)
         with self._cond:
             self._peers[hello.rank] = Pair(self.rank, hello.rank, sock)
             self._connections_accepted += 1
@@ -313,7 +330,7 @@ class TcpTransport(Transport):
         except BaseException:
             sock.close()
             raise
-        tune(sock)
+        tune(sock, congestion=self._congestion)
         with self._cond:
             self._peers[peer] = Pair(self.rank, peer, sock)
             self._connections_made += 1
