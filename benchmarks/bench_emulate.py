@@ -1,7 +1,7 @@
 """The simulator against real TCP: a standard suite of emulated clusters, measured and predicted side by side.
 
     sudo .venv/bin/python benchmarks/bench_emulate.py [--rate 200Mbps] [--reps 3] [--sizes 1MiB,8MiB,32MiB]
-                                                      [--only CASE] [--json FILE]
+                                                      [--only CASE] [--congestion cubic] [--json FILE]
 
 Each case builds its cluster as network namespaces (see `allreduce emulate`), runs all-reduce with the real
 runtime over TCP at every size, and prints the slowest rank's median time beside the simulator's prediction for
@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from allreduce.emulate import EmulationSpec, check_privileges, run, running
+from allreduce.emulate import DEFAULT_CONGESTION, EmulationSpec, check_privileges, run, running
 from allreduce.units import format_bytes, format_seconds, parse_bandwidth, parse_size_range
 
 
@@ -55,12 +55,18 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sizes", default="1MiB,8MiB,32MiB")
     parser.add_argument("--only", help="run the cases whose name contains this text")
+    parser.add_argument(
+        "--congestion",
+        default=DEFAULT_CONGESTION,
+        help="TCP congestion control of the ranks (default %(default)s; 'default': the kernel's)",
+    )
     parser.add_argument("--json", help="write every row to this file")
     args = parser.parse_args()
     check_privileges()
     rate_bps = parse_bandwidth(args.rate) * 8
     sizes = parse_size_range(args.sizes)
-    print(f"# load average at start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; rate {args.rate}")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"# load average at start: {load}; rate {args.rate}; congestion control {args.congestion}")
     header = f"{'case':<36} {'size':>8} {'measured':>10} {'predicted':>10} {'ECMP luck':>19} {'ratio':>6} {'exact':>5} "
     print(header + f"{'busiest link':<14} {'sim bottleneck':<14} {'agree':>5} {'paths':>6} {'retrans':>7}")
     rows = []
@@ -71,7 +77,8 @@ def main() -> int:
         spec = EmulationSpec(case.topology, name="bench", rate_bps=rate_bps, degrade=case.degrade)
         with running(spec) as built:
             placement = case.placement if isinstance(case.placement, str) else ",".join(map(str, case.placement))
-            result = run(built, algorithm=case.algorithm, sizes=sizes, reps=args.reps, placement=case.placement)
+            result = run(built, algorithm=case.algorithm, sizes=sizes, reps=args.reps, placement=case.placement,
+                         congestion=args.congestion)  # fmt: skip
         for row in result.rows:
             bottlenecks = row.predicted_bottleneck
             print(
