@@ -35,11 +35,11 @@ def _rank(group: Any, size_bytes: int, segments: int, iters: int) -> tuple[float
     """Wall and CPU seconds (this rank, every thread) over ``iters`` ring all-reduces after one warm-up."""
     data = group.empty(size_bytes // 4, np.float32)
     data[:] = 1.0
-    group.all_reduce(data, algorithm="ring", segments=segments)
+    group.all_reduce(data, op="max", algorithm="ring", segments=segments)
     group.barrier()
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    for _ in range(iters):
-        group.all_reduce(data, algorithm="ring", segments=segments)
+    for _ in range(iters):  # max, not sum: the values stay put (a sum of ones overflows after 40-odd calls)
+        group.all_reduce(data, op="max", algorithm="ring", segments=segments)
     cpu = time.process_time() - cpu0
     group.barrier()
     return time.perf_counter() - wall0, cpu
