@@ -16,8 +16,14 @@ import pytest
 
 from allreduce.runtime._spawn import spawn
 from allreduce.runtime.shm import CROSS_MEMORY_ENV, CROSS_MEMORY_MIN_BYTES, ShmTransport
-from allreduce.runtime.shm._linux import TRANSPARENT_HUGEPAGES
-from allreduce.runtime.shm._peer_data import NUMPY_HUGEPAGE_MIN_BYTES, huge_pages_likely
+from allreduce.runtime.shm._linux import HUGE_PAGE_BYTES, TRANSPARENT_HUGEPAGES
+from allreduce.runtime.shm._peer_data import (
+    COLLAPSE_ENV,
+    COLLAPSE_MIN_BYTES,
+    NUMPY_HUGEPAGE_MIN_BYTES,
+    HugePageMemo,
+    huge_pages_likely,
+)
 
 ELEMENTS = 100_003
 """Plain float32 arrays of this many elements (not a multiple of any block count; above the eager area)."""
@@ -173,3 +179,115 @@ def test_a_large_torch_tensor_is_staged_unless_the_kernel_backs_it_with_huge_pag
         assert result["exact"], rank
         in_place = result["cross_memory_available"] and TRANSPARENT_HUGEPAGES == "always"
         assert result["executes_cross_memory" if in_place else "executes_staged"] == 1, rank
+
+
+# ----------------------------------------------------------------------------------------------- buffers used again
+def _huge_bytes_in(address: int, nbytes: int) -> int:
+    """AnonHugePages (bytes) of this process's mappings that overlap ``[address, address + nbytes)``."""
+    total, overlaps = 0, False
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                overlaps = lo < address + nbytes and address < hi
+            elif overlaps and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def _foreign_buffer(nbytes: int) -> np.ndarray:
+    """Memory numpy did not allocate (a bytearray's: 4 KiB pages), filled with a pattern."""
+    array = np.frombuffer(bytearray(nbytes), np.uint32)
+    array[...] = np.arange(array.size, dtype=np.uint32)
+    return array
+
+
+def _collapsing_memo() -> HugePageMemo:
+    memo = HugePageMemo(enabled=True)
+    if not memo.enabled:
+        pytest.skip("transparent huge pages are off on this kernel ('never')")
+    return memo
+
+
+def test_a_buffer_used_again_is_moved_onto_huge_pages_with_its_contents_unchanged() -> None:
+    memo = _collapsing_memo()
+    buffer = _foreign_buffer(COLLAPSE_MIN_BYTES)
+    assert not memo.in_place(buffer)  # first use: staged, nothing asked of the kernel
+    in_place = memo.in_place(buffer)
+    if memo.refused:
+        pytest.skip(f"the kernel refused MADV_COLLAPSE (errno {memo.last_errno}; it needs Linux 6.1)")
+    assert in_place
+    assert memo.collapsed == 1
+    assert _huge_bytes_in(int(buffer.ctypes.data), buffer.nbytes) >= COLLAPSE_MIN_BYTES - 2 * HUGE_PAGE_BYTES
+    assert (buffer == np.arange(buffer.size, dtype=np.uint32)).all()
+
+
+def test_a_collapsed_buffer_stays_read_in_place_without_asking_the_kernel_again() -> None:
+    memo = _collapsing_memo()
+    buffer = _foreign_buffer(COLLAPSE_MIN_BYTES)
+    first = [memo.in_place(buffer) for _ in range(2)]
+    if memo.refused:
+        pytest.skip(f"the kernel refused MADV_COLLAPSE (errno {memo.last_errno}; it needs Linux 6.1)")
+    assert first == [False, True]
+    assert [memo.in_place(buffer) for _ in range(3)] == [True, True, True]
+    assert memo.collapsed == 1
+
+
+def test_fresh_buffers_each_call_are_never_collapsed() -> None:
+    memo = _collapsing_memo()
+    buffers = [_foreign_buffer(COLLAPSE_MIN_BYTES) for _ in range(3)]  # all alive: three addresses
+    assert [memo.in_place(b) for b in buffers] == [False, False, False]
+    assert memo.collapsed == 0
+    assert memo.refused == 0
+
+
+def test_a_buffer_below_the_collapse_size_is_never_collapsed() -> None:
+    memo = _collapsing_memo()
+    buffer = _foreign_buffer(COLLAPSE_MIN_BYTES - 4)
+    assert [memo.in_place(buffer) for _ in range(3)] == [False, False, False]
+    assert memo.collapsed == 0
+
+
+def test_an_unreadable_collapse_setting_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(COLLAPSE_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{COLLAPSE_ENV}: 'yes' is not 0 or 1"):
+        ShmTransport(0, 1, f"collapse-{uuid.uuid4().hex}", timeout_s=30)
+
+
+def _torch_used_again(group: Any, calls: int) -> dict[str, Any]:
+    import torch
+
+    x = torch.full((COLLAPSE_MIN_BYTES // 4,), group.rank + 1.0, dtype=torch.float32)
+    exact = True
+    for _ in range(calls):
+        x.fill_(group.rank + 1.0)
+        group.all_reduce(x, algorithm="ring")
+        exact = exact and bool((x == _sum_of_ranks(group.world_size)).all())
+    return {"exact": exact, **group.transport.statistics()}
+
+
+@pytest.mark.slow
+def test_a_torch_tensor_used_again_is_read_in_place_under_ptracer() -> None:
+    pytest.importorskip("torch")
+    if TRANSPARENT_HUGEPAGES == "never":
+        pytest.skip("transparent huge pages are off on this kernel ('never')")
+    results = spawn(2, _torch_used_again, 3, timeout_s=180, env={CROSS_MEMORY_ENV: "ptracer"})
+    for rank, result in enumerate(results):
+        assert result["exact"], rank
+        if result["huge_page_refusals"]:
+            pytest.skip("the kernel refused MADV_COLLAPSE (it needs Linux 6.1)")
+        assert (result["executes_staged"], result["executes_cross_memory"], result["huge_page_collapses"]) == (
+            1,
+            2,
+            1,
+        ), rank
+
+
+@pytest.mark.slow
+def test_a_torch_tensor_used_again_stays_staged_with_collapsing_off() -> None:
+    pytest.importorskip("torch")
+    env = {CROSS_MEMORY_ENV: "ptracer", COLLAPSE_ENV: "0"}
+    for rank, result in enumerate(spawn(2, _torch_used_again, 2, timeout_s=180, env=env)):
+        assert result["exact"], rank
+        assert (result["executes_staged"], result["huge_page_collapses"]) == (2, 0), rank

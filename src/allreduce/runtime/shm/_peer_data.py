@@ -14,8 +14,10 @@ ptracer has said it finished reading (its ``read_done``), so a peer is never ref
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +37,21 @@ from allreduce.runtime.shm._layout import (
     READ_DONE_WORD,
     UNSATISFIABLE,
 )
-from allreduce.runtime.shm._linux import TRANSPARENT_HUGEPAGES, read_remote, set_ptracer
+from allreduce.runtime.shm._linux import (
+    TRANSPARENT_HUGEPAGES,
+    collapse_to_huge_pages,
+    read_remote,
+    set_ptracer,
+)
 from allreduce.runtime.shm._segments import PeerSegments, Segment, data_segment_path
 from allreduce.runtime.shm._waiting import PeerWaiting
 
 __all__ = [
+    "COLLAPSE_ENV",
+    "COLLAPSE_MIN_BYTES",
     "CROSS_MEMORY_CHUNK_BYTES",
     "NUMPY_HUGEPAGE_MIN_BYTES",
+    "HugePageMemo",
     "PeerData",
     "Remote",
     "apply_op",
@@ -85,6 +95,82 @@ def huge_pages_likely(buffer: npt.NDArray[Any]) -> bool:
     while isinstance(owner.base, np.ndarray):
         owner = owner.base
     return owner.base is None and owner.nbytes >= NUMPY_HUGEPAGE_MIN_BYTES
+
+
+COLLAPSE_MIN_BYTES = 16 << 20
+"""The smallest buffer :class:`HugePageMemo` collapses: at least 3/4 of it then lies in whole 2 MiB pages, however
+it is aligned (the partial huge pages at its two ends stay on 4 KiB pages)."""
+
+COLLAPSE_ENV = "ALLREDUCE_SHM_COLLAPSE"
+"""``0`` turns :class:`HugePageMemo` off (the transport's ``collapse_huge_pages`` keyword wins over it)."""
+
+_MEMO_CAPACITY = 64
+"""Distinct buffers a rank remembers (oldest forgotten first): more than a training loop's gradient buckets."""
+
+_SEEN, _COLLAPSED, _REFUSED = 0, 1, 2
+
+
+def collapse_wanted(requested: bool | None) -> bool:
+    """Whether to collapse buffers used again: ``requested``, else :data:`COLLAPSE_ENV` (``0`` or ``1``; ValueError
+    naming it for anything else), else yes."""
+    if requested is not None:
+        return bool(requested)
+    value = os.environ.get(COLLAPSE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{COLLAPSE_ENV}: {value!r} is not 0 or 1")
+    return value != "0"
+
+
+class HugePageMemo:
+    """Buffers that are used again are moved onto huge pages, so that peers read them in place.
+
+    Reading a peer's private memory pins it page by page, which over 4 KiB pages costs more than staging (see
+    :func:`huge_pages_likely`). Plain arrays numpy allocates are on huge pages already; torch's CPU tensors and
+    memory from other allocators are not. A training loop all-reduces the same buffers step after step, so the
+    second time a rank passes a buffer of at least :data:`COLLAPSE_MIN_BYTES` (same address and size) it asks the
+    kernel to collapse the buffer's whole huge pages (``MADV_COLLAPSE``, Linux 6.1: a one-off copy inside the
+    kernel, contents unchanged), and from then on that buffer is read in place. A buffer seen once is staged as
+    before, so a loop that allocates a fresh buffer per call never pays for a collapse.
+
+    A refusal (an older kernel, no huge page to be had) is remembered: that buffer stays staged, and on EINVAL or
+    ENOSYS (the kernel has no ``MADV_COLLAPSE``) no buffer is tried again. If a collapsed buffer is freed and a new
+    one lands at the same address with the same size, it is read in place over whatever pages it has: slower
+    than staging, never wrong."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled and TRANSPARENT_HUGEPAGES != "never"  # the administrator said no huge pages
+        self.collapsed = 0
+        """Buffers collapsed."""
+        self.refused = 0
+        """Collapses the kernel refused."""
+        self.last_errno = 0
+        self._seen: OrderedDict[tuple[int, int], int] = OrderedDict()
+
+    def in_place(self, buffer: npt.NDArray[Any]) -> bool:
+        """Whether peers may read ``buffer`` in place as on huge pages (collapsing it now if this is its second
+        use); False for a buffer this memo does not (or cannot) move onto huge pages."""
+        if not self.enabled or buffer.nbytes < COLLAPSE_MIN_BYTES:
+            return False
+        key = (int(buffer.ctypes.data), buffer.nbytes)
+        state = self._seen.get(key)
+        if state is None:
+            self._seen[key] = _SEEN
+            if len(self._seen) > _MEMO_CAPACITY:
+                self._seen.popitem(last=False)
+            return False
+        self._seen.move_to_end(key)
+        if state == _SEEN:
+            done, err = collapse_to_huge_pages(*key)
+            state = _COLLAPSED if done else _REFUSED
+            self._seen[key] = state
+            if done:
+                self.collapsed += 1
+            else:
+                self.refused += 1
+                self.last_errno = err
+                if err in (errno.EINVAL, errno.ENOSYS):
+                    self.enabled = False
+        return state == _COLLAPSED
 
 
 @dataclass(frozen=True, slots=True)

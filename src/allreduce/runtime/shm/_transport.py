@@ -76,7 +76,14 @@ from allreduce.runtime.shm._layout import (
     descriptor_word,
 )
 from allreduce.runtime.shm._linux import CROSS_MEMORY_SUPPORTED, close_pidfds, futex_wake
-from allreduce.runtime.shm._peer_data import PeerData, Remote, apply_op, huge_pages_likely
+from allreduce.runtime.shm._peer_data import (
+    HugePageMemo,
+    PeerData,
+    Remote,
+    apply_op,
+    collapse_wanted,
+    huge_pages_likely,
+)
 from allreduce.runtime.shm._rendezvous import Rendezvous
 from allreduce.runtime.shm._rendezvous import cross_memory_mode as resolve_cross_memory_mode
 from allreduce.runtime.shm._segments import (
@@ -135,6 +142,10 @@ class ShmTransport(PeerData, Rendezvous, Transport):
       ``ALLREDUCE_SHM_CROSS_MEMORY``, else ``auto``; see :mod:`allreduce.runtime.shm._rendezvous`);
     - ``cross_memory_min_bytes``: the smallest array read that way, among those likely backed by huge pages
       (:func:`~allreduce.runtime.shm._peer_data.huge_pages_likely`; 0: every plain array, whatever its pages);
+    - ``collapse_huge_pages``: move a buffer of at least 16 MiB that is not on huge pages (a torch tensor) onto
+      them the second time it is passed, so that it too is read in place from then on
+      (:class:`~allreduce.runtime.shm._peer_data.HugePageMemo`; default: the environment variable
+      ``ALLREDUCE_SHM_COLLAPSE``, ``0`` or ``1``, else yes);
     - ``eager_bytes``: buffers whose (steps x size) fits go through snapshots (0: never; at most
       :data:`~allreduce.runtime.shm.EAGER_BYTES`).
     """
@@ -152,8 +163,10 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         cross_memory_min_bytes: int = CROSS_MEMORY_MIN_BYTES,
         eager_bytes: int = EAGER_BYTES,
         cross_memory_mode: str | None = None,
+        collapse_huge_pages: bool | None = None,
     ) -> None:
         super().__init__(rank, world_size)
+        self._huge_pages = HugePageMemo(enabled=collapse_wanted(collapse_huge_pages))
         self._cross_memory_mode = resolve_cross_memory_mode(cross_memory_mode)
         if world_size > MAX_RANKS:
             raise ValueError(
@@ -263,6 +276,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             "cross_memory_available": int(self._cross_memory_available),
             "cross_memory_ptracer": int(self._ptracer),
             "ptracer_switches": self._ptracer_switches,
+            "huge_page_collapses": self._huge_pages.collapsed,
+            "huge_page_refusals": self._huge_pages.refused,
         }
 
     def inject_corruption(self, *, peer: int, step: int = 0) -> None:
@@ -426,8 +441,12 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         elif (
             self._cross_memory
             and buffer.nbytes >= self._cross_memory_min_bytes
-            and (self._cross_memory_min_bytes == 0 or huge_pages_likely(buffer))
             and (not self._ptracer or self.plans.get(("shm-one-reader", plan), lambda: _one_reader_per_step(plan)))
+            and (
+                self._cross_memory_min_bytes == 0
+                or huge_pages_likely(buffer)
+                or self._huge_pages.in_place(buffer)  # last: it may collapse the buffer (its second use)
+            )
         ):
             # Peers read the user's array where it is: no staging copy in, none out.
             segment_id, offset = IN_PRIVATE_MEMORY, int(buffer.ctypes.data)
