@@ -13,8 +13,8 @@ The header's "in situ" lines measure the same writes in one process with the dat
 between them, as in a real call (the recorder's code and data are cold then): what the recording costs in place.
 
 The last column is the CPU cost of what a ring all-reduce records per call (2(N-1) steps of one receive, two
-marks each, and the call's own record), measured in-process as the minimum over short repeats (what the code costs
-with hot caches and no preemption), over the median all-reduce time. In a real call the recorder's code and data
+marks and one clock read each, and the call's own record), measured in-process as the minimum over short repeats
+(what the code costs with hot caches and no preemption), over the median all-reduce time. In a real call the recorder's code and data
 are cold after the payload streamed through the caches, so the on/off ratio can exceed it.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from allreduce.runtime import spawn
-from allreduce.runtime._stats import MARK_MASK, Layout, Recorder
+from allreduce.runtime._stats import SPILL_VALUES, Layout, Recorder
 from allreduce.units import format_bytes, parse_size_range
 
 _BLOCK = np.array([1, 0, 0, 1, 0, 1, 1, 0], dtype=bool)
@@ -88,18 +88,19 @@ def _min_time_s(fn: Any) -> float:
 
 
 def _mark_step_cost_s() -> float:
-    """One step with one receive as the transports record it: two marks (a clock read and a store each)."""
+    """One step with one receive as the shm transport records it: a clock read before the wait, and two appends
+    (the wait's own measure is free: 0 when the data was there, else clocks read while waiting)."""
     recorder = Recorder(enabled=True)
     clock = time.perf_counter_ns
 
     def steps() -> None:
-        tsv, k = recorder.tsv, recorder.marks
+        mark = recorder.append
+        waited = 0
         for _ in range(_COST_STEPS):
-            tsv[k & MARK_MASK] = clock()
-            k += 1
-            tsv[k & MARK_MASK] = clock()
-            k += 1
-        recorder.marks = k
+            began = clock()
+            mark(began)
+            mark(began + waited)
+        recorder.log.clear()
 
     return _min_time_s(steps)
 
@@ -108,17 +109,18 @@ def _call_cost_s() -> float:
     """The call's own part of the stream: arrival, the unit, the steps' end, the tail (the group writes them
     inline; here through :meth:`Recorder.begin` and :meth:`Recorder.commit`, so a little dearer)."""
     recorder = Recorder(enabled=True)
+    layout = Layout([], concurrent=False)
     begin, commit = recorder.begin, recorder.commit
     clock = time.perf_counter_ns
 
     def calls() -> None:
         for i in range(_COST_STEPS):
-            begin(clock())  # the group reads this clock whether recording or not
-            tsv, k = recorder.tsv, recorder.marks
-            tsv[k & MARK_MASK] = 4
-            tsv[(k + 1) & MARK_MASK] = clock()
-            recorder.marks = k + 2
-            commit(i, 4096)
+            start = begin(clock())  # the group reads this clock whether recording or not
+            recorder.layout = layout
+            mark = recorder.append
+            mark(4)
+            mark(clock())
+            commit(start, i, 4096)
 
     return _min_time_s(calls)
 
@@ -130,37 +132,46 @@ _IN_SITU_MAX_BYTES = 1 << 20
 def _in_situ_cost_ns(size_bytes: int, steps: int, repeats: int = 3000) -> float:
     """What recording adds to one call when its code and data are cold: one process runs a ring all-reduce's
     shape (``steps`` steps, each reducing half of ``size_bytes`` in place, streaming it through the caches) with and
-    without the stream writes of the group and the shm transport, alternately; the difference of the medians."""
+    without the appends of the group and the shm transport, alternately; the difference of the medians."""
     recorder = Recorder(enabled=True)
     layout = Layout([(s, [(1, size_bytes // 8)]) for s in range(steps)], concurrent=False)
     a = np.ones(size_bytes // 8, np.float32)
     b = np.ones(size_bytes // 8, np.float32)
     clock = time.perf_counter_ns
 
-    def call(rec: bool) -> None:  # the writes exactly as _group.py and shm/_transport.py do them
+    def call(rec: bool) -> None:  # the appends exactly as _group.py and shm/_transport.py make them
         started = clock()
+        recorder.enabled = rec
         if rec:
-            k = recorder.committed
-            recorder.tsv[k & MARK_MASK] = started
-            recorder.marks = k + 1
+            start = len(recorder.log)
+            recorder.append(started)
             recorder.layout = None
-        tsv, k = (recorder.tsv, recorder.marks) if rec else (None, 0)
-        if tsv is not None:
+        mark = recorder.append if recorder.enabled else None
+        if mark is not None:
             recorder.layout = layout
-            tsv[k & MARK_MASK] = 4
-            k += 1
+            mark(4)
+        began = 0
         for _ in range(steps):
-            if tsv is not None:
-                tsv[k & MARK_MASK] = clock()
-                k += 1
+            if mark is not None:
+                began = clock()
+            waited = 0  # the data was there (a wait that waits measures itself while it waits)
+            if mark is not None:
+                mark(began)
+                mark(began + waited)
             np.add(a, b, out=a)
-            if tsv is not None:
-                tsv[k & MARK_MASK] = clock()
-                k += 1
-        if tsv is not None:
-            tsv[k & MARK_MASK] = clock()
-            recorder.marks = k + 1
-            recorder.commit(1, size_bytes)
+        if mark is not None:
+            mark(clock())
+        if rec:
+            current = recorder.layout
+            if len(recorder.log) - start != (1 if current is None else current.span):
+                recorder.settle(start, 1 if current is None else current.span)
+            append = recorder.append
+            append(clock())
+            append(1)
+            append(size_bytes)
+            append(-1 if current is None else current.key)
+            if start >= SPILL_VALUES:
+                recorder.flush()
 
     times: dict[bool, list[int]] = {True: [], False: []}
     for i in range(repeats):
@@ -187,7 +198,10 @@ def main() -> None:
     args = parser.parse_args()
     sizes = parse_size_range(args.sizes)
     step_s, call_s = _mark_step_cost_s(), _call_cost_s()
-    print(f"CPU per recorded step: {step_s * 1e9:.0f} ns (two marks); per call record {call_s * 1e9:.0f} ns")
+    print(
+        f"CPU per recorded step: {step_s * 1e9:.0f} ns (two marks, one clock read); "
+        f"per call record {call_s * 1e9:.0f} ns"
+    )
     for size in (s for s in sizes if s <= _IN_SITU_MAX_BYTES):
         print(
             f"in situ, {format_bytes(size)} ring of 2 (2 steps, the data streamed through the caches between marks): "

@@ -1,7 +1,7 @@
 """The recorder's stream: what the group and the transports write on the hot path, and the call and transfer
 records rebuilt from it with the call's layout when read.
 
-The stream is written here exactly as the transports write it (stores into ``recorder.tsv``), with chosen clock
+The stream is written here exactly as the transports write it (``recorder.append``), with chosen clock
 values, so every rebuilt wait and transfer is checked exactly; the group's and the transports' own writes are
 checked end to end on real processes in ``test_stats.py``.
 """
@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, MARK_MASK, Layout, Recorder
+from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, SPILL_VALUES, Layout, Recorder
 
 SEQ, STEP, PEER, START, WAIT, MOVE, SIZE = range(7)  # the fields of a transfer record
 
@@ -31,18 +31,16 @@ def _call(
     """One collective as the group and a transport run it: begin, the layout, the unit and the marks, commit
     (unless it failed). The arrival is the first mark's clock (0 without marks); the end defaults to the last
     mark + 100."""
-    recorder.begin(marks[0] if marks else 0)
+    start = recorder.begin(marks[0] if marks else 0)
     if layout is not None:
         recorder.layout = layout
-        tsv, k = recorder.tsv, recorder.marks
-        tsv[k & MARK_MASK] = unit
-        k += 1
+        recorder.append(unit)
         for value in marks:
-            tsv[k & MARK_MASK] = value
-            k += 1
-        recorder.marks = k
+            recorder.append(value)
     if commit:
-        recorder.commit(seq, 8, (marks[-1] if marks else 0) + 100 if end is None else end)
+        recorder.commit(start, seq, 8, (marks[-1] if marks else 0) + 100 if end is None else end)
+    else:
+        recorder.discard(start)
 
 
 def test_a_one_receive_step_waits_from_its_start_and_moves_until_the_next_mark() -> None:
@@ -89,7 +87,7 @@ def test_concurrent_receives_wait_from_the_step_start_to_each_first_byte() -> No
 def test_a_failed_call_leaves_no_records_and_the_next_call_is_read_right() -> None:
     recorder = Recorder(enabled=True)
     layout = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False)
-    _call(recorder, 0, layout, [1, 2], commit=False)  # failed after two of its five marks
+    _call(recorder, 0, layout, [1, 2], commit=False)  # failed after two of its five marks: the group discards
     _call(recorder, 1, layout, [10, 11, 20, 22, 25])
     records = recorder.transfers(0)
     assert list(records[:, SEQ]) == [1, 1]
@@ -161,7 +159,27 @@ def test_the_hot_path_keeps_no_memory_per_call() -> None:
     marks = [1, 2, 3, 4, 5]
     for seq in range(2000):  # warm up: every page of the rings this test touches, every cached int
         _call(recorder, seq, layout, marks)
+    recorder.flush()
     blocks = sys.getallocatedblocks()
     for seq in range(2000, 12_000):
         _call(recorder, seq, layout, marks)
+    recorder.flush()
     assert sys.getallocatedblocks() - blocks < 10
+
+
+def test_the_appended_values_are_moved_into_the_ring_every_few_thousand() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)])], concurrent=False)  # 9 values per call
+    for seq in range(SPILL_VALUES // 9 + 2):
+        _call(recorder, seq, layout, [seq, seq + 1, seq + 2])
+    assert len(recorder.log) < SPILL_VALUES
+    assert recorder.calls(3)[:, 0].tolist() == [SPILL_VALUES // 9 - 1, SPILL_VALUES // 9, SPILL_VALUES // 9 + 1]
+
+
+def test_a_transport_that_wrote_more_marks_cannot_shift_the_calls_after_it() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    _call(recorder, 0, layout, [1, 2, 3, 4, 5])  # a transport bug: two marks too many
+    _call(recorder, 1, layout, [10, 11, 20])
+    assert [int(c[0]) for c in recorder.calls(10)] == [0, 1]
+    assert list(recorder.transfers(1)[:, WAIT]) == [1]

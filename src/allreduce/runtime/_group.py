@@ -63,7 +63,7 @@ from allreduce.runtime._errors import CollectiveError, MismatchError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
-from allreduce.runtime._stats import MARK_MASK, GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._stats import SPILL_VALUES, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
 from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
@@ -529,6 +529,7 @@ class ProcessGroup:
         )
 
         recorder, injection = self._transport.recorder, self._transport.injection
+        size_bytes = count * dtype.itemsize
 
         def execute() -> Any:
             if injection is not None:
@@ -536,35 +537,39 @@ class ProcessGroup:
             started = time.perf_counter_ns()  # one clock read: the call's arrival and the debug log's start
             recording = recorder.enabled
             if recording:  # Recorder.begin, inline (the hot path: no call, see allreduce.runtime._stats)
-                k = recorder.committed
-                recorder.tsv[k & MARK_MASK] = started
-                recorder.marks = k + 1
+                start = len(recorder.log)
+                recorder.append(started)
                 recorder.layout = None
-            seq = self._take_seq()
-            if self._prepare is not None:
-                self._prepare(seq, buf.flat, checksum=checksum)
-            descriptors = self._agree(seq, descriptor, timeout)
-            chosen = run
-            if descriptors[0] != descriptor:  # rank 0's cost model picked another algorithm: run that one
-                chosen = self._runs.registered(
-                    collective, kind, proposal_of(descriptors[0]), root=root, segments=segments, count=count
+            try:
+                seq = self._take_seq()
+                if self._prepare is not None:
+                    self._prepare(seq, buf.flat, checksum=checksum)
+                descriptors = self._agree(seq, descriptor, timeout)
+                chosen = run
+                if descriptors[0] != descriptor:  # rank 0's cost model picked another algorithm: run that one
+                    chosen = self._runs.registered(
+                        collective, kind, proposal_of(descriptors[0]), root=root, segments=segments, count=count
+                    )
+                result = self._execute(
+                    collective, buf, chosen.plan, op=op, root=root, seq=seq, timeout=timeout, checksum=checksum
                 )
-            result = self._execute(
-                collective, buf, chosen.plan, op=op, root=root, seq=seq, timeout=timeout, checksum=checksum
-            )
+            except BaseException:
+                if recording:
+                    recorder.discard(start)
+                raise
             if recording:  # Recorder.commit, inline
                 layout = recorder.layout
-                k = recorder.committed + 1 + (0 if layout is None else 1 + layout.marks)
-                tsv = recorder.tsv
-                tsv[k & MARK_MASK] = time.perf_counter_ns()
-                tsv[(k + 1) & MARK_MASK] = seq
-                tsv[(k + 2) & MARK_MASK] = count * dtype.itemsize
-                tsv[(k + 3) & MARK_MASK] = -1 if layout is None else layout.key
-                recorder.committed = recorder.marks = k + 4
+                if len(recorder.log) - start != (1 if layout is None else layout.span):
+                    recorder.settle(start, 1 if layout is None else layout.span)
+                append = recorder.append
+                append(time.perf_counter_ns())
+                append(seq)
+                append(size_bytes)
+                append(-1 if layout is None else layout.key)
+                if start >= SPILL_VALUES:
+                    recorder.flush()
             if self._debug:
-                self._log(
-                    collective, chosen.schedule, count * dtype.itemsize, (time.perf_counter_ns() - started) * 1e-9, seq
-                )
+                self._log(collective, chosen.schedule, size_bytes, (time.perf_counter_ns() - started) * 1e-9, seq)
             return result
 
         # the description is formatted only when a Work needs it (str(dtype) alone costs microseconds)

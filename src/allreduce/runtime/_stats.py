@@ -1,11 +1,12 @@
 """Per-step wait records of the collectives a rank runs, and the group-wide summary built from them.
 
-Everything a rank records while a collective runs goes into one preallocated int64 ring, the *stream*, one store
-per value, with no method call and no allocation: a collective's arrival and end (clock reads,
-``time.perf_counter_ns``, a vDSO call, no syscall), its transport's *marks* (one clock read each), and after its
-end its seq, size and which plan it ran. Which peer, step and byte count each mark belongs to is not written at
-all: it is fixed by the call's compiled plan, whose :class:`Layout` rebuilds the records when they are read
-(:meth:`Recorder.calls`, :meth:`Recorder.transfers`, nothing aggregated before :func:`summary_row` asks).
+Everything a rank records while a collective runs is appended, one ``list.append`` per value, to the *stream*: a
+collective's arrival and end (clock reads, ``time.perf_counter_ns``, a vDSO call, no syscall), its transport's
+*marks* (at most one clock read each), and after its end its seq, size and which plan it ran. Every few hundred
+calls the group moves the appended values into a preallocated int64 ring in one vectorised copy
+(:meth:`Recorder.flush`), which is what readers read. Which peer, step and byte count each mark belongs to is not
+written at all: it is fixed by the call's compiled plan, whose :class:`Layout` rebuilds the records when they are
+read (:meth:`Recorder.calls`, :meth:`Recorder.transfers`, nothing aggregated before :func:`summary_row` asks).
 
 One collective in the stream, written by the group (G) and its transport (T)::
 
@@ -13,19 +14,24 @@ One collective in the stream, written by the group (G) and its transport (T)::
 
 The unit is the bytes of one of the layout's units (shm: the itemsize; tcp: 1). A transport that writes no marks
 (the in-process transport, which writes whole records with :meth:`Recorder.transfer`) leaves out the unit and the
-marks, and the key is -1. A collective is *committed* when its end is written; one that fails never is, and the
-next one writes over it, so the stream read backwards from the last commit is always whole collectives.
+marks, and the key is -1. A collective is *committed* when its tail is appended; what one that fails appended is
+deleted, so the stream read backwards from its end is always whole collectives.
 
 Measured on this machine (``benchmarks/bench_stats.py``): writing whole records through method calls cost about
 2-3 µs per 1 MiB ring all-reduce in place (the recorder's code and data are cold after a megabyte streams through
-the caches), more than the 1% the recording may cost there.
+the caches), more than the 1% the recording may cost there; so did a store per value into the ring (two clock
+reads and two stores per step, ~1.6 µs per call with hot caches, ~2.2-2.5 µs in place, against ~0.4 and ~0.7 µs
+appending with one clock read per receive).
 
 Two kinds of layout, by how a transport receives:
 
-- *sequential* (shm: one receive after another): per step a mark when it begins, then per receive a mark when
-  the peer's data is there and one when it is moved, except the step's last receive, whose move ends at the next
-  mark (the next step's start); after the last step, one mark where the steps end. A step with one receive costs
-  two clock reads.
+- *sequential* (shm: one receive after another): per receive a mark when this rank starts waiting for it (a
+  clock read) and one when the peer's data is there (that clock plus the time the wait measured while it waited:
+  no clock read when the data was there already); a receive's move ends at the next mark (the next receive's wait,
+  or the next step's); a step without receives marks where it starts; after the last step, one mark where the
+  steps end. A step with one receive costs one clock read. Waits a step makes before its first receive's (for
+  the readers of an earlier step, or, under the ptracer discipline, for its previous reader to finish) end up in
+  the previous move.
 - *concurrent* (tcp: receives from several peers interleave in one poll loop): per step a mark when it begins,
   then per peer the first and the last byte's arrival.
 
@@ -57,6 +63,7 @@ __all__ = [
     "CALL_CAPACITY",
     "MARK_CAPACITY",
     "MARK_MASK",
+    "SPILL_VALUES",
     "STANDOUT_RATIO",
     "TRANSFER_CAPACITY",
     "GroupStats",
@@ -78,6 +85,10 @@ values per call)."""
 
 MARK_MASK = MARK_CAPACITY - 1
 """A mark's slot is its running number ``& MARK_MASK``."""
+
+SPILL_VALUES = 1 << 12
+"""Values the hot path appends to :attr:`Recorder.log` before the group moves them into the ring: a vectorised
+copy of 32 KiB every few hundred calls, where a store per value into the ring cost more on every call."""
 
 CALL_CAPACITY = 1 << 14
 """Collectives kept (a ring): the most ``stats(last=K)`` can look back."""
@@ -112,6 +123,7 @@ class Layout:
         "key",
         "marks",
         "peer",
+        "span",
         "start",
         "step",
         "units",
@@ -132,7 +144,7 @@ class Layout:
                     begin.append(first)
                     arrive.append(first + 1 + 2 * i)
                     end.append(first + 2 + 2 * i)
-                else:  # start, arrived_1, moved_1, ..., arrived_R (moved_R is the next mark)
+                else:  # waiting_1, arrived_1, waiting_2 (= moved_1), ..., arrived_R (moved_R is the next mark)
                     begin.append(first if i == 0 else first + 2 * i)
                     arrive.append(first + 1 + 2 * i)
                     end.append(first + 2 + 2 * i)
@@ -142,6 +154,8 @@ class Layout:
             # final waits for this rank's readers, which are theirs to account for)
         self.marks = pos
         """Marks one call writes."""
+        self.span = 2 + pos
+        """Values of a call before its tail: the arrival, the unit and the marks."""
 
         def column(values: list[int]) -> npt.NDArray[np.int64]:
             return np.array(values, dtype=np.int64)
@@ -176,18 +190,31 @@ class Layout:
 class Recorder:
     """The stream of one rank, and the ring of whole transfer records (see the module docstring).
 
-    ``enabled`` False makes the group and the transports skip it. Who writes what, without calling anything:
+    ``enabled`` False makes the group and the transports skip it. Who appends what, calling nothing but
+    ``append`` (``log.append``, cached):
 
-    - the group, when a collective begins: ``stream[committed] = arrival``, ``marks = committed + 1``,
-      ``layout = None``;
-    - the transport, if it marks: ``layout = plan.layout``, then ``stream[marks] = unit`` and a clock read per
-      mark, advancing ``marks`` (a local copy of it while it runs; see :data:`MARK_MASK`);
-    - the group, when the collective returns: the tail (end, seq, size_bytes, layout key) right after where the
-      layout's marks end (computed from ``committed``, not from ``marks``, so a transport that wrote fewer marks
-      cannot shift the stream), and ``committed`` past it (:meth:`commit` does exactly this).
+    - the group, when a collective begins: its arrival, and ``layout = None``;
+    - the transport, if it marks: ``layout = plan.layout``, then the unit and its marks;
+    - the group, when the collective returns: the tail (end, seq, size_bytes, layout key), after checking that
+      exactly the layout's marks came before it (:meth:`settle`: a transport that wrote fewer or more cannot
+      shift the stream); when it fails, it deletes what the collective appended, so ``log`` holds whole
+      collectives between calls;
+    - past :data:`SPILL_VALUES`, the group moves ``log`` into the ring (:meth:`flush`); so does every reader
+      first. Readers run between collectives (the group's summaries are collectives of their own).
     """
 
-    __slots__ = ("_stream", "_t", "_transfers", "committed", "enabled", "layout", "marks", "transfers_recorded", "tsv")
+    __slots__ = (
+        "_stream",
+        "_t",
+        "_transfers",
+        "append",
+        "enabled",
+        "flushed",
+        "layout",
+        "log",
+        "transfers_recorded",
+        "tsv",
+    )
 
     def __init__(self, *, enabled: bool = False) -> None:
         self.enabled = enabled
@@ -195,14 +222,20 @@ class Recorder:
         self._stream = np.zeros(MARK_CAPACITY, np.int64)
         self._t = memoryview(self._transfers.data).cast("B").cast("q")
         self.tsv = memoryview(self._stream.data).cast("B").cast("q")
-        """The stream, for the group's and the transports' stores (slot ``position & MARK_MASK``)."""
+        """The ring, for readers (slot ``position & MARK_MASK``)."""
         self.transfers_recorded = 0
-        self.committed = 0
-        """Where the stream's whole collectives end (a running position; the next collective begins here)."""
-        self.marks = 0
-        """The running collective's write head (a running position)."""
+        self.log: list[int] = []
+        """Values appended since the last :meth:`flush` (never replaced: ``append`` is its bound method)."""
+        self.append = self.log.append
+        self.flushed = 0
+        """The running position of ``log[0]``: values moved into the ring so far."""
         self.layout: Layout | None = None
         """The running collective's layout, set by its transport before its first mark."""
+
+    @property
+    def committed(self) -> int:
+        """Where the stream's whole collectives end (a running position), between collectives."""
+        return self.flushed + len(self.log)
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
         self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
@@ -220,26 +253,59 @@ class Recorder:
         t[i + 6] = size_bytes
         self.transfers_recorded = n + 1
 
-    def begin(self, arrival_ns: int) -> None:
-        """A collective begins (what the group writes inline; for tests and other callers)."""
-        k = self.committed
-        self.tsv[k & MARK_MASK] = arrival_ns
-        self.marks = k + 1
+    def begin(self, arrival_ns: int) -> int:
+        """A collective begins (what the group does inline; for tests and other callers): where it starts in
+        ``log``, for :meth:`commit` or :meth:`discard`."""
+        start = len(self.log)
+        self.append(arrival_ns)
         self.layout = None
+        return start
 
-    def commit(self, seq: int, size_bytes: int, end_ns: int | None = None) -> None:
-        """The collective begun at the last :meth:`begin` returned: write its tail and commit it."""
+    def commit(self, start: int, seq: int, size_bytes: int, end_ns: int | None = None) -> None:
+        """The collective begun at ``start`` returned: append its tail (what the group does inline)."""
         layout = self.layout
-        k = self.committed + 1 + (0 if layout is None else 1 + layout.marks)
-        tsv = self.tsv
-        tsv[k & MARK_MASK] = _clock() if end_ns is None else end_ns
-        tsv[(k + 1) & MARK_MASK] = seq
-        tsv[(k + 2) & MARK_MASK] = size_bytes
-        tsv[(k + 3) & MARK_MASK] = _NO_LAYOUT if layout is None else layout.key
-        self.committed = self.marks = k + 4
+        span = 1 if layout is None else layout.span
+        if len(self.log) - start != span:
+            self.settle(start, span)
+        append = self.append
+        append(_clock() if end_ns is None else end_ns)
+        append(seq)
+        append(size_bytes)
+        append(_NO_LAYOUT if layout is None else layout.key)
+        if start >= SPILL_VALUES:
+            self.flush()
+
+    def discard(self, start: int) -> None:
+        """The collective begun at ``start`` failed: nothing of it stays (the group's ``except`` does this)."""
+        del self.log[start:]
+
+    def settle(self, start: int, span: int) -> None:
+        """Make the collective begun at ``start`` exactly ``span`` values long (arrival, unit, its layout's marks):
+        a transport that wrote fewer marks is padded with its last value, one that wrote more is cut."""
+        log = self.log
+        have = len(log) - start
+        if have > span:
+            del log[start + span :]
+        elif have < span:
+            log.extend([log[-1]] * (span - have))
+
+    def flush(self) -> None:
+        """Move ``log`` into the ring (the newest :data:`MARK_CAPACITY` values of it)."""
+        log = self.log
+        n = len(log)
+        if n == 0:
+            return
+        values = np.array(log[-MARK_CAPACITY:], np.int64)
+        first = (self.flushed + n - len(values)) & MARK_MASK
+        head = min(len(values), MARK_CAPACITY - first)
+        self._stream[first : first + head] = values[:head]
+        self._stream[: len(values) - head] = values[head:]
+        self.flushed += n
+        log.clear()
 
     def _collectives(self, last: int) -> list[tuple[int, Layout | None]]:
         """The last ``last`` committed collectives still whole in the ring, newest first: (start, layout)."""
+        self.flush()
         tsv = self.tsv
         floor = max(0, self.committed - MARK_CAPACITY)
         out: list[tuple[int, Layout | None]] = []

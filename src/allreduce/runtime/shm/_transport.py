@@ -43,7 +43,6 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import ChecksumError, CollectiveError
 from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._stats import MARK_MASK
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
 from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
 from allreduce.runtime.shm._layout import (
@@ -488,24 +487,22 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         wait = self._wait
         peer_arrays: dict[int, npt.NDArray[Any] | Remote] = {}
         snapshot = self._eager_area(self.rank, seq, dtype) if eager else work
-        recorder = self.recorder if self.recorder.enabled else None
+        recorder = self.recorder
         injection = self.injection
         clock = time.perf_counter_ns
-        arrived = 0
-        # the recorder's marks (see allreduce.runtime._stats): a clock read and a store each, nothing else
-        rec = recorder is not None
-        tsv, k = (recorder.tsv, recorder.marks) if recorder is not None else (None, 0)
-        if recorder is not None:
+        arrived = began = 0
+        # the recorder's marks (see allreduce.runtime._stats): per receive, a clock read before its wait and that
+        # clock plus the time the wait took (which the wait measures while it waits: no clock read of its own)
+        mark = recorder.append if recorder.enabled else None
+        if mark is not None:
             recorder.layout = program.layout
-            tsv[k & MARK_MASK] = dtype.itemsize  # type: ignore[index]  # the layout's unit
-            k += 1
+            mark(dtype.itemsize)  # the layout's unit
         try:
             for st in program.steps:
                 if injection is not None:
                     injection.hold_step()
-                if rec:
-                    tsv[k & MARK_MASK] = clock()  # type: ignore[index]
-                    k += 1
+                if mark is not None and not st.recvs:
+                    mark(clock())  # a step without receives: one mark where it starts
                 # send: this step's sent ranges must be readable where this rank published them
                 if st.copyins:
                     self._copy_in(st, user, work, base=base, seq=seq, deadline=deadline)
@@ -523,12 +520,14 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                 staged: dict[tuple[int, int], tuple[Piece, npt.NDArray[Any]]] = {}
                 for rv in st.recvs:
                     peer = rv.peer
-                    wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
-                         what="its data for this step", step=st.index)  # fmt: skip
-                    if rec:
-                        tsv[k & MARK_MASK] = arrived = clock()  # type: ignore[index]
-                        k += 1
-                    elif injection is not None:
+                    if mark is not None:
+                        began = clock()
+                    waited = wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
+                                  what="its data for this step", step=st.index)  # fmt: skip
+                    if mark is not None:
+                        mark(began)
+                        mark(began + waited)
+                    if injection is not None:
                         arrived = clock()
                     source: npt.NDArray[Any] | Remote
                     if views[peer][BUFFER_SEGMENT_WORD] == IN_EAGER_SNAPSHOT:
@@ -563,9 +562,6 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                             arrays[pc.dst][a:b] = source[a - shift : b - shift]
                     if injection is not None:
                         injection.pace(peer, (rv.stop - rv.start) * dtype.itemsize, arrived)
-                    if rec and rv is not st.recvs[-1]:  # the step's last move ends at the next mark
-                        tsv[k & MARK_MASK] = clock()  # type: ignore[index]
-                        k += 1
                 self._publish(READ_DONE_WORD, base + st.index + 1)
                 # staged receives land once the readers of this step are done with the range
                 for pc, tmp in staged.values():
@@ -573,11 +569,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                         wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
                              what="reading data this step overwrites", step=st.index)  # fmt: skip
                     arrays[pc.dst][pc.start : pc.stop] = tmp
-            if rec:
-                tsv[k & MARK_MASK] = clock()  # type: ignore[index]  # the steps' end
-                k += 1
-            if recorder is not None:
-                recorder.marks = k
+            if mark is not None:
+                mark(clock())  # the steps' end
         finally:
             peer_arrays.clear()
 

@@ -40,6 +40,7 @@ MIN_SPIN_S = 1e-6
 
 YIELD_S = 300e-6
 """Then it gives the core away between checks for this long; then it blocks in futex."""
+YIELD_NS = int(YIELD_S * 1e9)
 
 POLL_S = 0.001
 """Longest a waiter blocks in futex before it re-checks the deadline, dead peers and abort flags."""
@@ -112,28 +113,31 @@ class PeerWaiting:
         step: int,
         floor: int | None = None,
         word_name: str = "",
-    ) -> None:
-        """Return once ``peer``'s counter ``word`` reaches ``target``; raise naming the culprit if it cannot.
+    ) -> int:
+        """Return once ``peer``'s counter ``word`` reaches ``target``, with how long that took in nanoseconds (0
+        when it had already: then no clock is read); raise naming the culprit if it cannot.
 
         ``what`` (what is awaited) and ``step`` (-1: the descriptor exchange) go into the error messages. With
         ``floor``, a counter below it is one no writer produces (the counter only grows, and was at least ``floor``
         already): ``peer``'s block is corrupt, named ``word_name``, instead of a wait until the timeout."""
         view = self._views[peer]
         if view[word] >= target:
-            return
-        clock = time.perf_counter
-        start = clock()
-        spin_until = start + self._spin_s
-        while clock() < spin_until:
+            return 0
+        clock = time.perf_counter_ns  # the clock reads below happen while waiting: the recorder's waits are free
+        start = now = clock()
+        spin_until = start + int(self._spin_s * 1e9)
+        while now < spin_until:
             if view[word] >= target:
-                return
-        yield_until = start + YIELD_S
-        while clock() < yield_until:
+                return now - start
+            now = clock()
+        yield_until = start + YIELD_NS
+        while now < yield_until:
             os.sched_yield()
+            now = clock()
             if view[word] >= target:
-                if clock() - start <= self._spin_limit_s:
+                if now - start <= self._spin_limit_s * 1e9:
                     self._spin_s = self._spin_limit_s  # a full spin would have caught it
-                return
+                return now - start
         spin_s = self._spin_s / 2
         self._spin_s = spin_s if spin_s >= MIN_SPIN_S else 0.0
         address = self._addr[peer] + 8 * word
@@ -150,16 +154,17 @@ class PeerWaiting:
             if floor is not None and seen < floor:
                 raise corrupt_block_error(self.rank, peer, word_name, seen, seq=seq, step=step)
             self._check_peers(peer, word, target, seq=seq, what=what, step=step)
-            now = time.monotonic()
-            if now >= deadline:
+            now_s = time.monotonic()
+            if now_s >= deadline:
                 if view[word] >= target:
                     break
                 raise self._timeout_error(peer, seq=seq, what=what, step=step)
             view[sleeper] = 1
             if view[word] == seen:
-                futex_wait(address, seen, min(POLL_S, deadline - now))
+                futex_wait(address, seen, min(POLL_S, deadline - now_s))
             view[sleeper] = 0
         me[WAITING_FOR_WORD] = NOT_WAITING
+        return clock() - start
 
     def _timeout_error(self, peer: int, *, seq: int, what: str, step: int) -> CollectiveTimeoutError:
         """The timeout waiting for ``peer``, naming the rank at the root of the wait: a peer whose process is

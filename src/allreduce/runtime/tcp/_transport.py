@@ -39,7 +39,6 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError
 from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._stats import MARK_MASK
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
 from allreduce.runtime.tcp._blame import DEAD_POLL_S, STALL_GRACE_S, STOP_SETTLE_S, Blame, LostPeerError
 from allreduce.runtime.tcp._frames import (
@@ -472,22 +471,21 @@ class TcpTransport(Transport):
         flags = FLAG_CHECKSUM if checksum else 0
         if not prepared.peers <= self._peers.keys():
             self._ensure_connected(prepared.peers, deadline, f"collective {seq} ({plan.schedule_name})")
-        recorder = self.recorder if self.recorder.enabled else None
+        recorder = self.recorder
         injection = self.injection
-        # the recorder's marks (see allreduce.runtime._stats): a clock read and a store each, nothing else
-        tsv, k = (recorder.tsv, recorder.marks) if recorder is not None else (None, 0)
-        if tsv is not None:
-            recorder.layout = prepared.layout  # type: ignore[union-attr]
-            tsv[k & MARK_MASK] = 1  # the layout's unit: bytes
-            k += 1
+        # the recorder's marks (see allreduce.runtime._stats): a clock read each, appended
+        mark = recorder.append if recorder.enabled else None
+        if mark is not None:
+            recorder.layout = prepared.layout
+            mark(1)  # the layout's unit: bytes
         for step in prepared.steps:
             if injection is not None:
                 injection.hold_step()
-            step_start = time.perf_counter_ns() if recorder is not None else 0
-            if tsv is not None:
-                tsv[k & MARK_MASK] = step_start
-                k += 1
-            arrivals: dict[int, list[int]] | None = {} if recorder is not None or injection is not None else None
+            step_start = 0
+            if mark is not None:
+                step_start = time.perf_counter_ns()
+                mark(step_start)
+            arrivals: dict[int, list[int]] | None = {} if mark is not None or injection is not None else None
             sends = []
             for spec in step.sends:
                 payload = raw[spec.byte_start : spec.byte_stop]
@@ -551,19 +549,17 @@ class TcpTransport(Transport):
             )
             if injection is not None and arrivals is not None:
                 pace_step(injection, step, arrivals)
-            if tsv is not None and arrivals is not None:
+            if mark is not None and arrivals is not None:
                 for peer in step.recv_peers:  # first and last byte, in the layout's order
                     first_last = arrivals.get(peer)
                     if first_last is None:
-                        tsv[k & MARK_MASK] = tsv[(k + 1) & MARK_MASK] = step_start
+                        mark(step_start)
+                        mark(step_start)
                     else:
-                        tsv[k & MARK_MASK] = first_last[0] or first_last[1]
-                        tsv[(k + 1) & MARK_MASK] = first_last[1]
-                    k += 2
+                        mark(first_last[0] or first_last[1])
+                        mark(first_last[1])
             self._frames_sent += len(sends)
             self._frames_received += len(recvs)
-        if recorder is not None:
-            recorder.marks = k
 
     def _exchange(self, seq: int, **kwargs: Any) -> None:
         """:func:`exchange` over this rank's connections, whose errors name the first cause: the root of a stall,
