@@ -14,8 +14,8 @@ between them, as in a real call (the recorder's code and data are cold then): wh
 
 The last column is the CPU cost of what a ring all-reduce records per call (2(N-1) steps of one receive, two
 marks and one clock read each, and the call's own record), measured in-process as the minimum over short repeats
-(what the code costs with hot caches and no preemption), over the median all-reduce time. In a real call the recorder's code and data
-are cold after the payload streamed through the caches, so the on/off ratio can exceed it.
+(what the code costs with hot caches and no preemption), over the median all-reduce time. In a real call the
+recorder's code and data are cold after the payload streamed through the caches, so the on/off ratio can exceed it.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _mark_step_cost_s() -> float:
         for _ in range(_COST_STEPS):
             began = clock()
             mark(began)
-            mark(began + waited)
+            mark(waited)
         recorder.log.clear()
 
     return _min_time_s(steps)
@@ -157,7 +157,7 @@ def _in_situ_cost_ns(size_bytes: int, steps: int, repeats: int = 3000) -> float:
             waited = 0  # the data was there (a wait that waits measures itself while it waits)
             if mark is not None:
                 mark(began)
-                mark(began + waited)
+                mark(waited)
             np.add(a, b, out=a)
         if mark is not None:
             mark(clock())

@@ -46,8 +46,8 @@ def _call(
 def test_a_one_receive_step_waits_from_its_start_and_moves_until_the_next_mark() -> None:
     recorder = Recorder(enabled=True)
     ring = Layout([(0, [(1, 16)]), (1, [(1, 16)])], concurrent=False)
-    assert ring.marks == 5  # two clock reads per one-receive step, and one where the steps end
-    _call(recorder, 7, ring, [100, 130, 200, 260, 280], unit=4, end=300)
+    assert ring.marks == 5  # a clock and a wait per one-receive step, and a clock where the steps end
+    _call(recorder, 7, ring, [100, 30, 200, 60, 280], unit=4, end=300)  # (clock, wait) per receive
     first, second = recorder.transfers(0)
     assert tuple(first) == (7, 0, 1, 100, 30, 70, 64)  # waited 100 -> 130, moved until step 1 began at 200
     # the last move ends where the steps end (280), not at the call's end (300: after the final waits)
@@ -57,8 +57,8 @@ def test_a_one_receive_step_waits_from_its_start_and_moves_until_the_next_mark()
 def test_receives_of_one_step_wait_one_after_another() -> None:
     recorder = Recorder(enabled=True)
     layout = Layout([(2, [(1, 100), (3, 300)])], concurrent=False)
-    assert layout.marks == 5  # start, arrived 1, moved 1, arrived 3, the steps' end
-    _call(recorder, 5, layout, [1000, 1010, 1050, 1090, 1100])
+    assert layout.marks == 5  # waiting for 1, its wait, waiting for 3 (= moved 1), its wait, the steps' end
+    _call(recorder, 5, layout, [1000, 10, 1050, 40, 1100])
     first, second = recorder.transfers(0)
     assert tuple(first) == (5, 2, 1, 1000, 10, 40, 100)
     # the second wait starts where the first move ended: nothing counted twice, nothing lost
@@ -69,7 +69,7 @@ def test_a_step_without_receives_takes_one_mark_and_records_nothing() -> None:
     recorder = Recorder(enabled=True)
     layout = Layout([(0, []), (1, [(2, 8)])], concurrent=False)
     assert layout.marks == 4
-    _call(recorder, 1, layout, [10, 20, 25, 30])
+    _call(recorder, 1, layout, [10, 20, 5, 30])
     (record,) = recorder.transfers(0)
     assert tuple(record[[STEP, PEER, START, WAIT]]) == (1, 2, 20, 5)
 
@@ -88,7 +88,7 @@ def test_a_failed_call_leaves_no_records_and_the_next_call_is_read_right() -> No
     recorder = Recorder(enabled=True)
     layout = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False)
     _call(recorder, 0, layout, [1, 2], commit=False)  # failed after two of its five marks: the group discards
-    _call(recorder, 1, layout, [10, 11, 20, 22, 25])
+    _call(recorder, 1, layout, [10, 1, 20, 2, 25])
     records = recorder.transfers(0)
     assert list(records[:, SEQ]) == [1, 1]
     assert list(records[:, WAIT]) == [1, 2]
@@ -99,7 +99,7 @@ def test_a_transport_that_wrote_fewer_marks_cannot_shift_the_calls_after_it() ->
     recorder = Recorder(enabled=True)
     layout = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False)
     _call(recorder, 0, layout, [1, 2, 3])  # a transport bug: two marks short
-    _call(recorder, 1, layout, [10, 11, 20, 22, 25])
+    _call(recorder, 1, layout, [10, 1, 20, 2, 25])
     assert [int(c[0]) for c in recorder.calls(10)] == [0, 1]
     assert list(recorder.transfers(1)[:, WAIT]) == [1, 2]
 
@@ -107,7 +107,7 @@ def test_a_transport_that_wrote_fewer_marks_cannot_shift_the_calls_after_it() ->
 def test_the_call_records_carry_seq_arrival_end_and_size() -> None:
     recorder = Recorder(enabled=True)
     _call(recorder, 4, None, [], end=50)  # a transport that writes no marks (whole records instead)
-    _call(recorder, 5, Layout([(0, [(1, 8)])], concurrent=False), [60, 70, 80], end=90)
+    _call(recorder, 5, Layout([(0, [(1, 8)])], concurrent=False), [60, 10, 80], end=90)
     assert recorder.calls(10).tolist() == [[4, 0, 50, 8], [5, 60, 90, 8]]
 
 
@@ -116,7 +116,7 @@ def test_calls_the_ring_overwrote_are_dropped_and_the_rest_kept() -> None:
     layout = Layout([(0, [(1, 8)])], concurrent=False)  # 9 values per call: arrival, unit, 3 marks, 4 of tail
     calls = MARK_CAPACITY // 9 + 3
     for seq in range(calls):
-        _call(recorder, seq, layout, [10 * seq, 10 * seq + 1, 10 * seq + 2])
+        _call(recorder, seq, layout, [10 * seq, 1, 10 * seq + 2])
     records = recorder.transfers(0)
     kept = min(MARK_CAPACITY // 9, CALL_CAPACITY)
     assert len(records) == kept
@@ -180,6 +180,6 @@ def test_a_transport_that_wrote_more_marks_cannot_shift_the_calls_after_it() -> 
     recorder = Recorder(enabled=True)
     layout = Layout([(0, [(1, 8)])], concurrent=False)
     _call(recorder, 0, layout, [1, 2, 3, 4, 5])  # a transport bug: two marks too many
-    _call(recorder, 1, layout, [10, 11, 20])
+    _call(recorder, 1, layout, [10, 1, 20])
     assert [int(c[0]) for c in recorder.calls(10)] == [0, 1]
     assert list(recorder.transfers(1)[:, WAIT]) == [1]

@@ -26,12 +26,12 @@ appending with one clock read per receive).
 Two kinds of layout, by how a transport receives:
 
 - *sequential* (shm: one receive after another): per receive a mark when this rank starts waiting for it (a
-  clock read) and one when the peer's data is there (that clock plus the time the wait measured while it waited:
-  no clock read when the data was there already); a receive's move ends at the next mark (the next receive's wait,
-  or the next step's); a step without receives marks where it starts; after the last step, one mark where the
-  steps end. A step with one receive costs one clock read. Waits a step makes before its first receive's (for
-  the readers of an earlier step, or, under the ptracer discipline, for its previous reader to finish) end up in
-  the previous move.
+  clock read) and how long it waited until the peer's data was there (measured by the wait while it waited: 0,
+  no clock read and no new int object, when the data was there already); a receive's move ends at the next clock
+  mark (the next receive's wait, or the next step's); a step without receives marks where it starts; after the
+  last step, one mark where the steps end. A step with one receive costs one clock read. Waits a step makes
+  before its first receive's (for the readers of an earlier step, or, under the ptracer discipline, for its
+  previous reader to finish) end up in the previous move.
 - *concurrent* (tcp: receives from several peers interleave in one poll loop): per step a mark when it begins,
   then per peer the first and the last byte's arrival.
 
@@ -144,7 +144,7 @@ class Layout:
                     begin.append(first)
                     arrive.append(first + 1 + 2 * i)
                     end.append(first + 2 + 2 * i)
-                else:  # waiting_1, arrived_1, waiting_2 (= moved_1), ..., arrived_R (moved_R is the next mark)
+                else:  # waiting_1, waited_1, waiting_2 (= moved_1), ..., waited_R (moved_R is the next mark)
                     begin.append(first if i == 0 else first + 2 * i)
                     arrive.append(first + 1 + 2 * i)
                     end.append(first + 2 + 2 * i)
@@ -180,7 +180,8 @@ class Layout:
         out[:, :, 1] = self.step
         out[:, :, 2] = self.peer
         out[:, :, 3] = m[:, self.start]
-        arrived = m[:, self.arrive]
+        # concurrent: the first byte's arrival (a clock); sequential: the wait's length, after the clock it began at
+        arrived = m[:, self.arrive] if self.concurrent else m[:, self.begin] + m[:, self.arrive]
         out[:, :, 4] = np.maximum(arrived - m[:, self.begin], 0)
         out[:, :, 5] = np.maximum(m[:, self.end] - arrived, 0)
         out[:, :, 6] = self.units * units[:, None]

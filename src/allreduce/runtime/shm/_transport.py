@@ -491,8 +491,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         injection = self.injection
         clock = time.perf_counter_ns
         arrived = began = 0
-        # the recorder's marks (see allreduce.runtime._stats): per receive, a clock read before its wait and that
-        # clock plus the time the wait took (which the wait measures while it waits: no clock read of its own)
+        # the recorder's marks (see allreduce.runtime._stats): per receive, a clock read before its wait and how long
+        # the wait took (which the wait measures while it waits: no clock read of its own)
         mark = recorder.append if recorder.enabled else None
         if mark is not None:
             recorder.layout = program.layout
@@ -526,7 +526,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                                   what="its data for this step", step=st.index)  # fmt: skip
                     if mark is not None:
                         mark(began)
-                        mark(began + waited)
+                        mark(waited)
                     if injection is not None:
                         arrived = clock()
                     source: npt.NDArray[Any] | Remote
