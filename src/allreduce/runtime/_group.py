@@ -165,8 +165,8 @@ class ProcessGroup:
         own_prepare = getattr(type(transport), "prepare", Transport.prepare)
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
         transport.injection = injection_from_env(None, self.rank, self.world_size)
-        # Off by default: recording measured 1-3% slower at 1 MiB on a loaded 2-core machine, above the 1% it may
-        # cost when always on (benchmarks/bench_stats.py).
+        # Off by default: recording measured 1-2% slower at 1 MiB with two ranks on the 2-core machine, above the 1%
+        # it may cost when always on (benchmarks/bench_stats.py, docs/tail.md).
         transport.recorder.enabled = os.environ.get("ALLREDUCE_STATS", "0") != "0" or any(
             os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
         )
