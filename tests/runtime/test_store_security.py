@@ -25,7 +25,7 @@ from allreduce.runtime._store_server import (
     RESPONSE,
     Op,
 )
-from allreduce.runtime.tcp import ClientHello, TcpTransport, connect_handshake, read_exact
+from allreduce.runtime.tcp import ClientHello, HandshakeRetryError, TcpTransport, connect_handshake, read_exact
 from allreduce.runtime.tcp._handshake import HANDSHAKE_VERSION, AcceptHandshake
 from allreduce.runtime.tcp._listener import MAX_PENDING_HANDSHAKES
 
@@ -253,6 +253,19 @@ def test_a_rank_refuses_a_listener_that_announces_another_process() -> None:
             conn.sendall(greeting[:-4] + struct.pack("!I", 1))  # the greeting ends with the pid: claim init's
             with pytest.raises(ProtocolError, match="announced pid 1, which does not hold its socket"):
                 connect_handshake(client, b"store", None, ClientHello(1, 3, 0), what="the listener")
+
+
+def test_an_endpoint_that_greets_then_closes_is_one_stopping_and_is_retried_not_refused() -> None:
+    # The previous group's store stopping: it greeted, then closed the connection, so by the time the rank looks
+    # no process holds the endpoint's socket. That is a store going away (come back), not an impostor.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname(), timeout=TIMEOUT_S)
+        conn, _ = listener.accept()
+        with client:
+            conn.sendall(AcceptHandshake(b"store", None, lambda _: None, lambda: None).greeting)
+            conn.close()
+            with pytest.raises(HandshakeRetryError, match="closed the connection during the handshake"):
+                connect_handshake(client, b"store", None, ClientHello(1, 3, 0), what="the store")
 
 
 def test_a_rank_refuses_an_endpoint_that_is_not_the_process_it_expects(store: TCPStore) -> None:

@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import select
 import socket
 import struct
 from collections.abc import Callable
@@ -220,6 +221,22 @@ class AcceptHandshake:
         return _REPLY.pack(_HS_MAGIC, status, len(message), bytes(32)) + message, error
 
 
+_CLOSED_WAIT_S = 0.2
+"""How long a connector that could not verify its endpoint waits to see whether the endpoint closed the connection
+(a stopping endpoint's close is already on its way when its socket is found held by nobody)."""
+
+
+def _closed_by_endpoint(sock: socket.socket) -> bool:
+    """Whether the other end has closed ``sock`` (EOF or reset) or does so within :data:`_CLOSED_WAIT_S`."""
+    try:
+        ready, _, _ = select.select([sock], [], [], _CLOSED_WAIT_S)
+        return bool(ready) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (ConnectionResetError, ConnectionAbortedError):
+        return True
+    except OSError:
+        return False
+
+
 def connect_handshake(
     sock: socket.socket,
     service: bytes,
@@ -251,6 +268,10 @@ def connect_handshake(
     if token is None:
         problem = _unverified_peer(loopback_peer(sock), pid_a, f"{what}'s")
         if problem is not None:
+            if _closed_by_endpoint(sock):
+                # It greeted, then closed: an endpoint stopping (the previous group's store), whose socket no
+                # process holds any more, not an impostor, which keeps the connection open for the hello.
+                raise HandshakeRetryError(f"{what} closed the connection during the handshake (stopping?)")
             raise ProtocolError(f"{what} is not this job's endpoint: {problem[1]}")
         if expected_pid is not None and pid_a != expected_pid:
             raise ProtocolError(f"{what} is held by pid {pid_a}, not by pid {expected_pid} as expected")
