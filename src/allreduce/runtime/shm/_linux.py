@@ -48,17 +48,22 @@ class _Timespec(ctypes.Structure):
     _fields_ = (("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long))
 
 
+def _libc_function(name: str, restype: Any, *argtypes: Any) -> Any:
+    """The C library's function ``name`` with its signature set (errno kept), or None where it has none."""
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = restype
+    fn.argtypes = argtypes
+    return fn
+
+
 def _load_futex() -> Any:
     if _SYS_FUTEX is None:
         return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.syscall
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_long
-    fn.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-    return fn
+    args = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    return _libc_function("syscall", ctypes.c_long, *args)
 
 
 _futex_syscall = _load_futex()
@@ -89,21 +94,9 @@ class _IoVec(ctypes.Structure):
 
 
 def _load_vm_readv() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.process_vm_readv
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = (
-        ctypes.c_int,
-        ctypes.POINTER(_IoVec),
-        ctypes.c_ulong,
-        ctypes.POINTER(_IoVec),
-        ctypes.c_ulong,
-        ctypes.c_ulong,
-    )
-    return fn
+    iov = ctypes.POINTER(_IoVec)
+    args = (ctypes.c_int, iov, ctypes.c_ulong, iov, ctypes.c_ulong, ctypes.c_ulong)
+    return _libc_function("process_vm_readv", ctypes.c_ssize_t, *args)
 
 
 _vm_readv = _load_vm_readv()
@@ -135,14 +128,7 @@ would let every process of the user in, is never used.)"""
 
 
 def _load_prctl() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
-    return fn
+    return _libc_function("prctl", ctypes.c_int, ctypes.c_int, *(ctypes.c_ulong,) * 4)
 
 
 _prctl = _load_prctl()
@@ -249,14 +235,7 @@ _MADV_COLLAPSE = 25  # Linux 6.1: collapse the range into huge pages now, synchr
 
 
 def _load_madvise() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
+    return _libc_function("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 _madvise = _load_madvise()
