@@ -26,12 +26,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two workers for everything that does not time real processes against each other (one module per worker: its
+# fixtures start once), then the timing tests alone (marked serial). Both parts must run a test (exit 5 fails).
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 # pytest exits 5 when the marker selects no test: make stops on it, as on any failure.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" -n 2
+	$(BIN)/python -m pytest -q -m "not slow and not serial" -n 2
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

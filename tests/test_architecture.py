@@ -137,6 +137,7 @@ def fail_unless_none(offenders: list[Import], rule: str) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # The rules the map states in words, each its own test
 # ------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_source_tree_is_found_and_parsed() -> None:
     names = {package_of(m) for m, _ in modules()}
     assert {"schedules", "runtime", "sim", "topology", "cli"} <= names
@@ -199,6 +200,7 @@ def test_lower_layers_never_import_the_planning_layers() -> None:
     fail_unless_none(bad, rule)
 
 
+@pytest.mark.slow
 def test_torch_never_imports_train() -> None:
     rule = "torch never imports train (train may import torch: the backend is below the trainer)"
     bad = [i for i in cross_package_imports() if i.source_package == "torch" and i.target_package == "train"]
@@ -286,6 +288,7 @@ def test_packages_import_each_other_without_cycles() -> None:
 # ------------------------------------------------------------------------------------------------------------
 # Module hygiene
 # ------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_every_module_has_a_docstring() -> None:
     missing = [
         str(path.relative_to(REPO))
@@ -331,6 +334,7 @@ def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+@pytest.mark.slow
 def test_no_comment_refers_to_an_issue_or_a_file_outside_the_repo() -> None:
     hits = [
         f"{path.relative_to(REPO)}:{line}: {text.strip()}"

@@ -15,6 +15,7 @@ def report() -> str:
     return demo_report()
 
 
+@pytest.mark.slow
 def test_demo_names_the_fabrics_it_simulates(report: str) -> None:
     assert "fat-tree:k=16" in report
     assert "oversub=4" in report

@@ -18,6 +18,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_json_matches_the_closed_forms_of_the_issue() -> None:
     out = run_cli("explain", "--ranks", "1024", "--size", "1GiB", "--bandwidth", "50GB/s", "--latency", "5us", "--json")
     assert out.returncode == 0, out.stderr
@@ -39,6 +40,7 @@ def test_json_matches_the_closed_forms_of_the_issue() -> None:
     assert by_name["ring"]["bytes_sent_per_rank"] == pytest.approx(2 * (n - 1) / n * s)
 
 
+@pytest.mark.slow
 def test_best_changes_with_size_and_the_table_says_why() -> None:
     common = ("--ranks", "1024", "--bandwidth", "400Gbps", "--latency", "5us", "--group-size", "8")
     big = run_cli("explain", "--size", "1GiB", *common)
@@ -85,6 +87,7 @@ def test_best_changes_with_size_and_the_table_says_why() -> None:
         (("--size", "1GiB", "--bandwidth", "1GB/s", "--latency", "1us"), "--ranks"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_is_one_line_naming_the_argument_exit_2(args: tuple[str, ...], culprit: str) -> None:
     out = run_cli("explain", *args)
     assert out.returncode == 2
@@ -94,6 +97,7 @@ def test_bad_input_is_one_line_naming_the_argument_exit_2(args: tuple[str, ...],
     assert culprit in last
 
 
+@pytest.mark.slow
 def test_help_and_no_command() -> None:
     out = run_cli("explain", "--help")
     assert out.returncode == 0
@@ -127,6 +131,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "algorithms" / "my_
 COMMON = ("--bandwidth", "50GB/s", "--latency", "5us")
 
 
+@pytest.mark.slow
 def test_naive_beside_ring_at_1024_ranks_matches_both_closed_forms() -> None:
     out = run_cli("explain", "--ranks", "1024", "--size", "1GiB", *COMMON, "--algorithm", "naive,ring", "--json")
     assert out.returncode == 0, out.stderr
@@ -139,6 +144,7 @@ def test_naive_beside_ring_at_1024_ranks_matches_both_closed_forms() -> None:
     assert by_name["ring"]["seconds"] == pytest.approx(2 * (n - 1) * a + 2 * (n - 1) / n * s * b, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_all_includes_naive_and_a_loaded_user_algorithm() -> None:
     spec = f"{EXAMPLE}:bidirectional_ring"
     out = run_cli("explain", "--ranks", "16", "--size", "64MiB", *COMMON, "--algorithm", f"all,{spec}", "--json")
@@ -147,6 +153,7 @@ def test_all_includes_naive_and_a_loaded_user_algorithm() -> None:
     assert {"ring", "naive", "bidirectional_ring"} <= names
 
 
+@pytest.mark.slow
 def test_a_module_spec_on_pythonpath_is_explained() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLE.parent), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
@@ -167,6 +174,7 @@ def test_a_module_spec_on_pythonpath_is_explained() -> None:
         (f"{EXAMPLE}:nope", "has no attribute 'nope'"),
     ],
 )
+@pytest.mark.slow
 def test_a_bad_algorithm_is_one_line_exit_2(algorithm: str, culprit: str) -> None:
     out = run_cli("explain", "-n", "8", "--size", "1MiB", *COMMON, "--algorithm", algorithm)
     assert out.returncode == 2
@@ -176,6 +184,7 @@ def test_a_bad_algorithm_is_one_line_exit_2(algorithm: str, culprit: str) -> Non
     assert culprit in lines[0]
 
 
+@pytest.mark.slow
 def test_naive_is_left_out_of_all_above_its_bound_with_a_note() -> None:
     out = run_cli("explain", "--ranks", "4096", "--size", "1GiB", *COMMON)
     assert out.returncode == 0, out.stderr
@@ -183,6 +192,7 @@ def test_naive_is_left_out_of_all_above_its_bound_with_a_note() -> None:
     assert "(note: direct: left out above 1024 ranks" in out.stdout
 
 
+@pytest.mark.slow
 def test_two_algorithms_of_equal_cost_are_a_tie_not_a_crossover() -> None:
     spec = f"{Path(__file__).parents[2] / 'examples' / 'algorithms' / 'my_ring.py'}:bidirectional_ring"
     out = run_cli("explain", "--ranks", "64", "--size", "1GiB", "--bandwidth", "50GB/s", "--latency", "5us",

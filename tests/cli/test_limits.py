@@ -45,6 +45,7 @@ def test_explain_refuses_ranks_beyond_its_cap_with_an_estimate(capsys: pytest.Ca
 
 
 @pytest.mark.parametrize("world_size", [512, 1024, 4096])
+@pytest.mark.slow
 def test_explain_of_every_algorithm_stays_within_100_MB(world_size: int) -> None:
     # direct and naive cost O(N^2) flows in the cost model (direct: 800 MB at 4,096 ranks, naive: 260 MB at
     # 1,024); `all` leaves them out well before that
@@ -108,6 +109,7 @@ def test_topologies_beyond_the_cap_are_refused_before_building(
     assert str(info.value) == message
 
 
+@pytest.mark.slow
 def test_sim_refuses_more_ranks_than_its_cap(capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _cli(capsys, "sim", "-t", "torus:1024x1024", "--size", "1MiB", "-a", "ring")
     _one_line_error(code, err, "--ranks 1048576", f"{MAX_SIM_RANKS:,}", "would need about")
@@ -119,6 +121,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_bench_refuses_a_size_beyond_shared_memory_and_memory() -> None:
     done = _bench("--sizes", "1TiB")
     message = _one_line_error(done.returncode, done.stderr, "--sizes", "/dev/shm", "memory")
@@ -131,6 +134,7 @@ def test_bench_refuses_a_size_beyond_shared_memory_and_memory() -> None:
     assert free.sub("()", str(info.value)) == free.sub("()", message)
 
 
+@pytest.mark.slow
 def test_bench_over_tcp_refuses_a_size_beyond_memory() -> None:
     done = _bench("--sizes", "1TiB", "--transport", "tcp")
     _one_line_error(done.returncode, done.stderr, "--sizes", "of memory")
@@ -138,6 +142,7 @@ def test_bench_over_tcp_refuses_a_size_beyond_memory() -> None:
 
 
 @pytest.mark.parametrize(("args", "culprit"), [(("--sizes", "0"), "--sizes"), (("--timeout", "0.0001"), "--timeout")])
+@pytest.mark.slow
 def test_bench_user_errors_are_not_internal_errors(args: tuple[str, ...], culprit: str) -> None:
     done = _bench(*args)
     _one_line_error(done.returncode, done.stderr, culprit)

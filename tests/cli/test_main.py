@@ -21,6 +21,7 @@ import pytest
         ),
     ],
 )
+@pytest.mark.slow
 def test_errors_name_the_subcommand(args: tuple[str, ...], prefix: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "allreduce", *args], capture_output=True, text=True, timeout=120, check=False

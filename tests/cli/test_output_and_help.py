@@ -64,6 +64,7 @@ def test_every_json_output_is_strict_json(capsys: pytest.CaptureFixture[str], ar
     _strict_json(out)
 
 
+@pytest.mark.slow
 def test_bench_json_of_one_rank_is_strict_json() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "allreduce", "bench", "-n", "1", "--sizes", "4KiB", "--iters", "2", "--json"],

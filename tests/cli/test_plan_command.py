@@ -19,6 +19,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 def test_prints_the_split_the_scaling_table_the_bottleneck_and_what_ifs(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, *SMALL)
     assert code == 0, err
@@ -29,6 +30,7 @@ def test_prints_the_split_the_scaling_table_the_bottleneck_and_what_ifs(capsys: 
     assert "\n      16 " in out
 
 
+@pytest.mark.slow
 def test_json_numbers_match_the_library(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, *SMALL, "--json", "--no-what-if")
     assert code == 0, err
@@ -39,6 +41,7 @@ def test_json_numbers_match_the_library(capsys: pytest.CaptureFixture[str]) -> N
     assert data["what_ifs"] == []
 
 
+@pytest.mark.slow
 def test_compute_from_flops_uses_six_params_tokens(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ("--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4")
     flops = ("--gpu-tflops", "100", "--mfu", "0.5", "--tokens-per-gpu", "1000")
@@ -100,6 +103,7 @@ def test_the_demo_section_plans_llama2_7b_on_1024_gpus_and_writes_the_report(tmp
     assert 'id="d0-scaling"' in path.read_text()
 
 
+@pytest.mark.slow
 def test_the_what_if_table_has_loss_rows_with_p99_and_no_placeholder(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, *SMALL, "--no-scaling")
     assert code == 0, err
@@ -109,12 +113,14 @@ def test_the_what_if_table_has_loss_rows_with_p99_and_no_placeholder(capsys: pyt
     assert "packet-loss model" not in out
 
 
+@pytest.mark.slow
 def test_loss_zero_prints_no_loss_rows(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, *SMALL, "--no-scaling", "--loss", "0")
     assert code == 0, err
     assert "\nloss " not in out
 
 
+@pytest.mark.slow
 def test_compute_from_a_distribution_adds_p50_and_p99(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     steps = tmp_path / "steps.csv"
     steps.write_text("step_s\n0.020\n0.021\n0.025\n0.040\n")

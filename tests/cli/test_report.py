@@ -15,6 +15,7 @@ from allreduce.topology import parse_topology
 SMALL = ("--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4", "--compute-ms", "20")
 
 
+@pytest.mark.slow
 def test_plan_json_to_html_and_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["plan", *SMALL, "--json", "--no-what-if"]) == 0
     saved = tmp_path / "plan.json"
@@ -33,6 +34,7 @@ def test_plan_json_to_html_and_png(capsys: pytest.CaptureFixture[str], tmp_path:
     ]
 
 
+@pytest.mark.slow
 def test_plan_writes_the_report_itself(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     page = tmp_path / "r.html"
     assert main(["plan", *SMALL, "--no-what-if", "--report", str(page)]) == 0

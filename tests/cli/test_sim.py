@@ -135,6 +135,7 @@ def test_placement_file_errors_name_file_and_line(capsys: pytest.CaptureFixture[
     assert "6" in err
 
 
+@pytest.mark.slow
 def test_the_installed_command_exits_2_without_a_traceback() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "allreduce", "sim", "--topology", "torus:0x4", "--size", "1MiB"],
@@ -159,6 +160,7 @@ def test_a_bad_seed_is_named(capsys: pytest.CaptureFixture[str], seed: str) -> N
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "algorithms"
 
 
+@pytest.mark.slow
 def test_naive_and_a_user_algorithm_from_pythonpath_are_simulated_beside_ring() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(

@@ -21,6 +21,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 def test_percentile_table_per_algorithm(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "-t", TOPOLOGY, "--size", "4MiB", "-a", "ring,halving_doubling", "-k", "50", *NOISE)
     assert code == 0, err
@@ -57,6 +58,7 @@ def test_json_has_percentiles_and_culprits(capsys: pytest.CaptureFixture[str]) -
     assert isinstance(ring["attribution"], list)
 
 
+@pytest.mark.slow
 def test_csv_has_every_sample(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "samples.csv"
     code, _, _ = run(capsys, "-t", TOPOLOGY, "--size", "4MiB", "-k", "25", "-a", "ring,direct", "--csv", str(path))

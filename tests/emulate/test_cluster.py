@@ -32,10 +32,13 @@ from allreduce.emulate import (
     running,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="needs root and iproute2 (ip, tc) to build network namespaces",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+        reason="needs root and iproute2 (ip, tc) to build network namespaces",
+    ),
+    pytest.mark.serial,  # paced links and measured rates
+]
 
 CLOS4 = "clos:leaves=2,spines=2,hosts_per_leaf=2"
 
@@ -57,6 +60,7 @@ def name() -> Iterator[str]:
         subprocess.run(["ip", "netns", "delete", ns], check=False)
 
 
+@pytest.mark.slow
 def test_build_creates_one_namespace_per_node_and_remove_deletes_them_all(name: str, tmp_path: Path) -> None:
     built = build(EmulationSpec(CLOS4, name=name), state_dir=tmp_path)
     assert _ours(name) == set(built.namespaces)
@@ -66,6 +70,7 @@ def test_build_creates_one_namespace_per_node_and_remove_deletes_them_all(name: 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_every_shaped_direction_has_a_token_bucket_at_its_rate(name: str, tmp_path: Path) -> None:
     with running(EmulationSpec(CLOS4, name=name, rate_bps=100e6), state_dir=tmp_path) as built:
         cable = built.cables[0]
@@ -77,6 +82,7 @@ def test_every_shaped_direction_has_a_token_bucket_at_its_rate(name: str, tmp_pa
         assert qdisc["options"]["rate"] * 8 == pytest.approx(cable.rate_ab_bps, rel=0.01)
 
 
+@pytest.mark.slow
 def test_a_name_already_in_use_is_refused_before_anything_is_created(name: str, tmp_path: Path) -> None:
     with running(EmulationSpec(CLOS4, name=name), state_dir=tmp_path) as built:
         with pytest.raises(EmulationError, match="exists already"):
@@ -170,6 +176,7 @@ def test_the_prediction_routes_every_flow_where_the_kernel_sent_it(four_hosts: L
     assert row.paths == "kernel"
 
 
+@pytest.mark.slow
 def test_kernel_paths_walk_a_connection_both_ways_across_a_spine(four_hosts: Layout) -> None:
     connection = Connection(0, four_hosts.host_address[0], 40000, four_hosts.host_address[2], 50000)
     table = kernel_paths(four_hosts, [connection], ignore_ports=frozenset())

@@ -99,6 +99,7 @@ def test_the_slowest_gpu_grows_with_the_gpu_count_in_the_scaling_table() -> None
     assert result.to_json()["base"]["p99_step_s"] == p99s[-1]
 
 
+@pytest.mark.slow
 def test_the_loss_rows_name_their_fabric_and_carry_p50_and_p99() -> None:
     result = plan(request(50 * MiB, 0.05), curve=False)
     loss_rows = [w for w in result.what_ifs if w.change.startswith("loss ")]
@@ -116,6 +117,7 @@ def test_the_loss_rows_name_their_fabric_and_carry_p50_and_p99() -> None:
     assert any(note.startswith("loss rows: p50") for note in result.notes)
 
 
+@pytest.mark.slow
 def test_a_loss_too_rare_to_draw_leaves_the_step_as_it_is() -> None:
     result = plan(request(50 * MiB, 0.05), scaling=False, curve=False, loss_probability=1e-18)
     for row in (w for w in result.what_ifs if w.quantiles):
@@ -124,6 +126,7 @@ def test_a_loss_too_rare_to_draw_leaves_the_step_as_it_is() -> None:
         assert row.quantiles.p99.step_s == pytest.approx(result.base.step.step_s, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_a_timeout_that_fires_adds_at_least_one_rto_to_the_steps_that_see_it() -> None:
     # 1e-4 per packet: most 25 MiB ring all-reduces on 16 GPUs lose a packet somewhere; under TCP with a 200 ms
     # minimum RTO a tail loss costs >= 200 ms, far above the base step.
@@ -133,6 +136,7 @@ def test_a_timeout_that_fires_adds_at_least_one_rto_to_the_steps_that_see_it() -
     assert row.quantiles.p99.step_s >= result.base.step.step_s + 0.2
 
 
+@pytest.mark.slow
 def test_loss_zero_leaves_the_rows_out() -> None:
     result = plan(request(20 * MiB, 0.05), scaling=False, curve=False, loss_probability=0.0)
     assert not any(w.change.startswith("loss ") for w in result.what_ifs)

@@ -56,6 +56,7 @@ def test_full_overlap_on_a_fast_network_leaves_the_last_buckets_all_reduce() -> 
     assert result.step.step_s == pytest.approx(compute_s + sim_seconds(buckets[-1]), rel=1e-9, abs=0)
 
 
+@pytest.mark.slow
 def test_auto_takes_the_fastest_simulated_algorithm_per_bucket_size() -> None:
     req = request(20 * MiB, 0.0, algorithm="auto")
     result = plan_step(req)
@@ -96,6 +97,7 @@ def test_scaling_counts_double_from_8_and_end_at_the_request() -> None:
     assert scaling_counts(4) == [4]
 
 
+@pytest.mark.slow
 def test_the_what_if_table_changes_one_thing_per_row() -> None:
     result = plan(request(50 * MiB, 0.05), curve=False)
     changes = [w.change for w in result.what_ifs]
@@ -131,6 +133,7 @@ def test_too_many_gpus_for_the_topology_is_an_error_naming_both() -> None:
         plan_step(dataclasses.replace(request(1e6, 0.1), gpus=32))
 
 
+@pytest.mark.slow
 def test_to_json_carries_the_split_and_the_tables() -> None:
     data = plan(request(50 * MiB, 0.05)).to_json()
     assert data["kind"] == "plan"
@@ -141,6 +144,7 @@ def test_to_json_carries_the_split_and_the_tables() -> None:
 
 
 @pytest.mark.parametrize("engine", ["fast", "auto"])
+@pytest.mark.slow
 def test_auto_with_size_bounds_chooses_what_simulating_every_algorithm_chooses(engine: str) -> None:
     # Several bucket sizes, so smaller sizes' times bound the larger ones' (the fast engine's pruning).
     req = request(60 * MiB, 0.01, algorithm="auto", engine=engine, bucket_cap_bytes=8 * MiB, first_bucket_bytes=MiB)

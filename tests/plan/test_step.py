@@ -54,6 +54,7 @@ computes = st.builds(
 
 
 @given(st.lists(st.tuples(st.integers(1, 10**9), st.floats(0, 1)), min_size=1, max_size=20), computes)
+@pytest.mark.slow
 def test_the_split_adds_up_and_the_step_is_bounded_by_its_parts(
     buckets: list[tuple[int, float]], compute: Compute
 ) -> None:

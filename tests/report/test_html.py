@@ -46,6 +46,7 @@ def parse(page: str) -> _Cells:
     return cells
 
 
+@pytest.mark.slow
 def test_every_number_on_the_page_is_the_plans_number(plan_document: dict[str, Any]) -> None:
     cells = parse(render_report([plan_document]))
     assert len(cells.values) >= 20
@@ -106,6 +107,7 @@ def test_a_file_that_is_no_result_is_refused_with_its_name(tmp_path: Path) -> No
         load_documents([bad])
 
 
+@pytest.mark.slow
 def test_png_figures_are_written_with_matplotlib(tmp_path: Path, plan_document: dict[str, Any]) -> None:
     pytest.importorskip("matplotlib")
     paths = write_pngs(figures_of([plan_document]), tmp_path / "png")
@@ -147,6 +149,7 @@ def test_measured_bench_rows_are_drawn_beside_the_predicted_busbw(
     assert float(cells.values["1.rows.2.busbw_Bps"]) == 1.5e9
 
 
+@pytest.mark.slow
 def test_a_tail_json_is_a_table_and_a_cdf_whose_numbers_are_the_jsons(
     tmp_path: Path, tail_document: dict[str, Any]
 ) -> None:

@@ -51,6 +51,7 @@ def test_bench_prints_checked_rows_for_each_size() -> None:
         (("-n", "0"), "-n"),
     ],
 )
+@pytest.mark.slow
 def test_bench_rejects_bad_input_in_one_line(args: tuple[str, ...], culprit: str) -> None:
     done = _bench(*args)
     assert done.returncode == 2
@@ -120,6 +121,7 @@ def test_fit_recovers_the_constants_of_a_synthetic_ring() -> None:
     assert model.bandwidth_Bps == pytest.approx(bw)
 
 
+@pytest.mark.slow
 def test_bench_runs_a_user_algorithm_given_as_a_file_spec(tmp_path: Path) -> None:
     (tmp_path / "algo.py").write_text(
         "from allreduce.schedules import ring_all_reduce\n\n\n"

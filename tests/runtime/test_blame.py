@@ -9,9 +9,12 @@ import os
 from typing import Any
 
 import numpy as np
+import pytest
 from test_group_harness import report, run_ranks
 
 import allreduce
+
+pytestmark = pytest.mark.serial  # stalled ranks
 
 BLAME_TIMEOUT_S = 60.0
 """The collective timeout of these groups: far longer than detecting a death takes, so a survivor that raises
@@ -38,6 +41,7 @@ def _dies_before_collective_zero(rank: int, n: int, port: int, out: Any, victim:
     report(out, rank, body)
 
 
+@pytest.mark.slow
 def test_tcp_death_before_the_connections_exist_is_named_by_every_survivor() -> None:
     n, victim = 4, 3
     results = run_ranks(n, _dies_before_collective_zero, victim, timeout_s=BLAME_TIMEOUT_S * 3)
@@ -98,12 +102,14 @@ def _corruption_reports(word: str) -> list[Any]:
     )
 
 
+@pytest.mark.slow
 def test_shm_corrupt_abort_word_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:
     for rank, (kind, peer, message) in enumerate(_corruption_reports("aborted")):
         assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
         assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
 
 
+@pytest.mark.slow
 def test_shm_a_descriptor_stamp_gone_backwards_is_named_as_corruption_not_waited_out() -> None:
     reports = _corruption_reports("descriptor_low")
     for rank, (kind, peer, message) in enumerate(reports):
@@ -112,6 +118,7 @@ def test_shm_a_descriptor_stamp_gone_backwards_is_named_as_corruption_not_waited
     assert any("(word descriptors[0].stamp = -5)" in message for _, _, message in reports), reports
 
 
+@pytest.mark.slow
 def test_shm_a_zeroed_descriptor_length_is_named_as_corruption_not_parsed() -> None:
     reports = _corruption_reports("descriptor_length")
     for rank, (kind, peer, message) in enumerate(reports):
@@ -119,6 +126,7 @@ def test_shm_a_zeroed_descriptor_length_is_named_as_corruption_not_parsed() -> N
         assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
 
 
+@pytest.mark.slow
 def test_shm_corrupt_descriptor_stamp_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:
     for rank, (kind, peer, message) in enumerate(_corruption_reports("descriptor")):
         assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
@@ -150,11 +158,13 @@ def _stall_reports(transport: str) -> list[Any]:
     return run_ranks(4, _one_rank_stalls_mid_collective, (3, transport), timeout_s=BLAME_TIMEOUT_S * 3)
 
 
+@pytest.mark.slow
 def test_shm_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
     for rank, (kind, peer, message) in enumerate(_stall_reports("shm")[:3]):
         assert peer == 3, f"rank {rank}: {kind}: {message}"
 
 
+@pytest.mark.slow
 def test_tcp_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
     for rank, (kind, peer, message) in enumerate(_stall_reports("tcp")[:3]):
         assert peer == 3, f"rank {rank}: {kind}: {message}"

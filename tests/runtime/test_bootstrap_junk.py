@@ -55,6 +55,7 @@ def _rank_1_outcome(port: int) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("junk", [b"\xff" * 60, b"127.0.0.1:1", b""], ids=["not-utf8", "an-address", "empty"])
+@pytest.mark.slow
 def test_a_junk_job_id_is_refused_naming_the_key_and_the_store(store: TCPStore, junk: bytes) -> None:
     store.set("allreduce/job", junk)
     kind, message = _rank_1_outcome(store.port)
@@ -65,6 +66,7 @@ def test_a_junk_job_id_is_refused_naming_the_key_and_the_store(store: TCPStore, 
 
 
 @pytest.mark.parametrize("junk", [b"\xfe\xff", b"127.0.0.1:1", b"a/b c/1"], ids=["not-utf8", "an-address", "spaces"])
+@pytest.mark.slow
 def test_a_junk_host_id_is_refused_naming_the_key_and_the_store(store: TCPStore, junk: bytes) -> None:
     store.set("allreduce/job", VALID_JOB)
     store.set("allreduce/host/0", junk)
@@ -74,6 +76,7 @@ def test_a_junk_host_id_is_refused_naming_the_key_and_the_store(store: TCPStore,
     assert "which is not a host id" in message
 
 
+@pytest.mark.slow
 def test_a_junk_value_names_the_client_that_wrote_it(store: TCPStore) -> None:
     store.set("allreduce/job", b"not a job id")  # written by this process, seated as rank 0
     kind, message = _rank_1_outcome(store.port)
@@ -92,6 +95,7 @@ def _init_reporting(rank: int, world_size: int, port: int, out: Any, go: Any = N
         out.put((rank, "ok", ""))
 
 
+@pytest.mark.slow
 def test_a_rank_joining_after_rank_0_gave_up_is_told_why() -> None:
     from test_group_harness import free_port
 
@@ -124,6 +128,7 @@ def test_a_rank_joining_after_rank_0_gave_up_is_told_why() -> None:
     assert f"written by rank 1 ({impostor_address}" in reports[2][1], reports[2]
 
 
+@pytest.mark.slow
 def test_a_rank_that_gives_up_tells_the_ranks_waiting_for_it_why(store: TCPStore) -> None:
     from allreduce.runtime import PeerFailureError
 

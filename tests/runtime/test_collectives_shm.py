@@ -285,6 +285,7 @@ def paths() -> list[dict[str, Any]]:
         ("medium_shared", "shared"),
     ],
 )
+@pytest.mark.slow
 def test_a_buffer_takes_the_path_its_size_and_home_call_for(
     paths: list[dict[str, Any]], case: str, expected: str
 ) -> None:

@@ -38,7 +38,7 @@ def _kinds() -> tuple[str, ...]:
 
 KINDS = _kinds()
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import socket
 import struct
 import zlib
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -69,12 +70,14 @@ def _decode_or_refuse(data: bytes) -> None:
 
 @FUZZ
 @given(st.binary(max_size=3 * HEADER_SIZE))
+@pytest.mark.slow
 def test_random_bytes_decode_or_raise_protocol_error(data: bytes) -> None:
     _decode_or_refuse(data)
 
 
 @FUZZ
 @given(header_fields())
+@pytest.mark.slow
 def test_valid_headers_round_trip(fields: dict[str, int]) -> None:
     header = decode_header(encode_header(**fields))
     assert (header.flags, header.sequence, header.step, header.length, header.tag) == (
@@ -88,6 +91,7 @@ def test_valid_headers_round_trip(fields: dict[str, int]) -> None:
 
 @FUZZ
 @given(header_fields(), st.integers(0, HEADER_SIZE - 1), st.integers(0, 7))
+@pytest.mark.slow
 def test_a_flipped_bit_is_refused(fields: dict[str, int], byte: int, bit: int) -> None:
     data = bytearray(encode_header(**fields))
     data[byte] ^= 1 << bit
@@ -100,6 +104,7 @@ def test_a_flipped_bit_is_refused(fields: dict[str, int], byte: int, bit: int) -
 
 @FUZZ
 @given(header_fields(), st.integers(0, 9), st.integers(0, 2**64 - 1))
+@pytest.mark.slow
 def test_a_field_out_of_contract_behind_a_valid_crc_is_refused_or_consistent(
     fields: dict[str, int], index: int, value: int
 ) -> None:
@@ -139,6 +144,7 @@ def hellos(draw: st.DrawFn) -> bytes:
 
 @SOCKET_FUZZ
 @given(hellos(), st.booleans())
+@pytest.mark.slow
 def test_the_accepting_side_raises_only_handshake_errors(data: bytes, with_token: bool) -> None:
     ours, theirs = _feed(data)
     try:
@@ -154,6 +160,7 @@ def test_the_accepting_side_raises_only_handshake_errors(data: bytes, with_token
 
 @SOCKET_FUZZ
 @given(st.binary(max_size=200), st.booleans())
+@pytest.mark.slow
 def test_the_connecting_side_raises_only_handshake_errors(data: bytes, with_token: bool) -> None:
     ours, theirs = _feed(data)
     try:

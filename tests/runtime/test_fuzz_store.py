@@ -92,6 +92,7 @@ def requests(draw: st.DrawFn) -> bytes:
 
 @FUZZ
 @given(st.lists(requests(), min_size=1, max_size=20))
+@pytest.mark.slow
 def test_every_well_framed_request_gets_one_answer(store: TCPStore, batch: list[bytes]) -> None:
     with _session(store.port) as sock:
         sock.sendall(b"".join(batch))
@@ -103,6 +104,7 @@ def test_every_well_framed_request_gets_one_answer(store: TCPStore, batch: list[
 
 @FUZZ
 @given(st.binary(min_size=1, max_size=300))
+@pytest.mark.slow
 def test_garbage_after_the_handshake_leaves_the_server_serving(store: TCPStore, junk: bytes) -> None:
     with _session(store.port) as sock, contextlib.suppress(OSError):
         sock.sendall(junk)
@@ -111,6 +113,7 @@ def test_garbage_after_the_handshake_leaves_the_server_serving(store: TCPStore, 
 
 @FUZZ
 @given(st.integers(-(2**62), 2**62 - 1), st.integers(-(2**62), 2**62 - 1))
+@pytest.mark.slow
 def test_add_answers_with_the_sum(store: TCPStore, first: int, second: int) -> None:
     key = f"add/{uuid.uuid4().hex}".encode()  # hypothesis replays examples: a fresh counter each time
     with _session(store.port) as sock:
@@ -188,6 +191,7 @@ answers = st.builds(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(answers, st.integers(0, 3))
+@pytest.mark.slow
 def test_the_client_raises_only_its_documented_errors_on_any_answer(answer: bytes, call: int) -> None:
     try:
         _call_with_answer(answer, call)

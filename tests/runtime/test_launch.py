@@ -24,6 +24,7 @@ def script(body: str) -> list[str]:
     return ["--", sys.executable, "-c", textwrap.dedent(body)]
 
 
+@pytest.mark.slow
 def test_environment_and_prefixes() -> None:
     result = run_cli(
         "-n",
@@ -47,6 +48,7 @@ def test_environment_and_prefixes() -> None:
     assert sorted(result.stderr.splitlines()) == [f"[rank {r}] to stderr {r}" for r in range(3)]
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_others_and_sets_the_exit_status() -> None:
     result = run_cli(
         "-n",
@@ -63,6 +65,7 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_status() -> None:
     assert "allreduce run: rank 1 exited with status 3; stopping ranks" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_with_its_signal() -> None:
     result = run_cli(
         "-n",
@@ -78,6 +81,7 @@ def test_a_killed_rank_is_named_with_its_signal() -> None:
     assert "rank 0 was killed by SIGKILL" in result.stderr
 
 
+@pytest.mark.slow
 def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path: Path) -> None:
     fifo = tmp_path / "ready"
     os.mkfifo(fifo)
@@ -100,6 +104,7 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path: P
     assert "rank 0 did not stop in 0.5 s; killing it" in result.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_forwarded_to_every_rank() -> None:
     launcher = subprocess.Popen(
         [
@@ -147,6 +152,7 @@ def test_ctrl_c_is_forwarded_to_every_rank() -> None:
         (["-n", "2", "--master-port", "70000", "--", "true"], "--master-port must be in 1..65535"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
     result = run_cli(*args)
     assert result.returncode == 2
@@ -154,6 +160,7 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_help_documents_the_environment() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
@@ -199,6 +206,7 @@ store.close()  # rank 0 hosts the store: its close() waits for the other ranks t
 """
 
 
+@pytest.mark.slow
 def test_ranks_rendezvous_through_master_addr_and_port() -> None:
     result = run_cli("-n", "3", "--", sys.executable, "-c", _TCP_SCRIPT)
     assert result.returncode == 0, result.stderr
@@ -214,6 +222,7 @@ def my_ring(world_size):
 """
 
 
+@pytest.mark.slow
 def test_a_user_algorithm_given_to_run_is_registered_in_every_rank(tmp_path: Path) -> None:
     (tmp_path / "algo.py").write_text(USER_ALGORITHM)
     result = run_cli(
@@ -233,6 +242,7 @@ def test_a_user_algorithm_given_to_run_is_registered_in_every_rank(tmp_path: Pat
     assert sorted(line.split("] ", 1)[1] for line in result.stdout.splitlines()) == ["exact"] * 3
 
 
+@pytest.mark.slow
 def test_a_user_algorithm_that_does_not_load_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     result = run_cli("-n", "2", "--algorithm", f"{tmp_path / 'missing.py'}:f", *script("print('started')"))
     assert result.returncode == 2

@@ -441,6 +441,7 @@ def test_a_closed_output_stops_the_ranks(tmp_path: Path) -> None:
     assert not any(_alive(pid) for pid in pids)
 
 
+@pytest.mark.slow
 def test_too_many_ranks_is_one_line_and_exit_2() -> None:
     result = subprocess.run(
         [*RUN, "-n", "100000", "--", "true"], capture_output=True, text=True, timeout=WAIT_S, check=False
@@ -459,6 +460,7 @@ def test_the_library_refuses_too_many_ranks_too() -> None:
         spawn(MAX_LOCAL_RANKS + 1, _raise_on_rank_1_all_reduce_elsewhere)
 
 
+@pytest.mark.slow
 def test_help_shows_the_grace_default_and_the_environment() -> None:
     result = subprocess.run([*RUN, "--help"], capture_output=True, text=True, timeout=WAIT_S, check=False)
     assert result.returncode == 0

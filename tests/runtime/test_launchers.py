@@ -145,6 +145,7 @@ def test_the_allreduce_torch_backend_with_variables_set_by_hand(tmp_path: Path) 
     assert [out.strip() for out, _ in outputs] == [f"allreduce rank {r}: [0, 3, 6, 9]" for r in range(2)]
 
 
+@pytest.mark.slow
 def test_a_job_token_reaches_every_rank_and_a_given_one_is_kept(tmp_path: Path) -> None:
     script = tmp_path / "token.py"
     script.write_text("import os\nprint(os.environ['ALLREDUCE_TOKEN'])\n")

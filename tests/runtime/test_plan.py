@@ -25,6 +25,7 @@ def _schedule(algorithm: str, n: int, segments: int) -> Schedule:
     count=st.integers(min_value=0, max_value=200),
     segments=st.integers(min_value=1, max_value=5),
 )
+@pytest.mark.slow
 def test_both_ends_of_every_transfer_agree_on_its_elements(algorithm: str, n: int, count: int, segments: int) -> None:
     schedule = _schedule(algorithm, n, segments)
     sent: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)

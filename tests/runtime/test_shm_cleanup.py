@@ -8,6 +8,8 @@ import subprocess
 import sys
 import uuid
 
+import pytest
+
 from allreduce.runtime.shm import ShmTransport, shm_prefix, sweep_stale_segments
 
 _CHILD = r"""
@@ -26,6 +28,7 @@ def _files(job: str) -> list[str]:
     return sorted(name for name in os.listdir("/dev/shm") if name.startswith(stem + "-"))
 
 
+@pytest.mark.slow
 def test_segments_of_a_killed_rank_are_swept_by_the_next_transport() -> None:
     job = f"sweep-{uuid.uuid4().hex}"
     child = subprocess.run(

@@ -108,14 +108,17 @@ def _leave_a_child_running(directory: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_results_come_back_indexed_by_rank() -> None:
     assert spawn(3, _sum_of_ranks, 10) == [[60] * 4] * 3
 
 
+@pytest.mark.slow
 def test_group_options_reach_init() -> None:
     assert spawn(2, _sum_of_ranks, 1, init_options={"transport": "tcp"}) == [[3] * 4] * 2
 
 
+@pytest.mark.slow
 def test_without_a_group_the_rendezvous_environment_is_set() -> None:
     envs = spawn(2, _environment, group=False)
     assert [e["RANK"] for e in envs] == ["0", "1"]
@@ -124,12 +127,14 @@ def test_without_a_group_the_rendezvous_environment_is_set() -> None:
     assert envs[0]["ALLREDUCE_TOKEN"] == envs[1]["ALLREDUCE_TOKEN"] != ""
 
 
+@pytest.mark.slow
 def test_each_job_gets_its_own_token() -> None:
     first = spawn(1, _environment, group=False)[0]["ALLREDUCE_TOKEN"]
     second = spawn(1, _environment, group=False)[0]["ALLREDUCE_TOKEN"]
     assert first != second
 
 
+@pytest.mark.slow
 def test_the_store_port_is_reserved_before_any_rank_starts() -> None:
     assert spawn(1, _try_to_take_the_port, group=False) == [os.strerror(98)]  # EADDRINUSE
 
@@ -143,6 +148,7 @@ def test_a_reserved_port_refuses_strangers_and_admits_a_reusing_server() -> None
             assert server.getsockname()[1] == port
 
 
+@pytest.mark.slow
 def test_two_spawns_at_once_both_work() -> None:
     results: dict[int, Any] = {}
 
@@ -157,6 +163,7 @@ def test_two_spawns_at_once_both_work() -> None:
     assert results == {1: [[3] * 4] * 2, 100: [[300] * 4] * 2}
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_is_named_and_the_others_are_stopped(tmp_path: Path) -> None:
     with pytest.raises(RankFailedError, match=r"rank 1 failed: ValueError: rank 1's own mistake") as failure:
         spawn(2, _raise_on_rank_1_block_on_rank_0, str(tmp_path), timeout_s=120)
@@ -165,11 +172,13 @@ def test_a_rank_that_raises_is_named_and_the_others_are_stopped(tmp_path: Path) 
     assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
 
 
+@pytest.mark.slow
 def test_the_first_cause_is_named_not_the_failures_it_caused() -> None:
     with pytest.raises(RankFailedError, match=r"rank 1 failed: ValueError: rank 1's own mistake"):
         spawn(2, _raise_on_rank_1_collective_on_rank_0, timeout_s=120)
 
 
+@pytest.mark.slow
 def test_a_rank_that_exits_without_a_result_is_named() -> None:
     with pytest.raises(RankFailedError, match="rank 1 exited without returning a result"):
         spawn(2, _exit_without_result, group=False, timeout_s=120)
@@ -194,6 +203,7 @@ def test_a_killed_rank_leaves_no_process_and_no_shared_memory(tmp_path: Path) ->
     assert _shm_files_of(pids) == []
 
 
+@pytest.mark.slow
 def test_what_a_failed_rank_started_is_stopped_with_it(tmp_path: Path) -> None:
     with pytest.raises(RankFailedError, match="leaving with a child still running"):
         spawn(1, _leave_a_child_running, str(tmp_path), group=False, timeout_s=120)

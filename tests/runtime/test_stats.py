@@ -11,6 +11,8 @@ from allreduce.runtime import spawn
 from allreduce.runtime._inject import parse_injection
 from allreduce.runtime._stats import GroupStats
 
+pytestmark = pytest.mark.serial  # injected delays, holds and paced links
+
 CALLS = 30
 SIZE = 1 << 14  # float32 elements: 64 KiB per rank
 
@@ -32,6 +34,7 @@ def _stats(transport: str, inject: str | None, calls: int = CALLS, world_size: i
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.slow
 def test_a_delayed_rank_is_named_and_costs_every_rank(transport: str) -> None:
     delay_s = 2e-3
     slow = _stats(transport, f"delay:rank=2:{delay_s}s")
@@ -55,11 +58,13 @@ def test_a_delayed_rank_of_eight_is_named_and_every_rank_waits_for_it() -> None:
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.slow
 def test_a_paced_link_is_named(transport: str) -> None:
     stats = _stats(transport, "pace:link=0->1:rate=20MB/s")
     assert stats.slowest_link == (0, 1)
 
 
+@pytest.mark.slow
 def test_a_rare_hold_shows_in_the_p99_not_the_p50() -> None:
     # a 30 ms hold before 2% of rank 1's steps: about 11% of the ring's calls (6 steps each) are held
     stats = _stats("tcp", "hold:rank=1:p=0.02:ms=30:seed=3", calls=200)
@@ -67,6 +72,7 @@ def test_a_rare_hold_shows_in_the_p99_not_the_p50() -> None:
         assert r.time_p99_s > 10 * r.time_p50_s, r
 
 
+@pytest.mark.slow
 def test_stats_json_round_trips() -> None:
     import json
 

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.serial  # an injected straggler
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 JOB = """
@@ -34,6 +38,7 @@ def _run(tmp_path: Path, *options: str, env: dict[str, str] | None = None) -> su
     )
 
 
+@pytest.mark.slow
 def test_run_stats_prints_one_table_naming_the_straggler(tmp_path: Path) -> None:
     done = _run(tmp_path, "--stats", env={"ALLREDUCE_INJECT": "delay:rank=1:2ms"})
     assert done.returncode == 0, done.stderr
@@ -42,18 +47,21 @@ def test_run_stats_prints_one_table_naming_the_straggler(tmp_path: Path) -> None
     assert marked == ["1"]
 
 
+@pytest.mark.slow
 def test_an_injection_warns_on_every_rank(tmp_path: Path) -> None:
     done = _run(tmp_path, env={"ALLREDUCE_INJECT": "delay:rank=1:1ms"})
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("WARNING: ALLREDUCE_INJECT is set: injecting faults") == 3
 
 
+@pytest.mark.slow
 def test_a_bad_injection_fails_init_naming_the_field(tmp_path: Path) -> None:
     done = _run(tmp_path, env={"ALLREDUCE_INJECT": "delay:rank=1:colour=red:1ms"})
     assert done.returncode != 0
     assert "colour" in done.stderr
 
 
+@pytest.mark.slow
 def test_run_trace_writes_every_ranks_steps(tmp_path: Path) -> None:
     trace_file = tmp_path / "trace.json"
     done = _run(tmp_path, "--trace", str(trace_file))
@@ -67,12 +75,14 @@ def test_run_trace_writes_every_ranks_steps(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("trace.json.rank-*"))
 
 
+@pytest.mark.slow
 def test_stats_env_prints_the_table_at_close(tmp_path: Path) -> None:
     done = _run(tmp_path, env={"ALLREDUCE_STATS": "1"})
     assert done.returncode == 0, done.stderr
     assert "allreduce stats: 3 ranks, last 20 collectives" in done.stderr
 
 
+@pytest.mark.slow
 def test_run_trace_into_a_missing_directory_is_refused(tmp_path: Path) -> None:
     done = _run(tmp_path, "--trace", str(tmp_path / "nowhere" / "t.json"))
     assert done.returncode == 2

@@ -12,6 +12,7 @@ import gc
 import sys
 
 import numpy as np
+import pytest
 
 from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, SPILL_VALUES, Layout, Recorder
 
@@ -111,6 +112,7 @@ def test_the_call_records_carry_seq_arrival_end_and_size() -> None:
     assert recorder.calls(10).tolist() == [[4, 0, 50, 8], [5, 60, 90, 8]]
 
 
+@pytest.mark.slow
 def test_calls_the_ring_overwrote_are_dropped_and_the_rest_kept() -> None:
     recorder = Recorder(enabled=True)
     layout = Layout([(0, [(1, 8)])], concurrent=False)  # 9 values per call: arrival, unit, 3 marks, 4 of tail

@@ -95,6 +95,7 @@ def rendezvous() -> Rendezvous:
     return Rendezvous(results, own_arrival, final, [p.exitcode for p in procs])
 
 
+@pytest.mark.slow
 def test_rendezvous_workers_exit_cleanly(rendezvous: Rendezvous) -> None:
     assert rendezvous.exit_codes == [0, 0, 0]
 
@@ -138,6 +139,7 @@ def test_add_is_atomic_under_concurrency(no_env_token: None) -> None:
     server.close()
 
 
+@pytest.mark.slow
 def test_get_timeout_names_key_and_expected_rank(no_env_token: None) -> None:
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=60) as store:
         with pytest.raises(CollectiveTimeoutError, match=r"addr/2 \(expected from rank 2\)") as info:
@@ -151,6 +153,7 @@ def test_get_timeout_names_key_and_expected_rank(no_env_token: None) -> None:
             store.wait(["k1", "k2", "x"], timeout_s=0.1)
 
 
+@pytest.mark.slow
 def test_dead_client_sets_dead_key_and_fails_waiters(no_env_token: None) -> None:
     server = TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=60)
     ready = SPAWN.Queue()
@@ -178,6 +181,7 @@ def test_clean_close_is_not_a_death(no_env_token: None) -> None:
         assert not server.check(["__dead__/1"])
 
 
+@pytest.mark.slow
 def test_pending_waiter_fails_when_a_rank_dies(no_env_token: None) -> None:
     server = TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=60)
     waiter = _client(server.port, 1, 3)
@@ -205,6 +209,7 @@ def test_pending_waiter_fails_when_a_rank_dies(no_env_token: None) -> None:
     server.close()
 
 
+@pytest.mark.slow
 def test_server_death_raises_peer_failure_naming_rank_0(no_env_token: None) -> None:
     ready = SPAWN.Queue()
     host = SPAWN.Process(target=_host_store, args=(ready,))
@@ -235,6 +240,7 @@ def test_server_death_raises_peer_failure_naming_rank_0(no_env_token: None) -> N
     host.join(timeout=60)
 
 
+@pytest.mark.slow
 def test_client_gives_up_connecting_with_a_clear_error(no_env_token: None) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -318,6 +324,7 @@ def test_bad_keys_and_values_are_rejected_locally(no_env_token: None) -> None:
 
 
 @given(garbage=st.binary(min_size=0, max_size=300))
+@pytest.mark.slow
 def test_garbage_from_the_network_does_not_break_the_server(garbage: bytes) -> None:
     os.environ.pop("ALLREDUCE_TOKEN", None)
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=1, rank=0, timeout_s=30) as store:
@@ -331,6 +338,7 @@ def test_garbage_from_the_network_does_not_break_the_server(garbage: bytes) -> N
         assert store.get("still") == b"alive"
 
 
+@pytest.mark.slow
 def test_the_hosting_rank_closes_only_after_the_others_leave(no_env_token: None) -> None:
     server = TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, timeout_s=60)
     client = _client(server.port, 1, 2)

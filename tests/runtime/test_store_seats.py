@@ -60,6 +60,7 @@ def contest() -> Iterator[Contest]:
             impostor.join(timeout=TIMEOUT_S)
 
 
+@pytest.mark.slow
 def test_the_refused_rank_is_told_who_holds_its_seat(contest: Contest) -> None:
     message = str(contest.refusal)
     assert "rank 1 is already connected, from 127.0.0.1:" in message
@@ -68,6 +69,7 @@ def test_the_refused_rank_is_told_who_holds_its_seat(contest: Contest) -> None:
     assert "set ALLREDUCE_TOKEN" in message
 
 
+@pytest.mark.slow
 def test_a_timed_out_waiter_is_told_the_rank_was_refused_because_its_seat_was_held(contest: Contest) -> None:
     with pytest.raises(CollectiveTimeoutError) as info:
         contest.host.get("addr/1", timeout_s=0.5)
@@ -76,6 +78,7 @@ def test_a_timed_out_waiter_is_told_the_rank_was_refused_because_its_seat_was_he
     assert f"(pid {contest.impostor.pid})" in message
 
 
+@pytest.mark.slow
 def test_when_the_seat_holder_dies_the_report_says_the_seat_was_contested(contest: Contest) -> None:
     with _client(contest.host.port, 2) as rank_2:
         contest.impostor.kill()
@@ -91,6 +94,7 @@ def test_when_the_seat_holder_dies_the_report_says_the_seat_was_contested(contes
     assert "set ALLREDUCE_TOKEN" in message
 
 
+@pytest.mark.slow
 def test_a_seat_holder_that_was_never_contested_is_reported_dead_naming_its_address_and_pid() -> None:
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=WORLD_SIZE, rank=0, timeout_s=TIMEOUT_S) as host:
         ready, release = SPAWN.Queue(), SPAWN.Queue()

@@ -114,6 +114,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running as another us
 # ----------------------------------------------------------------------------------- who may join
 
 
+@pytest.mark.slow
 def test_an_anonymous_client_from_another_process_is_refused(store: TCPStore) -> None:
     store.set("tcp/addr/0", b"127.0.0.1:1")
     out = SPAWN.Queue()
@@ -173,6 +174,7 @@ def test_a_rank_of_another_user_is_refused_by_a_ranks_tcp_listener() -> None:
 
 
 @needs_root
+@pytest.mark.slow
 def test_a_foreign_rank_is_reported_on_rank_0_as_refused(store: TCPStore) -> None:
     _as_nobody(_hello_as_rank_1(store.port))
     with pytest.raises(CollectiveTimeoutError) as info:
@@ -184,6 +186,7 @@ def test_a_foreign_rank_is_reported_on_rank_0_as_refused(store: TCPStore) -> Non
 
 
 @pytest.mark.parametrize(("token", "why"), [("guess", "wrong token"), (None, "no token")])
+@pytest.mark.slow
 def test_a_token_refused_rank_is_reported_on_rank_0_as_refused(token: str | None, why: str) -> None:
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, token="s3cret", timeout_s=TIMEOUT_S) as host:
         with pytest.raises(ProtocolError):
@@ -196,6 +199,7 @@ def test_a_token_refused_rank_is_reported_on_rank_0_as_refused(token: str | None
     assert info.value.peer == 1
 
 
+@pytest.mark.slow
 def test_a_rank_that_joins_after_a_refusal_is_not_reported_as_refused() -> None:
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, token="s3cret", timeout_s=TIMEOUT_S) as host:
         with pytest.raises(ProtocolError):
@@ -359,6 +363,7 @@ def test_a_client_that_sends_more_than_one_request_at_a_time_is_dropped(store: T
     assert store.get("still") == b"served"
 
 
+@pytest.mark.slow
 def test_idle_connections_hold_no_thread_and_are_closed(store: TCPStore) -> None:
     assert IDLE_CONNECTIONS > MAX_PENDING_HANDSHAKES  # so that making room is exercised too
     threads_before = threading.active_count()
@@ -389,6 +394,7 @@ def _anonymous_token_writer(port: int, token: str, keys: list[str], out: Any) ->
     out.put(results)
 
 
+@pytest.mark.slow
 def test_an_anonymous_token_holder_of_another_process_writes_no_key_a_rank_owns() -> None:
     token = "campaign-insider-token"
     keys = ["tcp/addr/1", "allreduce/host/2", "allreduce/job", "user/notes"]

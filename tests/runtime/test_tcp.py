@@ -365,6 +365,7 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
 
 
 @at_world_sizes(*EVERY_WORLD_SIZE)
+@pytest.mark.slow
 def test_agree_gathers_every_rank_descriptor(pool: RankPool) -> None:
     expected = [f"rank-{r}".encode() for r in range(pool.world_size)]
     assert pool.run_ok("agree") == dict.fromkeys(range(pool.world_size), expected)
@@ -372,6 +373,7 @@ def test_agree_gathers_every_rank_descriptor(pool: RankPool) -> None:
 
 @at_world_sizes(*EVERY_WORLD_SIZE)
 @pytest.mark.parametrize("name", ALL_REDUCE_ALGORITHMS)
+@pytest.mark.slow
 def test_algorithm_is_exact_on_integers_at_awkward_counts(pool: RankPool, name: str) -> None:
     n = pool.world_size
     if name == "hierarchical" and n % 2:
@@ -479,6 +481,7 @@ def test_timeout_names_the_missing_peer(unix_sockets: bool) -> None:
 
 
 @pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+@pytest.mark.slow
 def test_mismatched_sizes_raise_on_every_rank(unix_sockets: bool) -> None:
     results = run_ranks("mismatched_count", 2, unix_sockets=unix_sockets)
     for rank, (status, (message, _)) in results.items():
@@ -507,6 +510,7 @@ def test_killed_peer_is_named_by_every_rank(world_size: int, unix_sockets: bool)
 
 
 @pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+@pytest.mark.slow
 def test_a_peer_reset_before_its_abort_was_read_is_traced_to_the_rank_it_gave_up_for(unix_sockets: bool) -> None:
     results = run_ranks("gives_up_unread", 3, wait_for={1}, unix_sockets=unix_sockets)
     status, payload = results[1]
@@ -548,6 +552,7 @@ def test_a_closed_transport_raises_a_collective_error(solo: TcpTransport) -> Non
         )
 
 
+@pytest.mark.slow
 def test_corruption_can_only_be_injected_towards_another_rank(solo: TcpTransport) -> None:
     with pytest.raises(ValueError, match="peer 0 is not another rank"):
         solo.inject_corruption(peer=0)

@@ -82,6 +82,7 @@ def test_authored_ring_compiles_to_the_builtin_ring(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 64, 300])
+@pytest.mark.slow
 def test_authored_ring_is_two_streams_per_rank_not_one_per_transfer(n: int) -> None:
     assert len(textbook.authored_ring(n).compile().streams) == (2 * n if n > 1 else 0)
 
@@ -227,6 +228,7 @@ def reauthored(schedule: Schedule) -> Program:
 
 @settings(max_examples=60, deadline=None)
 @given(algorithm=st.sampled_from((*ALL_REDUCE_ALGORITHMS, "naive")), n=st.integers(1, 24), chunks=st.integers(1, 5))
+@pytest.mark.slow
 def test_any_builtin_written_verb_by_verb_compiles_back_to_itself(algorithm: str, n: int, chunks: int) -> None:
     group_size = next(g for g in (4, 3, 2, 1) if n % g == 0)
     builtin = all_reduce(algorithm, n, chunks=chunks, group_size=group_size)

@@ -115,6 +115,7 @@ def test_segments_overlap_transfer_and_reduction() -> None:
     small=st.floats(min_value=1.0, max_value=2.0**20),
     factor=st.floats(min_value=1.0, max_value=1e4),
 )
+@pytest.mark.slow
 def test_time_never_decreases_with_size(algorithm: str, n: int, small: float, factor: float) -> None:
     model = CostModel(latency_s=1e-6, bandwidth_Bps=10e9, reduce_bandwidth_Bps=20e9)
     s = all_reduce(algorithm, n)

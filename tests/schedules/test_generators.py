@@ -122,6 +122,7 @@ def _transfers_from_phases(schedule: Schedule) -> Counter[tuple[int, int, int, f
     algorithm=st.sampled_from(ALL_REDUCE_ALGORITHMS),
     world_size=st.integers(min_value=1, max_value=24),
 )
+@pytest.mark.slow
 def test_phases_and_programs_describe_the_same_transfers(algorithm: str, world_size: int) -> None:
     group = (
         {"group_size": _divisors(world_size)[len(_divisors(world_size)) // 2]} if algorithm == "hierarchical" else {}

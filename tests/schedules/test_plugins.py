@@ -125,6 +125,7 @@ LIST_ALGORITHMS = (
 )
 
 
+@pytest.mark.slow
 def test_an_installed_entry_point_appears_in_the_registry(tmp_path: Path) -> None:
     install_distribution(tmp_path, "their_ring = someones_algorithms:user_ring")
     out = run_python(LIST_ALGORITHMS, path=[tmp_path])
@@ -135,6 +136,7 @@ def test_an_installed_entry_point_appears_in_the_registry(tmp_path: Path) -> Non
     assert origin == "entry point of someones-algorithms"
 
 
+@pytest.mark.slow
 def test_an_installed_entry_point_appears_in_explain_all(tmp_path: Path) -> None:
     install_distribution(tmp_path, "their_ring = someones_algorithms:user_ring")
     code = "import sys; from allreduce.cli._main import main; sys.exit(main(sys.argv[1:]))"
@@ -151,6 +153,7 @@ def test_an_installed_entry_point_appears_in_explain_all(tmp_path: Path) -> None
     )
 
 
+@pytest.mark.slow
 def test_a_broken_entry_point_is_reported_by_name_and_the_builtins_still_work(tmp_path: Path) -> None:
     install_distribution(tmp_path, "their_wrong = someones_algorithms:user_wrong\nghost = someones_algorithms:nope")
     out = run_python(LIST_ALGORITHMS, path=[tmp_path])
@@ -166,6 +169,7 @@ def test_a_broken_entry_point_is_reported_by_name_and_the_builtins_still_work(tm
     assert "has no attribute 'nope'" in out.stderr
 
 
+@pytest.mark.slow
 def test_the_environment_variable_loads_specs_lazily_in_a_new_process(tmp_path: Path) -> None:
     (tmp_path / "env_algos.py").write_text(RING_MODULE)
     out = run_python(

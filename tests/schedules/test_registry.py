@@ -132,6 +132,7 @@ def test_all_reduce_is_make_schedule_for_all_reduce() -> None:
 
 
 @pytest.mark.parametrize("n", range(1, 65))
+@pytest.mark.slow
 def test_naive_verifies(n: int) -> None:
     verify(naive_all_reduce(n))
 
@@ -160,6 +161,7 @@ def naive_closed_form(n: int, s: float, alpha: float, beta: float, gamma: float)
 )
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1024])
 @pytest.mark.parametrize("size", [1.0, 4096.0, 2.0**30])
+@pytest.mark.slow
 def test_naive_matches_its_closed_form(model: CostModel, n: int, size: float) -> None:
     got = predict(naive_all_reduce(n), size, model).seconds
     want = naive_closed_form(n, size, model.latency_s, model.seconds_per_byte, model.reduce_seconds_per_byte)

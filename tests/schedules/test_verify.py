@@ -58,6 +58,7 @@ def _matching_receive(programs: Programs, rank: int, index: int) -> tuple[int, i
     n=st.integers(min_value=2, max_value=20),
     pick=st.integers(min_value=0, max_value=10**9),
 )
+@pytest.mark.slow
 def test_dropping_any_operation_is_rejected(algorithm: str, n: int, pick: int) -> None:
     s = _schedule(algorithm, n)
     programs = s.programs()
@@ -74,6 +75,7 @@ def test_dropping_any_operation_is_rejected(algorithm: str, n: int, pick: int) -
     pick=st.integers(min_value=0, max_value=10**9),
     shift=st.integers(min_value=1, max_value=10**6),
 )
+@pytest.mark.slow
 def test_redirecting_any_send_is_rejected(algorithm: str, n: int, pick: int, shift: int) -> None:
     s = _schedule(algorithm, n)
     programs = s.programs()
@@ -91,6 +93,7 @@ def test_redirecting_any_send_is_rejected(algorithm: str, n: int, pick: int, shi
     n=st.integers(min_value=2, max_value=20),
     pick=st.integers(min_value=0, max_value=10**9),
 )
+@pytest.mark.slow
 def test_reducing_any_transfer_twice_is_rejected_as_double_counting(algorithm: str, n: int, pick: int) -> None:
     s = _schedule(algorithm, n)
     programs = s.programs()

@@ -36,6 +36,7 @@ DRIFTING = [
 
 
 @pytest.mark.parametrize(("name", "n", "spec", "placement", "routing"), DRIFTING)
+@pytest.mark.slow
 def test_auto_runs_the_event_engine_where_ranks_drift(
     name: str, n: int, spec: str, placement: str, routing: str | None
 ) -> None:
@@ -153,6 +154,7 @@ def test_a_shared_bottleneck_is_not_certified() -> None:
     slow=st.sampled_from([None, (1, 1e-5), (2, 1e-3)]),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_whenever_the_fast_engine_says_exact_it_is(
     *, name: str, n: int, network: tuple[str, str | None], placement: str, slow: tuple[int, float] | None, seed: int
 ) -> None:
@@ -186,6 +188,7 @@ TOPOLOGIES = [
     placement=st.sampled_from(["linear", "random"]),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_auto_agrees_with_the_event_engine(
     name: str, n: int, network: tuple[str, str | None], placement: str, seed: int
 ) -> None:
@@ -322,6 +325,7 @@ def test_local_re_solves_equal_global_ones(
     slow=st.lists(st.tuples(st.integers(0, 15), st.floats(1e-7, 1e-3)), max_size=4),
     size=st.sampled_from([2.0**16, 2.0**20, SIZE]),
 )
+@pytest.mark.slow
 def test_partial_re_solves_equal_full_ones(
     *,
     name: str,
@@ -341,6 +345,7 @@ def test_partial_re_solves_equal_full_ones(
     event("partial re-solves" if runs[0].partial else "no partial re-solve")
 
 
+@pytest.mark.slow
 def test_partial_re_solves_happen() -> None:
     # Double binary tree on 16 randomly placed ranks of a 4:1 oversubscribed Clos with one slow rank: half the
     # re-solves keep the rates of transfers frozen below the threshold (so the tests above compare something).

@@ -61,6 +61,7 @@ def test_agree_where_rates_are_uniform(name: str, spec: str, n: int, kwargs: dic
 
 
 @pytest.mark.parametrize("name", ["halving_doubling", "recursive_doubling", "double_binary_tree", "hierarchical"])
+@pytest.mark.slow
 def test_agree_with_random_placement_and_spraying_on_128_ranks(name: str) -> None:
     assert_agree(schedule(name, 128), "fat-tree:k=8", routing="spray", placement="random", seed=5)
 
@@ -72,6 +73,7 @@ def test_agree_with_random_placement_and_spraying_on_128_ranks(name: str) -> Non
     degraded_gpu=st.integers(0, 11),
     slow=st.lists(st.tuples(st.integers(0, 11), st.sampled_from([0.0, 1e-6, 1e-4])), max_size=3),
 )
+@pytest.mark.slow
 def test_agree_on_a_switch_with_any_faults(
     n: int, name: str, factor: float, degraded_gpu: int, slow: list[tuple[int, float]]
 ) -> None:
@@ -154,6 +156,7 @@ def test_zero_bytes_cost_exactly_the_path_latencies() -> None:
     assert result.bottlenecks == ()
 
 
+@pytest.mark.slow
 def test_the_event_engine_reports_progress() -> None:
     # Ring on 96 ranks: 2 x 95 x 96 = 18,240 transfers, so a report every 4,096 deliveries gives four.
     seen: list[float] = []

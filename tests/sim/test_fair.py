@@ -82,6 +82,7 @@ def incidences(draw: st.DrawFn) -> tuple[list[list[int]], list[list[float]], lis
 
 
 @given(incidences())
+@pytest.mark.slow
 def test_rates_are_feasible_and_every_flow_is_max_on_a_full_link(
     case: tuple[list[list[int]], list[list[float]], list[float]],
 ) -> None:

@@ -97,6 +97,7 @@ def test_phases_and_critical_path_account_for_the_whole_time(engine: str) -> Non
     assert util.min() >= 0
 
 
+@pytest.mark.slow
 def test_trace_is_bounded_and_well_formed() -> None:
     result = simulate(all_reduce("ring", 128), fat_tree(8), size_bytes=SIZE, engine="event", trace_ranks=16)
     trace = json.loads(json.dumps(chrome_trace([result])))

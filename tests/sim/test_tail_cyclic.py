@@ -139,6 +139,7 @@ def _same(a: TailResult, b: TailResult) -> None:
     ids=["ring-fat-tree", "hierarchical-rail", "halving-doubling"],
 )
 @pytest.mark.parametrize("attribution", [True, False])
+@pytest.mark.slow
 def test_tail_with_cyclic_steps_equals_the_general_path(
     algorithm: str, topology: Topology, attribution: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

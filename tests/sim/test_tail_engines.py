@@ -26,6 +26,7 @@ from allreduce.sim._event import match_transfers
 from allreduce.topology import fat_tree, switch
 
 
+@pytest.mark.slow
 def test_event_engine_grows_the_ring_by_the_timeout_once_per_lost_transfer() -> None:
     # As the fast engine's closed-form test: one lossy link, one packet per transfer, every loss a timeout on
     # the critical path; here every sample is run by the event engine.
@@ -54,6 +55,7 @@ def test_event_engine_delays_the_barrier_by_the_latest_arrival() -> None:
 
 
 @pytest.mark.parametrize("noise", ["loss+jitter", "jitter"])
+@pytest.mark.slow
 def test_event_engine_equals_the_certified_fast_engine_sample_by_sample(noise: str) -> None:
     # A ring with linear placement on a fat-tree: no link is ever shared, so no timing changes a rate and the
     # fast engine's recurrence is exact under any noise.
@@ -81,6 +83,7 @@ def test_event_engine_equals_the_certified_fast_engine_sample_by_sample(noise: s
     np.testing.assert_allclose(event.culprit_delay_s, fast.culprit_delay_s, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_auto_reruns_every_sample_when_the_noise_free_run_is_not_certified() -> None:
     # Halving-doubling with random placement on an ECMP fat-tree: flows collide, the fast engine is not exact.
     schedule, topology = all_reduce("halving_doubling", 16), fat_tree(4)

@@ -64,6 +64,7 @@ def test_barrier_of_exponential_arrivals_has_the_closed_form_quantile(p: float) 
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "hierarchical", "double_binary_tree"])
+@pytest.mark.slow
 def test_stepping_and_sensitivity_agree_sample_by_sample(algorithm: str) -> None:
     topology = fat_tree(4)
     schedule = all_reduce(algorithm, 16, group_size=4) if algorithm == "hierarchical" else all_reduce(algorithm, 16)
@@ -88,6 +89,7 @@ def test_stepping_and_sensitivity_agree_sample_by_sample(algorithm: str) -> None
     stepping=st.booleans(),
     engine=st.sampled_from(["fast", "auto"]),
 )
+@pytest.mark.slow
 def test_noise_free_runs_equal_the_deterministic_simulator(
     *, algorithm: str, world_size: int, placement: str, stepping: bool, engine: str
 ) -> None:
@@ -198,6 +200,7 @@ def test_same_seed_same_samples_other_seed_other_samples() -> None:
     assert not np.array_equal(run(1), run(2))
 
 
+@pytest.mark.slow
 def test_ecmp_seeds_spread_the_samples_over_path_assignments() -> None:
     config = TailConfig(samples=32, ecmp_seeds=8)
     result = simulate_tail(

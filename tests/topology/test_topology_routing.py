@@ -58,6 +58,7 @@ def links(topology: Topology, routes_links: np.ndarray) -> list[str]:
     seed=st.integers(0, 2**32),
     data=st.data(),
 )
+@pytest.mark.slow
 def test_every_route_is_a_minimal_path_over_existing_links(
     spec: str, routing: str, seed: int, data: st.DataObject
 ) -> None:
@@ -236,6 +237,7 @@ def dragonfly_min_hops(t: Topology, routers: int, hosts: int, src: int, dst: int
 
 @pytest.mark.parametrize("routing", ["shortest", "ecmp", "spray"])
 @pytest.mark.parametrize(("groups", "routers", "hosts", "global_links"), [(9, 4, 1, 1), (5, 4, 1, 2), (3, 2, 1, 3)])
+@pytest.mark.slow
 def test_dragonfly_routes_local_global_local(
     routing: str, groups: int, routers: int, hosts: int, global_links: int
 ) -> None:
@@ -259,6 +261,7 @@ def test_dragonfly_routes_local_global_local(
         assert r.weights_of(f).sum() == pytest.approx(dragonfly_min_hops(t, routers, hosts, s, d))
 
 
+@pytest.mark.slow
 def test_dragonfly_never_takes_the_two_global_shortcut() -> None:
     """In a 9-group dragonfly some pairs have a 4-hop path through a third group; minimal dragonfly routing
     still takes its 5-hop local-global-local path (as real dragonflies do: two global hops cost more)."""

@@ -48,12 +48,14 @@ def _worker(hand_over: bool) -> dict[str, Any]:
     return _in_a_thread(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), hand_over)
 
 
+@pytest.mark.slow
 def test_a_handed_over_training_thread_gets_exact_sums() -> None:
     for out in spawn(2, _worker, True, group=False, timeout_s=200, env={"OMP_NUM_THREADS": "1"}):
         assert out["sum"] == [3.0] * 4
         assert out["after"] == [2.0, 2.0]
 
 
+@pytest.mark.slow
 def test_a_training_thread_without_the_group_is_refused_on_every_rank() -> None:
     for out in spawn(2, _worker, False, group=False, timeout_s=200, env={"OMP_NUM_THREADS": "1"}):
         assert out["error"] == "WrongThreadError"

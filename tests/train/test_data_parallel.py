@@ -262,6 +262,7 @@ def test_data_parallel_matches_single_process_training_and_ranks_stay_identical(
     dtype_codes=st.lists(st.integers(0, 2), min_size=30, max_size=30),
     cap=st.integers(1, 20000),
 )
+@pytest.mark.slow
 def test_bucket_layout_covers_every_parameter_once_one_dtype_per_bucket(
     sizes: list[int], dtype_codes: list[int], cap: int
 ) -> None:

@@ -12,6 +12,7 @@ from allreduce.cli._main import main
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_train_json_names_the_injected_slow_rank() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "allreduce", "train", "-n", "2", "--epochs", "2", "--slow-rank", "1=0.05", "--json"],

@@ -171,6 +171,7 @@ def test_barrier_returns_on_every_rank(ranks: Any, on_ranks: Any) -> None:
     segments=st.integers(min_value=1, max_value=4),
     data=st.data(),
 )
+@pytest.mark.slow
 def test_any_registered_all_reduce_equals_the_sum_of_the_inputs(
     on_ranks: Any, world_size: int, count: int, segments: int, data: st.DataObject
 ) -> None:

@@ -92,6 +92,7 @@ def test_the_trace_has_a_slice_per_collective_and_per_step(ranks: Any, on_ranks:
     assert all(e["tid"] == 1 and e["dur"] >= 0 for e in events if e["ph"] == "X")
 
 
+@pytest.mark.slow
 def test_close_reports_instead_of_raising_when_stats_cannot_be_gathered(
     ranks: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

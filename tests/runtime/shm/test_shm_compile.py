@@ -177,6 +177,7 @@ def test_every_write_into_the_working_buffer_waits_for_its_readers(plan: RankPla
 
 
 @pytest.mark.parametrize(("collective", "name"), _ALGORITHMS, ids=[f"{c.value}-{n}" for c, n in _ALGORITHMS])
+@pytest.mark.slow
 def test_every_registered_algorithm_compiles_to_a_safe_program_for_every_rank(
     collective: Collective, name: str
 ) -> None:

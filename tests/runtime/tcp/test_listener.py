@@ -66,6 +66,7 @@ def _hello(port: int, rank: int) -> None:
         connect_handshake(sock, b"tcp", None, ClientHello(rank=rank, world_size=2, target=0), what="the listener")
 
 
+@pytest.mark.slow
 def test_idle_connections_are_bounded_and_cost_no_thread(listening: tuple[Listener, Owner]) -> None:
     listener, owner = listening
     threads_before = threading.active_count()
