@@ -288,22 +288,26 @@ def _ring_stream_rank(  # noqa: PLR0917
     view = memoryview(sink).cast("B")
     for round_index in range(rounds + 1):
         barrier.wait()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         sender = threading.Thread(target=out_sock.sendall, args=(payload.data,))
         sender.start()
         got = 0
         while got < nbytes:
             got += in_sock.recv_into(view[got:])
         sender.join()
-        results.put((round_index, index, time.perf_counter() - start))
+        results.put((round_index, index, time.perf_counter() - start, time.process_time() - cpu))
 
 
-def _ring_streams_Bps(world_size: int, family: str) -> float:
+def _ring_streams_Bps(world_size: int, family: str) -> tuple[float, float]:
     """The bytes per second of each of ``world_size`` raw streams running at once in a ring over ``family``
     (``unix`` or ``tcp``, each with the send buffer the transport gives it), every rank sending 2(N-1)/N × 64 MiB
     to the next while receiving as many from the previous (best round, the slowest rank's time). A
     bandwidth-optimal all-reduce must send and receive at least that much per rank (Patarasuk and Yuan 2009), so
-    its busbw cannot exceed this rate, whatever else it does (the reductions come on top)."""
+    its busbw cannot exceed this rate, whatever else it does (the reductions come on top).
+
+    Also returns the CPU time the ranks spent per byte one of them sent and received (all ranks' process CPU
+    time, threads and system time included, in the best round, over N x the bytes each rank sent): what moving a
+    byte through such a socket costs, for :func:`_cpu_bound_Bps`."""
     nbytes = 2 * (world_size - 1) * _TCP_CEILING_BYTES // world_size
     pairs: list[tuple[socket.socket, socket.socket]] = []
     for _ in range(world_size):
@@ -329,15 +333,41 @@ def _ring_streams_Bps(world_size: int, family: str) -> float:
     for p in procs:
         p.start()
     slowest = [0.0] * (_RING_CEILING_ROUNDS + 1)
+    cpu = [0.0] * (_RING_CEILING_ROUNDS + 1)
     for _ in range(world_size * (_RING_CEILING_ROUNDS + 1)):
-        round_index, _, elapsed = results.get(timeout=_BENCH_TIMEOUT_S)
+        round_index, _, elapsed, spent = results.get(timeout=_BENCH_TIMEOUT_S)
         slowest[round_index] = max(slowest[round_index], elapsed)
+        cpu[round_index] += spent
     for p in procs:
         p.join()
     for a, b in pairs:
         a.close()
         b.close()
-    return nbytes / min(slowest[1:])  # the first round opens the windows
+    best = min(range(1, len(slowest)), key=slowest.__getitem__)  # the first round opens the windows
+    return nbytes / slowest[best], cpu[best] / (world_size * nbytes)
+
+
+def _add_s_per_byte() -> float:
+    """One core's time per byte of a float32 ``np.add(a, b, out=a)`` over 64 MiB (best of 5): the reduction."""
+    a = np.ones(_TCP_CEILING_BYTES // 4, np.float32)
+    b = np.ones_like(a)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        np.add(a, b, out=a)
+        best = min(best, time.perf_counter() - start)
+    return best / _TCP_CEILING_BYTES
+
+
+def _cpu_bound_Bps(world_size: int, move_s_per_byte: float, add_s_per_byte: float) -> float:
+    """The busbw no all-reduce over sockets can exceed when its ranks share this machine's cores: each of N ranks
+    must send and receive at least 2(N-1)/N x S (Patarasuk and Yuan) and reduce (N-1)/N x S into its data, so the
+    cores spend at least N x (2(N-1)/N x S x move + (N-1)/N x S x add) seconds, and the busbw, 2(N-1)/N x S over
+    the time, is at most what that CPU work allows."""
+    size = _TCP_CEILING_BYTES
+    per_rank = 2 * (world_size - 1) * size / world_size
+    cpu_s = world_size * (per_rank * move_s_per_byte + (world_size - 1) * size / world_size * add_s_per_byte)
+    return per_rank / (cpu_s / (os.cpu_count() or 1))
 
 
 # ----------------------------------------------------------------------------------------------- the table
@@ -463,6 +493,9 @@ def main() -> None:
     tcp_stream = _tcp_stream_Bps()
     tcp_sizes = [] if "tcp" in skip else [int(v) for v in args.tcp_world_sizes.split(",")]
     rings = {(n, family): _ring_streams_Bps(n, family) for n in tcp_sizes for family in ("unix", "tcp")}
+    add = _add_s_per_byte()
+    bounds = {n: _cpu_bound_Bps(n, rings[n, "unix"][1], add) for n in tcp_sizes}
+    ceilings = {n: min(rings[n, "unix"][0], bounds[n]) for n in tcp_sizes}
     floor = _call_floor_s()
     own = {n: _own_work_s(n) for n in (2, 4)}
     samples: list[dict[tuple[str, int, int], float]] = [_measure_once(rows, skip) for _ in range(args.reps)]
@@ -483,7 +516,22 @@ def main() -> None:
         print(
             "# ceilings of the tcp rows: N raw streams at once in a ring, each rank sending 2(N-1)/N x 64 MiB to the "
             "next while receiving as many (per stream, GB/s; no bandwidth-optimal all-reduce's busbw exceeds it): "
-            + ", ".join(f"N={n} unix {rings[n, 'unix'] / 1e9:.2f} tcp {rings[n, 'tcp'] / 1e9:.2f}" for n in tcp_sizes)
+            + ", ".join(
+                f"N={n} unix {rings[n, 'unix'][0] / 1e9:.2f} tcp {rings[n, 'tcp'][0] / 1e9:.2f}" for n in tcp_sizes
+            )
+        )
+        print(
+            "#   CPU per byte a rank sends and receives (all ranks' CPU / N / bytes): "
+            + ", ".join(
+                f"N={n} unix {rings[n, 'unix'][1] * 1e9:.2f} tcp {rings[n, 'tcp'][1] * 1e9:.2f} ns" for n in tcp_sizes
+            )
+            + f"; the reduction (np.add, float32, one core): {add * 1e9:.3f} ns per byte"
+        )
+        print(
+            "#   with the reductions on the same cores, a unix all-reduce's busbw is at most 2(N-1)/N x S over "
+            "N x (2(N-1)/N x S x move + (N-1)/N x S x add) / cores: "
+            + ", ".join(f"N={n} {bounds[n] / 1e9:.2f}" for n in tcp_sizes)
+            + " GB/s; a tcp row's ceiling is the lesser of the two"
         )
         print(
             "#   (the tcp transport runs a same-host group, which shares a token, over Unix sockets: "
@@ -499,7 +547,7 @@ def main() -> None:
         )
     print("# cells: time per all_reduce (µs) or busbw (GB/s); 'also': group.empty() buffers (plain-array rows),")
     print(
-        f"# segments={_RING_SEGMENTS} (ring rows); tcp rows: share of the unix ring ceiling at that N "
+        f"# segments={_RING_SEGMENTS} (ring rows); tcp rows: share of their ceiling at that N "
         "(N=2: then, in brackets, of the one TCP stream)"
     )
     print()
@@ -512,8 +560,8 @@ def main() -> None:
         also = _cell(row, median(row.extra, row.world_size, row.size)) if row.extra else ""
         if row.ours == "tcp" and ours is not None:
             busbw = row.size / ours * 2 * (row.world_size - 1) / row.world_size
-            ring = rings.get((row.world_size, "unix"))
-            also = "" if ring is None else f"{busbw / ring:.0%}"
+            ceiling = ceilings.get(row.world_size)
+            also = "" if ceiling is None else f"{busbw / ceiling:.0%}"
             if row.world_size == 2:
                 also += f" ({row.size / ours / tcp_stream:.0%})"
         gloo = median("gloo", row.world_size, row.size)
