@@ -186,7 +186,7 @@ def init(
         from allreduce.runtime.shm import ShmTransport
 
         shm = ShmTransport(0, 1, f"solo-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s, cross_memory=cross_memory)
-        model = cost_model or _tuned_model("shm")
+        model = cost_model or _tuned_model("shm", 1)
         return ProcessGroup(shm, transport_name="shm", timeout_s=timeout_s, cost_model=model, group_size=1)
 
     from allreduce.runtime._store import TCPStore
@@ -251,7 +251,7 @@ def init(
             store.fail(str(exc))
         store.close()
         raise
-    model = cost_model or _tuned_model(transport)
+    model = cost_model or _tuned_model(transport, world_size)
     group = ProcessGroup(
         chosen, transport_name=transport, timeout_s=timeout_s, cost_model=model, group_size=group_size, store=store
     )
@@ -342,7 +342,7 @@ def _advertised_host(master_addr: str) -> str:
         return socket.gethostname()
 
 
-def _tuned_model(transport: str) -> CostModel:
+def _tuned_model(transport: str, world_size: int) -> CostModel:
     from allreduce.runtime._tune import load_cost_model
 
-    return load_cost_model(transport) or default_cost_model(transport)
+    return load_cost_model(transport) or default_cost_model(transport, world_size)

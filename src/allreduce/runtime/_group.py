@@ -70,7 +70,17 @@ from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transpor
 from allreduce.runtime._work import OrderedExecutor, Work
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds, predict
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DTYPES", "OPS", "STATS_FILE_ENV", "ProcessGroup", "Work", "default_cost_model"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DTYPES",
+    "OPS",
+    "SHM_SHARED_CORES_STEP_S",
+    "SHM_STEP_S",
+    "STATS_FILE_ENV",
+    "ProcessGroup",
+    "Work",
+    "default_cost_model",
+]
 
 STATS_FILE_ENV = "ALLREDUCE_STATS_FILE"
 """Where rank 0 writes the stats table at close instead of stderr (``allreduce run --stats`` sets it)."""
@@ -85,10 +95,23 @@ _REQUESTED_DETERMINISTIC = b"deterministic"
 _COLLECTIVE_INFO = {c: (f"{c.value}(x)", KIND_CODES[c]) for c in Collective}
 
 
-def default_cost_model(transport: str) -> CostModel:
-    """Built-in α, β, γ per transport (measured on the 2-core development machine; ``allreduce tune`` refines)."""
+SHM_STEP_S = 8e-6
+"""α of shm when every rank has a core: what one more step costs a call (measured at 4 KiB, N=2, 2026-12-01:
+recursive doubling, 1 step, 65.9 µs; halving-doubling and ring, 2 steps, 74.2 and 76.2 µs)."""
+
+SHM_SHARED_CORES_STEP_S = 25e-6
+"""α of shm with more ranks than cores: a handoff then waits for the waiting rank to be scheduled (measured at 4 KiB,
+N=4 on 2 cores, 2026-12-01: recursive doubling, 2 steps, 285 µs; halving-doubling, 4 steps, 332 µs; ring, 6
+steps, 401 µs: 23-29 µs per step)."""
+
+
+def default_cost_model(transport: str, world_size: int = 1) -> CostModel:
+    """Built-in α, β, γ per transport (measured on the 2-core development machine; ``allreduce tune`` refines);
+    shm's α is larger when ``world_size`` ranks share fewer cores (:data:`SHM_SHARED_CORES_STEP_S`)."""
     if transport == "shm":
-        return CostModel(latency_s=8e-6, bandwidth_Bps=6e9, reduce_bandwidth_Bps=7e9)
+        shared = world_size > len(os.sched_getaffinity(0))
+        step_s = SHM_SHARED_CORES_STEP_S if shared else SHM_STEP_S
+        return CostModel(latency_s=step_s, bandwidth_Bps=6e9, reduce_bandwidth_Bps=7e9)
     return CostModel(latency_s=40e-6, bandwidth_Bps=2e9, reduce_bandwidth_Bps=7e9)
 
 
@@ -149,7 +172,7 @@ class ProcessGroup:
         self.rank: int = transport.rank
         self.world_size: int = transport.world_size
         self.timeout_s = float(timeout_s)
-        self.cost_model = cost_model or default_cost_model(self.transport_name)
+        self.cost_model = cost_model or default_cost_model(self.transport_name, self.world_size)
         self.group_size = group_size or self.world_size
         self._store = store
         self._seq = 0

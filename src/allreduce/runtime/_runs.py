@@ -59,6 +59,8 @@ class Runs:
         self._group = group
         self._plans = plans
         self._auto: dict[tuple[Collective, int, int], str] = {}
+        self._auto_model: CostModel | None = None
+        """The cost model whose picks ``_auto`` holds (a group's model may be replaced between calls)."""
 
     def resolve(self, collective: Collective, algorithm: str, count: int, itemsize: int, deterministic: bool) -> str:
         """The registered algorithm to run: ``algorithm`` itself, or the cost model's pick for ``auto``."""
@@ -68,6 +70,9 @@ class Runs:
             if not isinstance(algorithm, str):
                 raise TypeError(f"algorithm: expected a registered name or a Schedule, got {type(algorithm).__name__}")
             return algorithm
+        if self._auto_model is not self._group.cost_model:  # a new model: its own picks
+            self._auto.clear()
+            self._auto_model = self._group.cost_model
         size_class = max(count * itemsize, 1).bit_length()
         key = (collective, size_class, self._group.group_size)
         best = self._auto.get(key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,9 +12,11 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import PLAN_CACHE_ENTRIES, MismatchError, PlanCache, ProcessGroup
+from allreduce.runtime._group import SHM_SHARED_CORES_STEP_S, SHM_STEP_S, default_cost_model
 from allreduce.schedules import (
     MAX_ALGORITHM_NAME_BYTES,
     Collective,
+    CostModel,
     Schedule,
     ScheduleError,
     algorithms,
@@ -80,6 +83,31 @@ def test_auto_chooses_among_the_registered_algorithms(ranks: Any) -> None:
     group = ranks(4)[0]
     chosen = {group.choose_algorithm(count) for count in (1, 1 << 10, 1 << 20, 1 << 26)}
     assert chosen <= set(algorithms(Collective.ALL_REDUCE))
+
+
+def test_a_replaced_cost_model_makes_its_own_picks(ranks: Any) -> None:
+    group = ranks(4)[0]
+    count = 1 << 16  # 256 KiB of float32
+    group.cost_model = CostModel(latency_s=1e-3, bandwidth_Bps=6e9, reduce_bandwidth_Bps=7e9)  # steps dominate
+    few_steps = group.choose_algorithm(count)
+    group.cost_model = CostModel(latency_s=1e-9, bandwidth_Bps=6e9, reduce_bandwidth_Bps=7e9)  # bytes dominate
+    few_bytes = group.choose_algorithm(count)
+    assert (few_steps, few_bytes) == ("recursive_doubling", "halving_doubling")
+
+
+def test_shm_steps_cost_more_when_ranks_share_cores() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert default_cost_model("shm", cores).latency_s == SHM_STEP_S
+    assert default_cost_model("shm", cores + 1).latency_s == SHM_SHARED_CORES_STEP_S > SHM_STEP_S
+
+
+def test_with_ranks_sharing_cores_auto_takes_fewer_steps_for_a_mid_size_buffer(ranks: Any) -> None:
+    group = ranks(4)[0]
+    count = 1 << 14  # 64 KiB of float32: at 8 µs a step, halving-doubling's 4 steps beat recursive doubling's 2
+    group.cost_model = default_cost_model("shm", 4 + len(os.sched_getaffinity(0)))
+    assert group.choose_algorithm(count) == "recursive_doubling"
+    group.cost_model = dataclasses.replace(group.cost_model, latency_s=SHM_STEP_S)
+    assert group.choose_algorithm(count) == "halving_doubling"
 
 
 def test_a_schedule_object_runs_on_every_rank(ranks: Any, on_ranks: Any) -> None:

@@ -45,6 +45,7 @@ from allreduce.runtime._errors import ChecksumError, CollectiveError
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
 from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
+from allreduce.runtime.shm._copy import copy_into
 from allreduce.runtime.shm._layout import (
     ABORTED_WORD,
     BUFFER_OFFSET_WORD,
@@ -314,7 +315,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             return
         self.check_usable()
         area = self._eager_area(self.rank, seq, buffer.dtype)
-        area[: buffer.size] = buffer
+        copy_into(area[: buffer.size], buffer)
         me = self._views[self.rank]
         me[BUFFER_SEGMENT_WORD] = IN_EAGER_SNAPSHOT
         me[BUFFER_OFFSET_WORD] = 0
@@ -512,7 +513,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                     if eager:
                         at = st.index * count
                         for _, _, a, b in st.send_crcs:
-                            snapshot[at + a : at + b] = work[a:b]
+                            copy_into(snapshot[at + a : at + b], work[a:b])
                     if admit and st.readers:
                         self._admit(st.readers[0], base + st.index + 1, deadline=deadline, seq=seq, step=st.index)
                     self._publish(PROGRESS_WORD, base + st.index)
@@ -559,7 +560,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                             apply_op(ufunc, reduce_into, arrays[pc.src][a:b], source[a - shift : b - shift],
                                    arrays[pc.dst][a:b], in_place=pc.src == pc.dst)  # fmt: skip
                         else:
-                            arrays[pc.dst][a:b] = source[a - shift : b - shift]
+                            copy_into(arrays[pc.dst][a:b], source[a - shift : b - shift])
                     if injection is not None:
                         injection.pace(peer, (rv.stop - rv.start) * dtype.itemsize, arrived)
                 self._publish(READ_DONE_WORD, base + st.index + 1)
@@ -568,7 +569,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                     for reader, value in pc.waits:
                         wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
                              what="reading data this step overwrites", step=st.index)  # fmt: skip
-                    arrays[pc.dst][pc.start : pc.stop] = tmp
+                    copy_into(arrays[pc.dst][pc.start : pc.stop], tmp)
             if mark is not None:
                 mark(clock())  # the steps' end
         finally:
@@ -582,7 +583,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             self._wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
                        what="reading an earlier step", step=st.index)  # fmt: skip
         for a, b in st.copyins:
-            work[a:b] = user[a:b]
+            copy_into(work[a:b], user[a:b])
 
     def _sign_sends(self, st: StepProgram, work: npt.NDArray[Any]) -> None:
         """checksum=True: publish the crc32 of every block sent this step (then apply an injected corruption)."""
@@ -633,7 +634,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             self._wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
                        what="reading this rank's data", step=program.steps[-1].index)  # fmt: skip
         for a, b in program.copyouts:
-            user[a:b] = work[a:b]
+            copy_into(user[a:b], work[a:b])
         self._publish(PROGRESS_WORD, base + DONE_STEP)
 
     # ----------------------------------------------------------------------------------------------------
