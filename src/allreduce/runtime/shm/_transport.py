@@ -315,7 +315,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             return
         self.check_usable()
         area = self._eager_area(self.rank, seq, buffer.dtype)
-        copy_into(area[: buffer.size], buffer)
+        area[: buffer.size] = buffer
         me = self._views[self.rank]
         me[BUFFER_SEGMENT_WORD] = IN_EAGER_SNAPSHOT
         me[BUFFER_OFFSET_WORD] = 0
@@ -513,7 +513,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                     if eager:
                         at = st.index * count
                         for _, _, a, b in st.send_crcs:
-                            copy_into(snapshot[at + a : at + b], work[a:b])
+                            snapshot[at + a : at + b] = work[a:b]
                     if admit and st.readers:
                         self._admit(st.readers[0], base + st.index + 1, deadline=deadline, seq=seq, step=st.index)
                     self._publish(PROGRESS_WORD, base + st.index)
@@ -583,7 +583,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             self._wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
                        what="reading an earlier step", step=st.index)  # fmt: skip
         for a, b in st.copyins:
-            copy_into(work[a:b], user[a:b])
+            work[a:b] = user[a:b]
 
     def _sign_sends(self, st: StepProgram, work: npt.NDArray[Any]) -> None:
         """checksum=True: publish the crc32 of every block sent this step (then apply an injected corruption)."""
