@@ -50,7 +50,7 @@ import numpy as np
 from allreduce.runtime._bench import default_iters
 from allreduce.runtime._spawn import spawn
 from allreduce.runtime.shm import CROSS_MEMORY_ENV
-from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES, UNIX_SNDBUF_BYTES
+from allreduce.runtime.tcp._socket import tune
 from allreduce.units import format_bytes, parse_size_range
 
 _MPI_ENV = {
@@ -313,13 +313,12 @@ def _ring_streams_Bps(world_size: int, family: str) -> tuple[float, float]:
     for _ in range(world_size):
         if family == "unix":
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF_BYTES)
         else:
             with socket.create_server(("127.0.0.1", 0)) as server:
                 a = socket.create_connection(server.getsockname())
                 b, _ = server.accept()
-            a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOOPBACK_SNDBUF_BYTES)
+        tune(a)  # the transport's own buffer size (and Nagle off), so the ceiling moves with it
+        a.setblocking(True)  # tune makes it non-blocking, for the transport's event loop
         pairs.append((a, b))  # rank i sends on pairs[i][0]; rank i + 1 receives on pairs[i][1]
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(world_size), ctx.Queue()
