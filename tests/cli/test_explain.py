@@ -107,26 +107,6 @@ def test_help_and_no_command() -> None:
     assert "explain" in bare.stdout
 
 
-@pytest.mark.slow
-def test_demo_runs_every_part_end_to_end(tmp_path: Path) -> None:
-    out = run_cli("demo", "--report", str(tmp_path / "report.html"))
-    assert out.returncode == 0, out.stderr
-    text = out.stdout
-    winners = [line.split()[1] for line in text.splitlines() if line.startswith("* ") and "GB/s" in line]
-    assert len(winners) == 2
-    assert winners[0] != winners[1], "the best algorithm should change between 1 GiB and 64 KiB"
-    assert "# out of bounds values: 0 OK" in text  # the real 4-rank all-reduce was checked exactly
-    assert "one link (gpu5->edge0) degraded to 10%" in text
-    assert "the simulator names it: gpu5->edge0" in text
-    assert "slowest rank:" in text
-    sections = ("1. Which algorithm", "2. The real thing", "3. What the network does", "4. The tail",
-                "5. The tail on real processes", "6. Data-parallel", "7. A training step at scale",
-                "8. The simulator against real TCP")  # fmt: skip
-    for section in sections:
-        assert section in text
-    assert (tmp_path / "report.html").stat().st_size > 0
-
-
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "algorithms" / "my_ring.py"
 COMMON = ("--bandwidth", "50GB/s", "--latency", "5us")
 

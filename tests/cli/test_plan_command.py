@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from allreduce.cli import main
-from allreduce.cli._plan import demo_section
 
 SMALL = ("--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4", "--compute-ms", "20")
 
@@ -92,15 +91,6 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "(default: 25)" in out
     assert "(default: auto)" in out
-
-
-@pytest.mark.slow
-def test_the_demo_section_plans_llama2_7b_on_1024_gpus_and_writes_the_report(tmp_path: Path) -> None:
-    text, path = demo_section(tmp_path / "demo.html")
-    assert text.startswith("$ allreduce plan --model llama2-7b --gpus 1024 ")
-    assert "on 1024 GPUs of fat-tree:k=16" in text
-    assert text.endswith(f"report: {path}")
-    assert 'id="d0-scaling"' in path.read_text()
 
 
 @pytest.mark.slow

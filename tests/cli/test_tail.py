@@ -115,14 +115,3 @@ def test_bad_input_is_one_line_and_exit_2(
     assert out == ""
     assert len(err.strip().splitlines()) == 1
     assert message in err
-
-
-@pytest.mark.slow
-def test_demo_section_names_the_culprits() -> None:
-    from allreduce.cli._tail import DEMO_CONGESTED_LINK, DEMO_STRAGGLER_RANK, demo_section
-
-    text = demo_section()
-    assert "RTO 200 ms" in text
-    assert "RTO 4 ms" in text
-    assert f"{DEMO_CONGESTED_LINK} (100%)" in text
-    assert f"rank {DEMO_STRAGGLER_RANK} (100%)" in text
