@@ -32,6 +32,16 @@ def _owner(block: int, world_size: int, num_blocks: int) -> int:
     return block * world_size // num_blocks
 
 
+def _raise_malformed(name: str, rank: int, op: Op, n: int, num_blocks: int) -> None:
+    """The static check's error for an op whose peer or blocks are impossible (built only when one is)."""
+    where = f"{name}: rank {rank} {op}"
+    if not 0 <= op.peer < n:
+        raise ScheduleError(f"{where}: peer {op.peer} is not a rank (world size {n})")
+    if op.peer == rank:
+        raise ScheduleError(f"{where}: a rank cannot exchange with itself")
+    raise ScheduleError(f"{where}: blocks out of range (the buffer has {num_blocks} blocks)")
+
+
 def verify(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` unless ``schedule`` computes its collective. Returns None when it does."""
     verify_programs(
@@ -59,15 +69,12 @@ def verify_programs(
     for rank, program in enumerate(programs):
         last_step = -1
         for op in program:
-            where = f"{name}: rank {rank} {op}"
-            if not 0 <= op.peer < n:
-                raise ScheduleError(f"{where}: peer {op.peer} is not a rank (world size {n})")
-            if op.peer == rank:
-                raise ScheduleError(f"{where}: a rank cannot exchange with itself")
-            if not 0 <= op.block_start < op.block_stop <= num_blocks:
-                raise ScheduleError(f"{where}: blocks out of range (the buffer has {num_blocks} blocks)")
+            if not (0 <= op.peer < n and op.peer != rank and 0 <= op.block_start < op.block_stop <= num_blocks):
+                _raise_malformed(name, rank, op, n, num_blocks)
             if op.step < last_step:
-                raise ScheduleError(f"{where}: comes after step {last_step}; steps must not go backwards")
+                raise ScheduleError(
+                    f"{name}: rank {rank} {op}: comes after step {last_step}; steps must not go backwards"
+                )
             last_step = op.step
 
     # ---- matching: k-th send a->b pairs with the k-th receive at b from a --------------------------------
@@ -159,45 +166,51 @@ def verify_programs(
     for rank in range(n):
         if steps[rank]:
             post(rank)
+    # A rank is queued at most once: its check when it leaves the queue sees every change made before then.
     ready = deque(range(n))
+    queued = [True] * n
     while ready:
         rank = ready.popleft()
+        queued[rank] = False
         if position[rank] >= len(steps[rank]):
             continue
         step, indices = steps[rank][position[rank]]
-        matches = [partner[rank][i] for i in indices]
-        if not all(m is not None and posted[m.rank][m.index] for m in matches):
+        matches = [partner[rank][i] for i in indices]  # every op has one: matching raised otherwise
+        if not all(posted[m.rank][m.index] for m in matches):  # type: ignore[union-attr]
             continue
         # Apply this step's receives, in program order.
+        program, held = programs[rank], state[rank]
         for i, m in zip(indices, matches, strict=True):
-            op = programs[rank][i]
+            op = program[i]
             if op.verb is Verb.SEND:
                 continue
             assert m is not None
             incoming = posted_snapshot[m.rank][m.index]
+            if op.verb is Verb.RECV_COPY:
+                held[op.block_start : op.block_stop] = incoming
+                continue
             for b, value in zip(range(op.block_start, op.block_stop), incoming, strict=True):
-                current = state[rank][b]
-                if op.verb is Verb.RECV_COPY:
-                    state[rank][b] = value
-                elif current is None:
+                current = held[b]
+                if current is None:
                     raise ScheduleError(
                         f"{name}: rank {rank} step {step} reduces block {b} from rank {op.peer} into a block it "
                         f"holds no data for"
                     )
-                else:
-                    assert value is not None
-                    twice = current & value
-                    if twice:
-                        raise ScheduleError(
-                            f"{name}: rank {rank} step {step} reduces block {b} from rank {op.peer} and counts "
-                            f"the contribution of rank(s) {_ranks(twice)} twice"
-                        )
-                    state[rank][b] = current | value
+                assert value is not None
+                twice = current & value
+                if twice:
+                    raise ScheduleError(
+                        f"{name}: rank {rank} step {step} reduces block {b} from rank {op.peer} and counts "
+                        f"the contribution of rank(s) {_ranks(twice)} twice"
+                    )
+                held[b] = current | value
         position[rank] += 1
         if position[rank] < len(steps[rank]):
             post(rank)
-        ready.append(rank)
-        ready.extend(m.rank for m in matches if m is not None)
+        for other in (rank, *(m.rank for m in matches)):  # type: ignore[union-attr]
+            if not queued[other]:
+                queued[other] = True
+                ready.append(other)
 
     stuck = [r for r in range(n) if position[r] < len(steps[r])]
     if stuck:
