@@ -323,11 +323,15 @@ def _die_mid_collective(rank: int, world_size: int, store: TCPStore, transport: 
 def _gives_up_unread(rank: int, world_size: int, store: TCPStore, transport: TcpTransport) -> str:
     """A ring of 3: rank 2 gives up because of rank 0 while rank 1 sends to it (and never reads from it, so its
     ABORT frame stays unread), then exits at once (its unread input makes the kernel reset the connection).
-    Rank 0 is parked outside the collective and tells rank 1 nothing."""
+    Rank 0 is parked outside the collective and tells rank 1 nothing: it polls for its release with ``check``, not
+    a blocking ``get``, which the store fails once rank 2 dies (rank 0 would then close its connections, and rank 1
+    could see that before rank 2's reset)."""
     small = compile_plan(all_reduce("ring", world_size), rank, 1000)
     transport.execute(small, rank_data(rank, 1000), add_into, seq=1, timeout_s=TIMEOUT_S, checksum=False)
     if rank == 0:
-        store.get("test/release", timeout_s=TIMEOUT_S)
+        parked_until = time.monotonic() + TIMEOUT_S
+        while not store.check(["test/release"]) and time.monotonic() < parked_until:
+            time.sleep(0.05)
         return "parked"
     if rank == 2:
         store.get("test/sending", timeout_s=TIMEOUT_S)
