@@ -64,11 +64,14 @@ def schedules_for(world_size: int, segments: int = 1) -> list[tuple[str, Any]]:
 # ----------------------------------------------------------------------------------- harness
 
 
-def _setup(rank: int, world_size: int, port: int, *, unix_sockets: bool = False) -> tuple[TCPStore, TcpTransport]:
+def _setup(
+    rank: int, world_size: int, port: int, *, unix_sockets: bool = False, sender_thread: bool | None = None
+) -> tuple[TCPStore, TcpTransport]:
     """Every connection on TCP, as between hosts; or ``unix_sockets``, as ranks of one host sharing a token."""
     store = TCPStore("127.0.0.1", port, is_server=False, world_size=world_size, rank=rank, timeout_s=TIMEOUT_S)
     token = UNIX_TOKEN if unix_sockets else None
-    return store, TcpTransport(rank, world_size, store, token=token, timeout_s=TIMEOUT_S, unix_sockets=unix_sockets)
+    options: dict[str, Any] = {"unix_sockets": unix_sockets, "sender_thread": sender_thread}
+    return store, TcpTransport(rank, world_size, store, token=token, timeout_s=TIMEOUT_S, **options)
 
 
 def _worker(scenario: str, rank: int, world_size: int, port: int, out: Any, *args: Any, unix_sockets: bool) -> None:
@@ -130,8 +133,9 @@ def run_ranks(
 
 
 def _pool_worker(rank: int, world_size: int, port: int, commands: Any, out: Any) -> None:
-    """Serve commands ``(scenario, args)`` on one transport until ``None``; report each result."""
-    store, transport = _setup(rank, world_size, port)
+    """Serve commands ``(scenario, args)`` on one transport until ``None``; report each result. The pool's ranks
+    send large steps from the sender thread, as ranks with cores of their own do (here they would not)."""
+    store, transport = _setup(rank, world_size, port, sender_thread=True)
     try:
         while (command := commands.get()) is not None:
             scenario, kwargs = command

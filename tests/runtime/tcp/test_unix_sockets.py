@@ -82,10 +82,19 @@ def ring_all_reduce(
     token: str | None = TOKEN,
     checksum: bool = False,
     before: Callable[[int, TcpTransport], None] = lambda rank, transport: None,
+    sender_thread: bool | None = None,
 ) -> list[tuple[bool, dict[str, int]]]:
     """A ring all-reduce on every rank: (whether its result is the exact sum, its transport's statistics)."""
     transports = [
-        TcpTransport(r, world_size, store, token=token, timeout_s=TIMEOUT_S, unix_sockets=unix_sockets(r))
+        TcpTransport(
+            r,
+            world_size,
+            store,
+            token=token,
+            timeout_s=TIMEOUT_S,
+            unix_sockets=unix_sockets(r),
+            sender_thread=sender_thread,
+        )
         for r in range(world_size)
     ]
 
@@ -111,11 +120,12 @@ def test_ranks_of_one_host_connect_over_unix_sockets(store: TCPStore, world_size
         assert stats["unix_connections"] == min(world_size - 1, 2), f"rank {rank}"
 
 
-def test_large_messages_over_unix_sockets_are_exact(store: TCPStore) -> None:
+@pytest.mark.parametrize("sender_thread", [True, False], ids=["sender-thread", "calling-thread"])
+def test_large_messages_over_unix_sockets_are_exact(store: TCPStore, sender_thread: bool) -> None:
     assert LARGE_COUNT * 8 // 3 >= THREAD_MIN_BYTES
-    for rank, (exact, stats) in enumerate(ring_all_reduce(store, 3, LARGE_COUNT)):
+    for rank, (exact, stats) in enumerate(ring_all_reduce(store, 3, LARGE_COUNT, sender_thread=sender_thread)):
         assert exact, f"rank {rank}"
-        assert stats["sender_handoffs"] > 0, f"rank {rank}"
+        assert (stats["sender_handoffs"] > 0) == sender_thread, f"rank {rank}"
 
 
 def test_unix_sockets_off_keeps_every_connection_on_tcp(store: TCPStore) -> None:

@@ -3,8 +3,9 @@
 Data path. The calling thread drives every socket of a step (:mod:`._loop`): it sends each frame (header and
 payload in one ``sendmsg``, straight from the user's buffer) while receiving the step's frames into their
 destination: directly into the user's buffer for a copy, into a reusable per-peer window for a reduction
-(:mod:`._pair`). A step sending at least :data:`THREAD_MIN_BYTES` hands its sends to the rank's sender thread, so
-the rank copies out and copies in at once.
+(:mod:`._pair`). Where a rank has two cores of its own (:func:`sender_thread_pays`), a step sending at least
+:data:`THREAD_MIN_BYTES` hands its sends to the rank's sender thread, so the rank copies out and copies in at once;
+where ranks share cores that only adds thread switches, and the calling thread sends too.
 
 Connections are made lazily, the first time a plan needs a peer: the higher rank connects to the lower one's
 listening port (published in the store as ``<prefix>/addr/<rank>``), and the lower one's :class:`Listener`
@@ -78,15 +79,44 @@ __all__ = [
     "CONNECT_RETRY_S",
     "CONNECT_TIMEOUT_MAX_S",
     "DEAD_POLL_S",
+    "SENDER_THREAD_ENV",
     "STALL_GRACE_S",
     "THREAD_MIN_BYTES",
     "UNIX_ENV",
     "TcpTransport",
+    "sender_thread_pays",
 ]
 
 THREAD_MIN_BYTES = 1 << 20
-"""A step sending at least this much hands its sends to the rank's sender thread; smaller steps run in the
-calling thread, where a hand-off would cost more than it saves."""
+"""A step sending at least this much hands its sends to the rank's sender thread (where the rank uses one);
+smaller steps run in the calling thread, where a hand-off would cost more than it saves."""
+
+SENDER_THREAD_ENV = "ALLREDUCE_TCP_SENDER_THREAD"
+"""``1`` or ``0``: use the sender thread for large steps, or never; unset, :func:`sender_thread_pays` decides."""
+
+
+def sender_thread_pays(world_size: int) -> bool:
+    """Whether a rank has two cores of its own, so that its sender thread can copy out while the calling thread
+    copies in and reduces: the CPUs this process may run on, at least twice the ranks on this host
+    (``LOCAL_WORLD_SIZE`` as the launchers set it, else all ``world_size`` ranks).
+
+    Measured on 2 cores (docs/design.md): with ranks sharing the cores the thread only adds switches, and sending
+    from the calling thread was 11-36% faster at 64 and 256 MiB with 2, 4 and 8 ranks."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks_here = int(local) if local.isdigit() and int(local) > 0 else world_size
+    return len(os.sched_getaffinity(0)) >= 2 * ranks_here
+
+
+def _sender_thread_setting(rank: int, sender_thread: bool | None, world_size: int) -> bool:
+    if sender_thread is not None:
+        return sender_thread
+    value = os.environ.get(SENDER_THREAD_ENV, "")
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise ValueError(f"rank {rank}: {SENDER_THREAD_ENV}={value!r}: write 1 (use the sender thread) or 0 (never)")
+    return sender_thread_pays(world_size)
+
 
 ABORT_BUDGET_S = 2.0
 """How long a failing rank spends, over all its peers together, finishing half-sent frames and sending ABORT
@@ -148,8 +178,12 @@ class TcpTransport(Transport):
         advertise_host: str | None = None,
         prefix: str = "tcp",
         unix_sockets: bool | None = None,
+        sender_thread: bool | None = None,
     ) -> None:
         super().__init__(rank, world_size)
+        self.sender_thread = _sender_thread_setting(rank, sender_thread, world_size)
+        """Whether steps sending at least :data:`THREAD_MIN_BYTES` go through the sender thread (``sender_thread``
+        if given, else :data:`SENDER_THREAD_ENV`, else :func:`sender_thread_pays`)."""
         self.timeout_s = timeout_s
         self._store = store
         self._prefix = prefix
@@ -529,7 +563,7 @@ class TcpTransport(Transport):
                     )
                 recvs.append((rspec.peer, frame))
             sender = None
-            if step.send_bytes >= THREAD_MIN_BYTES:
+            if self.sender_thread and step.send_bytes >= THREAD_MIN_BYTES:
                 if self._sender is None:
                     self._sender = Sender(self.rank)
                 sender = self._sender
