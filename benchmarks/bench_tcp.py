@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/bench_tcp.py [-n 2] [--sizes 4KiB,1MiB,16MiB,64MiB,256MiB] [--reps 5]
 
 Prints, per size: the median time and busbw of allreduce's TCP transport (ring and the best other algorithm, with
-Unix sockets between the ranks as a same-host group takes by default; and the ring with every connection on TCP)
-and of Gloo, and the ratio; then the ceiling: what one raw TCP stream (rank 0 -> rank 1, plain blocking socket,
+Unix sockets between the ranks as a same-host group takes by default; the ring with every connection on TCP; and
+the ring sending large steps from the sender thread, which ranks that share cores do not use by default) and of
+Gloo, and the ratio; then the ceiling: what one raw TCP stream (rank 0 -> rank 1, plain blocking socket,
 1 MiB ``send``/``recv_into`` calls into a preallocated buffer, the better of the kernel's default buffers and the
 transport's loopback send buffer) moves in the same run, beside one raw Unix-socket stream, and the transport's
 busbw as a share of the TCP stream; then the median CPU time (user + system, all threads of a rank) per
@@ -34,6 +35,8 @@ from allreduce.units import format_bytes, parse_bytes
 
 ALGORITHMS = ("ring", "halving_doubling")
 FORCED_TCP = "ring, tcp only"  # the ring with every connection on TCP (Unix sockets off)
+THREADED = "ring, sender thread"  # the ring with large steps' sends on the sender thread (sender_thread=True)
+OURS = (*ALGORITHMS, FORCED_TCP, THREADED)
 RAW = ("raw tcp", "raw unix")
 RAW_CHUNK_BYTES = 1 << 20  # per send/recv_into call of the raw streams, as the transport's own calls
 
@@ -108,13 +111,15 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
     store = TCPStore("127.0.0.1", store_port, is_server=False, world_size=world_size, rank=rank, timeout_s=300)
     transport = TcpTransport(rank, world_size, store, timeout_s=300)
     tcp_only = TcpTransport(rank, world_size, store, timeout_s=300, prefix="tcp-only", unix_sockets=False)
+    threaded = TcpTransport(rank, world_size, store, timeout_s=300, prefix="tcp-thread", sender_thread=True)
+    chosen = {FORCED_TCP: tcp_only, THREADED: threaded}
     raw = RawStreams(rank, store)
     seq = 0
 
     def add_into(dst: np.ndarray, src: np.ndarray) -> None:
         np.add(dst, src, out=dst)
 
-    names = (*ALGORITHMS, FORCED_TCP, "gloo", *RAW)
+    names = (*OURS, "gloo", *RAW)
     rows = []
     for size in sizes:
         count = size // 4
@@ -122,7 +127,7 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
         theirs = torch.ones(count, dtype=torch.float32)
         sink = np.empty(count, np.float32)
         plans = {a: compile_plan(all_reduce(a, world_size, segments=segments), rank, count) for a in ALGORITHMS}
-        plans[FORCED_TCP] = plans["ring"]
+        plans[FORCED_TCP] = plans[THREADED] = plans["ring"]
         times: dict[str, list[float]] = {name: [] for name in names}
         cpu_times: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(reps + 1):  # the first repetition warms up connections and buffers
@@ -138,8 +143,8 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
                         raw.stream(name.split()[1], which, ours, sink)
                     else:
                         seq += 1
-                        chosen = tcp_only if name == FORCED_TCP else transport
-                        chosen.execute(plans[name], ours, add_into, seq=seq, timeout_s=300, checksum=False)
+                        which_transport = chosen.get(name, transport)
+                        which_transport.execute(plans[name], ours, add_into, seq=seq, timeout_s=300, checksum=False)
                     elapsed = time.perf_counter() - start
                     after = resource.getrusage(resource.RUSAGE_SELF)
                     best = min(best, elapsed)
@@ -147,7 +152,7 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
                     times[name].append(best)
                     cpu_times[name].append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
         # Everything reduced is exact in float32 (small integers), so check it.
-        expected = float(world_size) ** ((len(ALGORITHMS) + 1) * (reps + 1))
+        expected = float(world_size) ** (len(OURS) * (reps + 1))
         wrong = int(np.count_nonzero(ours != expected))
         if wrong:
             raise RuntimeError(f"rank {rank}: {wrong} wrong elements at size {size}")
@@ -159,6 +164,7 @@ def _rank_main(store_port: int, sizes: list[int], reps: int, segments: int) -> l
             )
         )
     raw.close()
+    threaded.close()
     tcp_only.close()
     transport.close()
     store.close()
@@ -197,15 +203,13 @@ def main() -> None:
         f"TCP over loopback, N={args.n}, float32 sum, median of {args.reps} (slowest rank), segments={args.segments}, "
         f"load average {load}"
     )
-    header = f"{'size':>9} | " + " | ".join(
-        f"{n + ' µs':>22} {'busbw GB/s':>10}" for n in (*ALGORITHMS, FORCED_TCP, "gloo")
-    )
+    header = f"{'size':>9} | " + " | ".join(f"{n + ' µs':>22} {'busbw GB/s':>10}" for n in (*OURS, "gloo"))
     print(header + " | best/gloo | tcp only/gloo")
     print("-" * len(header) + "-+-----------+--------------")
     for i, size in enumerate(sizes):
-        worst = {name: max(r[i][1][name] for r in results) for name in (*ALGORITHMS, FORCED_TCP, "gloo")}
+        worst = {name: max(r[i][1][name] for r in results) for name in (*OURS, "gloo")}
         cells = []
-        for name in (*ALGORITHMS, FORCED_TCP, "gloo"):
+        for name in (*OURS, "gloo"):
             busbw = size / worst[name] * bus / 1e9
             cells.append(f"{worst[name] * 1e6:>22.0f} {busbw:>10.2f}")
         best = min(worst[a] for a in ALGORITHMS)
@@ -226,13 +230,10 @@ def main() -> None:
             f"{share:>20.0%} | {forced:>17.0%}"
         )
     print("CPU time per all-reduce, median, busiest rank (ms):")
-    print(f"{'size':>9} | " + " | ".join(f"{name:>16}" for name in (*ALGORITHMS, FORCED_TCP, "gloo")))
+    print(f"{'size':>9} | " + " | ".join(f"{name:>16}" for name in (*OURS, "gloo")))
     for i, size in enumerate(sizes):
-        cpu = {name: max(r[i][2][name] for r in results) for name in (*ALGORITHMS, FORCED_TCP, "gloo")}
-        print(
-            f"{format_bytes(size):>9} | "
-            + " | ".join(f"{cpu[name] * 1e3:>16.1f}" for name in (*ALGORITHMS, FORCED_TCP, "gloo"))
-        )
+        cpu = {name: max(r[i][2][name] for r in results) for name in (*OURS, "gloo")}
+        print(f"{format_bytes(size):>9} | " + " | ".join(f"{cpu[name] * 1e3:>16.1f}" for name in (*OURS, "gloo")))
 
 
 if __name__ == "__main__":
