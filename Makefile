@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck install clean bench
+.PHONY: demo test test-fast lint typecheck install clean bench bytecode
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-demo: $(STAMP)
+# Byte-compile our own modules once: with PYTHONDONTWRITEBYTECODE set (common in containers and CI images) every
+# interpreter would compile them again on import (0.55 s instead of 0.41 s for `import allreduce` here), and the
+# suite and the demo start hundreds of interpreters (ranks, launchers, CLI runs).
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q src tests benchmarks
+
+demo: $(STAMP) bytecode
 	$(BIN)/allreduce demo
 
 lint: $(STAMP)
@@ -28,12 +34,12 @@ typecheck: $(STAMP)
 
 # Two workers for everything that does not time real processes against each other (one module per worker: its
 # fixtures start once), then the timing tests alone (marked serial). Both parts must run a test (exit 5 fails).
-test: lint typecheck
+test: lint typecheck bytecode
 	$(BIN)/python -m pytest -q -n 2 --dist loadscope -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
 # pytest exits 5 when the marker selects no test: make stops on it, as on any failure.
-test-fast: $(STAMP)
+test-fast: $(STAMP) bytecode
 	$(BIN)/python -m pytest -q -m "not slow and not serial" -n 2
 
 clean:

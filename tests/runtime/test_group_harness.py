@@ -13,7 +13,7 @@ import queue
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(n: int, target: Callable[..., None], *args: Any, timeout_s: float = 240.0) -> list[Any]:
+def run_ranks(
+    n: int,
+    target: Callable[..., None],
+    *args: Any,
+    timeout_s: float = 240.0,
+    needed: Iterable[int] | None = None,
+) -> list[Any]:
+    """``needed`` names the ranks whose reports the test reads (all by default); once they are in, the others
+    (a rank the test stalls on purpose) are killed rather than waited for, and their entries are None."""
+    wanted = set(range(n) if needed is None else needed)
     port = free_port()
     out = SPAWN.Queue()
     procs = [SPAWN.Process(target=target, args=(r, n, port, out, *args), daemon=True) for r in range(n)]
@@ -35,22 +44,22 @@ def run_ranks(n: int, target: Callable[..., None], *args: Any, timeout_s: float 
         p.start()
     results: dict[int, Any] = {}
     try:
-        while len(results) < n:
+        while not wanted <= results.keys():
             try:
                 rank, value = out.get(timeout=timeout_s)
             except queue.Empty:
-                missing = sorted(set(range(n)) - set(results))
+                missing = sorted(wanted - results.keys())
                 raise AssertionError(f"ranks {missing} did not report within {timeout_s} s") from None
             results[rank] = value
     finally:
-        for p in procs:
-            p.join(timeout=30)
+        for r, p in enumerate(procs):
+            p.join(timeout=30 if r in wanted else 0)
             if p.is_alive():
                 p.kill()
                 p.join()
         out.close()
         out.join_thread()
-    return [results[r] for r in range(n)]
+    return [results.get(r) for r in range(n)]
 
 
 def report(out: Any, rank: int, fn: Callable[[], Any]) -> None:

@@ -112,11 +112,12 @@ def test_ctrl_c_is_forwarded_to_every_rank() -> None:
             "-n",
             "2",
             *script("""
-                import os, signal, sys, threading
-                got = threading.Event()
-                signal.signal(signal.SIGINT, lambda *_: got.set())
+                import signal
+                # blocked, then taken with sigwait: a handler that set a threading.Event could run while the main
+                # thread held the Event's lock inside wait() and deadlock there (seen once in CI on a loaded host)
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
                 print("ready", flush=True)
-                got.wait()
+                signal.sigwait({signal.SIGINT})
                 print("got SIGINT", flush=True)
             """),
         ],
