@@ -155,9 +155,7 @@ def _one_rank_stalls_mid_collective(rank: int, n: int, port: int, out: Any, case
 
 def _stall_reports(transport: str) -> list[Any]:
     # In the ring, only rank 0 receives from rank 3; ranks 1 and 2 wait for ranks 0 and 1, which wait for rank 3.
-    return run_ranks(
-        4, _one_rank_stalls_mid_collective, (3, transport), timeout_s=BLAME_TIMEOUT_S * 3, needed=range(3)
-    )
+    return run_ranks(4, _one_rank_stalls_mid_collective, (3, transport), timeout_s=BLAME_TIMEOUT_S * 3, needed=range(3))
 
 
 @pytest.mark.slow
