@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
 from allreduce.runtime._descriptor import (
     BARRIER_CODE,
     DESCRIPTOR,
+    DTYPE_CODES,
     DTYPES,
     FIELDS,
     KIND_CODES,
@@ -138,3 +141,36 @@ def test_a_schedule_that_moves_data_differently_has_another_digest(other: object
 
 def test_a_digest_is_never_the_registered_marker() -> None:
     assert schedule_digest(ring_all_reduce(2)) != NO_DIGEST
+
+
+def _fresh_python(code: str) -> str:
+    """Run ``code`` in a new interpreter (nothing imported yet, unlike this test process) and return its output."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_import_allreduce_leaves_ml_dtypes_unimported() -> None:
+    # ml_dtypes 0.7 alone took 0.7-0.9 s to import: every rank, launcher and CLI run paid it for bfloat16
+    out = _fresh_python("import sys, allreduce, allreduce.runtime, allreduce.train; print('ml_dtypes' in sys.modules)")
+    assert out.strip() == "False"
+
+
+def test_a_bfloat16_array_made_after_import_is_reduced_with_its_fixed_code() -> None:
+    out = _fresh_python(
+        "import numpy as np, allreduce\n"
+        "from allreduce.runtime._descriptor import DTYPE_CODES\n"
+        "import ml_dtypes\n"
+        "group = allreduce.init(0, 1)\n"
+        "x = np.arange(6).astype(ml_dtypes.bfloat16)\n"
+        "group.all_reduce(x)\n"
+        "print(x.astype(np.float32).tolist(), DTYPE_CODES[x.dtype])\n"
+    )
+    assert out.split("]")[0] + "]" == "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]"
+    assert int(out.split("]")[1]) == list(DTYPES).index("bfloat16")
+
+
+def test_the_dtype_table_keeps_bfloat16_at_code_1_before_and_after_it_is_loaded() -> None:
+    assert list(DTYPES)[1] == "bfloat16"
+    assert DTYPES["bfloat16"].name == "bfloat16"
+    assert DTYPE_CODES[DTYPES["bfloat16"]] == 1

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._descriptor import DTYPE_CODES, DTYPES
+from allreduce.runtime._descriptor import DTYPE_CODES, DTYPES, dtype_code
 
 __all__ = ["Buffer", "as_buffer", "check_dtype", "is_torch"]
 
@@ -46,7 +45,7 @@ class Buffer:
 
 def check_dtype(dtype: np.dtype[Any], what: str) -> np.dtype[Any]:
     """``dtype`` if collectives support it, else ``TypeError`` naming ``what`` and the supported dtypes."""
-    if dtype not in DTYPE_CODES:
+    if dtype not in DTYPE_CODES and dtype_code(dtype) is None:
         raise TypeError(f"{what}: unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
     return dtype
 
@@ -62,7 +61,7 @@ def _torch_to_numpy(tensor: Any, what: str) -> npt.NDArray[Any]:
         raise ValueError(f"{what}: only CPU tensors are supported, got a tensor on {tensor.device}")
     t = tensor.detach()
     if t.dtype == torch.bfloat16:
-        return np.asarray(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+        return np.asarray(t.view(torch.int16).numpy().view(DTYPES["bfloat16"]))
     array: npt.NDArray[Any] = t.numpy()
     return array
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from allreduce.schedules import MAX_ALGORITHM_NAME_BYTES, Collective, Schedule
@@ -43,23 +44,47 @@ __all__ = [
     "Descriptor",
     "algorithm_name_bytes",
     "barrier_descriptor",
+    "dtype_code",
     "find_mismatch",
     "proposal_of",
     "schedule_digest",
     "tag_bytes",
 ]
 
-DTYPES: dict[str, np.dtype[Any]] = {
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "int8": np.dtype(np.int8),
-    "int16": np.dtype(np.int16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "uint8": np.dtype(np.uint8),
-}
+_DTYPE_ORDER = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8")
+
+
+class _Dtypes(Mapping[str, "np.dtype[Any]"]):
+    """The element types by name, in code order; bfloat16 (from ml_dtypes) is imported on first use.
+
+    ml_dtypes 0.7 takes 0.7-0.9 s to import on this machine, longer than numpy and the rest of allreduce together,
+    and every rank process, launcher and CLI run would pay it at ``import allreduce`` although most never touch
+    bfloat16. A bfloat16 array can only exist once ml_dtypes is imported (its dtype comes from there), so
+    :func:`dtype_code` registers it the first time such an array arrives; a name lookup imports it."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, np.dtype[Any]] = {name: np.dtype(name) for name in _DTYPE_ORDER if name != "bfloat16"}
+
+    def __getitem__(self, name: str) -> np.dtype[Any]:
+        if name == "bfloat16" and name not in self._known:
+            import ml_dtypes  # deliberately late: see the class docstring
+
+            bf16 = np.dtype(ml_dtypes.bfloat16)
+            self._known[name] = bf16
+            DTYPE_CODES[bf16] = _DTYPE_ORDER.index(name)
+        return self._known[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_DTYPE_ORDER)
+
+    def __len__(self) -> int:
+        return len(_DTYPE_ORDER)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _DTYPE_ORDER
+
+
+DTYPES: Mapping[str, np.dtype[Any]] = _Dtypes()
 """The element types collectives accept, by name; a dtype's code in the descriptor is its position here."""
 
 OPS: dict[str, np.ufunc] = {
@@ -71,7 +96,21 @@ OPS: dict[str, np.ufunc] = {
 }
 """The reductions, by name; an op's code in the descriptor is its position here."""
 
-DTYPE_CODES: dict[np.dtype[Any], int] = {dt: i for i, dt in enumerate(DTYPES.values())}
+DTYPE_CODES: dict[np.dtype[Any], int] = {
+    np.dtype(name): code for code, name in enumerate(_DTYPE_ORDER) if name != "bfloat16"
+}
+"""A supported dtype's code (bfloat16's entry appears once ml_dtypes is loaded: see :func:`dtype_code`)."""
+
+
+def dtype_code(dtype: np.dtype[Any]) -> int | None:
+    """``dtype``'s code in the descriptor, or None when collectives do not support it."""
+    code = DTYPE_CODES.get(dtype)
+    if code is None and dtype.name == "bfloat16" and "ml_dtypes" in sys.modules:
+        DTYPES["bfloat16"]  # registers its code
+        code = DTYPE_CODES.get(dtype)
+    return code
+
+
 OP_CODES: dict[str, int] = {name: i for i, name in enumerate(OPS)}
 KIND_CODES: dict[Collective, int] = {c: i for i, c in enumerate(Collective)}
 

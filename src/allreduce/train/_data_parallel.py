@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import ml_dtypes
 import numpy as np
 
 import torch
@@ -104,6 +103,8 @@ def _bucket_tensor(group: CollectiveGroup, count: int, dtype: torch.dtype) -> to
         try:
             if dtype == torch.bfloat16:
                 # numpy has no bfloat16 of its own; the group's (ml_dtypes) goes to torch as raw 16-bit words.
+                import ml_dtypes  # late: 0.7-0.9 s to import, only for bfloat16 buckets
+
                 raw = empty(count, ml_dtypes.bfloat16).view(np.int16)
                 flat = torch.from_numpy(raw).view(torch.bfloat16)
             else:
