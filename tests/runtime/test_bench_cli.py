@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from allreduce.cli._tune import fit_cost_model
-from allreduce.runtime import DTYPES, OPS
+from allreduce.runtime import DTYPES, OPS, SHM_FUSED_BYTES
 from allreduce.runtime._bench import expected_result, pattern
 from allreduce.runtime._tune import load_cost_model, save_cost_model
 from allreduce.schedules import CostModel
@@ -107,6 +108,28 @@ def test_a_corrupt_tune_file_means_defaults(tmp_path: Any) -> None:
     save_cost_model("shm", CostModel(latency_s=1e-5, bandwidth_Bps=5e9, reduce_bandwidth_Bps=7e9), path=path)
     model = load_cost_model("shm", path=path)
     assert model == CostModel(latency_s=1e-5, bandwidth_Bps=5e9, reduce_bandwidth_Bps=7e9)
+
+
+def test_a_tune_file_from_before_fused_bytes_gets_the_transports_built_in_value(tmp_path: Any) -> None:
+    path = tmp_path / "tune.json"
+    save_cost_model("shm", CostModel(latency_s=1e-5, bandwidth_Bps=5e9, reduce_bandwidth_Bps=7e9), path=path)
+    save_cost_model("tcp", CostModel(latency_s=4e-5, bandwidth_Bps=2e9, reduce_bandwidth_Bps=7e9), path=path)
+    data = json.loads(path.read_text())
+    for entry in next(iter(data.values())).values():
+        del entry["fused_bytes"]  # the file as earlier versions wrote it
+    path.write_text(json.dumps(data))
+    shm, tcp = load_cost_model("shm", path=path), load_cost_model("tcp", path=path)
+    assert shm is not None
+    assert shm.fused_bytes == SHM_FUSED_BYTES
+    assert tcp is not None
+    assert tcp.fused_bytes == 0.0
+
+
+def test_an_unbounded_fused_bytes_round_trips_through_the_tune_file(tmp_path: Any) -> None:
+    path = tmp_path / "tune.json"
+    model = CostModel(latency_s=1e-5, bandwidth_Bps=5e9, reduce_bandwidth_Bps=7e9, fused_bytes=math.inf)
+    save_cost_model("shm", model, path=path)
+    assert load_cost_model("shm", path=path) == model
 
 
 def test_fit_recovers_the_constants_of_a_synthetic_ring() -> None:

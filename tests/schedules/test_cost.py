@@ -163,3 +163,39 @@ def test_propagate_extrapolates_exactly_what_stepping_computes() -> None:
         clock = new + extra
     np.testing.assert_allclose(jumped, clock, rtol=1e-12)
     assert timings[0].end_s == pytest.approx(clock.max())
+
+
+# ---- fused calls: one pass per step ------------------------------------------------------------------------------
+FUSED = CostModel(latency_s=8e-6, bandwidth_Bps=6e9, reduce_bandwidth_Bps=7e9, fused_bytes=math.inf)
+
+
+@pytest.mark.parametrize("size", [4096.0, 2.0**20, 2.0**30])
+def test_fused_recursive_doubling_of_two_is_one_step_of_max_transfer_reduce(size: float) -> None:
+    a, b, g = FUSED.latency_s, FUSED.seconds_per_byte, FUSED.reduce_seconds_per_byte
+    got = predict(recursive_doubling_all_reduce(2), size, FUSED).seconds
+    assert got == pytest.approx(a + size * max(b, g), rel=RTOL)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("size", [4096.0, 2.0**24])
+def test_fused_ring_overlaps_each_reduce_scatter_step_and_leaves_the_all_gather_as_it_was(n: int, size: float) -> None:
+    a, b, g = FUSED.latency_s, FUSED.seconds_per_byte, FUSED.reduce_seconds_per_byte
+    block = size / n
+    want = (n - 1) * (a + block * max(b, g)) + (n - 1) * (a + block * b)
+    assert predict(ring_all_reduce(n), size, FUSED).seconds == pytest.approx(want, rel=RTOL)
+
+
+def test_a_call_is_fused_up_to_steps_times_size_equal_to_fused_bytes() -> None:
+    model = CostModel(latency_s=1e-6, bandwidth_Bps=1e9, reduce_bandwidth_Bps=1e9, fused_bytes=2.0 * 4096)
+    ring = ring_all_reduce(2)  # 2 steps
+    a, t = 1e-6, 2048 / 1e9  # per step at 4096 bytes: a block of 2048
+    assert predict(ring, 4096.0, model).seconds == pytest.approx(2 * a + 2 * t, rel=RTOL)  # fused: max(T, R)
+    unfused = predict(ring, 4097.0, model).seconds
+    assert unfused == pytest.approx(ring_closed_form(2, 4097.0, a, 1e-9, 1e-9), rel=RTOL)
+
+
+def test_fused_bytes_must_be_a_number_at_least_zero() -> None:
+    with pytest.raises(ValueError, match="fused_bytes must be"):
+        CostModel(latency_s=1e-6, bandwidth_Bps=1.0, fused_bytes=-1.0)
+    with pytest.raises(ValueError, match="fused_bytes must be"):
+        CostModel(latency_s=1e-6, bandwidth_Bps=1.0, fused_bytes=math.nan)

@@ -11,7 +11,7 @@ from allreduce.runtime._errors import (
     PeerFailureError,
     ProtocolError,
 )
-from allreduce.runtime._group import STATS_FILE_ENV, ProcessGroup
+from allreduce.runtime._group import SHM_FUSED_BYTES, STATS_FILE_ENV, ProcessGroup
 from allreduce.runtime._inject import ENV_VAR as INJECT_ENV
 from allreduce.runtime._launch import LaunchResult, launch
 from allreduce.runtime._local import LocalTransport, local_groups, local_transports
@@ -48,6 +48,7 @@ __all__ = [
     "MAX_LOCAL_RANKS",
     "OPS",
     "PLAN_CACHE_ENTRIES",
+    "SHM_FUSED_BYTES",
     "STATS_FILE_ENV",
     "TRACE_ENV",
     "BenchConfig",

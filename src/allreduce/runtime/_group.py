@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DTYPES",
     "OPS",
+    "SHM_FUSED_BYTES",
     "SHM_SHARED_CORES_STEP_S",
     "SHM_STEP_S",
     "STATS_FILE_ENV",
@@ -105,13 +107,21 @@ N=4 on 2 cores, 2026-12-01: recursive doubling, 2 steps, 285 µs; halving-doubli
 steps, 401 µs: 23-29 µs per step)."""
 
 
+SHM_FUSED_BYTES = 256 << 10
+"""The shm model's ``fused_bytes``: calls whose steps × size fit the eager snapshots
+(:data:`~allreduce.runtime.shm.EAGER_BYTES`) are read out of a snapshot and reduced in one pass per step (measured
+at N=2, 2026-12-03, recursive doubling against the ring: 0.92 of its time at 64 KiB, 0.66 at 256 KiB, in
+``group.empty()`` buffers as in plain arrays; beyond the snapshots, in-place recursive doubling reduces through
+scratch and lost: 1.31-4.5x the ring's time from 512 KiB to 8 MiB)."""
+
+
 def default_cost_model(transport: str, world_size: int = 1) -> CostModel:
     """Built-in α, β, γ per transport (measured on the 2-core development machine; ``allreduce tune`` refines);
     shm's α is larger when ``world_size`` ranks share fewer cores (:data:`SHM_SHARED_CORES_STEP_S`)."""
     if transport == "shm":
         shared = world_size > len(os.sched_getaffinity(0))
         step_s = SHM_SHARED_CORES_STEP_S if shared else SHM_STEP_S
-        return CostModel(latency_s=step_s, bandwidth_Bps=6e9, reduce_bandwidth_Bps=7e9)
+        return CostModel(latency_s=step_s, bandwidth_Bps=6e9, reduce_bandwidth_Bps=7e9, fused_bytes=SHM_FUSED_BYTES)
     return CostModel(latency_s=40e-6, bandwidth_Bps=2e9, reduce_bandwidth_Bps=7e9)
 
 
@@ -471,11 +481,21 @@ class ProcessGroup:
         except (CollectiveError, OSError, ValueError) as exc:
             print(f"[allreduce rank {self.rank}] no stats or trace at close: {exc}", file=sys.stderr, flush=True)
 
-    def choose_algorithm(self, count: int, dtype: Any = np.float32, collective: Collective | str = "all_reduce") -> str:
-        """The algorithm ``algorithm="auto"`` picks for ``count`` elements of ``dtype`` (by the cost model)."""
+    def choose_algorithm(
+        self,
+        count: int,
+        dtype: Any = np.float32,
+        collective: Collective | str = "all_reduce",
+        *,
+        like: Any = None,
+    ) -> str:
+        """The algorithm ``algorithm="auto"`` picks for ``count`` elements of ``dtype`` (by the cost model); with
+        ``like`` (an array or tensor), for a call on that very buffer, whose memory the transport may move in one
+        pass per step at any size (a plain array staged in a group of two over shm)."""
         coll = Collective(collective)
         itemsize = check_dtype(np.dtype(dtype), "dtype").itemsize
-        return self._runs.resolve(coll, "auto", count, itemsize, deterministic=False)
+        fuses = None if like is None else partial(self._transport.fuses, as_buffer(like, "like").flat)
+        return self._runs.resolve(coll, "auto", count, itemsize, deterministic=False, fuses=fuses)
 
     # ----------------------------------------------------------------------------------------------------
     # The one path every collective takes
@@ -533,7 +553,8 @@ class ProcessGroup:
             run = self._runs.of_schedule(collective, algorithm, root, segments, count)
             requested = run.name
         else:
-            name = self._runs.resolve(collective, algorithm, count, dtype.itemsize, deterministic=False)
+            fuses = partial(self._transport.fuses, buf.flat) if algorithm == "auto" else None
+            name = self._runs.resolve(collective, algorithm, count, dtype.itemsize, deterministic=False, fuses=fuses)
             run = self._runs.registered(collective, kind, name, root=root, segments=segments, count=count)
             requested = _REQUESTED_AUTO if algorithm == "auto" else run.name
         descriptor = DESCRIPTOR.pack(

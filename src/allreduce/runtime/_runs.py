@@ -6,7 +6,9 @@ transport's compiled forms share the group's one :class:`PlanCache`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from allreduce.runtime._descriptor import NO_DIGEST, algorithm_name_bytes, schedule_digest
@@ -19,7 +21,7 @@ from allreduce.schedules import (
     algorithms,
     get_algorithm,
     make_schedule,
-    predict,
+    predict_seconds,
     verify,
 )
 
@@ -58,12 +60,25 @@ class Runs:
     def __init__(self, group: _Shape, plans: PlanCache) -> None:
         self._group = group
         self._plans = plans
-        self._auto: dict[tuple[Collective, int, int], str] = {}
+        self._auto: dict[tuple[Collective, int, int, bool], str] = {}
         self._auto_model: CostModel | None = None
         """The cost model whose picks ``_auto`` holds (a group's model may be replaced between calls)."""
 
-    def resolve(self, collective: Collective, algorithm: str, count: int, itemsize: int, deterministic: bool) -> str:
-        """The registered algorithm to run: ``algorithm`` itself, or the cost model's pick for ``auto``."""
+    def resolve(
+        self,
+        collective: Collective,
+        algorithm: str,
+        count: int,
+        itemsize: int,
+        deterministic: bool,
+        *,
+        fuses: Callable[[], bool] | None = None,
+    ) -> str:
+        """The registered algorithm to run: ``algorithm`` itself, or the cost model's pick for ``auto``.
+
+        ``fuses`` asks whether the transport moves and reduces this call's buffer in one pass per step at any size
+        (:meth:`~allreduce.runtime.Transport.fuses`); it is asked only when that would change the pick, so calls
+        whose picks agree either way (most) pay two cached lookups, not the question."""
         if deterministic and collective in DETERMINISTIC:
             return DETERMINISTIC[collective]
         if algorithm != "auto":
@@ -74,13 +89,24 @@ class Runs:
             self._auto.clear()
             self._auto_model = self._group.cost_model
         size_class = max(count * itemsize, 1).bit_length()
-        key = (collective, size_class, self._group.group_size)
-        best = self._auto.get(key)
-        if best is None:
-            best = self._auto[key] = self._cheapest(collective, float(1 << (size_class - 1)))
+        best = self._pick(collective, size_class, fused=False)
+        if fuses is not None:
+            fused_best = self._pick(collective, size_class, fused=True)
+            if fused_best != best and fuses():
+                return fused_best
         return best
 
-    def _cheapest(self, collective: Collective, size_bytes: float) -> str:
+    def _pick(self, collective: Collective, size_class: int, *, fused: bool) -> str:
+        key = (collective, size_class, self._group.group_size, fused)
+        best = self._auto.get(key)
+        if best is None:
+            model = self._group.cost_model
+            if fused:
+                model = dataclasses.replace(model, fused_bytes=math.inf)
+            best = self._auto[key] = self._cheapest(collective, float(1 << (size_class - 1)), model)
+        return best
+
+    def _cheapest(self, collective: Collective, size_bytes: float, model: CostModel) -> str:
         """The registered algorithm the cost model predicts fastest for ``size_bytes``.
 
         Only algorithms registered as automatic (identical results on every rank) are candidates; those that take
@@ -98,7 +124,7 @@ class Runs:
                 schedule = self.schedule(collective, name, 0, 1)
             except ValueError:
                 continue
-            predicted_s = predict(schedule, size_bytes, group.cost_model).seconds
+            predicted_s = predict_seconds(schedule, size_bytes, model)
             if predicted_s < best_s:
                 best, best_s = name, predicted_s
         if not best:

@@ -166,6 +166,12 @@ class Transport(abc.ABC):
     def prepare(self, seq: int, buffer: npt.NDArray[Any], *, checksum: bool) -> None:  # noqa: B027 (optional hook)
         """Before ``agree(seq)``: an optional head start for a small buffer (default: nothing)."""
 
+    def fuses(self, buffer: npt.NDArray[Any]) -> bool:
+        """Whether every call on ``buffer`` moves and reduces each step in one pass whatever its size, which
+        ``algorithm="auto"`` then tells the cost model (:attr:`~allreduce.schedules.CostModel.fused_bytes`);
+        default: no, the model's own ``fused_bytes`` decides by size."""
+        return False
+
     def allocate(self, size_bytes: int) -> npt.NDArray[np.uint8] | None:
         """``size_bytes`` of memory this transport moves without a copy, or ``None`` (use ``numpy.empty``)."""
         return None

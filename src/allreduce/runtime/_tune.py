@@ -7,11 +7,13 @@ name and transport. A missing, unreadable or foreign file means "use the built-i
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from pathlib import Path
 from typing import Any
 
+from allreduce.runtime._group import SHM_FUSED_BYTES
 from allreduce.schedules import CostModel
 
 __all__ = ["load_cost_model", "save_cost_model", "tune_file"]
@@ -44,6 +46,8 @@ def load_cost_model(transport: str, *, path: Path | None = None) -> CostModel | 
             latency_s=float(entry["latency_s"]),
             bandwidth_Bps=float(entry["bandwidth_Bps"]),
             reduce_bandwidth_Bps=float(entry["reduce_bandwidth_Bps"]),
+            # files written before the field existed: the transport's built-in value
+            fused_bytes=float(entry.get("fused_bytes", SHM_FUSED_BYTES if transport == "shm" else 0.0)),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -58,6 +62,7 @@ def save_cost_model(transport: str, model: CostModel, *, path: Path | None = Non
         "latency_s": model.latency_s,
         "bandwidth_Bps": model.bandwidth_Bps,
         "reduce_bandwidth_Bps": model.reduce_bandwidth_Bps,
+        "fused_bytes": model.fused_bytes if math.isfinite(model.fused_bytes) else "inf",
     }
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")

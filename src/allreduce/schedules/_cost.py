@@ -8,9 +8,11 @@ recurrence (:mod:`allreduce.schedules._timing`) with
 
 so a rank that sends to, or receives from, several peers in one step shares its one port among them. With S
 segments a step's transfer and reduction overlap as a two-stage pipeline: α + max(T, R) + min(T, R)/S instead of
-α + T + R (T = transfer time, R = reduce time). The textbook closed forms follow from this: ring
-2(N−1)·α + 2(N−1)/N·S·β, Rabenseifner 2·log2(N)·α + 2(N−1)/N·S·β, recursive doubling log2(N)·(α + S·β) (tests check
-them to 1e-9).
+α + T + R (T = transfer time, R = reduce time). A transport whose receiver reduces straight out of the sender's
+memory moves and reduces in one pass: a call the model marks *fused* (``CostModel.fused_bytes``) costs
+α + max(T, R) per step, the pipeline's limit of infinitely many segments. The textbook closed forms follow from
+this: ring 2(N−1)·α + 2(N−1)/N·S·β, Rabenseifner 2·log2(N)·α + 2(N−1)/N·S·β, recursive doubling log2(N)·(α + S·β)
+(tests check them to 1e-9).
 
 The latency, transfer and reduce terms of the prediction are the partial derivatives of the critical path with
 respect to α, β and γ (times α, β, γ): the time each constant contributes along the path that decides.
@@ -34,11 +36,17 @@ FloatArray = npt.NDArray[np.float64]
 
 @dataclass(frozen=True)
 class CostModel:
-    """α: ``latency_s`` per step; β = 1/``bandwidth_Bps``; γ = 1/``reduce_bandwidth_Bps`` (None: free)."""
+    """α: ``latency_s`` per step; β = 1/``bandwidth_Bps``; γ = 1/``reduce_bandwidth_Bps`` (None: free).
+
+    ``fused_bytes``: a call whose steps × size_bytes is at most this moves and reduces each step in one pass,
+    α + max(T, R) per step rather than α + T + R (0: never; ``math.inf``: always). The shared-memory transport's
+    receiver reduces out of the sender's memory (``np.add(mine, theirs, out=...)``): the read is the reduction's
+    input stream, not a pass of its own, wherever the sent data is not also written in the same step."""
 
     latency_s: float
     bandwidth_Bps: float
     reduce_bandwidth_Bps: float | None = None
+    fused_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
@@ -49,6 +57,12 @@ class CostModel:
             math.isfinite(self.reduce_bandwidth_Bps) and self.reduce_bandwidth_Bps > 0
         ):
             raise ValueError(f"reduce_bandwidth_Bps must be a finite number > 0, got {self.reduce_bandwidth_Bps}")
+        if math.isnan(self.fused_bytes) or self.fused_bytes < 0:
+            raise ValueError(f"fused_bytes must be a number >= 0 (math.inf: always), got {self.fused_bytes}")
+
+    def fuses(self, schedule: Schedule, size_bytes: float) -> bool:
+        """Whether a call of ``schedule`` on ``size_bytes`` per rank moves and reduces in one pass per step."""
+        return schedule.num_steps * size_bytes <= self.fused_bytes
 
     @property
     def seconds_per_byte(self) -> float:
@@ -98,9 +112,11 @@ class Prediction:
         return "latency" if self.latency_s >= self.transfer_s + self.reduce_s else "bandwidth"
 
 
-def _critical_path_seconds(schedule: Schedule, size_bytes: float, alpha: float, beta: float, gamma: float) -> float:
+def _critical_path_seconds(
+    schedule: Schedule, size_bytes: float, alpha: float, beta: float, gamma: float, *, fused: bool = False
+) -> float:
     n = schedule.world_size
-    segments = schedule.segments
+    segments = math.inf if fused else schedule.segments
 
     def volumes(phase: Phase) -> tuple[FloatArray, FloatArray, FloatArray]:
         nbytes = phase.fraction * size_bytes
@@ -115,11 +131,12 @@ def _critical_path_seconds(schedule: Schedule, size_bytes: float, alpha: float, 
         if segments == 1:
             return alpha + transfer
         reduce_at_dst = reduced[phase.dst] * gamma
-        # Two-stage pipeline: the longer stage runs whole, the shorter one's last segment trails it.
+        # Two-stage pipeline: the longer stage runs whole, the shorter one's last segment trails it (fused: the
+        # limit of infinitely many segments, max(T, R)).
         return np.asarray(alpha + transfer + np.maximum(reduce_at_dst - transfer, 0.0) * (1 - 1 / segments))
 
     def rank_seconds(phase: Phase) -> FloatArray | None:
-        if gamma == 0.0:
+        if gamma == 0.0 or fused:
             return None
         _, _, reduced = volumes(phase)
         return np.asarray(reduced * gamma / segments)
@@ -131,7 +148,12 @@ def _critical_path_seconds(schedule: Schedule, size_bytes: float, alpha: float, 
 def predict_seconds(schedule: Schedule, size_bytes: float, model: CostModel) -> float:
     """Just the predicted time (one pass; :func:`predict` also splits it into α, β and γ shares)."""
     return _critical_path_seconds(
-        schedule, size_bytes, model.latency_s, model.seconds_per_byte, model.reduce_seconds_per_byte
+        schedule,
+        size_bytes,
+        model.latency_s,
+        model.seconds_per_byte,
+        model.reduce_seconds_per_byte,
+        fused=model.fuses(schedule, size_bytes),
     )
 
 
@@ -140,7 +162,8 @@ def predict(schedule: Schedule, size_bytes: float, model: CostModel) -> Predicti
     if not (math.isfinite(size_bytes) and size_bytes >= 0):
         raise ValueError(f"size_bytes must be a finite number >= 0, got {size_bytes}")
     alpha, beta, gamma = model.latency_s, model.seconds_per_byte, model.reduce_seconds_per_byte
-    total = _critical_path_seconds(schedule, size_bytes, alpha, beta, gamma)
+    fused = model.fuses(schedule, size_bytes)
+    total = _critical_path_seconds(schedule, size_bytes, alpha, beta, gamma, fused=fused)
     # Shares of α, β, γ along the critical path: T is piecewise linear in each, so a relative nudge of one
     # constant changes T by (that constant's share) × nudge.
     nudge = 1e-6
@@ -151,7 +174,7 @@ def predict(schedule: Schedule, size_bytes: float, model: CostModel) -> Predicti
             shares.append(0.0)
             continue
         nudged = [c * (1 + nudge) if i == which else c for i, c in enumerate(constants)]
-        shares.append(max(0.0, (_critical_path_seconds(schedule, size_bytes, *nudged) - total) / nudge))
+        shares.append(max(0.0, (_critical_path_seconds(schedule, size_bytes, *nudged, fused=fused) - total) / nudge))
     return Prediction(
         name=schedule.name,
         size_bytes=float(size_bytes),

@@ -104,7 +104,9 @@ def test_shm_steps_cost_more_when_ranks_share_cores() -> None:
 def test_with_ranks_sharing_cores_auto_takes_fewer_steps_for_a_mid_size_buffer(ranks: Any) -> None:
     group = ranks(4)[0]
     count = 1 << 14  # 64 KiB of float32: at 8 µs a step, halving-doubling's 4 steps beat recursive doubling's 2
-    group.cost_model = default_cost_model("shm", 4 + len(os.sched_getaffinity(0)))
+    # (the per-step α alone: fused_bytes 0, so that both pay transfer and reduction as separate passes)
+    shared = default_cost_model("shm", 4 + len(os.sched_getaffinity(0)))
+    group.cost_model = dataclasses.replace(shared, fused_bytes=0.0)
     assert group.choose_algorithm(count) == "recursive_doubling"
     group.cost_model = dataclasses.replace(group.cost_model, latency_s=SHM_STEP_S)
     assert group.choose_algorithm(count) == "halving_doubling"

@@ -43,7 +43,7 @@ from allreduce.runtime.shm._linux import (
     read_remote,
     set_ptracer,
 )
-from allreduce.runtime.shm._segments import PeerSegments, Segment, data_segment_path
+from allreduce.runtime.shm._segments import LocalSegments, PeerSegments, Segment, data_segment_path
 from allreduce.runtime.shm._waiting import PeerWaiting
 
 __all__ = [
@@ -202,6 +202,21 @@ class PeerData(PeerWaiting):
     _tracer_release: int
     """The ``read_done`` value the current ptracer reaches once it has read everything it was admitted for."""
     _ptracer_switches: int
+    _cross_memory_min_bytes: int
+    _segments: LocalSegments
+
+    def fuses(self, buffer: npt.NDArray[Any]) -> bool:
+        """A staged array in a group of two: a step's sent ranges are copied into the working buffer and every
+        range received is reduced straight out of the peer's into a different array (the working buffer when it
+        is sent again, else the user's), one pass, never through scratch. Larger groups are left to the size
+        rule: their recursive doubling receives ranges it also sends in that step into scratch first (measured
+        at N=2, plain float32 arrays, recursive doubling against the ring, 2026-12-03: 0.66-0.92 of its time
+        from 64 KiB to 4 MiB)."""
+        return (
+            self.world_size == 2
+            and buffer.nbytes < self._cross_memory_min_bytes
+            and self._segments.locate(buffer) is None
+        )
 
     def _admit(self, reader: int, release: int, *, deadline: float, seq: int, step: int) -> None:
         """Ptracer discipline: let ``reader`` alone read this rank's private memory until its ``read_done`` reaches
