@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -104,44 +107,78 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path: P
     assert "rank 0 did not stop in 0.5 s; killing it" in result.stderr
 
 
+_WAIT_FOR_SIGINT = """
+    import signal
+    # blocked, then taken with sigwait: nothing of the rank's own can lose or deadlock on the signal
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    print("ready", flush=True)
+    signal.sigwait({signal.SIGINT})
+    print("got SIGINT", flush=True)
+"""
+
+
+def _tgkill(pid: int, tid: int, signum: int) -> None:
+    """Send ``signum`` to thread ``tid`` of process ``pid`` (what the kernel does when it picks that thread)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_TGKILL, pid, tid, signum) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {signum})")
+
+
+_SYS_TGKILL = 234  # x86_64
+
+
+def _interrupt_a_launch(deliver: Callable[[subprocess.Popen[str]], None]) -> tuple[list[str], str, int]:
+    """Run two ranks that wait for SIGINT, ``deliver`` SIGINT to the launcher once both are ready, and return
+    the output lines, stderr and exit status; the launcher is killed if it does not end within 120 s."""
+    launcher = subprocess.Popen(
+        [*RUN, "-n", "2", *script(_WAIT_FOR_SIGINT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert launcher.stdout is not None
+        ready = 0
+        lines = []
+        while ready < 2:  # both ranks block SIGINT now
+            line = launcher.stdout.readline()
+            assert line, "launcher ended before its ranks were ready"
+            lines.append(line)
+            ready += line.endswith("ready\n")
+        deliver(launcher)
+        rest, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    return lines + rest.splitlines(keepends=True), err, launcher.returncode
+
+
 @pytest.mark.slow
 def test_ctrl_c_is_forwarded_to_every_rank() -> None:
-    launcher = subprocess.Popen(
-        [
-            *RUN,
-            "-n",
-            "2",
-            *script("""
-                import signal
-                # blocked, then taken with sigwait: a handler that set a threading.Event could run while the main
-                # thread held the Event's lock inside wait() and deadlock there (seen once in CI on a loaded host)
-                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-                print("ready", flush=True)
-                signal.sigwait({signal.SIGINT})
-                print("got SIGINT", flush=True)
-            """),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert launcher.stdout is not None
-    ready = 0
-    lines = []
-    while ready < 2:  # both ranks have installed their handler
-        line = launcher.stdout.readline()
-        assert line, "launcher ended before its ranks were ready"
-        lines.append(line)
-        ready += line.endswith("ready\n")
-    launcher.send_signal(signal.SIGINT)
-    rest, err = launcher.communicate(timeout=120)
-    lines += rest.splitlines(keepends=True)
+    lines, err, status = _interrupt_a_launch(lambda launcher: launcher.send_signal(signal.SIGINT))
     assert sorted(line.strip() for line in lines if "SIGINT" in line) == [
         "[rank 0] got SIGINT",
         "[rank 1] got SIGINT",
     ]
-    assert launcher.returncode == 128 + signal.SIGINT
+    assert status == 128 + signal.SIGINT
     assert "interrupted by SIGINT; forwarded to every rank" in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="tgkill's syscall number is x86_64's")
+def test_ctrl_c_taken_by_an_output_thread_still_wakes_the_launcher() -> None:
+    # The kernel may hand a process's signal to any of its threads; Python runs the handler in the main thread
+    # only once it runs bytecode again. The launcher's main thread sleeps in select (no deadline) while its output
+    # threads read the ranks' pipes: before signal.set_wakeup_fd it slept on (a CI run hung 120 s).
+    def to_an_output_thread(launcher: subprocess.Popen[str]) -> None:
+        threads = sorted(int(t) for t in os.listdir(f"/proc/{launcher.pid}/task") if int(t) != launcher.pid)
+        assert threads, "the launcher has no thread besides its main one"
+        _tgkill(launcher.pid, threads[0], signal.SIGINT)
+
+    lines, _, status = _interrupt_a_launch(to_an_output_thread)
+    assert sorted(line.strip() for line in lines if "SIGINT" in line) == [
+        "[rank 0] got SIGINT",
+        "[rank 1] got SIGINT",
+    ]
+    assert status == 128 + signal.SIGINT
 
 
 @pytest.mark.parametrize(

@@ -249,7 +249,7 @@ def launch(
         extra_env=env,
     )
     try:
-        with stop_signal_handlers(run.watch.interrupt):
+        with stop_signal_handlers(run.watch.interrupt, wake_fd=run.watch.wake_fd):
             run.start()
             result = run.run()
     finally:

@@ -174,10 +174,17 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def stop_signal_handlers(on_signal: Callable[[int], None]) -> Iterator[None]:
+def stop_signal_handlers(on_signal: Callable[[int], None], *, wake_fd: int | None = None) -> Iterator[None]:
     """Route :data:`STOP_SIGNALS` to ``on_signal(signum)`` inside the block, from the main thread only (elsewhere
-    nothing changes); a signal the process ignores (``nohup`` ignores SIGHUP) stays ignored."""
+    nothing changes); a signal the process ignores (``nohup`` ignores SIGHUP) stays ignored.
+
+    ``wake_fd`` (non-blocking, the write end of a pipe the main thread waits on): the kernel may deliver a signal
+    to any thread of the process, and Python runs the handler only once the main thread executes bytecode again;
+    a main thread asleep in ``select`` with no timeout would sleep on (a launcher whose output threads took a
+    Ctrl-C hung until killed). With ``signal.set_wakeup_fd`` the interpreter writes a byte there on every
+    signal, which wakes the main thread to run the handler."""
     previous: dict[int, Any] = {}
+    old_wake_fd: int | None = None
     if threading.current_thread() is threading.main_thread():
 
         def handler(signum: int, frame: FrameType | None) -> None:
@@ -186,9 +193,13 @@ def stop_signal_handlers(on_signal: Callable[[int], None]) -> Iterator[None]:
         for stop in STOP_SIGNALS:
             if signal.getsignal(stop) is not signal.SIG_IGN:
                 previous[stop] = signal.signal(stop, handler)
+        if wake_fd is not None:
+            old_wake_fd = signal.set_wakeup_fd(wake_fd, warn_on_full_buffer=False)
     try:
         yield
     finally:
+        if old_wake_fd is not None:
+            signal.set_wakeup_fd(old_wake_fd)
         for stop_signal, old in previous.items():
             signal.signal(stop_signal, old)
 
@@ -335,7 +346,8 @@ def spawn(
     )
     reaper = Reaper()
     try:
-        with stop_signal_handlers(lambda signum: watch.interrupt(signum, forward=signal.SIGTERM)):
+        on_signal = lambda signum: watch.interrupt(signum, forward=signal.SIGTERM)  # noqa: E731
+        with stop_signal_handlers(on_signal, wake_fd=watch.wake_fd):
             for rank in range(world_size):
                 if watch.interrupted_by is not None:
                     break

@@ -111,6 +111,12 @@ class RankWatch:
         os.set_blocking(self._wake_w, False)
 
     @property
+    def wake_fd(self) -> int:
+        """The write end of the pipe :meth:`watch` also waits on (non-blocking): a byte there wakes it, for
+        ``signal.set_wakeup_fd`` (see :func:`~allreduce.runtime._spawn.stop_signal_handlers`)."""
+        return self._wake_w
+
+    @property
     def stopping(self) -> bool:
         """Whether the watch has begun stopping the ranks (after which a failure is a consequence, not a cause)."""
         return self.stopped_at is not None
@@ -166,8 +172,10 @@ class RankWatch:
                         if what == "read" and not value():
                             selector.unregister(key.fd)
                         elif what == "wake":
+                            # an interrupt, or any signal's wakeup byte (its handler has run by now: the main
+                            # thread ran bytecode since select returned); only an interrupt starts the grace clock
                             os.read(self._wake_r, 64)
-                            if self._stop_deadline is None:
+                            if self._stop_deadline is None and self.interrupted_by is not None:
                                 self._stop_deadline = time.monotonic() + self.grace_s
                         elif what == "exit" and self.procs[value].poll() is not None:
                             selector.unregister(key.fd)
