@@ -152,6 +152,7 @@ def _interrupt_a_launch(deliver: Callable[[subprocess.Popen[str]], None]) -> tup
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("stop_signals_not_ignored")
 def test_ctrl_c_is_forwarded_to_every_rank() -> None:
     lines, err, status = _interrupt_a_launch(lambda launcher: launcher.send_signal(signal.SIGINT))
     assert sorted(line.strip() for line in lines if "SIGINT" in line) == [
@@ -163,6 +164,7 @@ def test_ctrl_c_is_forwarded_to_every_rank() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("stop_signals_not_ignored")
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="tgkill's syscall number is x86_64's")
 def test_ctrl_c_taken_by_an_output_thread_still_wakes_the_launcher() -> None:
     # The kernel may hand a process's signal to any of its threads; Python runs the handler in the main thread

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,20 +82,8 @@ def _pids(directory: Path, count: int) -> list[int]:
     return pids
 
 
-@pytest.fixture(autouse=True)
-def stop_signals_not_ignored() -> Iterator[None]:
-    """These tests model a terminal: Ctrl-C and hang-ups reach the launcher. A launcher started with SIGINT or
-    SIGHUP ignored (a background job of a non-interactive shell, ``nohup``; children inherit it) keeps ignoring
-    them, as `allreduce run` promises: so the launchers here start with the default disposition, whatever the test
-    runner was started with."""
-    ignored = [s for s in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(s) is signal.SIG_IGN]
-    for stop in ignored:
-        signal.signal(stop, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        for stop in ignored:
-            signal.signal(stop, signal.SIG_IGN)
+# These tests model a terminal: see the fixture (tests/runtime/conftest.py).
+pytestmark = pytest.mark.usefixtures("stop_signals_not_ignored")
 
 
 def _start_run(tmp_path: Path) -> subprocess.Popen[str]:
