@@ -11,7 +11,7 @@ import numpy as np
 
 from allreduce.cli._args import positive_int
 from allreduce.cli._main import CLIError
-from allreduce.runtime import SHM_FUSED_BYTES, BenchConfig, run_bench, save_cost_model, tune_file
+from allreduce.runtime import BenchConfig, default_cost_model, run_bench, save_cost_model, tune_file
 from allreduce.schedules import CostModel
 from allreduce.units import parse_bytes
 
@@ -108,8 +108,8 @@ def _handle(args: argparse.Namespace) -> int:
             large_s=statistics.median(r.time_s for r in rows[1::2]),
             reduce_Bps=reduce_Bps,
         )
-        # what the fit cannot see: shm reads small calls out of snapshots, one pass per step (SHM_FUSED_BYTES)
-        model = dataclasses.replace(model, fused_bytes=SHM_FUSED_BYTES if transport == "shm" else 0.0)
+        # what the fit cannot see: which calls move and reduce in one pass per step (shm: its eager snapshots)
+        model = dataclasses.replace(model, fused_bytes=default_cost_model(transport).fused_bytes)
         alphas_us = [f.latency_s * 1e6 for f in fits]
         bandwidths_GBps = [f.bandwidth_Bps / 1e9 for f in fits]
         where = "(dry run, not saved)" if args.dry_run else f"-> {save_cost_model(transport, model)}"

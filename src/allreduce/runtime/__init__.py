@@ -11,7 +11,7 @@ from allreduce.runtime._errors import (
     PeerFailureError,
     ProtocolError,
 )
-from allreduce.runtime._group import SHM_FUSED_BYTES, STATS_FILE_ENV, ProcessGroup
+from allreduce.runtime._group import SHM_FUSED_BYTES, STATS_FILE_ENV, ProcessGroup, default_cost_model
 from allreduce.runtime._inject import ENV_VAR as INJECT_ENV
 from allreduce.runtime._launch import LaunchResult, launch
 from allreduce.runtime._local import LocalTransport, local_groups, local_transports
@@ -77,6 +77,7 @@ __all__ = [
     "WrongThreadError",
     "abort_kind",
     "compile_plan",
+    "default_cost_model",
     "default_iters",
     "error_class",
     "expected_result",

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from allreduce.runtime._group import SHM_FUSED_BYTES
+from allreduce.runtime._group import default_cost_model
 from allreduce.schedules import CostModel
 
 __all__ = ["load_cost_model", "save_cost_model", "tune_file"]
@@ -47,7 +47,7 @@ def load_cost_model(transport: str, *, path: Path | None = None) -> CostModel | 
             bandwidth_Bps=float(entry["bandwidth_Bps"]),
             reduce_bandwidth_Bps=float(entry["reduce_bandwidth_Bps"]),
             # files written before the field existed: the transport's built-in value
-            fused_bytes=float(entry.get("fused_bytes", SHM_FUSED_BYTES if transport == "shm" else 0.0)),
+            fused_bytes=float(entry.get("fused_bytes", default_cost_model(transport).fused_bytes)),
         )
     except (KeyError, TypeError, ValueError):
         return None
