@@ -34,7 +34,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +177,7 @@ class ProcessGroup:
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
         self._transport = transport
+        self._fuses = transport.fuses  # bound once: asked on auto's path (see Runs.resolve)
         self.transport_name: str = transport_name or transport.name
         self.rank: int = transport.rank
         self.world_size: int = transport.world_size
@@ -494,8 +494,12 @@ class ProcessGroup:
         pass per step at any size (a plain array staged in a group of two over shm)."""
         coll = Collective(collective)
         itemsize = check_dtype(np.dtype(dtype), "dtype").itemsize
-        fuses = None if like is None else partial(self._transport.fuses, as_buffer(like, "like").flat)
-        return self._runs.resolve(coll, "auto", count, itemsize, deterministic=False, fuses=fuses)
+        if like is None:
+            return self._runs.resolve(coll, "auto", count, itemsize, deterministic=False)
+        flat = as_buffer(like, "like").flat
+        return self._runs.resolve(
+            coll, "auto", count, itemsize, deterministic=False, fuses=self._transport.fuses, buffer=flat
+        )
 
     # ----------------------------------------------------------------------------------------------------
     # The one path every collective takes
@@ -553,8 +557,10 @@ class ProcessGroup:
             run = self._runs.of_schedule(collective, algorithm, root, segments, count)
             requested = run.name
         else:
-            fuses = partial(self._transport.fuses, buf.flat) if algorithm == "auto" else None
-            name = self._runs.resolve(collective, algorithm, count, dtype.itemsize, deterministic=False, fuses=fuses)
+            # the transport's answer for this buffer, asked only if it would change auto's pick (no allocation here)
+            name = self._runs.resolve(
+                collective, algorithm, count, dtype.itemsize, deterministic=False, fuses=self._fuses, buffer=buf.flat
+            )
             run = self._runs.registered(collective, kind, name, root=root, segments=segments, count=count)
             requested = _REQUESTED_AUTO if algorithm == "auto" else run.name
         descriptor = DESCRIPTOR.pack(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from allreduce.runtime._descriptor import NO_DIGEST, algorithm_name_bytes, schedule_digest
 from allreduce.runtime._plan import RankPlan, compile_plan
@@ -72,13 +72,14 @@ class Runs:
         itemsize: int,
         deterministic: bool,
         *,
-        fuses: Callable[[], bool] | None = None,
+        fuses: Callable[[Any], bool] | None = None,
+        buffer: Any = None,
     ) -> str:
         """The registered algorithm to run: ``algorithm`` itself, or the cost model's pick for ``auto``.
 
-        ``fuses`` asks whether the transport moves and reduces this call's buffer in one pass per step at any size
-        (:meth:`~allreduce.runtime.Transport.fuses`); it is asked only when that would change the pick, so calls
-        whose picks agree either way (most) pay two cached lookups, not the question."""
+        ``fuses(buffer)`` asks whether the transport moves and reduces this call's ``buffer`` in one pass per step
+        at any size (:meth:`~allreduce.runtime.Transport.fuses`); it is asked only when that would change the pick,
+        so calls whose picks agree either way (most) pay two cached lookups, not the question."""
         if deterministic and collective in DETERMINISTIC:
             return DETERMINISTIC[collective]
         if algorithm != "auto":
@@ -92,7 +93,7 @@ class Runs:
         best = self._pick(collective, size_class, fused=False)
         if fuses is not None:
             fused_best = self._pick(collective, size_class, fused=True)
-            if fused_best != best and fuses():
+            if fused_best != best and fuses(buffer):
                 return fused_best
         return best
 
