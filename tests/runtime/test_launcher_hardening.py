@@ -253,8 +253,9 @@ def test_survivors_stopped_after_a_failure_leave_no_shared_memory(tmp_path: Path
     script = tmp_path / "fail.py"
     body = LOOP.replace(
         "    while True:",
-        # rank 1 leaves without closing its group; the launcher stops rank 0
-        "    if group.rank == 1:\n        os._exit(3)\n    while True:",
+        # rank 1 leaves without closing its group once both pid files are written (rank 0 wrote its own before it
+        # entered this all-reduce, which rank 1 cannot finish without it); the launcher stops rank 0
+        "    group.all_reduce(x)\n    if group.rank == 1:\n        os._exit(3)\n    while True:",
     )
     assert body != LOOP
     script.write_text(body)
