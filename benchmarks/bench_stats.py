@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from allreduce.runtime import spawn
-from allreduce.runtime._stats import SPILL_VALUES, Layout, Recorder
+from allreduce.runtime._stats import SPILL_CALLS, Layout, Recorder
 from allreduce.units import format_bytes, parse_size_range
 
 _BLOCK = np.array([1, 0, 0, 1, 0, 1, 1, 0], dtype=bool)
@@ -106,21 +106,20 @@ def _mark_step_cost_s() -> float:
 
 
 def _call_cost_s() -> float:
-    """The call's own part of the stream: arrival, the unit, the steps' end, the tail (the group writes them
-    inline; here through :meth:`Recorder.begin` and :meth:`Recorder.commit`, so a little dearer)."""
+    """The call's own part: the steps' end and the tag (the transport), the call's tuple (the group writes it
+    inline; here through :meth:`Recorder.commit`, so a little dearer)."""
     recorder = Recorder(enabled=True)
     layout = Layout([], concurrent=False)
-    begin, commit = recorder.begin, recorder.commit
+    commit = recorder.commit
     clock = time.perf_counter_ns
 
     def calls() -> None:
         for i in range(_COST_STEPS):
-            start = begin(clock())  # the group reads this clock whether recording or not
-            recorder.layout = layout
+            started = clock()  # the group reads this clock whether recording or not
             mark = recorder.append
-            mark(4)
             mark(clock())
-            commit(start, i, 4096)
+            mark(layout.tag_base + 4)
+            commit(i, started, 4096)
 
     return _min_time_s(calls)
 
@@ -142,14 +141,8 @@ def _in_situ_cost_ns(size_bytes: int, steps: int, repeats: int = 3000) -> float:
     def call(rec: bool) -> None:  # the appends exactly as _group.py and shm/_transport.py make them
         started = clock()
         recorder.enabled = rec
-        if rec:
-            start = len(recorder.log)
-            recorder.append(started)
-            recorder.layout = None
+        recording = recorder.enabled
         mark = recorder.append if recorder.enabled else None
-        if mark is not None:
-            recorder.layout = layout
-            mark(4)
         began = 0
         for _ in range(steps):
             if mark is not None:
@@ -161,16 +154,10 @@ def _in_situ_cost_ns(size_bytes: int, steps: int, repeats: int = 3000) -> float:
             np.add(a, b, out=a)
         if mark is not None:
             mark(clock())
-        if rec:
-            current = recorder.layout
-            if len(recorder.log) - start != (1 if current is None else current.span):
-                recorder.settle(start, 1 if current is None else current.span)
-            append = recorder.append
-            append(clock())
-            append(1)
-            append(size_bytes)
-            append(-1 if current is None else current.key)
-            if start >= SPILL_VALUES:
+            mark(layout.tag_base + 4)
+        if recording:
+            recorder.record_call((1, started, clock(), size_bytes, len(recorder.log)))
+            if len(recorder.call_log) >= SPILL_CALLS:
                 recorder.flush()
 
     times: dict[bool, list[int]] = {True: [], False: []}

@@ -12,9 +12,8 @@ import gc
 import sys
 
 import numpy as np
-import pytest
 
-from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, SPILL_VALUES, Layout, Recorder
+from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, SPILL_CALLS, Layout, Recorder
 
 SEQ, STEP, PEER, START, WAIT, MOVE, SIZE = range(7)  # the fields of a transfer record
 
@@ -29,19 +28,17 @@ def _call(
     end: int | None = None,
     commit: bool = True,
 ) -> None:
-    """One collective as the group and a transport run it: begin, the layout, the unit and the marks, commit
-    (unless it failed). The arrival is the first mark's clock (0 without marks); the end defaults to the last
-    mark + 100."""
-    start = recorder.begin(marks[0] if marks else 0)
+    """One collective as a transport and the group run it: the marks and the tag (with a layout), then the call's
+    tuple, or a void one if it failed. The arrival is the first mark's clock (0 without marks); the end defaults to
+    the last mark + 100."""
     if layout is not None:
-        recorder.layout = layout
-        recorder.append(unit)
         for value in marks:
             recorder.append(value)
+        recorder.append(layout.tag_base + unit)
     if commit:
-        recorder.commit(start, seq, 8, (marks[-1] if marks else 0) + 100 if end is None else end)
+        recorder.commit(seq, marks[0] if marks else 0, 8, (marks[-1] if marks else 0) + 100 if end is None else end)
     else:
-        recorder.discard(start)
+        recorder.void()
 
 
 def test_a_one_receive_step_waits_from_its_start_and_moves_until_the_next_mark() -> None:
@@ -112,29 +109,43 @@ def test_the_call_records_carry_seq_arrival_end_and_size() -> None:
     assert recorder.calls(10).tolist() == [[4, 0, 50, 8], [5, 60, 90, 8]]
 
 
-@pytest.mark.slow
-def test_calls_the_ring_overwrote_are_dropped_and_the_rest_kept() -> None:
+def test_calls_whose_marks_the_ring_overwrote_keep_their_call_record_only() -> None:
     recorder = Recorder(enabled=True)
-    layout = Layout([(0, [(1, 8)])], concurrent=False)  # 9 values per call: arrival, unit, 3 marks, 4 of tail
-    calls = MARK_CAPACITY // 9 + 3
+    steps = 64
+    layout = Layout([(s, [(1, 8)]) for s in range(steps)], concurrent=False)  # a clock and a wait per step, the end
+    per_call = 2 * steps + 2  # and the tag
+    calls = MARK_CAPACITY // per_call + 3
     for seq in range(calls):
-        _call(recorder, seq, layout, [10 * seq, 1, 10 * seq + 2])
+        _call(recorder, seq, layout, [seq, 1] * steps + [seq])
     records = recorder.transfers(0)
-    kept = min(MARK_CAPACITY // 9, CALL_CAPACITY)
-    assert len(records) == kept
-    assert records[-1][SEQ] == calls - 1
+    whole = MARK_CAPACITY // per_call  # the newest calls whose marks the ring still holds from the first
+    assert len(records) == whole * steps
+    assert records[0][SEQ] == calls - whole
     assert np.all(records[:, WAIT] == 1)
+    assert len(recorder.calls(calls)) == calls
 
 
-def test_the_stream_is_read_back_only_as_far_as_its_layouts_live() -> None:
+def test_the_call_ring_keeps_the_newest_calls() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    for seq in range(CALL_CAPACITY + 5):
+        _call(recorder, seq, layout, [seq, 1, seq + 2])
+    calls = recorder.calls(CALL_CAPACITY + 5)
+    assert len(calls) == CALL_CAPACITY
+    assert calls[-1, 0] == CALL_CAPACITY + 4
+    assert calls[0, 0] == 5
+
+
+def test_a_call_whose_layout_is_gone_keeps_its_call_record_but_no_transfers() -> None:
     recorder = Recorder(enabled=True)
     gone = Layout([(0, [(1, 8)])], concurrent=False)
     _call(recorder, 0, gone, [1, 2, 3])
-    del gone  # its plan was dropped from the cache: how long its calls were is unknown
+    del gone  # its plan was dropped from the cache: what its marks mean is unknown
     gc.collect()
     kept = Layout([(0, [(2, 8)])], concurrent=False)
     _call(recorder, 1, kept, [5, 7, 9])
-    assert [int(c[0]) for c in recorder.calls(10)] == [1]
+    assert [int(c[0]) for c in recorder.calls(10)] == [0, 1]
+    assert list(recorder.transfers(0)[:, SEQ]) == [1]
 
 
 def test_whole_records_and_rebuilt_ones_come_out_by_seq_then_step() -> None:
@@ -169,13 +180,23 @@ def test_the_hot_path_keeps_no_memory_per_call() -> None:
     assert sys.getallocatedblocks() - blocks < 10
 
 
-def test_the_appended_values_are_moved_into_the_ring_every_few_thousand() -> None:
+def test_the_appended_values_are_moved_into_the_rings_every_few_hundred_calls() -> None:
     recorder = Recorder(enabled=True)
-    layout = Layout([(0, [(1, 8)])], concurrent=False)  # 9 values per call
-    for seq in range(SPILL_VALUES // 9 + 2):
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    for seq in range(SPILL_CALLS + 2):
         _call(recorder, seq, layout, [seq, seq + 1, seq + 2])
-    assert len(recorder.log) < SPILL_VALUES
-    assert recorder.calls(3)[:, 0].tolist() == [SPILL_VALUES // 9 - 1, SPILL_VALUES // 9, SPILL_VALUES // 9 + 1]
+    assert len(recorder.call_log) == 2
+    assert len(recorder.log) == 2 * 4
+    assert recorder.calls(3)[:, 0].tolist() == [SPILL_CALLS - 1, SPILL_CALLS, SPILL_CALLS + 1]
+    assert list(recorder.transfers(SPILL_CALLS - 1)[:, WAIT]) == [SPILL_CALLS, SPILL_CALLS + 1, SPILL_CALLS + 2]
+
+
+def test_a_call_without_marks_after_one_with_them_has_no_transfers() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    _call(recorder, 0, layout, [1, 2, 3])
+    _call(recorder, 1, None, [])  # its transport wrote nothing: call 0's tag is not read as its own
+    assert list(recorder.transfers(0)[:, SEQ]) == [0]
 
 
 def test_a_transport_that_wrote_more_marks_cannot_shift_the_calls_after_it() -> None:

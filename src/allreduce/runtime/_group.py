@@ -63,7 +63,7 @@ from allreduce.runtime._errors import CollectiveError, MismatchError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
-from allreduce.runtime._stats import SPILL_VALUES, GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._stats import SPILL_CALLS, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
 from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
@@ -586,10 +586,6 @@ class ProcessGroup:
                 injection.sleep_before_call()
             started = time.perf_counter_ns()  # one clock read: the call's arrival and the debug log's start
             recording = recorder.enabled
-            if recording:  # Recorder.begin, inline (the hot path: no call, see allreduce.runtime._stats)
-                start = len(recorder.log)
-                recorder.append(started)
-                recorder.layout = None
             try:
                 seq = self._take_seq()
                 if self._prepare is not None:
@@ -605,18 +601,11 @@ class ProcessGroup:
                 )
             except BaseException:
                 if recording:
-                    recorder.discard(start)
+                    recorder.void()
                 raise
-            if recording:  # Recorder.commit, inline
-                layout = recorder.layout
-                if len(recorder.log) - start != (1 if layout is None else layout.span):
-                    recorder.settle(start, 1 if layout is None else layout.span)
-                append = recorder.append
-                append(time.perf_counter_ns())
-                append(seq)
-                append(size_bytes)
-                append(-1 if layout is None else layout.key)
-                if start >= SPILL_VALUES:
+            if recording:  # Recorder.commit, inline (the hot path: one tuple, see allreduce.runtime._stats)
+                recorder.record_call((seq, started, time.perf_counter_ns(), size_bytes, len(recorder.log)))
+                if len(recorder.call_log) >= SPILL_CALLS:
                     recorder.flush()
             if self._debug:
                 self._log(collective, chosen.schedule, size_bytes, (time.perf_counter_ns() - started) * 1e-9, seq)

@@ -1,27 +1,30 @@
 """Per-step wait records of the collectives a rank runs, and the group-wide summary built from them.
 
-Everything a rank records while a collective runs is appended, one ``list.append`` per value, to the *stream*: a
-collective's arrival and end (clock reads, ``time.perf_counter_ns``, a vDSO call, no syscall), its transport's
-*marks* (at most one clock read each), and after its end its seq, size and which plan it ran. Every few hundred
-calls the group moves the appended values into a preallocated int64 ring in one vectorised copy
-(:meth:`Recorder.flush`), which is what readers read. Which peer, step and byte count each mark belongs to is not
-written at all: it is fixed by the call's compiled plan, whose :class:`Layout` rebuilds the records when they are
-read (:meth:`Recorder.calls`, :meth:`Recorder.transfers`, nothing aggregated before :func:`summary_row` asks).
+What a rank records while a collective runs goes into two Python lists, one ``list.append`` per entry: its
+transport's *marks* (clock reads, ``time.perf_counter_ns``, a vDSO call, no syscall, and wait lengths) into
+:attr:`Recorder.log`, and, once the collective returned, one tuple for the whole call into :attr:`Recorder.call_log`:
+``(seq, arrival_ns, end_ns, size_bytes, marks_end)``, where ``marks_end`` is how long ``log`` was then. Every few
+hundred calls the group moves both into preallocated int64 rings in vectorised copies (:meth:`Recorder.flush`),
+which is what readers read. Which peer, step and byte count each mark belongs to is not written at all: it is
+fixed by the call's compiled plan, whose :class:`Layout` rebuilds the records when they are read
+(:meth:`Recorder.calls`, :meth:`Recorder.transfers`, nothing aggregated before :func:`summary_row` asks).
 
-One collective in the stream, written by the group (G) and its transport (T)::
+One collective in ``log``, written by its transport::
 
-    arrival (G) | unit (T) | marks (T), Layout.marks of them | end (G) | seq (G) | size_bytes (G) | layout key (G)
+    marks, Layout.marks of them | tag = Layout.tag_base + unit
 
-The unit is the bytes of one of the layout's units (shm: the itemsize; tcp: 1). A transport that writes no marks
-(the in-process transport, which writes whole records with :meth:`Recorder.transfer`) leaves out the unit and the
-marks, and the key is -1. A collective is *committed* when its tail is appended; what one that fails appended is
-deleted, so the stream read backwards from its end is always whole collectives.
+The transport writes the tag last, so a reader finds a call's marks backwards from its ``marks_end``: the tag
+names the layout, which says how many marks come before it. The unit is the bytes of one of the layout's units
+(shm: the itemsize; tcp: 1). A transport that writes no marks (the in-process transport, which writes whole
+records with :meth:`Recorder.transfer`) writes no tag either: its calls' stretch of ``log`` is empty. A call that
+fails appends a *void* call tuple (seq -1), so what it marked is never read as the next call's. A transport that
+wrote too many marks costs only its own call's transfer records (they are read from the last ones); too few, or
+a layout whose plan is gone, leaves that call without transfer records; the calls after it are read right.
 
-Measured on this machine (``benchmarks/bench_stats.py``): writing whole records through method calls cost about
-2-3 µs per 1 MiB ring all-reduce in place (the recorder's code and data are cold after a megabyte streams through
-the caches), more than the 1% the recording may cost there; so did a store per value into the ring (two clock
-reads and two stores per step, ~1.6 µs per call with hot caches, ~2.2-2.5 µs in place, against ~0.4 and ~0.7 µs
-appending with one clock read per receive).
+Measured on this machine (``benchmarks/bench_stats.py``): the work per call is what the interpreter charges for
+each operation (a clock read ~45 ns, an append ~15 ns); writing whole records through method calls cost about 2-3
+µs per 1 MiB ring all-reduce in place, a store per value into a ring ~1.6 µs with hot caches; appends with one
+clock read per receive, and one tuple per call, cost least (the numbers are in the benchmark's header).
 
 Two kinds of layout, by how a transport receives:
 
@@ -63,8 +66,9 @@ __all__ = [
     "CALL_CAPACITY",
     "MARK_CAPACITY",
     "MARK_MASK",
-    "SPILL_VALUES",
+    "SPILL_CALLS",
     "STANDOUT_RATIO",
+    "TAG_UNITS",
     "TRANSFER_CAPACITY",
     "GroupStats",
     "Layout",
@@ -86,12 +90,19 @@ values per call)."""
 MARK_MASK = MARK_CAPACITY - 1
 """A mark's slot is its running number ``& MARK_MASK``."""
 
-SPILL_VALUES = 1 << 12
-"""Values the hot path appends to :attr:`Recorder.log` before the group moves them into the ring: a vectorised
-copy of 32 KiB every few hundred calls, where a store per value into the ring cost more on every call."""
+SPILL_CALLS = 256
+"""Calls the hot path appends to :attr:`Recorder.call_log` (and their marks to :attr:`Recorder.log`) before the group
+moves them into the rings: vectorised copies every few hundred calls, where a store per value into a ring cost
+more on every call."""
+
+TAG_UNITS = 32
+"""A call's tag is ``layout.key * TAG_UNITS + unit``: units (item sizes) below this."""
 
 CALL_CAPACITY = 1 << 14
-"""Collectives kept (a ring): the most ``stats(last=K)`` can look back."""
+"""Collectives kept (a ring, a power of two): the most ``stats(last=K)`` can look back."""
+
+_CALL_FIELDS = 5  # seq, arrival_ns, end_ns, size_bytes, marks_end
+_VOID = -1  # the seq of a call that failed: its tuple only bounds the marks it wrote
 
 STANDOUT_RATIO = 2.0
 """A rank (link) is named the slowest only if its median lateness (total transfer time) is at least this many
@@ -100,8 +111,6 @@ times the runner-up's: in a healthy run the argmax is noise, and naming it would
 _clock = time.perf_counter_ns
 
 _TRANSFER_FIELDS = 7  # seq, step, peer, step_start_ns, wait_ns, transfer_ns, size_bytes
-_NO_LAYOUT = -1  # a collective's layout key when its transport wrote no marks
-_TAIL = 4  # end, seq, size_bytes, layout key
 _LAYOUTS: weakref.WeakValueDictionary[int, Layout] = weakref.WeakValueDictionary()
 """Every live layout by its key (a layout lives as long as the compiled plan that holds it)."""
 _LAYOUT_KEYS = itertools.count()
@@ -123,9 +132,9 @@ class Layout:
         "key",
         "marks",
         "peer",
-        "span",
         "start",
         "step",
+        "tag_base",
         "units",
     )
 
@@ -154,8 +163,6 @@ class Layout:
             # final waits for this rank's readers, which are theirs to account for)
         self.marks = pos
         """Marks one call writes."""
-        self.span = 2 + pos
-        """Values of a call before its tail: the arrival, the unit and the marks."""
 
         def column(values: list[int]) -> npt.NDArray[np.int64]:
             return np.array(values, dtype=np.int64)
@@ -163,7 +170,9 @@ class Layout:
         self.step, self.peer, self.units = column(step_of), column(peer), column(units)
         self.start, self.begin, self.arrive, self.end = column(start), column(begin), column(arrive), column(end)
         self.key = next(_LAYOUT_KEYS)
-        """What the stream stores to name this layout."""
+        """What a call's tag stores to name this layout."""
+        self.tag_base = self.key * TAG_UNITS
+        """A call's tag less its unit: what the transport adds the unit to and appends after the marks."""
         _LAYOUTS[self.key] = self
 
     def records(
@@ -189,54 +198,50 @@ class Layout:
 
 
 class Recorder:
-    """The stream of one rank, and the ring of whole transfer records (see the module docstring).
+    """The marks and call tuples of one rank, and the rings they are moved into (see the module docstring).
 
     ``enabled`` False makes the group and the transports skip it. Who appends what, calling nothing but
-    ``append`` (``log.append``, cached):
+    ``append`` (``log.append``) and ``record_call`` (``call_log.append``), both cached:
 
-    - the group, when a collective begins: its arrival, and ``layout = None``;
-    - the transport, if it marks: ``layout = plan.layout``, then the unit and its marks;
-    - the group, when the collective returns: the tail (end, seq, size_bytes, layout key), after checking that
-      exactly the layout's marks came before it (:meth:`settle`: a transport that wrote fewer or more cannot
-      shift the stream); when it fails, it deletes what the collective appended, so ``log`` holds whole
-      collectives between calls;
-    - past :data:`SPILL_VALUES`, the group moves ``log`` into the ring (:meth:`flush`); so does every reader
-      first. Readers run between collectives (the group's summaries are collectives of their own).
+    - the transport, if it marks: its marks, then the call's tag (``layout.tag_base + unit``);
+    - the group, when the collective returns: ``(seq, arrival_ns, end_ns, size_bytes, len(log))``; when it fails,
+      :meth:`void`;
+    - past :data:`SPILL_CALLS` calls, the group moves both lists into the rings (:meth:`flush`); so does every
+      reader first. Readers run between collectives (the group's summaries are collectives of their own).
     """
 
     __slots__ = (
-        "_stream",
+        "_call_ring",
+        "_marks",
         "_t",
         "_transfers",
         "append",
+        "call_log",
+        "calls_flushed",
         "enabled",
         "flushed",
-        "layout",
         "log",
+        "record_call",
         "transfers_recorded",
-        "tsv",
     )
 
     def __init__(self, *, enabled: bool = False) -> None:
         self.enabled = enabled
         self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
-        self._stream = np.zeros(MARK_CAPACITY, np.int64)
+        self._marks = np.zeros(MARK_CAPACITY, np.int64)
+        self._call_ring = np.zeros((CALL_CAPACITY, _CALL_FIELDS), np.int64)
         self._t = memoryview(self._transfers.data).cast("B").cast("q")
-        self.tsv = memoryview(self._stream.data).cast("B").cast("q")
-        """The ring, for readers (slot ``position & MARK_MASK``)."""
         self.transfers_recorded = 0
         self.log: list[int] = []
-        """Values appended since the last :meth:`flush` (never replaced: ``append`` is its bound method)."""
+        """Marks appended since the last :meth:`flush` (never replaced: ``append`` is its bound method)."""
         self.append = self.log.append
+        self.call_log: list[tuple[int, int, int, int, int]] = []
+        """Call tuples appended since the last :meth:`flush` (never replaced: ``record_call`` is its bound method)."""
+        self.record_call = self.call_log.append
         self.flushed = 0
-        """The running position of ``log[0]``: values moved into the ring so far."""
-        self.layout: Layout | None = None
-        """The running collective's layout, set by its transport before its first mark."""
-
-    @property
-    def committed(self) -> int:
-        """Where the stream's whole collectives end (a running position), between collectives."""
-        return self.flushed + len(self.log)
+        """The running position of ``log[0]``: marks moved into the ring so far."""
+        self.calls_flushed = 0
+        """Call tuples moved into the call ring so far."""
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
         self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
@@ -254,115 +259,78 @@ class Recorder:
         t[i + 6] = size_bytes
         self.transfers_recorded = n + 1
 
-    def begin(self, arrival_ns: int) -> int:
-        """A collective begins (what the group does inline; for tests and other callers): where it starts in
-        ``log``, for :meth:`commit` or :meth:`discard`."""
-        start = len(self.log)
-        self.append(arrival_ns)
-        self.layout = None
-        return start
-
-    def commit(self, start: int, seq: int, size_bytes: int, end_ns: int | None = None) -> None:
-        """The collective begun at ``start`` returned: append its tail (what the group does inline)."""
-        layout = self.layout
-        span = 1 if layout is None else layout.span
-        if len(self.log) - start != span:
-            self.settle(start, span)
-        append = self.append
-        append(_clock() if end_ns is None else end_ns)
-        append(seq)
-        append(size_bytes)
-        append(_NO_LAYOUT if layout is None else layout.key)
-        if start >= SPILL_VALUES:
+    def commit(self, seq: int, arrival_ns: int, size_bytes: int, end_ns: int | None = None) -> None:
+        """A collective returned: its call tuple (what the group does inline; for tests and other callers)."""
+        self.record_call((seq, arrival_ns, _clock() if end_ns is None else end_ns, size_bytes, len(self.log)))
+        if len(self.call_log) >= SPILL_CALLS:
             self.flush()
 
-    def discard(self, start: int) -> None:
-        """The collective begun at ``start`` failed: nothing of it stays (the group's ``except`` does this)."""
-        del self.log[start:]
-
-    def settle(self, start: int, span: int) -> None:
-        """Make the collective begun at ``start`` exactly ``span`` values long (arrival, unit, its layout's marks):
-        a transport that wrote fewer marks is padded with its last value, one that wrote more is cut."""
-        log = self.log
-        have = len(log) - start
-        if have > span:
-            del log[start + span :]
-        elif have < span:
-            log.extend([log[-1]] * (span - have))
+    def void(self) -> None:
+        """A collective failed: what it marked stays unread (the group's ``except`` does this)."""
+        self.record_call((_VOID, 0, 0, 0, len(self.log)))
 
     def flush(self) -> None:
-        """Move ``log`` into the ring (the newest :data:`MARK_CAPACITY` values of it)."""
-        log = self.log
+        """Move ``log`` and ``call_log`` into the rings (the newest :data:`MARK_CAPACITY` marks and
+        :data:`CALL_CAPACITY` calls of them)."""
+        log, calls = self.log, self.call_log
         n = len(log)
-        if n == 0:
-            return
-        values = np.array(log[-MARK_CAPACITY:], np.int64)
-        first = (self.flushed + n - len(values)) & MARK_MASK
-        head = min(len(values), MARK_CAPACITY - first)
-        self._stream[first : first + head] = values[:head]
-        self._stream[: len(values) - head] = values[head:]
-        self.flushed += n
-        log.clear()
+        if calls:
+            rows = np.array(calls[-CALL_CAPACITY:], np.int64).reshape(-1, _CALL_FIELDS)
+            rows[:, 4] += self.flushed  # running positions
+            at = (self.calls_flushed + len(calls) - len(rows) + np.arange(len(rows))) & (CALL_CAPACITY - 1)
+            self._call_ring[at] = rows
+            self.calls_flushed += len(calls)
+            calls.clear()
+        if n:
+            values = np.array(log[-MARK_CAPACITY:], np.int64)
+            first = (self.flushed + n - len(values)) & MARK_MASK
+            head = min(len(values), MARK_CAPACITY - first)
+            self._marks[first : first + head] = values[:head]
+            self._marks[: len(values) - head] = values[head:]
+            self.flushed += n
+            log.clear()
 
-    def _collectives(self, last: int) -> list[tuple[int, Layout | None]]:
-        """The last ``last`` committed collectives still whole in the ring, newest first: (start, layout)."""
+    def _kept(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The call tuples the ring keeps, oldest first, voids included, and where each one's marks may begin (the
+        previous tuple's ``marks_end``; for the oldest, unknown once the ring dropped the one before it: none)."""
         self.flush()
-        tsv = self.tsv
-        floor = max(0, self.committed - MARK_CAPACITY)
-        out: list[tuple[int, Layout | None]] = []
-        pos = self.committed
-        while len(out) < last and pos - (1 + _TAIL) >= floor:
-            key = tsv[(pos - 1) & MARK_MASK]
-            layout = None
-            if key != _NO_LAYOUT:
-                layout = _LAYOUTS.get(key)
-                if layout is None:  # its plan is gone: the length of what lies before is unknown
-                    break
-            start = pos - 1 - _TAIL - (0 if layout is None else 1 + layout.marks)
-            if start < floor:
-                break
-            out.append((start, layout))
-            pos = start
-        return out
-
-    def _rows(self, found: list[tuple[int, Layout | None]]) -> npt.NDArray[np.int64]:
-        """Call records (seq, arrival_ns, end_ns, size_bytes) of ``found``, in its order."""
-        stream = self._stream
-        rows = np.zeros((len(found), 4), np.int64)
-        for i, (start, layout) in enumerate(found):
-            tail = start + 1 + (0 if layout is None else 1 + layout.marks)
-            rows[i] = (
-                stream[(tail + 1) & MARK_MASK],
-                stream[start & MARK_MASK],
-                stream[tail & MARK_MASK],
-                stream[(tail + 2) & MARK_MASK],
-            )
-        return rows
+        k = min(self.calls_flushed, CALL_CAPACITY)
+        rows = self._call_ring[np.arange(self.calls_flushed - k, self.calls_flushed) & (CALL_CAPACITY - 1)]
+        lower = np.empty(k, np.int64)
+        if k:
+            lower[0] = 0 if self.calls_flushed <= CALL_CAPACITY else rows[0, 4]
+            lower[1:] = rows[:-1, 4]
+        np.maximum(lower, self.flushed - MARK_CAPACITY, out=lower)  # older marks were overwritten
+        return rows, lower
 
     @property
     def calls_recorded(self) -> int:
-        """Collectives whose records the stream still holds whole (at most :data:`CALL_CAPACITY`)."""
-        return len(self._collectives(CALL_CAPACITY))
+        """Collectives whose call records the ring still holds (at most :data:`CALL_CAPACITY`)."""
+        rows, _ = self._kept()
+        return int(np.count_nonzero(rows[:, 0] != _VOID))
 
     def calls(self, last: int) -> npt.NDArray[np.int64]:
         """The last ``last`` call records, oldest first (rows of seq, arrival_ns, end_ns, size_bytes)."""
-        return self._rows(self._collectives(min(last, CALL_CAPACITY))[::-1])
+        rows, _ = self._kept()
+        rows = rows[rows[:, 0] != _VOID]
+        out: npt.NDArray[np.int64] = rows[len(rows) - min(last, len(rows)) :, :4].copy()
+        return out
 
     def transfers(self, first_seq: int) -> npt.NDArray[np.int64]:
         """The transfer records kept of collectives ``first_seq`` and later, oldest first (by seq, then step)."""
         parts = [self._written_transfers(first_seq)]
-        found = [c for c in reversed(self._collectives(CALL_CAPACITY)) if c[1] is not None]
-        calls = self._rows(found)
-        by_layout: dict[int, tuple[Layout, list[int]]] = {}
-        for j, (_, layout) in enumerate(found):
-            if calls[j, 0] >= first_seq and calls[j, 1] <= calls[j, 2] and layout is not None:
-                by_layout.setdefault(layout.key, (layout, []))[1].append(j)
-        starts = np.array([start for start, _ in found], np.int64)
-        for layout, picked in by_layout.values():
-            first = starts[picked] + 1  # the unit, then the marks
-            units = self._stream[first & MARK_MASK]
-            at = (first[:, None] + 1 + np.arange(layout.marks)) & MARK_MASK
-            parts.append(layout.records(calls[picked], units, self._stream[at]))
+        rows, lower = self._kept()
+        tag_at = rows[:, 4] - 1
+        wanted = (rows[:, 0] >= first_seq) & (rows[:, 1] <= rows[:, 2]) & (tag_at >= lower)
+        tags = self._marks[tag_at & MARK_MASK]
+        keys, units = np.divmod(tags, TAG_UNITS)
+        for key in np.unique(keys[wanted]).tolist():
+            layout = _LAYOUTS.get(key)
+            if layout is None:  # its plan is gone: what its marks mean is unknown
+                continue
+            picked = wanted & (keys == key) & (tag_at - layout.marks >= lower)
+            at = (tag_at[picked][:, None] - layout.marks + np.arange(layout.marks)) & MARK_MASK
+            parts.append(layout.records(rows[picked, :4], units[picked], self._marks[at]))
         records = np.concatenate(parts)
         order = np.lexsort((records[:, 1], records[:, 0]))
         out: npt.NDArray[np.int64] = records[order]

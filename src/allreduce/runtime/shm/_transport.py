@@ -495,9 +495,6 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         # the recorder's marks (see allreduce.runtime._stats): per receive, a clock read before its wait and how long
         # the wait took (which the wait measures while it waits: no clock read of its own)
         mark = recorder.append if recorder.enabled else None
-        if mark is not None:
-            recorder.layout = program.layout
-            mark(dtype.itemsize)  # the layout's unit
         try:
             for st in program.steps:
                 if injection is not None:
@@ -572,6 +569,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                     copy_into(arrays[pc.dst][pc.start : pc.stop], tmp)
             if mark is not None:
                 mark(clock())  # the steps' end
+                mark(program.layout.tag_base + dtype.itemsize)  # the call's tag: its layout, and the unit
         finally:
             peer_arrays.clear()
 

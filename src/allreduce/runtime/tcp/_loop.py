@@ -50,12 +50,13 @@ def exchange(
     step: int | None,
     label: str,
     sender: Sender | None,
-    arrivals: dict[int, list[int]] | None = None,
+    arrivals: dict[int, int] | None = None,
 ) -> None:
     """Send and receive one step's frames concurrently; apply staged receives; raise naming the culprit.
 
     With ``sender``, that thread sends while this one receives, reduces and applies staged receives. With
-    ``arrivals``, each receiving peer's entry becomes ``[first byte, last byte]`` (``time.perf_counter_ns``)."""
+    ``arrivals``, each receiving peer's first byte's arrival goes in under ``peer`` and its last byte's under
+    ``~peer`` (``time.perf_counter_ns``: no container made per peer)."""
     send_q: dict[int, list[OutFrame]] = {}
     for peer, out in sends:
         send_q.setdefault(peer, []).append(out)
@@ -85,7 +86,7 @@ def exchange(
                 inc = queue_in[i]
                 moved = pair.receive(inc, seq, tag=tag, reduce_into=reduce_into, label=label)
                 if moved and arrivals is not None and peer not in arrivals:
-                    arrivals[peer] = [time.perf_counter_ns(), 0]
+                    arrivals[peer] = time.perf_counter_ns()
                 progress = progress or moved
                 if inc.got < inc.length or inc.length < 0:
                     break
@@ -93,7 +94,7 @@ def exchange(
             if i == n_in:
                 del recv_pos[peer]
                 if arrivals is not None:
-                    arrivals.setdefault(peer, [0, 0])[1] = time.perf_counter_ns()
+                    arrivals[~peer] = time.perf_counter_ns()
             else:
                 recv_pos[peer] = i
         if staged:
@@ -340,12 +341,12 @@ class Sender:
                 self._cond.notify_all()
 
 
-def pace_step(injection: Any, step: Any, arrivals: dict[int, list[int]]) -> None:
-    """Pace the injected slow links of ``step`` (a prepared step): each paced peer's last byte moves to when the
-    pacing let it through."""
+def pace_step(injection: Any, step: Any, arrivals: dict[int, int]) -> None:
+    """Pace the injected slow links of ``step`` (a prepared step): each paced peer's last byte (``arrivals[~peer]``)
+    moves to when the pacing let it through."""
     for peer in step.recv_peers:
-        if injection.paces(peer) and peer in arrivals:
-            first_last = arrivals[peer]
+        if injection.paces(peer) and ~peer in arrivals:
+            last = arrivals[~peer]
             size_bytes = sum(r.byte_stop - r.byte_start for r in step.recvs if r.peer == peer)
-            injection.pace(peer, size_bytes, first_last[0] or first_last[1])
-            first_last[1] = max(first_last[1], time.perf_counter_ns())
+            injection.pace(peer, size_bytes, arrivals.get(peer, last))
+            arrivals[~peer] = max(last, time.perf_counter_ns())

@@ -509,9 +509,6 @@ class TcpTransport(Transport):
         injection = self.injection
         # the recorder's marks (see allreduce.runtime._stats): a clock read each, appended
         mark = recorder.append if recorder.enabled else None
-        if mark is not None:
-            recorder.layout = prepared.layout
-            mark(1)  # the layout's unit: bytes
         for step in prepared.steps:
             if injection is not None:
                 injection.hold_step()
@@ -519,7 +516,7 @@ class TcpTransport(Transport):
             if mark is not None:
                 step_start = time.perf_counter_ns()
                 mark(step_start)
-            arrivals: dict[int, list[int]] | None = {} if mark is not None or injection is not None else None
+            arrivals: dict[int, int] | None = {} if mark is not None or injection is not None else None
             sends = []
             for spec in step.sends:
                 payload = raw[spec.byte_start : spec.byte_stop]
@@ -585,15 +582,13 @@ class TcpTransport(Transport):
                 pace_step(injection, step, arrivals)
             if mark is not None and arrivals is not None:
                 for peer in step.recv_peers:  # first and last byte, in the layout's order
-                    first_last = arrivals.get(peer)
-                    if first_last is None:
-                        mark(step_start)
-                        mark(step_start)
-                    else:
-                        mark(first_last[0] or first_last[1])
-                        mark(first_last[1])
+                    last = arrivals.get(~peer, step_start)
+                    mark(arrivals.get(peer, last))
+                    mark(last)
             self._frames_sent += len(sends)
             self._frames_received += len(recvs)
+        if mark is not None:
+            mark(prepared.layout.tag_base + 1)  # the call's tag: its layout, and the unit (bytes)
 
     def _exchange(self, seq: int, **kwargs: Any) -> None:
         """:func:`exchange` over this rank's connections, whose errors name the first cause: the root of a stall,
