@@ -63,6 +63,29 @@ def test_receives_of_one_step_wait_one_after_another() -> None:
     assert tuple(second[[PEER, START, WAIT, SIZE]]) == (3, 1000, 40, 300)
 
 
+def test_receives_that_marked_no_clock_share_their_leaders_move_by_units() -> None:
+    recorder = Recorder(enabled=True)
+    ring = Layout([(0, [(1, 10)]), (1, [(1, 30)]), (2, [(1, 20)])], concurrent=False)
+    # step 0 read the clock (1000) and waited 20; steps 1 and 2 found their data there and marked (0, 0);
+    # the steps ended at 1420: 400 ns of moves from the arrival at 1020, shared 10:30:20
+    _call(recorder, 1, ring, [1000, 20, 0, 0, 0, 0, 1420], end=1500)
+    records = recorder.transfers(0)
+    assert list(records[:, WAIT]) == [20, 0, 0]
+    assert list(records[:, MOVE]) == [66, 200, 133]  # 400 x 10/60, 30/60, 20/60 (floored)
+    assert list(records[:, START]) == [1000, 1086, 1286]  # where each share of the group's move begins
+
+
+def test_a_receive_that_waited_without_a_clock_before_it_leads_a_group_of_its_own() -> None:
+    recorder = Recorder(enabled=True)
+    ring = Layout([(0, [(1, 8)]), (1, [(1, 8)]), (2, [(1, 8)])], concurrent=False)
+    # step 1 had to wait: it marks when its wait began (2000, read while waiting) and how long (50)
+    _call(recorder, 1, ring, [1000, 0, 2000, 50, 0, 0, 2250])
+    records = recorder.transfers(0)
+    assert list(records[:, WAIT]) == [0, 50, 0]
+    assert list(records[:, MOVE]) == [1000, 100, 100]  # step 0 moved until step 1 began; 1 and 2 share 2050-2250
+    assert list(records[:, START]) == [1000, 2000, 2150]
+
+
 def test_a_step_without_receives_takes_one_mark_and_records_nothing() -> None:
     recorder = Recorder(enabled=True)
     layout = Layout([(0, []), (1, [(2, 8)])], concurrent=False)

@@ -28,13 +28,18 @@ clock read per receive, and one tuple per call, cost least (the numbers are in t
 
 Two kinds of layout, by how a transport receives:
 
-- *sequential* (shm: one receive after another): per receive a mark when this rank starts waiting for it (a
-  clock read) and how long it waited until the peer's data was there (measured by the wait while it waited: 0,
-  no clock read and no new int object, when the data was there already); a receive's move ends at the next clock
-  mark (the next receive's wait, or the next step's); a step without receives marks where it starts; after the
-  last step, one mark where the steps end. A step with one receive costs one clock read. Waits a step makes
-  before its first receive's (for the readers of an earlier step, or, under the ptracer discipline, for its
-  previous reader to finish) end up in the previous move.
+- *sequential* (shm: one receive after another): per receive a mark when this rank starts waiting for it and
+  how long it waited until the peer's data was there (measured by the wait while it waited: 0, no clock read and
+  no new int object, when the data was there already); a receive's move ends at the next clock mark (the next
+  receive's wait, or the next step's); a step without receives marks where it starts; after the last step, one
+  mark where the steps end. Only a call's first receive, and the first after a step without receives, read the
+  clock before waiting; a later receive that had to wait marks when its wait began (a clock the wait read while
+  this rank was idle), and one whose data was there marks ``(0, 0)``: no boundary. Its move is then measured
+  together with the moves before it back to the last receive with a boundary, and that time is shared among them
+  by units (in a ring every receive is from the same peer, so per-link totals stay exact). A call costs two clock
+  reads, however many steps it has, when no wait was needed. Waits a step makes before its first receive's (for
+  the readers of an earlier step, or, under the ptracer discipline, for its previous reader to finish) end up in
+  the previous move.
 - *concurrent* (tcp: receives from several peers interleave in one poll loop): per step a mark when it begins,
   then per peer the first and the last byte's arrival.
 
@@ -129,6 +134,7 @@ class Layout:
         "begin",
         "concurrent",
         "end",
+        "first_recv",
         "key",
         "marks",
         "peer",
@@ -140,11 +146,19 @@ class Layout:
 
     def __init__(self, steps: Iterable[tuple[int, Sequence[tuple[int, int]]]], *, concurrent: bool) -> None:
         self.concurrent = concurrent
-        step_of, peer, units, start, begin, arrive, end = [], [], [], [], [], [], []
+        step_of: list[int] = []
+        peer: list[int] = []
+        units: list[int] = []
+        start: list[int] = []
+        begin: list[int] = []
+        arrive: list[int] = []
+        end: list[int] = []
+        first_recv: list[int] = []
         pos = 0
         for index, recvs in steps:
             first = pos
             for i, (p, u) in enumerate(recvs):
+                first_recv.append(len(step_of) - i)
                 step_of.append(index)
                 peer.append(p)
                 units.append(u)
@@ -169,6 +183,8 @@ class Layout:
 
         self.step, self.peer, self.units = column(step_of), column(peer), column(units)
         self.start, self.begin, self.arrive, self.end = column(start), column(begin), column(arrive), column(end)
+        self.first_recv = column(first_recv)
+        """Per receive, the index of its step's first receive."""
         self.key = next(_LAYOUT_KEYS)
         """What a call's tag stores to name this layout."""
         self.tag_base = self.key * TAG_UNITS
@@ -188,13 +204,39 @@ class Layout:
         out[:, :, 0] = calls[:, 0:1]
         out[:, :, 1] = self.step
         out[:, :, 2] = self.peer
-        out[:, :, 3] = m[:, self.start]
-        # concurrent: the first byte's arrival (a clock); sequential: the wait's length, after the clock it began at
-        arrived = m[:, self.arrive] if self.concurrent else m[:, self.begin] + m[:, self.arrive]
-        out[:, :, 4] = np.maximum(arrived - m[:, self.begin], 0)
-        out[:, :, 5] = np.maximum(m[:, self.end] - arrived, 0)
         out[:, :, 6] = self.units * units[:, None]
-        return out.reshape(n * r, _TRANSFER_FIELDS)
+        if self.concurrent:
+            out[:, :, 3] = m[:, self.start]
+            arrived = m[:, self.arrive]  # the first byte's arrival (a clock)
+            out[:, :, 4] = np.maximum(arrived - m[:, self.begin], 0)
+            out[:, :, 5] = np.maximum(m[:, self.end] - arrived, 0)
+            return out.reshape(n * r, _TRANSFER_FIELDS)
+        began, waited, end = m[:, self.begin], m[:, self.arrive], m[:, self.end]
+        whole = began[:, 0] != 0  # a call's first receive always reads the clock: else its marks are not this layout's
+        began, waited, end, out = began[whole], waited[whole], end[whole], out[whole]
+        # A receive that found its data there and follows another receive marks no clock (0, 0): its move is measured
+        # with the moves before it back to the last receive that did (its *leader*), and the group's time is shared
+        # by units. Leaders' arrivals only grow within a call, so a running maximum carries each to its group.
+        leader = began != 0
+        index = np.arange(r)
+        arrived = np.maximum.accumulate(np.where(leader, began + waited, 0), axis=1)
+        head = np.maximum.accumulate(np.where(leader, index, 0), axis=1)  # the leader's index
+        last = np.ones_like(leader)
+        last[:, :-1] = leader[:, 1:]  # the group's last receive: the next one leads a group of its own
+        tail = np.minimum.accumulate(np.where(last, index, r)[:, ::-1], axis=1)[:, ::-1]
+        group_end = np.take_along_axis(end, tail, axis=1)  # a clock: the next leader's, a step's or the steps' end
+        units_after = np.cumsum(self.units)  # units up to and including each receive
+        units_before = units_after - self.units
+        total = np.maximum(units_after[tail] - units_before[head], 1)
+        before = units_before[index] - units_before[head]
+        span = np.maximum(group_end - arrived, 0)
+        moved_from = arrived + span * before // total
+        out[:, :, 4] = np.where(leader, np.maximum(waited, 0), 0)
+        out[:, :, 5] = span * self.units // total
+        starts = np.where(leader, began, moved_from)
+        out[:, :, 3] = starts[:, self.first_recv]
+        records: npt.NDArray[np.int64] = out.reshape(len(out) * r, _TRANSFER_FIELDS)
+        return records
 
 
 class Recorder:
@@ -275,14 +317,19 @@ class Recorder:
         log, calls = self.log, self.call_log
         n = len(log)
         if calls:
-            rows = np.array(calls[-CALL_CAPACITY:], np.int64).reshape(-1, _CALL_FIELDS)
+            kept = calls[-CALL_CAPACITY:]
+            # fromiter over the flattened tuples: about half of what np.array(calls) costs (it inspects each tuple)
+            flat = np.fromiter(itertools.chain.from_iterable(kept), np.int64, count=_CALL_FIELDS * len(kept))
+            rows = flat.reshape(-1, _CALL_FIELDS)
             rows[:, 4] += self.flushed  # running positions
             at = (self.calls_flushed + len(calls) - len(rows) + np.arange(len(rows))) & (CALL_CAPACITY - 1)
             self._call_ring[at] = rows
             self.calls_flushed += len(calls)
             calls.clear()
         if n:
-            values = np.array(log[-MARK_CAPACITY:], np.int64)
+            values = np.fromiter(
+                log[-MARK_CAPACITY:] if n > MARK_CAPACITY else log, np.int64, count=min(n, MARK_CAPACITY)
+            )
             first = (self.flushed + n - len(values)) & MARK_MASK
             head = min(len(values), MARK_CAPACITY - first)
             self._marks[first : first + head] = values[:head]

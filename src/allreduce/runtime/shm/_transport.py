@@ -493,14 +493,18 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         clock = time.perf_counter_ns
         arrived = began = 0
         # the recorder's marks (see allreduce.runtime._stats): per receive, a clock read before its wait and how long
-        # the wait took (which the wait measures while it waits: no clock read of its own)
+        # the wait took (which the wait measures while it waits: no clock read of its own). Only the call's first
+        # receive, and the first after a step without receives, must read the clock: a later one that waited marks
+        # when its wait began (read while waiting), one that found its data there marks (0, 0), no boundary
         mark = recorder.append if recorder.enabled else None
+        boundary = True
         try:
             for st in program.steps:
                 if injection is not None:
                     injection.hold_step()
                 if mark is not None and not st.recvs:
                     mark(clock())  # a step without receives: one mark where it starts
+                    boundary = True
                 # send: this step's sent ranges must be readable where this rank published them
                 if st.copyins:
                     self._copy_in(st, user, work, base=base, seq=seq, deadline=deadline)
@@ -518,12 +522,16 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                 staged: dict[tuple[int, int], tuple[Piece, npt.NDArray[Any]]] = {}
                 for rv in st.recvs:
                     peer = rv.peer
-                    if mark is not None:
+                    if mark is not None and boundary:
                         began = clock()
                     waited = wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
                                   what="its data for this step", step=st.index)  # fmt: skip
                     if mark is not None:
-                        mark(began)
+                        if boundary:
+                            mark(began)
+                            boundary = False
+                        else:
+                            mark(self.wait_began if waited else 0)
                         mark(waited)
                     if injection is not None:
                         arrived = clock()

@@ -91,6 +91,9 @@ class PeerWaiting:
     """The longest spin: :data:`SPIN_S` when every rank has a core, else 0."""
     _pidfds: list[int]
     """The peers' pidfds, in rank order without this rank."""
+    wait_began: int = 0
+    """When the last wait that had to wait began (``time.perf_counter_ns``): the recorder's mark for a receive
+    that read no clock before its wait."""
 
     def _publish(self, word: int, value: int) -> None:
         """Set this rank's counter ``word`` to ``value`` and wake the peers asleep on this rank's block."""
@@ -115,7 +118,8 @@ class PeerWaiting:
         word_name: str = "",
     ) -> int:
         """Return once ``peer``'s counter ``word`` reaches ``target``, with how long that took in nanoseconds (0
-        when it had already: then no clock is read); raise naming the culprit if it cannot.
+        when it had already: then no clock is read, else :attr:`wait_began` is when it began); raise naming the
+        culprit if it cannot.
 
         ``what`` (what is awaited) and ``step`` (-1: the descriptor exchange) go into the error messages. With
         ``floor``, a counter below it is one no writer produces (the counter only grows, and was at least ``floor``
@@ -125,6 +129,7 @@ class PeerWaiting:
             return 0
         clock = time.perf_counter_ns  # the clock reads below happen while waiting: the recorder's waits are free
         start = now = clock()
+        self.wait_began = start
         spin_until = start + int(self._spin_s * 1e9)
         while now < spin_until:
             if view[word] >= target:
