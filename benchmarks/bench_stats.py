@@ -210,7 +210,7 @@ def main() -> None:
     print(
         f"CPU per recorded step: {step_s * 1e9:.0f} ns for a call's first (two marks, one clock read), "
         f"{later_s * 1e9:.0f} ns for a later one whose data was there (two marks); per call record "
-        f"{call_s * 1e9:.0f} ns (with its share of moving the lists into the rings)"
+        f"{call_s * 1e9:.0f} ns (with its share of setting the lists aside)"
     )
     for size in (s for s in sizes if s <= _IN_SITU_MAX_BYTES):
         print(

@@ -189,18 +189,23 @@ def test_transfers_from_a_seq_on_leave_out_the_earlier_calls() -> None:
     assert list(recorder.transfers(3)[:, SEQ]) == [3, 4]
 
 
-def test_the_hot_path_keeps_no_memory_per_call() -> None:
+def test_what_the_recorder_keeps_stops_growing_at_its_capacity() -> None:
     recorder = Recorder(enabled=True)
     layout = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False)
-    marks = [1, 2, 3, 4, 5]
-    for seq in range(2000):  # warm up: every page of the rings this test touches, every cached int
-        _call(recorder, seq, layout, marks)
+    marks = [1_000_000_007, 0, 1_000_000_009, 0, 1_000_000_011]  # clocks are new int objects, as on the hot path
+
+    def calls(first: int, count: int) -> None:
+        for seq in range(first, first + count):
+            _call(recorder, seq, layout, [m + seq for m in marks])
+
+    calls(0, CALL_CAPACITY + 2 * SPILL_CALLS)  # full: every later chunk set aside drops the oldest
     recorder.flush()
     blocks = sys.getallocatedblocks()
-    for seq in range(2000, 12_000):
-        _call(recorder, seq, layout, marks)
+    calls(CALL_CAPACITY + 2 * SPILL_CALLS, CALL_CAPACITY)  # unbounded, this would keep ~7 objects per call
     recorder.flush()
-    assert sys.getallocatedblocks() - blocks < 10
+    per_chunk = SPILL_CALLS * (len(marks) + 3)  # a chunk's clocks, tag, tuple and its two clocks
+    assert abs(sys.getallocatedblocks() - blocks) < per_chunk
+    assert len(recorder.calls(CALL_CAPACITY)) == CALL_CAPACITY
 
 
 def test_the_appended_values_are_moved_into_the_rings_every_few_hundred_calls() -> None:

@@ -2,12 +2,14 @@
 
 What a rank records while a collective runs goes into two Python lists, one ``list.append`` per entry: its
 transport's *marks* (clock reads, ``time.perf_counter_ns``, a vDSO call, no syscall, and wait lengths) into
-:attr:`Recorder.log`, and, once the collective returned, one tuple for the whole call into :attr:`Recorder.call_log`:
-``(seq, arrival_ns, end_ns, size_bytes, marks_end)``, where ``marks_end`` is how long ``log`` was then. Every few
-hundred calls the group moves both into preallocated int64 rings in vectorised copies (:meth:`Recorder.flush`),
-which is what readers read. Which peer, step and byte count each mark belongs to is not written at all: it is
-fixed by the call's compiled plan, whose :class:`Layout` rebuilds the records when they are read
-(:meth:`Recorder.calls`, :meth:`Recorder.transfers`, nothing aggregated before :func:`summary_row` asks).
+:attr:`Recorder.log`, and, once the collective returned, one tuple for the whole call into
+:attr:`Recorder.call_log`: ``(seq, arrival_ns, end_ns, size_bytes, marks_end)``, where ``marks_end`` is how long
+``log`` was then. Every few hundred calls the group sets both lists aside as a *chunk* and starts new ones
+(:meth:`Recorder.flush`: no conversion on the hot path; the oldest chunks are dropped once the newer ones hold what
+the readers may look back over); readers convert what is kept to int64 arrays when they ask. Which peer, step and
+byte count each mark belongs to is not written at all: it is fixed by the call's compiled plan, whose
+:class:`Layout` rebuilds the records when they are read (:meth:`Recorder.calls`, :meth:`Recorder.transfers`,
+nothing aggregated before :func:`summary_row` asks).
 
 One collective in ``log``, written by its transport::
 
@@ -57,6 +59,7 @@ k is ``max_r(duration_r,k) − duration_rank,k``. The slowest link is the one wi
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import time
@@ -70,7 +73,6 @@ import numpy.typing as npt
 __all__ = [
     "CALL_CAPACITY",
     "MARK_CAPACITY",
-    "MARK_MASK",
     "SPILL_CALLS",
     "STANDOUT_RATIO",
     "TAG_UNITS",
@@ -89,22 +91,19 @@ TRANSFER_CAPACITY = 1 << 16
 """Whole records kept (a ring, for :meth:`Recorder.transfer`): 65,536 × 7 int64 = 3.5 MiB."""
 
 MARK_CAPACITY = 1 << 18
-"""Values the stream keeps (a ring): 2 MiB, the last 1,000 ring all-reduces of 64 ranks (2 marks per step, 7
-values per call)."""
-
-MARK_MASK = MARK_CAPACITY - 1
-"""A mark's slot is its running number ``& MARK_MASK``."""
+"""Marks kept (the newest): the last 1,000 ring all-reduces of 64 ranks (2 marks per step). Kept as the Python
+ints the hot path appended, about 28 bytes each: 7 MiB at most."""
 
 SPILL_CALLS = 256
 """Calls the hot path appends to :attr:`Recorder.call_log` (and their marks to :attr:`Recorder.log`) before the group
-moves them into the rings: vectorised copies every few hundred calls, where a store per value into a ring cost
-more on every call."""
+sets both lists aside as a chunk and starts new ones (nothing converted: readers do that when they ask)."""
 
 TAG_UNITS = 32
 """A call's tag is ``layout.key * TAG_UNITS + unit``: units (item sizes) below this."""
 
 CALL_CAPACITY = 1 << 14
-"""Collectives kept (a ring, a power of two): the most ``stats(last=K)`` can look back."""
+"""Collectives kept (the newest, fewer when their marks exceed :data:`MARK_CAPACITY`): the most ``stats(last=K)``
+can look back."""
 
 _CALL_FIELDS = 5  # seq, arrival_ns, end_ns, size_bytes, marks_end
 _VOID = -1  # the seq of a call that failed: its tuple only bounds the marks it wrote
@@ -240,7 +239,7 @@ class Layout:
 
 
 class Recorder:
-    """The marks and call tuples of one rank, and the rings they are moved into (see the module docstring).
+    """The marks and call tuples of one rank, and the chunks they are set aside in (see the module docstring).
 
     ``enabled`` False makes the group and the transports skip it. Who appends what, calling nothing but
     ``append`` (``log.append``) and ``record_call`` (``call_log.append``), both cached:
@@ -248,18 +247,18 @@ class Recorder:
     - the transport, if it marks: its marks, then the call's tag (``layout.tag_base + unit``);
     - the group, when the collective returns: ``(seq, arrival_ns, end_ns, size_bytes, len(log))``; when it fails,
       :meth:`void`;
-    - past :data:`SPILL_CALLS` calls, the group moves both lists into the rings (:meth:`flush`); so does every
+    - past :data:`SPILL_CALLS` calls, the group sets both lists aside (:meth:`flush`); so does every
       reader first. Readers run between collectives (the group's summaries are collectives of their own).
     """
 
     __slots__ = (
-        "_call_ring",
-        "_marks",
+        "_chunk_calls",
+        "_chunk_marks",
+        "_chunks",
         "_t",
         "_transfers",
         "append",
         "call_log",
-        "calls_flushed",
         "enabled",
         "flushed",
         "log",
@@ -270,20 +269,23 @@ class Recorder:
     def __init__(self, *, enabled: bool = False) -> None:
         self.enabled = enabled
         self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
-        self._marks = np.zeros(MARK_CAPACITY, np.int64)
-        self._call_ring = np.zeros((CALL_CAPACITY, _CALL_FIELDS), np.int64)
         self._t = memoryview(self._transfers.data).cast("B").cast("q")
         self.transfers_recorded = 0
         self.log: list[int] = []
-        """Marks appended since the last :meth:`flush` (never replaced: ``append`` is its bound method)."""
+        """Marks appended since the last :meth:`flush` (``append`` is its bound method, replaced with it)."""
         self.append = self.log.append
         self.call_log: list[tuple[int, int, int, int, int]] = []
-        """Call tuples appended since the last :meth:`flush` (never replaced: ``record_call`` is its bound method)."""
+        """Call tuples appended since the last :meth:`flush` (``record_call`` is its bound method)."""
         self.record_call = self.call_log.append
         self.flushed = 0
-        """The running position of ``log[0]``: marks moved into the ring so far."""
-        self.calls_flushed = 0
-        """Call tuples moved into the call ring so far."""
+        """The running position of ``log[0]``: marks set aside so far."""
+        self._chunks: collections.deque[tuple[list[tuple[int, int, int, int, int]], list[int], int]] = (
+            collections.deque()
+        )
+        """Earlier lists, oldest first, each ``(call_log, log, position of log[0])``: a call's tuple and its marks
+        always share a chunk (lists are set aside between calls only)."""
+        self._chunk_calls = 0
+        self._chunk_marks = 0
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
         self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
@@ -312,53 +314,67 @@ class Recorder:
         self.record_call((_VOID, 0, 0, 0, len(self.log)))
 
     def flush(self) -> None:
-        """Move ``log`` and ``call_log`` into the rings (the newest :data:`MARK_CAPACITY` marks and
-        :data:`CALL_CAPACITY` calls of them)."""
+        """Set ``log`` and ``call_log`` aside as a chunk and start new lists (between calls only): no conversion on
+        the hot path, which readers do when they ask. Chunks no reader can reach any more are dropped: the oldest,
+        once the newer ones hold :data:`CALL_CAPACITY` calls or :data:`MARK_CAPACITY` marks."""
         log, calls = self.log, self.call_log
-        n = len(log)
-        if calls:
-            kept = calls[-CALL_CAPACITY:]
-            # fromiter over the flattened tuples: about half of what np.array(calls) costs (it inspects each tuple)
-            flat = np.fromiter(itertools.chain.from_iterable(kept), np.int64, count=_CALL_FIELDS * len(kept))
-            rows = flat.reshape(-1, _CALL_FIELDS)
-            rows[:, 4] += self.flushed  # running positions
-            at = (self.calls_flushed + len(calls) - len(rows) + np.arange(len(rows))) & (CALL_CAPACITY - 1)
-            self._call_ring[at] = rows
-            self.calls_flushed += len(calls)
-            calls.clear()
-        if n:
-            values = np.fromiter(
-                log[-MARK_CAPACITY:] if n > MARK_CAPACITY else log, np.int64, count=min(n, MARK_CAPACITY)
-            )
-            first = (self.flushed + n - len(values)) & MARK_MASK
-            head = min(len(values), MARK_CAPACITY - first)
-            self._marks[first : first + head] = values[:head]
-            self._marks[: len(values) - head] = values[head:]
-            self.flushed += n
-            log.clear()
+        if not calls and not log:
+            return
+        self._chunks.append((calls, log, self.flushed))
+        self._chunk_calls += len(calls)
+        self._chunk_marks += len(log)
+        self.flushed += len(log)
+        self.log = []
+        self.append = self.log.append
+        self.call_log = []
+        self.record_call = self.call_log.append
+        chunks = self._chunks
+        while len(chunks) > 1:
+            old_calls, old_log, _ = chunks[0]
+            calls_left, marks_left = self._chunk_calls - len(old_calls), self._chunk_marks - len(old_log)
+            if calls_left < CALL_CAPACITY and marks_left < MARK_CAPACITY:
+                break
+            chunks.popleft()
+            self._chunk_calls -= len(old_calls)
+            self._chunk_marks -= len(old_log)
 
-    def _kept(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """The call tuples the ring keeps, oldest first, voids included, and where each one's marks may begin (the
-        previous tuple's ``marks_end``; for the oldest, unknown once the ring dropped the one before it: none)."""
+    def _kept(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+        """The last :data:`CALL_CAPACITY` call tuples, oldest first, voids included (``marks_end`` as a running
+        position); where each one's marks may begin (the previous tuple's ``marks_end``, and never before the last
+        :data:`MARK_CAPACITY` marks); the marks; and the running position of the first of them."""
         self.flush()
-        k = min(self.calls_flushed, CALL_CAPACITY)
-        rows = self._call_ring[np.arange(self.calls_flushed - k, self.calls_flushed) & (CALL_CAPACITY - 1)]
-        lower = np.empty(k, np.int64)
-        if k:
-            lower[0] = 0 if self.calls_flushed <= CALL_CAPACITY else rows[0, 4]
+        chunks = list(self._chunks)
+        if not chunks:
+            empty = np.zeros((0, _CALL_FIELDS), np.int64)
+            return empty, np.zeros(0, np.int64), np.zeros(0, np.int64), self.flushed
+        parts = []
+        for calls, _, base in chunks:
+            flat = np.fromiter(itertools.chain.from_iterable(calls), np.int64, count=_CALL_FIELDS * len(calls))
+            rows = flat.reshape(-1, _CALL_FIELDS)
+            rows[:, 4] += base
+            parts.append(rows)
+        rows = np.concatenate(parts)
+        marks = np.fromiter(
+            itertools.chain.from_iterable(log for _, log, _ in chunks), np.int64, count=self._chunk_marks
+        )
+        first = chunks[0][2]
+        lower = np.empty(len(rows), np.int64)
+        if len(rows):
+            lower[0] = first
             lower[1:] = rows[:-1, 4]
-        np.maximum(lower, self.flushed - MARK_CAPACITY, out=lower)  # older marks were overwritten
-        return rows, lower
+        rows, lower = rows[-CALL_CAPACITY:], lower[-CALL_CAPACITY:]
+        np.maximum(lower, self.flushed - MARK_CAPACITY, out=lower)
+        return rows, lower, marks, first
 
     @property
     def calls_recorded(self) -> int:
-        """Collectives whose call records the ring still holds (at most :data:`CALL_CAPACITY`)."""
-        rows, _ = self._kept()
+        """Collectives whose call records are still kept (at most :data:`CALL_CAPACITY`)."""
+        rows, _, _, _ = self._kept()
         return int(np.count_nonzero(rows[:, 0] != _VOID))
 
     def calls(self, last: int) -> npt.NDArray[np.int64]:
         """The last ``last`` call records, oldest first (rows of seq, arrival_ns, end_ns, size_bytes)."""
-        rows, _ = self._kept()
+        rows, _, _, _ = self._kept()
         rows = rows[rows[:, 0] != _VOID]
         out: npt.NDArray[np.int64] = rows[len(rows) - min(last, len(rows)) :, :4].copy()
         return out
@@ -366,18 +382,18 @@ class Recorder:
     def transfers(self, first_seq: int) -> npt.NDArray[np.int64]:
         """The transfer records kept of collectives ``first_seq`` and later, oldest first (by seq, then step)."""
         parts = [self._written_transfers(first_seq)]
-        rows, lower = self._kept()
+        rows, lower, marks, first = self._kept()
         tag_at = rows[:, 4] - 1
         wanted = (rows[:, 0] >= first_seq) & (rows[:, 1] <= rows[:, 2]) & (tag_at >= lower)
-        tags = self._marks[tag_at & MARK_MASK]
+        tags = np.where(wanted, marks[np.clip(tag_at - first, 0, max(len(marks) - 1, 0))] if len(marks) else 0, 0)
         keys, units = np.divmod(tags, TAG_UNITS)
         for key in np.unique(keys[wanted]).tolist():
             layout = _LAYOUTS.get(key)
             if layout is None:  # its plan is gone: what its marks mean is unknown
                 continue
             picked = wanted & (keys == key) & (tag_at - layout.marks >= lower)
-            at = (tag_at[picked][:, None] - layout.marks + np.arange(layout.marks)) & MARK_MASK
-            parts.append(layout.records(rows[picked, :4], units[picked], self._marks[at]))
+            at = tag_at[picked][:, None] - layout.marks + np.arange(layout.marks) - first
+            parts.append(layout.records(rows[picked, :4], units[picked], marks[at]))
         records = np.concatenate(parts)
         order = np.lexsort((records[:, 1], records[:, 0]))
         out: npt.NDArray[np.int64] = records[order]
