@@ -79,13 +79,22 @@ def check_privileges() -> None:
         raise EmulationError(f"emulated clusters need iproute2 ({' and '.join(missing)} not found on PATH)")
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 def _run(args: Sequence[str], *, stdin: str | None = None) -> str:
+    # A stop signal waits until the command has finished (milliseconds): an interrupt raised while Popen starts the
+    # child would leave it running unwatched, and an `ip netns add` finishing after the cleanup listed what exists
+    # would leave its namespace behind. (The child inherits the mask: a timeout kills it with SIGKILL.)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         done = subprocess.run(
             list(args), input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
         )
     except subprocess.TimeoutExpired:
         raise EmulationError(f"`{' '.join(args)}` did not finish in {COMMAND_TIMEOUT_S:g} s") from None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if done.returncode != 0:
         said = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         reason = next((line for line in said if "rror" in line), said[0] if said else f"exit {done.returncode}")
