@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -19,15 +20,27 @@ def _raise(signum: int, frame: FrameType | None) -> None:
 
 @pytest.mark.slow
 def test_a_stop_signal_during_a_command_is_raised_once_the_command_finished(tmp_path: Path) -> None:
-    done = tmp_path / "done"
+    started, sent, done = tmp_path / "started", tmp_path / "sent", tmp_path / "done"
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def signal_while_it_runs() -> None:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:  # the command is running
+            time.sleep(0.005)
+        signal.pthread_kill(main, signal.SIGTERM)
+        sent.touch()
+
+    # The command outlives its signal by 0.5 s, longer than the 0.25 s subprocess waits for a child after an
+    # interrupt before it kills it: without the fix it never gets to `touch done`.
+    command = f"touch {started}; while [ ! -e {sent} ]; do sleep 0.01; done; sleep 0.5; touch {done}"
     previous = signal.signal(signal.SIGTERM, _raise)
-    timer = threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGTERM))
+    sender = threading.Thread(target=signal_while_it_runs)
     try:
-        timer.start()
-        # subprocess waits 0.25 s for a child after an interrupt, then kills it: this one needs longer
+        sender.start()
         with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
-            _run(["sh", "-c", f"sleep 0.6; touch {done}"])
+            _run(["sh", "-c", command])
     finally:
-        timer.cancel()
+        sender.join()
         signal.signal(signal.SIGTERM, previous)
     assert done.exists()
