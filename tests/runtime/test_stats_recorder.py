@@ -234,3 +234,15 @@ def test_a_transport_that_wrote_more_marks_cannot_shift_the_calls_after_it() -> 
     _call(recorder, 1, layout, [10, 1, 20])
     assert [int(c[0]) for c in recorder.calls(10)] == [0, 1]
     assert list(recorder.transfers(1)[:, WAIT]) == [1]
+
+
+def test_a_read_sees_every_call_made_since_the_last_read() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    _call(recorder, 0, layout, [1, 2, 3])
+    assert [int(c[0]) for c in recorder.calls(10)] == [0]
+    _call(recorder, 1, None, [])  # no marks at all (a transport that writes whole records): still a new state
+    assert [int(c[0]) for c in recorder.calls(10)] == [0, 1]
+    _call(recorder, 2, layout, [4, 5, 6])
+    assert list(recorder.transfers(0)[:, SEQ]) == [0, 2]
+    assert [int(c[0]) for c in recorder.calls(10)] == [0, 1, 2]

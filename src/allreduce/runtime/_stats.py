@@ -238,6 +238,10 @@ class Layout:
         return records
 
 
+_Kept = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], int]
+"""What :meth:`Recorder._kept` returns: call rows, their marks' lower bounds, the marks, the first mark's position."""
+
+
 class Recorder:
     """The marks and call tuples of one rank, and the chunks they are set aside in (see the module docstring).
 
@@ -255,6 +259,8 @@ class Recorder:
         "_chunk_calls",
         "_chunk_marks",
         "_chunks",
+        "_kept_cache",
+        "_set_aside",
         "_t",
         "_transfers",
         "append",
@@ -286,6 +292,9 @@ class Recorder:
         always share a chunk (lists are set aside between calls only)."""
         self._chunk_calls = 0
         self._chunk_marks = 0
+        self._set_aside = 0
+        """Call tuples set aside so far (only grows: what a reader's cached conversion is keyed by)."""
+        self._kept_cache: tuple[int, _Kept] | None = None
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
         self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
@@ -323,6 +332,7 @@ class Recorder:
         self._chunks.append((calls, log, self.flushed))
         self._chunk_calls += len(calls)
         self._chunk_marks += len(log)
+        self._set_aside += len(calls) + 1  # + 1: a chunk of marks without calls changes what is kept too
         self.flushed += len(log)
         self.log = []
         self.append = self.log.append
@@ -338,11 +348,19 @@ class Recorder:
             self._chunk_calls -= len(old_calls)
             self._chunk_marks -= len(old_log)
 
-    def _kept(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+    def _kept(self) -> _Kept:
         """The last :data:`CALL_CAPACITY` call tuples, oldest first, voids included (``marks_end`` as a running
         position); where each one's marks may begin (the previous tuple's ``marks_end``, and never before the last
-        :data:`MARK_CAPACITY` marks); the marks; and the running position of the first of them."""
+        :data:`MARK_CAPACITY` marks); the marks; and the running position of the first of them. Converted once
+        per state: the readers of one summary (calls, then transfers) share it; they must not write to it."""
         self.flush()
+        if self._kept_cache is not None and self._kept_cache[0] == self._set_aside:
+            return self._kept_cache[1]
+        kept = self._convert()
+        self._kept_cache = (self._set_aside, kept)
+        return kept
+
+    def _convert(self) -> _Kept:
         chunks = list(self._chunks)
         if not chunks:
             empty = np.zeros((0, _CALL_FIELDS), np.int64)
