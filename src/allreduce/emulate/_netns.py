@@ -85,7 +85,8 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 def _run(args: Sequence[str], *, stdin: str | None = None) -> str:
     # A stop signal waits until the command has finished (milliseconds): an interrupt raised while Popen starts the
     # child would leave it running unwatched, and an `ip netns add` finishing after the cleanup listed what exists
-    # would leave its namespace behind. (The child inherits the mask: a timeout kills it with SIGKILL.)
+    # would leave its namespace behind. (The child inherits the mask: a timeout kills it with SIGKILL. The mask
+    # is this thread's: the emulate commands run no other thread that could take the signal meanwhile.)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         done = subprocess.run(
