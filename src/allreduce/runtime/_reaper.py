@@ -36,16 +36,17 @@ _DONE = b"done\n"
 
 def running_in_groups(groups: set[int]) -> bool:
     """Whether any process (not a zombie) belongs to one of the process groups ``groups``."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] not in ("Z", "X") and int(fields[2]) in groups:
-            return True
+    with os.scandir("/proc") as entries:  # closed on the early return too (else a ResourceWarning when collected)
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] not in ("Z", "X") and int(fields[2]) in groups:
+                return True
     return False
 
 
