@@ -312,6 +312,10 @@ def _mismatched_count(rank: int, world_size: int, store: TCPStore, transport: Tc
 
 
 def _die_mid_collective(rank: int, world_size: int, store: TCPStore, transport: TcpTransport, victim: int) -> None:
+    """The victim is SIGKILLed between two collectives; the others then run the second one. They poll for the
+    go-ahead with ``check``: a blocking ``get`` fails naming the victim when the store sees it die before the
+    go-ahead is set, and a rank that failed there would close its transport outside any collective, so its ring
+    successor would rightly name it (ci12's one failure: rank 2 named rank 1)."""
     count = 4 << 20  # 32 MiB of int64: long enough that the victim dies mid-way
     schedule = all_reduce("ring", world_size, segments=4)
     buffer = rank_data(rank, count)
@@ -320,7 +324,9 @@ def _die_mid_collective(rank: int, world_size: int, store: TCPStore, transport: 
     store.set(f"test/ready/{rank}", b"")
     if rank == victim:
         store.get("test/never", timeout_s=TIMEOUT_S)  # the parent SIGKILLs us while the others run
-    store.get("test/kill-sent", timeout_s=TIMEOUT_S)
+    parked_until = time.monotonic() + TIMEOUT_S
+    while not store.check(["test/kill-sent"]) and time.monotonic() < parked_until:
+        time.sleep(0.05)
     transport.execute(plan, buffer, add_into, seq=2, timeout_s=TIMEOUT_S, checksum=False)
 
 
