@@ -105,6 +105,34 @@ def test_concurrent_receives_wait_from_the_step_start_to_each_first_byte() -> No
     assert tuple(second) == (3, 0, 2, 0, 10, 60, 256)
 
 
+def test_a_concurrent_first_byte_marked_zero_was_there_at_the_step_start() -> None:
+    """tcp reads no clock for data it did not wait for: no wait, the move runs from the step's start."""
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 512), (2, 256)])], concurrent=True)
+    _call(recorder, 1, layout, [1000, 0, 1090, 1030, 1070])
+    first, second = recorder.transfers(0)
+    assert (first[WAIT], first[MOVE]) == (0, 90)
+    assert (second[WAIT], second[MOVE]) == (30, 40)
+
+
+def test_a_concurrent_last_byte_marked_zero_arrived_at_the_next_steps_start() -> None:
+    """A one-peer step reads no clock for its last byte: the step ended when the next one started."""
+    recorder = Recorder(enabled=True)
+    ring = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=True)
+    _call(recorder, 1, ring, [1000, 1010, 0, 1200, 0, 0], end=1350)
+    first, second = recorder.transfers(0)
+    assert (first[START], first[WAIT], first[MOVE]) == (1000, 10, 190)
+    assert (second[START], second[WAIT], second[MOVE]) == (1200, 0, 150)  # the last step ends with the call
+
+
+def test_a_concurrent_step_with_no_clock_but_its_start_moved_for_the_whole_step() -> None:
+    recorder = Recorder(enabled=True)
+    ring = Layout([(0, [(1, 8)]), (1, [(2, 8)]), (2, [(1, 8)])], concurrent=True)
+    _call(recorder, 1, ring, [500, 0, 0, 620, 0, 0, 700, 0, 0], end=730)
+    moves = [(int(t[STEP]), int(t[WAIT]), int(t[MOVE])) for t in recorder.transfers(0)]
+    assert moves == [(0, 0, 120), (1, 0, 80), (2, 0, 30)]
+
+
 def test_a_failed_call_leaves_no_records_and_the_next_call_is_read_right() -> None:
     recorder = Recorder(enabled=True)
     layout = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False)

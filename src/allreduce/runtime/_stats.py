@@ -42,12 +42,17 @@ Two kinds of layout, by how a transport receives:
   reads, however many steps it has, when no wait was needed. Waits a step makes before its first receive's (for
   the readers of an earlier step, or, under the ptracer discipline, for its previous reader to finish) end up in
   the previous move.
-- *concurrent* (tcp: receives from several peers interleave in one poll loop): per step a mark when it begins,
-  then per peer the first and the last byte's arrival.
+- *concurrent* (tcp: receives from several peers interleave in one poll loop): per step a mark when it begins
+  (its one clock read when no wait was needed), then per peer the first and the last byte's arrival. The first
+  is the clock the poll loop read when it woke with the peer's data readable after a wait, or 0 when it never
+  waited for it (the data was there from the step's start, or came while this rank was busy sending): the step's
+  start. The last is read when the peer's frames complete in a step with several receiving peers (or an injected
+  pacing); in a step with one it is 0: the step's end, the next step's start mark or the call's end.
 
 Rebuilt (or written), each received transfer is one record ``(seq, step, peer, step_start_ns, wait_ns,
 transfer_ns, size_bytes)``: ``wait_ns`` is how long this rank waited for ``peer``'s data to become available (shm:
-blocked on the peer's progress counter; tcp: from the step's start until the first byte of the peer's frames;
+blocked on the peer's progress counter; tcp: from the step's start until the poll that found the peer's first
+bytes readable returned;
 local: until the message was in the hub); ``transfer_ns`` how long moving it took once it was there (a paced link
 shows here). Each collective is one call record ``(seq, arrival_ns, end_ns, size_bytes)``: when this rank called
 it and when it returned.
@@ -129,6 +134,7 @@ class Layout:
 
     __slots__ = (
         "__weakref__",
+        "after",
         "arrive",
         "begin",
         "concurrent",
@@ -153,10 +159,12 @@ class Layout:
         arrive: list[int] = []
         end: list[int] = []
         first_recv: list[int] = []
+        after: list[int] = []
         pos = 0
         for index, recvs in steps:
             first = pos
             for i, (p, u) in enumerate(recvs):
+                after.append(first + 1 + 2 * len(recvs))  # concurrent: the next step's start, or the call's end
                 first_recv.append(len(step_of) - i)
                 step_of.append(index)
                 peer.append(p)
@@ -182,6 +190,8 @@ class Layout:
 
         self.step, self.peer, self.units = column(step_of), column(peer), column(units)
         self.start, self.begin, self.arrive, self.end = column(start), column(begin), column(arrive), column(end)
+        self.after = column(after)
+        """Per receive (concurrent), the mark after its step's: where a last byte marked 0 arrived."""
         self.first_recv = column(first_recv)
         """Per receive, the index of its step's first receive."""
         self.key = next(_LAYOUT_KEYS)
@@ -205,10 +215,13 @@ class Layout:
         out[:, :, 2] = self.peer
         out[:, :, 6] = self.units * units[:, None]
         if self.concurrent:
-            out[:, :, 3] = m[:, self.start]
-            arrived = m[:, self.arrive]  # the first byte's arrival (a clock)
+            started = m[:, self.start]
+            out[:, :, 3] = started
+            first, last = m[:, self.arrive], m[:, self.end]
+            arrived = np.where(first == 0, started, first)  # 0: there from the step's start (no wait)
+            ended = np.where(last == 0, m[:, self.after], last)  # 0: at the step's end
             out[:, :, 4] = np.maximum(arrived - m[:, self.begin], 0)
-            out[:, :, 5] = np.maximum(m[:, self.end] - arrived, 0)
+            out[:, :, 5] = np.maximum(ended - arrived, 0)
             return out.reshape(n * r, _TRANSFER_FIELDS)
         began, waited, end = m[:, self.begin], m[:, self.arrive], m[:, self.end]
         whole = began[:, 0] != 0  # a call's first receive always reads the clock: else its marks are not this layout's

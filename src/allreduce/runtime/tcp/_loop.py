@@ -51,12 +51,16 @@ def exchange(
     label: str,
     sender: Sender | None,
     arrivals: dict[int, int] | None = None,
+    last_bytes: bool = False,
 ) -> None:
     """Send and receive one step's frames concurrently; apply staged receives; raise naming the culprit.
 
     With ``sender``, that thread sends while this one receives, reduces and applies staged receives. With
-    ``arrivals``, each receiving peer's first byte's arrival goes in under ``peer`` and its last byte's under
-    ``~peer`` (``time.perf_counter_ns``: no container made per peer)."""
+    ``arrivals`` (the recorder's, or an injected pacing's), a receiving peer whose first bytes this rank had to
+    wait for gets, under ``peer``, when the ``poll`` that found them readable returned: the clock is read only
+    after a wait, so a step whose data was there reads none (``peer`` absent: the data was there from the step's
+    start, or arrived while this rank was busy sending). With ``last_bytes`` too, each peer's last byte's arrival
+    goes in under ``~peer`` (a clock read per peer; without it the step's end stands for it: one receiving peer)."""
     send_q: dict[int, list[OutFrame]] = {}
     for peer, out in sends:
         send_q.setdefault(peer, []).append(out)
@@ -68,6 +72,7 @@ def exchange(
     staged = [inc for _, inc in recvs if inc.staged]
     all_out = [out for _, out in sends] if staged else []
     poller: select.poll | None = None  # made the first time nothing can move (small steps rarely get there)
+    first_pending = arrivals is not None  # a receiving peer may still have sent no byte: look at each wake-up
     registered: dict[int, int] = {}
     fd_peer: dict[int, int] = {}
     if sender is not None:
@@ -85,15 +90,13 @@ def exchange(
             while i < n_in:
                 inc = queue_in[i]
                 moved = pair.receive(inc, seq, tag=tag, reduce_into=reduce_into, label=label)
-                if moved and arrivals is not None and peer not in arrivals:
-                    arrivals[peer] = time.perf_counter_ns()
                 progress = progress or moved
                 if inc.got < inc.length or inc.length < 0:
                     break
                 i += 1
             if i == n_in:
                 del recv_pos[peer]
-                if arrivals is not None:
+                if last_bytes and arrivals is not None:
                     arrivals[~peer] = time.perf_counter_ns()
             else:
                 recv_pos[peer] = i
@@ -126,7 +129,23 @@ def exchange(
             )
         # With the sender thread running, wake now and then to pick up its failure.
         wait_s = min(remaining, SENDER_POLL_S if sender is not None else _IDLE_POLL_S)
-        for fd, revents in poller.poll(wait_s * 1000.0):
+        ready = poller.poll(wait_s * 1000.0)
+        if first_pending and arrivals is not None:
+            # After a wait (so off the path of a step whose data was there): a readable peer that has sent no byte
+            # of the step yet gets the clock, read once; later wake-ups look again while such a peer is left.
+            first_pending = False
+            woke = 0
+            for fd, revents in ready:
+                if revents & POLL_IN:
+                    peer = fd_peer[fd]
+                    if recv_pos.get(peer) == 0 and peer not in arrivals and recv_q[peer][0].header_got == 0:
+                        woke = woke or time.perf_counter_ns()
+                        arrivals[peer] = woke
+            for peer, i in recv_pos.items():
+                if i == 0 and peer not in arrivals and recv_q[peer][0].header_got == 0:
+                    first_pending = True
+                    break
+        for fd, revents in ready:
             if revents & POLL_ERR and not revents & (POLL_IN | select.POLLOUT):
                 raise _broken(rank, fd_peer[fd], label=label, seq=seq, step=step)
     if sender is not None:
@@ -341,12 +360,13 @@ class Sender:
                 self._cond.notify_all()
 
 
-def pace_step(injection: Any, step: Any, arrivals: dict[int, int]) -> None:
-    """Pace the injected slow links of ``step`` (a prepared step): each paced peer's last byte (``arrivals[~peer]``)
-    moves to when the pacing let it through."""
+def pace_step(injection: Any, step: Any, arrivals: dict[int, int], step_start: int) -> None:
+    """Pace the injected slow links of ``step`` (a prepared step, run with ``last_bytes``): each paced peer's data
+    takes its size at the paced rate from its first byte (``arrivals[peer]``, else the step's start), and its last
+    byte (``arrivals[~peer]``) moves to when the pacing let it through."""
     for peer in step.recv_peers:
         if injection.paces(peer) and ~peer in arrivals:
             last = arrivals[~peer]
             size_bytes = sum(r.byte_stop - r.byte_start for r in step.recvs if r.peer == peer)
-            injection.pace(peer, size_bytes, arrivals.get(peer, last))
+            injection.pace(peer, size_bytes, arrivals.get(peer, step_start))
             arrivals[~peer] = max(last, time.perf_counter_ns())

@@ -52,6 +52,8 @@ class PreparedStep:
     recvs: tuple[RecvSpec, ...]
     send_bytes: int  # what the step sends, over all its peers
     recv_peers: tuple[int, ...]  # the peers it receives from, each once, in the order the recorder marks them
+    no_arrivals: tuple[int, ...]  # the recorder's marks of a step whose data was there: (0, 0) per peer
+    last_bytes: bool  # receives from several peers: the recorder reads each one's last byte's arrival
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +120,10 @@ def prepare(plan: RankPlan, itemsize: int, *, checksum: bool) -> PreparedPlan:
         received: dict[int, int] = {}
         for r in recvs:
             received[r.peer] = received.get(r.peer, 0) + r.byte_stop - r.byte_start
-        steps.append(PreparedStep(step.index, sends, tuple(recvs), send_bytes, tuple(received)))
+        peers = tuple(received)
+        steps.append(
+            PreparedStep(step.index, sends, tuple(recvs), send_bytes, peers, (0, 0) * len(peers), len(peers) > 1)
+        )
         layout_steps.append((step.index, list(received.items())))
     layout = Layout(layout_steps, concurrent=True)
     return PreparedPlan(plan_tag(plan, itemsize), tuple(steps), scratch_bytes, plan.peers, layout)

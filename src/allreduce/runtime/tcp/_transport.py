@@ -509,14 +509,18 @@ class TcpTransport(Transport):
         injection = self.injection
         # the recorder's marks (see allreduce.runtime._stats): a clock read each, appended
         mark = recorder.append if recorder.enabled else None
+        marks = recorder.log.extend if mark is not None else None  # the call's own list: flush() runs between calls
+        arrivals: dict[int, int] | None = {} if mark is not None or injection is not None else None
         for step in prepared.steps:
             if injection is not None:
                 injection.hold_step()
             step_start = 0
-            if mark is not None:
-                step_start = time.perf_counter_ns()
-                mark(step_start)
-            arrivals: dict[int, int] | None = {} if mark is not None or injection is not None else None
+            if arrivals is not None:
+                step_start = time.perf_counter_ns()  # the one clock read of a step whose data was there
+                if mark is not None:
+                    mark(step_start)
+                if arrivals:
+                    arrivals.clear()
             sends = []
             for spec in step.sends:
                 payload = raw[spec.byte_start : spec.byte_stop]
@@ -577,14 +581,18 @@ class TcpTransport(Transport):
                 label=f"step {step.index}",
                 sender=sender,
                 arrivals=arrivals,
+                last_bytes=step.last_bytes or injection is not None,
             )
             if injection is not None and arrivals is not None:
-                pace_step(injection, step, arrivals)
-            if mark is not None and arrivals is not None:
-                for peer in step.recv_peers:  # first and last byte, in the layout's order
-                    last = arrivals.get(~peer, step_start)
-                    mark(arrivals.get(peer, last))
-                    mark(last)
+                pace_step(injection, step, arrivals, step_start)
+            if mark is not None and marks is not None and arrivals is not None:
+                # first and last byte per peer, in the layout's order; 0: the step's start, the step's end
+                if arrivals:
+                    for peer in step.recv_peers:
+                        mark(arrivals.get(peer, 0))
+                        mark(arrivals.get(~peer, 0))
+                else:
+                    marks(step.no_arrivals)
             self._frames_sent += len(sends)
             self._frames_received += len(recvs)
         if mark is not None:
