@@ -187,3 +187,25 @@ def test_a_wrong_authored_algorithm_is_refused_naming_the_step(registered: list[
 
     with pytest.raises(ScheduleError, match=r"world_size=2: .*rank \d step 1 reduces block \d from rank \d and counts"):
         register_algorithm("all_reduce", "twice", ring_that_reduces_twice)
+
+
+def powers_of_two_by_lookup(world_size: int) -> Schedule:
+    rounds = {1: 0, 2: 1, 4: 2, 8: 3}[world_size]  # a user's table: a KeyError, not a ValueError, elsewhere
+    return ring_all_reduce(world_size) if rounds >= 0 else ring_missing_last_step(world_size)
+
+
+def test_a_generator_that_raises_is_refused_naming_the_world_size_and_its_line() -> None:
+    with pytest.raises(ScheduleError) as caught:
+        register_algorithm("all_reduce", "pow2_table", powers_of_two_by_lookup)
+    line = powers_of_two_by_lookup.__code__.co_firstlineno + 1
+    assert str(caught.value) == (
+        f"all_reduce algorithm 'pow2_table' (python) failed at world_size=3: KeyError at {__file__}:{line}: 3"
+    )
+    assert "pow2_table" not in algorithms()
+
+
+def test_a_generator_that_raises_when_built_later_is_named_not_an_internal_error(registered: list[str]) -> None:
+    registered.append("pow2_late")
+    register_algorithm("all_reduce", "pow2_late", powers_of_two_by_lookup, verify_on=(2, 4))
+    with pytest.raises(ScheduleError, match=r"'pow2_late' \(python\) failed at world_size=6: KeyError at "):
+        make_schedule("all_reduce", "pow2_late", 6)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -195,6 +196,10 @@ def _verify_algorithm(entry: Algorithm, world_sizes: tuple[int, ...]) -> None:
             except ValueError as exc:
                 declined.append(f"{where}: {exc}")
                 continue
+            except Exception as exc:
+                if entry.origin == "built-in":  # a bug of ours
+                    raise
+                raise _failed(entry, where, exc) from exc
             try:
                 schedule = _as_schedule(entry, built)
                 if schedule.world_size != n:
@@ -207,6 +212,20 @@ def _verify_algorithm(entry: Algorithm, world_sizes: tuple[int, ...]) -> None:
             accepted += 1
     if world_sizes and not accepted:
         raise ScheduleError(f"{label} declined every world size it was verified on: {declined[0]}")
+
+
+def _failed(entry: Algorithm, where: str, exc: Exception) -> ScheduleError:
+    """What a user's generator that raised something other than ``ValueError`` (which declines a world size)
+    becomes: an error naming the algorithm, the world size and the line that raised, not an internal error."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    code = getattr(entry.build, "__code__", None)
+    own = [f for f in frames if code is not None and f.filename == code.co_filename]  # the user's file's last line
+    at = (own or frames)[-1:]
+    line = f" at {at[0].filename}:{at[0].lineno}" if at else ""
+    return ScheduleError(
+        f"{entry.collective.value} algorithm {entry.name!r} ({entry.origin}) failed at {where}: "
+        f"{type(exc).__name__}{line}" + (f": {exc}" if str(exc) else "")
+    )
 
 
 def _as_schedule(entry: Algorithm, built: object) -> Schedule:
@@ -280,7 +299,15 @@ def make_schedule(
         if group_size is None:
             raise ValueError(f"{entry.collective.value} algorithm {name!r} needs group_size (ranks per host)")
         kwargs["group_size"] = group_size
-    schedule = _as_schedule(entry, entry.build(world_size, **kwargs))
+    try:
+        built = entry.build(world_size, **kwargs)
+    except ValueError:
+        raise
+    except Exception as exc:
+        if entry.origin == "built-in":  # a bug of ours
+            raise
+        raise _failed(entry, f"world_size={world_size}", exc) from exc
+    schedule = _as_schedule(entry, built)
     return schedule.with_segments(segments) if segments != 1 else schedule
 
 
