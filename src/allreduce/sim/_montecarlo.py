@@ -563,10 +563,13 @@ def _run_phase(
         delay[d.incidence.active] = rank_delay[d.incidence.active]
         delay_blame = blame_key(delay, rank_culprit)
     losses = _draw_losses(rng, config.loss, d, samples) if config.loss else None
+    loss_keys: IntArray | None = None
     if losses is not None:
         np.add.at(lost, cols[losses.sample], 1)
         np.add.at(timeouts, cols[losses.sample], losses.timeouts)
         bounds = losses.bounds(phase.repeat)
+        if blame is not None or record is not None:  # once for the phase: per step it cost more than the step
+            loss_keys = blame_key(losses.extra_s, n + losses.link)
     jitter = config.link_jitter if config.link_jitter is not None and not config.link_jitter.is_zero else None
     link_code = np.where(d.blame_link >= 0, n + d.blame_link, -1)
     quiet = losses is None and jitter is None and rates is None
@@ -589,7 +592,7 @@ def _run_phase(
         if losses is not None and bounds[j + 1] > bounds[j]:
             sl = slice(int(bounds[j]), int(bounds[j + 1]))
             seconds = losses.extra_s[sl]
-            key = blame_key(seconds, n + losses.link[sl]) if blame is not None or record is not None else None
+            key = loss_keys[sl] if loss_keys is not None else None
             sparse = (losses.flow[sl], losses.sample[sl], seconds, key)
         if rates is not None:
             start = np.maximum(clock[phase.src], clock[phase.dst])
