@@ -71,6 +71,9 @@ def _corrupts_its_control_word(rank: int, n: int, port: int, out: Any, case: tup
             if rank == victim:
                 writes = {
                     "aborted": [(ABORTED_WORD, 1 << 40)],
+                    # a kind an abort does write (PeerFailureError's), over the culprit no abort left there: the
+                    # campaign's "aborted: 0 -> 1", which every rank read as "rank 2 gave up because rank 0 died"
+                    "aborted_kind": [(ABORTED_WORD, 1)],
                     "descriptor": [(descriptor_word(1), 1 << 40)],  # the next collective's stamp, too far ahead
                     "descriptor_low": [(descriptor_word(0), -5)],  # below what the slot already held
                     # the next collective's stamp as the victim would publish it, over an empty descriptor (the
@@ -107,6 +110,15 @@ def test_shm_corrupt_abort_word_is_named_as_corruption_of_its_owners_block_on_ev
     for rank, (kind, peer, message) in enumerate(_corruption_reports("aborted")):
         assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
         assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+
+
+@pytest.mark.slow
+def test_shm_an_abort_word_set_without_its_culprit_is_named_as_corruption_not_as_rank_0_dying() -> None:
+    reports = _corruption_reports("aborted_kind")
+    for rank, (kind, peer, message) in enumerate(reports):
+        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
+        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+    assert any("(word aborted = 1)" in message for _, _, message in reports), reports
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ __all__ = [
     "MAX_RANKS",
     "NOT_WAITING",
     "NO_ABORT",
+    "NO_CULPRIT",
     "PAGE_BYTES",
     "PID_WORD",
     "PROBE_ADDRESS_WORD",
@@ -94,6 +95,10 @@ UNSATISFIABLE = 2
 
 NOT_WAITING = -1
 """``waiting_for`` of a rank that is not blocked on a peer (a stalled rank's, whoever waits for it)."""
+
+NO_CULPRIT = -2
+"""``culprit`` of a rank that has not given up: a value no abort writes (it writes a rank, or -1 for none, before
+it sets ``aborted``), so an ``aborted`` word set over it is corruption, not a rank 0 to blame."""
 
 IN_PRIVATE_MEMORY = -1
 """``buffer_segment``: the owner's private array at address ``buffer_offset``, read with ``process_vm_readv``."""

@@ -60,6 +60,7 @@ from allreduce.runtime.shm._layout import (
     MAGIC,
     MAGIC_WORD,
     MAX_RANKS,
+    NO_CULPRIT,
     NOT_WAITING,
     PID_WORD,
     PROBE_ADDRESS_WORD,
@@ -217,6 +218,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         own_words[READ_DONE_WORD] = -1
         own_words[PTRACER_WORD] = -1
         own_words[WAITING_FOR_WORD] = NOT_WAITING
+        own_words[CULPRIT_WORD] = NO_CULPRIT
         own_words[self._descriptor_words[0]] = -1
         own_words[self._descriptor_words[1]] = -1
         own_words[MAGIC_WORD] = MAGIC

@@ -22,6 +22,7 @@ from allreduce.runtime.shm._layout import (
     CLOSED_WORD,
     CULPRIT_WORD,
     NO_ABORT,
+    NO_CULPRIT,
     NOT_WAITING,
     PID_WORD,
     SLEEPERS_WORD,
@@ -260,7 +261,8 @@ class PeerWaiting:
 
     def _check_abort_words(self, *, seq: int, step: int) -> None:
         """Raise :func:`corrupt_block_error` for the lowest peer whose ``aborted``, ``culprit`` or ``closed`` word
-        holds a value its owner never writes (a kind out of range, a rank outside the group, a flag not 0 or 1)."""
+        holds a value its owner never writes (a kind out of range, an abort without its culprit, a rank outside the
+        group, a flag not 0 or 1)."""
         views = self._views
         for p in range(self.world_size):
             if p == self.rank:
@@ -270,6 +272,8 @@ class PeerWaiting:
             if not NO_ABORT <= kind <= len(ABORT_KINDS):
                 raise corrupt_block_error(self.rank, p, "aborted", kind, seq=seq, step=step)
             culprit = view[CULPRIT_WORD]
+            if kind != NO_ABORT and culprit == NO_CULPRIT:  # an abort writes its culprit before this word
+                raise corrupt_block_error(self.rank, p, "aborted", kind, seq=seq, step=step)
             if kind != NO_ABORT and not -1 <= culprit < self.world_size:
                 raise corrupt_block_error(self.rank, p, "culprit", culprit, seq=seq, step=step)
             closed = view[CLOSED_WORD]
