@@ -121,6 +121,43 @@ def test_shm_an_abort_word_set_without_its_culprit_is_named_as_corruption_not_as
     assert any("(word aborted = 1)" in message for _, _, message in reports), reports
 
 
+def _reads_a_buffer_offset_past_the_segment(rank: int, n: int, port: int, out: Any, done: Any) -> None:
+    """Rank 1 finds rank 0's published buffer offset past the end of rank 0's segment (the campaign's
+    "buffer_offset: 0 -> 1" on a buffer that fills its segment) when it looks up where rank 0's data lies."""
+    from allreduce.runtime.shm._layout import BUFFER_OFFSET_WORD
+
+    group = allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=BLAME_TIMEOUT_S)
+
+    def body() -> tuple[str, int | None, str]:
+        count = 1 << 18  # 1 MiB of float32: not eager, so rank 0 publishes a data segment and an offset
+        try:
+            group.all_reduce(group.empty(count, np.float32))
+            if rank == 0:
+                return "published", None, ""
+            transport = group._transport  # type: ignore[attr-defined]
+            transport._views[0][BUFFER_OFFSET_WORD] = 1
+            transport._peer_array(0, np.dtype(np.float32), count, seq=1, step=0)
+        except allreduce.CollectiveError as exc:
+            return type(exc).__name__, exc.peer, str(exc)
+        finally:
+            done.wait(timeout=BLAME_TIMEOUT_S)  # rank 0's block stays mapped until rank 1 has looked
+            group.close()
+        return "returned", None, ""
+
+    report(out, rank, body)
+
+
+@pytest.mark.slow
+def test_shm_a_buffer_offset_past_the_peers_segment_is_named_as_corruption_not_a_value_error() -> None:
+    from test_group_harness import SPAWN
+
+    reports = run_ranks(2, _reads_a_buffer_offset_past_the_segment, SPAWN.Barrier(2), timeout_s=BLAME_TIMEOUT_S * 3)
+    assert isinstance(reports[1], tuple), reports[1]
+    kind, peer, message = reports[1]
+    assert (kind, peer) == ("ProtocolError", 0), message
+    assert "rank 0's control block is corrupt (word buffer_offset = 1)" in message
+
+
 @pytest.mark.slow
 def test_shm_a_descriptor_stamp_gone_backwards_is_named_as_corruption_not_waited_out() -> None:
     reports = _corruption_reports("descriptor_low")

@@ -131,6 +131,8 @@ class TCPStore:
         self._token = resolve_token(token)
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self.host_lost = False
+        """The connection to the store's host (rank 0) dropped: it died or closed the store."""
         self._server: StoreServer | None = None
         self._failed = False  # fail() was called: close() lingers to tell late ranks why
         self._sock: socket.socket | None = None
@@ -237,6 +239,7 @@ class TCPStore:
                 ) from exc
             except (OSError, EOFError) as exc:
                 self._broken = f"lost the connection to the store hosted by rank 0 ({exc or type(exc).__name__})"
+                self.host_lost = True
                 raise PeerFailureError(
                     f"rank {self.rank}: lost the connection to the store hosted by rank 0 (rank 0 died or closed "
                     f"the store) while accessing {key!r}",

@@ -44,7 +44,7 @@ from allreduce.runtime.shm._linux import (
     set_ptracer,
 )
 from allreduce.runtime.shm._segments import LocalSegments, PeerSegments, Segment, data_segment_path
-from allreduce.runtime.shm._waiting import PeerWaiting
+from allreduce.runtime.shm._waiting import PeerWaiting, corrupt_block_error
 
 __all__ = [
     "COLLAPSE_ENV",
@@ -254,6 +254,9 @@ class PeerData(PeerWaiting):
                     step=step,
                 ) from None
             cache.add(segment_id, segment)
+        if not 0 <= offset <= segment.size_bytes - count * dtype.itemsize:
+            # the owner publishes where its buffer lies in the segment; past the segment's end it lies nowhere
+            raise corrupt_block_error(self.rank, peer, "buffer_offset", int(offset), seq=seq, step=step)
         return segment.array(dtype, count, offset)
 
     def _fetch(self, remote: Remote, start: int, out: npt.NDArray[Any], *, seq: int, step: int) -> None:

@@ -55,15 +55,18 @@ class Blame:
 
     # -------------------------------------------------------------------------------------------- deaths
     def dead_ranks(self) -> list[int]:
-        """The ranks the store saw die (their connection to it dropped without a close), lowest first; empty if
-        the store does not track deaths or cannot be asked."""
+        """The ranks the store saw die (their connection to it dropped without a close), lowest first; the store's
+        host, rank 0, if the connection to the store dropped; empty if the store does not track deaths or cannot be
+        asked."""
         dead_ranks = getattr(self._store, "dead_ranks", None)
         if dead_ranks is None:
             return []
         try:
             return sorted(dead_ranks())
         except (CollectiveError, OSError, ValueError):
-            return []
+            # A store that cannot be asked because its host's connection dropped: the host is the rank that left
+            # (a rank waiting for peers to connect would otherwise wait out its timeout and name one of them).
+            return [0] if getattr(self._store, "host_lost", False) and self._rank != 0 else []
 
     def raise_if_dead(self, waiting_for: set[int], what: str) -> None:
         """Raise PeerFailureError naming the lowest dead rank if any rank of the group died: every rank that waits
