@@ -105,19 +105,22 @@ def _corruption_reports(word: str) -> list[Any]:
     )
 
 
-@pytest.mark.slow
-def test_shm_corrupt_abort_word_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:
-    for rank, (kind, peer, message) in enumerate(_corruption_reports("aborted")):
+def _every_rank_names_the_victims_block(reports: list[Any]) -> None:
+    """Every rank, the victim included, raised ProtocolError naming rank 2's control block as corrupt."""
+    for rank, (kind, peer, message) in enumerate(reports):
         assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
         assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+
+
+@pytest.mark.slow
+def test_shm_corrupt_abort_word_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:
+    _every_rank_names_the_victims_block(_corruption_reports("aborted"))
 
 
 @pytest.mark.slow
 def test_shm_an_abort_word_set_without_its_culprit_is_named_as_corruption_not_as_rank_0_dying() -> None:
     reports = _corruption_reports("aborted_kind")
-    for rank, (kind, peer, message) in enumerate(reports):
-        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
-        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+    _every_rank_names_the_victims_block(reports)
     assert any("(word aborted = 1)" in message for _, _, message in reports), reports
 
 
@@ -161,25 +164,19 @@ def test_shm_a_buffer_offset_past_the_peers_segment_is_named_as_corruption_not_a
 @pytest.mark.slow
 def test_shm_a_descriptor_stamp_gone_backwards_is_named_as_corruption_not_waited_out() -> None:
     reports = _corruption_reports("descriptor_low")
-    for rank, (kind, peer, message) in enumerate(reports):
-        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
-        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+    _every_rank_names_the_victims_block(reports)
     assert any("(word descriptors[0].stamp = -5)" in message for _, _, message in reports), reports
 
 
 @pytest.mark.slow
 def test_shm_a_zeroed_descriptor_length_is_named_as_corruption_not_parsed() -> None:
     reports = _corruption_reports("descriptor_length")
-    for rank, (kind, peer, message) in enumerate(reports):
-        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
-        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+    _every_rank_names_the_victims_block(reports)
 
 
 @pytest.mark.slow
 def test_shm_corrupt_descriptor_stamp_is_named_as_corruption_of_its_owners_block_on_every_rank() -> None:
-    for rank, (kind, peer, message) in enumerate(_corruption_reports("descriptor")):
-        assert (kind, peer) == ("ProtocolError", 2), f"rank {rank}: {message}"
-        assert "rank 2's control block is corrupt" in message, f"rank {rank}: {message}"
+    _every_rank_names_the_victims_block(_corruption_reports("descriptor"))
 
 
 STALL_TIMEOUT_S = 3.0
