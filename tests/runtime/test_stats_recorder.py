@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, SPILL_CALLS, Layout, Recorder
+from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, SPILL_ENTRIES, TAG_BASE, VOID, Layout, Recorder
 
 SEQ, STEP, PEER, START, WAIT, MOVE, SIZE = range(7)  # the fields of a transfer record
 
@@ -28,15 +28,16 @@ def _call(
     end: int | None = None,
     commit: bool = True,
 ) -> None:
-    """One collective as a transport and the group run it: the marks and the tag (with a layout), then the call's
-    tuple, or a void one if it failed. The arrival is the first mark's clock (0 without marks); the end defaults to
-    the last mark + 100."""
+    """One collective as the group and a transport run it: the header (its size ``unit`` x the layout's count, 8
+    bytes without a layout), the tag and the marks (with a layout), then the end, or VOID if it failed. The
+    arrival is the first mark's clock (0 without marks); the end defaults to the last mark + 100."""
+    recorder.begin(seq, marks[0] if marks else 0, unit * layout.count if layout is not None else 8)
     if layout is not None:
+        recorder.append(layout.tag)
         for value in marks:
             recorder.append(value)
-        recorder.append(layout.tag_base + unit)
     if commit:
-        recorder.commit(seq, marks[0] if marks else 0, 8, (marks[-1] if marks else 0) + 100 if end is None else end)
+        recorder.end((marks[-1] if marks else 0) + 100 if end is None else end)
     else:
         recorder.void()
 
@@ -156,24 +157,25 @@ def test_a_transport_that_wrote_fewer_marks_cannot_shift_the_calls_after_it() ->
 def test_the_call_records_carry_seq_arrival_end_and_size() -> None:
     recorder = Recorder(enabled=True)
     _call(recorder, 4, None, [], end=50)  # a transport that writes no marks (whole records instead)
-    _call(recorder, 5, Layout([(0, [(1, 8)])], concurrent=False), [60, 10, 80], end=90)
+    _call(recorder, 5, Layout([(0, [(1, 8)])], concurrent=False, count=8), [60, 10, 80], end=90)
     assert recorder.calls(10).tolist() == [[4, 0, 50, 8], [5, 60, 90, 8]]
 
 
-def test_calls_whose_marks_the_ring_overwrote_keep_their_call_record_only() -> None:
+def test_the_oldest_calls_are_dropped_whole_once_the_entries_pass_the_capacity() -> None:
     recorder = Recorder(enabled=True)
     steps = 64
     layout = Layout([(s, [(1, 8)]) for s in range(steps)], concurrent=False)  # a clock and a wait per step, the end
-    per_call = 2 * steps + 2  # and the tag
-    calls = MARK_CAPACITY // per_call + 3
+    per_call = 3 + 1 + layout.marks + 1  # the header, the tag, the marks, the end
+    calls = 2 * MARK_CAPACITY // per_call
     for seq in range(calls):
-        _call(recorder, seq, layout, [seq, 1] * steps + [seq])
+        _call(recorder, seq, layout, [seq + 1, 1] * steps + [seq + 1])
+    kept = recorder.calls(calls)
+    chunk = -(-SPILL_ENTRIES // per_call)  # calls per chunk: the group sets the list aside at a call's start
+    assert MARK_CAPACITY // per_call <= len(kept) <= MARK_CAPACITY // per_call + chunk
+    assert kept[:, 0].tolist() == list(range(calls - len(kept), calls))  # the newest, none missing
     records = recorder.transfers(0)
-    whole = MARK_CAPACITY // per_call  # the newest calls whose marks the ring still holds from the first
-    assert len(records) == whole * steps
-    assert records[0][SEQ] == calls - whole
+    assert len(records) == len(kept) * steps  # a call kept keeps its transfers
     assert np.all(records[:, WAIT] == 1)
-    assert len(recorder.calls(calls)) == calls
 
 
 def test_the_call_ring_keeps_the_newest_calls() -> None:
@@ -221,30 +223,39 @@ def test_what_the_recorder_keeps_stops_growing_at_its_capacity() -> None:
     recorder = Recorder(enabled=True)
     layout = Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False)
     marks = [1_000_000_007, 0, 1_000_000_009, 0, 1_000_000_011]  # clocks are new int objects, as on the hot path
+    per_call = 3 + 1 + len(marks) + 1
 
     def calls(first: int, count: int) -> None:
         for seq in range(first, first + count):
             _call(recorder, seq, layout, [m + seq for m in marks])
 
-    calls(0, CALL_CAPACITY + 2 * SPILL_CALLS)  # full: every later chunk set aside drops the oldest
+    full = MARK_CAPACITY // per_call + 2 * SPILL_ENTRIES // per_call
+    calls(0, full)  # full: every later chunk set aside drops the oldest
     recorder.flush()
     blocks = sys.getallocatedblocks()
-    calls(CALL_CAPACITY + 2 * SPILL_CALLS, CALL_CAPACITY)  # unbounded, this would keep ~7 objects per call
+    calls(full, full)  # unbounded, this would keep ~5 int objects per call
     recorder.flush()
-    per_chunk = SPILL_CALLS * (len(marks) + 3)  # a chunk's clocks, tag, tuple and its two clocks
-    assert abs(sys.getallocatedblocks() - blocks) < per_chunk
-    assert len(recorder.calls(CALL_CAPACITY)) == CALL_CAPACITY
+    assert abs(sys.getallocatedblocks() - blocks) < 2 * SPILL_ENTRIES  # a chunk's worth, not the calls'
+    assert len(recorder.calls(CALL_CAPACITY)) == min(CALL_CAPACITY, MARK_CAPACITY // per_call)
 
 
-def test_the_appended_values_are_moved_into_the_rings_every_few_hundred_calls() -> None:
+def test_the_entries_are_set_aside_every_few_thousand() -> None:
     recorder = Recorder(enabled=True)
     layout = Layout([(0, [(1, 8)])], concurrent=False)
-    for seq in range(SPILL_CALLS + 2):
-        _call(recorder, seq, layout, [seq, seq + 1, seq + 2])
-    assert len(recorder.call_log) == 2
-    assert len(recorder.log) == 2 * 4
-    assert recorder.calls(3)[:, 0].tolist() == [SPILL_CALLS - 1, SPILL_CALLS, SPILL_CALLS + 1]
-    assert list(recorder.transfers(SPILL_CALLS - 1)[:, WAIT]) == [SPILL_CALLS, SPILL_CALLS + 1, SPILL_CALLS + 2]
+    per_call = 3 + 1 + layout.marks + 1
+    calls = SPILL_ENTRIES // per_call + 3
+    for seq in range(calls):
+        _call(recorder, seq, layout, [seq + 1, seq + 2, seq + 3])
+    assert len(recorder.log) <= 3 * per_call  # set aside as a call started past SPILL_ENTRIES
+    assert recorder.calls(3)[:, 0].tolist() == [calls - 3, calls - 2, calls - 1]
+    assert len(recorder.transfers(0)) == calls
+
+
+def test_entries_are_told_apart_by_sign_and_range() -> None:
+    """Every mark is >= 0; a call's header starts with ~seq (negative, above TAG_BASE); tags and VOID lie below."""
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    assert layout.tag <= TAG_BASE < VOID < ~(2**62 - 1) < 0
+    assert Layout([(0, [(1, 8)])], concurrent=False).tag != layout.tag  # each layout its own key
 
 
 def test_a_call_without_marks_after_one_with_them_has_no_transfers() -> None:

@@ -63,7 +63,7 @@ from allreduce.runtime._errors import CollectiveError, MismatchError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
-from allreduce.runtime._stats import SPILL_CALLS, GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._stats import SPILL_ENTRIES, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
 from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
@@ -585,9 +585,17 @@ class ProcessGroup:
             if injection is not None:
                 injection.sleep_before_call()
             started = time.perf_counter_ns()  # one clock read: the call's arrival and the debug log's start
+            seq = self._take_seq()
             recording = recorder.enabled
+            if recording:  # Recorder.begin, inline (the hot path: see allreduce.runtime._stats)
+                log = recorder.log
+                if len(log) >= SPILL_ENTRIES:
+                    recorder.flush()
+                    log = recorder.log
+                log.append(~seq)
+                log.append(started)
+                log.append(size_bytes)
             try:
-                seq = self._take_seq()
                 if self._prepare is not None:
                     self._prepare(seq, buf.flat, checksum=checksum)
                 descriptors = self._agree(seq, descriptor, timeout)
@@ -603,10 +611,8 @@ class ProcessGroup:
                 if recording:
                     recorder.void()
                 raise
-            if recording:  # Recorder.commit, inline (the hot path: one tuple, see allreduce.runtime._stats)
-                recorder.record_call((seq, started, time.perf_counter_ns(), size_bytes, len(recorder.log)))
-                if len(recorder.call_log) >= SPILL_CALLS:
-                    recorder.flush()
+            if recording:
+                log.append(time.perf_counter_ns())  # Recorder.end
             if self._debug:
                 self._log(collective, chosen.schedule, size_bytes, (time.perf_counter_ns() - started) * 1e-9, seq)
             return result

@@ -1,47 +1,49 @@
 """Per-step wait records of the collectives a rank runs, and the group-wide summary built from them.
 
-What a rank records while a collective runs goes into two Python lists, one ``list.append`` per entry: its
-transport's *marks* (clock reads, ``time.perf_counter_ns``, a vDSO call, no syscall, and wait lengths) into
-:attr:`Recorder.log`, and, once the collective returned, one tuple for the whole call into
-:attr:`Recorder.call_log`: ``(seq, arrival_ns, end_ns, size_bytes, marks_end)``, where ``marks_end`` is how long
-``log`` was then. Every few hundred calls the group sets both lists aside as a *chunk* and starts new ones
-(:meth:`Recorder.flush`: no conversion on the hot path; the oldest chunks are dropped once the newer ones hold what
-the readers may look back over); readers convert what is kept to int64 arrays when they ask. Which peer, step and
-byte count each mark belongs to is not written at all: it is fixed by the call's compiled plan, whose
-:class:`Layout` rebuilds the records when they are read (:meth:`Recorder.calls`, :meth:`Recorder.transfers`,
-nothing aggregated before :func:`summary_row` asks).
+What a rank records while a collective runs goes into one Python list, one ``list.append`` per entry
+(:attr:`Recorder.log`): clock reads (``time.perf_counter_ns``, a vDSO call, no syscall), wait lengths, and a few
+markers, all ints. Every few thousand entries the group sets the list aside as a *chunk* and starts a new one
+(:meth:`Recorder.flush`, between calls: no conversion on the hot path; the oldest chunks are dropped once the newer
+ones hold :data:`MARK_CAPACITY` entries); readers convert what is kept to one int64 array when they ask. Which
+peer, step and byte count each mark belongs to is not written at all: it is fixed by the call's compiled plan,
+whose :class:`Layout` rebuilds the records when they are read (:meth:`Recorder.calls`,
+:meth:`Recorder.transfers`, nothing aggregated before :func:`summary_row` asks).
 
-One collective in ``log``, written by its transport::
+One collective in ``log``::
 
-    marks, Layout.marks of them | tag = Layout.tag_base + unit
+    ~seq, arrival_ns, size_bytes | tag, marks (Layout.marks of them) | end_ns      (or VOID instead of end_ns)
+    the group, as the call starts  | its transport, if it marks       | the group, as the call returns
 
-The transport writes the tag last, so a reader finds a call's marks backwards from its ``marks_end``: the tag
-names the layout, which says how many marks come before it. The unit is the bytes of one of the layout's units
-(shm: the itemsize; tcp: 1). A transport that writes no marks (the in-process transport, which writes whole
-records with :meth:`Recorder.transfer`) writes no tag either: its calls' stretch of ``log`` is empty. A call that
-fails appends a *void* call tuple (seq -1), so what it marked is never read as the next call's. A transport that
-wrote too many marks costs only its own call's transfer records (they are read from the last ones); too few, or
-a layout whose plan is gone, leaves that call without transfer records; the calls after it are read right.
+The group writes the header once the call has its sequence number, while what it writes is still in the caches,
+and the end when the call returns (:data:`VOID` if it failed). Every value a transport marks is >= 0; the header's
+first entry, ``~seq`` (= -seq - 1), is a negative number above :data:`TAG_BASE`, so a reader finds every call's
+start without reading the calls before it; a tag (:attr:`Layout.tag`), at or below :data:`TAG_BASE`, names the
+layout and how many marks follow. A transport that writes no marks (the in-process transport, which writes whole
+records with :meth:`Recorder.transfer`) writes no tag either. A call whose entries are not exactly what its tag
+says (a transport that marked too few or too many, or a layout whose plan is gone) keeps its call record and
+loses its transfer records only; a call that failed (``VOID``) leaves neither; the calls after either are read
+right. Nothing on the hot path allocates a container: the entries are ints, which the garbage collector does not
+track, appended to a list that stays in the caches for the whole call.
 
-Measured on this machine (``benchmarks/bench_stats.py``): the work per call is what the interpreter charges for
-each operation (a clock read ~45 ns, an append ~15 ns); writing whole records through method calls cost about 2-3
-µs per 1 MiB ring all-reduce in place, a store per value into a ring ~1.6 µs with hot caches; appends with one
-clock read per receive, and one tuple per call, cost least (the numbers are in the benchmark's header).
+Measured on this machine (``benchmarks/bench_stats.py``): what recording costs is mostly the cache lines it
+touches after the payload streamed through the caches, not the interpreter's operations (a clock read ~45 ns, an
+append ~15 ns with hot caches); one tuple per call kept in a second list, as this recorder first did, cost 0.4%
+of a 1 MiB ring all-reduce of two ranks by itself (a GC-tracked object and two more cold lists per call); the
+header written where its values are still hot, and the end, cost a quarter of that.
 
 Two kinds of layout, by how a transport receives:
 
-- *sequential* (shm: one receive after another): per receive a mark when this rank starts waiting for it and
-  how long it waited until the peer's data was there (measured by the wait while it waited: 0, no clock read and
-  no new int object, when the data was there already); a receive's move ends at the next clock mark (the next
-  receive's wait, or the next step's); a step without receives marks where it starts; after the last step, one
-  mark where the steps end. Only a call's first receive, and the first after a step without receives, read the
-  clock before waiting; a later receive that had to wait marks when its wait began (a clock the wait read while
-  this rank was idle), and one whose data was there marks ``(0, 0)``: no boundary. Its move is then measured
-  together with the moves before it back to the last receive with a boundary, and that time is shared among them
-  by units (in a ring every receive is from the same peer, so per-link totals stay exact). A call costs two clock
-  reads, however many steps it has, when no wait was needed. Waits a step makes before its first receive's (for
-  the readers of an earlier step, or, under the ptracer discipline, for its previous reader to finish) end up in
-  the previous move.
+- *sequential* (shm: one receive after another): per receive a mark when this rank started waiting for it and
+  how long it waited until the peer's data was there, both clocks the wait read while this rank was idle (0, no
+  clock read and no new int object, when the data was there already); a receive's move ends at the next clock
+  mark (the next receive's wait, or the next step's); a step without receives marks where it starts; after the
+  last step, one mark where the steps end. A receive whose data was there marks the clock (then) if it is the
+  call's first, or the first after a step without receives, and otherwise ``(0, 0)``: no boundary. Its move is
+  then measured together with the moves before it back to the last receive with a boundary, and that time is
+  shared among them by units (in a ring every receive is from the same peer, so per-link totals stay exact). A
+  call reads at most two clocks for its marks, however many steps it has. Waits a step makes before its first
+  receive's (for the readers of an earlier step, or, under the ptracer discipline, for its previous reader to
+  finish) end up in the previous move.
 - *concurrent* (tcp: receives from several peers interleave in one poll loop): per step a mark when it begins
   (its one clock read when no wait was needed), then per peer the first and the last byte's arrival. The first
   is the clock the poll loop read when it woke with the peer's data readable after a wait, or 0 when it never
@@ -78,10 +80,11 @@ import numpy.typing as npt
 __all__ = [
     "CALL_CAPACITY",
     "MARK_CAPACITY",
-    "SPILL_CALLS",
+    "SPILL_ENTRIES",
     "STANDOUT_RATIO",
-    "TAG_UNITS",
+    "TAG_BASE",
     "TRANSFER_CAPACITY",
+    "VOID",
     "GroupStats",
     "Layout",
     "LinkStats",
@@ -96,22 +99,28 @@ TRANSFER_CAPACITY = 1 << 16
 """Whole records kept (a ring, for :meth:`Recorder.transfer`): 65,536 × 7 int64 = 3.5 MiB."""
 
 MARK_CAPACITY = 1 << 18
-"""Marks kept (the newest): the last 1,000 ring all-reduces of 64 ranks (2 marks per step). Kept as the Python
-ints the hot path appended, about 28 bytes each: 7 MiB at most."""
+"""Entries of :attr:`Recorder.log` kept (the newest chunks): the last 1,000 ring all-reduces of 64 ranks (2 marks
+per step, and 5 entries per call). Kept as the Python ints the hot path appended, about 28 bytes each: 7 MiB at
+most."""
 
-SPILL_CALLS = 256
-"""Calls the hot path appends to :attr:`Recorder.call_log` (and their marks to :attr:`Recorder.log`) before the group
-sets both lists aside as a chunk and starts new ones (nothing converted: readers do that when they ask)."""
-
-TAG_UNITS = 32
-"""A call's tag is ``layout.key * TAG_UNITS + unit``: units (item sizes) below this."""
+SPILL_ENTRIES = 1 << 12
+"""Entries the hot path appends to :attr:`Recorder.log` before the group, as the next call starts, sets the list
+aside as a chunk and starts a new one (nothing converted: readers do that when they ask)."""
 
 CALL_CAPACITY = 1 << 14
-"""Collectives kept (the newest, fewer when their marks exceed :data:`MARK_CAPACITY`): the most ``stats(last=K)``
-can look back."""
+"""Collectives kept (the newest, fewer when their entries exceed :data:`MARK_CAPACITY`): the most
+``stats(last=K)`` can look back."""
 
-_CALL_FIELDS = 5  # seq, arrival_ns, end_ns, size_bytes, marks_end
-_VOID = -1  # the seq of a call that failed: its tuple only bounds the marks it wrote
+TAG_BASE = -(1 << 62) - 2
+"""The largest tag: a call's header starts with ``~seq``, between -2**62 and -1; :data:`VOID` and every tag lie
+below, every mark at or above 0."""
+
+VOID = TAG_BASE + 1
+"""What the group writes instead of a call's end when the call failed: its entries are not read."""
+
+_MARKS_BITS = 24  # a tag is TAG_BASE - (layout key << _MARKS_BITS | the layout's marks)
+_HEADER_MIN = -(1 << 62)  # the smallest ~seq
+_CALL_FIELDS = 5  # seq, arrival_ns, end_ns, size_bytes, the tag's position (-1: no transfer records)
 
 STANDOUT_RATIO = 2.0
 """A rank (link) is named the slowest only if its median lateness (total transfer time) is at least this many
@@ -129,8 +138,9 @@ class Layout:
     """What the marks of one call of a compiled plan mean (see the module docstring).
 
     ``steps``: per step, its index and its receives in the order the transport marks them, each ``(peer,
-    units)``; a record's size is ``units`` × the call's unit (shm: elements, with the itemsize as the unit; tcp:
-    bytes). Built once per compiled plan, so nothing of it is computed on the hot path."""
+    units)``; ``count``: the units of the whole buffer (shm: the plan's elements; tcp, whose units are bytes: its
+    bytes), so that a record's size is ``units`` × the call's size in bytes / ``count``. Built once per compiled
+    plan, so nothing of it is computed on the hot path."""
 
     __slots__ = (
         "__weakref__",
@@ -138,6 +148,7 @@ class Layout:
         "arrive",
         "begin",
         "concurrent",
+        "count",
         "end",
         "first_recv",
         "key",
@@ -145,12 +156,17 @@ class Layout:
         "peer",
         "start",
         "step",
-        "tag_base",
+        "tag",
         "units",
     )
 
-    def __init__(self, steps: Iterable[tuple[int, Sequence[tuple[int, int]]]], *, concurrent: bool) -> None:
+    def __init__(
+        self, steps: Iterable[tuple[int, Sequence[tuple[int, int]]]], *, concurrent: bool, count: int = 1
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"count must be positive, got {count}")
         self.concurrent = concurrent
+        self.count = count
         step_of: list[int] = []
         peer: list[int] = []
         units: list[int] = []
@@ -194,10 +210,12 @@ class Layout:
         """Per receive (concurrent), the mark after its step's: where a last byte marked 0 arrived."""
         self.first_recv = column(first_recv)
         """Per receive, the index of its step's first receive."""
+        if self.marks >= 1 << _MARKS_BITS:
+            raise ValueError(f"a layout of {self.marks} marks: at most {(1 << _MARKS_BITS) - 1}")
         self.key = next(_LAYOUT_KEYS)
         """What a call's tag stores to name this layout."""
-        self.tag_base = self.key * TAG_UNITS
-        """A call's tag less its unit: what the transport adds the unit to and appends after the marks."""
+        self.tag = TAG_BASE - (self.key << _MARKS_BITS | self.marks)
+        """What the transport appends before its marks: this layout's key and how many marks follow."""
         _LAYOUTS[self.key] = self
 
     def records(
@@ -251,37 +269,36 @@ class Layout:
         return records
 
 
-_Kept = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], int]
-"""What :meth:`Recorder._kept` returns: call rows, their marks' lower bounds, the marks, the first mark's position."""
+_Kept = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
+"""What :meth:`Recorder._kept` returns: the call rows (:data:`_CALL_FIELDS` wide) and the entries they index."""
 
 
 class Recorder:
-    """The marks and call tuples of one rank, and the chunks they are set aside in (see the module docstring).
+    """The entries of one rank's recorded collectives, and the chunks they are set aside in (see the module
+    docstring).
 
-    ``enabled`` False makes the group and the transports skip it. Who appends what, calling nothing but
-    ``append`` (``log.append``) and ``record_call`` (``call_log.append``), both cached:
+    ``enabled`` False makes the group and the transports skip it. Who appends what to ``log`` (the hot path
+    calls nothing but ``list.append``; transports cache it as ``append``):
 
-    - the transport, if it marks: its marks, then the call's tag (``layout.tag_base + unit``);
-    - the group, when the collective returns: ``(seq, arrival_ns, end_ns, size_bytes, len(log))``; when it fails,
-      :meth:`void`;
-    - past :data:`SPILL_CALLS` calls, the group sets both lists aside (:meth:`flush`); so does every
-      reader first. Readers run between collectives (the group's summaries are collectives of their own).
+    - the group, once a call has its sequence number: ``~seq, arrival_ns, size_bytes`` (:meth:`begin` does the
+      same, for tests and other callers); past :data:`SPILL_ENTRIES`, it sets the list aside first (:meth:`flush`);
+    - the transport, if it marks: the layout's tag, then its marks;
+    - the group, when the call returns: ``end_ns`` (:meth:`end`); when it failed, :data:`VOID` (:meth:`void`).
+
+    Readers flush first, and run between collectives (the group's summaries are collectives of their own).
     """
 
     __slots__ = (
-        "_chunk_calls",
-        "_chunk_marks",
+        "_chunk_entries",
         "_chunks",
         "_kept_cache",
         "_set_aside",
         "_t",
         "_transfers",
         "append",
-        "call_log",
         "enabled",
         "flushed",
         "log",
-        "record_call",
         "transfers_recorded",
     )
 
@@ -291,22 +308,15 @@ class Recorder:
         self._t = memoryview(self._transfers.data).cast("B").cast("q")
         self.transfers_recorded = 0
         self.log: list[int] = []
-        """Marks appended since the last :meth:`flush` (``append`` is its bound method, replaced with it)."""
+        """Entries appended since the last :meth:`flush` (``append`` is its bound method, replaced with it)."""
         self.append = self.log.append
-        self.call_log: list[tuple[int, int, int, int, int]] = []
-        """Call tuples appended since the last :meth:`flush` (``record_call`` is its bound method)."""
-        self.record_call = self.call_log.append
         self.flushed = 0
-        """The running position of ``log[0]``: marks set aside so far."""
-        self._chunks: collections.deque[tuple[list[tuple[int, int, int, int, int]], list[int], int]] = (
-            collections.deque()
-        )
-        """Earlier lists, oldest first, each ``(call_log, log, position of log[0])``: a call's tuple and its marks
-        always share a chunk (lists are set aside between calls only)."""
-        self._chunk_calls = 0
-        self._chunk_marks = 0
+        """The running position of ``log[0]``: entries set aside so far."""
+        self._chunks: collections.deque[list[int]] = collections.deque()
+        """Earlier lists, oldest first; a call's entries always share a chunk (lists are set aside between calls)."""
+        self._chunk_entries = 0
         self._set_aside = 0
-        """Call tuples set aside so far (only grows: what a reader's cached conversion is keyed by)."""
+        """Chunks set aside so far (only grows: what a reader's cached conversion is keyed by)."""
         self._kept_cache: tuple[int, _Kept] | None = None
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
@@ -325,47 +335,44 @@ class Recorder:
         t[i + 6] = size_bytes
         self.transfers_recorded = n + 1
 
-    def commit(self, seq: int, arrival_ns: int, size_bytes: int, end_ns: int | None = None) -> None:
-        """A collective returned: its call tuple (what the group does inline; for tests and other callers)."""
-        self.record_call((seq, arrival_ns, _clock() if end_ns is None else end_ns, size_bytes, len(self.log)))
-        if len(self.call_log) >= SPILL_CALLS:
+    def begin(self, seq: int, arrival_ns: int, size_bytes: int) -> None:
+        """A collective starts: its header (what the group writes inline; for tests and other callers)."""
+        if len(self.log) >= SPILL_ENTRIES:
             self.flush()
+        log = self.log
+        log.append(~seq)
+        log.append(arrival_ns)
+        log.append(size_bytes)
+
+    def end(self, end_ns: int | None = None) -> None:
+        """The collective returned (at ``end_ns``, else now): its end (what the group writes inline)."""
+        self.log.append(_clock() if end_ns is None else end_ns)
 
     def void(self) -> None:
-        """A collective failed: what it marked stays unread (the group's ``except`` does this)."""
-        self.record_call((_VOID, 0, 0, 0, len(self.log)))
+        """The collective failed: its entries are not read (the group's ``except`` does this)."""
+        self.log.append(VOID)
 
     def flush(self) -> None:
-        """Set ``log`` and ``call_log`` aside as a chunk and start new lists (between calls only): no conversion on
-        the hot path, which readers do when they ask. Chunks no reader can reach any more are dropped: the oldest,
-        once the newer ones hold :data:`CALL_CAPACITY` calls or :data:`MARK_CAPACITY` marks."""
-        log, calls = self.log, self.call_log
-        if not calls and not log:
+        """Set ``log`` aside as a chunk and start a new list (between calls only): no conversion on the hot path,
+        which readers do when they ask. Chunks no reader can reach any more are dropped: the oldest, once the newer
+        ones hold :data:`MARK_CAPACITY` entries."""
+        log = self.log
+        if not log:
             return
-        self._chunks.append((calls, log, self.flushed))
-        self._chunk_calls += len(calls)
-        self._chunk_marks += len(log)
-        self._set_aside += len(calls) + 1  # + 1: a chunk of marks without calls changes what is kept too
+        self._chunks.append(log)
+        self._chunk_entries += len(log)
+        self._set_aside += 1
         self.flushed += len(log)
         self.log = []
         self.append = self.log.append
-        self.call_log = []
-        self.record_call = self.call_log.append
         chunks = self._chunks
-        while len(chunks) > 1:
-            old_calls, old_log, _ = chunks[0]
-            calls_left, marks_left = self._chunk_calls - len(old_calls), self._chunk_marks - len(old_log)
-            if calls_left < CALL_CAPACITY and marks_left < MARK_CAPACITY:
-                break
-            chunks.popleft()
-            self._chunk_calls -= len(old_calls)
-            self._chunk_marks -= len(old_log)
+        while len(chunks) > 1 and self._chunk_entries - len(chunks[0]) >= MARK_CAPACITY:
+            self._chunk_entries -= len(chunks.popleft())
 
     def _kept(self) -> _Kept:
-        """The last :data:`CALL_CAPACITY` call tuples, oldest first, voids included (``marks_end`` as a running
-        position); where each one's marks may begin (the previous tuple's ``marks_end``, and never before the last
-        :data:`MARK_CAPACITY` marks); the marks; and the running position of the first of them. Converted once
-        per state: the readers of one summary (calls, then transfers) share it; they must not write to it."""
+        """The last :data:`CALL_CAPACITY` call rows, oldest first: ``seq, arrival_ns, end_ns, size_bytes`` and
+        where the call's tag is in the entries (-1: no transfer records to rebuild), and the entries. Converted
+        once per state: the readers of one summary (calls, then transfers) share it; they must not write to it."""
         self.flush()
         if self._kept_cache is not None and self._kept_cache[0] == self._set_aside:
             return self._kept_cache[1]
@@ -374,57 +381,56 @@ class Recorder:
         return kept
 
     def _convert(self) -> _Kept:
-        chunks = list(self._chunks)
-        if not chunks:
-            empty = np.zeros((0, _CALL_FIELDS), np.int64)
-            return empty, np.zeros(0, np.int64), np.zeros(0, np.int64), self.flushed
-        parts = []
-        for calls, _, base in chunks:
-            flat = np.fromiter(itertools.chain.from_iterable(calls), np.int64, count=_CALL_FIELDS * len(calls))
-            rows = flat.reshape(-1, _CALL_FIELDS)
-            rows[:, 4] += base
-            parts.append(rows)
-        rows = np.concatenate(parts)
-        marks = np.fromiter(
-            itertools.chain.from_iterable(log for _, log, _ in chunks), np.int64, count=self._chunk_marks
-        )
-        first = chunks[0][2]
-        lower = np.empty(len(rows), np.int64)
-        if len(rows):
-            lower[0] = first
-            lower[1:] = rows[:-1, 4]
-        rows, lower = rows[-CALL_CAPACITY:], lower[-CALL_CAPACITY:]
-        np.maximum(lower, self.flushed - MARK_CAPACITY, out=lower)
-        return rows, lower, marks, first
+        entries = np.fromiter(itertools.chain.from_iterable(self._chunks), np.int64, count=self._chunk_entries)
+        starts = np.flatnonzero((entries < 0) & (entries >= _HEADER_MIN))  # every call's ~seq
+        ends = np.append(starts[1:], len(entries))  # where the next call starts
+        starts, ends = starts[-CALL_CAPACITY:], ends[-CALL_CAPACITY:]
+        # a whole call: its header, its end (not VOID); the end is the last entry before the next call's header
+        whole = ends - starts >= 4
+        starts, ends = starts[whole], ends[whole]
+        last = entries[ends - 1]
+        done = last >= 0  # not VOID, nor a tag or a header's entry
+        starts, ends, last = starts[done], ends[done], last[done]
+        rows = np.empty((len(starts), _CALL_FIELDS), np.int64)
+        rows[:, 0] = ~entries[starts]
+        rows[:, 1] = entries[starts + 1]
+        rows[:, 2] = last
+        rows[:, 3] = entries[starts + 2]
+        # its transfers: a tag right after the header, and exactly as many marks as the tag says
+        tag_at = starts + 3
+        tags = np.where(tag_at < ends - 1, entries[np.minimum(tag_at, len(entries) - 1)], 0)
+        code = TAG_BASE - tags
+        marks = code & ((1 << _MARKS_BITS) - 1)
+        rows[:, 4] = np.where((tags <= TAG_BASE) & (ends - tag_at - 2 == marks), tag_at, -1)
+        return rows, entries
 
     @property
     def calls_recorded(self) -> int:
         """Collectives whose call records are still kept (at most :data:`CALL_CAPACITY`)."""
-        rows, _, _, _ = self._kept()
-        return int(np.count_nonzero(rows[:, 0] != _VOID))
+        rows, _ = self._kept()
+        return len(rows)
 
     def calls(self, last: int) -> npt.NDArray[np.int64]:
         """The last ``last`` call records, oldest first (rows of seq, arrival_ns, end_ns, size_bytes)."""
-        rows, _, _, _ = self._kept()
-        rows = rows[rows[:, 0] != _VOID]
+        rows, _ = self._kept()
         out: npt.NDArray[np.int64] = rows[len(rows) - min(last, len(rows)) :, :4].copy()
         return out
 
     def transfers(self, first_seq: int) -> npt.NDArray[np.int64]:
         """The transfer records kept of collectives ``first_seq`` and later, oldest first (by seq, then step)."""
         parts = [self._written_transfers(first_seq)]
-        rows, lower, marks, first = self._kept()
-        tag_at = rows[:, 4] - 1
-        wanted = (rows[:, 0] >= first_seq) & (rows[:, 1] <= rows[:, 2]) & (tag_at >= lower)
-        tags = np.where(wanted, marks[np.clip(tag_at - first, 0, max(len(marks) - 1, 0))] if len(marks) else 0, 0)
-        keys, units = np.divmod(tags, TAG_UNITS)
+        rows, entries = self._kept()
+        tag_at = rows[:, 4]
+        wanted = (rows[:, 0] >= first_seq) & (rows[:, 1] <= rows[:, 2]) & (tag_at >= 0)
+        keys = np.where(wanted, (TAG_BASE - entries[np.maximum(tag_at, 0)]) >> _MARKS_BITS, -1) if len(rows) else tag_at
         for key in np.unique(keys[wanted]).tolist():
             layout = _LAYOUTS.get(key)
             if layout is None:  # its plan is gone: what its marks mean is unknown
                 continue
-            picked = wanted & (keys == key) & (tag_at - layout.marks >= lower)
-            at = tag_at[picked][:, None] - layout.marks + np.arange(layout.marks) - first
-            parts.append(layout.records(rows[picked, :4], units[picked], marks[at]))
+            picked = wanted & (keys == key)
+            at = tag_at[picked][:, None] + 1 + np.arange(layout.marks)
+            units = rows[picked, 3] // layout.count
+            parts.append(layout.records(rows[picked, :4], units, entries[at]))
         records = np.concatenate(parts)
         order = np.lexsort((records[:, 1], records[:, 0]))
         out: npt.NDArray[np.int64] = records[order]

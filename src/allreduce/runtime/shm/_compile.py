@@ -88,6 +88,7 @@ class Program:
     copyouts: tuple[tuple[int, int], ...]
     max_crc_slots: int
     layout: Layout  # what the recorder's marks of one call mean (sequential: one receive after another)
+    tag: int  # layout.tag: what the transport appends before its marks (an attribute of an object already in use)
 
 
 def _merge_waits(waits: dict[int, int]) -> tuple[Wait, ...]:
@@ -200,5 +201,9 @@ def compile_program(plan: RankPlan, in_shm: bool) -> Program:
         copyouts = tuple(
             (a, b) for a, b, _ in _runs([(cuts[i], cuts[i + 1], None) for i in range(n_int) if loc[i] == IN_WORK])
         )
-    layout = Layout(((st.index, [(rv.peer, rv.stop - rv.start) for rv in st.recvs]) for st in steps), concurrent=False)
-    return Program(tuple(steps), _merge_waits(final), copyouts, max_slots, layout)
+    layout = Layout(
+        ((st.index, [(rv.peer, rv.stop - rv.start) for rv in st.recvs]) for st in steps),
+        concurrent=False,
+        count=max(plan.count, 1),
+    )
+    return Program(tuple(steps), _merge_waits(final), copyouts, max_slots, layout, layout.tag)

@@ -493,12 +493,13 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         recorder = self.recorder
         injection = self.injection
         clock = time.perf_counter_ns
-        arrived = began = 0
-        # the recorder's marks (see allreduce.runtime._stats): per receive, a clock read before its wait and how long
-        # the wait took (which the wait measures while it waits: no clock read of its own). Only the call's first
-        # receive, and the first after a step without receives, must read the clock: a later one that waited marks
-        # when its wait began (read while waiting), one that found its data there marks (0, 0), no boundary
+        arrived = 0
+        # the recorder's marks (see allreduce.runtime._stats): per receive, when its wait began and how long it
+        # took, both read by the wait while it waited. A receive whose data was there marks the clock (now) if it
+        # is the call's first, or the first after a step without receives, else (0, 0): no boundary
         mark = recorder.append if recorder.enabled else None
+        if mark is not None:
+            mark(program.tag)  # the call's layout, and how many marks follow
         boundary = True
         try:
             for st in program.steps:
@@ -524,16 +525,16 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                 staged: dict[tuple[int, int], tuple[Piece, npt.NDArray[Any]]] = {}
                 for rv in st.recvs:
                     peer = rv.peer
-                    if mark is not None and boundary:
-                        began = clock()
                     waited = wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
                                   what="its data for this step", step=st.index)  # fmt: skip
                     if mark is not None:
-                        if boundary:
-                            mark(began)
-                            boundary = False
+                        if waited:
+                            mark(self.wait_began)
+                        elif boundary:
+                            mark(clock())  # the data was there: it arrived now
                         else:
-                            mark(self.wait_began if waited else 0)
+                            mark(0)
+                        boundary = False
                         mark(waited)
                     if injection is not None:
                         arrived = clock()
@@ -579,7 +580,6 @@ class ShmTransport(PeerData, Rendezvous, Transport):
                     copy_into(arrays[pc.dst][pc.start : pc.stop], tmp)
             if mark is not None:
                 mark(clock())  # the steps' end
-                mark(program.layout.tag_base + dtype.itemsize)  # the call's tag: its layout, and the unit
         finally:
             peer_arrays.clear()
 

@@ -63,6 +63,7 @@ class PreparedPlan:
     scratch_bytes: int
     peers: frozenset[int]  # every rank the plan exchanges data with
     layout: Layout  # what the recorder's marks of one call mean (concurrent: first and last byte per peer)
+    marks_tag: int  # layout.tag: what the transport appends before its marks
 
 
 def plan_tag(plan: RankPlan, itemsize: int) -> int:
@@ -125,5 +126,5 @@ def prepare(plan: RankPlan, itemsize: int, *, checksum: bool) -> PreparedPlan:
             PreparedStep(step.index, sends, tuple(recvs), send_bytes, peers, (0, 0) * len(peers), len(peers) > 1)
         )
         layout_steps.append((step.index, list(received.items())))
-    layout = Layout(layout_steps, concurrent=True)
-    return PreparedPlan(plan_tag(plan, itemsize), tuple(steps), scratch_bytes, plan.peers, layout)
+    layout = Layout(layout_steps, concurrent=True, count=max(plan.count * itemsize, 1))  # units: bytes
+    return PreparedPlan(plan_tag(plan, itemsize), tuple(steps), scratch_bytes, plan.peers, layout, layout.tag)

@@ -510,6 +510,8 @@ class TcpTransport(Transport):
         # the recorder's marks (see allreduce.runtime._stats): a clock read each, appended
         mark = recorder.append if recorder.enabled else None
         marks = recorder.log.extend if mark is not None else None  # the call's own list: flush() runs between calls
+        if mark is not None:
+            mark(prepared.marks_tag)  # the call's layout, and how many marks follow
         arrivals: dict[int, int] | None = {} if mark is not None or injection is not None else None
         for step in prepared.steps:
             if injection is not None:
@@ -595,8 +597,6 @@ class TcpTransport(Transport):
                     marks(step.no_arrivals)
             self._frames_sent += len(sends)
             self._frames_received += len(recvs)
-        if mark is not None:
-            mark(prepared.layout.tag_base + 1)  # the call's tag: its layout, and the unit (bytes)
 
     def _exchange(self, seq: int, **kwargs: Any) -> None:
         """:func:`exchange` over this rank's connections, whose errors name the first cause: the root of a stall,
