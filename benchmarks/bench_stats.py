@@ -10,6 +10,11 @@ loaded machine, and "95% CI" a bootstrap interval for that median (whether "unde
 end is below 1.010); "A/A" is the ratio of medians between two sets of off calls in balanced positions: the noise floor
 of the comparison. The calls follow ``_BLOCK``, so neither mode owns a position.
 
+"all CPU" is the same paired ratio, its interval and its A/A for the CPU time of every rank together (each rank's
+``time.process_time()`` around each call, summed over the ranks call by call): with more ranks than cores (N = 4
+here) the cores must run all of it, and it is far less noisy than the wall clock, which the scheduler's choices
+move by a few percent from call to call.
+
 The header's "in situ" lines measure the same writes in one process with the data streamed through the caches
 between them, as in a real call (the recorder's code and data are cold then): what the recording costs in place.
 
@@ -55,9 +60,17 @@ def _median_interval(ratios: Any, seed: int = 0) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def _rank(
-    group: Any, sizes: list[int], rounds: int, run: int
-) -> list[tuple[float, float, float, float, tuple[float, float]]]:
+def _paired(times: Any, run: int) -> tuple[float, tuple[float, float], float]:
+    """Of per-call ``times`` in :data:`_BLOCK` order: the paired on/off ratio, its 95% interval, and the A/A ratio."""
+    # adjacent (on, off) pairs of each block: (0, 1), (3, 2), (5, 4), (6, 7), on first in half of them
+    blocks = np.median(times.reshape(-1, run), axis=1).reshape(-1, _BLOCK.size)  # runs' medians
+    pair_ratios = blocks[:, [0, 3, 5, 6]] / blocks[:, [1, 2, 4, 7]]
+    off_a, off_b = blocks[:, [1, 2]], blocks[:, [4, 7]]
+    return float(np.median(pair_ratios)), _median_interval(pair_ratios), float(np.median(off_a) / np.median(off_b))
+
+
+def _rank(group: Any, sizes: list[int], rounds: int, run: int) -> list[tuple[Any, Any, Any]]:
+    """Per size: every call's wall time and this process's CPU time, and which calls recorded."""
     recorder = group.transport.recorder  # toggled per call: the group's setter would add a queue round trip
     out = []
     for size in sizes:
@@ -72,22 +85,17 @@ def _rank(
         calls = _BLOCK.size * run * max(1, int(iters_arr[0]) * rounds // (_BLOCK.size * run))
         recording = np.repeat(np.tile(_BLOCK, calls // (_BLOCK.size * run)), run)
         times = np.empty(calls)
-        clock = time.perf_counter
+        cpu = np.empty(calls)
+        clock, cpu_clock = time.perf_counter, time.process_time
         for i in range(calls):
             recorder.enabled = bool(recording[i])
+            c0 = cpu_clock()
             t0 = clock()
             group.all_reduce(x, algorithm="ring")
             times[i] = clock() - t0
+            cpu[i] = cpu_clock() - c0
         recorder.enabled = False
-        on_times, off_times = times[recording], times[~recording]
-        on, off = float(np.median(on_times)), float(np.median(off_times))
-        # adjacent (on, off) pairs of each block: (0, 1), (3, 2), (5, 4), (6, 7), on first in half of them
-        blocks = np.median(times.reshape(-1, run), axis=1).reshape(-1, _BLOCK.size)  # runs' medians
-        pair_ratios = blocks[:, [0, 3, 5, 6]] / blocks[:, [1, 2, 4, 7]]
-        paired = float(np.median(pair_ratios))
-        off_a, off_b = blocks[:, [1, 2]], blocks[:, [4, 7]]
-        same = float(np.median(off_a) / np.median(off_b))
-        out.append((on, off, paired, same, _median_interval(pair_ratios)))
+        out.append((times, cpu, recording))
     return out
 
 
@@ -244,19 +252,25 @@ def main() -> None:
         )
     print(
         f"{'transport':>9} {'N':>3} {'size':>9} {'on':>11} {'off':>11} {'on/off':>7} {'paired':>7} "
-        f"{'95% CI':>13} {'A/A':>7} {'steps':>6} {'CPU':>8}"
+        f"{'95% CI':>13} {'A/A':>7} {'steps':>6} {'CPU':>8} {'all CPU':>7} {'95% CI':>13} {'A/A':>7}"
     )
     for transport in args.transports.split(","):
         for world_size in (int(w) for w in args.world_sizes.split(",")):
             results = spawn(world_size, _rank, sizes, args.rounds, args.run, init_options={"transport": transport})
-            for size, (on_s, off_s, paired, same, (low, high)) in zip(sizes, results[0], strict=True):
+            for i, size in enumerate(sizes):
+                times, _, recording = results[0][i]  # rank 0's clock
+                on_s, off_s = float(np.median(times[recording])), float(np.median(times[~recording]))
+                paired, (low, high), same = _paired(times, args.run)
+                # every rank's CPU time, call by call: what a group with more ranks than cores waits for
+                all_cpu = np.sum([r[i][1] for r in results], axis=0)
+                cpu_paired, (cpu_low, cpu_high), cpu_same = _paired(all_cpu, args.run)
                 steps = 2 * (world_size - 1)
                 cpu = (step_s + (steps - 1) * later_s + call_s) / off_s
                 print(
                     f"{transport:>9} {world_size:>3} {format_bytes(size):>9} {on_s * 1e6:>9.1f}us "
                     f"{off_s * 1e6:>9.1f}us {on_s / off_s:>7.3f} {paired:>7.3f} {f'{low:.3f}-{high:.3f}':>13} "
-                    f"{same:>7.3f} {steps:>6} "
-                    f"{cpu * 100:>7.3f}%"
+                    f"{same:>7.3f} {steps:>6} {cpu * 100:>7.3f}% {cpu_paired:>7.3f} "
+                    f"{f'{cpu_low:.3f}-{cpu_high:.3f}':>13} {cpu_same:>7.3f}"
                 )
     print(f"load average (1, 5, 15 min): {os.getloadavg()}")
 

@@ -513,12 +513,13 @@ class TcpTransport(Transport):
         if mark is not None:
             mark(prepared.marks_tag)  # the call's layout, and how many marks follow
         arrivals: dict[int, int] | None = {} if mark is not None or injection is not None else None
+        clock = time.perf_counter_ns
         for step in prepared.steps:
             if injection is not None:
                 injection.hold_step()
             step_start = 0
             if arrivals is not None:
-                step_start = time.perf_counter_ns()  # the one clock read of a step whose data was there
+                step_start = clock()  # the one clock read of a step whose data was there
                 if mark is not None:
                     mark(step_start)
                 if arrivals:
