@@ -3,12 +3,16 @@
     PYTHONPATH=src .venv/bin/python benchmarks/bench_stats.py [--transports shm,tcp] [--world-sizes 2,4]
                                                           [--sizes 4KiB,1MiB,64MiB] [--rounds 30]
 
-Every rank alternates recording on and off call by call (``transport.recorder.enabled``), so load from other
-jobs hurts both alike. The table shows rank 0's median time per call with recording on and off and their ratio;
-"paired" is the median over adjacent (on, off) pairs of their ratio, which a preempted call moves far less on a
-loaded machine, and "95% CI" a bootstrap interval for that median (whether "under 1%" holds is whether its upper
-end is below 1.010); "A/A" is the ratio of medians between two sets of off calls in balanced positions: the noise floor
-of the comparison. The calls follow ``_BLOCK``, so neither mode owns a position.
+Every rank switches recording on and off (``transport.recorder.enabled``) in runs of ``--run`` calls (32), so load
+from other jobs hurts both alike, and the median of each run is what is compared. Why runs, not call by call: what
+a recorded call does last delays its rank's arrival at the next call, which the next call's clock measures; with
+calls alternating, half of that went to the off calls, and 1 MiB with two ranks measured 1.007 call by call against
+1.013-1.015 in runs of 32 (2026-12-04): only runs measure what recording costs a job that has it on. The table
+shows rank 0's median time per call with recording on and off and their ratio; "paired" is the median over
+adjacent (on, off) pairs of runs of the ratio of their medians, which a preempted call moves far less on a loaded
+machine, and "95% CI" a bootstrap interval for that median (whether "under 1%" holds is whether its upper end is
+below 1.010); "A/A" is the ratio of medians between two sets of off runs in balanced positions: the noise floor of
+the comparison. The runs follow ``_BLOCK``, so neither mode owns a position.
 
 "all CPU" is the same paired ratio, its interval and its A/A for the CPU time of every rank together (each rank's
 ``time.process_time()`` around each call, summed over the ranks call by call): with more ranks than cores (N = 4
@@ -39,9 +43,10 @@ from allreduce.runtime._stats import SPILL_ENTRIES, Layout, Recorder
 from allreduce.units import format_bytes, parse_size_range
 
 _BLOCK = np.array([1, 0, 0, 1, 0, 1, 1, 0], dtype=bool)
-"""Recording on (1) or off (0), call by call, repeated: each mode takes every position in a block of 4 equally
-often and comes first in half of the adjacent pairs, so a bias by position (on a loaded machine, calls at even
-positions ran several percent slower than odd ones even with recording doing nothing) cancels."""
+"""Recording on (1) or off (0), run by run (``--run`` calls each), repeated: each mode takes every position in a
+block of 4 equally often and comes first in half of the adjacent pairs, so a bias by position (on a loaded
+machine, calls at even positions ran several percent slower than odd ones even with recording doing nothing)
+cancels."""
 
 _BATCH_S = 0.05
 """Target length of one batch: long enough to average many calls, short enough for many alternations."""
@@ -233,9 +238,9 @@ def main() -> None:
     parser.add_argument(
         "--run",
         type=int,
-        default=1,
-        help="calls in a row in one mode (1: alternate call by call; more: whole runs on, then off, so an "
-        "interpreter that specialises its code to the last path taken is measured in steady state)",
+        default=32,
+        help="calls in a row in one mode; each run's median is compared (1: alternate call by call, which "
+        "charges the off calls with what a recorded call's end delays the next call by)",
     )
     args = parser.parse_args()
     sizes = parse_size_range(args.sizes)
