@@ -12,6 +12,8 @@ import gc
 import sys
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, SPILL_ENTRIES, TAG_BASE, VOID, Layout, Recorder
 
@@ -285,3 +287,48 @@ def test_a_read_sees_every_call_made_since_the_last_read() -> None:
     _call(recorder, 2, layout, [4, 5, 6])
     assert list(recorder.transfers(0)[:, SEQ]) == [0, 2]
     assert [int(c[0]) for c in recorder.calls(10)] == [0, 1, 2]
+
+
+_LAYOUTS_FOR_PROPERTY = (
+    Layout([(0, [(1, 8)]), (1, [(1, 8)])], concurrent=False),
+    Layout([(0, [(1, 4), (2, 4)])], concurrent=True),
+)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([None, 0, 1]),  # no marks, or one of the layouts
+            st.integers(-2, 2),  # marks written beyond (or short of) what the layout says
+            st.booleans(),  # the call failed
+            st.integers(1, 10**15),  # its clocks (a first receive always marks one)
+        ),
+        max_size=40,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_every_call_that_returned_is_read_back_whatever_the_calls_around_it_wrote(
+    calls: list[tuple[int | None, int, bool, int]],
+) -> None:
+    """The reader finds each call by its header: a failed call, or a transport that marked too much or too little,
+    costs nothing but that call's own records."""
+    recorder = Recorder(enabled=True)
+    returned, whole = [], []
+    for seq, (which, extra, failed, clock) in enumerate(calls):
+        layout = None if which is None else _LAYOUTS_FOR_PROPERTY[which]
+        count = 0 if layout is None else max(layout.marks + extra, 0)
+        marks = [clock + i for i in range(count)]
+        recorder.begin(seq, clock, 8 * (seq + 1))
+        if layout is not None:
+            recorder.append(layout.tag)
+            for value in marks:
+                recorder.append(value)
+        if failed:
+            recorder.void()
+            continue
+        recorder.end(clock + 10**6)
+        returned.append([seq, clock, clock + 10**6, 8 * (seq + 1)])
+        if layout is not None and extra == 0:
+            whole.append(seq)
+    assert recorder.calls(len(calls)).tolist() == returned
+    assert sorted(set(recorder.transfers(0)[:, SEQ].tolist())) == whole
