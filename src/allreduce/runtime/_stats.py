@@ -297,7 +297,6 @@ class Recorder:
         "_transfers",
         "append",
         "enabled",
-        "flushed",
         "log",
         "transfers_recorded",
     )
@@ -310,8 +309,6 @@ class Recorder:
         self.log: list[int] = []
         """Entries appended since the last :meth:`flush` (``append`` is its bound method, replaced with it)."""
         self.append = self.log.append
-        self.flushed = 0
-        """The running position of ``log[0]``: entries set aside so far."""
         self._chunks: collections.deque[list[int]] = collections.deque()
         """Earlier lists, oldest first; a call's entries always share a chunk (lists are set aside between calls)."""
         self._chunk_entries = 0
@@ -362,7 +359,6 @@ class Recorder:
         self._chunks.append(log)
         self._chunk_entries += len(log)
         self._set_aside += 1
-        self.flushed += len(log)
         self.log = []
         self.append = self.log.append
         chunks = self._chunks
