@@ -77,6 +77,7 @@ def _paired(times: Any, run: int) -> tuple[float, tuple[float, float], float]:
 def _rank(group: Any, sizes: list[int], rounds: int, run: int) -> list[tuple[Any, Any, Any]]:
     """Per size: every call's wall time and this process's CPU time, and which calls recorded."""
     recorder = group.transport.recorder  # toggled per call: the group's setter would add a queue round trip
+    recorder.reserve()  # what the group's setter does when recording is turned on
     out = []
     for size in sizes:
         x = np.zeros(size // 4, np.float32)

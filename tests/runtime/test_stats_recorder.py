@@ -332,3 +332,31 @@ def test_every_call_that_returned_is_read_back_whatever_the_calls_around_it_wrot
             whole.append(seq)
     assert recorder.calls(len(calls)).tolist() == returned
     assert sorted(set(recorder.transfers(0)[:, SEQ].tolist())) == whole
+
+
+def test_reserving_the_capacity_shows_no_calls_and_happens_once() -> None:
+    recorder = Recorder()
+    recorder.reserve()
+    assert len(recorder.calls(10)) == 0
+    assert len(recorder.transfers(0)) == 0
+    blocks = sys.getallocatedblocks()
+    recorder.reserve()  # turned on again: nothing more taken
+    assert sys.getallocatedblocks() - blocks < 100
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    _call(recorder, 3, layout, [10, 1, 20])
+    assert recorder.calls(10)[:, 0].tolist() == [3]
+    assert recorder.transfers(0)[:, SEQ].tolist() == [3]
+
+
+def test_a_reserved_recorder_keeps_what_an_unreserved_one_keeps_once_full() -> None:
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    per_call = 3 + 1 + layout.marks + 1
+    kept = []
+    for reserved in (False, True):
+        recorder = Recorder()
+        if reserved:
+            recorder.reserve()
+        for seq in range(2 * MARK_CAPACITY // per_call):
+            _call(recorder, seq, layout, [seq + 1, 1, seq + 2])
+        kept.append(recorder.calls(CALL_CAPACITY)[:, 0].tolist())
+    assert kept[0] == kept[1]

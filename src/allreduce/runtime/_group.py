@@ -200,9 +200,11 @@ class ProcessGroup:
         transport.injection = injection_from_env(None, self.rank, self.world_size)
         # Off by default: recording measured 1-2% slower at 1 MiB with two ranks on the 2-core machine, above the 1%
         # it may cost when always on (benchmarks/bench_stats.py, docs/tail.md).
-        transport.recorder.enabled = os.environ.get("ALLREDUCE_STATS", "0") != "0" or any(
+        if os.environ.get("ALLREDUCE_STATS", "0") != "0" or any(
             os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
-        )
+        ):
+            transport.recorder.reserve()
+            transport.recorder.enabled = True
 
     # ----------------------------------------------------------------------------------------------------
     # Lifetime
@@ -442,6 +444,8 @@ class ProcessGroup:
     @recording.setter
     def recording(self, enabled: bool) -> None:
         self._executor.run(lambda: None)  # collectives already submitted keep the setting they were called with
+        if enabled:
+            self._transport.recorder.reserve()
         self._transport.recorder.enabled = bool(enabled)
 
     def stats(self, last: int = 1000) -> GroupStats:
