@@ -330,9 +330,12 @@ def _die_mid_collective(rank: int, world_size: int, store: TCPStore, transport: 
     transport.execute(plan, buffer, add_into, seq=2, timeout_s=TIMEOUT_S, checksum=False)
 
 
-def _gives_up_unread(rank: int, world_size: int, store: TCPStore, transport: TcpTransport) -> str:
-    """A ring of 3: rank 2 gives up because of rank 0 while rank 1 sends to it (and never reads from it, so its
-    ABORT frame stays unread), then exits at once (its unread input makes the kernel reset the connection).
+def _gives_up_unread(
+    rank: int, world_size: int, store: TCPStore, transport: TcpTransport, linger_s: float = 0.0
+) -> str:
+    """A ring of 3: rank 2 gives up because of rank 0 while rank 1 sends to it (and never reads from it in this
+    collective), then exits: at once (its unread input makes the kernel reset the connection) or, with
+    ``linger_s``, after its abort has read everything rank 1 sends (rank 1 is then done sending and waits for rank 0).
     Rank 0 is parked outside the collective and tells rank 1 nothing: it polls for its release with ``check``, not
     a blocking ``get``, which the store fails once rank 2 dies (rank 0 would then close its connections, and rank 1
     could see that before rank 2's reset)."""
@@ -347,6 +350,7 @@ def _gives_up_unread(rank: int, world_size: int, store: TCPStore, transport: Tcp
         store.get("test/sending", timeout_s=TIMEOUT_S)
         time.sleep(0.5)  # rank 1's send to this rank has filled the socket buffers: it is blocked in send
         transport._record_failure(PeerFailureError("rank 2: rank 0 failed (injected)", rank=2, peer=0), 2)
+        time.sleep(linger_s)  # the abort's drain thread reads what rank 1 sends meanwhile
         os._exit(0)
     count = 4 << 20  # 32 MiB of int64: far more than the socket buffers hold
     store.set("test/sending", b"")
@@ -524,14 +528,17 @@ def test_killed_peer_is_named_by_every_rank(world_size: int, unix_sockets: bool)
 
 
 @pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
+@pytest.mark.parametrize("linger_s", [0.0, 1.0], ids=["exits", "drains"])
 @pytest.mark.slow
-def test_a_peer_reset_before_its_abort_was_read_is_traced_to_the_rank_it_gave_up_for(unix_sockets: bool) -> None:
-    results = run_ranks("gives_up_unread", 3, wait_for={1}, unix_sockets=unix_sockets)
+def test_a_peer_that_gave_up_is_heard_while_this_rank_waits_for_another(unix_sockets: bool, linger_s: float) -> None:
+    """Rank 1 reads rank 2's ABORT frame while it sends to rank 2 or, once done sending, while it waits for the
+    parked rank 0 (which before watching idle peers it saw only at its timeout, then naming rank 2)."""
+    results = run_ranks("gives_up_unread", 3, linger_s, wait_for={1}, unix_sockets=unix_sockets)
     status, payload = results[1]
     assert status == "PeerFailureError", f"rank 1: {status} {payload}"
     message, peer = payload
     assert peer == 0, f"rank 1: {message}"
-    assert "rank 2 gave up because of rank 0" in message
+    assert "rank 2 aborted collective 2" in message
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from allreduce.runtime import CollectiveError, PeerFailureError
 from allreduce.runtime._store import TCPStore
-from allreduce.runtime.tcp._blame import Blame
+from allreduce.runtime.tcp._blame import Blame, LostPeerError
 
 
 @pytest.fixture
@@ -40,5 +40,30 @@ def test_a_store_that_answers_names_nobody_while_no_rank_died(no_env_token: None
             blame = Blame(client, "tcp", rank=1, world_size=3)
             assert blame.dead_ranks() == []
             blame.raise_if_dead({2}, "agreement for collective 0")  # returns: keep waiting
+        finally:
+            client.close()
+
+
+def test_a_lost_connection_names_the_rank_the_lost_peer_gave_up_for(no_env_token: None) -> None:
+    with TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=60) as host:
+        client = TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=1, timeout_s=60)
+        gives_up = TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=2, timeout_s=60)
+        try:
+            Blame(gives_up, "tcp", rank=2, world_size=3).record_abort(0)  # rank 2 gives up because of rank 0
+            lost = LostPeerError("rank 1: rank 2 closed its connection at step 0", rank=1, peer=2, step=0)
+            error = Blame(client, "tcp", rank=1, world_size=3).lost(lost)
+            assert error.peer == 0
+            assert "rank 2 gave up because of rank 0" in str(error)
+        finally:
+            gives_up.close()
+            client.close()
+
+
+def test_a_lost_connection_to_a_peer_that_left_no_record_names_that_peer(no_env_token: None) -> None:
+    with TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=60) as host:
+        client = TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=1, timeout_s=60)
+        try:
+            lost = LostPeerError("rank 1: rank 2 closed its connection at step 0", rank=1, peer=2, step=0)
+            assert Blame(client, "tcp", rank=1, world_size=3).lost(lost).peer == 2
         finally:
             client.close()

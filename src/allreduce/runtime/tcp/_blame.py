@@ -15,7 +15,7 @@ import contextlib
 import time
 from typing import Protocol
 
-from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError
+from allreduce.runtime._errors import CollectiveError, PeerFailureError
 
 __all__ = ["DEAD_POLL_S", "STALL_GRACE_S", "STOP_SETTLE_S", "Blame", "LostPeerError"]
 
@@ -160,7 +160,7 @@ class Blame:
             while True:
                 try:
                     following = int(self._store.get(self._waited + str(chain[-1]), timeout_s=STALL_GRACE_S).decode())
-                except CollectiveTimeoutError:
+                except CollectiveError:  # it never said (it is the root), or the store failed the wait: a rank died
                     break
                 if not 0 <= following < self._world_size or following in chain:
                     break

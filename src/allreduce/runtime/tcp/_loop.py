@@ -18,7 +18,7 @@ from allreduce.runtime._errors import CollectiveTimeoutError
 from allreduce.runtime._transport import ReduceInto
 from allreduce.runtime.tcp._blame import LostPeerError
 from allreduce.runtime.tcp._frames import InFrame, OutFrame
-from allreduce.runtime.tcp._pair import Pair, apply_staged
+from allreduce.runtime.tcp._pair import Pair, apply_staged, check_idle
 from allreduce.runtime.tcp._socket import POLL_ERR, POLL_IN
 
 __all__ = ["SENDER_POLL_S", "SENDER_STOP_S", "Sender", "exchange", "pace_step"]
@@ -52,6 +52,7 @@ def exchange(
     sender: Sender | None,
     arrivals: dict[int, int] | None = None,
     last_bytes: bool = False,
+    watch_idle: bool = False,
 ) -> None:
     """Send and receive one step's frames concurrently; apply staged receives; raise naming the culprit.
 
@@ -60,7 +61,9 @@ def exchange(
     wait for gets, under ``peer``, when the ``poll`` that found them readable returned: the clock is read only
     after a wait, so a step whose data was there reads none (``peer`` absent: the data was there from the step's
     start, or arrived while this rank was busy sending). With ``last_bytes`` too, each peer's last byte's arrival
-    goes in under ``~peer`` (a clock read per peer; without it the step's end stands for it: one receiving peer)."""
+    goes in under ``~peer`` (a clock read per peer; without it the step's end stands for it: one receiving peer).
+    With ``watch_idle`` (a collective's data steps), the peers this step receives nothing from are watched for an
+    ABORT frame while this rank sleeps: see :func:`~allreduce.runtime.tcp._pair.check_idle`."""
     send_q: dict[int, list[OutFrame]] = {}
     for peer, out in sends:
         send_q.setdefault(peer, []).append(out)
@@ -72,6 +75,11 @@ def exchange(
     staged = [inc for _, inc in recvs if inc.staged]
     all_out = [out for _, out in sends] if staged else []
     poller: select.poll | None = None  # made the first time nothing can move (small steps rarely get there)
+    # Peers this step receives nothing from (more: whose receives are done) are watched too while this rank sleeps:
+    # one that gave up sends an ABORT frame and closes, which this rank would otherwise see only at its timeout
+    # (a peer it has finished sending to, waiting on another that never sends). ``quiet``: those with a later
+    # step's frame waiting, read in its step.
+    quiet: set[int] = set() if watch_idle else set(pairs)
     first_pending = arrivals is not None  # a receiving peer may still have sent no byte: look at each wake-up
     registered: dict[int, int] = {}
     fd_peer: dict[int, int] = {}
@@ -113,6 +121,11 @@ def exchange(
             fd = pairs[peer].sock.fileno()
             wanted[fd] = wanted.get(fd, 0) | POLL_IN
             fd_peer[fd] = peer
+        for peer, pair in pairs.items():
+            if peer not in recv_pos and peer not in quiet:
+                fd = pair.sock.fileno()
+                wanted[fd] = wanted.get(fd, 0) | POLL_IN
+                fd_peer[fd] = peer
         if poller is None:
             poller = select.poll()
         for fd, events in wanted.items():
@@ -146,8 +159,12 @@ def exchange(
                     first_pending = True
                     break
         for fd, revents in ready:
+            peer = fd_peer[fd]
+            idle = peer not in recv_pos and peer not in quiet
+            if revents & POLL_IN and idle and not check_idle(pairs[peer], seq):
+                quiet.add(peer)
             if revents & POLL_ERR and not revents & (POLL_IN | select.POLLOUT):
-                raise _broken(rank, fd_peer[fd], label=label, seq=seq, step=step)
+                raise _broken(rank, peer, label=label, seq=seq, step=step)
     if sender is not None:
         # The sender raises its own timeout at the deadline; the margin only covers its last poll.
         sender.wait(max(deadline - time.monotonic(), 0.0) + _SENDER_LAST_POLL_S)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import time
 import zlib
+from typing import NoReturn
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from allreduce.runtime.tcp._frames import (
 )
 from allreduce.runtime.tcp._socket import IO_CHUNK_BYTES, read_exact
 
-__all__ = ["ABORT_MESSAGE_WAIT_S", "Pair", "apply_staged"]
+__all__ = ["ABORT_MESSAGE_WAIT_S", "Pair", "apply_staged", "check_idle"]
 
 ABORT_MESSAGE_WAIT_S = 5.0
 """How long to wait for the message of a peer's ABORT frame once its header arrived: the peer sent both at once,
@@ -189,7 +190,7 @@ class Pair:
                 step=inc.step,
             ) from exc
         if header.flags & FLAG_ABORT:
-            self._raise_remote_abort(header.block, header.segment, header.length, seq)
+            self.raise_remote_abort(header.block, header.segment, header.length, seq)
         expected = (
             f"collective {seq}, step {inc.step}, block {inc.block}, segment {inc.segment}, "
             f"{inc.length if inc.length >= 0 else 'any'} bytes"
@@ -221,7 +222,7 @@ class Pair:
             step=inc.step,
         )
 
-    def _raise_remote_abort(self, culprit: int, kind: int, length: int, seq: int) -> None:
+    def raise_remote_abort(self, culprit: int, kind: int, length: int, seq: int) -> NoReturn:
         try:
             message = read_exact(self.sock, length, deadline=time.monotonic() + ABORT_MESSAGE_WAIT_S).decode(
                 errors="replace"
@@ -234,13 +235,38 @@ class Pair:
             peer=None if culprit == NO_CULPRIT else culprit,
         )
 
-    def raise_eof(self, seq: int, label: str) -> None:
+    def raise_eof(self, seq: int, label: str) -> NoReturn:
         raise LostPeerError(
             f"rank {self.local}: rank {self.rank} closed its connection at {label} of collective {seq} "
             f"(rank {self.rank} died or aborted)",
             rank=self.local,
             peer=self.rank,
         )
+
+
+def check_idle(pair: Pair, seq: int) -> bool:
+    """``pair``'s peer, from which this rank expects nothing in this step, has something to read: raise if it is
+    an ABORT frame (the peer gave up: the error names whom it names, where this rank, waiting for another peer's
+    data, would otherwise see it only at its timeout); return whether to keep watching it: not once a frame of a
+    later step waits there (read in its step; watching it would wake every poll), nor after an end of file or a
+    reset (a peer that finished the collective may close: whether this rank still needed it, its own receives and
+    sends find out)."""
+    try:
+        head = pair.sock.recv(HEADER_SIZE, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+    if len(head) < HEADER_SIZE:
+        return False  # a peer sends a header whole: one that sends part of it is not watched (no busy loop)
+    try:
+        header = decode_header(head)
+    except ProtocolError:
+        return False  # the receive that reads it names the bad frame
+    if header.flags & FLAG_ABORT:
+        pair.sock.recv_into(pair.header_view, HEADER_SIZE)  # taken whole: the peek saw all of it
+        pair.raise_remote_abort(header.block, header.segment, header.length, seq)
+    return False
 
 
 def apply_staged(staged: list[InFrame], sends: list[OutFrame], reduce_into: ReduceInto) -> bool:

@@ -585,6 +585,7 @@ class TcpTransport(Transport):
                 sender=sender,
                 arrivals=arrivals,
                 last_bytes=step.last_bytes or injection is not None,
+                watch_idle=True,
             )
             if injection is not None and arrivals is not None:
                 pace_step(injection, step, arrivals, step_start)
