@@ -78,8 +78,8 @@ def exchange(
     # Peers this step receives nothing from (more: whose receives are done) are watched too while this rank sleeps:
     # one that gave up sends an ABORT frame and closes, which this rank would otherwise see only at its timeout
     # (a peer it has finished sending to, waiting on another that never sends). ``quiet``: those with a later
-    # step's frame waiting, read in its step.
-    quiet: set[int] = set() if watch_idle else set(pairs)
+    # step's frame waiting, read in its step. Made when first needed: a step whose data was there never sleeps.
+    quiet: set[int] | None = None
     first_pending = arrivals is not None  # a receiving peer may still have sent no byte: look at each wake-up
     registered: dict[int, int] = {}
     fd_peer: dict[int, int] = {}
@@ -121,11 +121,14 @@ def exchange(
             fd = pairs[peer].sock.fileno()
             wanted[fd] = wanted.get(fd, 0) | POLL_IN
             fd_peer[fd] = peer
-        for peer, pair in pairs.items():
-            if peer not in recv_pos and peer not in quiet:
-                fd = pair.sock.fileno()
-                wanted[fd] = wanted.get(fd, 0) | POLL_IN
-                fd_peer[fd] = peer
+        if watch_idle:
+            if quiet is None:
+                quiet = set()
+            for peer, pair in pairs.items():
+                if peer not in recv_pos and peer not in quiet:
+                    fd = pair.sock.fileno()
+                    wanted[fd] = wanted.get(fd, 0) | POLL_IN
+                    fd_peer[fd] = peer
         if poller is None:
             poller = select.poll()
         for fd, events in wanted.items():
@@ -160,8 +163,9 @@ def exchange(
                     break
         for fd, revents in ready:
             peer = fd_peer[fd]
-            idle = peer not in recv_pos and peer not in quiet
-            if revents & POLL_IN and idle and not check_idle(pairs[peer], seq):
+            idle = quiet is not None and peer not in recv_pos and peer not in quiet
+            if idle and revents & POLL_IN and not check_idle(pairs[peer], seq):
+                assert quiet is not None
                 quiet.add(peer)
             if revents & POLL_ERR and not revents & (POLL_IN | select.POLLOUT):
                 raise _broken(rank, peer, label=label, seq=seq, step=step)
