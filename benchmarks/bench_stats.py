@@ -19,8 +19,10 @@ the comparison. The runs follow ``_BLOCK``, so neither mode owns a position.
 here) the cores must run all of it, and it is far less noisy than the wall clock, which the scheduler's choices
 move by a few percent from call to call.
 
-The header's "in situ" lines measure the same writes in one process with the data streamed through the caches
-between them, as in a real call (the recorder's code and data are cold then): what the recording costs in place.
+The header's "in situ" lines replay the same writes in one process with the data streamed through the caches
+between them, as in a real call (the recorder's code and data are cold then). A lower bound only: timed section by
+section inside real 1 MiB calls of two ranks, the same code took about six times as long (docs/tail.md, "The C
+recorder, tried"), which is what the on/off ratio shows.
 
 The last column is the CPU cost of what a ring all-reduce records per call (2(N-1) steps of one receive: two
 marks each, and one clock read for the first, none for a later one whose data was there; the call's own record),
@@ -253,8 +255,8 @@ def main() -> None:
     )
     for size in (s for s in sizes if s <= _IN_SITU_MAX_BYTES):
         print(
-            f"in situ, {format_bytes(size)} ring of 2 (2 steps, the data streamed through the caches between marks): "
-            f"{_in_situ_cost_ns(size, 2):.0f} ns per call"
+            f"in situ, {format_bytes(size)} ring of 2 (2 steps, the data streamed through the caches between marks; "
+            f"a replay in one process, a lower bound): {_in_situ_cost_ns(size, 2):.0f} ns per call"
         )
     print(
         f"{'transport':>9} {'N':>3} {'size':>9} {'on':>11} {'off':>11} {'on/off':>7} {'paired':>7} "
