@@ -50,6 +50,7 @@ def test_statistics_start_at_zero_and_report_the_probe(solo: ShmTransport) -> No
     assert {k: v for k, v in stats.items() if k.startswith("executes_")} == {
         "executes_eager": 0,
         "executes_shared": 0,
+        "executes_adopted": 0,
         "executes_cross_memory": 0,
         "executes_staged": 0,
     }

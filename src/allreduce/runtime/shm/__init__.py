@@ -6,10 +6,12 @@
 - :mod:`~allreduce.runtime.shm._compile`: a rank's plan compiled into shared-memory operations (pure);
 - :mod:`~allreduce.runtime.shm._rendezvous`: start-up (map the peers' control blocks, pidfds, the cross-memory probe);
 - :mod:`~allreduce.runtime.shm._waiting`: waiting on peers' counters while watching for dead or aborted peers;
+- :mod:`~allreduce.runtime.shm._adopt`: moving a large buffer used again onto shared pages at its own address;
 - :mod:`~allreduce.runtime.shm._peer_data`: where a peer's data is for one collective, and reading it;
 - :mod:`~allreduce.runtime.shm._transport`: :class:`ShmTransport`, which runs the compiled steps.
 """
 
+from allreduce.runtime.shm._adopt import ADOPT_ENV, ADOPT_MIN_BYTES
 from allreduce.runtime.shm._layout import CRC_SLOTS_PER_PEER, DESCRIPTOR_BYTES, EAGER_BYTES, MAX_RANKS
 from allreduce.runtime.shm._peer_data import CROSS_MEMORY_CHUNK_BYTES
 from allreduce.runtime.shm._rendezvous import CROSS_MEMORY_ENV, CROSS_MEMORY_MODES
@@ -18,6 +20,8 @@ from allreduce.runtime.shm._transport import CROSS_MEMORY_MIN_BYTES, ShmTranspor
 from allreduce.runtime.shm._waiting import MIN_SPIN_S, POLL_S, SPIN_S, YIELD_S
 
 __all__ = [
+    "ADOPT_ENV",
+    "ADOPT_MIN_BYTES",
     "CRC_SLOTS_PER_PEER",
     "CROSS_MEMORY_CHUNK_BYTES",
     "CROSS_MEMORY_ENV",

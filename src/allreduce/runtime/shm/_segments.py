@@ -159,10 +159,14 @@ class LocalSegments:
         self._staging: Segment | None = None
         self._staging_id = 0
 
-    def _create(self, size_bytes: int) -> tuple[int, Segment]:
+    def new_segment(self) -> tuple[int, str]:
+        """A new segment id and the path of its file (not created), named as peers derive it."""
         segment_id = self._next_id
         self._next_id += 1
-        path = data_segment_path(self._prefix, self._rank, os.getpid(), segment_id)
+        return segment_id, data_segment_path(self._prefix, self._rank, os.getpid(), segment_id)
+
+    def _create(self, size_bytes: int) -> tuple[int, Segment]:
+        segment_id, path = self.new_segment()
         return segment_id, Segment(path, size_bytes, create=True)
 
     def allocate(self, size_bytes: int) -> npt.NDArray[np.uint8]:

@@ -15,6 +15,8 @@ Where a rank's data lives for one collective (its *home*, published in its contr
   block, so the owner overwrites its buffer without waiting for readers; :meth:`ShmTransport.prepare` publishes
   step 0 together with the descriptor;
 - **shared**: an array from :meth:`ShmTransport.allocate` (``group.empty()``) is in shared memory already;
+- **adopted**: a large buffer passed again is moved, once, onto a shared segment at its own address
+  (:mod:`allreduce.runtime.shm._adopt`), then read like a shared one;
 - **cross-memory**: a large plain array is read by peers where it is, in the owner's private memory, with
   ``process_vm_readv(2)``, when the start-up probe found that every rank may read every other
   (:mod:`allreduce.runtime.shm._rendezvous`): openly, or under Yama ``ptrace_scope = 1`` with the ptracer
@@ -44,6 +46,8 @@ import numpy.typing as npt
 from allreduce.runtime._errors import ChecksumError, CollectiveError
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
+from allreduce.runtime.shm._adopt import SUPPORTED as ADOPTION_SUPPORTED
+from allreduce.runtime.shm._adopt import Adoptions, adopt_wanted
 from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
 from allreduce.runtime.shm._copy import copy_into
 from allreduce.runtime.shm._layout import (
@@ -147,6 +151,11 @@ class ShmTransport(PeerData, Rendezvous, Transport):
       them the second time it is passed, so that it too is read in place from then on
       (:class:`~allreduce.runtime.shm._peer_data.HugePageMemo`; default: the environment variable
       ``ALLREDUCE_SHM_COLLAPSE``, ``0`` or ``1``, else yes);
+    - ``adopt_buffers``: the second time this rank passes the same buffer of at least 32 MiB that is a whole
+      allocation (a numpy array owning its memory, a torch tensor's storage), move its pages onto a shared
+      segment at the same address, so that peers read it in place like a ``group.empty()`` array, whatever
+      Yama allows (:mod:`allreduce.runtime.shm._adopt`; default: the environment variable
+      ``ALLREDUCE_SHM_ADOPT``, ``0`` or ``1``, else yes);
     - ``eager_bytes``: buffers whose (steps x size) fits go through snapshots (0: never; at most
       :data:`~allreduce.runtime.shm.EAGER_BYTES`).
     """
@@ -165,9 +174,11 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         eager_bytes: int = EAGER_BYTES,
         cross_memory_mode: str | None = None,
         collapse_huge_pages: bool | None = None,
+        adopt_buffers: bool | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         self._huge_pages = HugePageMemo(enabled=collapse_wanted(collapse_huge_pages))
+        adopt = adopt_wanted(adopt_buffers)
         self._cross_memory_mode = resolve_cross_memory_mode(cross_memory_mode)
         if world_size > MAX_RANKS:
             raise ValueError(
@@ -186,6 +197,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         # the last compiled program: a training loop repeats one collective, and this skips even hashing the plan
         self._last_compiled: tuple[RankPlan, bool, Program] | None = None
         self._segments = LocalSegments(self._prefix, rank)
+        self._adoptions = Adoptions(self._segments.new_segment, enabled=adopt)
         self._peer_segments = [PeerSegments() for _ in range(world_size)]
         self._spin_limit_s = SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
         self._spin_s = self._spin_limit_s
@@ -204,6 +216,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         self._prepared_seq = -1
         self._executes_eager = 0
         self._executes_shared = 0
+        self._executes_adopted = 0
         self._executes_cross_memory = 0
         self._executes_staged = 0
         self._views: list[memoryview] = []
@@ -259,6 +272,15 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         self._cross_memory_min_bytes = size_bytes
 
     @property
+    def adopt_buffers(self) -> bool:
+        """Whether buffers used again are adopted into shared memory (buffers adopted already stay adopted)."""
+        return self._adoptions.enabled
+
+    @adopt_buffers.setter
+    def adopt_buffers(self, wanted: bool) -> None:
+        self._adoptions.enabled = bool(wanted) and ADOPTION_SUPPORTED
+
+    @property
     def eager_bytes(self) -> int:
         return self._eager_bytes
 
@@ -273,6 +295,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         return {
             "executes_eager": self._executes_eager,
             "executes_shared": self._executes_shared,
+            "executes_adopted": self._executes_adopted,
             "executes_cross_memory": self._executes_cross_memory,
             "executes_staged": self._executes_staged,
             "cross_memory_available": int(self._cross_memory_available),
@@ -280,6 +303,8 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             "ptracer_switches": self._ptracer_switches,
             "huge_page_collapses": self._huge_pages.collapsed,
             "huge_page_refusals": self._huge_pages.refused,
+            "buffers_adopted": self._adoptions.adopted,
+            "adoption_refusals": self._adoptions.refused,
         }
 
     def inject_corruption(self, *, peer: int, step: int = 0) -> None:
@@ -440,6 +465,10 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         elif (located := self._segments.locate(buffer)) is not None:
             segment_id, offset = located
             self._executes_shared += 1
+        elif (adopted := self._adoptions.home(buffer)) is not None:
+            # A buffer used again, moved onto a shared segment at its own address: read in place like the above.
+            segment_id, offset = adopted
+            self._executes_adopted += 1
         elif (
             self._cross_memory
             and buffer.nbytes >= self._cross_memory_min_bytes
@@ -662,6 +691,7 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         self._pidfds = []
         for cache in self._peer_segments:
             cache.close()
+        self._adoptions.release()
         self._segments.release()
         for i, ctl in enumerate(self._ctl):
             if ctl is not None:
@@ -675,6 +705,9 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         segments = getattr(self, "_segments", None)
         if not getattr(self, "_closed", True) and segments is not None:
             segments.unlink()
+            adoptions = getattr(self, "_adoptions", None)
+            if adoptions is not None:
+                adoptions.unlink()
 
 
 _DESCRIPTOR_LENGTH_MASK = (1 << 32) - 1

@@ -1,0 +1,230 @@
+"""Adoption: a large buffer used again moves onto a shared segment at its own address (real pages, real forks,
+real rank processes). What must hold: contents and address never change, only whole private allocations are
+taken, a buffer replaced at the same address is noticed, fork() and close() keep private-memory semantics."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from allreduce.runtime._spawn import spawn
+from allreduce.runtime.shm import ADOPT_ENV, ADOPT_MIN_BYTES, CROSS_MEMORY_ENV, ShmTransport
+from allreduce.runtime.shm._adopt import (
+    SUPPORTED,
+    Adoptions,
+    _privatize,
+    mapped_to,
+    private_anonymous,
+    whole_allocation,
+)
+from allreduce.runtime.shm._segments import SHM_DIR, LocalSegments, shm_prefix
+
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the C library has no mmap/mremap through ctypes")
+
+ELEMENTS = ADOPT_MIN_BYTES // 4 + 1_001
+"""float32 elements of a buffer just above the adoption size (not a whole number of pages)."""
+
+
+@pytest.fixture
+def adoptions() -> Iterator[tuple[Adoptions, LocalSegments]]:
+    segments = LocalSegments(os.path.join(SHM_DIR, shm_prefix(f"adopt-{uuid.uuid4().hex[:12]}")), 0)
+    adopt = Adoptions(segments.new_segment, enabled=True)
+    yield adopt, segments
+    adopt.release()
+    segments.release()
+
+
+def _pattern(n: int = ELEMENTS) -> np.ndarray:
+    return np.arange(n, dtype=np.float32) % 1021
+
+
+def _pages(x: np.ndarray) -> tuple[int, int]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = x.ctypes.data // page * page
+    return start, -(-(x.ctypes.data + x.nbytes) // page) * page
+
+
+def _file_of(adopt: Adoptions, x: np.ndarray) -> str:
+    state = adopt._seen[(x.ctypes.data, x.nbytes)]
+    return str(state.path)  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------------------------------------ what is adopted
+def test_a_buffer_is_adopted_on_its_second_use_with_address_and_contents_unchanged(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x = _pattern()
+    address = x.ctypes.data
+    assert adopt.home(x) is None
+    home = adopt.home(x)
+    assert home is not None
+    assert x.ctypes.data == address
+    assert np.array_equal(x, _pattern())
+    start, stop = _pages(x)
+    assert mapped_to(start, stop, _file_of(adopt, x))
+    assert home[1] == address - start
+
+
+def test_the_peers_see_the_buffers_writes_through_the_file(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x = _pattern()
+    adopt.home(x)
+    _, offset = adopt.home(x)
+    x[7] = 12345.0
+    with open(_file_of(adopt, x), "rb") as f:
+        f.seek(offset + 7 * 4)
+        assert np.frombuffer(f.read(4), np.float32)[0] == 12345.0
+
+
+def test_a_buffer_below_the_adoption_size_is_never_adopted(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x = _pattern(ADOPT_MIN_BYTES // 4 - 1)
+    assert adopt.home(x) is None
+    assert adopt.home(x) is None
+    assert adopt.adopted == 0
+
+
+def test_a_view_into_a_larger_array_is_never_adopted(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    whole = _pattern(ELEMENTS + 4096)
+    view = whole[1024 : 1024 + ELEMENTS]
+    assert not whole_allocation(view)
+    adopt.home(view)
+    assert adopt.home(view) is None
+    assert adopt.refused == 1
+    assert private_anonymous(*_pages(view))
+
+
+def test_an_array_over_a_files_mapping_is_never_adopted(adoptions: Any, tmp_path: Any) -> None:
+    adopt, _ = adoptions
+    mapped = np.memmap(tmp_path / "data", dtype=np.float32, mode="w+", shape=(ELEMENTS,))
+    flat = np.asarray(mapped).reshape(-1)
+    adopt.home(flat)
+    assert adopt.home(flat) is None
+    assert not private_anonymous(*_pages(flat))
+
+
+def test_a_torch_tensors_whole_storage_is_adopted_and_a_slice_of_it_is_not(adoptions: Any) -> None:
+    torch = pytest.importorskip("torch")
+    adopt, _ = adoptions
+    t = torch.arange(ELEMENTS, dtype=torch.float32)
+    assert whole_allocation(t.numpy().reshape(-1))
+    assert not whole_allocation(t[4096:].numpy())
+    view = t.numpy().reshape(-1)
+    adopt.home(view)
+    assert adopt.home(view) is not None
+    assert torch.equal(t, torch.arange(ELEMENTS, dtype=torch.float32))
+
+
+def test_an_unreadable_adoption_setting_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ADOPT_ENV, "maybe")
+    with pytest.raises(ValueError, match=f"{ADOPT_ENV}: 'maybe' is not 0 or 1"):
+        ShmTransport(0, 1, f"adopt-{uuid.uuid4().hex}", timeout_s=30)
+
+
+# ------------------------------------------------------------------------------------------- lifetime and semantics
+def test_a_buffer_replaced_at_the_same_address_is_noticed_and_never_adopted_again(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x = _pattern()
+    adopt.home(x)
+    assert adopt.home(x) is not None
+    start, stop = _pages(x)
+    assert _privatize(start, stop - start) == 0  # what a free and a new allocation at that address leave
+    x[3] = -1.0
+    assert adopt.home(x) is None
+    assert adopt.home(x) is None
+    assert adopt.refused == 1
+    assert x[3] == -1.0
+    assert np.array_equal(np.delete(x, 3), np.delete(_pattern(), 3))
+
+
+def test_release_moves_the_buffer_back_to_private_pages_and_removes_the_file(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x = _pattern()
+    adopt.home(x)
+    adopt.home(x)
+    path = _file_of(adopt, x)
+    adopt.release()
+    assert private_anonymous(*_pages(x))
+    assert not os.path.exists(path)
+    assert np.array_equal(x, _pattern())
+
+
+def test_a_forked_child_gets_a_private_copy_of_an_adopted_buffer(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x = _pattern()
+    adopt.home(x)
+    assert adopt.home(x) is not None
+    x[0] = 1.0
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: sees the fork's moment, writes its own copy
+        os.close(read)
+        ok = x[0] == 1.0 and private_anonymous(*_pages(x))
+        x[:] = -7.0
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    child_saw = os.read(read, 1)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_saw == b"1"
+    assert x[0] == 1.0
+    assert np.array_equal(x[1:], _pattern()[1:])
+    assert adopt.home(x) is not None  # still adopted in the parent
+
+
+# ------------------------------------------------------------------------------------------------- real rank groups
+def _used_again(group: Any, calls: int) -> dict[str, Any]:
+    x = np.empty(ELEMENTS, np.float32)
+    exact = True
+    for call in range(calls):
+        x[:] = _pattern() * (group.rank + 1) + call
+        group.all_reduce(x)
+        n = group.world_size
+        exact = exact and bool(np.array_equal(x, _pattern() * (n * (n + 1) // 2) + n * call))
+    return {"exact": exact, **group.transport.statistics()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_plain_array_used_again_is_adopted_and_reduced_exactly(world_size: int) -> None:
+    for rank, result in enumerate(spawn(world_size, _used_again, 3, timeout_s=180)):
+        assert result["exact"], rank
+        assert (result["buffers_adopted"], result["executes_adopted"]) == (1, 2), rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ptracer", "off"])
+def test_adoption_needs_no_permission_to_read_peers_memory(mode: str) -> None:
+    for rank, result in enumerate(spawn(3, _used_again, 3, timeout_s=180, env={CROSS_MEMORY_ENV: mode})):
+        assert result["exact"], rank
+        assert result["executes_adopted"] == 2, rank
+
+
+@pytest.mark.slow
+def test_adoption_off_in_the_environment_leaves_buffers_where_they_are() -> None:
+    for rank, result in enumerate(spawn(2, _used_again, 3, timeout_s=180, env={ADOPT_ENV: "0"})):
+        assert result["exact"], rank
+        assert (result["buffers_adopted"], result["executes_adopted"]) == (0, 0), rank
+
+
+def test_a_freed_buffers_file_is_removed_when_the_next_buffer_is_adopted(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x = _pattern()
+    adopt.home(x)
+    adopt.home(x)
+    path = _file_of(adopt, x)
+    start, stop = _pages(x)
+    del x  # numpy frees it: the C library unmaps the pages (an allocation this large is a mapping of its own)
+    if mapped_to(start, stop, path):
+        pytest.skip("the allocator kept the freed pages mapped")
+    y = _pattern(ELEMENTS + 4096)
+    adopt.home(y)
+    assert adopt.home(y) is not None
+    assert not os.path.exists(path)
