@@ -6,6 +6,7 @@
 - :mod:`~allreduce.runtime.shm._compile`: a rank's plan compiled into shared-memory operations (pure);
 - :mod:`~allreduce.runtime.shm._rendezvous`: start-up (map the peers' control blocks, pidfds, the cross-memory probe);
 - :mod:`~allreduce.runtime.shm._waiting`: waiting on peers' counters while watching for dead or aborted peers;
+- :mod:`~allreduce.runtime.shm._agreement`: the descriptor exchange of one collective;
 - :mod:`~allreduce.runtime.shm._adopt`: moving a large buffer used again onto shared pages at its own address;
 - :mod:`~allreduce.runtime.shm._peer_data`: where a peer's data is for one collective, and reading it;
 - :mod:`~allreduce.runtime.shm._transport`: :class:`ShmTransport`, which runs the compiled steps.

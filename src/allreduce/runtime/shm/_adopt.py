@@ -306,7 +306,8 @@ class Adoptions:
                 self.last_error = f"{path}: {e.strerror}"
                 os.unlink(path)
                 return None
-            err = _move_over(start, length, fd)
+            with _ForkGuard.lock:  # a fork from another thread sees the buffer either before or after the move
+                err = _move_over(start, length, fd)
         finally:
             os.close(fd)
         record = Adopted(segment_id, path, start, length, address, mirror)

@@ -27,6 +27,7 @@ Where a rank's data lives for one collective (its *home*, published in its contr
 
 The class is assembled from mixins, one concern each, whose methods resolve like its own (no extra layer on
 the per-step path): :class:`~allreduce.runtime.shm._rendezvous.Rendezvous` (start-up),
+:class:`~allreduce.runtime.shm._agreement.Agreement` (the descriptor exchange),
 :class:`~allreduce.runtime.shm._waiting.PeerWaiting` (waiting on peers' counters while watching for dead or
 aborted peers) and :class:`~allreduce.runtime.shm._peer_data.PeerData` (reading a peer's data). This module
 holds the knobs, what the group calls, and the step loop.
@@ -48,6 +49,7 @@ from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
 from allreduce.runtime.shm._adopt import SUPPORTED as ADOPTION_SUPPORTED
 from allreduce.runtime.shm._adopt import Adoptions, adopt_wanted
+from allreduce.runtime.shm._agreement import Agreement
 from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
 from allreduce.runtime.shm._copy import copy_into
 from allreduce.runtime.shm._layout import (
@@ -100,7 +102,7 @@ from allreduce.runtime.shm._segments import (
     shm_prefix,
     sweep_stale_segments,
 )
-from allreduce.runtime.shm._waiting import SPIN_S, corrupt_block_error
+from allreduce.runtime.shm._waiting import SPIN_S
 
 __all__ = [
     "CROSS_MEMORY_MIN_BYTES",
@@ -131,7 +133,7 @@ def eager_step_bound(world_size: int) -> int:
     return EAGER_STEPS_PER_RANK * world_size + EAGER_STEPS_SLACK
 
 
-class ShmTransport(PeerData, Rendezvous, Transport):
+class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
     """Shared-memory transport for ``world_size`` ranks of job ``job`` on one host (see the module docstring).
 
     Construction is collective: every rank creates its control block and waits (up to ``timeout_s``) until
@@ -348,48 +350,6 @@ class ShmTransport(PeerData, Rendezvous, Transport):
         me[BUFFER_OFFSET_WORD] = 0
         self._prepared_seq = seq
         self._publish(PROGRESS_WORD, seq << STEP_BITS)
-
-    def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
-        parity = seq & 1
-        stamp_word = self._descriptor_words[parity]
-        payload = self._descriptor_payloads[parity]
-        own = self._ctl[self.rank]
-        assert own is not None
-        own.mm[payload : payload + len(descriptor)] = descriptor
-        views = self._views
-        views[self.rank][stamp_word + 1] = _descriptor_length_word(descriptor)
-        self._publish(stamp_word, seq)
-        self._agreed_seq = -1
-        out: list[bytes] = []
-        for p, segment in enumerate(self._ctl):
-            if p == self.rank:
-                out.append(descriptor)
-                continue
-            # The slot held seq - 2 at the last agreement of this parity (stamps only grow): less is corruption.
-            self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1,
-                       floor=seq - 2 if seq >= 2 else None, word_name=f"descriptors[{parity}].stamp")  # fmt: skip
-            assert segment is not None
-            view = views[p]
-            stamped, length_word = view[stamp_word], view[stamp_word + 1]
-            # A slot holds the stamps of its parity only, and no peer is two collectives ahead of this one.
-            if stamped & 1 != parity or stamped > seq + 2:
-                raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].stamp", stamped, seq=seq, step=-1)
-            length = length_word & _DESCRIPTOR_LENGTH_MASK
-            # Every rank's descriptor has the same length (a fixed layout): any other, 0 included (whose crc32 is
-            # 0 too, so a zeroed word would pass the crc check below), is a word no writer produced.
-            if length != len(descriptor) or length_word < 0:
-                raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].length", length_word, seq=seq, step=-1)
-            received = segment.mm[payload : payload + length]  # a slice of an mmap is bytes
-            if _descriptor_length_word(received) != length_word:
-                raise corrupt_block_error(
-                    self.rank, p, f"descriptors[{parity}].payload", int.from_bytes(received[:8], "little"),
-                    seq=seq, step=-1,
-                )  # fmt: skip
-            out.append(received)
-        # Every peer has entered collective seq, so it has finished reading our data of seq - 1 and earlier:
-        # execute(seq) may reuse the eager snapshot area of seq - 2 without waiting.
-        self._agreed_seq = seq
-        return out
 
     def _execute(
         self,
@@ -708,14 +668,3 @@ class ShmTransport(PeerData, Rendezvous, Transport):
             adoptions = getattr(self, "_adoptions", None)
             if adoptions is not None:
                 adoptions.unlink()
-
-
-_DESCRIPTOR_LENGTH_MASK = (1 << 32) - 1
-"""A descriptor slot's ``length`` word holds the payload's length in its low 32 bits and its crc32 (low 31 bits) above
-them, so a reader tells a corrupted slot from a peer's different call."""
-
-
-def _descriptor_length_word(descriptor: bytes) -> int:
-    """The ``length`` word published with ``descriptor``: its length, and its crc32 (31 bits, so the word stays a
-    non-negative int64) above it."""
-    return (zlib.crc32(descriptor) & 0x7FFFFFFF) << 32 | len(descriptor)

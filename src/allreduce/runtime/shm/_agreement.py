@@ -1,0 +1,78 @@
+"""The descriptor exchange of one collective over shared memory (``Transport.agree``).
+
+A mixin of :class:`~allreduce.runtime.shm.ShmTransport` (its methods resolve like the class's own). Every rank
+writes its descriptor into the slot of its control block chosen by the parity of the sequence number, stamps
+the slot with the sequence number, and reads every peer's slot once stamped; a slot whose stamp, length or crc32
+no writer could have produced is corruption, named with the word that holds it.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from allreduce.runtime.shm._segments import Segment
+from allreduce.runtime.shm._waiting import PeerWaiting, corrupt_block_error
+
+__all__ = ["Agreement"]
+
+
+class Agreement(PeerWaiting):
+    """``_agree``: the descriptor exchange (mixed into the transport, which sets the state)."""
+
+    _ctl: list[Segment | None]
+    _descriptor_words: tuple[int, int]
+    _descriptor_payloads: tuple[int, int]
+    _agreed_seq: int
+
+    def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
+        parity = seq & 1
+        stamp_word = self._descriptor_words[parity]
+        payload = self._descriptor_payloads[parity]
+        own = self._ctl[self.rank]
+        assert own is not None
+        own.mm[payload : payload + len(descriptor)] = descriptor
+        views = self._views
+        views[self.rank][stamp_word + 1] = _descriptor_length_word(descriptor)
+        self._publish(stamp_word, seq)
+        self._agreed_seq = -1
+        out: list[bytes] = []
+        for p, segment in enumerate(self._ctl):
+            if p == self.rank:
+                out.append(descriptor)
+                continue
+            # The slot held seq - 2 at the last agreement of this parity (stamps only grow): less is corruption.
+            self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1,
+                       floor=seq - 2 if seq >= 2 else None, word_name=f"descriptors[{parity}].stamp")  # fmt: skip
+            assert segment is not None
+            view = views[p]
+            stamped, length_word = view[stamp_word], view[stamp_word + 1]
+            # A slot holds the stamps of its parity only, and no peer is two collectives ahead of this one.
+            if stamped & 1 != parity or stamped > seq + 2:
+                raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].stamp", stamped, seq=seq, step=-1)
+            length = length_word & _DESCRIPTOR_LENGTH_MASK
+            # Every rank's descriptor has the same length (a fixed layout): any other, 0 included (whose crc32 is
+            # 0 too, so a zeroed word would pass the crc check below), is a word no writer produced.
+            if length != len(descriptor) or length_word < 0:
+                raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].length", length_word, seq=seq, step=-1)
+            received = segment.mm[payload : payload + length]  # a slice of an mmap is bytes
+            if _descriptor_length_word(received) != length_word:
+                raise corrupt_block_error(
+                    self.rank, p, f"descriptors[{parity}].payload", int.from_bytes(received[:8], "little"),
+                    seq=seq, step=-1,
+                )  # fmt: skip
+            out.append(received)
+        # Every peer has entered collective seq, so it has finished reading our data of seq - 1 and earlier:
+        # execute(seq) may reuse the eager snapshot area of seq - 2 without waiting.
+        self._agreed_seq = seq
+        return out
+
+
+_DESCRIPTOR_LENGTH_MASK = (1 << 32) - 1
+"""A descriptor slot's ``length`` word holds the payload's length in its low 32 bits and its crc32 (low 31 bits) above
+them, so a reader tells a corrupted slot from a peer's different call."""
+
+
+def _descriptor_length_word(descriptor: bytes) -> int:
+    """The ``length`` word published with ``descriptor``: its length, and its crc32 (31 bits, so the word stays a
+    non-negative int64) above it."""
+    return (zlib.crc32(descriptor) & 0x7FFFFFFF) << 32 | len(descriptor)
