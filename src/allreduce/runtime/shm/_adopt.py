@@ -16,13 +16,14 @@ What is adopted: a buffer of at least :data:`ADOPT_MIN_BYTES` that is a whole al
 its memory, or a torch tensor's whole storage; never a view into a larger array, whose neighbours another thread
 may be writing while the pages are copied), lying in private anonymous memory (``/proc/self/maps``: never a
 file's mapping, never memory already shared), seen before at the same address with the same size. A buffer
-passed once is never adopted, so a loop that allocates a fresh buffer per call pays nothing.
+passed once is not adopted.
 
 Every later use checks that the pages are still the segment's: a byte is flipped through a second mapping of the
 file and read back through the buffer, then restored (the buffer then belongs to this rank: it is about to be
 overwritten by the collective, and peers finished reading it in the previous one). A buffer that was freed and
-replaced by a new one at the same address fails the check: that address is never adopted again (it churns) and
-the buffer takes the other paths.
+replaced by a new one at the same address fails the check: the new buffer takes the other paths, and a buffer at
+that address is adopted again only after twice as many uses as the last wait (so a loop that allocates a fresh
+buffer per call, which the allocator puts at the same address, pays a copy ever more rarely).
 
 Private memory semantics are kept where they differ from shared memory's:
 
@@ -69,7 +70,12 @@ ADOPT_ENV = "ALLREDUCE_SHM_ADOPT"
 _CAPACITY = 64
 """Distinct buffers a rank remembers (oldest forgotten first; an adopted one is moved back to private pages)."""
 
-_SEEN, _REFUSED = 0, 1
+_NEVER = -1
+"""A remembered buffer's state when it cannot be adopted (not a whole allocation, not private memory, /dev/shm
+full); a state n >= 0 is the number of uses still to wait before adopting it."""
+
+_MAX_WAIT = 1024
+"""The longest wait (in uses) before an address whose buffers were replaced is adopted again."""
 
 _PAGE = mmap.PAGESIZE
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
@@ -248,6 +254,8 @@ class Adoptions:
         self.last_error = ""
         self._new_segment = new_segment
         self._seen: OrderedDict[tuple[int, int], int | Adopted] = OrderedDict()
+        self._strikes: dict[tuple[int, int], int] = {}
+        """Per address and size: how many times an adopted buffer there was found replaced or freed."""
         _LIVE.add(self)
 
     def home(self, buffer: npt.NDArray[Any]) -> tuple[int, int] | None:
@@ -258,24 +266,26 @@ class Adoptions:
         key = (int(buffer.ctypes.data), buffer.nbytes)
         state = self._seen.get(key)
         if state is None:
-            self._seen[key] = _SEEN
+            self._seen[key] = 0  # adopted on its next use
             self._forget_oldest()
             return None
         self._seen.move_to_end(key)
         if isinstance(state, Adopted):
             if state.alive():
                 return state.segment_id, state.address - state.start
-            # freed, and a new buffer took its address: never adopt this address again
+            # freed, and a new buffer took its address
             state.close()
-            self._seen[key] = _REFUSED
+            self._strike(key)
             self.refused += 1
-            self.last_error = "a buffer was replaced at the same address (it churns)"
+            self.last_error = "a buffer was replaced at the same address"
             return None
-        if state == _REFUSED:
+        if state != 0:
+            if state > 0:
+                self._seen[key] = state - 1
             return None
         self._drop_freed()
         adopted = self._adopt(buffer)
-        self._seen[key] = adopted if adopted is not None else _REFUSED
+        self._seen[key] = adopted if adopted is not None else _NEVER
         if adopted is None:
             self.refused += 1
             return None
@@ -326,11 +336,21 @@ class Adoptions:
         for key, state in list(self._seen.items()):
             if isinstance(state, Adopted) and not mapped_to(state.start, state.start + state.length, state.path, maps):
                 state.close()
-                self._seen[key] = _REFUSED
+                self._strike(key)
+
+    def _strike(self, key: tuple[int, int]) -> None:
+        """An adopted buffer at ``key`` was replaced or freed: a buffer there is adopted again only after waiting
+        twice as many uses as the last time (1, 2, 4, ... up to :data:`_MAX_WAIT`), so that a loop allocating a
+        fresh buffer per call at the same address pays a copy ever more rarely, while one that replaces its
+        buffers now and then (a new model, the next case of a benchmark) gets them adopted again."""
+        strikes = self._strikes.get(key, 0) + 1
+        self._strikes[key] = strikes
+        self._seen[key] = min(2 ** (strikes - 1), _MAX_WAIT)
 
     def _forget_oldest(self) -> None:
         while len(self._seen) > _CAPACITY:
-            _, state = self._seen.popitem(last=False)
+            key, state = self._seen.popitem(last=False)
+            self._strikes.pop(key, None)
             if isinstance(state, Adopted):
                 self._undo(state, _maps())
 
