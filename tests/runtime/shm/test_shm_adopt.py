@@ -15,10 +15,12 @@ import pytest
 from allreduce.runtime._spawn import spawn
 from allreduce.runtime.shm import ADOPT_ENV, ADOPT_MIN_BYTES, CROSS_MEMORY_ENV, ShmTransport
 from allreduce.runtime.shm._adopt import (
+    ALONE_BYTES,
     SUPPORTED,
     Adoptions,
     _privatize,
     mapped_to,
+    pages_of_its_own,
     private_anonymous,
     whole_allocation,
 )
@@ -26,8 +28,8 @@ from allreduce.runtime.shm._segments import SHM_DIR, LocalSegments, shm_prefix
 
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the C library has no mmap/mremap through ctypes")
 
-ELEMENTS = ADOPT_MIN_BYTES // 4 + 1_001
-"""float32 elements of a buffer just above the adoption size (not a whole number of pages)."""
+ELEMENTS = ALONE_BYTES // 4 + 1_001
+"""float32 elements of a buffer adopted whatever its allocator did (not a whole number of pages)."""
 
 
 @pytest.fixture
@@ -118,6 +120,35 @@ def test_a_torch_tensors_whole_storage_is_adopted_and_a_slice_of_it_is_not(adopt
     adopt.home(view)
     assert adopt.home(view) is not None
     assert torch.equal(t, torch.arange(ELEMENTS, dtype=torch.float32))
+
+
+def _chunk(prev_size: int, size_word: int, data_offset: int) -> tuple[Any, int]:
+    """Three anonymous pages with a glibc-style chunk header written just before ``data_offset``."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 3 * page)
+    words = np.frombuffer(region, np.uint64)
+    words[(data_offset - 16) // 8] = prev_size
+    words[(data_offset - 8) // 8] = size_word
+    return region, int(words.ctypes.data) + data_offset
+
+
+def test_below_32_mib_a_buffer_counts_as_alone_only_if_its_chunk_header_says_the_c_library_mapped_it() -> None:
+    page = os.sysconf("SC_PAGE_SIZE")
+    region, address = _chunk(0, 2 * page | 2, 16)  # malloc: the chunk starts the mapping, data 16 bytes in
+    assert pages_of_its_own(address, 2 * page - 16)
+    assert not pages_of_its_own(address, 2 * page)  # past the chunk's pages
+    region, address = _chunk(0, 2 * page, 16)  # the same without IS_MMAPPED: from the heap
+    assert not pages_of_its_own(address, 2 * page - 16)
+    region, address = _chunk(48, (2 * page - 48) | 2, 64)  # posix_memalign(64): 48 bytes of lead in the mapping
+    assert pages_of_its_own(address, 2 * page - 64)
+    region, address = _chunk(40, (2 * page - 48) | 2, 64)  # a lead that does not end at the mapping's start
+    assert not pages_of_its_own(address, 2 * page - 64)
+    region, address = _chunk(0, 2 * page | 2, page + 8)  # header on the page before the data: never read
+    assert not pages_of_its_own(address, page)
+    assert pages_of_its_own(address, ALONE_BYTES)  # from 32 MiB, whatever is before it
+    del region
 
 
 def test_an_unreadable_adoption_setting_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,3 +303,34 @@ def test_a_fresh_array_every_call_is_reduced_exactly_whatever_was_adopted_at_its
     if not any(result["buffers_adopted"] for result in results):
         pytest.skip("the allocator never put two of these arrays at one address")
     assert all(result["adoption_refusals"] >= 1 for result in results if result["buffers_adopted"])
+
+
+def _medium_used_again(group: Any, calls: int) -> dict[str, Any]:
+    x = np.empty(2 * ADOPT_MIN_BYTES // 4, np.float32)
+    alone = pages_of_its_own(int(x.ctypes.data), x.nbytes)
+    exact = True
+    n = group.world_size
+    fuses = [group.transport.fuses(x)]
+    for call in range(calls):
+        x[:] = group.rank + 1.0 + call
+        group.all_reduce(x)
+        exact = exact and bool((x == n * (n + 1) / 2 + n * call).all())
+        fuses.append(group.transport.fuses(x))
+    return {"exact": exact, "alone": alone, "fuses": fuses, **group.transport.statistics()}
+
+
+@pytest.mark.slow
+def test_a_2_mib_array_is_adopted_when_the_c_library_mapped_it_alone() -> None:
+    for rank, result in enumerate(spawn(2, _medium_used_again, 3, timeout_s=180)):
+        assert result["exact"], rank
+        assert result["executes_adopted"] == (2 if result["alone"] else 0), rank
+
+
+@pytest.mark.slow
+def test_an_array_adopted_or_about_to_be_is_not_given_the_staged_arrays_fused_algorithm() -> None:
+    # a staged array at N=2 takes an algorithm that moves and reduces in one pass through the staging copy; an
+    # adopted one is read in place, where that algorithm would reduce through scratch
+    for rank, result in enumerate(spawn(2, _medium_used_again, 3, timeout_s=180)):
+        if not result["alone"]:
+            pytest.skip("the C library put this 2 MiB array on its heap (its mmap threshold had moved)")
+        assert result["fuses"] == [True, False, False, False], rank

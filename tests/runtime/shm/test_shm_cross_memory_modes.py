@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from allreduce.runtime._spawn import spawn
-from allreduce.runtime.shm import CROSS_MEMORY_ENV, CROSS_MEMORY_MIN_BYTES, ShmTransport
+from allreduce.runtime.shm import ADOPT_ENV, CROSS_MEMORY_ENV, CROSS_MEMORY_MIN_BYTES, ShmTransport
 from allreduce.runtime.shm._linux import HUGE_PAGE_BYTES, TRANSPARENT_HUGEPAGES
 from allreduce.runtime.shm._peer_data import (
     COLLAPSE_ENV,
@@ -272,7 +272,8 @@ def test_a_torch_tensor_used_again_is_read_in_place_under_ptracer() -> None:
     pytest.importorskip("torch")
     if TRANSPARENT_HUGEPAGES == "never":
         pytest.skip("transparent huge pages are off on this kernel ('never')")
-    results = spawn(2, _torch_used_again, 3, timeout_s=180, env={CROSS_MEMORY_ENV: "ptracer"})
+    env = {CROSS_MEMORY_ENV: "ptracer", ADOPT_ENV: "0"}  # adopted, it would be read from shared memory instead
+    results = spawn(2, _torch_used_again, 3, timeout_s=180, env=env)
     for rank, result in enumerate(results):
         assert result["exact"], rank
         if result["huge_page_refusals"]:
@@ -287,7 +288,7 @@ def test_a_torch_tensor_used_again_is_read_in_place_under_ptracer() -> None:
 @pytest.mark.slow
 def test_a_torch_tensor_used_again_stays_staged_with_collapsing_off() -> None:
     pytest.importorskip("torch")
-    env = {CROSS_MEMORY_ENV: "ptracer", COLLAPSE_ENV: "0"}
+    env = {CROSS_MEMORY_ENV: "ptracer", COLLAPSE_ENV: "0", ADOPT_ENV: "0"}
     for rank, result in enumerate(spawn(2, _torch_used_again, 2, timeout_s=180, env=env)):
         assert result["exact"], rank
         assert (result["executes_staged"], result["huge_page_collapses"]) == (2, 0), rank

@@ -14,7 +14,8 @@ map ``group.empty()`` segments: no ``process_vm_readv``, so Yama's ``ptrace_scop
 
 What is adopted: a buffer of at least :data:`ADOPT_MIN_BYTES` that is a whole allocation (a numpy array that owns
 its memory, or a torch tensor's whole storage; never a view into a larger array, whose neighbours another thread
-may be writing while the pages are copied), lying in private anonymous memory (``/proc/self/maps``: never a
+may be writing while the pages are copied) on pages of its own (:func:`pages_of_its_own`: from 32 MiB always,
+below when the C library mapped it alone), lying in private anonymous memory (``/proc/self/maps``: never a
 file's mapping, never memory already shared), seen before at the same address with the same size. A buffer
 passed once is not adopted.
 
@@ -54,15 +55,20 @@ import numpy.typing as npt
 __all__ = [
     "ADOPT_ENV",
     "ADOPT_MIN_BYTES",
+    "ALONE_BYTES",
     "Adoptions",
     "adopt_wanted",
     "mapped_to",
     "whole_allocation",
 ]
 
-ADOPT_MIN_BYTES = 32 << 20
-"""The smallest buffer adopted: glibc's largest mmap threshold, above which every ``malloc`` is a mapping of its
-own, so the pages at the buffer's two ends hold nothing but its allocator's bookkeeping."""
+ADOPT_MIN_BYTES = 1 << 20
+"""The smallest buffer adopted."""
+
+ALONE_BYTES = 32 << 20
+"""glibc's largest mmap threshold: every ``malloc`` of this size or more is a mapping of its own, so the pages at
+the buffer's two ends hold nothing but its allocator's bookkeeping. A smaller buffer is adopted only if the C
+library's chunk header says it mapped the buffer alone (:func:`pages_of_its_own`)."""
 
 ADOPT_ENV = "ALLREDUCE_SHM_ADOPT"
 """``0`` turns adoption off (the transport's ``adopt_buffers`` keyword wins over it)."""
@@ -130,6 +136,31 @@ def whole_allocation(buffer: npt.NDArray[Any]) -> bool:
         return bool(whole.data_ptr() == address and whole.nbytes() == nbytes)
     except Exception:  # anything else that exposes this name is not a torch tensor we know
         return False
+
+
+_IS_MMAPPED = 0x2
+"""glibc's chunk-size flag: the chunk is a mapping of its own (``malloc.c``: ``IS_MMAPPED``)."""
+
+
+def pages_of_its_own(address: int, nbytes: int) -> bool:
+    """Whether the pages under ``[address, address + nbytes)`` hold no other allocation.
+
+    From :data:`ALONE_BYTES` up, yes. Below, glibc decides per call (its mmap threshold moves between 128 KiB and
+    32 MiB as a program frees memory), so this reads the chunk header glibc keeps in the 16 bytes before the data:
+    the size word with ``IS_MMAPPED`` set, and the offset of the chunk in its mapping (``prev_size``, non-zero for
+    ``posix_memalign``, which torch uses), must describe page-aligned whole pages that contain the buffer. Only read
+    when those 16 bytes lie on the buffer's first page (so they are mapped); any other allocator fails the test."""
+    if nbytes >= ALONE_BYTES:
+        return True
+    if address % _PAGE < 16:
+        return False
+    words = (ctypes.c_uint64 * 2).from_address(address - 16)
+    prev_size, size_word = int(words[0]), int(words[1])
+    if not size_word & _IS_MMAPPED:
+        return False
+    size = size_word & ~7
+    mapping = address - 16 - prev_size
+    return mapping % _PAGE == 0 and (prev_size + size) % _PAGE == 0 and address + nbytes <= mapping + prev_size + size
 
 
 def _maps() -> list[tuple[int, int, str, int, str]]:
@@ -258,6 +289,14 @@ class Adoptions:
         """Per address and size: how many times an adopted buffer there was found replaced or freed."""
         _LIVE.add(self)
 
+    def expects(self, buffer: npt.NDArray[Any]) -> bool:
+        """Whether :meth:`home` will likely place ``buffer`` on a shared segment on this use (it is adopted, or
+        it is adopted now), without counting a use: for choosing the algorithm before the home is chosen."""
+        if not self.enabled or buffer.nbytes < ADOPT_MIN_BYTES:
+            return False
+        state = self._seen.get((int(buffer.ctypes.data), buffer.nbytes))
+        return isinstance(state, Adopted) or state == 0
+
     def home(self, buffer: npt.NDArray[Any]) -> tuple[int, int] | None:
         """(segment id, byte offset) of ``buffer`` when it is adopted (adopting it now on its second use); None
         when it takes another path."""
@@ -298,6 +337,9 @@ class Adoptions:
         length = -(-(address + buffer.nbytes) // _PAGE) * _PAGE - start
         if not whole_allocation(buffer):
             self.last_error = "not a whole allocation (a view into a larger array, or foreign memory)"
+            return None
+        if not pages_of_its_own(address, buffer.nbytes):
+            self.last_error = "its pages hold other allocations too (the C library did not map it alone)"
             return None
         if not private_anonymous(start, start + length):
             self.last_error = "not private anonymous memory (a file's mapping, or memory already shared)"

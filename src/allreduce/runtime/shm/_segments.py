@@ -24,7 +24,9 @@ import numpy.typing as npt
 from allreduce.runtime.shm._linux import PID_NAMESPACE, alive
 
 __all__ = [
+    "PEER_SEGMENT_CACHE_BYTES",
     "PEER_SEGMENT_CACHE_ENTRIES",
+    "PEER_SEGMENT_KEPT",
     "SHM_DIR",
     "STAGING_MIN_BYTES",
     "LocalSegments",
@@ -40,9 +42,16 @@ __all__ = [
 SHM_DIR = "/dev/shm"
 """Where segments live (a tmpfs on every Linux)."""
 
-PEER_SEGMENT_CACHE_ENTRIES = 8
-"""Data segments of one peer kept mapped: a peer alternates between a staging buffer and a few ``group.empty()``
-arrays; more than this are re-mapped on use (a few microseconds) rather than pinned forever."""
+PEER_SEGMENT_CACHE_ENTRIES = 64
+"""Data segments of one peer kept mapped at most: a staging buffer, ``group.empty()`` arrays and adopted buffers
+(a model's gradient buckets); more are re-mapped on use rather than pinned forever."""
+
+PEER_SEGMENT_CACHE_BYTES = 1 << 30
+"""Beyond the :data:`PEER_SEGMENT_KEPT` most recently used, a peer's mapped segments total at most this: a mapping
+keeps a segment's memory alive after its owner frees it, so many large ones are re-mapped rather than kept."""
+
+PEER_SEGMENT_KEPT = 8
+"""A peer's most recently used segments, kept mapped whatever their size."""
 
 STAGING_MIN_BYTES = 1 << 16
 """The smallest staging segment: sizes round up to a power of two from here, so a sweep over growing sizes
@@ -214,8 +223,16 @@ class LocalSegments:
 class PeerSegments:
     """The data segments of one peer that this rank has mapped, least recently used closed first."""
 
-    def __init__(self, capacity: int = PEER_SEGMENT_CACHE_ENTRIES) -> None:
+    def __init__(
+        self,
+        capacity: int = PEER_SEGMENT_CACHE_ENTRIES,
+        capacity_bytes: int = PEER_SEGMENT_CACHE_BYTES,
+        kept: int = PEER_SEGMENT_KEPT,
+    ) -> None:
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
+        self.kept = kept
+        self.nbytes = 0
         self._segments: OrderedDict[int, Segment] = OrderedDict()
 
     def get(self, segment_id: int) -> Segment | None:
@@ -225,12 +242,24 @@ class PeerSegments:
         return segment
 
     def add(self, segment_id: int, segment: Segment) -> None:
+        replaced = self._segments.pop(segment_id, None)
+        if replaced is not None:
+            self.nbytes -= replaced.size_bytes
+            replaced.close()
         self._segments[segment_id] = segment
-        while len(self._segments) > self.capacity:
+        self.nbytes += segment.size_bytes
+        while len(self._segments) > self.capacity or (
+            self.nbytes > self.capacity_bytes and len(self._segments) > self.kept
+        ):
             _, old = self._segments.popitem(last=False)
+            self.nbytes -= old.size_bytes
             old.close()
+
+    def __len__(self) -> int:
+        return len(self._segments)
 
     def close(self) -> None:
         for segment in self._segments.values():
             segment.close()
         self._segments.clear()
+        self.nbytes = 0

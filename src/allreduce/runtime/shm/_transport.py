@@ -153,10 +153,10 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
       them the second time it is passed, so that it too is read in place from then on
       (:class:`~allreduce.runtime.shm._peer_data.HugePageMemo`; default: the environment variable
       ``ALLREDUCE_SHM_COLLAPSE``, ``0`` or ``1``, else yes);
-    - ``adopt_buffers``: the second time this rank passes the same buffer of at least 32 MiB that is a whole
-      allocation (a numpy array owning its memory, a torch tensor's storage), move its pages onto a shared
-      segment at the same address, so that peers read it in place like a ``group.empty()`` array, whatever
-      Yama allows (:mod:`allreduce.runtime.shm._adopt`; default: the environment variable
+    - ``adopt_buffers``: the second time this rank passes the same buffer of at least 1 MiB that is a whole
+      allocation on pages of its own (a numpy array owning its memory, a torch tensor's storage), move its
+      pages onto a shared segment at the same address, so that peers read it in place like a ``group.empty()``
+      array, whatever Yama allows (:mod:`allreduce.runtime.shm._adopt`; default: the environment variable
       ``ALLREDUCE_SHM_ADOPT``, ``0`` or ``1``, else yes);
     - ``eager_bytes``: buffers whose (steps x size) fits go through snapshots (0: never; at most
       :data:`~allreduce.runtime.shm.EAGER_BYTES`).
