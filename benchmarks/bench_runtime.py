@@ -51,6 +51,7 @@ from allreduce.runtime._bench import default_iters
 from allreduce.runtime._spawn import spawn
 from allreduce.runtime.shm import CROSS_MEMORY_ENV
 from allreduce.runtime.tcp._socket import tune
+from allreduce.runtime.tcp._transport import cores_shared
 from allreduce.units import format_bytes, parse_size_range
 
 _MPI_ENV = {
@@ -300,10 +301,10 @@ def _ring_stream_rank(  # noqa: PLR0917
 
 def _ring_streams_Bps(world_size: int, family: str) -> tuple[float, float]:
     """The bytes per second of each of ``world_size`` raw streams running at once in a ring over ``family``
-    (``unix`` or ``tcp``, each with the send buffer the transport gives it), every rank sending 2(N-1)/N × 64 MiB
-    to the next while receiving as many from the previous (best round, the slowest rank's time). A
-    bandwidth-optimal all-reduce must send and receive at least that much per rank (Patarasuk and Yuan 2009), so
-    its busbw cannot exceed this rate, whatever else it does (the reductions come on top).
+    (``unix`` or ``tcp``, each with the send buffer the transport gives it, so the ceiling moves with it), every
+    rank sending 2(N-1)/N × 64 MiB to the next while receiving as many from the previous (best round, the slowest
+    rank's time). A bandwidth-optimal all-reduce must send and receive at least that much per rank (Patarasuk and
+    Yuan 2009), so its busbw cannot exceed this rate, whatever else it does (the reductions come on top).
 
     Also returns the CPU time the ranks spent per byte one of them sent and received (all ranks' process CPU
     time, threads and system time included, in the best round, over N x the bytes each rank sent): what moving a
@@ -317,7 +318,7 @@ def _ring_streams_Bps(world_size: int, family: str) -> tuple[float, float]:
             with socket.create_server(("127.0.0.1", 0)) as server:
                 a = socket.create_connection(server.getsockname())
                 b, _ = server.accept()
-        tune(a)  # the transport's own buffer size (and Nagle off), so the ceiling moves with it
+        tune(a, shared_cores=cores_shared(world_size))  # the transport's own buffer size (and Nagle off)
         a.setblocking(True)  # tune makes it non-blocking, for the transport's event loop
         pairs.append((a, b))  # rank i sends on pairs[i][0]; rank i + 1 receives on pairs[i][1]
     ctx = mp.get_context("spawn")

@@ -7,6 +7,7 @@ a rank process killed mid-collective over a Unix socket is in ``tests/runtime/te
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import pytest
 from allreduce.runtime import ChecksumError, PeerFailureError, ProtocolError, compile_plan
 from allreduce.runtime._store import TCPStore
 from allreduce.runtime.tcp import ClientHello, TcpTransport, connect_handshake
+from allreduce.runtime.tcp._socket import UNIX_SHARED_CORES_SNDBUF_BYTES, UNIX_SNDBUF_BYTES
 from allreduce.runtime.tcp._transport import THREAD_MIN_BYTES, UNIX_ENV
 from allreduce.schedules import all_reduce
 
@@ -31,6 +33,7 @@ LARGE_COUNT = (3 << 19) + 7
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ALLREDUCE_TOKEN", raising=False)
     monkeypatch.delenv(UNIX_ENV, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
 
 
 @pytest.fixture
@@ -126,6 +129,23 @@ def test_large_messages_over_unix_sockets_are_exact(store: TCPStore, sender_thre
     for rank, (exact, stats) in enumerate(ring_all_reduce(store, 3, LARGE_COUNT, sender_thread=sender_thread)):
         assert exact, f"rank {rank}"
         assert (stats["sender_handoffs"] > 0) == sender_thread, f"rank {rank}"
+
+
+CPUS = len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("ranks_here", [1, CPUS, CPUS + 1])
+def test_unix_send_buffers_grow_only_where_the_hosts_ranks_outnumber_its_cores(
+    store: TCPStore, monkeypatch: pytest.MonkeyPatch, ranks_here: int
+) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks_here))
+    asked = UNIX_SHARED_CORES_SNDBUF_BYTES if ranks_here > CPUS else UNIX_SNDBUF_BYTES
+    with open("/proc/sys/net/core/wmem_max") as f:
+        cap = int(f.read())
+    for rank, (exact, stats) in enumerate(ring_all_reduce(store, 2, 1001)):
+        assert exact, f"rank {rank}"
+        # the kernel caps what is asked at net.core.wmem_max, then doubles it for its bookkeeping
+        assert stats["largest_unix_send_buffer_bytes"] == 2 * min(asked, cap), f"rank {rank}"
 
 
 def test_unix_sockets_off_keeps_every_connection_on_tcp(store: TCPStore) -> None:

@@ -18,8 +18,8 @@ __all__ = ["WINDOW_BYTES", "PreparedPlan", "PreparedStep", "RecvSpec", "SendSpec
 
 WINDOW_BYTES = 256 << 10
 """A reduction is received into a per-peer window of this size and reduced each time the window fills: the
-window and the matching part of the user's buffer stay in L2 (1 MiB per core here), instead of streaming the
-whole piece through a scratch area as large as itself. A multiple of every itemsize."""
+window and the matching part of the user's buffer stay in L2 (1-2 MiB per core on the hosts measured), instead
+of streaming the whole piece through a scratch area as large as itself. A multiple of every itemsize."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ __all__ = [
     "LOOPBACK_SNDBUF_BYTES",
     "POLL_ERR",
     "POLL_IN",
+    "UNIX_SHARED_CORES_SNDBUF_BYTES",
     "UNIX_SNDBUF_BYTES",
     "drain_and_close",
     "family_of",
@@ -34,7 +35,10 @@ LOOPBACK_SNDBUF_BYTES = 256 << 10
 """The send buffer of a loopback connection (see :func:`tune`)."""
 
 UNIX_SNDBUF_BYTES = 512 << 10
-"""The send buffer of a Unix-socket connection (see :func:`tune`)."""
+"""The send buffer of a Unix-socket connection when each rank of the host has a core (see :func:`tune`)."""
+
+UNIX_SHARED_CORES_SNDBUF_BYTES = 2 << 20
+"""The send buffer of a Unix-socket connection when the host's ranks outnumber its cores (see :func:`tune`)."""
 
 DRAIN_LINGER_S = 5.0
 """How long a rank that gave up keeps reading (and discarding) from its peers before closing: long enough for a
@@ -96,14 +100,18 @@ def congestion_control(name: str) -> bytes:
     return name.encode()
 
 
-def tune(sock: socket.socket, *, congestion: bytes | None = None) -> None:
+def tune(sock: socket.socket, *, congestion: bytes | None = None, shared_cores: bool = False) -> None:
     """Make a freshly authenticated data connection non-blocking, without Nagle, with a loopback-sized buffer
-    (a Unix socket: non-blocking; it has no Nagle and its buffer is the kernel's); ``congestion``: the TCP
-    congestion control to use instead of the kernel's default (checked by :func:`congestion_control`)."""
+    (a Unix socket: non-blocking, no Nagle to turn off, a buffer sized for whether ``shared_cores``: the host's
+    ranks outnumber its cores); ``congestion``: the TCP congestion control to use instead of the kernel's default
+    (checked by :func:`congestion_control`). The kernel caps every buffer asked for at ``net.core.wmem_max``."""
     if sock.family == socket.AF_UNIX:
-        # The kernel's default (about 208 KiB) cost a fifth more CPU per all-reduce than this (measured in
-        # docs/design.md, "The TCP transport"): a Unix sender may write again only once most of it drained.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF_BYTES)
+        # The kernel's default (about 208 KiB) cost a fifth more CPU per all-reduce than 512 KiB (measured in
+        # docs/design.md, "The TCP transport"): a Unix sender may write again only once most of it drained. With
+        # more ranks than cores every drained buffer is a switch to another rank: 2 MiB moved 6% more at N=8
+        # and 4-8% at N=4 on 2 cores, and 3-5% less at N=2, where each rank has a core and 512 KiB stays in L2.
+        size = UNIX_SHARED_CORES_SNDBUF_BYTES if shared_cores else UNIX_SNDBUF_BYTES
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
         sock.setblocking(False)
         return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -95,16 +95,25 @@ SENDER_THREAD_ENV = "ALLREDUCE_TCP_SENDER_THREAD"
 """``1`` or ``0``: use the sender thread for large steps, or never; unset, :func:`sender_thread_pays` decides."""
 
 
+def ranks_on_this_host(world_size: int) -> int:
+    """The group's ranks on this host: ``LOCAL_WORLD_SIZE`` as the launchers set it, else all ``world_size``."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) > 0 else world_size
+
+
 def sender_thread_pays(world_size: int) -> bool:
     """Whether a rank has two cores of its own, so that its sender thread can copy out while the calling thread
     copies in and reduces: the CPUs this process may run on, at least twice the ranks on this host
-    (``LOCAL_WORLD_SIZE`` as the launchers set it, else all ``world_size`` ranks).
+    (:func:`ranks_on_this_host`).
 
     Measured on 2 cores (docs/design.md): with ranks sharing the cores the thread only adds switches, and sending
     from the calling thread was 11-36% faster at 64 and 256 MiB with 2, 4 and 8 ranks."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    ranks_here = int(local) if local.isdigit() and int(local) > 0 else world_size
-    return len(os.sched_getaffinity(0)) >= 2 * ranks_here
+    return len(os.sched_getaffinity(0)) >= 2 * ranks_on_this_host(world_size)
+
+
+def cores_shared(world_size: int) -> bool:
+    """Whether this host's ranks outnumber the CPUs this process may run on (sizes Unix sockets' buffers)."""
+    return ranks_on_this_host(world_size) > len(os.sched_getaffinity(0))
 
 
 def _sender_thread_setting(rank: int, sender_thread: bool | None, world_size: int) -> bool:
@@ -194,6 +203,7 @@ class TcpTransport(Transport):
             self._congestion = congestion_control(congestion) if congestion else None
         except ValueError as exc:
             raise ValueError(f"rank {rank}: {CONGESTION_ENV}={congestion!r}: {exc}") from None
+        self._shared_cores = cores_shared(world_size)
         if not is_loopback(host) and self._token is None:
             raise ValueError(
                 f"rank {rank}: the TCP transport would listen on {host!r}, beyond loopback: set a shared token "
@@ -263,15 +273,16 @@ class TcpTransport(Transport):
         """``connections_made`` (to lower ranks) and ``connections_accepted`` (from higher ranks);
         ``frames_sent`` and ``frames_received`` (data and agreement frames); ``sender_handoffs`` (steps whose
         sends went through the sender thread); ``unix_connections`` (open connections over a Unix socket);
-        ``largest_send_buffer_bytes`` (SO_SNDBUF, as the kernel reports it, over the open TCP connections)."""
+        ``largest_send_buffer_bytes`` and ``largest_unix_send_buffer_bytes`` (SO_SNDBUF, as the kernel reports
+        it, over the open TCP and Unix-socket connections)."""
         with self._cond:
             socks = [pair.sock for pair in self._peers.values()]
-        send_buffers = []
+        send_buffers: list[int] = []
+        unix_send_buffers: list[int] = []
         for sock in socks:
-            if sock.family == socket.AF_UNIX:
-                continue
             with contextlib.suppress(OSError):
-                send_buffers.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+                size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                (unix_send_buffers if sock.family == socket.AF_UNIX else send_buffers).append(size)
         return {
             "connections_made": self._connections_made,
             "connections_accepted": self._connections_accepted,
@@ -280,11 +291,12 @@ class TcpTransport(Transport):
             "sender_handoffs": self._sender_handoffs,
             "unix_connections": sum(sock.family == socket.AF_UNIX for sock in socks),
             "largest_send_buffer_bytes": max(send_buffers, default=0),
+            "largest_unix_send_buffer_bytes": max(unix_send_buffers, default=0),
         }
 
     # ------------------------------------------------------------------------------------------------ connections
     def _accepted(self, sock: socket.socket, hello: ClientHello, address: str) -> None:
-        tune(sock, congestion=self._congestion)
+        tune(sock, congestion=self._congestion, shared_cores=self._shared_cores)
         with self._cond:
             self._peers[hello.rank] = Pair(self.rank, hello.rank, sock)
             self._connections_accepted += 1
@@ -363,7 +375,7 @@ class TcpTransport(Transport):
         except BaseException:
             sock.close()
             raise
-        tune(sock, congestion=self._congestion)
+        tune(sock, congestion=self._congestion, shared_cores=self._shared_cores)
         with self._cond:
             self._peers[peer] = Pair(self.rank, peer, sock)
             self._connections_made += 1
