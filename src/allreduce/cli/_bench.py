@@ -41,8 +41,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--copy",
         action="store_true",
-        help="use ordinary numpy arrays (peers read them in place from 8 MiB up, staged below) instead of "
-        "group.empty() buffers",
+        help="use ordinary numpy arrays instead of group.empty() buffers: from their second call they are moved "
+        "into shared memory (from 1 MiB when the C library mapped them alone, from 32 MiB always), read in place "
+        "from 8 MiB until then, staged below",
     )
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="per-collective timeout in seconds (default 300, at least 1)"
