@@ -56,6 +56,14 @@ def _file_of(adopt: Adoptions, x: np.ndarray) -> str:
     return str(state.path)  # type: ignore[union-attr]
 
 
+def _adopted(adopt: Adoptions) -> tuple[np.ndarray, str]:
+    """A fresh buffer used twice (adopted on the second use), and its segment file."""
+    x = _pattern()
+    adopt.home(x)
+    adopt.home(x)
+    return x, _file_of(adopt, x)
+
+
 # ------------------------------------------------------------------------------------------------ what is adopted
 def test_a_buffer_is_adopted_on_its_second_use_with_address_and_contents_unchanged(adoptions: Any) -> None:
     adopt, _ = adoptions
@@ -197,10 +205,7 @@ def test_after_each_replacement_the_address_waits_twice_as_long_before_it_is_ado
 
 def test_release_moves_the_buffer_back_to_private_pages_and_removes_the_file(adoptions: Any) -> None:
     adopt, _ = adoptions
-    x = _pattern()
-    adopt.home(x)
-    adopt.home(x)
-    path = _file_of(adopt, x)
+    x, path = _adopted(adopt)
     adopt.release()
     assert private_anonymous(*_pages(x))
     assert not os.path.exists(path)
@@ -269,10 +274,7 @@ def test_adoption_off_in_the_environment_leaves_buffers_where_they_are() -> None
 
 def test_a_freed_buffers_file_is_removed_when_the_next_buffer_is_adopted(adoptions: Any) -> None:
     adopt, _ = adoptions
-    x = _pattern()
-    adopt.home(x)
-    adopt.home(x)
-    path = _file_of(adopt, x)
+    x, path = _adopted(adopt)
     start, stop = _pages(x)
     del x  # numpy frees it: the C library unmaps the pages (an allocation this large is a mapping of its own)
     if mapped_to(start, stop, path):

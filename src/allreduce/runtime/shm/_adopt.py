@@ -52,6 +52,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from allreduce.runtime.shm._linux import libc_function
+
 __all__ = [
     "ADOPT_ENV",
     "ADOPT_MIN_BYTES",
@@ -88,21 +90,11 @@ _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _libc(name: str, restype: Any, *argtypes: Any) -> Any:
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.restype = restype
-    fn.argtypes = argtypes
-    return fn
-
-
-_mmap = _libc("mmap", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-              ctypes.c_long)  # fmt: skip
-_mremap = _libc("mremap", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
-                ctypes.c_void_p)  # fmt: skip
-_munmap = _libc("munmap", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
+_mmap = libc_function("mmap", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long)  # fmt: skip
+_mremap = libc_function("mremap", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                        ctypes.c_void_p)  # fmt: skip
+_munmap = libc_function("munmap", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
 
 SUPPORTED = None not in (_mmap, _mremap, _munmap)
 
@@ -200,6 +192,18 @@ def mapped_to(start: int, stop: int, path: str, maps: list[tuple[int, int, str, 
     return False
 
 
+def _copy_and_move(tmp: int, start: int, length: int) -> int:
+    """Copy ``[start, start + length)`` into the new mapping ``tmp``, then move ``tmp`` over the range; 0, or the
+    errno of the move (``tmp`` unmapped then, the range unchanged)."""
+    ctypes.memmove(tmp, start, length)
+    got = _mremap(tmp, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, start)
+    if got is None or got == _MAP_FAILED:
+        err = ctypes.get_errno() or errno.EINVAL
+        _munmap(tmp, length)
+        return err
+    return 0
+
+
 def _move_over(start: int, length: int, fd: int) -> int:
     """Map ``length`` bytes of ``fd`` (shared) elsewhere, copy ``[start, start + length)`` into it, then move
     that mapping over the range (the range is never left unmapped). 0, or the errno of the step that failed
@@ -207,13 +211,7 @@ def _move_over(start: int, length: int, fd: int) -> int:
     tmp = _mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if tmp is None or tmp == _MAP_FAILED:
         return ctypes.get_errno() or errno.ENOMEM
-    ctypes.memmove(tmp, start, length)
-    got = _mremap(tmp, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, start)
-    if got is None or got == _MAP_FAILED:
-        err = ctypes.get_errno() or errno.EINVAL
-        _munmap(tmp, length)
-        return err
-    return 0
+    return _copy_and_move(tmp, start, length)
 
 
 def _privatize(start: int, length: int) -> int:
@@ -221,13 +219,7 @@ def _privatize(start: int, length: int) -> int:
     tmp = _mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if tmp is None or tmp == _MAP_FAILED:
         return ctypes.get_errno() or errno.ENOMEM
-    ctypes.memmove(tmp, start, length)
-    got = _mremap(tmp, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, start)
-    if got is None or got == _MAP_FAILED:
-        err = ctypes.get_errno() or errno.EINVAL
-        _munmap(tmp, length)
-        return err
-    return 0
+    return _copy_and_move(tmp, start, length)
 
 
 @dataclass(slots=True)

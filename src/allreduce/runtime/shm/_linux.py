@@ -31,6 +31,7 @@ __all__ = [
     "exited",
     "futex_wait",
     "futex_wake",
+    "libc_function",
     "open_pidfd",
     "read_remote",
     "set_ptracer",
@@ -48,7 +49,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = (("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long))
 
 
-def _libc_function(name: str, restype: Any, *argtypes: Any) -> Any:
+def libc_function(name: str, restype: Any, *argtypes: Any) -> Any:
     """The C library's function ``name`` with its signature set (errno kept), or None where it has none."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
@@ -63,7 +64,7 @@ def _load_futex() -> Any:
     if _SYS_FUTEX is None:
         return None
     args = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-    return _libc_function("syscall", ctypes.c_long, *args)
+    return libc_function("syscall", ctypes.c_long, *args)
 
 
 _futex_syscall = _load_futex()
@@ -96,7 +97,7 @@ class _IoVec(ctypes.Structure):
 def _load_vm_readv() -> Any:
     iov = ctypes.POINTER(_IoVec)
     args = (ctypes.c_int, iov, ctypes.c_ulong, iov, ctypes.c_ulong, ctypes.c_ulong)
-    return _libc_function("process_vm_readv", ctypes.c_ssize_t, *args)
+    return libc_function("process_vm_readv", ctypes.c_ssize_t, *args)
 
 
 _vm_readv = _load_vm_readv()
@@ -128,7 +129,7 @@ would let every process of the user in, is never used.)"""
 
 
 def _load_prctl() -> Any:
-    return _libc_function("prctl", ctypes.c_int, ctypes.c_int, *(ctypes.c_ulong,) * 4)
+    return libc_function("prctl", ctypes.c_int, ctypes.c_int, *(ctypes.c_ulong,) * 4)
 
 
 _prctl = _load_prctl()
@@ -235,7 +236,7 @@ _MADV_COLLAPSE = 25  # Linux 6.1: collapse the range into huge pages now, synchr
 
 
 def _load_madvise() -> Any:
-    return _libc_function("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc_function("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 _madvise = _load_madvise()
