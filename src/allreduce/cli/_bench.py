@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--copy",
         action="store_true",
         help="use ordinary numpy arrays instead of group.empty() buffers: from their second call they are moved "
-        "into shared memory (from 1 MiB when the C library mapped them alone, from 32 MiB always), read in place "
+        "into shared memory from 1 MiB (on the C library's heap: all but their two end pages), read in place "
         "from 8 MiB until then, staged below",
     )
     parser.add_argument(

@@ -5,6 +5,8 @@ taken, a buffer replaced at the same address is noticed, fork() and close() keep
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,8 +17,8 @@ import pytest
 from allreduce.runtime._spawn import spawn
 from allreduce.runtime.shm import ADOPT_ENV, ADOPT_MIN_BYTES, CROSS_MEMORY_ENV, ShmTransport
 from allreduce.runtime.shm._adopt import (
-    ALONE_BYTES,
     SUPPORTED,
+    Adopted,
     Adoptions,
     _privatize,
     mapped_to,
@@ -28,8 +30,12 @@ from allreduce.runtime.shm._segments import SHM_DIR, LocalSegments, shm_prefix
 
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the C library has no mmap/mremap through ctypes")
 
-ELEMENTS = ALONE_BYTES // 4 + 1_001
-"""float32 elements of a buffer adopted whatever its allocator did (not a whole number of pages)."""
+ELEMENTS = (32 << 20) // 4 + 1_001
+"""float32 elements of a large buffer (not a whole number of pages): mapped alone in a fresh process, from the heap
+where the heap's free top was larger (adopted either way)."""
+
+HEAP_ELEMENTS = 2 * ADOPT_MIN_BYTES // 4 + 1_001
+"""float32 elements of a buffer the C library puts on its heap once its mmap threshold has climbed."""
 
 
 @pytest.fixture
@@ -56,6 +62,25 @@ def _file_of(adopt: Adoptions, x: np.ndarray) -> str:
     return str(state.path)  # type: ignore[union-attr]
 
 
+def _heap_pattern() -> np.ndarray:
+    """A buffer on the C library's heap, as a program that has freed a large array gets one: freeing a mapped
+    chunk raises glibc's mmap threshold to its size, so the next 2 MiB come from the heap."""
+    freed = np.ones(16 << 20, np.uint8)
+    del freed
+    x = _pattern(HEAP_ELEMENTS)
+    if pages_of_its_own(int(x.ctypes.data), x.nbytes):
+        pytest.skip("the C library mapped this 2 MiB array alone (not glibc, or its threshold did not move)")
+    return x
+
+
+def _heap_adopted(adopt: Adoptions) -> tuple[np.ndarray, Adopted]:
+    x = _heap_pattern()
+    adopt.home(x)
+    home = adopt.home(x)
+    assert home is not None
+    return x, home
+
+
 def _adopted(adopt: Adoptions) -> tuple[np.ndarray, str]:
     """A fresh buffer used twice (adopted on the second use), and its segment file."""
     x = _pattern()
@@ -74,19 +99,22 @@ def test_a_buffer_is_adopted_on_its_second_use_with_address_and_contents_unchang
     assert home is not None
     assert x.ctypes.data == address
     assert np.array_equal(x, _pattern())
-    start, stop = _pages(x)
-    assert mapped_to(start, stop, _file_of(adopt, x))
-    assert home[1] == address - start
+    start, _ = _pages(x)
+    assert mapped_to(home.moved, home.moved + home.moved_length, _file_of(adopt, x))
+    assert home.offset == address - start
 
 
 def test_the_peers_see_the_buffers_writes_through_the_file(adoptions: Any) -> None:
     adopt, _ = adoptions
     x = _pattern()
     adopt.home(x)
-    _, offset = adopt.home(x)
-    x[7] = 12345.0
+    home = adopt.home(x)
+    assert home is not None
+    offset = home.offset
+    middle = x.size // 2  # on a moved page, wherever the buffer came from
+    x[middle] = 12345.0
     with open(_file_of(adopt, x), "rb") as f:
-        f.seek(offset + 7 * 4)
+        f.seek(offset + middle * 4)
         assert np.frombuffer(f.read(4), np.float32)[0] == 12345.0
 
 
@@ -125,9 +153,95 @@ def test_a_torch_tensors_whole_storage_is_adopted_and_a_slice_of_it_is_not(adopt
     assert whole_allocation(t.numpy().reshape(-1))
     assert not whole_allocation(t[4096:].numpy())
     view = t.numpy().reshape(-1)
+    if not pages_of_its_own(int(view.ctypes.data), view.nbytes):
+        pytest.skip("the C library served this tensor from its heap (a heap tensor is not adopted: see below)")
     adopt.home(view)
     assert adopt.home(view) is not None
     assert torch.equal(t, torch.arange(ELEMENTS, dtype=torch.float32))
+
+
+def test_a_heap_buffer_moves_only_its_inner_pages_and_keeps_its_address_and_contents(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x = _heap_pattern()
+    address = x.ctypes.data
+    adopt.home(x)
+    home = adopt.home(x)
+    assert home is not None
+    assert home.edges
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, stop = _pages(x)
+    inner = (-(-address // page) * page, (address + x.nbytes) // page * page)  # the whole pages inside it
+    assert (home.moved, home.moved + home.moved_length) == inner
+    assert mapped_to(home.moved, home.moved + home.moved_length, home.path)
+    assert private_anonymous(start, home.moved)  # the end pages, shared with other allocations, stay put
+    assert private_anonymous(home.moved + home.moved_length, stop)
+    assert x.ctypes.data == address
+    assert np.array_equal(x, _pattern(HEAP_ELEMENTS))
+
+
+def test_a_heap_buffers_ends_reach_the_file_through_its_work_view_and_come_back(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x, home = _heap_adopted(adopt)
+    view = home.work_view(x)
+    with open(home.path, "rb") as f:  # what a peer reads: the whole buffer, its ends included
+        f.seek(home.offset)
+        assert np.array_equal(np.frombuffer(f.read(x.nbytes), np.float32), x)
+    view *= -1.0  # a collective's result, written where the collective works
+    home.copy_ends_out(view, x)
+    assert np.array_equal(x, -_pattern(HEAP_ELEMENTS))
+
+
+def test_a_freed_heap_buffers_inner_pages_go_back_to_private_memory_before_it_is_freed(adoptions: Any) -> None:
+    adopt, _ = adoptions
+    x, home = _heap_adopted(adopt)
+    moved = (home.moved, home.moved + home.moved_length)
+    del x  # the weak reference's callback runs before numpy hands the memory back to the C library
+    assert home.closed
+    assert not mapped_to(*moved, home.path)
+    assert not os.path.exists(home.path)
+
+
+_LARGE_FROM_THE_HEAP = """
+import ctypes, os, sys, uuid
+import numpy as np
+from allreduce.runtime.shm._adopt import Adoptions, mapped_to, private_anonymous
+from allreduce.runtime.shm._segments import SHM_DIR, LocalSegments, shm_prefix
+if ctypes.CDLL(None).mallopt(-3, 64 << 20) != 1:  # M_MMAP_THRESHOLD: 32 MiB now comes from the heap
+    sys.exit(3)
+x = np.arange((32 << 20) // 4 + 1001, dtype=np.float32)
+segments = LocalSegments(os.path.join(SHM_DIR, shm_prefix("adopt-" + uuid.uuid4().hex[:12])), 0)
+adopt = Adoptions(segments.new_segment, enabled=True)
+adopt.home(x)
+home = adopt.home(x)
+page = os.sysconf("SC_PAGE_SIZE")
+start, stop = home.start, home.start + home.length
+ok = (home.edges and mapped_to(home.moved, home.moved + home.moved_length, home.path)
+      and private_anonymous(start, home.moved) and private_anonymous(home.moved + home.moved_length, stop)
+      and np.array_equal(x, np.arange(x.size, dtype=np.float32)))
+adopt.release()
+segments.release()
+sys.exit(0 if ok else 1)
+"""
+
+
+def test_a_32_mib_array_the_heap_served_moves_only_its_inner_pages() -> None:
+    done = subprocess.run([sys.executable, "-c", _LARGE_FROM_THE_HEAP], capture_output=True, text=True, check=False)
+    if done.returncode == 3:
+        pytest.skip("this C library refused an mmap threshold of 64 MiB")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_heap_buffer_not_owned_by_a_numpy_array_is_never_adopted(adoptions: Any) -> None:
+    torch = pytest.importorskip("torch")
+    adopt, _ = adoptions
+    _heap_pattern()  # raises the C library's mmap threshold
+    t = torch.arange(HEAP_ELEMENTS, dtype=torch.float32)
+    x = t.numpy()
+    if pages_of_its_own(int(x.ctypes.data), x.nbytes):
+        pytest.skip("torch's allocator mapped this tensor alone")
+    assert adopt.home(x) is None
+    assert adopt.home(x) is None
+    assert "heap" in adopt.last_error
 
 
 def _chunk(prev_size: int, size_word: int, data_offset: int) -> tuple[Any, int]:
@@ -155,7 +269,7 @@ def test_below_32_mib_a_buffer_counts_as_alone_only_if_its_chunk_header_says_the
     assert not pages_of_its_own(address, 2 * page - 64)
     region, address = _chunk(0, 2 * page | 2, page + 8)  # header on the page before the data: never read
     assert not pages_of_its_own(address, page)
-    assert pages_of_its_own(address, ALONE_BYTES)  # from 32 MiB, whatever is before it
+    assert not pages_of_its_own(address, 32 << 20)  # nor at 32 MiB: the heap's top can serve that too
     del region
 
 
@@ -212,17 +326,19 @@ def test_release_moves_the_buffer_back_to_private_pages_and_removes_the_file(ado
     assert np.array_equal(x, _pattern())
 
 
-def test_a_forked_child_gets_a_private_copy_of_an_adopted_buffer(adoptions: Any) -> None:
+@pytest.mark.parametrize("where", ["alone", "heap"])
+def test_a_forked_child_gets_a_private_copy_of_an_adopted_buffer(adoptions: Any, where: str) -> None:
     adopt, _ = adoptions
-    x = _pattern()
+    x = _pattern() if where == "alone" else _heap_pattern()
     adopt.home(x)
     assert adopt.home(x) is not None
     x[0] = 1.0
+    x[-1] = 2.0
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: sees the fork's moment, writes its own copy
         os.close(read)
-        ok = x[0] == 1.0 and private_anonymous(*_pages(x))
+        ok = x[0] == 1.0 and x[-1] == 2.0 and private_anonymous(*_pages(x))
         x[:] = -7.0
         os.write(write, b"1" if ok else b"0")
         os._exit(0)
@@ -232,8 +348,8 @@ def test_a_forked_child_gets_a_private_copy_of_an_adopted_buffer(adoptions: Any)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert child_saw == b"1"
-    assert x[0] == 1.0
-    assert np.array_equal(x[1:], _pattern()[1:])
+    assert (x[0], x[-1]) == (1.0, 2.0)
+    assert np.array_equal(x[1:-1], _pattern(x.size)[1:-1])
     assert adopt.home(x) is not None  # still adopted in the parent
 
 
@@ -307,6 +423,51 @@ def test_a_fresh_array_every_call_is_reduced_exactly_whatever_was_adopted_at_its
     assert all(result["adoption_refusals"] >= 1 for result in results if result["buffers_adopted"])
 
 
+def _heap_used_again(group: Any, calls: int) -> dict[str, Any]:
+    freed = np.ones(16 << 20, np.uint8)  # freeing a mapped array raises glibc's mmap threshold past 2 MiB
+    del freed
+    x = np.empty(HEAP_ELEMENTS, np.float32)
+    alone = pages_of_its_own(int(x.ctypes.data), x.nbytes)
+    exact = True
+    n = group.world_size
+    pattern = _pattern(HEAP_ELEMENTS)
+    for call in range(calls):
+        x[:] = pattern * (group.rank + 1) + call
+        group.all_reduce(x)
+        exact = exact and bool(np.array_equal(x, pattern * (n * (n + 1) // 2) + n * call))
+    return {"exact": exact, "alone": alone, **group.transport.statistics()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_heap_array_used_again_is_adopted_and_reduced_exactly_ends_included(world_size: int) -> None:
+    for rank, result in enumerate(spawn(world_size, _heap_used_again, 3, timeout_s=180)):
+        if result["alone"]:
+            pytest.skip("the C library mapped this 2 MiB array alone")
+        assert result["exact"], rank
+        assert (result["buffers_adopted"], result["executes_adopted"]) == (1, 2), rank
+
+
+def _heap_fresh_each_call(group: Any, calls: int) -> dict[str, Any]:
+    """A new heap array every call: each dies (and its pages go back) while the next may take its address."""
+    freed = np.ones(16 << 20, np.uint8)
+    del freed
+    exact = True
+    n = group.world_size
+    for call in range(calls):
+        x = np.full(HEAP_ELEMENTS, group.rank + 1.0 + call, np.float32)
+        group.all_reduce(x)
+        exact = exact and bool((x == n * (n + 1) / 2 + n * call).all())
+        del x
+    return {"exact": exact, **group.transport.statistics()}
+
+
+@pytest.mark.slow
+def test_a_fresh_heap_array_every_call_is_reduced_exactly() -> None:
+    for rank, result in enumerate(spawn(3, _heap_fresh_each_call, 8, timeout_s=180)):
+        assert result["exact"], rank
+
+
 def _medium_used_again(group: Any, calls: int) -> dict[str, Any]:
     x = np.empty(2 * ADOPT_MIN_BYTES // 4, np.float32)
     alone = pages_of_its_own(int(x.ctypes.data), x.nbytes)
@@ -322,10 +483,12 @@ def _medium_used_again(group: Any, calls: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_a_2_mib_array_is_adopted_when_the_c_library_mapped_it_alone() -> None:
+def test_a_2_mib_array_the_c_library_mapped_alone_is_adopted_whole() -> None:
     for rank, result in enumerate(spawn(2, _medium_used_again, 3, timeout_s=180)):
+        if not result["alone"]:
+            pytest.skip("the C library put this 2 MiB array on its heap (its mmap threshold had moved)")
         assert result["exact"], rank
-        assert result["executes_adopted"] == (2 if result["alone"] else 0), rank
+        assert result["executes_adopted"] == 2, rank
 
 
 @pytest.mark.slow
@@ -333,6 +496,4 @@ def test_an_array_adopted_or_about_to_be_is_not_given_the_staged_arrays_fused_al
     # a staged array at N=2 takes an algorithm that moves and reduces in one pass through the staging copy; an
     # adopted one is read in place, where that algorithm would reduce through scratch
     for rank, result in enumerate(spawn(2, _medium_used_again, 3, timeout_s=180)):
-        if not result["alone"]:
-            pytest.skip("the C library put this 2 MiB array on its heap (its mmap threshold had moved)")
         assert result["fuses"] == [True, False, False, False], rank

@@ -14,10 +14,19 @@ map ``group.empty()`` segments: no ``process_vm_readv``, so Yama's ``ptrace_scop
 
 What is adopted: a buffer of at least :data:`ADOPT_MIN_BYTES` that is a whole allocation (a numpy array that owns
 its memory, or a torch tensor's whole storage; never a view into a larger array, whose neighbours another thread
-may be writing while the pages are copied) on pages of its own (:func:`pages_of_its_own`: from 32 MiB always,
-below when the C library mapped it alone), lying in private anonymous memory (``/proc/self/maps``: never a
+may be writing while the pages are copied), lying in private anonymous memory (``/proc/self/maps``: never a
 file's mapping, never memory already shared), seen before at the same address with the same size. A buffer
-passed once is not adopted.
+passed once is not adopted. Where its pages are its own (:func:`pages_of_its_own`: the C library mapped it
+alone) all of them move. Where the C library put it on its heap (glibc's mmap
+threshold climbs to 32 MiB as a program frees large arrays, so in a real program most buffers of 1-32 MiB end up
+there), only a numpy array that owns its memory is adopted, and only the whole pages inside it move: the partly
+filled pages at its two ends hold other allocations, which must stay private and where they are. The file has
+pages for those two ends too; each collective works on a second mapping of the whole file (its *mirror*, where the
+buffer lies contiguous, as peers see it), copies the buffer's two ends into it first (less than a page each) and
+back out after. Heap pages are the allocator's again once the array is freed, so a weak reference moves the inner
+pages back onto private memory the moment the array dies, before numpy frees them (weak references are cleared
+first in an array's deallocation); a torch tensor on the heap, whose storage may outlive the Python object, is
+not adopted.
 
 Every later use checks that the pages are still the segment's: a byte is flipped through a second mapping of the
 file and read back through the buffer, then restored (the buffer then belongs to this rank: it is about to be
@@ -57,7 +66,7 @@ from allreduce.runtime.shm._linux import libc_function
 __all__ = [
     "ADOPT_ENV",
     "ADOPT_MIN_BYTES",
-    "ALONE_BYTES",
+    "Adopted",
     "Adoptions",
     "adopt_wanted",
     "mapped_to",
@@ -66,11 +75,6 @@ __all__ = [
 
 ADOPT_MIN_BYTES = 1 << 20
 """The smallest buffer adopted."""
-
-ALONE_BYTES = 32 << 20
-"""glibc's largest mmap threshold: every ``malloc`` of this size or more is a mapping of its own, so the pages at
-the buffer's two ends hold nothing but its allocator's bookkeeping. A smaller buffer is adopted only if the C
-library's chunk header says it mapped the buffer alone (:func:`pages_of_its_own`)."""
 
 ADOPT_ENV = "ALLREDUCE_SHM_ADOPT"
 """``0`` turns adoption off (the transport's ``adopt_buffers`` keyword wins over it)."""
@@ -137,13 +141,13 @@ _IS_MMAPPED = 0x2
 def pages_of_its_own(address: int, nbytes: int) -> bool:
     """Whether the pages under ``[address, address + nbytes)`` hold no other allocation.
 
-    From :data:`ALONE_BYTES` up, yes. Below, glibc decides per call (its mmap threshold moves between 128 KiB and
-    32 MiB as a program frees memory), so this reads the chunk header glibc keeps in the 16 bytes before the data:
+    glibc decides per call: below its mmap threshold (which moves between 128 KiB and 32 MiB as a program frees
+    memory) from its heap, and at any size from the heap's free top if that is large enough (a 32 MiB array came
+    from the heap in a test process whose heap had grown), so this reads the chunk header glibc keeps in the 16
+    bytes before the data:
     the size word with ``IS_MMAPPED`` set, and the offset of the chunk in its mapping (``prev_size``, non-zero for
     ``posix_memalign``, which torch uses), must describe page-aligned whole pages that contain the buffer. Only read
     when those 16 bytes lie on the buffer's first page (so they are mapped); any other allocator fails the test."""
-    if nbytes >= ALONE_BYTES:
-        return True
     if address % _PAGE < 16:
         return False
     words = (ctypes.c_uint64 * 2).from_address(address - 16)
@@ -204,11 +208,11 @@ def _copy_and_move(tmp: int, start: int, length: int) -> int:
     return 0
 
 
-def _move_over(start: int, length: int, fd: int) -> int:
-    """Map ``length`` bytes of ``fd`` (shared) elsewhere, copy ``[start, start + length)`` into it, then move
-    that mapping over the range (the range is never left unmapped). 0, or the errno of the step that failed
-    (the range is unchanged then)."""
-    tmp = _mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+def _move_over(start: int, length: int, fd: int, offset: int = 0) -> int:
+    """Map ``length`` bytes of ``fd`` from ``offset`` (shared) elsewhere, copy ``[start, start + length)`` into it,
+    then move that mapping over the range (the range is never left unmapped). 0, or the errno of the step that
+    failed (the range is unchanged then)."""
+    tmp = _mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset)
     if tmp is None or tmp == _MAP_FAILED:
         return ctypes.get_errno() or errno.ENOMEM
     return _copy_and_move(tmp, start, length)
@@ -224,32 +228,109 @@ def _privatize(start: int, length: int) -> int:
 
 @dataclass(slots=True)
 class Adopted:
-    """An adopted buffer: its pages ``[start, start + length)`` are segment ``segment_id``'s (the file ``path``);
-    ``mirror`` is a second mapping of the file, through which a use checks that they still are."""
+    """An adopted buffer at ``address`` (``nbytes`` long), on the pages ``[start, start + length)`` of segment
+    ``segment_id`` (the file ``path``, which has a page for each of them). The pages ``[moved, moved +
+    moved_length)`` of the process are the file's own (all of them unless ``edges``: a buffer on the C library's
+    heap, whose two end pages stay private); ``mirror`` is a second mapping of the whole file, through which a use
+    checks that they still are and, with ``edges``, where the collective works."""
 
     segment_id: int
     path: str
     start: int
     length: int
     address: int
+    nbytes: int
+    moved: int
+    moved_length: int
     mirror: mmap.mmap
+    closed: bool = False
+    """Closed (forgotten, or moved back): its pages are not the file's, or will not be once the buffer is freed."""
+    guard: weakref.ref[Any] | None = None
+    """For a heap buffer: the weak reference to its numpy array that moves the pages back when the array dies."""
+
+    @property
+    def edges(self) -> bool:
+        """Whether the buffer's two end pages stay private (it lies on the C library's heap)."""
+        return self.moved_length != self.length
+
+    @property
+    def offset(self) -> int:
+        """Where the buffer starts in the file."""
+        return self.address - self.start
 
     def alive(self) -> bool:
-        """The buffer at ``address`` is still on this segment's pages (a byte flipped through the mirror shows
+        """The buffer is still on this segment's pages (a byte of the moved pages flipped through the mirror shows
         through the buffer; it is restored at once). Only while the buffer is this rank's to write."""
-        i = self.address - self.start
+        if self.closed:
+            return False
+        probe = max(self.address, self.moved)
+        i = probe - self.start
         old = self.mirror[i]
         self.mirror[i] = old ^ 0xFF
-        seen = ctypes.c_uint8.from_address(self.address).value
+        seen = ctypes.c_uint8.from_address(probe).value
         self.mirror[i] = old
         return seen == old ^ 0xFF
 
+    def _ends(self, itemsize: int, count: int) -> tuple[int, int]:
+        """Elements ``[0, head)`` and ``[tail, count)`` of the buffer lie on its private end pages."""
+        head = (self.moved - self.address) // itemsize
+        tail = (self.moved + self.moved_length - self.address) // itemsize
+        return max(head, 0), min(tail, count)
+
+    def work_view(self, buffer: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """The buffer in the mirror (where peers see it), with its two ends copied in from ``buffer``: where a
+        collective on a buffer with ``edges`` works; :meth:`copy_ends_out` brings its ends back afterwards."""
+        view: npt.NDArray[Any] = np.frombuffer(self.mirror, buffer.dtype, buffer.size, self.offset)
+        head, tail = self._ends(buffer.itemsize, buffer.size)
+        view[:head] = buffer[:head]
+        view[tail:] = buffer[tail:]
+        return view
+
+    def copy_ends_out(self, view: npt.NDArray[Any], buffer: npt.NDArray[Any]) -> None:
+        """The two ends of the result, from :meth:`work_view`'s ``view`` back into ``buffer``."""
+        head, tail = self._ends(buffer.itemsize, buffer.size)
+        buffer[:head] = view[:head]
+        buffer[tail:] = view[tail:]
+
     def close(self, *, unlink: bool = True) -> None:
+        self.closed = True
+        self.guard = None
         with contextlib.suppress(BufferError, ValueError):
             self.mirror.close()
         if unlink:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+def _still_moved(record: Adopted, maps: list[tuple[int, int, str, int, str]]) -> bool:
+    """Whether the record's moved pages are still the file's (the buffer was not freed and unmapped)."""
+    return mapped_to(record.moved, record.moved + record.moved_length, record.path, maps)
+
+
+def _numpy_owner(buffer: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
+    """The numpy array that owns ``buffer``'s memory (numpy frees it when that array dies), else None."""
+    owner = buffer
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    return owner if owner.base is None and owner.flags.owndata else None
+
+
+def _on_free(record: Adopted) -> Callable[[Any], None]:
+    """The weak reference's callback for a heap buffer: numpy is about to free the array's memory (and the C
+    library to reuse its pages for anything), so its moved pages go back onto private memory now; the record
+    is closed, and forgotten by its :class:`Adoptions` at its next use of that address or adoption."""
+
+    def moved_back(_: Any) -> None:
+        if record.closed:
+            return
+        # a reentrant lock: a collection inside this thread's fork handler may land here; nothing may escape a
+        # weak reference's callback (at interpreter exit, module globals may be gone already)
+        with contextlib.suppress(Exception), _ForkGuard.lock:
+            if not record.closed:
+                _privatize(record.moved, record.moved_length)
+                record.close()  # the file's memory goes with it
+
+    return moved_back
 
 
 _LIVE: weakref.WeakSet[Adoptions] = weakref.WeakSet()
@@ -258,7 +339,7 @@ _LIVE: weakref.WeakSet[Adoptions] = weakref.WeakSet()
 class _ForkGuard:
     """Holds the parent in ``fork()`` until the child has made private copies of the adopted pages."""
 
-    lock = threading.Lock()
+    lock = threading.RLock()
     pipe: tuple[int, int] | None = None
 
 
@@ -289,9 +370,9 @@ class Adoptions:
         state = self._seen.get((int(buffer.ctypes.data), buffer.nbytes))
         return isinstance(state, Adopted) or state == 0
 
-    def home(self, buffer: npt.NDArray[Any]) -> tuple[int, int] | None:
-        """(segment id, byte offset) of ``buffer`` when it is adopted (adopting it now on its second use); None
-        when it takes another path."""
+    def home(self, buffer: npt.NDArray[Any]) -> Adopted | None:
+        """Where ``buffer`` lies when it is adopted (adopting it now on its second use): its segment, its offset
+        there and whether its ends are private (:attr:`Adopted.edges`); None when it takes another path."""
         if not self.enabled or buffer.nbytes < ADOPT_MIN_BYTES:
             return None
         key = (int(buffer.ctypes.data), buffer.nbytes)
@@ -303,7 +384,7 @@ class Adoptions:
         self._seen.move_to_end(key)
         if isinstance(state, Adopted):
             if state.alive():
-                return state.segment_id, state.address - state.start
+                return state
             # freed, and a new buffer took its address
             state.close()
             self._strike(key)
@@ -321,7 +402,7 @@ class Adoptions:
             self.refused += 1
             return None
         self.adopted += 1
-        return adopted.segment_id, adopted.address - adopted.start
+        return adopted
 
     def _adopt(self, buffer: npt.NDArray[Any]) -> Adopted | None:
         address = int(buffer.ctypes.data)
@@ -330,9 +411,20 @@ class Adoptions:
         if not whole_allocation(buffer):
             self.last_error = "not a whole allocation (a view into a larger array, or foreign memory)"
             return None
+        moved, moved_length = start, length
+        owner = None
         if not pages_of_its_own(address, buffer.nbytes):
-            self.last_error = "its pages hold other allocations too (the C library did not map it alone)"
-            return None
+            # on the C library's heap: only the whole pages inside the buffer move, and only for a numpy array
+            # whose death this rank hears of before its memory is freed
+            owner = _numpy_owner(buffer)
+            if owner is None:
+                self.last_error = "on the C library's heap, and not memory a numpy array owns"
+                return None
+            if address % buffer.itemsize:
+                self.last_error = "on the C library's heap, and not aligned to its element size"
+                return None
+            moved = -(-address // _PAGE) * _PAGE
+            moved_length = (address + buffer.nbytes) // _PAGE * _PAGE - moved
         if not private_anonymous(start, start + length):
             self.last_error = "not private anonymous memory (a file's mapping, or memory already shared)"
             return None
@@ -351,14 +443,16 @@ class Adoptions:
                 os.unlink(path)
                 return None
             with _ForkGuard.lock:  # a fork from another thread sees the buffer either before or after the move
-                err = _move_over(start, length, fd)
+                err = _move_over(moved, moved_length, fd, moved - start)
         finally:
             os.close(fd)
-        record = Adopted(segment_id, path, start, length, address, mirror)
+        record = Adopted(segment_id, path, start, length, address, buffer.nbytes, moved, moved_length, mirror)
         if err:
             self.last_error = f"mremap: {os.strerror(err)}"
             record.close()
             return None
+        if owner is not None:
+            record.guard = weakref.ref(owner, _on_free(record))
         return record
 
     def _drop_freed(self) -> None:
@@ -368,7 +462,7 @@ class Adoptions:
             return
         maps = _maps()
         for key, state in list(self._seen.items()):
-            if isinstance(state, Adopted) and not mapped_to(state.start, state.start + state.length, state.path, maps):
+            if isinstance(state, Adopted) and (state.closed or not _still_moved(state, maps)):
                 state.close()
                 self._strike(key)
 
@@ -390,9 +484,10 @@ class Adoptions:
 
     def _undo(self, record: Adopted, maps: list[tuple[int, int, str, int, str]]) -> None:
         """Move a still-adopted buffer back onto private pages; forget the segment."""
-        if mapped_to(record.start, record.start + record.length, record.path, maps):
-            _privatize(record.start, record.length)
-        record.close()
+        with _ForkGuard.lock:  # not while its array's weak reference does the same
+            if not record.closed and _still_moved(record, maps):
+                _privatize(record.moved, record.moved_length)
+            record.close()
 
     def release(self) -> None:
         """Move every adopted buffer that is still alive back onto private pages and remove the files."""
@@ -419,8 +514,8 @@ class Adoptions:
         """After fork, in the child: private copies of the adopted pages; the parent's files are not ours."""
         for state in self._seen.values():
             if isinstance(state, Adopted):
-                if mapped_to(state.start, state.start + state.length, state.path, maps):
-                    _privatize(state.start, state.length)
+                if not state.closed and _still_moved(state, maps):
+                    _privatize(state.moved, state.moved_length)
                 state.close(unlink=False)
         self._seen.clear()
         self.enabled = False

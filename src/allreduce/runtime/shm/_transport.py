@@ -48,7 +48,7 @@ from allreduce.runtime._errors import ChecksumError, CollectiveError
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
 from allreduce.runtime.shm._adopt import SUPPORTED as ADOPTION_SUPPORTED
-from allreduce.runtime.shm._adopt import Adoptions, adopt_wanted
+from allreduce.runtime.shm._adopt import Adopted, Adoptions, adopt_wanted
 from allreduce.runtime.shm._agreement import Agreement
 from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
 from allreduce.runtime.shm._copy import copy_into
@@ -154,10 +154,10 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
       (:class:`~allreduce.runtime.shm._peer_data.HugePageMemo`; default: the environment variable
       ``ALLREDUCE_SHM_COLLAPSE``, ``0`` or ``1``, else yes);
     - ``adopt_buffers``: the second time this rank passes the same buffer of at least 1 MiB that is a whole
-      allocation on pages of its own (a numpy array owning its memory, a torch tensor's storage), move its
-      pages onto a shared segment at the same address, so that peers read it in place like a ``group.empty()``
-      array, whatever Yama allows (:mod:`allreduce.runtime.shm._adopt`; default: the environment variable
-      ``ALLREDUCE_SHM_ADOPT``, ``0`` or ``1``, else yes);
+      allocation (a numpy array owning its memory, a torch tensor's storage on pages of its own), move its
+      pages (on the C library's heap, those inside it) onto a shared segment at the same address, so that peers
+      read it in place like a ``group.empty()`` array, whatever Yama allows (:mod:`allreduce.runtime.shm._adopt`;
+      default: the environment variable ``ALLREDUCE_SHM_ADOPT``, ``0`` or ``1``, else yes);
     - ``eager_bytes``: buffers whose (steps x size) fits go through snapshots (0: never; at most
       :data:`~allreduce.runtime.shm.EAGER_BYTES`).
     """
@@ -221,6 +221,7 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
         self._executes_adopted = 0
         self._executes_cross_memory = 0
         self._executes_staged = 0
+        self._with_ends: Adopted | None = None  # this call's buffer, adopted with its two end pages private
         self._views: list[memoryview] = []
         self._ctl: list[Segment | None] = [None] * world_size
         sweep_stale_segments(os.path.dirname(self._prefix))
@@ -375,7 +376,9 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
         # Only right after agree(seq), which proves every peer is done with the snapshot area of the same parity.
         eager = not checksum and self._agreed_seq == seq and fits
         work, private = self._choose_home(buffer, plan, eager=eager)
-        in_shm = work is buffer
+        with_ends = self._with_ends
+        user = work if with_ends is not None else buffer  # such a buffer is worked on where peers see it
+        in_shm = work is user
         last = self._last_compiled
         if last is not None and last[0] is plan and last[1] is in_shm:
             program = last[2]
@@ -388,10 +391,12 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
                 f"has {program.max_crc_slots} (use fewer segments)"
             )
         self._run_steps(
-            program, plan.count, buffer, work, reduce_into, seq=seq, deadline=deadline, eager=eager,
+            program, plan.count, user, work, reduce_into, seq=seq, deadline=deadline, eager=eager,
             prepared=prepared, checksum=checksum, admit=private and self._ptracer,
         )  # fmt: skip
-        self._finish(program, buffer, work, seq=seq, deadline=deadline, eager=eager)
+        self._finish(program, user, work, seq=seq, deadline=deadline, eager=eager)
+        if with_ends is not None:
+            with_ends.copy_ends_out(work, buffer)
 
     def _release(self) -> None:
         if self._views:
@@ -415,10 +420,12 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
     # ----------------------------------------------------------------------------------------------------
     def _choose_home(self, buffer: npt.NDArray[Any], plan: RankPlan, *, eager: bool) -> tuple[npt.NDArray[Any], bool]:
         """Decide where peers read this rank's data and publish it; return the working buffer (``buffer`` unless
-        staged) and whether that is this rank's private memory (read with ``process_vm_readv``)."""
+        staged, or adopted with its end pages private: then its mirror, and ``_with_ends`` its record) and whether
+        that is this rank's private memory (read with ``process_vm_readv``)."""
         me = self._views[self.rank]
         work = buffer
         private = False
+        self._with_ends = None
         if eager:
             segment_id, offset = IN_EAGER_SNAPSHOT, 0
             self._executes_eager += 1
@@ -427,7 +434,10 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
             self._executes_shared += 1
         elif (adopted := self._adoptions.home(buffer)) is not None:
             # A buffer used again, moved onto a shared segment at its own address: read in place like the above.
-            segment_id, offset = adopted
+            segment_id, offset = adopted.segment_id, adopted.offset
+            if adopted.edges:  # on the heap: its two end pages are copied into the file's around the call
+                work = adopted.work_view(buffer)
+                self._with_ends = adopted
             self._executes_adopted += 1
         elif (
             self._cross_memory
