@@ -26,7 +26,9 @@ buffer lies contiguous, as peers see it), copies the buffer's two ends into it f
 back out after. Heap pages are the allocator's again once the array is freed, so a weak reference moves the inner
 pages back onto private memory the moment the array dies, before numpy frees them (weak references are cleared
 first in an array's deallocation); a torch tensor on the heap, whose storage may outlive the Python object, is
-not adopted.
+not adopted. One case escapes the callback: ``ndarray.resize`` reallocating an adopted array's memory while the
+array lives on. Its old inner pages stay the file's until the group closes (or forgets the record) and moves them
+back; a write another thread makes during that one copy to whatever the allocator put there would be lost.
 
 Every later use checks that the pages are still the segment's: a byte is flipped through a second mapping of the
 file and read back through the buffer, then restored (the buffer then belongs to this rank: it is about to be
