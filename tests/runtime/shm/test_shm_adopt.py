@@ -146,18 +146,53 @@ def test_an_array_over_a_files_mapping_is_never_adopted(adoptions: Any, tmp_path
     assert not private_anonymous(*_pages(flat))
 
 
-def test_a_torch_tensors_whole_storage_is_adopted_and_a_slice_of_it_is_not(adoptions: Any) -> None:
+def test_a_torch_tensors_whole_storage_is_a_whole_allocation_and_a_slice_of_it_is_not() -> None:
     torch = pytest.importorskip("torch")
-    adopt, _ = adoptions
     t = torch.arange(ELEMENTS, dtype=torch.float32)
     assert whole_allocation(t.numpy().reshape(-1))
     assert not whole_allocation(t[4096:].numpy())
-    view = t.numpy().reshape(-1)
-    if not pages_of_its_own(int(view.ctypes.data), view.nbytes):
-        pytest.skip("the C library served this tensor from its heap (a heap tensor is not adopted: see below)")
-    adopt.home(view)
-    assert adopt.home(view) is not None
-    assert torch.equal(t, torch.arange(ELEMENTS, dtype=torch.float32))
+
+
+_FRESH_PROCESS_ADOPTION = """
+import ctypes, os, sys, uuid
+import numpy as np
+from allreduce.runtime.shm._adopt import Adoptions, mapped_to, pages_of_its_own, private_anonymous
+from allreduce.runtime.shm._segments import SHM_DIR, LocalSegments, shm_prefix
+segments = LocalSegments(os.path.join(SHM_DIR, shm_prefix("adopt-" + uuid.uuid4().hex[:12])), 0)
+adopt = Adoptions(segments.new_segment, enabled=True)
+def adopted(x):
+    adopt.home(x)
+    return adopt.home(x)
+def done(ok):
+    adopt.release()
+    segments.release()
+    sys.exit(0 if ok else 1)
+"""
+
+
+def _in_a_fresh_process(script: str) -> None:
+    """Run ``script`` after :data:`_FRESH_PROCESS_ADOPTION` in a new interpreter, whose heap is small (so glibc
+    maps large arrays alone unless told otherwise); exit 3 is a skip, with the script's stdout as the reason."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS_ADOPTION + script], capture_output=True, text=True, check=False
+    )
+    if done.returncode == 3:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-2000:]
+
+
+def test_a_torch_tensors_whole_storage_mapped_alone_is_adopted() -> None:
+    pytest.importorskip("torch")
+    _in_a_fresh_process("""
+import torch
+t = torch.arange((32 << 20) // 4 + 1001, dtype=torch.float32)
+view = t.numpy().reshape(-1)
+if not pages_of_its_own(int(view.ctypes.data), view.nbytes):
+    print("the C library served this tensor from its heap even in a fresh process")
+    sys.exit(3)
+home = adopted(view)
+done(home is not None and not home.edges and torch.equal(t, torch.arange(t.numel(), dtype=torch.float32)))
+""")
 
 
 def test_a_heap_buffer_moves_only_its_inner_pages_and_keeps_its_address_and_contents(adoptions: Any) -> None:
@@ -201,34 +236,18 @@ def test_a_freed_heap_buffers_inner_pages_go_back_to_private_memory_before_it_is
     assert not os.path.exists(home.path)
 
 
-_LARGE_FROM_THE_HEAP = """
-import ctypes, os, sys, uuid
-import numpy as np
-from allreduce.runtime.shm._adopt import Adoptions, mapped_to, private_anonymous
-from allreduce.runtime.shm._segments import SHM_DIR, LocalSegments, shm_prefix
+def test_a_32_mib_array_the_heap_served_moves_only_its_inner_pages() -> None:
+    _in_a_fresh_process("""
 if ctypes.CDLL(None).mallopt(-3, 64 << 20) != 1:  # M_MMAP_THRESHOLD: 32 MiB now comes from the heap
+    print("this C library refused an mmap threshold of 64 MiB")
     sys.exit(3)
 x = np.arange((32 << 20) // 4 + 1001, dtype=np.float32)
-segments = LocalSegments(os.path.join(SHM_DIR, shm_prefix("adopt-" + uuid.uuid4().hex[:12])), 0)
-adopt = Adoptions(segments.new_segment, enabled=True)
-adopt.home(x)
-home = adopt.home(x)
-page = os.sysconf("SC_PAGE_SIZE")
+home = adopted(x)
 start, stop = home.start, home.start + home.length
-ok = (home.edges and mapped_to(home.moved, home.moved + home.moved_length, home.path)
-      and private_anonymous(start, home.moved) and private_anonymous(home.moved + home.moved_length, stop)
-      and np.array_equal(x, np.arange(x.size, dtype=np.float32)))
-adopt.release()
-segments.release()
-sys.exit(0 if ok else 1)
-"""
-
-
-def test_a_32_mib_array_the_heap_served_moves_only_its_inner_pages() -> None:
-    done = subprocess.run([sys.executable, "-c", _LARGE_FROM_THE_HEAP], capture_output=True, text=True, check=False)
-    if done.returncode == 3:
-        pytest.skip("this C library refused an mmap threshold of 64 MiB")
-    assert done.returncode == 0, done.stderr[-2000:]
+done(home.edges and mapped_to(home.moved, home.moved + home.moved_length, home.path)
+     and private_anonymous(start, home.moved) and private_anonymous(home.moved + home.moved_length, stop)
+     and np.array_equal(x, np.arange(x.size, dtype=np.float32)))
+""")
 
 
 def test_a_heap_buffer_not_owned_by_a_numpy_array_is_never_adopted(adoptions: Any) -> None:
@@ -401,12 +420,16 @@ def test_a_freed_buffers_file_is_removed_when_the_next_buffer_is_adopted(adoptio
     assert not os.path.exists(path)
 
 
-def _fresh_each_call(group: Any, calls: int) -> dict[str, Any]:
-    """A new array every call: the allocator tends to put it where the last one was, so adopted pages go stale."""
+def _fresh_each_call(group: Any, calls: int, elements: int = ELEMENTS) -> dict[str, Any]:
+    """A new array every call: the allocator tends to put it where the last one was, so adopted pages go stale
+    (at ``HEAP_ELEMENTS``, after a freed 16 MiB array, on the heap: each dies and its pages go back first)."""
+    if elements == HEAP_ELEMENTS:
+        freed = np.ones(16 << 20, np.uint8)
+        del freed
     exact = True
     n = group.world_size
     for call in range(calls):
-        x = np.full(ELEMENTS, group.rank + 1.0 + call, np.float32)
+        x = np.full(elements, group.rank + 1.0 + call, np.float32)
         group.all_reduce(x)
         exact = exact and bool((x == n * (n + 1) / 2 + n * call).all())
         del x
@@ -448,23 +471,9 @@ def test_a_heap_array_used_again_is_adopted_and_reduced_exactly_ends_included(wo
         assert (result["buffers_adopted"], result["executes_adopted"]) == (1, 2), rank
 
 
-def _heap_fresh_each_call(group: Any, calls: int) -> dict[str, Any]:
-    """A new heap array every call: each dies (and its pages go back) while the next may take its address."""
-    freed = np.ones(16 << 20, np.uint8)
-    del freed
-    exact = True
-    n = group.world_size
-    for call in range(calls):
-        x = np.full(HEAP_ELEMENTS, group.rank + 1.0 + call, np.float32)
-        group.all_reduce(x)
-        exact = exact and bool((x == n * (n + 1) / 2 + n * call).all())
-        del x
-    return {"exact": exact, **group.transport.statistics()}
-
-
 @pytest.mark.slow
 def test_a_fresh_heap_array_every_call_is_reduced_exactly() -> None:
-    for rank, result in enumerate(spawn(3, _heap_fresh_each_call, 8, timeout_s=180)):
+    for rank, result in enumerate(spawn(3, _fresh_each_call, 8, HEAP_ELEMENTS, timeout_s=180)):
         assert result["exact"], rank
 
 
