@@ -230,7 +230,7 @@ def _privatize(start: int, length: int) -> int:
 
 @dataclass(slots=True)
 class Adopted:
-    """An adopted buffer at ``address`` (``nbytes`` long), on the pages ``[start, start + length)`` of segment
+    """An adopted buffer at ``address``, on the pages ``[start, start + length)`` of segment
     ``segment_id`` (the file ``path``, which has a page for each of them). The pages ``[moved, moved +
     moved_length)`` of the process are the file's own (all of them unless ``edges``: a buffer on the C library's
     heap, whose two end pages stay private); ``mirror`` is a second mapping of the whole file, through which a use
@@ -241,7 +241,6 @@ class Adopted:
     start: int
     length: int
     address: int
-    nbytes: int
     moved: int
     moved_length: int
     mirror: mmap.mmap
@@ -448,7 +447,7 @@ class Adoptions:
                 err = _move_over(moved, moved_length, fd, moved - start)
         finally:
             os.close(fd)
-        record = Adopted(segment_id, path, start, length, address, buffer.nbytes, moved, moved_length, mirror)
+        record = Adopted(segment_id, path, start, length, address, moved, moved_length, mirror)
         if err:
             self.last_error = f"mremap: {os.strerror(err)}"
             record.close()
