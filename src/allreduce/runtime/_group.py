@@ -198,11 +198,10 @@ class ProcessGroup:
         own_prepare = getattr(type(transport), "prepare", Transport.prepare)
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
         transport.injection = injection_from_env(None, self.rank, self.world_size)
-        # Off by default: recording measured 1-2% slower at 1 MiB with two ranks on the 2-core machine, above the 1%
-        # it may cost when always on (benchmarks/bench_stats.py, docs/tail.md).
-        if os.environ.get("ALLREDUCE_STATS", "0") != "0" or any(
-            os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
-        ):
+        # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
+        # It costs under 1% of a 1 MiB call (0.7-0.9% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
+        # and 2-5% of a 4 KiB one; ~10 MiB per rank, taken now.
+        if os.environ.get("ALLREDUCE_STATS") != "0" or any(os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)):
             transport.recorder.reserve()
             transport.recorder.enabled = True
 
@@ -437,8 +436,8 @@ class ProcessGroup:
 
     @property
     def recording(self) -> bool:
-        """Whether collectives record their per-step waits for :meth:`stats` and ``ALLREDUCE_TRACE`` (off unless
-        ``ALLREDUCE_STATS=1``, ``ALLREDUCE_TRACE`` or ``allreduce run --stats/--trace``; set it on every rank)."""
+        """Whether collectives record their per-step waits for :meth:`stats` and ``ALLREDUCE_TRACE`` (on unless
+        ``ALLREDUCE_STATS=0`` was set without ``ALLREDUCE_TRACE``; set it on every rank)."""
         return self._transport.recorder.enabled
 
     @recording.setter

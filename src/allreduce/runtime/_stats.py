@@ -578,8 +578,8 @@ class GroupStats:
         """The summary as text: one line per rank, one per link, the slowest of each named."""
         if self.calls == 0:
             return (
-                "allreduce stats: no collectives recorded (recording is off unless ALLREDUCE_STATS=1 or "
-                "group.recording = True)"
+                "allreduce stats: no collectives recorded (recording was off: ALLREDUCE_STATS=0 or "
+                "group.recording = False)"
             )
         lines = [
             f"allreduce stats: {self.world_size} ranks, last {self.calls} collectives (seq {self.first_seq}-"
