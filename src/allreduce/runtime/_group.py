@@ -201,7 +201,9 @@ class ProcessGroup:
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs under 1% of a 1 MiB call (0.7-0.9% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
         # and 2-5% of a 4 KiB one; ~10 MiB per rank, taken now.
-        if os.environ.get("ALLREDUCE_STATS") != "0" or any(os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)):
+        if os.environ.get("ALLREDUCE_STATS") != "0" or any(
+            os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
+        ):
             transport.recorder.reserve()
             transport.recorder.enabled = True
 

@@ -48,28 +48,23 @@ def test_last_limits_the_calls_summarised(ranks: Any, on_ranks: Any) -> None:
     assert (stats.calls, stats.first_seq, stats.last_seq) == (4, 2, 5)
 
 
+def _one_call_then_stats(group: ProcessGroup) -> GroupStats:
+    group.all_reduce(np.zeros(COUNT, np.float32))
+    return group.stats()
+
+
 def test_recording_is_on_by_default(ranks: Any, on_ranks: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ALLREDUCE_STATS", raising=False)
-
-    def body(group: ProcessGroup) -> GroupStats:
-        group.all_reduce(np.zeros(COUNT, np.float32))
-        return group.stats()
-
     groups = ranks(2)
-    stats = on_ranks(groups, body)[0]
+    stats = on_ranks(groups, _one_call_then_stats)[0]
     assert [g.recording for g in groups] == [True, True]
     assert stats.calls == 1
 
 
 def test_stats_env_0_turns_recording_off(ranks: Any, on_ranks: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ALLREDUCE_STATS", "0")
-
-    def body(group: ProcessGroup) -> GroupStats:
-        group.all_reduce(np.zeros(COUNT, np.float32))
-        return group.stats()
-
     groups = ranks(2)
-    stats = on_ranks(groups, body)[0]
+    stats = on_ranks(groups, _one_call_then_stats)[0]
     assert [g.recording for g in groups] == [False, False]
     assert stats.calls == 0
     assert stats.slowest_rank is None
