@@ -578,7 +578,7 @@ class GroupStats:
         """The summary as text: one line per rank, one per link, the slowest of each named."""
         if self.calls == 0:
             return (
-                "allreduce stats: no collectives recorded (recording was off: ALLREDUCE_STATS=0 or "
+                "allreduce stats: no collectives recorded (none ran, or recording was off: ALLREDUCE_STATS=0 or "
                 "group.recording = False)"
             )
         lines = [
