@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from allreduce.runtime._errors import MismatchError
 from allreduce.schedules import MAX_ALGORITHM_NAME_BYTES, Collective, Schedule
 
 __all__ = [
@@ -256,6 +257,20 @@ def find_mismatch(descriptors: list[bytes]) -> tuple[str, list[str]] | None:
         if len(set(values)) > 1:
             return name, values
     return "descriptor", [d.hex() for d in descriptors]
+
+
+def check_agreement(rank: int, seq: int, descriptors: list[bytes]) -> None:
+    """:class:`MismatchError` naming the first field on which the ranks' calls of collective ``seq`` differ, if
+    one does (the algorithm ``auto`` picked may differ: that is not a mismatch, rank 0's pick is run)."""
+    mismatch = find_mismatch(descriptors)
+    if mismatch is not None:
+        field, values = mismatch
+        per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise MismatchError(
+            f"rank {rank}: collective {seq} mismatch before any data moved: ranks called it with different {field} "
+            f"({per_rank})",
+            rank=rank,
+        )
 
 
 _KIND_NAMES = {code: c.value for c, code in KIND_CODES.items()} | {BARRIER_CODE: "barrier"}

@@ -55,14 +55,15 @@ from allreduce.runtime._descriptor import (
     OP_CODES,
     OPS,
     barrier_descriptor,
-    find_mismatch,
+    check_agreement,
     proposal_of,
     tag_bytes,
 )
-from allreduce.runtime._errors import CollectiveError, MismatchError
+from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
+from allreduce.runtime._small import SmallPath
 from allreduce.runtime._stats import SPILL_ENTRIES, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
 from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
@@ -137,6 +138,7 @@ class _Reducer:
 
 
 _REDUCERS = {name: _Reducer(ufunc) for name, ufunc in OPS.items()}
+
 _BARRIER_DESCRIPTOR = barrier_descriptor()
 
 
@@ -197,6 +199,9 @@ class ProcessGroup:
         # Skip the call when the transport keeps the base class's prepare (which does nothing).
         own_prepare = getattr(type(transport), "prepare", Transport.prepare)
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
+        # The one-pass path for small all-reduces, when the transport has one.
+        own_small = getattr(type(transport), "small_bytes", Transport.small_bytes)
+        self._small = None if own_small is Transport.small_bytes else SmallPath(self, _REDUCERS, _REQUESTED_AUTO)
         transport.injection = injection_from_env(None, self.rank, self.world_size)
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs under 1% of a 1 MiB call (0.7-0.9% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
@@ -296,6 +301,16 @@ class ProcessGroup:
         tag: str | None = None,
     ) -> Any:
         """Reduce ``x`` (numpy array or CPU tensor, any shape) over all ranks, in place; returns ``x``."""
+        if (
+            self._small is not None
+            and x.__class__ is np.ndarray
+            and algorithm == "auto"
+            and not (async_op or checksum or deterministic)
+            and (timeout_s is None and tag is None)
+            and (segments.__class__ is int and segments == 1)
+            and self._small.run(x, op)
+        ):
+            return x
         return self._collective(
             Collective.ALL_REDUCE,
             x,
@@ -628,15 +643,7 @@ class ProcessGroup:
     def _agree(self, seq: int, descriptor: bytes, timeout: float) -> list[bytes]:
         """Every rank's descriptor; :class:`MismatchError` naming the first field on which the calls differ."""
         descriptors = self._transport.agree(seq, descriptor, timeout_s=timeout)
-        mismatch = find_mismatch(descriptors)
-        if mismatch is not None:
-            field, values = mismatch
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise MismatchError(
-                f"rank {self.rank}: collective {seq} mismatch before any data moved: ranks called it with "
-                f"different {field} ({per_rank})",
-                rank=self.rank,
-            )
+        check_agreement(self.rank, seq, descriptors)
         return descriptors
 
     def _execute(

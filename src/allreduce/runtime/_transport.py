@@ -166,6 +166,27 @@ class Transport(abc.ABC):
     def prepare(self, seq: int, buffer: npt.NDArray[Any], *, checksum: bool) -> None:  # noqa: B027 (optional hook)
         """Before ``agree(seq)``: an optional head start for a small buffer (default: nothing)."""
 
+    def small_bytes(self, seq: int) -> int:
+        """The largest buffer :meth:`run_small` takes for collective ``seq`` (default: none, the transport has no
+        such path)."""
+        return 0
+
+    def run_small(
+        self,
+        seq: int,
+        buffer: npt.NDArray[Any],
+        descriptor: bytes,
+        plan: RankPlan,
+        reducer: ReduceInto,
+        *,
+        timeout_s: float,
+    ) -> list[bytes] | None:
+        """prepare + agree + execute of an all-reduce of a small buffer (1-D, C-contiguous, at most
+        :meth:`small_bytes`) in one pass: None when done, or every rank's descriptor when they differ (nothing was
+        read: the group raises or runs rank 0's plan with :meth:`execute`). Only transports whose
+        :meth:`small_bytes` says so have it."""
+        raise NotImplementedError(f"the {self.name} transport has no small-call path")
+
     def fuses(self, buffer: npt.NDArray[Any]) -> bool:
         """Whether every call on ``buffer`` moves and reduces each step in one pass whatever its size, which
         ``algorithm="auto"`` then tells the cost model (:attr:`~allreduce.schedules.CostModel.fused_bytes`);

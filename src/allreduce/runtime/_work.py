@@ -124,6 +124,19 @@ class OrderedExecutor:
             self._queue.put(job)
         return work if async_op else work.wait()
 
+    def enter(self) -> bool:
+        """Take the executor for one call the caller runs itself, if nothing is pending: True when taken (the
+        caller then runs its call and calls :meth:`leave`), False to submit it with :meth:`run` instead."""
+        with self._lock:
+            if self._pending:
+                return False
+            self._exec_lock.acquire()
+            return True
+
+    def leave(self) -> None:
+        """Give back what :meth:`enter` took."""
+        self._exec_lock.release()
+
     def close(self) -> None:
         """Finish what is pending, then stop the worker (if one was started)."""
         if self._worker is not None and self._queue is not None:

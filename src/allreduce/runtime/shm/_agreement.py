@@ -25,46 +25,58 @@ class Agreement(PeerWaiting):
     _agreed_seq: int
 
     def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
+        self._write_descriptor(seq, descriptor)
+        out = [
+            descriptor if p == self.rank else self._read_descriptor(p, seq, len(descriptor), deadline=deadline)
+            for p in range(self.world_size)
+        ]
+        # Every peer has entered collective seq, so it has finished reading our data of seq - 1 and earlier:
+        # execute(seq) may reuse the eager snapshot area of seq - 2 without waiting.
+        self._agreed_seq = seq
+        return out
+
+    def _write_descriptor(self, seq: int, descriptor: bytes) -> int:
+        """Publish this rank's ``descriptor`` for collective ``seq``; returns the slot's ``length`` word."""
         parity = seq & 1
         stamp_word = self._descriptor_words[parity]
         payload = self._descriptor_payloads[parity]
         own = self._ctl[self.rank]
         assert own is not None
         own.mm[payload : payload + len(descriptor)] = descriptor
-        views = self._views
-        views[self.rank][stamp_word + 1] = _descriptor_length_word(descriptor)
+        length_word = _descriptor_length_word(descriptor)
+        self._views[self.rank][stamp_word + 1] = length_word
         self._publish(stamp_word, seq)
         self._agreed_seq = -1
-        out: list[bytes] = []
-        for p, segment in enumerate(self._ctl):
-            if p == self.rank:
-                out.append(descriptor)
-                continue
+        return length_word
+
+    def _read_descriptor(self, p: int, seq: int, length: int, *, deadline: float) -> bytes:
+        """Peer ``p``'s descriptor for collective ``seq`` (every rank's has ``length`` bytes), once stamped."""
+        parity = seq & 1
+        stamp_word = self._descriptor_words[parity]
+        payload = self._descriptor_payloads[parity]
+        segment = self._ctl[p]
+        view = self._views[p]
+        if view[stamp_word] < seq:
             # The slot held seq - 2 at the last agreement of this parity (stamps only grow): less is corruption.
             self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1,
                        floor=seq - 2 if seq >= 2 else None, word_name=f"descriptors[{parity}].stamp")  # fmt: skip
-            assert segment is not None
-            view = views[p]
-            stamped, length_word = view[stamp_word], view[stamp_word + 1]
-            # A slot holds the stamps of its parity only, and no peer is two collectives ahead of this one.
-            if stamped & 1 != parity or stamped > seq + 2:
-                raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].stamp", stamped, seq=seq, step=-1)
-            length = length_word & _DESCRIPTOR_LENGTH_MASK
-            # Every rank's descriptor has the same length (a fixed layout): any other, 0 included (whose crc32 is
-            # 0 too, so a zeroed word would pass the crc check below), is a word no writer produced.
-            if length != len(descriptor) or length_word < 0:
-                raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].length", length_word, seq=seq, step=-1)
-            received = segment.mm[payload : payload + length]  # a slice of an mmap is bytes
-            if _descriptor_length_word(received) != length_word:
-                raise corrupt_block_error(
-                    self.rank, p, f"descriptors[{parity}].payload", int.from_bytes(received[:8], "little"),
-                    seq=seq, step=-1,
-                )  # fmt: skip
-            out.append(received)
-        # Every peer has entered collective seq, so it has finished reading our data of seq - 1 and earlier:
-        # execute(seq) may reuse the eager snapshot area of seq - 2 without waiting.
-        self._agreed_seq = seq
-        return out
+        assert segment is not None
+        stamped, length_word = view[stamp_word], view[stamp_word + 1]
+        # A slot holds the stamps of its parity only, and no peer is two collectives ahead of this one.
+        if stamped & 1 != parity or stamped > seq + 2:
+            raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].stamp", stamped, seq=seq, step=-1)
+        received_length = length_word & _DESCRIPTOR_LENGTH_MASK
+        # Every rank's descriptor has the same length (a fixed layout): any other, 0 included (whose crc32 is
+        # 0 too, so a zeroed word would pass the crc check below), is a word no writer produced.
+        if received_length != length or length_word < 0:
+            raise corrupt_block_error(self.rank, p, f"descriptors[{parity}].length", length_word, seq=seq, step=-1)
+        received = segment.mm[payload : payload + length]  # a slice of an mmap is bytes
+        if _descriptor_length_word(received) != length_word:
+            raise corrupt_block_error(
+                self.rank, p, f"descriptors[{parity}].payload", int.from_bytes(received[:8], "little"),
+                seq=seq, step=-1,
+            )  # fmt: skip
+        return received
 
 
 _DESCRIPTOR_LENGTH_MASK = (1 << 32) - 1

@@ -102,6 +102,7 @@ from allreduce.runtime.shm._segments import (
     shm_prefix,
     sweep_stale_segments,
 )
+from allreduce.runtime.shm._small import SmallCalls, SmallProgram
 from allreduce.runtime.shm._waiting import SPIN_S
 
 __all__ = [
@@ -133,7 +134,7 @@ def eager_step_bound(world_size: int) -> int:
     return EAGER_STEPS_PER_RANK * world_size + EAGER_STEPS_SLACK
 
 
-class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
+class ShmTransport(SmallCalls, Agreement, PeerData, Rendezvous, Transport):
     """Shared-memory transport for ``world_size`` ranks of job ``job`` on one host (see the module docstring).
 
     Construction is collective: every rank creates its control block and waits (up to ``timeout_s``) until
@@ -193,6 +194,7 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
         # per-call offsets, computed once from the declared layout (by the parity of the sequence number)
         self._eager_offsets = (self._layout.eager_area_offset(0), self._layout.eager_area_offset(1))
         self._eager_areas: dict[tuple[int, int, np.dtype[Any]], npt.NDArray[Any]] = {}
+        self._small_programs: dict[tuple[RankPlan, np.dtype[Any], int], SmallProgram] = {}
         self._eager_step_bound = eager_step_bound(world_size)
         self._descriptor_words = (descriptor_word(0), descriptor_word(1))
         self._descriptor_payloads = (descriptor_payload_offset(0), descriptor_payload_offset(1))
@@ -217,6 +219,7 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
         self._agreed_seq = -1
         self._prepared_seq = -1
         self._executes_eager = 0
+        self._small_calls = 0  # of the eager executes, those run by run_small
         self._executes_shared = 0
         self._executes_adopted = 0
         self._executes_cross_memory = 0
@@ -297,6 +300,7 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
         """How many executes took each path, and whether peers may read private memory (the start-up probe)."""
         return {
             "executes_eager": self._executes_eager,
+            "small_calls": self._small_calls,
             "executes_shared": self._executes_shared,
             "executes_adopted": self._executes_adopted,
             "executes_cross_memory": self._executes_cross_memory,
@@ -524,8 +528,10 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
                 staged: dict[tuple[int, int], tuple[Piece, npt.NDArray[Any]]] = {}
                 for rv in st.recvs:
                     peer = rv.peer
-                    waited = wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
-                                  what="its data for this step", step=st.index)  # fmt: skip
+                    waited = 0
+                    if views[peer][PROGRESS_WORD] < base + st.index:  # else there already: no call
+                        waited = wait(peer, PROGRESS_WORD, base + st.index, deadline=deadline, seq=seq,
+                                      what="its data for this step", step=st.index)  # fmt: skip
                     if mark is not None:
                         if waited:
                             mark(self.wait_began)
@@ -558,8 +564,9 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
                             staged[a, b] = (pc, tmp)
                             continue
                         for reader, value in () if eager else pc.waits:
-                            wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
-                                 what="reading data this step overwrites", step=st.index)  # fmt: skip
+                            if views[reader][READ_DONE_WORD] < base + value:
+                                wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
+                                     what="reading data this step overwrites", step=st.index)  # fmt: skip
                         if isinstance(source, Remote):
                             self._receive_remote(pc, rv, source, arrays=arrays, ufunc=ufunc, reduce_into=reduce_into,
                                                  seq=seq, step=st.index)  # fmt: skip
@@ -637,9 +644,11 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
     ) -> None:
         """Wait until peers have read this rank's last data, copy staged results back, publish "done"."""
         base = seq << STEP_BITS
+        views = self._views
         for reader, value in () if eager else program.final_waits:
-            self._wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
-                       what="reading this rank's data", step=program.steps[-1].index)  # fmt: skip
+            if views[reader][READ_DONE_WORD] < base + value:
+                self._wait(reader, READ_DONE_WORD, base + value, deadline=deadline, seq=seq,
+                           what="reading this rank's data", step=program.steps[-1].index)  # fmt: skip
         for a, b in program.copyouts:
             copy_into(user[a:b], work[a:b])
         self._publish(PROGRESS_WORD, base + DONE_STEP)
@@ -650,6 +659,7 @@ class ShmTransport(Agreement, PeerData, Rendezvous, Transport):
     def _release_all(self) -> None:
         self._release_ptracer()
         self._eager_areas.clear()
+        self._small_programs.clear()
         sleepers = getattr(self, "_sleepers", None)
         if sleepers is not None:
             sleepers.release()
