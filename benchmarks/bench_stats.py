@@ -1,7 +1,7 @@
 """Runtime statistics: the cost of recording, on vs off in one run, at 4 KiB, 1 MiB and 64 MiB, N = 2 and 4.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_stats.py [--transports shm,tcp] [--world-sizes 2,4]
-                                                          [--sizes 4KiB,1MiB,64MiB] [--rounds 30]
+                                                          [--sizes 4KiB,1MiB,64MiB] [--rounds 30] [--algorithm ring]
 
 Every rank switches recording on and off (``transport.recorder.enabled``) in runs of ``--run`` calls (32), so load
 from other jobs hurts both alike, and the median of each run is what is compared. Why runs, not call by call: what
@@ -76,7 +76,7 @@ def _paired(times: Any, run: int) -> tuple[float, tuple[float, float], float]:
     return float(np.median(pair_ratios)), _median_interval(pair_ratios), float(np.median(off_a) / np.median(off_b))
 
 
-def _rank(group: Any, sizes: list[int], rounds: int, run: int) -> list[tuple[Any, Any, Any]]:
+def _rank(group: Any, sizes: list[int], rounds: int, run: int, algorithm: str) -> list[tuple[Any, Any, Any]]:
     """Per size: every call's wall time and this process's CPU time, and which calls recorded."""
     recorder = group.transport.recorder  # toggled per call: the group's setter would add a queue round trip
     recorder.reserve()  # what the group's setter does when recording is turned on
@@ -84,9 +84,9 @@ def _rank(group: Any, sizes: list[int], rounds: int, run: int) -> list[tuple[Any
     for size in sizes:
         x = np.zeros(size // 4, np.float32)
         for _ in range(3):
-            group.all_reduce(x, algorithm="ring")
+            group.all_reduce(x, algorithm=algorithm)
         start = time.perf_counter()
-        group.all_reduce(x, algorithm="ring")
+        group.all_reduce(x, algorithm=algorithm)
         # every rank must run the same number of calls: rank 0 decides and tells the others
         iters_arr = np.array([max(4, int(_BATCH_S / max(time.perf_counter() - start, 1e-6)))], np.float64)
         group.broadcast(iters_arr)
@@ -99,7 +99,7 @@ def _rank(group: Any, sizes: list[int], rounds: int, run: int) -> list[tuple[Any
             recorder.enabled = bool(recording[i])
             c0 = cpu_clock()
             t0 = clock()
-            group.all_reduce(x, algorithm="ring")
+            group.all_reduce(x, algorithm=algorithm)
             times[i] = clock() - t0
             cpu[i] = cpu_clock() - c0
         recorder.enabled = False
@@ -245,6 +245,12 @@ def main() -> None:
         help="calls in a row in one mode; each run's median is compared (1: alternate call by call, which "
         "charges the off calls with what a recorded call's end delays the next call by)",
     )
+    parser.add_argument(
+        "--algorithm",
+        default="ring",
+        help="what every call runs (auto: small arrays take the one-pass small-call path; the CPU column still "
+        "counts a ring's marks)",
+    )
     args = parser.parse_args()
     sizes = parse_size_range(args.sizes)
     step_s, later_s, call_s = _mark_step_cost_s(), _later_step_cost_s(), _call_cost_s()
@@ -264,7 +270,9 @@ def main() -> None:
     )
     for transport in args.transports.split(","):
         for world_size in (int(w) for w in args.world_sizes.split(",")):
-            results = spawn(world_size, _rank, sizes, args.rounds, args.run, init_options={"transport": transport})
+            results = spawn(
+                world_size, _rank, sizes, args.rounds, args.run, args.algorithm, init_options={"transport": transport}
+            )
             for i, size in enumerate(sizes):
                 times, _, recording = results[0][i]  # rank 0's clock
                 on_s, off_s = float(np.median(times[recording])), float(np.median(times[~recording]))

@@ -133,10 +133,10 @@ class SmallPath:
         raised, rank 0's plan run when the ranks' automatic picks differ, avg's division)."""
         group, transport = self._group, self._transport
         recorder = transport.recorder
-        started = time.perf_counter_ns()
-        seq = group._take_seq()
         recording = recorder.enabled
         if recording:  # Recorder.begin, inline (as on the general path)
+            started = time.perf_counter_ns()
+            seq = group._take_seq()
             log = recorder.log
             if len(log) >= SPILL_ENTRIES:
                 recorder.flush()
@@ -144,6 +144,8 @@ class SmallPath:
             log.append(~seq)
             log.append(started)
             log.append(flat.nbytes)
+        else:
+            seq = group._take_seq()
         reducer = self._reducers[op]
         try:
             descriptors = transport.run_small(seq, flat, descriptor, run.plan, reducer, timeout_s=group.timeout_s)
