@@ -31,31 +31,37 @@ except ImportError:  # the transport's single-module layout
 
 
 # ----------------------------------------------------------------------------------- SIGKILL mid-collective
-def _looping_rank(rank: int, n: int, job: str, started: Any, out: Any, *, plain: bool) -> None:
+def _looping_rank(rank: int, n: int, job: str, started: Any, out: Any, *, plain: bool, small: bool = False) -> None:
     # 1 MiB: the kill lands in the data phase most of the time; a plain array is read by peers in the victim's
-    # own memory (process_vm_readv), a group.zeros() array in its shared segment
+    # own memory (process_vm_readv), a group.zeros() array in its shared segment. small: 1 KiB with auto, the
+    # one-pass small-call path (snapshots)
     transport = ShmTransport(rank, n, job, timeout_s=60, cross_memory_min_bytes=0)  # type: ignore[call-arg]
     group = ProcessGroup(transport, transport_name="shm", timeout_s=60)
-    x = np.zeros(1 << 18, np.float32) if plain else group.zeros(1 << 18, np.float32)
-    group.all_reduce(x, algorithm="ring")
+    algorithm = "auto" if small else "ring"
+    if small:
+        x = np.zeros(256, np.float32)
+    else:
+        x = np.zeros(1 << 18, np.float32) if plain else group.zeros(1 << 18, np.float32)
+    group.all_reduce(x, algorithm=algorithm)
     started.put(rank)
     try:
         while True:
-            group.all_reduce(x, algorithm="ring")
+            group.all_reduce(x, algorithm=algorithm)
     except CollectiveError as exc:
         out.put((rank, type(exc).__name__, exc.peer, str(exc), time.monotonic()))
     finally:
         group.close()
 
 
-def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
+def _kill_launcher(repetitions: int, world_size: int, results: Any, small: bool = False) -> None:
     """Runs in one spawned process and forks each group from it (fast: numpy is already imported)."""
     fork = mp.get_context("fork")
 
     def start(rep: int, started: Any, out: Any) -> tuple[list[Any], Callable[[], None]]:
         job = f"kill-{os.getpid()}-{rep}"
+        kwargs = {"plain": rep % 2 == 1, "small": small}
         procs = [
-            fork.Process(target=_looping_rank, args=(r, world_size, job, started, out), kwargs={"plain": rep % 2 == 1})
+            fork.Process(target=_looping_rank, args=(r, world_size, job, started, out), kwargs=kwargs)
             for r in range(world_size)
         ]
         for p in procs:
@@ -66,12 +72,13 @@ def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_of_one_rank_makes_every_other_rank_raise_naming_it() -> None:
+@pytest.mark.parametrize("small", [False, True], ids=["1MiB-ring", "small-call-path"])
+def test_sigkill_of_one_rank_makes_every_other_rank_raise_naming_it(small: bool) -> None:
     # The issue asks for "within 5 s". Ranks run with a 60 s collective timeout, so a PeerFailureError (not a
     # CollectiveTimeoutError) proves the death was detected by the peer-process watch, not by running out the
     # clock; the latency itself is not asserted (shared machines), benchmarks and the closing note report it.
     results = SPAWN.Queue()
-    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, results))
+    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, results, small))
     launcher.start()
     runs = results.get(timeout=240)
     launcher.join(timeout=30)
