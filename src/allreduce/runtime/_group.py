@@ -61,9 +61,9 @@ from allreduce.runtime._descriptor import (
 )
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
+from allreduce.runtime._plain import PlainCalls
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
-from allreduce.runtime._small import SmallPath
 from allreduce.runtime._stats import SPILL_ENTRIES, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
 from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
@@ -199,9 +199,8 @@ class ProcessGroup:
         # Skip the call when the transport keeps the base class's prepare (which does nothing).
         own_prepare = getattr(type(transport), "prepare", Transport.prepare)
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
-        # The one-pass path for small all-reduces, when the transport has one.
-        own_small = getattr(type(transport), "small_bytes", Transport.small_bytes)
-        self._small = None if own_small is Transport.small_bytes else SmallPath(self, _REDUCERS, _REQUESTED_AUTO)
+        # all_reduce(x) of a contiguous numpy array, every other argument at its default: see runtime/_plain.py
+        self._plain = PlainCalls(self, _REDUCERS, _REQUESTED_AUTO)
         transport.injection = injection_from_env(None, self.rank, self.world_size)
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs under 1% of a 1 MiB call (0.7-0.9% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
@@ -302,13 +301,12 @@ class ProcessGroup:
     ) -> Any:
         """Reduce ``x`` (numpy array or CPU tensor, any shape) over all ranks, in place; returns ``x``."""
         if (
-            self._small is not None
-            and x.__class__ is np.ndarray
+            x.__class__ is np.ndarray
             and algorithm == "auto"
             and not (async_op or checksum or deterministic)
             and (timeout_s is None and tag is None)
             and (segments.__class__ is int and segments == 1)
-            and self._small.run(x, op)
+            and self._plain.run(x, op)
         ):
             return x
         return self._collective(

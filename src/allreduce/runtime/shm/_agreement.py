@@ -25,15 +25,45 @@ class Agreement(PeerWaiting):
     _agreed_seq: int
 
     def _agree(self, seq: int, descriptor: bytes, *, deadline: float, timeout_s: float) -> list[bytes]:
-        self._write_descriptor(seq, descriptor)
-        out = [
-            descriptor if p == self.rank else self._read_descriptor(p, seq, len(descriptor), deadline=deadline)
-            for p in range(self.world_size)
-        ]
+        length_word = self._write_descriptor(seq, descriptor)
+        out = self._descriptors(seq, descriptor, length_word, deadline=deadline)
         # Every peer has entered collective seq, so it has finished reading our data of seq - 1 and earlier:
         # execute(seq) may reuse the eager snapshot area of seq - 2 without waiting.
         self._agreed_seq = seq
         return out
+
+    def _descriptors(self, seq: int, descriptor: bytes, length_word: int, *, deadline: float) -> list[bytes]:
+        """Every rank's descriptor of collective ``seq``, once stamped. A peer's slot whose stamp is one its owner
+        can have written and whose length word and bytes are this rank's is an equal, intact descriptor (the
+        checks of :meth:`_read_descriptor` pass on it): then the list is this rank's descriptor N times. Else every
+        slot is read and checked one by one, naming any corruption."""
+        parity = seq & 1
+        stamp_word = self._descriptor_words[parity]
+        payload = self._descriptor_payloads[parity]
+        end = payload + len(descriptor)
+        views, ctl = self._views, self._ctl
+        for p in range(self.world_size):
+            if p == self.rank:
+                continue
+            view = views[p]
+            if view[stamp_word] < seq:
+                self._wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective",
+                           step=-1, floor=seq - 2 if seq >= 2 else None,
+                           word_name=f"descriptors[{parity}].stamp")  # fmt: skip
+            stamped = view[stamp_word]
+            segment = ctl[p]
+            if (
+                stamped & 1 != parity
+                or stamped > seq + 2
+                or view[stamp_word + 1] != length_word
+                or segment is None
+                or segment.mm[payload:end] != descriptor
+            ):
+                return [
+                    descriptor if q == self.rank else self._read_descriptor(q, seq, len(descriptor), deadline=deadline)
+                    for q in range(self.world_size)
+                ]
+        return [descriptor] * self.world_size
 
     def _write_descriptor(self, seq: int, descriptor: bytes) -> int:
         """Publish this rank's ``descriptor`` for collective ``seq``; returns the slot's ``length`` word."""

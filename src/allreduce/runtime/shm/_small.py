@@ -162,36 +162,12 @@ class SmallCalls(Agreement, PeerData):
         me[BUFFER_OFFSET_WORD] = 0
         self._prepared_seq = seq
         self._publish(PROGRESS_WORD, base)
-        # agree(): equal bytes and an equal length word are an equal, intact descriptor
+        # agree(): the descriptors, compared as bytes (read and checked one by one only if one differs)
         length_word = self._write_descriptor(seq, descriptor)
-        stamp_word = self._descriptor_words[parity]
-        payload = self._descriptor_payloads[parity]
-        end = payload + len(descriptor)
-        ctl = self._ctl
-        wait = self._wait
-        for p in range(self.world_size):
-            if p == self.rank:
-                continue
-            view = views[p]
-            if view[stamp_word] < seq:
-                wait(p, stamp_word, seq, deadline=deadline, seq=seq, what="its call of this collective", step=-1,
-                     floor=seq - 2 if seq >= 2 else None, word_name=f"descriptors[{parity}].stamp")  # fmt: skip
-            stamped = view[stamp_word]
-            segment = ctl[p]
-            if (
-                stamped & 1 != parity
-                or stamped > seq + 2
-                or view[stamp_word + 1] != length_word
-                or segment is None
-                or segment.mm[payload:end] != descriptor
-            ):
-                out = [
-                    descriptor if q == self.rank else self._read_descriptor(q, seq, len(descriptor), deadline=deadline)
-                    for q in range(self.world_size)
-                ]
-                self._agreed_seq = seq
-                return out
+        descriptors = self._descriptors(seq, descriptor, length_word, deadline=deadline)
         self._agreed_seq = seq
+        if any(d is not descriptor for d in descriptors):
+            return descriptors
         self._executes_eager += 1
         self._small_calls += 1
         # execute(): the plan's steps on the snapshots
@@ -214,8 +190,8 @@ class SmallCalls(Agreement, PeerData):
             for peer, a, b, reduce, source, whole, rv in recvs:
                 waited = 0
                 if views[peer][PROGRESS_WORD] < target:
-                    waited = wait(peer, PROGRESS_WORD, target, deadline=deadline, seq=seq,
-                                  what="its data for this step", step=index)  # fmt: skip
+                    waited = self._wait(peer, PROGRESS_WORD, target, deadline=deadline, seq=seq,
+                                        what="its data for this step", step=index)  # fmt: skip
                 if mark is not None:
                     if waited:
                         mark(self.wait_began)

@@ -1,23 +1,24 @@
-"""The group's path for small all-reduces: ``all_reduce(x)`` of a small numpy array, in one pass through the
-transport.
+"""The group's path for plain calls: ``all_reduce(x)`` of a C-contiguous numpy array with every other argument at
+its default, the call a training loop repeats.
 
-Most calls in a training job are small (loss and metric averages, gradient norms, the last buckets) and repeat
-with the same dtype, size and op, so everything per-call constant is looked up once: the checked arguments, the
-algorithm ``auto`` picks, the plan and the descriptor. A call then takes its sequence number, writes the
-recorder's entry and hands the buffer to the transport's :meth:`~allreduce.runtime.Transport.run_small`, which
-does what ``prepare``, ``agree`` and ``execute`` do, in the same order, on the same words (peers on the general
-path pair with it). Every reliability property stays: a mismatch raises :class:`MismatchError` before any data
-moves (the transport returns the descriptors without reading), a dead or stalled peer is named by the same waits.
+Such calls repeat with the same dtype, size and op, so everything per-call constant is looked up once: the checked
+arguments, the algorithm ``auto`` picks, its plan and the descriptor. A call then takes its sequence number, writes
+the recorder's entry and hands the buffer to the transport: a small one to
+:meth:`~allreduce.runtime.Transport.run_small` (when the transport has it), which does what ``prepare``, ``agree``
+and ``execute`` do in one pass, on the same words in the same order (peers on the general path pair with it); any
+other to ``prepare``, ``agree`` and ``execute`` themselves, as the general path calls them. Every reliability
+property stays: a mismatch raises :class:`MismatchError` before any data moves, a dead or stalled peer is named by
+the same waits.
 
-It applies when every argument but ``x`` and ``op`` is at its default, ``x`` is a C-contiguous writeable numpy
-array no larger than :meth:`~allreduce.runtime.Transport.small_bytes`, no asynchronous collective is pending, and
-neither fault injection nor ``ALLREDUCE_DEBUG`` is on; anything else takes the general path, with nothing consumed.
+Anything else takes the general path (:meth:`ProcessGroup._collective`) with nothing consumed: torch tensors,
+strided or read-only arrays, ``async_op``, a ``timeout_s``, ``checksum``, ``deterministic``, ``segments``, ``tag``,
+a call made while asynchronous ones are pending, fault injection and ``ALLREDUCE_DEBUG``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -36,19 +37,23 @@ from allreduce.runtime._descriptor import (
 )
 from allreduce.runtime._runs import Run
 from allreduce.runtime._stats import SPILL_ENTRIES
-from allreduce.runtime._transport import ReduceInto
+from allreduce.runtime._transport import ReduceInto, Transport
 from allreduce.schedules import Collective, CostModel
 
 if TYPE_CHECKING:
     from allreduce.runtime._group import ProcessGroup
 
-__all__ = ["SMALL_CALLS", "SmallPath"]
+__all__ = ["PLAIN_CALLS", "PlainCalls"]
 
-SMALL_CALLS = 256
+PLAIN_CALLS = 256
 """Per-call constants kept (one entry per dtype, size and op); all dropped when full (a training loop uses a few)."""
 
 _ALL_REDUCE = Collective.ALL_REDUCE
 _KIND = KIND_CODES[Collective.ALL_REDUCE]
+
+
+def _no_small_path(seq: int) -> int:
+    return 0
 
 
 class _Call(NamedTuple):
@@ -61,13 +66,17 @@ class _Call(NamedTuple):
     fused_descriptor: bytes
 
 
-class SmallPath:
-    """The small-call path of one group (made by the group when its transport has one)."""
+class PlainCalls:
+    """The plain-call path of one group."""
 
     def __init__(self, group: ProcessGroup, reducers: Mapping[str, ReduceInto], requested_auto: bytes) -> None:
+        transport = group.transport
         self._group = group
-        self._transport = group.transport
-        self._small_bytes = group.transport.small_bytes
+        self._transport = transport
+        own_small = getattr(type(transport), "small_bytes", Transport.small_bytes)
+        self._small_bytes: Callable[[int], int] = (
+            _no_small_path if own_small is Transport.small_bytes else transport.small_bytes
+        )
         self._reducers = reducers
         self._requested_auto = requested_auto
         self._calls: dict[tuple[np.dtype[Any], int, str], _Call] = {}
@@ -75,7 +84,7 @@ class SmallPath:
     def run(self, x: npt.NDArray[Any], op: str) -> bool:
         """``all_reduce(x, op)``: True when done; False, with nothing consumed, for the general path."""
         group = self._group
-        if group._closed or group._debug or not x.size or x.nbytes > self._small_bytes(group._seq):
+        if group._closed or group._debug or not x.size:
             return False
         flags = x.flags
         if not (flags.c_contiguous and flags.writeable) or self._transport.injection is not None:
@@ -123,14 +132,15 @@ class SmallPath:
 
         run, descriptor = constants(plain)
         fused_run, fused_descriptor = constants(fused) if fused != plain else (None, b"")
-        if len(self._calls) >= SMALL_CALLS:
+        if len(self._calls) >= PLAIN_CALLS:
             self._calls.clear()
         call = self._calls[dtype, count, op] = _Call(group.cost_model, run, descriptor, fused_run, fused_descriptor)
         return call
 
     def _run(self, flat: npt.NDArray[Any], op: str, run: Run, descriptor: bytes) -> None:
-        """One call: the recorder's entry, the transport's pass, then what the group does after it (a mismatch
-        raised, rank 0's plan run when the ranks' automatic picks differ, avg's division)."""
+        """One call: the recorder's entry, the transport's calls, then what the group does after the agreement
+        (a mismatch raised, rank 0's plan run when the ranks' automatic picks differ) and the steps (avg's
+        division)."""
         group, transport = self._group, self._transport
         recorder = transport.recorder
         recording = recorder.enabled
@@ -147,15 +157,24 @@ class SmallPath:
         else:
             seq = group._take_seq()
         reducer = self._reducers[op]
+        timeout_s = group.timeout_s
         try:
-            descriptors = transport.run_small(seq, flat, descriptor, run.plan, reducer, timeout_s=group.timeout_s)
+            if flat.nbytes <= self._small_bytes(seq):
+                descriptors = transport.run_small(seq, flat, descriptor, run.plan, reducer, timeout_s=timeout_s)
+            else:
+                if group._prepare is not None:
+                    group._prepare(seq, flat, checksum=False)
+                descriptors = transport.agree(seq, descriptor, timeout_s=timeout_s)
+                if all(d == descriptor for d in descriptors):
+                    transport.execute(run.plan, flat, reducer, seq=seq, timeout_s=timeout_s, checksum=False)
+                    descriptors = None
             if descriptors is not None:
                 check_agreement(group.rank, seq, descriptors)
                 # equal but for the algorithm auto picked (another cost model): every rank runs rank 0's pick
                 chosen = group._runs.registered(
                     _ALL_REDUCE, _KIND, proposal_of(descriptors[0]), root=0, segments=1, count=flat.size
                 )
-                transport.execute(chosen.plan, flat, reducer, seq=seq, timeout_s=group.timeout_s, checksum=False)
+                transport.execute(chosen.plan, flat, reducer, seq=seq, timeout_s=timeout_s, checksum=False)
         except BaseException:
             if recording:
                 recorder.void()
