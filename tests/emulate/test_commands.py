@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ from types import FrameType
 
 import pytest
 
-from allreduce.emulate._netns import _run
+from allreduce.emulate._netns import _run, _stop
 
 
 def _raise(signum: int, frame: FrameType | None) -> None:
@@ -35,6 +36,35 @@ def test_a_stop_signal_during_a_command_is_raised_once_the_command_finished(tmp_
     # interrupt before it kills it: without the fix it never gets to `touch done`.
     command = f"touch {started}; while [ ! -e {sent} ]; do sleep 0.01; done; sleep 0.5; touch {done}"
     previous = signal.signal(signal.SIGTERM, _raise)
+    sender = threading.Thread(target=signal_while_it_runs)
+    try:
+        sender.start()
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            _run(["sh", "-c", command])
+    finally:
+        sender.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert done.exists()
+
+
+@pytest.mark.slow
+def test_a_stop_signal_another_thread_takes_during_a_command_is_raised_once_the_command_finished(
+    tmp_path: Path,
+) -> None:
+    # Sent to the process, not to the main thread: the kernel gives it to a thread that does not block it (here the
+    # sender; in `allreduce emulate run`, numpy's BLAS threads), and Python then runs running()'s handler in the main
+    # thread at its next bytecode, mid-command, whatever the main thread's mask says. The handler must defer it.
+    started, sent, done = tmp_path / "started", tmp_path / "sent", tmp_path / "done"
+
+    def signal_while_it_runs() -> None:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:  # the command is running
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGTERM)
+        sent.touch()
+
+    command = f"touch {started}; while [ ! -e {sent} ]; do sleep 0.01; done; sleep 0.5; touch {done}"
+    previous = signal.signal(signal.SIGTERM, _stop)
     sender = threading.Thread(target=signal_while_it_runs)
     try:
         sender.start()

@@ -82,12 +82,23 @@ def check_privileges() -> None:
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
+class _Commands:
+    """Whether a command is running, and the stop signals that arrived meanwhile (see :func:`_run`)."""
+
+    running = False
+    deferred: list[int] = []  # noqa: RUF012 (one process-wide record, mutated in place)
+
+
 def _run(args: Sequence[str], *, stdin: str | None = None) -> str:
     # A stop signal waits until the command has finished (milliseconds): an interrupt raised while Popen starts the
     # child would leave it running unwatched, and an `ip netns add` finishing after the cleanup listed what exists
-    # would leave its namespace behind. (The child inherits the mask: a timeout kills it with SIGKILL. The mask
-    # is this thread's: the emulate commands run no other thread that could take the signal meanwhile.)
+    # would leave its namespace behind. Two guards, because blocking the signal in this thread is not enough: a
+    # process-directed signal goes to any thread that does not block it (numpy's BLAS starts some), and Python then
+    # runs the handler in the main thread at its next bytecode, mid-command. So the handlers of running() defer a
+    # stop that arrives while a command runs, and it is raised here once the command has finished. (The child
+    # inherits the mask: a timeout kills it with SIGKILL.)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    _Commands.running = True
     try:
         done = subprocess.run(
             list(args), input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
@@ -95,7 +106,12 @@ def _run(args: Sequence[str], *, stdin: str | None = None) -> str:
     except subprocess.TimeoutExpired:
         raise EmulationError(f"`{' '.join(args)}` did not finish in {COMMAND_TIMEOUT_S:g} s") from None
     finally:
+        _Commands.running = False
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if _Commands.deferred:
+        signum = _Commands.deferred.pop()
+        _Commands.deferred.clear()
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
     if done.returncode != 0:
         said = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         reason = next((line for line in said if "rror" in line), said[0] if said else f"exit {done.returncode}")
@@ -311,19 +327,26 @@ def remove(name: str, *, state_dir: Path = STATE_DIR) -> list[str]:
     return removed
 
 
+def _stop(signum: int, frame: FrameType | None) -> None:
+    """running()'s handler of the stop signals: KeyboardInterrupt, once the command running (if any) has finished."""
+    if _Commands.running:  # raised by _run once its command has finished
+        _Commands.deferred.append(signum)
+        return
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
 @contextlib.contextmanager
 def running(spec: EmulationSpec, *, state_dir: Path = STATE_DIR) -> Iterator[Layout]:
     """Build ``spec``, yield its layout, and remove it on every way out: return, exception, Ctrl-C, SIGTERM, SIGHUP.
 
     (SIGKILL cannot be caught: the state file stays, and ``allreduce emulate down`` removes the rest.)"""
 
-    def stop(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)} if in_main_thread else {}
+    # SIGINT too (a BLAS thread may take it, see _run), unless ignored (a background job keeps ignoring it)
+    stops = [sig for sig in _STOP_SIGNALS if sig != signal.SIGINT or signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.getsignal(sig) for sig in stops} if in_main_thread else {}
     for sig in previous:
-        signal.signal(sig, stop)
+        signal.signal(sig, _stop)
     try:
         built = build(spec, state_dir=state_dir)
         try:
