@@ -63,7 +63,12 @@ def test_a_stop_signal_another_thread_takes_during_a_command_is_raised_once_the_
         os.kill(os.getpid(), signal.SIGTERM)
         sent.touch()
 
-    command = f"touch {started}; while [ ! -e {sent} ]; do sleep 0.01; done; sleep 0.5; touch {done}"
+    # It prints while it runs, so the main thread runs Python (subprocess's read loop) during the command: where
+    # the handler would otherwise raise, and subprocess kill the command before its `touch done`.
+    command = (
+        f"touch {started}; while [ ! -e {sent} ]; do echo waiting; sleep 0.01; done; "
+        f"for i in $(seq 50); do echo after; sleep 0.01; done; touch {done}"
+    )
     previous = signal.signal(signal.SIGTERM, _stop)
     sender = threading.Thread(target=signal_while_it_runs)
     try:
