@@ -143,3 +143,18 @@ def kill_rounds(
                     p.join()
             cleanup()
     return runs
+
+
+def count_mismatch(group: Any, dtype: np.dtype[Any], count: int) -> tuple[str, bool]:
+    """Rank 0 passes one element more than the others to ``all_reduce``: (the error each rank raised, or "no error";
+    whether its array was left untouched)."""
+    from allreduce.runtime import MismatchError
+
+    x = contribution(dtype, count + (group.rank == 0), group.rank, "sum")
+    kept = x.copy()
+    try:
+        group.all_reduce(x)
+        said = "no error"
+    except MismatchError as exc:
+        said = str(exc)
+    return said, bool(np.array_equal(x, kept))

@@ -10,9 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_group_harness import contribution, reference
+from test_group_harness import contribution, count_mismatch, reference
 
-from allreduce.runtime import MismatchError
 from allreduce.runtime._spawn import spawn
 from allreduce.schedules import CostModel
 
@@ -42,14 +41,7 @@ def _cases(group: Any) -> dict[str, Any]:
         group.all_reduce(y)
         if not _exact(np.ascontiguousarray(y), want):
             out["wrong"].append(f"mixed count={count}")
-    z = contribution(dt, COUNTS[1] + (rank == 0), rank, "sum")
-    kept = z.copy()
-    try:
-        group.all_reduce(z)
-        out["mismatch"] = "no error"
-    except MismatchError as exc:
-        out["mismatch"] = str(exc)
-    out["mismatch_untouched"] = bool(np.array_equal(z, kept))
+    out["mismatch"], out["mismatch_untouched"] = count_mismatch(group, dt, COUNTS[1])
     # odd ranks' cost model picks another algorithm: every rank runs rank 0's pick
     count = COUNTS[1]
     out["default_pick"] = group.choose_algorithm(count)

@@ -64,7 +64,7 @@ from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plain import PlainCalls
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
-from allreduce.runtime._stats import SPILL_ENTRIES, GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._stats import GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
 from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
@@ -605,14 +605,8 @@ class ProcessGroup:
             started = time.perf_counter_ns()  # one clock read: the call's arrival and the debug log's start
             seq = self._take_seq()
             recording = recorder.enabled
-            if recording:  # Recorder.begin, inline (the hot path: see allreduce.runtime._stats)
-                log = recorder.log
-                if len(log) >= SPILL_ENTRIES:
-                    recorder.flush()
-                    log = recorder.log
-                log.append(~seq)
-                log.append(started)
-                log.append(size_bytes)
+            if recording:  # (plain calls, the hot path, write it inline: allreduce.runtime._plain)
+                recorder.begin(seq, started, size_bytes)
             try:
                 if self._prepare is not None:
                     self._prepare(seq, buf.flat, checksum=checksum)
@@ -630,7 +624,7 @@ class ProcessGroup:
                     recorder.void()
                 raise
             if recording:
-                log.append(time.perf_counter_ns())  # Recorder.end
+                recorder.log.append(time.perf_counter_ns())  # Recorder.end
             if self._debug:
                 self._log(collective, chosen.schedule, size_bytes, (time.perf_counter_ns() - started) * 1e-9, seq)
             return result

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_group_harness import contribution, reference
+from test_group_harness import contribution, count_mismatch, reference
 
-from allreduce.runtime import DTYPES, OPS, MismatchError
+from allreduce.runtime import DTYPES, OPS
 from allreduce.runtime._spawn import spawn
 from allreduce.schedules import CostModel
 
@@ -64,14 +64,7 @@ def _cases(group: Any) -> dict[str, Any]:
     out["mixed_exact"] = _exact(np.ascontiguousarray(x), want, "sum")
     out["mixed_small"] = _small_calls(group) - before
     # a mismatch (rank 0 passes one element more) is raised before anything moves
-    y = contribution(dt, count + (rank == 0), rank, "sum")
-    kept = y.copy()
-    try:
-        group.all_reduce(y)
-        out["mismatch"] = "no error"
-    except MismatchError as exc:
-        out["mismatch"] = str(exc)
-    out["mismatch_untouched"] = bool(np.array_equal(y, kept))
+    out["mismatch"], out["mismatch_untouched"] = count_mismatch(group, dt, count)
     return out
 
 

@@ -103,7 +103,69 @@ class SmallCalls(Agreement, PeerData):
             self.check_usable()
         deadline = time.monotonic() + timeout_s
         try:
-            return self._run_small(seq, buffer, descriptor, plan, reducer, deadline=deadline)
+            parity = seq & 1
+            small = self._small_program(plan, buffer.dtype, parity)
+            views = self._views
+            me = views[self.rank]
+            base = seq << STEP_BITS
+            # prepare(): the step-0 snapshot, then "at step 0"
+            small.own_step0[...] = buffer
+            me[BUFFER_SEGMENT_WORD] = IN_EAGER_SNAPSHOT
+            me[BUFFER_OFFSET_WORD] = 0
+            self._prepared_seq = seq
+            self._publish(PROGRESS_WORD, base)
+            # agree(): the descriptors, compared as bytes (read and checked one by one only if one differs)
+            length_word = self._write_descriptor(seq, descriptor)
+            descriptors = self._descriptors(seq, descriptor, length_word, deadline=deadline)
+            self._agreed_seq = seq
+            if any(d is not descriptor for d in descriptors):
+                return descriptors
+            self._executes_eager += 1
+            self._small_calls += 1
+            # execute(): the plan's steps on the snapshots
+            ufunc = reducer.ufunc  # type: ignore[attr-defined]
+            recorder = self.recorder
+            mark = recorder.append if recorder.enabled else None
+            clock = time.perf_counter_ns
+            if mark is not None:
+                mark(small.program.tag)
+            boundary = True
+            for index, copies, recvs in small.steps:
+                if mark is not None and not recvs:
+                    mark(clock())
+                    boundary = True
+                if index:
+                    for snapshot, a, b in copies:
+                        snapshot[...] = buffer[a:b]
+                    self._publish(PROGRESS_WORD, base + index)
+                target = base + index
+                for peer, a, b, reduce, source, whole, rv in recvs:
+                    waited = 0
+                    if views[peer][PROGRESS_WORD] < target:
+                        waited = self._wait(peer, PROGRESS_WORD, target, deadline=deadline, seq=seq,
+                                            what="its data for this step", step=index)  # fmt: skip
+                    if mark is not None:
+                        if waited:
+                            mark(self.wait_began)
+                        elif boundary:
+                            mark(clock())
+                        else:
+                            mark(0)
+                        boundary = False
+                        mark(waited)
+                    if views[peer][BUFFER_SEGMENT_WORD] != IN_EAGER_SNAPSHOT:
+                        self._receive_published(rv, buffer, reducer, seq=seq, step=index)
+                        continue
+                    mine = buffer if whole else buffer[a:b]
+                    if reduce:
+                        ufunc(mine, source, out=mine)
+                    else:
+                        mine[...] = source
+                self._publish(READ_DONE_WORD, base + index + 1)
+            if mark is not None:
+                mark(clock())
+            self._publish(PROGRESS_WORD, base + DONE_STEP)
+            return None
         except (ValueError, TypeError):
             raise
         except BaseException as exc:
@@ -140,80 +202,6 @@ class SmallCalls(Agreement, PeerData):
     def _peer_step_view(self, rv: Receive, parity: int, dtype: np.dtype[Any], at: int) -> npt.NDArray[Any]:
         """The range ``rv`` receives, in its sender's snapshot of the step that starts at element ``at``."""
         return self._eager_area(rv.peer, parity, dtype)[at + rv.start : at + rv.stop]
-
-    def _run_small(
-        self,
-        seq: int,
-        buffer: npt.NDArray[Any],
-        descriptor: bytes,
-        plan: RankPlan,
-        reducer: ReduceInto,
-        *,
-        deadline: float,
-    ) -> list[bytes] | None:
-        parity = seq & 1
-        small = self._small_program(plan, buffer.dtype, parity)
-        views = self._views
-        me = views[self.rank]
-        base = seq << STEP_BITS
-        # prepare(): the step-0 snapshot, then "at step 0"
-        small.own_step0[...] = buffer
-        me[BUFFER_SEGMENT_WORD] = IN_EAGER_SNAPSHOT
-        me[BUFFER_OFFSET_WORD] = 0
-        self._prepared_seq = seq
-        self._publish(PROGRESS_WORD, base)
-        # agree(): the descriptors, compared as bytes (read and checked one by one only if one differs)
-        length_word = self._write_descriptor(seq, descriptor)
-        descriptors = self._descriptors(seq, descriptor, length_word, deadline=deadline)
-        self._agreed_seq = seq
-        if any(d is not descriptor for d in descriptors):
-            return descriptors
-        self._executes_eager += 1
-        self._small_calls += 1
-        # execute(): the plan's steps on the snapshots
-        ufunc = reducer.ufunc  # type: ignore[attr-defined]
-        recorder = self.recorder
-        mark = recorder.append if recorder.enabled else None
-        clock = time.perf_counter_ns
-        if mark is not None:
-            mark(small.program.tag)
-        boundary = True
-        for index, copies, recvs in small.steps:
-            if mark is not None and not recvs:
-                mark(clock())
-                boundary = True
-            if index:
-                for snapshot, a, b in copies:
-                    snapshot[...] = buffer[a:b]
-                self._publish(PROGRESS_WORD, base + index)
-            target = base + index
-            for peer, a, b, reduce, source, whole, rv in recvs:
-                waited = 0
-                if views[peer][PROGRESS_WORD] < target:
-                    waited = self._wait(peer, PROGRESS_WORD, target, deadline=deadline, seq=seq,
-                                        what="its data for this step", step=index)  # fmt: skip
-                if mark is not None:
-                    if waited:
-                        mark(self.wait_began)
-                    elif boundary:
-                        mark(clock())
-                    else:
-                        mark(0)
-                    boundary = False
-                    mark(waited)
-                if views[peer][BUFFER_SEGMENT_WORD] != IN_EAGER_SNAPSHOT:
-                    self._receive_published(rv, buffer, reducer, seq=seq, step=index)
-                    continue
-                mine = buffer if whole else buffer[a:b]
-                if reduce:
-                    ufunc(mine, source, out=mine)
-                else:
-                    mine[...] = source
-            self._publish(READ_DONE_WORD, base + index + 1)
-        if mark is not None:
-            mark(clock())
-        self._publish(PROGRESS_WORD, base + DONE_STEP)
-        return None
 
     def _receive_published(
         self, rv: Receive, buffer: npt.NDArray[Any], reducer: ReduceInto, *, seq: int, step: int
