@@ -138,7 +138,6 @@ class _Reducer:
 
 
 _REDUCERS = {name: _Reducer(ufunc) for name, ufunc in OPS.items()}
-
 _BARRIER_DESCRIPTOR = barrier_descriptor()
 
 
@@ -203,8 +202,8 @@ class ProcessGroup:
         self._plain = PlainCalls(self, _REDUCERS, _REQUESTED_AUTO)
         transport.injection = injection_from_env(None, self.rank, self.world_size)
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
-        # It costs under 1% of a 1 MiB call (0.7-0.9% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
-        # and 2-5% of a 4 KiB one; ~10 MiB per rank, taken now.
+        # It costs about 1% of a 1 MiB call (0.7-1.4% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
+        # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per rank, taken now.
         if os.environ.get("ALLREDUCE_STATS") != "0" or any(
             os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
         ):
@@ -302,6 +301,7 @@ class ProcessGroup:
         """Reduce ``x`` (numpy array or CPU tensor, any shape) over all ranks, in place; returns ``x``."""
         if (
             x.__class__ is np.ndarray
+            and algorithm.__class__ is str
             and algorithm == "auto"
             and not (async_op or checksum or deterministic)
             and (timeout_s is None and tag is None)

@@ -29,7 +29,8 @@ The class is assembled from mixins, one concern each, whose methods resolve like
 the per-step path): :class:`~allreduce.runtime.shm._rendezvous.Rendezvous` (start-up),
 :class:`~allreduce.runtime.shm._agreement.Agreement` (the descriptor exchange),
 :class:`~allreduce.runtime.shm._waiting.PeerWaiting` (waiting on peers' counters while watching for dead or
-aborted peers) and :class:`~allreduce.runtime.shm._peer_data.PeerData` (reading a peer's data). This module
+aborted peers), :class:`~allreduce.runtime.shm._peer_data.PeerData` (reading a peer's data) and
+:class:`~allreduce.runtime.shm._small.SmallCalls` (a small all-reduce in one pass, ``run_small``). This module
 holds the knobs, what the group calls, and the step loop.
 """
 
