@@ -52,11 +52,10 @@ _Step = tuple[int, tuple[_Copy, ...], tuple[_Recv, ...]]
 class SmallProgram:
     """A plan's eager program for one dtype and parity, as views: made once, reused by every call like it."""
 
-    __slots__ = ("count", "own_step0", "program", "steps")
+    __slots__ = ("own_step0", "program", "steps")
 
-    def __init__(self, program: Program, count: int, own_step0: npt.NDArray[Any], steps: tuple[_Step, ...]) -> None:
+    def __init__(self, program: Program, own_step0: npt.NDArray[Any], steps: tuple[_Step, ...]) -> None:
         self.program = program
-        self.count = count
         self.own_step0 = own_step0
         self.steps = steps
 
@@ -196,7 +195,7 @@ class SmallCalls(Agreement, PeerData):
             steps.append((st.index, copies, recvs))
         if len(self._small_programs) >= 64:
             self._small_programs.clear()
-        small = self._small_programs[key] = SmallProgram(program, count, own[:count], tuple(steps))
+        small = self._small_programs[key] = SmallProgram(program, own[:count], tuple(steps))
         return small
 
     def _peer_step_view(self, rv: Receive, parity: int, dtype: np.dtype[Any], at: int) -> npt.NDArray[Any]:
