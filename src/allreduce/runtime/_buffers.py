@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._descriptor import DTYPE_CODES, DTYPES, dtype_code
 
-__all__ = ["Buffer", "as_buffer", "check_dtype", "is_torch"]
+__all__ = ["Buffer", "as_buffer", "check_dtype", "is_torch", "torch_to_numpy"]
 
 
 class Buffer:
@@ -54,7 +54,7 @@ def is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
 
-def _torch_to_numpy(tensor: Any, what: str) -> npt.NDArray[Any]:
+def torch_to_numpy(tensor: Any, what: str) -> npt.NDArray[Any]:
     import torch
 
     if tensor.device.type != "cpu":
@@ -71,7 +71,7 @@ def as_buffer(x: Any, what: str) -> Buffer:
     if isinstance(x, np.ndarray):
         array = x
     elif is_torch(x):
-        array = _torch_to_numpy(x, what)
+        array = torch_to_numpy(x, what)
     else:
         raise TypeError(f"{what}: expected a numpy array or a torch CPU tensor, got {type(x).__name__}")
     check_dtype(array.dtype, what)

@@ -198,7 +198,7 @@ class ProcessGroup:
         # Skip the call when the transport keeps the base class's prepare (which does nothing).
         own_prepare = getattr(type(transport), "prepare", Transport.prepare)
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
-        # all_reduce(x) of a contiguous numpy array, every other argument at its default: see runtime/_plain.py
+        # all_reduce(x) of a contiguous array or CPU tensor, every other argument at its default: runtime/_plain.py
         self._plain = PlainCalls(self, _REDUCERS, _REQUESTED_AUTO)
         transport.injection = injection_from_env(None, self.rank, self.world_size)
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
@@ -300,8 +300,7 @@ class ProcessGroup:
     ) -> Any:
         """Reduce ``x`` (numpy array or CPU tensor, any shape) over all ranks, in place; returns ``x``."""
         if (
-            x.__class__ is np.ndarray
-            and algorithm.__class__ is str
+            algorithm.__class__ is str
             and algorithm == "auto"
             and not (async_op or checksum or deterministic)
             and (timeout_s is None and tag is None)

@@ -1,5 +1,5 @@
-"""The group's path for plain calls: ``all_reduce(x)`` of a C-contiguous numpy array with every other argument at
-its default, the call a training loop repeats.
+"""The group's path for plain calls: ``all_reduce(x)`` of a C-contiguous numpy array or CPU torch tensor with every
+other argument at its default, the call a training loop repeats.
 
 Such calls repeat with the same dtype, size and op, so everything per-call constant is looked up once: the checked
 arguments, the algorithm ``auto`` picks, its plan and the descriptor. A call then takes its sequence number, writes
@@ -10,7 +10,7 @@ other to ``prepare``, ``agree`` and ``execute`` themselves, as the general path 
 property stays: a mismatch raises :class:`MismatchError` before any data moves, a dead or stalled peer is named by
 the same waits.
 
-Anything else takes the general path (:meth:`ProcessGroup._collective`) with nothing consumed: torch tensors,
+Anything else takes the general path (:meth:`ProcessGroup._collective`) with nothing consumed: tensors off the CPU,
 strided or read-only arrays, ``async_op``, a ``timeout_s``, ``checksum``, ``deterministic``, ``segments``, ``tag``,
 a call made while asynchronous ones are pending, fault injection and ``ALLREDUCE_DEBUG``.
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._buffers import check_dtype
+from allreduce.runtime._buffers import check_dtype, is_torch, torch_to_numpy
 from allreduce.runtime._descriptor import (
     DESCRIPTOR,
     DTYPE_CODES,
@@ -81,9 +81,14 @@ class PlainCalls:
         self._requested_auto = requested_auto
         self._calls: dict[tuple[np.dtype[Any], int, str], _Call] = {}
 
-    def run(self, x: npt.NDArray[Any], op: str) -> bool:
-        """``all_reduce(x, op)``: True when done; False, with nothing consumed, for the general path."""
+    def run(self, x: Any, op: str) -> bool:
+        """``all_reduce(x, op)`` of a numpy array or a CPU torch tensor (reduced through its numpy view, which
+        shares its memory): True when done; False, with nothing consumed, for the general path."""
         group = self._group
+        if x.__class__ is not np.ndarray:
+            if not is_torch(x) or x.device.type != "cpu":
+                return False
+            x = torch_to_numpy(x, "all_reduce(x)")
         if group._closed or group._debug or not x.size:
             return False
         flags = x.flags

@@ -65,7 +65,30 @@ def _cases(group: Any) -> dict[str, Any]:
     out["mixed_small"] = _small_calls(group) - before
     # a mismatch (rank 0 passes one element more) is raised before anything moves
     out["mismatch"], out["mismatch_untouched"] = count_mismatch(group, dt, count)
+    out["torch"] = _torch_cases(group, count)
     return out
+
+
+def _torch_cases(group: Any, count: int) -> dict[str, Any]:
+    """CPU tensors, float32 and bfloat16, on the small path (through their numpy views), and a strided one."""
+    import torch
+
+    n, rank, bf16 = group.world_size, group.rank, DTYPES["bfloat16"]
+    f32 = torch.from_numpy(contribution(np.dtype(np.float32), count, rank, "sum"))
+    b16 = torch.from_numpy(contribution(bf16, count, rank, "sum").view(np.int16)).view(torch.bfloat16)
+    strided = torch.from_numpy(np.repeat(contribution(np.dtype(np.float32), count, rank, "sum"), 2))[::2]
+    before = _small_calls(group)
+    same = [group.all_reduce(t) is t for t in (f32, b16)]
+    small = _small_calls(group) - before
+    group.all_reduce(strided)
+    return {
+        "same": same,
+        "small": small,
+        "f32": _exact(f32.numpy(), reference(np.dtype(np.float32), count, n, "sum"), "sum"),
+        "b16": _exact(b16.view(torch.int16).numpy().view(bf16), reference(bf16, count, n, "sum"), "sum"),
+        "strided": _exact(strided.contiguous().numpy(), reference(np.dtype(np.float32), count, n, "sum"), "sum"),
+        "general": _small_calls(group) - before - small,
+    }
 
 
 def _picks(group: Any) -> dict[str, Any]:
@@ -141,3 +164,16 @@ def test_when_the_ranks_pick_different_algorithms_they_run_rank_0s() -> None:
 def test_a_pending_asynchronous_call_runs_before_a_small_one() -> None:
     results = spawn(2, _async_then_small, timeout_s=120, init_options={"transport": "shm"})
     assert results == [{"big": True, "small": True}] * 2
+
+
+@pytest.mark.slow
+def test_cpu_tensors_take_the_small_path_exactly(reports: list[dict[str, Any]]) -> None:
+    for r in reports:
+        t = r["torch"]
+        assert t["same"] == [True, True]  # the caller's tensors come back, reduced in place
+        assert (t["small"], t["f32"], t["b16"]) == (2, True, True)
+
+
+@pytest.mark.slow
+def test_a_strided_tensor_takes_the_general_path_exactly(reports: list[dict[str, Any]]) -> None:
+    assert [(r["torch"]["strided"], r["torch"]["general"]) for r in reports] == [(True, 0)] * len(reports)
