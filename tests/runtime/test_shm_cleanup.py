@@ -29,6 +29,7 @@ def _files(job: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # alone: any transport another test starts meanwhile sweeps the dead rank's files first
 def test_segments_of_a_killed_rank_are_swept_by_the_next_transport() -> None:
     job = f"sweep-{uuid.uuid4().hex}"
     child = subprocess.run(
