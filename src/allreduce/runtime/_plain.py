@@ -37,7 +37,7 @@ from allreduce.runtime._descriptor import (
 )
 from allreduce.runtime._runs import Run
 from allreduce.runtime._stats import SPILL_ENTRIES
-from allreduce.runtime._transport import ReduceInto, Transport
+from allreduce.runtime._transport import ReduceInto
 from allreduce.schedules import Collective, CostModel
 
 if TYPE_CHECKING:
@@ -50,10 +50,6 @@ PLAIN_CALLS = 256
 
 _ALL_REDUCE = Collective.ALL_REDUCE
 _KIND = KIND_CODES[Collective.ALL_REDUCE]
-
-
-def _no_small_path(seq: int) -> int:
-    return 0
 
 
 class _Call(NamedTuple):
@@ -73,10 +69,7 @@ class PlainCalls:
         transport = group.transport
         self._group = group
         self._transport = transport
-        own_small = getattr(type(transport), "small_bytes", Transport.small_bytes)
-        self._small_bytes: Callable[[int], int] = (
-            _no_small_path if own_small is Transport.small_bytes else transport.small_bytes
-        )
+        self._small_bytes: Callable[[int], int] = transport.small_bytes  # 0 where the transport has no run_small
         self._reducers = reducers
         self._requested_auto = requested_auto
         self._calls: dict[tuple[np.dtype[Any], int, str], _Call] = {}
