@@ -168,8 +168,12 @@ def exited(pidfds: list[int]) -> set[int]:
     fds = [fd for fd in pidfds if fd >= 0]
     if not fds:
         return set()
-    readable, _, _ = select.select(fds, [], [], 0)
-    return set(readable)
+    # poll, not select: select.select refuses descriptors numbered 1024 or more (FD_SETSIZE), which a process
+    # with many open files or many groups reaches. A pidfd reports POLLIN once its process has exited.
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, events in poller.poll(0) if events & (select.POLLIN | select.POLLHUP)}
 
 
 def close_pidfds(pidfds: list[int]) -> None:

@@ -229,7 +229,10 @@ _CLOSED_WAIT_S = 0.2
 def _closed_by_endpoint(sock: socket.socket) -> bool:
     """Whether the other end has closed ``sock`` (EOF or reset) or does so within :data:`_CLOSED_WAIT_S`."""
     try:
-        ready, _, _ = select.select([sock], [], [], _CLOSED_WAIT_S)
+        # poll, not select: select.select refuses descriptors numbered 1024 or more.
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLRDHUP)
+        ready = poller.poll(_CLOSED_WAIT_S * 1000)
         return bool(ready) and sock.recv(1, socket.MSG_PEEK) == b""
     except (ConnectionResetError, ConnectionAbortedError):
         return True
