@@ -61,10 +61,16 @@ KINDS = (
     "port_idle",
     "store_junk",
     "shm_corrupt",
+    "fd_exhaustion",
+    "many_groups",
 )
 """Every fault kind; a case's kind is its seed modulo the number of kinds, so ``--only SEED`` needs nothing else."""
 
-_FAILING_KINDS = ("kill", "exit", "exit_mid", "stall")  # a rank goes away: the others must raise naming it
+_FAILING_KINDS = ("kill", "exit", "exit_mid", "stall", "fd_exhaustion", "many_groups")
+"""A rank goes away: the others must raise naming it."""
+_KILLED_KINDS = ("kill", "fd_exhaustion", "many_groups")
+"""The campaign SIGKILLs the victim once every rank is ready: fd_exhaustion with every rank holding thousands of
+open files (its descriptors numbered past select's 1,024), many_groups with every rank in dozens of shm groups."""
 _MISMATCH_FIELD = {
     "mismatch_count": "count",
     "mismatch_dtype": "dtype",
@@ -87,6 +93,9 @@ importing numpy on 2 loaded cores take seconds)."""
 
 HARD_DEADLINE_MARGIN_S = 20.0
 """After the fault, a rank still alive at 3 x its collective timeout + this margin is hung: it is killed."""
+
+MANY_GROUPS_OPEN_FILES = 600
+"""Descriptors a many_groups rank opens before it joins: with its groups', they pass select's limit of 1,024."""
 
 ATTACK_WINDOW_S = 1.0
 """How long the ranks keep running collectives while attacks are under way, after the last attack ended."""
@@ -140,7 +149,7 @@ def make_case(seed: int) -> Case:
     world_size = rng.randint(2, 8)
     transport = "shm" if kind == "shm_corrupt" else rng.choice(("shm", "tcp"))
     count = rng.choice(SIZES_ELEMENTS)
-    if kind in ("threads", "shm_corrupt") or kind.startswith(("mismatch", "port", "store")):
+    if kind in ("threads", "shm_corrupt", "many_groups") or kind.startswith(("mismatch", "port", "store")):
         count = rng.choice(SIZES_ELEMENTS[:4])
     mode = ""
     if kind == "port_garbage":
@@ -157,6 +166,10 @@ def make_case(seed: int) -> Case:
         mode = rng.choice(("random", "zero", "minus_one", "plus_one", "bit_flip", "huge"))
     elif kind == "exit":
         mode = rng.choice(("sys_exit", "return_without_close"))
+    elif kind == "fd_exhaustion":
+        mode = str(rng.choice((1100, 2000, 4000)))  # descriptors each rank opens before it joins
+    elif kind == "many_groups":
+        mode = str(rng.randint(20, 60))  # extra shm groups each rank joins
     return Case(
         seed=seed,
         kind=kind,
@@ -214,6 +227,12 @@ def worker() -> int:
     from allreduce.runtime import MismatchError
 
     emit(event="start", pid=os.getpid())
+    if case.kind == "fd_exhaustion":
+        _open_files(int(case.mode))
+    elif case.kind == "many_groups":
+        _open_files(MANY_GROUPS_OPEN_FILES)
+        # Dozens of groups on up to 8 ranks: their recorders would take gigabytes; this kind is about descriptors.
+        os.environ["ALLREDUCE_STATS"] = "0"
     group = None
     status = 0
     try:
@@ -231,6 +250,17 @@ def worker() -> int:
             group.close()
         emit(event="closed")
     return status
+
+
+def _open_files(count: int) -> list[int]:
+    """Open ``count`` descriptors for the rank's life, so that what the group opens afterwards is numbered above."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = count + 1024
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else hard, hard))
+    return [os.open(os.devnull, os.O_RDONLY) for _ in range(count)]
 
 
 def _expected(base: Any, world_size: int, iteration: int, salt: int) -> Any:
@@ -258,6 +288,10 @@ def _run_rank(case: Case, rank: int, group: Any, *, emit: Callable[..., None], m
     base = (np.arange(case.count, dtype=np.int64) % PATTERN_PERIOD).astype(np.float32)
     x = np.empty(case.count, np.float32)
     algorithm = case.algorithm
+
+    if case.kind == "many_groups":
+        _loop_over_groups(case, rank, group, emit, base)
+        return
 
     if case.kind in _FAILING_KINDS:
         if case.kind == "exit_mid" and rank == victim:
@@ -323,6 +357,32 @@ def _run_rank(case: Case, rank: int, group: Any, *, emit: Callable[..., None], m
         _check(x, _expected(base, n, it, 0), f"iteration {it}")
         if it == 0:
             emit(event="ready")
+
+
+def _loop_over_groups(case: Case, rank: int, group: Any, emit: Callable[..., None], base: Any) -> None:
+    """All-reduce on each of ``case.mode`` shm groups in turn (and the job's own group) until a rank dies."""
+    import numpy as np
+
+    from allreduce.runtime import ProcessGroup
+    from allreduce.runtime.shm import ShmTransport
+
+    n = case.world_size
+    job = os.path.basename(os.environ["FAULTS_DIR"])
+    groups = [group]
+    try:
+        for i in range(int(case.mode)):
+            transport = ShmTransport(rank, n, f"{job}-g{i}", timeout_s=case.timeout_s)
+            groups.append(ProcessGroup(transport, transport_name="shm", timeout_s=case.timeout_s))
+        x = np.empty(case.count, np.float32)
+        for it in itertools.count():
+            _fill(x, base, rank, it)
+            groups[it % len(groups)].all_reduce(x, algorithm=case.algorithm)
+            _check(x, _expected(base, n, it, 0), f"iteration {it} (group {it % len(groups)})")
+            if it == len(groups) - 1:
+                emit(event="ready")
+    finally:
+        for extra in groups[1:]:
+            extra.close()
 
 
 _THREAD_CALLS = 12  # all-reduces per thread; enough for the two threads' calls to interleave differently
@@ -796,7 +856,7 @@ def _inject(job: _Job, case: Case) -> str:
         job.record_shm()
     time.sleep(case.delay_s)
     victim = job.procs[case.victim]
-    if case.kind == "kill":
+    if case.kind in _KILLED_KINDS:
         victim.kill()
         return ""
     if case.kind == "stall":
@@ -931,7 +991,7 @@ def run_case(case: Case, spawner: Zygote) -> Outcome:
                 with contextlib.suppress(OSError), open(os.path.join(job.dir, f"rank{r}.err"), "rb") as f:
                     info["stderr"] = f.read()[-2000:].decode(errors="replace")
             outcome.ranks[r] = info
-        if case.kind in ("kill", "exit_mid") or (case.kind == "exit" and case.mode == "sys_exit"):
+        if case.kind in (*_KILLED_KINDS, "exit_mid") or (case.kind == "exit" and case.mode == "sys_exit"):
             outcome.ranks.pop(case.victim, None)
         outcome.leftover_processes = len(leftovers) + len(children)
         outcome.leftover_shm = _leftover_shm(job)

@@ -58,3 +58,39 @@ def test_the_sweep_leaves_live_owners_alone() -> None:
     finally:
         transport.close()
     assert _files(job) == []
+
+
+_TWO_GROUPS_CHILD = r"""
+import os, signal, sys
+from allreduce.runtime.shm import ShmTransport
+transports = [ShmTransport(1, 2, job, timeout_s=60) for job in sys.argv[1:]]
+for t in transports:
+    t.allocate(1 << 16)
+print("ready", flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)   # die without close(), as a killed rank does
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # alone: any transport another test starts meanwhile sweeps the dead rank's files first
+def test_closing_groups_removes_the_files_of_a_peer_that_was_killed() -> None:
+    # No collective runs after the kill, so no wait ever finds the dead peer: only close() can.
+    jobs = [f"closed-{uuid.uuid4().hex}" for _ in range(2)]
+    with subprocess.Popen(
+        [sys.executable, "-c", _TWO_GROUPS_CHILD, *jobs], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as child:
+        try:
+            transports = [ShmTransport(0, 2, job, timeout_s=60) for job in jobs]
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "ready"
+            assert child.stdin is not None
+            child.stdin.write("die\n")
+            child.stdin.flush()
+            assert child.wait(timeout=60) == -signal.SIGKILL
+            assert all(any("-1-" in name for name in _files(job)) for job in jobs)  # the dead rank's data segments
+            for t in transports:
+                t.close()
+            assert [_files(job) for job in jobs] == [[], []]
+        finally:
+            child.kill()
