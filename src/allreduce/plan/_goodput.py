@@ -1,0 +1,335 @@
+"""Goodput: the share of a synchronous job's wall time that trains, once failures, checkpoints and restarts count.
+
+A data-parallel job stops when any part it uses fails, so its failure rate is the sum over its parts::
+
+    failures per hour  λ = Σ_c  count_c · rate_c        (GPUs, hosts, NICs, network cables, switches, software)
+    mean time between failures  M = 1 / λ
+
+Rates are per component-hour. The defaults (:data:`LLAMA3_RATES`) are Meta's Llama 3 report ("The Llama 3 Herd of
+Models", 2024, table 5): 419 unexpected interruptions in 54 days (1,296 h) of pre-training on 16,384 H100 GPUs in
+2,048 hosts of 8, with one 400 Gbit/s NIC per GPU, sorted by root cause. Each cause is charged to the part that
+holds it: GPU (faulty GPU 148, HBM3 72, SRAM 19, system processor 17, thermal interface and sensor 6, silent data
+corruption 6: 268), host (host maintenance 32, SSD 3, power supply 3, chassis 2, IO expansion board 2, CPU 2, system
+memory 2: 46), NIC (7), network switch or cable (35) and software (bugs 54, NCCL watchdog 7, dependencies 2: 63, per
+GPU since each GPU runs a process). The report counts switches and cables together; they are charged to cables,
+three per GPU as in a non-blocking three-tier Clos (49,152), so the switch rate defaults to 0. With these rates a
+16,384-GPU job fails every 3.09 h, the report's "one failure every three hours".
+
+Three recovery policies (:data:`POLICIES`):
+
+- ``restart``: roll back to the last checkpoint and restart. Checkpoints of ``write_s`` every ``interval_s`` of work;
+  after a failure the job pays ``restart_s`` (detect, replace the host, reload), during which it can fail again.
+  For exponential failures Daly's complete model ("A higher order estimate of the optimum checkpoint interval for
+  restart dumps", FGCS 2006) is exact for this process::
+
+      wall / work = M · e^(R/M) · (e^((τ+δ)/M) − 1) / τ        τ = interval_s, δ = write_s, R = restart_s
+
+  and the interval defaults to Daly's optimum τ = √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ (for δ < 2M; else M),
+  which refines Young's √(2δM) (CACM 1974).
+- ``spares``: the same with hot spare hosts, so a restart skips waiting for a replacement: R = restart_s −
+  replace_s.
+- ``elastic``: survivors shrink the group and go on from the state they hold (no rollback, no checkpoint needed for
+  the failures it survives). A failure costs ``elastic_recovery_s`` and the progress of the step in flight; up
+  periods are exponential, so with step time t::
+
+      goodput_pause = E[work in an up period] / E[up period + recovery]
+                    = (t · e^(−λt) / (1 − e^(−λt))) / (1/λ + elastic_recovery_s)
+
+  and while a failed host is repaired (``repair_s``) the job runs without its GPUs. By Little's law the mean number
+  of hosts out is λ · repair_s, so the mean capacity is 1 − λ · repair_s · gpus_per_host / gpus (exact for the
+  mean; the global batch is kept, so throughput scales with the GPUs that remain).
+
+Goodput = useful time / wall time; the effective step time is step time / goodput. :func:`simulate_restarts` and
+:func:`simulate_elastic` replay the same processes failure by failure (seeded), the check on the closed forms.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "LLAMA3_RATES",
+    "POLICIES",
+    "Checkpointing",
+    "FailureRates",
+    "Fleet",
+    "GoodputRow",
+    "checkpoint_bytes",
+    "daly_interval",
+    "elastic_goodput",
+    "goodput_table",
+    "restart_goodput",
+    "simulate_elastic",
+    "simulate_restarts",
+    "young_interval",
+]
+
+_LLAMA3_HOURS = 54 * 24.0
+_LLAMA3_GPUS = 16_384
+_LLAMA3_HOSTS = _LLAMA3_GPUS // 8
+_LLAMA3_CABLES = 3 * _LLAMA3_GPUS
+
+POLICIES = ("restart", "spares", "elastic")
+"""Recovery policies compared by :func:`goodput_table`."""
+
+BYTES_PER_PARAMETER = 14
+"""What a mixed-precision Adam checkpoint holds per parameter: bf16 weights (2), fp32 master weights (4) and
+Adam's two fp32 moments (8)."""
+
+
+@dataclass(frozen=True)
+class FailureRates:
+    """Failures per component-hour of each kind of part a job uses."""
+
+    gpu_per_h: float
+    host_per_h: float
+    nic_per_h: float
+    cable_per_h: float
+    switch_per_h: float
+    software_per_gpu_per_h: float
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_per_h", "host_per_h", "nic_per_h", "cable_per_h", "switch_per_h", "software_per_gpu_per_h"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value <= 1.0):
+                raise ValueError(f"failure rate {name} must be a number of failures per hour in [0, 1], got {value}")
+
+
+LLAMA3_RATES = FailureRates(
+    gpu_per_h=268 / (_LLAMA3_HOURS * _LLAMA3_GPUS),
+    host_per_h=46 / (_LLAMA3_HOURS * _LLAMA3_HOSTS),
+    nic_per_h=7 / (_LLAMA3_HOURS * _LLAMA3_GPUS),
+    cable_per_h=35 / (_LLAMA3_HOURS * _LLAMA3_CABLES),
+    switch_per_h=0.0,
+    software_per_gpu_per_h=63 / (_LLAMA3_HOURS * _LLAMA3_GPUS),
+    source="Llama 3 report, table 5 (419 interruptions, 16,384 GPUs, 54 days)",
+)
+"""Per-component rates from the Llama 3 report's root causes (see the module docstring for the attribution)."""
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The parts one job uses: any of them failing stops it."""
+
+    gpus: int
+    gpus_per_host: int = 8
+    nics: int | None = None  # default: one per GPU
+    cables: int | None = None  # default: three per GPU (a non-blocking three-tier Clos)
+    switches: int = 0
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"a fleet needs at least one GPU, got {self.gpus}")
+        if self.gpus_per_host < 1:
+            raise ValueError(f"gpus per host must be >= 1, got {self.gpus_per_host}")
+        for name in ("nics", "cables", "switches"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+
+    @property
+    def hosts(self) -> int:
+        return -(-self.gpus // self.gpus_per_host)
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "gpu": self.gpus,
+            "host": self.hosts,
+            "nic": self.gpus if self.nics is None else self.nics,
+            "cable": 3 * self.gpus if self.cables is None else self.cables,
+            "switch": self.switches,
+            "software": self.gpus,
+        }
+
+    def failures_per_h(self, rates: FailureRates) -> dict[str, float]:
+        """Failures per hour of the job, by kind of part."""
+        per_part = {
+            "gpu": rates.gpu_per_h,
+            "host": rates.host_per_h,
+            "nic": rates.nic_per_h,
+            "cable": rates.cable_per_h,
+            "switch": rates.switch_per_h,
+            "software": rates.software_per_gpu_per_h,
+        }
+        return {kind: count * per_part[kind] for kind, count in self.counts().items()}
+
+    def mtbf_s(self, rates: FailureRates) -> float:
+        """The job's mean time between failures, in seconds (inf when no part can fail)."""
+        total = sum(self.failures_per_h(rates).values())
+        return math.inf if total == 0 else 3600.0 / total
+
+
+def checkpoint_bytes(parameters: float, bytes_per_parameter: float = BYTES_PER_PARAMETER) -> float:
+    """Bytes of a model-and-optimizer checkpoint."""
+    if not (math.isfinite(parameters) and parameters > 0):
+        raise ValueError(f"parameters must be a finite number > 0, got {parameters}")
+    return parameters * bytes_per_parameter
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """How the job checkpoints and recovers (seconds). Defaults other than ``write_s`` are assumptions, stated as
+    such wherever they are printed: set them from your own cluster."""
+
+    write_s: float
+    restart_s: float = 600.0  # a failure's detection, rescheduling and checkpoint reload
+    replace_s: float = 300.0  # the part of restart_s spent waiting for a replacement host (spares skip it)
+    interval_s: float | None = None  # None: Daly's optimum
+    elastic_recovery_s: float = 30.0  # until the runtime's elastic groups measure it
+    repair_s: float = 4 * 3600.0  # how long a failed host stays out of an elastic job
+    assumed: tuple[str, ...] = field(default=("restart_s", "replace_s", "elastic_recovery_s", "repair_s"))
+
+    def __post_init__(self) -> None:
+        for name in ("write_s", "restart_s", "replace_s", "elastic_recovery_s", "repair_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
+        if self.replace_s > self.restart_s:
+            raise ValueError(
+                f"replace_s ({self.replace_s:g}) is part of restart_s ({self.restart_s:g}): it cannot exceed it"
+            )
+        if self.interval_s is not None and not (math.isfinite(self.interval_s) and self.interval_s > 0):
+            raise ValueError(f"interval_s must be a finite number of seconds > 0, got {self.interval_s}")
+
+
+def young_interval(write_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum checkpoint interval √(2δM)."""
+    return math.sqrt(2.0 * write_s * mtbf_s)
+
+
+def daly_interval(write_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum checkpoint interval (of work between checkpoints)."""
+    if math.isinf(mtbf_s):
+        return math.inf
+    if write_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = write_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * write_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - write_s
+
+
+def restart_goodput(interval_s: float, write_s: float, restart_s: float, mtbf_s: float) -> float:
+    """Work / wall time of the checkpoint-restart process (Daly's complete model, exact for exponential failures)."""
+    if math.isinf(mtbf_s):
+        return interval_s / (interval_s + write_s) if math.isfinite(interval_s) else 1.0
+    exponent_restart = restart_s / mtbf_s
+    exponent_segment = (interval_s + write_s) / mtbf_s
+    if exponent_restart + exponent_segment > 700:  # the job (almost) never completes a segment
+        return 0.0
+    return interval_s / (mtbf_s * math.exp(exponent_restart) * math.expm1(exponent_segment))
+
+
+def elastic_goodput(step_s: float, recovery_s: float, mtbf_s: float, capacity: float = 1.0) -> float:
+    """Work / wall time of shrink-and-continue: the pause and the lost step (exact), times the mean capacity."""
+    if math.isinf(mtbf_s):
+        return capacity
+    rate = 1.0 / mtbf_s
+    if step_s <= 0:
+        work = 1.0 / rate
+    else:
+        x = rate * step_s
+        work = step_s * math.exp(-x) / -math.expm1(-x) if x < 700 else 0.0
+    return max(0.0, capacity * work / (1.0 / rate + recovery_s))
+
+
+@dataclass(frozen=True)
+class GoodputRow:
+    """One recovery policy's outcome."""
+
+    policy: str
+    goodput: float
+    interval_s: float | None  # checkpoint interval (None: the policy does not roll back)
+    restart_s: float
+    mtbf_s: float
+
+    def effective_step_s(self, step_s: float) -> float:
+        return math.inf if self.goodput <= 0 else step_s / self.goodput
+
+    def to_json(self) -> dict[str, float | str | None]:
+        return {
+            "policy": self.policy,
+            "goodput": self.goodput,
+            "interval_s": self.interval_s,
+            "restart_s": self.restart_s,
+            "mtbf_s": self.mtbf_s,
+        }
+
+
+def goodput_table(fleet: Fleet, rates: FailureRates, ckpt: Checkpointing, *, step_s: float) -> list[GoodputRow]:
+    """Goodput of each policy in :data:`POLICIES` for ``fleet`` (step time ``step_s`` without failures)."""
+    mtbf = fleet.mtbf_s(rates)
+    rows = []
+    for policy, restart in (("restart", ckpt.restart_s), ("spares", ckpt.restart_s - ckpt.replace_s)):
+        interval = ckpt.interval_s if ckpt.interval_s is not None else daly_interval(ckpt.write_s, mtbf)
+        if math.isinf(interval):
+            interval = math.inf
+        rows.append(GoodputRow(policy, restart_goodput(interval, ckpt.write_s, restart, mtbf), interval, restart, mtbf))
+    hosts_out = (3600.0 / mtbf if math.isfinite(mtbf) else 0.0) * ckpt.repair_s / 3600.0
+    capacity = max(0.0, 1.0 - hosts_out * fleet.gpus_per_host / fleet.gpus)
+    rows.append(
+        GoodputRow(
+            "elastic",
+            elastic_goodput(step_s, ckpt.elastic_recovery_s, mtbf, capacity),
+            None,
+            ckpt.elastic_recovery_s,
+            mtbf,
+        )
+    )
+    return rows
+
+
+def simulate_restarts(
+    interval_s: float, write_s: float, restart_s: float, mtbf_s: float, *, horizon_s: float, seed: int
+) -> tuple[float, float]:
+    """Replay checkpoint-restart failure by failure for ``horizon_s`` of wall time: (goodput, its standard error by
+    batch means over ten equal slices of the run)."""
+    rng = np.random.default_rng(seed)
+    segment_s = interval_s + write_s
+    done_at: list[float] = []  # when each checkpointed segment of interval_s of work completed
+    now = 0.0
+    failure = rng.exponential(mtbf_s)
+    while now < horizon_s:
+        if failure < now + segment_s:  # the segment is lost; restart, failing again if a failure comes first
+            now = failure
+            failure = now + rng.exponential(mtbf_s)
+            while failure < now + restart_s:
+                now = failure
+                failure = now + rng.exponential(mtbf_s)
+            now += restart_s
+            continue
+        now += segment_s
+        done_at.append(now)
+    return _batch_means(np.asarray(done_at), np.full(len(done_at), interval_s), horizon_s)
+
+
+def simulate_elastic(
+    step_s: float, recovery_s: float, mtbf_s: float, *, horizon_s: float, seed: int
+) -> tuple[float, float]:
+    """Replay shrink-and-continue (the pause and the lost step; capacity is not modelled here) for ``horizon_s``:
+    (goodput, standard error by batch means)."""
+    if step_s <= 0:
+        raise ValueError(f"step_s must be > 0, got {step_s}")
+    rng = np.random.default_rng(seed)
+    ends: list[float] = []
+    works: list[float] = []
+    now = 0.0
+    while now < horizon_s:
+        up = rng.exponential(mtbf_s)
+        steps = math.floor(up / step_s)
+        # the up period's whole steps; the one in flight at the failure is lost
+        ends.append(now + steps * step_s)
+        works.append(steps * step_s)
+        now += up + recovery_s
+    return _batch_means(np.asarray(ends), np.asarray(works), horizon_s)
+
+
+def _batch_means(times: np.ndarray, work: np.ndarray, horizon_s: float, batches: int = 10) -> tuple[float, float]:
+    """Useful work per wall second in each of ``batches`` slices of [0, horizon_s): their mean and standard error.
+    Work is counted in the slice where it completed (a slice is many failures long, so the split matters little)."""
+    keep = times <= horizon_s
+    slot = np.minimum((times[keep] / horizon_s * batches).astype(np.int64), batches - 1)
+    share = np.bincount(slot, weights=work[keep], minlength=batches) / (horizon_s / batches)
+    return float(share.mean()), float(share.std(ddof=1) / math.sqrt(batches))
