@@ -83,7 +83,7 @@ from allreduce.runtime.shm._layout import (
     descriptor_payload_offset,
     descriptor_word,
 )
-from allreduce.runtime.shm._linux import CROSS_MEMORY_SUPPORTED, close_pidfds, exited, futex_wake
+from allreduce.runtime.shm._linux import CROSS_MEMORY_SUPPORTED, close_pidfds, futex_wake
 from allreduce.runtime.shm._peer_data import (
     HugePageMemo,
     PeerData,
@@ -102,7 +102,6 @@ from allreduce.runtime.shm._segments import (
     control_segment_path,
     shm_prefix,
     sweep_stale_segments,
-    unlink_rank_files,
 )
 from allreduce.runtime.shm._small import SmallCalls, SmallProgram
 from allreduce.runtime.shm._waiting import SPIN_S
@@ -409,22 +408,6 @@ class ShmTransport(SmallCalls, Agreement, PeerData, Rendezvous, Transport):
             self._publish(CLOSED_WORD, 1)
             self._unlink_dead_peers_files()
         self._release_all()
-
-    def _unlink_dead_peers_files(self) -> None:
-        """Remove the files of peers that exited without closing (a SIGKILLed rank cannot). The rank that waited
-        on a dead peer removes them when it raises; a group that never waited on it since (one of a process's many
-        groups, when another of them found the death) would otherwise leave them until the next transport's
-        sweep."""
-        if not self._pidfds:
-            return
-        gone = exited(self._pidfds)
-        if not gone:
-            return
-        others = [p for p in range(self.world_size) if p != self.rank]
-        views = self._views
-        dead = [p for p, fd in zip(others, self._pidfds, strict=True) if fd in gone and not views[p][CLOSED_WORD]]
-        if dead:
-            unlink_rank_files(self._prefix, dead)
 
     def _abort(self, error: CollectiveError, seq: int) -> None:
         """Publish why this rank gave up (peers waiting on it stop at once and raise the same class)."""

@@ -199,12 +199,7 @@ class PeerWaiting:
 
     def _check_peers(self, peer: int, word: int, target: int, *, seq: int, what: str, step: int) -> None:
         """Raise if a peer died, closed, or gave up (after re-checking the awaited condition)."""
-        dead: list[int] = []
-        if self._pidfds:
-            gone = exited(self._pidfds)
-            if gone:
-                others = [p for p in range(self.world_size) if p != self.rank]
-                dead = [p for p, fd in zip(others, self._pidfds, strict=True) if fd in gone]
+        dead = self._exited_peers()
         views = self._views
         self._check_abort_words(seq=seq, step=step)
         # A rank that gave up set its abort flag before exiting; a rank that closed set its closed flag. Only a
@@ -258,6 +253,26 @@ class PeerWaiting:
             else p,
             step=step_or_none,
         )
+
+    def _exited_peers(self) -> list[int]:
+        """The peers whose process has exited (their pidfd is readable), closed or not."""
+        if not self._pidfds:
+            return []
+        gone = exited(self._pidfds)
+        if not gone:
+            return []
+        others = [p for p in range(self.world_size) if p != self.rank]
+        return [p for p, fd in zip(others, self._pidfds, strict=True) if fd in gone]
+
+    def _unlink_dead_peers_files(self) -> None:
+        """Remove the files of peers that exited without closing (a SIGKILLed rank cannot). The rank whose wait
+        finds a dead peer removes them as it raises; a group that never waited on it since (one of a process's many
+        groups, when another of them found the death) would otherwise leave them until the next transport's
+        sweep, so closing calls this too."""
+        views = self._views
+        dead = [p for p in self._exited_peers() if not views[p][CLOSED_WORD]]
+        if dead:
+            unlink_rank_files(self._prefix, dead)
 
     def _check_abort_words(self, *, seq: int, step: int) -> None:
         """Raise :func:`corrupt_block_error` for the lowest peer whose ``aborted``, ``culprit`` or ``closed`` word
