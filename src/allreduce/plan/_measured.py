@@ -1,0 +1,247 @@
+"""When each gradient is ready during backward: measured on a real model here, or read from a profiler trace.
+
+DDP all-reduces a bucket once backward has produced every gradient in it, so how much of the all-reduce hides
+behind backward depends on the order and the timing of the layers, not on a fixed share. A
+:class:`MeasuredBackward` holds, for one training step, the forward, backward and optimizer durations and each
+parameter tensor's ready time as a fraction of backward (0: ready as backward starts, 1: as it ends).
+
+- :func:`measure_module` runs forward, backward and an optimizer step of a ``torch.nn.Module`` several times,
+  stamping each parameter's ready time with ``register_post_accumulate_grad_hook`` (the moment its ``.grad`` is
+  final, which is when DDP's reducer marks it ready), and keeps the median of each quantity.
+- :func:`read_profile` reads one step of a ``torch.profiler`` (Kineto) Chrome trace (the last ``ProfilerStep``, or
+  without step marks the span after the last optimizer step but one), for instance one recorded on a
+  GPU cluster elsewhere: backward spans the ``autograd::engine::evaluate_function`` events, each gradient is ready
+  at the end of its ``torch::autograd::AccumulateGrad`` event (its size from the event's input shape, which the
+  trace has when it was recorded with ``record_shapes=True``), the optimizer is the ``Optimizer.step#`` events.
+  The times are the host's: with a GPU, kernels finish after the host enqueued them, and DDP's all-reduce waits
+  on the same stream, so a trace whose GPU runs far behind its host reads backward as shorter than it is.
+  A trace does not say which parameter a gradient belongs to, only its shape and when it was ready; tensors are
+  taken in registration order as the reverse of their ready order (the order DDP's buckets assume).
+
+Chakra execution traces (another format that carries the same dependencies) are not read: no package that reads
+them installs from the Python package index.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MAX_PROFILE_BYTES", "MeasuredBackward", "measure_module", "read_profile"]
+
+MAX_PROFILE_BYTES = 1 << 30
+"""The largest trace file read (a step's trace of a large model is tens of MB; a whole profiled run can be GBs)."""
+
+
+@dataclass(frozen=True)
+class MeasuredBackward:
+    """One step's timing: durations in seconds; per parameter tensor (registration order) its element count and its
+    ready time as a fraction of backward."""
+
+    source: str
+    tensor_params: tuple[int, ...]
+    ready_fraction: tuple[float, ...]
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+
+    def __post_init__(self) -> None:
+        if len(self.tensor_params) != len(self.ready_fraction):
+            raise ValueError(f"{len(self.tensor_params)} tensors but {len(self.ready_fraction)} ready times")
+        if not self.tensor_params:
+            raise ValueError(f"{self.source}: no gradient found")
+        for name in ("forward_s", "backward_s", "optimizer_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{self.source}: {name} must be a finite number of seconds >= 0, got {value}")
+        if any(not 0.0 <= f <= 1.0 for f in self.ready_fraction):
+            raise ValueError(f"{self.source}: ready fractions must lie in [0, 1]")
+
+    @property
+    def compute_s(self) -> float:
+        """Forward and backward: what the planner's compute per micro-batch is."""
+        return self.forward_s + self.backward_s
+
+    @property
+    def backward_share(self) -> float:
+        return self.backward_s / self.compute_s if self.compute_s > 0 else 0.0
+
+    def scaled(self, compute_s: float, source: str) -> MeasuredBackward:
+        """The same step on a machine where forward and backward take ``compute_s`` (the optimizer scales alike)."""
+        factor = compute_s / self.compute_s if self.compute_s > 0 else 0.0
+        return MeasuredBackward(
+            source,
+            self.tensor_params,
+            self.ready_fraction,
+            self.forward_s * factor,
+            self.backward_s * factor,
+            self.optimizer_s * factor,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "tensors": len(self.tensor_params),
+            "params": sum(self.tensor_params),
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "optimizer_s": self.optimizer_s,
+        }
+
+
+def _loss_of(output: Any) -> Any:
+    """A scalar to run backward from: the output itself when it is one, else the sum of its (first) tensor."""
+    while isinstance(output, tuple | list) and output:
+        output = output[0]
+    if isinstance(output, dict) and output:
+        output = output.get("loss", next(iter(output.values())))
+    if not hasattr(output, "backward"):
+        raise ValueError(f"the model's output is a {type(output).__name__}, not a tensor to run backward from")
+    return output if output.dim() == 0 else output.float().sum()
+
+
+def measure_module(
+    net: Any,
+    inputs: Sequence[Any],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    optimizer: Callable[[Any], Any] | None = None,
+    source: str = "",
+) -> MeasuredBackward:
+    """Run ``net(*inputs)``, backward and an optimizer step ``warmup + repeats`` times; the medians of the last
+    ``repeats``. ``optimizer`` makes the optimizer from the parameters (default: AdamW, the usual choice, whose
+    step costs more than SGD's)."""
+    import torch
+
+    if not isinstance(net, torch.nn.Module):
+        raise ValueError(f"measure_module needs a torch.nn.Module, got {type(net).__name__}")
+    if not 1 <= repeats <= 1000 or not 0 <= warmup <= 100:
+        raise ValueError(f"repeats must be in [1, 1000] and warmup in [0, 100], got {repeats} and {warmup}")
+    params = [p for p in net.parameters() if p.requires_grad and p.numel() > 0]
+    if not params:
+        raise ValueError(f"{source or type(net).__name__}: the module has no trainable parameters")
+    opt = optimizer(params) if optimizer is not None else torch.optim.AdamW(params, lr=1e-9)
+    stamps = [0.0] * len(params)
+    clock = time.perf_counter
+
+    def stamp(index: int) -> Callable[[Any], None]:
+        def hook(_param: Any) -> None:
+            stamps[index] = clock()
+
+        return hook
+
+    handles = [p.register_post_accumulate_grad_hook(stamp(i)) for i, p in enumerate(params)]  # type: ignore[no-untyped-call]
+    forward, backward, step = [], [], []
+    fractions: list[list[float]] = []
+    try:
+        for rep in range(warmup + repeats):
+            opt.zero_grad(set_to_none=True)
+            t0 = clock()
+            loss = _loss_of(net(*inputs))
+            t1 = clock()
+            loss.backward()
+            t2 = clock()
+            opt.step()
+            t3 = clock()
+            if rep < warmup:
+                continue
+            span = t2 - t1
+            forward.append(t1 - t0)
+            backward.append(span)
+            step.append(t3 - t2)
+            fractions.append([min(1.0, max(0.0, (s - t1) / span)) if span > 0 else 1.0 for s in stamps])
+    finally:
+        for handle in handles:
+            handle.remove()
+    ready = tuple(statistics.median(column) for column in zip(*fractions, strict=True))
+    return MeasuredBackward(
+        source or f"measured: {type(net).__name__}, median of {repeats} steps on this machine",
+        tuple(int(p.numel()) for p in params),
+        ready,
+        statistics.median(forward),
+        statistics.median(backward),
+        statistics.median(step),
+    )
+
+
+_BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+_OPTIMIZER_PREFIX = "Optimizer.step#"
+_STEP_PREFIX = "ProfilerStep"
+
+
+def read_profile(path: str) -> MeasuredBackward:
+    """One training step of a ``torch.profiler`` Chrome trace (the last ``ProfilerStep`` in it, or the whole trace
+    when it names none). Errors name the file and what is missing."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the profile ({exc.strerror or exc})") from None
+    if size > MAX_PROFILE_BYTES:
+        raise ValueError(
+            f"{path}: {size:,} bytes is more than the {MAX_PROFILE_BYTES:,} read; profile one step "
+            "(a torch.profiler.schedule with active=1)"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a Chrome trace JSON file ({exc})") from None
+    events = document.get("traceEvents") if isinstance(document, dict) else document
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: no traceEvents list (is this a torch.profiler export_chrome_trace file?)")
+    spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and _is_span(e)]
+    steps = [e for e in spans if str(e["name"]).startswith(_STEP_PREFIX)]
+    if steps:
+        last = max(steps, key=lambda e: float(e["ts"]))
+        start, end = float(last["ts"]), float(last["ts"]) + float(last["dur"])
+        spans = [e for e in spans if start <= float(e["ts"]) <= end]
+    else:
+        # No step marks: the last step ends with the last optimizer step and starts after the one before it.
+        optimizer_ends = sorted(
+            float(e["ts"]) + float(e["dur"]) for e in spans if str(e["name"]).startswith(_OPTIMIZER_PREFIX)
+        )
+        if len(optimizer_ends) >= 2:
+            start, end = optimizer_ends[-2], optimizer_ends[-1]
+            spans = [e for e in spans if start < float(e["ts"]) <= end]
+    backward = [e for e in spans if str(e["name"]).startswith(_BACKWARD_PREFIX)]
+    if not backward:
+        raise ValueError(f"{path}: no backward in the trace (no {_BACKWARD_PREFIX} events)")
+    backward_start = min(float(e["ts"]) for e in backward)
+    backward_end = max(float(e["ts"]) + float(e["dur"]) for e in backward)
+    grads = sorted((e for e in spans if e["name"] == _ACCUMULATE), key=lambda e: float(e["ts"]))
+    sizes, ready = [], []
+    for e in grads:
+        dims = (e.get("args") or {}).get("Input Dims")
+        if not (isinstance(dims, list) and dims and isinstance(dims[0], list)):
+            raise ValueError(f"{path}: a gradient event has no input shape; record the trace with record_shapes=True")
+        sizes.append(math.prod(int(d) for d in dims[0]))
+        done = float(e["ts"]) + float(e["dur"])
+        span = backward_end - backward_start
+        ready.append(min(1.0, max(0.0, (done - backward_start) / span)) if span > 0 else 1.0)
+    if not grads:
+        raise ValueError(f"{path}: no gradients in the trace (no {_ACCUMULATE} events)")
+    forward_start = min(float(e["ts"]) for e in spans if not str(e["name"]).startswith(_STEP_PREFIX))
+    optimizer_us = sum(float(e["dur"]) for e in spans if str(e["name"]).startswith(_OPTIMIZER_PREFIX))
+    return MeasuredBackward(
+        f"profile {os.path.basename(path)}",
+        tuple(reversed(sizes)),
+        tuple(reversed(ready)),
+        max(0.0, backward_start - forward_start) / 1e6,
+        (backward_end - backward_start) / 1e6,
+        optimizer_us / 1e6,
+    )
+
+
+def _is_span(event: dict[str, Any]) -> bool:
+    try:
+        return isinstance(event.get("name"), str) and float(event["ts"]) >= 0 and float(event["dur"]) >= 0
+    except (KeyError, TypeError, ValueError):
+        return False

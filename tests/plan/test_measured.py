@@ -1,0 +1,110 @@
+"""Backward timing measured on a real model and read from torch.profiler traces the test records itself."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from allreduce.plan._measured import MeasuredBackward, measure_module, read_profile  # noqa: E402
+
+
+def _mlp() -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8)
+    )
+
+
+def _sizes(net: Any) -> tuple[int, ...]:
+    return tuple(int(p.numel()) for p in net.parameters())
+
+
+def _record_trace(path: Path, *, shapes: bool = True, steps: bool = True) -> None:
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    net = _mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(64, 256)
+
+    # With steps, a schedule marks the active step (ProfilerStep#1); without, every step is in the trace.
+    def export(prof: Any) -> None:
+        prof.export_chrome_trace(str(path))
+
+    plan: dict[str, Any] = {"schedule": schedule(wait=0, warmup=1, active=1), "on_trace_ready": export} if steps else {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes, **plan) as prof:
+            for _ in range(2):
+                net(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+    if not steps:
+        prof.export_chrome_trace(str(path))
+
+
+@pytest.mark.slow
+def test_measuring_a_model_times_each_parameter_in_registration_order() -> None:
+    net = _mlp()
+    measured = measure_module(net, (torch.randn(64, 256),), repeats=3)
+    assert measured.tensor_params == _sizes(net)
+    assert measured.forward_s > 0
+    assert measured.backward_s > 0
+    assert measured.optimizer_s > 0
+
+
+def test_the_last_layers_gradients_are_ready_before_the_first_layers() -> None:
+    measured = measure_module(_mlp(), (torch.randn(64, 256),), repeats=3)
+    first_weight, last_weight = measured.ready_fraction[0], measured.ready_fraction[-2]
+    assert last_weight < first_weight
+
+
+def test_a_profile_gives_back_the_models_tensors_in_registration_order(tmp_path: Path) -> None:
+    trace = tmp_path / "step.json"
+    _record_trace(trace)
+    measured = read_profile(str(trace))
+    assert measured.tensor_params == _sizes(_mlp())
+    assert list(measured.ready_fraction) == sorted(measured.ready_fraction, reverse=True)
+    assert measured.forward_s > 0
+    assert measured.backward_s > 0
+    assert measured.optimizer_s > 0
+
+
+def test_a_profile_without_step_marks_is_read_from_its_last_step(tmp_path: Path) -> None:
+    trace = tmp_path / "steps.json"
+    _record_trace(trace, steps=False)
+    assert read_profile(str(trace)).tensor_params == _sizes(_mlp())
+
+
+def test_a_profile_without_shapes_is_refused_saying_how_to_record_one(tmp_path: Path) -> None:
+    trace = tmp_path / "step.json"
+    _record_trace(trace, shapes=False)
+    with pytest.raises(ValueError, match="record_shapes=True"):
+        read_profile(str(trace))
+
+
+def test_a_file_that_is_not_a_trace_is_refused_naming_it(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not json")
+    with pytest.raises(ValueError, match=r"junk\.json: not a Chrome trace"):
+        read_profile(str(junk))
+
+
+def test_a_trace_without_backward_is_refused(tmp_path: Path) -> None:
+    trace = tmp_path / "forward.json"
+    trace.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1.0, "dur": 2.0}]}))
+    with pytest.raises(ValueError, match="no backward"):
+        read_profile(str(trace))
+
+
+def test_scaling_keeps_the_ready_fractions_and_scales_every_duration() -> None:
+    measured = MeasuredBackward("m", (10, 20), (1.0, 0.5), forward_s=1.0, backward_s=2.0, optimizer_s=0.5)
+    target = measured.scaled(0.3, "target")
+    assert target.ready_fraction == measured.ready_fraction
+    assert (target.forward_s, target.backward_s, target.optimizer_s) == pytest.approx((0.1, 0.2, 0.05))
