@@ -2,6 +2,7 @@
 
 from allreduce.runtime._bench import BenchConfig, BenchRow, default_iters, expected_result, pattern, run_bench
 from allreduce.runtime._bootstrap import init
+from allreduce.runtime._cost_models import SHM_FUSED_BYTES, default_cost_model
 from allreduce.runtime._descriptor import DTYPES, OPS
 from allreduce.runtime._errors import (
     ChecksumError,
@@ -10,8 +11,9 @@ from allreduce.runtime._errors import (
     MismatchError,
     PeerFailureError,
     ProtocolError,
+    ShrinkError,
 )
-from allreduce.runtime._group import SHM_FUSED_BYTES, STATS_FILE_ENV, ProcessGroup, default_cost_model
+from allreduce.runtime._group import STATS_FILE_ENV, ProcessGroup
 from allreduce.runtime._inject import ENV_VAR as INJECT_ENV
 from allreduce.runtime._launch import LaunchResult, launch
 from allreduce.runtime._local import LocalTransport, local_groups, local_transports
@@ -70,6 +72,7 @@ __all__ = [
     "RankPlan",
     "RankStats",
     "ReduceInto",
+    "ShrinkError",
     "Step",
     "Transfer",
     "Transport",

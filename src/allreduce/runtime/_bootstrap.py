@@ -10,11 +10,14 @@ import re
 import socket
 import uuid
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from allreduce.runtime._args import integer_arg
+from allreduce.runtime._cost_models import default_cost_model
+from allreduce.runtime._elastic import SHRINK_PREFIX, Lineage
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
-from allreduce.runtime._group import ProcessGroup, default_cost_model
+from allreduce.runtime._group import ProcessGroup
 from allreduce.runtime._transport import Transport
 from allreduce.schedules import CostModel
 
@@ -252,9 +255,31 @@ def init(
         store.close()
         raise
     model = cost_model or _tuned_model(transport, world_size)
+    kind = transport
+
+    def rebuild(members: Sequence[int], epoch: int, new_rank: int, view: Any) -> tuple[Transport, int, CostModel]:
+        # The shrunk group of ``members`` (store ranks): the same kind of transport, under names of its own.
+        size = len(members)
+        peers_here = sum(1 for r in members if hosts[r] == hosts[rank])
+        made: Transport
+        if kind == "shm":
+            from allreduce.runtime.shm import ShmTransport
+
+            made = ShmTransport(new_rank, size, f"{job}-e{epoch}", timeout_s=timeout_s, cross_memory=cross_memory)
+        else:
+            from allreduce.runtime.tcp import TcpTransport
+
+            listen, advertise = ("127.0.0.1", None) if same_host else ("0.0.0.0", _advertised_host(host))
+            made = TcpTransport(
+                new_rank, size, view, host=listen, token=token, timeout_s=timeout_s, advertise_host=advertise,
+                prefix=f"{SHRINK_PREFIX}/{epoch}/tcp",
+            )  # fmt: skip
+        return made, peers_here, cost_model or _tuned_model(kind, size)
+
     group = ProcessGroup(
-        chosen, transport_name=transport, timeout_s=timeout_s, cost_model=model, group_size=group_size, store=store
-    )
+        chosen, transport_name=transport, timeout_s=timeout_s, cost_model=model, group_size=group_size, store=store,
+        lineage=Lineage(rebuild, rank, tuple(range(world_size))),
+    )  # fmt: skip
     if agent is None:
         _OPEN_GROUPS[(host, port)] = weakref.ref(group)
     return group

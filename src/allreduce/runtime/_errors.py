@@ -9,6 +9,7 @@ __all__ = [
     "MismatchError",
     "PeerFailureError",
     "ProtocolError",
+    "ShrinkError",
 ]
 
 
@@ -28,6 +29,11 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class PeerFailureError(CollectiveError):
     """A peer process died or closed its connection mid-collective; ``peer`` is that rank."""
+
+
+class ShrinkError(CollectiveError):
+    """The survivors of a failure could not form a smaller group (:meth:`ProcessGroup.shrink`); every survivor
+    raises it with the reason."""
 
 
 class MismatchError(CollectiveError):

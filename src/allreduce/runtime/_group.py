@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._args import integer_arg, rank_arg
 from allreduce.runtime._buffers import Buffer, as_buffer, check_dtype
+from allreduce.runtime._cost_models import default_cost_model
 from allreduce.runtime._descriptor import (
     BARRIER_CODE,
     DESCRIPTOR,
@@ -59,6 +60,7 @@ from allreduce.runtime._descriptor import (
     proposal_of,
     tag_bytes,
 )
+from allreduce.runtime._elastic import Lineage, shrink
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plain import PlainCalls
@@ -75,13 +77,9 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DTYPES",
     "OPS",
-    "SHM_FUSED_BYTES",
-    "SHM_SHARED_CORES_STEP_S",
-    "SHM_STEP_S",
     "STATS_FILE_ENV",
     "ProcessGroup",
     "Work",
-    "default_cost_model",
 ]
 
 STATS_FILE_ENV = "ALLREDUCE_STATS_FILE"
@@ -95,34 +93,6 @@ _REQUESTED_AUTO = b"auto"
 _REQUESTED_DETERMINISTIC = b"deterministic"
 # per collective: how errors name its argument, and its code in descriptors and cache keys (one enum hash a call)
 _COLLECTIVE_INFO = {c: (f"{c.value}(x)", KIND_CODES[c]) for c in Collective}
-
-
-SHM_STEP_S = 8e-6
-"""α of shm when every rank has a core: what one more step costs a call (measured at 4 KiB, N=2, 2026-12-01:
-recursive doubling, 1 step, 65.9 µs; halving-doubling and ring, 2 steps, 74.2 and 76.2 µs)."""
-
-SHM_SHARED_CORES_STEP_S = 25e-6
-"""α of shm with more ranks than cores: a handoff then waits for the waiting rank to be scheduled (measured at 4 KiB,
-N=4 on 2 cores, 2026-12-01: recursive doubling, 2 steps, 285 µs; halving-doubling, 4 steps, 332 µs; ring, 6
-steps, 401 µs: 23-29 µs per step)."""
-
-
-SHM_FUSED_BYTES = 256 << 10
-"""The shm model's ``fused_bytes``: calls whose steps × size fit the eager snapshots
-(:data:`~allreduce.runtime.shm.EAGER_BYTES`) are read out of a snapshot and reduced in one pass per step (measured
-at N=2, 2026-12-03, recursive doubling against the ring: 0.92 of its time at 64 KiB, 0.66 at 256 KiB, in
-``group.empty()`` buffers as in plain arrays; beyond the snapshots, in-place recursive doubling reduces through
-scratch and lost: 1.31-4.5x the ring's time from 512 KiB to 8 MiB)."""
-
-
-def default_cost_model(transport: str, world_size: int = 1) -> CostModel:
-    """Built-in α, β, γ per transport (measured on the 2-core development machine; ``allreduce tune`` refines);
-    shm's α is larger when ``world_size`` ranks share fewer cores (:data:`SHM_SHARED_CORES_STEP_S`)."""
-    if transport == "shm":
-        shared = world_size > len(os.sched_getaffinity(0))
-        step_s = SHM_SHARED_CORES_STEP_S if shared else SHM_STEP_S
-        return CostModel(latency_s=step_s, bandwidth_Bps=6e9, reduce_bandwidth_Bps=7e9, fused_bytes=SHM_FUSED_BYTES)
-    return CostModel(latency_s=40e-6, bandwidth_Bps=2e9, reduce_bandwidth_Bps=7e9)
 
 
 class _Reducer:
@@ -174,6 +144,7 @@ class ProcessGroup:
         cost_model: CostModel | None = None,
         group_size: int | None = None,
         store: Any = None,
+        lineage: Lineage | None = None,
     ) -> None:
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
@@ -186,6 +157,7 @@ class ProcessGroup:
         self.cost_model = cost_model or default_cost_model(self.transport_name, self.world_size)
         self.group_size = group_size or self.world_size
         self._store = store
+        self._lineage = lineage  # how to shrink it (groups from init() only)
         self._seq = 0
         self._closed = False
         self._debug = bool(os.environ.get("ALLREDUCE_DEBUG"))
@@ -233,6 +205,20 @@ class ProcessGroup:
         own the group; it gets the group back once ``thread`` has finished. Collectives submitted before keep their
         place in the order. Every rank hands its own group over."""
         self._owner.hand_over(thread, self.rank)
+
+    def shrink(self, *, timeout_s: float | None = None) -> ProcessGroup:
+        """The survivors of a failure as a new group, renumbered 0..k-1 in their old order; this one is closed.
+        Every survivor calls it (in ``except CollectiveError``), then re-runs the failed collective on the new group.
+        Raises :class:`ShrinkError` on every survivor when none can be formed (docs/reliability.md)."""
+        if self._lineage is None or self._store is None:
+            raise RuntimeError(f"rank {self.rank}: only groups made by allreduce.init() can shrink (through the store)")
+        store, self._store = self._store, None  # the new group's from now on
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        parts = shrink(store, self._lineage, timeout_s=wait_s, close=self.close)
+        return ProcessGroup(
+            parts.transport, transport_name=self.transport_name, timeout_s=self.timeout_s,
+            cost_model=parts.cost_model, group_size=parts.group_size, store=parts.store, lineage=parts.lineage,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Finish pending asynchronous collectives, then release the transport and the store."""

@@ -39,6 +39,7 @@ from allreduce.runtime.tcp._handshake import HandshakeRefusedError, Refusal
 
 __all__ = [
     "DEAD_PREFIX",
+    "ELASTIC_PREFIX",
     "GROUP_SECRET_KEY",
     "KEY_SEPARATOR",
     "MAX_ANONYMOUS_CLIENTS",
@@ -63,6 +64,7 @@ _log = logging.getLogger("allreduce.store")
 RESERVED_PREFIX = "__"
 """Keys the server itself writes; clients may only read them."""
 DEAD_PREFIX = "__dead__/"
+ELASTIC_PREFIX = "allreduce/elastic/"  # shrunk groups' keys (runtime/_elastic.py): see _try_answer
 WRITER_PREFIX = "__writer__/"
 """``__writer__/<key>``: which client last wrote ``<key>`` ("rank 1 (127.0.0.1:40112, pid 4242)"), set by the server
 with every write, so a rank that reads a malformed value can name who wrote it."""
@@ -580,12 +582,14 @@ class StoreServer:
         if all(k in self._data for k in waiter.keys):
             self._reply(waiter.conn, Status.OK, self._data[waiter.keys[0]] if waiter.want_value else b"")
             return True
-        # A dead rank breaks the rendezvous: fail the wait now, naming it, instead of at the timeout.
-        # Waiting for a death notice itself is of course allowed.
+        # A dead rank breaks the rendezvous: fail the wait now, naming it, instead of at the timeout. Waiting for a
+        # death notice itself is allowed; under ELASTIC_PREFIX only the death of a rank whose key is awaited counts.
         if self._dead and not any(k.startswith(DEAD_PREFIX) for k in waiter.keys):
-            dead = min(self._dead)
-            self._reply(waiter.conn, Status.DEAD_RANK, f"{dead}\n{self._dead[dead]}".encode())
-            return True
+            elastic = all(k.startswith(ELASTIC_PREFIX) for k in waiter.keys)
+            fatal = [r for r in self._dead if not elastic or r in {_owner_of(k) for k in waiter.keys}]
+            if fatal:
+                self._reply(waiter.conn, Status.DEAD_RANK, f"{min(fatal)}\n{self._dead[min(fatal)]}".encode())
+                return True
         return False
 
     def _notify(self) -> None:
