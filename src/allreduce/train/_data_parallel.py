@@ -159,6 +159,15 @@ class DataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         if any(p.device.type != "cpu" for p in params):
             raise ValueError("DataParallel on allreduce moves CPU tensors; move the module to the CPU")
+        self._make_buckets(params, keep_grads=True)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in params
+        ]
+
+    def _make_buckets(self, params: list[nn.Parameter], *, keep_grads: bool) -> None:
+        """The buckets of ``params`` in memory of ``self.group``; every ``.grad`` becomes a view into them (its value
+        kept with ``keep_grads``, else zero)."""
         ordered = list(reversed(params))
         layout = bucket_layout(
             [p.numel() * p.element_size() for p in ordered], [p.dtype for p in ordered], self.bucket_size_bytes
@@ -168,7 +177,7 @@ class DataParallel(nn.Module):
         self._flats: dict[torch.dtype, torch.Tensor] = {}
         for dtype in dict.fromkeys(p.dtype for p in ordered):
             count = sum(p.numel() for p in ordered if p.dtype == dtype)
-            self._flats[dtype] = _bucket_tensor(group, count, dtype)
+            self._flats[dtype] = _bucket_tensor(self.group, count, dtype)
         used = dict.fromkeys(self._flats, 0)
         self._buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
@@ -185,14 +194,24 @@ class DataParallel(nn.Module):
                 self._where[p] = (len(self._buckets), slot)
                 views.append(view)
                 if p.grad is not None:  # gradients accumulated before wrapping are kept
-                    with torch.no_grad():
-                        view.copy_(p.grad)
+                    if keep_grads:
+                        with torch.no_grad():
+                            view.copy_(p.grad)
                     p.grad = view
             self._buckets.append(_Bucket(bucket_params, views, flat))
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
-            for p in params
-        ]
+
+    def regroup(self, group: CollectiveGroup) -> None:
+        """Go on training on ``group``, typically ``old_group.shrink()`` after a rank died: the buckets move to the
+        new group's memory and every gradient is zeroed (a step that failed left partial averages in them).
+        Parameters and optimizer state are untouched: the survivors' are identical already (replicas). Run the
+        failed step again on the new group, with the data re-sharded over its ranks."""
+        self.group = group
+        self._active = False
+        self._launched = 0
+        self.last_sync = None
+        params = [p for b in self._buckets for p in b.params]
+        order = {id(p): i for i, p in enumerate(p for p in self.module.parameters() if p.requires_grad)}
+        self._make_buckets(sorted(params, key=lambda p: order[id(p)]), keep_grads=False)
 
     @property
     def num_buckets(self) -> int:
