@@ -27,6 +27,7 @@ import yaml
 from allreduce.plan._planner import PlanRequest, compute_seconds, plan_step
 from allreduce.plan._step import BACKWARD_FRACTION, Compute
 from allreduce.plan._workload import GRADIENT_DTYPES, Model, model_from_params, preset
+from allreduce.schedules import load_algorithm
 from allreduce.units import parse_bytes
 
 __all__ = [
@@ -156,6 +157,12 @@ def _all_reduce_case(full: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _algorithm(text: str) -> str:
+    """A registered name as it is; a ``module:function`` or ``file.py:function`` spec loaded (in the process that
+    runs the case: a pool worker or a Dask worker) and named by its registered name."""
+    return load_algorithm(text).name if ":" in text else text
+
+
 def request_of(case: Mapping[str, Any]) -> PlanRequest:
     full = {key: case.get(key, default) for key, default in PARAMETERS.items()}
     if full["size"] is not None:
@@ -189,7 +196,7 @@ def request_of(case: Mapping[str, Any]) -> PlanRequest:
         gradient_dtype=str(full["dtype"]),
         bucket_cap_bytes=int(float(full["bucket_mb"]) * MiB),
         first_bucket_bytes=int(float(full["first_bucket_mb"]) * MiB),
-        algorithm=str(full["algorithm"]),
+        algorithm=_algorithm(str(full["algorithm"])),
         placement=str(full["placement"]),
         seed=int(full["seed"]),
         uplink_oversubscription=float(full["oversubscription"]),
