@@ -41,7 +41,7 @@ from allreduce.plan._planner import PlanRequest, compute_seconds, plan_step
 from allreduce.plan._step import BACKWARD_FRACTION, Compute
 from allreduce.plan._workload import GRADIENT_DTYPES, Model, model_from_params, preset
 from allreduce.schedules import load_algorithm
-from allreduce.units import parse_bytes
+from allreduce.units import format_bytes, parse_bytes
 
 __all__ = [
     "COLUMNS",
@@ -71,9 +71,10 @@ MiB = 2**20
 DASK_CONNECT_TIMEOUT_S = 30
 DASK_PROBE_TIMEOUT_S = 5.0
 # Local pool workers per CPU at most: a case is CPU-bound (one simulation), so workers beyond the CPUs only queue
-# for them, each holding an interpreter with numpy (WORKER_BYTES, its RSS once it ran a case).
+# for them, each holding an interpreter with numpy: WORKER_BYTES at least, the RSS of a worker that had run 4 KiB
+# all-reduce cases on switch:8 (44 MB, /proc/PID/status; larger topologies hold more).
 MAX_WORKERS_PER_CPU = 4
-WORKER_BYTES = 80 << 20
+WORKER_BYTES = 44 << 20
 # Cases submitted and not yet finished, per worker: enough to keep every worker busy, few enough that a grid of
 # 10^7 cases never sits in memory (a case is a dict of about 1 KB).
 IN_FLIGHT_PER_WORKER = 4
@@ -373,8 +374,8 @@ def make_executor(spec: str | None, *, workers: int | None = None) -> Executor:
             raise ValueError(
                 f"--workers {count}: more than the cap of {cap} ({MAX_WORKERS_PER_CPU} per CPU of the "
                 f"{cap // MAX_WORKERS_PER_CPU} this process may use): a case is CPU-bound, so more workers only "
-                f"wait for a CPU, each holding about {WORKER_BYTES >> 20} MiB "
-                f"({count * WORKER_BYTES / 2**30:.3g} GiB in all)"
+                f"wait for a CPU, each holding {format_bytes(WORKER_BYTES)} or more "
+                f"({format_bytes(count * WORKER_BYTES)} in all)"
             )
         return ProcessPoolExecutor(
             max_workers=count,
