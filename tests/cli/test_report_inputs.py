@@ -60,3 +60,14 @@ def test_a_sweep_csv_with_a_word_for_gpus_names_the_row(capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert code == 2
     assert "rows[0].gpus: expected a whole number" in err
+
+
+def test_a_null_bandwidth_of_a_one_rank_run_is_reported(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # sim --json writes the bandwidth of a run that takes no time as null
+    assert main(["sim", "-t", "fat-tree:k=4", "-n", "1", "--size", "1MiB", "-a", "ring", "--json"]) == 0
+    saved = tmp_path / "sim.json"
+    saved.write_text(capsys.readouterr().out)
+    assert json.loads(saved.read_text())["algorithms"][0]["busbw_GBps"] is None
+    page = tmp_path / "out.html"
+    assert main(["report", str(saved), "-o", str(page)]) == 0, capsys.readouterr().err
+    assert "Simulation: 1 ranks" in page.read_text()

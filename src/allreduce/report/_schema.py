@@ -39,13 +39,16 @@ def _fail(where: str, expected: str, value: Any) -> _InvalidFieldError:
 
 
 def number(*, minimum: float = 0.0, maximum: float = math.inf, nullable: bool = False) -> Check:
-    """A real number in [minimum, maximum]; ``nullable``: null (a non-finite value, as --json writes it) is NaN."""
+    """A real number in [minimum, maximum]; ``nullable``: also null or a non-finite float (a bandwidth of a run that
+    took no time: --json writes it as null), kept as NaN."""
 
     def check(value: Any, where: str) -> float:
         if value is None and nullable:
             return math.nan
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _fail(where, "a number", value)
+        if nullable and not math.isfinite(value):
+            return math.nan
         if not (math.isfinite(value) and minimum <= value <= maximum):
             raise _fail(where, f"a number in [{minimum:g}, {maximum:g}]", value)
         return float(value)
