@@ -116,3 +116,11 @@ def test_the_parameter_count_is_printed_with_a_suffix(capsys: pytest.CaptureFixt
 )
 def test_format_count(count: float, text: str) -> None:
     assert format_count(count) == text
+
+
+@pytest.mark.parametrize("params", ["inf", "1.5"])
+def test_a_parameter_count_that_is_not_a_whole_number_names_the_flag(
+    capsys: pytest.CaptureFixture[str], params: str
+) -> None:
+    line = _one_line_error(*run(capsys, *QUICK[2:], "--params", params)[::2])
+    assert "--params" in line

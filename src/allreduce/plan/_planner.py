@@ -167,10 +167,11 @@ class PlanRequest:
             total, bucket_cap_bytes=self.bucket_cap_bytes, first_bucket_bytes=self.first_bucket_bytes
         )
         if count > MAX_BUCKETS:
+            shown = f"{count:,}" if count < 10**12 else f"{float(count):.4g}"
             raise ValueError(
                 f"{self.model.name} ({format_count(self.model.params)} parameters) in buckets of --bucket-mb "
                 f"{self.bucket_cap_bytes / MiB:g}: "
-                f"{count:,} buckets, more than the cap of {MAX_BUCKETS:,} (each bucket is an all-reduce the plan "
+                f"{shown} buckets, more than the cap of {MAX_BUCKETS:,} (each bucket is an all-reduce the plan "
                 f"times; that many would need about {count * BYTES_PER_BUCKET / 1e9:.3g} GB); "
                 "give fewer parameters or a larger --bucket-mb"
             )

@@ -115,7 +115,7 @@ def format_count(n: float) -> str:
 def model_from_params(params: float) -> Model:
     """A transformer of ``params`` parameters (``7e9``)."""
     if not (math.isfinite(params) and params >= 1 and params == math.floor(params)):
-        raise ValueError(f"the parameter count must be a whole number >= 1, got {params!r}")
+        raise ValueError(f"--params: the parameter count must be a whole number >= 1, got {params!r}")
     return Model(f"{format_count(params)}-parameter transformer", (int(params),))
 
 
