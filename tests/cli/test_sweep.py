@@ -42,3 +42,18 @@ def test_a_bad_grid_is_one_line_naming_the_parameter(capsys: pytest.CaptureFixtu
     assert code == 2
     assert "unknown parameter 'gpuz'" in err
     assert err.count("\n") == 1
+
+
+def test_more_workers_than_the_cap_is_one_line_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from allreduce.plan import max_workers
+
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(GRID)
+    code = main(["sweep", str(grid), "-o", str(tmp_path / "o.csv"), "--workers", "100000"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1
+    assert f"--workers 100000: more than the cap of {max_workers()}" in err
+    assert not (tmp_path / "o.csv").exists()
