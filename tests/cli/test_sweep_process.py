@@ -3,6 +3,7 @@ sweep takes its pool workers with it."""
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -27,6 +28,8 @@ BIG_GRID = (
 FIRST_ROWS_TIMEOUT_S = 120
 # A process tied to its parent by PR_SET_PDEATHSIG is killed when the parent dies; allow the kernel a while.
 ORPHAN_TIMEOUT_S = 30
+# An interrupted sweep waits for the cases running (milliseconds each here) and stops its pool.
+INTERRUPT_TIMEOUT_S = 60
 
 
 def _children(pid: int) -> set[int]:
@@ -74,7 +77,8 @@ def big_sweep(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     command = [sys.executable, "-m", "allreduce", "sweep", str(grid), "-o", str(out), "--workers", "2"]
     errors = tmp_path / "stderr.txt"
     with errors.open("wb") as stderr:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        # a session of its own, as a shell's foreground job is: Ctrl-C reaches its whole process group
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     try:
         deadline = time.monotonic() + FIRST_ROWS_TIMEOUT_S
         while _data_rows(out) < 4:
@@ -115,3 +119,17 @@ def test_sigkill_of_the_sweep_takes_its_pool_workers_with_it(
     while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [pid for pid in workers if _alive(pid)] == []
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_ctrl_c_to_the_process_group_ends_the_sweep_and_its_workers(
+    big_sweep: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    process, out = big_sweep
+    workers = _children(process.pid)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=INTERRUPT_TIMEOUT_S) == 130  # it hung when the workers took the interrupt too
+    assert [pid for pid in workers if _alive(pid)] == []
+    rows = list(csv.reader(out.read_text().splitlines()))
+    assert len(rows[-1]) == len(rows[0])  # the last row whole

@@ -349,7 +349,9 @@ class DaskExecutor(Executor):
 
 def _die_with_parent(parent_pid: int) -> None:
     """A pool worker's initializer: SIGKILL when the sweep's process dies (even by SIGKILL, which leaves it no
-    chance to stop its pool); a worker whose parent died before this ran exits."""
+    chance to stop its pool); a worker whose parent died before this ran exits. Ctrl-C is the sweep's to handle
+    (it reaches the whole process group): a worker interrupted mid-case would break the pool under it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
