@@ -71,3 +71,15 @@ def test_a_null_bandwidth_of_a_one_rank_run_is_reported(capsys: pytest.CaptureFi
     page = tmp_path / "out.html"
     assert main(["report", str(saved), "-o", str(page)]) == 0, capsys.readouterr().err
     assert "Simulation: 1 ranks" in page.read_text()
+
+
+def test_a_json_file_beyond_the_cap_is_refused_unread(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from allreduce.report import MAX_JSON_BYTES
+
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as f:
+        f.truncate(MAX_JSON_BYTES + 1)  # sparse: no disk used
+    code = main(["report", str(huge), "-o", str(tmp_path / "out.html")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{huge}: larger than 64 MiB" in err

@@ -17,7 +17,10 @@ from allreduce.report._figures import TAIL_QUANTILES, Figure, document_kind, fig
 from allreduce.report._schema import MAX_SWEEP_ROWS, SWEEP_COLUMNS, check_document
 from allreduce.units import format_bytes, format_seconds
 
-__all__ = ["load_documents", "render_report", "write_report"]
+__all__ = ["MAX_JSON_BYTES", "load_documents", "render_report", "write_report"]
+
+MAX_JSON_BYTES = 64 << 20
+"""The largest JSON result a report reads (it is parsed whole): a plan's is about 11 KB, a bench's a few KB."""
 
 _STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1000px; color: #222; }
@@ -298,7 +301,14 @@ def load_documents(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
             documents.append(checked(_sweep_csv(path), str(path)))
             continue
         try:
-            text = path.read_text(encoding="utf-8")
+            with path.open("rb") as f:
+                data = f.read(MAX_JSON_BYTES + 1)
+            if len(data) > MAX_JSON_BYTES:
+                raise ValueError(
+                    f"{path}: larger than {format_bytes(MAX_JSON_BYTES)}, the most a report reads of a JSON result "
+                    "(a plan's with its scaling and what-if tables is about 11 KB)"
+                )
+            text = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: cannot read it ({exc})") from None
         try:
