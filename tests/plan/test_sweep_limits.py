@@ -121,3 +121,12 @@ def test_a_refused_dask_scheduler_is_said_at_once() -> None:
 def test_a_scheduler_address_without_a_port_says_how_to_write_it(address: str) -> None:
     with pytest.raises(ValueError, match="write it as dask://HOST:PORT"):
         make_executor(address)
+
+
+def test_a_grid_file_beyond_the_cap_is_refused_unparsed(tmp_path: Path) -> None:
+    from allreduce.plan._sweep import MAX_GRID_BYTES
+
+    path = tmp_path / "long.yaml"
+    path.write_text("grid: {gpus: [2]}\n" + "# padding\n" * (MAX_GRID_BYTES // 10 + 1))
+    with pytest.raises(ValueError, match=rf"{path.name}: larger than 1 MiB, the most a grid file may be"):
+        read_grid(path)

@@ -71,6 +71,11 @@ MiB = 2**20
 # address that does not answer within it is not a scheduler a sweep can use.
 DASK_CONNECT_TIMEOUT_S = 30
 DASK_PROBE_TIMEOUT_S = 5.0
+_YAML_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, if built with it
+# The largest grid file read: YAML is parsed whole, into objects about 90 times the text's size (100,000 listed
+# cases, 2.7 MB of YAML: 249 MB peak under tracemalloc and 34 s with libyaml's loader at load average 12), so a
+# list of cases stays under 40,000 or so; a grid: of lists generates any number.
+MAX_GRID_BYTES = 1 << 20
 # Local pool workers per CPU at most: a case is CPU-bound (one simulation), so workers beyond the CPUs only queue
 # for them, each holding an interpreter with numpy: WORKER_BYTES at least, the RSS of a worker that had run 4 KiB
 # all-reduce cases on switch:8 (44 MB, /proc/PID/status; larger topologies hold more).
@@ -168,7 +173,14 @@ def read_grid(path: str | Path) -> Grid:
     """A YAML grid file (``base:`` + ``grid:``, and/or ``cases:``), checked; its cases are generated on iteration."""
     file = Path(path)
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+        with file.open("rb") as f:
+            raw = f.read(MAX_GRID_BYTES + 1)
+        if len(raw) > MAX_GRID_BYTES:
+            raise ValueError(
+                f"{file}: larger than {format_bytes(MAX_GRID_BYTES)}, the most a grid file may be (it is parsed "
+                "whole, into about 90 times its size in memory); write many cases as a grid: of lists"
+            )
+        data = yaml.load(raw.decode("utf-8"), Loader=_YAML_LOADER)
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file}: cannot read it ({exc})") from None
     except yaml.YAMLError as exc:
