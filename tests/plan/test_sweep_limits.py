@@ -130,3 +130,15 @@ def test_a_grid_file_beyond_the_cap_is_refused_unparsed(tmp_path: Path) -> None:
     path.write_text("grid: {gpus: [2]}\n" + "# padding\n" * (MAX_GRID_BYTES // 10 + 1))
     with pytest.raises(ValueError, match=rf"{path.name}: larger than 1 MiB, the most a grid file may be"):
         read_grid(path)
+
+
+def test_a_value_or_case_listed_twice_is_one_case(tmp_path: Path) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text(
+        "base: {params: 1e6, compute_ms: 10, topology: 'switch:8'}\n"
+        "grid: {gpus: [2, 4, 2]}\n"
+        "cases: [{gpus: 8}, {gpus: 8, algorithm: auto}]\n"  # auto is the default: the same case
+    )
+    grid = read_grid(path)
+    assert grid.total == 3
+    assert [c["gpus"] for c in grid] == [2, 4, 8]

@@ -202,15 +202,21 @@ def read_grid(path: str | Path) -> Grid:
             raise ValueError(f"{file}: grid: must map parameters to lists of values")
         grid = _check(data["grid"], f"{file}: grid")
         _check_values(grid, f"{file}: grid")
+        # a value listed twice would make the same cases twice: they run once
+        grid = {key: list({_key(v): v for v in values}.values()) for key, values in grid.items()}
     raw_cases = data.get("cases") or []
     if not isinstance(raw_cases, list):
         raise ValueError(f"{file}: cases: must be a list of mappings of parameters")
-    cases: list[dict[str, Any]] = []
+    cases: dict[str, dict[str, Any]] = {}
     for i, case in enumerate(raw_cases):
         if not isinstance(case, dict):
             raise ValueError(f"{file}: cases[{i}] must be a mapping of parameters")
-        cases.append(_check(case, f"{file}: cases[{i}]"))
-    return Grid(base, grid, tuple(cases))
+        cases.setdefault(case_id({**base, **case}), _check(case, f"{file}: cases[{i}]"))
+    return Grid(base, grid, tuple(cases.values()))
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def load_grid(path: str | Path) -> list[dict[str, Any]]:
