@@ -387,7 +387,9 @@ def make_executor(spec: str | None, *, workers: int | None = None) -> Executor:
     """A local process pool (``spec`` None or "local"), or the executor of a Dask cluster at ``dask://HOST:PORT``.
 
     The pool's workers are spawned (not forked) as cases need them, each tied to this process so that it dies
-    with it; ``workers`` is capped at :func:`max_workers`."""
+    with it; ``workers`` is capped at :func:`max_workers`. The tie is to the thread that submitted the case that
+    started the worker (``PR_SET_PDEATHSIG`` follows the forking thread): submit from a thread that outlives the
+    pool."""
     if spec in (None, "local"):
         cap = max_workers()
         count = workers if workers is not None else cap // MAX_WORKERS_PER_CPU
