@@ -16,7 +16,9 @@ grid:
 """
 
 
-def test_a_grid_runs_to_csv_and_report_and_a_rerun_skips(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_a_grid_runs_to_csv_and_report_and_a_rerun_runs_only_the_failed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     grid = tmp_path / "grid.yaml"
     grid.write_text(GRID)
     out_csv, page = tmp_path / "out.csv", tmp_path / "sweep.html"
@@ -29,7 +31,7 @@ def test_a_grid_runs_to_csv_and_report_and_a_rerun_skips(capsys: pytest.CaptureF
     assert sorted(int(r["gpus"]) for r in rows) == [4, 8, 64]
     assert 'id="d0-sweep"' in page.read_text()
     assert main(argv) == 0
-    assert "3 cases: 0 ran (0 failed), 3 already in" in capsys.readouterr().out
+    assert "3 cases: 1 ran (1 failed), 2 already in" in capsys.readouterr().out  # the failed case again
 
 
 def test_a_bad_grid_is_one_line_naming_the_parameter(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -40,3 +42,18 @@ def test_a_bad_grid_is_one_line_naming_the_parameter(capsys: pytest.CaptureFixtu
     assert code == 2
     assert "unknown parameter 'gpuz'" in err
     assert err.count("\n") == 1
+
+
+def test_more_workers_than_the_cap_is_one_line_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from allreduce.plan import max_workers
+
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(GRID)
+    code = main(["sweep", str(grid), "-o", str(tmp_path / "o.csv"), "--workers", "100000"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1
+    assert f"--workers 100000: more than the cap of {max_workers()}" in err
+    assert not (tmp_path / "o.csv").exists()

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -71,7 +72,7 @@ def test_a_failing_case_is_recorded_with_its_error() -> None:
     assert "step_s" not in row
 
 
-def test_local_pool_runs_every_case_and_a_rerun_skips_them(tmp_path: Path) -> None:
+def test_local_pool_runs_every_case_and_a_rerun_skips_those_with_a_result(tmp_path: Path) -> None:
     cases = [{**BASE, "gpus": n} for n in (2, 4, 8, 16, 64)]
     out = tmp_path / "sweep.csv"
     with ProcessPoolExecutor(2) as pool:
@@ -84,8 +85,9 @@ def test_local_pool_runs_every_case_and_a_rerun_skips_them(tmp_path: Path) -> No
     assert by_gpus[64]["error"]
     with ProcessPoolExecutor(2) as pool:
         again = run_sweep([*cases, {**BASE, "gpus": 12}], out, pool)
-    assert (again.ran, again.skipped) == (1, 5)
-    assert len(rows_of(out)) == 6
+    assert (again.ran, again.skipped) == (2, 4)  # the new case, and the failed one again
+    rows = rows_of(out)
+    assert sorted(int(r["gpus"]) for r in rows) == [2, 4, 8, 12, 16, 64]  # the failed row replaced, not doubled
 
 
 def test_any_executor_works_a_thread_pool_too(tmp_path: Path) -> None:
@@ -132,6 +134,15 @@ def dask_cluster() -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     try:
+        deadline = time.monotonic() + 120
+        while True:  # the sweep refuses a scheduler that is not listening yet, as it would a refused address
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or scheduler.poll() is not None:
+                    raise
+                time.sleep(0.2)
         yield f"dask://127.0.0.1:{port}"
     finally:
         for process in (worker, scheduler):

@@ -6,7 +6,7 @@ import argparse
 
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._json import dumps
-from allreduce.cli._main import CLIError
+from allreduce.cli._main import RANK_ENVIRONMENT_HELP, CLIError
 from allreduce.runtime import DTYPES, OPS, BenchConfig, BenchRow, RankFailedError, run_bench
 from allreduce.schedules import Collective, algorithms
 from allreduce.units import parse_size_range
@@ -20,6 +20,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="time all_reduce between N local ranks (nccl-tests style table, every result checked)",
         description="Spawn N local ranks and time all_reduce for each size; every result is checked against "
         "the exact reduction of integer-valued inputs (#wrong counts the elements that differ).",
+        epilog=f"environment variables (the ranks inherit them):\n{RANK_ENVIRONMENT_HELP}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-n", "--world-size", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument("--transport", choices=("shm", "tcp"), default="shm", help="(default shm)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from allreduce.cli._args import non_negative_int, positive_int
+from allreduce.cli._args import algorithm_for_ranks, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.emulate import (
@@ -209,14 +209,15 @@ def _main(args: argparse.Namespace) -> int:
             return 0
         sizes = parse_size_range(args.sizes, what="--sizes")
         placement = _placement(args.placement)
+        algorithm = algorithm_for_ranks("--algorithm", args.algorithm)  # a spec is registered in every rank too
         if args.topology is not None:
             spec = _spec(args)
             with running(spec) as built:
-                result = run(built, algorithm=args.algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
+                result = run(built, algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
                              placement=placement, seed=args.seed, congestion=args.congestion)  # fmt: skip
         else:
             spec = load(args.name)
-            result = run(spec.layout(), algorithm=args.algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
+            result = run(spec.layout(), algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
                          placement=placement, seed=args.seed, congestion=args.congestion)  # fmt: skip
     except EmulationError as exc:
         raise CLIError(str(exc)) from None

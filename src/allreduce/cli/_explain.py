@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from allreduce.cli._args import AlgorithmSelection, add_algorithm_argument, positive_int
@@ -87,10 +89,13 @@ def _schedules(  # noqa: PLR0917 (one private call site)
     group_size: int | None,
     segments: int,
     selection: AlgorithmSelection,
+    say: Callable[[str], None],
 ) -> tuple[list[tuple[Schedule, str]], list[str]]:
     chosen: list[tuple[Schedule, str]] = []
     skipped: list[str] = []
-    for name in selection.checked().names:
+    names = selection.checked().names
+    for index, name in enumerate(names):
+        say(f"{name} ({index + 1} of {len(names)})")
         entry = get_algorithm(Collective.ALL_REDUCE, name)
         limit = _QUADRATIC_MAX_RANKS.get(name) if entry.origin == "built-in" else None
         all_limit = _QUADRATIC_ALL_MAX_RANKS.get(name, 0)
@@ -120,7 +125,7 @@ def _schedules(  # noqa: PLR0917 (one private call site)
             detail = f"group size {g}"
         try:
             if "chunks" in entry.parameters:
-                schedule, detail = _best_chunks(name, world_size, size_bytes, model, segments, g)
+                schedule, detail = _best_chunks(name, world_size, size_bytes, model, segments, g, say)
             else:
                 schedule = make_schedule(Collective.ALL_REDUCE, name, world_size, group_size=g, segments=segments)
         except ValueError as exc:
@@ -133,10 +138,17 @@ def _schedules(  # noqa: PLR0917 (one private call site)
 
 
 def _best_chunks(  # noqa: PLR0917 (one private call site)
-    name: str, world_size: int, size_bytes: float, model: CostModel, segments: int, group_size: int | None
+    name: str,
+    world_size: int,
+    size_bytes: float,
+    model: CostModel,
+    segments: int,
+    group_size: int | None,
+    say: Callable[[str], None],
 ) -> tuple[Schedule, str]:
     best: tuple[float, Schedule, int] | None = None
     for chunks in _TREE_CHUNKS:
+        say(f"{name}, {chunks} chunks")
         schedule = make_schedule(
             Collective.ALL_REDUCE, name, world_size, chunks=chunks, group_size=group_size, segments=segments
         )
@@ -155,9 +167,12 @@ def explain(
     group_size: int | None = None,
     segments: int = 1,
     selection: AlgorithmSelection | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Explanation:
     """Predict the selected all-reduce algorithms (default: every registered one) for ``world_size`` ranks and
-    ``size_bytes`` per rank."""
+    ``size_bytes`` per rank. ``progress`` is told what is being modelled as the work goes on (at 131,072 ranks
+    every algorithm takes tens of seconds in all)."""
+    say = progress or (lambda _text: None)
     if world_size < 1:
         raise ValueError(f"--ranks must be >= 1, got {world_size}")
     if world_size > MAX_EXPLAIN_RANKS:
@@ -177,16 +192,18 @@ def explain(
         raise ValueError(f"--segments must be >= 1, got {segments}")
     if selection is None:
         selection = AlgorithmSelection(algorithms(Collective.ALL_REDUCE), explicit=False)
-    chosen, skipped = _schedules(world_size, size_bytes, model, group_size, segments, selection)
+    chosen, skipped = _schedules(world_size, size_bytes, model, group_size, segments, selection, say)
     if not chosen:
         raise CLIError("no algorithm left to explain: " + "; ".join(skipped))
     order = algorithms(Collective.ALL_REDUCE)
+    say("predicting each algorithm")
     candidates = sorted(
         (Candidate(predict(s, size_bytes, model), detail, s) for s, detail in chosen),
         key=lambda c: (c.prediction.seconds, order.index(c.prediction.name)),
     )
     crossover = None
     if len(candidates) >= 2:
+        say("the crossover of the two fastest")
         crossover = _crossover(candidates[0].schedule, candidates[1].schedule, size_bytes, model)
     return Explanation(world_size, size_bytes, model, tuple(candidates), tuple(skipped), crossover)
 
@@ -396,7 +413,24 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.group_size is not None and args.ranks % args.group_size:
         raise CLIError(f"--ranks {args.ranks} is not divisible by --group-size {args.group_size}")
-    e = explain(args.ranks, size, model, group_size=args.group_size, segments=args.segments, selection=args.algorithm)
+    status = sys.stderr.isatty()
+
+    def show(text: str) -> None:
+        print(f"\rexplaining {args.ranks:,} ranks: {text}...\033[K", end="", file=sys.stderr, flush=True)
+
+    try:
+        e = explain(
+            args.ranks,
+            size,
+            model,
+            group_size=args.group_size,
+            segments=args.segments,
+            selection=args.algorithm,
+            progress=show if status else None,
+        )
+    finally:
+        if status:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
     if args.json:
         print(dumps(as_json(e)))
     else:

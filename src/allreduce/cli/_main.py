@@ -14,14 +14,25 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-__all__ = ["CLIError", "main"]
+__all__ = ["RANK_ENVIRONMENT_HELP", "CLIError", "main"]
 
-_ENVIRONMENT_HELP = """\
+RANK_ENVIRONMENT_HELP = """\
+  ALLREDUCE_STATS       on by default: every group records its waits; 1: each group also prints its
+                        per-rank and per-link table on stderr when it closes; 0: recording off
+  ALLREDUCE_TRACE       FILE: every rank's collectives and steps written to FILE as a Perfetto trace
+                        (as run --trace)
+  ALLREDUCE_INJECT      faults to inject, e.g. 'delay:rank=2:1ms', 'pace:link=0->1:rate=50MB/s',
+                        'hold:rank=1:p=0.01:ms=20' (';' between effects; off unless set)
+"""
+"""The variables every rank reads (the ranks of run, bench and train inherit them), for the epilogs."""
+
+_ENVIRONMENT_HELP = f"""\
 environment variables:
   ALLREDUCE_TOKEN       shared secret of a job's ranks: every TCP connection (store and peers) proves it
                         (required when MASTER_ADDR is not a loopback address)
   ALLREDUCE_ALGORITHMS  comma-separated module:function or file.py:function algorithms of your own, loaded,
                         verified and registered in every process (the ranks inherit it)
+{RANK_ENVIRONMENT_HELP.rstrip()}
   ALLREDUCE_TUNE_FILE   where `allreduce tune` caches the measured latency and bandwidth that auto reads
   ALLREDUCE_DEBUG       set to 1: an internal error prints its traceback
 

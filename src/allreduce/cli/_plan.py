@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from allreduce.cli._args import non_negative_int, positive_int
+from allreduce.cli._args import algorithm_selection, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.plan import (
@@ -21,12 +21,12 @@ from allreduce.plan import (
     Plan,
     PlanRequest,
     compute_seconds,
+    format_count,
     model_from_module,
     model_from_params,
     plan,
     preset,
 )
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS
 from allreduce.sim import Distribution, parse_distribution
 from allreduce.units import format_bytes, format_seconds
 
@@ -88,8 +88,9 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "--algorithm",
         "-a",
         default=AUTO,
-        choices=(AUTO, *ALL_REDUCE_ALGORITHMS),
-        help="all-reduce algorithm; auto: the fastest per bucket size in the simulator",
+        help="all-reduce algorithm: a registered name (allreduce explain -a all lists them), or module:function "
+        "or file.py:function of your own (loaded, verified, registered); auto: the fastest per bucket size in the "
+        "simulator",
     )
     p.add_argument("--bucket-mb", type=_positive_float("--bucket-mb"), default=25.0, help="DDP bucket cap in MiB")
     p.add_argument(
@@ -174,7 +175,18 @@ def _model(args: argparse.Namespace) -> Model:
     return model_from_module(args.module)
 
 
+def _algorithm(text: str) -> str:
+    """``--algorithm``: auto, or the one registered algorithm it names (a spec is loaded and registered)."""
+    if text == AUTO:
+        return AUTO
+    selection = algorithm_selection("--algorithm")(text).checked()
+    if not selection.explicit or len(selection.names) != 1:
+        raise CLIError(f"--algorithm {text!r}: name one algorithm (or auto: the fastest per bucket size)")
+    return selection.names[0]
+
+
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    algorithm = _algorithm(args.algorithm)
     model = _model(args)
     distribution: Distribution | None = None
     if args.compute is not None and (args.compute_ms is not None or args.gpu_tflops is not None):
@@ -217,7 +229,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         gradient_dtype=args.dtype,
         bucket_cap_bytes=int(args.bucket_mb * MiB),
         first_bucket_bytes=int(args.first_bucket_mb * MiB),
-        algorithm=args.algorithm,
+        algorithm=algorithm,
         group_size=args.group_size,
         placement=args.placement,
         seed=args.seed,
@@ -237,9 +249,10 @@ def _share(part: float, whole: float) -> str:
 def render(result: Plan) -> str:
     base = result.base
     request, step = base.request, base.step
+    count = format_count(request.model.params)
+    size = "" if request.model.name.startswith(count) else f"{count} parameters, "
     lines = [
-        f"{request.model.name} ({request.model.params / 1e9:.3g}B parameters, {request.gradient_dtype} gradients) "
-        f"on {request.gpus} GPUs of {request.topology}",
+        f"{request.model.name} ({size}{request.gradient_dtype} gradients) on {request.gpus} GPUs of {request.topology}",
         f"{len(step.bucket_bytes)} buckets (first {format_bytes(step.bucket_bytes[0])}, cap "
         f"{format_bytes(request.bucket_cap_bytes)}); all-reduce: "
         + ", ".join(

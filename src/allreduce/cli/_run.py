@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 from allreduce.cli._args import algorithm_for_ranks
-from allreduce.cli._main import CLIError
+from allreduce.cli._main import RANK_ENVIRONMENT_HELP, CLIError
 from allreduce.runtime import DEFAULT_GRACE_S, STATS_FILE_ENV, TRACE_ENV, launch
 
 __all__ = ["register"]
@@ -21,12 +21,20 @@ _HELP_WIDTH = 78
 not re-wrap either)."""
 
 
+_PYTHON_NAMES = ("python", "python3")
+"""Commands that stand for this interpreter."""
+
+
 def _handle(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise CLIError("no command to run: allreduce run -n N -- python script.py [args...]")
+    if command[0] in _PYTHON_NAMES:
+        # The ranks import allreduce: the `python` first on PATH may be another interpreter (a venv that is not
+        # activated), where that fails with ModuleNotFoundError.
+        command[0] = sys.executable
     if args.nproc < 1:
         raise CLIError(f"-n/--nproc must be >= 1, got {args.nproc}")
     if not args.grace >= 0:
@@ -89,6 +97,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "  ALLREDUCE_DEBUG        set to 1: an internal error of run prints its traceback\n"
             "  ALLREDUCE_FAILURE_DIR  set by run in each rank: where the rank reports an\n"
             "                         uncaught exception (how run tells causes from reactions)\n"
+            "read by every rank:\n"
+            f"{RANK_ENVIRONMENT_HELP}"
+            "\n"
+            "A COMMAND of python or python3 runs as this interpreter (the one allreduce is installed in, whether or\n"
+            "not its environment is activated); give a path (/usr/bin/python3) for another one.\n"
             "\n"
             "example: allreduce run -n 4 -- python train.py --epochs 3"
         ),

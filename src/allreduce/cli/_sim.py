@@ -105,7 +105,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"pipeline chunks of double_binary_tree and others (default 8; at most {MAX_CHUNKS:,} and the "
         f"{ELEMENT_BYTES}-byte elements of --size)",
     )
-    p.add_argument("--placement", default="linear", help="linear (default), random, or a FILE of GPU indices")
+    p.add_argument(
+        "--placement",
+        default="linear",
+        help="linear (default), random, GPU indices by rank (0,4,1,5,...), or a FILE of them",
+    )
     p.add_argument(
         "--seed",
         type=non_negative_int("--seed"),
@@ -180,12 +184,36 @@ def _faults(args: argparse.Namespace, topology: Topology, world_size: int) -> Fa
     return faults
 
 
+def _inline_placement(text: str) -> list[int]:
+    """GPU indices written on the command line: 0,4,1,5 (commas and/or spaces)."""
+    gpus: list[int] = []
+    for position, token in enumerate(t for t in re.split(r"[\s,]+", text.strip()) if t):
+        try:
+            gpus.append(int(token))
+        except ValueError:
+            raise CLIError(
+                f"--placement: item {position} ({token[:20]!r}) is not a GPU index; give linear, random, a list "
+                "of GPU indices such as 0,4,1,5, or a file of them"
+            ) from None
+    return gpus
+
+
 def _placement(text: str) -> str | list[int]:
     if text in ("linear", "random"):
         return text
     path = Path(text)
-    if not path.is_file():
-        raise CLIError(f"--placement {text!r}: not linear, random, or a readable file of GPU indices")
+    try:
+        is_file = path.is_file()
+    except OSError:  # a name too long for a path: an inline list
+        is_file = False
+    if not is_file and "," in text:
+        return _inline_placement(text)
+    if not is_file:
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise CLIError(
+            f"--placement {shown!r}: expected linear, random, a list of GPU indices such as 0,4,1,5, or a "
+            "readable file of them"
+        )
     try:
         content = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -420,7 +448,8 @@ def run(args: argparse.Namespace) -> int:
         print(dumps(as_json(outcome, args.top)))
     else:
         routing = args.routing or topology.default_routing
-        placement_text = args.placement if isinstance(placement, str) else f"placement from {args.placement}"
+        shown = args.placement if len(args.placement) <= 40 else args.placement[:37] + "..."
+        placement_text = args.placement if isinstance(placement, str) else f"placement from {shown}"
         context = (
             f"placement {placement_text}, routing {routing}"
             if isinstance(placement, str)

@@ -9,7 +9,15 @@ from collections.abc import Callable
 from allreduce.cli._args import positive_int
 from allreduce.cli._main import CLIError
 from allreduce.cli._plan import HelpFormatter
-from allreduce.plan import load_grid, make_executor, run_sweep
+from allreduce.plan import (
+    DEFAULT_IN_FLIGHT,
+    IN_FLIGHT_PER_WORKER,
+    MAX_WORKERS_PER_CPU,
+    make_executor,
+    max_workers,
+    read_grid,
+    run_sweep,
+)
 
 __all__ = ["register", "run"]
 
@@ -25,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Run every case of GRID.yaml (base: + grid: for every combination, or cases: for a list; the keys\n"
             "are plan's options with underscores: model, gpus, topology, compute_ms, bucket_mb, ...). Each case\n"
             "is a pure function of its parameters, so it runs on any executor. A failing case is recorded with\n"
-            "its error; a re-run skips the cases already in the output file."
+            "its error; a re-run skips the cases already in the output file and runs the failed ones again.\n"
+            "The grid is never expanded in memory: cases start at once, a few per worker in flight."
         ),
         epilog=(
             "example GRID.yaml:\n"
@@ -47,35 +56,52 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="local",
         help="local or dask://HOST:PORT (a Dask scheduler)",
     )
-    p.add_argument("--workers", type=positive_int("--workers"), help="local pool size (default: CPU count)")
+    p.add_argument(
+        "--workers",
+        type=positive_int("--workers"),
+        help=f"local pool size (default: CPU count; at most {MAX_WORKERS_PER_CPU} per CPU), started as cases need them",
+    )
     p.add_argument("--report", metavar="FILE", help="also write the HTML report of all rows to FILE")
     p.set_defaults(handler=run)
 
 
-def _bar(enabled: bool) -> Callable[[int, int, int], None] | None:
+def _bar(enabled: bool) -> Callable[[int, int | None, int], None] | None:
     if not enabled:
         return None
 
-    def show(done: int, total: int, failed: int) -> None:
-        filled = BAR_WIDTH * done // total if total else BAR_WIDTH
-        bar = "#" * filled + "." * (BAR_WIDTH - filled)
-        print(f"\r[{bar}] {done}/{total} cases, {failed} failed\033[K", end="", file=sys.stderr, flush=True)
+    def show(done: int, total: int | None, failed: int) -> None:
+        if total:
+            filled = BAR_WIDTH * min(done, total) // total
+            bar = "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "] "
+        else:
+            bar = ""
+        of = f"/{total}" if total else ""
+        print(f"\r{bar}{done}{of} cases, {failed} failed\033[K", end="", file=sys.stderr, flush=True)
 
     return show
 
 
 def run(args: argparse.Namespace) -> int:
-    cases = load_grid(args.grid)
-    if not cases:
+    grid = read_grid(args.grid)
+    if not grid.total:
         raise CLIError(f"{args.grid}: no cases")
     executor = make_executor(args.executor, workers=args.workers)
+    local = args.executor in (None, "local")
+    workers = args.workers or max_workers() // MAX_WORKERS_PER_CPU
     status = sys.stderr.isatty()
     try:
-        summary = run_sweep(cases, args.output, executor, progress=_bar(status))
+        summary = run_sweep(
+            grid,
+            args.output,
+            executor,
+            total=grid.total,
+            in_flight=IN_FLIGHT_PER_WORKER * workers if local else DEFAULT_IN_FLIGHT,
+            progress=_bar(status),
+        )
     except OSError as exc:
         raise CLIError(f"--output {args.output}: cannot write it ({exc.strerror})") from None
     finally:
-        executor.shutdown()
+        executor.shutdown(cancel_futures=True)
     if status:
         print(file=sys.stderr)
     print(

@@ -25,15 +25,19 @@ from allreduce.plan._tail import (
     loss_step_quantiles,
 )
 from allreduce.plan._workload import (
+    BYTES_PER_BUCKET,
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_BYTES,
     GRADIENT_DTYPES,
+    MAX_BUCKETS,
     TRAINING_FLOPS_PER_PARAM_TOKEN,
     TRAINING_PER_FORWARD_FLOPS,
     Model,
+    bucket_count_bound,
     ddp_buckets,
+    format_count,
 )
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, all_reduce
+from allreduce.schedules import Collective, Schedule, algorithms, all_reduce, get_algorithm
 from allreduce.sim import (
     AUTO_EXACT_MAX_RANKS,
     Distribution,
@@ -64,6 +68,7 @@ __all__ = [
 ]
 
 AUTO = "auto"
+MiB = 2**20
 # The direct all-reduce has one flow pattern per step, O(N^2) to simulate: auto considers it on small groups only.
 DIRECT_MAX_RANKS = 256
 # Group size for hierarchical when the topology does not say what a node is (a common 8-GPU server).
@@ -147,11 +152,29 @@ class PlanRequest:
             raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
         if self.gradient_dtype not in GRADIENT_DTYPES:
             raise ValueError(f"gradient dtype {self.gradient_dtype!r}: choose from {', '.join(GRADIENT_DTYPES)}")
-        if self.algorithm != AUTO and self.algorithm not in ALL_REDUCE_ALGORITHMS:
-            known = ", ".join((AUTO, *ALL_REDUCE_ALGORITHMS))
-            raise ValueError(f"--algorithm {self.algorithm!r}: choose from {known}")
+        if self.algorithm != AUTO:
+            try:
+                get_algorithm(Collective.ALL_REDUCE, self.algorithm)
+            except ValueError as exc:
+                raise ValueError(f"--algorithm: {exc} or auto") from None
         if not (self.uplink_oversubscription >= 1.0 and math.isfinite(self.uplink_oversubscription)):
             raise ValueError(f"uplink oversubscription must be >= 1, got {self.uplink_oversubscription}")
+        for flag, cap in (("--bucket-mb", self.bucket_cap_bytes), ("--first-bucket-mb", self.first_bucket_bytes)):
+            if cap < 1:
+                raise ValueError(f"{flag}: a bucket cap of {cap} bytes; a bucket holds at least one byte (1e-6 MiB)")
+        total = self.model.params * GRADIENT_DTYPES[self.gradient_dtype]
+        count = bucket_count_bound(
+            total, bucket_cap_bytes=self.bucket_cap_bytes, first_bucket_bytes=self.first_bucket_bytes
+        )
+        if count > MAX_BUCKETS:
+            shown = f"{count:,}" if count < 10**12 else f"{float(count):.4g}"
+            raise ValueError(
+                f"{self.model.name} ({format_count(self.model.params)} parameters) in buckets of --bucket-mb "
+                f"{self.bucket_cap_bytes / MiB:g}: "
+                f"{shown} buckets, more than the cap of {MAX_BUCKETS:,} (each bucket is an all-reduce the plan "
+                f"times; that many would need about {count * BYTES_PER_BUCKET / 1e9:.3g} GB); "
+                "give fewer parameters or a larger --bucket-mb"
+            )
 
     @property
     def bucket_bytes(self) -> tuple[int, ...]:
@@ -346,19 +369,27 @@ class _Simulator:
         return g if 1 < g < gpus and gpus % g == 0 else None
 
     def candidates(self, request: PlanRequest, gpus: int) -> list[str]:
+        """The registered all-reduce algorithms that auto may choose (see ``Algorithm.automatic``) and that apply
+        to ``gpus`` GPUs."""
         names = []
-        for name in ALL_REDUCE_ALGORITHMS:
-            if name == "direct" and gpus > DIRECT_MAX_RANKS:
+        for name in algorithms(Collective.ALL_REDUCE):
+            entry = get_algorithm(Collective.ALL_REDUCE, name)
+            if not entry.automatic:
                 continue
-            if name == "hierarchical" and self.group_size(request, gpus) is None:
+            if entry.origin == "built-in" and name == "direct" and gpus > DIRECT_MAX_RANKS:
+                continue
+            if "group_size" in entry.parameters and self.group_size(request, gpus) is None:
                 continue
             names.append(name)
         return names
 
+    def needs_group(self, name: str) -> bool:
+        return "group_size" in get_algorithm(Collective.ALL_REDUCE, name).parameters
+
     def schedule(self, request: PlanRequest, name: str, gpus: int) -> Schedule:
-        group = self.group_size(request, gpus) if name == "hierarchical" else None
-        if name == "hierarchical" and group is None:
-            raise ValueError(f"hierarchical on {gpus} GPUs: no group size divides them into several groups")
+        group = self.group_size(request, gpus) if self.needs_group(name) else None
+        if self.needs_group(name) and group is None:
+            raise ValueError(f"{name} on {gpus} GPUs: no group size divides them into several groups")
         key = (name, gpus, group)
         if key not in self._schedules:
             self._schedules[key] = (
@@ -467,7 +498,7 @@ def _plan_step(
             continue
         if algorithms is not None and size in algorithms:
             name = algorithms[size]
-            if name == "hierarchical" and sim.group_size(request, n) is None:
+            if sim.needs_group(name) and sim.group_size(request, n) is None:
                 name = "ring"
             result = sim.run(request, name, n, size)
         elif request.algorithm == AUTO:

@@ -4,48 +4,89 @@ A case is a dict of plan parameters (``model``, ``gpus``, ``topology``, ``comput
 :data:`PARAMETERS`), or a single all-reduce (``size: 64MiB`` with ``gpus``, ``topology``, ``algorithm``: what
 ``allreduce sim`` computes, as a plan of one bucket and no compute). :func:`run_case` is a pure function of it,
 so any executor can run it anywhere. A grid file (YAML) is either ``grid:`` (every combination of the listed
-values, over the ``base:`` values) or ``cases:`` (a list). Results go to a CSV file one row per case as cases
-finish; a case that raises is recorded with its error and the sweep goes on; a re-run skips the cases whose id
-is already in the file. With pyarrow installed, a Parquet copy is written at the end."""
+values, over the ``base:`` values) or ``cases:`` (a list); a grid is never expanded in memory: its cases are
+generated as the executor takes them, a bounded number in flight. Results go to a CSV file one row per case as
+cases finish; a case that raises is recorded with its error and the sweep goes on; a re-run skips the cases
+whose id is already in the file with a result and runs the failed ones again (their rows are replaced). The
+local pool's workers start as cases need them and die with the sweep's process, even when it is SIGKILLed. With
+pyarrow installed, a Parquet copy is written at the end."""
 
 from __future__ import annotations
 
+import array
 import csv
+import ctypes
 import hashlib
 import importlib
 import itertools
 import json
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import yaml
 
 from allreduce.plan._planner import PlanRequest, compute_seconds, plan_step
 from allreduce.plan._step import BACKWARD_FRACTION, Compute
 from allreduce.plan._workload import GRADIENT_DTYPES, Model, model_from_params, preset
-from allreduce.units import parse_bytes
+from allreduce.schedules import load_algorithm
+from allreduce.units import format_bytes, parse_bytes
 
 __all__ = [
     "COLUMNS",
+    "DEFAULT_IN_FLIGHT",
+    "IN_FLIGHT_PER_WORKER",
+    "MAX_WORKERS_PER_CPU",
     "PARAMETERS",
     "DaskExecutor",
+    "Grid",
     "SweepSummary",
     "case_id",
     "expand_grid",
+    "iter_grid",
     "load_grid",
     "make_executor",
+    "max_workers",
+    "read_grid",
     "request_of",
     "run_case",
     "run_sweep",
 ]
 
 MiB = 2**20
-# How long to try reaching a Dask scheduler before saying it cannot be reached (distributed's own default).
+# How long to try reaching a Dask scheduler before saying it cannot be reached (distributed's own default). A TCP
+# connection to the address is tried first, for DASK_PROBE_TIMEOUT_S: a refused one is reported at once, and an
+# address that does not answer within it is not a scheduler a sweep can use.
 DASK_CONNECT_TIMEOUT_S = 30
+DASK_PROBE_TIMEOUT_S = 5.0
+_YAML_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, if built with it
+# The largest grid file read: YAML is parsed whole, into objects about 90 times the text's size (100,000 listed
+# cases, 2.7 MB of YAML: 249 MB peak under tracemalloc and 34 s with libyaml's loader at load average 12), so a
+# list of cases stays under 40,000 or so; a grid: of lists generates any number.
+MAX_GRID_BYTES = 1 << 20
+# Local pool workers per CPU at most: a case is CPU-bound (one simulation), so workers beyond the CPUs only queue
+# for them, each holding an interpreter with numpy: WORKER_BYTES at least, the RSS of a worker that had run 4 KiB
+# all-reduce cases on switch:8 (44 MB, /proc/PID/status; larger topologies hold more).
+MAX_WORKERS_PER_CPU = 4
+WORKER_BYTES = 44 << 20
+# Cases submitted and not yet finished, per worker: enough to keep every worker busy, few enough that a grid of
+# 10^7 cases never sits in memory (a case is a dict of about 1 KB).
+IN_FLIGHT_PER_WORKER = 4
+DEFAULT_IN_FLIGHT = 256
+# prctl(2): the signal a process gets when the thread that forked it exits.
+PR_SET_PDEATHSIG = 1
 # Case parameters and their defaults (None: required, or derived).
 PARAMETERS: dict[str, Any] = {
     "model": None,
@@ -88,20 +129,58 @@ def _check(case: Mapping[str, Any], where: str) -> dict[str, Any]:
     return dict(case)
 
 
+def _check_values(grid: Mapping[str, Any], where: str) -> None:
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{where}: {key} must be a non-empty list of values")
+
+
+def iter_grid(base: Mapping[str, Any], grid: Mapping[str, Sequence[Any]]) -> Iterator[dict[str, Any]]:
+    """Every combination of ``grid``'s values over ``base``, generated one at a time (in ``expand_grid``'s order)."""
+    _check_values(grid, "grid")
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
+        yield {**base, **dict(zip(keys, values, strict=True))}
+
+
 def expand_grid(base: Mapping[str, Any], grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     """Every combination of ``grid``'s values over ``base``."""
-    keys = list(grid)
-    for key in keys:
-        if not isinstance(grid[key], list) or not grid[key]:
-            raise ValueError(f"grid: {key} must be a non-empty list of values")
-    return [{**base, **dict(zip(keys, values, strict=True))} for values in itertools.product(*(grid[k] for k in keys))]
+    return list(iter_grid(base, grid))
 
 
-def load_grid(path: str | Path) -> list[dict[str, Any]]:
-    """The cases of a YAML grid file (``base:`` + ``grid:``, and/or ``cases:``)."""
+@dataclass(frozen=True)
+class Grid:
+    """The cases of a grid file, generated as they are iterated: the combinations of ``grid`` over ``base``,
+    then ``cases``. ``total`` is their number, known without generating them."""
+
+    base: dict[str, Any]
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    cases: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def total(self) -> int:
+        combinations = math.prod(len(v) for v in self.grid.values()) if self.grid else 0
+        return combinations + len(self.cases)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.grid:
+            yield from iter_grid(self.base, self.grid)
+        for case in self.cases:
+            yield {**self.base, **case}
+
+
+def read_grid(path: str | Path) -> Grid:
+    """A YAML grid file (``base:`` + ``grid:``, and/or ``cases:``), checked; its cases are generated on iteration."""
     file = Path(path)
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+        with file.open("rb") as f:
+            raw = f.read(MAX_GRID_BYTES + 1)
+        if len(raw) > MAX_GRID_BYTES:
+            raise ValueError(
+                f"{file}: larger than {format_bytes(MAX_GRID_BYTES)}, the most a grid file may be (it is parsed "
+                "whole, into about 90 times its size in memory); write many cases as a grid: of lists"
+            )
+        data = yaml.load(raw.decode("utf-8"), Loader=_YAML_LOADER)
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file}: cannot read it ({exc})") from None
     except yaml.YAMLError as exc:
@@ -113,18 +192,37 @@ def load_grid(path: str | Path) -> list[dict[str, Any]]:
     extra = sorted(set(data) - {"base", "grid", "cases"})
     if extra:
         raise ValueError(f"{file}: unknown section {extra[0]!r} (expected base, grid, cases)")
-    base = _check(data.get("base") or {}, f"{file}: base")
-    cases: list[dict[str, Any]] = []
+    base = data.get("base") or {}
+    if not isinstance(base, dict):
+        raise ValueError(f"{file}: base: must map parameters to values")
+    base = _check(base, f"{file}: base")
+    grid: dict[str, list[Any]] = {}
     if "grid" in data:
         if not isinstance(data["grid"], dict):
             raise ValueError(f"{file}: grid: must map parameters to lists of values")
-        _check(data["grid"], f"{file}: grid")
-        cases += expand_grid(base, data["grid"])
-    for i, case in enumerate(data.get("cases") or []):
+        grid = _check(data["grid"], f"{file}: grid")
+        _check_values(grid, f"{file}: grid")
+        # a value listed twice would make the same cases twice: they run once
+        grid = {key: list({_key(v): v for v in values}.values()) for key, values in grid.items()}
+    raw_cases = data.get("cases") or []
+    if not isinstance(raw_cases, list):
+        raise ValueError(f"{file}: cases: must be a list of mappings of parameters")
+    cases: dict[str, dict[str, Any]] = {}
+    for i, case in enumerate(raw_cases):
         if not isinstance(case, dict):
             raise ValueError(f"{file}: cases[{i}] must be a mapping of parameters")
-        cases.append({**base, **_check(case, f"{file}: cases[{i}]")})
-    return cases
+        cases.setdefault(case_id({**base, **case}), _check(case, f"{file}: cases[{i}]"))
+    return Grid(base, grid, tuple(cases.values()))
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def load_grid(path: str | Path) -> list[dict[str, Any]]:
+    """The cases of a YAML grid file (``base:`` + ``grid:``, and/or ``cases:``), as a list (small grids; a sweep
+    iterates :func:`read_grid`'s :class:`Grid`)."""
+    return list(read_grid(path))
 
 
 def _model(case: Mapping[str, Any]) -> Model:
@@ -154,6 +252,12 @@ def _all_reduce_case(full: dict[str, Any]) -> dict[str, Any]:
         "bucket_mb": bucket_mb,
         "first_bucket_mb": bucket_mb,
     }
+
+
+def _algorithm(text: str) -> str:
+    """A registered name as it is; a ``module:function`` or ``file.py:function`` spec loaded (in the process that
+    runs the case: a pool worker or a Dask worker) and named by its registered name."""
+    return load_algorithm(text).name if ":" in text else text
 
 
 def request_of(case: Mapping[str, Any]) -> PlanRequest:
@@ -189,7 +293,7 @@ def request_of(case: Mapping[str, Any]) -> PlanRequest:
         gradient_dtype=str(full["dtype"]),
         bucket_cap_bytes=int(float(full["bucket_mb"]) * MiB),
         first_bucket_bytes=int(float(full["first_bucket_mb"]) * MiB),
-        algorithm=str(full["algorithm"]),
+        algorithm=_algorithm(str(full["algorithm"])),
         placement=str(full["placement"]),
         seed=int(full["seed"]),
         uplink_oversubscription=float(full["oversubscription"]),
@@ -214,10 +318,35 @@ def run_case(case: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _scheduler_address(address: str) -> tuple[str, int]:
+    host, sep, port_text = address.removeprefix("tcp://").rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not sep or not host or not 0 < port < 65536:
+        raise ValueError(f"--executor dask://{address.removeprefix('tcp://')}: write it as dask://HOST:PORT")
+    return host.strip("[]"), port
+
+
+def _probe_scheduler(address: str) -> None:
+    """Refuse an address no TCP connection reaches, at once (distributed's client retries for its whole timeout)."""
+    host, port = _scheduler_address(address)
+    try:
+        socket.create_connection((host, port), timeout=DASK_PROBE_TIMEOUT_S).close()
+    except TimeoutError:
+        raise ValueError(
+            f"cannot reach the Dask scheduler at {host}:{port}: no answer within {DASK_PROBE_TIMEOUT_S:g} s"
+        ) from None
+    except OSError as exc:
+        raise ValueError(f"cannot reach the Dask scheduler at {host}:{port} ({exc.strerror or exc})") from None
+
+
 class DaskExecutor(Executor):
     """The executor of a Dask cluster, owning its client: ``shutdown`` closes the connection."""
 
     def __init__(self, address: str) -> None:
+        _probe_scheduler(address)
         try:
             distributed = importlib.import_module("distributed")
         except ImportError:
@@ -236,20 +365,101 @@ class DaskExecutor(Executor):
         self._client.close()
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """A pool worker's initializer: SIGKILL when the sweep's process dies (even by SIGKILL, which leaves it no
+    chance to stop its pool); a worker whose parent died before this ran exits. Ctrl-C is the sweep's to handle
+    (it reaches the whole process group): a worker interrupted mid-case would break the pool under it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def max_workers() -> int:
+    """The most local pool workers: :data:`MAX_WORKERS_PER_CPU` per CPU this process may use."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return MAX_WORKERS_PER_CPU * max(cpus, 1)
+
+
 def make_executor(spec: str | None, *, workers: int | None = None) -> Executor:
-    """A local process pool (``spec`` None or "local"), or the executor of a Dask cluster at ``dask://HOST:PORT``."""
+    """A local process pool (``spec`` None or "local"), or the executor of a Dask cluster at ``dask://HOST:PORT``.
+
+    The pool's workers are spawned (not forked) as cases need them, each tied to this process so that it dies
+    with it; ``workers`` is capped at :func:`max_workers`. The tie is to the thread that submitted the case that
+    started the worker (``PR_SET_PDEATHSIG`` follows the forking thread): submit from a thread that outlives the
+    pool."""
     if spec in (None, "local"):
-        return ProcessPoolExecutor(max_workers=workers)
+        cap = max_workers()
+        count = workers if workers is not None else cap // MAX_WORKERS_PER_CPU
+        if count > cap:
+            raise ValueError(
+                f"--workers {count}: more than the cap of {cap} ({MAX_WORKERS_PER_CPU} per CPU of the "
+                f"{cap // MAX_WORKERS_PER_CPU} this process may use): a case is CPU-bound, so more workers only "
+                f"wait for a CPU, each holding {format_bytes(WORKER_BYTES)} or more "
+                f"({format_bytes(count * WORKER_BYTES)} in all)"
+            )
+        return ProcessPoolExecutor(
+            max_workers=count,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_die_with_parent,
+            initargs=(os.getpid(),),
+        )
     if spec.startswith("dask://"):
         return DaskExecutor("tcp://" + spec.removeprefix("dask://"))
     raise ValueError(f"--executor {spec!r}: use local or dask://HOST:PORT")
 
 
-def _done_ids(path: Path) -> set[str]:
+def _id_number(cid: str) -> int:
+    return int(cid, 16)
+
+
+def _previous_results(path: Path) -> npt.NDArray[np.uint64]:
+    """The ids of the cases ``path`` holds a result for, sorted (8 bytes each, however long the file). Rows of
+    failed cases are removed from the file (the file is rewritten beside itself and renamed over it), so that a
+    re-run runs them again and the file keeps one row per case."""
     if not path.exists():
-        return set()
+        return np.zeros(0, dtype=np.uint64)
+    ids = array.array("Q")  # 8 bytes per row: a re-run of 10^7 cases holds 80 MB of ids, not 10^7 ints
+    failed = 0
     with path.open(newline="", encoding="utf-8") as f:
-        return {row["case_id"] for row in csv.DictReader(f) if row.get("case_id")}
+        for row in csv.DictReader(f):
+            cid = row.get("case_id") or ""
+            if row.get("error"):
+                failed += 1
+                continue
+            try:
+                ids.append(_id_number(cid))
+            except ValueError:
+                continue
+    if failed:
+        _drop_failed_rows(path)
+    return np.unique(np.frombuffer(ids, dtype=np.uint64))
+
+
+def _drop_failed_rows(path: Path) -> None:
+    with path.open(newline="", encoding="utf-8") as src:
+        reader = csv.DictReader(src)
+        fields = list(reader.fieldnames or COLUMNS)
+        fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", newline="", encoding="utf-8") as dst:
+                writer = csv.DictWriter(dst, fieldnames=fields, extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(row for row in reader if not row.get("error"))
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+
+def _known(done: npt.NDArray[np.uint64], cid: str) -> bool:
+    if not done.size:
+        return False
+    value = np.uint64(_id_number(cid))
+    i = int(np.searchsorted(done, value))
+    return i < done.size and done[i] == value
 
 
 @dataclass(frozen=True)
@@ -283,41 +493,65 @@ def run_sweep(
     output: str | Path,
     executor: Executor,
     *,
-    progress: Callable[[int, int, int], None] | None = None,
+    total: int | None = None,
+    in_flight: int = DEFAULT_IN_FLIGHT,
+    progress: Callable[[int, int | None, int], None] | None = None,
 ) -> SweepSummary:
-    """Run the cases not yet in ``output`` on ``executor``, appending a row per case as it finishes."""
+    """Run the cases without a result in ``output`` on ``executor``, appending a row per case as it finishes.
+
+    ``cases`` is consumed as the executor takes them, at most ``in_flight`` submitted and unfinished, so a grid
+    of any size starts at once in bounded memory. ``progress(cases seen, total, failed)`` is called as cases
+    finish or are skipped (``total`` as given: :attr:`Grid.total`)."""
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
     path = Path(output)
-    all_cases = list(cases)
-    done = _done_ids(path)
-    todo: dict[str, Mapping[str, Any]] = {}
-    for case in all_cases:
-        cid = case_id(case)
-        if cid not in done:
-            todo.setdefault(cid, case)
+    done = _previous_results(path)
     started = time.perf_counter()
-    failed = 0
-    finished = 0
+    seen = skipped = ran = failed = 0
     new_file = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         if new_file:
             writer.writeheader()
-        futures: list[Future[dict[str, Any]]] = [executor.submit(run_case, dict(c)) for c in todo.values()]
+        pending: set[Future[dict[str, Any]]] = set()
+
+        def collect() -> None:
+            nonlocal ran, failed
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                pending.discard(future)
+                row = future.result()
+                failed += bool(row.get("error"))
+                ran += 1
+                writer.writerow(row)
+            if finished:
+                f.flush()
+                if progress:
+                    progress(skipped + ran, total, failed)
+
         if progress:
-            progress(0, len(futures), 0)
-        for future in as_completed(futures):
-            row = future.result()
-            failed += bool(row.get("error"))
-            finished += 1
-            writer.writerow(row)
-            f.flush()
+            progress(0, total, 0)
+        try:
+            for case in cases:
+                seen += 1
+                if _known(done, case_id(case)):
+                    skipped += 1
+                    continue
+                while len(pending) >= in_flight:
+                    collect()
+                pending.add(executor.submit(run_case, dict(case)))
+            while pending:
+                collect()
             if progress:
-                progress(finished, len(futures), failed)
+                progress(skipped + ran, total, failed)
+        finally:
+            for future in pending:
+                future.cancel()
     wall_s = time.perf_counter() - started
     return SweepSummary(
-        total=len(all_cases),
-        skipped=len(all_cases) - len(todo),
-        ran=finished,
+        total=seen,
+        skipped=skipped,
+        ran=ran,
         failed=failed,
         wall_s=wall_s,
         output=path,

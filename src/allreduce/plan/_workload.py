@@ -28,10 +28,13 @@ __all__ = [
     "DDP_BUCKET_CAP_BYTES",
     "DDP_FIRST_BUCKET_BYTES",
     "GRADIENT_DTYPES",
+    "MAX_BUCKETS",
     "PRESETS",
     "TRAINING_FLOPS_PER_PARAM_TOKEN",
     "Model",
+    "bucket_count_bound",
     "ddp_buckets",
+    "format_count",
     "model_from_module",
     "model_from_params",
     "preset",
@@ -45,6 +48,12 @@ DDP_BUCKET_CAP_BYTES = 25 * MiB
 GRADIENT_DTYPES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Training FLOPs of a dense transformer per parameter and token: 2 forward + 4 backward (Kaplan et al. 2020, §2.1).
 TRAINING_FLOPS_PER_PARAM_TOKEN = 6.0
+# The most DDP buckets a plan takes. Each bucket is one all-reduce in the step's timeline and a column of the
+# loss what-if's 1,000 sampled steps: llama2-70b in 5 MiB buckets (26,305 of them) took 700 MB and 20 s
+# (`/usr/bin/time allreduce plan --model llama2-70b --gpus 16 --topology fat-tree:k=4 --compute-ms 100
+# --bucket-mb 5`), about 27 KB per bucket.
+MAX_BUCKETS = 1 << 15
+BYTES_PER_BUCKET = 27_000
 # Training costs forward + backward ≈ 3 forwards (backward computes gradients of inputs and of weights).
 TRAINING_PER_FORWARD_FLOPS = 3.0
 
@@ -92,11 +101,22 @@ def preset(name: str) -> Model:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(PRESETS)}") from None
 
 
+def format_count(n: float) -> str:
+    """25_557_032 → '25.6M', 7e9 → '7B', 1.2e13 → '12T', 340 → '340', 1e18 → '1e+18' (three significant
+    digits)."""
+    if abs(n) >= 1e15:
+        return f"{n:.3g}"
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.3g}"
+
+
 def model_from_params(params: float) -> Model:
     """A transformer of ``params`` parameters (``7e9``)."""
     if not (math.isfinite(params) and params >= 1 and params == math.floor(params)):
-        raise ValueError(f"the parameter count must be a whole number >= 1, got {params!r}")
-    return Model(f"{params:.3g} parameters", (int(params),))
+        raise ValueError(f"--params: the parameter count must be a whole number >= 1, got {params!r}")
+    return Model(f"{format_count(params)}-parameter transformer", (int(params),))
 
 
 def model_from_module(spec: str) -> Model:
@@ -122,6 +142,14 @@ def model_from_module(spec: str) -> Model:
     if not sizes:
         raise ValueError(f"{spec}: the module has no trainable parameters")
     return Model(spec, sizes, whole_tensors=True)
+
+
+def bucket_count_bound(total_bytes: int, *, bucket_cap_bytes: int, first_bucket_bytes: int) -> int:
+    """The most buckets :func:`ddp_buckets` makes of ``total_bytes``: every bucket but the last holds at least its
+    cap (exactly, without whole tensors), so at most one first bucket and ceil(rest / cap) more."""
+    first_cap = min(first_bucket_bytes, bucket_cap_bytes)
+    rest = max(0, total_bytes - first_cap)
+    return 1 + -(-rest // bucket_cap_bytes)
 
 
 def ddp_buckets(

@@ -4,9 +4,10 @@ Reads results (``plan --json``, a sweep's CSV, ``sim --json``); runs nothing.
 """
 
 from allreduce.report._figures import Figure, Series, document_kind, figures_of, svg, write_pngs
-from allreduce.report._html import load_documents, render_report, write_report
+from allreduce.report._html import MAX_JSON_BYTES, load_documents, render_report, write_report
 
 __all__ = [
+    "MAX_JSON_BYTES",
     "Figure",
     "Series",
     "document_kind",

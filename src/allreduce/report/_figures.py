@@ -345,7 +345,7 @@ def _plan_figures(doc: dict[str, Any], prefix: str, bench: Sequence[dict[str, An
 
 
 def _sweep_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
-    rows = [r for r in doc["rows"] if not r.get("error") and r.get("step_s") not in (None, "")]
+    rows = [r for r in doc["rows"] if not r.get("error") and "" not in (r.get("step_s", ""), r.get("gpus", ""))]
     groups: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         key = f"{r.get('topology', '?')} {r.get('algorithm', '?')}"

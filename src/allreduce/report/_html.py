@@ -14,9 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from allreduce.report._figures import TAIL_QUANTILES, Figure, document_kind, figures_of, svg
+from allreduce.report._schema import MAX_SWEEP_ROWS, SWEEP_COLUMNS, check_document
 from allreduce.units import format_bytes, format_seconds
 
-__all__ = ["load_documents", "render_report", "write_report"]
+__all__ = ["MAX_JSON_BYTES", "load_documents", "render_report", "write_report"]
+
+MAX_JSON_BYTES = 64 << 20
+"""The largest JSON result a report reads (it is parsed whole): a plan's is about 11 KB, a bench's a few KB."""
 
 _STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1000px; color: #222; }
@@ -32,8 +36,13 @@ svg .plot { fill: #fff; stroke: #999; } svg .grid { stroke: #eee; }
 """
 
 
+def _text(value: object) -> str:
+    """Any value as page text, escaped (quotes too: the same text may go into an attribute)."""
+    return html.escape(str(value), quote=True)
+
+
 def _cell(key: str, value: float, text: str) -> str:
-    return f'<td data-key="{html.escape(key)}" data-value="{value!r}">{html.escape(text)}</td>'
+    return f'<td data-key="{html.escape(key)}" data-value="{html.escape(repr(value))}">{html.escape(text)}</td>'
 
 
 def _ms(seconds: float) -> str:
@@ -43,7 +52,7 @@ def _ms(seconds: float) -> str:
 def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
     base = doc["base"]
     out = [
-        f"<h2>Plan: {html.escape(str(base['model']))} on {base['gpus']} GPUs of {html.escape(base['topology'])}</h2>",
+        f"<h2>Plan: {_text(base['model'])} on {_text(base['gpus'])} GPUs of {_text(base['topology'])}</h2>",
         f'<p class="bottleneck"><b>Bottleneck:</b> {html.escape(doc["bottleneck"])}</p>',
         "<table><tr><th>step</th><th>compute</th><th>waiting</th><th>exposed all-reduce</th>"
         "<th>all-reduce in all</th><th>buckets</th></tr><tr>",
@@ -65,7 +74,7 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
     out.append("<table><tr><th>bucket size</th><th>count</th><th>algorithm</th><th>all-reduce</th><th>busbw</th></tr>")
     for i, size in enumerate(base["sizes"]):
         out.append(
-            f"<tr><td>{html.escape(format_bytes(size['size_bytes']))}</td><td>{size['count']}</td>"
+            f"<tr><td>{html.escape(format_bytes(size['size_bytes']))}</td><td>{_text(size['count'])}</td>"
             f"<td>{html.escape(size['algorithm'])}</td>"
             + _cell(f"{index}.base.sizes.{i}.seconds", size["seconds"], format_seconds(size["seconds"]))
             + _cell(f"{index}.base.sizes.{i}.busbw_GBps", size["busbw_GBps"], f"{size['busbw_GBps']:.3g} GB/s")
@@ -89,7 +98,7 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
                 else ("<td></td><td></td>" if spread else "")
             )
             out.append(
-                f"<tr><td>{row['gpus']}</td>"
+                f"<tr><td>{_text(row['gpus'])}</td>"
                 + _cell(f"{index}.scaling.{i}.step_s", row["step_s"], _ms(row["step_s"]))
                 + _cell(f"{index}.scaling.{i}.exposed_comm_s", row["exposed_comm_s"], _ms(row["exposed_comm_s"]))
                 + _cell(f"{index}.scaling.{i}.efficiency", row["efficiency"], f"{row['efficiency']:.1%}")
@@ -104,9 +113,7 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
         )
         for i, w in enumerate(doc["what_ifs"]):
             if "step_s" not in w:
-                out.append(
-                    f"<tr><td>{html.escape(w['change'])}</td><td colspan=3>n/a: {html.escape(w['note'])}</td></tr>"
-                )
+                out.append(f"<tr><td>{_text(w['change'])}</td><td colspan=3>n/a: {_text(w.get('note', ''))}</td></tr>")
                 continue
             delta = w["step_s"] / base["step_s"] - 1 if base["step_s"] else 0.0
             out.append(
@@ -142,7 +149,7 @@ def _sweep_section(doc: dict[str, Any], index: int) -> list[str]:
 
 def _sim_section(doc: dict[str, Any], index: int) -> list[str]:
     out = [
-        f"<h2>Simulation: {doc['ranks']} ranks, {html.escape(format_bytes(doc['size_bytes']))} on "
+        f"<h2>Simulation: {_text(doc['ranks'])} ranks, {html.escape(format_bytes(doc['size_bytes']))} on "
         f"{html.escape(doc['topology'])}</h2><table><tr><th>algorithm</th><th>time</th><th>busbw</th></tr>"
     ]
     for i, a in enumerate(doc["algorithms"]):
@@ -159,8 +166,8 @@ def _sim_section(doc: dict[str, Any], index: int) -> list[str]:
 def _tail_section(doc: dict[str, Any], index: int) -> list[str]:
     keys = [label for label, _ in TAIL_QUANTILES] + ["max", "mean"]
     out = [
-        f"<h2>Tail: {doc['ranks']} ranks, {html.escape(format_bytes(doc['size_bytes']))} on "
-        f"{html.escape(str(doc['topology']))}, {doc['samples']} samples (seed {doc.get('seed', '?')})</h2>",
+        f"<h2>Tail: {_text(doc['ranks'])} ranks, {html.escape(format_bytes(doc['size_bytes']))} on "
+        f"{_text(doc['topology'])}, {_text(doc['samples'])} samples (seed {_text(doc.get('seed', '?'))})</h2>",
         "<table><tr><th>algorithm</th><th>noise-free</th>"
         + "".join(f"<th>{k}</th>" for k in keys)
         + "<th>method</th><th>noise</th></tr>",
@@ -187,7 +194,7 @@ def _bench_section(doc: dict[str, Any], index: int) -> list[str]:
     for i, row in enumerate(doc["rows"]):
         out.append(
             f"<tr><td>{html.escape(str(row.get('transport', '?')))}</td>"
-            f"<td>{html.escape(str(row.get('algorithm', '?')))}</td><td>{row.get('world_size', '?')}</td>"
+            f"<td>{_text(row.get('algorithm', '?'))}</td><td>{_text(row.get('world_size', '?'))}</td>"
             f"<td>{html.escape(format_bytes(row['size_bytes']))}</td>"
             + _cell(f"{index}.rows.{i}.time_s", row["time_s"], format_seconds(row["time_s"]))
             + _cell(f"{index}.rows.{i}.busbw_Bps", row["busbw_Bps"], f"{row['busbw_Bps'] / 1e9:.3g} GB/s")
@@ -205,9 +212,11 @@ def _figure_html(fig: Figure) -> str:
 
 
 def render_report(documents: Sequence[dict[str, Any]], *, title: str = "allreduce report") -> str:
-    """The HTML page of ``documents`` (``plan --json`` output, sweep documents, ``sim --json`` output)."""
+    """The HTML page of ``documents`` (``plan --json`` output, sweep documents, ``sim --json`` output), each
+    checked against its schema first (``ValueError`` names the document and the field)."""
     if not documents:
         raise ValueError("nothing to report: give at least one result")
+    documents = [checked(doc, f"result {i}") for i, doc in enumerate(documents)]
     figures = figures_of(documents)
     body: list[str] = []
     for i, doc in enumerate(documents):
@@ -246,30 +255,69 @@ def _number(text: str) -> Any:
     return text
 
 
+def checked(doc: Any, where: str) -> dict[str, Any]:
+    """``doc`` as the report reads it: its kind told, its fields checked (:func:`check_document`), or
+    ``ValueError`` naming ``where`` (a file) and the field."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: expected the JSON of plan --json, sim --json, tail --json or bench --json")
+    try:
+        return check_document(doc, document_kind(doc))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _sweep_csv(path: Path) -> dict[str, Any]:
+    """A sweep's CSV as a sweep document: its header must have the sweep's columns; read row by row, at most
+    :data:`MAX_SWEEP_ROWS` of them."""
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            missing = [c for c in SWEEP_COLUMNS if c not in header]
+            if missing:
+                raise ValueError(
+                    f"{path}: not a sweep's CSV (no column {missing[0]!r}; allreduce sweep writes "
+                    f"{', '.join(SWEEP_COLUMNS)}, ...)"
+                )
+            rows: list[dict[str, Any]] = []
+            for row in reader:
+                if len(rows) == MAX_SWEEP_ROWS:
+                    raise ValueError(
+                        f"{path}: more than {MAX_SWEEP_ROWS:,} rows, the most a report reads (it holds them in "
+                        "memory); report a part of the sweep"
+                    )
+                rows.append({k: _number(row[k]) for k in SWEEP_COLUMNS})
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path}: cannot read it as CSV ({exc})") from None
+    return {"kind": "sweep", "rows": rows}
+
+
 def load_documents(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """Read results: JSON of ``plan --json`` / ``sim --json`` / ``bench --json``, or a sweep's CSV."""
+    """Read results: JSON of ``plan --json`` / ``sim --json`` / ``bench --json``, or a sweep's CSV, each checked
+    against its schema (``ValueError`` names the file and the field)."""
     documents = []
     for path in map(Path, paths):
+        if path.suffix == ".csv":
+            documents.append(checked(_sweep_csv(path), str(path)))
+            continue
         try:
-            text = path.read_text(encoding="utf-8")
+            with path.open("rb") as f:
+                data = f.read(MAX_JSON_BYTES + 1)
+            if len(data) > MAX_JSON_BYTES:
+                raise ValueError(
+                    f"{path}: larger than {format_bytes(MAX_JSON_BYTES)}, the most a report reads of a JSON result "
+                    "(a plan's with its scaling and what-if tables is about 11 KB)"
+                )
+            text = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: cannot read it ({exc})") from None
-        if path.suffix == ".csv":
-            rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(text.splitlines())]
-            documents.append({"kind": "sweep", "rows": rows})
-            continue
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: nested too deeply to be a result") from None
         if isinstance(doc, list) and all(isinstance(r, dict) and {"size_bytes", "busbw_Bps"} <= set(r) for r in doc):
-            documents.append({"kind": "bench", "rows": doc})
-            continue
-        if not isinstance(doc, dict):
-            raise ValueError(f"{path}: expected the JSON of plan --json, sim --json, tail --json or bench --json")
-        try:
-            document_kind(doc)
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
-        documents.append(doc)
+            doc = {"kind": "bench", "rows": doc}
+        documents.append(checked(doc, str(path)))
     return documents

@@ -66,7 +66,7 @@ from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plain import PlainCalls
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
-from allreduce.runtime._stats import GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
 from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
@@ -454,6 +454,7 @@ class ProcessGroup:
         last = integer_arg(last, "last")
         if last < 1:
             raise ValueError(f"last must be a positive int, got {last!r}")
+        last = min(last, CALL_CAPACITY)  # no more calls are kept: the summary rows are sized for what can be there
         recorder = self._transport.recorder
         self._executor.run(lambda: None)  # earlier asynchronous collectives have finished
         rows = np.zeros((self.world_size, summary_row_length(self.world_size, last)))
