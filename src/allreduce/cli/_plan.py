@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +16,11 @@ from allreduce.plan import (
     BACKWARD_FRACTION,
     GRADIENT_DTYPES,
     PRESETS,
+    STORAGE_BPS,
     WHAT_IF_LOSS_PROBABILITY,
     Compute,
+    FailureSettings,
+    GoodputPlan,
     Model,
     Plan,
     PlanRequest,
@@ -162,9 +166,61 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="P",
         help="packet loss per link of the what-if loss rows (RoCE 4.29 s timeout, TCP 200 ms and 4 ms RTO); 0: none",
     )
+    _add_failure_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (what `allreduce report` reads)")
     p.add_argument("--report", metavar="FILE", help="also write the HTML report to FILE")
     p.set_defaults(handler=run)
+
+
+def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "failures (goodput)",
+        "A synchronous job stops when any part it uses fails: per-part rates from the Llama 3 report (419\n"
+        "interruptions of 16,384 GPUs in 54 days, docs/plan.md), checkpoints at Daly's optimum interval unless\n"
+        "given; the times marked assumed are not from a study: set yours.",
+    )
+    group.add_argument("--no-failures", action="store_true", help="leave failures and goodput out")
+    group.add_argument("--gpus-per-host", type=positive_int("--gpus-per-host"), default=8, help="GPUs per host")
+    group.add_argument("--ckpt-write-s", type=_positive_float("--ckpt-write-s"), help="checkpoint write time (s)")
+    group.add_argument(
+        "--storage-gbps",
+        type=_positive_float("--storage-gbps"),
+        default=STORAGE_BPS * 8 / 1e9,
+        help="aggregate checkpoint write bandwidth, Gbit/s (assumed), when --ckpt-write-s is not given; the "
+        "checkpoint holds 14 bytes per parameter (bf16 weights, fp32 master weights, Adam's two moments)",
+    )
+    group.add_argument("--ckpt-interval-s", type=_positive_float("--ckpt-interval-s"), help="default: Daly's optimum")
+    group.add_argument("--restart-s", type=float, default=600.0, help="a failure to training again (assumed)")
+    group.add_argument("--replace-s", type=float, default=300.0, help="of that, waiting for a new host (assumed)")
+    group.add_argument(
+        "--elastic-recovery-s", type=float, default=30.0, help="shrink-and-continue's pause per failure (assumed)"
+    )
+    group.add_argument("--repair-h", type=float, default=4.0, help="hours a failed host stays out (assumed)")
+
+
+def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
+    if args.no_failures:
+        return None
+    for flag, value in (
+        ("--restart-s", args.restart_s),
+        ("--replace-s", args.replace_s),
+        ("--elastic-recovery-s", args.elastic_recovery_s),
+        ("--repair-h", args.repair_h),
+    ):
+        if not (math.isfinite(value) and 0 <= value <= 1e6):
+            raise CLIError(f"{flag} must be a number of {'hours' if flag == '--repair-h' else 'seconds'} in [0, 1e6]")
+    if args.replace_s > args.restart_s:
+        raise CLIError(f"--replace-s ({args.replace_s:g}) is part of --restart-s ({args.restart_s:g}): not more")
+    return FailureSettings(
+        gpus_per_host=args.gpus_per_host,
+        write_s=args.ckpt_write_s,
+        storage_Bps=args.storage_gbps * 1e9 / 8,
+        restart_s=args.restart_s,
+        replace_s=args.replace_s,
+        interval_s=args.ckpt_interval_s,
+        elastic_recovery_s=args.elastic_recovery_s,
+        repair_s=args.repair_h * 3600,
+    )
 
 
 def _model(args: argparse.Namespace) -> Model:
@@ -278,15 +334,27 @@ def render(result: Plan) -> str:
             "",
             "scaling (same per-GPU batch)",
             f"{'GPUs':>8} {'step ms':>10} {'exposed ms':>10} {'efficiency':>10}  "
+            + (f"{'goodput':>8} {'w/ fails':>8}  " if result.goodput else "")
             + (f"{'p50 ms':>10} {'p99 ms':>10}  " if spread else "")
             + "algorithm",
         ]
+        first = result.scaling[0].goodput
         lines.extend(
             f"{row.gpus:>8} {_ms(row.step.step_s)} {_ms(row.step.exposed_comm_s)} {row.efficiency:>10.1%}  "
+            + (
+                f"{row.goodput:>8.1%} {row.efficiency * row.goodput / first:>8.1%}  "
+                if row.goodput is not None and first
+                else ""
+            )
             + (f"{_ms(row.quantiles.p50.step_s)} {_ms(row.quantiles.p99.step_s)}  " if row.quantiles else "")
             + row.algorithm
             for row in result.scaling
         )
+        if result.goodput:
+            lines.append(
+                "(goodput: restarting from checkpoints; w/ fails: the efficiency with failures counted, against the "
+                "first row's goodput)"
+            )
     if result.what_ifs:
         lines += [
             "",
@@ -302,8 +370,40 @@ def render(result: Plan) -> str:
             delta = w.step.step_s / step.step_s - 1 if step.step_s else 0.0
             p99 = f" {_ms(w.quantiles.p99.step_s)}" if w.quantiles else ""
             lines.append(f"{w.change:<40} {_ms(w.step.step_s)} {delta:>+9.1%} {_ms(w.step.exposed_comm_s)}{p99}")
+    if result.goodput:
+        lines += ["", *_goodput_lines(result.goodput, step.step_s)]
     lines.extend(f"(note: {n})" for n in result.notes)
     return "\n".join(lines)
+
+
+def _hours(seconds: float) -> str:
+    return format_seconds(seconds) if seconds < 3600 or not math.isfinite(seconds) else f"{seconds / 3600:.3g} h"
+
+
+def _goodput_lines(g: GoodputPlan, step_s: float) -> list[str]:
+    total = sum(g.failures_per_h.values())
+    shares = ", ".join(
+        f"{kind} {rate / total:.0%}" for kind, rate in sorted(g.failures_per_h.items(), key=lambda kv: -kv[1]) if rate
+    )
+    plural = {"gpu": "GPUs", "host": "hosts", "nic": "NICs", "cable": "cables", "switch": "switches"}
+    counts = ", ".join(f"{n:,} {plural[kind]}" for kind, n in g.counts.items() if kind in plural and n)
+    ckpt = g.checkpoint
+    interval = g.row("restart").interval_s
+    assumed = ", ".join(name.removesuffix("_s").replace("_", " ") for name in ckpt.assumed)
+    lines = [
+        f"failures on {g.gpus:,} GPUs ({counts}): one every {_hours(g.mtbf_s)} ({shares})",
+        f"  rates: {g.source}",
+        f"  checkpoint written in {format_seconds(ckpt.write_s)} every {format_seconds(interval or 0)} of training "
+        f"({'given' if ckpt.interval_s else 'Daly'}); restart {format_seconds(ckpt.restart_s)}; assumed: {assumed}",
+        f"{'recovery policy':<40} {'goodput':>8} {'effective step ms':>18}",
+    ]
+    described = {
+        "restart": "restart from the last checkpoint",
+        "spares": "the same, with hot spare hosts",
+        "elastic": "shrink and continue (group.shrink)",
+    }
+    lines.extend(f"{described[r.policy]:<40} {r.goodput:>8.1%} {_ms(r.effective_step_s(step_s)):>18}" for r in g.rows)
+    return lines
 
 
 def _progress(enabled: bool) -> Callable[[str], None] | None:
@@ -325,6 +425,7 @@ def run(args: argparse.Namespace) -> int:
         what_ifs=not args.no_what_if,
         curve=bool(args.json or args.report),  # the busbw curve is drawn in the report, not printed
         progress=_progress(status),
+        failures=failures_from_args(args),
     )
     if status:
         print("\r\033[K", end="", file=sys.stderr, flush=True)

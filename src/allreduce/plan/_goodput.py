@@ -50,16 +50,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from allreduce.topology import NVLINK_BANDWIDTH_BPS, NodeKind, Topology
+
 __all__ = [
     "LLAMA3_RATES",
     "POLICIES",
+    "STORAGE_BPS",
     "Checkpointing",
     "FailureRates",
+    "FailureSettings",
     "Fleet",
+    "GoodputPlan",
     "GoodputRow",
     "checkpoint_bytes",
     "daly_interval",
     "elastic_goodput",
+    "fleet_of",
+    "goodput_plan",
     "goodput_table",
     "restart_goodput",
     "simulate_elastic",
@@ -333,3 +340,116 @@ def _batch_means(times: np.ndarray, work: np.ndarray, horizon_s: float, batches:
     slot = np.minimum((times[keep] / horizon_s * batches).astype(np.int64), batches - 1)
     share = np.bincount(slot, weights=work[keep], minlength=batches) / (horizon_s / batches)
     return float(share.mean()), float(share.std(ddof=1) / math.sqrt(batches))
+
+
+STORAGE_BPS = 100e9
+"""Assumed aggregate checkpoint write bandwidth (bytes/s) when neither a write time nor a bandwidth is given: a
+parallel file system or object store written by every host at once. State yours with --storage-gbps."""
+
+
+@dataclass(frozen=True)
+class FailureSettings:
+    """What the planner needs to count failures: part rates, hosts, and how the job checkpoints."""
+
+    rates: FailureRates = LLAMA3_RATES
+    gpus_per_host: int = 8
+    write_s: float | None = None  # None: the checkpoint's bytes at storage_Bps
+    storage_Bps: float = STORAGE_BPS
+    bytes_per_parameter: float = BYTES_PER_PARAMETER
+    restart_s: float = 600.0
+    replace_s: float = 300.0
+    interval_s: float | None = None
+    elastic_recovery_s: float = 30.0
+    repair_s: float = 4 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_host < 1:
+            raise ValueError(f"--gpus-per-host must be >= 1, got {self.gpus_per_host}")
+        if not (math.isfinite(self.storage_Bps) and self.storage_Bps > 0):
+            raise ValueError(f"--storage-gbps must be a number > 0, got {self.storage_Bps * 8 / 1e9:g}")
+
+    def checkpointing(self, parameters: float) -> Checkpointing:
+        write_s = self.write_s
+        if write_s is None:
+            write_s = checkpoint_bytes(parameters, self.bytes_per_parameter) / self.storage_Bps
+        return Checkpointing(
+            write_s=write_s,
+            restart_s=self.restart_s,
+            replace_s=self.replace_s,
+            interval_s=self.interval_s,
+            elastic_recovery_s=self.elastic_recovery_s,
+            repair_s=self.repair_s,
+        )
+
+
+@dataclass(frozen=True)
+class GoodputPlan:
+    """Failures and goodput of one job size: its parts, their failure rates, and each recovery policy."""
+
+    gpus: int
+    counts: dict[str, int]
+    failures_per_h: dict[str, float]
+    mtbf_s: float
+    checkpoint: Checkpointing
+    rows: tuple[GoodputRow, ...]
+    source: str
+
+    def row(self, policy: str) -> GoodputRow:
+        return next(r for r in self.rows if r.policy == policy)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "gpus": self.gpus,
+            "counts": dict(self.counts),
+            "failures_per_h": dict(self.failures_per_h),
+            "mtbf_s": self.mtbf_s,
+            "checkpoint_write_s": self.checkpoint.write_s,
+            "restart_s": self.checkpoint.restart_s,
+            "rates_source": self.source,
+            "assumed": list(self.checkpoint.assumed),
+            "policies": [r.to_json() for r in self.rows],
+        }
+
+
+def fleet_of(topology: Topology | None, gpus: int, gpus_per_host: int) -> Fleet:
+    """The parts a job of ``gpus`` uses: hosts of ``gpus_per_host``, one NIC per GPU, and the topology's network
+    cables and switches in proportion to the GPUs the job takes of it. Without a topology, three cables per GPU (a
+    non-blocking three-tier Clos) and no switch counted apart. A cable is a link between two nodes that is neither
+    GPU-to-NIC (PCIe) nor a GPU's NVLink-class link."""
+    if topology is None:
+        return Fleet(gpus, gpus_per_host)
+    kind = topology.node_kind
+    src, dst = topology.link_src, topology.link_dst
+    gpu = int(NodeKind.GPU)
+    nic = int(NodeKind.NIC)
+    pcie = ((kind[src] == gpu) & (kind[dst] == nic)) | ((kind[src] == nic) & (kind[dst] == gpu))
+    nvlink = ((kind[src] == gpu) | (kind[dst] == gpu)) & (topology.link_bandwidth_Bps >= NVLINK_BANDWIDTH_BPS)
+    cable = ~pcie & ~nvlink
+    network_switches = np.unique(np.concatenate([src[cable], dst[cable]]))
+    switches = int(np.count_nonzero(kind[network_switches] == int(NodeKind.SWITCH)))
+    share = min(1.0, gpus / max(1, topology.num_gpus))
+    return Fleet(
+        gpus,
+        gpus_per_host,
+        nics=gpus,
+        cables=round(int(np.count_nonzero(cable)) // 2 * share),
+        switches=round(switches * share),
+    )
+
+
+def goodput_plan(
+    settings: FailureSettings, *, gpus: int, parameters: float, step_s: float, topology: Topology | None = None
+) -> GoodputPlan:
+    """Failures and goodput of ``gpus`` GPUs training a model of ``parameters`` at ``step_s`` per step."""
+    fleet = fleet_of(topology, gpus, settings.gpus_per_host)
+    ckpt = settings.checkpointing(parameters)
+    rows = tuple(goodput_table(fleet, settings.rates, ckpt, step_s=step_s))
+    return GoodputPlan(
+        gpus,
+        fleet.counts(),
+        fleet.failures_per_h(settings.rates),
+        fleet.mtbf_s(settings.rates),
+        ckpt,
+        rows,
+        settings.rates.source,
+    )

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.plan._step import Compute, StepTime, step_time
+from allreduce.plan._answer import Plan, ScalingRow, SizeRun, StepPlan, WhatIf
+from allreduce.plan._goodput import FailureSettings, goodput_plan
+from allreduce.plan._step import Compute, step_time
 from allreduce.plan._tail import (
     LOSS_TAIL_SAMPLES,
     STEP_SAMPLES,
@@ -207,120 +209,6 @@ class PlanRequest:
         }
 
 
-@dataclass(frozen=True)
-class SizeRun:
-    """The all-reduce of one distinct bucket size: ``count`` buckets of ``size_bytes``, each ``seconds``."""
-
-    size_bytes: int
-    count: int
-    algorithm: str
-    seconds: float
-    busbw_Bps: float
-    exact: bool
-    links: tuple[tuple[str, float], ...]  # the busiest links and their utilization
-    bottleneck_link: str | None  # the link the critical path waited on most
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "size_bytes": self.size_bytes,
-            "count": self.count,
-            "algorithm": self.algorithm,
-            "seconds": self.seconds,
-            "busbw_GBps": self.busbw_Bps / 1e9,
-            "exact": self.exact,
-            "bottleneck_link": self.bottleneck_link,
-        }
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One configuration's step: its request, time split, and the all-reduce of each bucket size."""
-
-    request: PlanRequest
-    step: StepTime
-    runs: tuple[SizeRun, ...]
-
-    @property
-    def algorithms(self) -> dict[int, str]:
-        return {r.size_bytes: r.algorithm for r in self.runs}
-
-    @property
-    def dominant(self) -> SizeRun:
-        """The bucket size whose all-reduces take the most time in all."""
-        return max(self.runs, key=lambda r: r.seconds * r.count)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.request.describe(), **self.step.to_json(), "sizes": [r.to_json() for r in self.runs]}
-
-
-@dataclass(frozen=True)
-class ScalingRow:
-    gpus: int
-    step: StepTime
-    efficiency: float  # step time at the first row / step time here (same per-GPU batch)
-    algorithm: str
-    quantiles: StepQuantiles | None = None  # with a compute distribution
-
-    def to_json(self) -> dict[str, Any]:
-        extra = self.quantiles.to_json() if self.quantiles else {}
-        return {
-            "gpus": self.gpus,
-            "efficiency": self.efficiency,
-            "algorithm": self.algorithm,
-            **self.step.to_json(),
-            **extra,
-        }
-
-
-@dataclass(frozen=True)
-class WhatIf:
-    """One change against the base plan; ``step`` is None when the change does not apply (``note`` says why).
-
-    A random change (packet loss) has ``quantiles``; ``step`` is then its p50 step."""
-
-    change: str
-    step: StepTime | None
-    note: str = ""
-    quantiles: StepQuantiles | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        extra = self.quantiles.to_json() if self.quantiles else {}
-        return {"change": self.change, "note": self.note, **(self.step.to_json() if self.step else {}), **extra}
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The answer of ``allreduce plan``: the base step, the scaling table, the what-ifs, the bottleneck."""
-
-    base: StepPlan
-    scaling: tuple[ScalingRow, ...]
-    what_ifs: tuple[WhatIf, ...]
-    bottleneck: str
-    curve: tuple[tuple[int, float, float], ...]  # (size_bytes, seconds, busbw_Bps) of the dominant algorithm
-    notes: tuple[str, ...] = ()
-    quantiles: StepQuantiles | None = None  # of the base step, with a compute distribution
-
-    def to_json(self) -> dict[str, Any]:
-        dominant = self.base.dominant
-        return {
-            "kind": "plan",
-            "base": {**self.base.to_json(), **(self.quantiles.to_json() if self.quantiles else {})},
-            "bottleneck": self.bottleneck,
-            "scaling": [row.to_json() for row in self.scaling],
-            "what_ifs": [w.to_json() for w in self.what_ifs],
-            "links": [{"link": name, "utilization": u} for name, u in dominant.links],
-            "links_of": {"size_bytes": dominant.size_bytes, "algorithm": dominant.algorithm},
-            "busbw_curve": [
-                {"size_bytes": size, "seconds": s, "busbw_GBps": bw / 1e9, "algorithm": dominant.algorithm}
-                for size, s, bw in self.curve
-            ],
-            "notes": list(self.notes),
-        }
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Simulation, memoised within one plan
-# ------------------------------------------------------------------------------------------------------------
 def _leaf_uplinks(topology: Topology) -> np.ndarray[Any, np.dtype[np.int64]]:
     """Links between a switch that GPUs (or their NICs) attach to and a switch above it, both directions."""
     kind = topology.node_kind
@@ -642,11 +530,13 @@ def plan(
     curve: bool = True,
     loss_probability: float = WHAT_IF_LOSS_PROBABILITY,
     progress: Callable[[str], None] | None = None,
+    failures: FailureSettings | None = None,
 ) -> Plan:
     """The base step, the scaling table from 8 GPUs (doubling, same per-GPU batch), and the what-if table.
 
     ``loss_probability`` (per packet, every link) sets the loss rows of the what-if table; 0 leaves them out.
-    With ``request.compute_distribution`` the base and every scaling row also carry their p50 and p99."""
+    With ``request.compute_distribution`` the base and every scaling row also carry their p50 and p99. With
+    ``failures`` the base carries each recovery policy's goodput and every scaling row the restart policy's."""
     if not (math.isfinite(loss_probability) and 0 <= loss_probability < 1):
         raise ValueError(f"--loss must be a probability in [0, 1), got {loss_probability}")
     distribution = request.compute_distribution
@@ -664,7 +554,14 @@ def plan(
             first = step.step_s if first is None else first
             algorithm = "/".join(sorted({r.algorithm for r in row_plan.runs}))
             quantiles = compute_quantiles(row_plan, distribution, gpus=n) if distribution else None
-            rows.append(ScalingRow(n, step, first / step.step_s if step.step_s > 0 else 1.0, algorithm, quantiles))
+            goodput = (
+                goodput_plan(failures, gpus=n, parameters=request.model.params, step_s=step.step_s,
+                             topology=sim.topology(request.topology, request.uplink_oversubscription)).row("restart")
+                if failures is not None
+                else None
+            )  # fmt: skip
+            efficiency = first / step.step_s if step.step_s > 0 else 1.0
+            rows.append(ScalingRow(n, step, efficiency, algorithm, quantiles, goodput.goodput if goodput else None))
     whats: list[WhatIf] = []
     notes: list[str] = []
     if what_ifs:
@@ -680,4 +577,13 @@ def plan(
     if not all(r.exact for r in base.runs):
         notes.append("some all-reduce times are the fast engine's approximation (ranks left lockstep)")
     base_quantiles = compute_quantiles(base, distribution, gpus=request.gpus) if distribution else None
-    return Plan(base, tuple(rows), tuple(whats), _bottleneck(base), tuple(points), tuple(notes), base_quantiles)
+    failure_plan = None
+    if failures is not None:
+        say("failures and goodput")
+        failure_plan = goodput_plan(
+            failures, gpus=request.gpus, parameters=request.model.params, step_s=base.step.step_s,
+            topology=sim.topology(request.topology, request.uplink_oversubscription),
+        )  # fmt: skip
+    return Plan(
+        base, tuple(rows), tuple(whats), _bottleneck(base), tuple(points), tuple(notes), base_quantiles, failure_plan
+    )

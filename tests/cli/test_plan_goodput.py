@@ -1,0 +1,87 @@
+"""``allreduce plan``'s failures section: goodput per recovery policy, the scaling table's goodput column, the JSON,
+and the flags' errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from allreduce.cli import main
+from allreduce.plan import LLAMA3_RATES, Fleet, checkpoint_bytes, daly_interval
+from allreduce.plan._goodput import restart_goodput
+
+SMALL = ("--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4", "--compute-ms", "20", "--no-what-if")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exc:  # argparse's own refusals
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.slow
+def test_the_plan_prints_each_recovery_policys_goodput(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL, "--no-scaling")
+    assert code == 0, err
+    assert "failures on 16 GPUs (16 GPUs, 2 hosts, 16 NICs, 48 cables, 20 switches)" in out
+    for policy in ("restart from the last checkpoint", "with hot spare hosts", "shrink and continue"):
+        assert policy in out
+
+
+@pytest.mark.slow
+def test_the_json_goodput_is_dalys_closed_form(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL, "--no-scaling", "--json", "--restart-s", "900", "--storage-gbps", "8")
+    assert code == 0, err
+    goodput = json.loads(out)["goodput"]
+    mtbf = goodput["mtbf_s"]
+    write_s = checkpoint_bytes(5e7) / 1e9  # 8 Gbit/s
+    restart = goodput["policies"][0]
+    assert goodput["checkpoint_write_s"] == pytest.approx(write_s)
+    assert restart["interval_s"] == pytest.approx(daly_interval(write_s, mtbf))
+    assert restart["goodput"] == pytest.approx(restart_goodput(restart["interval_s"], write_s, 900.0, mtbf))
+
+
+@pytest.mark.slow
+def test_the_job_fails_as_often_as_its_parts_say(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL, "--no-scaling", "--json", "--gpus-per-host", "4")
+    assert code == 0, err
+    goodput = json.loads(out)["goodput"]
+    counts = goodput["counts"]
+    assert counts["host"] == 4
+    fleet = Fleet(16, 4, nics=counts["nic"], cables=counts["cable"], switches=counts["switch"])
+    assert goodput["mtbf_s"] == pytest.approx(fleet.mtbf_s(LLAMA3_RATES))
+
+
+@pytest.mark.slow
+def test_the_scaling_table_has_a_goodput_column_falling_with_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL, "--json")
+    assert code == 0, err
+    rows = json.loads(out)["scaling"]
+    assert [r["gpus"] for r in rows] == [8, 16]
+    assert rows[0]["goodput"] > rows[1]["goodput"]
+
+
+@pytest.mark.slow
+def test_no_failures_leaves_the_section_out(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL, "--no-scaling", "--no-failures", "--json")
+    assert code == 0, err
+    assert "goodput" not in json.loads(out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--replace-s", "700"), "--replace-s (700) is part of --restart-s (600)"),
+        (("--repair-h", "inf"), "--repair-h must be a number of hours"),
+        (("--storage-gbps", "0"), "--storage-gbps"),
+    ],
+)
+def test_bad_failure_flags_are_named(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
+    code, _, err = run(capsys, *SMALL, "--no-scaling", *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
