@@ -21,15 +21,18 @@ from allreduce.plan import (
     Compute,
     FailureSettings,
     GoodputPlan,
+    MeasuredBackward,
     Model,
     Plan,
     PlanRequest,
     compute_seconds,
     format_count,
+    measure_spec,
     model_from_module,
     model_from_params,
     plan,
     preset,
+    read_profile,
 )
 from allreduce.sim import Distribution, parse_distribution
 from allreduce.units import format_bytes, format_seconds
@@ -86,6 +89,18 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--model", "-m", choices=tuple(PRESETS), help="a model preset")
     which.add_argument("--params", type=_positive_float("--params"), help="a transformer of this many parameters: 7e9")
     which.add_argument("--module", metavar="MODULE:FUNCTION", help="a torch.nn.Module that FUNCTION() returns")
+    which.add_argument(
+        "--profile",
+        metavar="TRACE.json",
+        help="a torch.profiler Chrome trace of one training step (recorded with record_shapes=True, on any "
+        "machine): the gradients' sizes and when backward finished each",
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="with --module: run forward and backward here and time when each gradient is ready (FUNCTION must "
+        "return (module, inputs)); the step then overlaps buckets as measured, not at a fixed rate",
+    )
     p.add_argument("--gpus", "-n", type=positive_int("--gpus"), required=True, help="data-parallel GPUs")
     p.add_argument("--topology", "-t", required=True, help="a spec (fat-tree:k=16, clos:..., rail:...) or a file")
     p.add_argument(
@@ -223,7 +238,23 @@ def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
     )
 
 
-def _model(args: argparse.Namespace) -> Model:
+def _measured(args: argparse.Namespace) -> MeasuredBackward | None:
+    """The measured or profiled step, for --measure or --profile."""
+    if args.measure and args.module is None:
+        raise CLIError("--measure runs a model: give it with --module MODULE:FUNCTION")
+    try:
+        if args.profile is not None:
+            return read_profile(args.profile)
+        if args.measure:
+            return measure_spec(args.module)
+    except ValueError as exc:
+        raise CLIError(f"--{'profile' if args.profile else 'measure'}: {exc}") from None
+    return None
+
+
+def _model(args: argparse.Namespace, measured: MeasuredBackward | None) -> Model:
+    if measured is not None:
+        return measured.model(args.module or f"profile {Path(args.profile).name}")
     if args.model is not None:
         return preset(args.model)
     if args.params is not None:
@@ -243,7 +274,8 @@ def _algorithm(text: str) -> str:
 
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
     algorithm = _algorithm(args.algorithm)
-    model = _model(args)
+    measured = _measured(args)
+    model = _model(args, measured)
     distribution: Distribution | None = None
     if args.compute is not None and (args.compute_ms is not None or args.gpu_tflops is not None):
         raise CLIError("give one of --compute-ms, --compute DIST or --gpu-tflops, not several")
@@ -267,13 +299,15 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
             tokens_per_gpu=args.tokens_per_gpu,
             samples_per_gpu=args.samples_per_gpu,
         )
+    elif measured is not None:
+        micro_batch_s = measured.compute_s  # as measured (or profiled): forward and backward
     else:
         raise CLIError(
             "say how long compute takes: --compute-ms, --compute DIST, or --gpu-tflops with --tokens-per-gpu"
         )
     compute = Compute(
         micro_batch_s,
-        backward_fraction=args.backward_fraction,
+        backward_fraction=measured.backward_share if measured is not None else args.backward_fraction,
         accumulation_steps=args.accumulation,
         overlap=not args.no_overlap,
     )

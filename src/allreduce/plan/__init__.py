@@ -20,6 +20,7 @@ from allreduce.plan._goodput import (
     goodput_plan,
     goodput_table,
 )
+from allreduce.plan._measured import MeasuredBackward, measure_module, measure_spec, read_profile
 from allreduce.plan._planner import (
     AUTO,
     WHAT_IF_LOSS_PROBABILITY,
@@ -98,6 +99,7 @@ __all__ = [
     "GoodputPlan",
     "GoodputRow",
     "Grid",
+    "MeasuredBackward",
     "Model",
     "Plan",
     "PlanRequest",
@@ -124,12 +126,15 @@ __all__ = [
     "load_grid",
     "make_executor",
     "max_workers",
+    "measure_module",
+    "measure_spec",
     "model_from_module",
     "model_from_params",
     "plan",
     "plan_step",
     "preset",
     "read_grid",
+    "read_profile",
     "request_of",
     "run_case",
     "run_sweep",

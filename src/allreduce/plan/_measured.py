@@ -24,6 +24,7 @@ them installs from the Python package index.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -33,7 +34,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_PROFILE_BYTES", "MeasuredBackward", "measure_module", "read_profile"]
+from allreduce.plan._workload import Model
+from allreduce.units import format_seconds
+
+__all__ = ["MAX_PROFILE_BYTES", "MeasuredBackward", "measure_module", "measure_spec", "read_profile"]
 
 MAX_PROFILE_BYTES = 1 << 30
 """The largest trace file read (a step's trace of a large model is tens of MB; a whole profiled run can be GBs)."""
@@ -82,6 +86,16 @@ class MeasuredBackward:
             self.forward_s * factor,
             self.backward_s * factor,
             self.optimizer_s * factor,
+        )
+
+    def model(self, name: str) -> Model:
+        """The model as the planner sees it: these tensors, each ready when measured."""
+        return Model(name, self.tensor_params, whole_tensors=True, tensor_ready=self.ready_fraction)
+
+    def describe(self) -> str:
+        return (
+            f"{self.source}: forward {format_seconds(self.forward_s)}, backward {format_seconds(self.backward_s)}, "
+            f"optimizer {format_seconds(self.optimizer_s)}, {len(self.tensor_params)} gradient tensors"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -169,6 +183,33 @@ def measure_module(
         statistics.median(backward),
         statistics.median(step),
     )
+
+
+def measure_spec(spec: str, *, repeats: int = 5) -> MeasuredBackward:
+    """Measure ``module:function``, whose function returns ``(module, inputs)``: inputs a tensor or a tuple of
+    them, one micro-batch as the model takes it. Errors name the spec and what is wrong."""
+    module_name, sep, function_name = spec.partition(":")
+    if not sep or not module_name or not function_name:
+        raise ValueError(f"{spec!r}: write a module as module:function, e.g. mymodels:resnet_and_batch")
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"{spec}: measuring a module needs torch (pip install 'allreduce[torch]')") from None
+    try:
+        factory = getattr(importlib.import_module(module_name), function_name, None)
+    except ImportError as exc:
+        raise ValueError(f"{spec}: cannot import {module_name} ({exc})") from None
+    if not callable(factory):
+        raise ValueError(f"{spec}: {module_name} has no function {function_name}")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise ValueError(
+            f"{spec}: --measure needs {function_name}() to return (module, inputs), a torch.nn.Module and one "
+            f"micro-batch of its input (a tensor or a tuple of tensors); it returned {type(made).__name__}"
+        )
+    net, inputs = made
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    return measure_module(net, inputs, repeats=repeats, source=f"measured {spec} on this machine")
 
 
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"

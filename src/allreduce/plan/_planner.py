@@ -179,6 +179,12 @@ class PlanRequest:
             )
 
     @property
+    def step_compute(self) -> Compute:
+        """``compute``, with each bucket's measured ready time when the model has them (for these buckets)."""
+        ready = self.model.bucket_ready(self.bucket_bytes, GRADIENT_DTYPES[self.gradient_dtype])
+        return self.compute if ready is None else dataclasses.replace(self.compute, bucket_ready=ready)
+
+    @property
     def bucket_bytes(self) -> tuple[int, ...]:
         element = GRADIENT_DTYPES[self.gradient_dtype]
         return ddp_buckets(
@@ -394,7 +400,7 @@ def _plan_step(
         else:
             result = sim.run(request, request.algorithm, n, size)
         runs[size] = _size_run(result, size, count)
-    step = step_time(buckets, [runs[b].seconds for b in buckets], request.compute)
+    step = step_time(buckets, [runs[b].seconds for b in buckets], request.step_compute)
     return StepPlan(request, step, tuple(runs[s] for s in sizes))
 
 
@@ -513,13 +519,13 @@ def loss_quantiles(base: StepPlan, sim: _Simulator, loss: LossModel) -> StepQuan
         return sim.tail(request, name, request.gpus, size_bytes, config)
 
     runs = [(r.size_bytes, r.algorithm, r.seconds) for r in base.runs]
-    return loss_step_quantiles(base.step, request.compute, runs, loss, tail, seed=request.seed)
+    return loss_step_quantiles(base.step, request.step_compute, runs, loss, tail, seed=request.seed)
 
 
 def compute_quantiles(step: StepPlan, distribution: Distribution, *, gpus: int) -> StepQuantiles:
     """p50 and p99 of ``step`` with compute drawn from ``distribution`` on ``gpus`` GPUs (see
     :func:`allreduce.plan._tail.compute_step_quantiles`)."""
-    return compute_step_quantiles(step.step, step.request.compute, distribution, gpus=gpus, seed=step.request.seed)
+    return compute_step_quantiles(step.step, step.request.step_compute, distribution, gpus=gpus, seed=step.request.seed)
 
 
 def plan(

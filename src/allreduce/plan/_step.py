@@ -8,7 +8,9 @@ communication, as under ``DistributedDataParallel.no_sync``)::
     all-reduce k starts at max(ready k, end of all-reduce k-1)     one communication stream, in bucket order
     step ends at max(end of compute, end of the last all-reduce)
 
-With ``overlap=False`` every bucket is ready when compute ends. A straggler computes ``1 + straggler_slowdown``
+With ``bucket_ready`` (measured on a real model or read from a profile: :mod:`allreduce.plan._measured`) bucket k
+is ready at that fraction of backward instead of at its share of the bytes. With ``overlap=False`` every bucket
+is ready when compute ends. A straggler computes ``1 + straggler_slowdown``
 times longer; every all-reduce needs every rank's bucket, so the others wait for it. The step splits exactly
 into ``compute_s`` (a typical GPU's compute), ``waiting_s`` (for the slowest GPU's compute) and
 ``exposed_comm_s`` (all-reduce time not hidden behind compute).
@@ -39,6 +41,7 @@ class Compute:
     accumulation_steps: int = 1
     overlap: bool = True
     straggler_slowdown: float = 0.0
+    bucket_ready: tuple[float, ...] | None = None  # per bucket (all-reduce order): ready at this share of backward
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.micro_batch_s) and self.micro_batch_s >= 0):
@@ -51,6 +54,21 @@ class Compute:
             raise ValueError(f"gradient accumulation steps must be >= 1, got {self.accumulation_steps}")
         if not (math.isfinite(self.straggler_slowdown) and self.straggler_slowdown >= 0):
             raise ValueError(f"the straggler slowdown must be a finite number >= 0, got {self.straggler_slowdown}")
+        if self.bucket_ready is not None and not all(0.0 <= f <= 1.0 for f in self.bucket_ready):
+            raise ValueError("bucket ready times must be shares of backward in [0, 1]")
+
+    def ready_shares(self, bucket_bytes: Sequence[int]) -> list[float]:
+        """When each bucket is ready, as a share of backward: measured, or its cumulative share of the bytes."""
+        if self.bucket_ready is not None:
+            if len(self.bucket_ready) != len(bucket_bytes):
+                raise ValueError(f"{len(bucket_bytes)} buckets but {len(self.bucket_ready)} ready times")
+            return list(self.bucket_ready)
+        total = float(sum(bucket_bytes))
+        produced, shares = 0.0, []
+        for nbytes in bucket_bytes:
+            produced += nbytes
+            shares.append(produced / total if total > 0 else 1.0)
+        return shares
 
 
 @dataclass(frozen=True)
@@ -95,15 +113,9 @@ def step_time(bucket_bytes: Sequence[int], bucket_s: Sequence[float], compute: C
     last_micro_start_s = (accumulation - 1) * slowest_s
     backward_s = slowest_s * compute.backward_fraction
     backward_start_s = last_micro_start_s + slowest_s - backward_s
-    total_bytes = float(sum(bucket_bytes))
     comm_end_s = 0.0
-    produced = 0.0
-    for nbytes, seconds in zip(bucket_bytes, bucket_s, strict=True):
-        produced += nbytes
-        if compute.overlap and total_bytes > 0:
-            ready_s = backward_start_s + backward_s * (produced / total_bytes)
-        else:
-            ready_s = compute_end_s
+    for share, seconds in zip(compute.ready_shares(bucket_bytes), bucket_s, strict=True):
+        ready_s = backward_start_s + backward_s * share if compute.overlap else compute_end_s
         comm_end_s = max(ready_s, comm_end_s) + float(seconds)
     step_s = max(compute_end_s, comm_end_s)
     compute_s = accumulation * typical_s
@@ -131,14 +143,8 @@ def step_seconds(
     compute_end_s = accumulation * slowest_s
     backward_s = slowest_s * compute.backward_fraction
     backward_start_s = (accumulation - 1) * slowest_s + slowest_s - backward_s
-    total_bytes = float(sum(bucket_bytes))
     comm_end_s = np.zeros(times.shape[0])
-    produced = 0.0
-    for k, nbytes in enumerate(bucket_bytes):
-        produced += nbytes
-        if compute.overlap and total_bytes > 0:
-            ready_s = backward_start_s + backward_s * (produced / total_bytes)
-        else:
-            ready_s = compute_end_s
+    for k, share in enumerate(compute.ready_shares(bucket_bytes)):
+        ready_s = backward_start_s + backward_s * share if compute.overlap else compute_end_s
         comm_end_s = np.maximum(comm_end_s, ready_s) + times[:, k]
     return np.asarray(np.maximum(comm_end_s, compute_end_s), dtype=np.float64)

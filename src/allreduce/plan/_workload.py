@@ -71,10 +71,33 @@ class Model:
     tensor_params: tuple[int, ...]
     forward_flops_per_sample: float | None = None
     whole_tensors: bool = False
+    # per tensor (registration order): when backward finished its gradient, as a share of backward (measured)
+    tensor_ready: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.tensor_params or any(p <= 0 for p in self.tensor_params):
             raise ValueError(f"model {self.name}: every parameter tensor must hold at least one element")
+        if self.tensor_ready is not None and (
+            len(self.tensor_ready) != len(self.tensor_params) or not self.whole_tensors
+        ):
+            raise ValueError(f"model {self.name}: ready times need one per tensor, of whole tensors")
+
+    def bucket_ready(self, bucket_bytes: Sequence[int], element_bytes: int) -> tuple[float, ...] | None:
+        """Each DDP bucket's ready time (the latest of its tensors'), as a share of backward; None when unmeasured.
+        Buckets hold whole tensors in reverse registration order (:func:`ddp_buckets`)."""
+        if self.tensor_ready is None:
+            return None
+        sizes = [p * element_bytes for p in reversed(self.tensor_params)]
+        ready = list(reversed(self.tensor_ready))
+        shares, i = [], 0
+        for nbytes in bucket_bytes:
+            filled, latest = 0, 0.0
+            while filled < nbytes:
+                filled += sizes[i]
+                latest = max(latest, ready[i])
+                i += 1
+            shares.append(latest)
+        return tuple(shares)
 
     @property
     def params(self) -> int:

@@ -1,0 +1,129 @@
+"""``allreduce plan --profile`` and ``--module ... --measure``: the step overlaps buckets as the real model's
+backward produced them; the bucket ready times and the timeline against closed forms; errors."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from allreduce.cli import main
+from allreduce.plan import Compute, Model, step_time
+
+CLUSTER = ("--gpus", "8", "--topology", "switch:8", "--no-scaling", "--no-what-if", "--no-failures")
+
+MODULE = """
+import torch
+
+def mlp_and_batch():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    return net, torch.randn(32, 128)
+
+def mlp_only():
+    return torch.nn.Linear(4, 4)
+"""
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_buckets_ready_time_is_its_latest_tensors() -> None:
+    # registration order a, b, c; backward produces c, b, a; buckets of whole tensors in reverse order
+    model = Model("m", (10, 20, 30), whole_tensors=True, tensor_ready=(0.9, 0.5, 0.1))
+    assert model.bucket_ready((30 * 2, 30 * 2), element_bytes=2) == (0.1, 0.9)
+
+
+def test_a_bucket_ready_at_backwards_start_is_all_reduced_then() -> None:
+    # one micro-batch of 1 s, backward the last 0.5 s; the bucket is ready at 0.5 s and takes 2 s
+    compute = Compute(1.0, backward_fraction=0.5, bucket_ready=(0.0,))
+    assert step_time((100,), (2.0,), compute).step_s == pytest.approx(2.5)
+    uniform = Compute(1.0, backward_fraction=0.5)
+    assert step_time((100,), (2.0,), uniform).step_s == pytest.approx(3.0)
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(32, 128)
+    path = tmp_path / "step.json"
+
+    def export(prof: Any) -> None:
+        prof.export_chrome_trace(str(path))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
+        with profile(
+            activities=[ProfilerActivity.CPU],
+            record_shapes=True,
+            schedule=schedule(wait=0, warmup=1, active=1),
+            on_trace_ready=export,
+        ) as prof:
+            for _ in range(2):
+                net(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+    return path
+
+
+@pytest.mark.slow
+def test_a_profile_drives_the_plan(capsys: pytest.CaptureFixture[str], trace: Path) -> None:
+    code, out, err = run(capsys, "--profile", str(trace), *CLUSTER, "--json")
+    assert code == 0, err
+    base = json.loads(out)["base"]
+    assert base["model"] == "profile step.json"
+    assert base["params"] == 128 * 256 + 256 + 256 * 10 + 10
+    assert 0 < base["backward_fraction"] < 1
+
+
+@pytest.mark.slow
+def test_measuring_a_module_drives_the_plan(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    (tmp_path / "planned_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run(capsys, "--module", "planned_models:mlp_and_batch", "--measure", *CLUSTER, "--json")
+    assert code == 0, err
+    base = json.loads(out)["base"]
+    assert base["params"] == 128 * 256 + 256 + 256 * 10 + 10
+    assert base["micro_batch_s"] > 0
+
+
+def test_measure_needs_a_module(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "--params", "1e6", "--measure", *CLUSTER)
+    assert code == 2
+    assert "--measure runs a model: give it with --module" in err
+
+
+@pytest.mark.slow
+def test_measure_says_what_the_function_must_return(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    (tmp_path / "planned_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run(capsys, "--module", "planned_models:mlp_only", "--measure", *CLUSTER)
+    assert code == 2
+    assert "to return (module, inputs)" in err
+
+
+def test_a_missing_profile_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "--profile", str(tmp_path / "none.json"), *CLUSTER)
+    assert code == 2
+    assert "none.json: cannot read the profile" in err
