@@ -69,6 +69,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -270,6 +271,53 @@ class Layout:
         return records
 
 
+class _SpareChunks:
+    """The placeholder chunks every recorder of this process grows into (see :meth:`Recorder.reserve`): one
+    store per process, so that a group costs only what it recorded, however many groups a process holds. Recorders
+    of groups in different threads take from it and give back to it, under a lock (between calls only)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunks: collections.deque[list[int]] = collections.deque()
+        self._entries = 0
+        self._filled = False
+
+    @property
+    def entries(self) -> int:
+        """Placeholder entries held now (for tests)."""
+        return self._entries
+
+    def fill_once(self) -> None:
+        with self._lock:
+            if self._filled:
+                return
+            self._filled = True
+            for first in range(self._entries, MARK_CAPACITY, SPILL_ENTRIES):
+                self._chunks.append(list(range(_PLACEHOLDER + first, _PLACEHOLDER + first + SPILL_ENTRIES)))
+                self._entries += SPILL_ENTRIES
+
+    def drop(self) -> bool:
+        """Free one chunk's ints, if any are held, for the caller's next ones to reuse; whether there was one."""
+        with self._lock:
+            if not self._chunks:
+                return False
+            self._entries -= len(self._chunks.popleft())
+        return True
+
+    def give(self, chunks: Iterable[list[int]]) -> None:
+        """Keep a released recorder's chunks as placeholders, up to :data:`MARK_CAPACITY` entries (the rest are
+        freed)."""
+        with self._lock:
+            for chunk in chunks:
+                if self._entries + len(chunk) > MARK_CAPACITY:
+                    break
+                self._chunks.append(chunk)
+                self._entries += len(chunk)
+
+
+_SPARE = _SpareChunks()
+
+
 _Kept = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 """What :meth:`Recorder._kept` returns: the call rows (:data:`_CALL_FIELDS` wide) and the entries they index."""
 
@@ -292,8 +340,8 @@ class Recorder:
     __slots__ = (
         "_chunk_entries",
         "_chunks",
+        "_drawn",
         "_kept_cache",
-        "_reserved",
         "_set_aside",
         "_t",
         "_transfers",
@@ -305,8 +353,10 @@ class Recorder:
 
     def __init__(self, *, enabled: bool = False) -> None:
         self.enabled = enabled
-        self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
-        self._t = memoryview(self._transfers.data).cast("B").cast("q")
+        self._transfers: npt.NDArray[np.int64] | None = None
+        """The ring of whole records, taken by the first :meth:`transfer` (only the in-process transport writes
+        them)."""
+        self._t: memoryview | None = None
         self.transfers_recorded = 0
         self.log: list[int] = []
         """Entries appended since the last :meth:`flush` (``append`` is its bound method, replaced with it)."""
@@ -317,25 +367,36 @@ class Recorder:
         self._set_aside = 0
         """Chunks set aside so far (only grows: what a reader's cached conversion is keyed by)."""
         self._kept_cache: tuple[int, _Kept] | None = None
-        self._reserved = False
+        self._drawn = 0
+        """Entries' worth of the process's spare chunks this recorder has dropped as it grew (see :meth:`reserve`)."""
         if enabled:
             self.reserve()
 
     def reserve(self) -> None:
-        """Take the memory the kept entries will fill, once: :data:`MARK_CAPACITY` placeholder ints (distinct
-        objects, no call's header among them, so no reader sees them), set aside as chunks that the first real
-        ones push out. From the first call on, then, the hot path's new ints reuse the blocks the dropped
-        placeholders free, as in a long run, instead of the allocator's fresh memory: at 1 MiB with two ranks, a
-        recorder growing into fresh memory measured 0.3-0.6% more per call (docs/tail.md). The group calls this
-        when recording is turned on; ~10 MiB per rank, which the entries would take after about 26,000 calls
-        anyway."""
-        if self._reserved:
-            return
-        self._reserved = True
-        for first in range(0, MARK_CAPACITY, SPILL_ENTRIES):
-            self._chunks.append(list(range(_PLACEHOLDER + first, _PLACEHOLDER + first + SPILL_ENTRIES)))
-            self._chunk_entries += SPILL_ENTRIES
+        """Make sure the process holds the memory recording grows into: :data:`MARK_CAPACITY` placeholder ints
+        (distinct objects, never read), taken once per process and shared by every recorder in it. As a recorder
+        grows, each chunk it sets aside drops as many placeholders, so the hot path's new ints reuse the blocks
+        they free instead of the allocator's fresh memory (at 1 MiB with two ranks, growing into fresh memory
+        measured 0.3-0.6% more per call, docs/tail.md); once full, a recorder drops its own oldest chunks instead.
+        A recorder that is released (:meth:`release`) gives its entries back as placeholders for the next. So a
+        process with one busy group holds ~10 MiB, as the entries would take after about 26,000 calls anyway, and
+        every further group only what it recorded (the group calls this when recording is turned on)."""
+        _SPARE.fill_once()
+
+    def release(self) -> None:
+        """Stop recording and let go of everything recorded (the transport's ``close``): the entries go back to
+        the process's spare chunks, up to their :data:`MARK_CAPACITY`, the rest and the whole records are freed."""
+        self.enabled = False
+        self.flush()
+        chunks, self._chunks = self._chunks, collections.deque()
+        self._chunk_entries = 0
+        self._drawn = 0
         self._set_aside += 1
+        self._kept_cache = None
+        self._transfers = None
+        self._t = None
+        self.transfers_recorded = 0
+        _SPARE.give(chunks)
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
         self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
@@ -344,6 +405,9 @@ class Recorder:
         n = self.transfers_recorded
         i = (n & (TRANSFER_CAPACITY - 1)) * _TRANSFER_FIELDS
         t = self._t
+        if t is None:
+            self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
+            t = self._t = memoryview(self._transfers.data).cast("B").cast("q")
         t[i] = seq
         t[i + 1] = step
         t[i + 2] = peer
@@ -385,6 +449,9 @@ class Recorder:
         chunks = self._chunks
         while len(chunks) > 1 and self._chunk_entries - len(chunks[0]) >= MARK_CAPACITY:
             self._chunk_entries -= len(chunks.popleft())
+        # growing: drop the process's placeholders as fast as this recorder grows, whose next ints take their blocks
+        while self._drawn < self._chunk_entries and _SPARE.drop():
+            self._drawn += SPILL_ENTRIES
 
     def _kept(self) -> _Kept:
         """The last :data:`CALL_CAPACITY` call rows, oldest first: ``seq, arrival_ns, end_ns, size_bytes`` and
@@ -454,6 +521,8 @@ class Recorder:
         return out
 
     def _written_transfers(self, first_seq: int) -> npt.NDArray[np.int64]:
+        if self._transfers is None:
+            return np.zeros((0, _TRANSFER_FIELDS), np.int64)
         n = min(self.transfers_recorded, TRANSFER_CAPACITY)
         rows = np.arange(self.transfers_recorded - n, self.transfers_recorded) & (TRANSFER_CAPACITY - 1)
         records = self._transfers[rows]
