@@ -46,6 +46,7 @@ __all__ = [
     "MAX_STORED_BYTES",
     "MAX_VALUE_BYTES",
     "NO_TIMEOUT",
+    "REFUSALS_SHOWN",
     "REQUEST",
     "RESERVED_PREFIX",
     "RESPONSE",
@@ -59,6 +60,11 @@ __all__ = [
 ]
 
 _log = logging.getLogger("allreduce.store")
+
+REFUSALS_SHOWN = 5
+"""Refused clients the store describes one line each on its log (rank 0's stderr). After them it only counts: a port
+scan or a crowd of strangers would otherwise print a line per connection (500 connections, 500 lines). The count
+is logged at each power of ten and, if any went unshown, when the store stops."""
 
 RESERVED_PREFIX = "__"
 """Keys the server itself writes; clients may only read them."""
@@ -180,6 +186,38 @@ class _Waiter:
     want_value: bool  # GET answers with the value, WAIT with an empty OK
 
 
+class _RefusalLog:
+    """The store's warnings about refused clients: the first :data:`REFUSALS_SHOWN` one line each, then a count
+    (called from the listener's handshake threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def note(self, address: str, error: BaseException) -> None:
+        with self._lock:
+            self.count += 1
+            n = self.count
+        if n <= REFUSALS_SHOWN:
+            _log.warning("store refused a client from %s: %s", address, error)
+        if n == REFUSALS_SHOWN:
+            _log.warning("store: further refused clients are counted, not shown one by one")
+        elif n > REFUSALS_SHOWN and _power_of_ten(n):
+            _log.warning("store: %d clients refused so far", n)
+
+    def summarize(self) -> None:
+        with self._lock:
+            n = self.count
+        if n > REFUSALS_SHOWN:
+            _log.warning("store: refused %d clients in all (%d not shown one by one)", n, n - REFUSALS_SHOWN)
+
+
+def _power_of_ten(n: int) -> bool:
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
+
+
 class StoreServer:
     """The store's event loop; runs in its own daemon thread of the rank-0 process."""
 
@@ -209,6 +247,7 @@ class StoreServer:
         self._told: set[int] = set()  # ranks refused at the handshake with the failure
         self._failed_rank = -1  # the hosting rank that gave up
         self._clients_came = 0  # clients that said who they are (admitted, or refused after their hello)
+        self._refusal_log = _RefusalLog()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
@@ -265,10 +304,11 @@ class StoreServer:
             return sorted(set(range(self._world_size)) - self._told)
 
     def stop(self) -> None:
-        self._listener.close()
+        self._listener.close()  # every handshake under way has reported by now
         self._stop = True
         self._wake()
         self._thread.join(timeout=SERVER_STOP_S)
+        self._refusal_log.summarize()
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -349,7 +389,10 @@ class StoreServer:
     def _refused(self, address: str, error: BaseException, admitted: ClientHello | None) -> None:
         # "not yet" to a rank already joining the next group is routine; anything else is worth a warning
         retry = isinstance(error, HandshakeRefusedError) and error.kind is Refusal.RETRY
-        (_log.debug if retry else _log.warning)("store refused a client from %s: %s", address, error)
+        if retry:
+            _log.debug("store refused a client from %s: %s", address, error)
+        else:
+            self._refusal_log.note(address, error)
         with self._lock:
             if admitted is not None and admitted.rank >= 0:
                 # the client left after its rank was reserved: free the seat
