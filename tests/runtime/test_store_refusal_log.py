@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from allreduce.runtime._store_server import REFUSALS_SHOWN
+from allreduce.runtime.tcp._listener import REFUSALS_SHOWN
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 STRANGERS = 500

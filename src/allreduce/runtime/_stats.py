@@ -69,7 +69,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -77,6 +76,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from allreduce.runtime._spare import SpareInts
 
 __all__ = [
     "CALL_CAPACITY",
@@ -119,7 +120,8 @@ below, every mark at or above 0."""
 VOID = TAG_BASE + 1
 """What the group writes instead of a call's end when the call failed: its entries are not read."""
 
-_PLACEHOLDER = 1 << 40  # what reserve() fills the kept chunks with: ints above the small-int cache, >= 0 (marks)
+_SPARE = SpareInts(MARK_CAPACITY, SPILL_ENTRIES, base=1 << 40)
+"""What every recorder of this process grows into (see :meth:`Recorder.reserve`)."""
 _MARKS_BITS = 24  # a tag is TAG_BASE - (layout key << _MARKS_BITS | the layout's marks)
 _HEADER_MIN = -(1 << 62)  # the smallest ~seq
 _CALL_FIELDS = 5  # seq, arrival_ns, end_ns, size_bytes, the tag's position (-1: no transfer records)
@@ -271,53 +273,6 @@ class Layout:
         return records
 
 
-class _SpareChunks:
-    """The placeholder chunks every recorder of this process grows into (see :meth:`Recorder.reserve`): one
-    store per process, so that a group costs only what it recorded, however many groups a process holds. Recorders
-    of groups in different threads take from it and give back to it, under a lock (between calls only)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._chunks: collections.deque[list[int]] = collections.deque()
-        self._entries = 0
-        self._filled = False
-
-    @property
-    def entries(self) -> int:
-        """Placeholder entries held now (for tests)."""
-        return self._entries
-
-    def fill_once(self) -> None:
-        with self._lock:
-            if self._filled:
-                return
-            self._filled = True
-            for first in range(self._entries, MARK_CAPACITY, SPILL_ENTRIES):
-                self._chunks.append(list(range(_PLACEHOLDER + first, _PLACEHOLDER + first + SPILL_ENTRIES)))
-                self._entries += SPILL_ENTRIES
-
-    def drop(self) -> bool:
-        """Free one chunk's ints, if any are held, for the caller's next ones to reuse; whether there was one."""
-        with self._lock:
-            if not self._chunks:
-                return False
-            self._entries -= len(self._chunks.popleft())
-        return True
-
-    def give(self, chunks: Iterable[list[int]]) -> None:
-        """Keep a released recorder's chunks as placeholders, up to :data:`MARK_CAPACITY` entries (the rest are
-        freed)."""
-        with self._lock:
-            for chunk in chunks:
-                if self._entries + len(chunk) > MARK_CAPACITY:
-                    break
-                self._chunks.append(chunk)
-                self._entries += len(chunk)
-
-
-_SPARE = _SpareChunks()
-
-
 _Kept = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 """What :meth:`Recorder._kept` returns: the call rows (:data:`_CALL_FIELDS` wide) and the entries they index."""
 
@@ -373,14 +328,11 @@ class Recorder:
             self.reserve()
 
     def reserve(self) -> None:
-        """Make sure the process holds the memory recording grows into: :data:`MARK_CAPACITY` placeholder ints
-        (distinct objects, never read), taken once per process and shared by every recorder in it. As a recorder
-        grows, each chunk it sets aside drops as many placeholders, so the hot path's new ints reuse the blocks
-        they free instead of the allocator's fresh memory (at 1 MiB with two ranks, growing into fresh memory
-        measured 0.3-0.6% more per call, docs/tail.md); once full, a recorder drops its own oldest chunks instead.
-        A recorder that is released (:meth:`release`) gives its entries back as placeholders for the next. So a
-        process with one busy group holds ~10 MiB, as the entries would take after about 26,000 calls anyway, and
-        every further group only what it recorded (the group calls this when recording is turned on)."""
+        """Make sure the process holds the memory recording grows into (:mod:`allreduce.runtime._spare`):
+        :data:`MARK_CAPACITY` placeholder ints, taken once per process, shared by its recorders; a growing recorder
+        drops as many as it adds, and once full drops its own oldest chunks instead. A process with one busy group
+        holds ~10 MiB, as its entries would after about 26,000 calls, and each further group only what it recorded
+        (the group calls this when recording is turned on)."""
         _SPARE.fill_once()
 
     def release(self) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from allreduce.runtime.tcp import ClientHello, Listener, RetryLater
 from allreduce.runtime.tcp._handshake import HandshakeRefusedError, Refusal
+from allreduce.runtime.tcp._listener import RefusalLog
 
 __all__ = [
     "DEAD_PREFIX",
@@ -46,7 +47,6 @@ __all__ = [
     "MAX_STORED_BYTES",
     "MAX_VALUE_BYTES",
     "NO_TIMEOUT",
-    "REFUSALS_SHOWN",
     "REQUEST",
     "RESERVED_PREFIX",
     "RESPONSE",
@@ -60,11 +60,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("allreduce.store")
-
-REFUSALS_SHOWN = 5
-"""Refused clients the store describes one line each on its log (rank 0's stderr). After them it only counts: a port
-scan or a crowd of strangers would otherwise print a line per connection (500 connections, 500 lines). The count
-is logged at each power of ten and, if any went unshown, when the store stops."""
 
 RESERVED_PREFIX = "__"
 """Keys the server itself writes; clients may only read them."""
@@ -186,38 +181,6 @@ class _Waiter:
     want_value: bool  # GET answers with the value, WAIT with an empty OK
 
 
-class _RefusalLog:
-    """The store's warnings about refused clients: the first :data:`REFUSALS_SHOWN` one line each, then a count
-    (called from the listener's handshake threads)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def note(self, address: str, error: BaseException) -> None:
-        with self._lock:
-            self.count += 1
-            n = self.count
-        if n <= REFUSALS_SHOWN:
-            _log.warning("store refused a client from %s: %s", address, error)
-        if n == REFUSALS_SHOWN:
-            _log.warning("store: further refused clients are counted, not shown one by one")
-        elif n > REFUSALS_SHOWN and _power_of_ten(n):
-            _log.warning("store: %d clients refused so far", n)
-
-    def summarize(self) -> None:
-        with self._lock:
-            n = self.count
-        if n > REFUSALS_SHOWN:
-            _log.warning("store: refused %d clients in all (%d not shown one by one)", n, n - REFUSALS_SHOWN)
-
-
-def _power_of_ten(n: int) -> bool:
-    while n >= 10 and n % 10 == 0:
-        n //= 10
-    return n == 1
-
-
 class StoreServer:
     """The store's event loop; runs in its own daemon thread of the rank-0 process."""
 
@@ -247,7 +210,7 @@ class StoreServer:
         self._told: set[int] = set()  # ranks refused at the handshake with the failure
         self._failed_rank = -1  # the hosting rank that gave up
         self._clients_came = 0  # clients that said who they are (admitted, or refused after their hello)
-        self._refusal_log = _RefusalLog()
+        self._refusal_log = RefusalLog(_log, "store")
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
@@ -389,10 +352,7 @@ class StoreServer:
     def _refused(self, address: str, error: BaseException, admitted: ClientHello | None) -> None:
         # "not yet" to a rank already joining the next group is routine; anything else is worth a warning
         retry = isinstance(error, HandshakeRefusedError) and error.kind is Refusal.RETRY
-        if retry:
-            _log.debug("store refused a client from %s: %s", address, error)
-        else:
-            self._refusal_log.note(address, error)
+        self._refusal_log.note(address, error, routine=retry)
         with self._lock:
             if admitted is not None and admitted.rank >= 0:
                 # the client left after its rank was reserved: free the seat
