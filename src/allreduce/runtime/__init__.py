@@ -27,7 +27,7 @@ from allreduce.runtime._spawn import (
 )
 from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
 from allreduce.runtime._threads import WrongThreadError
-from allreduce.runtime._trace import TRACE_ENV
+from allreduce.runtime._trace import TRACE_ENV, check_trace_path
 from allreduce.runtime._transport import (
     ABORT_KINDS,
     PLAN_CACHE_ENTRIES,
@@ -76,6 +76,7 @@ __all__ = [
     "Work",
     "WrongThreadError",
     "abort_kind",
+    "check_trace_path",
     "compile_plan",
     "default_cost_model",
     "default_iters",

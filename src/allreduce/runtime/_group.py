@@ -66,7 +66,7 @@ from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
 from allreduce.runtime._stats import GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
-from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
+from allreduce.runtime._trace import TRACE_ENV, write_trace
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import OrderedExecutor, Work
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds, predict
@@ -491,10 +491,7 @@ class ProcessGroup:
                 elif self.rank == 0:
                     print(table, file=sys.stderr, flush=True)
             if trace := os.environ.get(TRACE_ENV):
-                write_part(trace, self._transport.recorder, self.rank)
-                self.barrier()
-                if self.rank == 0:
-                    merge_parts(trace, self.world_size, self.transport_name)
+                write_trace(trace, self._transport.recorder, self)
         except (CollectiveError, OSError, ValueError) as exc:
             print(f"[allreduce rank {self.rank}] no stats or trace at close: {exc}", file=sys.stderr, flush=True)
 
