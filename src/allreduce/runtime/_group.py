@@ -230,8 +230,9 @@ class ProcessGroup:
 
     def hand_over(self, thread: threading.Thread) -> None:
         """Let ``thread`` (started or not) call this group's collectives instead of the calling thread, which must
-        own the group; it gets the group back once ``thread`` has finished. Collectives submitted before keep their
-        place in the order. Every rank hands its own group over."""
+        own the group (or any thread, once the owner has finished without handing it over: ``thread`` may then be
+        the caller, which adopts the group); it gets the group back once ``thread`` has finished. Collectives
+        submitted before keep their place in the order. Every rank hands its own group over."""
         self._owner.hand_over(thread, self.rank)
 
     def close(self) -> None:
