@@ -257,3 +257,23 @@ def test_a_run_says_which_congestion_control_its_ranks_used(four_hosts: Layout) 
     result = run(four_hosts, algorithm="ring", sizes=[64 << 10], reps=1, congestion="reno")
     assert result.congestion == "reno"
     assert result.rows[0].exact
+
+
+@pytest.mark.slow
+def test_a_size_the_token_bucket_burst_decides_is_marked_and_a_large_one_is_not(four_hosts: Layout) -> None:
+    result = run(four_hosts, algorithm="ring", sizes=[256 << 10, 16 << 20], reps=1)
+    small, large = result.rows
+    assert small.burst_bound  # a ring of 4 at 256 KiB moves 384 KiB per link: less than the 1 MiB burst
+    assert not large.burst_bound  # 24 MiB per link: the burst is 4% of it
+
+
+@pytest.mark.slow
+def test_the_cli_notes_a_row_the_burst_decides(name: str, tmp_path: Path) -> None:
+    env = dict(os.environ, ALLREDUCE_EMULATE_STATE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "allreduce", "emulate", "run", "--topology", CLOS4, "--name", name,
+                           "--sizes", "256KiB", "--reps", "1"], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.strip().startswith("256 KiB"))
+    assert "*" in row
+    assert "token-bucket burst (1 MiB)" in done.stdout
