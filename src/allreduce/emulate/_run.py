@@ -45,9 +45,11 @@ within :data:`BUSY_TIE` of that maximum (in a ring on equal links, every link is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,6 +63,7 @@ import numpy as np
 from allreduce.emulate._layout import MIN_BURST_BYTES, Layout, _hops_to
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
+from allreduce.runtime import die_with_parent, stop_signal_handlers
 from allreduce.runtime.tcp import CONGESTION_ENV, congestion_control
 from allreduce.schedules import Schedule, make_schedule
 from allreduce.sim import LossModel, TailConfig, simulate, simulate_tail
@@ -102,6 +105,9 @@ TAIL_SAMPLES = 2000
 DEFAULT_CONGESTION = "cubic"
 """The TCP congestion control of the ranks' data connections unless told otherwise: stock Linux's default, which
 keeps a shaped link busy as the fluid model assumes (see the module docstring for BBR)."""
+
+RANK_GRACE_S = 2.0
+"""After an interrupt or a failure, how long the ranks get to exit on SIGTERM before SIGKILL."""
 
 _ECHO_ROUND_TRIPS = 200
 _STORE_PORT = 29500  # a fresh namespace: nothing else listens there, so no port can be taken
@@ -202,6 +208,7 @@ def measure_hop_latency(layout: Layout, gpu_a: int = 0, gpu_b: int | None = None
         _ns_python(layout.host_namespace(gpu_b), _ECHO_SERVER, layout.host_address[gpu_b], str(_ECHO_ROUND_TRIPS)),
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=die_with_parent(os.getpid()),  # noqa: PLW1509 (prctl and getppid only)
     )
     try:
         assert server.stdout is not None
@@ -282,8 +289,48 @@ def _retransmissions(layout: Layout) -> int:
     return total
 
 
+def _stop_ranks(procs: Sequence[subprocess.Popen[str]], grace_s: float = RANK_GRACE_S) -> None:
+    """SIGTERM every rank's process group, SIGKILL after ``grace_s``, and reap them (as ``allreduce run`` does)."""
+    for stop, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, stop)
+        deadline = time.monotonic() + wait_s
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        if all(proc.poll() is not None for proc in procs):
+            break
+    for proc in procs:
+        with contextlib.suppress(ValueError, OSError, subprocess.TimeoutExpired):
+            proc.communicate(timeout=1.0)  # close the pipes
+
+
+def _interrupt(signum: int) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
 def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: list[int], reps: int,
                timeout_s: float, congestion: str) -> list[dict[str, Any]]:  # fmt: skip
+    """Run one rank per host and collect their reports. The ranks never outlive this call: each is SIGKILLed by
+    the kernel if this process dies (``PR_SET_PDEATHSIG``, kept across ``ip netns exec``, which execs the rank in
+    place), leads a process group of its own, and on every way out but a return (an error, a rank that did not
+    finish, SIGINT/SIGTERM/SIGHUP, which become KeyboardInterrupt here) every group is stopped before this
+    raises."""
+    procs: list[subprocess.Popen[str]] = []
+    with stop_signal_handlers(_interrupt):
+        try:
+            return _start_and_wait(layout, rank_gpu, procs, algorithm=algorithm, sizes=sizes, reps=reps,
+                                   timeout_s=timeout_s, congestion=congestion)  # fmt: skip
+        except BaseException:
+            _stop_ranks(procs)
+            raise
+
+
+def _start_and_wait(layout: Layout, rank_gpu: list[int], procs: list[subprocess.Popen[str]], *, algorithm: str,
+                    sizes: list[int], reps: int, timeout_s: float,
+                    congestion: str) -> list[dict[str, Any]]:  # fmt: skip
     n = len(rank_gpu)
     spec = json.dumps({"algorithm": algorithm, "sizes": sizes, "reps": reps, "timeout_s": timeout_s})
     env_common = dict(os.environ)
@@ -296,19 +343,28 @@ def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: li
     env_common.pop(CONGESTION_ENV, None)
     if congestion != "default":
         env_common[CONGESTION_ENV] = congestion
-    procs = []
+    in_child = die_with_parent(os.getpid())
     for rank, gpu in enumerate(rank_gpu):
         env = dict(env_common, RANK=str(rank))
         cmd = ["ip", "netns", "exec", layout.host_namespace(gpu), sys.executable, "-m", "allreduce.emulate._rank", spec]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                process_group=0,
+                # Only prctl and getppid run between fork and exec (the libc function is resolved already).
+                preexec_fn=in_child,  # noqa: PLW1509
+            )
+        )
     results, errors = [], []
     deadline = time.monotonic() + timeout_s * (1 + reps) * max(len(sizes), 1)
     for rank, proc in enumerate(procs):
         try:
             out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
         except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
             raise EmulationError(f"rank {rank} on {layout.host_namespace(rank_gpu[rank])} did not finish") from None
         if proc.returncode != 0:
             errors.append(f"rank {rank}: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}")

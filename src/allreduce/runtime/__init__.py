@@ -21,9 +21,11 @@ from allreduce.runtime._spawn import (
     MAX_LOCAL_RANKS,
     JobInterruptedError,
     RankFailedError,
+    die_with_parent,
     new_token,
     reserve_port,
     spawn,
+    stop_signal_handlers,
 )
 from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
 from allreduce.runtime._threads import WrongThreadError
@@ -80,6 +82,7 @@ __all__ = [
     "compile_plan",
     "default_cost_model",
     "default_iters",
+    "die_with_parent",
     "error_class",
     "expected_result",
     "init",
@@ -93,5 +96,6 @@ __all__ = [
     "run_bench",
     "save_cost_model",
     "spawn",
+    "stop_signal_handlers",
     "tune_file",
 ]
