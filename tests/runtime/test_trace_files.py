@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from allreduce.runtime import check_trace_path
+from allreduce.runtime import RankFailedError, check_trace_path, spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("stop_signals_not_ignored")]
 
@@ -142,3 +142,14 @@ def test_a_launcher_killed_with_sigkill_leaves_nothing_in_the_temporary_director
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+
+
+def _calls(group: object) -> int:
+    return 0
+
+
+@pytest.mark.parametrize("path", ["/proc/t.json", "DIR"])
+def test_an_unwritable_trace_variable_fails_init_on_real_ranks(tmp_path: Path, path: str) -> None:
+    with pytest.raises(RankFailedError, match="ALLREDUCE_TRACE") as failed:
+        spawn(2, _calls, env={"ALLREDUCE_TRACE": path.replace("DIR", str(tmp_path))}, timeout_s=120)
+    assert "no stats or trace at close" not in str(failed.value)

@@ -66,7 +66,7 @@ from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
 from allreduce.runtime._stats import GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
-from allreduce.runtime._trace import TRACE_ENV, write_trace
+from allreduce.runtime._trace import TRACE_ENV, check_trace_path, write_trace
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import OrderedExecutor, Work
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds, predict
@@ -177,6 +177,13 @@ class ProcessGroup:
     ) -> None:
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+        # what the environment asks is checked before anything starts (a thread, a collective)
+        injection = injection_from_env(None, transport.rank, transport.world_size)
+        if trace := os.environ.get(TRACE_ENV):
+            try:
+                check_trace_path(trace)
+            except ValueError as exc:
+                raise ValueError(f"{TRACE_ENV}: {exc}") from None
         self._transport = transport
         self._fuses = transport.fuses  # bound once: asked on auto's path (see Runs.resolve)
         self.transport_name: str = transport_name or transport.name
@@ -200,7 +207,7 @@ class ProcessGroup:
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
         # all_reduce(x) of a contiguous array or CPU tensor, every other argument at its default: runtime/_plain.py
         self._plain = PlainCalls(self, _REDUCERS, _REQUESTED_AUTO)
-        transport.injection = injection_from_env(None, self.rank, self.world_size)
+        transport.injection = injection
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs about 1% of a 1 MiB call (0.7-1.4% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
         # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per rank, taken now.
