@@ -210,7 +210,7 @@ class ProcessGroup:
         transport.injection = injection
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs about 1% of a 1 MiB call (0.7-1.4% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
-        # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per rank, taken now.
+        # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per process, taken once (runtime/_spare.py).
         if os.environ.get("ALLREDUCE_STATS") != "0" or any(
             os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
         ):
