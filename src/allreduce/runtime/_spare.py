@@ -6,6 +6,8 @@ docs/tail.md). So recording does not grow into fresh memory: a process takes one
 time recording is turned on, and a recorder, as it grows, frees as many placeholders as it adds entries, whose
 blocks its next ints take. A recorder that is released gives its entries back as placeholders for the next. One
 store per process, not per group: a process with 200 groups holds it once, and each group only what it recorded.
+The price: once one busy group has taken the whole store, a second busy group grows into fresh memory for its
+first ~26,000 calls (the 0.3-0.6% above), unless a closed group gave its entries back meanwhile.
 """
 
 from __future__ import annotations
