@@ -339,7 +339,9 @@ class Recorder:
         """Stop recording and let go of everything recorded (the transport's ``close``): the entries go back to
         the process's spare chunks, up to their :data:`MARK_CAPACITY`, the rest and the whole records are freed."""
         self.enabled = False
-        self.flush()
+        # new containers rather than emptied ones: a reader still converting the old ones is not disturbed
+        log, self.log = self.log, []
+        self.append = self.log.append
         chunks, self._chunks = self._chunks, collections.deque()
         self._chunk_entries = 0
         self._drawn = 0
@@ -348,7 +350,7 @@ class Recorder:
         self._transfers = None
         self._t = None
         self.transfers_recorded = 0
-        _SPARE.give(chunks)
+        _SPARE.give(itertools.chain(chunks, [log] if log else []))
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
         self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
