@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -257,3 +258,93 @@ def test_a_run_says_which_congestion_control_its_ranks_used(four_hosts: Layout) 
     result = run(four_hosts, algorithm="ring", sizes=[64 << 10], reps=1, congestion="reno")
     assert result.congestion == "reno"
     assert result.rows[0].exact
+
+
+@pytest.mark.slow
+def test_a_size_the_token_bucket_burst_decides_is_marked_and_a_large_one_is_not(four_hosts: Layout) -> None:
+    result = run(four_hosts, algorithm="ring", sizes=[256 << 10, 16 << 20], reps=1)
+    small, large = result.rows
+    assert small.burst_bound  # a ring of 4 at 256 KiB moves 384 KiB per link: less than the 1 MiB burst
+    assert not large.burst_bound  # 24 MiB per link: the burst is 4% of it
+
+
+@pytest.mark.slow
+def test_the_cli_notes_a_row_the_burst_decides(name: str, tmp_path: Path) -> None:
+    env = dict(os.environ, ALLREDUCE_EMULATE_STATE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "allreduce", "emulate", "run", "--topology", CLOS4, "--name", name,
+                           "--sizes", "256KiB", "--reps", "1"], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.strip().startswith("256 KiB"))
+    assert "*" in row
+    assert "token-bucket burst (1 MiB)" in done.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _rank_pids(layout: Layout) -> list[int]:
+    pids = []
+    for gpu in range(layout.num_hosts):
+        out = subprocess.run(["ip", "netns", "pids", layout.host_namespace(gpu)], capture_output=True, text=True,
+                             check=False).stdout  # fmt: skip
+        pids += [int(pid) for pid in out.split() if _is_rank(pid)]
+    return pids
+
+
+def _assert_ranks_end(pids: list[int]) -> None:
+    """The ranks are gone within 30 s (they lived for minutes, holding the namespaces, until their collectives
+    timed out); any still running are killed, so a failure leaves nothing either."""
+    try:
+        _until(lambda: not any(map(_alive, pids)), f"ranks {pids} outlived `emulate run`", timeout_s=30)
+    finally:
+        for pid in filter(_alive, pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _until(condition: object, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
+        time.sleep(0.05)
+
+
+def _signal_a_run(layout: Layout, options: list[str], env: dict[str, str], sig: signal.Signals) -> list[int]:
+    """Start `emulate run` with ``options``, signal its own pid (nothing else) once all its ranks run, and return
+    the ranks' pids once it has exited."""
+    cmd = [sys.executable, "-m", "allreduce", "emulate", "run", *options, "--sizes", "32MiB", "--reps", "50"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _until(lambda: len(_rank_pids(layout)) == layout.num_hosts or proc.poll() is not None, "no ranks started")
+        pids = _rank_pids(layout)
+        assert len(pids) == layout.num_hosts, proc.communicate()
+        os.kill(proc.pid, sig)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_the_ranks_die_with_emulate_run_on_an_existing_cluster(name: str, tmp_path: Path, sig: signal.Signals) -> None:
+    env = dict(os.environ, ALLREDUCE_EMULATE_STATE_DIR=str(tmp_path))
+    with running(EmulationSpec(CLOS4, name=name), state_dir=tmp_path) as built:
+        _assert_ranks_end(_signal_a_run(built, ["--name", name], env, sig))
+
+
+@pytest.mark.slow
+def test_sigterm_to_emulate_run_with_its_own_cluster_leaves_no_rank_and_no_namespace(name: str, tmp_path: Path) -> None:
+    env = dict(os.environ, ALLREDUCE_EMULATE_STATE_DIR=str(tmp_path))
+    layout = EmulationSpec(CLOS4, name=name).layout()
+    _assert_ranks_end(_signal_a_run(layout, ["--topology", CLOS4, "--name", name], env, signal.SIGTERM))
+    assert _ours(name) == set()
+    assert list(tmp_path.glob("*.json")) == []

@@ -114,3 +114,60 @@ def test_tagged_calls_paired_across_threads_raise_mismatch_on_every_rank(transpo
 def test_a_thread_handed_the_group_gets_the_right_sum(transport: str) -> None:
     for outcome in run_ranks(2, _racing_rank, (transport, "handed")):
         assert outcome["A"] == ("ok", EXPECTED["A"]), outcome
+
+
+def _left_behind_rank(rank: int, n: int, port: int, out: Any, transport: str) -> None:
+    """A group made in a worker thread that has ended: the main thread's call first (refused), then its adoption
+    and a call, then a second thread's attempt to take it too."""
+
+    def body() -> dict[str, tuple[str, Any]]:
+        made: list[Any] = []
+        maker = threading.Thread(
+            target=lambda: made.append(allreduce.init(rank, n, master_port=port, transport=transport, timeout_s=60)),
+            name="maker",
+        )
+        maker.start()
+        maker.join()
+        group = made[0]
+        outcome: dict[str, tuple[str, Any]] = {}
+        x = np.full(1024, rank + 1.0)
+        try:
+            group.all_reduce(x)
+            outcome["before"] = ("ok", float(x[0]))
+        except Exception as exc:  # reported to the test, which asserts on it
+            outcome["before"] = (type(exc).__name__, str(exc))
+        group.hand_over(threading.current_thread())  # adopting it: the maker has finished
+        group.all_reduce(x)
+        outcome["adopted"] = ("ok", float(x[0]))
+
+        def second() -> None:
+            try:
+                group.hand_over(threading.current_thread())
+                outcome["second"] = ("ok", None)
+            except Exception as exc:  # reported to the test, which asserts on it
+                outcome["second"] = (type(exc).__name__, str(exc))
+
+        rival = threading.Thread(target=second, name="rival")
+        rival.start()
+        rival.join()
+        group.close()
+        return outcome
+
+    report(out, rank, body)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_group_whose_owner_thread_ended_is_adopted_explicitly_and_then_belongs_to_its_adopter(
+    transport: str,
+) -> None:
+    for rank, outcome in enumerate(run_ranks(2, _left_behind_rank, transport)):
+        status, message = outcome["before"]
+        assert status == "WrongThreadError", (rank, outcome)
+        assert "'maker'" in message, message
+        assert "has finished" in message, message
+        assert "hand_over(threading.current_thread())" in message, message
+        assert outcome["adopted"] == ("ok", 3.0), (rank, outcome)
+        status, message = outcome["second"]
+        assert status == "WrongThreadError", (rank, outcome)  # the adopter is alive: nobody else may take it
+        assert "'MainThread'" in message, message

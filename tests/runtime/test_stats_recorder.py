@@ -360,3 +360,23 @@ def test_a_reserved_recorder_keeps_what_an_unreserved_one_keeps_once_full() -> N
             _call(recorder, seq, layout, [seq + 1, 1, seq + 2])
         kept.append(recorder.calls(CALL_CAPACITY)[:, 0].tolist())
     assert kept[0] == kept[1]
+
+
+def test_every_recorder_of_a_process_grows_into_one_shared_reserve() -> None:
+    Recorder().reserve()
+    blocks = sys.getallocatedblocks()
+    others = [Recorder(enabled=True) for _ in range(8)]  # as eight more groups turning recording on
+    assert sys.getallocatedblocks() - blocks < 100 * len(others)
+
+
+def test_a_released_recorder_stops_and_keeps_nothing() -> None:
+    recorder = Recorder(enabled=True)
+    layout = Layout([(0, [(1, 8)])], concurrent=False)
+    for seq in range(3):
+        _call(recorder, seq, layout, [seq + 1, 1, seq + 2])
+    recorder.transfer(3, 0, 1, 10, 1, 2, 8)
+    assert len(recorder.calls(10)) == 3
+    recorder.release()
+    assert not recorder.enabled
+    assert len(recorder.calls(10)) == 0
+    assert len(recorder.transfers(0)) == 0

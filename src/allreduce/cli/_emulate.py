@@ -8,10 +8,12 @@ from allreduce.cli._args import algorithm_for_ranks, non_negative_int, positive_
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.emulate import (
+    BURST_NOTE_SHARE,
     DEFAULT_CONGESTION,
     DEFAULT_NAME,
     DEFAULT_RATE_BPS,
     MAX_HOSTS,
+    MIN_BURST_BYTES,
     TAIL_MIN_REPS,
     EmulationError,
     EmulationSpec,
@@ -156,7 +158,8 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
         luck = f"{format_seconds(row.predicted_range_s[0])}-{format_seconds(row.predicted_range_s[1])}"
         lines.append(
             f"{format_bytes(row.size_bytes):>9} {format_seconds(row.median_s):>10} {spread:>21} "
-            f"{format_seconds(row.predicted_s):>10} {luck:>21} {row.ratio:>6.3f}  {'yes' if row.exact else 'NO':>5}  "
+            f"{format_seconds(row.predicted_s):>10} {luck:>21} {row.ratio:>6.3f}{'*' if row.burst_bound else ' '} "
+            f"{'yes' if row.exact else 'NO':>5}  "
             f"{row.busiest_link:<24} {row.predicted_bottleneck:<18} {'yes' if row.bottleneck_agrees else 'no':>5} "
             f"{row.retransmissions:>7}"
         )
@@ -179,6 +182,13 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
                     f"{'':>9}  the tail model at those loss rates (TCP, RTO 200 ms): p50 {format_seconds(p50)}  "
                     f"p99 {format_seconds(p99)}"
                 )
+    if any(row.burst_bound for row in result.rows):
+        lines.append(
+            f"* the links' token-bucket burst ({format_bytes(MIN_BURST_BYTES)}) is {BURST_NOTE_SHARE:.0%} or more of "
+            "what the busiest link carried per repetition: that much leaves at the veth's speed, not the shaped rate "
+            "the prediction assumes, so the burst decides this size (a ratio below 1 is the emulator's, not the "
+            "model's); sizes whose busiest link carries 10x the burst measure the network"
+        )
     how = {row.paths for row in result.rows}
     split = "the paths the kernel chose" if how == {"kernel"} else "the closest hash seed (paths unreadable)"
     lines.append(f"predicted: the simulator routing every flow on {split}; (ECMP luck): over 16 hash seeds")

@@ -6,13 +6,11 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 import textwrap
-from pathlib import Path
 
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._main import RANK_ENVIRONMENT_HELP, CLIError
-from allreduce.runtime import DEFAULT_GRACE_S, STATS_FILE_ENV, TRACE_ENV, launch
+from allreduce.runtime import DEFAULT_GRACE_S, TRACE_ENV, check_trace_path, launch
 
 __all__ = ["register"]
 
@@ -43,29 +41,26 @@ def _handle(args: argparse.Namespace) -> int:
         algorithm_for_ranks("--algorithm", spec)
     env: dict[str, str] = {}
     if args.trace:
-        trace = Path(args.trace).resolve()
-        if not trace.parent.is_dir():
-            raise CLIError(f"--trace: directory {trace.parent} does not exist")
-        env[TRACE_ENV] = str(trace)
-    with tempfile.TemporaryDirectory(prefix="allreduce-stats-") as tmp:
-        stats_file = Path(tmp) / "stats.txt"
-        if args.stats:
-            env[STATS_FILE_ENV] = str(stats_file)
-        code = launch(
-            command, world_size=args.nproc, master_port=args.master_port, grace_s=args.grace, env=env
-        ).exit_code
-        if code == 128 + signal.SIGPIPE:
-            # Our reader has gone (`| head`): what is left in stdout's buffer has nowhere to go, and flushing it
-            # at exit would print a BrokenPipeError.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-            return code
-        if args.stats:
-            if stats_file.exists():
-                sys.stdout.write(stats_file.read_text())
-            else:
-                print("allreduce run: --stats: no rank made a process group, or it was not closed", file=sys.stderr)
+        try:
+            env[TRACE_ENV] = str(check_trace_path(args.trace))
+        except ValueError as exc:
+            raise CLIError(f"--trace: {exc}") from None
+    result = launch(
+        command, world_size=args.nproc, master_port=args.master_port, grace_s=args.grace, env=env, stats=args.stats
+    )
+    code = result.exit_code
+    if code == 128 + signal.SIGPIPE:
+        # Our reader has gone (`| head`): what is left in stdout's buffer has nowhere to go, and flushing it
+        # at exit would print a BrokenPipeError.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return code
+    if args.stats:
+        if result.stats_table is not None:
+            sys.stdout.write(result.stats_table)
+        else:
+            print("allreduce run: --stats: no rank made a process group, or it was not closed", file=sys.stderr)
     if args.trace and os.path.exists(env[TRACE_ENV]):
         print(f"allreduce run: trace written to {env[TRACE_ENV]} (open it in ui.perfetto.dev)", file=sys.stderr)
     return code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 
@@ -11,7 +12,14 @@ import numpy as np
 
 from allreduce.cli._args import positive_int
 from allreduce.cli._main import CLIError
-from allreduce.runtime import BenchConfig, default_cost_model, run_bench, save_cost_model, tune_file
+from allreduce.runtime import (
+    INJECT_ENV,
+    BenchConfig,
+    default_cost_model,
+    run_bench,
+    save_cost_model,
+    tune_file,
+)
 from allreduce.schedules import CostModel
 from allreduce.units import parse_bytes
 
@@ -74,6 +82,12 @@ def fit_cost_model(
 def _handle(args: argparse.Namespace) -> int:
     if args.world_size < 2:
         raise CLIError(f"-n: tuning needs at least 2 ranks, got {args.world_size}")
+    injected = os.environ.get(INJECT_ENV, "")
+    if injected.replace(";", "").strip() and not args.dry_run:
+        raise CLIError(
+            f"{INJECT_ENV} is set ({injected.strip()!r}): tuning would measure the injected faults and cache them in "
+            f"{tune_file()}, which algorithm='auto' reads; unset it, or pass --dry-run to print the fit only"
+        )
     small, large = parse_bytes(args.small, what="--small"), parse_bytes(args.large, what="--large")
     if not 0 < small < large or small % 4 or large % 4:
         raise CLIError(f"--small/--large: need 0 < small < large, multiples of 4 bytes; got {small}, {large}")

@@ -25,6 +25,7 @@ from allreduce.emulate._netns import (
 )
 from allreduce.emulate._paths import Connection, kernel_paths
 from allreduce.emulate._run import (
+    BURST_NOTE_SHARE,
     DEFAULT_CONGESTION,
     GOODPUT,
     TAIL_MIN_REPS,
@@ -36,6 +37,7 @@ from allreduce.emulate._run import (
 )
 
 __all__ = [
+    "BURST_NOTE_SHARE",
     "DEFAULT_CONGESTION",
     "DEFAULT_NAME",
     "DEFAULT_QUEUE_BYTES",

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from allreduce.emulate._layout import MIN_BURST_BYTES, Layout
+from allreduce.emulate._layout import _NAME_OK, MIN_BURST_BYTES, Layout
 from allreduce.emulate._layout import layout as make_layout
 from allreduce.sim import Faults, apply_faults, resolve_links
 from allreduce.topology import parse_topology
@@ -196,6 +196,13 @@ def load(name: str, *, state_dir: Path = STATE_DIR) -> EmulationSpec:
 
 
 def _state_path(name: str, state_dir: Path) -> Path:
+    """Where the state of ``name`` lives: every verb (up, down, run, load) comes here first, so a name that is not
+    one ``up`` accepts (``../x``, ``a/b``) is refused before any file is read, written or deleted."""
+    if not isinstance(name, str) or not _NAME_OK.fullmatch(name):
+        raise EmulationError(
+            f"emulation name {name!r}: use 1 to 8 lowercase letters or digits (it names the state file in "
+            f"{state_dir} and prefixes every namespace)"
+        )
     return state_dir / f"{name}.json"
 
 
@@ -203,7 +210,7 @@ def existing_emulations(state_dir: Path = STATE_DIR) -> list[str]:
     """Names of the emulations that have a state file (built, or left half-built by a killed process)."""
     if not state_dir.is_dir():
         return []
-    return sorted(p.stem for p in state_dir.glob("*.json"))
+    return sorted(p.stem for p in state_dir.glob("*.json") if _NAME_OK.fullmatch(p.stem))
 
 
 def _namespaces_now() -> set[str]:

@@ -45,9 +45,11 @@ within :data:`BUSY_TIE` of that maximum (in a ring on equal links, every link is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,15 +60,17 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.emulate._layout import Layout, _hops_to
+from allreduce.emulate._layout import MIN_BURST_BYTES, Layout, _hops_to
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
+from allreduce.runtime import die_with_parent, stop_signal_handlers
 from allreduce.runtime.tcp import CONGESTION_ENV, congestion_control
 from allreduce.schedules import Schedule, make_schedule
 from allreduce.sim import LossModel, TailConfig, simulate, simulate_tail
 from allreduce.topology import NodeKind, PathTable, Topology, place
 
 __all__ = [
+    "BURST_NOTE_SHARE",
     "DEFAULT_CONGESTION",
     "GOODPUT",
     "Measurement",
@@ -87,6 +91,11 @@ BUSY_TIE = 0.05
 """Links whose busy share is within this fraction of the busiest link's count as equally busy (counter noise: a
 few retransmitted segments, ACKs)."""
 
+BURST_NOTE_SHARE = 0.1
+"""A row is marked as decided by the token buckets' burst when the burst (:data:`MIN_BURST_BYTES`) is at least this
+share of what the busiest link carried per repetition: that much can leave at the veth's speed, not the shaped
+rate the prediction assumes (a first run at 256 KiB on a ring of 4 measured 0.33 of the prediction)."""
+
 TAIL_MIN_REPS = 20
 """Repetitions from which a row's percentiles mean something, and the tail model is run beside them."""
 
@@ -96,6 +105,9 @@ TAIL_SAMPLES = 2000
 DEFAULT_CONGESTION = "cubic"
 """The TCP congestion control of the ranks' data connections unless told otherwise: stock Linux's default, which
 keeps a shaped link busy as the fluid model assumes (see the module docstring for BBR)."""
+
+RANK_GRACE_S = 2.0
+"""After an interrupt or a failure, how long the ranks get to exit on SIGTERM before SIGKILL."""
 
 _ECHO_ROUND_TRIPS = 200
 _STORE_PORT = 29500  # a fresh namespace: nothing else listens there, so no port can be taken
@@ -118,6 +130,12 @@ class Measurement:
     bottleneck_agrees: bool  # the simulator's bottleneck is (one of) the busiest links by the counters
     dropped: tuple[tuple[str, int, int], ...] = ()  # (link, packets sent, packets dropped) where a queue dropped
     predicted_tail_s: tuple[float, float] | None = None  # (p50, p99) of the tail model at the measured loss
+    burst_share: float = 0.0  # the links' burst over the busiest link's bytes per repetition (at most 1)
+
+    @property
+    def burst_bound(self) -> bool:
+        """Whether the token buckets' burst, not the shaped rate, may decide this row (see BURST_NOTE_SHARE)."""
+        return self.burst_share >= BURST_NOTE_SHARE
 
     @property
     def median_s(self) -> float:
@@ -149,6 +167,7 @@ class RunResult:
             row["median_s"] = measured.median_s
             row["p99_s"] = measured.percentile_s(99)
             row["ratio"] = measured.ratio
+            row["burst_bound"] = measured.burst_bound
         return out
 
 
@@ -189,6 +208,7 @@ def measure_hop_latency(layout: Layout, gpu_a: int = 0, gpu_b: int | None = None
         _ns_python(layout.host_namespace(gpu_b), _ECHO_SERVER, layout.host_address[gpu_b], str(_ECHO_ROUND_TRIPS)),
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=die_with_parent(os.getpid()),  # noqa: PLW1509 (prctl and getppid only)
     )
     try:
         assert server.stdout is not None
@@ -269,8 +289,48 @@ def _retransmissions(layout: Layout) -> int:
     return total
 
 
+def _stop_ranks(procs: Sequence[subprocess.Popen[str]], grace_s: float = RANK_GRACE_S) -> None:
+    """SIGTERM every rank's process group, SIGKILL after ``grace_s``, and reap them (as ``allreduce run`` does)."""
+    for stop, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, stop)
+        deadline = time.monotonic() + wait_s
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        if all(proc.poll() is not None for proc in procs):
+            break
+    for proc in procs:
+        with contextlib.suppress(ValueError, OSError, subprocess.TimeoutExpired):
+            proc.communicate(timeout=1.0)  # close the pipes
+
+
+def _interrupt(signum: int) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
 def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: list[int], reps: int,
                timeout_s: float, congestion: str) -> list[dict[str, Any]]:  # fmt: skip
+    """Run one rank per host and collect their reports. The ranks never outlive this call: each is SIGKILLed by
+    the kernel if this process dies (``PR_SET_PDEATHSIG``, kept across ``ip netns exec``, which execs the rank in
+    place), leads a process group of its own, and on every way out but a return (an error, a rank that did not
+    finish, SIGINT/SIGTERM/SIGHUP, which become KeyboardInterrupt here) every group is stopped before this
+    raises."""
+    procs: list[subprocess.Popen[str]] = []
+    with stop_signal_handlers(_interrupt):
+        try:
+            return _start_and_wait(layout, rank_gpu, procs, algorithm=algorithm, sizes=sizes, reps=reps,
+                                   timeout_s=timeout_s, congestion=congestion)  # fmt: skip
+        except BaseException:
+            _stop_ranks(procs)
+            raise
+
+
+def _start_and_wait(layout: Layout, rank_gpu: list[int], procs: list[subprocess.Popen[str]], *, algorithm: str,
+                    sizes: list[int], reps: int, timeout_s: float,
+                    congestion: str) -> list[dict[str, Any]]:  # fmt: skip
     n = len(rank_gpu)
     spec = json.dumps({"algorithm": algorithm, "sizes": sizes, "reps": reps, "timeout_s": timeout_s})
     env_common = dict(os.environ)
@@ -283,19 +343,28 @@ def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: li
     env_common.pop(CONGESTION_ENV, None)
     if congestion != "default":
         env_common[CONGESTION_ENV] = congestion
-    procs = []
+    in_child = die_with_parent(os.getpid())
     for rank, gpu in enumerate(rank_gpu):
         env = dict(env_common, RANK=str(rank))
         cmd = ["ip", "netns", "exec", layout.host_namespace(gpu), sys.executable, "-m", "allreduce.emulate._rank", spec]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                process_group=0,
+                # Only prctl and getppid run between fork and exec (the libc function is resolved already).
+                preexec_fn=in_child,  # noqa: PLW1509
+            )
+        )
     results, errors = [], []
     deadline = time.monotonic() + timeout_s * (1 + reps) * max(len(sizes), 1)
     for rank, proc in enumerate(procs):
         try:
             out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
         except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
             raise EmulationError(f"rank {rank} on {layout.host_namespace(rank_gpu[rank])} did not finish") from None
         if proc.returncode != 0:
             errors.append(f"rank {rank}: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}")
@@ -379,6 +448,8 @@ def run(
             paths = "closest hash seed"
             routing = None
         times = [c.seconds for c in candidates]
+        per_repetition = max(sent.values(), default=0) / (reps + 1)  # the warm-up moved as much as each repetition
+        burst_share = min(1.0, MIN_BURST_BYTES / per_repetition) if per_repetition > 0 else 1.0
         bottleneck = predicted.bottlenecks[0] if predicted.bottlenecks else None
         agrees = bottleneck is not None and busy.get(bottleneck.link, 0.0) >= (1 - BUSY_TIE) * busy[busiest]
         rows.append(
@@ -400,6 +471,7 @@ def run(
                     if reps >= TAIL_MIN_REPS
                     else None
                 ),
+                burst_share=burst_share,
             )
         )
     return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows), congestion)

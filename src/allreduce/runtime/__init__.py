@@ -23,13 +23,15 @@ from allreduce.runtime._spawn import (
     MAX_LOCAL_RANKS,
     JobInterruptedError,
     RankFailedError,
+    die_with_parent,
     new_token,
     reserve_port,
     spawn,
+    stop_signal_handlers,
 )
 from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
 from allreduce.runtime._threads import WrongThreadError
-from allreduce.runtime._trace import TRACE_ENV
+from allreduce.runtime._trace import TRACE_ENV, check_trace_path
 from allreduce.runtime._transport import (
     ABORT_KINDS,
     PLAN_CACHE_ENTRIES,
@@ -79,9 +81,11 @@ __all__ = [
     "Work",
     "WrongThreadError",
     "abort_kind",
+    "check_trace_path",
     "compile_plan",
     "default_cost_model",
     "default_iters",
+    "die_with_parent",
     "error_class",
     "expected_result",
     "init",
@@ -95,5 +99,6 @@ __all__ = [
     "run_bench",
     "save_cost_model",
     "spawn",
+    "stop_signal_handlers",
     "tune_file",
 ]

@@ -68,7 +68,7 @@ from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._runs import DETERMINISTIC, Runs
 from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._threads import ThreadOwner
-from allreduce.runtime._trace import TRACE_ENV, merge_parts, write_part
+from allreduce.runtime._trace import TRACE_ENV, check_trace_path, write_trace
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import OrderedExecutor, Work
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds, predict
@@ -148,6 +148,13 @@ class ProcessGroup:
     ) -> None:
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+        # what the environment asks is checked before anything starts (a thread, a collective)
+        injection = injection_from_env(None, transport.rank, transport.world_size)
+        if trace := os.environ.get(TRACE_ENV):
+            try:
+                check_trace_path(trace)
+            except ValueError as exc:
+                raise ValueError(f"{TRACE_ENV}: {exc}") from None
         self._transport = transport
         self._fuses = transport.fuses  # bound once: asked on auto's path (see Runs.resolve)
         self.transport_name: str = transport_name or transport.name
@@ -172,10 +179,10 @@ class ProcessGroup:
         self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
         # all_reduce(x) of a contiguous array or CPU tensor, every other argument at its default: runtime/_plain.py
         self._plain = PlainCalls(self, _REDUCERS, _REQUESTED_AUTO)
-        transport.injection = injection_from_env(None, self.rank, self.world_size)
+        transport.injection = injection
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs about 1% of a 1 MiB call (0.7-1.4% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
-        # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per rank, taken now.
+        # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per process, taken once (runtime/_spare.py).
         if os.environ.get("ALLREDUCE_STATS") != "0" or any(
             os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
         ):
@@ -202,8 +209,9 @@ class ProcessGroup:
 
     def hand_over(self, thread: threading.Thread) -> None:
         """Let ``thread`` (started or not) call this group's collectives instead of the calling thread, which must
-        own the group; it gets the group back once ``thread`` has finished. Collectives submitted before keep their
-        place in the order. Every rank hands its own group over."""
+        own the group (or any thread, once the owner has finished without handing it over: ``thread`` may then be
+        the caller, which adopts the group); it gets the group back once ``thread`` has finished. Collectives
+        submitted before keep their place in the order. Every rank hands its own group over."""
         self._owner.hand_over(thread, self.rank)
 
     def shrink(self, *, timeout_s: float | None = None) -> ProcessGroup:
@@ -478,10 +486,7 @@ class ProcessGroup:
                 elif self.rank == 0:
                     print(table, file=sys.stderr, flush=True)
             if trace := os.environ.get(TRACE_ENV):
-                write_part(trace, self._transport.recorder, self.rank)
-                self.barrier()
-                if self.rank == 0:
-                    merge_parts(trace, self.world_size, self.transport_name)
+                write_trace(trace, self._transport.recorder, self)
         except (CollectiveError, OSError, ValueError) as exc:
             print(f"[allreduce rank {self.rank}] no stats or trace at close: {exc}", file=sys.stderr, flush=True)
 

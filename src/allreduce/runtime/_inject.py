@@ -12,7 +12,11 @@ are separated by ``;``, their fields by ``:``:
 Optional ``seed=N`` on any effect seeds its draws (default: the rank). DIST is ``constant:1ms`` (or ``1ms``),
 ``exponential:mean=1ms``, ``lognormal:median=1ms,p99=5ms`` or ``uniform:low=0.5ms,high=1.5ms``. The simulator has
 the same distributions; the runtime must not import the simulator, so these four are implemented here again.
-Anything not understood is refused with one line naming it.
+
+Everything is checked when the group starts, never inside a collective: anything not understood is refused with
+one line naming the variable, the effect and the field; every time is at most :data:`MAX_FAULT_S` (and every draw
+is cut there), every pacing rate at least :data:`MIN_PACE_BPS`. A value with no effect in it (blank, ``;``) is as
+if the variable were not set.
 """
 
 from __future__ import annotations
@@ -28,9 +32,31 @@ from dataclasses import dataclass
 
 from allreduce.units import parse_bandwidth, parse_seconds
 
-__all__ = ["ENV_VAR", "Distribution", "Injection", "injection_from_env", "parse_distribution", "parse_injection"]
+__all__ = [
+    "ENV_VAR",
+    "MAX_FAULT_S",
+    "MIN_PACE_BPS",
+    "Distribution",
+    "Injection",
+    "has_effects",
+    "injection_from_env",
+    "parse_distribution",
+    "parse_injection",
+]
 
 ENV_VAR = "ALLREDUCE_INJECT"
+
+MAX_FAULT_S = 3600.0
+"""The longest time an effect may name (a delay, a hold, a distribution's figure), and where every draw is cut:
+an hour outlasts any collective's timeout (the group's default is 300 s), so a timeout can always be provoked,
+while a slip of the unit (``ms=1e12``: 31 years) is refused instead of sleeping in a collective."""
+
+MIN_PACE_BPS = 1e3
+"""The slowest pacing rate (bytes/s): 1 MiB then takes 17 minutes; slower would only be a hang with extra steps,
+and a rate near zero overflows the sleep it asks for."""
+
+_MAX_DIGITS = 18
+"""Digits of an integer field (rank, seed): below 2**63, so it is a number, not a test of the int parser."""
 
 _Z99 = 2.3263478740408408
 """Φ⁻¹(0.99): a lognormal with median M and 99th percentile Q has σ = ln(Q/M) / Φ⁻¹(0.99)."""
@@ -45,13 +71,26 @@ class Distribution:
     b_s: float = 0.0
 
     def draw(self, rng: random.Random) -> float:
+        """A draw in seconds, at most :data:`MAX_FAULT_S` (the tails of exponential and lognormal are unbounded)."""
         if self.kind == "constant":
             return self.a_s
         if self.kind == "exponential":
-            return rng.expovariate(1.0 / self.a_s)
+            return min(rng.expovariate(1.0 / self.a_s), MAX_FAULT_S)
         if self.kind == "lognormal":
-            return self.a_s * math.exp(rng.gauss(0.0, math.log(self.b_s / self.a_s) / _Z99))
+            exponent = rng.gauss(0.0, math.log(self.b_s / self.a_s) / _Z99)
+            return min(self.a_s * math.exp(min(exponent, math.log(MAX_FAULT_S / self.a_s))), MAX_FAULT_S)
         return rng.uniform(self.a_s, self.b_s)
+
+
+def _seconds(text: str, what: str, field: str) -> float:
+    """A time field of a distribution or an effect: finite, >= 0 and at most :data:`MAX_FAULT_S`."""
+    value = parse_seconds(text, what=f"{what}: {field}")
+    if not 0 <= value <= MAX_FAULT_S:
+        raise ValueError(
+            f"{what}: {field} {text!r} is outside 0 to {MAX_FAULT_S:g} s (an injected fault that long would be a "
+            "hang: a collective's timeout is shorter)"
+        )
+    return value
 
 
 def _fields(text: str, allowed: set[str], what: str) -> dict[str, str]:
@@ -66,28 +105,29 @@ def _fields(text: str, allowed: set[str], what: str) -> dict[str, str]:
     return out
 
 
-def parse_distribution(text: str) -> Distribution:
-    """``constant:1ms`` / ``1ms``, ``exponential:mean=M``, ``lognormal:median=M,p99=Q``, ``uniform:low=A,high=B``."""
+def parse_distribution(text: str, *, what: str = "") -> Distribution:
+    """``constant:1ms`` / ``1ms``, ``exponential:mean=M``, ``lognormal:median=M,p99=Q``, ``uniform:low=A,high=B``;
+    every figure at most :data:`MAX_FAULT_S`. ``what`` names where ``text`` came from in errors."""
     kind, sep, rest = text.partition(":")
-    what = f"distribution {text!r}"
+    what = f"{what}distribution {text!r}"
     if not sep:
-        return Distribution("constant", parse_seconds(text, what=what))
+        return Distribution("constant", _seconds(text, what, "the time"))
     if kind == "constant":
-        return Distribution("constant", parse_seconds(rest, what=what))
+        return Distribution("constant", _seconds(rest, what, "the time"))
     if kind == "exponential":
-        mean = parse_seconds(_fields(rest, {"mean"}, what)["mean"], what=what)
+        mean = _seconds(_fields(rest, {"mean"}, what)["mean"], what, "mean")
         if mean <= 0:
             raise ValueError(f"{what}: the mean must be positive")
         return Distribution("exponential", mean)
     if kind == "lognormal":
         f = _fields(rest, {"median", "p99"}, what)
-        median, p99 = parse_seconds(f["median"], what=what), parse_seconds(f["p99"], what=what)
+        median, p99 = _seconds(f["median"], what, "median"), _seconds(f["p99"], what, "p99")
         if not 0 < median < p99:
             raise ValueError(f"{what}: needs 0 < median < p99")
         return Distribution("lognormal", median, p99)
     if kind == "uniform":
         f = _fields(rest, {"low", "high"}, what)
-        low, high = parse_seconds(f["low"], what=what), parse_seconds(f["high"], what=what)
+        low, high = _seconds(f["low"], what, "low"), _seconds(f["high"], what, "high")
         if not 0 <= low <= high:
             raise ValueError(f"{what}: needs 0 <= low <= high")
         return Distribution("uniform", low, high)
@@ -133,15 +173,19 @@ class Injection:
             return
         remaining_s = size_bytes / rate - (time.perf_counter_ns() - started_ns) * 1e-9
         if remaining_s > 0:
-            time.sleep(remaining_s)
+            time.sleep(min(remaining_s, MAX_FAULT_S))
 
 
 _LINK = re.compile(r"^(\d+)->(\d+)$")
 
 
-def _int(text: str, what: str) -> int:
-    if not text.isdigit():
-        raise ValueError(f"{ENV_VAR}: {what} must be a non-negative integer, got {text!r}")
+def _int(text: str, effect: str, field: str) -> int:
+    # isdigit() alone admits '²' and other digits int() refuses; ASCII digits only, and few enough for an int64
+    if not (text.isascii() and text.isdigit() and len(text) <= _MAX_DIGITS):
+        raise ValueError(
+            f"{ENV_VAR}: {effect!r}: {field} must be a non-negative integer of at most {_MAX_DIGITS} digits "
+            f"(0-9), got {text!r}"
+        )
     return int(text)
 
 
@@ -172,16 +216,16 @@ def parse_injection(spec: str, rank: int, world_size: int) -> Injection:
             else:
                 loose.append(part)
         if "seed" in keyed:
-            seed = _int(keyed.pop("seed"), "seed")
+            seed = _int(keyed.pop("seed"), effect, "seed")
 
         if kind == "delay":
             _check(effect, keyed, loose, {"rank"}, loose_ok=True)
-            who = _int(keyed["rank"], "rank")
+            who = _int(keyed["rank"], effect, "rank")
             if who >= world_size:
                 raise ValueError(f"{ENV_VAR}: {effect!r}: rank {who} is not in a group of {world_size}")
             if not loose:
                 raise ValueError(f"{ENV_VAR}: {effect!r}: missing the distribution (e.g. 1ms)")
-            dist = parse_distribution(":".join(loose))
+            dist = parse_distribution(":".join(loose), what=f"{ENV_VAR}: {effect!r}: ")
             if who == rank:
                 delay = dist
         elif kind == "pace":
@@ -192,22 +236,30 @@ def parse_injection(spec: str, rank: int, world_size: int) -> Injection:
             src, dst = int(match[1]), int(match[2])
             if max(src, dst) >= world_size or src == dst:
                 raise ValueError(f"{ENV_VAR}: {effect!r}: {src}->{dst} is not a link of a group of {world_size}")
-            rate = parse_bandwidth(keyed["rate"], what=f"{ENV_VAR} rate")
-            if rate <= 0:
-                raise ValueError(f"{ENV_VAR}: {effect!r}: the rate must be positive")
+            rate = parse_bandwidth(keyed["rate"], what=f"{ENV_VAR}: {effect!r}: rate")
+            if not (math.isfinite(rate) and rate >= MIN_PACE_BPS):
+                raise ValueError(
+                    f"{ENV_VAR}: {effect!r}: rate {keyed['rate']!r} is below {MIN_PACE_BPS:g} B/s (1 MiB would take "
+                    "17 minutes; slower is a hang, not a slow link) or not finite"
+                )
             if dst == rank:
                 pace.append((src, rate))
         elif kind == "hold":
             _check(effect, keyed, loose, {"rank", "p", "ms"})
-            who = _int(keyed["rank"], "rank")
+            who = _int(keyed["rank"], effect, "rank")
             if who >= world_size:
                 raise ValueError(f"{ENV_VAR}: {effect!r}: rank {who} is not in a group of {world_size}")
             try:
                 p, ms = float(keyed["p"]), float(keyed["ms"])
             except ValueError:
                 raise ValueError(f"{ENV_VAR}: {effect!r}: p and ms must be numbers") from None
-            if not (0 < p <= 1 and ms > 0):
-                raise ValueError(f"{ENV_VAR}: {effect!r}: needs 0 < p <= 1 and ms > 0")
+            if not 0 < p <= 1:
+                raise ValueError(f"{ENV_VAR}: {effect!r}: p {keyed['p']!r} must be in (0, 1]")
+            if not 0 < ms <= MAX_FAULT_S * 1e3:
+                raise ValueError(
+                    f"{ENV_VAR}: {effect!r}: ms {keyed['ms']!r} must be > 0 and at most {MAX_FAULT_S * 1e3:g} (an "
+                    "hour: a hold that long would be a hang; a collective's timeout is shorter)"
+                )
             if who == rank:
                 hold_p, hold_s = p, ms * 1e-3
         else:
@@ -215,11 +267,20 @@ def parse_injection(spec: str, rank: int, world_size: int) -> Injection:
     return Injection(delay, tuple(pace), hold_p, hold_s, seed)
 
 
+def has_effects(spec: str) -> bool:
+    """Whether ``spec`` names any effect (blank, or only ``;``: as if the variable were not set)."""
+    return any(effect.strip() for effect in spec.split(";"))
+
+
 def injection_from_env(environ: Mapping[str, str] | None, rank: int, world_size: int) -> Injection | None:
     """The injection for ``rank`` from the environment, with a warning on stderr; None when not set."""
     spec = (os.environ if environ is None else environ).get(ENV_VAR, "")
-    if not spec:
+    if not has_effects(spec):
         return None
     injection = parse_injection(spec, rank, world_size)
-    print(f"[allreduce rank {rank}] WARNING: {ENV_VAR} is set: injecting faults ({spec})", file=sys.stderr, flush=True)
+    print(
+        f"[allreduce rank {rank}] WARNING: {ENV_VAR} is set: injecting faults ({spec.strip()})",
+        file=sys.stderr,
+        flush=True,
+    )
     return injection if injection.active else None

@@ -19,6 +19,7 @@ itself is killed; the launcher sweeps the shared memory of ranks it had to kill.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from allreduce.runtime._group import STATS_FILE_ENV
 from allreduce.runtime._rank_report import FAILURE_DIR_ENV, read_report
 from allreduce.runtime._reaper import Reaper
 from allreduce.runtime._spawn import (
@@ -63,6 +65,8 @@ class LaunchResult:
     failed_rank: int | None
     interrupted_by: int | None
     reacted_ranks: tuple[int, ...] = ()
+    stats_table: str | None = None
+    """With ``launch(stats=True)``: the table rank 0's group wrote at close (None if no group was closed)."""
 
 
 class _Launch:
@@ -207,9 +211,12 @@ def launch(
     stdout: IO[bytes] | None = None,
     stderr: IO[bytes] | None = None,
     env: Mapping[str, str] | None = None,
+    stats: bool = False,
 ) -> LaunchResult:
     """Run ``command`` as ``world_size`` local ranks until all exit (see the module docstring); ``env`` adds
-    variables to every rank's environment.
+    variables to every rank's environment. ``stats``: rank 0's group writes its stats table at close into the
+    launcher's scratch directory (which the reaper removes even if the launcher is killed), returned as
+    ``stats_table``.
 
     Signals are handled only when called from the main thread; ranks are started from the calling thread, which
     must not exit before this returns (it does not: this returns once every rank has exited)."""
@@ -234,6 +241,9 @@ def launch(
         master_port = int(reservation.getsockname()[1])
     failure_dir = tempfile.mkdtemp(prefix="allreduce-run-")
     reaper = Reaper(scratch_dir=failure_dir)
+    stats_file = os.path.join(failure_dir, "stats.txt") if stats else None
+    if stats_file is not None:
+        env = {**(env or {}), STATS_FILE_ENV: stats_file}
     run = _Launch(
         command,
         world_size=world_size,
@@ -252,6 +262,9 @@ def launch(
         with stop_signal_handlers(run.watch.interrupt, wake_fd=run.watch.wake_fd):
             run.start()
             result = run.run()
+        if stats_file is not None:
+            with contextlib.suppress(OSError, UnicodeDecodeError), open(stats_file, encoding="utf-8") as table:
+                result = dataclasses.replace(result, stats_table=table.read())
     finally:
         run.watch.close()  # kills only ranks still running: after an exception in the launcher itself
         _sweep_shared_memory()

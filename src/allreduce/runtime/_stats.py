@@ -77,6 +77,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import numpy.typing as npt
 
+from allreduce.runtime._spare import SpareInts
+
 __all__ = [
     "CALL_CAPACITY",
     "MARK_CAPACITY",
@@ -118,7 +120,8 @@ below, every mark at or above 0."""
 VOID = TAG_BASE + 1
 """What the group writes instead of a call's end when the call failed: its entries are not read."""
 
-_PLACEHOLDER = 1 << 40  # what reserve() fills the kept chunks with: ints above the small-int cache, >= 0 (marks)
+_SPARE = SpareInts(MARK_CAPACITY, SPILL_ENTRIES, base=1 << 40)
+"""What every recorder of this process grows into (see :meth:`Recorder.reserve`)."""
 _MARKS_BITS = 24  # a tag is TAG_BASE - (layout key << _MARKS_BITS | the layout's marks)
 _HEADER_MIN = -(1 << 62)  # the smallest ~seq
 _CALL_FIELDS = 5  # seq, arrival_ns, end_ns, size_bytes, the tag's position (-1: no transfer records)
@@ -292,8 +295,8 @@ class Recorder:
     __slots__ = (
         "_chunk_entries",
         "_chunks",
+        "_drawn",
         "_kept_cache",
-        "_reserved",
         "_set_aside",
         "_t",
         "_transfers",
@@ -305,8 +308,10 @@ class Recorder:
 
     def __init__(self, *, enabled: bool = False) -> None:
         self.enabled = enabled
-        self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
-        self._t = memoryview(self._transfers.data).cast("B").cast("q")
+        self._transfers: npt.NDArray[np.int64] | None = None
+        """The ring of whole records, taken by the first :meth:`transfer` (only the in-process transport writes
+        them)."""
+        self._t: memoryview | None = None
         self.transfers_recorded = 0
         self.log: list[int] = []
         """Entries appended since the last :meth:`flush` (``append`` is its bound method, replaced with it)."""
@@ -317,25 +322,35 @@ class Recorder:
         self._set_aside = 0
         """Chunks set aside so far (only grows: what a reader's cached conversion is keyed by)."""
         self._kept_cache: tuple[int, _Kept] | None = None
-        self._reserved = False
+        self._drawn = 0
+        """Entries' worth of the process's spare chunks this recorder has dropped as it grew (see :meth:`reserve`)."""
         if enabled:
             self.reserve()
 
     def reserve(self) -> None:
-        """Take the memory the kept entries will fill, once: :data:`MARK_CAPACITY` placeholder ints (distinct
-        objects, no call's header among them, so no reader sees them), set aside as chunks that the first real
-        ones push out. From the first call on, then, the hot path's new ints reuse the blocks the dropped
-        placeholders free, as in a long run, instead of the allocator's fresh memory: at 1 MiB with two ranks, a
-        recorder growing into fresh memory measured 0.3-0.6% more per call (docs/tail.md). The group calls this
-        when recording is turned on; ~10 MiB per rank, which the entries would take after about 26,000 calls
-        anyway."""
-        if self._reserved:
-            return
-        self._reserved = True
-        for first in range(0, MARK_CAPACITY, SPILL_ENTRIES):
-            self._chunks.append(list(range(_PLACEHOLDER + first, _PLACEHOLDER + first + SPILL_ENTRIES)))
-            self._chunk_entries += SPILL_ENTRIES
+        """Make sure the process holds the memory recording grows into (:mod:`allreduce.runtime._spare`):
+        :data:`MARK_CAPACITY` placeholder ints, taken once per process, shared by its recorders; a growing recorder
+        drops as many as it adds, and once full drops its own oldest chunks instead. A process with one busy group
+        holds ~10 MiB, as its entries would after about 26,000 calls, and each further group only what it recorded
+        (the group calls this when recording is turned on)."""
+        _SPARE.fill_once()
+
+    def release(self) -> None:
+        """Stop recording and let go of everything recorded (the transport's ``close``): the entries go back to
+        the process's spare chunks, up to their :data:`MARK_CAPACITY`, the rest and the whole records are freed."""
+        self.enabled = False
+        # new containers rather than emptied ones: a reader still converting the old ones is not disturbed
+        log, self.log = self.log, []
+        self.append = self.log.append
+        chunks, self._chunks = self._chunks, collections.deque()
+        self._chunk_entries = 0
+        self._drawn = 0
         self._set_aside += 1
+        self._kept_cache = None
+        self._transfers = None
+        self._t = None
+        self.transfers_recorded = 0
+        _SPARE.give(itertools.chain(chunks, [log] if log else []))
 
     def transfer(  # noqa: PLR0917 (the hot path: keyword arguments cost time on every receive)
         self, seq: int, step: int, peer: int, step_start_ns: int, wait_ns: int, transfer_ns: int, size_bytes: int
@@ -344,6 +359,9 @@ class Recorder:
         n = self.transfers_recorded
         i = (n & (TRANSFER_CAPACITY - 1)) * _TRANSFER_FIELDS
         t = self._t
+        if t is None:
+            self._transfers = np.zeros((TRANSFER_CAPACITY, _TRANSFER_FIELDS), np.int64)
+            t = self._t = memoryview(self._transfers.data).cast("B").cast("q")
         t[i] = seq
         t[i + 1] = step
         t[i + 2] = peer
@@ -385,6 +403,9 @@ class Recorder:
         chunks = self._chunks
         while len(chunks) > 1 and self._chunk_entries - len(chunks[0]) >= MARK_CAPACITY:
             self._chunk_entries -= len(chunks.popleft())
+        # growing: drop the process's placeholders as fast as this recorder grows, whose next ints take their blocks
+        while self._drawn < self._chunk_entries and _SPARE.drop():
+            self._drawn += SPILL_ENTRIES
 
     def _kept(self) -> _Kept:
         """The last :data:`CALL_CAPACITY` call rows, oldest first: ``seq, arrival_ns, end_ns, size_bytes`` and
@@ -454,6 +475,8 @@ class Recorder:
         return out
 
     def _written_transfers(self, first_seq: int) -> npt.NDArray[np.int64]:
+        if self._transfers is None:
+            return np.zeros((0, _TRANSFER_FIELDS), np.int64)
         n = min(self.transfers_recorded, TRANSFER_CAPACITY)
         rows = np.arange(self.transfers_recorded - n, self.transfers_recorded) & (TRANSFER_CAPACITY - 1)
         records = self._transfers[rows]

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from allreduce.runtime.tcp import ClientHello, Listener, RetryLater
 from allreduce.runtime.tcp._handshake import HandshakeRefusedError, Refusal
+from allreduce.runtime.tcp._listener import RefusalLog
 
 __all__ = [
     "DEAD_PREFIX",
@@ -211,6 +212,7 @@ class StoreServer:
         self._told: set[int] = set()  # ranks refused at the handshake with the failure
         self._failed_rank = -1  # the hosting rank that gave up
         self._clients_came = 0  # clients that said who they are (admitted, or refused after their hello)
+        self._refusal_log = RefusalLog(_log, "store")
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
@@ -267,10 +269,11 @@ class StoreServer:
             return sorted(set(range(self._world_size)) - self._told)
 
     def stop(self) -> None:
-        self._listener.close()
+        self._listener.close()  # every handshake under way has reported by now
         self._stop = True
         self._wake()
         self._thread.join(timeout=SERVER_STOP_S)
+        self._refusal_log.summarize()
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -351,7 +354,7 @@ class StoreServer:
     def _refused(self, address: str, error: BaseException, admitted: ClientHello | None) -> None:
         # "not yet" to a rank already joining the next group is routine; anything else is worth a warning
         retry = isinstance(error, HandshakeRefusedError) and error.kind is Refusal.RETRY
-        (_log.debug if retry else _log.warning)("store refused a client from %s: %s", address, error)
+        self._refusal_log.note(address, error, routine=retry)
         with self._lock:
             if admitted is not None and admitted.rank >= 0:
                 # the client left after its rank was reserved: free the seat

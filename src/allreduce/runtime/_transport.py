@@ -243,6 +243,7 @@ class Transport(abc.ABC):
             return
         self._closed = True
         self._release()
+        self.recorder.release()  # its entries go back to the process's spare memory for the next group
 
     def inject_corruption(self, *, peer: int, step: int = 0) -> None:
         """Fault injection for tests: flip one byte of the next block this rank sends to ``peer`` at ``step``,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import selectors
 import socket
 import threading
@@ -31,7 +32,15 @@ from allreduce.runtime.tcp._handshake import (
 )
 from allreduce.runtime.tcp._socket import family_of
 
-__all__ = ["ACCEPTOR_JOIN_S", "EVICT_AFTER_S", "MAX_PENDING_HANDSHAKES", "Listener", "listening_socket"]
+__all__ = [
+    "ACCEPTOR_JOIN_S",
+    "EVICT_AFTER_S",
+    "MAX_PENDING_HANDSHAKES",
+    "REFUSALS_SHOWN",
+    "Listener",
+    "RefusalLog",
+    "listening_socket",
+]
 
 ACCEPTOR_JOIN_S = 10.0
 """How long :meth:`Listener.close` waits for the accepting thread to notice; it wakes at once, so this only
@@ -44,6 +53,11 @@ bytes; legitimate ones finish in milliseconds, so more would only serve a flood 
 EVICT_AFTER_S = 1.0
 """With :data:`MAX_PENDING_HANDSHAKES` under way, the oldest is closed to make room once it is this old (a live
 client answers the greeting in milliseconds); younger ones are left to finish while new ones wait in the kernel."""
+
+REFUSALS_SHOWN = 5
+"""Refused clients a :class:`RefusalLog` describes one line each (on rank 0's stderr, for the store). After them it
+only counts: a port scan or a crowd of strangers would otherwise print a line per connection (500 connections,
+500 lines). The count is logged at each power of ten and, if any went unshown, when the listener's owner stops."""
 
 _MIN_BACKLOG = 128  # pending connections the kernel queues; at least one per rank of a large group
 _ACCEPTS_PER_WAKE = 64  # connections taken from the kernel's queue per wake-up, so handshakes under way progress
@@ -289,3 +303,43 @@ def _describe(sock: socket.socket, addr: object) -> str:
     if isinstance(addr, tuple) and len(addr) >= 2:
         return f"{addr[0]}:{addr[1]}"
     return str(addr)
+
+
+class RefusalLog:
+    """Warnings about refused clients on ``log``: the first :data:`REFUSALS_SHOWN` one line each, then a count
+    (:meth:`note` is called from the listener's thread, :meth:`summarize` when the owner stops)."""
+
+    def __init__(self, log: logging.Logger, owner: str) -> None:
+        self._log = log
+        self._owner = owner
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def note(self, address: str, error: BaseException, *, routine: bool = False) -> None:
+        """A refusal; a ``routine`` one (a "not yet" to a client that will come back) is only a debug line."""
+        if routine:
+            self._log.debug("%s refused a client from %s: %s", self._owner, address, error)
+            return
+        with self._lock:
+            self.count += 1
+            n = self.count
+        if n <= REFUSALS_SHOWN:
+            self._log.warning("%s refused a client from %s: %s", self._owner, address, error)
+        if n == REFUSALS_SHOWN:
+            self._log.warning("%s: further refused clients are counted, not shown one by one", self._owner)
+        elif n > REFUSALS_SHOWN and _power_of_ten(n):
+            self._log.warning("%s: %d clients refused so far", self._owner, n)
+
+    def summarize(self) -> None:
+        with self._lock:
+            n = self.count
+        if n > REFUSALS_SHOWN:
+            self._log.warning(
+                "%s: refused %d clients in all (%d not shown one by one)", self._owner, n, n - REFUSALS_SHOWN
+            )
+
+
+def _power_of_ten(n: int) -> bool:
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
