@@ -16,7 +16,7 @@ import pytest
 
 from allreduce.runtime import CollectiveTimeoutError, ProtocolError
 from allreduce.runtime._store import TCPStore
-from allreduce.runtime._store_server import (
+from allreduce.runtime._store_protocol import (
     GROUP_SECRET_KEY,
     MAX_STORED_BYTES,
     MAX_VALUE_BYTES,

@@ -90,7 +90,7 @@ def _read_checked(store: Any, key: str, pattern: re.Pattern[str], what: str, ran
     store and, with allreduce's store, the client that wrote the value (another process writing to the job's store
     is the likely cause). A malformed value rewritten while its writer is looked up is read again."""
     from allreduce.runtime._store import TCPStore
-    from allreduce.runtime._store_server import WRITER_PREFIX
+    from allreduce.runtime._store_protocol import WRITER_PREFIX
 
     written_by = ""
     for _ in range(_REREADS):

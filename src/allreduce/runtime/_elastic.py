@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from allreduce.runtime._errors import CollectiveError, ShrinkError
-from allreduce.runtime._store_server import ELASTIC_PREFIX
+from allreduce.runtime._store_protocol import ELASTIC_PREFIX
 from allreduce.runtime._transport import Transport
 from allreduce.schedules import CostModel
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError
-from allreduce.runtime._store_server import (
+from allreduce.runtime._store_protocol import (
     DEAD_PREFIX,
     FAILED_LINGER_S,
     GROUP_SECRET_KEY,
@@ -40,10 +40,10 @@ from allreduce.runtime._store_server import (
     SERVICE,
     Op,
     Status,
-    StoreServer,
     check_key,
     encode_keys,
 )
+from allreduce.runtime._store_server import StoreServer
 from allreduce.runtime.tcp import (
     CONNECT_HANDSHAKE_MAX_S,
     ClientHello,
