@@ -17,22 +17,27 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 import torch
-from allreduce.torch._futures import future_of
+from allreduce.runtime import CollectiveError
+from allreduce.torch._work import BackendWork, torch_error
 
-__all__ = ["BACKEND_NAME", "register_backend"]
+__all__ = ["BACKEND_NAME", "TRANSPORT_ENV", "register_backend"]
 
 BACKEND_NAME = "allreduce"
 _MIN_TORCH = "2.2"
 # Where rank 0 publishes the port of allreduce's store, in the store torch gives one process group.
 _PORT_KEY = "allreduce/store_port"
+TRANSPORT_ENV = "ALLREDUCE_TRANSPORT"
+"""The transport of every ``"allreduce"`` process group: ``auto`` (default: shm when every rank shares the host,
+else tcp), ``shm`` or ``tcp``."""
 
 _create_work_from_future: Any = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
 # Typed as Any: the backend implements the list-of-tensors calling convention torch uses for Python backends,
@@ -60,12 +65,35 @@ def _check_cpu(tensors: Sequence[torch.Tensor], what: str) -> None:
             raise ValueError(f"the allreduce backend moves CPU tensors; {what} got a tensor on {t.device}")
 
 
+def _reported(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A backend method whose synchronous failures reach torch as :func:`torch_error` makes them."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except CollectiveError as exc:
+            error = torch_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    return call
+
+
 class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
-    """A torch.distributed backend whose collectives are an allreduce process group's."""
+    """A torch.distributed backend whose collectives are an allreduce process group's.
+
+    Every collective returns a :class:`BackendWork`: ``wait()`` raises the collective's error, and the future DDP
+    reads fails with it. Tensors are handed to the group as they are (numpy views of CPU tensors); results that
+    need copying out are copied on the group's worker before the work completes.
+    """
 
     def __init__(self, group: Any) -> None:
         super().__init__(group.rank, group.world_size)
         self._group = group
+        self._group_name = ""
+        self._group_desc = ""
         _LIVE_GROUPS.append(group)
 
     @property
@@ -76,79 +104,131 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def _work(self, works: Sequence[Any], value: Any) -> Any:
-        return _create_work_from_future(future_of(works, lambda: value))
+    # torch keeps a Python process group's name and description in the object itself (a C++ one keeps them in
+    # its backends, which this one has none of): torch sets them once, and DeviceMesh and destroy_process_group
+    # look the group up by its name.
+    def getGroupName(self) -> str:
+        return self._group_name
 
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _work(self, works: Sequence[Any], value: Callable[[], Any], description: str) -> BackendWork:
+        return BackendWork(works, value, description)
+
+    @_reported
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         _check_cpu(tensors, "all_reduce")
         works = [self._group.all_reduce(t, op=op, async_op=True) for t in tensors]
-        return self._work(works, tensors)
+        return self._work(works, lambda: tensors, "all_reduce")
 
+    @_reported
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = int(opts.rootRank) if opts is not None else 0
         _check_cpu(tensors, "broadcast")
         works = [self._group.broadcast(t, root, async_op=True) for t in tensors]
-        return self._work(works, tensors)
+        return self._work(works, lambda: tensors, "broadcast")
 
-    def _gather_flat(self, output: torch.Tensor, local: torch.Tensor) -> None:
-        # Block r of an N*n buffer is rank r's part; block_bounds cuts N*n elements into exactly n each.
+    def _gather_flat(self, output: torch.Tensor, local: torch.Tensor) -> tuple[Any, Callable[[], Any]]:
+        """Start the all-gather of ``local`` into ``output`` (N blocks of ``local.numel()``, in rank order): the
+        group's work and what copies the result into ``output`` once it has finished (nothing when ``output`` is
+        contiguous: the gather runs in it)."""
         n = local.numel()
-        flat = torch.empty(n * self._group.world_size, dtype=local.dtype)
+        flat = output.view(-1) if output.is_contiguous() else torch.empty(n * self._group.world_size, dtype=local.dtype)
         flat[self._group.rank * n : (self._group.rank + 1) * n] = local.reshape(-1)
-        self._group.all_gather(flat)
-        output.copy_(flat.view(output.shape))
+        work = self._group.all_gather(flat, async_op=True)
+        if flat.data_ptr() == output.data_ptr():
+            return work, lambda: None
+        return work, lambda: output.copy_(flat.view(output.shape))
 
+    @_reported
     def allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> Any:
         _check_cpu(input_tensors, "all_gather")
+        works, copies = [], []
         for outputs, local in zip(output_tensors, input_tensors, strict=True):
             n = local.numel()
             flat = torch.empty(n * len(outputs), dtype=local.dtype)
-            self._gather_flat(flat, local)
-            for r, out in enumerate(outputs):
-                out.copy_(flat[r * n : (r + 1) * n].view(out.shape))
-        return self._work([], output_tensors)
+            work, _ = self._gather_flat(flat, local)
+            works.append(work)
+            copies.append((flat, outputs, n))
 
+        def copy_out() -> Any:
+            for flat, outputs, n in copies:
+                for r, out in enumerate(outputs):
+                    out.copy_(flat[r * n : (r + 1) * n].view(out.shape))
+            return output_tensors
+
+        return self._work(works, copy_out, "all_gather")
+
+    @_reported
     def _allgather_base(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
         _check_cpu([output, local], "all_gather_into_tensor")
-        self._gather_flat(output, local)
-        return self._work([], [output])
+        work, copy = self._gather_flat(output, local)
+
+        def copy_out() -> Any:
+            copy()
+            return [output]
+
+        return self._work([work], copy_out, "all_gather_into_tensor")
 
     # torch >= 2.10 routes all_gather_into_tensor / reduce_scatter_tensor through these names.
     all_gather_single = _allgather_base
 
-    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, op: str) -> None:
-        block = self._group.reduce_scatter(flat, op=op)
-        output.copy_(block.view(output.shape))
-
+    @_reported
     def reduce_scatter(
         self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         _check_cpu(output_tensors, "reduce_scatter")
-        for out, inputs in zip(output_tensors, input_lists, strict=True):
-            flat = torch.cat([t.reshape(-1) for t in inputs])
-            self._reduce_scatter_flat(out, flat, op)
-        return self._work([], output_tensors)
+        works = [
+            self._group.reduce_scatter(torch.cat([t.reshape(-1) for t in inputs]), op=op, async_op=True)
+            for inputs in input_lists
+        ]
+        return self._work(works, lambda: _copy_blocks(output_tensors, works), "reduce_scatter")
 
+    @_reported
     def _reduce_scatter_base(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         _check_cpu([output, local], "reduce_scatter_tensor")
-        self._reduce_scatter_flat(output, local.reshape(-1).clone(), op)
-        return self._work([], [output])
+        works = [self._group.reduce_scatter(local.reshape(-1).clone(), op=op, async_op=True)]
+        return self._work(works, lambda: _copy_blocks([output], works), "reduce_scatter_tensor")
 
     reduce_scatter_single = _reduce_scatter_base
 
+    @_reported
     def barrier(self, opts: Any = None) -> Any:
         self._group.barrier()
-        return self._work([], [])
+        return self._work([], list, "barrier")
 
     def shutdown(self) -> None:
         self._group.close()
         with contextlib.suppress(ValueError):
             _LIVE_GROUPS.remove(self._group)
+
+
+def _copy_blocks(outputs: Sequence[torch.Tensor], works: Sequence[Any]) -> list[torch.Tensor]:
+    """Copy each finished reduce-scatter's block (the work's result) into its output tensor."""
+    for out, work in zip(outputs, works, strict=True):
+        block = work.wait()
+        out.copy_(torch.as_tensor(block).view(out.shape))
+    return list(outputs)
 
 
 _LIVE_GROUPS: list[Any] = []
@@ -168,6 +248,9 @@ def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.ti
     from allreduce.runtime import init
 
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    transport = os.environ.get(TRANSPORT_ENV, "auto")
+    if transport not in ("auto", "shm", "tcp"):
+        raise ValueError(f"{TRANSPORT_ENV}={transport!r}: the allreduce backend's transport is auto, shm or tcp")
     # Rank 0 hosts allreduce's store on a port the kernel picks and publishes it through torch's store (one per
     # process group, given only to its members), under a key of the backend's own, so no port is guessed, none
     # of the launcher's is reused, and no count of this process's other groups enters the key.
@@ -175,6 +258,7 @@ def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.ti
         rank,
         world_size,
         master_addr=host,
+        transport=transport,
         timeout_s=timeout.total_seconds(),
         rendezvous_store=store,
         rendezvous_key=_PORT_KEY,

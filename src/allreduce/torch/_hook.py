@@ -15,12 +15,14 @@ import torch.distributed as dist
 import torch
 from allreduce.torch._backend import _AllreduceBackend
 from allreduce.torch._futures import future_of
+from allreduce.torch._work import torch_error
 
 __all__ = ["comm_hook"]
 
 
 def comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
-    """Average ``bucket`` over ``state`` (an allreduce process group) asynchronously; the future holds the result."""
+    """Average ``bucket`` over ``state`` (an allreduce process group) asynchronously; the future holds the result,
+    or fails (so DDP's backward raises) with the collective's error."""
     if isinstance(state, _AllreduceBackend):
         state = state.allreduce_group
     if not hasattr(state, "all_reduce"):
@@ -30,4 +32,4 @@ def comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch
         )
     tensor = bucket.buffer()
     work = state.all_reduce(tensor, op="avg", async_op=True)
-    return future_of([work], lambda: tensor)
+    return future_of([work], lambda: tensor, translate=torch_error)
