@@ -134,6 +134,10 @@ class BackendWork(_WorkBase):  # type: ignore[misc]
             raise self._error
         return True
 
+    def end_record(self, record: Any) -> None:
+        """End the profiler's ``record`` (a ``record_function`` entered for this call) when the work completes."""
+        self._future = record._call_end_callbacks_on_future(self._future)
+
     def get_future(self) -> torch.futures.Future[Any]:
         """The future torch's C++ side (DDP) reads: its value, or failed with the collective's error."""
         return self._future
