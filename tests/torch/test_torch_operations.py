@@ -8,6 +8,7 @@ closed form).
 
 from __future__ import annotations
 
+import datetime
 import functools
 import operator
 from collections.abc import Callable
@@ -218,6 +219,37 @@ CASES = _collectives()
 ROOT_ONLY = {"reduce to rank 1": 1}
 
 
+def _wait_with_a_timeout(rank: int) -> Any:
+    """Rank 0 waits 0.2 s for an all-reduce that the others call 1.5 s late, then waits without a limit."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank != 0:
+        time.sleep(1.5)
+    t = torch.ones(4)
+    work = dist.all_reduce(t, async_op=True)
+    early = None
+    if rank == 0:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=0.2))
+        except dist.DistBackendError as exc:
+            early = str(exc)
+    work.wait()
+    return {"early": early, "result": t.tolist()}
+
+
+def _profiled_names() -> list[str]:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(torch.ones(1024))
+        dist.broadcast(torch.ones(16, dtype=torch.float64), src=0)
+    return [event.name for event in prof.events() if event.name.startswith("allreduce.")]
+
+
 def _worker() -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -233,6 +265,8 @@ def _worker() -> dict[str, Any]:
                 out[f"{backend}: {name}"] = ("ok", _portable(run(group, rank, world_size)))
             except Exception as exc:  # compared below: Gloo refuses some cases
                 out[f"{backend}: {name}"] = ("raised", f"{type(exc).__name__}: {exc}")
+    out["wait timeout"] = _wait_with_a_timeout(rank)
+    out["profiled"] = _profiled_names()
     try:
         dist.send(torch.ones(1), dst=(rank + 1) % world_size)
     except NotImplementedError as exc:
@@ -279,3 +313,24 @@ def test_an_operation_the_backend_lacks_raises_naming_it(results: tuple[int, lis
     _, per_rank = results
     for out in per_rank:
         assert "does not implement send" in out["send refused"]
+
+
+@pytest.mark.slow
+def test_wait_with_a_timeout_raises_while_the_call_goes_on(results: tuple[int, list[dict[str, Any]]]) -> None:
+    world_size, per_rank = results
+    assert "has not finished within wait(timeout=0.2 s)" in per_rank[0]["wait timeout"]["early"]
+    for out in per_rank:
+        assert out["wait timeout"]["result"] == [float(world_size)] * 4
+
+
+@pytest.mark.slow
+def test_the_profiler_records_every_call_with_its_size_algorithm_and_ranks(
+    results: tuple[int, list[dict[str, Any]]],
+) -> None:
+    world_size, per_rank = results
+    for out in per_rank:
+        all_reduce, broadcast = out["profiled"]
+        assert all_reduce.startswith("allreduce.all_reduce 4096 B ")
+        assert all_reduce.endswith(f" {world_size} ranks")
+        assert all_reduce.split()[3] != "-", all_reduce  # the algorithm auto picked
+        assert broadcast.startswith("allreduce.broadcast 128 B ")
