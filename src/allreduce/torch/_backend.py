@@ -15,11 +15,14 @@ This relies on torch letting Python code implement a backend (``dist.Backend.reg
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import functools
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -509,8 +512,28 @@ def _nothing() -> None:
 _NOTHING = _nothing
 
 
+_HOOK_GROUPS: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The allreduce groups :func:`allreduce.torch.comm_hook` has run on (closed at exit too: see _close_at_exit)."""
+
 _LIVE_GROUPS: list[Any] = []
 """The allreduce groups behind this process's open ``"allreduce"`` torch process groups (for :func:`hand_over`)."""
+
+
+def _close_at_exit() -> None:
+    """Close the groups behind this process's open ``"allreduce"`` process groups before the interpreter
+    finalizes (a script need not call ``destroy_process_group``).
+
+    A group's worker thread completes torch's futures: torch wakes whoever waits on one (DDP's reducer) inside
+    that completion, while the worker is still in torch's C++ frames, about to take the GIL back. If the waiter
+    then ends the script, the worker takes the GIL during finalization, Python ends the thread with
+    pthread_exit, and its unwinding through a noexcept C++ frame aborts the process ("terminate called without
+    an active exception"). Closing joins the worker while the interpreter is whole (after what is pending, each
+    collective bounded by its timeout)."""
+    for group in [*_LIVE_GROUPS, *_HOOK_GROUPS]:
+        try:
+            group.close()
+        except Exception as exc:  # the process is exiting: say so, and close the others
+            print(f"allreduce: closing {group!r} at exit: {exc!r}", file=sys.stderr)
 
 
 def hand_over(thread: threading.Thread) -> None:
@@ -554,3 +577,4 @@ def register_backend() -> None:
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu"])
+    atexit.register(_close_at_exit)

@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 import torch
-from allreduce.torch._backend import _AllreduceBackend
+from allreduce.torch._backend import _HOOK_GROUPS, _AllreduceBackend
 from allreduce.torch._futures import future_of
 from allreduce.torch._work import torch_error
 
@@ -30,6 +30,8 @@ def comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch
             f"comm_hook's state must be an allreduce process group (dist.new_group(backend='allreduce'), "
             f"allreduce.runtime.init() or allreduce.torch.torch_group()), got {type(state).__name__}"
         )
+    if state not in _HOOK_GROUPS:
+        _HOOK_GROUPS.add(state)
     tensor = bucket.buffer()
     work = state.all_reduce(tensor, op="avg", async_op=True)
     return future_of([work], lambda: tensor, translate=torch_error)
