@@ -223,3 +223,28 @@ def test_a_plan_for_another_rank_or_size_is_refused_before_any_data_moves() -> N
         assert f"is for rank {1 - rank} of 2, but this transport is rank {rank} of 2" in message
         assert "hold 8 elements" in message
         assert "got shape (9,)" in message
+
+
+def _native_threads_after_close() -> list[str]:
+    import glob
+
+    import torch.distributed as dist
+
+    from allreduce.torch import torch_group
+
+    _init_gloo()
+    group = torch_group(timeout_s=60)
+    group.all_reduce(np.ones(100, dtype=np.float32))
+    group.close()
+    dist.destroy_process_group()
+    # `group` is still referenced here, as in a script that keeps it: its transport must not keep Gloo alive.
+    assert group.closed
+    return sorted(Path(f).read_text().strip() for f in glob.glob("/proc/self/task/*/comm"))
+
+
+@pytest.mark.slow
+def test_a_closed_group_lets_destroy_process_group_end_gloos_threads() -> None:
+    # Gloo's threads left alive into interpreter finalization abort the process when one of them takes the GIL
+    # there ("terminate called without an active exception").
+    for names in spawn(2, _native_threads_after_close, group=False, timeout_s=120):
+        assert not [name for name in names if "gloo" in name], names

@@ -15,43 +15,38 @@ This relies on torch letting Python code implement a backend (``dist.Backend.reg
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import functools
 import os
+import sys
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 import torch
-from allreduce.torch._futures import future_of
+from allreduce.runtime import CollectiveError
+from allreduce.torch._reductions import as_runtime_dtype, reduction
+from allreduce.torch._work import BackendWork, torch_error
 
-__all__ = ["BACKEND_NAME", "register_backend"]
+__all__ = ["BACKEND_NAME", "TRANSPORT_ENV", "register_backend"]
 
 BACKEND_NAME = "allreduce"
 _MIN_TORCH = "2.2"
 # Where rank 0 publishes the port of allreduce's store, in the store torch gives one process group.
 _PORT_KEY = "allreduce/store_port"
+TRANSPORT_ENV = "ALLREDUCE_TRANSPORT"
+"""The transport of every ``"allreduce"`` process group: ``auto`` (default: shm when every rank shares the host,
+else tcp), ``shm`` or ``tcp``."""
 
 _create_work_from_future: Any = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
 # Typed as Any: the backend implements the list-of-tensors calling convention torch uses for Python backends,
 # not every overload of the typed ProcessGroup.
 _ProcessGroupBase: Any = dist.ProcessGroup
-
-
-def _reduce_op(op: Any) -> str:
-    names = {
-        dist.ReduceOp.SUM: "sum",
-        dist.ReduceOp.AVG: "avg",
-        dist.ReduceOp.PRODUCT: "prod",
-        dist.ReduceOp.MIN: "min",
-        dist.ReduceOp.MAX: "max",
-    }
-    for known, name in names.items():
-        if op == known:
-            return name
-    raise ValueError(f"the allreduce backend reduces with SUM, AVG, PRODUCT, MIN or MAX, not {op}")
 
 
 def _check_cpu(tensors: Sequence[torch.Tensor], what: str) -> None:
@@ -60,12 +55,110 @@ def _check_cpu(tensors: Sequence[torch.Tensor], what: str) -> None:
             raise ValueError(f"the allreduce backend moves CPU tensors; {what} got a tensor on {t.device}")
 
 
+def _reduce_op_of(opts: Any) -> Any:
+    return opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+
+def _root_of(opts: Any) -> int:
+    return int(opts.rootRank) if opts is not None else 0
+
+
+def _reported(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A backend method for torch's ``what``: its synchronous failures reach torch as :func:`torch_error` makes
+    them, and under torch.profiler the call is a ``record_function`` (``allreduce.<what>``, with the bytes, the
+    algorithm for the first tensor and the number of ranks) that ends when the work completes."""
+
+    def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: _AllreduceBackend, *args: Any, **kwargs: Any) -> Any:
+            record = _profiled(self, what, [*args, *kwargs.values()]) if _profiler_enabled() else None
+            try:
+                work = method(self, *args, **kwargs)
+            except CollectiveError as exc:
+                error = torch_error(exc)
+                if record is not None:
+                    record.__exit__(None, None, None)
+                if error is exc:
+                    raise
+                raise error from exc
+            if record is not None:
+                work.end_record(record)
+            return work
+
+        return call
+
+    return decorate
+
+
+def _profiler_enabled() -> bool:
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def _tensors_in(args: Sequence[Any]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            found.append(arg)
+        elif isinstance(arg, list | tuple):
+            found.extend(_tensors_in(arg))
+    return found
+
+
+def _profiled(backend: _AllreduceBackend, what: str, args: Sequence[Any]) -> Any:
+    tensors = _tensors_in(args)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    algorithm = "-"
+    collective = _COLLECTIVE_OF.get(what)
+    if collective is not None and tensors:
+        with contextlib.suppress(Exception):  # a dtype the runtime does not take: the call itself will say so
+            first = as_runtime_dtype(tensors[0])
+            algorithm = backend.allreduce_group.choose_algorithm(first.numel(), first.numpy().dtype, collective)
+    label = f"allreduce.{what} {nbytes} B {algorithm} {backend.allreduce_group.world_size} ranks"
+    record: Any = torch.autograd.profiler.record_function(label)
+    record.__enter__()
+    return record
+
+
+_COLLECTIVE_OF = {
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce": "reduce",
+}
+
+
+def _unsupported(what: str, instead: str) -> Callable[..., Any]:
+    def refuse(self: _AllreduceBackend, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"the allreduce backend does not implement {what}: {instead}")
+
+    refuse.__name__ = what
+    return refuse
+
+
+_P2P = (
+    "its collectives pair by call order and agree before data moves, which point-to-point calls do not; "
+    "run pipeline stages' sends on a Gloo group (dist.new_group(backend='gloo'))"
+)
+
+
 class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
-    """A torch.distributed backend whose collectives are an allreduce process group's."""
+    """A torch.distributed backend whose collectives are an allreduce process group's.
+
+    Every collective returns a :class:`BackendWork`: ``wait()`` raises the collective's error, and the future DDP
+    reads fails with it. Tensors are handed to the group as they are (numpy views of CPU tensors); results that
+    need copying out are copied on the group's worker before the work completes. torch calls these methods by
+    name from Python (``dist.*``); from C++ (DDP's reducer, functional collectives) it reaches only those its
+    Python-backend trampoline forwards (docs/torch.md lists them).
+    """
 
     def __init__(self, group: Any) -> None:
         super().__init__(group.rank, group.world_size)
         self._group = group
+        self._group_name = ""
+        self._group_desc = ""
         _LIVE_GROUPS.append(group)
 
     @property
@@ -76,74 +169,335 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def _work(self, works: Sequence[Any], value: Any) -> Any:
-        return _create_work_from_future(future_of(works, lambda: value))
+    # torch keeps a Python process group's name and description in the object itself (a C++ one keeps them in
+    # its backends, which this one has none of): torch sets them once, and DeviceMesh and destroy_process_group
+    # look the group up by its name.
+    def getGroupName(self) -> str:
+        return self._group_name
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
-        _check_cpu(tensors, "all_reduce")
-        works = [self._group.all_reduce(t, op=op, async_op=True) for t in tensors]
-        return self._work(works, tensors)
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        root = int(opts.rootRank) if opts is not None else 0
-        _check_cpu(tensors, "broadcast")
-        works = [self._group.broadcast(t, root, async_op=True) for t in tensors]
-        return self._work(works, tensors)
+    def getGroupDesc(self) -> str:
+        return self._group_desc
 
-    def _gather_flat(self, output: torch.Tensor, local: torch.Tensor) -> None:
-        # Block r of an N*n buffer is rank r's part; block_bounds cuts N*n elements into exactly n each.
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    # ------------------------------------------------------------------------------------------------
+    # The verbs every operation is made of
+    # ------------------------------------------------------------------------------------------------
+    def _start_all_reduce(self, tensor: torch.Tensor, reduce_op: Any, what: str) -> tuple[Any, Callable[[], Any]]:
+        """Start reducing ``tensor`` in place: the group's work, and what finishes the result once it is done."""
+        plan = reduction(tensor, reduce_op, what)
+        if plan.op is not None:
+            return self._group.all_reduce(plan.buffer, op=plan.op, async_op=True), plan.finish
+        flat = torch.empty(tensor.numel() * self._group.world_size, dtype=tensor.dtype)
+        work = self._start_all_gather(flat, plan.buffer)
+        return work, lambda: plan.finish(flat)
+
+    def _start_all_gather(self, flat: torch.Tensor, local: torch.Tensor) -> Any:
+        """Start gathering every rank's ``local`` into ``flat`` (contiguous, N blocks of ``local.numel()`` in rank
+        order): the group's work."""
         n = local.numel()
-        flat = torch.empty(n * self._group.world_size, dtype=local.dtype)
         flat[self._group.rank * n : (self._group.rank + 1) * n] = local.reshape(-1)
-        self._group.all_gather(flat)
-        output.copy_(flat.view(output.shape))
+        return self._group.all_gather(as_runtime_dtype(flat), async_op=True)
 
-    def allgather(
-        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
-    ) -> Any:
-        _check_cpu(input_tensors, "all_gather")
-        for outputs, local in zip(output_tensors, input_tensors, strict=True):
-            n = local.numel()
-            flat = torch.empty(n * len(outputs), dtype=local.dtype)
-            self._gather_flat(flat, local)
-            for r, out in enumerate(outputs):
-                out.copy_(flat[r * n : (r + 1) * n].view(out.shape))
-        return self._work([], output_tensors)
+    def _gathered(self, output: torch.Tensor, local: torch.Tensor) -> tuple[Any, Callable[[], Any]]:
+        """Start the all-gather of ``local`` into ``output``; with what copies the result in once done (nothing
+        when ``output`` is contiguous: the gather runs in it)."""
+        if output.is_contiguous():
+            return self._start_all_gather(output.view(-1), local), lambda: None
+        flat = torch.empty(output.numel(), dtype=local.dtype)
+        return self._start_all_gather(flat, local), lambda: output.copy_(flat.view(output.shape))
 
-    def _allgather_base(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
-        _check_cpu([output, local], "all_gather_into_tensor")
-        self._gather_flat(output, local)
-        return self._work([], [output])
+    def _work(self, works: Sequence[Any], finish: Callable[[], Any], value: Any, what: str) -> BackendWork:
+        def complete() -> Any:
+            finish()
+            return value
 
-    # torch >= 2.10 routes all_gather_into_tensor / reduce_scatter_tensor through these names.
-    all_gather_single = _allgather_base
+        return BackendWork(works, complete, what)
 
-    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, op: str) -> None:
-        block = self._group.reduce_scatter(flat, op=op)
-        output.copy_(block.view(output.shape))
+    # ------------------------------------------------------------------------------------------------
+    # Reductions
+    # ------------------------------------------------------------------------------------------------
+    @_reported("all_reduce")
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        _check_cpu(tensors, "all_reduce")
+        started = [self._start_all_reduce(t, _reduce_op_of(opts), "all_reduce") for t in tensors]
+        return self._work([w for w, _ in started], lambda: [f() for _, f in started], tensors, "all_reduce")
 
+    @_reported("all_reduce_coalesced")
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        _check_cpu(tensors, "all_reduce_coalesced")
+        started = [self._start_all_reduce(t, _reduce_op_of(opts), "all_reduce_coalesced") for t in tensors]
+        return self._work([w for w, _ in started], lambda: [f() for _, f in started], tensors, "all_reduce_coalesced")
+
+    @_reported("reduce")
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        _check_cpu(tensors, "reduce")
+        root = _root_of(opts)
+        works, finishes = [], []
+        for t in tensors:
+            plan = reduction(t, _reduce_op_of(opts), "reduce")
+            if not plan.direct:
+                work, finish = self._start_all_reduce(t, _reduce_op_of(opts), "reduce")
+            else:
+                work, finish = self._group.reduce(plan.buffer, root, op=plan.op, async_op=True), plan.finish
+            works.append(work)
+            finishes.append(finish)
+        return self._work(works, lambda: [f() for f in finishes], tensors, "reduce")
+
+    def _start_reduce_scatter(
+        self, output: torch.Tensor, flat: torch.Tensor, reduce_op: Any, what: str
+    ) -> tuple[Any, Callable[[], Any]]:
+        """Start reducing ``flat`` (N blocks of ``output.numel()``) over the ranks into ``output``, this rank's
+        block."""
+        plan = reduction(flat, reduce_op, what)
+        if plan.direct:
+            work = self._group.reduce_scatter(plan.buffer, op=plan.op, async_op=True)
+            target = output.view(plan.buffer.dtype) if output.dtype != plan.buffer.dtype else output
+            return work, lambda: target.copy_(torch.as_tensor(work.wait()).view(output.shape))
+        # Ops the runtime reduces through a copy or a gather: reduce all of flat, keep this rank's block.
+        work, finish = self._start_all_reduce(flat, reduce_op, what)
+        n, rank = output.numel(), self._group.rank
+
+        def keep_block() -> None:
+            finish()
+            output.copy_(flat[rank * n : (rank + 1) * n].view(output.shape))
+
+        return work, keep_block
+
+    @_reported("reduce_scatter")
     def reduce_scatter(
         self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
-        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         _check_cpu(output_tensors, "reduce_scatter")
-        for out, inputs in zip(output_tensors, input_lists, strict=True):
-            flat = torch.cat([t.reshape(-1) for t in inputs])
-            self._reduce_scatter_flat(out, flat, op)
-        return self._work([], output_tensors)
+        started = [
+            self._start_reduce_scatter(
+                out, torch.cat([t.reshape(-1) for t in inputs]), _reduce_op_of(opts), "reduce_scatter"
+            )
+            for out, inputs in zip(output_tensors, input_lists, strict=True)
+        ]
+        return self._work([w for w, _ in started], lambda: [f() for _, f in started], output_tensors, "reduce_scatter")
 
+    @_reported("reduce_scatter_tensor")
     def _reduce_scatter_base(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
-        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         _check_cpu([output, local], "reduce_scatter_tensor")
-        self._reduce_scatter_flat(output, local.reshape(-1).clone(), op)
-        return self._work([], [output])
+        work, finish = self._start_reduce_scatter(
+            output, local.reshape(-1).clone(), _reduce_op_of(opts), "reduce_scatter_tensor"
+        )
+        return self._work([work], finish, [output], "reduce_scatter_tensor")
 
+    # torch >= 2.10 routes reduce_scatter_tensor through this name.
     reduce_scatter_single = _reduce_scatter_base
 
+    @_reported("reduce_scatter_tensor_coalesced")
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        _check_cpu([*outputs, *inputs], "reduce_scatter_tensor_coalesced")
+        started = [
+            self._start_reduce_scatter(out, local.reshape(-1).clone(), _reduce_op_of(opts), "reduce_scatter")
+            for out, local in zip(outputs, inputs, strict=True)
+        ]
+        return self._work([w for w, _ in started], lambda: [f() for _, f in started], outputs, "reduce_scatter")
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # ------------------------------------------------------------------------------------------------
+    # Copies
+    # ------------------------------------------------------------------------------------------------
+    @_reported("broadcast")
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        _check_cpu(tensors, "broadcast")
+        root = _root_of(opts)
+        works = [self._group.broadcast(as_runtime_dtype(t), root, async_op=True) for t in tensors]
+        return self._work(works, _NOTHING, tensors, "broadcast")
+
+    def _all_gather_lists(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], what: str
+    ) -> BackendWork:
+        _check_cpu(input_tensors, what)
+        works, copies = [], []
+        for outputs, local in zip(output_tensors, input_tensors, strict=True):
+            flat = torch.empty(local.numel() * len(outputs), dtype=local.dtype)
+            works.append(self._start_all_gather(flat, local))
+            copies.append((flat, outputs, local.numel()))
+
+        def copy_out() -> None:
+            for flat, outputs, n in copies:
+                for r, out in enumerate(outputs):
+                    out.copy_(flat[r * n : (r + 1) * n].view(out.shape))
+
+        return self._work(works, copy_out, output_tensors, what)
+
+    @_reported("all_gather")
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return self._all_gather_lists(output_tensors, input_tensors, "all_gather")
+
+    @_reported("all_gather_coalesced")
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return self._all_gather_lists(output_lists, input_tensors, "all_gather_coalesced")
+
+    @_reported("all_gather_into_tensor")
+    def _allgather_base(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
+        _check_cpu([output, local], "all_gather_into_tensor")
+        work, copy = self._gathered(output, local)
+        return self._work([work], copy, [output], "all_gather_into_tensor")
+
+    # torch >= 2.10 routes all_gather_into_tensor through this name.
+    all_gather_single = _allgather_base
+
+    @_reported("all_gather_into_tensor_coalesced")
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        _check_cpu([*outputs, *inputs], "all_gather_into_tensor_coalesced")
+        started = [self._gathered(out, local) for out, local in zip(outputs, inputs, strict=True)]
+        return self._work([w for w, _ in started], lambda: [f() for _, f in started], outputs, "all_gather")
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    @_reported("gather")
+    def gather(
+        self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        # An all-gather whose result only the root keeps.
+        _check_cpu(input_tensors, "gather")
+        root, rank, world_size = _root_of(opts), self._group.rank, self._group.world_size
+        works, copies = [], []
+        for i, local in enumerate(input_tensors):
+            flat = torch.empty(local.numel() * world_size, dtype=local.dtype)
+            works.append(self._start_all_gather(flat, local))
+            copies.append((flat, output_lists[i] if rank == root else [], local.numel()))
+
+        def copy_out() -> None:
+            for flat, outputs, n in copies:
+                for r, out in enumerate(outputs):
+                    out.copy_(flat[r * n : (r + 1) * n].view(out.shape))
+
+        return self._work(works, copy_out, output_lists, "gather")
+
+    @_reported("scatter")
+    def scatter(
+        self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        # A broadcast of the root's N blocks, of which every rank keeps its own.
+        _check_cpu(output_tensors, "scatter")
+        root, rank, world_size = _root_of(opts), self._group.rank, self._group.world_size
+        works, copies = [], []
+        for i, out in enumerate(output_tensors):
+            n = out.numel()
+            flat = torch.empty(n * world_size, dtype=out.dtype)
+            if rank == root:
+                for r, block in enumerate(input_lists[i]):
+                    flat[r * n : (r + 1) * n] = block.reshape(-1)
+            works.append(self._group.broadcast(as_runtime_dtype(flat), root, async_op=True))
+            copies.append((flat, out, n))
+
+        def copy_out() -> None:
+            for flat, out, n in copies:
+                out.copy_(flat[rank * n : (rank + 1) * n].view(out.shape))
+
+        return self._work(works, copy_out, output_tensors, "scatter")
+
+    def _start_all_to_all(
+        self, outputs: list[torch.Tensor], local: torch.Tensor, send_counts: list[int], what: str
+    ) -> tuple[Any, Callable[[], Any]]:
+        """Start sending ``send_counts[r]`` consecutive elements of ``local`` (flat) to rank r, into ``outputs[r]``
+        (flat views, one per source rank): the ranks' counts are all-gathered first (a small call, waited for
+        here), then every rank's input, padded to the longest; each rank keeps what was sent to it."""
+        world_size, rank = self._group.world_size, self._group.rank
+        counts = torch.zeros(world_size * world_size, dtype=torch.int64)
+        self._start_all_gather(counts, torch.tensor(send_counts, dtype=torch.int64)).wait()
+        matrix = counts.view(world_size, world_size)
+        for src in range(world_size):
+            if int(matrix[src, rank]) != outputs[src].numel():
+                raise ValueError(
+                    f"{what}: rank {src} sends {int(matrix[src, rank])} elements to rank {rank}, which expects "
+                    f"{outputs[src].numel()}"
+                )
+        longest = int(matrix.sum(dim=1).max())
+        padded = torch.zeros(longest, dtype=local.dtype)
+        padded[: local.numel()] = local.reshape(-1)
+        flat = torch.empty(longest * world_size, dtype=local.dtype)
+        work = self._start_all_gather(flat, padded)
+
+        def keep_mine() -> None:
+            for src in range(world_size):
+                start = src * longest + int(matrix[src, :rank].sum())
+                outputs[src].copy_(flat[start : start + outputs[src].numel()].view(outputs[src].shape))
+
+        return work, keep_mine
+
+    @_reported("all_to_all_single")
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        local: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Any:
+        # An all-gather of every rank's input, of which each rank keeps what was sent to it: N times the traffic.
+        _check_cpu([output, local], "all_to_all_single")
+        world_size = self._group.world_size
+        row_in = local[0].numel() if local.dim() and local.size(0) else 1
+        row_out = output[0].numel() if output.dim() and output.size(0) else 1
+        in_rows = list(input_split_sizes) or [local.size(0) // world_size] * world_size
+        out_rows = list(output_split_sizes) or [output.size(0) // world_size] * world_size
+        target = output if output.is_contiguous() else torch.empty_like(output)
+        pieces, offset = [], 0
+        for rows in out_rows:
+            pieces.append(target.view(-1)[offset : offset + rows * row_out])
+            offset += rows * row_out
+        work, keep = self._start_all_to_all(
+            pieces, local.contiguous(), [rows * row_in for rows in in_rows], "all_to_all_single"
+        )
+
+        def finish() -> None:
+            keep()
+            if target is not output:
+                output.copy_(target)
+
+        return self._work([work], finish, [output], "all_to_all_single")
+
+    all_to_all_single = alltoall_base
+
+    @_reported("all_to_all")
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        _check_cpu([*outputs, *inputs], "all_to_all")
+        local = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
+        work, keep = self._start_all_to_all(
+            [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in outputs],
+            local,
+            [t.numel() for t in inputs],
+            "all_to_all",
+        )
+        return self._work([work], keep, outputs, "all_to_all")
+
+    @_reported("barrier")
     def barrier(self, opts: Any = None) -> Any:
         self._group.barrier()
-        return self._work([], [])
+        return self._work([], _NOTHING, [], "barrier")
+
+    send = _unsupported("send", _P2P)
+    recv = _unsupported("recv", _P2P)
+    recv_anysource = _unsupported("recv_anysource", _P2P)
+    recvAnysource = recv_anysource
 
     def shutdown(self) -> None:
         self._group.close()
@@ -151,8 +505,35 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
             _LIVE_GROUPS.remove(self._group)
 
 
+def _nothing() -> None:
+    return None
+
+
+_NOTHING = _nothing
+
+
+_HOOK_GROUPS: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The allreduce groups :func:`allreduce.torch.comm_hook` has run on (closed at exit too: see _close_at_exit)."""
+
 _LIVE_GROUPS: list[Any] = []
 """The allreduce groups behind this process's open ``"allreduce"`` torch process groups (for :func:`hand_over`)."""
+
+
+def _close_at_exit() -> None:
+    """Close the groups behind this process's open ``"allreduce"`` process groups before the interpreter
+    finalizes (a script need not call ``destroy_process_group``).
+
+    A group's worker thread completes torch's futures: torch wakes whoever waits on one (DDP's reducer) inside
+    that completion, while the worker is still in torch's C++ frames, about to take the GIL back. If the waiter
+    then ends the script, the worker takes the GIL during finalization, Python ends the thread with
+    pthread_exit, and its unwinding through a noexcept C++ frame aborts the process ("terminate called without
+    an active exception"). Closing joins the worker while the interpreter is whole (after what is pending, each
+    collective bounded by its timeout)."""
+    for group in [*_LIVE_GROUPS, *_HOOK_GROUPS]:
+        try:
+            group.close()
+        except Exception as exc:  # the process is exiting: say so, and close the others
+            print(f"allreduce: closing {group!r} at exit: {exc!r}", file=sys.stderr)
 
 
 def hand_over(thread: threading.Thread) -> None:
@@ -168,6 +549,9 @@ def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.ti
     from allreduce.runtime import init
 
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    transport = os.environ.get(TRANSPORT_ENV, "auto")
+    if transport not in ("auto", "shm", "tcp"):
+        raise ValueError(f"{TRANSPORT_ENV}={transport!r}: the allreduce backend's transport is auto, shm or tcp")
     # Rank 0 hosts allreduce's store on a port the kernel picks and publishes it through torch's store (one per
     # process group, given only to its members), under a key of the backend's own, so no port is guessed, none
     # of the launcher's is reused, and no count of this process's other groups enters the key.
@@ -175,6 +559,7 @@ def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.ti
         rank,
         world_size,
         master_addr=host,
+        transport=transport,
         timeout_s=timeout.total_seconds(),
         rendezvous_store=store,
         rendezvous_key=_PORT_KEY,
@@ -192,3 +577,4 @@ def register_backend() -> None:
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu"])
+    atexit.register(_close_at_exit)

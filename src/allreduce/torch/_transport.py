@@ -51,6 +51,10 @@ _TAG_STEPS = 1 << 18
 _TAG_CHECKSUM = 1 << 30
 
 
+_RELEASED: Any = None
+"""What a closed transport holds instead of its torch process group."""
+
+
 def _tag(step_index: int, k: int) -> int:
     return (step_index % _TAG_STEPS) * _TAG_STEP + k % _TAG_STEP
 
@@ -299,5 +303,9 @@ class TorchTransport(Transport):
         return error
 
     def _release(self) -> None:
-        # The torch process group stays as it is: the caller owns it.
+        # The torch process group stays as it is (the caller owns it), but this transport lets go of it: a
+        # reference kept here kept a destroyed Gloo group alive, its native threads with it, until interpreter
+        # finalization, where a Gloo thread that then takes the GIL is ended by pthread_exit, whose unwinding
+        # through a noexcept frame aborts the process ("terminate called without an active exception").
+        self._group = _RELEASED
         self._scratch = torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,103 @@
+"""One rank of a 2-rank job on the "allreduce" backend in which something goes wrong, for test_torch_failures.py.
+
+    python failing_job.py OUT_DIR FAULT MODE
+
+FAULT, what rank 1 does just before its second call (under DDP: between the second step's forward and
+backward): ``kill`` (SIGKILL itself), ``stall`` (sleep past the collective timeout), ``mismatch`` (an all-reduce
+of 7 elements, which pairs with another call of rank 0).
+MODE: ``collective`` (``dist.all_reduce``), ``async`` (``dist.broadcast(async_op=True)`` then ``work.wait()``),
+``ddp`` (DDP on the backend: the second training step's backward), ``hook`` (DDP on Gloo with
+``allreduce.torch.comm_hook`` on an "allreduce" group).
+
+Rank and rendezvous come from the environment (by hand or torchrun). Each rank writes OUT_DIR/rank-R.json: what
+its second call raised (class names along the MRO, message, the error's peer) or that it returned, then exits 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+import allreduce.torch
+import torch
+from torch import nn
+
+TIMEOUT_S = 2.0
+STALL_S = TIMEOUT_S + 2.5
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _fault(rank: int, fault: str, group: Any) -> None:
+    """What rank 1 does just before its second call (DDP: between forward and backward)."""
+    if rank != 1:
+        return
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault == "stall":
+        time.sleep(STALL_S)
+    elif fault == "mismatch":
+        dist.all_reduce(torch.ones(7), group=group)  # pairs with rank 0's next call on that group, another one
+
+
+def _second_call(mode: str, ddp: nn.Module | None, rank: int, fault: str, group: Any = None) -> None:
+    if ddp is not None:
+        # The fault strikes between forward and backward, so that backward's bucket all-reduces (DDP's reducer,
+        # in C++) are the calls that must fail.
+        loss = ddp(torch.ones(4, 8)).sum()
+        _fault(rank, fault, group)
+        loss.backward()
+        return
+    _fault(rank, fault, group)
+    if mode == "async":
+        dist.broadcast(torch.ones(64), src=0, async_op=True).wait()
+    else:
+        dist.all_reduce(torch.ones(64))
+
+
+def main(out_dir: Path, fault: str, mode: str) -> None:
+    dist.init_process_group("allreduce", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    rank = dist.get_rank()
+    # Ranks start seconds apart on loaded cores: meet on a Gloo group (a long timeout) before the short-timeout
+    # group's first call.
+    gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=120))
+    dist.barrier(group=gloo)
+    ddp: nn.Module | None = None
+    hook_group = None
+    if mode == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(_model())
+    elif mode == "hook":
+        hook_group = dist.new_group(backend="allreduce", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        ddp = nn.parallel.DistributedDataParallel(_model(), process_group=gloo)
+        ddp.register_comm_hook(hook_group, allreduce.torch.comm_hook)
+    # one good step: every rank is connected and past its first collectives
+    _second_call(mode, ddp, rank, "none")
+    started = time.monotonic()
+    result: dict[str, Any]
+    try:
+        _second_call(mode, ddp, rank, fault, hook_group)
+    except Exception as exc:
+        result = {
+            "raised": [cls.__name__ for cls in type(exc).__mro__],
+            "message": str(exc),
+            "peer": getattr(exc, "peer", None),
+        }
+    else:
+        result = {"raised": None}
+    result["seconds"] = time.monotonic() - started
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])

@@ -1,0 +1,336 @@
+"""Every ProcessGroup operation of the "allreduce" backend against Gloo's answer and a closed form.
+
+One set of processes per world size runs every case on the default group (the backend) and on a Gloo group in
+the same processes, and returns both; each test checks one case: the backend's result equals the closed form,
+and Gloo's wherever Gloo takes the case (it refuses some dtypes and ops; the backend then still has to give the
+closed form).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import torch
+from allreduce.runtime._spawn import spawn
+
+WORLD_SIZES = [2, 3]
+
+Case = Callable[[Any, int, int], Any]
+
+
+def _value(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input: n distinct small values that exercise the op (bits for the bitwise ones)."""
+    if dtype == torch.bool:
+        return torch.tensor([(i + rank) % 2 == 0 or i % 3 == 0 for i in range(n)])
+    base = torch.arange(n, dtype=torch.int64) * 3 + rank * 5 + 1
+    if dtype in (torch.uint16, torch.uint32, torch.uint64):
+        base = base + (1 << 15) * (rank % 2)  # beyond the signed range of the narrowest: order must still hold
+    return base.to(dtype)
+
+
+def _all_reduce(op_name: str, dtype: torch.dtype) -> Case:
+    def run(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        t = _value(rank, 7, dtype)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op_name), group=group)
+        return t
+
+    return run
+
+
+def _closed_all_reduce(op_name: str, dtype: torch.dtype, world_size: int) -> torch.Tensor:
+    """Element by element in Python integers (torch has no arithmetic for uint16/32/64 on CPU)."""
+    columns = list(zip(*(_value(r, 7, dtype).tolist() for r in range(world_size)), strict=True))
+    if dtype == torch.bool:
+        folds = {"SUM": operator.or_, "MAX": operator.or_, "BOR": operator.or_, "PRODUCT": operator.and_}
+        folds |= {"MIN": operator.and_, "BAND": operator.and_, "BXOR": operator.xor}
+        return torch.tensor([functools.reduce(folds[op_name], c) for c in columns])
+    bits = torch.iinfo(dtype).bits if not dtype.is_floating_point else 0
+    folds = {"SUM": operator.add, "PRODUCT": operator.mul, "BAND": operator.and_, "MIN": min, "MAX": max}
+    folds |= {"BOR": operator.or_, "BXOR": operator.xor}
+    values = [functools.reduce(folds[op_name], c) for c in columns]
+    if bits and not torch.iinfo(dtype).min:  # unsigned: wraps modulo 2^bits
+        values = [v % (1 << bits) for v in values]
+    return torch.tensor(values, dtype=dtype)
+
+
+REDUCE_CASES = [
+    *(("SUM", d) for d in (torch.float32, torch.int64, torch.bool, torch.uint16, torch.uint32, torch.uint64)),
+    *(("MIN", d) for d in (torch.int32, torch.bool, torch.uint16, torch.uint32, torch.uint64)),
+    *(("MAX", d) for d in (torch.int8, torch.bool, torch.uint32, torch.uint64)),
+    ("PRODUCT", torch.int64),
+    ("PRODUCT", torch.bool),
+    *(("BAND", d) for d in (torch.int64, torch.uint8, torch.bool)),
+    *(("BOR", d) for d in (torch.int32, torch.bool)),
+    *(("BXOR", d) for d in (torch.int16, torch.int64, torch.bool)),
+]
+
+
+def _collectives() -> dict[str, tuple[Case, Callable[[int, int], Any]]]:
+    """name -> (what each rank runs, the closed form of rank r's result at world size N)."""
+    cases: dict[str, tuple[Case, Callable[[int, int], Any]]] = {}
+    for op_name, dtype in REDUCE_CASES:
+        cases[f"all_reduce {op_name} {dtype}"] = (
+            _all_reduce(op_name, dtype),
+            lambda r, n, op_name=op_name, dtype=dtype: _closed_all_reduce(op_name, dtype, n),
+        )
+
+    def broadcast_bool(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        t = _value(rank, 5, torch.bool)
+        dist.broadcast(t, src=world_size - 1, group=group)
+        return t
+
+    cases["broadcast bool"] = (broadcast_bool, lambda r, n: _value(n - 1, 5, torch.bool))
+
+    def reduce(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        t = _value(rank, 4, torch.int64)
+        dist.reduce(t, dst=1, group=group)
+        return t
+
+    cases["reduce to rank 1"] = (
+        reduce,
+        lambda r, n: sum(_value(q, 4, torch.int64) for q in range(n)) if r == 1 else _value(r, 4, torch.int64),
+    )
+
+    def gather(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        out = [torch.zeros(3, dtype=torch.int64) for _ in range(world_size)] if rank == 0 else None
+        dist.gather(_value(rank, 3, torch.int64), out, dst=0, group=group)
+        return torch.stack(out) if out is not None else None
+
+    cases["gather to rank 0"] = (
+        gather,
+        lambda r, n: torch.stack([_value(q, 3, torch.int64) for q in range(n)]) if r == 0 else None,
+    )
+
+    def scatter(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        out = torch.zeros(2, 2)
+        chunks = [torch.full((2, 2), 10.0 * q + 1) for q in range(world_size)] if rank == world_size - 1 else None
+        dist.scatter(out, chunks, src=world_size - 1, group=group)
+        return out
+
+    cases["scatter from the last rank"] = (scatter, lambda r, n: torch.full((2, 2), 10.0 * r + 1))
+
+    def all_to_all_single(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        local = torch.arange(world_size * 2, dtype=torch.float32) + 100 * rank
+        out = torch.zeros(world_size * 2)
+        dist.all_to_all_single(out, local, group=group)
+        return out
+
+    cases["all_to_all_single, even splits"] = (
+        all_to_all_single,
+        lambda r, n: torch.cat([torch.arange(2 * r, 2 * r + 2, dtype=torch.float32) + 100 * q for q in range(n)]),
+    )
+
+    def all_to_all_uneven(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        # rank q sends q + d + 1 rows of 2 to rank d
+        send = [rank + d + 1 for d in range(world_size)]
+        recv = [q + rank + 1 for q in range(world_size)]
+        local = torch.arange(sum(send) * 2, dtype=torch.int64).view(-1, 2) + 1000 * rank
+        out = torch.zeros(sum(recv), 2, dtype=torch.int64)
+        dist.all_to_all_single(out, local, recv, send, group=group)
+        return out
+
+    def uneven_expected(r: int, n: int) -> torch.Tensor:
+        pieces = []
+        for q in range(n):
+            send = [q + d + 1 for d in range(n)]
+            local = torch.arange(sum(send) * 2, dtype=torch.int64).view(-1, 2) + 1000 * q
+            start = sum(send[:r])
+            pieces.append(local[start : start + send[r]])
+        return torch.cat(pieces)
+
+    cases["all_to_all_single, uneven splits"] = (all_to_all_uneven, uneven_expected)
+
+    def all_to_all(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        inputs = [torch.full((d + 1,), rank * 10.0 + d) for d in range(world_size)]
+        outputs = [torch.zeros(rank + 1) for _ in range(world_size)]
+        dist.all_to_all(outputs, inputs, group=group)
+        return torch.cat(outputs)
+
+    cases["all_to_all"] = (all_to_all, lambda r, n: torch.cat([torch.full((r + 1,), q * 10.0 + r) for q in range(n)]))
+
+    def coalesced(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        tensors = [_value(rank, 3, torch.int64), _value(rank, 5, torch.int64)]
+        with dist._coalescing_manager(group=group):
+            for t in tensors:
+                dist.all_reduce(t, group=group)
+        return tensors
+
+    cases["all_reduce under _coalescing_manager"] = (
+        coalesced,
+        lambda r, n: [
+            sum(_value(q, 3, torch.int64) for q in range(n)),
+            sum(_value(q, 5, torch.int64) for q in range(n)),
+        ],
+    )
+
+    def objects(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        got = [None] * world_size if rank == 0 else None
+        dist.gather_object({"rank": rank}, got, dst=0, group=group)
+        return got
+
+    def ddp_bool_buffer(group: Any, rank: int, world_size: int) -> Any:
+        from torch import nn
+
+        torch.manual_seed(rank)  # different on every rank: DDP's broadcast makes them rank 0's
+        model = nn.Linear(3, 1)
+        model.register_buffer("mask", torch.tensor([rank % 2 == 0, rank == 1]))
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        ddp(torch.ones(2, 3) * (rank + 1)).sum().backward()
+        return [model.mask.clone(), model.weight.grad.clone()]
+
+    def ddp_expected(r: int, n: int) -> Any:
+        # d(sum(w x + b))/dw over 2 rows of (q + 1): 2 (q + 1) per element, averaged over the ranks
+        return [torch.tensor([True, False]), torch.full((1, 3), float(sum(2 * (q + 1) for q in range(n))) / n)]
+
+    cases["DDP of a model with a bool buffer"] = (ddp_bool_buffer, ddp_expected)
+
+    cases["gather_object"] = (objects, lambda r, n: [{"rank": q} for q in range(n)] if r == 0 else None)
+    return cases
+
+
+CASES = _collectives()
+# torch leaves a reduce's result on other ranks than the root unspecified: Gloo leaves partial sums there.
+ROOT_ONLY = {"reduce to rank 1": 1}
+
+
+def _wait_with_a_timeout(rank: int) -> Any:
+    """Rank 0 waits 0.2 s for an all-reduce that the others call 1.5 s late, then waits without a limit."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank != 0:
+        time.sleep(1.5)
+    t = torch.ones(4)
+    work = dist.all_reduce(t, async_op=True)
+    early = None
+    if rank == 0:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=0.2))
+        except dist.DistBackendError as exc:
+            early = str(exc)
+    work.wait()
+    return {"early": early, "result": t.tolist()}
+
+
+def _profiled_names() -> list[str]:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(torch.ones(1024))
+        dist.broadcast(torch.ones(16, dtype=torch.float64), src=0)
+    return [event.name for event in prof.events() if event.name.startswith("allreduce.")]
+
+
+def _worker() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import allreduce.torch  # noqa: F401
+
+    dist.init_process_group("allreduce")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {}
+    for name, (run, _) in CASES.items():
+        for backend, group in (("allreduce", None), ("gloo", gloo)):
+            try:
+                out[f"{backend}: {name}"] = ("ok", _portable(run(group, rank, world_size)))
+            except Exception as exc:  # compared below: Gloo refuses some cases
+                out[f"{backend}: {name}"] = ("raised", f"{type(exc).__name__}: {exc}")
+    out["wait timeout"] = _wait_with_a_timeout(rank)
+    out["profiled"] = _profiled_names()
+    try:
+        dist.send(torch.ones(1), dst=(rank + 1) % world_size)
+    except NotImplementedError as exc:
+        out["send refused"] = str(exc)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES)
+def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    world_size: int = request.param
+    return world_size, spawn(world_size, _worker, group=False, timeout_s=240, env={"OMP_NUM_THREADS": "1"})
+
+
+def _portable(x: Any) -> Any:
+    """``x`` with every tensor as (dtype, shape, values): torch cannot unpickle uint16/32/64 tensors."""
+    if isinstance(x, list):
+        return [_portable(item) for item in x]
+    if isinstance(x, torch.Tensor):
+        return (str(x.dtype), tuple(x.shape), x.tolist())
+    return x
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_backend_gives_the_closed_form_and_gloos_answer(
+    results: tuple[int, list[dict[str, Any]]], case: str
+) -> None:
+    world_size, per_rank = results
+    closed_form = CASES[case][1]
+    for rank, out in enumerate(per_rank):
+        status, got = out[f"allreduce: {case}"]
+        assert status == "ok", f"rank {rank}: {got}"
+        expected = _portable(closed_form(rank, world_size))
+        assert got == expected, f"rank {rank}: {got} != {expected}"
+        gloo_status, gloo_got = out[f"gloo: {case}"]
+        if gloo_status == "ok" and ROOT_ONLY.get(case, rank) == rank:
+            assert got == gloo_got, f"rank {rank}: {got} != Gloo's {gloo_got}"
+
+
+@pytest.mark.slow
+def test_an_operation_the_backend_lacks_raises_naming_it(results: tuple[int, list[dict[str, Any]]]) -> None:
+    _, per_rank = results
+    for out in per_rank:
+        assert "does not implement send" in out["send refused"]
+
+
+@pytest.mark.slow
+def test_wait_with_a_timeout_raises_while_the_call_goes_on(results: tuple[int, list[dict[str, Any]]]) -> None:
+    world_size, per_rank = results
+    assert "has not finished within wait(timeout=0.2 s)" in per_rank[0]["wait timeout"]["early"]
+    for out in per_rank:
+        assert out["wait timeout"]["result"] == [float(world_size)] * 4
+
+
+@pytest.mark.slow
+def test_the_profiler_records_every_call_with_its_size_algorithm_and_ranks(
+    results: tuple[int, list[dict[str, Any]]],
+) -> None:
+    world_size, per_rank = results
+    for out in per_rank:
+        all_reduce, broadcast = out["profiled"]
+        assert all_reduce.startswith("allreduce.all_reduce 4096 B ")
+        assert all_reduce.endswith(f" {world_size} ranks")
+        assert all_reduce.split()[3] != "-", all_reduce  # the algorithm auto picked
+        assert broadcast.startswith("allreduce.broadcast 128 B ")
