@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from allreduce.emulate._layout import Layout, _hops_to
+from allreduce.emulate._loss import read_counters
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
 from allreduce.runtime.tcp import CONGESTION_ENV, congestion_control
@@ -118,6 +119,8 @@ class Measurement:
     bottleneck_agrees: bool  # the simulator's bottleneck is (one of) the busiest links by the counters
     dropped: tuple[tuple[str, int, int], ...] = ()  # (link, packets sent, packets dropped) where a queue dropped
     predicted_tail_s: tuple[float, float] | None = None  # (p50, p99) of the tail model at the measured loss
+    # per TCP stack of the tail model: (stack, (p50, p90, p99, max)) at the measured loss
+    predicted_tails: tuple[tuple[str, tuple[float, float, float, float]], ...] = ()
 
     @property
     def median_s(self) -> float:
@@ -306,16 +309,28 @@ def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: li
     return results
 
 
+TAIL_STACKS = ("linux", "rfc6298")
+"""The tail model's TCP stacks shown beside a measurement with loss: Linux's recovery, and the RFC 6298 model."""
+
+
+Tails = tuple[tuple[str, tuple[float, float, float, float]], ...]
+
+
 def _tail(schedule: Schedule, model: Topology, size: int, *, rank_gpu: list[int], routing: PathTable | None,
-          dropped: tuple[tuple[str, int, int], ...]) -> tuple[float, float] | None:  # fmt: skip
-    """The tail model's (p50, p99) at the loss rates the queues showed (None where nothing was dropped)."""
+          dropped: tuple[tuple[str, int, int], ...]) -> Tails:  # fmt: skip
+    """Per stack of :data:`TAIL_STACKS`, the tail model's (p50, p90, p99, max) at the loss rates the counters
+    showed (nothing where nothing was dropped)."""
     if not dropped:
-        return None
+        return ()
     links = tuple((name, drops / (sent + drops)) for name, sent, drops in dropped)
-    config = TailConfig(samples=TAIL_SAMPLES, seed=0, loss=LossModel(fabric="tcp", links=links))
-    result = simulate_tail(schedule, model, size_bytes=float(size), config=config, placement=rank_gpu, routing=routing)
-    values = result.collective_s
-    return float(np.percentile(values, 50)), float(np.percentile(values, 99))
+    out = []
+    for stack in TAIL_STACKS:
+        config = TailConfig(samples=TAIL_SAMPLES, seed=0, loss=LossModel(fabric="tcp", links=links, tcp=stack))
+        result = simulate_tail(schedule, model, size_bytes=float(size), config=config, placement=rank_gpu,
+                               routing=routing)  # fmt: skip
+        p50, p90, p99 = (float(v) for v in np.percentile(result.collective_s, [50, 90, 99]))
+        out.append((stack, (p50, p90, p99, float(result.collective_s.max()))))
+    return tuple(out)
 
 
 def run(
@@ -329,9 +344,11 @@ def run(
     seed: int = 0,
     timeout_s: float = 120.0,
     congestion: str = DEFAULT_CONGESTION,
+    lossy_links: Sequence[int] = (),
 ) -> RunResult:
     """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator.
-    ``congestion``: the TCP congestion control of the ranks' data connections (``"default"``: the kernel's)."""
+    ``congestion``: the TCP congestion control of the ranks' data connections (``"default"``: the kernel's);
+    ``lossy_links``: the links that drop packets by the firewall's rules (their counters are read)."""
     if congestion != "default":
         congestion_control(congestion)  # ValueError naming what this kernel has, before anything starts
     topology = layout.topology
@@ -346,9 +363,15 @@ def run(
     rows = []
     for size in sizes:
         before, retrans_before, queues_before = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
+        injected_before = read_counters(layout, list(lossy_links)) if lossy_links else {}
         results = _run_ranks(layout, rank_gpu, algorithm=algorithm, sizes=[size], reps=reps, timeout_s=timeout_s,
                               congestion=congestion)  # fmt: skip
         after, retrans_after, queues_after = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
+        # A lossy link's firewall counts the TCP packets that reached its far end and those it dropped there.
+        injected = {
+            link: (arrived - injected_before[link][0], drops - injected_before[link][1])
+            for link, (arrived, drops) in (read_counters(layout, list(lossy_links)) if lossy_links else {}).items()
+        }
         dropped = tuple(
             (
                 topology.link_name(link),
@@ -356,7 +379,15 @@ def run(
                 drops - queues_before.get(link, (0, 0))[1],
             )
             for link, (sent, drops) in sorted(queues_after.items())
-            if drops > queues_before.get(link, (0, 0))[1]
+            if drops > queues_before.get(link, (0, 0))[1] and link not in injected
+        ) + tuple(
+            (
+                topology.link_name(link),
+                arrived - firewall,
+                firewall + queues_after.get(link, (0, 0))[1] - queues_before.get(link, (0, 0))[1],
+            )
+            for link, (arrived, firewall) in sorted(injected.items())
+            if firewall > 0 or queues_after.get(link, (0, 0))[1] > queues_before.get(link, (0, 0))[1]
         )
         slowest = tuple(max(r["times_s"][str(size)][k] for r in results) for k in range(reps))
         sent = {link: after.get(link, 0) - before.get(link, 0) for link in after}
@@ -381,6 +412,11 @@ def run(
         times = [c.seconds for c in candidates]
         bottleneck = predicted.bottlenecks[0] if predicted.bottlenecks else None
         agrees = bottleneck is not None and busy.get(bottleneck.link, 0.0) >= (1 - BUSY_TIE) * busy[busiest]
+        tails = (
+            _tail(schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped)
+            if reps >= TAIL_MIN_REPS
+            else ()
+        )
         rows.append(
             Measurement(
                 size_bytes=size,
@@ -395,11 +431,8 @@ def run(
                 paths=paths,
                 bottleneck_agrees=agrees,
                 dropped=dropped,
-                predicted_tail_s=(
-                    _tail(schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped)
-                    if reps >= TAIL_MIN_REPS
-                    else None
-                ),
+                predicted_tail_s=(tails[0][1][0], tails[0][1][2]) if tails else None,
+                predicted_tails=tails,
             )
         )
     return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows), congestion)
