@@ -163,7 +163,11 @@ class EmulationSpec:
         if self.loss_all is not None:
             out = dict.fromkeys(range(built.topology.num_links), self.loss_all)
         for link, spec in self.loss:
-            for index in resolve_links(built.topology, link):
+            try:
+                indices = resolve_links(built.topology, link)
+            except ValueError as exc:
+                raise ValueError(f"--loss {link}: {exc}") from None
+            for index in indices:
                 out[index] = spec
         return out
 

@@ -22,11 +22,12 @@ cannot be read (two connections between one pair of hosts hashed apart), the fal
 :data:`ECMP_SEEDS` hash seeds by per-link bytes, and the row says so. The range over all seeds is reported too:
 it is what ECMP luck alone can do to this collective.
 
-Loss: every shaped link's queue counts the packets it sent and dropped (``tc -s qdisc``). Where a queue dropped
-packets (a shallow ``--queue``: a congested port), the loss rate per link is dropped / (sent + dropped), and with
-at least :data:`TAIL_MIN_REPS` repetitions the row also carries the tail model's p50 and p99
-(:func:`allreduce.sim.simulate_tail`, TCP: fast retransmit costs a round trip, a tail loss the 200 ms minimum
-retransmission timeout of Linux) for exactly those link loss rates, beside the measured percentiles.
+Loss: every shaped link's queue counts the packets it sent and dropped (``tc -s qdisc``), and a link made lossy
+(``lossy_links``) the TCP packets that reached its far end and those its firewall rule dropped there. Where
+packets were dropped (a shallow ``--queue``: a congested port; ``--loss``), the loss rate per link is dropped /
+(sent + dropped), and with at least :data:`TAIL_MIN_REPS` repetitions the row also carries the tail model's
+p50, p90, p99 and max (:func:`allreduce.sim.simulate_tail`) for the TCP stacks of :data:`TAIL_STACKS` at exactly
+those link loss rates, beside the measured percentiles.
 
 Congestion control: the ranks' data connections use ``congestion`` (default :data:`DEFAULT_CONGESTION`, stock
 Linux's; ``"default"`` keeps the kernel's, BBR on some machines). BBR estimates the bottleneck's rate from the
