@@ -43,6 +43,7 @@ CASES = (
     Case("one link 1e-3", f"{ONE_LINK}=1e-3", 256 << 10),
     Case("every link 1e-3", "1e-3", 256 << 10),
     Case("one link 1e-2", f"{ONE_LINK}=1e-2", 256 << 10),
+    Case("every link 3e-3", "3e-3", 256 << 10),
     Case("every link 1e-2", "1e-2", 256 << 10),
     Case("one link ge 1e-3 x4", f"{ONE_LINK}=ge:p=1e-3,burst=4", 256 << 10),
     Case("every link 1e-3", "1e-3", 1 << 20),

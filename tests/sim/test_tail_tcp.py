@@ -215,3 +215,16 @@ def test_linux_charges_a_mid_collective_tail_loss_far_less_than_rfc6298() -> Non
         return float(np.percentile(result.collective_s, 99) - result.baseline_s)
 
     assert p99("linux") < p99("rfc6298") / 5
+
+
+def test_simulate_tail_refuses_a_loss_no_stack_recovers_from() -> None:
+    topology = parse_topology("clos:leaves=2,spines=1,hosts_per_leaf=2")
+    config = TailConfig(samples=10, loss=LossModel(0.7, fabric="tcp", tcp="linux"))
+    with pytest.raises(ValueError, match="too lossy to recover from"):
+        simulate_tail(all_reduce("ring", 4), topology, size_bytes=2**20, config=config)
+
+
+def test_simulate_tail_refuses_samples_beyond_its_memory_limit() -> None:
+    topology = parse_topology("clos:leaves=2,spines=1,hosts_per_leaf=2")
+    with pytest.raises(ValueError, match="GiB"):
+        simulate_tail(all_reduce("ring", 4), topology, size_bytes=2**20, config=TailConfig(samples=10**9))
