@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,26 @@ def test_the_tcp_stack_and_its_settings_are_printed(capsys: pytest.CaptureFixtur
     line = next(line for line in out.splitlines() if line.startswith("tcp stack "))
     assert stack in line
     assert says in line
+
+
+def test_json_names_the_tcp_stack_and_its_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys,
+        "-t",
+        TOPOLOGY,
+        "--size",
+        "256KiB",
+        "--loss",
+        "1e-4",
+        "--fabric",
+        "tcp",
+        "--tcp",
+        "tuned",
+        "-k",
+        "20",
+        "--json",
+    )
+    assert code == 0, err
+    tcp = json.loads(out)["tcp"]
+    assert tcp["stack"] == "tuned"
+    assert "rto_min 5 ms" in tcp["settings"]
