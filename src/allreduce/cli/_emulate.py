@@ -10,6 +10,7 @@ from allreduce.cli._main import CLIError
 from allreduce.emulate import (
     BURST_NOTE_SHARE,
     DEFAULT_CONGESTION,
+    DEFAULT_LOSS_RATE_BPS,
     DEFAULT_NAME,
     DEFAULT_RATE_BPS,
     MAX_HOSTS,
@@ -17,6 +18,7 @@ from allreduce.emulate import (
     TAIL_MIN_REPS,
     EmulationError,
     EmulationSpec,
+    LossSpec,
     RunResult,
     build,
     check_privileges,
@@ -70,8 +72,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         )
         q.add_argument(
             "--rate",
-            default=f"{DEFAULT_RATE_BPS / 1e6:g}Mbps",
-            help="shaped rate of the fastest host link (default %(default)s); every link keeps its ratio to it",
+            help=f"shaped rate of the fastest host link (default {DEFAULT_RATE_BPS / 1e6:g}Mbps, "
+            f"{DEFAULT_LOSS_RATE_BPS / 1e6:g}Mbps with --loss/--loss-all: one-MSS packets cost more CPU); every "
+            "link keeps its ratio to it",
         )
         q.add_argument(
             "--degrade", action="append", default=[], metavar="LINK=FACTOR", help="run LINK at FACTOR x its rate"
@@ -83,6 +86,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             metavar="LINK=BYTES",
             help="a shallow queue on LINK (e.g. 'leaf0->spine0=64KiB'): a congested port that drops packets",
         )
+        q.add_argument(
+            "--loss",
+            action="append",
+            default=[],
+            metavar="LINK=P",
+            help="LINK drops TCP packets with probability P ('leaf0->spine0=1e-3'; 'a<->b' both directions), or in "
+            "bursts: 'LINK=ge:p=1e-3,burst=4' (Gilbert-Elliott, mean burst 4 packets)",
+        )
+        q.add_argument("--loss-all", metavar="P", help="every link direction drops TCP packets: P or ge:p=P,burst=B")
 
     up = verbs.add_parser("up", help="build the emulated cluster and leave it up")
     spec_arguments(up, required=True)
@@ -138,13 +150,34 @@ def _placement(text: str) -> str | list[int]:
 
 
 def _spec(args: argparse.Namespace) -> EmulationSpec:
-    rate = parse_bandwidth(args.rate, what="--rate")
+    lossy = bool(args.loss or args.loss_all)
+    if args.rate is not None:
+        rate = parse_bandwidth(args.rate, what="--rate")
+    else:
+        rate = (DEFAULT_LOSS_RATE_BPS if lossy else DEFAULT_RATE_BPS) / 8
     degrade = _pairs(args.degrade, "--degrade", float)
     queue = tuple((link, int(b)) for link, b in _pairs(args.queue, "--queue", int))
-    return EmulationSpec(args.topology, name=args.name, rate_bps=rate * 8, degrade=degrade, queue=queue)
+    loss = []
+    for text in args.loss:
+        link, sep, value = text.partition("=")
+        if not sep or not link.strip():
+            raise CLIError(f"--loss {text!r}: write it as LINK=P or LINK=ge:p=P,burst=B, e.g. 'leaf0->spine0=1e-3'")
+        loss.append((link.strip(), LossSpec.parse(value, what=f"--loss {link.strip()}")))
+    loss_all = LossSpec.parse(args.loss_all, what="--loss-all") if args.loss_all else None
+    return EmulationSpec(
+        args.topology,
+        name=args.name,
+        rate_bps=rate * 8,
+        degrade=degrade,
+        queue=queue,
+        loss=tuple(loss),
+        loss_all=loss_all,
+    )
 
 
 def _format(result: RunResult, spec: EmulationSpec) -> str:
+    built = spec.layout()
+    asked_loss = {built.topology.link_name(link): loss.describe() for link, loss in spec.losses(built).items()}
     lines = [
         f"{spec.topology}: {len(result.placement)} ranks, {result.algorithm}, fastest host link "
         f"{format_bandwidth(result.rate_bps / 8)}, one hop {format_seconds(result.hop_latency_s)} (UDP echo), TCP "
@@ -173,14 +206,15 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
                 "retransmitted segments)"
             )
             for link, sent, drops in row.dropped:
+                asked = f", asked {asked_loss[link]}" if link in asked_loss else ""
                 lines.append(
-                    f"{'':>9}  {link} dropped {drops:,} of {sent + drops:,} packets ({drops / (sent + drops):.2e})"
+                    f"{'':>9}  {link} dropped {drops:,} of {sent + drops:,} packets ({drops / (sent + drops):.2e}"
+                    f"{asked})"
                 )
-            if row.predicted_tail_s is not None:
-                p50, p99 = row.predicted_tail_s
+            for stack, (p50, p90, p99, most) in row.predicted_tails:
                 lines.append(
-                    f"{'':>9}  the tail model at those loss rates (TCP, RTO 200 ms): p50 {format_seconds(p50)}  "
-                    f"p99 {format_seconds(p99)}"
+                    f"{'':>9}  the tail model at those rates (TCP {stack:<7}): p50 {format_seconds(p50)}  p90 "
+                    f"{format_seconds(p90)}  p99 {format_seconds(p99)}  max {format_seconds(most)}"
                 )
     if any(row.burst_bound for row in result.rows):
         lines.append(
@@ -205,10 +239,14 @@ def _main(args: argparse.Namespace) -> int:
             return 0
         check_privileges()
         if args.verb == "up":
-            built = build(_spec(args))
+            spec = _spec(args)
+            built = build(spec)
+            lossy = spec.losses(built)
             print(
                 f"emulation {args.name!r} is up: {built.num_hosts} hosts, {len(built.namespaces)} namespaces, "
-                f"{len(built.cables)} cables; remove it with `allreduce emulate down --name {args.name}`"
+                f"{len(built.cables)} cables"
+                + (f", {len(lossy)} link directions dropping TCP packets" if lossy else "")
+                + f"; remove it with `allreduce emulate down --name {args.name}`"
             )
             return 0
         if args.verb == "down":
@@ -224,11 +262,14 @@ def _main(args: argparse.Namespace) -> int:
             spec = _spec(args)
             with running(spec) as built:
                 result = run(built, algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
-                             placement=placement, seed=args.seed, congestion=args.congestion)  # fmt: skip
+                             placement=placement, seed=args.seed, congestion=args.congestion,
+                             lossy_links=sorted(spec.losses(built)))  # fmt: skip
         else:
             spec = load(args.name)
-            result = run(spec.layout(), algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
-                         placement=placement, seed=args.seed, congestion=args.congestion)  # fmt: skip
+            built = spec.layout()
+            result = run(built, algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
+                         placement=placement, seed=args.seed, congestion=args.congestion,
+                         lossy_links=sorted(spec.losses(built)))  # fmt: skip
     except EmulationError as exc:
         raise CLIError(str(exc)) from None
     if args.json:

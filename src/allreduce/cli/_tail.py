@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import math
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,16 @@ import numpy.typing as npt
 from allreduce.cli._args import add_algorithm_argument, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
-from allreduce.sim import AUTO_EXACT_MAX_RANKS, EVENT_MAX_TRANSFERS, TailConfig, TailResult
+from allreduce.sim import (
+    AUTO_EXACT_MAX_RANKS,
+    DISTRIBUTIONS,
+    EVENT_MAX_TRANSFERS,
+    TAIL_MEMORY_LIMIT_BYTES,
+    TCP_STACKS,
+    TailConfig,
+    TailResult,
+    tail_memory_bytes,
+)
 from allreduce.topology import Topology
 from allreduce.units import NOT_A_NUMBER, format_bytes, format_seconds, parse_bytes
 
@@ -23,6 +35,11 @@ __all__ = ["demo_section", "register", "run"]
 # Bars of the text histogram, and its width in characters.
 HISTOGRAM_BINS = 12
 HISTOGRAM_WIDTH = 40
+# What a DIST argument may be, for --help.
+_KINDS = (
+    f"KIND:PARAMETERS with KIND one of {', '.join(DISTRIBUTIONS)} (constant:1ms, exponential:mean=1ms, "
+    "lognormal:median=1ms,p99=5ms, uniform:low=0,high=2ms, empirical:FILE.csv) or a bare time"
+)
 # Runs with more (ranks x steps x samples) than this show a progress bar on a terminal.
 PROGRESS_MIN_WORK = 10**8
 
@@ -51,27 +68,69 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--size", required=True, help="bytes per rank: 64MiB, 1GiB")
     add_algorithm_argument(p, default="ring")
     p.add_argument("--group-size", type=positive_int("--group-size"), help="ranks per node for hierarchical")
-    p.add_argument("--chunks", type=positive_int("--chunks"), default=8, help="pipeline chunks of double_binary_tree")
+    p.add_argument(
+        "--chunks",
+        type=positive_int("--chunks"),
+        default=8,
+        help="pipeline chunks of double_binary_tree (default %(default)s)",
+    )
     p.add_argument("--placement", default="linear", help="linear (default), random, or a FILE of GPU indices")
     p.add_argument(
         "--routing", choices=("ecmp", "spray", "shortest", "dimension_order"), help="default: the topology's"
     )
-    p.add_argument("--seed", type=non_negative_int("--seed"), default=0, help="seed of the samples, placement, ECMP")
-    p.add_argument("--samples", "-k", type=positive_int("--samples"), default=1000, help="Monte Carlo samples")
-    p.add_argument("--loss", default="0", metavar="P", help="probability that a link drops a packet (e.g. 1e-6)")
+    p.add_argument(
+        "--seed",
+        type=non_negative_int("--seed"),
+        default=0,
+        help="seed of the samples, placement, ECMP (default %(default)s)",
+    )
+    p.add_argument(
+        "--samples",
+        "-k",
+        type=_count("--samples"),
+        default=1000,
+        help=f"Monte Carlo samples (default %(default)s; at most what fits {TAIL_MEMORY_LIMIT_BYTES / 2**30:g} GiB)",
+    )
+    p.add_argument(
+        "--loss",
+        default="0",
+        metavar="P",
+        help="probability that a link drops a packet, e.g. 1e-6 (default %(default)s)",
+    )
     p.add_argument("--loss-link", action="append", default=[], metavar="LINK=P", help="loss probability of one link")
     p.add_argument("--fabric", choices=("roce", "tcp"), default="roce", help="retransmission model (default roce)")
+    p.add_argument(
+        "--tcp",
+        choices=tuple(TCP_STACKS),
+        default="linux",
+        help="TCP stack (default %(default)s: RACK-TLP, rto_min 200ms, HZ=250; tuned: rto_min 5ms, HZ=1000; "
+        "rfc6298: 3 duplicate ACKs or the RTO, no probe); its settings are printed",
+    )
     p.add_argument("--mtu", help="packet size (default 4KiB for roce, 1500 for tcp)")
-    p.add_argument("--rto", help="retransmission timeout (default 200ms for tcp, 4.096us*2^20 for roce)")
-    p.add_argument("--jitter-link", metavar="DIST", help="extra latency per transfer, e.g. exponential:mean=2us")
-    p.add_argument("--jitter-rank", metavar="DIST", help="compute jitter: when each rank arrives, e.g. lognormal:...")
+    p.add_argument(
+        "--rto",
+        help="retransmission timeout (roce: default 4.096us*2^20; tcp rfc6298: default 200ms) or, for the tcp "
+        "stacks linux and tuned, their minimum RTO (rto_min: 200ms, 5ms)",
+    )
+    p.add_argument(
+        "--no-agreement",
+        action="store_true",
+        help="tcp: do not charge losses of the runtime's agreement messages that start every collective",
+    )
+    p.add_argument("--jitter-link", metavar="DIST", help=f"extra latency per transfer: {_KINDS}")
+    p.add_argument("--jitter-rank", metavar="DIST", help=f"compute jitter, when each rank arrives: {_KINDS}")
     p.add_argument("--link-down", action="append", default=[], metavar="LINK@T+D", help="LINK down at T for D")
     p.add_argument("--flap", action="append", default=[], metavar="LINK@T/PERIOD*DUTY", help="LINK flapping from T")
     p.add_argument("--degrade-at", action="append", default=[], metavar="LINK@T=FACTOR", help="LINK slower from T")
     p.add_argument("--degrade", action="append", default=[], metavar="LINK=FACTOR", help="LINK at FACTOR throughout")
     p.add_argument("--fail", action="append", default=[], metavar="LINK", help="remove LINK throughout")
     p.add_argument("--slow-rank", action="append", default=[], metavar="R=SECONDS", help="SECONDS more per step")
-    p.add_argument("--ecmp-seeds", type=non_negative_int("--ecmp-seeds"), default=0, help="ECMP hash seeds to draw")
+    p.add_argument(
+        "--ecmp-seeds",
+        type=non_negative_int("--ecmp-seeds"),
+        default=0,
+        help="ECMP hash seeds to draw (default %(default)s: the run's one seed)",
+    )
     p.add_argument(
         "--engine",
         choices=("auto", "fast", "event"),
@@ -86,6 +145,35 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--csv", metavar="FILE", help="write every sample to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write the step-time CDF to FILE.png (needs matplotlib)")
     p.set_defaults(handler=run)
+
+
+def _count(name: str) -> Callable[[str], int]:
+    """An argparse type for a count >= 1, written as a whole number or in exponent form (``1e6``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}") from None
+        if not (math.isfinite(value) and value == int(value)):
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}")
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {text}")
+        return int(value)
+
+    return parse
+
+
+def _check_output(flag: str, path: str) -> None:
+    """Refuse an output path that cannot be written, before any simulation runs."""
+    target = Path(path)
+    if target.is_dir():
+        raise CLIError(f"{flag} {path}: is a directory")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise CLIError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise CLIError(f"{flag} {path}: not writable")
 
 
 def _probability(text: str, what: str) -> float:
@@ -113,7 +201,15 @@ def _config(args: argparse.Namespace, topology: Topology) -> TailConfig:
     rto = parse_time(args.rto, what="--rto") if args.rto else None
     if rto is not None and rto <= 0:
         raise CLIError(f"--rto {args.rto!r}: must be > 0")
-    loss = LossModel(_probability(args.loss, "--loss"), args.fabric, mtu, rto, tuple(links))
+    loss = LossModel(
+        _probability(args.loss, "--loss"),
+        args.fabric,
+        mtu,
+        rto,
+        tuple(links),
+        tcp=args.tcp,
+        agreement=not args.no_agreement,
+    )
     try:
         link_jitter = parse_distribution(args.jitter_link) if args.jitter_link else None
         rank_jitter = parse_distribution(args.jitter_rank) if args.jitter_rank else None
@@ -273,10 +369,24 @@ def run(args: argparse.Namespace) -> int:
     from allreduce.sim import simulate_tail
     from allreduce.topology import parse_topology
 
+    if args.csv:
+        _check_output("--csv", args.csv)
+    if args.plot:
+        _check_output("--plot", args.plot)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CLIError(f"--plot {args.plot}: needs matplotlib (pip install matplotlib)")
     topology = parse_topology(args.topology)
     world_size = args.ranks if args.ranks is not None else topology.num_gpus
     if world_size > topology.num_gpus:
         raise CLIError(f"--ranks {world_size}: {topology.name} has only {topology.num_gpus} GPUs")
+    need = tail_memory_bytes(world_size, args.samples)
+    if need > TAIL_MEMORY_LIMIT_BYTES:
+        most = TAIL_MEMORY_LIMIT_BYTES // tail_memory_bytes(world_size, 1)
+        raise CLIError(
+            f"--samples {args.samples:,}: {world_size:,} ranks x {args.samples:,} samples need about "
+            f"{need / 2**30:,.1f} GiB, over the limit of {TAIL_MEMORY_LIMIT_BYTES / 2**30:g} GiB; at most "
+            f"{most:,} samples at this size"
+        )
     size = parse_bytes(args.size, what="--size")
     if size <= 0:
         raise CLIError(f"--size must be greater than 0 bytes, got {args.size!r}")
@@ -319,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
         f"{world_size} ranks, {format_bytes(size)} per rank on {topology.name}; {args.samples} samples, "
         f"seed {args.seed}; noise: {results[0].description}"
     )
+    stack = config.loss.stack.settings() if config.loss and config.loss.fabric == "tcp" else None
     if args.plot:
         _write_plot(args.plot, results, header)
     if args.json:
@@ -330,13 +441,17 @@ def run(args: argparse.Namespace) -> int:
                     "size_bytes": size,
                     "samples": args.samples,
                     "seed": args.seed,
+                    "tcp": None if stack is None else {"stack": config.loss.tcp, "settings": stack},
                     "algorithms": [r.to_json(top=args.top) for r in results],
                     "skipped": skipped,
                 }
             )
         )
         return 0
-    lines = [header, "", "step time (arrival + all-reduce) over the samples:", *render_table(results)]
+    lines = [header]
+    if stack is not None:
+        lines.append(f"tcp stack {stack}")
+    lines += ["", "step time (arrival + all-reduce) over the samples:", *render_table(results)]
     lines += ["", *render_engines(results)]
     for r in results:
         if r.culprit.max() >= 0 or not args.no_attribution:

@@ -9,7 +9,9 @@ kernel chose for it (:func:`kernel_paths`).
 """
 
 from allreduce.emulate._layout import MAX_HOSTS, MIN_BURST_BYTES, Cable, Layout, Route, layout
+from allreduce.emulate._loss import GSO_MAX_SEGS, LossSpec, loss_commands, read_counters
 from allreduce.emulate._netns import (
+    DEFAULT_LOSS_RATE_BPS,
     DEFAULT_NAME,
     DEFAULT_QUEUE_BYTES,
     DEFAULT_RATE_BPS,
@@ -39,10 +41,12 @@ from allreduce.emulate._run import (
 __all__ = [
     "BURST_NOTE_SHARE",
     "DEFAULT_CONGESTION",
+    "DEFAULT_LOSS_RATE_BPS",
     "DEFAULT_NAME",
     "DEFAULT_QUEUE_BYTES",
     "DEFAULT_RATE_BPS",
     "GOODPUT",
+    "GSO_MAX_SEGS",
     "MAX_HOSTS",
     "MIN_BURST_BYTES",
     "STATE_DIR",
@@ -52,6 +56,7 @@ __all__ = [
     "EmulationError",
     "EmulationSpec",
     "Layout",
+    "LossSpec",
     "Measurement",
     "Route",
     "RunResult",
@@ -61,8 +66,10 @@ __all__ = [
     "kernel_paths",
     "layout",
     "load",
+    "loss_commands",
     "measure_hop_latency",
     "predicted_topology",
+    "read_counters",
     "remove",
     "run",
     "running",

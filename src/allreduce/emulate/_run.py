@@ -22,11 +22,12 @@ cannot be read (two connections between one pair of hosts hashed apart), the fal
 :data:`ECMP_SEEDS` hash seeds by per-link bytes, and the row says so. The range over all seeds is reported too:
 it is what ECMP luck alone can do to this collective.
 
-Loss: every shaped link's queue counts the packets it sent and dropped (``tc -s qdisc``). Where a queue dropped
-packets (a shallow ``--queue``: a congested port), the loss rate per link is dropped / (sent + dropped), and with
-at least :data:`TAIL_MIN_REPS` repetitions the row also carries the tail model's p50 and p99
-(:func:`allreduce.sim.simulate_tail`, TCP: fast retransmit costs a round trip, a tail loss the 200 ms minimum
-retransmission timeout of Linux) for exactly those link loss rates, beside the measured percentiles.
+Loss: every shaped link's queue counts the packets it sent and dropped (``tc -s qdisc``), and a link made lossy
+(``lossy_links``) the TCP packets that reached its far end and those its firewall rule dropped there. Where
+packets were dropped (a shallow ``--queue``: a congested port; ``--loss``), the loss rate per link is dropped /
+(sent + dropped), and with at least :data:`TAIL_MIN_REPS` repetitions the row also carries the tail model's
+p50, p90, p99 and max (:func:`allreduce.sim.simulate_tail`) for the TCP stacks of :data:`TAIL_STACKS` at exactly
+those link loss rates, beside the measured percentiles.
 
 Congestion control: the ranks' data connections use ``congestion`` (default :data:`DEFAULT_CONGESTION`, stock
 Linux's; ``"default"`` keeps the kernel's, BBR on some machines). BBR estimates the bottleneck's rate from the
@@ -61,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from allreduce.emulate._layout import MIN_BURST_BYTES, Layout, _hops_to
+from allreduce.emulate._loss import read_counters
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
 from allreduce.runtime import die_with_parent, stop_signal_handlers
@@ -130,6 +132,8 @@ class Measurement:
     bottleneck_agrees: bool  # the simulator's bottleneck is (one of) the busiest links by the counters
     dropped: tuple[tuple[str, int, int], ...] = ()  # (link, packets sent, packets dropped) where a queue dropped
     predicted_tail_s: tuple[float, float] | None = None  # (p50, p99) of the tail model at the measured loss
+    # per TCP stack of the tail model: (stack, (p50, p90, p99, max)) at the measured loss
+    predicted_tails: tuple[tuple[str, tuple[float, float, float, float]], ...] = ()
     burst_share: float = 0.0  # the links' burst over the busiest link's bytes per repetition (at most 1)
 
     @property
@@ -375,16 +379,28 @@ def _start_and_wait(layout: Layout, rank_gpu: list[int], procs: list[subprocess.
     return results
 
 
+TAIL_STACKS = ("linux", "rfc6298")
+"""The tail model's TCP stacks shown beside a measurement with loss: Linux's recovery, and the RFC 6298 model."""
+
+
+Tails = tuple[tuple[str, tuple[float, float, float, float]], ...]
+
+
 def _tail(schedule: Schedule, model: Topology, size: int, *, rank_gpu: list[int], routing: PathTable | None,
-          dropped: tuple[tuple[str, int, int], ...]) -> tuple[float, float] | None:  # fmt: skip
-    """The tail model's (p50, p99) at the loss rates the queues showed (None where nothing was dropped)."""
+          dropped: tuple[tuple[str, int, int], ...]) -> Tails:  # fmt: skip
+    """Per stack of :data:`TAIL_STACKS`, the tail model's (p50, p90, p99, max) at the loss rates the counters
+    showed (nothing where nothing was dropped)."""
     if not dropped:
-        return None
+        return ()
     links = tuple((name, drops / (sent + drops)) for name, sent, drops in dropped)
-    config = TailConfig(samples=TAIL_SAMPLES, seed=0, loss=LossModel(fabric="tcp", links=links))
-    result = simulate_tail(schedule, model, size_bytes=float(size), config=config, placement=rank_gpu, routing=routing)
-    values = result.collective_s
-    return float(np.percentile(values, 50)), float(np.percentile(values, 99))
+    out = []
+    for stack in TAIL_STACKS:
+        config = TailConfig(samples=TAIL_SAMPLES, seed=0, loss=LossModel(fabric="tcp", links=links, tcp=stack))
+        result = simulate_tail(schedule, model, size_bytes=float(size), config=config, placement=rank_gpu,
+                               routing=routing)  # fmt: skip
+        p50, p90, p99 = (float(v) for v in np.percentile(result.collective_s, [50, 90, 99]))
+        out.append((stack, (p50, p90, p99, float(result.collective_s.max()))))
+    return tuple(out)
 
 
 def run(
@@ -398,9 +414,11 @@ def run(
     seed: int = 0,
     timeout_s: float = 120.0,
     congestion: str = DEFAULT_CONGESTION,
+    lossy_links: Sequence[int] = (),
 ) -> RunResult:
     """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator.
-    ``congestion``: the TCP congestion control of the ranks' data connections (``"default"``: the kernel's)."""
+    ``congestion``: the TCP congestion control of the ranks' data connections (``"default"``: the kernel's);
+    ``lossy_links``: the links that drop packets by the firewall's rules (their counters are read)."""
     if congestion != "default":
         congestion_control(congestion)  # ValueError naming what this kernel has, before anything starts
     topology = layout.topology
@@ -415,9 +433,15 @@ def run(
     rows = []
     for size in sizes:
         before, retrans_before, queues_before = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
+        injected_before = read_counters(layout, list(lossy_links)) if lossy_links else {}
         results = _run_ranks(layout, rank_gpu, algorithm=algorithm, sizes=[size], reps=reps, timeout_s=timeout_s,
                               congestion=congestion)  # fmt: skip
         after, retrans_after, queues_after = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
+        # A lossy link's firewall counts the TCP packets that reached its far end and those it dropped there.
+        injected = {
+            link: (arrived - injected_before[link][0], drops - injected_before[link][1])
+            for link, (arrived, drops) in (read_counters(layout, list(lossy_links)) if lossy_links else {}).items()
+        }
         dropped = tuple(
             (
                 topology.link_name(link),
@@ -425,7 +449,15 @@ def run(
                 drops - queues_before.get(link, (0, 0))[1],
             )
             for link, (sent, drops) in sorted(queues_after.items())
-            if drops > queues_before.get(link, (0, 0))[1]
+            if drops > queues_before.get(link, (0, 0))[1] and link not in injected
+        ) + tuple(
+            (
+                topology.link_name(link),
+                arrived - firewall,
+                firewall + queues_after.get(link, (0, 0))[1] - queues_before.get(link, (0, 0))[1],
+            )
+            for link, (arrived, firewall) in sorted(injected.items())
+            if firewall > 0 or queues_after.get(link, (0, 0))[1] > queues_before.get(link, (0, 0))[1]
         )
         slowest = tuple(max(r["times_s"][str(size)][k] for r in results) for k in range(reps))
         sent = {link: after.get(link, 0) - before.get(link, 0) for link in after}
@@ -452,6 +484,11 @@ def run(
         burst_share = min(1.0, MIN_BURST_BYTES / per_repetition) if per_repetition > 0 else 1.0
         bottleneck = predicted.bottlenecks[0] if predicted.bottlenecks else None
         agrees = bottleneck is not None and busy.get(bottleneck.link, 0.0) >= (1 - BUSY_TIE) * busy[busiest]
+        tails = (
+            _tail(schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped)
+            if reps >= TAIL_MIN_REPS
+            else ()
+        )
         rows.append(
             Measurement(
                 size_bytes=size,
@@ -466,11 +503,8 @@ def run(
                 paths=paths,
                 bottleneck_agrees=agrees,
                 dropped=dropped,
-                predicted_tail_s=(
-                    _tail(schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped)
-                    if reps >= TAIL_MIN_REPS
-                    else None
-                ),
+                predicted_tail_s=(tails[0][1][0], tails[0][1][2]) if tails else None,
+                predicted_tails=tails,
                 burst_share=burst_share,
             )
         )

@@ -25,10 +25,13 @@ from allreduce.sim._tailresult import (
     SAMPLE_EVENT,
     SAMPLE_FAST,
     SAMPLE_FAST_UNCERTIFIED,
+    TAIL_MEMORY_LIMIT_BYTES,
     Culprit,
     TailConfig,
     TailResult,
+    tail_memory_bytes,
 )
+from allreduce.sim._tcp import TCP_STACKS, TcpStack
 from allreduce.sim._trace import chrome_trace, write_trace
 
 __all__ = [
@@ -41,6 +44,8 @@ __all__ = [
     "SAMPLE_EVENT",
     "SAMPLE_FAST",
     "SAMPLE_FAST_UNCERTIFIED",
+    "TAIL_MEMORY_LIMIT_BYTES",
+    "TCP_STACKS",
     "TIMED_FAULT_KINDS",
     "TRACE_RANKS",
     "Bottleneck",
@@ -54,6 +59,7 @@ __all__ = [
     "SimResult",
     "TailConfig",
     "TailResult",
+    "TcpStack",
     "TimedFault",
     "Transfers",
     "apply_faults",
@@ -66,6 +72,7 @@ __all__ = [
     "resolve_links",
     "simulate",
     "simulate_tail",
+    "tail_memory_bytes",
     "transfer_loss_probability",
     "write_trace",
 ]

@@ -32,6 +32,9 @@ after a gap in the packet sequence numbers and answers with a NAK, a sequence er
 ``RTT`` is twice the path's one-way latency (the NAK or ACK returns the same way). A loss does not change the
 rates of other flows: the link idles or carries the resent bytes, which the flow-level model does not charge
 to its neighbours.
+
+That is the TCP model of the ``rfc6298`` stack (``LossModel.tcp``). The ``linux`` and ``tuned`` stacks repair
+losses as Linux does (RACK-TLP on kernel timer ticks, CUBIC's window): :mod:`allreduce.sim._tcp`.
 """
 
 from __future__ import annotations
@@ -42,15 +45,18 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from allreduce.sim._tcp import GIVE_UP_AFTER, TCP_STACKS, TcpStack, draw_repair_seconds
 from allreduce.topology import Routes
 
 __all__ = [
     "DUPTHRESH",
     "FABRICS",
+    "GIVE_UP_AFTER",
     "ROCE_DEFAULT_MTU_BYTES",
     "ROCE_DEFAULT_TIMEOUT_S",
     "TCP_DEFAULT_MTU_BYTES",
     "TCP_DEFAULT_RTO_S",
+    "TCP_DEFAULT_STACK",
     "LossModel",
     "draw_extra_seconds",
     "packet_loss_probability",
@@ -65,6 +71,8 @@ FABRICS = ("roce", "tcp")
 DUPTHRESH = 3
 # Linux's TCP_RTO_MIN (RFC 6298 §2.4 asks for 1 s; Linux, and most data-centre stacks, use less).
 TCP_DEFAULT_RTO_S = 0.2
+# The TCP stack LossModel charges unless told: the model as it was first written (see allreduce.sim._tcp).
+TCP_DEFAULT_STACK = "rfc6298"
 # An Ethernet MTU of 1,500 bytes: TCP's packets.
 TCP_DEFAULT_MTU_BYTES = 1500
 # RoCE's usual 4 KiB path MTU (the largest InfiniBand MTU).
@@ -73,24 +81,32 @@ ROCE_DEFAULT_MTU_BYTES = 4096
 ROCE_TIMEOUT_UNIT_S = 4.096e-6
 ROCE_DEFAULT_TIMEOUT_EXPONENT = 20
 ROCE_DEFAULT_TIMEOUT_S = ROCE_TIMEOUT_UNIT_S * 2**ROCE_DEFAULT_TIMEOUT_EXPONENT
-# A resent packet lost this many times in a row is an error in a real stack (the connection is torn down);
-# the model stops drawing there (probability p^16).
-_MAX_RESENDS = 16
+# A resent packet lost GIVE_UP_AFTER times in a row is an error in a real stack (the connection is torn down);
+# the model stops drawing there, and refuses loss rates at which that is not negligible.
+_MAX_RESENDS = GIVE_UP_AFTER
 
 
 @dataclass(frozen=True)
 class LossModel:
     """Packet loss on every link (``probability`` per packet), or ``links``: (link name, probability) overrides;
     ``fabric`` chooses the retransmission model ("roce" go-back-N or "tcp"); ``mtu_bytes`` and ``rto_s``
-    default to the fabric's (4 KiB and the IB ACK timeout for RoCE; 1,500 B and 200 ms for TCP)."""
+    default to the fabric's (4 KiB and the IB ACK timeout for RoCE; 1,500 B and 200 ms for TCP). ``tcp`` names
+    the TCP stack (:data:`allreduce.sim._tcp.TCP_STACKS`: "linux", "tuned", "rfc6298"), whose ``rto_min``
+    ``rto_s`` replaces if given; ``agreement``: on a RACK-TLP stack, every collective starts with the
+    runtime's agreement (an all-gather of small messages, Bruck's, ceil(log2 N) steps), whose losses are
+    charged too."""
 
     probability: float = 0.0
     fabric: str = "roce"
     mtu_bytes: int | None = None
     rto_s: float | None = None
     links: tuple[tuple[str, float], ...] = ()
+    tcp: str = TCP_DEFAULT_STACK
+    agreement: bool = True
 
     def __post_init__(self) -> None:
+        if self.tcp not in TCP_STACKS:
+            raise ValueError(f"loss: tcp must be one of {', '.join(TCP_STACKS)}, got {self.tcp!r}")
         if self.fabric not in FABRICS:
             raise ValueError(f"loss: fabric must be one of {', '.join(FABRICS)}, got {self.fabric!r}")
         for what, p in [("loss probability", self.probability), *((f"loss on {n}", q) for n, q in self.links)]:
@@ -112,9 +128,22 @@ class LossModel:
 
     @property
     def rto(self) -> float:
+        """The retransmission timeout (RoCE, rfc6298) or the minimum RTO (RACK-TLP stacks)."""
         if self.rto_s is not None:
             return self.rto_s
-        return TCP_DEFAULT_RTO_S if self.fabric == "tcp" else ROCE_DEFAULT_TIMEOUT_S
+        if self.fabric == "tcp":
+            return float(TCP_STACKS[self.tcp].rto_min_s)
+        return float(ROCE_DEFAULT_TIMEOUT_S)
+
+    @property
+    def stack(self) -> TcpStack:
+        """The TCP stack's settings, with ``rto_s`` as its minimum RTO if given."""
+        return TCP_STACKS[self.tcp].with_rto_min(self.rto_s)
+
+    @property
+    def rack_tlp(self) -> bool:
+        """Whether losses are repaired as Linux's RACK-TLP does (TCP, a stack other than rfc6298)."""
+        return self.fabric == "tcp" and self.stack.rack_tlp
 
 
 def transfer_loss_probability(size_bytes: float, packet_loss: float, mtu_bytes: int) -> float:
@@ -154,10 +183,18 @@ def draw_extra_seconds(
     packets: IntArray,
     rtt_s: FloatArray,
     packet_s: FloatArray,
+    q_ack: FloatArray | None = None,
+    gap_s: FloatArray | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """The delay each of these transfers suffers, given that it lost at least one packet: per transfer its
-    per-packet loss probability ``q``, its ``packets``, round-trip time and one packet's serialisation time.
-    Returns (extra seconds, how many retransmission timeouts fired)."""
+    per-packet loss probability ``q``, its ``packets``, round-trip time and one packet's serialisation time
+    (and, for a RACK-TLP stack, its ACKs' loss probability and when the next transfer on its connection starts:
+    :func:`allreduce.sim._tcp.draw_repair_seconds`). Returns (extra seconds, how many retransmission timeouts
+    fired)."""
+    if model.rack_tlp:
+        return draw_repair_seconds(
+            rng, model.stack, q=q, packets=packets, rtt_s=rtt_s, packet_s=packet_s, q_ack=q_ack, gap_s=gap_s
+        )
     extra = np.zeros(q.size)
     timeout = np.zeros(q.size, dtype=np.int64)
     rto = model.rto

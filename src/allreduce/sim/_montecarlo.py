@@ -27,27 +27,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Blame, Incidence, Phase, Schedule, blame_key, jump_samples, propagate, step_samples
-from allreduce.sim._cyclic import Cyclic, step_cyclic
+from allreduce.schedules import Blame, Phase, Schedule, blame_key, jump_samples, propagate, step_samples
+from allreduce.sim._cyclic import step_cyclic
 from allreduce.sim._event import run_event
 from allreduce.sim._fast import rates_fixed_under_any_timing, run_fast_checked
 from allreduce.sim._faults import Faults, TimedFault, apply_faults, resolve_links
-from allreduce.sim._loss import LossModel, draw_extra_seconds, packet_loss_probability
+from allreduce.sim._phases import PhaseData, agreement_delays, check_recoverable, draw_losses, phase_data
 from allreduce.sim._rerun import Recorder, event_transfers
-from allreduce.sim._routing import Pattern, Router
+from allreduce.sim._routing import Router
 from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS
 from allreduce.sim._tailresult import (
     EVENT_MAX_TRANSFERS,
     SAMPLE_EVENT,
     SAMPLE_FAST,
     SAMPLE_FAST_UNCERTIFIED,
+    TAIL_MEMORY_LIMIT_BYTES,
     TailConfig,
     TailResult,
+    tail_memory_bytes,
 )
 from allreduce.topology import PathTable, Topology, place
 from allreduce.units import format_seconds
@@ -63,46 +64,11 @@ IntArray = npt.NDArray[np.int64]
 _CHUNK_ELEMENTS = 2**15
 # States kept to detect that every sample's clocks advance uniformly (as in schedules/_timing.py).
 _MAX_HISTORY = 5
-# Geometric gaps drawn at once when placing lost transfers (bounds the memory of a very lossy run: 128 MiB).
-_MAX_GAPS_PER_DRAW = 2**24
 # How many times a transfer that finds no path waits for the fault's next change before giving up.
 _MAX_WAITS = 64
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Per phase: the flows' noise-free durations and what the noise models need about them
-# ------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class _PhaseData:
-    phase: Phase
-    incidence: Incidence
-    seconds: FloatArray  # noise-free duration per flow
-    pattern: Pattern
-    nbytes: FloatArray
-    loss_q: FloatArray  # per-packet loss probability per flow
-    loss_hazard: FloatArray  # per route entry
-    blame_link: IntArray  # the link a flow's jitter is blamed on (its bottleneck, else its first link; -1)
-    cyclic: Cyclic | None  # the phase is a cyclic shift of the ranks: stepped with slices (see _step_cyclic)
-
-
-def _phase_data(schedule: Schedule, router: Router, size_bytes: float, link_loss: FloatArray) -> list[_PhaseData]:
-    out = []
-    n = schedule.world_size
-    for phase in schedule.phases():
-        pattern = router.pattern(phase.src, phase.dst)
-        nbytes = phase.fraction * size_bytes
-        seconds = pattern.routes.latency_s + pattern.transfer_seconds(nbytes)
-        q, hazard = packet_loss_probability(pattern.routes, link_loss)
-        first = np.full(len(phase), -1, dtype=np.int64)
-        has = np.diff(pattern.routes.flow_ptr) > 0
-        first[has] = pattern.routes.link[pattern.routes.flow_ptr[:-1][has]]
-        blame = np.where(pattern.bottleneck_link >= 0, pattern.bottleneck_link, first)
-        cyclic = Cyclic.of(n, phase)
-        out.append(_PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic))
-    return out
-
-
-def _backward(world_size: int, data: list[_PhaseData], rank_delay: FloatArray | None) -> FloatArray:
+def _backward(world_size: int, data: list[PhaseData], rank_delay: FloatArray | None) -> FloatArray:
     """Per rank, the longest path from its start to the end of the schedule: the transposed recurrence run
     from the last step to the first. A step's transpose is ``y = step(y' + rank_seconds)`` — the same form as
     the forward step — so :func:`propagate` (and its cycle jumps) runs it: with rank delays it adds them after
@@ -132,65 +98,6 @@ def _backward(world_size: int, data: list[_PhaseData], rank_delay: FloatArray | 
 # ------------------------------------------------------------------------------------------------------------
 # Noise per step
 # ------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class _Losses:
-    """A phase's lost transfers in a chunk of samples, sorted by step."""
-
-    step: IntArray
-    flow: IntArray
-    sample: IntArray
-    extra_s: FloatArray
-    link: IntArray
-    timeouts: IntArray
-
-    def bounds(self, repeat: int) -> IntArray:
-        return np.searchsorted(self.step, np.arange(repeat + 1))
-
-
-def _draw_losses(rng: np.random.Generator, model: LossModel, d: _PhaseData, samples: int) -> _Losses:
-    """Which transfers of ``repeat x flows x samples`` lose packets (thinning from the largest per-transfer
-    loss probability, over geometric gaps: exact and O(losses)), and what each loss costs."""
-    none = np.zeros(0, dtype=np.int64)
-    empty = _Losses(none, none, none, np.zeros(0), none, none)
-    mtu = model.mtu
-    packets = np.ceil(d.nbytes / mtu).astype(np.int64)
-    q = d.loss_q
-    with np.errstate(divide="ignore"):
-        transfer_p = np.where(packets > 0, -np.expm1(packets * np.log1p(-q)), 0.0)
-    top = float(transfer_p.max()) if transfer_p.size else 0.0
-    if top <= 0:
-        return empty
-    flows = len(d.phase)
-    total = d.phase.repeat * flows * samples
-    expected = top * total
-    positions: list[IntArray] = []
-    last = -1
-    while last < total:
-        batch = min(int(expected + 6 * math.sqrt(expected) + 16), _MAX_GAPS_PER_DRAW)
-        gaps = rng.geometric(top, size=batch).astype(np.int64)
-        at = last + np.cumsum(gaps)
-        positions.append(at[at < total])
-        last = int(at[-1])
-    index = np.concatenate(positions)
-    flow = (index // samples) % flows
-    keep = rng.random(index.size) < transfer_p[flow] / top
-    index, flow = index[keep], flow[keep]
-    step = index // (samples * flows)
-    sample = index % samples
-    rate = d.pattern.rate_Bps[flow]
-    packet_s = np.where(np.isfinite(rate), mtu / rate, 0.0)
-    rtt = 2 * d.pattern.routes.latency_s[flow]
-    extra, timeout = draw_extra_seconds(rng, model, q=q[flow], packets=packets[flow], rtt_s=rtt, packet_s=packet_s)
-    # The link that dropped the (first) lost packet: drawn in proportion to each path link's hazard.
-    routes = d.pattern.routes
-    cumulative = np.cumsum(d.loss_hazard)
-    before = np.concatenate([[0.0], cumulative])[routes.flow_ptr[flow]]
-    own = np.bincount(routes.flow_of_entry(), weights=d.loss_hazard, minlength=flows)[flow]
-    entry = np.searchsorted(cumulative, before + rng.random(flow.size) * own, side="right")
-    entry = np.clip(entry, routes.flow_ptr[flow], routes.flow_ptr[flow + 1] - 1)
-    return _Losses(step, flow, sample, extra, routes.link[entry], timeout)
-
-
 class _TimedRates:
     """Flow durations of one phase under each combination of active timed faults (cached), for the transfers
     that start while some are active."""
@@ -199,7 +106,7 @@ class _TimedRates:
         self,
         topology: Topology,
         router: Router,
-        d: _PhaseData,
+        d: PhaseData,
         *,
         faults: Sequence[TimedFault],
         fault_link: IntArray,
@@ -293,7 +200,11 @@ def _describe(config: TailConfig, faults: Faults) -> str:
         loss = config.loss
         what = f"loss {loss.probability:g}/packet" if loss.probability else "loss"
         what += "".join(f", {name} {p:g}" for name, p in loss.links)
-        parts.append(f"{what} ({loss.fabric}, MTU {loss.mtu} B, RTO {format_seconds(loss.rto)})")
+        if loss.fabric == "tcp":
+            rto = "rto_min" if loss.rack_tlp else "RTO"
+            parts.append(f"{what} (tcp {loss.tcp}, MTU {loss.mtu} B, {rto} {format_seconds(loss.rto)})")
+        else:
+            parts.append(f"{what} ({loss.fabric}, MTU {loss.mtu} B, RTO {format_seconds(loss.rto)})")
     if config.link_jitter is not None and not config.link_jitter.is_zero:
         parts.append(f"link jitter {config.link_jitter}")
     if config.rank_jitter is not None and not config.rank_jitter.is_zero:
@@ -332,6 +243,12 @@ def simulate_tail(
     n = schedule.world_size
     if n > topology.num_gpus:
         raise ValueError(f"{schedule.name} needs {n} ranks but {topology.name} has only {topology.num_gpus} GPUs")
+    need = tail_memory_bytes(n, config.samples)
+    if need > TAIL_MEMORY_LIMIT_BYTES:
+        raise ValueError(
+            f"samples: {config.samples:,} samples of {n:,} ranks need about {need / 2**30:,.1f} GiB "
+            f"(limit {TAIL_MEMORY_LIMIT_BYTES / 2**30:g} GiB); use fewer samples"
+        )
     rank_delay = faults.rank_delay_s(n)
     base_topology = apply_faults(topology, faults)
     rank_gpu = np.asarray(place(n, base_topology, placement, seed=seed), dtype=np.int64)
@@ -370,15 +287,35 @@ def simulate_tail(
     transfers = event_transfers(schedule, config, k)
     # The link jitter of every transfer is kept for the event engine only if all samples' fit its budget.
     keep_dense = transfers is not None and (config.engine == "event" or len(transfers) * k <= EVENT_MAX_TRANSFERS)
+    # When each rank starts the collective's data: its arrival, plus (RACK-TLP stacks) what lost agreement
+    # messages held it back, and the blame of the larger of the two.
+    start = arrival
+    start_blame: tuple[FloatArray, IntArray] | None = None
+    agreement = config.loss.rack_tlp and config.loss.agreement and n > 1
+    if agreement:
+        start = arrival.copy()
+        start_blame = (arrival.copy(), np.where(arrival > 0, rank_culprit[:, None], -1))
     done = 0
     for g, ecmp_seed in enumerate(seeds):
         router = Router(base_topology, rank_gpu, routing, ecmp_seed)
-        data = _phase_data(schedule, router, size, link_loss)
+        data = phase_data(schedule, router, size, link_loss, connections=config.loss.rack_tlp)
+        if config.loss:
+            check_recoverable(data, config.loss, k)
         any_timing = rates_fixed_under_any_timing([(d.phase, d.pattern.routes) for d in data], n, base_topology)
         members = np.flatnonzero(group == g)
         record = (
             Recorder(schedule, transfers, [d.phase for d in data], dense=keep_dense) if transfers is not None else None
         )
+        if agreement and start_blame is not None:
+            held, held_code, held_lost, held_timeouts = agreement_delays(
+                rng, router, members.size, config.loss, link_loss
+            )
+            start[:, members] += held
+            later = held > start_blame[0][:, members]
+            start_blame[0][:, members] = np.where(later, held, start_blame[0][:, members])
+            start_blame[1][:, members] = np.where(later, held_code, start_blame[1][:, members])
+            lost[members] += held_lost
+            timeouts[members] += held_timeouts
         if not config.per_transfer:
             to_end = _backward(n, data, rank_delay)
             total = arrival[:, members] + to_end[:, None]
@@ -392,7 +329,8 @@ def simulate_tail(
                 members,
                 data,
                 config=config,
-                arrival=arrival,
+                arrival=start,
+                start_blame=start_blame,
                 rng=rng,
                 base_topology=base_topology,
                 router=router,
@@ -407,7 +345,7 @@ def simulate_tail(
         # Which samples the fast engine's recurrence gives exactly: all, if no timing can change a rate;
         # else the noise-free ones, if the noise-free run (with this ECMP seed) was certified.
         if not any_timing:
-            quiet = ~np.any(arrival[:, members] != 0, axis=0) & (lost[members] == 0)
+            quiet = ~np.any(start[:, members] != 0, axis=0) & (lost[members] == 0)
             quiet &= not config.timed_faults and (config.link_jitter is None or config.link_jitter.is_zero)
             if quiet.any() and (g > 0 or config.ecmp_seeds):
                 quiet &= run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=rank_delay, trace_ranks=0)[1]
@@ -427,7 +365,7 @@ def simulate_tail(
                     router,
                     size_bytes=size,
                     rank_delay=rank_delay,
-                    arrival=arrival,
+                    arrival=start,
                     attribution=config.attribution,
                     out=(step_s, culprit, culprit_s),
                 )
@@ -474,10 +412,11 @@ def _offset_progress(progress: Callable[[float], None], done: int, total: int) -
 
 def _step_group(
     members: IntArray,
-    data: list[_PhaseData],
+    data: list[PhaseData],
     *,
     config: TailConfig,
     arrival: FloatArray,
+    start_blame: tuple[FloatArray, IntArray] | None = None,
     rng: np.random.Generator,
     base_topology: Topology,
     router: Router,
@@ -504,7 +443,12 @@ def _step_group(
         cols = members[lo : lo + chunk]
         clock = arrival[:, cols].copy()
         blame = None
-        if config.attribution:
+        if config.attribution and start_blame is not None:
+            # C order, as the clocks: an indexed column selection comes out transposed, and the cyclic step's
+            # arithmetic on keys in that order took 6x as long
+            key = blame_key(start_blame[0][:, cols], start_blame[1][:, cols])
+            blame = Blame(np.ascontiguousarray(key))
+        elif config.attribution:
             blame = Blame(blame_key(clock, np.where(clock > 0, rank_culprit[:, None], -1)))
         for index, (d, rates) in enumerate(zip(data, timed, strict=True)):
             clock = _run_phase(
@@ -535,7 +479,7 @@ def _step_group(
 
 def _run_phase(
     clock: FloatArray,
-    d: _PhaseData,
+    d: PhaseData,
     *,
     rates: _TimedRates | None,
     rng: np.random.Generator,
@@ -562,7 +506,7 @@ def _run_phase(
         delay = np.zeros(n)
         delay[d.incidence.active] = rank_delay[d.incidence.active]
         delay_blame = blame_key(delay, rank_culprit)
-    losses = _draw_losses(rng, config.loss, d, samples) if config.loss else None
+    losses = draw_losses(rng, config.loss, d, samples) if config.loss else None
     loss_keys: IntArray | None = None
     if losses is not None:
         np.add.at(lost, cols[losses.sample], 1)

@@ -23,9 +23,11 @@ __all__ = [
     "SAMPLE_EVENT",
     "SAMPLE_FAST",
     "SAMPLE_FAST_UNCERTIFIED",
+    "TAIL_MEMORY_LIMIT_BYTES",
     "Culprit",
     "TailConfig",
     "TailResult",
+    "tail_memory_bytes",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -43,6 +45,19 @@ SAMPLE_EVENT = 2
 # costs 30-80 µs of CPU per transfer (measured on the development machine: rings, halving-doubling and
 # double binary trees of 16-64 ranks on a fat-tree), so about 10-15 s at most.
 EVENT_MAX_TRANSFERS = 200_000
+# The most memory a tail simulation may plan to hold (its per-rank, per-sample arrays): a sixth of the
+# development machine's 24 GiB, which several people share.
+TAIL_MEMORY_LIMIT_BYTES = 4 * 2**30
+# Bytes a tail simulation holds per rank and sample (arrival and start times, their blame, the agreement's
+# draws: five float64 arrays) and per sample (step and collective times, culprits, counts: twelve).
+_BYTES_PER_RANK_SAMPLE = 5 * 8
+_BYTES_PER_SAMPLE = 12 * 8
+
+
+def tail_memory_bytes(world_size: int, samples: int) -> int:
+    """About how much memory a tail simulation of ``samples`` samples of ``world_size`` ranks holds at once
+    (the stepping works through cache-sized chunks; what grows with the samples is these arrays)."""
+    return samples * (world_size * _BYTES_PER_RANK_SAMPLE + _BYTES_PER_SAMPLE)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,265 @@
+"""Per phase of a tail simulation: the flows' noise-free durations, loss probabilities and connections, and the
+lost transfers drawn for them (which transfers lose packets and what each loss costs); the runtime's agreement
+messages and their losses; the loss rates no stack recovers from, refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.schedules import Incidence, Phase, Schedule
+from allreduce.sim._cyclic import Cyclic
+from allreduce.sim._loss import GIVE_UP_AFTER, LossModel, draw_extra_seconds, packet_loss_probability
+from allreduce.sim._routing import Pattern, Router
+
+__all__ = [
+    "AGREEMENT_FRAME_BYTES",
+    "Losses",
+    "PhaseData",
+    "agreement_delays",
+    "check_recoverable",
+    "draw_losses",
+    "phase_data",
+]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+# Geometric gaps drawn at once when placing lost transfers (bounds the memory of a very lossy run: 128 MiB).
+_MAX_GAPS_PER_DRAW = 2**24
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseData:
+    phase: Phase
+    incidence: Incidence
+    seconds: FloatArray  # noise-free duration per flow
+    pattern: Pattern
+    nbytes: FloatArray
+    loss_q: FloatArray  # per-packet loss probability per flow
+    loss_hazard: FloatArray  # per route entry
+    blame_link: IntArray  # the link a flow's jitter is blamed on (its bottleneck, else its first link; -1)
+    cyclic: Cyclic | None  # the phase is a cyclic shift of the ranks: stepped with slices (see _step_cyclic)
+    ack_q: FloatArray | None = None  # per flow: loss probability of a packet on the way back (its ACKs)
+    follow_gap_s: FloatArray | None = None  # per flow: after its last step, when the connection's next transfer
+
+
+def phase_data(
+    schedule: Schedule, router: Router, size_bytes: float, link_loss: FloatArray, *, connections: bool = False
+) -> list[PhaseData]:
+    """Per phase, the flows' noise-free durations and loss probabilities; with ``connections`` (a RACK-TLP
+    stack) also the loss probability of their ACKs and when each connection carries its next transfer."""
+    out = []
+    n = schedule.world_size
+    for phase in schedule.phases():
+        pattern = router.pattern(phase.src, phase.dst)
+        nbytes = phase.fraction * size_bytes
+        seconds = pattern.routes.latency_s + pattern.transfer_seconds(nbytes)
+        q, hazard = packet_loss_probability(pattern.routes, link_loss)
+        first = np.full(len(phase), -1, dtype=np.int64)
+        has = np.diff(pattern.routes.flow_ptr) > 0
+        first[has] = pattern.routes.link[pattern.routes.flow_ptr[:-1][has]]
+        blame = np.where(pattern.bottleneck_link >= 0, pattern.bottleneck_link, first)
+        cyclic = Cyclic.of(n, phase)
+        ack_q = None
+        if connections:
+            ack_q, _ = packet_loss_probability(router.route_ranks(phase.dst, phase.src), link_loss)
+        out.append(PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic, ack_q))
+    if connections:
+        out = _with_follow_gaps(n, out)
+    return out
+
+
+def _with_follow_gaps(world_size: int, data: list[PhaseData]) -> list[PhaseData]:
+    """For every flow, how long after its phase's last step the same connection (sender to receiver) carries
+    its next transfer: the noise-free durations of the steps in between (each as long as its longest flow, the
+    lockstep view; the sender writes the next transfer as soon as it reaches that step); inf if none does.
+    Within a phase of several steps the next step's transfer follows at once (gap 0)."""
+    out = []
+    step_s = [float(d.seconds.max(initial=0.0)) * d.phase.repeat for d in data]
+    for i, d in enumerate(data):
+        key = d.phase.src.astype(np.int64) * world_size + d.phase.dst
+        gap = np.full(key.size, math.inf)
+        pending = np.ones(key.size, dtype=np.bool_)
+        between = 0.0
+        for j in range(i + 1, len(data)):
+            later = data[j].phase.src.astype(np.int64) * world_size + data[j].phase.dst
+            found = pending & np.isin(key, later)
+            gap[found] = between
+            pending &= ~found
+            if not pending.any():
+                break
+            between += step_s[j]
+        out.append(replace(d, follow_gap_s=gap))
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class Losses:
+    """A phase's lost transfers in a chunk of samples, sorted by step."""
+
+    step: IntArray
+    flow: IntArray
+    sample: IntArray
+    extra_s: FloatArray
+    link: IntArray
+    timeouts: IntArray
+
+    def bounds(self, repeat: int) -> IntArray:
+        return np.searchsorted(self.step, np.arange(repeat + 1))
+
+
+def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, samples: int) -> Losses:
+    """Which transfers of ``repeat x flows x samples`` lose packets (thinning from the largest per-transfer
+    loss probability, over geometric gaps: exact and O(losses)), and what each loss costs."""
+    none = np.zeros(0, dtype=np.int64)
+    empty = Losses(none, none, none, np.zeros(0), none, none)
+    mtu = model.mtu
+    packets = np.ceil(d.nbytes / mtu).astype(np.int64)
+    q = d.loss_q
+    with np.errstate(divide="ignore"):
+        transfer_p = np.where(packets > 0, -np.expm1(packets * np.log1p(-q)), 0.0)
+    top = float(transfer_p.max()) if transfer_p.size else 0.0
+    if top <= 0:
+        return empty
+    flows = len(d.phase)
+    total = d.phase.repeat * flows * samples
+    expected = top * total
+    positions: list[IntArray] = []
+    last = -1
+    while last < total:
+        batch = min(int(expected + 6 * math.sqrt(expected) + 16), _MAX_GAPS_PER_DRAW)
+        gaps = rng.geometric(top, size=batch).astype(np.int64)
+        at = last + np.cumsum(gaps)
+        positions.append(at[at < total])
+        last = int(at[-1])
+    index = np.concatenate(positions)
+    flow = (index // samples) % flows
+    keep = rng.random(index.size) < transfer_p[flow] / top
+    index, flow = index[keep], flow[keep]
+    step = index // (samples * flows)
+    sample = index % samples
+    rate = d.pattern.rate_Bps[flow]
+    packet_s = np.where(np.isfinite(rate), mtu / rate, 0.0)
+    rtt = 2 * d.pattern.routes.latency_s[flow]
+    gap = None
+    if d.follow_gap_s is not None:
+        gap = np.where(step < d.phase.repeat - 1, 0.0, d.follow_gap_s[flow])
+    extra, timeout = draw_extra_seconds(
+        rng,
+        model,
+        q=q[flow],
+        packets=packets[flow],
+        rtt_s=rtt,
+        packet_s=packet_s,
+        q_ack=None if d.ack_q is None else d.ack_q[flow],
+        gap_s=gap,
+    )
+    # The link that dropped the (first) lost packet: drawn in proportion to each path link's hazard.
+    routes = d.pattern.routes
+    cumulative = np.cumsum(d.loss_hazard)
+    before = np.concatenate([[0.0], cumulative])[routes.flow_ptr[flow]]
+    own = np.bincount(routes.flow_of_entry(), weights=d.loss_hazard, minlength=flows)[flow]
+    entry = np.searchsorted(cumulative, before + rng.random(flow.size) * own, side="right")
+    entry = np.clip(entry, routes.flow_ptr[flow], routes.flow_ptr[flow + 1] - 1)
+    return Losses(step, flow, sample, extra, routes.link[entry], timeout)
+
+
+# Expected give-ups (a packet or a go-back-N run lost GIVE_UP_AFTER + 1 times in a row) over a whole run
+# above which the model refuses: it would be describing a collective that fails.
+_MAX_EXPECTED_GIVE_UPS = 0.01
+
+
+def check_recoverable(data: list[PhaseData], model: LossModel, samples: int) -> None:
+    """Refuse a loss rate at which real stacks give up: a TCP packet lost again and again (Linux closes the
+    connection after ``tcp_retries2`` = 15 timeouts), a go-back-N run that keeps losing a packet (an InfiniBand
+    QP errors out after ``retry_cnt`` <= 7 retries). The model stops drawing after GIVE_UP_AFTER failures in a
+    row; where that would happen at all often in these samples, its times would be made up."""
+    worst = 0.0
+    culprit = ""
+    for d in data:
+        packets = np.ceil(d.nbytes / model.mtu)
+        with np.errstate(divide="ignore"):
+            if model.fabric == "tcp":
+                fail = d.loss_q
+                attempts = packets
+            else:
+                fail = np.where(packets > 0, -np.expm1(packets * np.log1p(-d.loss_q)), 0.0)
+                attempts = np.ones_like(packets)
+            expected = d.phase.repeat * samples * attempts * fail ** (GIVE_UP_AFTER + 1)
+        total = float(expected.sum())
+        if total > worst:
+            worst = total
+            f = int(np.argmax(expected))
+            what = "a packet" if model.fabric == "tcp" else f"the transfer ({int(packets[f]):,} packets)"
+            culprit = (
+                f"rank {int(d.phase.src[f])} -> {int(d.phase.dst[f])} loses {what} with probability "
+                f"{float(fail[f]):.3g}"
+            )
+    if worst > _MAX_EXPECTED_GIVE_UPS:
+        raise ValueError(
+            f"loss: too lossy to recover from: {culprit}, so about {worst:.3g} times in these samples one would "
+            f"be lost {GIVE_UP_AFTER + 1} times in a row, where a real stack gives up and the collective fails "
+            "(Linux: tcp_retries2=15 timeouts; InfiniBand: retry_cnt <= 7); the model describes recovery, not "
+            "failure: lower the loss probability"
+        )
+
+
+# The runtime's agreement frame on the wire: a frame header and one collective's descriptor (bytes of payload).
+AGREEMENT_FRAME_BYTES = 208
+
+
+def agreement_delays(
+    rng: np.random.Generator, router: Router, samples: int, model: LossModel, link_loss: FloatArray
+) -> tuple[FloatArray, IntArray, IntArray, IntArray]:
+    """What lost agreement messages cost each rank, per sample. The runtime agrees on every collective first:
+    an all-gather of small frames in ceil(log2 N) steps (Bruck's), in which rank r sends ``min(d, N − d)``
+    frames to rank ``r − d`` for d = 1, 2, 4, ...; nothing else follows on those connections, so a loss is a
+    tail loss (:func:`allreduce.sim._tcp.draw_repair_seconds` without a next transfer). The receiver starts the
+    data that much later (the largest delay of its messages; a rank two lost messages hold back in sequence,
+    probability q², is charged the larger). Returns (delay, blame code: world_size + the link that dropped it,
+    lost messages per sample, timeouts per sample)."""
+    n = router.rank_gpu.size
+    delay = np.zeros((n, samples))
+    code = np.full((n, samples), -1, dtype=np.int64)
+    lost = np.zeros(samples, dtype=np.int64)
+    timeouts = np.zeros(samples, dtype=np.int64)
+    src = np.arange(n, dtype=np.int64)
+    distance = 1
+    while distance < n:
+        dst = (src - distance) % n
+        pattern = router.pattern(src, dst)
+        q, hazard = packet_loss_probability(pattern.routes, link_loss)
+        packets = np.full(n, math.ceil(min(distance, n - distance) * AGREEMENT_FRAME_BYTES / model.mtu))
+        message_p = -np.expm1(packets * np.log1p(-q))
+        flow, sample = np.nonzero(rng.random((n, samples)) < message_p[:, None])
+        distance *= 2
+        if flow.size == 0:
+            continue
+        rate = pattern.rate_Bps[flow]
+        extra, fired = draw_extra_seconds(
+            rng,
+            model,
+            q=q[flow],
+            packets=packets[flow],
+            rtt_s=2 * pattern.routes.latency_s[flow],
+            packet_s=np.where(np.isfinite(rate), model.mtu / rate, 0.0),
+        )
+        # Blamed on the path's lossiest link.
+        routes = pattern.routes
+        worst = np.full(n, -1, dtype=np.int64)
+        for f in np.unique(flow):
+            lo, hi = routes.flow_ptr[f], routes.flow_ptr[f + 1]
+            if hi > lo:
+                worst[f] = routes.link[lo + int(np.argmax(hazard[lo:hi]))]
+        receiver = dst[flow]
+        larger = extra > delay[receiver, sample]
+        delay[receiver[larger], sample[larger]] = extra[larger]
+        code[receiver[larger], sample[larger]] = n + worst[flow[larger]]
+        np.add.at(lost, sample, 1)
+        np.add.at(timeouts, sample, fired)
+    return delay, code, lost, timeouts

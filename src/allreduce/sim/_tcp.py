@@ -1,0 +1,236 @@
+"""What a TCP stack's loss recovery adds to a collective's transfer: Linux's RACK-TLP on jiffy timers, or RFC 6298.
+
+A :class:`TcpStack` is a preset of kernel settings (:data:`TCP_STACKS`): ``linux`` (a stock kernel: RACK and
+TLP on, ``rto_min`` 200 ms, HZ=250, CUBIC), ``tuned`` (a data-centre stack: the same code, ``rto_min`` 5 ms on
+the route, HZ=1000) and ``rfc6298`` (three duplicate ACKs or the retransmission timer, no probe: the model this
+project had first, kept as it was in :mod:`allreduce.sim._loss`).
+
+:func:`draw_repair_seconds` charges a transfer that lost packets, for a RACK-TLP stack, per lost packet at
+position ``i`` of ``P`` with ``k = P − 1 − i`` packets of the transfer after it (``RTT`` the path's round
+trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
+
+- ``k ≥ 3``: the SACKs of three later packets mark it lost at once (RFC 8985 §6.2: Linux's
+  ``tcp_rack_reo_wnd`` is 0 once ``sacked_out`` reaches ``tp->reordering``, 3, and no reordering was seen),
+  and the retransmission is delivered ``RTT + 4τ`` after the lost packet would have been, while the ``k``
+  packets after it keep the link busy: ``max(τ, RTT + (4 − k)τ)``;
+- ``1 ≤ k < 3``: one or two later packets are SACKed, too few to skip the reordering window
+  (``min_rtt/4``), so RACK arms its reordering timer, ``remaining + TCP_TIMEOUT_MIN_US`` (2 ms) rounded up to
+  a tick (``tcp_rack_mark_lost``); a kernel timer of ``n`` ticks fires ``n`` to ``n + 1`` ticks after it is
+  armed (the timer wheel rounds an expiry up by one tick so that it never fires early): 4–8 ms at HZ=250.
+  ``RTT + τ + timer``;
+- ``k = 0`` (the transfer's last packet): once every earlier packet is acknowledged, one packet is out, and
+  ``tcp_schedule_loss_probe`` arms the probe at ``2·srtt + rto_min`` (not ``2·srtt + 2 ms``: with one
+  packet out the receiver may be delaying its ACK), capped by the RTO: 204–208 ms on a stock kernel. The probe
+  resends the last packet: ``RTT + τ + timer``;
+- what comes next on the connection: a collective sends many transfers on one connection, and the sender
+  starts the next one when it is ready, whether or not the receiver has all of this one. ``gap`` after this
+  transfer's end the next transfer's packets arrive, and their SACKs reveal the hole as above:
+  ``gap + 1.5·RTT + (4 − k)τ``. A tail loss costs the cheapest of the ways that apply; only the last transfer
+  of a connection in a collective (and a single-packet message) pays the probe's ``rto_min``;
+- lost ACKs: ACKs are cumulative and the next one repeats what a lost one said, so alone they cost nothing; the
+  one case that matters is a tail loss whose ``k`` revealing SACKs are all lost (probability ``q_ack^k``): the
+  probe then fires at ``2·srtt + 2 ms`` with several packets out, and its own SACK marks the hole, one more
+  ``RTT + τ``;
+- the resent packet lost again (probability ``q`` each time): the RTO finds it, ``srtt + rto_min`` rounded up
+  to a tick, doubled for each further loss (RFC 6298 §5.5, ``icsk_backoff``). RACK could mark a lost
+  retransmission once packets sent after it are SACKed, but in recovery new data leaves only as ACKs arrive
+  (proportional rate reduction), and on the emulated clusters the hosts' counters show lost retransmissions
+  ending in RTOs one for one (``TCPLostRetransmit`` against ``TCPSackRecoveryFail``: 4/4, 2/2, 19/19, 30/31,
+  49/47 in five runs). A lost probe is such a loss too;
+- several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
+  together, so a transfer's delay is the largest of its losses' (NewReno's one hole per round trip is the
+  ``rfc6298`` preset's sum);
+- the congestion window: CUBIC sets ``cwnd ← β·cwnd`` (β = 0.7, RFC 8312 §4.5) once per recovery and grows
+  back at ``α = 3(1 − β)/(1 + β)`` packets per RTT in its TCP-friendly region (§4.2) or along the cubic
+  ``W(t) = C(t − K)³ + W_max`` (§4.1, C = 0.4, ``K = ∛(W_max(1 − β)/C)``), whichever is faster. With the
+  window at the bandwidth-delay product ``W = RTT/τ`` packets before the loss (no standing queue: the fluid
+  model's link), the link runs below its rate until the window is back: the bytes not sent take
+  ``(1 − β)/2 · T`` with ``T = (1 + β)/3 · W · RTT`` (linear regrowth), or ``(1 − β)/4 · K`` (cubic), the
+  smaller of the two. A standing queue of ``(1 − β)/β`` of the BDP or more hides it entirely, so this is an
+  upper bound; it is charged once per lost transfer.
+
+``srtt`` and ``min_rtt`` are the path's RTT (the fluid model has no queues); where queues stand, the probe's
+``2·srtt`` grows with them. After an RTO the window restarts at one packet and slow start takes
+``log2(W)`` round trips to refill it, at most ``log2(W)·RTT`` more, which is not charged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["GIVE_UP_AFTER", "TCP_STACKS", "TcpStack", "draw_repair_seconds", "window_reduction_seconds"]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+# Linux's TCP_TIMEOUT_MIN_US: the least the reordering and probe timers add (2 ms since Linux 6.7).
+TIMEOUT_MIN_S = 2e-3
+# RFC 8985 §6.2: the reordering window is a quarter of the minimum RTT.
+REO_WND_FRACTION = 0.25
+# Linux's tp->reordering default (net.ipv4.tcp_reordering): packets SACKed after a hole that make it a loss.
+DUPTHRESH = 3
+# RFC 8312 §4.5 and §5: CUBIC's multiplicative decrease and its cubic's constant (packets/s^3).
+CUBIC_BETA = 0.7
+CUBIC_C = 0.4
+# Linux's TCP_RTO_MAX: the backed-off timer stops doubling there.
+RTO_MAX_S = 120.0
+# A packet lost this many times in a row ends the connection in a real stack (Linux: tcp_retries2 = 15
+# timeouts); the model stops drawing there, and refuses loss rates at which that is not negligible.
+GIVE_UP_AFTER = 16
+
+
+@dataclass(frozen=True)
+class TcpStack:
+    """A TCP stack's loss-recovery settings: ``rto_min_s`` (Linux's ``TCP_RTO_MIN`` or a route's ``rto_min``),
+    ``hz`` (kernel timer ticks per second; 0: exact timers), ``rack_tlp`` (RACK-TLP loss detection:
+    ``net.ipv4.tcp_recovery=1``, ``net.ipv4.tcp_early_retrans=3``; off: the ``rfc6298`` model)."""
+
+    name: str
+    rto_min_s: float
+    hz: float
+    rack_tlp: bool
+
+    def with_rto_min(self, rto_min_s: float | None) -> TcpStack:
+        return self if rto_min_s is None else replace(self, rto_min_s=rto_min_s)
+
+    def settings(self) -> str:
+        """The kernel settings this preset assumes, in one line."""
+        from allreduce.units import format_seconds
+
+        rto_min = format_seconds(self.rto_min_s)
+        if not self.rack_tlp:
+            return (
+                f"{self.name}: fast retransmit after {DUPTHRESH} duplicate ACKs (NewReno, one hole per RTT), "
+                f"else the retransmission timer RTO = {rto_min} with backoff; no probe, exact timers"
+            )
+        tick = format_seconds(1 / self.hz)
+        return (
+            f"{self.name}: RACK-TLP (net.ipv4.tcp_recovery=1, tcp_early_retrans=3), rto_min {rto_min}, "
+            f"HZ={self.hz:g} ({tick} ticks), reordering window min_rtt/4 + 2 ms, probe 2*srtt + 2 ms "
+            f"(2*srtt + rto_min with one packet out), CUBIC beta {CUBIC_BETA:g}"
+        )
+
+    def timer(self, rng: np.random.Generator, seconds: FloatArray) -> FloatArray:
+        """When a timer armed for ``seconds`` fires: rounded up to ``n`` ticks (``usecs_to_jiffies``), and the
+        timer wheel fires it ``n`` to ``n + 1`` ticks later, by where in the current tick it was armed."""
+        if self.hz <= 0:
+            return seconds
+        ticks = np.maximum(np.ceil(seconds * self.hz - 1e-9), 1.0)
+        return (ticks + rng.random(np.shape(seconds))) / self.hz
+
+    def rto(self, srtt_s: FloatArray) -> FloatArray:
+        """Linux's RTO before backoff: ``srtt + rttvar`` with ``rttvar`` at least ``rto_min``
+        (``tcp_rtt_estimator``); a steady path's variance is below the floor."""
+        return srtt_s + self.rto_min_s
+
+
+TCP_STACKS = {
+    "linux": TcpStack("linux", rto_min_s=0.2, hz=250.0, rack_tlp=True),
+    "tuned": TcpStack("tuned", rto_min_s=5e-3, hz=1000.0, rack_tlp=True),
+    "rfc6298": TcpStack("rfc6298", rto_min_s=0.2, hz=0.0, rack_tlp=False),
+}
+
+
+def window_reduction_seconds(rtt_s: FloatArray, packet_s: FloatArray) -> FloatArray:
+    """What CUBIC's window reduction costs a flow whose window was its bandwidth-delay product (see the module
+    docstring): ``min((1 − β)/2 · (1 + β)/3 · W · RTT, (1 − β)/4 · K)``, ``W = RTT/τ`` packets."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        window = np.where(packet_s > 0, rtt_s / packet_s, 0.0)
+    linear = (1 - CUBIC_BETA) / 2 * (1 + CUBIC_BETA) / 3 * window * rtt_s
+    cubic = (1 - CUBIC_BETA) / 4 * np.cbrt(window * (1 - CUBIC_BETA) / CUBIC_C)
+    return np.asarray(np.minimum(linear, cubic), dtype=np.float64)
+
+
+def _first_loss(rng: np.random.Generator, q: FloatArray, packets: IntArray) -> IntArray:
+    """Position of the first lost packet among ``packets`` iid Bernoulli(q) ones, given at least one is lost."""
+    u = rng.random(q.size)
+    log_keep = np.log1p(-q)
+    at_least_one = -np.expm1(packets * log_keep)
+    position = np.floor(np.log1p(-u * at_least_one) / log_keep).astype(np.int64)
+    return np.minimum(position, packets - 1)
+
+
+def _one_loss(
+    rng: np.random.Generator,
+    stack: TcpStack,
+    after: IntArray,
+    *,
+    q: FloatArray,
+    q_ack: FloatArray,
+    rtt: FloatArray,
+    tau: FloatArray,
+    gap: FloatArray,
+) -> tuple[FloatArray, IntArray]:
+    """The delay one lost packet with ``after`` packets of its transfer behind it adds, and how many timers of
+    the ``rto_min`` class (the one-packet probe, the RTO) fired."""
+    mid = after >= DUPTHRESH
+    cost_mid = np.maximum(tau, rtt + (DUPTHRESH + 1 - after) * tau)
+    reo = rtt + tau + stack.timer(rng, REO_WND_FRACTION * rtt + TIMEOUT_MIN_S)
+    rto = stack.rto(rtt)
+    probe_one = rtt + tau + stack.timer(rng, np.minimum(2 * rtt + stack.rto_min_s, rto))
+    probe_many = 2 * (rtt + tau) + stack.timer(rng, np.minimum(2 * rtt + TIMEOUT_MIN_S, rto))
+    sacks_lost = rng.random(after.size) < q_ack ** np.maximum(after, 0)
+    tail = np.where(after == 0, probe_one, np.where(sacks_lost, probe_many, reo))
+    follow = gap + 1.5 * rtt + (DUPTHRESH + 1 - after) * tau
+    tail = np.minimum(tail, follow)
+    cost = np.where(mid, cost_mid, tail)
+    fired = (~mid & (after == 0) & (probe_one <= follow)).astype(np.int64)
+    # The repair lost again, m times in a row: the RTO, backed off.
+    again = np.minimum(rng.geometric(1 - q) - 1, GIVE_UP_AFTER).astype(np.int64)
+    if np.any(again > 0):
+        backoff = np.zeros(after.size)
+        for j in range(int(again.max())):
+            waiting = again > j
+            backoff[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0**j, RTO_MAX_S))
+        cost = cost + backoff
+        fired += again
+    return cost, fired
+
+
+def draw_repair_seconds(
+    rng: np.random.Generator,
+    stack: TcpStack,
+    *,
+    q: FloatArray,
+    packets: IntArray,
+    rtt_s: FloatArray,
+    packet_s: FloatArray,
+    q_ack: FloatArray | None = None,
+    gap_s: FloatArray | None = None,
+) -> tuple[FloatArray, IntArray]:
+    """The delay each of these transfers suffers, given that it lost at least one packet, on a RACK-TLP stack
+    (see the module docstring): per transfer its per-packet loss probability ``q``, its ``packets``, round trip,
+    one packet's time, the loss probability of its ACKs ``q_ack`` (default 0) and ``gap_s``, when after its end
+    the next transfer on its connection starts (default: none follows). Returns (extra seconds, timers of the
+    ``rto_min`` class that fired)."""
+    n = q.size
+    q_ack = np.zeros(n) if q_ack is None else q_ack
+    gap_s = np.full(n, math.inf) if gap_s is None else gap_s
+    extra = np.zeros(n)
+    fired = np.zeros(n, dtype=np.int64)
+    lost = np.arange(n)
+    position = _first_loss(rng, q, packets)
+    for _ in range(int(packets.max(initial=0)) + 1):
+        if lost.size == 0:
+            break
+        cost, timers = _one_loss(
+            rng,
+            stack,
+            packets[lost] - 1 - position,
+            q=q[lost],
+            q_ack=q_ack[lost],
+            rtt=rtt_s[lost],
+            tau=packet_s[lost],
+            gap=gap_s[lost],
+        )
+        extra[lost] = np.maximum(extra[lost], cost)
+        fired[lost] += timers
+        position = position + rng.geometric(q[lost]).astype(np.int64)
+        keep = position < packets[lost]
+        lost, position = lost[keep], position[keep]
+    extra += window_reduction_seconds(rtt_s, packet_s)
+    return extra, fired
