@@ -30,6 +30,7 @@ def test_the_plan_prints_each_recovery_policys_goodput(capsys: pytest.CaptureFix
     assert "failures on 16 GPUs (16 GPUs, 2 hosts, 16 NICs, 48 cables, 20 switches)" in out
     for policy in ("restart from the last checkpoint", "with hot spare hosts", "shrink and continue"):
         assert policy in out
+    assert "\nwith failures  " in out  # beside the step time
 
 
 @pytest.mark.slow

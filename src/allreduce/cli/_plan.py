@@ -360,6 +360,14 @@ def render(result: Plan) -> str:
         f"  compute      {format_seconds(step.compute_s)}  ({_share(step.compute_s, step.step_s)})",
         f"  waiting      {format_seconds(step.waiting_s)}",
         f"  exposed comm {format_seconds(step.exposed_comm_s)}  (of {format_seconds(step.comm_s)} all-reduce in all)",
+    ]
+    if result.goodput:
+        restart = result.goodput.row("restart")
+        lines.append(
+            f"with failures  {format_seconds(restart.effective_step_s(step.step_s))} per useful step (goodput "
+            f"{restart.goodput:.1%}, restarting from checkpoints; other policies below)"
+        )
+    lines += [
         f"bottleneck: {result.bottleneck}",
     ]
     if result.scaling:
