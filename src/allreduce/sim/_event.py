@@ -26,9 +26,9 @@ engine's incremental re-solve") has the measurements behind these choices.
 
 :func:`run_event` runs the same model on the windowed core (:mod:`allreduce.sim._window`: many transfers per
 numpy pass, exact by lookahead) wherever every transfer has a latency; this per-event core is the reference
-that one is tested against, the fallback without lookahead, and what the tail's re-runs use. It checks the fast engine up to a
-few hundred ranks (see :mod:`allreduce.sim._fast` for where and why the two differ), and engine="auto" uses it
-there.
+that one is tested against, the fallback without lookahead, and what the tail's re-runs use. The event engine
+checks the fast engine (see :mod:`allreduce.sim._fast` for where and why the two differ), and engine="auto"
+uses it where the fast engine cannot certify its result.
 
 The critical path is found by walking back from the rank that finished last: the transfer that ended its last
 step, the rank whose arrival started that transfer, that rank's previous step, and so on to time zero.
@@ -411,22 +411,21 @@ def run_event(
     topology = router.topology
     transfers = match_transfers(schedule)
     windowed = WindowRun(schedule, router, transfers, size_bytes, rank_delay_s)
-    run: _Run | WindowRun = windowed if windowed.usable else _Run(schedule, router, transfers, size_bytes, rank_delay_s)
-    if len(transfers):
+    run: _Run | WindowRun = windowed
+    if len(transfers) and not (windowed.usable and windowed.run(progress)):
+        # No lookahead, or a run whose passes would cost more than the per-event core's events.
+        run = _Run(schedule, router, transfers, size_bytes, rank_delay_s)
         run.run(progress)
     n = schedule.world_size
     seconds = float(run.rank_end.max()) if n else 0.0
 
-    # Per-link bytes: every transfer's bytes spread over its route with the route's weights.
-    t = transfers
-    pair = run.pair
-    lens = run.pair_len[pair]
-    ptr = np.concatenate([[0], np.cumsum(lens)])
-    entries = np.repeat(run.pair_ptr[pair] - ptr[:-1], lens) + np.arange(int(ptr[-1]))
-    entry_transfer = np.repeat(np.arange(len(t)), lens)
+    # Per-link bytes: every rank pair's bytes (its transfers' summed) spread over its route with the route's
+    # weights; per pair, not per transfer, so no array has one entry per transfer and hop.
+    pair_bytes = np.bincount(run.pair, weights=run.nbytes, minlength=run.pair_len.size)
+    entry_pair = np.repeat(np.arange(run.pair_len.size), run.pair_len)
     link_bytes = np.bincount(
-        run.used_links[run.pair_link[entries]],
-        weights=run.pair_weight[entries] * run.nbytes[entry_transfer],
+        run.used_links[run.pair_link],
+        weights=run.pair_weight * pair_bytes[entry_pair],
         minlength=topology.num_links,
     ).astype(np.float64)
 
@@ -436,7 +435,7 @@ def run_event(
 
     # Trace: one slice per step of the first ranks.
     k = min(n, trace_ranks)
-    steps = np.unique(t.step)
+    steps = np.unique(transfers.step)
     row = np.searchsorted(steps, run.slot_step)
     trace_start = np.full((steps.size, k), np.nan)
     trace_end = np.full((steps.size, k), np.nan)
