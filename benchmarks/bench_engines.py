@@ -5,6 +5,7 @@ core it replaced (sim/_event.py's _Run), wall and CPU time, peak memory, and agr
     .venv/bin/python benchmarks/bench_engines.py --reference       # ... and the per-event core (many minutes)
     .venv/bin/python benchmarks/bench_engines.py --ranks 256 512   # the same networks with fewer ranks
     .venv/bin/python benchmarks/bench_engines.py --grid            # agreement of the two cores on a grid
+    .venv/bin/python benchmarks/bench_engines.py --cores 256       # both cores, CPU time, on four networks
 
 Cases (64 MiB per rank, random placement, seed 0, as `allreduce sim --placement random`): ring on a k=16
 fat-tree (ECMP); ring and double binary tree (8 chunks) on a 32x8x32 Clos with 4:1 oversubscription. Each run is
@@ -181,12 +182,59 @@ def grid() -> None:
     print(f"{int(cases)} cases; {beyond} differ beyond 1e-9 (worst {worst:.1e}); load average {os.getloadavg()[0]:.1f}")
 
 
+CORE_CASES = (
+    ("fat-tree:k=16", "ring"),
+    ("clos:leaves=8,spines=8,hosts_per_leaf=32,oversub=4", "ring"),
+    ("clos:leaves=8,spines=8,hosts_per_leaf=32,oversub=4", "double_binary_tree"),
+    ("torus:16x16", "ring"),
+)
+
+
+def cores(ranks: int) -> None:
+    """Both cores on the same transfers, CPU seconds, and the windowed core's passes and filling levels per
+    transfer (what run_event's choice between them counts)."""
+    import numpy as np
+
+    from allreduce.schedules import Collective, make_schedule
+    from allreduce.sim import match_transfers
+    from allreduce.sim._event import _Run
+    from allreduce.sim._routing import Router
+    from allreduce.sim._window import WindowRun
+    from allreduce.topology import parse_topology, place
+
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{'network':<52} {'ranks':>5} {'algorithm':<19} {'transfers':>9} {'work/xfer':>9} {'windowed s':>10} "
+        f"{'per-event s':>11}"
+    )
+    for spec, algorithm in CORE_CASES:
+        topo = parse_topology(spec)
+        sched = make_schedule(Collective.ALL_REDUCE, algorithm, ranks, chunks=8)
+        rank_gpu = np.asarray(place(ranks, topo, "random", seed=0), dtype=np.int64)
+        transfers = match_transfers(sched)
+        start = time.process_time()
+        windowed = WindowRun(sched, Router(topo, rank_gpu, None, 0), transfers, SIZE_BYTES, None)
+        windowed.run(may_give_up=False)
+        windowed_s = time.process_time() - start
+        start = time.process_time()
+        _Run(sched, Router(topo, rank_gpu, None, 0), transfers, SIZE_BYTES, None).run()
+        per_event_s = time.process_time() - start
+        work = (windowed.passes + windowed.levels) / len(transfers)
+        print(
+            f"{spec:<52} {ranks:>5} {algorithm:<19} {len(transfers):>9} {work:>9.2f} {windowed_s:>10.1f} "
+            f"{per_event_s:>11.1f}",
+            flush=True,
+        )
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024])
     parser.add_argument("--reference", action="store_true", help="also run the per-event core (slow)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before giving up")
     parser.add_argument("--grid", action="store_true", help="instead: agreement of the two cores on a grid")
+    parser.add_argument("--cores", type=int, metavar="RANKS", help="instead: both cores' CPU time on four networks")
     parser.add_argument("--one", nargs=4, metavar=("SPEC", "RANKS", "ALGORITHM", "CORE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -195,6 +243,9 @@ def main() -> int:
         return 0
     if args.grid:
         grid()
+        return 0
+    if args.cores:
+        cores(args.cores)
         return 0
     scale(args.ranks, args.reference, args.timeout)
     return 0
