@@ -1,11 +1,12 @@
 """The event engine's windowed core: the model of :mod:`allreduce.sim._event`, advanced in numpy arrays many
 transfers at a time instead of one event at a time.
 
-Lookahead makes that exact. A transfer is delivered its latency after its last byte drained, and no latency is
-shorter than ``L`` (the smallest over the schedule's transfers). So in the window ``[T, T + L)``, ``T`` the
-earliest pending event, every delivery was scheduled before ``T``; every step that begins in the window begins
-because of one of those deliveries or an earlier one; and the drains in the window are delivered after it. A
-window is three passes over arrays:
+Lookahead makes that exact. A transfer is delivered its latency after its last byte drained, and drains no
+faster than its solo rate. So no transfer draining at ``T`` (the earliest pending event) or starting later can
+be delivered before ``T + L``, ``L`` the least of their bytes left at their solo rate plus their latency (never
+less than the smallest latency). In the window ``[T, T + L)`` every delivery was therefore scheduled before
+``T``; every step that begins in it begins because of one of those deliveries or an earlier one; and the drains
+in it are delivered after it. A window is three passes over arrays:
 
 1. its deliveries end steps; the steps that begin in the window begin; the transfers both of whose ranks have
    begun their step start (the k-th send from a to b meets the k-th receive at b from a);
@@ -19,8 +20,11 @@ window is three passes over arrays:
 3. the drains schedule their deliveries, after the window.
 
 The result is the one the per-event core computes (same events, same formulas for rates and drain times; a
-component's rates re-solved whole rather than partly, which is equal in mathematics and to rounding), for a
-few dozen numpy passes per window instead of a few dozen Python operations per transfer and event.
+component's rates re-solved whole rather than partly, and events that are simultaneous to 1e-12 grouped per
+component rather than globally: equal in mathematics and to rounding, which some runs amplify — see
+docs/design.md, "The event engine at scale"), for a few dozen numpy calls per pass instead of a few dozen
+Python operations per transfer and event; where passes are many, run_event goes back to the per-event core
+(see _MAX_WORK).
 """
 
 from __future__ import annotations
@@ -48,12 +52,13 @@ _LEVEL_RTOL = 1e-9
 _PROGRESS_EVERY = 4096
 
 # The windowed core pays a few dozen numpy calls per pass and per filling level; the per-event core a few dozen
-# Python operations per transfer. Measured (CPU seconds, 256 ranks, random placement, 64 MiB): ring on a k=16
-# fat-tree 0.17 passes and levels per transfer, windowed 2.3 s against per-event 5.1 s; ring on an 8x8x32 4:1
-# Clos 1.3, 9.0 s against 6.4 s; double binary tree there 32, 8.9 s against 3.6 s; ring on a 16x16 torus 13,
-# 72 s against about 30 s. So the windowed core runs the first _TRIAL_SHARE of the transfers, and gives way to
-# the per-event core when it needed more than _MAX_WORK passes and levels per transfer delivered. The choice
-# depends on counts only, so the same run always takes the same core.
+# Python operations per transfer. Measured (benchmarks/bench_engines.py --cores 256: CPU seconds, random
+# placement, 64 MiB): ring on a k=16 fat-tree 0.17 passes and levels per transfer, windowed 2.0 s against
+# per-event 5.0 s; ring on an 8x8x32 4:1 Clos 1.31, 10.0 s against 7.4 s; double binary tree there 32, 8.6 s
+# against 3.4 s; ring on a 16x16 torus 13, 72 s against about 30 s. So the windowed core runs the first
+# _TRIAL_SHARE of the transfers, and gives way to the per-event core when it needed more than _MAX_WORK passes
+# and levels per transfer delivered. The choice depends on counts only, so the same run always takes the same
+# core.
 _TRIAL_SHARE = 0.05
 _MAX_WORK = 0.5
 # The window is shortened by this relative margin, so that rounding in the bound above never lets a delivery
