@@ -51,16 +51,23 @@ _LEVEL_RTOL = 1e-9
 # How many deliveries between two calls of run()'s progress callback.
 _PROGRESS_EVERY = 4096
 
-# The windowed core pays a few dozen numpy calls per pass and per filling level; the per-event core a few dozen
-# Python operations per transfer. Measured (benchmarks/bench_engines.py --cores 256: CPU seconds, random
-# placement, 64 MiB): ring on a k=16 fat-tree 0.17 passes and levels per transfer, windowed 2.0 s against
-# per-event 5.0 s; ring on an 8x8x32 4:1 Clos 1.31, 10.0 s against 7.4 s; double binary tree there 32, 8.6 s
-# against 3.4 s; ring on a 16x16 torus 13, 72 s against about 30 s. So the windowed core runs the first
-# _TRIAL_SHARE of the transfers, and gives way to the per-event core when it needed more than _MAX_WORK passes
-# and levels per transfer delivered. The choice depends on counts only, so the same run always takes the same
-# core.
+# The windowed core pays a few dozen numpy calls per pass and a dozen per filling level (170 us and 26 us of CPU,
+# fitted to the tree and torus cases below; they predict the other two within 12%); the per-event core a few
+# dozen Python operations per transfer and event (38-63 us per transfer on a fat-tree, more where components
+# are large). Measured
+# (benchmarks/bench_engines.py --cores 256: CPU seconds, random placement, 64 MiB), passes + levels per
+# transfer, windowed against per-event: ring on a k=16 fat-tree 0.17, 2.0 s against 5.0 s; ring on an 8x8x32 4:1
+# Clos 1.31, 10.0 s against 7.4 s; double binary tree there 32, 8.6 s against 3.4 s; ring on a 16x16 torus 13,
+# 72 s against about 30 s; and ring on 1,024 ranks of the k=16 fat-tree 61 CPU-s against about 132. So the windowed
+# core runs the first _TRIAL_SHARE of the transfers, and gives way to the per-event core when its work (passes
+# plus _LEVEL_COST per level) exceeded _MAX_WORK per transfer delivered: at 5% the fat-tree rings above are at
+# 0.10 (256 ranks) and 0.22 (1,024: kept), the Clos rings at 0.55 and 0.49 (1,024 ranks), the tree at 4.2 and
+# the torus at 3.4 (given way). Those whose components are large are also the runs whose result rounding moves
+# most; giving them to the per-event core keeps them bit for bit. The choice depends on counts only, so the same
+# run always takes the same core.
 _TRIAL_SHARE = 0.05
-_MAX_WORK = 0.5
+_LEVEL_COST = 0.15
+_MAX_WORK = 0.35
 # The window is shortened by this relative margin, so that rounding in the bound above never lets a delivery
 # scheduled in the window land inside it.
 _REACH_MARGIN = 1e-9
@@ -473,7 +480,7 @@ class WindowRun(Layout):
                     deliver_x = np.concatenate([deliver_x, out])
                     deliver_at = np.concatenate([deliver_at, out_s + self.latency[out]])
             if trial and delivered >= trial:
-                if self.passes + self.levels > _MAX_WORK * delivered:
+                if self.passes + _LEVEL_COST * self.levels > _MAX_WORK * delivered:
                     return False
                 trial = 0
             while not trial and progress is not None and delivered >= reported + _PROGRESS_EVERY:
