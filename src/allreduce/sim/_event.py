@@ -413,7 +413,9 @@ def run_event(
     windowed = WindowRun(schedule, router, transfers, size_bytes, rank_delay_s)
     run: _Run | WindowRun = windowed
     if len(transfers) and not (windowed.usable and windowed.run(progress)):
-        # No lookahead, or a run whose passes would cost more than the per-event core's events.
+        # No lookahead, or a run whose passes would cost more than the per-event core's events. The abandoned
+        # run's arrays go before the per-event core builds its lists.
+        del windowed, run
         run = _Run(schedule, router, transfers, size_bytes, rank_delay_s)
         run.run(progress)
     n = schedule.world_size
