@@ -22,9 +22,13 @@ the rest is re-solved, on the capacity they leave, found by a search from the ch
 through the frozen ones. That is exact in mathematics, not bit for bit (summation order differs). A transfer
 whose rate changed gets a new drain event; its old one goes stale (a version counter). The core is plain
 Python over sets and dicts, since each event touches a handful of transfers; ``docs/design.md`` ("The event
-engine's incremental re-solve") has the measurements behind these choices. It checks the fast engine up to a
-few hundred ranks (see :mod:`allreduce.sim._fast` for where and why the two differ), and engine="auto" uses it
-there.
+engine's incremental re-solve") has the measurements behind these choices.
+
+:func:`run_event` runs the same model on the windowed core (:mod:`allreduce.sim._window`: many transfers per
+numpy pass, exact by lookahead) wherever every transfer has a latency; this per-event core is the reference
+that one is tested against, the fallback without lookahead, and what the tail's re-runs use. The event engine
+checks the fast engine (see :mod:`allreduce.sim._fast` for where and why the two differ), and engine="auto"
+uses it where the fast engine cannot certify its result.
 
 The critical path is found by walking back from the rank that finished last: the transfer that ended its last
 step, the rank whose arrival started that transfer, that rank's previous step, and so on to time zero.
@@ -36,16 +40,17 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Schedule, Verb
+from allreduce.schedules import Schedule
 from allreduce.sim._fair import fill_dense
+from allreduce.sim._layout import Layout, Transfers, match_transfers
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
+from allreduce.sim._window import WindowRun
 
 __all__ = ["Transfers", "match_transfers", "run_event"]
 
@@ -66,71 +71,7 @@ _NUMPY_MIN_FLOWS = 16
 _LEVEL_RTOL = 1e-9
 
 
-@dataclass(frozen=True, eq=False)
-class Transfers:
-    """Every transfer of a schedule, matched from the per-rank programs: rank ``src`` sends ``fraction`` of the
-    buffer to rank ``dst`` at ``step``."""
-
-    src: IntArray
-    dst: IntArray
-    step: IntArray
-    fraction: FloatArray
-
-    def __len__(self) -> int:
-        return int(self.src.shape[0])
-
-
-def match_transfers(schedule: Schedule) -> Transfers:
-    """Pair the k-th send from a to b with the k-th receive at b from a, over all per-rank programs.
-
-    ValueError naming the rank, peer and step when a send has no matching receive (or the reverse), or when
-    the two sides disagree on the step or the blocks."""
-    sends: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    for rank in range(schedule.world_size):
-        for op in schedule.program(rank):
-            if op.verb is Verb.SEND:
-                sends.setdefault((rank, op.peer), []).append((op.step, op.block_start, op.block_stop))
-            else:
-                recvs.setdefault((op.peer, rank), []).append((op.step, op.block_start, op.block_stop))
-    src: list[int] = []
-    dst: list[int] = []
-    step: list[int] = []
-    blocks: list[int] = []
-    for pair in sorted(sends.keys() | recvs.keys()):
-        a, b = pair
-        out, into = sends.get(pair, []), recvs.get(pair, [])
-        for k in range(max(len(out), len(into))):
-            if k >= len(into):
-                raise ValueError(
-                    f"{schedule.name}: rank {a} sends blocks [{out[k][1]}, {out[k][2]}) to rank {b} at step "
-                    f"{out[k][0]}, but rank {b} never receives them"
-                )
-            if k >= len(out):
-                raise ValueError(
-                    f"{schedule.name}: rank {b} expects blocks [{into[k][1]}, {into[k][2]}) from rank {a} at step "
-                    f"{into[k][0]}, but rank {a} never sends them"
-                )
-            if out[k] != into[k]:
-                raise ValueError(
-                    f"{schedule.name}: send {k} from rank {a} to rank {b} is step {out[k][0]} blocks "
-                    f"[{out[k][1]}, {out[k][2]}) but rank {b} receives step {into[k][0]} blocks "
-                    f"[{into[k][1]}, {into[k][2]})"
-                )
-            src.append(a)
-            dst.append(b)
-            step.append(out[k][0])
-            blocks.append(out[k][2] - out[k][1])
-    order = np.lexsort((np.asarray(dst), np.asarray(src), np.asarray(step))) if src else np.zeros(0, np.int64)
-    return Transfers(
-        src=np.asarray(src, dtype=np.int64)[order],
-        dst=np.asarray(dst, dtype=np.int64)[order],
-        step=np.asarray(step, dtype=np.int64)[order],
-        fraction=(np.asarray(blocks, dtype=np.float64) / schedule.num_blocks)[order],
-    )
-
-
-class _Run:
+class _Run(Layout):
     """One event-driven simulation: the state that changes as time advances."""
 
     def __init__(
@@ -149,69 +90,13 @@ class _Run:
         """``local=False`` re-solves the rates of every draining transfer at every change, not only those
         of the changed transfers' component (the reference the local re-solve is tested against);
         components of more than ``numpy_min_flows`` transfers are solved with numpy, smaller ones over dicts.
-        ``start_s`` (per rank): when each rank reaches the collective (default: all at 0); ``extra_s`` (per
-        transfer): a delay added to its delivery after its last byte drained — a retransmission or latency
-        jitter, which the fluid model charges to no link's capacity (as the fast engine's recurrence does)."""
+        ``start_s`` and ``extra_s``: as :class:`Layout` has them."""
         self.local = local
         self.numpy_min_flows = numpy_min_flows
-        self.schedule = schedule
-        self.router = router
-        self.capacity = router.topology.link_bandwidth_Bps
-        n = schedule.world_size
-        t = transfers
-        self.t = t
-        self.nbytes = t.fraction * float(size_bytes)
-        self.delay = np.zeros(n) if rank_delay_s is None else rank_delay_s
-
-        # Route each distinct (src, dst) pair once.
-        pair_key = t.src * n + t.dst
-        keys, self.pair = np.unique(pair_key, return_inverse=True)
-        self.pair = self.pair.reshape(-1)
-        routes = router.route_ranks(keys // n, keys % n)
-        self.pair_ptr = routes.flow_ptr
-        self.pair_len = np.diff(routes.flow_ptr)
-        # Links renumbered densely over the ones this schedule uses.
-        self.used_links, pair_link = np.unique(routes.link, return_inverse=True)
-        self.pair_link = pair_link.reshape(-1).astype(np.int64)
-        self.pair_weight = routes.weight
-        link_capacity = self.capacity[self.used_links]
-        if np.any(~(link_capacity > 0)):
-            bad = int(self.used_links[~(link_capacity > 0)][0])
-            raise ValueError(f"link {bad} carries flows but has capacity {self.capacity[bad]} (must be > 0)")
-        self.latency = routes.latency_s[self.pair]
-        if extra_s is not None:
-            self.latency = self.latency + extra_s
-        self.start_at = np.zeros(n) if start_s is None else np.asarray(start_s, dtype=np.float64)
-
-        # Slots: one per (rank, step) in which the rank transfers; each transfer sits in two (send, receive).
-        slot_rank = np.concatenate([t.src, t.dst])
-        slot_step = np.concatenate([t.step, t.step])
-        slot_key = slot_rank * (int(t.step.max()) + 1 if len(t) else 1) + slot_step
-        slot_keys, slot_of = np.unique(slot_key, return_inverse=True)
-        slot_of = slot_of.reshape(-1)
-        self.num_slots = int(slot_keys.size)
-        self.send_slot = slot_of[: len(t)]
-        self.recv_slot = slot_of[len(t) :]
-        # Unique keys sort by rank then step, so a rank's slots are consecutive and in step order.
-        first_of = np.unique(slot_of, return_index=True)[1]
-        self.slot_rank = slot_rank[first_of]
-        self.slot_step = slot_step[first_of]
-        self.rank_first_slot = np.searchsorted(self.slot_rank, np.arange(n), side="left")
-        self.rank_stop_slot = np.searchsorted(self.slot_rank, np.arange(n), side="right")
-        members = np.argsort(slot_of, kind="stable")  # entries 0..2T-1 grouped by slot
-        self.slot_ptr = np.concatenate([[0], np.cumsum(np.bincount(slot_of, minlength=self.num_slots))])
-        self.slot_members = (members % max(len(t), 1)).tolist()
-
-        self.slot_start = np.full(self.num_slots, np.nan)
-        self.slot_end = np.full(self.num_slots, np.nan)
-        self.slot_last = np.full(self.num_slots, -1, dtype=np.int64)  # transfer that completed the slot
-        self.trigger = np.full(len(t), -1, dtype=np.int64)  # slot whose start let the transfer begin
-        self.start_s = np.full(len(t), np.nan)
-        self.drained_s = np.full(len(t), np.nan)
-        self.delivered_s = np.full(len(t), np.nan)
-        self.rank_end = np.zeros(n)
-        self.slowest_rate = np.full(len(t), np.inf)  # per transfer, filled in when the run ends
-        self.bottleneck = np.full(len(t), -1, dtype=np.int64)
+        super().__init__(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
+        t = self.t
+        link_capacity = self.link_capacity
+        self.slot_members = self.slot_member.tolist()
 
         # The fluid core works on plain Python lists: each event touches a handful of transfers and links,
         # where a numpy call's fixed cost would dominate.
@@ -525,22 +410,24 @@ def run_event(
 ) -> SimResult:
     topology = router.topology
     transfers = match_transfers(schedule)
-    run = _Run(schedule, router, transfers, size_bytes, rank_delay_s)
-    if len(transfers):
+    windowed = WindowRun(schedule, router, transfers, size_bytes, rank_delay_s)
+    run: _Run | WindowRun = windowed
+    if len(transfers) and not (windowed.usable and windowed.run(progress)):
+        # No lookahead, or a run whose passes would cost more than the per-event core's events. The abandoned
+        # run's arrays go before the per-event core builds its lists.
+        del windowed, run
+        run = _Run(schedule, router, transfers, size_bytes, rank_delay_s)
         run.run(progress)
     n = schedule.world_size
     seconds = float(run.rank_end.max()) if n else 0.0
 
-    # Per-link bytes: every transfer's bytes spread over its route with the route's weights.
-    t = transfers
-    pair = run.pair
-    lens = run.pair_len[pair]
-    ptr = np.concatenate([[0], np.cumsum(lens)])
-    entries = np.repeat(run.pair_ptr[pair] - ptr[:-1], lens) + np.arange(int(ptr[-1]))
-    entry_transfer = np.repeat(np.arange(len(t)), lens)
+    # Per-link bytes: every rank pair's bytes (its transfers' summed) spread over its route with the route's
+    # weights; per pair, not per transfer, so no array has one entry per transfer and hop.
+    pair_bytes = np.bincount(run.pair, weights=run.nbytes, minlength=run.pair_len.size)
+    entry_pair = np.repeat(np.arange(run.pair_len.size), run.pair_len)
     link_bytes = np.bincount(
-        run.used_links[run.pair_link[entries]],
-        weights=run.pair_weight[entries] * run.nbytes[entry_transfer],
+        run.used_links[run.pair_link],
+        weights=run.pair_weight * pair_bytes[entry_pair],
         minlength=topology.num_links,
     ).astype(np.float64)
 
@@ -550,7 +437,7 @@ def run_event(
 
     # Trace: one slice per step of the first ranks.
     k = min(n, trace_ranks)
-    steps = np.unique(t.step)
+    steps = np.unique(transfers.step)
     row = np.searchsorted(steps, run.slot_step)
     trace_start = np.full((steps.size, k), np.nan)
     trace_end = np.full((steps.size, k), np.nan)
@@ -578,7 +465,9 @@ def run_event(
     )
 
 
-def _critical_path(run: _Run, seconds: float, num_links: int) -> tuple[tuple[CriticalStep, ...], FloatArray]:
+def _critical_path(
+    run: _Run | WindowRun, seconds: float, num_links: int
+) -> tuple[tuple[CriticalStep, ...], FloatArray]:
     """Walk back from the last rank to finish; per link, the seconds the path spent draining through it."""
     waited = np.zeros(num_links)
     if not len(run.t):
@@ -634,7 +523,7 @@ def _critical_path(run: _Run, seconds: float, num_links: int) -> tuple[tuple[Cri
     return tuple(steps), waited
 
 
-def _phase_results(schedule: Schedule, run: _Run) -> tuple[PhaseResult, ...]:
+def _phase_results(schedule: Schedule, run: _Run | WindowRun) -> tuple[PhaseResult, ...]:
     t = run.t
     effective = np.divide(
         run.nbytes,

@@ -1,0 +1,263 @@
+"""The event engine at scale: the windowed core (sim/_window.py, what engine="event" runs) against the per-event
+core it replaced (sim/_event.py's _Run), wall and CPU time, peak memory, and agreement.
+
+    .venv/bin/python benchmarks/bench_engines.py                   # the two 1,024-rank cases, windowed core only
+    .venv/bin/python benchmarks/bench_engines.py --reference       # ... and the per-event core (many minutes)
+    .venv/bin/python benchmarks/bench_engines.py --ranks 256 512   # the same networks with fewer ranks
+    .venv/bin/python benchmarks/bench_engines.py --grid            # agreement of the two cores on a grid
+    .venv/bin/python benchmarks/bench_engines.py --cores 256       # both cores, CPU time, on four networks
+
+Cases (64 MiB per rank, random placement, seed 0, as `allreduce sim --placement random`): ring on a k=16
+fat-tree (ECMP); ring and double binary tree (8 chunks) on a 32x8x32 Clos with 4:1 oversubscription. Each run is
+a fresh process, so "peak MB" is that process's maximum resident set (interpreter and numpy included: about
+50 MB before any work). Times are of simulate(engine=...) alone; the machine is shared, so CPU seconds are the
+figure to compare and the load average is printed.
+
+--grid compares the two cores transfer by transfer on small and medium cases (all delivery times, rank end
+times; relative). Where they differ beyond 1e-9, the per-event core is run once more with every latency 1e-21 s
+longer (a few ulps): that column is how far the reference itself moves under rounding-sized changes. The last
+column says which core engine="event" runs (the windowed one gives way where its passes cost more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+SIZE_BYTES = 64 * 2**20
+FAT_TREE = "fat-tree:k=16"
+CLOS = "clos:leaves=32,spines=8,hosts_per_leaf=32,oversub=4"
+CASES = ((FAT_TREE, "ring"), (CLOS, "ring"), (CLOS, "double_binary_tree"))
+
+
+def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
+    """One simulation in this process: engine="event" with the given core."""
+    import numpy as np
+
+    from allreduce.schedules import Collective, make_schedule
+    from allreduce.sim import _event, simulate
+    from allreduce.topology import parse_topology
+
+    if core == "per-event":
+        # The per-event core in place of the windowed one: run_event falls back to it when the windowed core is
+        # not usable.
+        class _Unusable(_event.WindowRun):
+            def __init__(self, *args: object, **kwargs: object) -> None:
+                self.usable = False
+
+        _event.WindowRun = _Unusable  # type: ignore[misc]
+    topo = parse_topology(spec)
+    sched = make_schedule(Collective.ALL_REDUCE, algorithm, ranks, chunks=8)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = simulate(sched, topo, size_bytes=SIZE_BYTES, placement="random", seed=0, engine="event")
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {
+        "seconds": result.seconds,
+        "rank_end": np.asarray(result.rank_end_s).tolist(),
+        "wall": wall,
+        "cpu": cpu,
+        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def spawn(spec: str, ranks: int, algorithm: str, core: str, timeout_s: float) -> dict[str, object] | None:
+    cmd = [sys.executable, __file__, "--one", spec, str(ranks), algorithm, core]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def scale(ranks_list: list[int], reference: bool, timeout_s: float) -> None:
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{'case':<66} {'ranks':>6} {'core':<9} {'wall s':>8} {'cpu s':>8} {'peak MB':>8} {'time ms':>10} {'vs ref':>9}"
+    )
+    for ranks in ranks_list:
+        for spec, algorithm in CASES:
+            rows = {}
+            for core in ("windowed", "per-event") if reference else ("windowed",):
+                rows[core] = row = spawn(spec, ranks, algorithm, core, timeout_s)
+                label = f"{spec} {algorithm}"
+                if row is None:
+                    print(f"{label:<66} {ranks:>6} {core:<9} {'> ' + str(int(timeout_s)):>8}", flush=True)
+                    continue
+                agree = ""
+                ref = rows.get("windowed") if core == "per-event" else None
+                if ref is not None:
+                    import numpy as np
+
+                    a, b = np.asarray(ref["rank_end"]), np.asarray(row["rank_end"])
+                    agree = f"{float(np.max(np.abs(a - b) / b)):.1e}"
+                print(
+                    f"{label:<66} {ranks:>6} {core:<9} {row['wall']:>8.1f} {row['cpu']:>8.1f} {row['peak_mb']:>8.0f} "
+                    f"{float(row['seconds']) * 1e3:>10.4f} {agree:>9}",
+                    flush=True,
+                )
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
+GRID_NETWORKS = (
+    ("fat-tree:k=4", 16),
+    ("fat-tree:k=8", 64),
+    ("fat-tree:k=8", 128),
+    ("clos:leaves=4,spines=2,hosts_per_leaf=8,oversub=4", 32),
+    ("clos:leaves=8,spines=4,hosts_per_leaf=16,oversub=4", 128),
+    ("torus:4x4", 16),
+    ("torus:8x8", 64),
+    ("rail:nodes=4,gpus=8", 32),
+    ("switch:16", 16),
+    ("dragonfly:groups=5,routers=4,hosts=2", 40),
+)
+GRID_ALGORITHMS = ("ring", "halving_doubling", "double_binary_tree", "hierarchical", "recursive_doubling")
+
+
+def grid() -> None:
+    import numpy as np
+
+    from allreduce.schedules import Collective, make_schedule
+    from allreduce.sim import match_transfers
+    from allreduce.sim._event import _Run
+    from allreduce.sim._routing import Router
+    from allreduce.sim._window import WindowRun
+    from allreduce.topology import parse_topology, place
+
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{'network':<52} {'ranks':>5} {'algorithm':<19} {'placement':<9} {'per-event s':>11} {'windowed s':>10} "
+        f"{'differs':>9} {'ref moves':>9} {'event runs':>9}"
+    )
+    cases = worst = worst_event = 0.0
+    beyond = 0
+    for spec, ranks in GRID_NETWORKS:
+        topo = parse_topology(spec)
+        for algorithm in GRID_ALGORITHMS:
+            if algorithm in ("halving_doubling", "recursive_doubling") and ranks & (ranks - 1):
+                continue
+            sched = make_schedule(Collective.ALL_REDUCE, algorithm, ranks, chunks=8, group_size=8)
+            for placement in ("linear", "random"):
+                rank_gpu = np.asarray(place(ranks, topo, placement, seed=1), dtype=np.int64)
+                transfers = match_transfers(sched)
+                cpu = []
+                runs = []
+                for core in (_Run, WindowRun):
+                    start = time.process_time()
+                    run = core(sched, Router(topo, rank_gpu, None, 1), transfers, 2.0**24, None)
+                    if isinstance(run, WindowRun):
+                        run.run(may_give_up=False)
+                    else:
+                        run.run()
+                    cpu.append(time.process_time() - start)
+                    runs.append(run)
+                ref, new = runs
+                # What engine="event" runs: the windowed core unless it gives way to the per-event core.
+                kept = WindowRun(sched, Router(topo, rank_gpu, None, 1), transfers, 2.0**24, None).run()
+                differs = max(
+                    float(np.max(np.abs(new.delivered_s - ref.delivered_s) / ref.delivered_s)),
+                    float(np.max(np.abs(new.rank_end - ref.rank_end) / ref.rank_end)),
+                )
+                moves = ""
+                if differs > 1e-9:
+                    beyond += 1
+                    nudged = _Run(
+                        sched,
+                        Router(topo, rank_gpu, None, 1),
+                        transfers,
+                        2.0**24,
+                        None,
+                        extra_s=np.full(len(transfers), 1e-21),
+                    )
+                    nudged.run()
+                    moves = f"{float(np.max(np.abs(nudged.rank_end - ref.rank_end) / ref.rank_end)):.1e}"
+                cases += 1
+                worst = max(worst, differs)
+                if kept:
+                    worst_event = max(worst_event, differs)
+                print(
+                    f"{spec:<52} {ranks:>5} {algorithm:<19} {placement:<9} {cpu[0]:>11.2f} {cpu[1]:>10.2f} "
+                    f"{differs:>9.1e} {moves:>9} {'windowed' if kept else 'per-event':>9}",
+                    flush=True,
+                )
+    print(
+        f"{int(cases)} cases; the windowed core differs beyond 1e-9 in {beyond} (worst {worst:.1e}); engine=event "
+        f"(windowed where it keeps it) worst {worst_event:.1e}; load average {os.getloadavg()[0]:.1f}"
+    )
+
+
+CORE_CASES = (
+    ("fat-tree:k=16", "ring"),
+    ("clos:leaves=8,spines=8,hosts_per_leaf=32,oversub=4", "ring"),
+    ("clos:leaves=8,spines=8,hosts_per_leaf=32,oversub=4", "double_binary_tree"),
+    ("torus:16x16", "ring"),
+)
+
+
+def cores(ranks: int) -> None:
+    """Both cores on the same transfers, CPU seconds, and the windowed core's passes and filling levels per
+    transfer (what run_event's choice between them counts)."""
+    import numpy as np
+
+    from allreduce.schedules import Collective, make_schedule
+    from allreduce.sim import match_transfers
+    from allreduce.sim._event import _Run
+    from allreduce.sim._routing import Router
+    from allreduce.sim._window import WindowRun
+    from allreduce.topology import parse_topology, place
+
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{'network':<52} {'ranks':>5} {'algorithm':<19} {'transfers':>9} {'work/xfer':>9} {'windowed s':>10} "
+        f"{'per-event s':>11}"
+    )
+    for spec, algorithm in CORE_CASES:
+        topo = parse_topology(spec)
+        sched = make_schedule(Collective.ALL_REDUCE, algorithm, ranks, chunks=8)
+        rank_gpu = np.asarray(place(ranks, topo, "random", seed=0), dtype=np.int64)
+        transfers = match_transfers(sched)
+        start = time.process_time()
+        windowed = WindowRun(sched, Router(topo, rank_gpu, None, 0), transfers, SIZE_BYTES, None)
+        windowed.run(may_give_up=False)
+        windowed_s = time.process_time() - start
+        start = time.process_time()
+        _Run(sched, Router(topo, rank_gpu, None, 0), transfers, SIZE_BYTES, None).run()
+        per_event_s = time.process_time() - start
+        work = (windowed.passes + windowed.levels) / len(transfers)
+        print(
+            f"{spec:<52} {ranks:>5} {algorithm:<19} {len(transfers):>9} {work:>9.2f} {windowed_s:>10.1f} "
+            f"{per_event_s:>11.1f}",
+            flush=True,
+        )
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1024])
+    parser.add_argument("--reference", action="store_true", help="also run the per-event core (slow)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before giving up")
+    parser.add_argument("--grid", action="store_true", help="instead: agreement of the two cores on a grid")
+    parser.add_argument("--cores", type=int, metavar="RANKS", help="instead: both cores' CPU time on four networks")
+    parser.add_argument("--one", nargs=4, metavar=("SPEC", "RANKS", "ALGORITHM", "CORE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        spec, ranks, algorithm, core = args.one
+        print(json.dumps(one(spec, int(ranks), algorithm, core)))
+        return 0
+    if args.grid:
+        grid()
+        return 0
+    if args.cores:
+        cores(args.cores)
+        return 0
+    scale(args.ranks, args.reference, args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
