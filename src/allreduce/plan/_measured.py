@@ -24,7 +24,6 @@ them installs from the Python package index.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -34,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from allreduce.plan._workload import Model
+from allreduce.plan._workload import Model, module_factory
 from allreduce.units import format_seconds
 
 __all__ = ["MAX_PROFILE_BYTES", "MeasuredBackward", "measure_module", "measure_spec", "read_profile"]
@@ -188,19 +187,10 @@ def measure_module(
 def measure_spec(spec: str, *, repeats: int = 5) -> MeasuredBackward:
     """Measure ``module:function``, whose function returns ``(module, inputs)``: inputs a tensor or a tuple of
     them, one micro-batch as the model takes it. Errors name the spec and what is wrong."""
-    module_name, sep, function_name = spec.partition(":")
-    if not sep or not module_name or not function_name:
-        raise ValueError(f"{spec!r}: write a module as module:function, e.g. mymodels:resnet_and_batch")
-    try:
-        import torch
-    except ImportError:
-        raise ValueError(f"{spec}: measuring a module needs torch (pip install 'allreduce[torch]')") from None
-    try:
-        factory = getattr(importlib.import_module(module_name), function_name, None)
-    except ImportError as exc:
-        raise ValueError(f"{spec}: cannot import {module_name} ({exc})") from None
-    if not callable(factory):
-        raise ValueError(f"{spec}: {module_name} has no function {function_name}")
+    factory = module_factory(spec, doing="measuring a module")
+    import torch
+
+    function_name = spec.partition(":")[2]
     made = factory()
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
         raise ValueError(

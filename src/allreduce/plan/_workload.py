@@ -23,6 +23,7 @@ import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
@@ -142,15 +143,16 @@ def model_from_params(params: float) -> Model:
     return Model(f"{format_count(params)}-parameter transformer", (int(params),))
 
 
-def model_from_module(spec: str) -> Model:
-    """The parameters of the ``torch.nn.Module`` that ``module:function`` returns (no forward pass)."""
+def module_factory(spec: str, *, doing: str) -> Any:
+    """The function that ``module:function`` names (torch must be installed: ``doing`` says why); errors name the
+    spec and what is wrong."""
     module_name, sep, function_name = spec.partition(":")
     if not sep or not module_name or not function_name:
         raise ValueError(f"{spec!r}: write a module as module:function, e.g. torchvision.models:resnet50")
     try:
-        import torch
+        import torch  # noqa: F401  (the factory builds a torch module)
     except ImportError:
-        raise ValueError(f"{spec}: reading a torch module needs torch (pip install 'allreduce[torch]')") from None
+        raise ValueError(f"{spec}: {doing} needs torch (pip install 'allreduce[torch]')") from None
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -158,6 +160,15 @@ def model_from_module(spec: str) -> Model:
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ValueError(f"{spec}: {module_name} has no function {function_name}")
+    return factory
+
+
+def model_from_module(spec: str) -> Model:
+    """The parameters of the ``torch.nn.Module`` that ``module:function`` returns (no forward pass)."""
+    factory = module_factory(spec, doing="reading a torch module")
+    import torch
+
+    function_name = spec.partition(":")[2]
     net = factory()
     if not isinstance(net, torch.nn.Module):
         raise ValueError(f"{spec}: {function_name}() returned {type(net).__name__}, not a torch.nn.Module")
