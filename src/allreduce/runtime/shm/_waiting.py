@@ -46,6 +46,11 @@ YIELD_NS = int(YIELD_S * 1e9)
 POLL_S = 0.001
 """Longest a waiter blocks in futex before it re-checks the deadline, dead peers and abort flags."""
 
+CLOSED_GRACE_S = 0.2
+"""How long a rank that finds a peer closed the group while it waited gives a death elsewhere to show before naming
+the peer: a rank that closes mid-collective is usually reacting to a death (seen on another group of its process,
+or on a socket), and a SIGKILLed process's sockets reset before its pidfd reports the exit."""
+
 
 def corrupt_block_error(rank: int, owner: int, word: str, value: int, *, seq: int, step: int) -> ProtocolError:
     """The error for a value in ``owner``'s control block that no legitimate writer produces: the same message on
@@ -214,6 +219,8 @@ class PeerWaiting:
         if views[peer][word] >= target:
             return  # the peer did its part before it went away
         step_or_none = step if step >= 0 else None
+        if not died and all(views[p][ABORTED_WORD] == NO_ABORT for p in aborted):
+            died = self._deaths_within(CLOSED_GRACE_S)
         if died:
             culprit = died[0]
             unlink_rank_files(self._prefix, died)
@@ -253,6 +260,17 @@ class PeerWaiting:
             else p,
             step=step_or_none,
         )
+
+    def _deaths_within(self, grace_s: float) -> list[int]:
+        """The peers that exited without closing or giving up, waiting up to ``grace_s`` for one to show."""
+        views = self._views
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = self._exited_peers()
+            died = [p for p in dead if views[p][ABORTED_WORD] == NO_ABORT and not views[p][CLOSED_WORD]]
+            if died or time.monotonic() >= deadline:
+                return died
+            time.sleep(POLL_S)
 
     def _exited_peers(self) -> list[int]:
         """The peers whose process has exited (their pidfd is readable), closed or not."""
