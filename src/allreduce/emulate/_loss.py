@@ -11,7 +11,9 @@ the ``raw`` table's PREROUTING chain (before routing: a router and a host alike)
   ``r = (1 − g)/burst`` per packet, bursts last ``1/r = burst/(1 − g) ≈ burst`` packets on average, and the
   long-run rate is ``p = g / (g + r) = g·burst / (g·burst + 1 − g)``, i.e. ``g = p / (burst·(1 − p) + p)``.
   The state is one entry of the ``recent`` match whose address mask is 0.0.0.0 (every packet maps to it):
-  present means bad.
+  present means bad. A bad state also ends :data:`BAD_STATE_MAX_S` after it began: the chain advances only with
+  packets, and a connection waiting out its retransmission timer sends none (at 100 Mbit/s a burst of a few packets
+  lasts well under a millisecond, so the limit changes nothing while packets flow).
 
 Only TCP is dropped: the collective's data, its ACKs and its control messages. The UDP echo that measures the
 hop latency is left alone. A counting rule before the drops counts every TCP packet that arrives, so the
@@ -32,7 +34,10 @@ from dataclasses import dataclass
 
 from allreduce.emulate._layout import Layout
 
-__all__ = ["GSO_MAX_SEGS", "LossSpec", "loss_commands", "read_counters"]
+__all__ = ["BAD_STATE_MAX_S", "GSO_MAX_SEGS", "LossSpec", "loss_commands", "read_counters"]
+
+BAD_STATE_MAX_S = 1
+"""The longest a bursty link's bad state lasts, in seconds (the ``recent`` match counts whole seconds)."""
 
 GSO_MAX_SEGS = 1
 """Segments per packet a veth end accepts: one, so every packet is one MSS on the wire."""
@@ -128,7 +133,10 @@ def loss_commands(built: Layout, losses: dict[int, LossSpec]) -> list[list[str]]
             # good: a packet turns the chain bad with probability g (and the next rule drops it, the burst's first)
             [*arrive, "-m", "statistic", "--mode", "random", "--probability", f"{spec.enter_probability():.9g}",
              *state, "--set"],
-            [*arrive, *state, "--rcheck", "-j", chain],
+            # bad for at most BAD_STATE_MAX_S: the chain is clocked by packets, and a TCP waiting out its
+            # retransmission timeout sends none, so without a time limit a lost retransmission finds the chain
+            # still bad three times in four (burst 4), backing off until the collective times out
+            [*arrive, *state, "--rcheck", "--seconds", str(BAD_STATE_MAX_S), "-j", chain],
         ]  # fmt: skip
     return commands
 
