@@ -4,14 +4,12 @@ and the whole plan, each with the JSON that ``allreduce report`` reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from allreduce.plan._goodput import GoodputPlan
+from allreduce.plan._request import PlanRequest
 from allreduce.plan._step import StepTime
 from allreduce.plan._tail import StepQuantiles
-
-if TYPE_CHECKING:
-    from allreduce.plan._planner import PlanRequest
 
 __all__ = ["Plan", "ScalingRow", "SizeRun", "StepPlan", "WhatIf"]
 
