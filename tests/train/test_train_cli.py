@@ -45,6 +45,14 @@ def test_train_json_names_the_injected_slow_rank() -> None:
         (["-n", "0"], "-n must be >= 1"),
         (["-n", "2", "--batch-size", "1000"], "exceeds the 1438 training samples"),
         (["-n", "2", "--bucket-mb", "0"], "bucket size must be > 0 MB"),
+        (["-n", "2", "--kill-rank", "0@3"], "rank 0 hosts the group's store"),
+        (["-n", "2", "--kill-rank", "2@3"], "kill rank 2 is not a rank of 2 ranks"),
+        (["-n", "1", "--kill-rank", "0@3"], "killing a rank needs at least 2 ranks"),
+        (["-n", "2", "--kill-rank", "1"], "expected RANK@STEP"),
+        (["-n", "2", "--kill-rank", "1@x"], "must be integers"),
+        (["-n", "2", "--kill-rank", "1@-1"], "kill step must be >= 0"),
+        (["-n", "2", "--kill-rank", "1@1000"], "kill step 1000 is past the run's last step"),
+        (["-n", "2", "--kill-rank", "1@3", "--transport", "torch"], "not on torch"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

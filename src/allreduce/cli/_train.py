@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
@@ -38,6 +39,16 @@ def _slow_rank(text: str) -> tuple[int, float]:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"the delay in {text!r}: {exc}") from None
     return rank, delay_s
+
+
+def _kill_rank(text: str) -> tuple[int, int]:
+    rank_text, sep, step_text = text.partition("@")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected RANK@STEP (e.g. 2@40), got {text!r}")
+    try:
+        return int(rank_text), int(step_text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the rank and the step in {text!r} must be integers") from None
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -76,27 +87,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="R=SECONDS",
         help="make rank R sleep SECONDS per step in compute (one slow worker slows every worker)",
     )
+    p.add_argument(
+        "--kill-rank",
+        type=_kill_rank,
+        metavar="R@STEP",
+        help="SIGKILL rank R before global step STEP (counted from 0 over all epochs); the survivors shrink the "
+        "group, re-run the step on the same global batch and go on (not rank 0: it hosts the store)",
+    )
     p.add_argument("--json", action="store_true", help="print the per-epoch figures as JSON")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from allreduce.train import RankFailedError, TrainConfig, format_result, train
+    from allreduce.train import RankFailedError, format_result, train
 
     if args.ranks < 1:
         raise CLIError(f"-n must be >= 1, got {args.ranks}")
     slow_rank, slow_s = args.slow_rank if args.slow_rank else (None, 0.0)
-    config = TrainConfig(
-        world_size=args.ranks,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        algorithm=args.algorithm,
-        transport=args.transport,
-        bucket_size_mb=args.bucket_mb,
-        slow_rank=slow_rank,
-        slow_s=slow_s,
-    )
+    kill_rank, kill_step = args.kill_rank if args.kill_rank else (None, 0)
     try:
+        config = _config(args, slow_rank, slow_s, kill_rank, kill_step)
         result = train(config)
     except RankFailedError as exc:
         raise CLIError(str(exc)) from None
@@ -105,3 +115,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_result(result))
     return 0
+
+
+def _config(
+    args: argparse.Namespace, slow_rank: int | None, slow_s: float, kill_rank: int | None, kill_step: int
+) -> Any:
+    from allreduce.train import TrainConfig
+
+    return TrainConfig(
+        world_size=args.ranks,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        algorithm=args.algorithm,
+        transport=args.transport,
+        bucket_size_mb=args.bucket_mb,
+        slow_rank=slow_rank,
+        slow_s=slow_s,
+        kill_rank=kill_rank,
+        kill_step=kill_step,
+    )

@@ -21,12 +21,15 @@ from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
 from allreduce.runtime._spawn import (
     DEFAULT_GRACE_S,
     MAX_LOCAL_RANKS,
+    Departure,
+    ElasticOutcome,
     JobInterruptedError,
     RankFailedError,
     die_with_parent,
     new_token,
     reserve_port,
     spawn,
+    spawn_elastic,
     stop_signal_handlers,
 )
 from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
@@ -60,6 +63,8 @@ __all__ = [
     "ChecksumError",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "Departure",
+    "ElasticOutcome",
     "GroupStats",
     "JobInterruptedError",
     "LaunchResult",
@@ -99,6 +104,7 @@ __all__ = [
     "run_bench",
     "save_cost_model",
     "spawn",
+    "spawn_elastic",
     "stop_signal_handlers",
     "tune_file",
 ]

@@ -31,9 +31,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from allreduce.runtime._rank_report import install_failure_report, reacted_to
 from allreduce.runtime._reaper import Reaper
@@ -44,6 +45,8 @@ __all__ = [
     "MASTER_ADDR",
     "MAX_LOCAL_RANKS",
     "STOP_SIGNALS",
+    "Departure",
+    "ElasticOutcome",
     "JobInterruptedError",
     "RankFailedError",
     "RankWatch",
@@ -54,6 +57,7 @@ __all__ = [
     "rank_environment",
     "reserve_port",
     "spawn",
+    "spawn_elastic",
     "stop_signal_handlers",
 ]
 
@@ -301,6 +305,82 @@ def spawn(
     this raise :class:`JobInterruptedError`. Every rank has exited and its shared memory is unlinked when this
     returns or raises.
     """
+    replies, _ = _run_ranks(
+        world_size,
+        fn,
+        args,
+        group=group,
+        init_options=init_options,
+        timeout_s=timeout_s,
+        grace_s=grace_s,
+        env=env,
+        min_ranks=None,
+    )
+    return [replies[rank] for rank in range(world_size)]
+
+
+@dataclass(frozen=True)
+class Departure:
+    """A rank that failed while the job went on without it (:func:`spawn_elastic`)."""
+
+    rank: int
+    how: str  # "was killed by SIGKILL", or the exception the rank reported
+    at: float  # time.monotonic() when the launcher saw it exit (CLOCK_MONOTONIC: comparable across processes)
+    survivors: int  # ranks still running once it had gone
+
+
+@dataclass(frozen=True)
+class ElasticOutcome(Generic[R]):
+    """What :func:`spawn_elastic` returns: the results of the ranks that finished, and the ranks that did not."""
+
+    results: dict[int, R]
+    departures: list[Departure]
+
+
+def spawn_elastic(
+    world_size: int,
+    fn: Callable[..., R],
+    *args: Any,
+    min_ranks: int,
+    timeout_s: float = 300.0,
+    grace_s: float = DEFAULT_GRACE_S,
+    env: Mapping[str, str] | None = None,
+) -> ElasticOutcome[R]:
+    """:func:`spawn` (``group=False``) for elastic code: a rank's failure does not stop the others while at least
+    ``min_ranks`` are still running, so survivors that shrink their group (``group.shrink()``) go on without it.
+    Each such failure is a :class:`Departure` in the outcome; the job fails as :func:`spawn` does (a
+    :class:`RankFailedError`) once fewer than ``min_ranks`` remain, or at the deadline."""
+    check_world_size(world_size)
+    if not 1 <= min_ranks <= world_size:
+        raise ValueError(f"min_ranks must be in 1..{world_size} (the world size), got {min_ranks!r}")
+    replies, departures = _run_ranks(
+        world_size,
+        fn,
+        args,
+        group=False,
+        init_options=None,
+        timeout_s=timeout_s,
+        grace_s=grace_s,
+        env=env,
+        min_ranks=min_ranks,
+    )
+    return ElasticOutcome(results=dict(sorted(replies.items())), departures=departures)
+
+
+def _run_ranks(
+    world_size: int,
+    fn: Callable[..., R],
+    args: Sequence[Any],
+    *,
+    group: bool,
+    init_options: Mapping[str, Any] | None,
+    timeout_s: float,
+    grace_s: float,
+    env: Mapping[str, str] | None,
+    min_ranks: int | None,
+) -> tuple[dict[int, R], list[Departure]]:
+    """Start and watch the ranks; the results of those that returned, and the failures tolerated because at least
+    ``min_ranks`` ranks remained (None: none tolerated)."""
     check_world_size(world_size)
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -323,6 +403,7 @@ def spawn(
     ranks: list[_SpawnedRank] = []
     replies: dict[int, tuple[str, Any]] = {}
     messages: list[str] = []
+    departures: list[Departure] = []
 
     def read(rank: int) -> bool:
         try:
@@ -335,7 +416,18 @@ def spawn(
     def failed(rank: int, code: int) -> bool:
         while rank not in replies and read(rank):
             pass
-        return code != 0 or rank not in replies
+        if code == 0 and rank in replies:
+            return False
+        if min_ranks is None:
+            return True
+        running = sum(1 for r, proc in enumerate(ranks) if r != rank and proc.poll() is None)
+        if running < min_ranks:
+            return True
+        kind, value = replies.pop(rank, ("", None))
+        how = value[1] if kind == "error" else describe_status(code)
+        departures.append(Departure(rank=rank, how=how, at=time.monotonic(), survivors=running))
+        messages.append(f"rank {rank} {how}; {running} ranks go on without it (at least {min_ranks} needed)")
+        return False
 
     def reaction(rank: int) -> int | None:
         kind, value = replies.get(rank, ("", None))
@@ -392,7 +484,8 @@ def spawn(
     error = _first_failure(watch, ranks, replies, timeout_s)
     if error is not None:
         raise error
-    return [replies[rank][1] for rank in range(world_size)]
+    gone = {d.rank for d in departures}
+    return {rank: value for rank, (kind, value) in replies.items() if kind == "ok" and rank not in gone}, departures
 
 
 def _first_failure(

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["DigitsData", "load_digits", "make_mlp", "shard_batches"]
+__all__ = ["DigitsData", "epoch_permutation", "global_batch_shard", "load_digits", "make_mlp", "shard_batches"]
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
@@ -92,6 +92,24 @@ def make_mlp(hidden: tuple[int, ...] = (128, 64), *, seed: int = 0) -> nn.Sequen
     return nn.Sequential(*layers)
 
 
+def epoch_permutation(num_samples: int, *, epoch: int, seed: int = 0) -> torch.Tensor:
+    """The order in which every rank reads the training set in ``epoch`` (the same on every rank)."""
+    import torch
+
+    return torch.from_numpy(np.random.default_rng((seed, epoch)).permutation(num_samples))
+
+
+def global_batch_shard(perm: torch.Tensor, *, step: int, global_batch: int, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s part of global batch ``step``: ``perm[step*G : (step+1)*G]`` cut into ``world_size`` nearly
+    equal consecutive slices (the first ``G mod world_size`` one sample longer). With ``G = world_size × B`` the
+    slices are those of :func:`shard_batches`; after a group shrinks, its survivors cut the same global batch."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not a rank of {world_size}")
+    base, longer = divmod(global_batch, world_size)
+    lo = step * global_batch + rank * base + min(rank, longer)
+    return perm[lo : lo + base + (rank < longer)]
+
+
 def shard_batches(
     num_samples: int, *, rank: int, world_size: int, batch_size: int, epoch: int, seed: int = 0
 ) -> list[torch.Tensor]:
@@ -100,8 +118,6 @@ def shard_batches(
     Step k of rank r holds samples ``perm[k*N*B + r*B : k*N*B + (r+1)*B]``, so rank r's shard of a global batch of
     N·B samples is its r-th slice, and the single-process equivalent of step k is ``perm[k*N*B : (k+1)*N*B]``.
     """
-    import torch
-
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     global_batch = batch_size * world_size
@@ -110,7 +126,8 @@ def shard_batches(
         raise ValueError(
             f"{num_samples} training samples are fewer than one global batch of {world_size} ranks × {batch_size}"
         )
-    perm = torch.from_numpy(np.random.default_rng((seed, epoch)).permutation(num_samples))
+    perm = epoch_permutation(num_samples, epoch=epoch, seed=seed)
     return [
-        perm[k * global_batch + rank * batch_size : k * global_batch + (rank + 1) * batch_size] for k in range(steps)
+        global_batch_shard(perm, step=k, global_batch=global_batch, rank=rank, world_size=world_size)
+        for k in range(steps)
     ]

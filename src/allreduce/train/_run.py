@@ -10,14 +10,20 @@ the slowest one at step k, and the rank with the most compute is named the slowe
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from allreduce.runtime import Departure
 
 __all__ = ["TRANSPORTS", "EpochReport", "TrainConfig", "TrainResult", "demo", "format_result", "train", "train_rank"]
 
@@ -40,6 +46,8 @@ class TrainConfig:
     bucket_size_mb: float = 25.0
     slow_rank: int | None = None
     slow_s: float = 0.0
+    kill_rank: int | None = None
+    kill_step: int = 0
     seed: int = 0
     timeout_s: float = 300.0
 
@@ -60,6 +68,29 @@ class TrainConfig:
             raise ValueError(f"transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         if self.slow_s < 0:
             raise ValueError(f"slow-rank delay must be >= 0 s, got {self.slow_s}")
+        if self.kill_rank is not None:
+            self._check_kill()
+
+    def _check_kill(self) -> None:
+        if self.world_size < 2:
+            raise ValueError("killing a rank needs at least 2 ranks (one must survive)")
+        if not 0 <= (self.kill_rank or 0) < self.world_size:
+            raise ValueError(
+                f"kill rank {self.kill_rank} is not a rank of {self.world_size} ranks (0..{self.world_size - 1})"
+            )
+        if self.kill_rank == 0:
+            raise ValueError(
+                "rank 0 hosts the group's store: its death is not survivable (see docs/elastic.md); kill another rank"
+            )
+        if self.transport == "torch":
+            raise ValueError("a killed rank is survived on allreduce's own transports (shm, tcp), not on torch")
+        if self.kill_step < 0:
+            raise ValueError(f"kill step must be >= 0, got {self.kill_step}")
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per step over all ranks; kept when the group shrinks (each survivor takes a larger shard)."""
+        return self.world_size * self.batch_size
 
 
 @dataclass(frozen=True)
@@ -76,6 +107,21 @@ class _RankRecord:
     params_sha256: str
     group: str
     buckets: int
+    shrinks: tuple[_Shrink, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Shrink:
+    """A survivor's view of one rank's death: the step that failed, and when it went on (``time.monotonic()``)."""
+
+    step: int
+    error: str
+    peer: int | None
+    failed_at: float
+    shrink_s: float
+    resumed_at: float  # the end of the re-run step
+    world_size: int
+    shard: int  # this rank's samples per step after the shrink
 
 
 @dataclass(frozen=True)
@@ -102,7 +148,10 @@ class TrainResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"epochs": [asdict(e) for e in self.epochs], "slowest_rank": self.slowest_rank}
+        out: dict[str, Any] = {"epochs": [asdict(e) for e in self.epochs], "slowest_rank": self.slowest_rank}
+        if "elastic" in self.extra:
+            out["elastic"] = self.extra["elastic"]
+        return out
 
 
 def _make_group(config: TrainConfig) -> tuple[Any, Callable[[], None], str]:
@@ -129,16 +178,24 @@ def _make_group(config: TrainConfig) -> tuple[Any, Callable[[], None], str]:
 
 
 def train_rank(config: TrainConfig) -> _RankRecord:
-    """One rank's training (run inside a rank process started by :func:`train`)."""
+    """One rank's training (run inside a rank process started by :func:`train`).
+
+    With ``config.kill_rank`` set, that rank SIGKILLs itself before global step ``config.kill_step``; the others
+    raise in backward (the all-reduce lost a peer), shrink the group, move the buckets to it and run the same step
+    again on the same global batch, cut over the survivors (:func:`global_batch_shard`), whose losses are weighted
+    by their shard so the averaged gradient is the global batch's mean whatever the shards' sizes.
+    """
     import torch
+    from allreduce.runtime import CollectiveError
     from allreduce.train._data_parallel import DataParallel
-    from allreduce.train._digits import load_digits, make_mlp, shard_batches
+    from allreduce.train._digits import epoch_permutation, global_batch_shard, load_digits, make_mlp
     from torch import nn
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     group, close, group_name = _make_group(config)
+    original = group
     try:
-        rank, world_size = group.rank, group.world_size
+        rank = group.rank
         data = load_digits(seed=config.seed)
         model = DataParallel(
             make_mlp(config.hidden, seed=config.seed + rank),  # different on purpose: the broadcast must fix it
@@ -151,27 +208,54 @@ def train_rank(config: TrainConfig) -> _RankRecord:
         slow_s = config.slow_s if config.slow_rank == rank else 0.0
         records: dict[str, list[list[float]]] = {k: [] for k in ("step", "compute", "comm", "exposed", "loss")}
         accuracy: list[float] = []
+        shrinks: list[_Shrink] = []
+        steps = len(data.train_y) // config.global_batch
         for epoch in range(config.epochs):
-            batches = shard_batches(
-                len(data.train_y),
-                rank=rank,
-                world_size=world_size,
-                batch_size=config.batch_size,
-                epoch=epoch,
-                seed=config.seed,
-            )
+            perm = epoch_permutation(len(data.train_y), epoch=epoch, seed=config.seed)
             for row in records.values():
                 row.append([])
             model.train()
-            for idx in batches:
+            step = 0
+            while step < steps:
+                global_step = epoch * steps + step
+                idx = global_batch_shard(
+                    perm, step=step, global_batch=config.global_batch, rank=group.rank, world_size=group.world_size
+                )
+                if rank == config.kill_rank and global_step == config.kill_step:
+                    os.kill(os.getpid(), signal.SIGKILL)  # the injected failure: no goodbye, as a crash would
                 t0 = time.perf_counter()
                 if slow_s:
                     time.sleep(slow_s)  # the injected slow worker: extra compute time, not synchronisation
                 loss = loss_fn(model(data.train_x[idx]), data.train_y[idx])
+                share = len(idx) * group.world_size / config.global_batch
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # returns with gradients averaged over the ranks
+                try:
+                    # returns with gradients averaged over the ranks; a shard's mean weighted by its share of the
+                    # global batch keeps that average the global batch's mean after a shrink (1.0 before one)
+                    (loss if share == 1.0 else loss * share).backward()
+                except CollectiveError as exc:
+                    if config.kill_rank is None:
+                        raise
+                    failed_at = time.monotonic()
+                    group = group.shrink()
+                    model.regroup(group)
+                    shrinks.append(
+                        _Shrink(
+                            step=global_step,
+                            error=type(exc).__name__,
+                            peer=getattr(exc, "peer", None),
+                            failed_at=failed_at,
+                            shrink_s=time.monotonic() - failed_at,
+                            resumed_at=float("nan"),
+                            world_size=group.world_size,
+                            shard=0,
+                        )
+                    )
+                    continue  # the same step again, on the survivors
                 optimizer.step()
                 step_s = time.perf_counter() - t0
+                if shrinks and math.isnan(shrinks[-1].resumed_at):  # the step re-run after a shrink is done
+                    shrinks[-1] = dataclasses.replace(shrinks[-1], resumed_at=time.monotonic(), shard=len(idx))
                 stats = model.last_sync
                 assert stats is not None
                 records["step"][-1].append(step_s)
@@ -179,6 +263,7 @@ def train_rank(config: TrainConfig) -> _RankRecord:
                 records["comm"][-1].append(stats.comm_s)
                 records["exposed"][-1].append(stats.exposed_comm_s)
                 records["loss"][-1].append(float(loss.item()))
+                step += 1
             model.eval()
             with torch.no_grad():
                 predicted = model(data.test_x).argmax(dim=1)
@@ -197,9 +282,10 @@ def train_rank(config: TrainConfig) -> _RankRecord:
             params_sha256=digest.hexdigest(),
             group=group_name,
             buckets=model.num_buckets,
+            shrinks=tuple(shrinks),
         )
     finally:
-        close()
+        (close if group is original else group.close)()  # a shrink closed the group it replaced
 
 
 def summarize(config: TrainConfig, records: list[_RankRecord]) -> TrainResult:
@@ -226,7 +312,7 @@ def summarize(config: TrainConfig, records: list[_RankRecord]) -> TrainResult:
     return TrainResult(
         config=config,
         epochs=epochs,
-        slowest_rank=int(per_rank.argmax()),
+        slowest_rank=records[int(per_rank.argmax())].rank,
         compute_per_rank_s=[float(c) for c in per_rank],
         steps_per_epoch=int(compute.shape[2]),
         buckets=records[0].buckets,
@@ -236,7 +322,7 @@ def summarize(config: TrainConfig, records: list[_RankRecord]) -> TrainResult:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config`` on ``config.world_size`` fresh local processes and summarise where the step time went."""
-    from allreduce.runtime import spawn
+    from allreduce.runtime import spawn, spawn_elastic
     from allreduce.train._digits import num_train_samples
 
     # Refuse before starting N processes: every rank needs at least one full batch per epoch.
@@ -246,8 +332,42 @@ def train(config: TrainConfig) -> TrainResult:
             f"batch size {config.batch_size} per rank × {config.world_size} ranks exceeds the "
             f"{num_train} training samples"
         )
-    records = spawn(config.world_size, train_rank, config, group=False, timeout_s=config.timeout_s)
-    return summarize(config, records)
+    steps = num_train // config.global_batch
+    if config.kill_rank is None:
+        return summarize(config, spawn(config.world_size, train_rank, config, group=False, timeout_s=config.timeout_s))
+    if config.kill_step >= config.epochs * steps:
+        raise ValueError(
+            f"kill step {config.kill_step} is past the run's last step ({config.epochs} epochs × {steps} steps: "
+            f"0..{config.epochs * steps - 1})"
+        )
+    outcome = spawn_elastic(
+        config.world_size, train_rank, config, min_ranks=config.world_size - 1, timeout_s=config.timeout_s
+    )
+    result = summarize(config, list(outcome.results.values()))
+    result.extra["elastic"] = _elastic_summary(config, outcome.departures, list(outcome.results.values()))
+    return result
+
+
+def _elastic_summary(config: TrainConfig, departures: list[Departure], records: list[_RankRecord]) -> dict[str, Any]:
+    """What the survivors of the killed rank saw: when they raised, how long the shrink took, when they went on."""
+    if len(departures) != 1 or any(len(r.shrinks) != 1 for r in records):
+        seen = {r.rank: [(s.step, s.error) for s in r.shrinks] for r in records}
+        raise RuntimeError(f"expected rank {config.kill_rank} to die once and every survivor to shrink once: {seen}")
+    gone = departures[0]
+    shrinks = [r.shrinks[0] for r in records]
+    return {
+        "killed_rank": gone.rank,
+        "how": gone.how,
+        "step": config.kill_step,
+        "failed_step": sorted({s.step for s in shrinks}),
+        "errors": sorted({f"{s.error} naming rank {s.peer}" for s in shrinks}),
+        "survivors": [r.rank for r in records],
+        "raised_after_s": max(s.failed_at for s in shrinks) - gone.at,
+        "shrink_s": max(s.shrink_s for s in shrinks),
+        "next_step_after_s": max(s.resumed_at for s in shrinks) - gone.at,
+        "shards": [s.shard for s in shrinks],
+        "global_batch": config.global_batch,
+    }
 
 
 def format_result(result: TrainResult) -> str:
@@ -271,11 +391,34 @@ def format_result(result: TrainResult) -> str:
         f"{format_seconds(e.wait_s):>9}"
         for e in result.epochs
     )
-    others = [s for r, s in enumerate(result.compute_per_rank_s) if r != result.slowest_rank]
-    slowest = result.compute_per_rank_s[result.slowest_rank]
+    ranks = result.extra.get("elastic", {}).get("survivors") or list(range(len(result.compute_per_rank_s)))
+    compute = dict(zip(ranks, result.compute_per_rank_s, strict=True))
+    others = [s for r, s in compute.items() if r != result.slowest_rank]
+    slowest = compute[result.slowest_rank]
     tail = f" vs {format_seconds(float(np.mean(others)))} on the others" if others else ""
     lines += ["", f"slowest rank: {result.slowest_rank} (compute {format_seconds(slowest)}/step{tail})"]
+    if "elastic" in result.extra:
+        lines += _format_elastic(result.extra["elastic"], result.steps_per_epoch)
     return "\n".join(lines)
+
+
+def _format_elastic(e: dict[str, Any], steps_per_epoch: int) -> list[str]:
+    from allreduce.units import format_seconds
+
+    step = e["step"]
+    survivors = ", ".join(map(str, e["survivors"]))
+    shards = "/".join(map(str, e["shards"]))
+    return [
+        "",
+        f"rank {e['killed_rank']} {e['how']} before step {step} (epoch {step // steps_per_epoch + 1}); "
+        f"survivors {survivors} went on without it:",
+        f"  raised {', '.join(e['errors'])} in step {', '.join(map(str, e['failed_step']))} "
+        f"{format_seconds(max(e['raised_after_s'], 0.0))} after the launcher saw the exit",
+        f"  shrank to {len(e['survivors'])} ranks in {format_seconds(e['shrink_s'])}, re-ran the step and finished it "
+        f"{format_seconds(e['next_step_after_s'])} after the exit",
+        f"  global batch {e['global_batch']} kept: {shards} samples per survivor; parameters identical on all "
+        f"{len(e['survivors'])}",
+    ]
 
 
 def demo(world_size: int = 2, epochs: int = 1) -> str:

@@ -1,0 +1,56 @@
+"""spawn_elastic: a rank's failure does not stop the others while enough remain; the job fails once too few do."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from allreduce.runtime import RankFailedError, spawn_elastic
+
+
+def _die_on(deaths: dict[int, float], wait_s: float) -> int:
+    """Rank r SIGKILLs itself after ``deaths[r]`` seconds; the others return after ``wait_s`` (outliving them)."""
+    rank = int(os.environ["RANK"])
+    if rank in deaths:
+        time.sleep(deaths[rank])
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(wait_s)
+    return rank * 10
+
+
+def _raise_on(victim: int) -> int:
+    rank = int(os.environ["RANK"])
+    if rank == victim:
+        raise RuntimeError(f"rank {rank} gave up")
+    time.sleep(1.0)
+    return rank
+
+
+@pytest.mark.slow
+def test_survivors_return_and_the_dead_rank_is_a_departure() -> None:
+    outcome = spawn_elastic(3, _die_on, {1: 0.0}, 1.0, min_ranks=2, timeout_s=120)
+    assert outcome.results == {0: 0, 2: 20}
+    assert [(d.rank, d.how, d.survivors) for d in outcome.departures] == [(1, "was killed by SIGKILL", 2)]
+
+
+@pytest.mark.slow
+def test_an_exception_is_a_departure_with_its_text() -> None:
+    outcome = spawn_elastic(3, _raise_on, 2, min_ranks=2, timeout_s=120)
+    assert sorted(outcome.results) == [0, 1]
+    assert outcome.departures[0].rank == 2
+    assert "RuntimeError: rank 2 gave up" in outcome.departures[0].how
+
+
+@pytest.mark.slow
+def test_fewer_ranks_than_the_minimum_fail_the_job_naming_the_rank() -> None:
+    with pytest.raises(RankFailedError, match="rank 2 was killed by SIGKILL") as info:
+        spawn_elastic(3, _die_on, {1: 0.0, 2: 1.0}, 5.0, min_ranks=2, timeout_s=120)
+    assert info.value.rank == 2
+
+
+def test_min_ranks_is_checked_before_any_rank_starts() -> None:
+    with pytest.raises(ValueError, match=r"min_ranks must be in 1\.\.3"):
+        spawn_elastic(3, _die_on, {}, 0.0, min_ranks=4)
