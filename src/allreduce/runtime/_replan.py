@@ -1,0 +1,208 @@
+"""Re-planning around a slow link: when one link is the bottleneck consistently, the ring order that avoids it.
+
+The group records, per directed link, the bytes its receiver got and the time they took to move
+(:class:`~allreduce.runtime.GroupStats` ``links``); every rank reads the same gathered records, so every rank
+that runs :class:`Replanner` on them reaches the same decision (nothing is decided from one rank's view).
+
+The rule, with hysteresis so that noise never flaps the order:
+
+- a *window* is ``window_calls`` collectives; at its end each link's rate is its bytes over its transfer time;
+- a link is *slow* when its rate is below ``slow_ratio`` times the median rate of the links measured in the window;
+- the order changes only when the same slow links were seen in ``confirm_windows`` consecutive windows and the
+  α–β model, fed with the measured rates, predicts the new ring at least ``min_speedup`` times faster: a ring
+  all-reduce of S bytes on N ranks takes ``2(N-1)·α + 2(N-1)/N · S / r_min`` (Patarasuk and Yuan, 2009), where
+  ``r_min`` is the slowest link the ring uses, so the order that maximises ``r_min`` is the one to run;
+- a link the new order avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back to
+  the original order for one window to look again (a healed link is then kept, a still slow one avoided again).
+
+The new ring is the ring schedule with ranks relabelled (position ``i`` played by rank ``order[i]``), verified
+before it is offered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from allreduce.runtime._stats import LinkStats
+from allreduce.schedules import Schedule, ring_all_reduce, verify
+
+__all__ = [
+    "Decision",
+    "ReplanRule",
+    "Replanner",
+    "best_ring_order",
+    "link_rates",
+    "ordered_ring",
+    "ring_bottleneck",
+    "ring_seconds",
+    "slow_links",
+]
+
+Link = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ReplanRule:
+    """When to change the ring order (the module docstring gives the rule)."""
+
+    window_calls: int = 50
+    slow_ratio: float = 0.5
+    confirm_windows: int = 2
+    min_speedup: float = 1.25
+    probe_windows: int = 20
+
+    def __post_init__(self) -> None:
+        if self.window_calls < 1 or self.confirm_windows < 1 or self.probe_windows < 1:
+            raise ValueError("window_calls, confirm_windows and probe_windows must be >= 1")
+        if not 0.0 < self.slow_ratio < 1.0:
+            raise ValueError(f"slow_ratio must be in (0, 1), got {self.slow_ratio}")
+        if not self.min_speedup >= 1.0:
+            raise ValueError(f"min_speedup must be >= 1, got {self.min_speedup}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A new ring order and why: ``reason`` is what ``group.stats()`` and ``ALLREDUCE_DEBUG`` print."""
+
+    order: tuple[int, ...]
+    reason: str
+    predicted_speedup: float
+
+
+def link_rates(links: Iterable[LinkStats]) -> dict[Link, float]:
+    """Bytes per second of each link that moved data in the records."""
+    return {
+        (link.src, link.dst): link.size_bytes / link.transfer_total_s
+        for link in links
+        if link.size_bytes > 0 and link.transfer_total_s > 0
+    }
+
+
+def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link]:
+    """The links slower than ``slow_ratio`` times the median link (none with fewer than three links measured:
+    with two, neither is "the others")."""
+    if len(rates) < 3:
+        return frozenset()
+    median = statistics.median(rates.values())
+    return frozenset(link for link, rate in rates.items() if rate < slow_ratio * median)
+
+
+def _edges(order: Sequence[int]) -> list[Link]:
+    return [(order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
+
+
+def ring_bottleneck(order: Sequence[int], rates: Mapping[Link, float], default: float) -> float:
+    """The slowest link the ring ``order`` uses (``default`` for links never measured)."""
+    return min(rates.get(edge, default) for edge in _edges(order))
+
+
+def ring_seconds(order: Sequence[int], rates: Mapping[Link, float], size_bytes: float, alpha_s: float) -> float:
+    """α–β time of a ring all-reduce of ``size_bytes`` in ``order``: ``2(N-1)·α + 2(N-1)/N · S / r_min``."""
+    n = len(order)
+    if n < 2:
+        return 0.0
+    default = statistics.median(rates.values()) if rates else 1.0
+    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * size_bytes / ring_bottleneck(order, rates, default)
+
+
+def best_ring_order(current: Sequence[int], rates: Mapping[Link, float]) -> tuple[int, ...]:
+    """The ring order whose slowest link is fastest, by local search from ``current``: repeatedly the best 2-opt
+    move (reverse a segment) or swap of two positions, until none raises the bottleneck. Rank ``current[0]``
+    stays first; ties keep the smaller order, so every rank finds the same one."""
+    order = tuple(current)
+    n = len(order)
+    if n < 4:
+        return order  # with three or fewer ranks every ring uses the same pairs, one way or the other
+    default = statistics.median(rates.values()) if rates else 1.0
+
+    def score(o: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
+        return (ring_bottleneck(o, rates, default), tuple(-x for x in o))
+
+    best = score(order)
+    improved = True
+    while improved:
+        improved = False
+        candidates: list[tuple[int, ...]] = []
+        for i, j in itertools.combinations(range(1, n), 2):
+            candidates.append(order[:i] + order[i : j + 1][::-1] + order[j + 1 :])
+            swapped = list(order)
+            swapped[i], swapped[j] = swapped[j], swapped[i]
+            candidates.append(tuple(swapped))
+        top = max(candidates, key=score)
+        if score(top) > best:
+            order, best, improved = top, score(top), True
+    return order
+
+
+def ordered_ring(order: Sequence[int]) -> Schedule:
+    """Ring all-reduce with position ``i`` played by rank ``order[i]`` (a relabelling of the ring, whose streams
+    name fixed peers), verified like any schedule."""
+    n = len(order)
+    if sorted(order) != list(range(n)):
+        raise ValueError(f"a ring order must hold each rank 0..{n - 1} once, got {list(order)}")
+    ring = ring_all_reduce(n)
+    ranks = np.asarray(order, dtype=np.int64)
+    streams = ring.streams.replace(src=ranks[ring.streams.src], peer=ranks[ring.streams.peer])
+    schedule = Schedule("ring", ring.collective, n, ring.num_blocks, ring.num_steps, streams)
+    verify(schedule)
+    return schedule
+
+
+@dataclass
+class Replanner:
+    """Feeds on one window of link records at a time and says when to change the ring order (and back)."""
+
+    world_size: int
+    rule: ReplanRule = field(default_factory=ReplanRule)
+    order: tuple[int, ...] = ()
+    _seen: frozenset[Link] = frozenset()
+    _streak: int = 0
+    _since_change: int = 0
+    _probing: bool = False
+    _last_rates: dict[Link, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.order:
+            self.order = tuple(range(self.world_size))
+
+    def observe(self, rates: Mapping[Link, float], *, size_bytes: float, alpha_s: float) -> Decision | None:
+        """One window's link rates; a :class:`Decision` when the order changes, else None."""
+        identity = tuple(range(self.world_size))
+        self._since_change += 1
+        slow = slow_links(rates, self.rule.slow_ratio)
+        if self._probing:  # the window in the original order is over: keep it if nothing is slow any more
+            self._probing = False
+            if not slow:
+                self._seen, self._streak = frozenset(), 0
+                return None
+        elif self.order != identity and self._since_change >= self.rule.probe_windows:
+            self._probing, self._since_change = True, 0
+            self.order = identity
+            return Decision(identity, "probing the original ring order: avoided links are not measured", 1.0)
+        self._streak = self._streak + 1 if slow and slow == self._seen else (1 if slow else 0)
+        self._seen = slow
+        if not slow or self._streak < self.rule.confirm_windows:
+            return None
+        merged = {**self._last_rates, **rates}
+        self._last_rates = merged
+        proposal = best_ring_order(self.order, merged)
+        before = ring_seconds(self.order, merged, size_bytes, alpha_s)
+        after = ring_seconds(proposal, merged, size_bytes, alpha_s)
+        speedup = before / after if after > 0 else 1.0
+        if proposal == self.order or speedup < self.rule.min_speedup:
+            return None
+        ordered_ring(proposal)  # verified before it is offered
+        self.order, self._since_change = proposal, 0
+        median = statistics.median(rates.values())
+        worst = min(slow, key=lambda link: rates[link])
+        calls = self._streak * self.rule.window_calls
+        reason = (
+            f"link {worst[0]}->{worst[1]} at {rates[worst] / median:.0%} of the median link for {calls} calls: "
+            f"ring reordered {','.join(map(str, proposal))}; predicted {speedup:.1f}x faster"
+        )
+        return Decision(proposal, reason, speedup)
