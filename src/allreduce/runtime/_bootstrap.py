@@ -15,7 +15,7 @@ from typing import Any
 
 from allreduce.runtime._args import integer_arg
 from allreduce.runtime._cost_models import default_cost_model
-from allreduce.runtime._elastic import SHRINK_PREFIX, Lineage
+from allreduce.runtime._elastic import JOIN_ENV, SHRINK_PREFIX, Lineage, joined, request_join
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
 from allreduce.runtime._group import ProcessGroup
 from allreduce.runtime._transport import Transport
@@ -72,6 +72,28 @@ def _env_int(names: tuple[str, ...], what: str) -> int | None:
             except ValueError:
                 raise ValueError(f"{what}: environment variable {name}={value!r} is not an integer") from None
     return None
+
+
+_KIND_KEY = f"{SHRINK_PREFIX}/transport"
+"""Where rank 0 publishes the transport the group chose, for processes that join it later."""
+
+
+def _running_kind(store: Any, asked: str, rank: int) -> str:
+    """The running group's transport, which a joiner must use (``asked`` is what it was told: auto or that)."""
+    kind = bytes(store.get(_KIND_KEY)).decode()
+    if kind not in ("shm", "tcp"):
+        raise ProtocolError(f"rank {rank}: the store holds {_KIND_KEY!r} = {kind[:20]!r}, not shm or tcp", rank=rank)
+    if asked not in ("auto", kind):
+        raise ValueError(f"transport: the running group uses {kind}; rank {rank} cannot join it over {asked}")
+    return kind
+
+
+def _env_flag(name: str) -> bool:
+    """An on/off environment variable: unset, empty or 0 is off, 1 is on; anything else is refused, naming it."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"environment variable {name}={value[:40]!r} must be 0 or 1")
+    return value == "1"
 
 
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -153,6 +175,7 @@ def init(
     cross_memory: bool = True,
     rendezvous_store: Any = None,
     rendezvous_key: str | None = None,
+    join: bool | None = None,
 ) -> ProcessGroup:
     """Join a process group. Unset arguments come from the environment: RANK / WORLD_SIZE / MASTER_ADDR /
     MASTER_PORT (torchrun), OMPI_COMM_WORLD_RANK / _SIZE (Open MPI), PMI_RANK / PMI_SIZE, SLURM_PROCID /
@@ -170,6 +193,10 @@ def init(
     a free port and publishes it there, as under torchrun; ``rendezvous_key`` names the key it publishes under
     (every rank must pass the same; by default a key counting this process's calls of ``init()``, which agrees
     across ranks only when every rank joined the same groups before).
+
+    ``join=True`` (default: ``ALLREDUCE_JOIN=1`` in the environment, which the launcher sets when it restarts a
+    rank) joins a running group in the seat of this rank, which died and was shrunk out: this returns once the
+    members have admitted it at their next ``group.grow()`` (docs/elastic.md).
     """
     rank = _env_int(_RANK_ENV, "rank") if rank is None else integer_arg(rank, "rank")
     world_size = _env_int(_SIZE_ENV, "world_size") if world_size is None else integer_arg(world_size, "world_size")
@@ -180,6 +207,12 @@ def init(
     rank = 0 if rank is None else rank
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: {rank} is not in a group of {world_size}")
+    if join is None:
+        join = _env_flag(JOIN_ENV)
+    if join and rank == 0:
+        raise ValueError(
+            "join: rank 0 hosts the store of the group; it cannot join a running one (join as another rank)"
+        )
     if transport not in ("auto", "shm", "tcp"):
         raise ValueError(f"transport: {transport!r} is not one of auto, shm, tcp")
     host = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
@@ -213,7 +246,7 @@ def init(
                 host, agent_port, is_server=False, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
             )
     try:
-        if rank == 0:
+        if rank == 0 and not join:
             store.set("allreduce/job", uuid.uuid4().hex.encode())
         job = _read_checked(store, "allreduce/job", _JOB_ID, "a job id (32 hex digits)", rank)
         store.set(f"allreduce/host/{rank}", _host_id().encode())
@@ -222,14 +255,20 @@ def init(
             for r in range(world_size)
         ]
         same_host = len(set(hosts)) == 1
+        if join:
+            transport = _running_kind(store, transport, rank)
         if transport == "auto":
             transport = "shm" if same_host else "tcp"
+        if rank == 0:
+            store.set(_KIND_KEY, transport.encode())  # for ranks that join later
         if transport == "shm" and not same_host:
             raise ValueError(f"transport: shm needs every rank on one host; ranks report {sorted(set(hosts))}")
         if group_size is None:
             group_size = hosts.count(hosts[rank])
-        chosen: Transport
-        if transport == "shm":
+        chosen: Transport | None = None
+        if join:
+            pass  # the transport is the running group's, built once the members admit this process
+        elif transport == "shm":
             from allreduce.runtime.shm import ShmTransport
 
             chosen = ShmTransport(rank, world_size, job, timeout_s=timeout_s, cross_memory=cross_memory)
@@ -250,8 +289,8 @@ def init(
                     advertise_host=_advertised_host(host),
                 )
     except BaseException as exc:
-        if isinstance(exc, Exception):  # not on Ctrl-C: then nobody waits to hear why
-            store.fail(str(exc))
+        if isinstance(exc, Exception) and not join:  # not on Ctrl-C: then nobody waits to hear why
+            store.fail(str(exc))  # (a joiner's failure is its own: the running group goes on)
         store.close()
         raise
     model = cost_model or _tuned_model(transport, world_size)
@@ -276,10 +315,22 @@ def init(
             )  # fmt: skip
         return made, peers_here, cost_model or _tuned_model(kind, size)
 
-    group = ProcessGroup(
-        chosen, transport_name=transport, timeout_s=timeout_s, cost_model=model, group_size=group_size, store=store,
-        lineage=Lineage(rebuild, rank, tuple(range(world_size))),
-    )  # fmt: skip
+    if chosen is None:
+        try:
+            epoch, members = request_join(store, rank, timeout_s=timeout_s)
+        except BaseException:
+            store.close()
+            raise
+        parts = joined(store, Lineage(rebuild, rank, members, epoch, seats=world_size))
+        group = ProcessGroup(
+            parts.transport, transport_name=transport, timeout_s=timeout_s, cost_model=parts.cost_model,
+            group_size=parts.group_size, store=parts.store, lineage=parts.lineage,
+        )  # fmt: skip
+    else:
+        group = ProcessGroup(
+            chosen, transport_name=transport, timeout_s=timeout_s, cost_model=model, group_size=group_size,
+            store=store, lineage=Lineage(rebuild, rank, tuple(range(world_size))),
+        )  # fmt: skip
     if agent is None:
         _OPEN_GROUPS[(host, port)] = weakref.ref(group)
     return group

@@ -1,5 +1,7 @@
-"""Shrinking a group after ranks died: the survivors agree through the store on who is left, then go on as a
-smaller group with ranks renumbered in their old order.
+"""Elastic groups: shrinking after ranks died, growing when a restarted rank asks to come back.
+
+Shrinking: the survivors agree through the store on who is left, then go on as a smaller group with ranks
+renumbered in their old order.
 
 The agreement (one per shrink, numbered by the group's *epoch*):
 
@@ -15,11 +17,20 @@ raises :class:`ShrinkError` saying so, and a rank on the list that dies before t
 building the new group fail on every member (that rank is named), after which they may shrink again. The store is
 hosted by the group's rank 0: when that process is gone there is nothing to agree through, and every survivor
 raises :class:`ShrinkError` naming it (a job that must survive it needs a store outside the ranks).
+
+Growing: a process takes a free seat of the store (the rank of a process that died and was shrunk out, restarted
+with ``ALLREDUCE_JOIN=1``) and writes a join request with a nonce of its own. The members call ``grow()`` at a step
+boundary, every member the same number of times: the first to arrive at each call (an atomic counter) lists the
+requests of live ranks outside the group whose nonce was never admitted, marks them admitted, tells each joiner
+the new epoch and member list (the members in their order, then the joiners), and writes the list for the other
+members. Members and joiners then build the grown group's transport together. A request seen by a shrink's
+agreement counts as that rank having left the old group (its process is a new one).
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +41,20 @@ from allreduce.runtime._store_protocol import ELASTIC_PREFIX
 from allreduce.runtime._transport import Transport
 from allreduce.schedules import CostModel
 
-__all__ = ["SHRINK_PREFIX", "Lineage", "MemberStore", "Rebuild", "Shrunk", "agree_members", "shrink"]
+__all__ = [
+    "JOIN_ENV",
+    "SHRINK_PREFIX",
+    "Lineage",
+    "MemberStore",
+    "Rebuild",
+    "Shrunk",
+    "agree_joiners",
+    "agree_members",
+    "grow",
+    "joined",
+    "request_join",
+    "shrink",
+]
 
 SHRINK_PREFIX = ELASTIC_PREFIX.rstrip("/")
 """Where the agreements and the shrunk groups' transports keep their keys (the store fails a wait there only for
@@ -45,13 +69,18 @@ whose ranks are ``members`` (the store's numbering), this process being ``new_ra
 
 @dataclass(frozen=True)
 class Lineage:
-    """How a group came to be, for shrinking it: the transport's maker, this process's rank in the store's
-    numbering, the store's ranks of the group's members (in order), and how many times the group has shrunk."""
+    """How a group came to be, for shrinking or growing it: the transport's maker, this process's rank in the
+    store's numbering, the store's ranks of the group's members (in order), how many times the membership changed,
+    and the store's seats (its world size: the ranks that may ever be members)."""
 
     rebuild: Rebuild
     store_rank: int
     members: tuple[int, ...]
     epoch: int = 0
+    seats: int = 0  # 0: as many as the first members
+
+    def next(self, members: Sequence[int]) -> Lineage:
+        return Lineage(self.rebuild, self.store_rank, tuple(members), self.epoch + 1, self.seats or len(self.members))
 
 
 def agree_members(store: Any, rank: int, members: Sequence[int], *, epoch: int, timeout_s: float) -> list[int]:
@@ -64,7 +93,11 @@ def agree_members(store: Any, rank: int, members: Sequence[int], *, epoch: int, 
         pending = set(members) - {rank}
         while pending and time.monotonic() < deadline:
             dead = set(store.dead_ranks())
-            pending = {r for r in pending if r not in dead and not store.check([f"{prefix}/in/{r}"])}
+            pending = {
+                r
+                for r in pending
+                if r not in dead and not store.check([f"{prefix}/in/{r}"]) and _join_request(store, r) is None
+            }
             if pending:
                 time.sleep(_POLL_S)
         if store.add(f"{prefix}/decided", 1) == 1:
@@ -153,25 +186,111 @@ class Shrunk:
 def shrink(store: Any, lineage: Lineage, *, timeout_s: float, close: Callable[[], None]) -> Shrunk:
     """Agree on the survivors, ``close()`` the old group (its transport; the store is kept), make the new one's
     parts. ``store`` is the old group's (a :class:`MemberStore` after an earlier shrink)."""
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+    _check_timeout(timeout_s)
     root = store.inner if isinstance(store, MemberStore) else store
-    epoch = lineage.epoch + 1
     try:
-        members = agree_members(root, lineage.store_rank, lineage.members, epoch=epoch, timeout_s=timeout_s)
+        members = agree_members(root, lineage.store_rank, lineage.members, epoch=lineage.epoch + 1, timeout_s=timeout_s)
     except BaseException:
         close()
         root.close()
         raise
     close()
+    return _connect(root, lineage.next(members), "shrunk")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Growing: a process takes a free seat of the store (a rank that died and was shrunk out, restarted) and asks to
+# join; the members admit it at their next grow() call, all from the one decision the first of them writes.
+# ------------------------------------------------------------------------------------------------------------
+JOIN_ENV = "ALLREDUCE_JOIN"
+"""Set to 1 in a process that joins a running group (``allreduce.init()`` then asks to join instead of forming
+the group); the launcher sets it when it restarts a rank."""
+
+
+def _join_key(store_rank: int) -> str:
+    return f"{SHRINK_PREFIX}/join/{store_rank}"  # ends in the rank: only that rank's process may write it
+
+
+def _join_request(store: Any, store_rank: int) -> str | None:
+    """The nonce of ``store_rank``'s pending request to join (not yet admitted), or None."""
+    if not store.check([_join_key(store_rank)]):
+        return None
+    nonce = bytes(store.get(_join_key(store_rank))).decode()
+    return None if store.check([f"{SHRINK_PREFIX}/used/n{nonce}"]) else nonce
+
+
+def request_join(store: Any, store_rank: int, *, timeout_s: float) -> tuple[int, tuple[int, ...]]:
+    """Ask to join the running group as ``store_rank`` and wait until its members admit this process: the epoch
+    and member list (store ranks) of the group it joins. Each request has a nonce of its own, so a restarted
+    process is never taken for an earlier one of the same rank."""
+    _check_timeout(timeout_s)
+    nonce = secrets.token_hex(8)
+    store.set(_join_key(store_rank), nonce.encode())
+    try:
+        text = bytes(store.get(f"{SHRINK_PREFIX}/admit/n{nonce}", timeout_s=timeout_s)).decode()
+    except CollectiveError as exc:
+        raise ShrinkError(
+            f"rank {store_rank}: asked to join the running group but was not admitted within {timeout_s:g} s "
+            f"(its members admit joiners when they call group.grow()): {exc}",
+            rank=store_rank,
+        ) from exc
+    epoch_text, _, members_text = text.partition(":")
+    return int(epoch_text), tuple(int(r) for r in members_text.split(","))
+
+
+def agree_joiners(store: Any, lineage: Lineage, call: int, *, timeout_s: float) -> list[int]:
+    """The store ranks admitted at a group's ``call``-th grow() of its epoch (the same list on every member;
+    empty when nobody asked). The first member there decides and admits them."""
+    prefix = f"{SHRINK_PREFIX}/{lineage.epoch}/grow/{call}"
+    if store.add(f"{prefix}/arrived", 1) == 1:
+        dead = set(store.dead_ranks())
+        asked = {
+            r: nonce
+            for r in range(lineage.seats or len(lineage.members))
+            if r not in lineage.members and r not in dead and (nonce := _join_request(store, r)) is not None
+        }
+        members = [*lineage.members, *sorted(asked)]
+        for nonce in asked.values():
+            store.set(f"{SHRINK_PREFIX}/used/n{nonce}", b"1")
+            store.set(f"{SHRINK_PREFIX}/admit/n{nonce}", f"{lineage.epoch + 1}:{','.join(map(str, members))}".encode())
+        store.set(f"{prefix}/joiners", ",".join(map(str, sorted(asked))).encode())
+    text = bytes(store.get(f"{prefix}/joiners", timeout_s=timeout_s)).decode()
+    return [int(r) for r in text.split(",") if r]
+
+
+def grow(store: Any, lineage: Lineage, call: int, *, timeout_s: float, close: Callable[[], None]) -> Shrunk | None:
+    """Admit the processes that asked to join (:func:`agree_joiners`): None when none did, else ``close()`` the
+    old group and make the parts of the grown one, the joiners numbered after the members."""
+    _check_timeout(timeout_s)
+    root = store.inner if isinstance(store, MemberStore) else store
+    joiners = agree_joiners(root, lineage, call, timeout_s=timeout_s)
+    if not joiners:
+        return None
+    close()
+    return _connect(root, lineage.next([*lineage.members, *joiners]), "grown")
+
+
+def joined(store: Any, lineage: Lineage) -> Shrunk:
+    """The parts of the group a joiner was admitted to (``lineage`` holds its epoch and members)."""
+    return _connect(store, lineage, "joined")
+
+
+def _check_timeout(timeout_s: float) -> None:
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+
+
+def _connect(root: Any, lineage: Lineage, what: str) -> Shrunk:
+    """Build the transport of the group ``lineage`` describes, over the store ``root``."""
+    members = lineage.members
     new_rank = members.index(lineage.store_rank)
     view = MemberStore(root, members)
     try:
-        transport, group_size, model = lineage.rebuild(members, epoch, new_rank, view)
+        transport, group_size, model = lineage.rebuild(members, lineage.epoch, new_rank, view)
     except CollectiveError as exc:
         root.close()
         raise ShrinkError(
-            f"rank {new_rank} (rank {lineage.store_rank} before): the shrunk group of ranks "
+            f"rank {new_rank} (rank {lineage.store_rank} of the store): the {what} group of ranks "
             f"{', '.join(map(str, members))} could not connect: {exc}",
             rank=new_rank,
             peer=exc.peer,
@@ -179,6 +298,4 @@ def shrink(store: Any, lineage: Lineage, *, timeout_s: float, close: Callable[[]
     except BaseException:
         root.close()
         raise
-    return Shrunk(
-        transport, group_size, model, view, Lineage(lineage.rebuild, lineage.store_rank, tuple(members), epoch)
-    )
+    return Shrunk(transport, group_size, model, view, lineage)

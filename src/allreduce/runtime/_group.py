@@ -60,7 +60,7 @@ from allreduce.runtime._descriptor import (
     proposal_of,
     tag_bytes,
 )
-from allreduce.runtime._elastic import Lineage, shrink
+from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._plain import PlainCalls
@@ -165,6 +165,7 @@ class ProcessGroup:
         self.group_size = group_size or self.world_size
         self._store = store
         self._lineage = lineage  # how to shrink it (groups from init() only)
+        self._grow_calls = 0  # grow() calls on this group: the members count them alike
         self._seq = 0
         self._closed = False
         self._debug = bool(os.environ.get("ALLREDUCE_DEBUG"))
@@ -223,6 +224,26 @@ class ProcessGroup:
         store, self._store = self._store, None  # the new group's from now on
         wait_s = self.timeout_s if timeout_s is None else timeout_s
         parts = shrink(store, self._lineage, timeout_s=wait_s, close=self.close)
+        return self._successor(parts)
+
+    def grow(self, *, timeout_s: float | None = None) -> ProcessGroup:
+        """Admit the processes that asked to join (``allreduce.init()`` with ``ALLREDUCE_JOIN=1``): every member
+        calls it at the same point (a step boundary), all get the same answer: this group when nobody asked, else
+        the grown group (this one closed), the joiners numbered after the members. Then broadcast the state the
+        joiners need (``allreduce.train.sync_state``)."""
+        if self._lineage is None or self._store is None:
+            raise RuntimeError(f"rank {self.rank}: only groups made by allreduce.init() can grow (through the store)")
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        self._grow_calls += 1
+        parts = grow(self._store, self._lineage, self._grow_calls, timeout_s=wait_s, close=self._hand_store_over)
+        return self if parts is None else self._successor(parts)
+
+    def _hand_store_over(self) -> None:
+        """Close this group but keep its store, which the group that replaces it goes on with."""
+        self._store = None
+        self.close()
+
+    def _successor(self, parts: Shrunk) -> ProcessGroup:
         return ProcessGroup(
             parts.transport, transport_name=self.transport_name, timeout_s=self.timeout_s,
             cost_model=parts.cost_model, group_size=parts.group_size, store=parts.store, lineage=parts.lineage,
