@@ -10,6 +10,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -126,3 +127,90 @@ def test_the_survivors_end_where_a_fresh_group_of_their_size_started_from_the_sa
     fresh, _ = _run(3, -1, resume=checkpoint)
     assert len({r["params"] for r in survivors}) == 1
     assert {r["params"] for r in fresh} == {survivors[0]["params"]}
+
+
+REJOIN_AT = 5
+
+
+def _rejoining(rank: int, env: dict[str, str], out: Any) -> None:
+    """A member of 4 (rank 2 dies before step KILL_AT, the others shrink); from step REJOIN_AT the members call
+    grow() until the restarted rank 2 is back, move the model over and hand it the optimizer state and the step."""
+    os.environ.update(env)
+    import allreduce
+    import torch
+    from allreduce.train import DataParallel, sync_state
+    from allreduce.train._digits import load_digits, make_mlp
+
+    torch.set_num_threads(1)
+    group = allreduce.init(transport="shm", timeout_s=60)
+    joining = os.environ.get("ALLREDUCE_JOIN") == "1"
+    data = load_digits(seed=0)
+    model = DataParallel(make_mlp((32,), seed=rank), group, bucket_size_mb=0.01)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    step, sizes = 0, []
+    if joining:
+        step = sync_state(group, model, optimizer)["step"]
+    while step < STEPS:
+        if step >= REJOIN_AT and group.world_size < 4 and not joining:
+            grown = group.grow()
+            if grown is group:
+                time.sleep(0.01)
+                continue
+            group = grown
+            model.regroup(group, joined=True)
+            sync_state(group, model, optimizer, {"step": step})
+        if step == KILL_AT and rank == 2 and not joining:
+            os.kill(os.getpid(), signal.SIGKILL)
+        per_rank = GLOBAL_BATCH // group.world_size
+        start = step * GLOBAL_BATCH + group.rank * per_rank
+        idx = torch.arange(start, start + per_rank) % len(data.train_y)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(data.train_x[idx]), data.train_y[idx])
+        try:
+            loss.backward()
+        except allreduce.CollectiveError:
+            group = group.shrink()
+            model.regroup(group)
+            continue
+        optimizer.step()
+        sizes.append(group.world_size)
+        step += 1
+    digest = hashlib.sha256()
+    for p in model.module.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    for p in model.parameters():
+        for _, value in sorted(optimizer.state[p].items()):
+            digest.update(value.detach().numpy().tobytes())
+    group.close()
+    out.put({"rank": rank, "joined": joining, "sizes": sizes, "state": digest.hexdigest()})
+
+
+@pytest.mark.slow
+def test_a_restarted_rank_rejoins_training_with_the_model_and_optimizer_state_of_the_others() -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    reservation = reserve_port()
+    port, token = int(reservation.getsockname()[1]), new_token()
+    envs = [rank_environment(r, 4, master_port=port, token=token) for r in range(4)]
+    procs = [ctx.Process(target=_rejoining, args=(r, envs[r], out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    reservation.close()
+    try:
+        procs[2].join(timeout=240)
+        assert procs[2].exitcode == -signal.SIGKILL
+        procs.append(ctx.Process(target=_rejoining, args=(2, {**envs[2], "ALLREDUCE_JOIN": "1"}, out)))
+        procs[-1].start()
+        reports = [out.get(timeout=240) for _ in range(4)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert sorted((r["rank"], r["joined"]) for r in reports) == [(0, False), (1, False), (2, True), (3, False)]
+    members = [r for r in reports if not r["joined"]]
+    for r in members:  # 4 ranks, 3 after the death, 4 again from step REJOIN_AT
+        assert r["sizes"] == [4] * KILL_AT + [3] * (REJOIN_AT - KILL_AT) + [4] * (STEPS - REJOIN_AT)
+    assert next(r for r in reports if r["joined"])["sizes"] == [4] * (STEPS - REJOIN_AT)
+    assert len({r["state"] for r in reports}) == 1  # parameters and optimizer state, bit for bit

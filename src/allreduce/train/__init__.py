@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from allreduce.runtime import RankFailedError
     from allreduce.train._data_parallel import DataParallel, SyncStats, bucket_layout
     from allreduce.train._digits import DigitsData, load_digits, make_mlp, shard_batches
+    from allreduce.train._elastic import sync_state
     from allreduce.train._run import (
         TRANSPORTS,
         EpochReport,
@@ -41,6 +42,7 @@ _WHERE = {
     "format_result": "_run",
     "train": "_run",
     "train_rank": "_run",
+    "sync_state": "_elastic",
 }
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "load_digits",
     "make_mlp",
     "shard_batches",
+    "sync_state",
     "train",
     "train_rank",
 ]

@@ -117,6 +117,13 @@ def _bucket_tensor(group: CollectiveGroup, count: int, dtype: torch.dtype) -> to
     return torch.zeros(count, dtype=dtype)
 
 
+def _broadcast_module(module: nn.Module, group: CollectiveGroup) -> None:
+    """Rank 0's parameters and buffers on every rank."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            group.broadcast(tensor.data, 0)
+
+
 class DataParallel(nn.Module):
     """Wrap ``module`` for data-parallel training on ``group`` (see the module docstring).
 
@@ -152,9 +159,7 @@ class DataParallel(nn.Module):
         self.last_sync: SyncStats | None = None
         self.overlap = overlap
 
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                group.broadcast(tensor.data, 0)
+        _broadcast_module(module, group)
 
         params = [p for p in module.parameters() if p.requires_grad]
         if any(p.device.type != "cpu" for p in params):
@@ -200,11 +205,17 @@ class DataParallel(nn.Module):
                     p.grad = view
             self._buckets.append(_Bucket(bucket_params, views, flat))
 
-    def regroup(self, group: CollectiveGroup) -> None:
+    def regroup(self, group: CollectiveGroup, *, joined: bool = False) -> None:
         """Go on training on ``group``, typically ``old_group.shrink()`` after a rank died: the buckets move to the
         new group's memory and every gradient is zeroed (a step that failed left partial averages in them).
         Parameters and optimizer state are untouched: the survivors' are identical already (replicas). Run the
-        failed step again on the new group, with the data re-sharded over its ranks."""
+        failed step again on the new group, with the data re-sharded over its ranks.
+
+        ``joined=True`` after ``old_group.grow()`` admitted new ranks: rank 0's parameters and buffers are broadcast
+        as the joiners' own ``DataParallel(module, group)`` does (every rank must take part); then
+        :func:`allreduce.train.sync_state` for the optimizer."""
+        if joined:
+            _broadcast_module(self.module, group)
         self.group = group
         self._active = False
         self._launched = 0
