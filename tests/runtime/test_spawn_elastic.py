@@ -54,3 +54,26 @@ def test_fewer_ranks_than_the_minimum_fail_the_job_naming_the_rank() -> None:
 def test_min_ranks_is_checked_before_any_rank_starts() -> None:
     with pytest.raises(ValueError, match=r"min_ranks must be in 1\.\.3"):
         spawn_elastic(3, _die_on, {}, 0.0, min_ranks=4)
+
+
+def _die_once(wait_s: float) -> tuple[int, str]:
+    """Rank 1's first process dies; its restart (ALLREDUCE_JOIN=1) returns."""
+    rank = int(os.environ["RANK"])
+    joining = os.environ.get("ALLREDUCE_JOIN", "")
+    if rank == 1 and not joining:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(wait_s)
+    return rank, joining
+
+
+@pytest.mark.slow
+def test_a_failed_rank_is_restarted_asking_to_join_and_its_result_is_the_restarts() -> None:
+    outcome = spawn_elastic(3, _die_once, 2.0, min_ranks=2, max_restarts=1, timeout_s=120)
+    assert outcome.results == {0: (0, ""), 1: (1, "1"), 2: (2, "")}
+    assert [(d.rank, d.restarted) for d in outcome.departures] == [(1, True)]
+
+
+@pytest.mark.slow
+def test_rank_0_failing_ends_an_elastic_job_it_hosts_the_store() -> None:
+    with pytest.raises(RankFailedError, match="rank 0 was killed by SIGKILL"):
+        spawn_elastic(3, _die_on, {0: 0.0}, 3.0, min_ranks=1, max_restarts=3, timeout_s=120)

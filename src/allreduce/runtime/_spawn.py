@@ -31,11 +31,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
+from allreduce.runtime._elastic import JOIN_ENV
 from allreduce.runtime._rank_report import install_failure_report, reacted_to
 from allreduce.runtime._reaper import Reaper
 from allreduce.runtime._watch import RankWatch, describe_status, ranks_phrase
@@ -77,6 +78,9 @@ time-share them."""
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Signals that stop a job: Ctrl-C, a polite kill, and a closed terminal or lost ssh session."""
+
+MAX_RESTARTS = 1000
+"""The most restarts an elastic job may ask for."""
 
 TOKEN_BYTES = 16
 """Random bytes in a job's token: 128 bits, not guessable by a stranger on the host."""
@@ -314,7 +318,7 @@ def spawn(
         timeout_s=timeout_s,
         grace_s=grace_s,
         env=env,
-        min_ranks=None,
+        elastic=None,
     )
     return [replies[rank] for rank in range(world_size)]
 
@@ -327,6 +331,36 @@ class Departure:
     how: str  # "was killed by SIGKILL", or the exception the rank reported
     at: float  # time.monotonic() when the launcher saw it exit (CLOCK_MONOTONIC: comparable across processes)
     survivors: int  # ranks still running once it had gone
+    restarted: bool = False  # a new process took its place, asking to join (ALLREDUCE_JOIN=1)
+
+
+@dataclass
+class Elasticity:
+    """How many ranks a job needs to go on, and how many restarts it may make (each restart starts a new process
+    for a failed rank, with ``ALLREDUCE_JOIN=1`` so that ``allreduce.init()`` joins the running group). Rank 0
+    hosts the store: its failure always ends the job."""
+
+    min_ranks: int
+    max_restarts: int = 0
+    departures: list[Departure] = field(default_factory=list)
+
+    def check(self, world_size: int) -> None:
+        if not 1 <= self.min_ranks <= world_size:
+            raise ValueError(f"min_ranks must be in 1..{world_size} (the world size), got {self.min_ranks!r}")
+        if not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise ValueError(f"max_restarts must be in 0..{MAX_RESTARTS}, got {self.max_restarts!r}")
+
+    def departs(self, rank: int, how: str, running: int) -> bool | None:
+        """A rank failed while ``running`` others still run: None if that ends the job, else whether to restart
+        it (the departure is recorded either way)."""
+        if rank == 0 or (running < self.min_ranks and not self._restarts_left()):
+            return None
+        restart = self._restarts_left()
+        self.departures.append(Departure(rank, how, time.monotonic(), running, restart))
+        return restart
+
+    def _restarts_left(self) -> bool:
+        return sum(d.restarted for d in self.departures) < self.max_restarts
 
 
 @dataclass(frozen=True)
@@ -342,17 +376,20 @@ def spawn_elastic(
     fn: Callable[..., R],
     *args: Any,
     min_ranks: int,
+    max_restarts: int = 0,
     timeout_s: float = 300.0,
     grace_s: float = DEFAULT_GRACE_S,
     env: Mapping[str, str] | None = None,
 ) -> ElasticOutcome[R]:
     """:func:`spawn` (``group=False``) for elastic code: a rank's failure does not stop the others while at least
-    ``min_ranks`` are still running, so survivors that shrink their group (``group.shrink()``) go on without it.
-    Each such failure is a :class:`Departure` in the outcome; the job fails as :func:`spawn` does (a
-    :class:`RankFailedError`) once fewer than ``min_ranks`` remain, or at the deadline."""
+    ``min_ranks`` are still running, so survivors that shrink their group (``group.shrink()``) go on without it;
+    up to ``max_restarts`` times a failed rank is started again, with ``ALLREDUCE_JOIN=1``, to rejoin the group
+    (``group.grow()`` on the members). Each failure is a :class:`Departure` in the outcome, a rank's result is
+    that of its last process; the job fails as :func:`spawn` does (a :class:`RankFailedError`) when rank 0 fails
+    (it hosts the store), once fewer than ``min_ranks`` remain with no restart left, or at the deadline."""
     check_world_size(world_size)
-    if not 1 <= min_ranks <= world_size:
-        raise ValueError(f"min_ranks must be in 1..{world_size} (the world size), got {min_ranks!r}")
+    elastic = Elasticity(min_ranks, max_restarts)
+    elastic.check(world_size)
     replies, departures = _run_ranks(
         world_size,
         fn,
@@ -362,7 +399,7 @@ def spawn_elastic(
         timeout_s=timeout_s,
         grace_s=grace_s,
         env=env,
-        min_ranks=min_ranks,
+        elastic=elastic,
     )
     return ElasticOutcome(results=dict(sorted(replies.items())), departures=departures)
 
@@ -377,10 +414,10 @@ def _run_ranks(
     timeout_s: float,
     grace_s: float,
     env: Mapping[str, str] | None,
-    min_ranks: int | None,
+    elastic: Elasticity | None,
 ) -> tuple[dict[int, R], list[Departure]]:
-    """Start and watch the ranks; the results of those that returned, and the failures tolerated because at least
-    ``min_ranks`` ranks remained (None: none tolerated)."""
+    """Start and watch the ranks; the results of those that returned, and the failures ``elastic`` tolerated
+    (None: none)."""
     check_world_size(world_size)
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -403,7 +440,6 @@ def _run_ranks(
     ranks: list[_SpawnedRank] = []
     replies: dict[int, tuple[str, Any]] = {}
     messages: list[str] = []
-    departures: list[Departure] = []
 
     def read(rank: int) -> bool:
         try:
@@ -418,15 +454,18 @@ def _run_ranks(
             pass
         if code == 0 and rank in replies:
             return False
-        if min_ranks is None:
+        if elastic is None:
             return True
         running = sum(1 for r, proc in enumerate(ranks) if r != rank and proc.poll() is None)
-        if running < min_ranks:
-            return True
-        kind, value = replies.pop(rank, ("", None))
+        kind, value = replies.get(rank, ("", None))
         how = value[1] if kind == "error" else describe_status(code)
-        departures.append(Departure(rank=rank, how=how, at=time.monotonic(), survivors=running))
-        messages.append(f"rank {rank} {how}; {running} ranks go on without it (at least {min_ranks} needed)")
+        restart = elastic.departs(rank, how, running)
+        if restart is None:
+            return True
+        replies.pop(rank, None)
+        messages.append(f"rank {rank} {how}; {running} ranks go on" + ("; restarting it" if restart else ""))
+        if restart:
+            start(rank, joining=True)
         return False
 
     def reaction(rank: int) -> int | None:
@@ -437,34 +476,46 @@ def _run_ranks(
         ranks, grace_s=grace_s, timeout_s=timeout_s, log=messages.append, failed=failed, reaction=reaction
     )
     reaper = Reaper()
+
+    def start(rank: int, *, joining: bool) -> None:
+        receive, send = ctx.Pipe(duplex=False)
+        rank_env = {**shared_env, **rank_environment(rank, world_size, master_port=port, token=token)}
+        if joining:
+            rank_env[JOIN_ENV] = "1"
+        process = ctx.Process(
+            target=_rank_main,
+            kwargs={
+                "rank": rank,
+                "env": rank_env,
+                "fn": fn,
+                "args": args,
+                "init_options": options,
+                "report": send,
+                "parent_pid": os.getpid(),
+            },
+            name=f"allreduce-rank-{rank}",
+        )
+        process.start()
+        send.close()
+        assert process.pid is not None  # started
+        reaper.add(process.pid)
+        if joining:
+            reports[rank].close()
+            reports[rank] = receive
+            ranks[rank] = _SpawnedRank(process)
+            watch.replace(rank, ranks[rank], {receive.fileno(): functools.partial(read, rank)})
+        else:
+            reports.append(receive)
+            ranks.append(_SpawnedRank(process))
+            watch.procs.append(ranks[-1])
+
     try:
         on_signal = lambda signum: watch.interrupt(signum, forward=signal.SIGTERM)  # noqa: E731
         with stop_signal_handlers(on_signal, wake_fd=watch.wake_fd):
             for rank in range(world_size):
                 if watch.interrupted_by is not None:
                     break
-                receive, send = ctx.Pipe(duplex=False)
-                rank_env = {**shared_env, **rank_environment(rank, world_size, master_port=port, token=token)}
-                process = ctx.Process(
-                    target=_rank_main,
-                    kwargs={
-                        "rank": rank,
-                        "env": rank_env,
-                        "fn": fn,
-                        "args": args,
-                        "init_options": options,
-                        "report": send,
-                        "parent_pid": os.getpid(),
-                    },
-                    name=f"allreduce-rank-{rank}",
-                )
-                process.start()
-                send.close()
-                assert process.pid is not None  # started
-                reaper.add(process.pid)
-                reports.append(receive)
-                ranks.append(_SpawnedRank(process))
-                watch.procs.append(ranks[-1])
+                start(rank, joining=False)
             watch.watch({reports[r].fileno(): functools.partial(read, r) for r in range(len(ranks))})
             for rank in range(len(ranks)):
                 while rank not in replies and read(rank):
@@ -484,8 +535,9 @@ def _run_ranks(
     error = _first_failure(watch, ranks, replies, timeout_s)
     if error is not None:
         raise error
-    gone = {d.rank for d in departures}
-    return {rank: value for rank, (kind, value) in replies.items() if kind == "ok" and rank not in gone}, departures
+    return {
+        rank: value for rank, (kind, value) in replies.items() if kind == "ok"
+    }, elastic.departures if elastic else []
 
 
 def _first_failure(

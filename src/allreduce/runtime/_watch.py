@@ -109,6 +109,7 @@ class RankWatch:
         self._reaction_deadline: float | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._added: list[tuple[int, dict[int, Callable[[], bool]]]] = []
 
     @property
     def wake_fd(self) -> int:
@@ -148,25 +149,43 @@ class RankWatch:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"\0")
 
+    def replace(self, rank: int, proc: RankProcess, readers: Mapping[int, Callable[[], bool]] | None = None) -> None:
+        """``proc`` is rank ``rank`` from now on (a restart after its earlier process exited); ``readers`` as in
+        :meth:`watch`. Called from ``failed`` (inside :meth:`watch`) or before it."""
+        self.procs[rank] = proc
+        self._added.append((rank, dict(readers or {})))
+
     def watch(self, readers: Mapping[int, Callable[[], bool]] | None = None) -> None:
         """Return once every rank has exited."""
         remaining = set(range(len(self.procs)))
         with selectors.DefaultSelector() as selector:
-            pidfds = {}
-            for rank, proc in enumerate(self.procs):
+            pidfds: list[int] = []
+
+            def follow(rank: int) -> None:
                 try:
-                    pidfd = os.pidfd_open(proc.pid)
+                    pidfd = os.pidfd_open(self.procs[rank].pid)
                 except ProcessLookupError:  # already exited and reaped
                     remaining.discard(rank)
                     self._exited(rank, remaining)
-                    continue
-                pidfds[rank] = pidfd
-                selector.register(pidfd, selectors.EVENT_READ, ("exit", rank))
+                    return
+                pidfds.append(pidfd)
+                selector.register(pidfd, selectors.EVENT_READ, ("exit", (rank, self.procs[rank])))
+
+            for rank in range(len(self.procs)):
+                follow(rank)
             for fd, callback in (readers or {}).items():
                 selector.register(fd, selectors.EVENT_READ, ("read", callback))
             selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
             try:
-                while remaining:
+                while remaining or self._added:
+                    while self._added:  # restarted ranks: follow their new processes
+                        rank, more = self._added.pop(0)
+                        remaining.add(rank)
+                        for fd, callback in more.items():
+                            selector.register(fd, selectors.EVENT_READ, ("read", callback))
+                        follow(rank)
+                    if not remaining:
+                        break
                     for key, _ in selector.select(self._next_timeout()):
                         what, value = key.data
                         if what == "read" and not value():
@@ -177,13 +196,13 @@ class RankWatch:
                             os.read(self._wake_r, 64)
                             if self._stop_deadline is None and self.interrupted_by is not None:
                                 self._stop_deadline = time.monotonic() + self.grace_s
-                        elif what == "exit" and self.procs[value].poll() is not None:
+                        elif what == "exit" and value[1].poll() is not None:
                             selector.unregister(key.fd)
-                            remaining.discard(value)
-                            self._exited(value, remaining)
+                            remaining.discard(value[0])
+                            self._exited(value[0], remaining)
                     self._check_deadlines(remaining)
             finally:
-                for pidfd in pidfds.values():
+                for pidfd in pidfds:
                     os.close(pidfd)
 
     def close(self) -> None:
