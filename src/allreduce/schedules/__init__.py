@@ -8,7 +8,6 @@ that imports user code.
 """
 
 from allreduce.schedules._algorithms import (
-    ALL_REDUCE_ALGORITHMS,
     NAIVE_MAX_RANKS,
     binary_tree_broadcast,
     binary_tree_reduce,
@@ -72,7 +71,6 @@ from allreduce.schedules._timing import (
 from allreduce.schedules._verify import ScheduleError, verify, verify_programs
 
 __all__ = [
-    "ALL_REDUCE_ALGORITHMS",
     "ENTRY_POINT_GROUP",
     "ENVIRONMENT_VARIABLE",
     "MAX_ALGORITHM_NAME_BYTES",

@@ -15,7 +15,6 @@ import numpy.typing as npt
 from allreduce.schedules._schedule import Collective, Schedule, Streams, concat_streams
 
 __all__ = [
-    "ALL_REDUCE_ALGORITHMS",
     "NAIVE_MAX_RANKS",
     "binary_tree_broadcast",
     "binary_tree_reduce",
@@ -545,16 +544,3 @@ def naive_all_reduce(world_size: int) -> Schedule:
     # step 0, the only one: rank r sends all of its buffer to rank r+d for every d in 1..N-1; each reduces it.
     streams = Streams.build(src=src, peer=(src + distance) % n, start=0, block_base=0, reduce=True)
     return Schedule("naive", Collective.ALL_REDUCE, n, 1, 1 if n > 1 else 0, streams)
-
-
-ALL_REDUCE_ALGORITHMS: tuple[str, ...] = (
-    "ring",
-    "halving_doubling",
-    "recursive_doubling",
-    "double_binary_tree",
-    "direct",
-    "hierarchical",
-)
-"""The built-in all-reduce algorithms meant for use, in the registry's order; the registry
-(``allreduce.schedules.algorithms()``) also holds the strawman ``naive`` and every user algorithm, and is the
-list every consumer reads."""
