@@ -26,7 +26,7 @@ from allreduce.schedules._algorithms import (
     ring_reduce_scatter,
 )
 from allreduce.schedules._author import Program, Step
-from allreduce.schedules._cost import CostModel, Prediction, bus_factor, predict, predict_seconds
+from allreduce.schedules._cost import Bandwidths, CostModel, Prediction, bus_factor, predict, predict_seconds
 from allreduce.schedules._plugins import (
     ENTRY_POINT_GROUP,
     ENVIRONMENT_VARIABLE,
@@ -80,6 +80,7 @@ __all__ = [
     "VERIFY_WORLD_SIZES",
     "Algorithm",
     "AlgorithmLoadError",
+    "Bandwidths",
     "Blame",
     "Collective",
     "CostModel",
