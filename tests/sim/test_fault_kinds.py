@@ -95,3 +95,9 @@ def test_shorthand_and_objects_are_the_same_faults() -> None:
     delays = Faults(slow_ranks=((1, 1e-3),), others=(SlowRank(1, 2e-3),)).rank_delay_s(4)
     assert delays is not None
     assert delays.tolist() == pytest.approx([0.0, 3e-3, 0.0, 0.0])
+
+
+def test_a_union_of_faults_keeps_every_kind(slow_node: type[SlowNode]) -> None:
+    down, degraded = LinkDown("a->b", 0.0).as_faults(), Faults(degraded=(("c->d", 0.5),))
+    union = Faults.union([down, degraded, Faults(others=(slow_node("gpu0", 0.5),))])
+    assert union.describe() == ["c->d x0.5", "a->b failed", "slow_node"]

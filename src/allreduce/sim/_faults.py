@@ -14,7 +14,7 @@ names both directions, which is what a bad cable or a flapping transceiver does.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Self
 
@@ -198,6 +198,17 @@ class Faults:
 
     def __bool__(self) -> bool:
         return bool(self.degraded or self.failed or self.slow_ranks or self.others)
+
+    @classmethod
+    def union(cls, parts: Iterable[Faults]) -> Faults:
+        """All the faults of ``parts`` at once (timed faults in effect together), every kind kept."""
+        parts = tuple(parts)
+        return cls(
+            degraded=tuple(x for p in parts for x in p.degraded),
+            failed=tuple(x for p in parts for x in p.failed),
+            slow_ranks=tuple(x for p in parts for x in p.slow_ranks),
+            others=tuple(x for p in parts for x in p.others),
+        )
 
     def describe(self) -> list[str]:
         return [fault.describe() for fault in self.each()]
