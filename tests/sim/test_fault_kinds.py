@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Self
+from typing import Self
 
 import pytest
 
@@ -28,10 +28,9 @@ SIZE = float(2**24)
 
 
 @dataclass(frozen=True)
-class SlowNode(Fault):
+class SlowNode(Fault, kind="slow_node"):
     """A toy kind: every link into or out of ``node`` runs at ``factor`` x its bandwidth (``NODE*FACTOR``)."""
 
-    kind: ClassVar[str] = "slow_node"
     node: str
     factor: float
 

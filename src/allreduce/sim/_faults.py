@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -70,9 +70,14 @@ def _check_factor(link: str, factor: float) -> None:
 class Fault:
     """A fault that holds for the whole run. A kind overrides what it changes; by default it changes nothing.
 
-    ``kind`` is the name it is registered under; ``parse`` reads its text form (ValueError naming the text)."""
+    ``kind`` (a class keyword: ``class SlowNode(Fault, kind="slow_node")``) is the name it is registered under;
+    ``parse`` reads its text form (ValueError naming the text)."""
 
     kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, kind: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind = kind or cls.kind
 
     @classmethod
     def parse(cls, text: str) -> Self:
@@ -95,10 +100,9 @@ class Fault:
 
 
 @dataclass(frozen=True)
-class DegradedLink(Fault):
+class DegradedLink(Fault, kind="degraded"):
     """``link`` runs at ``factor`` x its bandwidth (text: ``LINK=FACTOR``)."""
 
-    kind: ClassVar[str] = "degraded"
     link: str
     factor: float
 
@@ -120,10 +124,9 @@ class DegradedLink(Fault):
 
 
 @dataclass(frozen=True)
-class FailedLink(Fault):
+class FailedLink(Fault, kind="failed"):
     """``link`` is removed; traffic reroutes, or the run fails naming the ranks that lost their path."""
 
-    kind: ClassVar[str] = "failed"
     link: str
 
     @classmethod
@@ -140,10 +143,9 @@ class FailedLink(Fault):
 
 
 @dataclass(frozen=True)
-class SlowRank(Fault):
+class SlowRank(Fault, kind="slow_rank"):
     """``rank`` adds ``seconds`` to every step in which it transfers (text: ``RANK=SECONDS``, e.g. ``3=50us``)."""
 
-    kind: ClassVar[str] = "slow_rank"
     rank: int
     seconds: float
 
@@ -249,6 +251,10 @@ class TimedFault:
     link: str
     start_s: float
 
+    def __init_subclass__(cls, *, kind: str = "", example: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind, cls.example = kind or cls.kind, example or cls.example
+
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start_s) and self.start_s >= 0):
             raise ValueError(f"{self.link}: the fault's start must be a finite time >= 0, got {self.start_s}")
@@ -290,11 +296,9 @@ def _start_and_rest(when: str, separator: str, text: str, example: str) -> tuple
 
 
 @dataclass(frozen=True)
-class LinkDown(TimedFault):
+class LinkDown(TimedFault, kind="down", example="LINK@10ms+50ms"):
     """Removed (traffic reroutes, or waits when no other path exists) from ``start_s`` for ``duration_s``."""
 
-    kind: ClassVar[str] = "down"
-    example: ClassVar[str] = "LINK@10ms+50ms"
     duration_s: float = math.inf
 
     def __post_init__(self) -> None:
@@ -322,11 +326,9 @@ class LinkDown(TimedFault):
 
 
 @dataclass(frozen=True)
-class LinkFlap(TimedFault):
+class LinkFlap(TimedFault, kind="flap", example="LINK@0s/20ms*0.5"):
     """Removed for the first ``duty`` fraction of every ``period_s`` from ``start_s`` on."""
 
-    kind: ClassVar[str] = "flap"
-    example: ClassVar[str] = "LINK@0s/20ms*0.5"
     period_s: float
     duty: float
 
@@ -364,11 +366,9 @@ class LinkFlap(TimedFault):
 
 
 @dataclass(frozen=True)
-class LinkDegrade(TimedFault):
+class LinkDegrade(TimedFault, kind="degrade", example="LINK@10ms=0.25"):
     """At ``factor`` x its bandwidth from ``start_s`` on."""
 
-    kind: ClassVar[str] = "degrade"
-    example: ClassVar[str] = "LINK@10ms=0.25"
     factor: float
 
     def __post_init__(self) -> None:
