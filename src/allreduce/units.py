@@ -53,14 +53,24 @@ _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns":
 _TIME_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>s|ms|us|µs|μs|ns)\s*$")
 
 
-def parse_bytes(text: str, *, what: str = "size") -> int:
-    """``4KiB`` → 4096, ``1GB`` → 10**9, ``512`` → 512. Whole bytes only."""
-    m = _SIZE_RE.match(str(text))
+def _read(pattern: re.Pattern[str], text: str, what: str, expected: str) -> tuple[re.Match[str], float]:
+    """The match of ``text`` and its number, or UnitError naming ``what`` and ``expected`` (what to write)."""
+    m = pattern.match(str(text))
     if not m:
-        raise UnitError(f"{what}: cannot read {text!r} as a size; use e.g. 4KiB, 64MiB, 1GB or 512 (bytes)")
-    value = float(m["num"]) * _PREFIX[m["prefix"]]
+        raise UnitError(f"{what}: cannot read {text!r} as {expected}")
+    return m, float(m["num"])
+
+
+def _finite(value: float, text: str, what: str) -> float:
     if not math.isfinite(value):
         raise UnitError(f"{what}: {text!r} is not finite (it overflows a 64-bit float)")
+    return value
+
+
+def parse_bytes(text: str, *, what: str = "size") -> int:
+    """``4KiB`` → 4096, ``1GB`` → 10**9, ``512`` → 512. Whole bytes only."""
+    m, number = _read(_SIZE_RE, text, what, "a size; use e.g. 4KiB, 64MiB, 1GB or 512 (bytes)")
+    value = _finite(number * _PREFIX[m["prefix"]], text, what)
     if value != math.floor(value):
         raise UnitError(f"{what}: {text!r} is not a whole number of bytes")
     return int(value)
@@ -68,16 +78,10 @@ def parse_bytes(text: str, *, what: str = "size") -> int:
 
 def parse_bandwidth(text: str, *, what: str = "bandwidth") -> float:
     """``400Gbps`` → 5e10 bytes/s, ``50GB/s`` → 5e10 bytes/s."""
-    m = _BW_RE.match(str(text))
-    if not m:
-        raise UnitError(
-            f"{what}: cannot read {text!r} as a bandwidth; use e.g. 400Gbps, 100Gb/s (bits) or 50GB/s, 25GBps (bytes)"
-        )
-    value = float(m["num"]) * _PREFIX[m["prefix"]]
-    if m["unit"].startswith("b"):
-        value /= 8.0
-    if not math.isfinite(value):
-        raise UnitError(f"{what}: {text!r} is not finite (it overflows a 64-bit float)")
+    expected = "a bandwidth; use e.g. 400Gbps, 100Gb/s (bits) or 50GB/s, 25GBps (bytes)"
+    m, number = _read(_BW_RE, text, what, expected)
+    bits = m["unit"].startswith("b")
+    value = _finite(number * _PREFIX[m["prefix"]] / (8.0 if bits else 1.0), text, what)
     if value <= 0:
         raise UnitError(f"{what}: {text!r} must be greater than zero")
     return value
@@ -85,13 +89,8 @@ def parse_bandwidth(text: str, *, what: str = "bandwidth") -> float:
 
 def parse_seconds(text: str, *, what: str = "time") -> float:
     """``5us`` → 5e-6, ``2ms`` → 2e-3, ``1.5s`` → 1.5."""
-    m = _TIME_RE.match(str(text))
-    if not m:
-        raise UnitError(f"{what}: cannot read {text!r} as a time; use e.g. 5us, 2ms, 100ns or 1.5s")
-    value = float(m["num"]) * _TIME_UNITS[m["unit"]]
-    if not math.isfinite(value):
-        raise UnitError(f"{what}: {text!r} is not finite (it overflows a 64-bit float)")
-    return value
+    m, number = _read(_TIME_RE, text, what, "a time; use e.g. 5us, 2ms, 100ns or 1.5s")
+    return _finite(number * _TIME_UNITS[m["unit"]], text, what)
 
 
 def parse_size_range(text: str, *, what: str = "sizes") -> list[int]:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from allreduce.plan import Compute, PlanRequest, model_from_params, plan, plan_step, scaling_counts
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce
+from allreduce.schedules import algorithms, all_reduce
 from allreduce.sim import simulate
 from allreduce.topology import parse_topology
 
@@ -151,7 +151,7 @@ def test_auto_with_size_bounds_chooses_what_simulating_every_algorithm_chooses(e
     chosen = plan_step(req)
     assert len(chosen.runs) >= 3
     per_algorithm = {}
-    for name in ALL_REDUCE_ALGORITHMS:
+    for name in algorithms(automatic=True):
         try:
             per_algorithm[name] = plan_step(dataclasses.replace(req, algorithm=name)).runs
         except ValueError:

@@ -25,7 +25,7 @@ from allreduce.runtime._store import TCPStore
 from allreduce.runtime.tcp import TcpTransport
 from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES
 from allreduce.runtime.tcp._transport import THREAD_MIN_BYTES
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce
+from allreduce.schedules import algorithms, all_reduce
 
 SPAWN = mp.get_context("spawn")
 COUNTS = (0, 1, 2, 7, 13, 97, 1000, 65_537)
@@ -51,7 +51,7 @@ def exact_sum(world_size: int, count: int) -> np.ndarray:
 
 def schedules_for(world_size: int, segments: int = 1) -> list[tuple[str, Any]]:
     out = []
-    for name in ALL_REDUCE_ALGORITHMS:
+    for name in algorithms(automatic=True):
         kwargs: dict[str, int] = {"segments": segments}
         if name == "hierarchical":
             if world_size % 2:
@@ -390,7 +390,7 @@ def test_agree_gathers_every_rank_descriptor(pool: RankPool) -> None:
 
 
 @at_world_sizes(*EVERY_WORLD_SIZE)
-@pytest.mark.parametrize("name", ALL_REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("name", algorithms(automatic=True))
 @pytest.mark.slow
 def test_algorithm_is_exact_on_integers_at_awkward_counts(pool: RankPool, name: str) -> None:
     n = pool.world_size
@@ -426,7 +426,7 @@ def test_statistics_count_each_connection_once(pool: RankPool) -> None:
 @pytest.mark.slow
 @at_world_sizes(2, 3, 5)
 @pytest.mark.parametrize("checksum", [False, True], ids=["windowed", "checksum"])
-@pytest.mark.parametrize("name", ALL_REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("name", algorithms(automatic=True))
 def test_large_messages_through_the_sender_thread_are_exact(pool: RankPool, name: str, checksum: bool) -> None:
     # Without checksums a reduction streams through the window; with them it is verified whole first.
     n = pool.world_size

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allreduce.schedules import (
-    ALL_REDUCE_ALGORITHMS,
     CostModel,
     Program,
     Schedule,
     ScheduleError,
     Step,
     Verb,
+    algorithms,
     all_reduce,
     binomial_broadcast,
     predict,
@@ -227,7 +227,9 @@ def reauthored(schedule: Schedule) -> Program:
 
 
 @settings(max_examples=60, deadline=None)
-@given(algorithm=st.sampled_from((*ALL_REDUCE_ALGORITHMS, "naive")), n=st.integers(1, 24), chunks=st.integers(1, 5))
+@given(
+    algorithm=st.sampled_from((*algorithms(automatic=True), "naive")), n=st.integers(1, 24), chunks=st.integers(1, 5)
+)
 @pytest.mark.slow
 def test_any_builtin_written_verb_by_verb_compiles_back_to_itself(algorithm: str, n: int, chunks: int) -> None:
     group_size = next(g for g in (4, 3, 2, 1) if n % g == 0)

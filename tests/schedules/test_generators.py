@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from allreduce.schedules import (
-    ALL_REDUCE_ALGORITHMS,
     Collective,
     Schedule,
     Verb,
+    algorithms,
     all_reduce,
     binary_tree_broadcast,
     binary_tree_reduce,
@@ -42,7 +42,7 @@ def _divisors(n: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", [a for a in ALL_REDUCE_ALGORITHMS if a != "hierarchical"])
+@pytest.mark.parametrize("algorithm", [a for a in algorithms(automatic=True) if a != "hierarchical"])
 def test_every_all_reduce_verifies_for_n_1_to_64(algorithm: str) -> None:
     for n in WORLD_SIZES:
         schedule = all_reduce(algorithm, n)
@@ -80,7 +80,7 @@ def test_rooted_collectives_verify_for_n_1_to_64_and_roots(generator: Callable[[
             verify(generator(n, root))
 
 
-@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", algorithms(automatic=True))
 def test_segments_do_not_change_the_data_movement(algorithm: str) -> None:
     group = {"group_size": 2} if algorithm == "hierarchical" else {}
     plain = all_reduce(algorithm, 6, **group)
@@ -119,7 +119,7 @@ def _transfers_from_phases(schedule: Schedule) -> Counter[tuple[int, int, int, f
 
 
 @given(
-    algorithm=st.sampled_from(ALL_REDUCE_ALGORITHMS),
+    algorithm=st.sampled_from(algorithms(automatic=True)),
     world_size=st.integers(min_value=1, max_value=24),
 )
 @pytest.mark.slow

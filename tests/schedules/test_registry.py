@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from allreduce.schedules import (
-    ALL_REDUCE_ALGORITHMS,
     MAX_ALGORITHM_NAME_BYTES,
     NAIVE_MAX_RANKS,
     Collective,
@@ -47,8 +46,44 @@ def ring_missing_last_step(world_size: int) -> Schedule:
     return Schedule("x", Collective.ALL_REDUCE, world_size, world_size, max(ring.num_steps - 1, 0), keep)
 
 
+BUILT_IN_ALL_REDUCE = (
+    "ring",
+    "halving_doubling",
+    "recursive_doubling",
+    "double_binary_tree",
+    "direct",
+    "hierarchical",
+    "naive",
+)
+
+
 def test_builtins_are_registered_in_order() -> None:
-    assert algorithms()[: len(ALL_REDUCE_ALGORITHMS) + 1] == (*ALL_REDUCE_ALGORITHMS, "naive")
+    assert algorithms()[: len(BUILT_IN_ALL_REDUCE)] == BUILT_IN_ALL_REDUCE
+
+
+def test_automatic_lists_every_builtin_but_the_strawman() -> None:
+    assert algorithms(automatic=True)[: len(BUILT_IN_ALL_REDUCE) - 1] == BUILT_IN_ALL_REDUCE[:-1]
+    assert "naive" not in algorithms(automatic=True)
+
+
+def test_the_registry_holds_each_builtins_limits() -> None:
+    quadratic = {name for name in BUILT_IN_ALL_REDUCE if get_algorithm("all_reduce", name).quadratic}
+    grouped = {name for name in BUILT_IN_ALL_REDUCE if get_algorithm("all_reduce", name).needs_group_size}
+    assert (quadratic, grouped) == ({"direct", "naive"}, {"hierarchical"})
+    assert get_algorithm("all_reduce", "naive").max_ranks == NAIVE_MAX_RANKS
+
+
+def test_make_schedule_refuses_more_ranks_than_a_registered_limit(registered: list[str]) -> None:
+    register_algorithm("all_reduce", "small_ring", ring_all_reduce, max_ranks=16)
+    registered.append("small_ring")
+    assert make_schedule("all_reduce", "small_ring", 16).world_size == 16
+    with pytest.raises(ValueError, match=r"'small_ring' is built for at most 16 ranks"):
+        make_schedule("all_reduce", "small_ring", 17)
+
+
+def test_a_limit_that_is_not_a_positive_int_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_ranks must be an int >= 1"):
+        register_algorithm("all_reduce", "no_ring", ring_all_reduce, max_ranks=0)
 
 
 def test_a_wrong_algorithm_is_refused_naming_world_size_rank_step_and_block(registered: list[str]) -> None:

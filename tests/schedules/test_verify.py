@@ -9,12 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from allreduce.schedules import (
-    ALL_REDUCE_ALGORITHMS,
     Collective,
     Op,
     Schedule,
     ScheduleError,
     Verb,
+    algorithms,
     all_reduce,
     binomial_broadcast,
     direct_all_gather,
@@ -54,7 +54,7 @@ def _matching_receive(programs: Programs, rank: int, index: int) -> tuple[int, i
 
 # ---- random corruptions of valid schedules: every one must be rejected ----------------------------------------
 @given(
-    algorithm=st.sampled_from(ALL_REDUCE_ALGORITHMS),
+    algorithm=st.sampled_from(algorithms(automatic=True)),
     n=st.integers(min_value=2, max_value=20),
     pick=st.integers(min_value=0, max_value=10**9),
 )
@@ -70,7 +70,7 @@ def test_dropping_any_operation_is_rejected(algorithm: str, n: int, pick: int) -
 
 
 @given(
-    algorithm=st.sampled_from(ALL_REDUCE_ALGORITHMS),
+    algorithm=st.sampled_from(algorithms(automatic=True)),
     n=st.integers(min_value=3, max_value=20),
     pick=st.integers(min_value=0, max_value=10**9),
     shift=st.integers(min_value=1, max_value=10**6),
@@ -89,7 +89,7 @@ def test_redirecting_any_send_is_rejected(algorithm: str, n: int, pick: int, shi
 
 
 @given(
-    algorithm=st.sampled_from(ALL_REDUCE_ALGORITHMS),
+    algorithm=st.sampled_from(algorithms(automatic=True)),
     n=st.integers(min_value=2, max_value=20),
     pick=st.integers(min_value=0, max_value=10**9),
 )

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, all_reduce
+from allreduce.schedules import Schedule, algorithms, all_reduce
 from allreduce.sim import Faults, match_transfers, simulate
 from allreduce.topology import parse_topology, switch
 
@@ -28,7 +28,7 @@ def assert_agree(sched: Schedule, spec: str, rtol: float = 1e-6, **kwargs: objec
     np.testing.assert_allclose(fast.link_bytes, event.link_bytes, rtol=1e-9, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ALL_REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("name", algorithms(automatic=True))
 def test_agree_on_one_switch(name: str) -> None:
     assert_agree(schedule(name, 16), "switch:16")
 

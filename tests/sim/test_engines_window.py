@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS, Schedule, Verb, all_reduce
+from allreduce.schedules import Schedule, Verb, algorithms, all_reduce
 from allreduce.sim import match_transfers, simulate
 from allreduce.sim._event import _Run
 from allreduce.sim._fair import max_min_rates
@@ -35,7 +35,7 @@ def _paired_from_programs(schedule: Schedule) -> set[tuple[int, int, int, int, i
     return sends
 
 
-@pytest.mark.parametrize("name", ALL_REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("name", algorithms(automatic=True))
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 16])
 def test_transfers_from_the_streams_are_the_programs_pairs(name: str, n: int) -> None:
     try:

@@ -106,3 +106,14 @@ def test_trace_is_bounded_and_well_formed() -> None:
     assert len(slices) == 16 * 2 * 127
     ends = np.asarray([e["ts"] + e["dur"] for e in slices])
     assert ends.max() == pytest.approx(result.rank_end_s[:16].max() * 1e6, rel=1e-9)
+
+
+def test_to_json_carries_what_sim_json_prints_of_each_algorithm() -> None:
+    topo = fat_tree(4)
+    result = simulate(all_reduce("ring", 16), topo, size_bytes=SIZE, faults=Faults(degraded=(("edge0<->agg0", 0.1),)))
+    data = result.to_json(bottlenecks=2)
+    assert set(data) == {"name", "seconds", "algbw_GBps", "busbw_GBps", "engine", "exact", "bottlenecks"}
+    assert data["busbw_GBps"] == pytest.approx(data["algbw_GBps"] * 2 * 15 / 16, rel=1e-12)
+    first = result.bottlenecks[0]
+    assert data["bottlenecks"][0] == {"link": first.name, "utilization": first.utilization, "waited_s": first.waited_s}
+    assert len(data["bottlenecks"]) == min(2, len(result.bottlenecks))

@@ -11,10 +11,10 @@ from allreduce.schedules import Blame, Incidence, Phase, all_reduce, blame_key, 
 from allreduce.sim import (
     Distribution,
     Faults,
+    LinkFlap,
     LossModel,
     TailConfig,
     TailResult,
-    TimedFault,
     _cyclic,
     simulate_tail,
 )
@@ -162,7 +162,7 @@ def test_tail_with_cyclic_steps_equals_the_general_path(
 
 
 def test_tail_with_a_flapping_link_and_cyclic_steps_equals_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    flap = TimedFault("gpu1<->switch0", "flap", 0.0, period_s=200e-6, duty=0.5)
+    flap = LinkFlap("gpu1<->switch0", 0.0, period_s=200e-6, duty=0.5)
     config = TailConfig(samples=8, seed=3, timed_faults=(flap,), rank_jitter=Distribution.exponential(50e-6))
     schedule = all_reduce("ring", 8)
     fast = simulate_tail(schedule, switch(8), size_bytes=2**22, config=config)

@@ -16,9 +16,9 @@ from allreduce.sim import (
     SAMPLE_FAST_UNCERTIFIED,
     Distribution,
     Faults,
+    LinkDown,
     LossModel,
     TailConfig,
-    TimedFault,
     simulate,
     simulate_tail,
 )
@@ -132,7 +132,7 @@ def test_auto_leaves_samples_beyond_the_event_budget_to_the_fast_engine() -> Non
 
 
 def test_event_engine_refuses_timed_faults() -> None:
-    down = TimedFault("gpu2<->switch0", "down", 50e-6, duration_s=1e-3)
+    down = LinkDown("gpu2<->switch0", 50e-6, duration_s=1e-3)
     with pytest.raises(ValueError, match="timed faults"):
         TailConfig(samples=2, timed_faults=(down,), engine="event")
 

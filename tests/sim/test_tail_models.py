@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from allreduce.sim import (
     Distribution,
+    LinkDegrade,
     LossModel,
-    TimedFault,
     parse_distribution,
     parse_timed_fault,
     transfer_loss_probability,
@@ -160,7 +160,7 @@ def test_flap_is_down_for_its_duty_cycle_every_period() -> None:
 
 def test_degrade_from_t_lasts() -> None:
     fault = parse_timed_fault("degrade", "a<->b@2ms=0.25")
-    assert fault == TimedFault("a<->b", "degrade", 0.002, factor=0.25)
+    assert fault == LinkDegrade("a<->b", 0.002, factor=0.25)
     assert fault.active(np.array([0.001, 10.0])).tolist() == [False, True]
 
 

@@ -14,9 +14,11 @@ from allreduce.schedules import all_reduce
 from allreduce.sim import (
     Distribution,
     Faults,
+    LinkDegrade,
+    LinkDown,
+    LinkFlap,
     LossModel,
     TailConfig,
-    TimedFault,
     simulate,
     simulate_tail,
     transfer_loss_probability,
@@ -168,7 +170,7 @@ def test_the_lossy_link_is_named() -> None:
 
 def test_a_link_down_with_no_other_path_makes_transfers_wait_for_it() -> None:
     n = 8
-    down = TimedFault("gpu2<->switch0", "down", 50e-6, duration_s=2e-3)
+    down = LinkDown("gpu2<->switch0", 50e-6, duration_s=2e-3)
     result = simulate_tail(
         all_reduce("ring", n), switch(n), size_bytes=2**20, config=TailConfig(samples=1, timed_faults=(down,))
     )
@@ -178,7 +180,7 @@ def test_a_link_down_with_no_other_path_makes_transfers_wait_for_it() -> None:
 
 
 def test_a_link_down_on_a_fat_tree_reroutes_and_costs_at_most_its_duration() -> None:
-    down = TimedFault("edge0<->agg0", "down", 0.0, duration_s=1.0)
+    down = LinkDown("edge0<->agg0", 0.0, duration_s=1.0)
     schedule = all_reduce("ring", 16)
     healthy = simulate(schedule, fat_tree(4), size_bytes=2**22, engine="fast")
     result = simulate_tail(
@@ -237,7 +239,7 @@ def test_attribution_by_kind_lists_only_that_kind() -> None:
 
 def test_a_link_degraded_from_time_zero_equals_the_static_fault() -> None:
     schedule = all_reduce("ring", 16)
-    degraded = TimedFault("gpu5->edge2", "degrade", 0.0, factor=0.1)
+    degraded = LinkDegrade("gpu5->edge2", 0.0, factor=0.1)
     result = simulate_tail(
         schedule, fat_tree(4), size_bytes=2**22, config=TailConfig(samples=1, timed_faults=(degraded,))
     )
@@ -249,7 +251,7 @@ def test_a_link_degraded_from_time_zero_equals_the_static_fault() -> None:
 
 
 def test_a_flapping_link_without_another_path_delays_the_step() -> None:
-    flap = TimedFault("gpu1<->switch0", "flap", 0.0, period_s=200e-6, duty=0.5)
+    flap = LinkFlap("gpu1<->switch0", 0.0, period_s=200e-6, duty=0.5)
     schedule = all_reduce("ring", 8)
     result = simulate_tail(schedule, switch(8), size_bytes=2**22, config=TailConfig(samples=1, timed_faults=(flap,)))
     assert result.step_s[0] > result.baseline_s

@@ -20,7 +20,7 @@ import pytest
 
 from allreduce.runtime import compile_plan
 from allreduce.runtime._spawn import RankFailedError, spawn
-from allreduce.schedules import ALL_REDUCE_ALGORITHMS, all_reduce
+from allreduce.schedules import algorithms, all_reduce
 
 COUNTS = (0, 1, 3, 7, 1000, 4099)
 
@@ -33,7 +33,7 @@ def _init_gloo(timeout_s: float = 60.0) -> None:
 
 def _cases(world_size: int) -> list[tuple[str, int, int]]:
     cases = []
-    for algorithm in ALL_REDUCE_ALGORITHMS:
+    for algorithm in algorithms(automatic=True):
         if algorithm == "hierarchical" and world_size % 2:
             continue
         for segments in (1, 3):

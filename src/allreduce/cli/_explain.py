@@ -12,7 +12,6 @@ from allreduce.cli._args import AlgorithmSelection, add_algorithm_argument, posi
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import (
-    NAIVE_MAX_RANKS,
     Collective,
     CostModel,
     Prediction,
@@ -40,11 +39,10 @@ __all__ = ["MAX_EXPLAIN_RANKS", "Explanation", "explain", "register", "render"]
 _TREE_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Algorithms for small groups whose modelling costs O(N^2): direct has one flow pattern per step for N-1 steps
 # (2N(N-1) flows, about _QUADRATIC_BYTES_PER_FLOW each in the timing recurrence: 800 MB and 6 s at 4,096 ranks),
-# naive N(N-1) transfers in its one step (260 MB at 1,024 ranks). `all` leaves them out above
-# _QUADRATIC_ALL_MAX_RANKS, where each costs about 50-65 MB (peak RSS over the interpreter's); named explicitly,
-# they are explained up to _QUADRATIC_MAX_RANKS (naive's generator stops at NAIVE_MAX_RANKS).
-_QUADRATIC_ALL_MAX_RANKS = {"direct": 1024, "naive": 512}
-_QUADRATIC_MAX_RANKS = {"direct": 4096, "naive": NAIVE_MAX_RANKS}
+# naive N(N-1) transfers in its one step (260 MB at 1,024 ranks). Named explicitly, a quadratic algorithm is
+# explained up to _QUADRATIC_MAX_RANKS or the registry's max_ranks (naive's 2,048); `all` leaves it out above a
+# quarter of that, a sixteenth of the memory: about 50-65 MB (peak RSS over the interpreter's).
+_QUADRATIC_MAX_RANKS = 4096
 _QUADRATIC_BYTES_PER_FLOW = 24
 """Peak bytes per flow of direct's cost-model prediction (tracemalloc: 807 MB for its 33.5 M flows at 4,096)."""
 MAX_EXPLAIN_RANKS = 1 << 17
@@ -97,8 +95,8 @@ def _schedules(  # noqa: PLR0917 (one private call site)
     for index, name in enumerate(names):
         say(f"{name} ({index + 1} of {len(names)})")
         entry = get_algorithm(Collective.ALL_REDUCE, name)
-        limit = _QUADRATIC_MAX_RANKS.get(name) if entry.origin == "built-in" else None
-        all_limit = _QUADRATIC_ALL_MAX_RANKS.get(name, 0)
+        limit = min(_QUADRATIC_MAX_RANKS, entry.max_ranks or _QUADRATIC_MAX_RANKS) if entry.quadratic else None
+        all_limit = limit // 4 if limit is not None else 0
         if limit is not None and world_size > all_limit and not selection.explicit:
             skipped.append(f"{name}: left out above {all_limit} ranks (a small-group algorithm; ask for it by name)")
             continue

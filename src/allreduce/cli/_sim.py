@@ -23,7 +23,6 @@ __all__ = ["ELEMENT_BYTES", "MAX_CHUNKS", "MAX_SIM_RANKS", "check_chunks", "regi
 # rate solves; naive puts N(N-1) flows in its one step. Algorithms for small groups, left out of ``all`` above
 # this many ranks (named explicitly, they are simulated).
 DIRECT_MAX_RANKS = 256
-_QUADRATIC = ("direct", "naive")
 # Largest group size for hierarchical when neither --group-size nor the topology says what a node is (a node of
 # 8 GPUs, as DGX/HGX servers): the largest divisor of the ranks up to it is used.
 FALLBACK_GROUP_SIZE = 8
@@ -283,8 +282,7 @@ def _schedules(args: argparse.Namespace, topology: Topology, world_size: int) ->
     skipped: list[str] = []
     for name in selection.names:
         entry = get_algorithm(Collective.ALL_REDUCE, name)
-        quadratic = entry.origin == "built-in" and name in _QUADRATIC
-        if quadratic and world_size > DIRECT_MAX_RANKS and not explicit:
+        if entry.quadratic and world_size > DIRECT_MAX_RANKS and not explicit:
             skipped.append(f"{name}: left out above {DIRECT_MAX_RANKS} ranks (O(N^2) flows; ask for it by name)")
             continue
         if "chunks" in entry.parameters:

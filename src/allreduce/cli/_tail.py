@@ -494,7 +494,7 @@ def demo_section() -> str:
     and a 4 ms retransmission timeout (TCP), and what one congested port or one straggler costs, with the
     culprit named."""
     from allreduce.schedules import all_reduce
-    from allreduce.sim import LossModel, TimedFault, simulate_tail
+    from allreduce.sim import LinkDegrade, LossModel, simulate_tail
     from allreduce.topology import fat_tree
 
     topology = fat_tree(16)
@@ -522,7 +522,7 @@ def demo_section() -> str:
         for rto in DEMO_RTOS_S:
             config = TailConfig(samples=DEMO_SAMPLES, seed=1, loss=LossModel(loss, "tcp", rto_s=rto))
             medians[loss, rto] = row(f"1 packet in {1 / loss:.0e} lost, RTO {format_seconds(rto)}", config)
-    congested = TimedFault(DEMO_CONGESTED_LINK, "degrade", 0.0, factor=DEMO_CONGESTION_FACTOR)
+    congested = LinkDegrade(DEMO_CONGESTED_LINK, 0.0, factor=DEMO_CONGESTION_FACTOR)
     port = row(
         f"one congested port ({DEMO_CONGESTED_LINK} at {DEMO_CONGESTION_FACTOR:.0%})",
         TailConfig(samples=1, timed_faults=(congested,)),

@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 MiB = 2**20
-# The direct all-reduce has one flow pattern per step, O(N^2) to simulate: auto considers it on small groups only.
+# A quadratic all-reduce (direct: one flow pattern per step) is O(N^2) to simulate: auto considers it on small groups.
 DIRECT_MAX_RANKS = 256
 # Group size for hierarchical when the topology does not say what a node is (a common 8-GPU server).
 FALLBACK_GROUP_SIZE = 8
@@ -173,7 +173,7 @@ class _Simulator:
             entry = get_algorithm(Collective.ALL_REDUCE, name)
             if not entry.automatic:
                 continue
-            if entry.origin == "built-in" and name == "direct" and gpus > DIRECT_MAX_RANKS:
+            if entry.quadratic and gpus > DIRECT_MAX_RANKS:
                 continue
             if "group_size" in entry.parameters and self.group_size(request, gpus) is None:
                 continue

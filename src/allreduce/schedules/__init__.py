@@ -8,7 +8,6 @@ that imports user code.
 """
 
 from allreduce.schedules._algorithms import (
-    ALL_REDUCE_ALGORITHMS,
     NAIVE_MAX_RANKS,
     binary_tree_broadcast,
     binary_tree_reduce,
@@ -27,7 +26,7 @@ from allreduce.schedules._algorithms import (
     ring_reduce_scatter,
 )
 from allreduce.schedules._author import Program, Step
-from allreduce.schedules._cost import CostModel, Prediction, bus_factor, predict, predict_seconds
+from allreduce.schedules._cost import Bandwidths, CostModel, Prediction, bus_factor, predict, predict_seconds
 from allreduce.schedules._plugins import (
     ENTRY_POINT_GROUP,
     ENVIRONMENT_VARIABLE,
@@ -63,6 +62,7 @@ from allreduce.schedules._timing import (
     Blame,
     Incidence,
     PhaseTiming,
+    add_flow_delays,
     blame_key,
     jump_samples,
     propagate,
@@ -72,7 +72,6 @@ from allreduce.schedules._timing import (
 from allreduce.schedules._verify import ScheduleError, verify, verify_programs
 
 __all__ = [
-    "ALL_REDUCE_ALGORITHMS",
     "ENTRY_POINT_GROUP",
     "ENVIRONMENT_VARIABLE",
     "MAX_ALGORITHM_NAME_BYTES",
@@ -82,6 +81,7 @@ __all__ = [
     "VERIFY_WORLD_SIZES",
     "Algorithm",
     "AlgorithmLoadError",
+    "Bandwidths",
     "Blame",
     "Collective",
     "CostModel",
@@ -97,6 +97,7 @@ __all__ = [
     "Step",
     "Streams",
     "Verb",
+    "add_flow_delays",
     "algorithms",
     "all_reduce",
     "binary_tree_broadcast",

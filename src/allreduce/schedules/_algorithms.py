@@ -15,7 +15,6 @@ import numpy.typing as npt
 from allreduce.schedules._schedule import Collective, Schedule, Streams, concat_streams
 
 __all__ = [
-    "ALL_REDUCE_ALGORITHMS",
     "NAIVE_MAX_RANKS",
     "binary_tree_broadcast",
     "binary_tree_reduce",
@@ -82,105 +81,86 @@ def _embed(sub: Schedule, rank_maps: IntArray, block_offsets: IntArray, block_sc
 
 
 # --------------------------------------------------------------------------------------------------------
-# Ring
+# Ring and direct: N-1 steps of one block each, the peer fixed (ring) or moving one rank on per step (direct)
 # --------------------------------------------------------------------------------------------------------
-def ring_reduce_scatter(world_size: int) -> Schedule:
-    """Ring reduce-scatter: N-1 steps; afterwards rank r holds block r reduced over all ranks."""
+def _block_per_step(
+    name: str,
+    collective: Collective,
+    world_size: int,
+    *,
+    peer_stride: int,
+    block_shift: int,
+    block_stride: int,
+    reduce: bool,
+) -> Schedule:
+    """N-1 steps: at step j rank r sends block ``r + block_shift + j·block_stride`` to rank
+    ``r + 1 + j·peer_stride``, which reduces it into its copy (``reduce``) or copies it."""
     _check_world_size(world_size)
     n = world_size
     ranks = np.arange(n if n > 1 else 0, dtype=np.int64)
-    # reduce-scatter: step j of N-1, rank r sends block r-j-1 to r+1, which reduces it into its copy.
     streams = Streams.build(
         src=ranks,
         peer=(ranks + 1) % n,
+        peer_stride=peer_stride,
         start=0,
         steps=n - 1,
         block_base=0,
-        block_offset=(ranks - 1) % n,
-        block_stride=-1,
+        block_offset=(ranks + block_shift) % n,
+        block_stride=block_stride,
         block_period=n,
-        reduce=True,
+        reduce=reduce,
     )
-    return Schedule("ring", Collective.REDUCE_SCATTER, n, n, n - 1, streams)
+    return Schedule(name, collective, n, n, n - 1, streams)
+
+
+def _reduce_scatter_then_all_gather(reduce_scatter: Schedule, all_gather: Schedule) -> Schedule:
+    """The all-reduce that runs ``reduce_scatter``, then ``all_gather`` (same name, ranks and blocks)."""
+    parts = [(reduce_scatter.streams, reduce_scatter.num_steps), (all_gather.streams, all_gather.num_steps)]
+    streams, steps = _sequence(parts)
+    n = reduce_scatter.world_size
+    return Schedule(reduce_scatter.name, Collective.ALL_REDUCE, n, reduce_scatter.num_blocks, steps, streams)
+
+
+def ring_reduce_scatter(world_size: int) -> Schedule:
+    """Ring reduce-scatter: N-1 steps; afterwards rank r holds block r reduced over all ranks."""
+    # reduce-scatter: step j of N-1, rank r sends block r-j-1 to r+1, which reduces it into its copy.
+    return _block_per_step(
+        "ring", Collective.REDUCE_SCATTER, world_size, peer_stride=0, block_shift=-1, block_stride=-1, reduce=True
+    )
 
 
 def ring_all_gather(world_size: int) -> Schedule:
     """Ring all-gather: N-1 steps; rank r starts with block r, ends with all of them."""
-    _check_world_size(world_size)
-    n = world_size
-    ranks = np.arange(n if n > 1 else 0, dtype=np.int64)
     # all-gather: step j of N-1, rank r forwards block r-j to r+1, which copies it.
-    streams = Streams.build(
-        src=ranks,
-        peer=(ranks + 1) % n,
-        start=0,
-        steps=n - 1,
-        block_base=0,
-        block_offset=ranks,
-        block_stride=-1,
-        block_period=n,
-        reduce=False,
+    return _block_per_step(
+        "ring", Collective.ALL_GATHER, world_size, peer_stride=0, block_shift=0, block_stride=-1, reduce=False
     )
-    return Schedule("ring", Collective.ALL_GATHER, n, n, n - 1, streams)
 
 
 def ring_all_reduce(world_size: int) -> Schedule:
     """Ring all-reduce: reduce-scatter then all-gather, 2(N-1) steps of 1/N of the buffer each."""
-    rs, ag = ring_reduce_scatter(world_size), ring_all_gather(world_size)
-    streams, steps = _sequence([(rs.streams, rs.num_steps), (ag.streams, ag.num_steps)])
-    return Schedule("ring", Collective.ALL_REDUCE, world_size, world_size, steps, streams)
+    return _reduce_scatter_then_all_gather(ring_reduce_scatter(world_size), ring_all_gather(world_size))
 
 
-# --------------------------------------------------------------------------------------------------------
-# Direct (pairwise exchange)
-# --------------------------------------------------------------------------------------------------------
 def direct_reduce_scatter(world_size: int) -> Schedule:
     """Each rank gathers and reduces its own block from every other rank, one peer per step (no incast)."""
-    _check_world_size(world_size)
-    n = world_size
-    ranks = np.arange(n if n > 1 else 0, dtype=np.int64)
     # step j of N-1: rank r sends block r+j+1 to its owner, rank r+j+1, which reduces it.
-    streams = Streams.build(
-        src=ranks,
-        peer=(ranks + 1) % n,
-        peer_stride=1,
-        start=0,
-        steps=n - 1,
-        block_base=0,
-        block_offset=(ranks + 1) % n,
-        block_stride=1,
-        block_period=n,
-        reduce=True,
+    return _block_per_step(
+        "direct", Collective.REDUCE_SCATTER, world_size, peer_stride=1, block_shift=1, block_stride=1, reduce=True
     )
-    return Schedule("direct", Collective.REDUCE_SCATTER, n, n, n - 1, streams)
 
 
 def direct_all_gather(world_size: int) -> Schedule:
     """Each rank sends its block straight to every other rank, one peer per step."""
-    _check_world_size(world_size)
-    n = world_size
-    ranks = np.arange(n if n > 1 else 0, dtype=np.int64)
     # step j of N-1: rank r sends its own block r to rank r+j+1, which copies it.
-    streams = Streams.build(
-        src=ranks,
-        peer=(ranks + 1) % n,
-        peer_stride=1,
-        start=0,
-        steps=n - 1,
-        block_base=0,
-        block_offset=ranks,
-        block_stride=0,
-        block_period=n,
-        reduce=False,
+    return _block_per_step(
+        "direct", Collective.ALL_GATHER, world_size, peer_stride=1, block_shift=0, block_stride=0, reduce=False
     )
-    return Schedule("direct", Collective.ALL_GATHER, n, n, n - 1, streams)
 
 
 def direct_all_reduce(world_size: int) -> Schedule:
     """Direct reduce-scatter, then direct all-gather: every rank talks to every other rank."""
-    rs, ag = direct_reduce_scatter(world_size), direct_all_gather(world_size)
-    streams, steps = _sequence([(rs.streams, rs.num_steps), (ag.streams, ag.num_steps)])
-    return Schedule("direct", Collective.ALL_REDUCE, world_size, world_size, steps, streams)
+    return _reduce_scatter_then_all_gather(direct_reduce_scatter(world_size), direct_all_gather(world_size))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -434,54 +414,38 @@ def _binomial_rounds(world_size: int) -> int:
     return (world_size - 1).bit_length()
 
 
-def binomial_broadcast(world_size: int, root: int = 0) -> Schedule:
-    """Binomial-tree broadcast: ceil(log2 N) steps, the number of ranks holding the data doubles each step."""
+def _binomial_tree(collective: Collective, world_size: int, root: int, *, reduce: bool) -> Schedule:
+    """ceil(log2 N) steps of whole buffers between ranks 2^k apart (counted from ``root``): a broadcast sends
+    away from the root, doubling the ranks that hold the data; a reduce halves the ranks that hold partial sums."""
     _check_world_size(world_size)
     _check_root(world_size, root)
     parts = []
     for k in range(_binomial_rounds(world_size)):
         d = 1 << k
-        rel = np.arange(min(d, world_size - d), dtype=np.int64)
-        # step k: every rank that has the data (relative index < 2^k) sends it 2^k further.
-        parts.append(
-            (
-                Streams.build(
-                    src=(rel + root) % world_size,
-                    peer=(rel + d + root) % world_size,
-                    start=0,
-                    block_base=0,
-                    reduce=False,
-                ),
-                1,
-            )
+        if reduce:
+            # step k: relative index v with v mod 2^(k+1) == 2^k sends its partial sum to v - 2^k.
+            src = np.arange(d, world_size, 2 * d, dtype=np.int64)
+            dst = src - d
+        else:
+            # step k: every rank that has the data (relative index < 2^k) sends it 2^k further.
+            src = np.arange(min(d, world_size - d), dtype=np.int64)
+            dst = src + d
+        step = Streams.build(
+            src=(src + root) % world_size, peer=(dst + root) % world_size, start=0, block_base=0, reduce=reduce
         )
+        parts.append((step, 1))
     streams, steps = _sequence(parts)
-    return Schedule("binomial", Collective.BROADCAST, world_size, 1, steps, streams, root=root)
+    return Schedule("binomial", collective, world_size, 1, steps, streams, root=root)
+
+
+def binomial_broadcast(world_size: int, root: int = 0) -> Schedule:
+    """Binomial-tree broadcast: ceil(log2 N) steps, the number of ranks holding the data doubles each step."""
+    return _binomial_tree(Collective.BROADCAST, world_size, root, reduce=False)
 
 
 def binomial_reduce(world_size: int, root: int = 0) -> Schedule:
     """Binomial-tree reduce: ceil(log2 N) steps, half of the remaining ranks hand their partial sums in."""
-    _check_world_size(world_size)
-    _check_root(world_size, root)
-    parts = []
-    for k in range(_binomial_rounds(world_size)):
-        d = 1 << k
-        rel = np.arange(d, world_size, 2 * d, dtype=np.int64)
-        # step k: relative index v with v mod 2^(k+1) == 2^k sends its partial sum to v - 2^k.
-        parts.append(
-            (
-                Streams.build(
-                    src=(rel + root) % world_size,
-                    peer=(rel - d + root) % world_size,
-                    start=0,
-                    block_base=0,
-                    reduce=True,
-                ),
-                1,
-            )
-        )
-    streams, steps = _sequence(parts)
-    return Schedule("binomial", Collective.REDUCE, world_size, 1, steps, streams, root=root)
+    return _binomial_tree(Collective.REDUCE, world_size, root, reduce=True)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -545,16 +509,3 @@ def naive_all_reduce(world_size: int) -> Schedule:
     # step 0, the only one: rank r sends all of its buffer to rank r+d for every d in 1..N-1; each reduces it.
     streams = Streams.build(src=src, peer=(src + distance) % n, start=0, block_base=0, reduce=True)
     return Schedule("naive", Collective.ALL_REDUCE, n, 1, 1 if n > 1 else 0, streams)
-
-
-ALL_REDUCE_ALGORITHMS: tuple[str, ...] = (
-    "ring",
-    "halving_doubling",
-    "recursive_doubling",
-    "double_binary_tree",
-    "direct",
-    "hierarchical",
-)
-"""The built-in all-reduce algorithms meant for use, in the registry's order; the registry
-(``allreduce.schedules.algorithms()``) also holds the strawman ``naive`` and every user algorithm, and is the
-list every consumer reads."""

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from allreduce.schedules._schedule import Collective, Phase, Schedule
 from allreduce.schedules._timing import propagate
 
-__all__ = ["CostModel", "Prediction", "bus_factor", "predict", "predict_seconds"]
+__all__ = ["Bandwidths", "CostModel", "Prediction", "bus_factor", "predict", "predict_seconds"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -83,8 +83,29 @@ def bus_factor(collective: Collective, world_size: int) -> float:
     return 1.0
 
 
+class Bandwidths:
+    """The bandwidths of a collective that took ``seconds`` on ``size_bytes`` per rank, nccl-tests definitions:
+    the base of every figure that reports them (the model's :class:`Prediction`, the simulator's result), which
+    declare these four fields."""
+
+    collective: Collective
+    world_size: int
+    size_bytes: float
+    seconds: float
+
+    @property
+    def algbw_Bps(self) -> float:
+        """Algorithm bandwidth: the buffer's bytes over the time (inf for a call that took no time)."""
+        return self.size_bytes / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def busbw_Bps(self) -> float:
+        """Bus bandwidth: algbw times :func:`bus_factor`, what each link carries, comparable across world sizes."""
+        return self.algbw_Bps * bus_factor(self.collective, self.world_size)
+
+
 @dataclass(frozen=True)
-class Prediction:
+class Prediction(Bandwidths):
     """What the model predicts for one schedule and one buffer size."""
 
     name: str
@@ -97,14 +118,6 @@ class Prediction:
     bytes_sent_per_rank: float  # the most any rank sends
     world_size: int
     collective: Collective
-
-    @property
-    def algbw_Bps(self) -> float:
-        return self.size_bytes / self.seconds if self.seconds > 0 else math.inf
-
-    @property
-    def busbw_Bps(self) -> float:
-        return self.algbw_Bps * bus_factor(self.collective, self.world_size)
 
     @property
     def bound(self) -> str:

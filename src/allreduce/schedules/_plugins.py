@@ -11,7 +11,8 @@ result computes, and verified on the way in. Three routes lead here:
 - the environment variable ``ALLREDUCE_ALGORITHMS``, comma-separated specs, which is how ranks started by a
   launcher see the algorithm their parent was given.
 
-The last two are loaded by :func:`load_plugins`, once per process, on the first registry lookup. A plug-in that
+The last two are loaded by :func:`load_plugins`, once per process, on the first registry lookup (this module
+hands it to the registry's :func:`add_loader` when it is imported, as the package is). A plug-in that
 fails to load is reported (a :class:`PluginWarning` naming it, and :func:`plugin_errors`) and skipped: the
 built-ins and the other plug-ins still work.
 """
@@ -32,6 +33,7 @@ from allreduce.schedules._registry import (
     VERIFY_WORLD_SIZES,
     Algorithm,
     _trial_parameters,
+    add_loader,
     declared_parameters,
     get_algorithm,
     register_algorithm,
@@ -184,3 +186,6 @@ def load_plugins() -> None:
 def plugin_errors() -> tuple[str, ...]:
     """One line per plug-in that failed to load in this process."""
     return tuple(_errors)
+
+
+add_loader(load_plugins)

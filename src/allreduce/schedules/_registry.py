@@ -10,8 +10,10 @@ authored :class:`Program` (compiled on the way out). It declares which of the st
 
 Registration verifies: the generator's schedules for :data:`VERIFY_WORLD_SIZES` (and representative parameters)
 are replayed by the verifier, and a wrong algorithm is refused with its message, which names the rank, step and
-block. Plug-ins (entry points, ``ALLREDUCE_ALGORITHMS``) are loaded by :mod:`allreduce.schedules._plugins` on the
-first lookup.
+block. Each entry carries its limits (:attr:`Algorithm.max_ranks`, :attr:`Algorithm.quadratic`,
+:attr:`Algorithm.needs_group_size`), so no consumer special-cases a name. Plug-ins (entry points,
+``ALLREDUCE_ALGORITHMS``) are loaded on the first lookup by the loader :mod:`allreduce.schedules._plugins` hands to
+:func:`add_loader`: this module never imports user code, nor the module that does.
 """
 
 from __future__ import annotations
@@ -22,23 +24,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from allreduce.schedules._algorithms import (
-    binary_tree_broadcast,
-    binary_tree_reduce,
-    binomial_broadcast,
-    binomial_reduce,
-    direct_all_gather,
-    direct_all_reduce,
-    direct_reduce_scatter,
-    double_binary_tree_all_reduce,
-    halving_doubling_all_reduce,
-    hierarchical_all_reduce,
-    naive_all_reduce,
-    recursive_doubling_all_reduce,
-    ring_all_gather,
-    ring_all_reduce,
-    ring_reduce_scatter,
-)
+from allreduce.schedules import _algorithms as built_in
 from allreduce.schedules._author import Program
 from allreduce.schedules._schedule import Collective, Schedule
 from allreduce.schedules._verify import ScheduleError, verify
@@ -49,6 +35,7 @@ __all__ = [
     "PARAMETERS",
     "VERIFY_WORLD_SIZES",
     "Algorithm",
+    "add_loader",
     "algorithms",
     "all_reduce",
     "declared_parameters",
@@ -95,6 +82,17 @@ class Algorithm:
     """Whether ``algorithm="auto"`` may choose it. Only for algorithms whose result is bitwise identical on every
     rank (each element reduced once, in one order, then copied), so that replicas of a model never drift apart:
     every built-in but ``naive``, whose ranks each sum the N contributions in an order of their own."""
+    max_ranks: int | None = None
+    """The most ranks it builds a schedule for (None: up to :data:`MAX_SCHEDULE_RANKS`); :func:`make_schedule`
+    refuses more with a message naming the algorithm."""
+    quadratic: bool = False
+    """Whether every rank exchanges with every other (N(N-1) transfers), so that modelling it costs O(N^2): tools
+    that try every algorithm (``--algorithm all``, the planner) leave it out of large groups unless it is named."""
+
+    @property
+    def needs_group_size(self) -> bool:
+        """Whether it takes ``group_size`` (ranks per host), so a caller must find a size that divides the group."""
+        return "group_size" in self.parameters
 
 
 _REGISTRY: dict[Collective, dict[str, Algorithm]] = {c: {} for c in Collective}
@@ -131,6 +129,8 @@ def register_algorithm(
     replace: bool = False,
     verify_on: Iterable[int] | None = VERIFY_WORLD_SIZES,
     automatic: bool = False,
+    max_ranks: int | None = None,
+    quadratic: bool = False,
 ) -> Algorithm:
     """Add ``build`` as ``name`` for ``collective`` and return its entry.
 
@@ -140,7 +140,8 @@ def register_algorithm(
     a :class:`ScheduleError` naming the world size, parameters, rank, step and block when it is wrong. A
     generator may decline a world size it does not support by raising ``ValueError``; it must accept one.
     ``automatic=True`` lets ``algorithm="auto"`` choose it (see :attr:`Algorithm.automatic`: only for algorithms
-    whose result is identical on every rank); otherwise it runs when named.
+    whose result is identical on every rank); otherwise it runs when named. ``max_ranks`` and ``quadratic``
+    are its limits (see :class:`Algorithm`).
     """
     coll = Collective(collective)
     _check_name(name)
@@ -156,13 +157,15 @@ def register_algorithm(
                 f"algorithm {name!r}: unknown parameter(s) {', '.join(sorted(unknown))}; "
                 f"a generator may take {', '.join(sorted(PARAMETERS))}"
             )
+    if max_ranks is not None and (isinstance(max_ranks, bool) or not isinstance(max_ranks, int) or max_ranks < 1):
+        raise ValueError(f"algorithm {name!r}: max_ranks must be an int >= 1 or None, got {max_ranks!r}")
     table = _REGISTRY[coll]
     if name in table and not replace:
         raise ValueError(
             f"a {coll.value} algorithm named {name!r} is already registered ({table[name].origin}); "
             "pass replace=True to replace it"
         )
-    entry = Algorithm(coll, name, build, params, description, origin, automatic)
+    entry = Algorithm(coll, name, build, params, description, origin, automatic, max_ranks, quadratic)
     if verify_on is not None:
         _verify_algorithm(entry, tuple(verify_on))
     table[name] = entry
@@ -247,18 +250,19 @@ def unregister_algorithm(collective: Collective | str, name: str) -> None:
         raise KeyError(f"no {coll.value} algorithm named {name!r} is registered")
 
 
-def algorithms(collective: Collective | str = Collective.ALL_REDUCE) -> tuple[str, ...]:
+def algorithms(collective: Collective | str = Collective.ALL_REDUCE, *, automatic: bool = False) -> tuple[str, ...]:
     """The names registered for ``collective``, built-ins first, then in registration order (plug-ins
-    included: the first lookup loads them)."""
-    _load_plugins_once()
-    return tuple(_REGISTRY[Collective(collective)])
+    included: the first lookup loads them); with ``automatic=True`` only those ``algorithm="auto"`` may choose."""
+    _run_loaders()
+    table = _REGISTRY[Collective(collective)]
+    return tuple(name for name, entry in table.items() if entry.automatic or not automatic)
 
 
 def get_algorithm(collective: Collective | str, name: str) -> Algorithm:
     """The registered entry, or ``ValueError`` listing the names there are."""
     coll = Collective(collective)
     if name not in _REGISTRY[coll]:
-        _load_plugins_once()
+        _run_loaders()
     try:
         return _REGISTRY[coll][name]
     except (KeyError, TypeError):
@@ -284,6 +288,11 @@ def make_schedule(
     cache.
     """
     entry = get_algorithm(collective, name)
+    if entry.max_ranks is not None and world_size > entry.max_ranks:
+        raise ValueError(
+            f"world_size {world_size}: {entry.collective.value} algorithm {name!r} is built for at most "
+            f"{entry.max_ranks:,} ranks"
+        )
     if world_size > MAX_SCHEDULE_RANKS:
         need = world_size * _SCHEDULE_BYTES_PER_RANK
         raise ValueError(
@@ -295,7 +304,7 @@ def make_schedule(
         kwargs["root"] = root
     if "chunks" in entry.parameters:
         kwargs["chunks"] = chunks
-    if "group_size" in entry.parameters:
+    if entry.needs_group_size:
         if group_size is None:
             raise ValueError(f"{entry.collective.value} algorithm {name!r} needs group_size (ranks per host)")
         kwargs["group_size"] = group_size
@@ -325,29 +334,34 @@ def all_reduce(
     )
 
 
-_plugins_loaded: list[bool] = []
+_loaders: list[Callable[[], None]] = []
 
 
-def _load_plugins_once() -> None:
-    """Load entry-point and ``ALLREDUCE_ALGORITHMS`` plug-ins, once per process, on the first lookup."""
-    if _plugins_loaded:
-        return
-    _plugins_loaded.append(True)  # before loading: a plug-in that looks names up must not load them again
-    from allreduce.schedules._plugins import load_plugins
+def add_loader(load: Callable[[], None]) -> None:
+    """Run ``load`` once, before the next lookup (:func:`algorithms`, :func:`get_algorithm` of a name not yet
+    registered): how plug-ins reach the registry without it importing the code that loads them."""
+    _loaders.append(load)
 
-    load_plugins()
+
+def _run_loaders() -> None:
+    while _loaders:
+        _loaders.pop(0)()  # taken off first: a loader that looks names up must not run itself again
 
 
 def _register_builtins() -> None:
     # Built-ins are verified exhaustively by their own tests, so registration skips it (and stays instant).
     for name, build, description in (
-        ("ring", ring_all_reduce, "ring reduce-scatter then ring all-gather: 2(N-1) steps, bandwidth-optimal"),
-        ("halving_doubling", halving_doubling_all_reduce, "Rabenseifner: recursive halving, then doubling"),
-        ("recursive_doubling", recursive_doubling_all_reduce, "log2 N exchanges of the whole buffer"),
-        ("double_binary_tree", double_binary_tree_all_reduce, "NCCL's two complementary pipelined trees"),
-        ("direct", direct_all_reduce, "pairwise reduce-scatter and all-gather, one peer per step"),
-        ("hierarchical", hierarchical_all_reduce, "ring inside each host, an all-reduce across hosts, ring back"),
-        ("naive", naive_all_reduce, "the strawman: every rank sends its whole buffer to every other rank"),
+        ("ring", built_in.ring_all_reduce, "ring reduce-scatter then ring all-gather: 2(N-1) steps, bandwidth-optimal"),
+        ("halving_doubling", built_in.halving_doubling_all_reduce, "Rabenseifner: recursive halving, then doubling"),
+        ("recursive_doubling", built_in.recursive_doubling_all_reduce, "log2 N exchanges of the whole buffer"),
+        ("double_binary_tree", built_in.double_binary_tree_all_reduce, "NCCL's two complementary pipelined trees"),
+        ("direct", built_in.direct_all_reduce, "pairwise reduce-scatter and all-gather, one peer per step"),
+        (
+            "hierarchical",
+            built_in.hierarchical_all_reduce,
+            "ring inside each host, an all-reduce across hosts, ring back",
+        ),
+        ("naive", built_in.naive_all_reduce, "the strawman: every rank sends its whole buffer to every other rank"),
     ):
         register_algorithm(
             Collective.ALL_REDUCE,
@@ -357,23 +371,32 @@ def _register_builtins() -> None:
             origin="built-in",
             verify_on=None,
             automatic=name != "naive",
+            max_ranks=built_in.NAIVE_MAX_RANKS if name == "naive" else None,
+            quadratic=name in {"direct", "naive"},
         )
     for coll, ring, direct in (
-        (Collective.REDUCE_SCATTER, ring_reduce_scatter, direct_reduce_scatter),
-        (Collective.ALL_GATHER, ring_all_gather, direct_all_gather),
+        (Collective.REDUCE_SCATTER, built_in.ring_reduce_scatter, built_in.direct_reduce_scatter),
+        (Collective.ALL_GATHER, built_in.ring_all_gather, built_in.direct_all_gather),
     ):
         for name, build, description in (
             ("ring", ring, "N-1 steps around a ring"),
             ("direct", direct, "one peer per step"),
         ):
             register_algorithm(
-                coll, name, build, description=description, origin="built-in", verify_on=None, automatic=True
+                coll,
+                name,
+                build,
+                description=description,
+                origin="built-in",
+                verify_on=None,
+                automatic=True,
+                quadratic=name == "direct",
             )
     for coll, name, build in (
-        (Collective.BROADCAST, "binomial", binomial_broadcast),
-        (Collective.BROADCAST, "binary_tree", binary_tree_broadcast),
-        (Collective.REDUCE, "binomial", binomial_reduce),
-        (Collective.REDUCE, "binary_tree", binary_tree_reduce),
+        (Collective.BROADCAST, "binomial", built_in.binomial_broadcast),
+        (Collective.BROADCAST, "binary_tree", built_in.binary_tree_broadcast),
+        (Collective.REDUCE, "binomial", built_in.binomial_reduce),
+        (Collective.REDUCE, "binary_tree", built_in.binary_tree_reduce),
     ):
         register_algorithm(coll, name, build, origin="built-in", verify_on=None, automatic=True)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple
 
@@ -279,16 +279,7 @@ class Schedule:
 
     def with_segments(self, segments: int) -> Schedule:
         """The same schedule with every transfer cut into ``segments`` pipelined pieces."""
-        return Schedule(
-            name=self.name,
-            collective=self.collective,
-            world_size=self.world_size,
-            num_blocks=self.num_blocks,
-            num_steps=self.num_steps,
-            streams=self.streams,
-            segments=segments,
-            root=self.root,
-        )
+        return replace(self, segments=segments)
 
     # ----------------------------------------------------------------------------------------------------
     # Per-rank view

@@ -33,6 +33,7 @@ __all__ = [
     "Blame",
     "Incidence",
     "PhaseTiming",
+    "add_flow_delays",
     "blame_key",
     "jump_samples",
     "propagate",
@@ -228,6 +229,27 @@ def _select_into(target: npt.NDArray[np.int64], source: npt.NDArray[np.int64], m
     target += difference
 
 
+def add_flow_delays(
+    end: FloatArray,
+    end_blame: npt.NDArray[np.int64] | None,
+    base_s: FloatArray,
+    extra_s: FloatArray | None,
+    sparse: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], FloatArray, npt.NDArray[np.int64] | None] | None,
+) -> None:
+    """Add to each flow's start ``end`` (flows, samples) its duration ``base_s``, its dense extra delay and its
+    sparse ones (row, sample, seconds, blame key); the sparse keys go into ``end_blame`` when blame is kept. In
+    this order, which :func:`step_samples` and the simulator's cyclic step share so that their clocks agree to
+    the bit."""
+    end += base_s
+    if extra_s is not None:
+        end += extra_s
+    if sparse is not None:
+        rows, sample, seconds, key = sparse
+        np.add.at(end, (rows, sample), seconds)
+        if end_blame is not None and key is not None:
+            np.maximum.at(end_blame, (rows, sample), key)
+
+
 def step_samples(
     clock: FloatArray,
     phase: Phase,
@@ -256,14 +278,7 @@ def step_samples(
         _select_into(end_blame, np.take(blame.key, phase.dst, axis=0), from_dst > from_src)
         if extra_blame is not None:
             np.maximum(end_blame, extra_blame, out=end_blame)
-    end += base
-    if extra_s is not None:
-        end += extra_s
-    if sparse is not None:
-        flow, sample, seconds, key = sparse
-        np.add.at(end, (flow, sample), seconds)
-        if blame is not None:
-            np.maximum.at(end_blame, (flow, sample), key)
+    add_flow_delays(end, end_blame if blame is not None else None, base, extra_s, sparse)
     # A flow ends no earlier than either end's clock (durations are >= 0), so the first layer's flows win
     # outright: their ranks take the flow's end and blame, with no comparison.
     done = clock.copy()

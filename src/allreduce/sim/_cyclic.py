@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Blame, Phase
+from allreduce.schedules import Blame, Phase, add_flow_delays
 
 __all__ = ["Cyclic", "step_cyclic"]
 
@@ -139,14 +139,7 @@ def step_cyclic(
         end_blame = cyclic.take_where(blame.key, cyclic.ahead_is_later(clock), ahead=True)
         if extra_blame is not None:
             np.maximum(end_blame, extra_blame, out=end_blame)
-    end += base
-    if extra_s is not None:
-        end += extra_s
-    if sparse is not None:
-        rows, sample, seconds, key = sparse
-        np.add.at(end, (rows, sample), seconds)
-        if end_blame is not None and key is not None:
-            np.maximum.at(end_blame, (rows, sample), key)
+    add_flow_delays(end, end_blame, base, extra_s, sparse)
     done = cyclic.max_behind(end)
     if blame is not None and end_blame is not None:
         # the rank's clock takes the received flow's blame when that flow ended later than its own

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Collective, bus_factor
+from allreduce.schedules import Bandwidths, Collective
 from allreduce.topology import Topology
 from allreduce.units import format_bandwidth, format_bytes, format_seconds
 
@@ -65,7 +64,7 @@ class Bottleneck:
 
 
 @dataclass(frozen=True, eq=False)
-class SimResult:
+class SimResult(Bandwidths):
     """The outcome of :func:`allreduce.sim.simulate`.
 
     Link arrays are indexed like ``topology.link_*`` of the topology the run used (after faults; see
@@ -96,14 +95,6 @@ class SimResult:
     trace_start_s: FloatArray  # shape (len(trace_labels), trace_ranks)
     trace_end_s: FloatArray
     exact: bool = True
-
-    @property
-    def algbw_Bps(self) -> float:
-        return self.size_bytes / self.seconds if self.seconds > 0 else math.inf
-
-    @property
-    def busbw_Bps(self) -> float:
-        return self.algbw_Bps * bus_factor(self.collective, self.world_size)
 
     @property
     def link_utilization(self) -> FloatArray:
@@ -137,6 +128,8 @@ class SimResult:
         return "\n".join(lines)
 
     def to_json(self, *, bottlenecks: int = 5) -> dict[str, Any]:
+        """The result as ``allreduce sim --json`` prints one algorithm: time, bandwidths, engine, whether exact, and
+        the first ``bottlenecks`` links the critical path waited on (their utilization and the seconds waited)."""
         return {
             "name": self.name,
             "seconds": self.seconds,
@@ -144,5 +137,8 @@ class SimResult:
             "busbw_GBps": self.busbw_Bps / 1e9,
             "engine": self.engine,
             "exact": self.exact,
-            "bottlenecks": [{"link": b.name, "utilization": b.utilization} for b in self.bottlenecks[:bottlenecks]],
+            "bottlenecks": [
+                {"link": b.name, "utilization": b.utilization, "waited_s": b.waited_s}
+                for b in self.bottlenecks[:bottlenecks]
+            ],
         }

@@ -91,6 +91,22 @@ class ClosStructure:
     spine0: int
     core0: int
 
+    @classmethod
+    def of(
+        cls,
+        hosts_per_leaf: int,
+        *,
+        leaves_per_pod: int = 1,
+        pods: int = 1,
+        spines_per_pod: int = 0,
+        cores_per_plane: int = 0,
+    ) -> ClosStructure:
+        """The structure of these tiers, nodes numbered hosts first, then leaves, spines and cores."""
+        hosts = hosts_per_leaf * leaves_per_pod * pods
+        spine0 = hosts + leaves_per_pod * pods
+        core0 = spine0 + spines_per_pod * pods
+        return cls(hosts_per_leaf, leaves_per_pod, pods, spines_per_pod, cores_per_plane, hosts, spine0, core0)
+
 
 @dataclass(frozen=True)
 class RailStructure:
@@ -168,6 +184,11 @@ def _check_latency(name: str, value: float) -> float:
     if not (isinstance(value, int | float | np.floating) and math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number >= 0 seconds, got {value!r}")
     return float(value)
+
+
+def _check_link(builder: str, bandwidth_Bps: float, latency_s: float) -> tuple[float, float]:
+    """A builder's link bandwidth and latency, checked; an error names the builder's argument."""
+    return _check_positive(f"{builder} bandwidth_Bps", bandwidth_Bps), _check_latency(f"{builder} latency_s", latency_s)
 
 
 def _gbps(bandwidth_Bps: float) -> str:
@@ -251,8 +272,7 @@ def torus(
     dims_t = tuple(_check_int("torus dimension", d) for d in dims)
     if not 1 <= len(dims_t) <= 3:
         raise ValueError(f"torus: need 1 to 3 dimensions, got {len(dims_t)} ({dims_t})")
-    bw = _check_positive("torus bandwidth_Bps", bandwidth_Bps)
-    lat = _check_latency("torus latency_s", latency_s)
+    bw, lat = _check_link("torus", bandwidth_Bps, latency_s)
     n = math.prod(dims_t)
     _check_size("torus", n, sum(0 if size == 1 else n if size == 2 else 2 * n for size in dims_t))
     coords = np.stack(np.unravel_index(np.arange(n, dtype=np.int64), dims_t), axis=1)
@@ -302,8 +322,7 @@ def fully_connected(
 ) -> Topology:
     """``num_gpus`` GPUs with a direct link between every pair (each its own bandwidth). Defaults: 400 Gb/s, 1 µs."""
     n = _check_int("fully_connected size", num_gpus)
-    bw = _check_positive("fully_connected bandwidth_Bps", bandwidth_Bps)
-    lat = _check_latency("fully_connected latency_s", latency_s)
+    bw, lat = _check_link("fully_connected", bandwidth_Bps, latency_s)
     _check_size("full", n, n * (n - 1))
     a, b = np.triu_indices(n, k=1)
     links = _Links()
@@ -323,24 +342,27 @@ def fully_connected(
 # ----------------------------------------------------------------------------------------------------------
 def _clos_topology(
     name: str,
+    structure: ClosStructure,
     *,
-    hosts_per_leaf: int,
-    leaves_per_pod: int,
-    pods: int,
-    spines_per_pod: int,
-    cores_per_plane: int,
-    host_bandwidth_Bps: float,
-    leaf_uplink_Bps: float,
-    spine_uplink_Bps: float,
+    bandwidths_Bps: tuple[float, float, float],
     latency_s: float,
     prefixes: tuple[str, str, str],
 ) -> Topology:
-    leaves = leaves_per_pod * pods
+    """The Clos of ``structure``: ``bandwidths_Bps`` are the host links', the leaf uplinks' and the spine
+    uplinks'; ``prefixes`` name the leaves, spines and cores."""
+    st = structure
+    hosts_per_leaf, leaves_per_pod, spines_per_pod, cores_per_plane = (
+        st.hosts_per_leaf,
+        st.leaves_per_pod,
+        st.spines_per_pod,
+        st.cores_per_plane,
+    )
+    host_bandwidth_Bps, leaf_uplink_Bps, spine_uplink_Bps = bandwidths_Bps
+    leaves = leaves_per_pod * st.pods
     hosts = hosts_per_leaf * leaves
-    spines = spines_per_pod * pods
+    spines = spines_per_pod * st.pods
     cores = cores_per_plane * spines_per_pod
-    leaf0, spine0 = hosts, hosts + leaves
-    core0 = spine0 + spines
+    leaf0, spine0, core0 = st.leaf0, st.spine0, st.core0
     _check_size(
         name.partition(":")[0],
         core0 + cores,
@@ -358,16 +380,6 @@ def _clos_topology(
         j = np.tile(np.arange(cores_per_plane, dtype=np.int64), spines)
         plane = spine % spines_per_pod
         links.cable(spine0 + spine, core0 + plane * cores_per_plane + j, spine_uplink_Bps, latency_s)
-    structure = ClosStructure(
-        hosts_per_leaf=hosts_per_leaf,
-        leaves_per_pod=leaves_per_pod,
-        pods=pods,
-        spines_per_pod=spines_per_pod,
-        cores_per_plane=cores_per_plane,
-        leaf0=leaf0,
-        spine0=spine0,
-        core0=core0,
-    )
     leaf_p, spine_p, core_p = prefixes
     return links.build(
         name,
@@ -388,18 +400,11 @@ def switch(
 ) -> Topology:
     """``num_gpus`` GPUs on one non-blocking switch ``leaf0``. Defaults: 400 Gb/s, 1 µs per link."""
     n = _check_int("switch size", num_gpus)
-    bw = _check_positive("switch bandwidth_Bps", bandwidth_Bps)
-    lat = _check_latency("switch latency_s", latency_s)
+    bw, lat = _check_link("switch", bandwidth_Bps, latency_s)
     return _clos_topology(
         f"switch:{n},bw={_gbps(bw)},lat={_us(lat)}",
-        hosts_per_leaf=n,
-        leaves_per_pod=1,
-        pods=1,
-        spines_per_pod=0,
-        cores_per_plane=0,
-        host_bandwidth_Bps=bw,
-        leaf_uplink_Bps=bw,
-        spine_uplink_Bps=bw,
+        ClosStructure.of(n),
+        bandwidths_Bps=(bw, bw, bw),
         latency_s=lat,
         prefixes=("switch", "spine", "core"),
     )
@@ -414,19 +419,14 @@ def fat_tree(k: int, *, bandwidth_Bps: float = NETWORK_BANDWIDTH_BPS, latency_s:
     k = _check_int("fat-tree k", k, minimum=2)
     if k % 2:
         raise ValueError(f"fat-tree k must be even, got {k}")
-    bw = _check_positive("fat-tree bandwidth_Bps", bandwidth_Bps)
-    lat = _check_latency("fat-tree latency_s", latency_s)
+    bw, lat = _check_link("fat-tree", bandwidth_Bps, latency_s)
     half = k // 2
+    # k pods of k/2 edges and k/2 aggregations; each aggregation switch heads a plane of k/2 cores.
+    tiers = ClosStructure.of(half, leaves_per_pod=half, pods=k, spines_per_pod=half, cores_per_plane=half)
     return _clos_topology(
         f"fat-tree:k={k},bw={_gbps(bw)},lat={_us(lat)}",
-        hosts_per_leaf=half,
-        leaves_per_pod=half,
-        pods=k,
-        spines_per_pod=half,
-        cores_per_plane=half,
-        host_bandwidth_Bps=bw,
-        leaf_uplink_Bps=bw,
-        spine_uplink_Bps=bw,
+        tiers,
+        bandwidths_Bps=(bw, bw, bw),
         latency_s=lat,
         prefixes=("edge", "agg", "core"),
     )
@@ -461,8 +461,7 @@ def clos(
     pods = _check_int("clos pods", pods)
     over = _check_positive("clos oversub", oversub)
     core_over = _check_positive("clos core_oversub", core_oversub)
-    bw = _check_positive("clos bandwidth_Bps", bandwidth_Bps)
-    lat = _check_latency("clos latency_s", latency_s)
+    bw, lat = _check_link("clos", bandwidth_Bps, latency_s)
     if cores is None and pods != 1:
         raise ValueError(f"clos: {pods} pods need a core tier (cores=...) to join them")
     if leaves % pods or spines % pods:
@@ -481,18 +480,15 @@ def clos(
     if cores is not None:
         label += f",cores={cores},pods={pods},core_oversub={core_over:g}"
     label += f",bw={_gbps(bw)},lat={_us(lat)}"
-    return _clos_topology(
-        label,
-        hosts_per_leaf=hosts_per_leaf,
+    tiers = ClosStructure.of(
+        hosts_per_leaf,
         leaves_per_pod=leaves_per_pod,
         pods=pods,
         spines_per_pod=spines_per_pod,
         cores_per_plane=cores_per_plane,
-        host_bandwidth_Bps=bw,
-        leaf_uplink_Bps=leaf_uplink,
-        spine_uplink_Bps=spine_uplink,
-        latency_s=lat,
-        prefixes=("leaf", "spine", "core"),
+    )
+    return _clos_topology(
+        label, tiers, bandwidths_Bps=(bw, leaf_uplink, spine_uplink), latency_s=lat, prefixes=("leaf", "spine", "core")
     )
 
 

@@ -8,6 +8,8 @@ the first fewest-hop one. Also answers which GPU pairs have no path at all (:fun
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import numpy.typing as npt
 
@@ -21,6 +23,17 @@ __all__ = ["reachability_gaps", "search_routes"]
 _UNREACHED = np.iinfo(np.int32).max // 2
 # Cap on the (destinations × links) matrix of one BFS batch: 8M int32 = 32 MB.
 _BATCH_CELLS = 8_000_000
+
+
+class _Flows(NamedTuple):
+    """Flows searched together: hop distances to their destinations (``dist``; ``eff``, the distances counted
+    through nodes a path may pass), and per flow its start node, its destination's row and its index."""
+
+    dist: npt.NDArray[np.int32]
+    eff: npt.NDArray[np.int32]
+    start: IntArray
+    row: IntArray
+    flows: IntArray
 
 
 class _Graph:
@@ -135,41 +148,21 @@ def search_routes(
         if unreachable.any():
             f = int(sel[np.flatnonzero(unreachable)[0]])
             _raise_no_path(topology, int(src[f]), int(dst[f]), int(unreachable.sum()))
+        searched = _Flows(dist, eff, src_node[sel], row, flows[sel])
         if routing == "spray":
-            part, lat = _spray_walk(graph, dist=dist, eff=eff, start=src_node[sel], row=row, flows=flows[sel])
+            part, lat = _spray_walk(graph, searched)
             parts.append(part)
             exact.update(zip(flows[sel].tolist(), lat.tolist(), strict=True))
         else:
-            parts.append(
-                _single_walk(
-                    graph,
-                    dist=dist,
-                    eff=eff,
-                    start=src_node[sel],
-                    row=row,
-                    flows=flows[sel],
-                    src_gpu=src[sel],
-                    dst_gpu=dst[sel],
-                    routing=routing,
-                    seed=seed,
-                )
-            )
+            parts.append(_single_walk(graph, searched, src_gpu=src[sel], dst_gpu=dst[sel], routing=routing, seed=seed))
     return parts, exact
 
 
 def _single_walk(
-    graph: _Graph,
-    *,
-    dist: npt.NDArray[np.int32],
-    eff: npt.NDArray[np.int32],
-    start: IntArray,
-    row: IntArray,
-    flows: IntArray,
-    src_gpu: IntArray,
-    dst_gpu: IntArray,
-    routing: str,
-    seed: int,
+    graph: _Graph, searched: _Flows, *, src_gpu: IntArray, dst_gpu: IntArray, routing: str, seed: int
 ) -> Entries:
+    """Walk each flow along one next hop per hop, picked by ``routing`` (D-mod-k or an ECMP hash)."""
+    dist, eff, start, row, flows = searched
     cur = start.copy()
     alive = np.flatnonzero(dist[row, cur] > 0)
     out_flow, out_hop, out_link = [], [], []
@@ -193,16 +186,9 @@ def _single_walk(
     return Entries(np.concatenate(out_flow), np.concatenate(out_hop), link, np.ones(link.shape, dtype=np.float64))
 
 
-def _spray_walk(
-    graph: _Graph,
-    *,
-    dist: npt.NDArray[np.int32],
-    eff: npt.NDArray[np.int32],
-    start: IntArray,
-    row: IntArray,
-    flows: IntArray,
-) -> tuple[Entries, FloatArray]:
+def _spray_walk(graph: _Graph, searched: _Flows) -> tuple[Entries, FloatArray]:
     """Spread each flow over all its minimal paths: link u->v carries paths(src→u)·paths(v→dst)/paths(src→dst)."""
+    dist, eff, start, row, flows = searched
     counts = graph.path_counts(dist, eff)
     total = counts[row, start]
     n = graph.topology.num_nodes

@@ -27,6 +27,15 @@ from allreduce.topology._hop_layers import Layer, hop_layer
 __all__ = ["structured_layers"]
 
 
+def _middle(count: int, src: IntArray, dst: IntArray, *, routing: str, seed: int, hop: int) -> tuple[IntArray, float]:
+    """Which of ``count`` equivalent switches each flow crosses at ``hop``, one row per flow, and the share of the
+    flow each carries: all of them, 1/count each, when spraying; else the one ``routing`` picks (D-mod-k or an
+    ECMP hash of the pair ``src``, ``dst``), all of the flow."""
+    if routing == "spray":
+        return np.broadcast_to(np.arange(count, dtype=np.int64), (src.shape[0], count)), 1.0 / count
+    return pick_next_hop(np.full(src.shape, count), src, dst, routing=routing, seed=seed, hop=hop)[:, None], 1.0
+
+
 def _clos_layers(
     st: ClosStructure, src: IntArray, dst: IntArray, flows: IntArray, *, routing: str, seed: int
 ) -> list[Layer]:
@@ -52,33 +61,22 @@ def _clos_layers(
         ps, pd = pod_s[mask], pod_d[mask]
         last = 2 * tiers - 1
         layers += [hop_layer(f, 0, s, ls), hop_layer(f, last, ld, d)]
-        if routing == "spray":
-            i = np.arange(sp, dtype=np.int64)[None, :]
-            spine_s = st.spine0 + ps[:, None] * sp + i
-            spine_d = st.spine0 + pd[:, None] * sp + i
-            layers += [
-                hop_layer(f, 1, ls[:, None], spine_s, 1.0 / sp),
-                hop_layer(f, last - 1, spine_d, ld[:, None], 1.0 / sp),
-            ]
-            if tiers == 3:
-                # Path (i, j): spine i of the source pod, core j of plane i; every one of sp·cp paths equally.
-                core = st.core0 + (i * cp)[:, :, None] + np.arange(cp, dtype=np.int64)[None, None, :]
-                core = np.broadcast_to(core, (f.shape[0], sp, cp))
-                w = 1.0 / (sp * cp)
-                layers += [
-                    hop_layer(f, 2, np.broadcast_to(spine_s[:, :, None], core.shape), core, w),
-                    hop_layer(f, 3, core, np.broadcast_to(spine_d[:, :, None], core.shape), w),
-                ]
-            continue
-        i = pick_next_hop(np.full(f.shape, sp), s, d, routing=routing, seed=seed, hop=1)
-        spine_s = st.spine0 + ps * sp + i
-        spine_d = st.spine0 + pd * sp + i
-        layers += [hop_layer(f, 1, ls, spine_s), hop_layer(f, last - 1, spine_d, ld)]
+        i, spine_weight = _middle(sp, s, d, routing=routing, seed=seed, hop=1)
+        spine_s = st.spine0 + ps[:, None] * sp + i
+        spine_d = st.spine0 + pd[:, None] * sp + i
+        layers += [
+            hop_layer(f, 1, ls[:, None], spine_s, spine_weight),
+            hop_layer(f, last - 1, spine_d, ld[:, None], spine_weight),
+        ]
         if tiers == 3:
-            pick_d = d // sp if routing == "shortest" else d
-            j = pick_next_hop(np.full(f.shape, cp), s, pick_d, routing=routing, seed=seed, hop=2)
-            core = st.core0 + i * cp + j
-            layers += [hop_layer(f, 2, spine_s, core), hop_layer(f, 3, core, spine_d)]
+            # Path (i, j): spine i of the source pod, core j of plane i.
+            j, _ = _middle(cp, s, d // sp if routing == "shortest" else d, routing=routing, seed=seed, hop=2)
+            core = st.core0 + (i * cp)[:, :, None] + j[:, None, :]
+            w = 1.0 / (i.shape[1] * j.shape[1])  # every one of the paths (i, j) equally: 1/(sp·cp) sprayed
+            layers += [
+                hop_layer(f, 2, np.broadcast_to(spine_s[:, :, None], core.shape), core, w),
+                hop_layer(f, 3, core, np.broadcast_to(spine_d[:, :, None], core.shape), w),
+            ]
     return layers
 
 
@@ -113,14 +111,9 @@ def _rail_layers(
             hop_layer(f, hops - 1, st.nic0 + d, d),
         ]
         if hops == 6:
-            if routing == "spray":
-                spine = st.spine0 + np.arange(st.spines, dtype=np.int64)[None, :]
-                spine = np.broadcast_to(spine, (f.shape[0], st.spines))
-                w = 1.0 / st.spines
-                layers += [hop_layer(f, 2, rs[:, None], spine, w), hop_layer(f, 3, spine, rd[:, None], w)]
-            else:
-                spine = st.spine0 + pick_next_hop(np.full(f.shape, st.spines), s, d, routing=routing, seed=seed, hop=2)
-                layers += [hop_layer(f, 2, rs, spine), hop_layer(f, 3, spine, rd)]
+            k, w = _middle(st.spines, s, d, routing=routing, seed=seed, hop=2)
+            spine = st.spine0 + k
+            layers += [hop_layer(f, 2, rs[:, None], spine, w), hop_layer(f, 3, spine, rd[:, None], w)]
     return layers
 
 
