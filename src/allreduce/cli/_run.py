@@ -10,7 +10,7 @@ import textwrap
 
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._main import RANK_ENVIRONMENT_HELP, CLIError
-from allreduce.runtime import DEFAULT_GRACE_S, TRACE_ENV, check_trace_path, launch
+from allreduce.runtime import DEFAULT_GRACE_S, MAX_RESTARTS, TRACE_ENV, check_trace_path, launch
 
 __all__ = ["register"]
 
@@ -45,9 +45,21 @@ def _handle(args: argparse.Namespace) -> int:
             env[TRACE_ENV] = str(check_trace_path(args.trace))
         except ValueError as exc:
             raise CLIError(f"--trace: {exc}") from None
+    min_ranks = _elastic_options(args)
     result = launch(
-        command, world_size=args.nproc, master_port=args.master_port, grace_s=args.grace, env=env, stats=args.stats
+        command,
+        world_size=args.nproc,
+        master_port=args.master_port,
+        grace_s=args.grace,
+        env=env,
+        stats=args.stats,
+        min_ranks=min_ranks,
+        max_restarts=args.max_restarts or 0,
     )
+    if result.departures:
+        gone = ", ".join(f"rank {d.rank}" + (" (restarted)" if d.restarted else "") for d in result.departures)
+        print(f"allreduce run: elastic: the job went on through {len(result.departures)} failure(s): {gone}",
+              file=sys.stderr)  # fmt: skip
     code = result.exit_code
     if code == 128 + signal.SIGPIPE:
         # Our reader has gone (`| head`): what is left in stdout's buffer has nowhere to go, and flushing it
@@ -64,6 +76,21 @@ def _handle(args: argparse.Namespace) -> int:
     if args.trace and os.path.exists(env[TRACE_ENV]):
         print(f"allreduce run: trace written to {env[TRACE_ENV]} (open it in ui.perfetto.dev)", file=sys.stderr)
     return code
+
+
+def _elastic_options(args: argparse.Namespace) -> int | None:
+    """--min-ranks (default: all but one) with --elastic; refused without it, as --max-restarts is."""
+    if not args.elastic:
+        for flag, value in (("--min-ranks", args.min_ranks), ("--max-restarts", args.max_restarts)):
+            if value is not None:
+                raise CLIError(f"{flag} needs --elastic")
+        return None
+    min_ranks = int(args.nproc - 1 if args.min_ranks is None else args.min_ranks)
+    if not 1 <= min_ranks <= args.nproc:
+        raise CLIError(f"--min-ranks must be in 1..{args.nproc} (-n), got {min_ranks}")
+    if args.max_restarts is not None and not 0 <= args.max_restarts <= MAX_RESTARTS:
+        raise CLIError(f"--max-restarts must be in 0..{MAX_RESTARTS}, got {args.max_restarts}")
+    return max(min_ranks, 1)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -137,6 +164,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="FILE",
         help="write every rank's collectives and steps as a Chrome/Perfetto trace (the format of allreduce sim "
         "--trace)",
+    )
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="keep the job going when a rank fails (the others shrink their group: group.shrink()) while at least "
+        "--min-ranks run; rank 0, which hosts the store, still ends the job (docs/elastic.md)",
+    )
+    p.add_argument(
+        "--min-ranks",
+        type=int,
+        metavar="K",
+        help="with --elastic: the fewest ranks the job goes on with (default: N-1)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="R",
+        help="with --elastic: start a failed rank again, up to R times in all, with ALLREDUCE_JOIN=1 so that "
+        "allreduce.init() joins the running group (its members admit it with group.grow()); default 0",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs, after --")
     p.set_defaults(handler=_handle)

@@ -21,6 +21,7 @@ from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
 from allreduce.runtime._spawn import (
     DEFAULT_GRACE_S,
     MAX_LOCAL_RANKS,
+    MAX_RESTARTS,
     Departure,
     ElasticOutcome,
     JobInterruptedError,
@@ -53,6 +54,7 @@ __all__ = [
     "DTYPES",
     "INJECT_ENV",
     "MAX_LOCAL_RANKS",
+    "MAX_RESTARTS",
     "OPS",
     "PLAN_CACHE_ENTRIES",
     "SHM_FUSED_BYTES",

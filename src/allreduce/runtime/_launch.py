@@ -31,11 +31,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from allreduce.runtime._elastic import JOIN_ENV
 from allreduce.runtime._group import STATS_FILE_ENV
-from allreduce.runtime._rank_report import FAILURE_DIR_ENV, read_report
+from allreduce.runtime._rank_report import FAILURE_DIR_ENV, read_report, remove_report
 from allreduce.runtime._reaper import Reaper
 from allreduce.runtime._spawn import (
     DEFAULT_GRACE_S,
+    Departure,
+    Elasticity,
     RankWatch,
     check_world_size,
     describe_status,
@@ -67,6 +70,8 @@ class LaunchResult:
     reacted_ranks: tuple[int, ...] = ()
     stats_table: str | None = None
     """With ``launch(stats=True)``: the table rank 0's group wrote at close (None if no group was closed)."""
+    departures: tuple[Departure, ...] = ()
+    """With ``min_ranks``: the ranks that failed while the job went on (and whether each was restarted)."""
 
 
 class _Launch:
@@ -87,6 +92,7 @@ class _Launch:
         failure_dir: str,
         reaper: Reaper,
         extra_env: Mapping[str, str] | None = None,
+        elastic: Elasticity | None = None,
     ) -> None:
         self.command = list(command)
         self.extra_env = dict(extra_env or {})
@@ -102,7 +108,8 @@ class _Launch:
         self.write_lock = write_lock
         self.closed_outputs: set[int] = set()  # id() of destinations whose reader has gone
         self.threads: list[threading.Thread] = []
-        self.watch = RankWatch(self.procs, grace_s=grace_s, log=log, reaction=self.reaction)
+        self.elastic = elastic
+        self.watch = RankWatch(self.procs, grace_s=grace_s, log=log, reaction=self.reaction, failed=self.failed)
 
     def environment(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -112,38 +119,68 @@ class _Launch:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
+    def failed(self, rank: int, code: int) -> bool:
+        """Whether rank ``rank``'s exit fails the job: any non-zero status, unless an elastic job goes on (and
+        perhaps restarts the rank, which then joins the running group)."""
+        if code == 0:
+            return False
+        if self.elastic is None:
+            return True
+        report = read_report(self.failure_dir, rank, self.world_size)
+        how = describe_status(code) + ("" if report is None else f": {report.error}")
+        running = sum(1 for r, proc in enumerate(self.procs) if r != rank and proc.poll() is None)
+        restart = self.elastic.departs(rank, how, running)
+        if restart is None:
+            return True
+        restarts = sum(d.restarted for d in self.elastic.departures)
+        again = f"; restarting it to rejoin (restart {restarts} of {self.elastic.max_restarts})" if restart else ""
+        self.log(f"rank {rank} {how}; {running} ranks go on (--min-ranks {self.elastic.min_ranks}){again}")
+        if restart:
+            remove_report(self.failure_dir, rank)
+            self._start_rank(rank, joining=True)
+        return False
+
     def reaction(self, rank: int) -> int | None:
         report = read_report(self.failure_dir, rank, self.world_size)
         return None if report is None else report.reacted_to
 
     def start(self) -> None:
-        in_child = die_with_parent(os.getpid())
         for rank in range(self.world_size):
             if self.watch.interrupted_by is not None:  # stopped while starting: start no more
                 break
-            try:
-                proc = subprocess.Popen(
-                    self.command,
-                    env=self.environment(rank),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    process_group=0,
-                    # Only prctl and getppid run between fork and exec (the libc function is resolved already).
-                    preexec_fn=in_child,  # noqa: PLW1509
-                )
-            except OSError as exc:
-                self.watch.signal_all(signal.SIGKILL)
-                raise ValueError(f"cannot run {self.command[0]!r} for rank {rank}: {exc.strerror or exc}") from exc
-            self.reaper.add(proc.pid)
+            self._start_rank(rank, joining=False)
+
+    def _start_rank(self, rank: int, *, joining: bool) -> None:
+        env = self.environment(rank)
+        if joining:
+            env[JOIN_ENV] = "1"
+        try:
+            proc = subprocess.Popen(
+                self.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                process_group=0,
+                # Only prctl and getppid run between fork and exec (the libc function is resolved already).
+                preexec_fn=die_with_parent(os.getpid()),  # noqa: PLW1509
+            )
+        except OSError as exc:
+            self.watch.signal_all(signal.SIGKILL)
+            raise ValueError(f"cannot run {self.command[0]!r} for rank {rank}: {exc.strerror or exc}") from exc
+        self.reaper.add(proc.pid)
+        if joining:
+            self.procs[rank] = proc
+            self.watch.replace(rank, proc)
+        else:
             self.procs.append(proc)
             self.watch.procs.append(proc)
-            assert proc.stdout is not None
-            assert proc.stderr is not None
-            for pipe, dest in ((proc.stdout, self.out), (proc.stderr, self.err)):
-                thread = threading.Thread(target=self._copy_lines, args=(rank, pipe, dest), daemon=True)
-                thread.start()
-                self.threads.append(thread)
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        for pipe, dest in ((proc.stdout, self.out), (proc.stderr, self.err)):
+            thread = threading.Thread(target=self._copy_lines, args=(rank, pipe, dest), daemon=True)
+            thread.start()
+            self.threads.append(thread)
 
     def _copy_lines(self, rank: int, pipe: IO[bytes], dest: IO[bytes]) -> None:
         prefix = f"[rank {rank}] ".encode()
@@ -192,7 +229,8 @@ class _Launch:
             exit_code = 128 + interrupted_by
         else:
             exit_code = 0
-        return LaunchResult(exit_code, codes, blamed, interrupted_by, reacted)
+        departures = tuple(self.elastic.departures) if self.elastic else ()
+        return LaunchResult(exit_code, codes, blamed, interrupted_by, reacted, departures=departures)
 
     def _blame_message(self, blamed: int, *, own: bool, reacted: tuple[int, ...], code: int | None) -> str:
         report = read_report(self.failure_dir, blamed, self.world_size)
@@ -212,11 +250,18 @@ def launch(
     stderr: IO[bytes] | None = None,
     env: Mapping[str, str] | None = None,
     stats: bool = False,
+    min_ranks: int | None = None,
+    max_restarts: int = 0,
 ) -> LaunchResult:
     """Run ``command`` as ``world_size`` local ranks until all exit (see the module docstring); ``env`` adds
     variables to every rank's environment. ``stats``: rank 0's group writes its stats table at close into the
     launcher's scratch directory (which the reaper removes even if the launcher is killed), returned as
     ``stats_table``.
+
+    ``min_ranks`` makes the job elastic: a rank's failure does not stop the others while at least ``min_ranks``
+    still run (they shrink their group), and up to ``max_restarts`` times a failed rank is started again with
+    ``ALLREDUCE_JOIN=1``, so that its ``allreduce.init()`` joins the running group (the members admit it with
+    ``group.grow()``). Rank 0 hosts the store: its failure always stops the job.
 
     Signals are handled only when called from the main thread; ranks are started from the calling thread, which
     must not exit before this returns (it does not: this returns once every rank has exited)."""
@@ -227,6 +272,12 @@ def launch(
         raise ValueError(f"--master-port must be in 1..65535, got {master_port}")
     if not grace_s >= 0:
         raise ValueError(f"--grace must be >= 0 seconds, got {grace_s}")
+    elastic = None
+    if min_ranks is not None:
+        elastic = Elasticity(min_ranks, max_restarts)
+        elastic.check(world_size)
+    elif max_restarts:
+        raise ValueError("max_restarts: restarts need an elastic job (give min_ranks)")
     err = stderr if stderr is not None else sys.stderr.buffer
     write_lock = threading.Lock()
 
@@ -257,6 +308,7 @@ def launch(
         failure_dir=failure_dir,
         reaper=reaper,
         extra_env=env,
+        elastic=elastic,
     )
     try:
         with stop_signal_handlers(run.watch.interrupt, wake_fd=run.watch.wake_fd):

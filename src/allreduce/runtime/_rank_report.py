@@ -75,6 +75,12 @@ def write_report(directory: str, rank: int, error: BaseException) -> None:
     os.replace(partial, path)
 
 
+def remove_report(directory: str, rank: int) -> None:
+    """Forget rank ``rank``'s report (before a restart: the new process's failure must not read as the old's)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_report_path(directory, rank))
+
+
 def read_report(directory: str, rank: int, world_size: int) -> FailureReport | None:
     """Rank ``rank``'s report, or None when it wrote none (it did not raise, or is not a Python program of ours)
     or the file is not a valid report."""

@@ -48,6 +48,7 @@ __all__ = [
     "STOP_SIGNALS",
     "Departure",
     "ElasticOutcome",
+    "Elasticity",
     "JobInterruptedError",
     "RankFailedError",
     "RankWatch",

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from allreduce.runtime import RankFailedError
     from allreduce.train._data_parallel import DataParallel, SyncStats, bucket_layout
-    from allreduce.train._digits import DigitsData, load_digits, make_mlp, shard_batches
+    from allreduce.train._digits import (
+        DigitsData,
+        epoch_permutation,
+        global_batch_shard,
+        load_digits,
+        make_mlp,
+        shard_batches,
+    )
     from allreduce.train._elastic import sync_state
     from allreduce.train._run import (
         TRANSPORTS,
@@ -30,6 +37,8 @@ _WHERE = {
     "SyncStats": "_data_parallel",
     "bucket_layout": "_data_parallel",
     "DigitsData": "_digits",
+    "epoch_permutation": "_digits",
+    "global_batch_shard": "_digits",
     "load_digits": "_digits",
     "make_mlp": "_digits",
     "shard_batches": "_digits",
@@ -56,7 +65,9 @@ __all__ = [
     "TrainResult",
     "bucket_layout",
     "demo",
+    "epoch_permutation",
     "format_result",
+    "global_batch_shard",
     "load_digits",
     "make_mlp",
     "shard_batches",

@@ -1,0 +1,60 @@
+"""``allreduce run --elastic``: a rank's death does not stop the job; with --max-restarts the launcher starts it
+again and it rejoins the running group (examples/elastic_train.py, real processes, a real SIGKILL)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from allreduce.cli._main import main
+
+pytest.importorskip("torch")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py"
+
+
+def _run(*flags: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "allreduce", "run", "-n", "3", *flags, "--", "python", str(EXAMPLE)]
+    return subprocess.run([*command, "--kill-rank", "2@5"], check=False, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_restarted_and_rejoins_with_the_others_state() -> None:
+    done = _run("--elastic", "--max-restarts", "1")
+    assert done.returncode == 0, done.stderr
+    assert "rank 2 was killed by SIGKILL; 2 ranks go on (--min-ranks 2); restarting it to rejoin" in done.stderr
+    assert "[rank 2] joined at step 5 as rank 2 of 3" in done.stdout
+    states = re.findall(r"\[rank (\d)\] done: 12 steps, 3 ranks, state ([0-9a-f]+)", done.stdout)
+    assert sorted(rank for rank, _ in states) == ["0", "1", "2"]
+    assert len({state for _, state in states}) == 1  # replicas: parameters and optimizer state
+
+
+@pytest.mark.slow
+def test_without_restarts_the_survivors_finish_and_the_job_succeeds() -> None:
+    done = _run("--elastic")
+    assert done.returncode == 0, done.stderr
+    assert "rank 2 was killed by SIGKILL; 2 ranks go on (--min-ranks 2)\n" in done.stderr
+    assert len(re.findall(r"done: 12 steps, 2 ranks", done.stdout)) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--min-ranks", "2"], "--min-ranks needs --elastic"),
+        (["--max-restarts", "1"], "--max-restarts needs --elastic"),
+        (["--elastic", "--min-ranks", "4"], "--min-ranks must be in 1..3 (-n), got 4"),
+        (["--elastic", "--max-restarts", "-1"], "--max-restarts must be in 0..1000, got -1"),
+    ],
+)
+def test_bad_elastic_flags_are_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["run", "-n", "3", *argv, "--", "python", "-c", "pass"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
