@@ -15,33 +15,23 @@ The rule, with hysteresis so that noise never flaps the order:
 - a link the new order avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back to
   the original order for one window to look again (a healed link is then kept, a still slow one avoided again).
 
-The new ring is the ring schedule with ranks relabelled (position ``i`` played by rank ``order[i]``), verified
-before it is offered.
+The new ring is the ring schedule with ranks relabelled (position ``i`` played by rank ``order[i]``,
+:func:`allreduce.schedules.ordered_ring`), verified before it is offered.
 """
 
 from __future__ import annotations
 
-import itertools
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from allreduce.runtime._stats import LinkStats
-from allreduce.schedules import Schedule, ring_all_reduce, verify
+from allreduce.schedules import best_ring_order, ordered_ring, ring_time_s
 
-__all__ = [
-    "Decision",
-    "ReplanRule",
-    "Replanner",
-    "best_ring_order",
-    "link_rates",
-    "ordered_ring",
-    "ring_bottleneck",
-    "ring_seconds",
-    "slow_links",
-]
+__all__ = ["Decision", "ReplanRule", "Replanner", "link_rates", "rate_matrix", "slow_links"]
 
 Link = tuple[int, int]
 
@@ -92,65 +82,14 @@ def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link
     return frozenset(link for link, rate in rates.items() if rate < slow_ratio * median)
 
 
-def _edges(order: Sequence[int]) -> list[Link]:
-    return [(order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
-
-
-def ring_bottleneck(order: Sequence[int], rates: Mapping[Link, float], default: float) -> float:
-    """The slowest link the ring ``order`` uses (``default`` for links never measured)."""
-    return min(rates.get(edge, default) for edge in _edges(order))
-
-
-def ring_seconds(order: Sequence[int], rates: Mapping[Link, float], size_bytes: float, alpha_s: float) -> float:
-    """α–β time of a ring all-reduce of ``size_bytes`` in ``order``: ``2(N-1)·α + 2(N-1)/N · S / r_min``."""
-    n = len(order)
-    if n < 2:
-        return 0.0
+def rate_matrix(world_size: int, rates: Mapping[Link, float]) -> npt.NDArray[np.float64]:
+    """``rates`` as a matrix (``[src, dst]``), links never measured at the median measured rate (assumed healthy:
+    nothing says otherwise)."""
     default = statistics.median(rates.values()) if rates else 1.0
-    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * size_bytes / ring_bottleneck(order, rates, default)
-
-
-def best_ring_order(current: Sequence[int], rates: Mapping[Link, float]) -> tuple[int, ...]:
-    """The ring order whose slowest link is fastest, by local search from ``current``: repeatedly the best 2-opt
-    move (reverse a segment) or swap of two positions, until none raises the bottleneck. Rank ``current[0]``
-    stays first; ties keep the smaller order, so every rank finds the same one."""
-    order = tuple(current)
-    n = len(order)
-    if n < 4:
-        return order  # with three or fewer ranks every ring uses the same pairs, one way or the other
-    default = statistics.median(rates.values()) if rates else 1.0
-
-    def score(o: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
-        return (ring_bottleneck(o, rates, default), tuple(-x for x in o))
-
-    best = score(order)
-    improved = True
-    while improved:
-        improved = False
-        candidates: list[tuple[int, ...]] = []
-        for i, j in itertools.combinations(range(1, n), 2):
-            candidates.append(order[:i] + order[i : j + 1][::-1] + order[j + 1 :])
-            swapped = list(order)
-            swapped[i], swapped[j] = swapped[j], swapped[i]
-            candidates.append(tuple(swapped))
-        top = max(candidates, key=score)
-        if score(top) > best:
-            order, best, improved = top, score(top), True
-    return order
-
-
-def ordered_ring(order: Sequence[int]) -> Schedule:
-    """Ring all-reduce with position ``i`` played by rank ``order[i]`` (a relabelling of the ring, whose streams
-    name fixed peers), verified like any schedule."""
-    n = len(order)
-    if sorted(order) != list(range(n)):
-        raise ValueError(f"a ring order must hold each rank 0..{n - 1} once, got {list(order)}")
-    ring = ring_all_reduce(n)
-    ranks = np.asarray(order, dtype=np.int64)
-    streams = ring.streams.replace(src=ranks[ring.streams.src], peer=ranks[ring.streams.peer])
-    schedule = Schedule("ring", ring.collective, n, ring.num_blocks, ring.num_steps, streams)
-    verify(schedule)
-    return schedule
+    matrix = np.full((world_size, world_size), default)
+    for (src, dst), rate in rates.items():
+        matrix[src, dst] = rate
+    return matrix
 
 
 @dataclass
@@ -190,9 +129,10 @@ class Replanner:
             return None
         merged = {**self._last_rates, **rates}
         self._last_rates = merged
-        proposal = best_ring_order(self.order, merged)
-        before = ring_seconds(self.order, merged, size_bytes, alpha_s)
-        after = ring_seconds(proposal, merged, size_bytes, alpha_s)
+        matrix = rate_matrix(self.world_size, merged)
+        proposal = best_ring_order(self.order, matrix)
+        before = ring_time_s(self.order, matrix, size_bytes, alpha_s)
+        after = ring_time_s(proposal, matrix, size_bytes, alpha_s)
         speedup = before / after if after > 0 else 1.0
         if proposal == self.order or speedup < self.rule.min_speedup:
             return None

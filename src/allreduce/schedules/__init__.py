@@ -48,6 +48,7 @@ from allreduce.schedules._registry import (
     register_algorithm,
     unregister_algorithm,
 )
+from allreduce.schedules._reorder import best_ring_order, ordered_ring, ring_bottleneck, ring_time_s
 from allreduce.schedules._schedule import (
     Collective,
     Op,
@@ -100,6 +101,7 @@ __all__ = [
     "add_flow_delays",
     "algorithms",
     "all_reduce",
+    "best_ring_order",
     "binary_tree_broadcast",
     "binary_tree_reduce",
     "binomial_broadcast",
@@ -119,6 +121,7 @@ __all__ = [
     "load_algorithm",
     "make_schedule",
     "naive_all_reduce",
+    "ordered_ring",
     "plugin_errors",
     "predict",
     "predict_seconds",
@@ -127,7 +130,9 @@ __all__ = [
     "register_algorithm",
     "ring_all_gather",
     "ring_all_reduce",
+    "ring_bottleneck",
     "ring_reduce_scatter",
+    "ring_time_s",
     "step_once",
     "step_samples",
     "unregister_algorithm",
