@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._stats import LinkStats
-from allreduce.schedules import best_ring_order, ordered_ring, ring_time_s
+from allreduce.schedules import SLOW_LINK_RATIO, best_ring_order, ordered_ring, ring_time_s
 
 __all__ = ["Decision", "ReplanRule", "Replanner", "link_rates", "rate_matrix", "slow_links"]
 
@@ -41,7 +41,7 @@ class ReplanRule:
     """When to change the ring order (the module docstring gives the rule)."""
 
     window_calls: int = 50
-    slow_ratio: float = 0.5
+    slow_ratio: float = SLOW_LINK_RATIO
     confirm_windows: int = 2
     min_speedup: float = 1.25
     probe_windows: int = 20

@@ -48,7 +48,13 @@ from allreduce.schedules._registry import (
     register_algorithm,
     unregister_algorithm,
 )
-from allreduce.schedules._reorder import best_ring_order, ordered_ring, ring_bottleneck, ring_time_s
+from allreduce.schedules._reorder import (
+    SLOW_LINK_RATIO,
+    best_ring_order,
+    ordered_ring,
+    ring_bottleneck,
+    ring_time_s,
+)
 from allreduce.schedules._schedule import (
     Collective,
     Op,
@@ -79,6 +85,7 @@ __all__ = [
     "MAX_SCHEDULE_RANKS",
     "NAIVE_MAX_RANKS",
     "PARAMETERS",
+    "SLOW_LINK_RATIO",
     "VERIFY_WORLD_SIZES",
     "Algorithm",
     "AlgorithmLoadError",

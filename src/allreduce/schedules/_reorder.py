@@ -19,7 +19,11 @@ from allreduce.schedules._algorithms import ring_all_reduce
 from allreduce.schedules._schedule import Schedule
 from allreduce.schedules._verify import verify
 
-__all__ = ["best_ring_order", "ordered_ring", "ring_bottleneck", "ring_time_s"]
+__all__ = ["SLOW_LINK_RATIO", "best_ring_order", "ordered_ring", "ring_bottleneck", "ring_time_s"]
+
+SLOW_LINK_RATIO = 0.5
+"""A link is slow when its rate is below this fraction of the median link's: what re-planning acts on (smaller
+differences are the ordinary spread of a shared fabric, which a re-ordered ring would only shuffle)."""
 
 RateMatrix = npt.NDArray[np.float64]
 """``rates[i, j]``: bytes per second from rank i to rank j."""
