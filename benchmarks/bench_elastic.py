@@ -56,7 +56,9 @@ def _rank(rank: int, env: dict[str, str], case: tuple[str, int, int], out: Any) 
     group.all_reduce(y)
     recovered = time.monotonic() - started
     exact = bool(np.all(y == float(sum(r + 1 for r in range(world_size) if r != victim))))
-    while group.world_size < world_size:  # between steps: admit the restarted rank when it asks
+    deadline = time.monotonic() + CASE_DEADLINE_S  # a member never outlives the case (its launcher may be gone)
+    while group.world_size < world_size and time.monotonic() < deadline:  # between steps: admit the restart
+        y[:] = rank + 1
         group.all_reduce(y)
         group = group.grow()
         time.sleep(0.005)
