@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.sim._tcp import GIVE_UP_AFTER, TCP_STACKS, TcpStack, draw_repair_seconds
+from allreduce.sim._tcp import GIVE_UP_AFTER, TCP_STACKS, TcpStack, draw_repair_seconds, first_loss
 from allreduce.topology import Routes
 
 __all__ = [
@@ -94,7 +94,8 @@ class LossModel:
     the TCP stack (:data:`allreduce.sim._tcp.TCP_STACKS`: "linux", "tuned", "rfc6298"), whose ``rto_min``
     ``rto_s`` replaces if given; ``agreement``: on a RACK-TLP stack, every collective starts with the
     runtime's agreement (an all-gather of small messages, Bruck's, ceil(log2 N) steps), whose losses are
-    charged too."""
+    charged too; ``barrier``: a barrier (one more such all-gather) precedes every collective, as in a
+    benchmark that times each repetition from the barrier before it (the emulated clusters' runs)."""
 
     probability: float = 0.0
     fabric: str = "roce"
@@ -103,6 +104,7 @@ class LossModel:
     links: tuple[tuple[str, float], ...] = ()
     tcp: str = TCP_DEFAULT_STACK
     agreement: bool = True
+    barrier: bool = False
 
     def __post_init__(self) -> None:
         if self.tcp not in TCP_STACKS:
@@ -160,16 +162,6 @@ def packet_loss_probability(routes: Routes, link_probability: FloatArray) -> tup
     return -np.expm1(-per_flow), hazard
 
 
-def _first_loss(rng: np.random.Generator, q: FloatArray, packets: IntArray) -> IntArray:
-    """Position of the first lost packet among ``packets`` iid Bernoulli(q) packets, given at least one is lost
-    (inverse CDF of the truncated geometric distribution)."""
-    u = rng.random(q.size)
-    log_keep = np.log1p(-q)
-    at_least_one = -np.expm1(packets * log_keep)
-    position = np.floor(np.log1p(-u * at_least_one) / log_keep).astype(np.int64)
-    return np.minimum(position, packets - 1)
-
-
 def _next_loss(rng: np.random.Generator, q: FloatArray, after: IntArray) -> IntArray:
     """Position of the next lost packet after ``after`` (unconditioned: may be beyond the transfer)."""
     return after + rng.geometric(q).astype(np.int64)
@@ -198,7 +190,7 @@ def draw_extra_seconds(
     extra = np.zeros(q.size)
     timeout = np.zeros(q.size, dtype=np.int64)
     rto = model.rto
-    first = _first_loss(rng, q, packets)
+    first = first_loss(rng, q, packets)
     if model.fabric == "tcp":
         lost = np.arange(q.size)
         position = first
@@ -230,5 +222,5 @@ def draw_extra_seconds(
         lost = lost[u < at_least_one]
         if lost.size == 0:
             break
-        position = _first_loss(rng, q[lost], remaining[lost])
+        position = first_loss(rng, q[lost], remaining[lost])
     return extra, timeout
