@@ -1,5 +1,5 @@
-"""Lost ACKs of window-limited flows (the probe, then the interactive receiver's delayed ACK) and the barrier a
-benchmark times with each collective, against their closed forms."""
+"""Lost ACKs of window-limited flows (the probe, then the interactive receiver's delayed ACK), the barrier a
+benchmark times with each collective, and bursty (Gilbert–Elliott) loss, against their closed forms."""
 
 from __future__ import annotations
 
@@ -16,10 +16,13 @@ from allreduce.sim._tcp import (
     DELACK_MIN_S,
     TCP_STACKS,
     TIMEOUT_MIN_S,
+    Bursts,
     TcpStack,
     ack_stall_flights,
     draw_ack_stall_seconds,
+    gilbert_elliott,
     loss_window_packets,
+    next_loss,
 )
 from allreduce.topology import switch
 
@@ -123,3 +126,62 @@ def test_a_barrier_before_the_collective_doubles_the_agreements_losses() -> None
     ratio = twice[2].mean() / once[2].mean()
     assert ratio == pytest.approx(2.0, abs=Z * math.sqrt(2 / once[2].sum()) * 2)
     assert twice[0].max(axis=0).mean() > once[0].max(axis=0).mean()
+
+
+def _emulated_chain(p: float, burst: float, packets: int, seed: int) -> np.ndarray:
+    """Packet by packet, the emulator's firewall rules (emulate/_loss.py): bad drops and leaves after the packet
+    with probability 1/burst; good turns bad with probability g (and that packet is dropped)."""
+    rng = np.random.default_rng(seed)
+    g = p / (burst * (1 - p) + p)
+    enter = rng.random(packets) < g
+    leave = rng.random(packets) < 1 / burst
+    lost = np.zeros(packets, dtype=np.bool_)
+    bad = False
+    for i in range(packets):
+        if not bad and enter[i]:
+            bad = True
+        if bad:
+            lost[i] = True
+            bad = not leave[i]
+    return lost
+
+
+def test_the_gilbert_elliott_closed_forms_are_the_emulators_chain() -> None:
+    p, burst = 0.02, 4.0
+    entry, stay = gilbert_elliott(np.array([p]), burst)
+    lost = _emulated_chain(p, burst, 400_000, seed=6)
+    assert abs(lost.mean() - p) < Z * math.sqrt(p * burst / lost.size)
+    after = lost[1:][lost[:-1]]
+    assert abs(after.mean() - stay[0]) < Z * math.sqrt(0.25 / after.size)
+    # Independent loss is the chain with bursts of one.
+    entry1, stay1 = gilbert_elliott(np.array([p]), 1.0)
+    np.testing.assert_allclose([entry1[0], stay1[0]], [p, p])
+    assert entry[0] < p
+
+
+def test_a_burst_continues_with_the_stay_probability() -> None:
+    n = 200_000
+    bursts = Bursts(np.full(n, 0.01), np.full(n, 0.7))
+    gap = next_loss(np.random.default_rng(7), np.zeros(n), bursts, np.zeros(n, dtype=np.int64), np.arange(n))
+    expected = 0.7 + 0.3 * 0.01
+    assert abs((gap == 1).mean() - expected) < Z * math.sqrt(expected * (1 - expected) / n)
+
+
+def test_bursty_links_lose_fewer_transfers_at_the_same_rate() -> None:
+    # One switch, every link p in bursts of 4: a transfer of P packets is untouched with probability
+    # (1 - q)(1 - g)^(P - 1), g the path's chance that a burst starts.
+    p, burst = 1e-3, 4.0
+    topology = switch(4)
+    router = Router(topology, np.arange(4), None, 0)
+    d = phase_data(all_reduce("ring", 4), router, 2**20, np.full(topology.num_links, p), connections=False)[0]
+    samples = 4000
+    model = LossModel(p, fabric="tcp", tcp="rfc6298", burst=burst)
+    losses = draw_losses(np.random.default_rng(8), model, d, samples)
+    g = gilbert_elliott(np.array([p]), burst)[0][0]
+    entry = 1 - (1 - g) ** 2
+    q = 1 - (1 - p) ** 2
+    expected = 1 - (1 - q) * (1 - entry) ** (175 - 1)
+    transfers = d.phase.repeat * len(d.phase) * samples
+    assert abs(losses.step.size / transfers - expected) < Z * math.sqrt(expected / transfers)
+    independent = 1 - (1 - q) ** 175
+    assert expected < independent / 2

@@ -9,13 +9,13 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
-import numpy.typing as npt
 
 from allreduce.schedules import Incidence, Phase, Schedule
 from allreduce.sim._cyclic import Cyclic
 from allreduce.sim._loss import GIVE_UP_AFTER, LossModel, draw_extra_seconds, packet_loss_probability
 from allreduce.sim._routing import Pattern, Router
-from allreduce.sim._tcp import ack_stall_flights, draw_ack_stall_seconds, first_loss
+from allreduce.sim._tcp import Bursts, ack_stall_flights, draw_ack_stall_seconds, first_loss, gilbert_elliott
+from allreduce.topology import FloatArray, IntArray
 
 __all__ = [
     "AGREEMENT_FRAME_BYTES",
@@ -26,9 +26,6 @@ __all__ = [
     "draw_losses",
     "phase_data",
 ]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 # Geometric gaps drawn at once when placing lost transfers (bounds the memory of a very lossy run: 128 MiB).
 _MAX_GAPS_PER_DRAW = 2**24
@@ -147,8 +144,13 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
     mtu = model.mtu
     packets = np.ceil(d.nbytes / mtu).astype(np.int64)
     q = d.loss_q
+    bursts = _bursts(model, d)
     with np.errstate(divide="ignore"):
-        transfer_p = np.where(packets > 0, -np.expm1(packets * np.log1p(-q)), 0.0)
+        if bursts is None:
+            transfer_p = np.where(packets > 0, -np.expm1(packets * np.log1p(-q)), 0.0)
+        else:  # the first packet lost at the long-run rate, the others only by a burst starting
+            keep = np.log1p(-q) + (packets - 1) * np.log1p(-bursts.entry_q)
+            transfer_p = np.where(packets > 0, -np.expm1(keep), 0.0)
     step, flow, sample = _draw_transfers(rng, transfer_p, d.phase.repeat, samples)
     rate = d.pattern.rate_Bps[flow]
     packet_s = np.where(np.isfinite(rate), mtu / rate, 0.0)
@@ -165,11 +167,27 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
         packet_s=packet_s,
         q_ack=None if d.ack_q is None else d.ack_q[flow],
         gap_s=gap,
+        bursts=None if bursts is None else Bursts(bursts.entry_q[flow], bursts.stay[flow]),
     )
     losses = Losses(step, flow, sample, extra, _culprit_links(rng, d, flow), timeout)
     if d.ack_q is not None and model.rack_tlp:
         losses = _merge(losses, _ack_stalls(rng, model, d, packets, samples))
     return losses
+
+
+def _bursts(model: LossModel, d: PhaseData) -> Bursts | None:
+    """Per flow, how its losses cluster when every lossy link drops in bursts of ``model.burst`` packets
+    (:func:`allreduce.sim._tcp.gilbert_elliott` per link; a burst starts on the path where one starts on any of
+    its links); None for independent loss."""
+    if model.burst <= 1:
+        return None
+    routes = d.pattern.routes
+    weight = np.where(routes.weight > 0, routes.weight, 1.0)
+    link_p = -np.expm1(-d.loss_hazard / weight)
+    entry, _ = gilbert_elliott(link_p, model.burst)
+    hazard = -routes.weight * np.log1p(-entry)
+    entry_q = -np.expm1(-np.bincount(routes.flow_of_entry(), weights=hazard, minlength=len(d.phase)))
+    return Bursts(entry_q, (1 - 1 / model.burst) + entry_q / model.burst)
 
 
 def _culprit_links(rng: np.random.Generator, d: PhaseData, flow: IntArray) -> IntArray:
@@ -189,7 +207,9 @@ def _ack_stalls(rng: np.random.Generator, model: LossModel, d: PhaseData, packet
     each, the ACK lost with the reverse path's probability) and what the probe and the delayed ACK cost them
     (:func:`draw_ack_stall_seconds`); blamed on the flow's bottleneck (or first) link."""
     assert d.ack_q is not None
-    flights = ack_stall_flights(d.loss_q, packets)
+    bursts = _bursts(model, d)
+    # CUBIC cuts its window once per recovery: once per burst
+    flights = ack_stall_flights(d.loss_q if bursts is None else bursts.entry_q, packets)
     with np.errstate(divide="ignore"):
         stall_p = np.where(flights > 0, -np.expm1(flights * np.log1p(-d.ack_q)), 0.0)
     step, flow, sample = _draw_transfers(rng, stall_p, d.phase.repeat, samples)

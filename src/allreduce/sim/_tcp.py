@@ -80,23 +80,24 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
-import numpy.typing as npt
+
+from allreduce.topology import FloatArray, IntArray
 
 __all__ = [
     "DELACK_MIN_S",
     "GIVE_UP_AFTER",
     "TCP_STACKS",
+    "Bursts",
     "TcpStack",
     "ack_stall_flights",
     "draw_ack_stall_seconds",
     "draw_repair_seconds",
     "first_loss",
+    "gilbert_elliott",
     "loss_window_packets",
+    "next_loss",
     "window_reduction_seconds",
 ]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 # Linux's TCP_TIMEOUT_MIN_US: the least the reordering and probe timers add (2 ms since Linux 6.7).
 TIMEOUT_MIN_S = 2e-3
@@ -219,6 +220,40 @@ def draw_ack_stall_seconds(
     return total, timeouts
 
 
+@dataclass(frozen=True, eq=False)
+class Bursts:
+    """Losses in bursts, as a Gilbert–Elliott chain drops them (a loss-free good state, a bad state that drops
+    every packet, left after each packet with probability ``1/burst``): per transfer, the probability
+    ``entry_q`` that a packet of the good state starts a burst, and ``stay`` that the packet after a lost one
+    is lost too (:func:`gilbert_elliott`)."""
+
+    entry_q: FloatArray
+    stay: FloatArray
+
+
+def gilbert_elliott(p: FloatArray, burst: float) -> tuple[FloatArray, FloatArray]:
+    """A Gilbert–Elliott chain of long-run loss ``p`` and mean burst ``burst`` packets, as the emulator's
+    firewall runs it: per good packet it goes bad with ``g = p/(burst(1 − p) + p)``; after a bad (lost) packet
+    it stays bad with ``1 − 1/burst``, and if it left, the next packet may start a burst at once (``g``). So
+    the packet after a lost one is lost with ``stay = 1 − 1/burst + g/burst``; the long-run rate is
+    ``g/(g + (1 − g)/burst) = p``. Returns (g, stay)."""
+    p = np.asarray(p, dtype=np.float64)
+    entry = p / (burst * (1 - p) + p)
+    return entry, (1 - 1 / burst) + entry / burst
+
+
+def next_loss(
+    rng: np.random.Generator, q: FloatArray, bursts: Bursts | None, after: IntArray, which: IntArray
+) -> IntArray:
+    """Position of the next lost packet after ``after`` in transfers ``which`` (unconditioned: may be beyond
+    the transfer): a geometric gap at ``q``, or with ``bursts`` the next packet with probability ``stay`` and
+    else a geometric gap at ``entry_q``."""
+    if bursts is None:
+        return after + rng.geometric(q[which]).astype(np.int64)
+    gap = rng.geometric(bursts.entry_q[which]).astype(np.int64)
+    return after + np.where(rng.random(which.size) < bursts.stay[which], 1, gap)
+
+
 def first_loss(rng: np.random.Generator, q: FloatArray, packets: IntArray) -> IntArray:
     """Position of the first lost packet among ``packets`` iid Bernoulli(q) ones, given at least one is lost
     (inverse CDF of the truncated geometric distribution)."""
@@ -276,19 +311,20 @@ def draw_repair_seconds(
     packet_s: FloatArray,
     q_ack: FloatArray | None = None,
     gap_s: FloatArray | None = None,
+    bursts: Bursts | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """The delay each of these transfers suffers, given that it lost at least one packet, on a RACK-TLP stack
     (see the module docstring): per transfer its per-packet loss probability ``q``, its ``packets``, round trip,
-    one packet's time, the loss probability of its ACKs ``q_ack`` (default 0) and ``gap_s``, when after its end
-    the next transfer on its connection starts (default: none follows). Returns (extra seconds, timers of the
-    ``rto_min`` class that fired)."""
+    one packet's time, the loss probability of its ACKs ``q_ack`` (default 0), ``gap_s``, when after its end
+    the next transfer on its connection starts (default: none follows), and ``bursts`` (how losses cluster;
+    default independent). Returns (extra seconds, timers of the ``rto_min`` class that fired)."""
     n = q.size
     q_ack = np.zeros(n) if q_ack is None else q_ack
     gap_s = np.full(n, math.inf) if gap_s is None else gap_s
     extra = np.zeros(n)
     fired = np.zeros(n, dtype=np.int64)
     lost = np.arange(n)
-    position = first_loss(rng, q, packets)
+    position = first_loss(rng, q if bursts is None else bursts.entry_q, packets)
     for _ in range(int(packets.max(initial=0)) + 1):
         if lost.size == 0:
             break
@@ -304,7 +340,7 @@ def draw_repair_seconds(
         )
         extra[lost] = np.maximum(extra[lost], cost)
         fired[lost] += timers
-        position = position + rng.geometric(q[lost]).astype(np.int64)
+        position = next_loss(rng, q, bursts, position, lost)
         keep = position < packets[lost]
         lost, position = lost[keep], position[keep]
     extra += window_reduction_seconds(rtt_s, packet_s)
