@@ -99,6 +99,7 @@ def test_transfer_loss_probability_is_the_closed_form(size: int, p: float, mtu: 
 
 def test_loss_model_defaults_per_fabric() -> None:
     assert (LossModel(1e-6, "tcp").mtu, LossModel(1e-6, "tcp").rto) == (1500, 0.2)
+    assert LossModel(1e-6, "tcp").tcp == "linux"  # the library's default TCP stack is a stock kernel's
     roce = LossModel(1e-6, "roce")
     assert roce.mtu == 4096
     assert roce.rto == pytest.approx(4.096e-6 * 2**20)
@@ -137,7 +138,7 @@ def test_roce_timeouts_are_the_last_packet_losses() -> None:
 
 def test_tcp_timeouts_are_losses_without_three_duplicate_acks() -> None:
     n, packets = 40_000, 20
-    extra, timeout = _draw(LossModel(1e-9, "tcp", rto_s=0.2), n, packets=packets)
+    extra, timeout = _draw(LossModel(1e-9, "tcp", rto_s=0.2, tcp="rfc6298"), n, packets=packets)
     p = DUPTHRESH / packets
     assert abs(timeout.mean() - p) < Z * math.sqrt(p * (1 - p) / n)
     np.testing.assert_allclose(extra[timeout == 0], 10e-6, rtol=1e-12)

@@ -33,8 +33,9 @@ after a gap in the packet sequence numbers and answers with a NAK, a sequence er
 rates of other flows: the link idles or carries the resent bytes, which the flow-level model does not charge
 to its neighbours.
 
-That is the TCP model of the ``rfc6298`` stack (``LossModel.tcp``). The ``linux`` and ``tuned`` stacks repair
-losses as Linux does (RACK-TLP on kernel timer ticks, CUBIC's window): :mod:`allreduce.sim._tcp`.
+That is the TCP model of the ``rfc6298`` stack (``LossModel(tcp="rfc6298")``). The ``linux`` stack (the default)
+and ``tuned`` repair losses as Linux does (RACK-TLP on kernel timer ticks, delayed ACKs, CUBIC's window):
+:mod:`allreduce.sim._tcp`.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ FABRICS = ("roce", "tcp")
 DUPTHRESH = 3
 # Linux's TCP_RTO_MIN (RFC 6298 §2.4 asks for 1 s; Linux, and most data-centre stacks, use less).
 TCP_DEFAULT_RTO_S = 0.2
-# The TCP stack LossModel charges unless told: the model as it was first written (see allreduce.sim._tcp).
-TCP_DEFAULT_STACK = "rfc6298"
+# The TCP stack LossModel charges unless told: a stock Linux kernel's recovery (see allreduce.sim._tcp); the
+# model as it was first written is "rfc6298".
+TCP_DEFAULT_STACK = "linux"
 # An Ethernet MTU of 1,500 bytes: TCP's packets.
 TCP_DEFAULT_MTU_BYTES = 1500
 # RoCE's usual 4 KiB path MTU (the largest InfiniBand MTU).
