@@ -39,11 +39,18 @@ def test_cubic_keeps_the_reno_friendly_average_window_at_a_loss_rate() -> None:
 
 
 def test_a_transfer_has_one_stalling_flight_fewer_than_its_windows() -> None:
-    # q = 1.5e-4: W = 100 packets; 250 packets go out in 3 flights, the last of which nothing waits behind.
-    q = np.full(4, 1.5e-4)
-    flights = ack_stall_flights(q, np.array([250, 100, 99, 1], dtype=np.int64))
+    # q = 1.5e-2: W = 10 packets; 25 packets go out in 3 flights, the last of which nothing waits behind.
+    q = np.full(4, 1.5e-2)
+    flights = ack_stall_flights(q, np.array([25, 10, 9, 1], dtype=np.int64), 1500)
     assert flights.tolist() == [2, 0, 0, 0]
-    assert ack_stall_flights(np.zeros(1), np.array([10**6], dtype=np.int64)).tolist() == [0]
+    assert ack_stall_flights(np.zeros(1), np.array([10**6], dtype=np.int64), 1500).tolist() == [0]
+
+
+def test_a_window_beyond_one_gro_batch_never_stalls_on_one_ack() -> None:
+    # q = 1.5e-4: W = 100 packets of 1,500 B, 150 kB: acknowledged by a stream of ACKs, not one.
+    assert ack_stall_flights(np.full(1, 1.5e-4), np.array([250], dtype=np.int64), 1500).tolist() == [0]
+    # The same window of 600 B packets (60 kB) is one GRO batch.
+    assert ack_stall_flights(np.full(1, 1.5e-4), np.array([250], dtype=np.int64), 600).tolist() == [2]
 
 
 def test_a_lost_flight_ending_ack_costs_the_probe_and_the_delayed_ack() -> None:

@@ -209,7 +209,7 @@ def _ack_stalls(rng: np.random.Generator, model: LossModel, d: PhaseData, packet
     assert d.ack_q is not None
     bursts = _bursts(model, d)
     # CUBIC cuts its window once per recovery: once per burst
-    flights = ack_stall_flights(d.loss_q if bursts is None else bursts.entry_q, packets)
+    flights = ack_stall_flights(d.loss_q if bursts is None else bursts.entry_q, packets, model.mtu)
     with np.errstate(divide="ignore"):
         stall_p = np.where(flights > 0, -np.expm1(flights * np.log1p(-d.ack_q)), 0.0)
     step, flow, sample = _draw_transfers(rng, stall_p, d.phase.repeat, samples)

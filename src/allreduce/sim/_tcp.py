@@ -51,9 +51,10 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   upper bound; it is charged once per lost transfer.
 
 - lost ACKs of a window-limited flow: a transfer of ``P`` packets whose window ``W`` is smaller goes out in
-  ``⌈P/W⌉`` flights, each sent as the ACKs of the one before arrive. Where the last ACK of a flight is lost (the
-  receiver acknowledges every second segment, and GRO merges what arrives back to back, so a flight's data is
-  often covered by one ACK: probability ``q_ack`` per flight), the sender has nothing in flight to reveal it;
+  ``⌈P/W⌉`` flights, each sent as the ACKs of the one before arrive. A window that arrives back to back is
+  merged by the receiver's GRO (up to 64 KiB, :data:`GRO_MAX_BYTES`) and acknowledged by one ACK; where that
+  ACK is lost (probability ``q_ack`` per flight), the sender has nothing in flight to reveal it (a larger
+  window is acknowledged by a stream of ACKs, the next of which covers a lost one);
   the probe fires at ``2·srtt + 2 ms`` and sends the next segment. Its one segment is acknowledged at once by
   a receiver in quick-ACK mode, but the connections of a collective carry data one way and the runtime's
   agreement frames the other, so the receiver is in Linux's interactive ("pingpong") mode
@@ -86,6 +87,7 @@ from allreduce.topology import FloatArray, IntArray
 __all__ = [
     "DELACK_MIN_S",
     "GIVE_UP_AFTER",
+    "GRO_MAX_BYTES",
     "TCP_STACKS",
     "Bursts",
     "TcpStack",
@@ -108,6 +110,9 @@ DUPTHRESH = 3
 # RFC 8312 §4.5 and §5: CUBIC's multiplicative decrease and its cubic's constant (packets/s^3).
 CUBIC_BETA = 0.7
 CUBIC_C = 0.4
+# The most a receiver's GRO merges into one segment (its default gro_max_size, GRO_LEGACY_MAX_SIZE): a window
+# that arrives back to back up to this size is acknowledged by one ACK.
+GRO_MAX_BYTES = 65536
 # Linux's TCP_DELACK_MIN (HZ/25): the least a delayed ACK waits.
 DELACK_MIN_S = 0.04
 # Linux's TCP_RTO_MAX: the backed-off timer stops doubling there.
@@ -191,12 +196,15 @@ def loss_window_packets(q: FloatArray) -> FloatArray:
         return np.asarray(np.where(q > 0, np.sqrt(1.5 / np.where(q > 0, q, 1.0)), math.inf), dtype=np.float64)
 
 
-def ack_stall_flights(q: FloatArray, packets: IntArray) -> IntArray:
+def ack_stall_flights(q: FloatArray, packets: IntArray, mtu_bytes: int) -> IntArray:
     """The flights of a transfer of ``packets`` at loss ``q`` whose last ACK, if lost, stalls it: all but the
-    last of its ``⌈P/W⌉`` flights (:func:`loss_window_packets`), none where one window holds it."""
+    last of its ``⌈P/W⌉`` flights (:func:`loss_window_packets`); none where one window holds the transfer, or
+    where a window is more than one GRO batch (:data:`GRO_MAX_BYTES` of ``mtu_bytes`` packets), whose ACKs
+    follow one another so that the next covers a lost one."""
     window = loss_window_packets(q)
+    stalls = (window < packets) & (window * mtu_bytes <= GRO_MAX_BYTES)
     with np.errstate(divide="ignore", invalid="ignore"):
-        flights = np.where(window < packets, np.ceil(packets / np.maximum(window, 1.0)), 1.0)
+        flights = np.where(stalls, np.ceil(packets / np.maximum(window, 1.0)), 1.0)
     return np.asarray(flights - 1, dtype=np.int64)
 
 
