@@ -194,17 +194,8 @@ def draw_extra_seconds(
     :func:`allreduce.sim._tcp.draw_repair_seconds`). Returns (extra seconds, how many retransmission timeouts
     fired)."""
     if model.rack_tlp:
-        return draw_repair_seconds(
-            rng,
-            model.stack,
-            q=q,
-            packets=packets,
-            rtt_s=rtt_s,
-            packet_s=packet_s,
-            q_ack=q_ack,
-            gap_s=gap_s,
-            bursts=bursts,
-        )
+        return draw_repair_seconds(rng, model.stack, q=q, packets=packets, rtt_s=rtt_s, packet_s=packet_s,
+                                   q_ack=q_ack, gap_s=gap_s, bursts=bursts)  # fmt: skip
     extra = np.zeros(q.size)
     timeout = np.zeros(q.size, dtype=np.int64)
     rto = model.rto
