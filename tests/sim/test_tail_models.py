@@ -20,6 +20,7 @@ from allreduce.sim import (
     transfer_loss_probability,
 )
 from allreduce.sim._loss import DUPTHRESH, draw_extra_seconds
+from allreduce.sim._tcp import LostTransfers
 
 # Monte Carlo checks accept a deviation of this many standard errors (a false alarm once in ~16,000 runs; the
 # seeds are fixed, so a run either always passes or always fails).
@@ -112,14 +113,8 @@ def test_loss_probability_outside_0_1_is_an_error(p: float) -> None:
 
 
 def _draw(model: LossModel, n: int, packets: int, q: float = 1e-9) -> tuple[np.ndarray, np.ndarray]:
-    return draw_extra_seconds(
-        np.random.default_rng(5),
-        model,
-        q=np.full(n, q),
-        packets=np.full(n, packets, dtype=np.int64),
-        rtt_s=np.full(n, 10e-6),
-        packet_s=np.full(n, 1e-7),
-    )
+    transfers = LostTransfers(np.full(n, q), np.full(n, packets, dtype=np.int64), np.full(n, 10e-6), np.full(n, 1e-7))
+    return draw_extra_seconds(np.random.default_rng(5), model, transfers)
 
 
 def test_roce_single_loss_costs_rtt_plus_two_packets_or_the_timeout() -> None:

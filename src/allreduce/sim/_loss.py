@@ -48,7 +48,7 @@ import numpy as np
 from allreduce.sim._tcp import (
     GIVE_UP_AFTER,
     TCP_STACKS,
-    Bursts,
+    LostTransfers,
     TcpStack,
     draw_repair_seconds,
     first_loss,
@@ -177,25 +177,16 @@ def packet_loss_probability(routes: Routes, link_probability: FloatArray) -> tup
 
 
 def draw_extra_seconds(
-    rng: np.random.Generator,
-    model: LossModel,
-    *,
-    q: FloatArray,
-    packets: IntArray,
-    rtt_s: FloatArray,
-    packet_s: FloatArray,
-    q_ack: FloatArray | None = None,
-    gap_s: FloatArray | None = None,
-    bursts: Bursts | None = None,
+    rng: np.random.Generator, model: LossModel, transfers: LostTransfers
 ) -> tuple[FloatArray, IntArray]:
-    """The delay each of these transfers suffers, given that it lost at least one packet: per transfer its
-    per-packet loss probability ``q``, its ``packets``, round-trip time and one packet's serialisation time
-    (and, for a RACK-TLP stack, its ACKs' loss probability and when the next transfer on its connection starts:
+    """The delay each of these transfers suffers, given that it lost at least one packet (for a RACK-TLP stack:
     :func:`allreduce.sim._tcp.draw_repair_seconds`). Returns (extra seconds, how many retransmission timeouts
     fired)."""
     if model.rack_tlp:
-        return draw_repair_seconds(rng, model.stack, q=q, packets=packets, rtt_s=rtt_s, packet_s=packet_s,
-                                   q_ack=q_ack, gap_s=gap_s, bursts=bursts)  # fmt: skip
+        return draw_repair_seconds(rng, model.stack, transfers)
+    q, packets, rtt_s, packet_s, bursts = (
+        transfers.q, transfers.packets, transfers.rtt_s, transfers.packet_s, transfers.bursts
+    )  # fmt: skip
     extra = np.zeros(q.size)
     timeout = np.zeros(q.size, dtype=np.int64)
     rto = model.rto

@@ -14,7 +14,14 @@ from allreduce.schedules import Incidence, Phase, Schedule
 from allreduce.sim._cyclic import Cyclic
 from allreduce.sim._loss import GIVE_UP_AFTER, LossModel, draw_extra_seconds, packet_loss_probability
 from allreduce.sim._routing import Pattern, Router
-from allreduce.sim._tcp import Bursts, ack_stall_flights, draw_ack_stall_seconds, first_loss, gilbert_elliott
+from allreduce.sim._tcp import (
+    Bursts,
+    LostTransfers,
+    ack_stall_flights,
+    draw_ack_stall_seconds,
+    first_loss,
+    gilbert_elliott,
+)
 from allreduce.topology import FloatArray, IntArray
 
 __all__ = [
@@ -161,13 +168,15 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
     extra, timeout = draw_extra_seconds(
         rng,
         model,
-        q=q[flow],
-        packets=packets[flow],
-        rtt_s=rtt,
-        packet_s=packet_s,
-        q_ack=None if d.ack_q is None else d.ack_q[flow],
-        gap_s=gap,
-        bursts=None if bursts is None else Bursts(bursts.entry_q[flow], bursts.stay[flow]),
+        LostTransfers(
+            q[flow],
+            packets[flow],
+            rtt,
+            packet_s,
+            q_ack=None if d.ack_q is None else d.ack_q[flow],
+            gap_s=gap,
+            bursts=None if bursts is None else Bursts(bursts.entry_q[flow], bursts.stay[flow]),
+        ),
     )
     losses = Losses(step, flow, sample, extra, _culprit_links(rng, d, flow), timeout)
     if d.ack_q is not None and model.rack_tlp:
@@ -340,10 +349,12 @@ def _one_agreement(
         extra, fired = draw_extra_seconds(
             rng,
             model,
-            q=q[flow],
-            packets=packets[flow],
-            rtt_s=2 * pattern.routes.latency_s[flow],
-            packet_s=np.where(np.isfinite(rate), model.mtu / rate, 0.0),
+            LostTransfers(
+                q[flow],
+                packets[flow],
+                2 * pattern.routes.latency_s[flow],
+                np.where(np.isfinite(rate), model.mtu / rate, 0.0),
+            ),
         )
         # Blamed on the path's lossiest link.
         routes = pattern.routes

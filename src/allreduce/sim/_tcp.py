@@ -90,6 +90,7 @@ __all__ = [
     "GRO_MAX_BYTES",
     "TCP_STACKS",
     "Bursts",
+    "LostTransfers",
     "TcpStack",
     "ack_stall_flights",
     "draw_ack_stall_seconds",
@@ -309,26 +310,32 @@ def _one_loss(
     return cost, fired
 
 
+@dataclass(frozen=True, eq=False)
+class LostTransfers:
+    """Transfers that lost at least one packet, per transfer: the per-packet loss probability ``q``, its
+    ``packets``, round trip ``rtt_s``, one packet's time ``packet_s``, the loss probability of its ACKs ``q_ack``
+    (None: 0), ``gap_s``, when after its end the next transfer on its connection starts (None: none follows),
+    and ``bursts`` (how its losses cluster; None: independently)."""
+
+    q: FloatArray
+    packets: IntArray
+    rtt_s: FloatArray
+    packet_s: FloatArray
+    q_ack: FloatArray | None = None
+    gap_s: FloatArray | None = None
+    bursts: Bursts | None = None
+
+
 def draw_repair_seconds(
-    rng: np.random.Generator,
-    stack: TcpStack,
-    *,
-    q: FloatArray,
-    packets: IntArray,
-    rtt_s: FloatArray,
-    packet_s: FloatArray,
-    q_ack: FloatArray | None = None,
-    gap_s: FloatArray | None = None,
-    bursts: Bursts | None = None,
+    rng: np.random.Generator, stack: TcpStack, transfers: LostTransfers
 ) -> tuple[FloatArray, IntArray]:
-    """The delay each of these transfers suffers, given that it lost at least one packet, on a RACK-TLP stack
-    (see the module docstring): per transfer its per-packet loss probability ``q``, its ``packets``, round trip,
-    one packet's time, the loss probability of its ACKs ``q_ack`` (default 0), ``gap_s``, when after its end
-    the next transfer on its connection starts (default: none follows), and ``bursts`` (how losses cluster;
-    default independent). Returns (extra seconds, timers of the ``rto_min`` class that fired)."""
+    """The delay each of these transfers suffers on a RACK-TLP stack (see the module docstring). Returns (extra
+    seconds, timers of the ``rto_min`` class that fired)."""
+    q, packets, rtt_s, packet_s = transfers.q, transfers.packets, transfers.rtt_s, transfers.packet_s
+    bursts = transfers.bursts
     n = q.size
-    q_ack = np.zeros(n) if q_ack is None else q_ack
-    gap_s = np.full(n, math.inf) if gap_s is None else gap_s
+    q_ack = np.zeros(n) if transfers.q_ack is None else transfers.q_ack
+    gap_s = np.full(n, math.inf) if transfers.gap_s is None else transfers.gap_s
     extra = np.zeros(n)
     fired = np.zeros(n, dtype=np.int64)
     lost = np.arange(n)
