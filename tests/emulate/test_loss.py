@@ -18,7 +18,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from allreduce.emulate import TAIL_MIN_REPS, EmulationSpec, LossSpec, loss_commands, run, running
+from allreduce.emulate import (
+    TAIL_MIN_REPS,
+    EmulationSpec,
+    LossSpec,
+    RunResult,
+    loss_commands,
+    predicted_topology,
+    run,
+    running,
+    tail_predictions,
+)
+from allreduce.schedules import make_schedule
+from allreduce.topology import PathTable
 
 Z = 4.0
 TWO_HOSTS = "clos:leaves=2,spines=1,hosts_per_leaf=1"
@@ -130,6 +142,37 @@ def test_independent_loss_drops_the_asked_rate_and_the_tail_model_runs_at_it(nam
     assert abs(dropped / arrived - p) < Z * math.sqrt(p * (1 - p) / arrived)
     assert [stack for stack, _ in row.predicted_tails] == ["linux", "rfc6298"]  # type: ignore[attr-defined]
     assert row.exact  # type: ignore[attr-defined]
+
+
+def _predict_again(spec: EmulationSpec, result: RunResult) -> object:
+    """The tail predictions recomputed from what a run stores (its JSON), as bench_tail_loss.py --predict-only."""
+    stored = json.loads(json.dumps(result.to_json()))
+    (row,) = stored["rows"]
+    layout = spec.layout()
+    routing = PathTable({(s, d): tuple(links) for s, d, links in row["kernel_paths"]})
+    return tail_predictions(
+        make_schedule("all_reduce", stored["algorithm"], len(stored["placement"])),
+        predicted_topology(layout, stored["hop_latency_s"]),
+        row["size_bytes"],
+        rank_gpu=stored["placement"],
+        routing=routing,
+        dropped=[tuple(d) for d in row["dropped"]],
+        burst=spec.loss_burst(layout),
+    )
+
+
+@root
+@pytest.mark.slow
+@pytest.mark.serial
+def test_a_stored_run_gives_the_same_tail_predictions_offline(name: str, tmp_path: Path) -> None:
+    spec = EmulationSpec(TWO_HOSTS, name=name, rate_bps=100e6, loss=(("leaf0->spine0", LossSpec(0.01)),))
+    with running(spec, state_dir=tmp_path) as built:
+        result = run(
+            built, algorithm="ring", sizes=[1 << 20], reps=TAIL_MIN_REPS, lossy_links=sorted(spec.losses(built))
+        )
+    (row,) = result.rows
+    assert row.kernel_paths
+    assert _predict_again(spec, result) == row.predicted_tails
 
 
 @root

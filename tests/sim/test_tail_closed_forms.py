@@ -21,10 +21,10 @@ def test_one_lost_transfer_anywhere_in_a_ring_costs_exactly_its_timeouts(fabric:
     # Every link drops packets; every transfer is one packet, so every loss is a tail loss (no packet follows
     # it: no NAK for RoCE, no duplicate ACKs for TCP) and waits for the timer. The ring on one switch runs in
     # lockstep, so every transfer is on the critical path: a sample with one lost transfer, wherever it is,
-    # ends exactly its timeouts x (RTO + one packet's time) later.
+    # ends exactly its timeouts x (RTO + one packet's time) later (TCP as RFC 6298 has it: no probe).
     n, rto = 8, 1e-3
     topology = switch(n)
-    loss = LossModel(2e-3, fabric, mtu_bytes=mtu, rto_s=rto)
+    loss = LossModel(2e-3, fabric, mtu_bytes=mtu, rto_s=rto, tcp="rfc6298")
     result = simulate_tail(
         all_reduce("ring", n), topology, size_bytes=float(mtu * n), config=TailConfig(samples=600, seed=21, loss=loss)
     )

@@ -20,6 +20,7 @@ from allreduce.sim import (
     transfer_loss_probability,
 )
 from allreduce.sim._loss import DUPTHRESH, draw_extra_seconds
+from allreduce.sim._tcp import LostTransfers
 
 # Monte Carlo checks accept a deviation of this many standard errors (a false alarm once in ~16,000 runs; the
 # seeds are fixed, so a run either always passes or always fails).
@@ -99,6 +100,7 @@ def test_transfer_loss_probability_is_the_closed_form(size: int, p: float, mtu: 
 
 def test_loss_model_defaults_per_fabric() -> None:
     assert (LossModel(1e-6, "tcp").mtu, LossModel(1e-6, "tcp").rto) == (1500, 0.2)
+    assert LossModel(1e-6, "tcp").tcp == "linux"  # the library's default TCP stack is a stock kernel's
     roce = LossModel(1e-6, "roce")
     assert roce.mtu == 4096
     assert roce.rto == pytest.approx(4.096e-6 * 2**20)
@@ -111,14 +113,8 @@ def test_loss_probability_outside_0_1_is_an_error(p: float) -> None:
 
 
 def _draw(model: LossModel, n: int, packets: int, q: float = 1e-9) -> tuple[np.ndarray, np.ndarray]:
-    return draw_extra_seconds(
-        np.random.default_rng(5),
-        model,
-        q=np.full(n, q),
-        packets=np.full(n, packets, dtype=np.int64),
-        rtt_s=np.full(n, 10e-6),
-        packet_s=np.full(n, 1e-7),
-    )
+    transfers = LostTransfers(np.full(n, q), np.full(n, packets, dtype=np.int64), np.full(n, 10e-6), np.full(n, 1e-7))
+    return draw_extra_seconds(np.random.default_rng(5), model, transfers)
 
 
 def test_roce_single_loss_costs_rtt_plus_two_packets_or_the_timeout() -> None:
@@ -137,7 +133,7 @@ def test_roce_timeouts_are_the_last_packet_losses() -> None:
 
 def test_tcp_timeouts_are_losses_without_three_duplicate_acks() -> None:
     n, packets = 40_000, 20
-    extra, timeout = _draw(LossModel(1e-9, "tcp", rto_s=0.2), n, packets=packets)
+    extra, timeout = _draw(LossModel(1e-9, "tcp", rto_s=0.2, tcp="rfc6298"), n, packets=packets)
     p = DUPTHRESH / packets
     assert abs(timeout.mean() - p) < Z * math.sqrt(p * (1 - p) / n)
     np.testing.assert_allclose(extra[timeout == 0], 10e-6, rtol=1e-12)

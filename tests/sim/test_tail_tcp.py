@@ -16,6 +16,7 @@ from allreduce.sim._tcp import (
     CUBIC_C,
     TCP_STACKS,
     TIMEOUT_MIN_S,
+    LostTransfers,
     TcpStack,
     draw_repair_seconds,
     window_reduction_seconds,
@@ -40,16 +41,15 @@ def _draw(
     gap: float = math.inf,
     seed: int = 5,
 ) -> tuple[np.ndarray, np.ndarray]:
-    return draw_repair_seconds(
-        np.random.default_rng(seed),
-        stack,
-        q=np.full(n, q),
-        packets=np.full(n, packets, dtype=np.int64),
-        rtt_s=np.full(n, RTT),
-        packet_s=np.full(n, TAU),
+    transfers = LostTransfers(
+        np.full(n, q),
+        np.full(n, packets, dtype=np.int64),
+        np.full(n, RTT),
+        np.full(n, TAU),
         q_ack=np.full(n, q_ack),
         gap_s=np.full(n, gap),
     )
+    return draw_repair_seconds(np.random.default_rng(seed), stack, transfers)
 
 
 WINDOW = float(window_reduction_seconds(np.array([RTT]), np.array([TAU]))[0])
@@ -136,15 +136,10 @@ def test_several_losses_in_a_transfer_are_repaired_together() -> None:
     gap = 1e-3
     rng = np.random.default_rng(3)
     n = 20_000
-    extra, fired = draw_repair_seconds(
-        rng,
-        EXACT,
-        q=np.full(n, 0.4),
-        packets=np.full(n, 3, dtype=np.int64),
-        rtt_s=np.full(n, RTT),
-        packet_s=np.full(n, TAU),
-        gap_s=np.full(n, gap),
+    transfers = LostTransfers(
+        np.full(n, 0.4), np.full(n, 3, dtype=np.int64), np.full(n, RTT), np.full(n, TAU), gap_s=np.full(n, gap)
     )
+    extra, fired = draw_repair_seconds(rng, EXACT, transfers)
     clean = fired == 0
     # Each loss alone costs at most gap + 1.5 RTT + 4 tau; NewReno's sum would give 2-3x that where 2-3 are lost.
     assert clean.mean() > 0.3

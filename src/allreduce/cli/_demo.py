@@ -92,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
     _section("4. The tail: a lost packet, a congested port, a straggler (allreduce tail)")
     print()
     from allreduce.cli._tail import demo_section as tail_demo
+    from allreduce.sim import LossModel
 
+    # the stack the TCP rows below charge (the library's default), in the words of its kernel settings
+    print(f"tcp stack {LossModel(fabric='tcp').stack.settings()}")
     print(tail_demo())
 
     _section("5. The tail on real processes: one injected straggler among 4 ranks (group.stats())")

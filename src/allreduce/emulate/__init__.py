@@ -31,11 +31,13 @@ from allreduce.emulate._run import (
     DEFAULT_CONGESTION,
     GOODPUT,
     TAIL_MIN_REPS,
+    TAIL_STACKS,
     Measurement,
     RunResult,
     measure_hop_latency,
     predicted_topology,
     run,
+    tail_predictions,
 )
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "MIN_BURST_BYTES",
     "STATE_DIR",
     "TAIL_MIN_REPS",
+    "TAIL_STACKS",
     "Cable",
     "Connection",
     "EmulationError",
@@ -73,4 +76,5 @@ __all__ = [
     "remove",
     "run",
     "running",
+    "tail_predictions",
 ]

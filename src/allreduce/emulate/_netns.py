@@ -171,6 +171,10 @@ class EmulationSpec:
                 out[index] = spec
         return out
 
+    def loss_burst(self, built: Layout) -> float:
+        """The mean burst of the lossy links (the tail model takes one for all: the largest), 1 if none."""
+        return max((spec.burst for spec in self.losses(built).values()), default=1.0)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "topology": self.topology,

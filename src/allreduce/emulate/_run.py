@@ -55,9 +55,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -75,12 +75,16 @@ __all__ = [
     "BURST_NOTE_SHARE",
     "DEFAULT_CONGESTION",
     "GOODPUT",
+    "TAIL_STACKS",
     "Measurement",
     "RunResult",
     "measure_hop_latency",
     "predicted_topology",
     "run",
+    "tail_predictions",
 ]
+
+T = TypeVar("T")
 
 GOODPUT = 1448 / 1514
 """Share of a shaped link's rate that carries TCP payload (see the module docstring)."""
@@ -135,6 +139,8 @@ class Measurement:
     # per TCP stack of the tail model: (stack, (p50, p90, p99, max)) at the measured loss
     predicted_tails: tuple[tuple[str, tuple[float, float, float, float]], ...] = ()
     burst_share: float = 0.0  # the links' burst over the busiest link's bytes per repetition (at most 1)
+    # the paths the kernel took, (source GPU, destination GPU, links): what the predictions routed on
+    kernel_paths: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     @property
     def burst_bound(self) -> bool:
@@ -253,34 +259,40 @@ def predicted_topology(layout: Layout, hop_latency_s: float) -> Any:
     )
 
 
-def _tx_bytes(layout: Layout) -> dict[int, int]:
-    """Bytes sent so far on every shaped direction, by topology link index."""
-    out: dict[int, int] = {}
+def _by_direction(layout: Layout, command: list[str], read: Callable[[Any], dict[str, T]]) -> dict[int, T]:
+    """Per shaped direction, by topology link index, what ``read`` makes of ``command`` (an ``ip`` or ``tc``
+    listing in JSON, run in every namespace) for the device that sends in that direction."""
+    out: dict[int, T] = {}
     for ns_index, ns in enumerate(layout.namespaces):
-        data = json.loads(subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show"], capture_output=True,
-                                         text=True, timeout=COMMAND_TIMEOUT_S, check=True).stdout)  # fmt: skip
-        tx = {entry["ifname"]: int(entry["stats64"]["tx"]["bytes"]) for entry in data}
-        for cable in layout.cables:
-            if cable.a == ns_index and cable.a_dev in tx:
-                out[cable.link_ab] = tx[cable.a_dev]
-            if cable.b == ns_index and cable.b_dev in tx:
-                out[cable.link_ba] = tx[cable.b_dev]
-    return out
-
-
-def _queue_counters(layout: Layout) -> dict[int, tuple[int, int]]:
-    """(packets sent, packets dropped) so far by every shaped direction's token bucket, by topology link index."""
-    out: dict[int, tuple[int, int]] = {}
-    for ns_index, ns in enumerate(layout.namespaces):
-        data = json.loads(subprocess.run(["tc", "-n", ns, "-s", "-j", "qdisc", "show"], capture_output=True,
-                                         text=True, timeout=COMMAND_TIMEOUT_S, check=True).stdout)  # fmt: skip
-        stats = {q["dev"]: (int(q.get("packets", 0)), int(q.get("drops", 0))) for q in data if q.get("kind") == "tbf"}
+        data = json.loads(subprocess.run([command[0], "-n", ns, *command[1:]], capture_output=True, text=True,
+                                         timeout=COMMAND_TIMEOUT_S, check=True).stdout)  # fmt: skip
+        stats = read(data)
         for cable in layout.cables:
             if cable.a == ns_index and cable.a_dev in stats:
                 out[cable.link_ab] = stats[cable.a_dev]
             if cable.b == ns_index and cable.b_dev in stats:
                 out[cable.link_ba] = stats[cable.b_dev]
     return out
+
+
+def _tx_bytes(layout: Layout) -> dict[int, int]:
+    """Bytes sent so far on every shaped direction, by topology link index."""
+    return _by_direction(
+        layout,
+        ["ip", "-s", "-j", "link", "show"],
+        lambda data: {entry["ifname"]: int(entry["stats64"]["tx"]["bytes"]) for entry in data},
+    )
+
+
+def _queue_counters(layout: Layout) -> dict[int, tuple[int, int]]:
+    """(packets sent, packets dropped) so far by every shaped direction's token bucket, by topology link index."""
+    return _by_direction(
+        layout,
+        ["tc", "-s", "-j", "qdisc", "show"],
+        lambda data: {
+            q["dev"]: (int(q.get("packets", 0)), int(q.get("drops", 0))) for q in data if q.get("kind") == "tbf"
+        },
+    )
 
 
 def _retransmissions(layout: Layout) -> int:
@@ -386,16 +398,20 @@ TAIL_STACKS = ("linux", "rfc6298")
 Tails = tuple[tuple[str, tuple[float, float, float, float]], ...]
 
 
-def _tail(schedule: Schedule, model: Topology, size: int, *, rank_gpu: list[int], routing: PathTable | None,
-          dropped: tuple[tuple[str, int, int], ...]) -> Tails:  # fmt: skip
-    """Per stack of :data:`TAIL_STACKS`, the tail model's (p50, p90, p99, max) at the loss rates the counters
-    showed (nothing where nothing was dropped)."""
+def tail_predictions(schedule: Schedule, model: Topology, size: int, *, rank_gpu: Sequence[int],
+                     routing: PathTable | None, dropped: Sequence[tuple[str, int, int]], burst: float = 1.0,
+                     stacks: Sequence[str] = TAIL_STACKS, samples: int = TAIL_SAMPLES) -> Tails:  # fmt: skip
+    """Per TCP stack of ``stacks``, the tail model's (p50, p90, p99, max) at the loss rates the counters showed
+    (``dropped``: (link, packets sent, packets dropped)), in bursts of ``burst`` packets (nothing where nothing
+    was dropped). ``model`` is :func:`predicted_topology`'s, ``routing`` the kernel's paths."""
     if not dropped:
         return ()
     links = tuple((name, drops / (sent + drops)) for name, sent, drops in dropped)
     out = []
-    for stack in TAIL_STACKS:
-        config = TailConfig(samples=TAIL_SAMPLES, seed=0, loss=LossModel(fabric="tcp", links=links, tcp=stack))
+    for stack in stacks:
+        # every repetition is timed from the barrier before it: its agreement is charged too
+        loss = LossModel(fabric="tcp", links=links, tcp=stack, barrier=True, burst=burst)
+        config = TailConfig(samples=samples, seed=0, loss=loss)
         result = simulate_tail(schedule, model, size_bytes=float(size), config=config, placement=rank_gpu,
                                routing=routing)  # fmt: skip
         p50, p90, p99 = (float(v) for v in np.percentile(result.collective_s, [50, 90, 99]))
@@ -415,10 +431,12 @@ def run(
     timeout_s: float = 120.0,
     congestion: str = DEFAULT_CONGESTION,
     lossy_links: Sequence[int] = (),
+    loss_burst: float = 1.0,
 ) -> RunResult:
     """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator.
     ``congestion``: the TCP congestion control of the ranks' data connections (``"default"``: the kernel's);
-    ``lossy_links``: the links that drop packets by the firewall's rules (their counters are read)."""
+    ``lossy_links``: the links that drop packets by the firewall's rules (their counters are read), in bursts
+    of ``loss_burst`` packets on average (the tail model's ``burst``)."""
     if congestion != "default":
         congestion_control(congestion)  # ValueError naming what this kernel has, before anything starts
     topology = layout.topology
@@ -485,7 +503,9 @@ def run(
         bottleneck = predicted.bottlenecks[0] if predicted.bottlenecks else None
         agrees = bottleneck is not None and busy.get(bottleneck.link, 0.0) >= (1 - BUSY_TIE) * busy[busiest]
         tails = (
-            _tail(schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped)
+            tail_predictions(
+                schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped, burst=loss_burst
+            )
             if reps >= TAIL_MIN_REPS
             else ()
         )
@@ -506,6 +526,9 @@ def run(
                 predicted_tail_s=(tails[0][1][0], tails[0][1][2]) if tails else None,
                 predicted_tails=tails,
                 burst_share=burst_share,
+                kernel_paths=()
+                if routing is None
+                else tuple((src, dst, tuple(links)) for (src, dst), links in sorted(routing.paths.items())),
             )
         )
     return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows), congestion)

@@ -96,9 +96,10 @@ def loss_step_quantiles(
     steps = step_seconds(buckets, draws, compute)
     order = np.argsort(steps, kind="stable")
     p50, p99 = (step_time(buckets, draws[order[nearest_rank(p, STEP_SAMPLES)]], compute) for p in STEP_QUANTILES)
+    stack = f", tcp {loss.tcp}" if loss.fabric == "tcp" else ""
     method = (
         f"p50 of {STEP_SAMPLES} steps (p99 {format_seconds(p99.step_s)}); each bucket from "
-        f"{LOSS_TAIL_SAMPLES} tail samples of its size{'' if exact else ' (~ fast engine)'}"
+        f"{LOSS_TAIL_SAMPLES} tail samples of its size{'' if exact else ' (~ fast engine)'}{stack}"
     )
     return StepQuantiles(p50, p99, method)
 

@@ -33,8 +33,9 @@ after a gap in the packet sequence numbers and answers with a NAK, a sequence er
 rates of other flows: the link idles or carries the resent bytes, which the flow-level model does not charge
 to its neighbours.
 
-That is the TCP model of the ``rfc6298`` stack (``LossModel.tcp``). The ``linux`` and ``tuned`` stacks repair
-losses as Linux does (RACK-TLP on kernel timer ticks, CUBIC's window): :mod:`allreduce.sim._tcp`.
+That is the TCP model of the ``rfc6298`` stack (``LossModel(tcp="rfc6298")``). The ``linux`` stack (the default)
+and ``tuned`` repair losses as Linux does (RACK-TLP on kernel timer ticks, delayed ACKs, CUBIC's window):
+:mod:`allreduce.sim._tcp`.
 """
 
 from __future__ import annotations
@@ -43,10 +44,17 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
-from allreduce.sim._tcp import GIVE_UP_AFTER, TCP_STACKS, TcpStack, draw_repair_seconds
-from allreduce.topology import Routes
+from allreduce.sim._tcp import (
+    GIVE_UP_AFTER,
+    TCP_STACKS,
+    LostTransfers,
+    TcpStack,
+    draw_repair_seconds,
+    first_loss,
+    next_loss,
+)
+from allreduce.topology import FloatArray, IntArray, Routes
 
 __all__ = [
     "DUPTHRESH",
@@ -63,16 +71,14 @@ __all__ = [
     "transfer_loss_probability",
 ]
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
-
 FABRICS = ("roce", "tcp")
 # RFC 5681 §3.2: fast retransmit after three duplicate ACKs.
 DUPTHRESH = 3
 # Linux's TCP_RTO_MIN (RFC 6298 §2.4 asks for 1 s; Linux, and most data-centre stacks, use less).
 TCP_DEFAULT_RTO_S = 0.2
-# The TCP stack LossModel charges unless told: the model as it was first written (see allreduce.sim._tcp).
-TCP_DEFAULT_STACK = "rfc6298"
+# The TCP stack LossModel charges unless told: a stock Linux kernel's recovery (see allreduce.sim._tcp); the
+# model as it was first written is "rfc6298".
+TCP_DEFAULT_STACK = "linux"
 # An Ethernet MTU of 1,500 bytes: TCP's packets.
 TCP_DEFAULT_MTU_BYTES = 1500
 # RoCE's usual 4 KiB path MTU (the largest InfiniBand MTU).
@@ -81,6 +87,8 @@ ROCE_DEFAULT_MTU_BYTES = 4096
 ROCE_TIMEOUT_UNIT_S = 4.096e-6
 ROCE_DEFAULT_TIMEOUT_EXPONENT = 20
 ROCE_DEFAULT_TIMEOUT_S = ROCE_TIMEOUT_UNIT_S * 2**ROCE_DEFAULT_TIMEOUT_EXPONENT
+# The longest mean burst of lost packets accepted (packets): beyond it a burst outlasts every timer.
+MAX_BURST = 1000.0
 # A resent packet lost GIVE_UP_AFTER times in a row is an error in a real stack (the connection is torn down);
 # the model stops drawing there, and refuses loss rates at which that is not negligible.
 _MAX_RESENDS = GIVE_UP_AFTER
@@ -94,7 +102,11 @@ class LossModel:
     the TCP stack (:data:`allreduce.sim._tcp.TCP_STACKS`: "linux", "tuned", "rfc6298"), whose ``rto_min``
     ``rto_s`` replaces if given; ``agreement``: on a RACK-TLP stack, every collective starts with the
     runtime's agreement (an all-gather of small messages, Bruck's, ceil(log2 N) steps), whose losses are
-    charged too."""
+    charged too; ``barrier``: a barrier (one more such all-gather) precedes every collective, as in a
+    benchmark that times each repetition from the barrier before it (the emulated clusters' runs); ``burst``:
+    the mean length of a burst of lost packets on every lossy link (1: independent; above: a Gilbert–Elliott
+    chain of the same long-run rate, as ``allreduce emulate up --loss LINK=ge:p=P,burst=B`` injects, see
+    :func:`allreduce.sim._tcp.gilbert_elliott`)."""
 
     probability: float = 0.0
     fabric: str = "roce"
@@ -103,6 +115,8 @@ class LossModel:
     links: tuple[tuple[str, float], ...] = ()
     tcp: str = TCP_DEFAULT_STACK
     agreement: bool = True
+    barrier: bool = False
+    burst: float = 1.0
 
     def __post_init__(self) -> None:
         if self.tcp not in TCP_STACKS:
@@ -112,6 +126,8 @@ class LossModel:
         for what, p in [("loss probability", self.probability), *((f"loss on {n}", q) for n, q in self.links)]:
             if not (math.isfinite(p) and 0 <= p < 1):
                 raise ValueError(f"{what}: must be a probability in [0, 1), got {p}")
+        if not (math.isfinite(self.burst) and 1 <= self.burst <= MAX_BURST):
+            raise ValueError(f"loss: the mean burst must be 1 to {MAX_BURST:g} packets, got {self.burst}")
         if self.mtu_bytes is not None and self.mtu_bytes <= 0:
             raise ValueError(f"loss: the MTU must be > 0 bytes, got {self.mtu_bytes}")
         if self.rto_s is not None and not (math.isfinite(self.rto_s) and self.rto_s > 0):
@@ -160,45 +176,21 @@ def packet_loss_probability(routes: Routes, link_probability: FloatArray) -> tup
     return -np.expm1(-per_flow), hazard
 
 
-def _first_loss(rng: np.random.Generator, q: FloatArray, packets: IntArray) -> IntArray:
-    """Position of the first lost packet among ``packets`` iid Bernoulli(q) packets, given at least one is lost
-    (inverse CDF of the truncated geometric distribution)."""
-    u = rng.random(q.size)
-    log_keep = np.log1p(-q)
-    at_least_one = -np.expm1(packets * log_keep)
-    position = np.floor(np.log1p(-u * at_least_one) / log_keep).astype(np.int64)
-    return np.minimum(position, packets - 1)
-
-
-def _next_loss(rng: np.random.Generator, q: FloatArray, after: IntArray) -> IntArray:
-    """Position of the next lost packet after ``after`` (unconditioned: may be beyond the transfer)."""
-    return after + rng.geometric(q).astype(np.int64)
-
-
 def draw_extra_seconds(
-    rng: np.random.Generator,
-    model: LossModel,
-    *,
-    q: FloatArray,
-    packets: IntArray,
-    rtt_s: FloatArray,
-    packet_s: FloatArray,
-    q_ack: FloatArray | None = None,
-    gap_s: FloatArray | None = None,
+    rng: np.random.Generator, model: LossModel, transfers: LostTransfers
 ) -> tuple[FloatArray, IntArray]:
-    """The delay each of these transfers suffers, given that it lost at least one packet: per transfer its
-    per-packet loss probability ``q``, its ``packets``, round-trip time and one packet's serialisation time
-    (and, for a RACK-TLP stack, its ACKs' loss probability and when the next transfer on its connection starts:
+    """The delay each of these transfers suffers, given that it lost at least one packet (for a RACK-TLP stack:
     :func:`allreduce.sim._tcp.draw_repair_seconds`). Returns (extra seconds, how many retransmission timeouts
     fired)."""
     if model.rack_tlp:
-        return draw_repair_seconds(
-            rng, model.stack, q=q, packets=packets, rtt_s=rtt_s, packet_s=packet_s, q_ack=q_ack, gap_s=gap_s
-        )
+        return draw_repair_seconds(rng, model.stack, transfers)
+    q, packets, rtt_s, packet_s, bursts = (
+        transfers.q, transfers.packets, transfers.rtt_s, transfers.packet_s, transfers.bursts
+    )  # fmt: skip
     extra = np.zeros(q.size)
     timeout = np.zeros(q.size, dtype=np.int64)
     rto = model.rto
-    first = _first_loss(rng, q, packets)
+    first = first_loss(rng, q if bursts is None else bursts.entry_q, packets)
     if model.fabric == "tcp":
         lost = np.arange(q.size)
         position = first
@@ -211,7 +203,7 @@ def draw_extra_seconds(
             again = np.minimum(again, _MAX_RESENDS)
             extra[lost] += rto * (np.exp2(again) - 1)
             timeout[lost] += again
-            position = _next_loss(rng, q[lost], position)
+            position = next_loss(rng, q, bursts, position, lost)
             keep = position < packets[lost]
             lost, position = lost[keep], position[keep]
         return extra, timeout
@@ -230,5 +222,5 @@ def draw_extra_seconds(
         lost = lost[u < at_least_one]
         if lost.size == 0:
             break
-        position = _first_loss(rng, q[lost], remaining[lost])
+        position = first_loss(rng, q[lost], remaining[lost])
     return extra, timeout

@@ -9,12 +9,20 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
-import numpy.typing as npt
 
 from allreduce.schedules import Incidence, Phase, Schedule
 from allreduce.sim._cyclic import Cyclic
 from allreduce.sim._loss import GIVE_UP_AFTER, LossModel, draw_extra_seconds, packet_loss_probability
 from allreduce.sim._routing import Pattern, Router
+from allreduce.sim._tcp import (
+    Bursts,
+    LostTransfers,
+    ack_stall_flights,
+    draw_ack_stall_seconds,
+    first_loss,
+    gilbert_elliott,
+)
+from allreduce.topology import FloatArray, IntArray
 
 __all__ = [
     "AGREEMENT_FRAME_BYTES",
@@ -25,9 +33,6 @@ __all__ = [
     "draw_losses",
     "phase_data",
 ]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 # Geometric gaps drawn at once when placing lost transfers (bounds the memory of a very lossy run: 128 MiB).
 _MAX_GAPS_PER_DRAW = 2**24
@@ -113,21 +118,17 @@ class Losses:
         return np.searchsorted(self.step, np.arange(repeat + 1))
 
 
-def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, samples: int) -> Losses:
-    """Which transfers of ``repeat x flows x samples`` lose packets (thinning from the largest per-transfer
-    loss probability, over geometric gaps: exact and O(losses)), and what each loss costs."""
+def _draw_transfers(
+    rng: np.random.Generator, transfer_p: FloatArray, repeat: int, samples: int
+) -> tuple[IntArray, IntArray, IntArray]:
+    """Which of ``repeat x flows x samples`` transfers an event with per-flow probability ``transfer_p`` befalls
+    (thinning from the largest probability, over geometric gaps: exact and O(events)): (step, flow, sample)."""
     none = np.zeros(0, dtype=np.int64)
-    empty = Losses(none, none, none, np.zeros(0), none, none)
-    mtu = model.mtu
-    packets = np.ceil(d.nbytes / mtu).astype(np.int64)
-    q = d.loss_q
-    with np.errstate(divide="ignore"):
-        transfer_p = np.where(packets > 0, -np.expm1(packets * np.log1p(-q)), 0.0)
     top = float(transfer_p.max()) if transfer_p.size else 0.0
     if top <= 0:
-        return empty
-    flows = len(d.phase)
-    total = d.phase.repeat * flows * samples
+        return none, none, none
+    flows = transfer_p.size
+    total = repeat * flows * samples
     expected = top * total
     positions: list[IntArray] = []
     last = -1
@@ -141,8 +142,23 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
     flow = (index // samples) % flows
     keep = rng.random(index.size) < transfer_p[flow] / top
     index, flow = index[keep], flow[keep]
-    step = index // (samples * flows)
-    sample = index % samples
+    return index // (samples * flows), flow, index % samples
+
+
+def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, samples: int) -> Losses:
+    """Which transfers of ``repeat x flows x samples`` lose packets, and what each loss costs; on a RACK-TLP
+    stack also which lose the last ACK of a flight with nothing behind it (:func:`_ack_stalls`)."""
+    mtu = model.mtu
+    packets = np.ceil(d.nbytes / mtu).astype(np.int64)
+    q = d.loss_q
+    bursts = _bursts(model, d)
+    with np.errstate(divide="ignore"):
+        if bursts is None:
+            transfer_p = np.where(packets > 0, -np.expm1(packets * np.log1p(-q)), 0.0)
+        else:  # the first packet lost at the long-run rate, the others only by a burst starting
+            keep = np.log1p(-q) + (packets - 1) * np.log1p(-bursts.entry_q)
+            transfer_p = np.where(packets > 0, -np.expm1(keep), 0.0)
+    step, flow, sample = _draw_transfers(rng, transfer_p, d.phase.repeat, samples)
     rate = d.pattern.rate_Bps[flow]
     packet_s = np.where(np.isfinite(rate), mtu / rate, 0.0)
     rtt = 2 * d.pattern.routes.latency_s[flow]
@@ -152,21 +168,88 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
     extra, timeout = draw_extra_seconds(
         rng,
         model,
-        q=q[flow],
-        packets=packets[flow],
-        rtt_s=rtt,
-        packet_s=packet_s,
-        q_ack=None if d.ack_q is None else d.ack_q[flow],
-        gap_s=gap,
+        LostTransfers(
+            q[flow],
+            packets[flow],
+            rtt,
+            packet_s,
+            q_ack=None if d.ack_q is None else d.ack_q[flow],
+            gap_s=gap,
+            bursts=None if bursts is None else Bursts(bursts.entry_q[flow], bursts.stay[flow]),
+        ),
     )
-    # The link that dropped the (first) lost packet: drawn in proportion to each path link's hazard.
+    losses = Losses(step, flow, sample, extra, _culprit_links(rng, d, flow), timeout)
+    if d.ack_q is not None and model.rack_tlp:
+        losses = _merge(losses, _ack_stalls(rng, model, d, packets, samples))
+    return losses
+
+
+def _bursts(model: LossModel, d: PhaseData) -> Bursts | None:
+    """Per flow, how its losses cluster when every lossy link drops in bursts of ``model.burst`` packets
+    (:func:`allreduce.sim._tcp.gilbert_elliott` per link; a burst starts on the path where one starts on any of
+    its links); None for independent loss."""
+    if model.burst <= 1:
+        return None
+    routes = d.pattern.routes
+    weight = np.where(routes.weight > 0, routes.weight, 1.0)
+    link_p = -np.expm1(-d.loss_hazard / weight)
+    entry, _ = gilbert_elliott(link_p, model.burst)
+    hazard = -routes.weight * np.log1p(-entry)
+    entry_q = -np.expm1(-np.bincount(routes.flow_of_entry(), weights=hazard, minlength=len(d.phase)))
+    return Bursts(entry_q, (1 - 1 / model.burst) + entry_q / model.burst)
+
+
+def _culprit_links(rng: np.random.Generator, d: PhaseData, flow: IntArray) -> IntArray:
+    """Per lost transfer of ``flow``, the link that dropped its (first) lost packet: drawn in proportion to each
+    path link's hazard."""
     routes = d.pattern.routes
     cumulative = np.cumsum(d.loss_hazard)
     before = np.concatenate([[0.0], cumulative])[routes.flow_ptr[flow]]
-    own = np.bincount(routes.flow_of_entry(), weights=d.loss_hazard, minlength=flows)[flow]
+    own = np.bincount(routes.flow_of_entry(), weights=d.loss_hazard, minlength=len(d.phase))[flow]
     entry = np.searchsorted(cumulative, before + rng.random(flow.size) * own, side="right")
     entry = np.clip(entry, routes.flow_ptr[flow], routes.flow_ptr[flow + 1] - 1)
-    return Losses(step, flow, sample, extra, routes.link[entry], timeout)
+    return np.asarray(routes.link[entry], dtype=np.int64)
+
+
+def _ack_stalls(rng: np.random.Generator, model: LossModel, d: PhaseData, packets: IntArray, samples: int) -> Losses:
+    """The transfers that lose the last ACK of a flight with more to send (:func:`ack_stall_flights` flights
+    each, the ACK lost with the reverse path's probability) and what the probe and the delayed ACK cost them
+    (:func:`draw_ack_stall_seconds`); blamed on the flow's bottleneck (or first) link."""
+    assert d.ack_q is not None
+    bursts = _bursts(model, d)
+    # CUBIC cuts its window once per recovery: once per burst
+    flights = ack_stall_flights(d.loss_q if bursts is None else bursts.entry_q, packets, model.mtu)
+    with np.errstate(divide="ignore"):
+        stall_p = np.where(flights > 0, -np.expm1(flights * np.log1p(-d.ack_q)), 0.0)
+    step, flow, sample = _draw_transfers(rng, stall_p, d.phase.repeat, samples)
+    # The first lost flight-ending ACK, then any of the flights after it.
+    first = first_loss(rng, d.ack_q[flow], flights[flow])
+    stalls = 1 + rng.binomial(flights[flow] - 1 - first, d.ack_q[flow])
+    extra, timeouts = draw_ack_stall_seconds(
+        rng,
+        model.stack,
+        stalls=stalls,
+        rtt_s=2 * d.pattern.routes.latency_s[flow],
+        q=d.loss_q[flow],
+        q_ack=d.ack_q[flow],
+    )
+    return Losses(step, flow, sample, extra, d.blame_link[flow], timeouts)
+
+
+def _merge(a: Losses, b: Losses) -> Losses:
+    """Two sets of a phase's delayed transfers as one, sorted by step (a transfer in both is delayed by both)."""
+    if b.step.size == 0:
+        return a
+    step = np.concatenate([a.step, b.step])
+    order = np.argsort(step, kind="stable")
+    return Losses(
+        step[order],
+        np.concatenate([a.flow, b.flow])[order],
+        np.concatenate([a.sample, b.sample])[order],
+        np.concatenate([a.extra_s, b.extra_s])[order],
+        np.concatenate([a.link, b.link])[order],
+        np.concatenate([a.timeouts, b.timeouts])[order],
+    )
 
 
 # Expected give-ups (a packet or a go-back-N run lost GIVE_UP_AFTER + 1 times in a row) over a whole run
@@ -221,13 +304,35 @@ def agreement_delays(
     frames to rank ``r − d`` for d = 1, 2, 4, ...; nothing else follows on those connections, so a loss is a
     tail loss (:func:`allreduce.sim._tcp.draw_repair_seconds` without a next transfer). The receiver starts the
     data that much later (the largest delay of its messages; a rank two lost messages hold back in sequence,
-    probability q², is charged the larger). Returns (delay, blame code: world_size + the link that dropped it,
-    lost messages per sample, timeouts per sample)."""
+    probability q², is charged the larger). With ``model.barrier`` a barrier's all-gather comes first, and a
+    rank's delays in the two add up. Returns (delay, blame code: world_size + the link that dropped it, lost
+    messages per sample, timeouts per sample)."""
     n = router.rank_gpu.size
-    delay = np.zeros((n, samples))
     code = np.full((n, samples), -1, dtype=np.int64)
     lost = np.zeros(samples, dtype=np.int64)
     timeouts = np.zeros(samples, dtype=np.int64)
+    total = np.zeros((n, samples))
+    for _ in range(2 if model.barrier else 1):
+        delay = _one_agreement(rng, router, model=model, link_loss=link_loss, code=code, lost=lost, timeouts=timeouts)
+        total += delay
+    return total, code, lost, timeouts
+
+
+def _one_agreement(
+    rng: np.random.Generator,
+    router: Router,
+    *,
+    model: LossModel,
+    link_loss: FloatArray,
+    code: IntArray,
+    lost: IntArray,
+    timeouts: IntArray,
+) -> FloatArray:
+    """One agreement's delays per rank and sample (see :func:`agreement_delays`); the blame of a rank's larger
+    delay goes into ``code`` where it exceeds what ``code`` held, the counts into ``lost`` and ``timeouts``."""
+    n = router.rank_gpu.size
+    samples = code.shape[1]
+    delay = np.zeros((n, samples))
     src = np.arange(n, dtype=np.int64)
     distance = 1
     while distance < n:
@@ -244,10 +349,12 @@ def agreement_delays(
         extra, fired = draw_extra_seconds(
             rng,
             model,
-            q=q[flow],
-            packets=packets[flow],
-            rtt_s=2 * pattern.routes.latency_s[flow],
-            packet_s=np.where(np.isfinite(rate), model.mtu / rate, 0.0),
+            LostTransfers(
+                q[flow],
+                packets[flow],
+                2 * pattern.routes.latency_s[flow],
+                np.where(np.isfinite(rate), model.mtu / rate, 0.0),
+            ),
         )
         # Blamed on the path's lossiest link.
         routes = pattern.routes
@@ -262,4 +369,4 @@ def agreement_delays(
         code[receiver[larger], sample[larger]] = n + worst[flow[larger]]
         np.add.at(lost, sample, 1)
         np.add.at(timeouts, sample, fired)
-    return delay, code, lost, timeouts
+    return delay

@@ -8,13 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from allreduce.sim._faults import TimedFault
 from allreduce.sim._loss import LossModel
 from allreduce.sim._simulate import ENGINES
 from allreduce.sim._stochastic import Distribution
-from allreduce.topology import Topology
+from allreduce.topology import FloatArray, IntArray, Topology
 from allreduce.units import format_bytes, format_seconds
 
 __all__ = [
@@ -29,9 +28,6 @@ __all__ = [
     "TailResult",
     "tail_memory_bytes",
 ]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 # The percentiles a tail report shows.
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)

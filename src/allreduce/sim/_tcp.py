@@ -27,8 +27,9 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   transfer's end the next transfer's packets arrive, and their SACKs reveal the hole as above:
   ``gap + 1.5·RTT + (4 − k)τ``. A tail loss costs the cheapest of the ways that apply; only the last transfer
   of a connection in a collective (and a single-packet message) pays the probe's ``rto_min``;
-- lost ACKs: ACKs are cumulative and the next one repeats what a lost one said, so alone they cost nothing; the
-  one case that matters is a tail loss whose ``k`` revealing SACKs are all lost (probability ``q_ack^k``): the
+- lost ACKs: ACKs are cumulative and the next one repeats what a lost one said, so within a flight they cost
+  nothing (the ACK that ends a flight of a window-limited flow is below); one case is a tail loss whose ``k``
+  revealing SACKs are all lost (probability ``q_ack^k``): the
   probe then fires at ``2·srtt + 2 ms`` with several packets out, and its own SACK marks the hole, one more
   ``RTT + τ``;
 - the resent packet lost again (probability ``q`` each time): the RTO finds it, ``srtt + rto_min`` rounded up
@@ -49,6 +50,26 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   smaller of the two. A standing queue of ``(1 − β)/β`` of the BDP or more hides it entirely, so this is an
   upper bound; it is charged once per lost transfer.
 
+- lost ACKs of a window-limited flow: a transfer of ``P`` packets whose window ``W`` is smaller goes out in
+  ``⌈P/W⌉`` flights, each sent as the ACKs of the one before arrive. A window that arrives back to back is
+  merged by the receiver's GRO (up to 64 KiB, :data:`GRO_MAX_BYTES`) and acknowledged by one ACK; where that
+  ACK is lost (probability ``q_ack`` per flight), the sender has nothing in flight to reveal it (a larger
+  window is acknowledged by a stream of ACKs, the next of which covers a lost one);
+  the probe fires at ``2·srtt + 2 ms`` and sends the next segment. Its one segment is acknowledged at once by
+  a receiver in quick-ACK mode, but the connections of a collective carry data one way and the runtime's
+  agreement frames the other, so the receiver is in Linux's interactive ("pingpong") mode
+  (``inet_csk_in_pingpong_mode``), where a single segment is acknowledged only by the delayed-ACK timer,
+  ``TCP_DELACK_MIN`` = 40 ms (``__tcp_ack_snd_check``: at once only for more than one full segment).
+  So each such flight but the last (after the last, the receiver has everything) costs
+  ``RTT + timer(2·srtt + 2 ms) + timer(40 ms)``, 44–52 ms at HZ=250 (:func:`draw_ack_stall_seconds`).
+  Measured on the emulated clusters (every link 3e-3, ftrace of ``tcp_probe``): windows of 2–18 segments
+  waiting 48–55 ms for an ACK, about one per collective; with ``quickack 1`` on the hosts' routes there were
+  none, and 8 probes instead of 91 (the ``tuned`` preset assumes that route setting);
+- ``W``, the window a flow keeps at per-packet loss ``q``: CUBIC in its TCP-friendly region grows by
+  ``α = 3(1 − β)/(1 + β)`` per RTT and cuts by ``β``, an average window of ``√(α(1 + β)/(2(1 − β)q))`` =
+  ``√(1.5/q)`` packets (RFC 8312 §5.1; Reno's too); without data loss the window does not limit a transfer
+  (:func:`loss_window_packets`).
+
 ``srtt`` and ``min_rtt`` are the path's RTT (the fluid model has no queues); where queues stand, the probe's
 ``2·srtt`` grows with them. After an RTO the window restarts at one packet and slow start takes
 ``log2(W)`` round trips to refill it, at most ``log2(W)·RTT`` more, which is not charged.
@@ -60,12 +81,26 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
-import numpy.typing as npt
 
-__all__ = ["GIVE_UP_AFTER", "TCP_STACKS", "TcpStack", "draw_repair_seconds", "window_reduction_seconds"]
+from allreduce.topology import FloatArray, IntArray
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
+__all__ = [
+    "DELACK_MIN_S",
+    "GIVE_UP_AFTER",
+    "GRO_MAX_BYTES",
+    "TCP_STACKS",
+    "Bursts",
+    "LostTransfers",
+    "TcpStack",
+    "ack_stall_flights",
+    "draw_ack_stall_seconds",
+    "draw_repair_seconds",
+    "first_loss",
+    "gilbert_elliott",
+    "loss_window_packets",
+    "next_loss",
+    "window_reduction_seconds",
+]
 
 # Linux's TCP_TIMEOUT_MIN_US: the least the reordering and probe timers add (2 ms since Linux 6.7).
 TIMEOUT_MIN_S = 2e-3
@@ -76,6 +111,11 @@ DUPTHRESH = 3
 # RFC 8312 §4.5 and §5: CUBIC's multiplicative decrease and its cubic's constant (packets/s^3).
 CUBIC_BETA = 0.7
 CUBIC_C = 0.4
+# The most a receiver's GRO merges into one segment (its default gro_max_size, GRO_LEGACY_MAX_SIZE): a window
+# that arrives back to back up to this size is acknowledged by one ACK.
+GRO_MAX_BYTES = 65536
+# Linux's TCP_DELACK_MIN (HZ/25): the least a delayed ACK waits.
+DELACK_MIN_S = 0.04
 # Linux's TCP_RTO_MAX: the backed-off timer stops doubling there.
 RTO_MAX_S = 120.0
 # A packet lost this many times in a row ends the connection in a real stack (Linux: tcp_retries2 = 15
@@ -87,12 +127,15 @@ GIVE_UP_AFTER = 16
 class TcpStack:
     """A TCP stack's loss-recovery settings: ``rto_min_s`` (Linux's ``TCP_RTO_MIN`` or a route's ``rto_min``),
     ``hz`` (kernel timer ticks per second; 0: exact timers), ``rack_tlp`` (RACK-TLP loss detection:
-    ``net.ipv4.tcp_recovery=1``, ``net.ipv4.tcp_early_retrans=3``; off: the ``rfc6298`` model)."""
+    ``net.ipv4.tcp_recovery=1``, ``net.ipv4.tcp_early_retrans=3``; off: the ``rfc6298`` model),
+    ``delayed_ack_s`` (how long a receiver in interactive mode holds the ACK of one segment,
+    ``TCP_DELACK_MIN``; 0: at once, a route's ``quickack 1``)."""
 
     name: str
     rto_min_s: float
     hz: float
     rack_tlp: bool
+    delayed_ack_s: float = 0.0
 
     def with_rto_min(self, rto_min_s: float | None) -> TcpStack:
         return self if rto_min_s is None else replace(self, rto_min_s=rto_min_s)
@@ -108,10 +151,11 @@ class TcpStack:
                 f"else the retransmission timer RTO = {rto_min} with backoff; no probe, exact timers"
             )
         tick = format_seconds(1 / self.hz)
+        ack = f"delayed ACK {format_seconds(self.delayed_ack_s)}" if self.delayed_ack_s else "quickack 1"
         return (
             f"{self.name}: RACK-TLP (net.ipv4.tcp_recovery=1, tcp_early_retrans=3), rto_min {rto_min}, "
             f"HZ={self.hz:g} ({tick} ticks), reordering window min_rtt/4 + 2 ms, probe 2*srtt + 2 ms "
-            f"(2*srtt + rto_min with one packet out), CUBIC beta {CUBIC_BETA:g}"
+            f"(2*srtt + rto_min with one packet out), {ack}, CUBIC beta {CUBIC_BETA:g}"
         )
 
     def timer(self, rng: np.random.Generator, seconds: FloatArray) -> FloatArray:
@@ -129,7 +173,7 @@ class TcpStack:
 
 
 TCP_STACKS = {
-    "linux": TcpStack("linux", rto_min_s=0.2, hz=250.0, rack_tlp=True),
+    "linux": TcpStack("linux", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S),
     "tuned": TcpStack("tuned", rto_min_s=5e-3, hz=1000.0, rack_tlp=True),
     "rfc6298": TcpStack("rfc6298", rto_min_s=0.2, hz=0.0, rack_tlp=False),
 }
@@ -145,8 +189,83 @@ def window_reduction_seconds(rtt_s: FloatArray, packet_s: FloatArray) -> FloatAr
     return np.asarray(np.minimum(linear, cubic), dtype=np.float64)
 
 
-def _first_loss(rng: np.random.Generator, q: FloatArray, packets: IntArray) -> IntArray:
-    """Position of the first lost packet among ``packets`` iid Bernoulli(q) ones, given at least one is lost."""
+def loss_window_packets(q: FloatArray) -> FloatArray:
+    """CUBIC's (and Reno's) average window at per-packet loss ``q``, in packets: ``√(1.5/q)`` (RFC 8312 §5.1);
+    infinite without loss."""
+    q = np.asarray(q, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        return np.asarray(np.where(q > 0, np.sqrt(1.5 / np.where(q > 0, q, 1.0)), math.inf), dtype=np.float64)
+
+
+def ack_stall_flights(q: FloatArray, packets: IntArray, mtu_bytes: int) -> IntArray:
+    """The flights of a transfer of ``packets`` at loss ``q`` whose last ACK, if lost, stalls it: all but the
+    last of its ``⌈P/W⌉`` flights (:func:`loss_window_packets`); none where one window holds the transfer, or
+    where a window is more than one GRO batch (:data:`GRO_MAX_BYTES` of ``mtu_bytes`` packets), whose ACKs
+    follow one another so that the next covers a lost one."""
+    window = loss_window_packets(q)
+    stalls = (window < packets) & (window * mtu_bytes <= GRO_MAX_BYTES)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        flights = np.where(stalls, np.ceil(packets / np.maximum(window, 1.0)), 1.0)
+    return np.asarray(flights - 1, dtype=np.int64)
+
+
+def draw_ack_stall_seconds(
+    rng: np.random.Generator, stack: TcpStack, *, stalls: IntArray, rtt_s: FloatArray, q: FloatArray, q_ack: FloatArray
+) -> tuple[FloatArray, IntArray]:
+    """What ``stalls`` lost flight-ending ACKs cost a transfer (see the module docstring): per stall
+    ``RTT + timer(2·srtt + 2 ms) + timer(delayed ACK)`` (no delayed ACK: the probe's ACK returns at once); where
+    the probe (probability ``q``) or its ACK (``q_ack``) is lost too, the RTO armed when the probe left fires
+    instead of the delayed ACK: ``timer(2·srtt + 2 ms) + timer(RTO)``. Returns (seconds, RTOs)."""
+    total = np.zeros(stalls.size)
+    timeouts = np.zeros(stalls.size, dtype=np.int64)
+    for j in range(int(stalls.max(initial=0))):
+        more = np.flatnonzero(stalls > j)
+        rtt = rtt_s[more]
+        probe = rtt + stack.timer(rng, 2 * rtt + TIMEOUT_MIN_S)
+        answered = stack.timer(rng, np.full(rtt.size, stack.delayed_ack_s)) if stack.delayed_ack_s > 0 else 0.0
+        lost = rng.random(more.size) >= (1 - q[more]) * (1 - q_ack[more])
+        total[more] += probe + np.where(lost, stack.timer(rng, stack.rto(rtt)), answered)
+        timeouts[more] += lost
+    return total, timeouts
+
+
+@dataclass(frozen=True, eq=False)
+class Bursts:
+    """Losses in bursts, as a Gilbert–Elliott chain drops them (a loss-free good state, a bad state that drops
+    every packet, left after each packet with probability ``1/burst``): per transfer, the probability
+    ``entry_q`` that a packet of the good state starts a burst, and ``stay`` that the packet after a lost one
+    is lost too (:func:`gilbert_elliott`)."""
+
+    entry_q: FloatArray
+    stay: FloatArray
+
+
+def gilbert_elliott(p: FloatArray, burst: float) -> tuple[FloatArray, FloatArray]:
+    """A Gilbert–Elliott chain of long-run loss ``p`` and mean burst ``burst`` packets, as the emulator's
+    firewall runs it: per good packet it goes bad with ``g = p/(burst(1 − p) + p)``; after a bad (lost) packet
+    it stays bad with ``1 − 1/burst``, and if it left, the next packet may start a burst at once (``g``). So
+    the packet after a lost one is lost with ``stay = 1 − 1/burst + g/burst``; the long-run rate is
+    ``g/(g + (1 − g)/burst) = p``. Returns (g, stay)."""
+    p = np.asarray(p, dtype=np.float64)
+    entry = p / (burst * (1 - p) + p)
+    return entry, (1 - 1 / burst) + entry / burst
+
+
+def next_loss(
+    rng: np.random.Generator, q: FloatArray, bursts: Bursts | None, after: IntArray, which: IntArray
+) -> IntArray:
+    """Position of the next lost packet after ``after`` in transfers ``which`` (unconditioned: may be beyond
+    the transfer): a geometric gap at ``q``, or with ``bursts`` the next packet with probability ``stay`` and
+    else a geometric gap at ``entry_q``."""
+    if bursts is None:
+        return after + rng.geometric(q[which]).astype(np.int64)
+    gap = rng.geometric(bursts.entry_q[which]).astype(np.int64)
+    return after + np.where(rng.random(which.size) < bursts.stay[which], 1, gap)
+
+
+def first_loss(rng: np.random.Generator, q: FloatArray, packets: IntArray) -> IntArray:
+    """Position of the first lost packet among ``packets`` iid Bernoulli(q) ones, given at least one is lost
+    (inverse CDF of the truncated geometric distribution)."""
     u = rng.random(q.size)
     log_keep = np.log1p(-q)
     at_least_one = -np.expm1(packets * log_keep)
@@ -191,29 +310,36 @@ def _one_loss(
     return cost, fired
 
 
+@dataclass(frozen=True, eq=False)
+class LostTransfers:
+    """Transfers that lost at least one packet, per transfer: the per-packet loss probability ``q``, its
+    ``packets``, round trip ``rtt_s``, one packet's time ``packet_s``, the loss probability of its ACKs ``q_ack``
+    (None: 0), ``gap_s``, when after its end the next transfer on its connection starts (None: none follows),
+    and ``bursts`` (how its losses cluster; None: independently)."""
+
+    q: FloatArray
+    packets: IntArray
+    rtt_s: FloatArray
+    packet_s: FloatArray
+    q_ack: FloatArray | None = None
+    gap_s: FloatArray | None = None
+    bursts: Bursts | None = None
+
+
 def draw_repair_seconds(
-    rng: np.random.Generator,
-    stack: TcpStack,
-    *,
-    q: FloatArray,
-    packets: IntArray,
-    rtt_s: FloatArray,
-    packet_s: FloatArray,
-    q_ack: FloatArray | None = None,
-    gap_s: FloatArray | None = None,
+    rng: np.random.Generator, stack: TcpStack, transfers: LostTransfers
 ) -> tuple[FloatArray, IntArray]:
-    """The delay each of these transfers suffers, given that it lost at least one packet, on a RACK-TLP stack
-    (see the module docstring): per transfer its per-packet loss probability ``q``, its ``packets``, round trip,
-    one packet's time, the loss probability of its ACKs ``q_ack`` (default 0) and ``gap_s``, when after its end
-    the next transfer on its connection starts (default: none follows). Returns (extra seconds, timers of the
-    ``rto_min`` class that fired)."""
+    """The delay each of these transfers suffers on a RACK-TLP stack (see the module docstring). Returns (extra
+    seconds, timers of the ``rto_min`` class that fired)."""
+    q, packets, rtt_s, packet_s = transfers.q, transfers.packets, transfers.rtt_s, transfers.packet_s
+    bursts = transfers.bursts
     n = q.size
-    q_ack = np.zeros(n) if q_ack is None else q_ack
-    gap_s = np.full(n, math.inf) if gap_s is None else gap_s
+    q_ack = np.zeros(n) if transfers.q_ack is None else transfers.q_ack
+    gap_s = np.full(n, math.inf) if transfers.gap_s is None else transfers.gap_s
     extra = np.zeros(n)
     fired = np.zeros(n, dtype=np.int64)
     lost = np.arange(n)
-    position = _first_loss(rng, q, packets)
+    position = first_loss(rng, q if bursts is None else bursts.entry_q, packets)
     for _ in range(int(packets.max(initial=0)) + 1):
         if lost.size == 0:
             break
@@ -229,7 +355,7 @@ def draw_repair_seconds(
         )
         extra[lost] = np.maximum(extra[lost], cost)
         fired[lost] += timers
-        position = position + rng.geometric(q[lost]).astype(np.int64)
+        position = next_loss(rng, q, bursts, position, lost)
         keep = position < packets[lost]
         lost, position = lost[keep], position[keep]
     extra += window_reduction_seconds(rtt_s, packet_s)

@@ -1,0 +1,194 @@
+"""Lost ACKs of window-limited flows (the probe, then the interactive receiver's delayed ACK), the barrier a
+benchmark times with each collective, and bursty (Gilbert–Elliott) loss, against their closed forms."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from allreduce.schedules import all_reduce
+from allreduce.sim import LossModel
+from allreduce.sim._phases import _ack_stalls, agreement_delays, draw_losses, phase_data
+from allreduce.sim._routing import Router
+from allreduce.sim._tcp import (
+    DELACK_MIN_S,
+    TCP_STACKS,
+    TIMEOUT_MIN_S,
+    Bursts,
+    TcpStack,
+    ack_stall_flights,
+    draw_ack_stall_seconds,
+    gilbert_elliott,
+    loss_window_packets,
+    next_loss,
+)
+from allreduce.topology import switch
+
+Z = 4.0
+RTT = 20e-6
+# The linux preset's logic with exact timers, so every cost is a closed form.
+EXACT = TcpStack("exact", rto_min_s=0.2, hz=0.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S)
+
+
+def test_cubic_keeps_the_reno_friendly_average_window_at_a_loss_rate() -> None:
+    # RFC 8312 5.1: AIMD(3(1-b)/(1+b), b) averages sqrt(1.5/q) packets, whatever b.
+    np.testing.assert_allclose(loss_window_packets(np.array([1e-2, 1.5e-4])), [math.sqrt(150), 100.0])
+    assert np.isinf(loss_window_packets(np.array([0.0]))).all()
+
+
+def test_a_transfer_has_one_stalling_flight_fewer_than_its_windows() -> None:
+    # q = 1.5e-2: W = 10 packets; 25 packets go out in 3 flights, the last of which nothing waits behind.
+    q = np.full(4, 1.5e-2)
+    flights = ack_stall_flights(q, np.array([25, 10, 9, 1], dtype=np.int64), 1500)
+    assert flights.tolist() == [2, 0, 0, 0]
+    assert ack_stall_flights(np.zeros(1), np.array([10**6], dtype=np.int64), 1500).tolist() == [0]
+
+
+def test_a_window_beyond_one_gro_batch_never_stalls_on_one_ack() -> None:
+    # q = 1.5e-4: W = 100 packets of 1,500 B, 150 kB: acknowledged by a stream of ACKs, not one.
+    assert ack_stall_flights(np.full(1, 1.5e-4), np.array([250], dtype=np.int64), 1500).tolist() == [0]
+    # The same window of 600 B packets (60 kB) is one GRO batch.
+    assert ack_stall_flights(np.full(1, 1.5e-4), np.array([250], dtype=np.int64), 600).tolist() == [2]
+
+
+def test_a_lost_flight_ending_ack_costs_the_probe_and_the_delayed_ack() -> None:
+    n = 1000
+    extra, timeouts = draw_ack_stall_seconds(
+        np.random.default_rng(0), EXACT, stalls=np.full(n, 2), rtt_s=np.full(n, RTT), q=np.zeros(n), q_ack=np.zeros(n)
+    )
+    np.testing.assert_allclose(extra, 2 * (RTT + 2 * RTT + TIMEOUT_MIN_S + DELACK_MIN_S))
+    assert not timeouts.any()
+
+
+def test_without_delayed_acks_the_probe_alone_costs_a_stall() -> None:
+    quick = TcpStack("quick", rto_min_s=0.2, hz=0.0, rack_tlp=True)
+    extra, _ = draw_ack_stall_seconds(
+        np.random.default_rng(0), quick, stalls=np.ones(10, dtype=np.int64), rtt_s=np.full(10, RTT),
+        q=np.zeros(10), q_ack=np.zeros(10),
+    )  # fmt: skip
+    np.testing.assert_allclose(extra, RTT + 2 * RTT + TIMEOUT_MIN_S)
+    assert TCP_STACKS["tuned"].delayed_ack_s == 0
+    assert TCP_STACKS["linux"].delayed_ack_s == DELACK_MIN_S
+
+
+def test_a_lost_probe_or_probe_ack_waits_for_the_rto_instead() -> None:
+    n = 40_000
+    q, q_ack = 0.3, 0.2
+    extra, timeouts = draw_ack_stall_seconds(
+        np.random.default_rng(1), EXACT, stalls=np.ones(n, dtype=np.int64), rtt_s=np.full(n, RTT),
+        q=np.full(n, q), q_ack=np.full(n, q_ack),
+    )  # fmt: skip
+    expected = 1 - (1 - q) * (1 - q_ack)
+    assert abs(timeouts.mean() - expected) < Z * math.sqrt(expected * (1 - expected) / n)
+    probe = RTT + 2 * RTT + TIMEOUT_MIN_S
+    np.testing.assert_allclose(extra[timeouts == 1], probe + RTT + EXACT.rto_min_s)
+    np.testing.assert_allclose(extra[timeouts == 0], probe + DELACK_MIN_S)
+
+
+def test_flows_with_lossy_acks_stall_at_the_closed_form_rate() -> None:
+    # Every link p on one switch: data and ACKs cross two links, q = 1 - (1 - p)^2; a 256 KiB transfer is 175
+    # packets in ceil(175 / sqrt(1.5/q)) flights, and each but the last stalls if its last ACK is lost.
+    p = 2e-3
+    topology = switch(4)
+    router = Router(topology, np.arange(4), None, 0)
+    data = phase_data(all_reduce("ring", 4), router, 2**20, np.full(topology.num_links, p), connections=True)
+    d = data[0]
+    samples = 4000
+    packets = np.ceil(d.nbytes / 1500).astype(np.int64)
+    stalls = _ack_stalls(np.random.default_rng(3), LossModel(p, fabric="tcp", tcp="linux"), d, packets, samples)
+    q = 1 - (1 - p) ** 2
+    flights = math.ceil(175 / math.sqrt(1.5 / q)) - 1
+    expected = 1 - (1 - q) ** flights
+    transfers = d.phase.repeat * len(d.phase) * samples
+    assert abs(stalls.step.size / transfers - expected) < Z * math.sqrt(expected / transfers)
+    assert stalls.extra_s.min() >= TIMEOUT_MIN_S + DELACK_MIN_S
+
+
+def test_a_flow_whose_data_is_never_lost_never_waits_on_its_acks() -> None:
+    # Loss only from gpu0 into the switch: rank 0's data to rank 1 is lost, and rank 0's ACKs to rank 3; rank 3's
+    # data is not, so its window never limits it, and rank 0's ACKs come back on clean links.
+    topology = switch(4)
+    router = Router(topology, np.arange(4), None, 0)
+    link = np.zeros(topology.num_links)
+    link[[i for i in range(topology.num_links) if topology.link_name(i) == "gpu0->switch0"]] = 0.05
+    d = phase_data(all_reduce("ring", 4), router, 2**20, link, connections=True)[0]
+    packets = np.ceil(d.nbytes / 1500).astype(np.int64)
+    model = LossModel(fabric="tcp", tcp="linux")
+    assert _ack_stalls(np.random.default_rng(4), model, d, packets, 2000).step.size == 0
+    losses = draw_losses(np.random.default_rng(4), model, d, 2000)
+    assert set(d.phase.src[losses.flow].tolist()) == {0}
+
+
+def test_a_barrier_before_the_collective_doubles_the_agreements_losses() -> None:
+    topology = switch(4)
+    router = Router(topology, np.arange(4), None, 0)
+    link = np.full(topology.num_links, 0.01)
+    samples = 20_000
+    once = agreement_delays(np.random.default_rng(5), router, samples, LossModel(fabric="tcp", tcp="linux"), link)
+    twice = agreement_delays(
+        np.random.default_rng(5), router, samples, LossModel(fabric="tcp", tcp="linux", barrier=True), link
+    )
+    ratio = twice[2].mean() / once[2].mean()
+    assert ratio == pytest.approx(2.0, abs=Z * math.sqrt(2 / once[2].sum()) * 2)
+    assert twice[0].max(axis=0).mean() > once[0].max(axis=0).mean()
+
+
+def _emulated_chain(p: float, burst: float, packets: int, seed: int) -> np.ndarray:
+    """Packet by packet, the emulator's firewall rules (emulate/_loss.py): bad drops and leaves after the packet
+    with probability 1/burst; good turns bad with probability g (and that packet is dropped)."""
+    rng = np.random.default_rng(seed)
+    g = p / (burst * (1 - p) + p)
+    enter = rng.random(packets) < g
+    leave = rng.random(packets) < 1 / burst
+    lost = np.zeros(packets, dtype=np.bool_)
+    bad = False
+    for i in range(packets):
+        if not bad and enter[i]:
+            bad = True
+        if bad:
+            lost[i] = True
+            bad = not leave[i]
+    return lost
+
+
+def test_the_gilbert_elliott_closed_forms_are_the_emulators_chain() -> None:
+    p, burst = 0.02, 4.0
+    entry, stay = gilbert_elliott(np.array([p]), burst)
+    lost = _emulated_chain(p, burst, 400_000, seed=6)
+    assert abs(lost.mean() - p) < Z * math.sqrt(p * burst / lost.size)
+    after = lost[1:][lost[:-1]]
+    assert abs(after.mean() - stay[0]) < Z * math.sqrt(0.25 / after.size)
+    # Independent loss is the chain with bursts of one.
+    entry1, stay1 = gilbert_elliott(np.array([p]), 1.0)
+    np.testing.assert_allclose([entry1[0], stay1[0]], [p, p])
+    assert entry[0] < p
+
+
+def test_a_burst_continues_with_the_stay_probability() -> None:
+    n = 200_000
+    bursts = Bursts(np.full(n, 0.01), np.full(n, 0.7))
+    gap = next_loss(np.random.default_rng(7), np.zeros(n), bursts, np.zeros(n, dtype=np.int64), np.arange(n))
+    expected = 0.7 + 0.3 * 0.01
+    assert abs((gap == 1).mean() - expected) < Z * math.sqrt(expected * (1 - expected) / n)
+
+
+def test_bursty_links_lose_fewer_transfers_at_the_same_rate() -> None:
+    # One switch, every link p in bursts of 4: a transfer of P packets is untouched with probability
+    # (1 - q)(1 - g)^(P - 1), g the path's chance that a burst starts.
+    p, burst = 1e-3, 4.0
+    topology = switch(4)
+    router = Router(topology, np.arange(4), None, 0)
+    d = phase_data(all_reduce("ring", 4), router, 2**20, np.full(topology.num_links, p), connections=False)[0]
+    samples = 4000
+    model = LossModel(p, fabric="tcp", tcp="rfc6298", burst=burst)
+    losses = draw_losses(np.random.default_rng(8), model, d, samples)
+    g = gilbert_elliott(np.array([p]), burst)[0][0]
+    entry = 1 - (1 - g) ** 2
+    q = 1 - (1 - p) ** 2
+    expected = 1 - (1 - q) * (1 - entry) ** (175 - 1)
+    transfers = d.phase.repeat * len(d.phase) * samples
+    assert abs(losses.step.size / transfers - expected) < Z * math.sqrt(expected / transfers)
+    independent = 1 - (1 - q) ** 175
+    assert expected < independent / 2
