@@ -276,6 +276,19 @@ def _profiled_names() -> list[str]:
     return [event.name for event in prof.events() if event.name.startswith("allreduce.")]
 
 
+def _imported_by_a_first_call() -> list[str]:
+    """The modules the first (async, 16 MiB) all_reduce imports on the caller's thread."""
+    import sys
+
+    import torch.distributed as dist
+
+    before = set(sys.modules)
+    work = dist.all_reduce(torch.ones(4 << 20), async_op=True)
+    imported = sorted(set(sys.modules) - before)
+    work.wait()
+    return imported
+
+
 def _worker() -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -283,8 +296,8 @@ def _worker() -> dict[str, Any]:
 
     dist.init_process_group("allreduce")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {"imported by the first call": _imported_by_a_first_call()}
     gloo = dist.new_group(backend="gloo")
-    out: dict[str, Any] = {}
     for name, (run, _) in CASES.items():
         for backend, group in (("allreduce", None), ("gloo", gloo)):
             try:
@@ -344,6 +357,14 @@ def test_an_operation_the_backend_lacks_raises_naming_it(results: tuple[int, lis
     _, per_rank = results
     for out in per_rank:
         assert "does not implement send" in out["send refused"]
+
+
+@pytest.mark.slow
+def test_the_first_call_imports_nothing(results: tuple[int, list[dict[str, Any]]]) -> None:
+    # an import on the caller's thread, against the group's worker for the GIL, blocked it 320-400 ms
+    _, per_rank = results
+    for rank, out in enumerate(per_rank):
+        assert out["imported by the first call"] == [], f"rank {rank}"
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import datetime
 import functools
+import importlib
 import os
 import sys
 import threading
@@ -574,6 +575,12 @@ def hand_over(thread: threading.Thread) -> None:
 
 def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> _AllreduceBackend:
     from allreduce.runtime import init
+
+    # The first collective of each size picks its algorithm with the cost model, whose np.unique imports
+    # numpy.ma on first use: an import on the caller's thread, contending with the group's worker for the GIL,
+    # blocked the first async 16 MiB all_reduce 320-400 ms (20-30 ms when done here; load 18-24). Done while
+    # init_process_group waits anyway.
+    importlib.import_module("numpy.ma")
 
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     transport = os.environ.get(TRANSPORT_ENV, "auto")
