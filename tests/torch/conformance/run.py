@@ -6,13 +6,16 @@
 
 Each (backend, world size) runs in ``--jobs`` worker processes that take tests from one list as they free up
 (each claims a test by creating a file named after it), so one slow test does not hold up a shard; every test
-spawns its ranks afresh (torch's harness). Results go to ``--out`` as JSON lines, one per test: outcome
-(passed, failed, skipped, crashed), seconds, and the skip reason or the end of the traceback.
+starts its ranks afresh (torch's harness; distributed_spawn.py forks them). Results go to ``--out`` as JSON
+lines, one per test: outcome (passed, failed, skipped, crashed), seconds, and the skip reason or the end of the
+traceback.
 
 ``gloo_passes.json`` (committed) is the set of tests Gloo passes on this CPU machine, per world size: the whole
 set, as ``refresh`` found it, never a selection. ``expected_failures.yaml`` (committed, written by hand) names
 every test of that set that allreduce cannot pass and why; ``check`` fails on any other test of the set that does
-not pass on allreduce, and on a listed test that now passes (the list is kept exact).
+not pass on allreduce, and on a listed test that gets otherwise than listed (the list is kept exact). The tests
+the suite reserves for named backends run again with ``--skips-as gloo`` (see distributed_spawn.py), and what
+they get there is checked as well.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ GLOO_PASSES = HERE / "gloo_passes.json"
 EXPECTED_FAILURES = HERE / "expected_failures.yaml"
 WORLD_SIZES = (2, 3)
 TEST_TIMEOUT_S = 240
-"""torch's harness stops a test's ranks after this (its own default is 300 s); the slowest Gloo test here takes
-about a fifth of it on a loaded machine."""
+"""torch's harness stops a test's ranks after this (its own default is 300 s); the slowest test here took 32 s at
+load 25 (the first of a worker, which starts the fork server)."""
 TAIL_LINES = 12
 
 
