@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck install clean bench bytecode
+.PHONY: demo test test-fast test-conformance lint typecheck install clean bench bytecode
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ test: lint typecheck bytecode
 # pytest exits 5 when the marker selects no test: make stops on it, as on any failure.
 test-fast: $(STAMP) bytecode
 	$(BIN)/python -m pytest -q -m "not slow and not serial" -n 2
+
+# torch's own distributed test suite on the allreduce backend, at 2 and 3 ranks: every test Gloo passes here
+# (tests/torch/conformance/gloo_passes.json) must pass, or fail as expected_failures.yaml says and why. A few
+# minutes on 2 cores, so a CI step of its own after `make test` (which runs a slice of it).
+test-conformance: $(STAMP)
+	$(BIN)/python tests/torch/conformance/run.py check --jobs 2
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

@@ -3,13 +3,16 @@
 ``steps``: DDP on the backend and DDP on a Gloo group train the same model on the same batches in the same N
 processes, taking turns in blocks of steps (the order alternating block by block, so both see the machine's
 conditions); each figure is rank 0's median step time over a block, the table the median over blocks and the
-ratio to Gloo, and whether the two runs' parameters are equal bit for bit.
+ratio to Gloo, and whether the two runs' parameters are equal bit for bit. ``--model big`` is an MLP of 25.2 M
+parameters (100 MB of float32 gradients a step); ``--wrap fsdp2`` trains with ``fully_shard`` (each layer and
+the root) over a DeviceMesh of each group instead of DDP, comparing the full parameters.
 
 ``kill``: N ranks train under DDP; at step 5 the last rank SIGKILLs itself, writing the wall-clock time first;
 every survivor writes the time its backward raised. The table gives, per backend, the time from the kill to the
 exception on the slowest survivor (median and max over the repeats), and whether every survivor raised.
 
-    .venv/bin/python benchmarks/bench_torch.py steps [--ranks 2] [--rounds 6] [--steps 20] [--model cnn|mlp]
+    .venv/bin/python benchmarks/bench_torch.py steps [--ranks 2] [--rounds 6] [--steps 20] [--model cnn|mlp|big]
+        [--wrap ddp|fsdp2]
     .venv/bin/python benchmarks/bench_torch.py kill [--ranks 2] [--repeats 5]
 """
 
@@ -31,6 +34,7 @@ from typing import Any
 WARMUP_STEPS = 3
 KILL_AT_STEP = 5
 BACKENDS = ("gloo", "allreduce")
+BIG_WIDTH = 1024
 
 
 def _model(kind: str) -> Any:
@@ -51,6 +55,16 @@ def _model(kind: str) -> Any:
             nn.ReLU(),
             nn.Linear(256, 10),
         )
+    if kind == "big":  # 1024*4096 + 4096*4096 + 4096*1024 + 1024*10 weights and their biases: 25.19 M
+        return nn.Sequential(
+            nn.Linear(BIG_WIDTH, 4096),
+            nn.ReLU(),
+            nn.Linear(4096, 4096),
+            nn.ReLU(),
+            nn.Linear(4096, BIG_WIDTH),
+            nn.ReLU(),
+            nn.Linear(BIG_WIDTH, 10),
+        )
     return nn.Sequential(nn.Linear(64, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
 
 
@@ -58,7 +72,10 @@ def _batch(kind: str, rank: int, step: int) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(16, 3, 32, 32, generator=g) if kind == "cnn" else torch.randn(32, 64, generator=g)
+    if kind == "cnn":
+        x = torch.randn(16, 3, 32, 32, generator=g)
+    else:
+        x = torch.randn(8, BIG_WIDTH, generator=g) if kind == "big" else torch.randn(32, 64, generator=g)
     return x, torch.randint(0, 10, (x.shape[0],), generator=g)
 
 
@@ -71,18 +88,14 @@ def _steps_rank(args: argparse.Namespace) -> None:
 
     dist.init_process_group("allreduce", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
-    groups = {"allreduce": None, "gloo": dist.new_group(backend="gloo")}
-    runs = {}
-    for name, group in groups.items():
-        model = _model(args.model)
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
-        runs[name] = (model, ddp, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    groups = {"allreduce": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    runs = {name: _wrapped(args, group) for name, group in groups.items()}
     times: dict[str, list[float]] = {name: [] for name in groups}
     step = dict.fromkeys(groups, 0)
     for block in range(args.rounds):
         order = BACKENDS if block % 2 == 0 else BACKENDS[::-1]
         for name in order:
-            model, ddp, optimizer = runs[name]
+            _, ddp, optimizer = runs[name]
             per_step = []
             for i in range(args.steps + (WARMUP_STEPS if block == 0 else 0)):
                 x, y = _batch(args.model, rank, step[name])
@@ -94,12 +107,40 @@ def _steps_rank(args: argparse.Namespace) -> None:
                 if i >= (WARMUP_STEPS if block == 0 else 0):
                     per_step.append(time.perf_counter() - started)
             times[name].append(statistics.median(per_step))
-    equal = all(
-        torch.equal(a, b) for a, b in zip(runs["allreduce"][0].parameters(), runs["gloo"][0].parameters(), strict=True)
-    )
+    pairs = list(zip(_full(runs["allreduce"][0]), _full(runs["gloo"][0]), strict=True))
+    equal = all(torch.equal(a, b) for a, b in pairs)
+    # Beyond 2 ranks the two sum each element's N contributions in different orders (each its own algorithm's),
+    # so the last bits may differ: how far apart, relative to the parameters' size.
+    max_diff = max(float((a - b).abs().max()) for a, b in pairs)
+    scale = max(float(a.abs().max()) for a, _ in pairs)
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"times": times, "equal": equal}))
+        Path(args.out).write_text(json.dumps({"times": times, "equal": equal, "max_diff": max_diff, "scale": scale}))
     dist.destroy_process_group()
+
+
+def _wrapped(args: argparse.Namespace, group: Any) -> tuple[Any, Any, Any]:
+    """(model, what runs a step, optimizer): DDP over ``group``, or fully_shard over a DeviceMesh of it."""
+    import torch
+    from torch import nn
+
+    model = _model(args.model)
+    if args.wrap == "ddp":
+        wrapped = nn.parallel.DistributedDataParallel(model, process_group=group)
+    else:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, nn.Linear | nn.Conv2d):
+                fully_shard(layer, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    return model, wrapped, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _full(model: Any) -> list[Any]:
+    """The model's parameters as whole tensors (an FSDP2 parameter is a DTensor of shards: gathered)."""
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
 
 
 def _kill_rank(args: argparse.Namespace) -> None:
@@ -150,18 +191,25 @@ def _steps(args: argparse.Namespace) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "steps.json"))
-        rank_args = ["_steps_rank", "--model", args.model, "--rounds", str(args.rounds), "--steps", str(args.steps)]
+        rank_args = ["_steps_rank", "--model", args.model, "--wrap", args.wrap]
+        rank_args += ["--rounds", str(args.rounds), "--steps", str(args.steps)]
         codes = _launch([*rank_args, "--out", out], args.ranks, env)
         if any(codes):
             raise SystemExit(f"a rank failed: exit codes {codes}")
         result = json.loads(Path(out).read_text())
     gloo = statistics.median(result["times"]["gloo"])
-    print(f"DDP, {args.model}, {args.ranks} ranks, {args.rounds} blocks of {args.steps} steps (rank 0's median)")
+    print(
+        f"{args.wrap.upper()}, {args.model}, {args.ranks} ranks, {args.rounds} blocks of {args.steps} steps "
+        "(rank 0's median)"
+    )
     print(f"{'backend':<12} {'ms/step':>8} {'vs Gloo':>8}")
     for name in BACKENDS:
         median = statistics.median(result["times"][name])
         print(f"{name:<12} {median * 1e3:8.2f} {median / gloo:8.2f}")
-    print(f"parameters bitwise equal: {result['equal']}")
+    print(
+        f"parameters bitwise equal: {result['equal']} (largest difference {result['max_diff']:.3g}, "
+        f"largest parameter {result['scale']:.3g})"
+    )
 
 
 def _kill(args: argparse.Namespace) -> None:
@@ -188,7 +236,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    parser.add_argument("--model", choices=["cnn", "mlp", "big"], default="cnn")
+    parser.add_argument("--wrap", choices=["ddp", "fsdp2"], default="ddp")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backend", choices=BACKENDS, default="allreduce")
     parser.add_argument("--out", default="")

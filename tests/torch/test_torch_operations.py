@@ -179,6 +179,32 @@ def _collectives() -> dict[str, tuple[Case, Callable[[int, int], Any]]]:
                 dist.all_reduce(t, group=group)
         return tensors
 
+    def _coalesced_inputs(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Of different shapes, one empty; complex ones with an imaginary part."""
+        tensors = [torch.full((2, 2), rank + 1.0), torch.empty(0), torch.arange(3.0) - rank]
+        return [t.to(dtype) * (1 + 2j) if dtype.is_complex else t.to(dtype) for t in tensors]
+
+    def _as_real(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+
+    def all_gather_coalesced(dtype: torch.dtype) -> Case:
+        # output lists are one per rank, each with one tensor per input (all_gather's are one per input)
+        def run(group: Any, rank: int, world_size: int) -> Any:
+            import torch.distributed as dist
+
+            inputs = _coalesced_inputs(rank, dtype)
+            outputs = [[torch.zeros_like(t) for t in inputs] for _ in range(world_size)]
+            dist.all_gather_coalesced(outputs, inputs, group=group)
+            return [_as_real(outs) for outs in outputs]
+
+        return run
+
+    for dtype in (torch.float32, torch.complex64):
+        cases[f"all_gather_coalesced {dtype}"] = (
+            all_gather_coalesced(dtype),
+            lambda r, n, dtype=dtype: [_as_real(_coalesced_inputs(q, dtype)) for q in range(n)],
+        )
+
     cases["all_reduce under _coalescing_manager"] = (
         coalesced,
         lambda r, n: [
@@ -250,6 +276,19 @@ def _profiled_names() -> list[str]:
     return [event.name for event in prof.events() if event.name.startswith("allreduce.")]
 
 
+def _imported_by_a_first_call() -> list[str]:
+    """The modules the first (async, 16 MiB) all_reduce imports on the caller's thread."""
+    import sys
+
+    import torch.distributed as dist
+
+    before = set(sys.modules)
+    work = dist.all_reduce(torch.ones(4 << 20), async_op=True)
+    imported = sorted(set(sys.modules) - before)
+    work.wait()
+    return imported
+
+
 def _worker() -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -257,8 +296,8 @@ def _worker() -> dict[str, Any]:
 
     dist.init_process_group("allreduce")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {"imported by the first call": _imported_by_a_first_call()}
     gloo = dist.new_group(backend="gloo")
-    out: dict[str, Any] = {}
     for name, (run, _) in CASES.items():
         for backend, group in (("allreduce", None), ("gloo", gloo)):
             try:
@@ -271,6 +310,11 @@ def _worker() -> dict[str, Any]:
         dist.send(torch.ones(1), dst=(rank + 1) % world_size)
     except NotImplementedError as exc:
         out["send refused"] = str(exc)
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+    try:
+        dist.all_reduce(sparse)
+    except ValueError as exc:
+        out["sparse refused"] = str(exc)
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -313,6 +357,23 @@ def test_an_operation_the_backend_lacks_raises_naming_it(results: tuple[int, lis
     _, per_rank = results
     for out in per_rank:
         assert "does not implement send" in out["send refused"]
+
+
+@pytest.mark.slow
+def test_the_first_call_imports_nothing(results: tuple[int, list[dict[str, Any]]]) -> None:
+    # an import on the caller's thread, against the group's worker for the GIL, blocked it 320-400 ms
+    _, per_rank = results
+    for rank, out in enumerate(per_rank):
+        assert out["imported by the first call"] == [], f"rank {rank}"
+
+
+@pytest.mark.slow
+def test_a_sparse_tensor_is_refused_naming_the_operation_and_layout(
+    results: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, per_rank = results
+    for out in per_rank:
+        assert "all_reduce got a torch.sparse_coo tensor" in out["sparse refused"]
 
 
 @pytest.mark.slow

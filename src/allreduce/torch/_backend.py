@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import datetime
 import functools
+import importlib
 import os
 import sys
 import threading
@@ -53,6 +54,11 @@ def _check_cpu(tensors: Sequence[torch.Tensor], what: str) -> None:
     for t in tensors:
         if t.device.type != "cpu":
             raise ValueError(f"the allreduce backend moves CPU tensors; {what} got a tensor on {t.device}")
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"the allreduce backend moves dense tensors; {what} got a {t.layout} tensor (Gloo's all_reduce "
+                "takes sparse COO tensors: reduce those on a Gloo group, or call .to_dense() first)"
+            )
 
 
 def _reduce_op_of(opts: Any) -> Any:
@@ -350,7 +356,29 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        return self._all_gather_lists(output_lists, input_tensors, "all_gather_coalesced")
+        # output_lists[r][i] receives rank r's input_tensors[i] (one list per rank, unlike all_gather's one list
+        # per input): the inputs travel as one block per rank, in one all-gather.
+        what = "all_gather_coalesced"
+        _check_cpu(input_tensors, what)
+        world_size = self._group.world_size
+        if len(output_lists) != world_size or any(len(outs) != len(input_tensors) for outs in output_lists):
+            raise ValueError(
+                f"{what}: output_tensor_lists must hold {world_size} lists (one per rank) of "
+                f"{len(input_tensors)} tensors (one per input); got lengths {[len(outs) for outs in output_lists]}"
+            )
+        local = torch.cat([t.reshape(-1) for t in input_tensors])
+        flat = torch.empty(local.numel() * world_size, dtype=local.dtype)
+        work = self._start_all_gather(flat, local)
+
+        def copy_out() -> None:
+            blocks = flat.view(world_size, -1)
+            for r, outputs in enumerate(output_lists):
+                offset = 0
+                for out in outputs:
+                    out.copy_(blocks[r, offset : offset + out.numel()].view(out.shape))
+                    offset += out.numel()
+
+        return self._work([work], copy_out, output_lists, what)
 
     @_reported("all_gather_into_tensor")
     def _allgather_base(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
@@ -547,6 +575,12 @@ def hand_over(thread: threading.Thread) -> None:
 
 def _create_backend(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> _AllreduceBackend:
     from allreduce.runtime import init
+
+    # The first collective of each size picks its algorithm with the cost model, whose np.unique imports
+    # numpy.ma on first use: an import on the caller's thread, contending with the group's worker for the GIL,
+    # blocked the first async 16 MiB all_reduce 320-400 ms (20-30 ms when done here; load 18-24). Done while
+    # init_process_group waits anyway.
+    importlib.import_module("numpy.ma")
 
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     transport = os.environ.get(TRANSPORT_ENV, "auto")
