@@ -56,6 +56,16 @@ BoolArray = npt.NDArray[np.bool_]
 FloatArray = npt.NDArray[np.float64]
 
 
+def _sorted_unique(values: IntArray) -> IntArray:
+    """``np.unique`` without it: its first call imports ``numpy.ma`` (hundreds of ms on a loaded machine, holding
+    the GIL), and the runtime plans its first collective on the caller's thread while its worker runs another."""
+    ordered = np.sort(values)
+    if ordered.size == 0:
+        return ordered
+    keep: IntArray = ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+    return keep
+
+
 class Collective(enum.Enum):
     """What a schedule computes; the verifier checks the matching postcondition."""
 
@@ -350,7 +360,7 @@ class Schedule:
             cuts.extend(
                 np.arange(a, a + k, dtype=np.int64) for a, k in zip(s.start[strided], s.steps[strided], strict=True)
             )
-        return np.unique(np.concatenate(cuts))
+        return _sorted_unique(np.concatenate(cuts))
 
     def phases(self) -> Iterator[Phase]:
         """The flow patterns in step order; consecutive steps with the same active streams form one phase."""
