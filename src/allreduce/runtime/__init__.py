@@ -35,6 +35,7 @@ from allreduce.runtime._trace import TRACE_ENV, check_trace_path
 from allreduce.runtime._transport import (
     ABORT_KINDS,
     PLAN_CACHE_ENTRIES,
+    Call,
     PlanCache,
     ReduceInto,
     Transport,
@@ -57,6 +58,7 @@ __all__ = [
     "TRACE_ENV",
     "BenchConfig",
     "BenchRow",
+    "Call",
     "ChecksumError",
     "CollectiveError",
     "CollectiveTimeoutError",

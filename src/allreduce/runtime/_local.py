@@ -24,8 +24,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import ChecksumError, CollectiveError, CollectiveTimeoutError, PeerFailureError
 from allreduce.runtime._group import DEFAULT_TIMEOUT_S, ProcessGroup
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import ReduceInto, Transport, abort_kind, error_class
+from allreduce.runtime._transport import Call, Transport, abort_kind, error_class
 from allreduce.schedules import CostModel
 
 __all__ = ["LocalTransport", "local_groups", "local_transports"]
@@ -97,17 +96,9 @@ class LocalTransport(Transport):
             )
             return [published[r] for r in range(self.world_size)]
 
-    def _execute(
-        self,
-        plan: RankPlan,
-        buffer: npt.NDArray[Any],
-        reduce_into: ReduceInto,
-        *,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
-    ) -> None:
+    def _execute(self, call: Call) -> None:
+        plan, buffer, reduce_into, seq = call.plan, call.buffer, call.reduce_into, call.seq
+        deadline, timeout_s, checksum = call.deadline, call.timeout_s, call.checksum
         hub = self._hub
         recorder = self.recorder if self.recorder.enabled else None
         injection = self.injection

@@ -63,6 +63,7 @@ __all__ = [
     "ABORT_KINDS",
     "MAX_DESCRIPTOR_BYTES",
     "PLAN_CACHE_ENTRIES",
+    "Call",
     "PlanCache",
     "ReduceInto",
     "Transport",
@@ -104,6 +105,33 @@ def error_class(kind: int) -> type[CollectiveError]:
 
 
 _T = TypeVar("_T")
+
+
+class Call:
+    """One collective as a transport runs it: the compiled plan, the buffer and how to reduce into it, the
+    sequence number every rank shares, when to give up (``deadline`` on ``time.monotonic()``, and the
+    ``timeout_s`` it came from, for messages) and whether blocks travel with a crc32 (``checksum``)."""
+
+    __slots__ = ("buffer", "checksum", "deadline", "plan", "reduce_into", "seq", "timeout_s")
+
+    def __init__(
+        self,
+        plan: RankPlan,
+        buffer: npt.NDArray[Any],
+        reduce_into: ReduceInto,
+        *,
+        seq: int,
+        deadline: float,
+        timeout_s: float,
+        checksum: bool,
+    ) -> None:
+        self.plan = plan
+        self.buffer = buffer
+        self.reduce_into = reduce_into
+        self.seq = seq
+        self.deadline = deadline
+        self.timeout_s = timeout_s
+        self.checksum = checksum
 
 
 class PlanCache:
@@ -228,9 +256,12 @@ class Transport(abc.ABC):
         plan.check_fits(self.rank, self.world_size, buffer)
         if not plan.steps:
             return
-        deadline = time.monotonic() + timeout_s
+        call = Call(
+            plan, buffer, reduce_into, seq=seq, deadline=time.monotonic() + timeout_s, timeout_s=timeout_s,
+            checksum=checksum,
+        )  # fmt: skip
         try:
-            self._execute(plan, buffer, reduce_into, seq=seq, deadline=deadline, timeout_s=timeout_s, checksum=checksum)
+            self._execute(call)
         except (ValueError, TypeError):
             raise
         except BaseException as exc:
@@ -292,18 +323,8 @@ class Transport(abc.ABC):
         """Every rank's descriptor by rank (``world_size`` > 1; raise by ``deadline``, ``time.monotonic()``)."""
 
     @abc.abstractmethod
-    def _execute(
-        self,
-        plan: RankPlan,
-        buffer: npt.NDArray[Any],
-        reduce_into: ReduceInto,
-        *,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
-    ) -> None:
-        """Run a non-empty ``plan`` that fits ``buffer``; raise by ``deadline`` (``time.monotonic()``)."""
+    def _execute(self, call: Call) -> None:
+        """Run ``call``'s non-empty plan, which fits its buffer; raise by its ``deadline``."""
 
     @abc.abstractmethod
     def _release(self) -> None:

@@ -47,7 +47,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import ChecksumError, CollectiveError
 from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
+from allreduce.runtime._transport import Call, ReduceInto, Transport, abort_kind
 from allreduce.runtime.shm._adopt import SUPPORTED as ADOPTION_SUPPORTED
 from allreduce.runtime.shm._adopt import Adopted, Adoptions, adopt_wanted
 from allreduce.runtime.shm._agreement import Agreement
@@ -357,17 +357,8 @@ class ShmTransport(SmallCalls, Agreement, PeerData, Rendezvous, Transport):
         self._prepared_seq = seq
         self._publish(PROGRESS_WORD, seq << STEP_BITS)
 
-    def _execute(
-        self,
-        plan: RankPlan,
-        buffer: npt.NDArray[Any],
-        reduce_into: ReduceInto,
-        *,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
-    ) -> None:
+    def _execute(self, call: Call) -> None:
+        plan, buffer, seq, deadline, checksum = call.plan, call.buffer, call.seq, call.deadline, call.checksum
         steps = plan.steps[-1].index + 1
         prepared = self._prepared_seq == seq
         fits = steps * buffer.nbytes <= self._eager_bytes
@@ -396,7 +387,7 @@ class ShmTransport(SmallCalls, Agreement, PeerData, Rendezvous, Transport):
                 f"has {program.max_crc_slots} (use fewer segments)"
             )
         self._run_steps(
-            program, plan.count, user, work, reduce_into, seq=seq, deadline=deadline, eager=eager,
+            program, plan.count, user, work, call.reduce_into, seq=seq, deadline=deadline, eager=eager,
             prepared=prepared, checksum=checksum, admit=private and self._ptracer,
         )  # fmt: skip
         self._finish(program, user, work, seq=seq, deadline=deadline, eager=eager)

@@ -39,8 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
+from allreduce.runtime._transport import Call, Transport, abort_kind
 from allreduce.runtime.tcp._blame import DEAD_POLL_S, STALL_GRACE_S, STOP_SETTLE_S, Blame, LostPeerError
 from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
@@ -495,17 +494,9 @@ class TcpTransport(Transport):
             distance, k = 2 * distance, k + 1
         return [held[(r - self.rank) % n] for r in range(n)]
 
-    def _execute(
-        self,
-        plan: RankPlan,
-        buffer: npt.NDArray[Any],
-        reduce_into: ReduceInto,
-        *,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
-    ) -> None:
+    def _execute(self, call: Call) -> None:
+        plan, buffer, reduce_into, seq = call.plan, call.buffer, call.reduce_into, call.seq
+        deadline, timeout_s, checksum = call.deadline, call.timeout_s, call.checksum
         itemsize = buffer.itemsize
         prepared: PreparedPlan = self.plans.get(
             ("tcp", plan, itemsize, checksum), lambda: prepare(plan, itemsize, checksum=checksum)
