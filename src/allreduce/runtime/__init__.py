@@ -12,6 +12,7 @@ from allreduce.runtime._errors import (
     PeerFailureError,
     ProtocolError,
     ShrinkError,
+    corrupted,
 )
 from allreduce.runtime._group import STATS_FILE_ENV, ProcessGroup
 from allreduce.runtime._inject import ENV_VAR as INJECT_ENV
@@ -30,6 +31,7 @@ from allreduce.runtime._spawn import (
     stop_signal_handlers,
 )
 from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
+from allreduce.runtime._store_api import KeyValueStore, Store
 from allreduce.runtime._threads import WrongThreadError
 from allreduce.runtime._trace import TRACE_ENV, check_trace_path
 from allreduce.runtime._transport import (
@@ -42,6 +44,7 @@ from allreduce.runtime._transport import (
     abort_kind,
     error_class,
 )
+from allreduce.runtime._transports import TransportSetup, register_transport, transport_names, unregister_transport
 from allreduce.runtime._tune import load_cost_model, save_cost_model, tune_file
 from allreduce.runtime._work import Work
 
@@ -64,6 +67,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "GroupStats",
     "JobInterruptedError",
+    "KeyValueStore",
     "LaunchResult",
     "LinkStats",
     "LocalTransport",
@@ -78,13 +82,16 @@ __all__ = [
     "ReduceInto",
     "ShrinkError",
     "Step",
+    "Store",
     "Transfer",
     "Transport",
+    "TransportSetup",
     "Work",
     "WrongThreadError",
     "abort_kind",
     "check_trace_path",
     "compile_plan",
+    "corrupted",
     "default_cost_model",
     "default_iters",
     "die_with_parent",
@@ -97,10 +104,13 @@ __all__ = [
     "local_transports",
     "new_token",
     "pattern",
+    "register_transport",
     "reserve_port",
     "run_bench",
     "save_cost_model",
     "spawn",
     "stop_signal_handlers",
+    "transport_names",
     "tune_file",
+    "unregister_transport",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import itertools
@@ -18,7 +19,9 @@ from allreduce.runtime._cost_models import default_cost_model
 from allreduce.runtime._elastic import SHRINK_PREFIX, Lineage
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
 from allreduce.runtime._group import ProcessGroup
+from allreduce.runtime._store_api import KeyValueStore
 from allreduce.runtime._transport import Transport
+from allreduce.runtime._transports import AUTO, TransportSetup, select_transport, transport_names
 from allreduce.schedules import CostModel
 
 __all__ = ["init"]
@@ -151,7 +154,7 @@ def init(
     group_size: int | None = None,
     cost_model: CostModel | None = None,
     cross_memory: bool = True,
-    rendezvous_store: Any = None,
+    rendezvous_store: KeyValueStore | None = None,
     rendezvous_key: str | None = None,
 ) -> ProcessGroup:
     """Join a process group. Unset arguments come from the environment: RANK / WORLD_SIZE / MASTER_ADDR /
@@ -180,12 +183,12 @@ def init(
     rank = 0 if rank is None else rank
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: {rank} is not in a group of {world_size}")
-    if transport not in ("auto", "shm", "tcp"):
-        raise ValueError(f"transport: {transport!r} is not one of auto, shm, tcp")
+    if transport != AUTO and transport not in transport_names():
+        raise ValueError(f"transport: {transport!r} is not one of {', '.join((AUTO, *transport_names()))}")
     host = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     port = _master_port(master_port)
     token = token or os.environ.get("ALLREDUCE_TOKEN")
-    if world_size == 1 and transport != "tcp":
+    if world_size == 1 and transport in (AUTO, "shm"):
         from allreduce.runtime.shm import ShmTransport
 
         shm = ShmTransport(0, 1, f"solo-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s, cross_memory=cross_memory)
@@ -221,63 +224,33 @@ def init(
             _read_checked(store, f"allreduce/host/{r}", _HOST_ID, "a host id (hostname/boot id/netns)", rank)
             for r in range(world_size)
         ]
-        same_host = len(set(hosts)) == 1
-        if transport == "auto":
-            transport = "shm" if same_host else "tcp"
-        if transport == "shm" and not same_host:
-            raise ValueError(f"transport: shm needs every rank on one host; ranks report {sorted(set(hosts))}")
+        setup = TransportSetup(
+            rank, world_size, tuple(hosts), store, job, "", timeout_s, token, host, {"cross_memory": cross_memory}
+        )
+        if not setup.one_host:
+            setup.options["advertise_host"] = _advertised_host(host)
+        entry = select_transport(transport, setup)
         if group_size is None:
             group_size = hosts.count(hosts[rank])
-        chosen: Transport
-        if transport == "shm":
-            from allreduce.runtime.shm import ShmTransport
-
-            chosen = ShmTransport(rank, world_size, job, timeout_s=timeout_s, cross_memory=cross_memory)
-        else:
-            from allreduce.runtime.tcp import TcpTransport
-
-            if same_host:
-                chosen = TcpTransport(rank, world_size, store, host="127.0.0.1", token=token, timeout_s=timeout_s)
-            else:
-                # Listening beyond loopback: the TCP transport insists on the shared token.
-                chosen = TcpTransport(
-                    rank,
-                    world_size,
-                    store,
-                    host="0.0.0.0",
-                    token=token,
-                    timeout_s=timeout_s,
-                    advertise_host=_advertised_host(host),
-                )
+        chosen = entry.create(setup)
     except BaseException as exc:
         if isinstance(exc, Exception):  # not on Ctrl-C: then nobody waits to hear why
             store.fail(str(exc))
         store.close()
         raise
-    model = cost_model or _tuned_model(transport, world_size)
-    kind = transport
+    model = cost_model or _tuned_model(entry.name, world_size)
 
     def rebuild(members: Sequence[int], epoch: int, new_rank: int, view: Any) -> tuple[Transport, int, CostModel]:
         # The shrunk group of ``members`` (store ranks): the same kind of transport, under names of its own.
-        size = len(members)
-        peers_here = sum(1 for r in members if hosts[r] == hosts[rank])
-        made: Transport
-        if kind == "shm":
-            from allreduce.runtime.shm import ShmTransport
-
-            made = ShmTransport(new_rank, size, f"{job}-e{epoch}", timeout_s=timeout_s, cross_memory=cross_memory)
-        else:
-            from allreduce.runtime.tcp import TcpTransport
-
-            listen, advertise = ("127.0.0.1", None) if same_host else ("0.0.0.0", _advertised_host(host))
-            made = TcpTransport(
-                new_rank, size, view, host=listen, token=token, timeout_s=timeout_s, advertise_host=advertise,
-                prefix=f"{SHRINK_PREFIX}/{epoch}/tcp",
-            )  # fmt: skip
-        return made, peers_here, cost_model or _tuned_model(kind, size)
+        shrunk = dataclasses.replace(
+            setup, rank=new_rank, world_size=len(members), hosts=tuple(hosts[r] for r in members), store=view,
+            name=f"{job}-e{epoch}", key_prefix=f"{SHRINK_PREFIX}/{epoch}",
+        )  # fmt: skip
+        peers_here = shrunk.hosts.count(hosts[rank])
+        return entry.create(shrunk), peers_here, cost_model or _tuned_model(entry.name, len(members))
 
     group = ProcessGroup(
-        chosen, transport_name=transport, timeout_s=timeout_s, cost_model=model, group_size=group_size, store=store,
+        chosen, transport_name=entry.name, timeout_s=timeout_s, cost_model=model, group_size=group_size, store=store,
         lineage=Lineage(rebuild, rank, tuple(range(world_size))),
     )  # fmt: skip
     if agent is None:

@@ -44,6 +44,7 @@ from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
 from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime._store_api import Store
 from allreduce.runtime._trace import TRACE_ENV, check_trace_path, write_trace
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import Work
@@ -116,7 +117,7 @@ class ProcessGroup:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cost_model: CostModel | None = None,
         group_size: int | None = None,
-        store: Any = None,
+        store: Store | None = None,
         lineage: Lineage | None = None,
     ) -> None:
         checked_timeout(timeout_s)

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._errors import ChecksumError, CollectiveError, CollectiveTimeoutError, PeerFailureError
+from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, corrupted
 from allreduce.runtime._group import DEFAULT_TIMEOUT_S, ProcessGroup
 from allreduce.runtime._transport import Call, Transport, abort_kind, error_class
 from allreduce.schedules import CostModel
@@ -138,14 +138,11 @@ class LocalTransport(Transport):
                     )
                     payload, crc = hub.messages.pop(key)
                 arrived = clock() if recorder is not None or injection is not None else 0
-                if checksum and zlib.crc32(payload.data) != crc:
-                    raise ChecksumError(
-                        f"rank {self.rank}: block {t.block} of collective {seq} arrived corrupted (crc32) at step "
-                        f"{step.index} on the link rank {t.peer} -> rank {self.rank}",
-                        rank=self.rank,
-                        peer=t.peer,
-                        step=step.index,
-                    )
+                if checksum and (got := zlib.crc32(payload.data)) != crc:
+                    raise corrupted(
+                        rank=self.rank, peer=t.peer, step=step.index, seq=seq,
+                        what=f"block {t.block}, segment {t.segment}", got=got, expected=crc,
+                    )  # fmt: skip
                 view = buffer[t.start : t.stop]
                 if t.reduce:
                     reduce_into(view, payload)

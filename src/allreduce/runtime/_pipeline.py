@@ -50,7 +50,7 @@ from allreduce.runtime._descriptor import (
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._runs import DETERMINISTIC, Run, Runs
 from allreduce.runtime._threads import ThreadOwner
-from allreduce.runtime._transport import PlanCache, Transport
+from allreduce.runtime._transport import Call, PlanCache, Transport
 from allreduce.runtime._work import OrderedExecutor
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds, predict
 
@@ -176,7 +176,7 @@ class Pipeline:
             flat = x if x.ndim == 1 else x.reshape(-1)
             fused = plain.fused
             prepared = fused if fused is not None and self._fuses(flat) else plain.prepared
-            self.run(prepared, flat, op, group.timeout_s, checksum=False, started=0)
+            self.run(prepared, flat, op, group.timeout_s, False, 0)
         finally:
             self.executor.leave()
         return True
@@ -220,11 +220,18 @@ class Pipeline:
         )  # fmt: skip
         injection = self.transport.injection
 
+        # non-roots of a reduce keep their input: the partial sums of the tree go to a copy
+        keeps_input = collective is _REDUCE and root != group.rank
+
         def run() -> Any:
             if injection is not None:
                 injection.sleep_before_call()
-            self.run(prepared, buf.flat, op, timeout, checksum=checksum, started=time.perf_counter_ns())
-            return self._result(prepared, buf)
+            started = time.perf_counter_ns()
+            flat = buf.flat.copy() if keeps_input else buf.flat
+            chosen = self.run(prepared, flat, op, timeout, checksum, started)
+            if self._debug:
+                self._log(collective, chosen.schedule, flat.nbytes, started, self._seq - 1)
+            return buf.original if keeps_input else self._result(prepared, buf)
 
         # the description is formatted only when a Work needs it (str(dtype) alone costs microseconds)
         count = buf.flat.size
@@ -261,33 +268,31 @@ class Pipeline:
         plain = buffer is None and collective is _ALL_REDUCE and segments == 1 and not flags and tag == NO_TAG
         return Prepared(collective, kind, root, segments, count, run, descriptor, plain)
 
-    def run(
-        self, prepared: Prepared, flat: npt.NDArray[Any], op: str | None, timeout_s: float, *, checksum: bool,
+    def run(  # noqa: PLR0917 (positional: the hot path)
+        self, prepared: Prepared, flat: npt.NDArray[Any], op: str | None, timeout_s: float, checksum: bool,
         started: int,
-    ) -> None:  # fmt: skip
+    ) -> Run:  # fmt: skip
         """Agree, execute and finish ``prepared`` on ``flat`` (the caller has the executor's turn); ``started``
-        is the call's arrival (``perf_counter_ns``; 0: now, read only when recording)."""
+        is the call's arrival (``perf_counter_ns``; 0: now, read only when recording). Returns what ran (rank 0's
+        pick, when the ranks' ``auto`` picks differ)."""
         transport = self.transport
         recorder = transport.recorder
         recording = recorder.enabled
-        seq = self._take_seq()
+        seq = self._seq
+        self._seq = seq + 1
         if recording:
             recorder.begin(seq, started or time.perf_counter_ns(), flat.nbytes)
         reducer = _REDUCERS[op or "sum"]
-        if prepared.collective is _REDUCE and prepared.root != self._group.rank:
-            flat = flat.copy()  # non-roots keep their input: the partial sums of the tree go to a copy
-            op = None
-        run = prepared.run
+        run, descriptor = prepared.run, prepared.descriptor
         try:
             if prepared.small and flat.nbytes <= self._small_bytes(seq):
-                descriptors = transport.run_small(
-                    seq, flat, prepared.descriptor, run.plan, reducer, timeout_s=timeout_s
-                )
+                call = Call(run.plan, flat, reducer, seq, time.monotonic() + timeout_s, timeout_s, False)
+                descriptors = transport.run_small(call, descriptor)
             else:
                 if self._head_start is not None:
                     self._head_start(seq, flat, checksum=checksum)
-                descriptors = transport.agree(seq, prepared.descriptor, timeout_s=timeout_s)
-                if all(d == prepared.descriptor for d in descriptors):
+                descriptors = transport.agree(seq, descriptor, timeout_s=timeout_s)
+                if all(d == descriptor for d in descriptors):
                     transport.execute(run.plan, flat, reducer, seq=seq, timeout_s=timeout_s, checksum=checksum)
                     descriptors = None
             if descriptors is not None:
@@ -306,13 +311,10 @@ class Pipeline:
             np.divide(flat, self._group.world_size, out=flat, casting="unsafe")
         if recording:
             recorder.end()
-        if self._debug:
-            self._log(prepared.collective, run.schedule, flat.nbytes, started, seq)
+        return run
 
     def _result(self, prepared: Prepared, buf: Buffer) -> Any:
         """What the collective returns (its buffer, or reduce_scatter's block), written back if it was copied."""
-        if prepared.collective is _REDUCE and prepared.root != self._group.rank:
-            return buf.original
         buf.write_back()
         if prepared.collective is Collective.REDUCE_SCATTER:
             bounds = block_bounds(prepared.elements, self._group.world_size)

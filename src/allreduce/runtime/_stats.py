@@ -373,12 +373,11 @@ class Recorder:
 
     def begin(self, seq: int, arrival_ns: int, size_bytes: int) -> None:
         """A collective starts: its header."""
-        if len(self.log) >= SPILL_ENTRIES:
-            self.flush()
         log = self.log
-        log.append(~seq)
-        log.append(arrival_ns)
-        log.append(size_bytes)
+        if len(log) >= SPILL_ENTRIES:
+            self.flush()
+            log = self.log
+        log += (~seq, arrival_ns, size_bytes)
 
     def end(self, end_ns: int | None = None) -> None:
         """The collective returned (at ``end_ns``, else now): its end."""

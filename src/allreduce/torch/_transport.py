@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch
 from allreduce.runtime import (
     Call,
-    ChecksumError,
     CollectiveError,
     CollectiveTimeoutError,
     PeerFailureError,
@@ -35,6 +34,7 @@ from allreduce.runtime import (
     ReduceInto,
     Transfer,
     Transport,
+    corrupted,
 )
 
 __all__ = ["TorchTransport"]
@@ -184,14 +184,10 @@ class TorchTransport(Transport):
                 expected = int(p.crc_tensor.item())
                 got = zlib.crc32(p.scratch.numpy().data)
                 if got != expected:
-                    raise ChecksumError(
-                        f"rank {self.rank}: block {t.block} segment {t.segment} from rank {t.peer} at step "
-                        f"{step_index} arrived corrupted on link {t.peer} -> {self.rank} "
-                        f"(crc32 {got:#010x}, sender computed {expected:#010x})",
-                        rank=self.rank,
-                        peer=t.peer,
-                        step=step_index,
-                    )
+                    raise corrupted(
+                        rank=self.rank, peer=t.peer, step=step_index, seq=seq,
+                        what=f"block {t.block}, segment {t.segment}", got=got, expected=expected,
+                    )  # fmt: skip
             if p.staged:
                 deferred.append(p)
             else:
