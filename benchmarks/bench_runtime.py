@@ -665,12 +665,12 @@ def _compare_trees(args: argparse.Namespace, skip: set[str]) -> None:
         "# cells: time per all_reduce (µs) or busbw (GB/s); ratio: the last tree's cost over the first's (>1: slower)"
     )
     names = [tree.name for tree in trees]
-    columns = [("case", 44), ("buffer", 6), ("N", 2), ("size", 8)] + [(name, 24) for name in names] + [("ratio", 6)]
+    columns = [("case", 44), ("ours", 17), ("N", 2), ("size", 8)] + [(name, 24) for name in names] + [("ratio", 6)]
     print("| " + " | ".join(f"{name:<{width}}" for name, width in columns) + " |")
     print("|" + "|".join("-" * (width + 2) for _, width in columns) + "|")
     for row in rows:
         for key in filter(None, (row.ours, row.extra)):
-            cells = [row.case, _OURS[key][2], str(row.world_size), format_bytes(row.size)]
+            cells = [row.case, key, str(row.world_size), format_bytes(row.size)]
             medians = []
             for tree in trees:
                 values = [
@@ -686,11 +686,7 @@ def _compare_trees(args: argparse.Namespace, skip: set[str]) -> None:
                     f"-{_cell(row, min(values) if row.metric != 'time' else max(values))})"
                 )
             first, last = medians[0], medians[-1]
-            cells.append(
-                "—"
-                if first is None or last is None
-                else f"{last / first if row.metric == 'time' else first / last:.2f}"
-            )
+            cells.append("—" if first is None or last is None else f"{last / first:.2f}")  # times, whatever is shown
             print("| " + " | ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, columns, strict=True)) + " |")
 
 

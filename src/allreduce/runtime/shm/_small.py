@@ -90,7 +90,7 @@ class SmallCalls(Agreement, PeerData):
         """All-reduce ``call.buffer`` (1-D, C-contiguous, at most :meth:`small_bytes`) by its plan: None when done;
         the descriptors when they differ (nothing was read: the group raises, or runs rank 0's plan with
         ``execute``)."""
-        seq, buffer, plan, reducer, deadline = call.seq, call.buffer, call.plan, call.reduce_into, call.deadline
+        plan, buffer, reducer, seq, deadline, _, _ = call  # one unpacking: the hot path
         if self._closed or self._failure is not None:
             self.check_usable()
         try:
