@@ -3,10 +3,12 @@ one run, every case of the runtime's speed goals.
 
     .venv/bin/python benchmarks/bench_runtime.py [--reps 3] [--world-sizes 2,4] [--tcp-world-sizes 2,4,8]
         [--small 4KiB,64KiB] [--medium 1MiB,16MiB] [--large 64MiB,256MiB] [--skip mpi,gloo,tcp,yama,rings]
+        [--trees /work/main,.]   (our rows of two source trees, measured interleaved in one run)
 
 The cases (rows), each beside Gloo and Open MPI at the same world size and size:
 
-- small messages over shm (time per call): ``--small`` at every ``--world-sizes``;
+- small messages over shm (time per call; ``group.empty()`` buffers in a column of their own): ``--small`` at
+  every ``--world-sizes``;
 - medium sizes over shm with plain numpy arrays (busbw; ``group.empty()`` buffers in a column of their own);
 - large sizes over shm with plain numpy arrays as the probe finds them here, and as stock Ubuntu runs them (Yama
   ``ptrace_scope = 1``): forced through the ptracer discipline (plain arrays and torch tensors) and forced to stage
@@ -398,7 +400,7 @@ def _plan_rows(args: argparse.Namespace, skip: set[str]) -> list[_Row]:
     world_sizes = [int(n) for n in args.world_sizes.split(",")]
     rows: list[_Row] = []
     for n in world_sizes:
-        rows += [_Row("small messages, shm", n, s, "time", "shm") for s in small]
+        rows += [_Row("small messages, shm", n, s, "time", "shm", "shm/empty") for s in small]
     for n in world_sizes:
         rows += [_Row("plain numpy arrays, shm", n, s, "busbw", "shm", "shm/empty") for s in medium + large]
     if "yama" not in skip:
@@ -505,12 +507,27 @@ def main() -> None:
     parser.add_argument("--large", default="64MiB,256MiB")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--skip", default="", help="comma-separated: mpi,gloo,tcp,yama,rings")
+    parser.add_argument(
+        "--trees",
+        default=None,
+        help="comma-separated source trees (checkouts) to compare: our rows only, each repetition running every "
+        "tree in turn (in alternating order) with its src/ on PYTHONPATH",
+    )
     parser.add_argument("--mpi-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sample", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mpi_worker is not None:
         _mpi_worker([int(s) for s in args.mpi_worker.split(",")])
         return
     skip = set(filter(None, args.skip.split(",")))
+    if args.sample is not None:
+        os.environ.setdefault("ALLREDUCE_STATS", "0")
+        sample = _measure_once(_plan_rows(args, skip), skip | {"gloo", "mpi"}, args.sample)
+        print("SAMPLE-RESULT " + json.dumps([[*key, t] for key, t in sample.items()]), flush=True)
+        return
+    if args.trees is not None:
+        _compare_trees(args, skip)
+        return
     # The peers record nothing: our ranks run without the per-step records too, unless the caller asks
     # (ALLREDUCE_STATS=1); what recording costs is benchmarks/bench_stats.py's table.
     os.environ.setdefault("ALLREDUCE_STATS", "0")
@@ -613,6 +630,68 @@ def main() -> None:
         cells = (row.case, str(row.world_size), format_bytes(row.size), _cell(row, ours), also)
         cells += (_cell(row, gloo), _cell(row, mpi), _ratio(row, ours, gloo), _ratio(row, ours, mpi))
         print("| " + " | ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, columns, strict=True)) + " |")
+
+
+def _compare_trees(args: argparse.Namespace, skip: set[str]) -> None:
+    """Our rows for each of ``--trees``, measured interleaved in one run: repetition k runs every tree in turn
+    (a fresh process with that tree's ``src/`` first on ``PYTHONPATH``; the ranks it spawns inherit its path), the
+    trees' order reversed every other repetition, so load that comes and goes falls on all of them alike."""
+    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    for tree in trees:
+        if not (tree / "src" / "allreduce").is_dir():
+            raise SystemExit(f"--trees: {tree} has no src/allreduce")
+    passed = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in _ROW_OPTIONS]
+    samples: dict[Path, list[dict[tuple[str, int, int], float]]] = {tree: [] for tree in trees}
+    load_start = os.getloadavg()
+    for rep in range(args.reps):
+        for tree in trees if rep % 2 == 0 else trees[::-1]:
+            done = subprocess.run(
+                [sys.executable, __file__, f"--sample={rep}", *passed],
+                env={**os.environ, "PYTHONPATH": str(tree / "src")},
+                capture_output=True, text=True, timeout=_BENCH_TIMEOUT_S, check=False,
+            )  # fmt: skip
+            line = next((x for x in done.stdout.splitlines() if x.startswith("SAMPLE-RESULT ")), None)
+            if line is None:
+                raise SystemExit(f"{tree}: repetition {rep} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+            samples[tree].append({(k, n, size): t for k, n, size, t in json.loads(line[len("SAMPLE-RESULT ") :])})
+            print(f"# repetition {rep}: {tree}", file=sys.stderr, flush=True)
+    load_end = os.getloadavg()
+    rows = _plan_rows(args, skip)
+    print(
+        f"# {os.cpu_count()} cpus; load average (1, 5, 15 min) at start {_loads(load_start)}, at end {_loads(load_end)}"
+    )
+    print(f"# {args.reps} interleaved repetitions per tree; a cell: median (min-max over the repetitions)")
+    print(
+        "# cells: time per all_reduce (µs) or busbw (GB/s); ratio: the last tree's cost over the first's (>1: slower)"
+    )
+    names = [tree.name for tree in trees]
+    columns = [("case", 44), ("ours", 17), ("N", 2), ("size", 8)] + [(name, 24) for name in names] + [("ratio", 6)]
+    print("| " + " | ".join(f"{name:<{width}}" for name, width in columns) + " |")
+    print("|" + "|".join("-" * (width + 2) for _, width in columns) + "|")
+    for row in rows:
+        for key in filter(None, (row.ours, row.extra)):
+            cells = [row.case, key, str(row.world_size), format_bytes(row.size)]
+            medians = []
+            for tree in trees:
+                values = [
+                    s[key, row.world_size, row.size] for s in samples[tree] if (key, row.world_size, row.size) in s
+                ]
+                if not values:
+                    cells.append("—")
+                    medians.append(None)
+                    continue
+                medians.append(statistics.median(values))
+                cells.append(
+                    f"{_cell(row, medians[-1])} ({_cell(row, max(values) if row.metric != 'time' else min(values))}"
+                    f"-{_cell(row, min(values) if row.metric != 'time' else max(values))})"
+                )
+            first, last = medians[0], medians[-1]
+            cells.append("—" if first is None or last is None else f"{last / first:.2f}")  # times, whatever is shown
+            print("| " + " | ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, columns, strict=True)) + " |")
+
+
+_ROW_OPTIONS = ("world_sizes", "tcp_world_sizes", "ring_world_sizes", "small", "medium", "large", "skip")
+"""The options that decide the rows (passed on to each tree's run)."""
 
 
 def _loads(loads: tuple[float, float, float]) -> str:

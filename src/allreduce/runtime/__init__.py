@@ -12,6 +12,7 @@ from allreduce.runtime._errors import (
     PeerFailureError,
     ProtocolError,
     ShrinkError,
+    corrupted,
 )
 from allreduce.runtime._group import STATS_FILE_ENV, ProcessGroup
 from allreduce.runtime._inject import ENV_VAR as INJECT_ENV
@@ -34,17 +35,20 @@ from allreduce.runtime._spawn import (
     stop_signal_handlers,
 )
 from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
+from allreduce.runtime._store_api import KeyValueStore, Store
 from allreduce.runtime._threads import WrongThreadError
 from allreduce.runtime._trace import TRACE_ENV, check_trace_path
 from allreduce.runtime._transport import (
     ABORT_KINDS,
     PLAN_CACHE_ENTRIES,
+    Call,
     PlanCache,
     ReduceInto,
     Transport,
     abort_kind,
     error_class,
 )
+from allreduce.runtime._transports import TransportSetup, register_transport, transport_names, unregister_transport
 from allreduce.runtime._tune import load_cost_model, save_cost_model, tune_file
 from allreduce.runtime._work import Work
 
@@ -62,6 +66,7 @@ __all__ = [
     "TRACE_ENV",
     "BenchConfig",
     "BenchRow",
+    "Call",
     "ChecksumError",
     "CollectiveError",
     "CollectiveTimeoutError",
@@ -69,6 +74,7 @@ __all__ = [
     "ElasticOutcome",
     "GroupStats",
     "JobInterruptedError",
+    "KeyValueStore",
     "LaunchResult",
     "LinkStats",
     "LocalTransport",
@@ -83,13 +89,16 @@ __all__ = [
     "ReduceInto",
     "ShrinkError",
     "Step",
+    "Store",
     "Transfer",
     "Transport",
+    "TransportSetup",
     "Work",
     "WrongThreadError",
     "abort_kind",
     "check_trace_path",
     "compile_plan",
+    "corrupted",
     "default_cost_model",
     "default_iters",
     "die_with_parent",
@@ -102,11 +111,14 @@ __all__ = [
     "local_transports",
     "new_token",
     "pattern",
+    "register_transport",
     "reserve_port",
     "run_bench",
     "save_cost_model",
     "spawn",
     "spawn_elastic",
     "stop_signal_handlers",
+    "transport_names",
     "tune_file",
+    "unregister_transport",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import itertools
@@ -18,7 +19,9 @@ from allreduce.runtime._cost_models import default_cost_model
 from allreduce.runtime._elastic import JOIN_ENV, SHRINK_PREFIX, Lineage, joined, request_join
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
 from allreduce.runtime._group import ProcessGroup
+from allreduce.runtime._store_api import KeyValueStore
 from allreduce.runtime._transport import Transport
+from allreduce.runtime._transports import AUTO, TransportSetup, select_transport, transport_names
 from allreduce.schedules import CostModel
 
 __all__ = ["init"]
@@ -81,9 +84,9 @@ _KIND_KEY = f"{SHRINK_PREFIX}/transport"
 def _running_kind(store: Any, asked: str, rank: int) -> str:
     """The running group's transport, which a joiner must use (``asked`` is what it was told: auto or that)."""
     kind = bytes(store.get(_KIND_KEY)).decode()
-    if kind not in ("shm", "tcp"):
-        raise ProtocolError(f"rank {rank}: the store holds {_KIND_KEY!r} = {kind[:20]!r}, not shm or tcp", rank=rank)
-    if asked not in ("auto", kind):
+    if kind not in transport_names():
+        raise ProtocolError(f"rank {rank}: the store holds {_KIND_KEY!r} = {kind[:20]!r}, not a transport", rank=rank)
+    if asked not in (AUTO, kind):
         raise ValueError(f"transport: the running group uses {kind}; rank {rank} cannot join it over {asked}")
     return kind
 
@@ -173,7 +176,7 @@ def init(
     group_size: int | None = None,
     cost_model: CostModel | None = None,
     cross_memory: bool = True,
-    rendezvous_store: Any = None,
+    rendezvous_store: KeyValueStore | None = None,
     rendezvous_key: str | None = None,
     join: bool | None = None,
 ) -> ProcessGroup:
@@ -210,15 +213,13 @@ def init(
     if join is None:
         join = _env_flag(JOIN_ENV)
     if join and rank == 0:
-        raise ValueError(
-            "join: rank 0 hosts the store of the group; it cannot join a running one (join as another rank)"
-        )
-    if transport not in ("auto", "shm", "tcp"):
-        raise ValueError(f"transport: {transport!r} is not one of auto, shm, tcp")
+        raise ValueError("join: rank 0 hosts the group's store; it cannot join a running group (join as another rank)")
+    if transport != AUTO and transport not in transport_names():
+        raise ValueError(f"transport: {transport!r} is not one of {', '.join((AUTO, *transport_names()))}")
     host = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     port = _master_port(master_port)
     token = token or os.environ.get("ALLREDUCE_TOKEN")
-    if world_size == 1 and transport != "tcp":
+    if world_size == 1 and transport in (AUTO, "shm"):
         from allreduce.runtime.shm import ShmTransport
 
         shm = ShmTransport(0, 1, f"solo-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s, cross_memory=cross_memory)
@@ -254,66 +255,35 @@ def init(
             _read_checked(store, f"allreduce/host/{r}", _HOST_ID, "a host id (hostname/boot id/netns)", rank)
             for r in range(world_size)
         ]
-        same_host = len(set(hosts)) == 1
+        setup = TransportSetup(
+            rank, world_size, tuple(hosts), store, job, "", timeout_s, token, host, {"cross_memory": cross_memory}
+        )
+        if not setup.one_host:
+            setup.options["advertise_host"] = _advertised_host(host)
         if join:
             transport = _running_kind(store, transport, rank)
-        if transport == "auto":
-            transport = "shm" if same_host else "tcp"
+        entry = select_transport(transport, setup)
         if rank == 0:
-            store.set(_KIND_KEY, transport.encode())  # for ranks that join later
-        if transport == "shm" and not same_host:
-            raise ValueError(f"transport: shm needs every rank on one host; ranks report {sorted(set(hosts))}")
+            store.set(_KIND_KEY, entry.name.encode())  # for ranks that join later
         if group_size is None:
             group_size = hosts.count(hosts[rank])
-        chosen: Transport | None = None
-        if join:
-            pass  # the transport is the running group's, built once the members admit this process
-        elif transport == "shm":
-            from allreduce.runtime.shm import ShmTransport
-
-            chosen = ShmTransport(rank, world_size, job, timeout_s=timeout_s, cross_memory=cross_memory)
-        else:
-            from allreduce.runtime.tcp import TcpTransport
-
-            if same_host:
-                chosen = TcpTransport(rank, world_size, store, host="127.0.0.1", token=token, timeout_s=timeout_s)
-            else:
-                # Listening beyond loopback: the TCP transport insists on the shared token.
-                chosen = TcpTransport(
-                    rank,
-                    world_size,
-                    store,
-                    host="0.0.0.0",
-                    token=token,
-                    timeout_s=timeout_s,
-                    advertise_host=_advertised_host(host),
-                )
+        # a joiner's transport is the running group's, built once the members admit it
+        chosen = None if join else entry.create(setup)
     except BaseException as exc:
         if isinstance(exc, Exception) and not join:  # not on Ctrl-C: then nobody waits to hear why
             store.fail(str(exc))  # (a joiner's failure is its own: the running group goes on)
         store.close()
         raise
-    model = cost_model or _tuned_model(transport, world_size)
-    kind = transport
+    model = cost_model or _tuned_model(entry.name, world_size)
 
     def rebuild(members: Sequence[int], epoch: int, new_rank: int, view: Any) -> tuple[Transport, int, CostModel]:
         # The shrunk group of ``members`` (store ranks): the same kind of transport, under names of its own.
-        size = len(members)
-        peers_here = sum(1 for r in members if hosts[r] == hosts[rank])
-        made: Transport
-        if kind == "shm":
-            from allreduce.runtime.shm import ShmTransport
-
-            made = ShmTransport(new_rank, size, f"{job}-e{epoch}", timeout_s=timeout_s, cross_memory=cross_memory)
-        else:
-            from allreduce.runtime.tcp import TcpTransport
-
-            listen, advertise = ("127.0.0.1", None) if same_host else ("0.0.0.0", _advertised_host(host))
-            made = TcpTransport(
-                new_rank, size, view, host=listen, token=token, timeout_s=timeout_s, advertise_host=advertise,
-                prefix=f"{SHRINK_PREFIX}/{epoch}/tcp",
-            )  # fmt: skip
-        return made, peers_here, cost_model or _tuned_model(kind, size)
+        shrunk = dataclasses.replace(
+            setup, rank=new_rank, world_size=len(members), hosts=tuple(hosts[r] for r in members), store=view,
+            name=f"{job}-e{epoch}", key_prefix=f"{SHRINK_PREFIX}/{epoch}",
+        )  # fmt: skip
+        peers_here = shrunk.hosts.count(hosts[rank])
+        return entry.create(shrunk), peers_here, cost_model or _tuned_model(entry.name, len(members))
 
     if chosen is None:
         try:
@@ -323,12 +293,12 @@ def init(
             raise
         parts = joined(store, Lineage(rebuild, rank, members, epoch, seats=world_size))
         group = ProcessGroup(
-            parts.transport, transport_name=transport, timeout_s=timeout_s, cost_model=parts.cost_model,
+            parts.transport, transport_name=entry.name, timeout_s=timeout_s, cost_model=parts.cost_model,
             group_size=parts.group_size, store=parts.store, lineage=parts.lineage,
         )  # fmt: skip
     else:
         group = ProcessGroup(
-            chosen, transport_name=transport, timeout_s=timeout_s, cost_model=model, group_size=group_size,
+            chosen, transport_name=entry.name, timeout_s=timeout_s, cost_model=model, group_size=group_size,
             store=store, lineage=Lineage(rebuild, rank, tuple(range(world_size))),
         )  # fmt: skip
     if agent is None:

@@ -1,15 +1,11 @@
 """The process group: who is who, and the collectives every rank calls.
 
-Every public collective (and the barrier) goes through one method, ``ProcessGroup._collective``, in three stages:
-
-1. check the arguments locally (dtype, op, shape, root, algorithm) — bad input raises ``ValueError``/``TypeError``
-   and consumes nothing;
-2. ``transport.agree``: every rank publishes its descriptor (:mod:`._descriptor`: collective, element count,
-   dtype, op, root, algorithm, flags) for sequence number k and compares all N — any difference raises
-   :class:`MismatchError` on every rank, naming the field and each rank's value, before any data moves (the
-   buffer is untouched);
-3. ``transport.execute`` on the compiled plan of the chosen schedule: a registered algorithm
-   (:func:`allreduce.schedules.algorithms`) or a :class:`Schedule` the caller passed, never one of our own.
+Every public collective (and the barrier) takes one path, :class:`._pipeline.Pipeline`: its arguments are checked
+locally (bad input consumes nothing), then ``transport.agree`` compares every rank's descriptor (:mod:`._descriptor`:
+collective, element count, dtype, op, root, algorithm, flags) for sequence number k — any difference raises
+:class:`MismatchError` on every rank, naming the field and each rank's value, before any data moves — and
+``transport.execute`` runs the compiled plan of the chosen schedule: a registered algorithm
+(:func:`allreduce.schedules.algorithms`) or a :class:`Schedule` the caller passed, never one of our own.
 
 Collectives run one at a time in call order (:mod:`._work`); buffers are adapted to 1-D contiguous numpy
 (:mod:`._buffers`). Schedules, plans and the transport's compiled forms share one :class:`PlanCache`.
@@ -32,46 +28,27 @@ import math
 import os
 import sys
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._args import integer_arg, rank_arg
-from allreduce.runtime._buffers import Buffer, as_buffer, check_dtype
+from allreduce.runtime._buffers import as_buffer, check_dtype
 from allreduce.runtime._cost_models import default_cost_model
-from allreduce.runtime._descriptor import (
-    BARRIER_CODE,
-    DESCRIPTOR,
-    DTYPE_CODES,
-    DTYPES,
-    FLAG_CHECKSUM,
-    FLAG_DETERMINISTIC,
-    KIND_CODES,
-    NO_OP_CODE,
-    NO_TAG,
-    OP_CODES,
-    OPS,
-    barrier_descriptor,
-    check_agreement,
-    proposal_of,
-    tag_bytes,
-)
+from allreduce.runtime._descriptor import DTYPES, OPS
 from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
-from allreduce.runtime._plain import PlainCalls
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._runs import DETERMINISTIC, Runs
+from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
 from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
-from allreduce.runtime._threads import ThreadOwner
+from allreduce.runtime._store_api import Store
 from allreduce.runtime._trace import TRACE_ENV, check_trace_path, write_trace
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
-from allreduce.runtime._work import OrderedExecutor, Work
-from allreduce.schedules import Collective, CostModel, Schedule, block_bounds, predict
+from allreduce.runtime._work import Work
+from allreduce.schedules import Collective, CostModel, Schedule, block_bounds
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -89,26 +66,23 @@ DEFAULT_TIMEOUT_S = 300.0
 """A collective's default timeout: generous enough for a GiB all-reduce over slow TCP on a loaded host, short
 enough that a rank that never calls is reported within minutes rather than hanging a job forever."""
 
-_REQUESTED_AUTO = b"auto"
-_REQUESTED_DETERMINISTIC = b"deterministic"
-# per collective: how errors name its argument, and its code in descriptors and cache keys (one enum hash a call)
-_COLLECTIVE_INFO = {c: (f"{c.value}(x)", KIND_CODES[c]) for c in Collective}
+_DEFAULTS = Options()
 
 
-class _Reducer:
-    """``reduce_into(dst, incoming)`` for the transports; exposes ``ufunc`` so shm can reduce out of place."""
+class MoveOptions(TypedDict, total=False):
+    """The keyword options of every collective: ``timeout_s`` (default: the group's), ``checksum`` (a crc32 per
+    block), ``segments`` (pieces each transfer is streamed in), ``tag`` (pairs calls made from any thread)."""
 
-    __slots__ = ("ufunc",)
-
-    def __init__(self, ufunc: np.ufunc) -> None:
-        self.ufunc = ufunc
-
-    def __call__(self, dst: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> None:
-        self.ufunc(dst, incoming, out=dst)
+    timeout_s: float | None
+    checksum: bool
+    segments: int
+    tag: str | None
 
 
-_REDUCERS = {name: _Reducer(ufunc) for name, ufunc in OPS.items()}
-_BARRIER_DESCRIPTOR = barrier_descriptor()
+class ReduceOptions(MoveOptions, total=False):
+    """Those of the reducing collectives: also ``deterministic`` (one fixed reduction order for a given N)."""
+
+    deterministic: bool
 
 
 class ProcessGroup:
@@ -143,11 +117,10 @@ class ProcessGroup:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cost_model: CostModel | None = None,
         group_size: int | None = None,
-        store: Any = None,
+        store: Store | None = None,
         lineage: Lineage | None = None,
     ) -> None:
-        if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+        checked_timeout(timeout_s)
         # what the environment asks is checked before anything starts (a thread, a collective)
         injection = injection_from_env(None, transport.rank, transport.world_size)
         if trace := os.environ.get(TRACE_ENV):
@@ -156,7 +129,6 @@ class ProcessGroup:
             except ValueError as exc:
                 raise ValueError(f"{TRACE_ENV}: {exc}") from None
         self._transport = transport
-        self._fuses = transport.fuses  # bound once: asked on auto's path (see Runs.resolve)
         self.transport_name: str = transport_name or transport.name
         self.rank: int = transport.rank
         self.world_size: int = transport.world_size
@@ -166,20 +138,11 @@ class ProcessGroup:
         self._store = store
         self._lineage = lineage  # how to shrink it (groups from init() only)
         self._grow_calls = 0  # grow() calls on this group: the members count them alike
-        self._seq = 0
         self._closed = False
-        self._debug = bool(os.environ.get("ALLREDUCE_DEBUG"))
-        self._executor = OrderedExecutor(f"allreduce-rank{self.rank}")
         # One cache for every compiled form: the group's schedules and plans, and the transport's own.
-        self._plans = PlanCache(PLAN_CACHE_ENTRIES)
-        transport.plans = self._plans
-        self._runs = Runs(self, self._plans)
-        self._owner = ThreadOwner()
-        # Skip the call when the transport keeps the base class's prepare (which does nothing).
-        own_prepare = getattr(type(transport), "prepare", Transport.prepare)
-        self._prepare: Callable[..., None] | None = None if own_prepare is Transport.prepare else transport.prepare
-        # all_reduce(x) of a contiguous array or CPU tensor, every other argument at its default: runtime/_plain.py
-        self._plain = PlainCalls(self, _REDUCERS, _REQUESTED_AUTO)
+        plans = PlanCache(PLAN_CACHE_ENTRIES)
+        transport.plans = plans
+        self._pipeline = Pipeline(self, transport, plans)
         transport.injection = injection
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs about 1% of a 1 MiB call (0.7-1.4% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
@@ -206,14 +169,14 @@ class ProcessGroup:
     @property
     def thread(self) -> threading.Thread:
         """The thread whose collectives this group runs (see *Threads* above)."""
-        return self._owner.thread
+        return self._pipeline.owner.thread
 
     def hand_over(self, thread: threading.Thread) -> None:
         """Let ``thread`` (started or not) call this group's collectives instead of the calling thread, which must
         own the group (or any thread, once the owner has finished without handing it over: ``thread`` may then be
         the caller, which adopts the group); it gets the group back once ``thread`` has finished. Collectives
         submitted before keep their place in the order. Every rank hands its own group over."""
-        self._owner.hand_over(thread, self.rank)
+        self._pipeline.owner.hand_over(thread, self.rank)
 
     def shrink(self, *, timeout_s: float | None = None) -> ProcessGroup:
         """The survivors of a failure as a new group, renumbered 0..k-1 in their old order; this one is closed.
@@ -256,7 +219,7 @@ class ProcessGroup:
         if not self._closed and self._transport.failure is None:
             self._report_at_close()
         self._closed = True
-        self._executor.close()
+        self._pipeline.executor.close()
         self._transport.close()
         if self._store is not None:
             self._store.close()
@@ -301,167 +264,57 @@ class ProcessGroup:
     # Collectives
     # ----------------------------------------------------------------------------------------------------
     def all_reduce(
-        self,
-        x: Any,
-        op: str = "sum",
-        algorithm: str | Schedule = "auto",
-        async_op: bool = False,
-        *,
-        timeout_s: float | None = None,
-        checksum: bool = False,
-        deterministic: bool = False,
-        segments: int = 1,
-        tag: str | None = None,
-    ) -> Any:
+        self, x: Any, op: str = "sum", algorithm: str | Schedule = "auto", async_op: bool = False,
+        **options: Unpack[ReduceOptions],
+    ) -> Any:  # fmt: skip
         """Reduce ``x`` (numpy array or CPU tensor, any shape) over all ranks, in place; returns ``x``."""
         if (
-            algorithm.__class__ is str
+            not options
+            and not async_op
+            and algorithm.__class__ is str
             and algorithm == "auto"
-            and not (async_op or checksum or deterministic)
-            and (timeout_s is None and tag is None)
-            and (segments.__class__ is int and segments == 1)
-            and self._plain.run(x, op)
+            and self._pipeline.plain(x, op)
         ):
             return x
-        return self._collective(
-            Collective.ALL_REDUCE,
-            x,
-            op=op,
-            algorithm=algorithm,
-            root=0,
-            async_op=async_op,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            deterministic=deterministic,
-            segments=segments,
-            tag=tag,
-        )
+        return self._collective(Collective.ALL_REDUCE, x, op, algorithm, 0, async_op, options)
 
     def reduce_scatter(
-        self,
-        x: Any,
-        op: str = "sum",
-        algorithm: str | Schedule = "auto",
-        async_op: bool = False,
-        *,
-        timeout_s: float | None = None,
-        checksum: bool = False,
-        deterministic: bool = False,
-        segments: int = 1,
-        tag: str | None = None,
-    ) -> Any:
+        self, x: Any, op: str = "sum", algorithm: str | Schedule = "auto", async_op: bool = False,
+        **options: Unpack[ReduceOptions],
+    ) -> Any:  # fmt: skip
         """Reduce ``x`` over all ranks and return this rank's block of it (see the module docstring)."""
-        return self._collective(
-            Collective.REDUCE_SCATTER,
-            x,
-            op=op,
-            algorithm=algorithm,
-            root=0,
-            async_op=async_op,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            deterministic=deterministic,
-            segments=segments,
-            tag=tag,
-        )
+        return self._collective(Collective.REDUCE_SCATTER, x, op, algorithm, 0, async_op, options)
 
     def all_gather(
-        self,
-        x: Any,
-        algorithm: str | Schedule = "auto",
-        async_op: bool = False,
-        *,
-        timeout_s: float | None = None,
-        checksum: bool = False,
-        segments: int = 1,
-        tag: str | None = None,
+        self, x: Any, algorithm: str | Schedule = "auto", async_op: bool = False, **options: Unpack[MoveOptions]
     ) -> Any:
         """Fill every block of ``x`` from its owner (block r from rank r); returns ``x``."""
-        return self._collective(
-            Collective.ALL_GATHER,
-            x,
-            op=None,
-            algorithm=algorithm,
-            root=0,
-            async_op=async_op,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            deterministic=False,
-            segments=segments,
-            tag=tag,
-        )
+        return self._collective(Collective.ALL_GATHER, x, None, algorithm, 0, async_op, options)
 
     def broadcast(
-        self,
-        x: Any,
-        root: int = 0,
-        algorithm: str | Schedule = "auto",
-        async_op: bool = False,
-        *,
-        timeout_s: float | None = None,
-        checksum: bool = False,
-        segments: int = 1,
-        tag: str | None = None,
-    ) -> Any:
+        self, x: Any, root: int = 0, algorithm: str | Schedule = "auto", async_op: bool = False,
+        **options: Unpack[MoveOptions],
+    ) -> Any:  # fmt: skip
         """Copy the root's ``x`` into every rank's ``x``; returns ``x``."""
-        return self._collective(
-            Collective.BROADCAST,
-            x,
-            op=None,
-            algorithm=algorithm,
-            root=root,
-            async_op=async_op,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            deterministic=False,
-            segments=segments,
-            tag=tag,
-        )
+        return self._collective(Collective.BROADCAST, x, None, algorithm, root, async_op, options)
 
     def reduce(
-        self,
-        x: Any,
-        root: int = 0,
-        op: str = "sum",
-        algorithm: str | Schedule = "auto",
-        async_op: bool = False,
-        *,
-        timeout_s: float | None = None,
-        checksum: bool = False,
-        deterministic: bool = False,
-        segments: int = 1,
-        tag: str | None = None,
-    ) -> Any:
+        self, x: Any, root: int = 0, op: str = "sum", algorithm: str | Schedule = "auto", async_op: bool = False,
+        **options: Unpack[ReduceOptions],
+    ) -> Any:  # fmt: skip
         """Reduce ``x`` over all ranks into the root's ``x`` (other ranks' ``x`` untouched); returns ``x``."""
-        return self._collective(
-            Collective.REDUCE,
-            x,
-            op=op,
-            algorithm=algorithm,
-            root=root,
-            async_op=async_op,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            deterministic=deterministic,
-            segments=segments,
-            tag=tag,
-        )
+        return self._collective(Collective.REDUCE, x, op, algorithm, root, async_op, options)
 
     def barrier(self, *, timeout_s: float | None = None, tag: str | None = None) -> None:
         """Return once every rank has entered the barrier."""
-        self._collective(
-            None,
-            None,
-            op=None,
-            algorithm="auto",
-            root=0,
-            async_op=False,
-            timeout_s=timeout_s,
-            checksum=False,
-            deterministic=False,
-            segments=1,
-            tag=tag,
-        )
+        self._pipeline.collective(None, None, None, "auto", 0, False, Options(timeout_s=timeout_s, tag=tag))
+
+    def _collective(  # noqa: PLR0917 (the public methods' arguments, in their order)
+        self, collective: Collective, x: Any, op: str | None, algorithm: str | Schedule, root: int, async_op: bool,
+        options: Mapping[str, Any],
+    ) -> Any:  # fmt: skip
+        checked = check_options(collective, options) if options else _DEFAULTS
+        return self._pipeline.collective(collective, x, op, algorithm, root, async_op, checked)
 
     @property
     def recording(self) -> bool:
@@ -471,7 +324,9 @@ class ProcessGroup:
 
     @recording.setter
     def recording(self, enabled: bool) -> None:
-        self._executor.run(lambda: None)  # collectives already submitted keep the setting they were called with
+        self._pipeline.executor.run(
+            lambda: None
+        )  # collectives already submitted keep the setting they were called with
         if enabled:
             self._transport.recorder.reserve()
         self._transport.recorder.enabled = bool(enabled)
@@ -479,13 +334,13 @@ class ProcessGroup:
     def stats(self, last: int = 1000) -> GroupStats:
         """Waits, lateness and transfer times over the last ``last`` recorded collectives of every rank (a
         collective: call it on every rank with the same ``last``); names the slowest rank and the slowest link."""
-        self._owner.check(self.rank, "stats()")
+        self._pipeline.owner.check(self.rank, "stats()")
         last = integer_arg(last, "last")
         if last < 1:
             raise ValueError(f"last must be a positive int, got {last!r}")
         last = min(last, CALL_CAPACITY)  # no more calls are kept: the summary rows are sized for what can be there
         recorder = self._transport.recorder
-        self._executor.run(lambda: None)  # earlier asynchronous collectives have finished
+        self._pipeline.executor.run(lambda: None)  # earlier asynchronous collectives have finished
         rows = np.zeros((self.world_size, summary_row_length(self.world_size, last)))
         rows[self.rank] = summary_row(recorder, self.rank, self.world_size, last)
         was, recorder.enabled = recorder.enabled, False
@@ -525,173 +380,8 @@ class ProcessGroup:
         coll = Collective(collective)
         itemsize = check_dtype(np.dtype(dtype), "dtype").itemsize
         if like is None:
-            return self._runs.resolve(coll, "auto", count, itemsize, deterministic=False)
+            return self._pipeline.runs.resolve(coll, "auto", count, itemsize, deterministic=False)
         flat = as_buffer(like, "like").flat
-        return self._runs.resolve(
+        return self._pipeline.runs.resolve(
             coll, "auto", count, itemsize, deterministic=False, fuses=self._transport.fuses, buffer=flat
-        )
-
-    # ----------------------------------------------------------------------------------------------------
-    # The one path every collective takes
-    # ----------------------------------------------------------------------------------------------------
-    def _collective(
-        self,
-        collective: Collective | None,
-        x: Any,
-        *,
-        op: str | None,
-        algorithm: str | Schedule,
-        root: int,
-        async_op: bool,
-        timeout_s: float | None,
-        checksum: bool,
-        deterministic: bool,
-        segments: int,
-        tag: str | None,
-    ) -> Any:
-        """Check the arguments (consuming nothing on bad input), then run agree + execute in call order.
-
-        ``collective`` None is the barrier: it agrees and moves no data.
-        """
-        if self._closed:
-            raise CollectiveError(f"rank {self.rank}: the process group is closed", rank=self.rank)
-        what, kind = _COLLECTIVE_INFO[collective] if collective is not None else ("barrier()", BARRIER_CODE)
-        if tag is None:
-            self._owner.check(self.rank, what)
-            tagged = NO_TAG
-        else:
-            tagged = tag_bytes(tag)
-        timeout = self.timeout_s if timeout_s is None else self._timeout(timeout_s)
-        if collective is None:
-            barrier = _BARRIER_DESCRIPTOR if tag is None else barrier_descriptor(tagged)
-            return self._executor.run(lambda: self._agree(self._take_seq(), barrier, timeout))
-        if op is not None and op not in OPS:
-            raise ValueError(f"op: unknown reduction {op!r}; choose one of {', '.join(OPS)}")
-        if root.__class__ is not int or not 0 <= root < self.world_size:
-            root = rank_arg(root, "root", self.world_size)
-        if segments.__class__ is not int or segments < 1:
-            segments = integer_arg(segments, "segments")
-            if segments < 1:
-                raise ValueError(f"segments must be a positive int, got {segments!r}")
-        buf = as_buffer(x, what)
-        dtype = buf.flat.dtype
-        if op == "avg" and dtype.kind in "iu":
-            raise TypeError(f"op: avg is not defined for integer dtype {dtype}; use sum and divide yourself")
-        count = buf.flat.size
-        if deterministic and collective in DETERMINISTIC:
-            requested = _REQUESTED_DETERMINISTIC
-            run = self._runs.registered(
-                collective, kind, DETERMINISTIC[collective], root=root, segments=segments, count=count
-            )
-        elif isinstance(algorithm, Schedule):
-            run = self._runs.of_schedule(collective, algorithm, root, segments, count)
-            requested = run.name
-        else:
-            # the transport's answer for this buffer, asked only if it would change auto's pick (no allocation here)
-            name = self._runs.resolve(
-                collective, algorithm, count, dtype.itemsize, deterministic=False, fuses=self._fuses, buffer=buf.flat
-            )
-            run = self._runs.registered(collective, kind, name, root=root, segments=segments, count=count)
-            requested = _REQUESTED_AUTO if algorithm == "auto" else run.name
-        descriptor = DESCRIPTOR.pack(
-            kind,
-            DTYPE_CODES[dtype],
-            NO_OP_CODE if op is None else OP_CODES[op],
-            (FLAG_CHECKSUM if checksum else 0) | (FLAG_DETERMINISTIC if deterministic else 0),
-            root,
-            count,
-            segments,
-            self.group_size,
-            requested,
-            run.digest,
-            tagged,
-            run.name,
-        )
-
-        recorder, injection = self._transport.recorder, self._transport.injection
-        size_bytes = count * dtype.itemsize
-
-        def execute() -> Any:
-            if injection is not None:
-                injection.sleep_before_call()
-            started = time.perf_counter_ns()  # one clock read: the call's arrival and the debug log's start
-            seq = self._take_seq()
-            recording = recorder.enabled
-            if recording:  # (plain calls, the hot path, write it inline: allreduce.runtime._plain)
-                recorder.begin(seq, started, size_bytes)
-            try:
-                if self._prepare is not None:
-                    self._prepare(seq, buf.flat, checksum=checksum)
-                descriptors = self._agree(seq, descriptor, timeout)
-                chosen = run
-                if descriptors[0] != descriptor:  # rank 0's cost model picked another algorithm: run that one
-                    chosen = self._runs.registered(
-                        collective, kind, proposal_of(descriptors[0]), root=root, segments=segments, count=count
-                    )
-                result = self._execute(
-                    collective, buf, chosen.plan, op=op, root=root, seq=seq, timeout=timeout, checksum=checksum
-                )
-            except BaseException:
-                if recording:
-                    recorder.void()
-                raise
-            if recording:
-                recorder.log.append(time.perf_counter_ns())  # Recorder.end
-            if self._debug:
-                self._log(collective, chosen.schedule, size_bytes, (time.perf_counter_ns() - started) * 1e-9, seq)
-            return result
-
-        # the description is formatted only when a Work needs it (str(dtype) alone costs microseconds)
-        return self._executor.run(execute, async_op=async_op, describe=lambda: f"{collective.value} of {count} {dtype}")
-
-    def _agree(self, seq: int, descriptor: bytes, timeout: float) -> list[bytes]:
-        """Every rank's descriptor; :class:`MismatchError` naming the first field on which the calls differ."""
-        descriptors = self._transport.agree(seq, descriptor, timeout_s=timeout)
-        check_agreement(self.rank, seq, descriptors)
-        return descriptors
-
-    def _execute(
-        self,
-        collective: Collective,
-        buf: Buffer,
-        plan: RankPlan,
-        *,
-        op: str | None,
-        root: int,
-        seq: int,
-        timeout: float,
-        checksum: bool,
-    ) -> Any:
-        flat = buf.flat
-        reducer = _REDUCERS[op or "sum"]
-        if collective is Collective.REDUCE and self.rank != root:
-            # Non-roots keep their input: the partial sums of the tree go to a copy.
-            self._transport.execute(plan, flat.copy(), reducer, seq=seq, timeout_s=timeout, checksum=checksum)
-            return buf.original
-        self._transport.execute(plan, flat, reducer, seq=seq, timeout_s=timeout, checksum=checksum)
-        if op == "avg":
-            np.divide(flat, self.world_size, out=flat, casting="unsafe")
-        buf.write_back()
-        if collective is Collective.REDUCE_SCATTER:
-            return buf.block(*self.block_range(flat.size))
-        return buf.original
-
-    # ----------------------------------------------------------------------------------------------------
-    def _timeout(self, timeout_s: float) -> float:
-        if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
-        return float(timeout_s)
-
-    def _take_seq(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
-
-    def _log(self, collective: Collective, schedule: Schedule, size_bytes: int, seconds: float, seq: int) -> None:
-        predicted = predict(schedule, float(size_bytes), self.cost_model).seconds
-        print(
-            f"[allreduce rank {self.rank}] seq={seq} {collective.value} {size_bytes} B algorithm={schedule.name} "
-            f"predicted={predicted * 1e6:.1f}us measured={seconds * 1e6:.1f}us",
-            file=sys.stderr,
-            flush=True,
         )

@@ -22,10 +22,9 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._errors import ChecksumError, CollectiveError, CollectiveTimeoutError, PeerFailureError
+from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, corrupted
 from allreduce.runtime._group import DEFAULT_TIMEOUT_S, ProcessGroup
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import ReduceInto, Transport, abort_kind, error_class
+from allreduce.runtime._transport import Call, Transport, abort_kind, error_class
 from allreduce.schedules import CostModel
 
 __all__ = ["LocalTransport", "local_groups", "local_transports"]
@@ -97,17 +96,9 @@ class LocalTransport(Transport):
             )
             return [published[r] for r in range(self.world_size)]
 
-    def _execute(
-        self,
-        plan: RankPlan,
-        buffer: npt.NDArray[Any],
-        reduce_into: ReduceInto,
-        *,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
-    ) -> None:
+    def _execute(self, call: Call) -> None:
+        plan, buffer, reduce_into, seq = call.plan, call.buffer, call.reduce_into, call.seq
+        deadline, timeout_s, checksum = call.deadline, call.timeout_s, call.checksum
         hub = self._hub
         recorder = self.recorder if self.recorder.enabled else None
         injection = self.injection
@@ -147,14 +138,11 @@ class LocalTransport(Transport):
                     )
                     payload, crc = hub.messages.pop(key)
                 arrived = clock() if recorder is not None or injection is not None else 0
-                if checksum and zlib.crc32(payload.data) != crc:
-                    raise ChecksumError(
-                        f"rank {self.rank}: block {t.block} of collective {seq} arrived corrupted (crc32) at step "
-                        f"{step.index} on the link rank {t.peer} -> rank {self.rank}",
-                        rank=self.rank,
-                        peer=t.peer,
-                        step=step.index,
-                    )
+                if checksum and (got := zlib.crc32(payload.data)) != crc:
+                    raise corrupted(
+                        rank=self.rank, peer=t.peer, step=step.index, seq=seq,
+                        what=f"block {t.block}, segment {t.segment}", got=got, expected=crc,
+                    )  # fmt: skip
                 view = buffer[t.start : t.stop]
                 if t.reduce:
                     reduce_into(view, payload)

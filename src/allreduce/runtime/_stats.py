@@ -281,12 +281,12 @@ class Recorder:
     """The entries of one rank's recorded collectives, and the chunks they are set aside in (see the module
     docstring).
 
-    ``enabled`` False makes the group and the transports skip it. Who appends what to ``log`` (the hot path
-    calls nothing but ``list.append``; transports cache it as ``append``):
+    ``enabled`` False makes the group and the transports skip it. Who appends what to ``log``:
 
-    - the group, once a call has its sequence number: ``~seq, arrival_ns, size_bytes`` (:meth:`begin` does the
-      same, for tests and other callers); past :data:`SPILL_ENTRIES`, it sets the list aside first (:meth:`flush`);
-    - the transport, if it marks: the layout's tag, then its marks;
+    - the group, once a call has its sequence number, through :meth:`begin`: ``~seq, arrival_ns, size_bytes``;
+      past :data:`SPILL_ENTRIES`, the list is set aside first (:meth:`flush`);
+    - the transport, if it marks: the layout's tag, then its marks (its hot loop calls nothing but ``list.append``,
+      cached as ``append``; what the marks mean is the :class:`Layout` the tag names);
     - the group, when the call returns: ``end_ns`` (:meth:`end`); when it failed, :data:`VOID` (:meth:`void`).
 
     Readers flush first, and run between collectives (the group's summaries are collectives of their own).
@@ -372,16 +372,15 @@ class Recorder:
         self.transfers_recorded = n + 1
 
     def begin(self, seq: int, arrival_ns: int, size_bytes: int) -> None:
-        """A collective starts: its header (what the group writes inline; for tests and other callers)."""
-        if len(self.log) >= SPILL_ENTRIES:
-            self.flush()
+        """A collective starts: its header."""
         log = self.log
-        log.append(~seq)
-        log.append(arrival_ns)
-        log.append(size_bytes)
+        if len(log) >= SPILL_ENTRIES:
+            self.flush()
+            log = self.log
+        log += (~seq, arrival_ns, size_bytes)
 
     def end(self, end_ns: int | None = None) -> None:
-        """The collective returned (at ``end_ns``, else now): its end (what the group writes inline)."""
+        """The collective returned (at ``end_ns``, else now): its end."""
         self.log.append(_clock() if end_ns is None else end_ns)
 
     def void(self) -> None:

@@ -525,29 +525,34 @@ class StoreServer:
         return False
 
     def _notify(self) -> None:
-        still = []
-        woken = []
-        for waiter in self._waiters:
-            if waiter.conn not in self._conns:
-                continue
-            if self._try_answer(waiter):
-                waiter.conn.waiting = None
-                woken.append(waiter.conn)
-            else:
-                still.append(waiter)
-        self._waiters = still
-        for conn in woken:
-            self._guarded(conn, functools.partial(self._parse, conn))
+        def answered(waiter: _Waiter) -> bool:
+            if not self._try_answer(waiter):
+                return False
+            waiter.conn.waiting = None
+            return True
+
+        self._settle_waiters(answered)
 
     def _expire_waiters(self) -> None:
         now = time.monotonic()
+
+        def expired(waiter: _Waiter) -> bool:
+            if waiter.deadline is None or now < waiter.deadline:
+                return False
+            self._guarded(waiter.conn, functools.partial(self._time_out, waiter))
+            return True
+
+        self._settle_waiters(expired)
+
+    def _settle_waiters(self, settled: Callable[[_Waiter], bool]) -> None:
+        """Drop the waiters of closed connections and those ``settled(waiter)`` answered; the connections of the
+        answered ones go on with their next request."""
         still = []
         woken = []
         for waiter in self._waiters:
             if waiter.conn not in self._conns:
                 continue
-            if waiter.deadline is not None and now >= waiter.deadline:
-                self._guarded(waiter.conn, functools.partial(self._time_out, waiter))
+            if settled(waiter):
                 woken.append(waiter.conn)
             else:
                 still.append(waiter)

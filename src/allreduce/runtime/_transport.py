@@ -42,19 +42,12 @@ import abc
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._errors import (
-    ChecksumError,
-    CollectiveError,
-    CollectiveTimeoutError,
-    MismatchError,
-    PeerFailureError,
-    ProtocolError,
-)
+from allreduce.runtime._errors import ABORT_KINDS, CollectiveError, abort_kind, error_class
 from allreduce.runtime._inject import Injection
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._stats import Recorder
@@ -63,6 +56,7 @@ __all__ = [
     "ABORT_KINDS",
     "MAX_DESCRIPTOR_BYTES",
     "PLAN_CACHE_ENTRIES",
+    "Call",
     "PlanCache",
     "ReduceInto",
     "Transport",
@@ -79,31 +73,21 @@ MAX_DESCRIPTOR_BYTES = 240
 PLAN_CACHE_ENTRIES = 256
 """How many compiled plans one group keeps (schedules, per-rank plans and each transport's compiled form)."""
 
-ABORT_KINDS: tuple[type[CollectiveError], ...] = (
-    PeerFailureError,
-    CollectiveTimeoutError,
-    MismatchError,
-    ChecksumError,
-    ProtocolError,
-    CollectiveError,
-)
-"""Error classes by the kind number a transport sends to its peers when it gives up (the last is the catch-all)."""
-
-
-def abort_kind(error: BaseException) -> int:
-    """The kind number of ``error`` (its most specific class in :data:`ABORT_KINDS`)."""
-    for kind, cls in enumerate(ABORT_KINDS):
-        if isinstance(error, cls):
-            return kind
-    return len(ABORT_KINDS) - 1
-
-
-def error_class(kind: int) -> type[CollectiveError]:
-    """The error class a peer's abort of ``kind`` is raised as (unknown kinds: :class:`CollectiveError`)."""
-    return ABORT_KINDS[kind] if 0 <= kind < len(ABORT_KINDS) else CollectiveError
-
-
 _T = TypeVar("_T")
+
+
+class Call(NamedTuple):
+    """One collective as a transport runs it: the compiled plan, the buffer and how to reduce into it, the
+    sequence number every rank shares, when to give up (``deadline`` on ``time.monotonic()``, and the
+    ``timeout_s`` it came from, for messages) and whether blocks travel with a crc32 (``checksum``)."""
+
+    plan: RankPlan
+    buffer: npt.NDArray[Any]
+    reduce_into: ReduceInto
+    seq: int
+    deadline: float
+    timeout_s: float
+    checksum: bool
 
 
 class PlanCache:
@@ -171,16 +155,7 @@ class Transport(abc.ABC):
         such path)."""
         return 0
 
-    def run_small(
-        self,
-        seq: int,
-        buffer: npt.NDArray[Any],
-        descriptor: bytes,
-        plan: RankPlan,
-        reducer: ReduceInto,
-        *,
-        timeout_s: float,
-    ) -> list[bytes] | None:
+    def run_small(self, call: Call, descriptor: bytes) -> list[bytes] | None:
         """prepare + agree + execute of an all-reduce of a small buffer (1-D, C-contiguous, at most
         :meth:`small_bytes`) in one pass: None when done, or every rank's descriptor when they differ (nothing was
         read: the group raises or runs rank 0's plan with :meth:`execute`). Only transports whose
@@ -228,9 +203,9 @@ class Transport(abc.ABC):
         plan.check_fits(self.rank, self.world_size, buffer)
         if not plan.steps:
             return
-        deadline = time.monotonic() + timeout_s
+        call = Call(plan, buffer, reduce_into, seq, time.monotonic() + timeout_s, timeout_s, checksum)
         try:
-            self._execute(plan, buffer, reduce_into, seq=seq, deadline=deadline, timeout_s=timeout_s, checksum=checksum)
+            self._execute(call)
         except (ValueError, TypeError):
             raise
         except BaseException as exc:
@@ -292,18 +267,8 @@ class Transport(abc.ABC):
         """Every rank's descriptor by rank (``world_size`` > 1; raise by ``deadline``, ``time.monotonic()``)."""
 
     @abc.abstractmethod
-    def _execute(
-        self,
-        plan: RankPlan,
-        buffer: npt.NDArray[Any],
-        reduce_into: ReduceInto,
-        *,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
-    ) -> None:
-        """Run a non-empty ``plan`` that fits ``buffer``; raise by ``deadline`` (``time.monotonic()``)."""
+    def _execute(self, call: Call) -> None:
+        """Run ``call``'s non-empty plan, which fits its buffer; raise by its ``deadline``."""
 
     @abc.abstractmethod
     def _release(self) -> None:

@@ -26,15 +26,15 @@ import torch.distributed as dist
 
 import torch
 from allreduce.runtime import (
-    ChecksumError,
+    Call,
     CollectiveError,
     CollectiveTimeoutError,
     PeerFailureError,
     ProtocolError,
-    RankPlan,
     ReduceInto,
     Transfer,
     Transport,
+    corrupted,
 )
 
 __all__ = ["TorchTransport"]
@@ -124,49 +124,16 @@ class TorchTransport(Transport):
     # ------------------------------------------------------------------------------------------------
     # Execution of a compiled plan
     # ------------------------------------------------------------------------------------------------
-    def _execute(
-        self,
-        plan: RankPlan,
-        buffer: np.ndarray[Any, Any],
-        reduce_into: ReduceInto,
-        *,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
-    ) -> None:
-        item = buffer.itemsize
-        raw = torch.from_numpy(buffer.view(np.uint8))
-        for step in plan.steps:
-            self._run_step(
-                step.index,
-                step.sends,
-                step.recvs,
-                buffer=buffer,
-                raw=raw,
-                item=item,
-                reduce_into=reduce_into,
-                seq=seq,
-                deadline=deadline,
-                timeout_s=timeout_s,
-                checksum=checksum,
-            )
+    def _execute(self, call: Call) -> None:
+        raw = torch.from_numpy(call.buffer.view(np.uint8))
+        for step in call.plan.steps:
+            self._run_step(call, step.index, step.sends, step.recvs, raw)
 
     def _run_step(
-        self,
-        step_index: int,
-        sends: Sequence[Transfer],
-        recvs: Sequence[Transfer],
-        *,
-        buffer: np.ndarray[Any, Any],
-        raw: torch.Tensor,
-        item: int,
-        reduce_into: ReduceInto,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
+        self, call: Call, step_index: int, sends: Sequence[Transfer], recvs: Sequence[Transfer], raw: torch.Tensor
     ) -> None:
+        buffer, reduce_into, seq, checksum = call.buffer, call.reduce_into, call.seq, call.checksum
+        deadline, timeout_s, item = call.deadline, call.timeout_s, call.buffer.itemsize
         # Receives are posted before sends so that a peer's message finds its buffer waiting.
         scratch = self._scratch_for(sum(t.count for t in recvs) * item)
         pending: list[_PendingRecv] = []
@@ -217,14 +184,10 @@ class TorchTransport(Transport):
                 expected = int(p.crc_tensor.item())
                 got = zlib.crc32(p.scratch.numpy().data)
                 if got != expected:
-                    raise ChecksumError(
-                        f"rank {self.rank}: block {t.block} segment {t.segment} from rank {t.peer} at step "
-                        f"{step_index} arrived corrupted on link {t.peer} -> {self.rank} "
-                        f"(crc32 {got:#010x}, sender computed {expected:#010x})",
-                        rank=self.rank,
-                        peer=t.peer,
-                        step=step_index,
-                    )
+                    raise corrupted(
+                        rank=self.rank, peer=t.peer, step=step_index, seq=seq,
+                        what=f"block {t.block}, segment {t.segment}", got=got, expected=expected,
+                    )  # fmt: skip
             if p.staged:
                 deferred.append(p)
             else:

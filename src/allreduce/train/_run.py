@@ -22,14 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from allreduce.runtime import transport_names
+
 if TYPE_CHECKING:
     from allreduce.runtime import Departure
 
 __all__ = ["TRANSPORTS", "EpochReport", "TrainConfig", "TrainResult", "demo", "format_result", "train", "train_rank"]
 
 
-# auto/shm/tcp: allreduce's own transports (init()); torch: allreduce schedules over torch.distributed (Gloo).
-TRANSPORTS: tuple[str, ...] = ("auto", "shm", "tcp", "torch")
+# auto and the registered transports: allreduce's own (init()); torch: allreduce schedules over torch.distributed.
+TRANSPORTS: tuple[str, ...] = ("auto", *transport_names(), "torch")
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,9 @@ class TrainConfig:
             raise ValueError(
                 f"slow rank {self.slow_rank} is not a rank of {self.world_size} ranks (0..{self.world_size - 1})"
             )
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
+        known = ("auto", *transport_names(), "torch")  # with the transports registered since import
+        if self.transport not in known:
+            raise ValueError(f"transport {self.transport!r} is not one of {', '.join(known)}")
         if self.slow_s < 0:
             raise ValueError(f"slow-rank delay must be >= 0 s, got {self.slow_s}")
         if self.kill_rank is not None:

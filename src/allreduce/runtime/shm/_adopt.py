@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from allreduce.runtime._args import switch_arg
 from allreduce.runtime.shm._linux import libc_function
 
 __all__ = [
@@ -108,12 +109,7 @@ SUPPORTED = None not in (_mmap, _mremap, _munmap)
 def adopt_wanted(requested: bool | None) -> bool:
     """Whether to adopt buffers used again: ``requested``, else :data:`ADOPT_ENV` (``0`` or ``1``; ValueError
     naming it for anything else), else yes."""
-    if requested is not None:
-        return bool(requested)
-    value = os.environ.get(ADOPT_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ADOPT_ENV}: {value!r} is not 0 or 1")
-    return value != "0"
+    return switch_arg(requested, ADOPT_ENV)
 
 
 def whole_allocation(buffer: npt.NDArray[Any]) -> bool:

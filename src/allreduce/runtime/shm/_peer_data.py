@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from allreduce.runtime._args import switch_arg
 from allreduce.runtime._errors import PeerFailureError, ProtocolError
 from allreduce.runtime._transport import ReduceInto
 from allreduce.runtime.shm._adopt import Adoptions
@@ -120,12 +121,7 @@ _SEEN, _COLLAPSED, _REFUSED = 0, 1, 2
 def collapse_wanted(requested: bool | None) -> bool:
     """Whether to collapse buffers used again: ``requested``, else :data:`COLLAPSE_ENV` (``0`` or ``1``; ValueError
     naming it for anything else), else yes."""
-    if requested is not None:
-        return bool(requested)
-    value = os.environ.get(COLLAPSE_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{COLLAPSE_ENV}: {value!r} is not 0 or 1")
-    return value != "0"
+    return switch_arg(requested, COLLAPSE_ENV)
 
 
 class HugePageMemo:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -123,30 +124,35 @@ class Rendezvous:
         segment.close()
         return None
 
+    def _poll(self, waiting_for: Callable[[], list[int]], *, deadline: float, timeout_s: float, until: str) -> None:
+        """Ask ``waiting_for()`` until it names no rank, sleeping longer between tries; at ``deadline``, raise
+        :class:`CollectiveTimeoutError` naming the ranks that did not ``until``."""
+        pause = _ATTACH_FIRST_PAUSE_S
+        while pending := waiting_for():
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: shared-memory rendezvous timed out after {timeout_s:g} s waiting for "
+                    f"rank(s) {', '.join(map(str, pending))} to {until}",
+                    rank=self.rank,
+                    peer=pending[0],
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _ATTACH_MAX_PAUSE_S)
+
     def _attach_peers(self, own_words: memoryview, timeout_s: float) -> None:
         """Map every peer's control block, open the pidfds, run the probe, then unlink this rank's control file."""
         deadline = time.monotonic() + timeout_s
-        missing = [p for p in range(self.world_size) if p != self.rank]
-        pause = _ATTACH_FIRST_PAUSE_S
-        while missing:
-            still = []
-            for p in missing:
+        unmapped = [p for p in range(self.world_size) if p != self.rank]
+
+        def map_control_blocks() -> list[int]:
+            for p in list(unmapped):
                 segment = self._map_control_block(p)
-                if segment is None:
-                    still.append(p)
-                else:
+                if segment is not None:
                     self._ctl[p] = segment
-            missing = still
-            if missing:
-                if time.monotonic() > deadline:
-                    raise CollectiveTimeoutError(
-                        f"rank {self.rank}: shared-memory rendezvous timed out after {timeout_s:g} s waiting for "
-                        f"rank(s) {', '.join(map(str, missing))} to join",
-                        rank=self.rank,
-                        peer=missing[0],
-                    )
-                time.sleep(pause)
-                pause = min(pause * 2, _ATTACH_MAX_PAUSE_S)
+                    unmapped.remove(p)
+            return unmapped
+
+        self._poll(map_control_blocks, deadline=deadline, timeout_s=timeout_s, until="join")
         self._views = [own_words if p == self.rank else s.words() for p, s in enumerate(self._ctl_list())]
         views = self._views
         self._peer_pids = [int(view[PID_WORD]) for view in views]
@@ -154,19 +160,10 @@ class Rendezvous:
         own_words[CROSS_MEMORY_WORD] = self._probe_open() | self._probe_ptracer(own_words, deadline)
         own_words[ATTACHED_WORD] = 1
         # Unlink our control file once every peer has mapped it, so a crash leaves nothing in /dev/shm.
-        while True:
-            pending = [p for p in range(self.world_size) if views[p][ATTACHED_WORD] != 1]
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank}: shared-memory rendezvous timed out waiting for rank(s) "
-                    f"{', '.join(map(str, pending))} to map the control segments",
-                    rank=self.rank,
-                    peer=pending[0],
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, _ATTACH_MAX_PAUSE_S)
+        self._poll(
+            lambda: [p for p in range(self.world_size) if views[p][ATTACHED_WORD] != 1],
+            deadline=deadline, timeout_s=timeout_s, until="map the control segments",
+        )  # fmt: skip
         found = [int(view[CROSS_MEMORY_WORD]) for view in self._views]
         if all(bits & READS_OPEN for bits in found):
             self._cross_memory_available = True

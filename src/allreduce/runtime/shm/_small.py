@@ -24,7 +24,7 @@ import numpy.typing as npt
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._stats import Recorder
-from allreduce.runtime._transport import PlanCache, ReduceInto
+from allreduce.runtime._transport import Call, PlanCache, ReduceInto
 from allreduce.runtime.shm._agreement import Agreement
 from allreduce.runtime.shm._compile import Program, Receive, compile_program
 from allreduce.runtime.shm._copy import copy_into
@@ -86,21 +86,13 @@ class SmallCalls(Agreement, PeerData):
             return 0
         return self._eager_bytes // self._eager_step_bound
 
-    def run_small(
-        self,
-        seq: int,
-        buffer: npt.NDArray[Any],
-        descriptor: bytes,
-        plan: RankPlan,
-        reducer: ReduceInto,
-        *,
-        timeout_s: float,
-    ) -> list[bytes] | None:
-        """All-reduce ``buffer`` (1-D, C-contiguous, at most :meth:`small_bytes`) by ``plan``: None when done; the
-        descriptors when they differ (nothing was read: the group raises, or runs rank 0's plan with ``execute``)."""
+    def run_small(self, call: Call, descriptor: bytes) -> list[bytes] | None:
+        """All-reduce ``call.buffer`` (1-D, C-contiguous, at most :meth:`small_bytes`) by its plan: None when done;
+        the descriptors when they differ (nothing was read: the group raises, or runs rank 0's plan with
+        ``execute``)."""
+        plan, buffer, reducer, seq, deadline, _, _ = call  # one unpacking: the hot path
         if self._closed or self._failure is not None:
             self.check_usable()
-        deadline = time.monotonic() + timeout_s
         try:
             parity = seq & 1
             small = self._small_program(plan, buffer.dtype, parity)

@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._errors import ChecksumError, CollectiveError
+from allreduce.runtime._errors import CollectiveError, corrupted
 from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
+from allreduce.runtime._transport import Call, Transport, abort_kind
 from allreduce.runtime.shm._adopt import SUPPORTED as ADOPTION_SUPPORTED
 from allreduce.runtime.shm._adopt import Adopted, Adoptions, adopt_wanted
 from allreduce.runtime.shm._agreement import Agreement
@@ -357,17 +357,8 @@ class ShmTransport(SmallCalls, Agreement, PeerData, Rendezvous, Transport):
         self._prepared_seq = seq
         self._publish(PROGRESS_WORD, seq << STEP_BITS)
 
-    def _execute(
-        self,
-        plan: RankPlan,
-        buffer: npt.NDArray[Any],
-        reduce_into: ReduceInto,
-        *,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
-    ) -> None:
+    def _execute(self, call: Call) -> None:
+        plan, buffer, seq, checksum = call.plan, call.buffer, call.seq, call.checksum
         steps = plan.steps[-1].index + 1
         prepared = self._prepared_seq == seq
         fits = steps * buffer.nbytes <= self._eager_bytes
@@ -395,11 +386,9 @@ class ShmTransport(SmallCalls, Agreement, PeerData, Rendezvous, Transport):
                 f"checksum=True supports up to {CRC_SLOTS_PER_PEER} transfers per peer per collective; this plan "
                 f"has {program.max_crc_slots} (use fewer segments)"
             )
-        self._run_steps(
-            program, plan.count, user, work, reduce_into, seq=seq, deadline=deadline, eager=eager,
-            prepared=prepared, checksum=checksum, admit=private and self._ptracer,
-        )  # fmt: skip
-        self._finish(program, user, work, seq=seq, deadline=deadline, eager=eager)
+        admit = private and self._ptracer
+        self._run_steps(call, program, user, work, eager=eager, prepared=prepared, admit=admit)
+        self._finish(call, program, user, work, eager=eager)
         if with_ends is not None:
             with_ends.copy_ends_out(work, buffer)
 
@@ -470,23 +459,21 @@ class ShmTransport(SmallCalls, Agreement, PeerData, Rendezvous, Transport):
 
     def _run_steps(
         self,
+        call: Call,
         program: Program,
-        count: int,
         user: npt.NDArray[Any],
         work: npt.NDArray[Any],
-        reduce_into: ReduceInto,
         *,
-        seq: int,
-        deadline: float,
         eager: bool,
         prepared: bool,
-        checksum: bool,
         admit: bool,
     ) -> None:
         """Every step: make its sent ranges readable, publish "at step t", receive, publish "read step t".
 
         ``admit``: the ptracer discipline (this rank's private memory, under Yama): name each step's reader this
         rank's ptracer before publishing the step."""
+        count, reduce_into, checksum = call.plan.count, call.reduce_into, call.checksum
+        seq, deadline = call.seq, call.deadline
         dtype = user.dtype
         ufunc = getattr(reduce_into, "ufunc", None)
         arrays = (user, work)
@@ -624,27 +611,15 @@ class ShmTransport(SmallCalls, Agreement, PeerData, Rendezvous, Transport):
         expected = int(self._crc[rv.peer][self.rank * CRC_SLOTS_PER_PEER + rv.crc_slot])
         got = zlib.crc32(source[rv.start - shift : rv.stop - shift].view(np.uint8).data)
         if got != expected:
-            raise ChecksumError(
-                f"rank {self.rank}: checksum mismatch on link rank {rv.peer} -> rank {self.rank} "
-                f"(collective {seq}, step {step}, elements [{rv.start}, {rv.stop}): "
-                f"crc32 {got:#010x}, sender computed {expected:#010x})",
-                rank=self.rank,
-                peer=rv.peer,
-                step=step,
-            )
+            what = f"elements [{rv.start}, {rv.stop})"
+            raise corrupted(rank=self.rank, peer=rv.peer, step=step, seq=seq, what=what, got=got, expected=expected)
         return source, shift
 
     def _finish(
-        self,
-        program: Program,
-        user: npt.NDArray[Any],
-        work: npt.NDArray[Any],
-        *,
-        seq: int,
-        deadline: float,
-        eager: bool,
+        self, call: Call, program: Program, user: npt.NDArray[Any], work: npt.NDArray[Any], *, eager: bool
     ) -> None:
         """Wait until peers have read this rank's last data, copy staged results back, publish "done"."""
+        seq, deadline = call.seq, call.deadline
         base = seq << STEP_BITS
         views = self._views
         for reader, value in () if eager else program.final_waits:

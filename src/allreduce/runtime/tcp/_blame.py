@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Protocol
 
 from allreduce.runtime._errors import CollectiveError, PeerFailureError
+from allreduce.runtime._store_api import Store
 
 __all__ = ["DEAD_POLL_S", "STALL_GRACE_S", "STOP_SETTLE_S", "Blame", "LostPeerError"]
 
@@ -38,15 +38,10 @@ class LostPeerError(PeerFailureError):
     its ABORT frame still unread here. :meth:`Blame.lost` tells which (never raised to the user)."""
 
 
-class _Store(Protocol):
-    def set(self, key: str, value: bytes) -> None: ...
-    def get(self, key: str, *, timeout_s: float | None = None) -> bytes: ...
-
-
 class Blame:
     """The store's records of one rank's group: deaths, who gave up because of whom, who waited for whom."""
 
-    def __init__(self, store: _Store, prefix: str, rank: int, world_size: int) -> None:
+    def __init__(self, store: Store, prefix: str, rank: int, world_size: int) -> None:
         self._store = store
         self._rank = rank
         self._world_size = world_size
@@ -58,15 +53,12 @@ class Blame:
         """The ranks the store saw die (their connection to it dropped without a close), lowest first; the store's
         host, rank 0, if the connection to the store dropped; empty if the store does not track deaths or cannot be
         asked."""
-        dead_ranks = getattr(self._store, "dead_ranks", None)
-        if dead_ranks is None:
-            return []
         try:
-            return sorted(dead_ranks())
+            return sorted(self._store.dead_ranks())
         except (CollectiveError, OSError, ValueError):
             # A store that cannot be asked because its host's connection dropped: the host is the rank that left
             # (a rank waiting for peers to connect would otherwise wait out its timeout and name one of them).
-            return [0] if getattr(self._store, "host_lost", False) and self._rank != 0 else []
+            return [0] if self._store.host_lost and self._rank != 0 else []
 
     def raise_if_dead(self, waiting_for: set[int], what: str) -> None:
         """Raise PeerFailureError naming the lowest dead rank if any rank of the group died: every rank that waits
@@ -99,9 +91,8 @@ class Blame:
         chain = [peer]
         with contextlib.suppress(CollectiveError, OSError, ValueError, RuntimeError):
             while len(chain) <= self._world_size:
-                check = getattr(self._store, "check", None)
                 key = self._aborted + str(chain[-1])
-                if check is not None and not check([key]):
+                if not self._store.check([key]):
                     break
                 culprit = int(self._store.get(key, timeout_s=0.0).decode())
                 if not 0 <= culprit < self._world_size or culprit in chain:

@@ -16,11 +16,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from allreduce.runtime._errors import (
-    ChecksumError,
-    MismatchError,
-    ProtocolError,
-)
+from allreduce.runtime._errors import MismatchError, ProtocolError, corrupted
 from allreduce.runtime._transport import MAX_DESCRIPTOR_BYTES, ReduceInto, error_class
 from allreduce.runtime.tcp._blame import LostPeerError
 from allreduce.runtime.tcp._frames import (
@@ -71,16 +67,20 @@ class Pair:
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
-            raise LostPeerError(
-                f"rank {self.local}: lost rank {self.rank} while sending at {label} of collective {seq} "
-                f"({exc.strerror or exc}): rank {self.rank} died or aborted",
-                rank=self.local,
-                peer=self.rank,
-            ) from exc
+            raise self._lost("sending", label, seq, exc) from exc
         out.sent += n
         out.done = out.sent == out.total
         self.current_out = None if out.done else out
         return n > 0
+
+    def _lost(self, doing: str, label: str, seq: int, exc: OSError) -> LostPeerError:
+        """The error of a connection to the peer that broke while ``doing`` (sending or receiving) at ``label``."""
+        return LostPeerError(
+            f"rank {self.local}: lost rank {self.rank} while {doing} at {label} of collective {seq} "
+            f"({exc.strerror or exc}): rank {self.rank} died or aborted",
+            rank=self.local,
+            peer=self.rank,
+        )
 
     # ------------------------------------------------------------------------------------------------ receiving
     def receive(self, inc: InFrame, seq: int, *, tag: int, reduce_into: ReduceInto, label: str) -> bool:
@@ -106,12 +106,7 @@ class Pair:
         except (BlockingIOError, InterruptedError):
             return moved
         except ConnectionError as exc:
-            raise LostPeerError(
-                f"rank {self.local}: lost rank {self.rank} while receiving at {label} of collective {seq} "
-                f"({exc.strerror or exc}): rank {self.rank} died or aborted",
-                rank=self.local,
-                peer=self.rank,
-            ) from exc
+            raise self._lost("receiving", label, seq, exc) from exc
         if n == 0:
             self.raise_eof(seq, label)
         if inc.flags & FLAG_CHECKSUM:
@@ -133,13 +128,9 @@ class Pair:
 
     def _finish(self, inc: InFrame, seq: int, reduce_into: ReduceInto, label: str) -> None:
         if inc.flags & FLAG_CHECKSUM and inc.crc != inc.expect_crc:
-            raise ChecksumError(
-                f"rank {self.local}: corrupted data on link rank {self.rank} -> rank {self.local} at {label}, block "
-                f"{inc.block}, segment {inc.segment} of collective {seq}: crc32 {inc.crc:#010x}, sender said "
-                f"{inc.expect_crc:#010x}",
-                rank=self.local,
-                peer=self.rank,
-                step=inc.step,
+            what = f"block {inc.block}, segment {inc.segment}"
+            raise corrupted(
+                rank=self.local, peer=self.rank, step=inc.step, seq=seq, what=what, got=inc.crc, expected=inc.expect_crc
             )
         if inc.staged or inc.flags & FLAG_AGREE:
             return
@@ -200,26 +191,19 @@ class Pair:
             f"{header.length} bytes"
         )
         if header.tag != tag and not inc.flags & FLAG_AGREE:
-            raise MismatchError(
-                f"rank {self.local}: rank {self.rank} runs a different plan (schedule, size or dtype) at {label} of "
-                f"collective {seq}: expected {expected}, got {got}",
-                rank=self.local,
-                peer=self.rank,
-                step=inc.step,
+            why = (
+                f"runs a different plan (schedule, size or dtype) at {label} of collective {seq}: expected {expected}, "
+                f"got {got}"
             )
-        if (header.flags ^ inc.flags) & FLAG_CHECKSUM:
-            raise MismatchError(
-                f"rank {self.local}: rank {self.rank} {'uses' if header.checksum else 'does not use'} checksum=True "
-                f"and this rank {'does not' if header.checksum else 'does'} (collective {seq})",
-                rank=self.local,
-                peer=self.rank,
-                step=inc.step,
+        elif (header.flags ^ inc.flags) & FLAG_CHECKSUM:
+            why = (
+                f"{'uses' if header.checksum else 'does not use'} checksum=True and this rank "
+                f"{'does not' if header.checksum else 'does'} (collective {seq})"
             )
+        else:
+            why = f"sent an unexpected frame at {label}: expected {expected}, got {got}"
         raise MismatchError(
-            f"rank {self.local}: unexpected frame from rank {self.rank} at {label}: expected {expected}, got {got}",
-            rank=self.local,
-            peer=self.rank,
-            step=inc.step,
+            f"rank {self.local}: rank {self.rank} {why}", rank=self.local, peer=self.rank, step=inc.step
         )
 
     def raise_remote_abort(self, culprit: int, kind: int, length: int, seq: int) -> NoReturn:

@@ -33,14 +33,14 @@ import threading
 import time
 import zlib
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import ReduceInto, Transport, abort_kind
+from allreduce.runtime._store_api import Store
+from allreduce.runtime._transport import Call, Transport, abort_kind
 from allreduce.runtime.tcp._blame import DEAD_POLL_S, STALL_GRACE_S, STOP_SETTLE_S, Blame, LostPeerError
 from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
@@ -165,11 +165,6 @@ def _unix_listening_socket(backlog: int) -> tuple[socket.socket, bytes]:
     return sock, name
 
 
-class _Store(Protocol):
-    def set(self, key: str, value: bytes) -> None: ...
-    def get(self, key: str, *, timeout_s: float | None = None) -> bytes: ...
-
-
 class TcpTransport(Transport):
     """Moves compiled plans' data over TCP; see the module docstring."""
 
@@ -179,7 +174,7 @@ class TcpTransport(Transport):
         self,
         rank: int,
         world_size: int,
-        store: _Store,
+        store: Store,
         *,
         host: str = "127.0.0.1",
         token: str | bytes | None = None,
@@ -209,12 +204,11 @@ class TcpTransport(Transport):
                 f"rank {rank}: the TCP transport would listen on {host!r}, beyond loopback: set a shared token "
                 "(token= or the ALLREDUCE_TOKEN environment variable)"
             )
-        group_secret = getattr(store, "group_secret", None)
-        if self._token is None and group_secret is not None:
+        if self._token is None:
             # No shared token (loopback only): the group's secret, which the store hands only to the ranks it
             # admitted (checked by the kernel's word on who holds each connection), proves to every peer that the
             # other end is a rank of this group, over TCP and Unix sockets alike.
-            self._token = resolve_token(group_secret())
+            self._token = resolve_token(store.group_secret())
         self._peers: dict[int, Pair] = {}
         self._cond = threading.Condition()
         self._refused: list[str] = []
@@ -231,28 +225,19 @@ class TcpTransport(Transport):
         self._host_key = host_key() if unix_sockets and self._token is not None else ""
         self._unix_listener: Listener | None = None
         unix_address = b""
+
+        def listener(sock: socket.socket, family: str) -> Listener:
+            return Listener(
+                sock, service=_SERVICE, token=self._token, check=self._check_hello, accepted=self._accepted,
+                refused=self._refused_connection, name=f"allreduce-{family}-{rank}",
+            )  # fmt: skip
+
         if self._host_key:
             unix_sock, unix_name = _unix_listening_socket(world_size)
-            self._unix_listener = Listener(
-                unix_sock,
-                service=_SERVICE,
-                token=self._token,
-                check=self._check_hello,
-                accepted=self._accepted,
-                refused=self._refused_connection,
-                name=f"allreduce-unix-{rank}",
-            )
+            self._unix_listener = listener(unix_sock, "unix")
             unix_address = self._host_key.encode() + b"\n" + unix_name.hex().encode()
         try:
-            self._listener = Listener(
-                listening_socket(host, backlog=world_size),
-                service=_SERVICE,
-                token=self._token,
-                check=self._check_hello,
-                accepted=self._accepted,
-                refused=self._refused_connection,
-                name=f"allreduce-tcp-{rank}",
-            )
+            self._listener = listener(listening_socket(host, backlog=world_size), "tcp")
         except BaseException:
             if self._unix_listener is not None:
                 self._unix_listener.close()
@@ -495,17 +480,9 @@ class TcpTransport(Transport):
             distance, k = 2 * distance, k + 1
         return [held[(r - self.rank) % n] for r in range(n)]
 
-    def _execute(
-        self,
-        plan: RankPlan,
-        buffer: npt.NDArray[Any],
-        reduce_into: ReduceInto,
-        *,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        checksum: bool,
-    ) -> None:
+    def _execute(self, call: Call) -> None:
+        plan, buffer, reduce_into, seq = call.plan, call.buffer, call.reduce_into, call.seq
+        deadline, timeout_s, checksum = call.deadline, call.timeout_s, call.checksum
         itemsize = buffer.itemsize
         prepared: PreparedPlan = self.plans.get(
             ("tcp", plan, itemsize, checksum), lambda: prepare(plan, itemsize, checksum=checksum)
