@@ -120,3 +120,31 @@ def test_chromium_draws_the_tail_cdf_beside_a_plan(
     shot = _run(browser, f"--window-size={WINDOW}", f"--screenshot={screenshot}", page.as_uri())
     assert shot.returncode == 0, shot.stderr[-500:]
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_chromium_draws_goodput_and_the_measured_step_timeline(
+    tmp_path: Path, measured_plan_document: dict[str, Any]
+) -> None:
+    browser = _browser()
+    page = write_report(tmp_path / "measured.html", [measured_plan_document])
+    figures, console = _probe(browser, page)
+    assert console == []
+    drawn = {f["id"]: f for f in figures}
+    assert {"d0-goodput", "d0-timeline"} <= set(drawn)
+    buckets = len(measured_plan_document["timeline"]["buckets"])
+    # the frame, forward, backward, and a ready tick and an all-reduce per bucket
+    assert drawn["d0-timeline"]["shapes"] >= 3 + 2 * buckets, drawn["d0-timeline"]
+    assert drawn["d0-goodput"]["shapes"] > 3, drawn["d0-goodput"]
+    for figure in (drawn["d0-goodput"], drawn["d0-timeline"]):
+        assert figure["width"] > 100, figure
+        assert figure["height"] > 100, figure
+        assert figure["shown"] > 0, figure
+
+    artifacts = Path(os.environ.get("ALLREDUCE_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    screenshot = artifacts / "report-measured.png"
+    shot = _run(browser, f"--window-size={WINDOW}", f"--screenshot={screenshot}", page.as_uri())
+    assert shot.returncode == 0, shot.stderr[-500:]
+    assert _console(shot.stderr) == []
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -291,6 +291,12 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         if args.gpu_tflops is not None:
             raise CLIError("give --compute-ms or --gpu-tflops, not both")
         micro_batch_s = args.compute_ms / 1e3
+    elif args.gpu_tflops is not None and measured is not None:
+        try:
+            measured = measured.on_gpu(gpu_tflops=args.gpu_tflops, mfu=args.mfu)
+        except ValueError as exc:
+            raise CLIError(f"--gpu-tflops: {exc}") from None
+        micro_batch_s = measured.compute_s
     elif args.gpu_tflops is not None:
         micro_batch_s = compute_seconds(
             model,
@@ -305,6 +311,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         raise CLIError(
             "say how long compute takes: --compute-ms, --compute DIST, or --gpu-tflops with --tokens-per-gpu"
         )
+    if measured is not None and micro_batch_s != measured.compute_s:
+        measured = measured.scaled(micro_batch_s, f"{measured.source}, scaled to {format_seconds(micro_batch_s)}")
     compute = Compute(
         micro_batch_s,
         backward_fraction=measured.backward_share if measured is not None else args.backward_fraction,
@@ -325,6 +333,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         seed=args.seed,
         engine=args.engine,
         compute_distribution=distribution,
+        measured=measured,
     )
 
 
@@ -349,6 +358,7 @@ def render(result: Plan) -> str:
             f"{r.count} x {format_bytes(r.size_bytes)} by {r.algorithm} in {format_seconds(r.seconds)}"
             for r in base.runs
         ),
+        *([f"backward timing: {request.measured.describe()}"] if request.measured else []),
         "",
         f"step time      {format_seconds(step.step_s)}"
         + (

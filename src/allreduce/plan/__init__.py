@@ -37,7 +37,16 @@ from allreduce.plan._planner import (
     plan_step,
     scaling_counts,
 )
-from allreduce.plan._step import BACKWARD_FRACTION, Compute, StepTime, step_seconds, step_time
+from allreduce.plan._step import (
+    BACKWARD_FRACTION,
+    BucketSpan,
+    Compute,
+    StepTime,
+    StepTimeline,
+    step_seconds,
+    step_time,
+    step_timeline,
+)
 from allreduce.plan._sweep import (
     COLUMNS,
     DEFAULT_IN_FLIGHT,
@@ -90,6 +99,7 @@ __all__ = [
     "PRESETS",
     "STORAGE_BPS",
     "WHAT_IF_LOSS_PROBABILITY",
+    "BucketSpan",
     "Checkpointing",
     "Compute",
     "DaskExecutor",
@@ -108,6 +118,7 @@ __all__ = [
     "StepPlan",
     "StepQuantiles",
     "StepTime",
+    "StepTimeline",
     "SweepSummary",
     "WhatIf",
     "bucket_count_bound",
@@ -141,4 +152,5 @@ __all__ = [
     "scaling_counts",
     "step_seconds",
     "step_time",
+    "step_timeline",
 ]

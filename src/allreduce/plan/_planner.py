@@ -18,7 +18,7 @@ import numpy as np
 from allreduce.plan._answer import Plan, ScalingRow, SizeRun, StepPlan, WhatIf
 from allreduce.plan._goodput import FailureSettings, goodput_plan
 from allreduce.plan._request import AUTO, PlanRequest
-from allreduce.plan._step import step_time
+from allreduce.plan._step import step_time, step_timeline
 from allreduce.plan._tail import (
     LOSS_TAIL_SAMPLES,
     STEP_SAMPLES,
@@ -493,6 +493,17 @@ def plan(
             failures, gpus=request.gpus, parameters=request.model.params, step_s=base.step.step_s,
             topology=sim.topology(request.topology, request.uplink_oversubscription),
         )  # fmt: skip
+    timeline = None
+    if request.measured is not None or request.model.tensor_ready is not None:
+        timeline = step_timeline(base.step.bucket_bytes, base.step.bucket_s, request.step_compute)
     return Plan(
-        base, tuple(rows), tuple(whats), _bottleneck(base), tuple(points), tuple(notes), base_quantiles, failure_plan
+        base,
+        tuple(rows),
+        tuple(whats),
+        _bottleneck(base),
+        tuple(points),
+        tuple(notes),
+        base_quantiles,
+        failure_plan,
+        timeline,
     )
