@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from allreduce.plan._answer import Plan, ScalingRow, SizeRun, StepPlan, WhatIf
-from allreduce.plan._goodput import FailureSettings, goodput_plan
+from allreduce.plan._goodput import FailureSettings, Network, goodput_plan
 from allreduce.plan._request import AUTO, PlanRequest
 from allreduce.plan._step import step_time, step_timeline
 from allreduce.plan._tail import (
@@ -46,14 +46,8 @@ from allreduce.topology import NodeKind, Topology, parse_topology
 from allreduce.units import format_bytes, format_seconds
 
 __all__ = [
-    "AUTO",
-    "Plan",
-    "PlanRequest",
-    "ScalingRow",
-    "SizeRun",
-    "StepPlan",
-    "StepQuantiles",
-    "WhatIf",
+    "WHAT_IF_LOSS_PROBABILITY",
+    "compute_quantiles",
     "compute_seconds",
     "plan",
     "plan_step",
@@ -139,6 +133,7 @@ class _Simulator:
         self._results: dict[tuple[Any, ...], SimResult] = {}
         # Seconds by size of each (algorithm, gpus, setting) already simulated: lower bounds for auto (see fastest).
         self._seconds_by_size: dict[tuple[Any, ...], dict[int, float]] = {}
+        self._networks: dict[tuple[str, float], Network] = {}
 
     def topology(self, spec: str, oversubscription: float) -> Topology:
         key = (spec, oversubscription)
@@ -153,6 +148,13 @@ class _Simulator:
                 topology = topology.scaled(uplinks, 1.0 / oversubscription)
             self._topologies[key] = topology
         return self._topologies[key]
+
+    def network(self, request: PlanRequest) -> Network:
+        """The request's network parts that can fail (counted once per topology)."""
+        key = (request.topology, request.uplink_oversubscription)
+        if key not in self._networks:
+            self._networks[key] = Network.of(self.topology(*key))
+        return self._networks[key]
 
     def group_size(self, request: PlanRequest, gpus: int) -> int | None:
         if request.group_size is not None:
@@ -465,7 +467,7 @@ def plan(
             quantiles = compute_quantiles(row_plan, distribution, gpus=n) if distribution else None
             goodput = (
                 goodput_plan(failures, gpus=n, parameters=request.model.params, step_s=step.step_s,
-                             topology=sim.topology(request.topology, request.uplink_oversubscription)).row("restart")
+                             network=sim.network(request)).row("restart")
                 if failures is not None
                 else None
             )  # fmt: skip
@@ -491,7 +493,7 @@ def plan(
         say("failures and goodput")
         failure_plan = goodput_plan(
             failures, gpus=request.gpus, parameters=request.model.params, step_s=base.step.step_s,
-            topology=sim.topology(request.topology, request.uplink_oversubscription),
+            network=sim.network(request),
         )  # fmt: skip
     timeline = None
     if request.measured is not None or request.model.tensor_ready is not None:

@@ -323,6 +323,20 @@ def _busbw_figure(ident: str, predicted: Sequence[Series], measured: Sequence[Se
     )
 
 
+def _links_figure(ident: str, title: str, caption: str, links: Sequence[dict[str, Any]]) -> Figure:
+    """A bar per link: its utilization in percent."""
+    return Figure(
+        ident,
+        title,
+        caption,
+        "bars",
+        (Series("utilization %", (), tuple(100.0 * link["utilization"] for link in links)),),
+        "",
+        "utilization %",
+        categories=tuple(link["link"] for link in links),
+    )
+
+
 def _goodput_figure(ident: str, rows: Sequence[dict[str, Any]]) -> Figure:
     gpus = tuple(float(r["gpus"]) for r in rows)
     first = rows[0]["goodput"]
@@ -469,17 +483,13 @@ def _plan_figures(doc: dict[str, Any], prefix: str, bench: Sequence[dict[str, An
     if links:
         of = doc.get("links_of", {})
         figures.append(
-            Figure(
+            _links_figure(
                 f"{prefix}links",
                 "Busiest links in the bottleneck region",
                 f"Utilization of the busiest links during the all-reduce of one {of.get('size_bytes', '?')}-byte "
                 f"bucket ({of.get('algorithm', '?')}). Links near 100% set the pace; many links at one level "
                 "means the fabric's capacity, one outlier means a hot spot.",
-                "bars",
-                (Series("utilization %", (), tuple(100.0 * link["utilization"] for link in links)),),
-                "",
-                "utilization %",
-                categories=tuple(link["link"] for link in links),
+                links,
             )
         )
     return figures
@@ -532,15 +542,11 @@ def _sim_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
     links = doc.get("bottlenecks") or []
     if links:
         figures.append(
-            Figure(
+            _links_figure(
                 f"{prefix}simlinks",
                 f"Links {doc['best']} waited on",
                 "Utilization of the links on the critical path of the fastest algorithm.",
-                "bars",
-                (Series("utilization %", (), tuple(100.0 * b["utilization"] for b in links)),),
-                "",
-                "utilization %",
-                categories=tuple(b["link"] for b in links),
+                links,
             )
         )
     return figures

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from allreduce.report._figures import TAIL_QUANTILES, Figure, document_kind, figures_of, svg
+from allreduce.report._files import read_at_most
 from allreduce.report._schema import MAX_SWEEP_ROWS, SWEEP_COLUMNS, check_document
 from allreduce.units import format_bytes, format_seconds
 
@@ -376,13 +377,12 @@ def load_documents(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
             documents.append(checked(_sweep_csv(path), str(path)))
             continue
         try:
-            with path.open("rb") as f:
-                data = f.read(MAX_JSON_BYTES + 1)
-            if len(data) > MAX_JSON_BYTES:
-                raise ValueError(
-                    f"{path}: larger than {format_bytes(MAX_JSON_BYTES)}, the most a report reads of a JSON result "
-                    "(a plan's with its scaling and what-if tables is about 11 KB)"
-                )
+            data = read_at_most(
+                path,
+                MAX_JSON_BYTES,
+                why="the most a report reads of a JSON result (a plan's with its scaling and what-if tables is "
+                "about 11 KB)",
+            )
             text = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: cannot read it ({exc})") from None
