@@ -51,15 +51,18 @@ computes = st.builds(
     overlap=st.booleans(),
     straggler_slowdown=st.floats(0, 1),
 )
+# Buckets in all-reduce order: their sizes and their all-reduce times.
+bucket_times = st.lists(st.tuples(st.integers(1, 10**9), st.floats(0, 1)), min_size=1, max_size=20).map(
+    lambda pairs: ([b for b, _ in pairs], [s for _, s in pairs])
+)
 
 
-@given(st.lists(st.tuples(st.integers(1, 10**9), st.floats(0, 1)), min_size=1, max_size=20), computes)
+@given(bucket_times, computes)
 @pytest.mark.slow
 def test_the_split_adds_up_and_the_step_is_bounded_by_its_parts(
-    buckets: list[tuple[int, float]], compute: Compute
+    buckets: tuple[list[int], list[float]], compute: Compute
 ) -> None:
-    sizes = [b for b, _ in buckets]
-    seconds = [s for _, s in buckets]
+    sizes, seconds = buckets
     compute_s, accumulation, slow = compute.micro_batch_s, compute.accumulation_steps, compute.straggler_slowdown
     step = step_time(sizes, seconds, compute)
     assert step.step_s == pytest.approx(step.compute_s + step.waiting_s + step.exposed_comm_s, abs=1e-9)
@@ -69,13 +72,12 @@ def test_the_split_adds_up_and_the_step_is_bounded_by_its_parts(
     assert 0 <= step.exposed_comm_s <= step.comm_s + 1e-9
 
 
-@given(st.lists(st.tuples(st.integers(1, 10**9), st.floats(0, 1)), min_size=1, max_size=20), computes)
+@given(bucket_times, computes)
 @pytest.mark.slow
 def test_the_timeline_queues_each_bucket_after_its_ready_time_and_the_one_before(
-    buckets: list[tuple[int, float]], compute: Compute
+    buckets: tuple[list[int], list[float]], compute: Compute
 ) -> None:
-    sizes = [b for b, _ in buckets]
-    seconds = [s for _, s in buckets]
+    sizes, seconds = buckets
     timeline = step_timeline(sizes, seconds, compute)
     assert timeline.step_s == step_time(sizes, seconds, compute).step_s
     previous_end = 0.0
