@@ -19,8 +19,8 @@ parameter tensor's ready time as a fraction of backward (0: ready as backward st
   taken in registration order as the reverse of their ready order (the order DDP's buckets assume).
 
 Either also counts the FLOPs of forward and backward (:class:`torch.utils.flop_counter.FlopCounterMode` on the
-module; from a trace, each matrix product's ``2·m·k·n`` from its input shapes, or the ``flops`` the profiler
-recorded with ``with_flops=True``), so :meth:`MeasuredBackward.on_gpu` can move the step to a target GPU: the same
+module; from a trace, each matrix product's ``2·m·k·n`` from its input shapes, or the ``flops`` value an event
+carries), so :meth:`MeasuredBackward.on_gpu` can move the step to a target GPU: the same
 FLOPs at the target's peak × MFU, the measured shape (backward's share, the ready times) kept.
 
 Chakra execution traces (another format that carries the same dependencies) are not read: no package that reads
@@ -101,8 +101,8 @@ class MeasuredBackward:
         states both machines' rates."""
         if self.flops is None:
             raise ValueError(
-                f"{self.source}: no FLOPs were counted, so --gpu-tflops cannot scale it (record the trace with "
-                "with_flops=True, or give --compute-ms)"
+                f"{self.source}: no FLOPs were counted (a trace without matrix products, such as a convolutional "
+                "model's), so --gpu-tflops cannot move it to the target GPU; give --compute-ms"
             )
         if not (math.isfinite(gpu_tflops) and gpu_tflops > 0 and 0 < mfu <= 1):
             raise ValueError(f"--gpu-tflops must be > 0 and --mfu in (0, 1], got {gpu_tflops} and {mfu}")
