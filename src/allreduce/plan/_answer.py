@@ -24,7 +24,7 @@ class SizeRun:
     seconds: float
     busbw_Bps: float
     exact: bool
-    links: tuple[tuple[str, float], ...]  # the busiest links and their utilization
+    links: tuple[tuple[str, float], ...]  # the busiest links and their utilization (a plan's base step only)
     bottleneck_link: str | None  # the link the critical path waited on most
 
     def to_json(self) -> dict[str, Any]:

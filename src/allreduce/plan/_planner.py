@@ -270,7 +270,9 @@ class _Simulator:
         )
 
 
-def _size_run(result: SimResult, size_bytes: int, count: int) -> SizeRun:
+def _size_run(result: SimResult, size_bytes: int, count: int, *, busiest: bool) -> SizeRun:
+    """One bucket size's all-reduce; with ``busiest``, its busiest links too (a sort of every link: the base plan's
+    utilization view needs them, its scaling and what-if rows do not)."""
     return SizeRun(
         size_bytes=size_bytes,
         count=count,
@@ -278,13 +280,18 @@ def _size_run(result: SimResult, size_bytes: int, count: int) -> SizeRun:
         seconds=result.seconds,
         busbw_Bps=result.busbw_Bps,
         exact=result.exact,
-        links=tuple(result.busiest_links(UTILIZATION_LINKS)),
+        links=tuple(result.busiest_links(UTILIZATION_LINKS)) if busiest else (),
         bottleneck_link=result.bottlenecks[0].name if result.bottlenecks else None,
     )
 
 
 def _plan_step(
-    request: PlanRequest, sim: _Simulator, *, gpus: int | None = None, algorithms: dict[int, str] | None = None
+    request: PlanRequest,
+    sim: _Simulator,
+    *,
+    gpus: int | None = None,
+    algorithms: dict[int, str] | None = None,
+    busiest: bool = False,
 ) -> StepPlan:
     n = request.gpus if gpus is None else gpus
     buckets = request.bucket_bytes
@@ -304,7 +311,7 @@ def _plan_step(
             result = sim.fastest(request, n, size)
         else:
             result = sim.run(request, request.algorithm, n, size)
-        runs[size] = _size_run(result, size, count)
+        runs[size] = _size_run(result, size, count, busiest=busiest)
     step = step_time(buckets, [runs[b].seconds for b in buckets], request.step_compute)
     return StepPlan(request, step, tuple(runs[s] for s in sizes))
 
@@ -454,7 +461,7 @@ def plan(
     sim = _Simulator()
     say = progress or (lambda _text: None)
     say(f"base plan on {request.gpus} GPUs")
-    base = _plan_step(request, sim)
+    base = _plan_step(request, sim, busiest=True)
     rows: list[ScalingRow] = []
     if scaling:
         first: float | None = None
