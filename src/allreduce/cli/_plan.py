@@ -126,7 +126,11 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
         help="compute per micro-batch as a distribution over GPUs and steps: lognormal:median=300ms,p99=400ms, "
         "empirical:steps.csv (as allreduce tail); adds p50/p99 step times",
     )
-    compute.add_argument("--gpu-tflops", type=_positive_float("--gpu-tflops"), help="the GPU's peak TFLOPS")
+    compute.add_argument(
+        "--gpu-tflops",
+        type=_positive_float("--gpu-tflops"),
+        help="the GPU's peak TFLOPS (with --measure or --profile: the step's counted FLOPs run at this x --mfu)",
+    )
     compute.add_argument(
         "--mfu", type=_positive_float("--mfu", at_most=1.0), default=0.4, help="model FLOPs utilization"
     )
