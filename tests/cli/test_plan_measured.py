@@ -127,3 +127,36 @@ def test_a_missing_profile_is_named(capsys: pytest.CaptureFixture[str], tmp_path
     code, _, err = run(capsys, "--profile", str(tmp_path / "none.json"), *CLUSTER)
     assert code == 2
     assert "none.json: cannot read the profile" in err
+
+
+@pytest.mark.slow
+def test_a_profile_moved_to_a_target_gpu_runs_its_counted_flops_there(
+    capsys: pytest.CaptureFixture[str], trace: Path
+) -> None:
+    code, out, err = run(capsys, "--profile", str(trace), *CLUSTER, "--gpu-tflops", "100", "--mfu", "0.5", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    measured = document["measured"]
+    assert measured["flops"] == 2 * 32 * (2 * (128 * 256 + 256 * 10) + 256 * 10)
+    assert document["base"]["micro_batch_s"] == pytest.approx(measured["flops"] / 50e12)
+    assert "moved to the target GPU" in measured["source"]
+
+
+@pytest.mark.slow
+def test_the_json_of_a_profiled_plan_has_the_steps_timeline(capsys: pytest.CaptureFixture[str], trace: Path) -> None:
+    code, out, err = run(capsys, "--profile", str(trace), *CLUSTER, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    timeline, base = document["timeline"], document["base"]
+    assert len(timeline["buckets"]) == base["buckets"]
+    assert sum(b["size_bytes"] for b in timeline["buckets"]) == base["params"] * 2  # bf16 gradients
+    assert max(timeline["compute_end_s"], timeline["buckets"][-1]["end_s"]) == pytest.approx(base["step_s"])
+
+
+@pytest.mark.slow
+def test_a_profiled_plan_says_where_its_backward_timing_comes_from(
+    capsys: pytest.CaptureFixture[str], trace: Path
+) -> None:
+    code, out, err = run(capsys, "--profile", str(trace), *CLUSTER)
+    assert code == 0, err
+    assert "backward timing: profile step.json: forward" in out

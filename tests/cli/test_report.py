@@ -29,6 +29,7 @@ def test_plan_json_to_html_and_png(capsys: pytest.CaptureFixture[str], tmp_path:
     assert sorted(p.name for p in (tmp_path / "png").iterdir()) == [
         "d0-breakdown.png",
         "d0-busbw.png",
+        "d0-goodput.png",
         "d0-links.png",
         "d0-scaling.png",
     ]

@@ -14,15 +14,18 @@ from allreduce.plan._goodput import (
     Checkpointing,
     FailureRates,
     Fleet,
+    Network,
     checkpoint_bytes,
     daly_interval,
     elastic_goodput,
+    fleet_of,
     goodput_table,
     restart_goodput,
     simulate_elastic,
     simulate_restarts,
     young_interval,
 )
+from allreduce.topology import parse_topology
 
 MONTH_S = 30 * 86400.0
 
@@ -128,3 +131,16 @@ def test_a_negative_failure_rate_is_refused_naming_it() -> None:
 def test_a_replacement_wait_longer_than_the_restart_is_refused() -> None:
     with pytest.raises(ValueError, match="replace_s"):
         Checkpointing(write_s=10.0, restart_s=60.0, replace_s=120.0)
+
+
+@pytest.mark.parametrize("k", [4, 8, 16])
+def test_a_fat_trees_network_has_its_closed_form_cables_and_switches(k: int) -> None:
+    # k^3/4 hosts, each with one cable to its edge switch, and as many cables between each two tiers above;
+    # k^2/2 edge and k^2/2 aggregation switches and k^2/4 core switches
+    network = Network.of(parse_topology(f"fat-tree:k={k}"))
+    assert (network.gpus, network.cables, network.switches) == (k**3 // 4, 3 * k**3 // 4, 5 * k**2 // 4)
+
+
+def test_a_job_counts_the_networks_parts_in_proportion_to_its_gpus() -> None:
+    fleet = fleet_of(Network(gpus=1024, cables=3072, switches=320), 256, 8)
+    assert (fleet.hosts, fleet.counts()["cable"], fleet.switches) == (32, 768, 80)

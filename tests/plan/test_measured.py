@@ -108,3 +108,33 @@ def test_scaling_keeps_the_ready_fractions_and_scales_every_duration() -> None:
     target = measured.scaled(0.3, "target")
     assert target.ready_fraction == measured.ready_fraction
     assert (target.forward_s, target.backward_s, target.optimizer_s) == pytest.approx((0.1, 0.2, 0.05))
+
+
+# FLOPs of one forward and backward of _mlp on 64 inputs: each Linear's product 2·batch·in·out forward, again for
+# its weight's gradient, and again for its input's gradient except the first layer's (its input needs none).
+MLP_FLOPS = 2 * 64 * (2 * (256 * 512 + 512 * 512 + 512 * 8) + (512 * 512 + 512 * 8))
+
+
+def test_measuring_a_model_counts_its_forward_and_backward_flops() -> None:
+    assert measure_module(_mlp(), (torch.randn(64, 256),), repeats=1).flops == MLP_FLOPS
+
+
+def test_a_profile_counts_the_same_flops_from_its_matrix_products_shapes(tmp_path: Path) -> None:
+    trace = tmp_path / "step.json"
+    _record_trace(trace)
+    assert read_profile(str(trace)).flops == MLP_FLOPS
+
+
+def test_on_a_target_gpu_the_counted_flops_run_at_its_peak_times_mfu() -> None:
+    measured = MeasuredBackward("m", (10, 20), (1.0, 0.5), forward_s=1.0, backward_s=2.0, optimizer_s=0.5, flops=6e12)
+    target = measured.on_gpu(gpu_tflops=100.0, mfu=0.5)
+    assert target.compute_s == pytest.approx(6e12 / 50e12)
+    assert target.backward_share == pytest.approx(measured.backward_share)
+    assert target.ready_fraction == measured.ready_fraction
+    assert "6000 GFLOP per micro-batch counted, 2 TFLOPS here, 100 TFLOPS x MFU 0.5 there" in target.source
+
+
+def test_a_step_without_counted_flops_cannot_be_moved_to_a_target_gpu() -> None:
+    measured = MeasuredBackward("trace.json", (10,), (1.0,), forward_s=1.0, backward_s=2.0, optimizer_s=0.5)
+    with pytest.raises(ValueError, match=r"trace\.json: no FLOPs were counted.*give --compute-ms"):
+        measured.on_gpu(gpu_tflops=100.0, mfu=0.5)

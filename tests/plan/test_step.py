@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from allreduce.plan import Compute, step_time
+from allreduce.plan import Compute, step_time, step_timeline
 
 
 def test_without_overlap_the_step_is_compute_plus_every_all_reduce() -> None:
@@ -51,15 +51,18 @@ computes = st.builds(
     overlap=st.booleans(),
     straggler_slowdown=st.floats(0, 1),
 )
+# Buckets in all-reduce order: their sizes and their all-reduce times.
+bucket_times = st.lists(st.tuples(st.integers(1, 10**9), st.floats(0, 1)), min_size=1, max_size=20).map(
+    lambda pairs: ([b for b, _ in pairs], [s for _, s in pairs])
+)
 
 
-@given(st.lists(st.tuples(st.integers(1, 10**9), st.floats(0, 1)), min_size=1, max_size=20), computes)
+@given(bucket_times, computes)
 @pytest.mark.slow
 def test_the_split_adds_up_and_the_step_is_bounded_by_its_parts(
-    buckets: list[tuple[int, float]], compute: Compute
+    buckets: tuple[list[int], list[float]], compute: Compute
 ) -> None:
-    sizes = [b for b, _ in buckets]
-    seconds = [s for _, s in buckets]
+    sizes, seconds = buckets
     compute_s, accumulation, slow = compute.micro_batch_s, compute.accumulation_steps, compute.straggler_slowdown
     step = step_time(sizes, seconds, compute)
     assert step.step_s == pytest.approx(step.compute_s + step.waiting_s + step.exposed_comm_s, abs=1e-9)
@@ -67,3 +70,28 @@ def test_the_split_adds_up_and_the_step_is_bounded_by_its_parts(
     assert step.step_s >= max(slowest, sum(seconds)) - 1e-9
     assert step.step_s <= slowest + sum(seconds) + 1e-9
     assert 0 <= step.exposed_comm_s <= step.comm_s + 1e-9
+
+
+@given(bucket_times, computes)
+@pytest.mark.slow
+def test_the_timeline_queues_each_bucket_after_its_ready_time_and_the_one_before(
+    buckets: tuple[list[int], list[float]], compute: Compute
+) -> None:
+    sizes, seconds = buckets
+    timeline = step_timeline(sizes, seconds, compute)
+    assert timeline.step_s == step_time(sizes, seconds, compute).step_s
+    previous_end = 0.0
+    for span, duration in zip(timeline.buckets, seconds, strict=True):
+        assert span.start_s == max(span.ready_s, previous_end)
+        assert span.end_s == pytest.approx(span.start_s + duration)
+        assert timeline.backward_start_s - 1e-12 <= span.ready_s <= timeline.compute_end_s + 1e-12
+        previous_end = span.end_s
+
+
+def test_a_measured_bucket_is_ready_at_its_share_of_the_last_backward() -> None:
+    # two micro-batches of 1 s, backward the last 0.6 s of each: the last backward runs from 1.4 s to 2 s
+    compute = Compute(1.0, backward_fraction=0.6, accumulation_steps=2, bucket_ready=(0.25, 1.0))
+    timeline = step_timeline((100, 100), (0.5, 0.1), compute)
+    assert (timeline.forward_start_s, timeline.backward_start_s, timeline.compute_end_s) == pytest.approx((1, 1.4, 2))
+    assert [b.ready_s for b in timeline.buckets] == pytest.approx([1.55, 2.0])
+    assert [t for b in timeline.buckets for t in (b.start_s, b.end_s)] == pytest.approx([1.55, 2.05, 2.05, 2.15])

@@ -1,4 +1,5 @@
-"""A small plan and a small tail result, computed once, for the report's tests."""
+"""Small plans (one with failures and a measured backward) and a small tail result, computed once, for the
+report's tests."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from allreduce.plan import Compute, PlanRequest, model_from_params, plan
+from allreduce.plan import Compute, FailureSettings, MeasuredBackward, PlanRequest, model_from_params, plan
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel, TailConfig, simulate_tail
 from allreduce.topology import parse_topology
@@ -18,6 +19,29 @@ def plan_document() -> dict[str, Any]:
         model=model_from_params(5e7), gpus=16, topology="fat-tree:k=4", compute=Compute(0.02), algorithm="auto"
     )
     return plan(request).to_json()
+
+
+@pytest.fixture(scope="session")
+def measured_plan_document() -> dict[str, Any]:
+    """A plan driven by a measured backward (four tensors, the last registered ready first), with failures."""
+    measured = MeasuredBackward(
+        "measured: four tensors",
+        tensor_params=(2_000_000, 3_000_000, 500_000, 4_000_000),
+        ready_fraction=(0.95, 0.6, 0.3, 0.05),
+        forward_s=0.01,
+        backward_s=0.02,
+        optimizer_s=0.002,
+        flops=1e12,
+    )
+    request = PlanRequest(
+        model=measured.model("four-tensors"),
+        gpus=16,
+        topology="fat-tree:k=4",
+        compute=Compute(measured.compute_s, backward_fraction=measured.backward_share),
+        bucket_cap_bytes=5 * 2**20,
+        measured=measured,
+    )
+    return plan(request, what_ifs=False, failures=FailureSettings()).to_json()
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,27 @@ def _probe(browser: str, page: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return json.loads(html.unescape(match.group(1))), _console(done.stderr)
 
 
+def _assert_drawn(figure: dict[str, Any]) -> None:
+    """The figure's SVG laid out at a readable size and shown on the page."""
+    assert figure["width"] > 100, figure
+    assert figure["height"] > 100, figure
+    assert figure["shown"] > 0, figure
+
+
+def _screenshot(browser: str, page: Path, name: str) -> bytes:
+    """A screenshot of ``page``, kept as ``name`` under $ALLREDUCE_ARTIFACTS (else beside the page); its bytes."""
+    artifacts = Path(os.environ.get("ALLREDUCE_ARTIFACTS", page.parent))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    screenshot = artifacts / name
+    shot = _run(browser, f"--window-size={WINDOW}", f"--screenshot={screenshot}", page.as_uri())
+    assert shot.returncode == 0, shot.stderr[-500:]
+    assert _console(shot.stderr) == []
+    data = screenshot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    print(f"screenshot: {screenshot}")
+    return data
+
+
 @pytest.mark.slow
 def test_the_harness_sees_a_console_error(tmp_path: Path) -> None:
     browser = _browser()
@@ -82,21 +103,9 @@ def test_chromium_renders_every_figure_without_console_errors(tmp_path: Path, pl
     assert console == []
     assert [f["id"] for f in figures] == ["d0-scaling", "d0-breakdown", "d0-busbw", "d0-links"]
     for figure in figures:
-        assert figure["width"] > 100, figure
-        assert figure["height"] > 100, figure
-        assert figure["shown"] > 0, figure
+        _assert_drawn(figure)
         assert figure["shapes"] > 3, figure
-
-    artifacts = Path(os.environ.get("ALLREDUCE_ARTIFACTS", tmp_path))
-    artifacts.mkdir(parents=True, exist_ok=True)
-    screenshot = artifacts / "report.png"
-    shot = _run(browser, f"--window-size={WINDOW}", f"--screenshot={screenshot}", page.as_uri())
-    assert shot.returncode == 0, shot.stderr[-500:]
-    assert _console(shot.stderr) == []
-    data = screenshot.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(data) > 20_000  # a blank page of this size compresses to a few KB
-    print(f"screenshot: {screenshot}")
+    assert len(_screenshot(browser, page, "report.png")) > 20_000  # a blank page compresses to a few KB
 
 
 @pytest.mark.slow
@@ -109,14 +118,25 @@ def test_chromium_draws_the_tail_cdf_beside_a_plan(
     assert console == []
     assert [f["id"] for f in figures] == ["d0-scaling", "d0-breakdown", "d0-busbw", "d0-links", "d1-tail"]
     tail = figures[-1]
-    assert tail["width"] > 100, tail
-    assert tail["height"] > 100, tail
-    assert tail["shown"] > 0, tail
+    _assert_drawn(tail)
     assert tail["shapes"] > 3, tail  # the frame, two polylines and their points
+    _screenshot(browser, page, "report-tail.png")
 
-    artifacts = Path(os.environ.get("ALLREDUCE_ARTIFACTS", tmp_path))
-    artifacts.mkdir(parents=True, exist_ok=True)
-    screenshot = artifacts / "report-tail.png"
-    shot = _run(browser, f"--window-size={WINDOW}", f"--screenshot={screenshot}", page.as_uri())
-    assert shot.returncode == 0, shot.stderr[-500:]
-    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+@pytest.mark.slow
+def test_chromium_draws_goodput_and_the_measured_step_timeline(
+    tmp_path: Path, measured_plan_document: dict[str, Any]
+) -> None:
+    browser = _browser()
+    page = write_report(tmp_path / "measured.html", [measured_plan_document])
+    figures, console = _probe(browser, page)
+    assert console == []
+    drawn = {f["id"]: f for f in figures}
+    assert {"d0-goodput", "d0-timeline"} <= set(drawn)
+    buckets = len(measured_plan_document["timeline"]["buckets"])
+    # the frame, forward, backward, and a ready tick and an all-reduce per bucket
+    assert drawn["d0-timeline"]["shapes"] >= 3 + 2 * buckets, drawn["d0-timeline"]
+    assert drawn["d0-goodput"]["shapes"] > 3, drawn["d0-goodput"]
+    _assert_drawn(drawn["d0-goodput"])
+    _assert_drawn(drawn["d0-timeline"])
+    _screenshot(browser, page, "report-measured.png")

@@ -58,8 +58,10 @@ def sweep_document() -> dict[str, Any]:
 
 
 @pytest.fixture
-def documents(plan_document: dict[str, Any], tail_document: dict[str, Any]) -> list[dict[str, Any]]:
-    return [plan_document, tail_document, sim_document(), bench_document(), sweep_document()]
+def documents(
+    plan_document: dict[str, Any], measured_plan_document: dict[str, Any], tail_document: dict[str, Any]
+) -> list[dict[str, Any]]:
+    return [plan_document, measured_plan_document, tail_document, sim_document(), bench_document(), sweep_document()]
 
 
 def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -184,8 +186,10 @@ def test_the_chromium_check_sees_a_payload_that_runs(tmp_path: Path) -> None:
 
 def _hostile_numbers(documents: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     """The numeric fields a crafted file got through as raw HTML, each carrying a payload."""
-    plan, tail, sim, bench, _ = documents
+    plan, measured, tail, sim, bench, _ = documents
     return [
+        ("goodput.gpus", _set(measured, ("goodput", "gpus"), PAYLOADS[1])),
+        ("measured.tensors", _set(measured, ("measured", "tensors"), PAYLOADS[0])),
         ("ranks", {**sim, "ranks": PAYLOADS[0]}),
         ("samples", {**tail, "samples": PAYLOADS[1]}),
         ("seed", {**tail, "seed": PAYLOADS[0]}),

@@ -186,3 +186,52 @@ def test_the_breakdown_bars_leave_the_random_loss_rows_to_the_table(plan_documen
     assert not set(loss_rows) & set(breakdown.categories)
     assert breakdown.categories[0] == "base"
     assert len(breakdown.categories) == 1 + len(plan_document["what_ifs"]) - len(loss_rows)
+
+
+def test_every_goodput_and_timeline_number_on_the_page_is_the_plans(measured_plan_document: dict[str, Any]) -> None:
+    cells = parse(render_report([measured_plan_document]))
+    policies = measured_plan_document["goodput"]["policies"]
+    for i, row in enumerate(policies):
+        assert float(cells.values[f"0.goodput.policies.{i}.goodput"]) == row["goodput"]
+    for i, row in enumerate(measured_plan_document["scaling"]):
+        assert float(cells.values[f"0.scaling.{i}.goodput"]) == row["goodput"]
+    assert [p["policy"] for p in policies] == ["restart", "spares", "elastic"]
+
+
+def test_the_goodput_figure_plots_the_scaling_tables_goodput(measured_plan_document: dict[str, Any]) -> None:
+    figure = next(f for f in figures_of([measured_plan_document]) if f.ident == "d0-goodput")
+    goodput = figure.series[0]
+    assert goodput.x == tuple(float(r["gpus"]) for r in measured_plan_document["scaling"])
+    assert goodput.y == tuple(100.0 * r["goodput"] for r in measured_plan_document["scaling"])
+
+
+def test_the_timeline_draws_each_buckets_ready_time_and_all_reduce(measured_plan_document: dict[str, Any]) -> None:
+    figure = next(f for f in figures_of([measured_plan_document]) if f.ident == "d0-timeline")
+    buckets = measured_plan_document["timeline"]["buckets"]
+    ready = [s for s in figure.spans if s.lane == 2]
+    reduced = [s for s in figure.spans if s.lane == 3]
+    assert [s.start for s in ready] == [b["ready_s"] * 1e3 for b in buckets]
+    assert [(s.start, s.end) for s in reduced] == [(b["start_s"] * 1e3, b["end_s"] * 1e3) for b in buckets]
+
+
+def test_a_timeline_of_many_buckets_draws_back_to_back_all_reduces_as_one(
+    measured_plan_document: dict[str, Any],
+) -> None:
+    timeline = measured_plan_document["timeline"]
+    many = [{"size_bytes": 10, "ready_s": 0.01, "start_s": 0.01 + k * 1e-4, "end_s": 0.01 + (k + 1) * 1e-4} for k in
+            range(1000)]  # fmt: skip
+    doc = {**measured_plan_document, "timeline": {**timeline, "buckets": many}}
+    figure = next(f for f in figures_of([doc]) if f.ident == "d0-timeline")
+    reduced = [s for s in figure.spans if s.lane == 3]
+    assert [(s.start, s.end, s.label) for s in reduced] == [(10.0, 10.0 + 1000 * 0.1, "buckets 0-999 all-reduce")]
+
+
+@pytest.mark.slow
+def test_goodput_and_timeline_pngs_are_written_with_matplotlib(
+    tmp_path: Path, measured_plan_document: dict[str, Any]
+) -> None:
+    pytest.importorskip("matplotlib")
+    figures = [f for f in figures_of([measured_plan_document]) if f.ident in ("d0-goodput", "d0-timeline")]
+    paths = write_pngs(figures, tmp_path / "png")
+    assert [p.name for p in paths] == ["d0-goodput.png", "d0-timeline.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)

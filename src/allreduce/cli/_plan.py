@@ -126,7 +126,11 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
         help="compute per micro-batch as a distribution over GPUs and steps: lognormal:median=300ms,p99=400ms, "
         "empirical:steps.csv (as allreduce tail); adds p50/p99 step times",
     )
-    compute.add_argument("--gpu-tflops", type=_positive_float("--gpu-tflops"), help="the GPU's peak TFLOPS")
+    compute.add_argument(
+        "--gpu-tflops",
+        type=_positive_float("--gpu-tflops"),
+        help="the GPU's peak TFLOPS (with --measure or --profile: the step's counted FLOPs run at this x --mfu)",
+    )
     compute.add_argument(
         "--mfu", type=_positive_float("--mfu", at_most=1.0), default=0.4, help="model FLOPs utilization"
     )
@@ -291,6 +295,12 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         if args.gpu_tflops is not None:
             raise CLIError("give --compute-ms or --gpu-tflops, not both")
         micro_batch_s = args.compute_ms / 1e3
+    elif args.gpu_tflops is not None and measured is not None:
+        try:
+            measured = measured.on_gpu(gpu_tflops=args.gpu_tflops, mfu=args.mfu)
+        except ValueError as exc:
+            raise CLIError(f"--gpu-tflops: {exc}") from None
+        micro_batch_s = measured.compute_s
     elif args.gpu_tflops is not None:
         micro_batch_s = compute_seconds(
             model,
@@ -305,6 +315,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         raise CLIError(
             "say how long compute takes: --compute-ms, --compute DIST, or --gpu-tflops with --tokens-per-gpu"
         )
+    if measured is not None and micro_batch_s != measured.compute_s:
+        measured = measured.scaled(micro_batch_s, f"{measured.source}, scaled to {format_seconds(micro_batch_s)}")
     compute = Compute(
         micro_batch_s,
         backward_fraction=measured.backward_share if measured is not None else args.backward_fraction,
@@ -325,6 +337,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         seed=args.seed,
         engine=args.engine,
         compute_distribution=distribution,
+        measured=measured,
     )
 
 
@@ -349,6 +362,7 @@ def render(result: Plan) -> str:
             f"{r.count} x {format_bytes(r.size_bytes)} by {r.algorithm} in {format_seconds(r.seconds)}"
             for r in base.runs
         ),
+        *([f"backward timing: {request.measured.describe()}"] if request.measured else []),
         "",
         f"step time      {format_seconds(step.step_s)}"
         + (

@@ -4,6 +4,7 @@
 :func:`plan_step` is one configuration (what a sweep case computes); :func:`run_sweep` runs many on any executor.
 """
 
+from allreduce.plan._answer import Plan, ScalingRow, SizeRun, StepPlan, WhatIf
 from allreduce.plan._goodput import (
     LLAMA3_RATES,
     POLICIES,
@@ -14,6 +15,7 @@ from allreduce.plan._goodput import (
     Fleet,
     GoodputPlan,
     GoodputRow,
+    Network,
     checkpoint_bytes,
     daly_interval,
     fleet_of,
@@ -22,22 +24,24 @@ from allreduce.plan._goodput import (
 )
 from allreduce.plan._measured import MeasuredBackward, measure_module, measure_spec, read_profile
 from allreduce.plan._planner import (
-    AUTO,
     WHAT_IF_LOSS_PROBABILITY,
-    Plan,
-    PlanRequest,
-    ScalingRow,
-    SizeRun,
-    StepPlan,
-    StepQuantiles,
-    WhatIf,
     compute_quantiles,
     compute_seconds,
     plan,
     plan_step,
     scaling_counts,
 )
-from allreduce.plan._step import BACKWARD_FRACTION, Compute, StepTime, step_seconds, step_time
+from allreduce.plan._request import AUTO, PlanRequest
+from allreduce.plan._step import (
+    BACKWARD_FRACTION,
+    BucketSpan,
+    Compute,
+    StepTime,
+    StepTimeline,
+    step_seconds,
+    step_time,
+    step_timeline,
+)
 from allreduce.plan._sweep import (
     COLUMNS,
     DEFAULT_IN_FLIGHT,
@@ -58,6 +62,7 @@ from allreduce.plan._sweep import (
     run_case,
     run_sweep,
 )
+from allreduce.plan._tail import StepQuantiles
 from allreduce.plan._workload import (
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_BYTES,
@@ -90,6 +95,7 @@ __all__ = [
     "PRESETS",
     "STORAGE_BPS",
     "WHAT_IF_LOSS_PROBABILITY",
+    "BucketSpan",
     "Checkpointing",
     "Compute",
     "DaskExecutor",
@@ -101,6 +107,7 @@ __all__ = [
     "Grid",
     "MeasuredBackward",
     "Model",
+    "Network",
     "Plan",
     "PlanRequest",
     "ScalingRow",
@@ -108,6 +115,7 @@ __all__ = [
     "StepPlan",
     "StepQuantiles",
     "StepTime",
+    "StepTimeline",
     "SweepSummary",
     "WhatIf",
     "bucket_count_bound",
@@ -141,4 +149,5 @@ __all__ = [
     "scaling_counts",
     "step_seconds",
     "step_time",
+    "step_timeline",
 ]

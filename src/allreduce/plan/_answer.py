@@ -8,7 +8,7 @@ from typing import Any
 
 from allreduce.plan._goodput import GoodputPlan
 from allreduce.plan._request import PlanRequest
-from allreduce.plan._step import StepTime
+from allreduce.plan._step import StepTime, StepTimeline
 from allreduce.plan._tail import StepQuantiles
 
 __all__ = ["Plan", "ScalingRow", "SizeRun", "StepPlan", "WhatIf"]
@@ -24,7 +24,7 @@ class SizeRun:
     seconds: float
     busbw_Bps: float
     exact: bool
-    links: tuple[tuple[str, float], ...]  # the busiest links and their utilization
+    links: tuple[tuple[str, float], ...]  # the busiest links and their utilization (a plan's base step only)
     bottleneck_link: str | None  # the link the critical path waited on most
 
     def to_json(self) -> dict[str, Any]:
@@ -109,9 +109,11 @@ class Plan:
     notes: tuple[str, ...] = ()
     quantiles: StepQuantiles | None = None  # of the base step, with a compute distribution
     goodput: GoodputPlan | None = None  # failures and recovery policies on the base GPUs
+    timeline: StepTimeline | None = None  # of the base step, when backward was measured or profiled
 
     def to_json(self) -> dict[str, Any]:
         dominant = self.base.dominant
+        measured = self.base.request.measured
         return {
             "kind": "plan",
             "base": {**self.base.to_json(), **(self.quantiles.to_json() if self.quantiles else {})},
@@ -126,6 +128,8 @@ class Plan:
             ],
             "notes": list(self.notes),
             **({"goodput": self.goodput.to_json()} if self.goodput else {}),
+            **({"measured": measured.to_json()} if measured else {}),
+            **({"timeline": self.timeline.to_json()} if self.timeline else {}),
         }
 
 

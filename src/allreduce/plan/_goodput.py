@@ -62,6 +62,7 @@ __all__ = [
     "Fleet",
     "GoodputPlan",
     "GoodputRow",
+    "Network",
     "checkpoint_bytes",
     "daly_interval",
     "elastic_goodput",
@@ -411,37 +412,52 @@ class GoodputPlan:
         }
 
 
-def fleet_of(topology: Topology | None, gpus: int, gpus_per_host: int) -> Fleet:
-    """The parts a job of ``gpus`` uses: hosts of ``gpus_per_host``, one NIC per GPU, and the topology's network
-    cables and switches in proportion to the GPUs the job takes of it. Without a topology, three cables per GPU (a
-    non-blocking three-tier Clos) and no switch counted apart. A cable is a link between two nodes that is neither
-    GPU-to-NIC (PCIe) nor a GPU's NVLink-class link."""
-    if topology is None:
+@dataclass(frozen=True)
+class Network:
+    """The parts of a whole topology's network that can fail: its GPUs, its cables (links between two nodes that
+    are neither GPU-to-NIC, PCIe, nor a GPU's NVLink-class link) and the switches those cables connect."""
+
+    gpus: int
+    cables: int
+    switches: int
+
+    @classmethod
+    def of(cls, topology: Topology) -> Network:
+        kind = topology.node_kind
+        src, dst = topology.link_src, topology.link_dst
+        gpu = int(NodeKind.GPU)
+        nic = int(NodeKind.NIC)
+        pcie = ((kind[src] == gpu) & (kind[dst] == nic)) | ((kind[src] == nic) & (kind[dst] == gpu))
+        nvlink = ((kind[src] == gpu) | (kind[dst] == gpu)) & (topology.link_bandwidth_Bps >= NVLINK_BANDWIDTH_BPS)
+        cable = ~pcie & ~nvlink
+        network_switches = np.unique(np.concatenate([src[cable], dst[cable]]))
+        switches = int(np.count_nonzero(kind[network_switches] == int(NodeKind.SWITCH)))
+        # a cable is two directed links
+        return cls(topology.num_gpus, int(np.count_nonzero(cable)) // 2, switches)
+
+
+def fleet_of(network: Network | None, gpus: int, gpus_per_host: int) -> Fleet:
+    """The parts a job of ``gpus`` uses: hosts of ``gpus_per_host``, one NIC per GPU, and the network's cables and
+    switches in proportion to the GPUs the job takes of it. Without a network, three cables per GPU (a non-blocking
+    three-tier Clos) and no switch counted apart."""
+    if network is None:
         return Fleet(gpus, gpus_per_host)
-    kind = topology.node_kind
-    src, dst = topology.link_src, topology.link_dst
-    gpu = int(NodeKind.GPU)
-    nic = int(NodeKind.NIC)
-    pcie = ((kind[src] == gpu) & (kind[dst] == nic)) | ((kind[src] == nic) & (kind[dst] == gpu))
-    nvlink = ((kind[src] == gpu) | (kind[dst] == gpu)) & (topology.link_bandwidth_Bps >= NVLINK_BANDWIDTH_BPS)
-    cable = ~pcie & ~nvlink
-    network_switches = np.unique(np.concatenate([src[cable], dst[cable]]))
-    switches = int(np.count_nonzero(kind[network_switches] == int(NodeKind.SWITCH)))
-    share = min(1.0, gpus / max(1, topology.num_gpus))
+    share = min(1.0, gpus / max(1, network.gpus))
     return Fleet(
         gpus,
         gpus_per_host,
         nics=gpus,
-        cables=round(int(np.count_nonzero(cable)) // 2 * share),
-        switches=round(switches * share),
+        cables=round(network.cables * share),
+        switches=round(network.switches * share),
     )
 
 
 def goodput_plan(
-    settings: FailureSettings, *, gpus: int, parameters: float, step_s: float, topology: Topology | None = None
+    settings: FailureSettings, *, gpus: int, parameters: float, step_s: float, network: Network | None = None
 ) -> GoodputPlan:
-    """Failures and goodput of ``gpus`` GPUs training a model of ``parameters`` at ``step_s`` per step."""
-    fleet = fleet_of(topology, gpus, settings.gpus_per_host)
+    """Failures and goodput of ``gpus`` GPUs of ``network`` (see :func:`fleet_of`) training a model of
+    ``parameters`` at ``step_s`` per step."""
+    fleet = fleet_of(network, gpus, settings.gpus_per_host)
     ckpt = settings.checkpointing(parameters)
     rows = tuple(goodput_table(fleet, settings.rates, ckpt, step_s=step_s))
     return GoodputPlan(

@@ -18,6 +18,11 @@ parameter tensor's ready time as a fraction of backward (0: ready as backward st
   A trace does not say which parameter a gradient belongs to, only its shape and when it was ready; tensors are
   taken in registration order as the reverse of their ready order (the order DDP's buckets assume).
 
+Either also counts the FLOPs of forward and backward (:class:`torch.utils.flop_counter.FlopCounterMode` on the
+module; from a trace, each matrix product's ``2·m·k·n`` from its input shapes, or the ``flops`` value an event
+carries), so :meth:`MeasuredBackward.on_gpu` can move the step to a target GPU: the same
+FLOPs at the target's peak × MFU, the measured shape (backward's share, the ready times) kept.
+
 Chakra execution traces (another format that carries the same dependencies) are not read: no package that reads
 them installs from the Python package index.
 """
@@ -53,6 +58,7 @@ class MeasuredBackward:
     forward_s: float
     backward_s: float
     optimizer_s: float
+    flops: float | None = None  # of forward and backward of one micro-batch, as counted (None: not counted)
 
     def __post_init__(self) -> None:
         if len(self.tensor_params) != len(self.ready_fraction):
@@ -65,6 +71,8 @@ class MeasuredBackward:
                 raise ValueError(f"{self.source}: {name} must be a finite number of seconds >= 0, got {value}")
         if any(not 0.0 <= f <= 1.0 for f in self.ready_fraction):
             raise ValueError(f"{self.source}: ready fractions must lie in [0, 1]")
+        if self.flops is not None and not (math.isfinite(self.flops) and self.flops > 0):
+            raise ValueError(f"{self.source}: flops must be a finite number > 0, got {self.flops}")
 
     @property
     def compute_s(self) -> float:
@@ -85,6 +93,25 @@ class MeasuredBackward:
             self.forward_s * factor,
             self.backward_s * factor,
             self.optimizer_s * factor,
+            self.flops,
+        )
+
+    def on_gpu(self, *, gpu_tflops: float, mfu: float) -> MeasuredBackward:
+        """The same step on a GPU of ``gpu_tflops`` peak at ``mfu``: its counted FLOPs at that rate; the source
+        states both machines' rates."""
+        if self.flops is None:
+            raise ValueError(
+                f"{self.source}: no FLOPs were counted (a trace without matrix products, such as a convolutional "
+                "model's), so --gpu-tflops cannot move it to the target GPU; give --compute-ms"
+            )
+        if not (math.isfinite(gpu_tflops) and gpu_tflops > 0 and 0 < mfu <= 1):
+            raise ValueError(f"--gpu-tflops must be > 0 and --mfu in (0, 1], got {gpu_tflops} and {mfu}")
+        target_s = self.flops / (gpu_tflops * 1e12 * mfu)
+        here = f"{self.flops / self.compute_s / 1e12:.3g} TFLOPS here" if self.compute_s > 0 else "no time here"
+        return self.scaled(
+            target_s,
+            f"{self.source}, moved to the target GPU: {self.flops / 1e9:.4g} GFLOP per micro-batch counted, "
+            f"{here}, {gpu_tflops:g} TFLOPS x MFU {mfu:g} there",
         )
 
     def model(self, name: str) -> Model:
@@ -105,6 +132,7 @@ class MeasuredBackward:
             "forward_s": self.forward_s,
             "backward_s": self.backward_s,
             "optimizer_s": self.optimizer_s,
+            "flops": self.flops,
         }
 
 
@@ -173,6 +201,7 @@ def measure_module(
     finally:
         for handle in handles:
             handle.remove()
+    flops = _counted_flops(net, inputs)
     ready = tuple(statistics.median(column) for column in zip(*fractions, strict=True))
     return MeasuredBackward(
         source or f"measured: {type(net).__name__}, median of {repeats} steps on this machine",
@@ -181,7 +210,20 @@ def measure_module(
         statistics.median(forward),
         statistics.median(backward),
         statistics.median(step),
+        flops,
     )
+
+
+def _counted_flops(net: Any, inputs: Sequence[Any]) -> float | None:
+    """FLOPs of one forward and backward of ``net`` (torch's flop counter; None when it counts none)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _loss_of(net(*inputs)).backward()
+    net.zero_grad(set_to_none=True)
+    total = float(counter.get_total_flops())
+    return total if total > 0 else None
 
 
 def measure_spec(spec: str, *, repeats: int = 5) -> MeasuredBackward:
@@ -206,6 +248,9 @@ _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _OPTIMIZER_PREFIX = "Optimizer.step#"
 _STEP_PREFIX = "ProfilerStep"
+# Matrix products whose FLOPs a trace's input shapes give: (m x k) @ (k x n) is 2·m·k·n; the batched ones carry a
+# leading batch dimension. Operators that call these (linear, matmul) are not counted again.
+_PRODUCT_INPUTS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddbmm": 1}
 
 
 def read_profile(path: str) -> MeasuredBackward:
@@ -260,6 +305,7 @@ def read_profile(path: str) -> MeasuredBackward:
     if not grads:
         raise ValueError(f"{path}: no gradients in the trace (no {_ACCUMULATE} events)")
     forward_start = min(float(e["ts"]) for e in spans if not str(e["name"]).startswith(_STEP_PREFIX))
+    flops = sum(_event_flops(e) for e in spans if float(e["ts"]) <= backward_end)
     optimizer_us = sum(float(e["dur"]) for e in spans if str(e["name"]).startswith(_OPTIMIZER_PREFIX))
     return MeasuredBackward(
         f"profile {os.path.basename(path)}",
@@ -268,7 +314,27 @@ def read_profile(path: str) -> MeasuredBackward:
         max(0.0, backward_start - forward_start) / 1e6,
         (backward_end - backward_start) / 1e6,
         optimizer_us / 1e6,
+        flops or None,
     )
+
+
+def _event_flops(event: dict[str, Any]) -> float:
+    """The FLOPs of one trace event: as the profiler recorded them, else a matrix product's from its shapes."""
+    args = event.get("args") or {}
+    recorded = args.get("flops")
+    if isinstance(recorded, int | float) and math.isfinite(recorded) and recorded > 0:
+        return float(recorded)
+    first = _PRODUCT_INPUTS.get(str(event["name"]))
+    dims = args.get("Input Dims")
+    if first is None or not isinstance(dims, list) or len(dims) < first + 2:
+        return 0.0
+    a, b = dims[first], dims[first + 1]
+    if not (isinstance(a, list) and isinstance(b, list) and len(a) >= 2 and len(b) >= 2):
+        return 0.0
+    try:
+        return 2.0 * math.prod(int(d) for d in a) * int(b[-1])
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _is_span(event: dict[str, Any]) -> bool:

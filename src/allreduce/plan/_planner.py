@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from allreduce.plan._answer import Plan, ScalingRow, SizeRun, StepPlan, WhatIf
-from allreduce.plan._goodput import FailureSettings, goodput_plan
+from allreduce.plan._goodput import FailureSettings, Network, goodput_plan
 from allreduce.plan._request import AUTO, PlanRequest
-from allreduce.plan._step import step_time
+from allreduce.plan._step import step_time, step_timeline
 from allreduce.plan._tail import (
     LOSS_TAIL_SAMPLES,
     STEP_SAMPLES,
@@ -46,14 +46,8 @@ from allreduce.topology import NodeKind, Topology, parse_topology
 from allreduce.units import format_bytes, format_seconds
 
 __all__ = [
-    "AUTO",
-    "Plan",
-    "PlanRequest",
-    "ScalingRow",
-    "SizeRun",
-    "StepPlan",
-    "StepQuantiles",
-    "WhatIf",
+    "WHAT_IF_LOSS_PROBABILITY",
+    "compute_quantiles",
     "compute_seconds",
     "plan",
     "plan_step",
@@ -139,6 +133,7 @@ class _Simulator:
         self._results: dict[tuple[Any, ...], SimResult] = {}
         # Seconds by size of each (algorithm, gpus, setting) already simulated: lower bounds for auto (see fastest).
         self._seconds_by_size: dict[tuple[Any, ...], dict[int, float]] = {}
+        self._networks: dict[tuple[str, float], Network] = {}
 
     def topology(self, spec: str, oversubscription: float) -> Topology:
         key = (spec, oversubscription)
@@ -153,6 +148,13 @@ class _Simulator:
                 topology = topology.scaled(uplinks, 1.0 / oversubscription)
             self._topologies[key] = topology
         return self._topologies[key]
+
+    def network(self, request: PlanRequest) -> Network:
+        """The request's network parts that can fail (counted once per topology)."""
+        key = (request.topology, request.uplink_oversubscription)
+        if key not in self._networks:
+            self._networks[key] = Network.of(self.topology(*key))
+        return self._networks[key]
 
     def group_size(self, request: PlanRequest, gpus: int) -> int | None:
         if request.group_size is not None:
@@ -268,7 +270,9 @@ class _Simulator:
         )
 
 
-def _size_run(result: SimResult, size_bytes: int, count: int) -> SizeRun:
+def _size_run(result: SimResult, size_bytes: int, count: int, *, busiest: bool) -> SizeRun:
+    """One bucket size's all-reduce; with ``busiest``, its busiest links too (a sort of every link: the base plan's
+    utilization view needs them, its scaling and what-if rows do not)."""
     return SizeRun(
         size_bytes=size_bytes,
         count=count,
@@ -276,13 +280,18 @@ def _size_run(result: SimResult, size_bytes: int, count: int) -> SizeRun:
         seconds=result.seconds,
         busbw_Bps=result.busbw_Bps,
         exact=result.exact,
-        links=tuple(result.busiest_links(UTILIZATION_LINKS)),
+        links=tuple(result.busiest_links(UTILIZATION_LINKS)) if busiest else (),
         bottleneck_link=result.bottlenecks[0].name if result.bottlenecks else None,
     )
 
 
 def _plan_step(
-    request: PlanRequest, sim: _Simulator, *, gpus: int | None = None, algorithms: dict[int, str] | None = None
+    request: PlanRequest,
+    sim: _Simulator,
+    *,
+    gpus: int | None = None,
+    algorithms: dict[int, str] | None = None,
+    busiest: bool = False,
 ) -> StepPlan:
     n = request.gpus if gpus is None else gpus
     buckets = request.bucket_bytes
@@ -302,7 +311,7 @@ def _plan_step(
             result = sim.fastest(request, n, size)
         else:
             result = sim.run(request, request.algorithm, n, size)
-        runs[size] = _size_run(result, size, count)
+        runs[size] = _size_run(result, size, count, busiest=busiest)
     step = step_time(buckets, [runs[b].seconds for b in buckets], request.step_compute)
     return StepPlan(request, step, tuple(runs[s] for s in sizes))
 
@@ -452,7 +461,7 @@ def plan(
     sim = _Simulator()
     say = progress or (lambda _text: None)
     say(f"base plan on {request.gpus} GPUs")
-    base = _plan_step(request, sim)
+    base = _plan_step(request, sim, busiest=True)
     rows: list[ScalingRow] = []
     if scaling:
         first: float | None = None
@@ -465,7 +474,7 @@ def plan(
             quantiles = compute_quantiles(row_plan, distribution, gpus=n) if distribution else None
             goodput = (
                 goodput_plan(failures, gpus=n, parameters=request.model.params, step_s=step.step_s,
-                             topology=sim.topology(request.topology, request.uplink_oversubscription)).row("restart")
+                             network=sim.network(request)).row("restart")
                 if failures is not None
                 else None
             )  # fmt: skip
@@ -491,8 +500,19 @@ def plan(
         say("failures and goodput")
         failure_plan = goodput_plan(
             failures, gpus=request.gpus, parameters=request.model.params, step_s=base.step.step_s,
-            topology=sim.topology(request.topology, request.uplink_oversubscription),
+            network=sim.network(request),
         )  # fmt: skip
+    timeline = None
+    if request.measured is not None or request.model.tensor_ready is not None:
+        timeline = step_timeline(base.step.bucket_bytes, base.step.bucket_s, request.step_compute)
     return Plan(
-        base, tuple(rows), tuple(whats), _bottleneck(base), tuple(points), tuple(notes), base_quantiles, failure_plan
+        base,
+        tuple(rows),
+        tuple(whats),
+        _bottleneck(base),
+        tuple(points),
+        tuple(notes),
+        base_quantiles,
+        failure_plan,
+        timeline,
     )

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from allreduce.plan._measured import MeasuredBackward
 from allreduce.plan._step import Compute
 from allreduce.plan._workload import (
     BYTES_PER_BUCKET,
@@ -49,6 +50,8 @@ class PlanRequest:
     engine: str = "auto"
     # Compute per micro-batch as a distribution over GPUs and steps (``compute`` then holds its median).
     compute_distribution: Distribution | None = field(default=None, compare=False)
+    # The measured or profiled step the model's ready times and the compute come from (what drove the plan).
+    measured: MeasuredBackward | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.gpus < 1:

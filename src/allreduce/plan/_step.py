@@ -26,7 +26,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BACKWARD_FRACTION", "Compute", "StepTime", "step_seconds", "step_time"]
+__all__ = [
+    "BACKWARD_FRACTION",
+    "BucketSpan",
+    "Compute",
+    "StepTime",
+    "StepTimeline",
+    "step_seconds",
+    "step_time",
+    "step_timeline",
+]
 
 # Backward costs about twice forward (gradients of activations and of weights), so 2/3 of a step's compute.
 BACKWARD_FRACTION = 2.0 / 3.0
@@ -102,28 +111,73 @@ class StepTime:
         }
 
 
-def step_time(bucket_bytes: Sequence[int], bucket_s: Sequence[float], compute: Compute) -> StepTime:
-    """The step of ``compute`` whose buckets (in all-reduce order) take ``bucket_s`` seconds each."""
+@dataclass(frozen=True)
+class BucketSpan:
+    """One bucket in the last micro-batch's timeline: ready when backward produced it, all-reduced from
+    ``start_s`` to ``end_s`` (seconds from the step's start)."""
+
+    size_bytes: int
+    ready_s: float
+    start_s: float
+    end_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size_bytes": self.size_bytes, "ready_s": self.ready_s, "start_s": self.start_s, "end_s": self.end_s}
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """One step on the slowest GPU, in seconds from its start: the last micro-batch's forward and backward, and
+    each bucket's ready time and all-reduce (in all-reduce order)."""
+
+    forward_start_s: float
+    backward_start_s: float
+    compute_end_s: float
+    buckets: tuple[BucketSpan, ...]
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_end_s, self.buckets[-1].end_s if self.buckets else 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "forward_start_s": self.forward_start_s,
+            "backward_start_s": self.backward_start_s,
+            "compute_end_s": self.compute_end_s,
+            "buckets": [b.to_json() for b in self.buckets],
+        }
+
+
+def step_timeline(bucket_bytes: Sequence[int], bucket_s: Sequence[float], compute: Compute) -> StepTimeline:
+    """When each bucket of ``compute``'s step (in all-reduce order, ``bucket_s`` seconds each) is ready and
+    all-reduced: the timeline of the module docstring."""
     if len(bucket_bytes) != len(bucket_s):
         raise ValueError(f"{len(bucket_bytes)} buckets but {len(bucket_s)} all-reduce times")
-    accumulation = compute.accumulation_steps
-    typical_s = compute.micro_batch_s
-    slowest_s = typical_s * (1.0 + compute.straggler_slowdown)
-    compute_end_s = accumulation * slowest_s
-    last_micro_start_s = (accumulation - 1) * slowest_s
+    slowest_s = compute.micro_batch_s * (1.0 + compute.straggler_slowdown)
+    compute_end_s = compute.accumulation_steps * slowest_s
+    forward_start_s = compute_end_s - slowest_s
     backward_s = slowest_s * compute.backward_fraction
-    backward_start_s = last_micro_start_s + slowest_s - backward_s
+    backward_start_s = compute_end_s - backward_s
     comm_end_s = 0.0
-    for share, seconds in zip(compute.ready_shares(bucket_bytes), bucket_s, strict=True):
+    spans = []
+    for nbytes, share, seconds in zip(bucket_bytes, compute.ready_shares(bucket_bytes), bucket_s, strict=True):
         ready_s = backward_start_s + backward_s * share if compute.overlap else compute_end_s
-        comm_end_s = max(ready_s, comm_end_s) + float(seconds)
-    step_s = max(compute_end_s, comm_end_s)
-    compute_s = accumulation * typical_s
+        start_s = max(ready_s, comm_end_s)
+        comm_end_s = start_s + float(seconds)
+        spans.append(BucketSpan(int(nbytes), ready_s, start_s, comm_end_s))
+    return StepTimeline(forward_start_s, backward_start_s, compute_end_s, tuple(spans))
+
+
+def step_time(bucket_bytes: Sequence[int], bucket_s: Sequence[float], compute: Compute) -> StepTime:
+    """The step of ``compute`` whose buckets (in all-reduce order) take ``bucket_s`` seconds each."""
+    timeline = step_timeline(bucket_bytes, bucket_s, compute)
+    step_s = timeline.step_s
+    compute_s = compute.accumulation_steps * compute.micro_batch_s
     return StepTime(
         step_s=step_s,
         compute_s=compute_s,
-        waiting_s=compute_end_s - compute_s,
-        exposed_comm_s=step_s - compute_end_s,
+        waiting_s=timeline.compute_end_s - compute_s,
+        exposed_comm_s=step_s - timeline.compute_end_s,
         comm_s=float(sum(bucket_s)),
         bucket_bytes=tuple(int(b) for b in bucket_bytes),
         bucket_s=tuple(float(s) for s in bucket_s),
@@ -142,7 +196,7 @@ def step_seconds(
     slowest_s = compute.micro_batch_s * (1.0 + compute.straggler_slowdown)
     compute_end_s = accumulation * slowest_s
     backward_s = slowest_s * compute.backward_fraction
-    backward_start_s = (accumulation - 1) * slowest_s + slowest_s - backward_s
+    backward_start_s = compute_end_s - backward_s
     comm_end_s = np.zeros(times.shape[0])
     for k, share in enumerate(compute.ready_shares(bucket_bytes)):
         ready_s = backward_start_s + backward_s * share if compute.overlap else compute_end_s

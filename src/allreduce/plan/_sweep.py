@@ -38,9 +38,11 @@ import numpy as np
 import numpy.typing as npt
 import yaml
 
-from allreduce.plan._planner import PlanRequest, compute_seconds, plan_step
+from allreduce.plan._planner import compute_seconds, plan_step
+from allreduce.plan._request import PlanRequest
 from allreduce.plan._step import BACKWARD_FRACTION, Compute
 from allreduce.plan._workload import GRADIENT_DTYPES, Model, model_from_params, preset
+from allreduce.report import read_at_most
 from allreduce.schedules import load_algorithm
 from allreduce.units import format_bytes, parse_bytes
 
@@ -173,13 +175,12 @@ def read_grid(path: str | Path) -> Grid:
     """A YAML grid file (``base:`` + ``grid:``, and/or ``cases:``), checked; its cases are generated on iteration."""
     file = Path(path)
     try:
-        with file.open("rb") as f:
-            raw = f.read(MAX_GRID_BYTES + 1)
-        if len(raw) > MAX_GRID_BYTES:
-            raise ValueError(
-                f"{file}: larger than {format_bytes(MAX_GRID_BYTES)}, the most a grid file may be (it is parsed "
-                "whole, into about 90 times its size in memory); write many cases as a grid: of lists"
-            )
+        raw = read_at_most(
+            file,
+            MAX_GRID_BYTES,
+            why="the most a grid file may be (it is parsed whole, into about 90 times its size in memory); write "
+            "many cases as a grid: of lists",
+        )
         data = yaml.load(raw.decode("utf-8"), Loader=_YAML_LOADER)
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file}: cannot read it ({exc})") from None

@@ -4,6 +4,7 @@ Reads results (``plan --json``, a sweep's CSV, ``sim --json``); runs nothing.
 """
 
 from allreduce.report._figures import Figure, Series, document_kind, figures_of, svg, write_pngs
+from allreduce.report._files import read_at_most
 from allreduce.report._html import MAX_JSON_BYTES, load_documents, render_report, write_report
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "document_kind",
     "figures_of",
     "load_documents",
+    "read_at_most",
     "render_report",
     "svg",
     "write_pngs",

@@ -1,12 +1,13 @@
 """Figures as data, drawn as inline SVG (no dependency, no network) or as PNG with matplotlib.
 
-A :class:`Figure` is a line chart (series of x, y points, log-scaled axes as asked) or a bar chart (categories,
-stacked series). :func:`figures_of` derives the figures from result documents (``plan --json``, a sweep's rows,
-``sim --json``); the report never runs a simulation.
+A :class:`Figure` is a line chart (series of x, y points, log-scaled axes as asked), a bar chart (categories,
+stacked series) or a timeline (spans of time in lanes, the categories). :func:`figures_of` derives the figures
+from result documents (``plan --json``, a sweep's rows, ``sim --json``); the report never runs a simulation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Figure", "Series", "document_kind", "figures_of", "svg", "write_pngs"]
+__all__ = ["Figure", "Series", "Span", "document_kind", "figures_of", "svg", "write_pngs"]
 
 # Drawing area in SVG user units (CSS pixels at 100% zoom) and the margins that hold axis labels.
 WIDTH = 760
@@ -38,8 +39,21 @@ class Series:
 
 
 @dataclass(frozen=True)
+class Span:
+    """A timeline's interval ``start``..``end`` in lane ``lane`` (an index into the figure's categories), drawn in
+    colour ``colour`` (an index into the palette); one of zero length is drawn as a tick."""
+
+    lane: int
+    start: float
+    end: float
+    label: str
+    colour: int = 0
+
+
+@dataclass(frozen=True)
 class Figure:
-    """``kind`` is "line" or "bars"; bars stack their series per category."""
+    """``kind`` is "line", "bars" or "timeline"; bars stack their series per category; a timeline draws ``spans``
+    in lanes named by ``categories``, top to bottom."""
 
     ident: str
     title: str
@@ -52,6 +66,7 @@ class Figure:
     log_x: bool = False
     log_y: bool = False
     y_ticks: tuple[tuple[float, str], ...] = ()  # (position, label) replacing the automatic y ticks
+    spans: tuple[Span, ...] = ()  # a timeline's
 
 
 def _ticks(low: float, high: float, log: bool) -> list[float]:
@@ -180,6 +195,35 @@ def _bars_svg(fig: Figure, parts: list[str]) -> None:
     _legend([s.label for s in fig.series], parts)
 
 
+def _timeline_svg(fig: Figure, parts: list[str]) -> None:
+    if not fig.spans:
+        raise ValueError(f"figure {fig.ident}: no spans to draw")
+    low = min(0.0, *(span.start for span in fig.spans))
+    high = max(span.end for span in fig.spans)
+    x_axis = _Axis(low, high * 1.02 if high > low else low + 1.0, False, MARGIN_LEFT, WIDTH - MARGIN_RIGHT)
+    top, bottom = MARGIN_TOP, HEIGHT - MARGIN_BOTTOM
+    lanes = max(len(fig.categories), 1)
+    lane_px = (bottom - top) / lanes
+    y_axis = _Axis(0.0, float(lanes), False, bottom, top)
+    _frame(
+        dataclasses.replace(fig, y_ticks=tuple((float(i), "") for i in range(lanes + 1)), y_label=""),
+        x_axis,
+        y_axis,
+        parts,
+    )
+    for i, lane in enumerate(fig.categories):
+        y = top + lane_px * (i + 0.5) + 4
+        parts.append(f'<text x="{MARGIN_LEFT - 6}" y="{y:.1f}" text-anchor="end">{html.escape(lane[:14])}</text>')
+    for span in fig.spans:
+        x0, x1 = x_axis(span.start), x_axis(span.end)
+        y = top + lane_px * span.lane + lane_px * 0.2
+        colour = COLOURS[span.colour % len(COLOURS)]
+        parts.append(
+            f'<rect x="{x0:.2f}" y="{y:.1f}" width="{max(x1 - x0, 1.5):.2f}" height="{lane_px * 0.6:.1f}" '
+            f'fill="{colour}"><title>{html.escape(span.label)}</title></rect>'
+        )
+
+
 def svg(fig: Figure) -> str:
     """The figure as an inline ``<svg>`` element."""
     parts = [
@@ -190,6 +234,8 @@ def svg(fig: Figure) -> str:
         _line_svg(fig, parts)
     elif fig.kind == "bars":
         _bars_svg(fig, parts)
+    elif fig.kind == "timeline":
+        _timeline_svg(fig, parts)
     else:
         raise ValueError(f"figure {fig.ident}: unknown kind {fig.kind!r}")
     parts.append("</svg>")
@@ -217,6 +263,15 @@ def write_pngs(figures: Sequence[Figure], directory: str | Path) -> list[Path]:
             axes.set_yscale("log" if fig.log_y else "linear")
             if fig.y_ticks:
                 axes.set_yticks([t for t, _ in fig.y_ticks], [label for _, label in fig.y_ticks])
+        elif fig.kind == "timeline":
+            lanes = len(fig.categories)
+            for span in fig.spans:
+                axes.broken_barh(
+                    [(span.start, span.end - span.start)],
+                    (lanes - span.lane - 0.8, 0.6),
+                    color=COLOURS[span.colour % len(COLOURS)],
+                )
+            axes.set_yticks([lanes - i - 0.5 for i in range(lanes)], list(fig.categories))
         else:
             bottom = [0.0] * len(fig.categories)
             for i, s in enumerate(fig.series):
@@ -226,7 +281,8 @@ def write_pngs(figures: Sequence[Figure], directory: str | Path) -> list[Path]:
         axes.set_xlabel(fig.x_label)
         axes.set_ylabel(fig.y_label)
         axes.set_title(fig.title)
-        axes.legend(fontsize="small")
+        if fig.series:
+            axes.legend(fontsize="small")
         figure.tight_layout()
         path = out / f"{fig.ident}.png"
         figure.savefig(path, dpi=100)
@@ -267,6 +323,100 @@ def _busbw_figure(ident: str, predicted: Sequence[Series], measured: Sequence[Se
     )
 
 
+def _links_figure(ident: str, title: str, caption: str, links: Sequence[dict[str, Any]]) -> Figure:
+    """A bar per link: its utilization in percent."""
+    return Figure(
+        ident,
+        title,
+        caption,
+        "bars",
+        (Series("utilization %", (), tuple(100.0 * link["utilization"] for link in links)),),
+        "",
+        "utilization %",
+        categories=tuple(link["link"] for link in links),
+    )
+
+
+def _goodput_figure(ident: str, rows: Sequence[dict[str, Any]]) -> Figure:
+    gpus = tuple(float(r["gpus"]) for r in rows)
+    first = rows[0]["goodput"]
+    return Figure(
+        ident,
+        "Goodput versus GPUs",
+        "The share of wall time that trains when failures, checkpoints and restarts count (restarting from the last "
+        "checkpoint, at Daly's interval), beside the scaling efficiency without and with failures. A job stops at "
+        "any failure of any part it uses, so goodput falls as the parts multiply; the policy table above says what "
+        "spares or shrinking would buy back at the plan's own size.",
+        "line",
+        (
+            Series("goodput", gpus, tuple(100.0 * r["goodput"] for r in rows)),
+            Series("efficiency", gpus, tuple(100.0 * r["efficiency"] for r in rows)),
+            Series(
+                "efficiency with failures",
+                gpus,
+                tuple(100.0 * r["efficiency"] * r["goodput"] / first if first else math.nan for r in rows),
+            ),
+        ),
+        "GPUs",
+        "percent",
+        log_x=True,
+    )
+
+
+# A timeline draws at most this many all-reduce spans; beyond, spans that follow each other within a thousandth of
+# the step are drawn as one (a 25 MiB-bucket plan of a 70B model has thousands, a few pixels wide together).
+TIMELINE_SPANS = 400
+
+
+def _timeline_figure(ident: str, timeline: dict[str, Any], measured: dict[str, Any]) -> Figure:
+    ms = 1e3
+    buckets = timeline["buckets"]
+    lanes = ("forward", "backward", "bucket ready", "all-reduce")
+    spans = [
+        Span(0, timeline["forward_start_s"] * ms, timeline["backward_start_s"] * ms, "forward", 0),
+        Span(1, timeline["backward_start_s"] * ms, timeline["compute_end_s"] * ms, "backward", 2),
+    ]
+    spans += [
+        Span(2, b["ready_s"] * ms, b["ready_s"] * ms, f"bucket {k} ({b['size_bytes']} bytes) ready", 3)
+        for k, b in enumerate(buckets)
+    ]
+    runs = [(b["start_s"], b["end_s"], k, k) for k, b in enumerate(buckets)]  # start, end, first and last bucket
+    if len(runs) > TIMELINE_SPANS:
+        gap = 1e-3 * max(b["end_s"] for b in buckets)
+        merged = runs[:1]
+        for start, end, k, _ in runs[1:]:
+            if start - merged[-1][1] <= gap:
+                merged[-1] = (merged[-1][0], end, merged[-1][2], k)
+            else:
+                merged.append((start, end, k, k))
+        runs = merged
+    spans += [
+        Span(
+            3,
+            start * ms,
+            end * ms,
+            f"bucket {a} all-reduce" if a == b else f"buckets {a}-{b} all-reduce",
+            1 + 4 * (i % 2),
+        )
+        for i, (start, end, a, b) in enumerate(runs)
+    ]
+    source = measured.get("source", "the measured ready times")
+    return Figure(
+        ident,
+        "One step: backward and each bucket's all-reduce",
+        f"The last micro-batch of one step on the slowest GPU, from {source}: forward, backward, the moment each "
+        "DDP bucket's last gradient is ready, and the bucket's all-reduce on the one communication stream. An "
+        "all-reduce that starts later than its bucket is ready waits for the one before it; whatever runs past the "
+        "end of backward is the step's exposed communication.",
+        "timeline",
+        (),
+        "milliseconds from the step's start",
+        "",
+        categories=lanes,
+        spans=tuple(spans),
+    )
+
+
 def _plan_figures(doc: dict[str, Any], prefix: str, bench: Sequence[dict[str, Any]] = ()) -> list[Figure]:
     figures: list[Figure] = []
     base = doc["base"]
@@ -291,6 +441,11 @@ def _plan_figures(doc: dict[str, Any], prefix: str, bench: Sequence[dict[str, An
                 log_x=True,
             )
         )
+    goodput_rows = [r for r in scaling if "goodput" in r]
+    if goodput_rows:
+        figures.append(_goodput_figure(f"{prefix}goodput", goodput_rows))
+    if "timeline" in doc:
+        figures.append(_timeline_figure(f"{prefix}timeline", doc["timeline"], doc.get("measured", {})))
     # Random rows (packet loss: a p50 and a p99) are left to the table: a timeout-bound step can be 100x the base,
     # which would flatten every other bar.
     rows = [("base", base)] + [
@@ -328,17 +483,13 @@ def _plan_figures(doc: dict[str, Any], prefix: str, bench: Sequence[dict[str, An
     if links:
         of = doc.get("links_of", {})
         figures.append(
-            Figure(
+            _links_figure(
                 f"{prefix}links",
                 "Busiest links in the bottleneck region",
                 f"Utilization of the busiest links during the all-reduce of one {of.get('size_bytes', '?')}-byte "
                 f"bucket ({of.get('algorithm', '?')}). Links near 100% set the pace; many links at one level "
                 "means the fabric's capacity, one outlier means a hot spot.",
-                "bars",
-                (Series("utilization %", (), tuple(100.0 * link["utilization"] for link in links)),),
-                "",
-                "utilization %",
-                categories=tuple(link["link"] for link in links),
+                links,
             )
         )
     return figures
@@ -391,15 +542,11 @@ def _sim_figures(doc: dict[str, Any], prefix: str) -> list[Figure]:
     links = doc.get("bottlenecks") or []
     if links:
         figures.append(
-            Figure(
+            _links_figure(
                 f"{prefix}simlinks",
                 f"Links {doc['best']} waited on",
                 "Utilization of the links on the critical path of the fastest algorithm.",
-                "bars",
-                (Series("utilization %", (), tuple(100.0 * b["utilization"] for b in links)),),
-                "",
-                "utilization %",
-                categories=tuple(b["link"] for b in links),
+                links,
             )
         )
     return figures

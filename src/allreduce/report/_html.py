@@ -9,11 +9,13 @@ from __future__ import annotations
 import csv
 import html
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from allreduce.report._figures import TAIL_QUANTILES, Figure, document_kind, figures_of, svg
+from allreduce.report._files import read_at_most
 from allreduce.report._schema import MAX_SWEEP_ROWS, SWEEP_COLUMNS, check_document
 from allreduce.units import format_bytes, format_seconds
 
@@ -43,6 +45,14 @@ def _text(value: object) -> str:
 
 def _cell(key: str, value: float, text: str) -> str:
     return f'<td data-key="{html.escape(key)}" data-value="{html.escape(repr(value))}">{html.escape(text)}</td>'
+
+
+def _time_and_busbw(key: str, row: dict[str, Any], time_key: str, busbw_key: str, per_GBps: float) -> str:
+    """The cells of one all-reduce's time and its busbw (``row[busbw_key]`` in units of ``per_GBps`` GB/s)."""
+    busbw = row[busbw_key]
+    return _cell(f"{key}.{time_key}", row[time_key], format_seconds(row[time_key])) + _cell(
+        f"{key}.{busbw_key}", busbw, f"{busbw / per_GBps:.3g} GB/s"
+    )
 
 
 def _ms(seconds: float) -> str:
@@ -76,16 +86,17 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
         out.append(
             f"<tr><td>{html.escape(format_bytes(size['size_bytes']))}</td><td>{_text(size['count'])}</td>"
             f"<td>{html.escape(size['algorithm'])}</td>"
-            + _cell(f"{index}.base.sizes.{i}.seconds", size["seconds"], format_seconds(size["seconds"]))
-            + _cell(f"{index}.base.sizes.{i}.busbw_GBps", size["busbw_GBps"], f"{size['busbw_GBps']:.3g} GB/s")
+            + _time_and_busbw(f"{index}.base.sizes.{i}", size, "seconds", "busbw_GBps", 1.0)
             + "</tr>"
         )
     out.append("</table>")
     if doc.get("scaling"):
         spread = any("p99_step_s" in row for row in doc["scaling"])
+        failing = any("goodput" in row for row in doc["scaling"])
         out.append(
             "<h3>Scaling (same per-GPU batch)</h3><table><tr><th>GPUs</th><th>step</th>"
             "<th>exposed all-reduce</th><th>efficiency</th>"
+            + ("<th>goodput</th>" if failing else "")
             + ("<th>p50 step</th><th>p99 step</th>" if spread else "")
             + "<th>algorithm</th></tr>"
         )
@@ -102,6 +113,7 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
                 + _cell(f"{index}.scaling.{i}.step_s", row["step_s"], _ms(row["step_s"]))
                 + _cell(f"{index}.scaling.{i}.exposed_comm_s", row["exposed_comm_s"], _ms(row["exposed_comm_s"]))
                 + _cell(f"{index}.scaling.{i}.efficiency", row["efficiency"], f"{row['efficiency']:.1%}")
+                + (_percent_cell(f"{index}.scaling.{i}.goodput", row.get("goodput")) if failing else "")
                 + quantiles
                 + f"<td>{html.escape(row['algorithm'])}</td></tr>"
             )
@@ -129,8 +141,74 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
                 + "</tr>"
             )
         out.append("</table>")
+    if "goodput" in doc:
+        out += _goodput_table(doc["goodput"], base["step_s"], f"{index}.goodput")
+    if "measured" in doc:
+        out.append(_measured_paragraph(doc["measured"]))
     out.extend(f"<p><i>Note: {html.escape(n)}</i></p>" for n in doc.get("notes", []))
     return out
+
+
+def _percent_cell(key: str, value: float | None) -> str:
+    return "<td></td>" if value is None else _cell(key, value, f"{value:.1%}")
+
+
+# How the page names each recovery policy of a plan's goodput table.
+POLICY_NAMES = {
+    "restart": "restart from the last checkpoint",
+    "spares": "the same, with hot spare hosts",
+    "elastic": "shrink and continue",
+}
+
+
+def _hours(seconds: float) -> str:
+    if math.isnan(seconds):  # a null in the result: nothing can fail
+        return "never"
+    return format_seconds(seconds) if seconds < 3600 else f"{seconds / 3600:.3g} h"
+
+
+def _goodput_table(goodput: dict[str, Any], step_s: float, key: str) -> list[str]:
+    counts = goodput.get("counts", {})
+    parts = ", ".join(f"{n:,} {kind}" for kind, n in counts.items() if n and kind != "software")
+    assumed = ", ".join(a.removesuffix("_s").replace("_", " ") for a in goodput.get("assumed", []))
+    out = [
+        f"<h3>Failures and goodput on {_text(goodput['gpus'])} GPUs</h3>",
+        f"<p>A failure every <b>{html.escape(_hours(goodput['mtbf_s']))}</b>"
+        + (f" ({html.escape(parts)})" if parts else "")
+        + f"; rates: {_text(goodput['rates_source'])}. Checkpoint written in "
+        f"{html.escape(format_seconds(goodput['checkpoint_write_s']))}, restart "
+        f"{html.escape(format_seconds(goodput['restart_s']))}"
+        + (f"; assumed, not from a study: {html.escape(assumed)}" if assumed else "")
+        + ".</p>",
+        "<table><tr><th>recovery policy</th><th>goodput</th><th>effective step</th><th>checkpoint every</th>"
+        "<th>pause per failure</th></tr>",
+    ]
+    for i, row in enumerate(goodput["policies"]):
+        effective = step_s / row["goodput"] if row["goodput"] > 0 else math.inf
+        interval = row.get("interval_s")
+        out.append(
+            f"<tr><td>{_text(POLICY_NAMES.get(row['policy'], row['policy']))}</td>"
+            + _percent_cell(f"{key}.policies.{i}.goodput", row["goodput"])
+            + f"<td>{html.escape(format_seconds(effective))}</td>"
+            + f"<td>{'-' if interval is None or math.isnan(interval) else html.escape(format_seconds(interval))}</td>"
+            + _cell(f"{key}.policies.{i}.restart_s", row["restart_s"], format_seconds(row["restart_s"]))
+            + "</tr>"
+        )
+    out.append("</table>")
+    return out
+
+
+def _measured_paragraph(measured: dict[str, Any]) -> str:
+    flops = measured.get("flops")
+    return (
+        f"<p><b>Backward timing</b> from {_text(measured['source'])}: forward "
+        f"{html.escape(format_seconds(measured['forward_s']))}, backward "
+        f"{html.escape(format_seconds(measured['backward_s']))}, optimizer "
+        f"{html.escape(format_seconds(measured['optimizer_s']))}; {_text(measured['tensors'])} gradient tensors, "
+        f"{_text(measured['params'])} parameters"
+        + (f", {flops / 1e9:.4g} GFLOP per micro-batch" if flops is not None else "")
+        + ". Each bucket is ready when its last gradient is (the timeline below).</p>"
+    )
 
 
 def _sweep_section(doc: dict[str, Any], index: int) -> list[str]:
@@ -155,8 +233,7 @@ def _sim_section(doc: dict[str, Any], index: int) -> list[str]:
     for i, a in enumerate(doc["algorithms"]):
         out.append(
             f"<tr><td>{html.escape(a['name'])}</td>"
-            + _cell(f"{index}.algorithms.{i}.seconds", a["seconds"], format_seconds(a["seconds"]))
-            + _cell(f"{index}.algorithms.{i}.busbw_GBps", a["busbw_GBps"], f"{a['busbw_GBps']:.3g} GB/s")
+            + _time_and_busbw(f"{index}.algorithms.{i}", a, "seconds", "busbw_GBps", 1.0)
             + "</tr>"
         )
     out.append("</table>")
@@ -196,8 +273,7 @@ def _bench_section(doc: dict[str, Any], index: int) -> list[str]:
             f"<tr><td>{html.escape(str(row.get('transport', '?')))}</td>"
             f"<td>{_text(row.get('algorithm', '?'))}</td><td>{_text(row.get('world_size', '?'))}</td>"
             f"<td>{html.escape(format_bytes(row['size_bytes']))}</td>"
-            + _cell(f"{index}.rows.{i}.time_s", row["time_s"], format_seconds(row["time_s"]))
-            + _cell(f"{index}.rows.{i}.busbw_Bps", row["busbw_Bps"], f"{row['busbw_Bps'] / 1e9:.3g} GB/s")
+            + _time_and_busbw(f"{index}.rows.{i}", row, "time_s", "busbw_Bps", 1e9)
             + "</tr>"
         )
     out.append("</table>")
@@ -301,13 +377,12 @@ def load_documents(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
             documents.append(checked(_sweep_csv(path), str(path)))
             continue
         try:
-            with path.open("rb") as f:
-                data = f.read(MAX_JSON_BYTES + 1)
-            if len(data) > MAX_JSON_BYTES:
-                raise ValueError(
-                    f"{path}: larger than {format_bytes(MAX_JSON_BYTES)}, the most a report reads of a JSON result "
-                    "(a plan's with its scaling and what-if tables is about 11 KB)"
-                )
+            data = read_at_most(
+                path,
+                MAX_JSON_BYTES,
+                why="the most a report reads of a JSON result (a plan's with its scaling and what-if tables is "
+                "about 11 KB)",
+            )
             text = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: cannot read it ({exc})") from None

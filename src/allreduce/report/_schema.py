@@ -12,7 +12,15 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["MAX_ITEMS", "MAX_SWEEP_ROWS", "MAX_TEXT_CHARS", "SWEEP_COLUMNS", "check_document"]
+__all__ = [
+    "FAILING_PARTS",
+    "MAX_ITEMS",
+    "MAX_SWEEP_ROWS",
+    "MAX_TEXT_CHARS",
+    "MAX_TIMELINE_BUCKETS",
+    "SWEEP_COLUMNS",
+    "check_document",
+]
 
 # Longest text field kept (a topology spec, a note, an error message): longer is not a result of ours.
 MAX_TEXT_CHARS = 4096
@@ -24,6 +32,10 @@ MAX_SWEEP_ROWS = 200_000
 SWEEP_COLUMNS = ("case_id", "gpus", "topology", "algorithm", "step_s", "error")
 # Whole numbers of the report: counts, sizes, ranks, seeds (a 64-bit seed is the largest).
 MAX_WHOLE = 2**64
+# Most buckets in a plan's step timeline: the planner's own cap on buckets per step.
+MAX_TIMELINE_BUCKETS = 1 << 15
+# The parts of a cluster whose failures a plan counts.
+FAILING_PARTS = ("gpu", "host", "nic", "cable", "switch", "software")
 
 Check = Callable[[Any, str], Any]
 
@@ -139,6 +151,7 @@ STEP = {
     "comm_s": seconds,
 }
 QUANTILES = {"p50_step_s": seconds, "p99_step_s": seconds, "method": text}
+MEASURED_TIMES = ("forward_s", "backward_s", "optimizer_s")
 
 _PLAN = record(
     {
@@ -168,13 +181,55 @@ _PLAN = record(
     },
     {
         "scaling": items(
-            record({"gpus": count, **STEP, "efficiency": ratio, "algorithm": text}, QUANTILES),
+            record(
+                {"gpus": count, **STEP, "efficiency": ratio, "algorithm": text},
+                {**QUANTILES, "goodput": number(maximum=1.0)},
+            ),
         ),
         "what_ifs": items(record({"change": text}, {"note": text, **STEP, **QUANTILES})),
         "links": items(record({"link": text, "utilization": ratio})),
         "links_of": record({}, {"size_bytes": size, "algorithm": text}),
         "busbw_curve": items(record({"size_bytes": size, "seconds": seconds, "busbw_GBps": ratio, "algorithm": text})),
         "notes": items(text),
+        "goodput": record(
+            {
+                "gpus": count,
+                "mtbf_s": number(nullable=True),  # null: nothing can fail
+                "checkpoint_write_s": seconds,
+                "restart_s": seconds,
+                "rates_source": text,
+                "policies": items(
+                    record(
+                        {
+                            "policy": text,
+                            "goodput": number(maximum=1.0),
+                            "interval_s": optional(number(nullable=True)),
+                            "restart_s": seconds,
+                        }
+                    )
+                ),
+            },
+            {
+                "counts": record({}, dict.fromkeys(FAILING_PARTS, whole())),
+                "failures_per_h": record({}, dict.fromkeys(FAILING_PARTS, number())),
+                "assumed": items(text),
+            },
+        ),
+        "measured": record(
+            {"source": text, "tensors": count, "params": count, **dict.fromkeys(MEASURED_TIMES, seconds)},
+            {"flops": optional(number())},
+        ),
+        "timeline": record(
+            {
+                "forward_start_s": seconds,
+                "backward_start_s": seconds,
+                "compute_end_s": seconds,
+                "buckets": items(
+                    record({"size_bytes": size, "ready_s": seconds, "start_s": seconds, "end_s": seconds}),
+                    most=MAX_TIMELINE_BUCKETS,
+                ),
+            }
+        ),
     },
 )
 
