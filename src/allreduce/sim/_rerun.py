@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules import Blame, Phase, Schedule, blame_key
-from allreduce.sim._event import Transfers, _Run, match_transfers
+from allreduce.sim._event import Transfers, match_transfers, run_core
 from allreduce.sim._routing import Router
 from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS
 from allreduce.sim._tailresult import TailConfig
@@ -45,9 +45,10 @@ def run_event_sample(
 ) -> SampleRun:
     """The event engine with ranks reaching the collective at ``start_s`` and a delay ``extra_s`` added to
     each transfer's delivery (``transfers`` in :func:`match_transfers`' order): one Monte Carlo sample."""
-    run = _Run(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
-    if len(transfers):
-        run.run()
+    # Without the kernel, the per-event core: a sample is small, where the windowed core's passes cost most.
+    run = run_core(
+        schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s, windowed=False
+    )
     last_rank = int(np.argmax(run.rank_end)) if schedule.world_size else 0
     chain: list[int] = []
     ranks: list[int] = []
