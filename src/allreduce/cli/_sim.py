@@ -13,7 +13,7 @@ from allreduce.cli._args import add_algorithm_argument, non_negative_int, positi
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import Collective, Schedule, get_algorithm, make_schedule
-from allreduce.sim import Faults, SimResult, simulate, write_trace
+from allreduce.sim import AUTO_EXACT_MAX_RANKS, AUTO_EXACT_MAX_TRANSFERS, Faults, SimResult, simulate, write_trace
 from allreduce.topology import Topology, parse_topology
 from allreduce.units import format_bandwidth, format_bytes, format_seconds, parse_bytes, parse_seconds
 
@@ -129,8 +129,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=("auto", "fast", "event"),
         default="auto",
         help="fast (per flow pattern; exact where it can certify so, else approximate: marked ~), "
-        "event (exact, per transfer), or auto (default): exact on <= 256 ranks (fast where it is exact, else "
-        "event), fast beyond",
+        f"event (exact, per transfer), or auto (default): exact on <= {AUTO_EXACT_MAX_RANKS:,} ranks and "
+        f"<= {AUTO_EXACT_MAX_TRANSFERS or 0:,} transfers (fast where it is exact, else event), fast beyond",
     )
     p.add_argument("--top", type=non_negative_int("--top"), default=3, help="bottleneck links to list (default 3)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
