@@ -238,6 +238,38 @@ def cores(ranks: int) -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 
+# The smallest k=2j fat-tree (k^3/4 GPUs) that holds each group.
+LARGE_FAT_TREES = {2048: "fat-tree:k=22", 4096: "fat-tree:k=26", 16384: "fat-tree:k=42"}
+
+
+def large(ranks_list: list[int], max_transfers: int, timeout_s: float) -> None:
+    """The event engine (compiled core) on large fat-trees, random placement, ring and double binary tree:
+    wall and CPU seconds, peak memory; groups of more than ``max_transfers`` transfers are not run (the
+    engine's memory grows with them: about 350 bytes each)."""
+    from allreduce.schedules import Collective, make_schedule
+
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'case':<36} {'ranks':>6} {'transfers':>11} {'wall s':>8} {'cpu s':>8} {'peak MB':>8} {'time ms':>10}")
+    for ranks in ranks_list:
+        spec = LARGE_FAT_TREES[ranks]
+        for algorithm in ("ring", "double_binary_tree"):
+            count = int(make_schedule(Collective.ALL_REDUCE, algorithm, ranks, chunks=8).streams.steps.sum())
+            label = f"{spec} {algorithm}"
+            if count > max_transfers:
+                print(f"{label:<36} {ranks:>6} {count:>11} {'(not run: over --max-transfers)':>30}", flush=True)
+                continue
+            row = spawn(spec, ranks, algorithm, "kernel", timeout_s)
+            if row is None:
+                print(f"{label:<36} {ranks:>6} {count:>11} {'> ' + str(int(timeout_s)):>8}", flush=True)
+                continue
+            print(
+                f"{label:<36} {ranks:>6} {count:>11} {row['wall']:>8.1f} {row['cpu']:>8.1f} {row['peak_mb']:>8.0f} "
+                f"{float(row['seconds']) * 1e3:>10.4f}",
+                flush=True,
+            )
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
 ERROR_NETWORKS = (
     ("fat-tree", {256: "fat-tree:k=12", 1024: "fat-tree:k=16", 4096: "fat-tree:k=26"}),
     ("clos 1:1", {n: f"clos:leaves={n // 32},spines=16,hosts_per_leaf=32,oversub=1" for n in (256, 1024, 4096)}),
@@ -312,6 +344,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before giving up")
     parser.add_argument("--grid", action="store_true", help="instead: agreement of the two cores on a grid")
     parser.add_argument("--cores", type=int, metavar="RANKS", help="instead: both cores' CPU time on four networks")
+    parser.add_argument("--large", action="store_true", help="instead: 2,048-16,384 ranks on fat-trees")
     parser.add_argument("--errors", action="store_true", help="instead: the fast engine's error on a grid")
     parser.add_argument("--max-transfers", type=int, default=2**22, help="--errors: larger cases are left out")
     parser.add_argument("--one", nargs=4, metavar=("SPEC", "RANKS", "ALGORITHM", "CORE"), help=argparse.SUPPRESS)
@@ -319,6 +352,9 @@ def main() -> int:
     if args.one:
         spec, ranks, algorithm, core = args.one
         print(json.dumps(one(spec, int(ranks), algorithm, core)))
+        return 0
+    if args.large:
+        large(args.ranks if args.ranks != [1024] else [4096, 16384], args.max_transfers, args.timeout)
         return 0
     if args.errors:
         errors(args.ranks if args.ranks != [1024] else [256, 1024, 4096], args.max_transfers)

@@ -13,7 +13,15 @@ from allreduce.cli._args import add_algorithm_argument, non_negative_int, positi
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import Collective, Schedule, get_algorithm, make_schedule
-from allreduce.sim import AUTO_EXACT_MAX_RANKS, AUTO_EXACT_MAX_TRANSFERS, Faults, SimResult, simulate, write_trace
+from allreduce.sim import (
+    AUTO_EXACT_MAX_RANKS,
+    AUTO_EXACT_MAX_TRANSFERS,
+    FAST_ERROR_RANGE,
+    Faults,
+    SimResult,
+    simulate,
+    write_trace,
+)
 from allreduce.topology import Topology, parse_topology
 from allreduce.units import format_bandwidth, format_bytes, format_seconds, parse_bytes, parse_seconds
 
@@ -360,6 +368,14 @@ def as_json(outcome: Outcome, top: int) -> dict[str, object]:
     }
 
 
+def _error_range(name: str) -> str:
+    """The fast engine's measured error for an algorithm, for a result it could not certify."""
+    if name not in FAST_ERROR_RANGE:
+        return f"(~ {name}: no measured error range for the fast engine; --engine event gives the exact time)"
+    low, high = FAST_ERROR_RANGE[name]
+    return f"(~ {name}: {low:+.0%} to {high:+.0%} of the exact time, measured on 6 fabrics at 256 and 1,024 ranks)"
+
+
 def render(outcome: Outcome, top: int, context: str) -> str:
     results, best = outcome.results, outcome.best
     lines = [
@@ -388,6 +404,7 @@ def render(outcome: Outcome, top: int, context: str) -> str:
     if not all(r.exact for r in results):
         lines.append("(~ approximate: ranks drifted out of lockstep while sharing links, which the fast engine")
         lines.append("   does not model; it tends to overstate the time. --engine event is exact, and slower)")
+        lines.extend(_error_range(r.name) for r in results if not r.exact)
     lines.extend(f"(note: {s})" for s in outcome.skipped)
     return "\n".join(lines)
 

@@ -18,7 +18,14 @@ from allreduce.sim._loss import FABRICS, LossModel, transfer_loss_probability
 from allreduce.sim._montecarlo import simulate_tail
 from allreduce.sim._rerun import DEFAULT_EXACT_BUDGET_S, TAIL_EXACT_MAX_RANKS
 from allreduce.sim._result import Bottleneck, CriticalStep, PhaseResult, SimResult
-from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS, AUTO_EXACT_MAX_TRANSFERS, ENGINES, TRACE_RANKS, simulate
+from allreduce.sim._simulate import (
+    AUTO_EXACT_MAX_RANKS,
+    AUTO_EXACT_MAX_TRANSFERS,
+    ENGINES,
+    FAST_ERROR_RANGE,
+    TRACE_RANKS,
+    simulate,
+)
 from allreduce.sim._stochastic import DISTRIBUTIONS, Distribution, parse_distribution, parse_time
 from allreduce.sim._tailresult import (
     EVENT_MAX_TRANSFERS,
@@ -43,6 +50,7 @@ __all__ = [
     "ENGINES",
     "EVENT_MAX_TRANSFERS",
     "FABRICS",
+    "FAST_ERROR_RANGE",
     "PERCENTILES",
     "SAMPLE_EVENT",
     "SAMPLE_FAST",
