@@ -50,7 +50,7 @@ from allreduce.schedules import Schedule
 from allreduce.sim._fair import fill_dense
 from allreduce.sim._kernel import available as kernel_available
 from allreduce.sim._kernel import run_kernel
-from allreduce.sim._layout import Layout, Transfers, match_transfers
+from allreduce.sim._layout import Layout, Problem, Transfers, match_transfers
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
@@ -404,34 +404,32 @@ class _Run(Layout):
 
 
 def run_core(
-    schedule: Schedule,
-    router: Router,
-    transfers: Transfers,
-    size_bytes: float,
-    rank_delay_s: FloatArray | None,
+    problem: Problem,
     *,
     start_s: FloatArray | None = None,
     extra_s: FloatArray | None = None,
     progress: Callable[[float], None] | None = None,
     windowed: bool = True,
 ) -> Layout:
-    """Run the model to the end on the fastest core there is: the compiled per-event core where numba is
+    """Run ``problem`` to the end on the fastest core there is: the compiled per-event core where numba is
     installed (sim/_kernel.py), else (``windowed``) the windowed core where it has lookahead and its passes
-    pay, else the per-event core in Python. All three give the same result (to rounding: see docs/design.md)."""
+    pay, else the per-event core in Python. All three give the same result (to rounding: see docs/design.md).
+    ``start_s`` and ``extra_s``: as :class:`Layout` has them."""
+    count = len(problem[2])
     if kernel_available():
-        run = Layout(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
-        if len(transfers):
+        run = Layout(*problem, start_s=start_s, extra_s=extra_s)
+        if count:
             run_kernel(run, progress)
         return run
     if windowed:
-        window = WindowRun(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
-        if not len(transfers) or (window.usable and window.run(progress)):
+        window = WindowRun(*problem, start_s=start_s, extra_s=extra_s)
+        if not count or (window.usable and window.run(progress)):
             return window
         # No lookahead, or a run whose passes would cost more than the per-event core's events. The abandoned
         # run's arrays go before the per-event core builds its lists.
         del window
-    per_event = _Run(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
-    if len(transfers):
+    per_event = _Run(*problem, start_s=start_s, extra_s=extra_s)
+    if count:
         per_event.run(progress)
     return per_event
 
@@ -447,7 +445,7 @@ def run_event(
 ) -> SimResult:
     topology = router.topology
     transfers = match_transfers(schedule)
-    run = run_core(schedule, router, transfers, size_bytes, rank_delay_s, progress=progress)
+    run = run_core((schedule, router, transfers, size_bytes, rank_delay_s), progress=progress)
     n = schedule.world_size
     seconds = float(run.rank_end.max()) if n else 0.0
 

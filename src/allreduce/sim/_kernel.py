@@ -201,13 +201,8 @@ def _fill_small(  # noqa: PLR0917 (numba has no keyword-only parameters)
     members: Any, num: int, route: Any, room: Any, lists: Any, comp_pos: Any, new: Any, scratch: Any
 ) -> None:
     """Progressive filling with running sums over the component's links (``_Run._fill_python``)."""
+    links, demand, count, tight, rated = scratch
     pair, pair_ptr, pair_link, pair_weight, _ = route
-    head, node_x, _, node_next = lists
-    new_rate, new_bottleneck = new
-    scratch_links, scratch_demand, scratch_count, scratch_tight, scratch_rated = scratch
-    links = scratch_links
-    demand = scratch_demand
-    count = scratch_count
     num_links = 0
     for i in range(num):
         p = pair[members[i]]
@@ -223,9 +218,9 @@ def _fill_small(  # noqa: PLR0917 (numba has no keyword-only parameters)
                 num_links += 1
             demand[k] += pair_weight[e]
             count[k] += 1
-    tight = scratch_tight
-    rated = scratch_rated
     rated[:num] = False
+    head, node_x, _, node_next = lists
+    new_rate, new_bottleneck = new
     while True:
         fill = np.inf
         any_left = False
@@ -271,13 +266,13 @@ def _fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
 ) -> int:
     """Progressive filling a level at a time with fresh sums (``sim/_fair.fill_dense``), over the component's
     links (``local`` numbers them)."""
-    comp_links, num_links, local = comp
     pair, pair_ptr, pair_link, pair_weight, _ = route
-    new_rate, new_bottleneck = new
     num_entries = 0
     for i in range(num):
         p = pair[members[i]]
         num_entries += pair_ptr[p + 1] - pair_ptr[p]
+    comp_links, num_links, local = comp
+    new_rate, new_bottleneck = new
     flow = np.empty(num_entries, dtype=np.int64)
     link = np.empty(num_entries, dtype=np.int64)
     weight = np.empty(num_entries)

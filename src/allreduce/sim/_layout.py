@@ -13,7 +13,7 @@ import numpy.typing as npt
 from allreduce.schedules import Schedule
 from allreduce.sim._routing import Router
 
-__all__ = ["Layout", "Transfers", "match_transfers"]
+__all__ = ["Layout", "Problem", "Transfers", "match_transfers"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -31,6 +31,11 @@ class Transfers:
 
     def __len__(self) -> int:
         return int(self.src.shape[0])
+
+
+# What a run simulates: a schedule, its router, its transfers (match_transfers), the bytes per rank, and each
+# rank's delay after a step (None: none). Layout's first arguments.
+Problem = tuple[Schedule, Router, Transfers, float, FloatArray | None]
 
 
 def match_transfers(schedule: Schedule) -> Transfers:

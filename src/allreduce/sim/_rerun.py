@@ -70,9 +70,8 @@ def run_event_sample(
     """The event engine with ranks reaching the collective at ``start_s`` and a delay ``extra_s`` added to
     each transfer's delivery (``transfers`` in :func:`match_transfers`' order): one Monte Carlo sample."""
     # Without the kernel, the per-event core: a sample is small, where the windowed core's passes cost most.
-    run = run_core(
-        schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s, windowed=False
-    )
+    problem = (schedule, router, transfers, size_bytes, rank_delay_s)
+    run = run_core(problem, start_s=start_s, extra_s=extra_s, windowed=False)
     return _sample_run(run, schedule, transfers)
 
 
