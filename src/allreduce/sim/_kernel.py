@@ -631,17 +631,20 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
     """Run a :class:`allreduce.sim._layout.Layout` to the end with the compiled kernel, filling in its arrays
     (``slowest_rate`` and ``bottleneck`` as ``_Run.run`` leaves them). ``progress`` (if given) is called with
     the fraction of transfers delivered, every _PROGRESS_EVERY deliveries."""
-    slowest = np.full(len(run.t), np.inf)
+    # The kernel writes the slowest rates and the bottlenecks (dense link numbers, then mapped) in place.
+    slowest = run.slowest_rate
+    slowest.fill(np.inf)
+    dense = run.bottleneck
+    dense.fill(-1)
     stats = np.zeros(4, dtype=np.int64)
-    dense = np.full(len(run.t), -1, dtype=np.int64)
     _progress.callback = progress
     try:
         _run_events(run, slowest, dense, stats, 0 if progress is None else _PROGRESS_EVERY)
     finally:
         _progress.callback = None
     run.kernel_stats = stats
-    run.slowest_rate = slowest
-    run.bottleneck = np.where(dense >= 0, run.used_links[np.maximum(dense, 0)], -1)
+    found = dense >= 0
+    dense[found] = run.used_links[dense[found]]
 
 
 def _run_events(run: Any, slowest: FloatArray, dense: IntArray, stats: IntArray, report_every: int) -> None:
