@@ -132,6 +132,16 @@ def _pop(heap: Any, size: int) -> int:
     return size
 
 
+@_njit
+def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: int) -> int:
+    """Add ``link`` to this instant's changed links (once); returns how many there are."""
+    if changed_mark[link] == stamp:
+        return num_changed
+    changed_mark[link] = stamp
+    changed[num_changed] = link
+    return num_changed + 1
+
+
 # -- the fluid: rates of a changed component -------------------------------------------------------------------
 @_njit
 def _sort_pairs(key: Any, second: Any, count: int) -> None:
@@ -461,10 +471,7 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int) -
                         else:
                             head[link] = node
                         tail[link] = node
-                        if changed_mark[link] != stamp:
-                            changed_mark[link] = stamp
-                            changed[num_changed] = link
-                            num_changed += 1
+                        num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
                     started[num_started] = x
                     num_started += 1
             elif kind == _DELIVER:
@@ -512,10 +519,7 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int) -
                         node_prev[after_node] = before
                     else:
                         tail[link] = before
-                    if changed_mark[link] != stamp:
-                        changed_mark[link] = stamp
-                        changed[num_changed] = link
-                        num_changed += 1
+                    num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
                 free[num_free] = block
                 num_free += 1
                 heap = _reserve(heap, size, 1)
