@@ -142,6 +142,20 @@ def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: i
     return num_changed + 1
 
 
+@_njit
+def _number_path(p: int, route: Any, local: Any, comp_links: Any, count: int) -> int:
+    """Number the links of pair ``p``'s path not numbered yet (``local``), in path order, from ``count`` on;
+    returns how many are numbered."""
+    _, pair_ptr, pair_link, _, _ = route
+    for e in range(pair_ptr[p], pair_ptr[p + 1]):
+        link = pair_link[e]
+        if local[link] < 0:
+            local[link] = count
+            comp_links[count] = link
+            count += 1
+    return count
+
+
 # -- the fluid: rates of a changed component -------------------------------------------------------------------
 @_njit
 def _sort_pairs(key: Any, second: Any, count: int) -> None:
@@ -557,15 +571,11 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int) -
                     members[num] = x
                     num += 1
                     comp_pos[x] = 1
-                    p = pair[x]
-                    for e in range(pair_ptr[p], pair_ptr[p + 1]):
-                        lk = pair_link[e]
-                        if local[lk] < 0:
-                            local[lk] = num_comp_links
-                            comp_links[num_comp_links] = lk
-                            num_comp_links += 1
-                            stack[top] = lk
-                            top += 1
+                    before = num_comp_links
+                    num_comp_links = _number_path(pair[x], route, local, comp_links, num_comp_links)
+                    for j in range(before, num_comp_links):
+                        stack[top] = comp_links[j]
+                        top += 1
                 node = node_next[node]
             room[link] = room_left
         if num > 32:
@@ -591,13 +601,7 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int) -
                 local[comp_links[j]] = -1
             num_comp_links = 0
             for i in range(num):
-                p = pair[chosen[i]]
-                for e in range(pair_ptr[p], pair_ptr[p + 1]):
-                    lk = pair_link[e]
-                    if local[lk] < 0:
-                        local[lk] = num_comp_links
-                        comp_links[num_comp_links] = lk
-                        num_comp_links += 1
+                num_comp_links = _number_path(pair[chosen[i]], route, local, comp_links, num_comp_links)
             stats[2] += 1
             comp = (comp_links, num_comp_links, local)
             stats[3] += _fill_dense(chosen, num, comp, route, room, (new_rate, new_bottleneck))
