@@ -43,6 +43,8 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
     from allreduce.sim import _event, simulate
     from allreduce.topology import parse_topology
 
+    if core != "kernel":
+        os.environ["ALLREDUCE_SIM_KERNEL"] = "numpy"
     if core == "per-event":
         # The per-event core in place of the windowed one: run_event falls back to it when the windowed core is
         # not usable.
@@ -82,14 +84,14 @@ def scale(ranks_list: list[int], reference: bool, timeout_s: float) -> None:
     for ranks in ranks_list:
         for spec, algorithm in CASES:
             rows = {}
-            for core in ("windowed", "per-event") if reference else ("windowed",):
+            for core in ("kernel", "windowed") if reference else ("kernel",):
                 rows[core] = row = spawn(spec, ranks, algorithm, core, timeout_s)
                 label = f"{spec} {algorithm}"
                 if row is None:
                     print(f"{label:<66} {ranks:>6} {core:<9} {'> ' + str(int(timeout_s)):>8}", flush=True)
                     continue
                 agree = ""
-                ref = rows.get("windowed") if core == "per-event" else None
+                ref = rows.get("kernel") if core != "kernel" else None
                 if ref is not None:
                     import numpy as np
 
@@ -124,6 +126,8 @@ def grid() -> None:
     from allreduce.schedules import Collective, make_schedule
     from allreduce.sim import match_transfers
     from allreduce.sim._event import _Run
+    from allreduce.sim._kernel import run_kernel
+    from allreduce.sim._layout import Layout
     from allreduce.sim._routing import Router
     from allreduce.sim._window import WindowRun
     from allreduce.topology import parse_topology, place
@@ -131,9 +135,9 @@ def grid() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
     print(
         f"{'network':<52} {'ranks':>5} {'algorithm':<19} {'placement':<9} {'per-event s':>11} {'windowed s':>10} "
-        f"{'differs':>9} {'ref moves':>9} {'event runs':>9}"
+        f"{'differs':>9} {'ref moves':>9} {'numpy runs':>9} {'compiled':>9}"
     )
-    cases = worst = worst_event = 0.0
+    cases = worst = worst_event = worst_kernel = 0.0
     beyond = 0
     for spec, ranks in GRID_NETWORKS:
         topo = parse_topology(spec)
@@ -156,6 +160,13 @@ def grid() -> None:
                     cpu.append(time.process_time() - start)
                     runs.append(run)
                 ref, new = runs
+                compiled = Layout(sched, Router(topo, rank_gpu, None, 1), transfers, 2.0**24, None)
+                run_kernel(compiled)
+                kernel_differs = max(
+                    float(np.max(np.abs(compiled.delivered_s - ref.delivered_s) / ref.delivered_s)),
+                    float(np.max(np.abs(compiled.rank_end - ref.rank_end) / ref.rank_end)),
+                )
+                worst_kernel = max(worst_kernel, kernel_differs)
                 # What engine="event" runs: the windowed core unless it gives way to the per-event core.
                 kept = WindowRun(sched, Router(topo, rank_gpu, None, 1), transfers, 2.0**24, None).run()
                 differs = max(
@@ -181,12 +192,13 @@ def grid() -> None:
                     worst_event = max(worst_event, differs)
                 print(
                     f"{spec:<52} {ranks:>5} {algorithm:<19} {placement:<9} {cpu[0]:>11.2f} {cpu[1]:>10.2f} "
-                    f"{differs:>9.1e} {moves:>9} {'windowed' if kept else 'per-event':>9}",
+                    f"{differs:>9.1e} {moves:>9} {'windowed' if kept else 'per-event':>9} {kernel_differs:>9.1e}",
                     flush=True,
                 )
     print(
         f"{int(cases)} cases; the windowed core differs beyond 1e-9 in {beyond} (worst {worst:.1e}); engine=event "
-        f"(windowed where it keeps it) worst {worst_event:.1e}; load average {os.getloadavg()[0]:.1f}"
+        f"without numba (windowed where it keeps it) worst {worst_event:.1e}; the compiled core worst "
+        f"{worst_kernel:.1e}; load average {os.getloadavg()[0]:.1f}"
     )
 
 
@@ -236,18 +248,126 @@ def cores(ranks: int) -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 
+# The smallest k=2j fat-tree (k^3/4 GPUs) that holds each group.
+LARGE_FAT_TREES = {2048: "fat-tree:k=22", 4096: "fat-tree:k=26", 16384: "fat-tree:k=42"}
+
+
+def large(ranks_list: list[int], max_transfers: int, timeout_s: float) -> None:
+    """The event engine (compiled core) on large fat-trees, random placement, ring and double binary tree:
+    wall and CPU seconds, peak memory; groups of more than ``max_transfers`` transfers are not run (the
+    engine's memory grows with them: about 350 bytes each)."""
+    from allreduce.schedules import Collective, make_schedule
+
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'case':<36} {'ranks':>6} {'transfers':>11} {'wall s':>8} {'cpu s':>8} {'peak MB':>8} {'time ms':>10}")
+    for ranks in ranks_list:
+        spec = LARGE_FAT_TREES[ranks]
+        for algorithm in ("ring", "double_binary_tree"):
+            count = int(make_schedule(Collective.ALL_REDUCE, algorithm, ranks, chunks=8).streams.steps.sum())
+            label = f"{spec} {algorithm}"
+            if count > max_transfers:
+                print(f"{label:<36} {ranks:>6} {count:>11} {'(not run: over --max-transfers)':>30}", flush=True)
+                continue
+            row = spawn(spec, ranks, algorithm, "kernel", timeout_s)
+            if row is None:
+                print(f"{label:<36} {ranks:>6} {count:>11} {'> ' + str(int(timeout_s)):>8}", flush=True)
+                continue
+            print(
+                f"{label:<36} {ranks:>6} {count:>11} {row['wall']:>8.1f} {row['cpu']:>8.1f} {row['peak_mb']:>8.0f} "
+                f"{float(row['seconds']) * 1e3:>10.4f}",
+                flush=True,
+            )
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
+ERROR_NETWORKS = (
+    ("fat-tree", {256: "fat-tree:k=12", 1024: "fat-tree:k=16", 4096: "fat-tree:k=26"}),
+    ("clos 1:1", {n: f"clos:leaves={n // 32},spines=16,hosts_per_leaf=32,oversub=1" for n in (256, 1024, 4096)}),
+    ("clos 4:1", {n: f"clos:leaves={n // 32},spines=8,hosts_per_leaf=32,oversub=4" for n in (256, 1024, 4096)}),
+    ("rail", {n: f"rail:nodes={n // 8},gpus=8" for n in (256, 1024, 4096)}),
+    ("torus", {256: "torus:16x16", 1024: "torus:32x32", 4096: "torus:64x64"}),
+    (
+        "dragonfly",
+        {
+            256: "dragonfly:groups=16,routers=8,hosts=2",
+            1024: "dragonfly:groups=32,routers=8,hosts=4",
+            4096: "dragonfly:groups=64,routers=16,hosts=4",
+        },
+    ),
+)
+ERROR_ALGORITHMS = ("ring", "halving_doubling", "double_binary_tree", "hierarchical")
+
+
+def errors(ranks_list: list[int], max_transfers: int) -> None:
+    """The fast engine against the event engine (the compiled core) on a grid: the fast engine's relative
+    error per case, and whether it certified its result; cases of more than ``max_transfers`` transfers are
+    left out (the event engine's memory grows with them)."""
+    from allreduce.schedules import Collective, make_schedule
+    from allreduce.sim import simulate
+    from allreduce.topology import parse_topology
+
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{'network':<10} {'ranks':>5} {'algorithm':<19} {'placement':<9} {'transfers':>10} {'fast ms':>10} "
+        f"{'event ms':>10} {'fast err':>9} {'certified':>9} {'event s':>8}"
+    )
+    worst: dict[str, float] = {}
+    for ranks in ranks_list:
+        for label, specs in ERROR_NETWORKS:
+            topo = parse_topology(specs[ranks])
+            for algorithm in ERROR_ALGORITHMS:
+                sched = make_schedule(Collective.ALL_REDUCE, algorithm, ranks, chunks=8, group_size=8)
+                count = int(sched.streams.steps.sum())
+                for placement in ("linear", "random"):
+                    kwargs = {"size_bytes": SIZE_BYTES, "placement": placement, "seed": 0}
+                    fast = simulate(sched, topo, engine="fast", **kwargs)  # type: ignore[arg-type]
+                    if count > max_transfers:
+                        print(
+                            f"{label:<10} {ranks:>5} {algorithm:<19} {placement:<9} {count:>10} "
+                            f"{fast.seconds * 1e3:>10.3f} {'(skipped)':>10}",
+                            flush=True,
+                        )
+                        continue
+                    cpu = time.process_time()
+                    event = simulate(sched, topo, engine="event", **kwargs)  # type: ignore[arg-type]
+                    cpu = time.process_time() - cpu
+                    err = fast.seconds / event.seconds - 1
+                    if not fast.exact:
+                        worst[algorithm] = max(worst.get(algorithm, 0.0), abs(err))
+                    print(
+                        f"{label:<10} {ranks:>5} {algorithm:<19} {placement:<9} {count:>10} "
+                        f"{fast.seconds * 1e3:>10.3f} {event.seconds * 1e3:>10.3f} {err:>+9.2%} "
+                        f"{'yes' if fast.exact else 'no':>9} {cpu:>8.1f}",
+                        flush=True,
+                    )
+    print(
+        "worst |error| where the fast engine did not certify: "
+        + ", ".join(f"{a} {e:.1%}" for a, e in sorted(worst.items()))
+    )
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024])
-    parser.add_argument("--reference", action="store_true", help="also run the per-event core (slow)")
+    parser.add_argument("--reference", action="store_true", help="also run the numpy cores (slow)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before giving up")
     parser.add_argument("--grid", action="store_true", help="instead: agreement of the two cores on a grid")
     parser.add_argument("--cores", type=int, metavar="RANKS", help="instead: both cores' CPU time on four networks")
+    parser.add_argument("--large", action="store_true", help="instead: 2,048-16,384 ranks on fat-trees")
+    parser.add_argument("--errors", action="store_true", help="instead: the fast engine's error on a grid")
+    parser.add_argument("--max-transfers", type=int, default=2**22, help="--errors: larger cases are left out")
     parser.add_argument("--one", nargs=4, metavar=("SPEC", "RANKS", "ALGORITHM", "CORE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         spec, ranks, algorithm, core = args.one
         print(json.dumps(one(spec, int(ranks), algorithm, core)))
+        return 0
+    if args.large:
+        large(args.ranks if args.ranks != [1024] else [4096, 16384], args.max_transfers, args.timeout)
+        return 0
+    if args.errors:
+        errors(args.ranks if args.ranks != [1024] else [256, 1024, 4096], args.max_transfers)
         return 0
     if args.grid:
         grid()

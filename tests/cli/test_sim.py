@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from allreduce.cli import main
+from allreduce.sim import FAST_ERROR_RANGE
 
 CLOS = "clos:leaves=2,spines=1,hosts_per_leaf=4,bw=400Gbps,lat=1us"
 
@@ -179,3 +180,17 @@ def test_naive_is_left_out_of_all_on_many_ranks_with_a_note(capsys: pytest.Captu
     code, out, err = run(capsys, "--topology", "fat-tree:k=16", "--ranks", "512", "--size", "1MiB", "-a", "all")
     assert code == 0, err
     assert "(note: naive: left out above 256 ranks" in out
+
+
+def test_an_uncertified_fast_answer_says_the_measured_error_range(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("--topology", "torus:4x4", "--size", "16MiB", "--placement", "random", "--engine", "fast")
+    code, out, err = run(capsys, *argv, "-a", "halving_doubling")
+    assert code == 0, err
+    low, high = FAST_ERROR_RANGE["halving_doubling"]
+    assert f"(~ halving_doubling: {low:+.0%} to {high:+.0%} of the exact time" in out
+
+
+def test_an_exact_answer_says_no_error_range(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--topology", "torus:4x4", "--size", "16MiB", "-a", "halving_doubling")
+    assert code == 0, err
+    assert "of the exact time" not in out

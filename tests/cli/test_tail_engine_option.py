@@ -33,6 +33,23 @@ def test_auto_reruns_uncertified_samples_and_says_so(capsys: pytest.CaptureFixtu
     assert hd["exact"] is True
 
 
+def test_a_zero_exact_budget_leaves_the_uncertified_samples_to_the_fast_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("-t", "fat-tree:k=4", "--size", "4MiB", "-a", "halving_doubling", "--placement", "random", "--seed", "3")
+    code, out, err = run(capsys, *argv, "-k", "10", "--jitter-rank", "exponential:mean=10us", "--exact-budget", "0")
+    assert code == 0, err
+    assert "--engine" in out  # the note on the ~ samples says how to get them exact
+
+
+@pytest.mark.parametrize("budget", ["-1", "nan", "soon", "1e9"])
+def test_a_bad_exact_budget_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], budget: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tail", "-t", "switch:n=8", "--size", "1MiB", "--exact-budget", budget])
+    assert exit_info.value.code == 2
+    assert "--exact-budget" in capsys.readouterr().err
+
+
 def test_fast_engine_marks_uncertified_samples(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ("-t", "fat-tree:k=4", "--size", "4MiB", "-a", "halving_doubling", "--placement", "random", "--seed", "3")
     code, out, err = run(capsys, *argv, "-k", "10", "--jitter-rank", "exponential:mean=10us", "--engine", "fast")

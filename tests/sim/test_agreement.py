@@ -16,7 +16,7 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from allreduce.schedules import all_reduce
-from allreduce.sim import Faults, match_transfers, simulate
+from allreduce.sim import Faults, _simulate, match_transfers, simulate
 from allreduce.sim._event import _Run
 from allreduce.sim._fast import run_fast_checked
 from allreduce.sim._routing import Router
@@ -96,7 +96,11 @@ def test_auto_is_exact_on_256_ranks_however_many_transfers() -> None:
     assert auto.exact
 
 
-def test_beyond_256_ranks_auto_runs_the_fast_engine_and_says_whether_it_is_exact() -> None:
+def test_beyond_its_limits_auto_runs_the_fast_engine_and_says_whether_it_is_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The limits as they are without numba (with it: 16,384 ranks, where 300 would run the event engine).
+    monkeypatch.setattr(_simulate, "AUTO_EXACT_MAX_RANKS", 256)
     topo = parse_topology("fat-tree:k=12")  # 432 GPUs
     # Linear ring: every flow alone on its links, so its duration does not depend on timing: exact.
     ring = simulate(all_reduce("ring", 300), topo, size_bytes=SIZE)
@@ -106,6 +110,16 @@ def test_beyond_256_ranks_auto_runs_the_fast_engine_and_says_whether_it_is_exact
     assert (hd.engine, hd.exact) == ("fast", False)
     assert "approximate" in hd.summary()
     assert hd.to_json()["exact"] is False
+
+
+def test_auto_runs_the_fast_engine_beyond_its_transfer_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    sched = all_reduce("halving_doubling", 64)
+    topo = parse_topology("fat-tree:k=8")
+    monkeypatch.setattr(_simulate, "AUTO_EXACT_MAX_TRANSFERS", int(sched.streams.steps.sum()) - 1)
+    result = simulate(sched, topo, size_bytes=SIZE, placement="random", seed=1)
+    assert (result.engine, result.exact) == ("fast", False)
+    monkeypatch.setattr(_simulate, "AUTO_EXACT_MAX_TRANSFERS", int(sched.streams.steps.sum()))
+    assert simulate(sched, topo, size_bytes=SIZE, placement="random", seed=1).engine == "event"
 
 
 def test_contention_free_runs_are_exact_without_lockstep() -> None:

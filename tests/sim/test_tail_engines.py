@@ -10,7 +10,6 @@ import pytest
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import (
-    EVENT_MAX_TRANSFERS,
     SAMPLE_EVENT,
     SAMPLE_FAST,
     SAMPLE_FAST_UNCERTIFIED,
@@ -23,6 +22,7 @@ from allreduce.sim import (
     simulate_tail,
 )
 from allreduce.sim._event import match_transfers
+from allreduce.sim._rerun import rerun_cost_s
 from allreduce.topology import fat_tree, switch
 
 
@@ -123,13 +123,31 @@ def test_auto_reruns_only_lossy_samples_when_the_noise_free_run_is_certified_by_
     assert np.all(result.step_s[~lossy] == result.baseline_s)
 
 
-def test_auto_leaves_samples_beyond_the_event_budget_to_the_fast_engine() -> None:
+def test_auto_leaves_samples_beyond_the_exact_budget_to_the_fast_engine() -> None:
     schedule = all_reduce("halving_doubling", 16)
-    samples = EVENT_MAX_TRANSFERS // len(match_transfers(schedule)) + 1
+    samples = 20
+    budget = rerun_cost_s(len(match_transfers(schedule)), samples) * 0.99
     config = TailConfig(samples=samples, seed=1, rank_jitter=Distribution.exponential(1e-6))
-    result = simulate_tail(schedule, fat_tree(4), size_bytes=2**22, config=config, placement="random", seed=3)
+    kwargs = {"size_bytes": 2**22, "config": config, "placement": "random", "seed": 3}
+    result = simulate_tail(schedule, fat_tree(4), exact_budget_s=budget, **kwargs)  # type: ignore[arg-type]
     assert result.engine_counts() == {"fast": 0, "fast ~": samples, "event": 0}
     assert np.all(result.sample_engine == SAMPLE_FAST_UNCERTIFIED)
+
+
+def test_auto_reruns_every_sample_within_the_exact_budget() -> None:
+    schedule = all_reduce("halving_doubling", 16)
+    samples = 20
+    budget = rerun_cost_s(len(match_transfers(schedule)), samples)
+    config = TailConfig(samples=samples, seed=1, rank_jitter=Distribution.exponential(1e-6))
+    kwargs = {"size_bytes": 2**22, "config": config, "placement": "random", "seed": 3}
+    result = simulate_tail(schedule, fat_tree(4), exact_budget_s=budget, **kwargs)  # type: ignore[arg-type]
+    assert result.engine_counts() == {"fast": 0, "fast ~": 0, "event": samples}
+    assert result.exact
+
+
+def test_a_negative_exact_budget_is_named() -> None:
+    with pytest.raises(ValueError, match="exact_budget_s"):
+        simulate_tail(all_reduce("ring", 4), switch(4), size_bytes=2**20, config=TailConfig(), exact_budget_s=-1.0)
 
 
 def test_event_engine_refuses_timed_faults() -> None:

@@ -13,7 +13,15 @@ from allreduce.cli._args import add_algorithm_argument, non_negative_int, positi
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import Collective, Schedule, get_algorithm, make_schedule
-from allreduce.sim import Faults, SimResult, simulate, write_trace
+from allreduce.sim import (
+    AUTO_EXACT_MAX_RANKS,
+    AUTO_EXACT_MAX_TRANSFERS,
+    FAST_ERROR_RANGE,
+    Faults,
+    SimResult,
+    simulate,
+    write_trace,
+)
 from allreduce.topology import Topology, parse_topology
 from allreduce.units import format_bandwidth, format_bytes, format_seconds, parse_bytes, parse_seconds
 
@@ -128,8 +136,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=("auto", "fast", "event"),
         default="auto",
         help="fast (per flow pattern; exact where it can certify so, else approximate: marked ~), "
-        "event (exact, per transfer), or auto (default): exact on <= 256 ranks (fast where it is exact, else "
-        "event), fast beyond",
+        f"event (exact, per transfer), or auto (default): exact on <= {AUTO_EXACT_MAX_RANKS:,} ranks and "
+        f"<= {AUTO_EXACT_MAX_TRANSFERS or 0:,} transfers (fast where it is exact, else event), fast beyond",
     )
     p.add_argument("--top", type=non_negative_int("--top"), default=3, help="bottleneck links to list (default 3)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -358,6 +366,14 @@ def as_json(outcome: Outcome, top: int) -> dict[str, object]:
     }
 
 
+def _error_range(name: str) -> str:
+    """The fast engine's measured error for an algorithm, for a result it could not certify."""
+    if name not in FAST_ERROR_RANGE:
+        return f"(~ {name}: no measured error range for the fast engine; --engine event gives the exact time)"
+    low, high = FAST_ERROR_RANGE[name]
+    return f"(~ {name}: {low:+.0%} to {high:+.0%} of the exact time, measured on 6 fabrics at 256 and 1,024 ranks)"
+
+
 def render(outcome: Outcome, top: int, context: str) -> str:
     results, best = outcome.results, outcome.best
     lines = [
@@ -386,6 +402,7 @@ def render(outcome: Outcome, top: int, context: str) -> str:
     if not all(r.exact for r in results):
         lines.append("(~ approximate: ranks drifted out of lockstep while sharing links, which the fast engine")
         lines.append("   does not model; it tends to overstate the time. --engine event is exact, and slower)")
+        lines.extend(_error_range(r.name) for r in results if not r.exact)
     lines.extend(f"(note: {s})" for s in outcome.skipped)
     return "\n".join(lines)
 

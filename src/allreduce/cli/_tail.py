@@ -18,9 +18,9 @@ from allreduce.cli._args import add_algorithm_argument, non_negative_int, positi
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.sim import (
-    AUTO_EXACT_MAX_RANKS,
+    DEFAULT_EXACT_BUDGET_S,
     DISTRIBUTIONS,
-    EVENT_MAX_TRANSFERS,
+    TAIL_EXACT_MAX_RANKS,
     TAIL_MEMORY_LIMIT_BYTES,
     TCP_STACKS,
     TailConfig,
@@ -135,9 +135,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--engine",
         choices=("auto", "fast", "event"),
         default="auto",
-        help="auto (default): samples the fast engine cannot certify exact are re-run by the event engine when "
-        f"affordable (<= {AUTO_EXACT_MAX_RANKS} ranks, <= {EVENT_MAX_TRANSFERS:,} transfers in all); fast; "
-        "event: every sample",
+        help="auto (default): samples the fast engine cannot certify exact are re-run by the event engine on "
+        f"<= {TAIL_EXACT_MAX_RANKS:,} ranks if they fit --exact-budget; fast; event: every sample",
+    )
+    p.add_argument(
+        "--exact-budget",
+        type=_budget,
+        default=DEFAULT_EXACT_BUDGET_S,
+        metavar="SECONDS",
+        help="--engine auto: the CPU seconds the event engine's re-runs may be planned to take (default "
+        "%(default)g; planned from their transfers, so the same samples are re-run on any machine)",
     )
     p.add_argument("--no-attribution", action="store_true", help="skip naming culprits (faster with loss/jitter)")
     p.add_argument("--top", type=non_negative_int("--top"), default=5, help="culprits to list (default 5)")
@@ -145,6 +152,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--csv", metavar="FILE", help="write every sample to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write the step-time CDF to FILE.png (needs matplotlib)")
     p.set_defaults(handler=run)
+
+
+# The largest --exact-budget: a day.
+MAX_EXACT_BUDGET_S = 86_400.0
+
+
+def _budget(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--exact-budget: {text!r} is not a number of seconds") from None
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_EXACT_BUDGET_S):
+        raise argparse.ArgumentTypeError(f"--exact-budget: {text} must be between 0 and {MAX_EXACT_BUDGET_S:g}")
+    return seconds
 
 
 def _count(name: str) -> Callable[[str], int]:
@@ -419,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 faults=faults,
                 progress=bar if wants_bar else None,
+                exact_budget_s=args.exact_budget,
             )
         )
         if wants_bar:

@@ -26,8 +26,16 @@ from allreduce.sim._faults import (
 )
 from allreduce.sim._loss import FABRICS, LossModel, transfer_loss_probability
 from allreduce.sim._montecarlo import simulate_tail
+from allreduce.sim._rerun import DEFAULT_EXACT_BUDGET_S, TAIL_EXACT_MAX_RANKS
 from allreduce.sim._result import Bottleneck, CriticalStep, PhaseResult, SimResult
-from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS, ENGINES, TRACE_RANKS, simulate
+from allreduce.sim._simulate import (
+    AUTO_EXACT_MAX_RANKS,
+    AUTO_EXACT_MAX_TRANSFERS,
+    ENGINES,
+    FAST_ERROR_RANGE,
+    TRACE_RANKS,
+    simulate,
+)
 from allreduce.sim._stochastic import DISTRIBUTIONS, Distribution, parse_distribution, parse_time
 from allreduce.sim._tailresult import (
     EVENT_MAX_TRANSFERS,
@@ -46,14 +54,18 @@ from allreduce.sim._trace import chrome_trace, write_trace
 
 __all__ = [
     "AUTO_EXACT_MAX_RANKS",
+    "AUTO_EXACT_MAX_TRANSFERS",
+    "DEFAULT_EXACT_BUDGET_S",
     "DISTRIBUTIONS",
     "ENGINES",
     "EVENT_MAX_TRANSFERS",
     "FABRICS",
+    "FAST_ERROR_RANGE",
     "PERCENTILES",
     "SAMPLE_EVENT",
     "SAMPLE_FAST",
     "SAMPLE_FAST_UNCERTIFIED",
+    "TAIL_EXACT_MAX_RANKS",
     "TAIL_MEMORY_LIMIT_BYTES",
     "TCP_STACKS",
     "TRACE_RANKS",

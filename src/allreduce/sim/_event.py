@@ -24,9 +24,11 @@ whose rate changed gets a new drain event; its old one goes stale (a version cou
 Python over sets and dicts, since each event touches a handful of transfers; ``docs/design.md`` ("The event
 engine's incremental re-solve") has the measurements behind these choices.
 
-:func:`run_event` runs the same model on the windowed core (:mod:`allreduce.sim._window`: many transfers per
-numpy pass, exact by lookahead) wherever every transfer has a latency; this per-event core is the reference
-that one is tested against, the fallback without lookahead, and what the tail's re-runs use. The event engine
+:func:`run_core` runs this per-event core compiled (:mod:`allreduce.sim._kernel`, numba: the ``fast`` extra)
+where numba is installed; without it, the windowed core (:mod:`allreduce.sim._window`: many transfers per
+numpy pass, exact by lookahead) wherever every transfer has a latency. This Python per-event core is the
+reference both are tested against, the fallback without lookahead, and what the tail's re-runs use without
+numba. The event engine
 checks the fast engine (see :mod:`allreduce.sim._fast` for where and why the two differ), and engine="auto"
 uses it where the fast engine cannot certify its result.
 
@@ -46,13 +48,15 @@ import numpy.typing as npt
 
 from allreduce.schedules import Schedule
 from allreduce.sim._fair import fill_dense
-from allreduce.sim._layout import Layout, Transfers, match_transfers
+from allreduce.sim._kernel import available as kernel_available
+from allreduce.sim._kernel import run_kernel
+from allreduce.sim._layout import Layout, Problem, Transfers, match_transfers
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
 from allreduce.sim._window import WindowRun
 
-__all__ = ["Transfers", "match_transfers", "run_event"]
+__all__ = ["Transfers", "match_transfers", "run_core", "run_event"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -399,6 +403,37 @@ class _Run(Layout):
         self.bottleneck = np.where(dense >= 0, self.used_links[np.maximum(dense, 0)], -1)
 
 
+def run_core(
+    problem: Problem,
+    *,
+    start_s: FloatArray | None = None,
+    extra_s: FloatArray | None = None,
+    progress: Callable[[float], None] | None = None,
+    windowed: bool = True,
+) -> Layout:
+    """Run ``problem`` to the end on the fastest core there is: the compiled per-event core where numba is
+    installed (sim/_kernel.py), else (``windowed``) the windowed core where it has lookahead and its passes
+    pay, else the per-event core in Python. All three give the same result (to rounding: see docs/design.md).
+    ``start_s`` and ``extra_s``: as :class:`Layout` has them."""
+    count = len(problem[2])
+    if kernel_available():
+        run = Layout(*problem, start_s=start_s, extra_s=extra_s)
+        if count:
+            run_kernel(run, progress)
+        return run
+    if windowed:
+        window = WindowRun(*problem, start_s=start_s, extra_s=extra_s)
+        if not count or (window.usable and window.run(progress)):
+            return window
+        # No lookahead, or a run whose passes would cost more than the per-event core's events. The abandoned
+        # run's arrays go before the per-event core builds its lists.
+        del window
+    per_event = _Run(*problem, start_s=start_s, extra_s=extra_s)
+    if count:
+        per_event.run(progress)
+    return per_event
+
+
 def run_event(
     schedule: Schedule,
     router: Router,
@@ -410,14 +445,7 @@ def run_event(
 ) -> SimResult:
     topology = router.topology
     transfers = match_transfers(schedule)
-    windowed = WindowRun(schedule, router, transfers, size_bytes, rank_delay_s)
-    run: _Run | WindowRun = windowed
-    if len(transfers) and not (windowed.usable and windowed.run(progress)):
-        # No lookahead, or a run whose passes would cost more than the per-event core's events. The abandoned
-        # run's arrays go before the per-event core builds its lists.
-        del windowed, run
-        run = _Run(schedule, router, transfers, size_bytes, rank_delay_s)
-        run.run(progress)
+    run = run_core((schedule, router, transfers, size_bytes, rank_delay_s), progress=progress)
     n = schedule.world_size
     seconds = float(run.rank_end.max()) if n else 0.0
 
@@ -465,9 +493,7 @@ def run_event(
     )
 
 
-def _critical_path(
-    run: _Run | WindowRun, seconds: float, num_links: int
-) -> tuple[tuple[CriticalStep, ...], FloatArray]:
+def _critical_path(run: Layout, seconds: float, num_links: int) -> tuple[tuple[CriticalStep, ...], FloatArray]:
     """Walk back from the last rank to finish; per link, the seconds the path spent draining through it."""
     waited = np.zeros(num_links)
     if not len(run.t):
@@ -523,7 +549,7 @@ def _critical_path(
     return tuple(steps), waited
 
 
-def _phase_results(schedule: Schedule, run: _Run | WindowRun) -> tuple[PhaseResult, ...]:
+def _phase_results(schedule: Schedule, run: Layout) -> tuple[PhaseResult, ...]:
     t = run.t
     effective = np.divide(
         run.nbytes,

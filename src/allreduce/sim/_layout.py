@@ -13,7 +13,7 @@ import numpy.typing as npt
 from allreduce.schedules import Schedule
 from allreduce.sim._routing import Router
 
-__all__ = ["Layout", "Transfers", "match_transfers"]
+__all__ = ["Layout", "Problem", "Transfers", "match_transfers"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -31,6 +31,11 @@ class Transfers:
 
     def __len__(self) -> int:
         return int(self.src.shape[0])
+
+
+# What a run simulates: a schedule, its router, its transfers (match_transfers), the bytes per rank, and each
+# rank's delay after a step (None: none). Layout's first arguments.
+Problem = tuple[Schedule, Router, Transfers, float, FloatArray | None]
 
 
 def match_transfers(schedule: Schedule) -> Transfers:
@@ -100,7 +105,8 @@ class Layout:
         if np.any(~(link_capacity > 0)):
             bad = int(self.used_links[~(link_capacity > 0)][0])
             raise ValueError(f"link {bad} carries flows but has capacity {self.capacity[bad]} (must be > 0)")
-        self.latency = routes.latency_s[self.pair]
+        self.path_latency = routes.latency_s[self.pair]
+        self.latency = self.path_latency
         if extra_s is not None:
             self.latency = self.latency + extra_s
         self.start_at = np.zeros(n) if start_s is None else np.asarray(start_s, dtype=np.float64)
@@ -124,13 +130,24 @@ class Layout:
         self.slot_ptr = np.concatenate([[0], np.cumsum(np.bincount(slot_of, minlength=self.num_slots))])
         self.slot_member = members % max(len(t), 1)  # transfers of slot s: slot_ptr[s]:slot_ptr[s+1]
 
+        self._clear()
+
+    def _clear(self) -> None:
+        count = len(self.t)
         self.slot_start = np.full(self.num_slots, np.nan)
         self.slot_end = np.full(self.num_slots, np.nan)
         self.slot_last = np.full(self.num_slots, -1, dtype=np.int64)  # transfer that completed the slot
-        self.trigger = np.full(len(t), -1, dtype=np.int64)  # slot whose start let the transfer begin
-        self.start_s = np.full(len(t), np.nan)
-        self.drained_s = np.full(len(t), np.nan)
-        self.delivered_s = np.full(len(t), np.nan)
-        self.rank_end = np.zeros(n)
-        self.slowest_rate = np.full(len(t), np.inf)  # per transfer, filled in when the run ends
-        self.bottleneck = np.full(len(t), -1, dtype=np.int64)
+        self.trigger = np.full(count, -1, dtype=np.int64)  # slot whose start let the transfer begin
+        self.start_s = np.full(count, np.nan)
+        self.drained_s = np.full(count, np.nan)
+        self.delivered_s = np.full(count, np.nan)
+        self.rank_end = np.zeros(self.schedule.world_size)
+        self.slowest_rate = np.full(count, np.inf)  # per transfer, filled in when the run ends
+        self.bottleneck = np.full(count, -1, dtype=np.int64)
+
+    def replay(self, start_s: FloatArray, extra_s: FloatArray) -> None:
+        """Ready the same transfers for another run, with ranks reaching the collective at ``start_s`` and
+        ``extra_s`` added to each delivery (as the constructor has them): routes and slots are kept."""
+        self.start_at = np.asarray(start_s, dtype=np.float64)
+        self.latency = self.path_latency + extra_s
+        self._clear()

@@ -37,11 +37,15 @@ from allreduce.sim._event import run_event
 from allreduce.sim._fast import rates_fixed_under_any_timing, run_fast_checked
 from allreduce.sim._faults import Faults, TimedFault, apply_faults, resolve_links
 from allreduce.sim._phases import PhaseData, agreement_delays, check_recoverable, draw_losses, phase_data
-from allreduce.sim._rerun import Recorder, event_transfers
+from allreduce.sim._rerun import (
+    DEFAULT_EXACT_BUDGET_S,
+    TAIL_EXACT_MAX_RANKS,
+    Recorder,
+    event_transfers,
+    rerun_cost_s,
+)
 from allreduce.sim._routing import Router
-from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS
 from allreduce.sim._tailresult import (
-    EVENT_MAX_TRANSFERS,
     SAMPLE_EVENT,
     SAMPLE_FAST,
     SAMPLE_FAST_UNCERTIFIED,
@@ -230,15 +234,21 @@ def simulate_tail(
     seed: int = 0,
     faults: Faults | None = None,
     progress: Callable[[float], None] | None = None,
+    exact_budget_s: float = DEFAULT_EXACT_BUDGET_S,
 ) -> TailResult:
     """Monte Carlo of ``schedule`` on ``topology`` with ``config.samples`` draws of ``config``'s noise.
 
     ``placement``, ``routing``, ``seed`` (placement and ECMP) and ``faults`` (static: degraded or failed links,
     slow ranks) are :func:`allreduce.sim.simulate`'s. ``progress`` (if given) is called now and then with the
-    fraction of samples done. Reproducible: the same ``config.seed`` gives the same samples."""
+    fraction of samples done. Reproducible: the same ``config.seed`` gives the same samples. Under engine
+    "auto", the samples the fast engine cannot certify are re-run by the event engine on at most
+    TAIL_EXACT_MAX_RANKS ranks if the re-runs are planned to take at most ``exact_budget_s`` CPU seconds (a
+    plan from their transfers, not a clock: the same call re-runs the same samples on any machine)."""
     size = float(size_bytes)
     if not (math.isfinite(size) and size >= 0):
         raise ValueError(f"size_bytes must be a finite number >= 0, got {size_bytes!r}")
+    if not (math.isfinite(exact_budget_s) and exact_budget_s >= 0):
+        raise ValueError(f"exact_budget_s must be a finite number of seconds >= 0, got {exact_budget_s!r}")
     faults = faults or Faults()
     n = schedule.world_size
     if n > topology.num_gpus:
@@ -286,7 +296,9 @@ def simulate_tail(
     rank_culprit = np.arange(n, dtype=np.int64)
     transfers = event_transfers(schedule, config, k)
     # The link jitter of every transfer is kept for the event engine only if all samples' fit its budget.
-    keep_dense = transfers is not None and (config.engine == "event" or len(transfers) * k <= EVENT_MAX_TRANSFERS)
+    keep_dense = transfers is not None and (
+        config.engine == "event" or rerun_cost_s(len(transfers), k) <= exact_budget_s
+    )
     # When each rank starts the collective's data: its arrival, plus (RACK-TLP stacks) what lost agreement
     # messages held it back, and the blame of the larger of the two.
     start = arrival
@@ -355,8 +367,8 @@ def simulate_tail(
         if record is not None:
             rerun = members if config.engine == "event" else members[sample_engine[members] == SAMPLE_FAST_UNCERTIFIED]
             affordable = config.engine == "event" or (
-                n <= AUTO_EXACT_MAX_RANKS
-                and len(record.transfers) * rerun.size <= EVENT_MAX_TRANSFERS
+                n <= TAIL_EXACT_MAX_RANKS
+                and rerun_cost_s(len(record.transfers), rerun.size) <= exact_budget_s
                 and (keep_dense or config.link_jitter is None or config.link_jitter.is_zero)
             )
             if rerun.size and affordable:

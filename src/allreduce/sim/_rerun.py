@@ -10,15 +10,39 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules import Blame, Phase, Schedule, blame_key
-from allreduce.sim._event import Transfers, _Run, match_transfers
+from allreduce.sim._event import Transfers, match_transfers, run_core
+from allreduce.sim._kernel import available as kernel_available
+from allreduce.sim._kernel import run_kernel
+from allreduce.sim._layout import Layout
 from allreduce.sim._routing import Router
 from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS
 from allreduce.sim._tailresult import TailConfig
 
-__all__ = ["Recorder", "SampleRun", "event_transfers", "run_event_sample"]
+__all__ = [
+    "DEFAULT_EXACT_BUDGET_S",
+    "EVENT_S_PER_TRANSFER",
+    "TAIL_EXACT_MAX_RANKS",
+    "Recorder",
+    "SampleRun",
+    "event_transfers",
+    "rerun_cost_s",
+    "run_event_sample",
+]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+
+# engine="auto" re-runs the samples the fast engine cannot certify with the event engine when the group has at
+# most TAIL_EXACT_MAX_RANKS ranks and the re-runs fit the exact budget (simulate_tail's exact_budget_s, CPU
+# seconds, planned at EVENT_S_PER_TRANSFER per transfer and sample). The compiled core (sim/_kernel.py) replays
+# a sample on one layout for about 1 us of CPU per transfer where noise keeps components small
+# (benchmarks/bench_tail.py) and 5-6 us where many flows share links (benchmarks/bench_engines.py): 6 us plans
+# for the worse. The numpy cores cost 30-80 us (rings, halving-doubling and double binary trees of 16-64 ranks
+# on a fat-tree): 60 us, and 256 ranks, as before the kernel.
+TAIL_EXACT_MAX_RANKS = 4096 if kernel_available() else AUTO_EXACT_MAX_RANKS
+EVENT_S_PER_TRANSFER = 6e-6 if kernel_available() else 60e-6
+# The default budget: a minute of re-runs.
+DEFAULT_EXACT_BUDGET_S = 60.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,9 +69,14 @@ def run_event_sample(
 ) -> SampleRun:
     """The event engine with ranks reaching the collective at ``start_s`` and a delay ``extra_s`` added to
     each transfer's delivery (``transfers`` in :func:`match_transfers`' order): one Monte Carlo sample."""
-    run = _Run(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
-    if len(transfers):
-        run.run()
+    # Without the kernel, the per-event core: a sample is small, where the windowed core's passes cost most.
+    problem = (schedule, router, transfers, size_bytes, rank_delay_s)
+    run = run_core(problem, start_s=start_s, extra_s=extra_s, windowed=False)
+    return _sample_run(run, schedule, transfers)
+
+
+def _sample_run(run: Layout, schedule: Schedule, transfers: Transfers) -> SampleRun:
+    """A finished run's rank ends and critical path."""
     last_rank = int(np.argmax(run.rank_end)) if schedule.world_size else 0
     chain: list[int] = []
     ranks: list[int] = []
@@ -70,9 +99,14 @@ def event_transfers(schedule: Schedule, config: TailConfig, samples: int) -> Tra
     """The schedule's transfers in the event engine's order, if some samples may be re-run with it."""
     if config.engine == "fast" or config.timed_faults:
         return None
-    if config.engine == "auto" and (schedule.world_size > AUTO_EXACT_MAX_RANKS or samples < 1):
+    if config.engine == "auto" and (schedule.world_size > TAIL_EXACT_MAX_RANKS or samples < 1):
         return None
     return match_transfers(schedule)
+
+
+def rerun_cost_s(transfers: int, samples: int) -> float:
+    """About how many CPU seconds re-running ``samples`` samples of ``transfers`` transfers takes."""
+    return transfers * samples * EVENT_S_PER_TRANSFER
 
 
 def _occurrence(keys: IntArray) -> IntArray:
@@ -168,19 +202,28 @@ class Recorder:
         key = np.concatenate(self._key) if self._key else empty_i
         order = np.argsort(sample, kind="stable")
         sample, transfer, seconds, key = sample[order], transfer[order], seconds[order], key[order]
+        # The compiled core runs every sample on one layout (routes and slots built once).
+        prepared = None
+        if kernel_available() and count and samples.size:
+            prepared = Layout(self.schedule, router, self.transfers, size_bytes, rank_delay)
         for s in samples.tolist():
             lo, hi = np.searchsorted(sample, [s, s + 1])
             extra = np.zeros(count)
             np.add.at(extra, transfer[lo:hi], seconds[lo:hi])
-            run = run_event_sample(
-                self.schedule,
-                router,
-                self.transfers,
-                size_bytes=size_bytes,
-                rank_delay_s=rank_delay,
-                start_s=arrival[:, s],
-                extra_s=extra,
-            )
+            if prepared is not None:
+                prepared.replay(arrival[:, s], extra)
+                run_kernel(prepared)
+                run = _sample_run(prepared, self.schedule, self.transfers)
+            else:
+                run = run_event_sample(
+                    self.schedule,
+                    router,
+                    self.transfers,
+                    size_bytes=size_bytes,
+                    rank_delay_s=rank_delay,
+                    start_s=arrival[:, s],
+                    extra_s=extra,
+                )
             step_s[s] = float(run.rank_end_s.max())
             if not attribution:
                 continue

@@ -11,23 +11,55 @@ from allreduce.schedules import Schedule
 from allreduce.sim._event import run_event
 from allreduce.sim._fast import run_fast, run_fast_checked
 from allreduce.sim._faults import Faults, apply_faults
+from allreduce.sim._kernel import available as kernel_available
 from allreduce.sim._result import SimResult
 from allreduce.sim._routing import Router
 from allreduce.topology import PathTable, Topology, place
 
-__all__ = ["AUTO_EXACT_MAX_RANKS", "ENGINES", "TRACE_RANKS", "simulate"]
+__all__ = [
+    "AUTO_EXACT_MAX_RANKS",
+    "AUTO_EXACT_MAX_TRANSFERS",
+    "ENGINES",
+    "FAST_ERROR_RANGE",
+    "TRACE_RANKS",
+    "auto_exact_affordable",
+    "simulate",
+]
 
-# engine="auto" gives the exact result on at most AUTO_EXACT_MAX_RANKS ranks (where the two engines must
-# agree): the fast engine's when it certified its result (SimResult.exact: see sim/_fast.py), else the event
-# engine's, however many transfers that takes (the slowest measured in benchmarks/bench_sim_agreement.py: 30
-# CPU-seconds, a 256-rank ring on a randomly placed torus). Beyond it: the fast engine, whose result says whether
-# it is exact.
-AUTO_EXACT_MAX_RANKS = 256
+# engine="auto" gives the exact result on at most AUTO_EXACT_MAX_RANKS ranks and AUTO_EXACT_MAX_TRANSFERS
+# transfers (where the two engines must agree): the fast engine's when it certified its result (SimResult.exact:
+# see sim/_fast.py), else the event engine's. Beyond them: the fast engine, whose result says whether it is
+# exact. With the compiled core (sim/_kernel.py) the event engine costs 5-6 us of CPU and about 350 bytes per
+# transfer (benchmarks/bench_engines.py: a 1,024-rank ring, 2.1 million transfers, 10-11 CPU-s and 722 MB on a
+# fat-tree or a 4:1 Clos), so the limits are those of a run of about half a minute and 1.5 GB: every double
+# binary tree to 16,384 ranks, rings to about 1,400. Without numba the numpy cores run, 6-15x slower (the
+# slowest measured in benchmarks/bench_sim_agreement.py: 30 CPU-seconds, a 256-rank ring on a randomly placed
+# torus): at most 256 ranks, however many transfers.
+AUTO_EXACT_MAX_RANKS = 16_384 if kernel_available() else 256
+AUTO_EXACT_MAX_TRANSFERS = 2**22 if kernel_available() else None
+# How far the fast engine's time was from the event engine's where it could not certify its result, per
+# algorithm: (lowest, highest) relative error over the grid of benchmarks/bench_engines.py --errors (fat-tree,
+# Clos 1:1 and 4:1, rail, torus, dragonfly; linear and random placement; 256 and 1,024 ranks; 64 MiB). Measured,
+# not proven: the range a reader can expect, not a guarantee. It tends to overstate the time, since it holds
+# every flow at its share of the pattern's busiest moment.
+FAST_ERROR_RANGE = {
+    "ring": (-0.0001, 0.27),
+    "halving_doubling": (-0.012, 0.28),
+    "double_binary_tree": (0.0, 0.12),
+    "hierarchical": (0.0, 0.06),
+}
 # Ranks whose per-step (or per-phase) times a result keeps for traces.
 TRACE_RANKS = 64
 
 # The engines simulate (and simulate_tail, per sample) can run.
 ENGINES = ("auto", "fast", "event")
+
+
+def auto_exact_affordable(schedule: Schedule) -> bool:
+    """Whether engine="auto" runs the event engine on ``schedule`` where the fast engine cannot certify."""
+    if schedule.world_size > AUTO_EXACT_MAX_RANKS:
+        return False
+    return AUTO_EXACT_MAX_TRANSFERS is None or int(schedule.streams.steps.sum()) <= AUTO_EXACT_MAX_TRANSFERS
 
 
 def simulate(
@@ -47,8 +79,9 @@ def simulate(
 
     ``placement`` maps ranks to GPUs ("linear", "random" with ``seed``, or a list); ``routing`` is one of the
     topology's routings (None: its default — ECMP, or dimension-order on tori); ``faults`` degrades or fails
-    links and slows ranks; ``engine`` is "fast", "event", or "auto" (exact on at most AUTO_EXACT_MAX_RANKS ranks:
-    the fast engine where it is exact, else the event engine; the fast engine beyond). While the event engine
+    links and slows ranks; ``engine`` is "fast", "event", or "auto" (exact on at most AUTO_EXACT_MAX_RANKS ranks
+    and AUTO_EXACT_MAX_TRANSFERS transfers: the fast engine where it is exact, else the event engine; the fast
+    engine beyond). While the event engine
     runs, ``progress`` (if given) is called now and then with the fraction of transfers delivered so far.
     """
     try:
@@ -73,7 +106,7 @@ def simulate(
         return run_event(
             schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks, progress=progress
         )
-    if engine == "fast" or n > AUTO_EXACT_MAX_RANKS:
+    if engine == "fast" or not auto_exact_affordable(schedule):
         return run_fast(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
     # The fast run is cheap, and exact when it certified itself; only otherwise pay for the event engine.
     result, exact = run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
