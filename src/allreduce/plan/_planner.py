@@ -33,7 +33,7 @@ from allreduce.plan._workload import (
 )
 from allreduce.schedules import Collective, Schedule, algorithms, all_reduce, get_algorithm
 from allreduce.sim import (
-    AUTO_EXACT_MAX_RANKS,
+    DEFAULT_EXACT_BUDGET_S,
     Distribution,
     LossModel,
     SimResult,
@@ -53,6 +53,18 @@ __all__ = [
     "plan_step",
     "scaling_counts",
 ]
+
+PLAN_EXACT_MAX_RANKS = 256
+"""Under engine "auto" the planner asks the simulator for exact times up to this many GPUs and for the fast
+engine's beyond (marked where it could not certify them, see the plan's notes): a plan simulates every candidate
+algorithm at every bucket size and scaling row, and at 1,024 GPUs the event engine made a plan 20x slower (78
+against 4 CPU-seconds, ``benchmarks/bench_plan.py``). ``--engine event`` asks for exact times at any size."""
+
+
+def plan_engine(engine: str, gpus: int) -> str:
+    """The simulator engine a plan uses for ``gpus`` GPUs when asked for ``engine``."""
+    return "fast" if engine == "auto" and gpus > PLAN_EXACT_MAX_RANKS else engine
+
 
 MiB = 2**20
 # A quadratic all-reduce (direct: one flow pattern per step) is O(N^2) to simulate: auto considers it on small groups.
@@ -211,6 +223,7 @@ class _Simulator:
         )
 
     def run(self, request: PlanRequest, name: str, gpus: int, size_bytes: int) -> SimResult:
+        """:func:`allreduce.sim.simulate` of one candidate, remembered (on the engine :func:`plan_engine` picks)."""
         setting = self._setting(request, name, gpus)
         key = (*setting, size_bytes)
         if key not in self._results:
@@ -224,7 +237,7 @@ class _Simulator:
                 placement=request.placement,
                 seed=request.seed,
                 faults=request.faults,
-                engine=request.engine,
+                engine=plan_engine(request.engine, gpus),
             )
             self._seconds_by_size.setdefault(setting, {})[size_bytes] = self._results[key].seconds
         return self._results[key]
@@ -237,10 +250,9 @@ class _Simulator:
         takes maxima), so a time already simulated at a smaller size is a lower bound. Candidates are simulated in
         order of that bound, and those whose bound already exceeds the best time found are skipped: they cannot
         win or tie, so the choice and its time are the full search's. The event engine's times carry no such
-        guarantee, so where it may run (at most AUTO_EXACT_MAX_RANKS ranks under engine "auto") every candidate
-        is simulated."""
+        guarantee, so where it may run every candidate is simulated."""
         names = self.candidates(request, gpus)
-        monotone = request.engine == "fast" or (request.engine == "auto" and gpus > AUTO_EXACT_MAX_RANKS)
+        monotone = plan_engine(request.engine, gpus) == "fast"
         bound: dict[str, float] = {}
         for name in names:
             known = self._seconds_by_size.get(self._setting(request, name, gpus), {})
@@ -258,7 +270,9 @@ class _Simulator:
         return best[2]
 
     def tail(self, request: PlanRequest, name: str, gpus: int, size_bytes: int, config: TailConfig) -> TailResult:
-        """:func:`allreduce.sim.simulate_tail` of one bucket size under the request's topology, placement, faults."""
+        """:func:`allreduce.sim.simulate_tail` of one bucket size under the request's topology, placement, faults
+        (its uncertified samples re-run on the event engine only where :func:`plan_engine` would run it)."""
+        exact = plan_engine(request.engine, gpus) != "fast"
         return simulate_tail(
             self.schedule(request, name, gpus),
             self.topology(request.topology, request.uplink_oversubscription),
@@ -267,6 +281,7 @@ class _Simulator:
             placement=request.placement,
             seed=request.seed,
             faults=request.faults,
+            exact_budget_s=DEFAULT_EXACT_BUDGET_S if exact else 0.0,
         )
 
 
