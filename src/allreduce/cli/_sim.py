@@ -323,10 +323,6 @@ def _schedules(args: argparse.Namespace, topology: Topology, world_size: int) ->
 # ------------------------------------------------------------------------------------------------------------
 # Output
 # ------------------------------------------------------------------------------------------------------------
-def _bottlenecks_json(result: SimResult, top: int) -> list[dict[str, object]]:
-    return [{"link": b.name, "utilization": b.utilization, "waited_s": b.waited_s} for b in result.bottlenecks[:top]]
-
-
 @dataclass(frozen=True)
 class Outcome:
     """What one ``allreduce sim`` run simulated."""
@@ -348,20 +344,9 @@ def as_json(outcome: Outcome, top: int) -> dict[str, object]:
         "topology": outcome.topology.name,
         "ranks": outcome.world_size,
         "size_bytes": outcome.size_bytes,
-        "algorithms": [
-            {
-                "name": r.name,
-                "seconds": r.seconds,
-                "algbw_GBps": r.algbw_Bps / 1e9,
-                "busbw_GBps": r.busbw_Bps / 1e9,
-                "engine": r.engine,
-                "exact": r.exact,
-                "bottlenecks": _bottlenecks_json(r, top),
-            }
-            for r in results
-        ],
+        "algorithms": [r.to_json(bottlenecks=top) for r in results],
         "best": best.name,
-        "bottlenecks": _bottlenecks_json(best, top),
+        "bottlenecks": best.to_json(bottlenecks=top)["bottlenecks"],
         "skipped": outcome.skipped,
     }
 
