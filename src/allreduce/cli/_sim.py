@@ -17,8 +17,11 @@ from allreduce.sim import (
     AUTO_EXACT_MAX_RANKS,
     AUTO_EXACT_MAX_TRANSFERS,
     FAST_ERROR_RANGE,
+    MAX_MITIGATE_RANKS,
     Faults,
+    Mitigation,
     SimResult,
+    mitigate_ring,
     simulate,
     write_trace,
 )
@@ -140,6 +143,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         f"<= {AUTO_EXACT_MAX_TRANSFERS or 0:,} transfers (fast where it is exact, else event), fast beyond",
     )
     p.add_argument("--top", type=non_negative_int("--top"), default=3, help="bottleneck links to list (default 3)")
+    p.add_argument(
+        "--mitigate",
+        action="store_true",
+        help="also predict what re-planning around a slow link gains: the ring re-ordered from the rates its links "
+        "would show (the runtime's rule), beside the ring as placed; a slow rank is said to be beyond it",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of per-rank steps to FILE")
     p.set_defaults(handler=run)
@@ -351,6 +360,34 @@ def as_json(outcome: Outcome, top: int) -> dict[str, object]:
     }
 
 
+def _mitigation_json(m: Mitigation) -> dict[str, object]:
+    return {
+        "order": list(m.order),
+        "ring_seconds": m.before.seconds,
+        "replanned_seconds": m.after.seconds,
+        "speedup": m.speedup,
+        "slowest_link_before_GBps": m.slowest_before_Bps / 1e9,
+        "slowest_link_after_GBps": m.slowest_after_Bps / 1e9,
+        "note": m.note,
+    }
+
+
+def _render_mitigation(m: Mitigation) -> str:
+    """What re-planning would gain, as the text output's last lines."""
+    lines = [
+        "",
+        f"re-planning (--mitigate): ring as placed {format_seconds(m.before.seconds)}, re-planned ring "
+        f"{format_seconds(m.after.seconds)} ({m.speedup:.2f}x); slowest ring link "
+        f"{m.slowest_before_Bps / 1e9:.3g} -> {m.slowest_after_Bps / 1e9:.3g} GB/s",
+    ]
+    if tuple(m.order) != tuple(range(len(m.order))):
+        shown = ",".join(map(str, m.order[:32])) + (",..." if len(m.order) > 32 else "")
+        lines.append(f"  order {shown}")
+    if m.note:
+        lines.append(f"  {m.note}")
+    return "\n".join(lines)
+
+
 def _error_range(name: str) -> str:
     """The fast engine's measured error for an algorithm, for a result it could not certify."""
     if name not in FAST_ERROR_RANGE:
@@ -407,6 +444,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--size must be greater than 0 bytes, got {args.size!r}")
     faults = _faults(args, topology, world_size)
     placement = _placement(args.placement)
+    if args.mitigate and not 2 <= world_size <= MAX_MITIGATE_RANKS:
+        raise CLIError(f"--mitigate: re-planning is predicted for 2..{MAX_MITIGATE_RANKS:,} ranks, got {world_size:,}")
     schedules, skipped = _schedules(args, topology, world_size)
     if not schedules:
         raise CLIError("no algorithm left to simulate: " + "; ".join(skipped))
@@ -444,8 +483,18 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CLIError(f"--trace {args.trace}: cannot write it ({exc.strerror})") from None
     outcome = Outcome(topology, world_size, size, results, skipped)
+    mitigation = None
+    if args.mitigate:
+        mitigation = mitigate_ring(
+            topology, world_size, size_bytes=size, placement=placement, routing=args.routing, seed=args.seed,
+            faults=faults, engine=args.engine,
+        )  # fmt: skip
     if args.json:
-        print(dumps(as_json(outcome, args.top)))
+        print(
+            dumps(
+                {**as_json(outcome, args.top), **({"mitigation": _mitigation_json(mitigation)} if mitigation else {})}
+            )
+        )
     else:
         routing = args.routing or topology.default_routing
         shown = args.placement if len(args.placement) <= 40 else args.placement[:37] + "..."
@@ -462,6 +511,8 @@ def run(args: argparse.Namespace) -> int:
                 + [f"rank {r} +{format_seconds(s)}/step" for r, s in faults.slow_ranks]
             )
         print(render(outcome, args.top, context))
+        if mitigation is not None:
+            print(_render_mitigation(mitigation))
         if args.trace:
             shown = min(world_size, results[0].trace_start_s.shape[1])
             print(f"trace: {args.trace} (ranks 0-{shown - 1} of {world_size}; open in ui.perfetto.dev)")

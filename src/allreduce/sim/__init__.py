@@ -25,6 +25,7 @@ from allreduce.sim._faults import (
     unregister_fault_kind,
 )
 from allreduce.sim._loss import FABRICS, LossModel, transfer_loss_probability
+from allreduce.sim._mitigate import MAX_MITIGATE_RANKS, Mitigation, mitigate_ring
 from allreduce.sim._montecarlo import simulate_tail
 from allreduce.sim._rerun import DEFAULT_EXACT_BUDGET_S, TAIL_EXACT_MAX_RANKS
 from allreduce.sim._result import Bottleneck, CriticalStep, PhaseResult, SimResult
@@ -61,6 +62,7 @@ __all__ = [
     "EVENT_MAX_TRANSFERS",
     "FABRICS",
     "FAST_ERROR_RANGE",
+    "MAX_MITIGATE_RANKS",
     "PERCENTILES",
     "SAMPLE_EVENT",
     "SAMPLE_FAST",
@@ -82,6 +84,7 @@ __all__ = [
     "LinkDown",
     "LinkFlap",
     "LossModel",
+    "Mitigation",
     "PhaseResult",
     "SimResult",
     "SlowRank",
@@ -95,6 +98,7 @@ __all__ = [
     "fault_kinds",
     "match_transfers",
     "max_min_rates",
+    "mitigate_ring",
     "parse_distribution",
     "parse_fault",
     "parse_time",
