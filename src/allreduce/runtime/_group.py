@@ -24,6 +24,7 @@ Buffer conventions (``count`` elements, blocks of ``block_bounds(count, N)``, ra
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -43,6 +44,7 @@ from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
+from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, rule_from_env
 from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._store_api import Store
 from allreduce.runtime._trace import TRACE_ENV, check_trace_path, write_trace
@@ -138,6 +140,12 @@ class ProcessGroup:
         self._store = store
         self._lineage = lineage  # how to shrink it (groups from init() only)
         self._grow_calls = 0  # grow() calls on this group: the members count them alike
+        rule = rule_from_env(os.environ.get(REPLAN_ENV))
+        self._replanning = (
+            None
+            if rule is None or self.world_size < 4
+            else GroupReplanning(self.world_size, rule, self.cost_model.latency_s)
+        )
         self._closed = False
         # One cache for every compiled form: the group's schedules and plans, and the transport's own.
         plans = PlanCache(PLAN_CACHE_ENTRIES)
@@ -268,6 +276,8 @@ class ProcessGroup:
         **options: Unpack[ReduceOptions],
     ) -> Any:  # fmt: skip
         """Reduce ``x`` (numpy array or CPU tensor, any shape) over all ranks, in place; returns ``x``."""
+        if self._replanning is not None:
+            return self._replanned_all_reduce(x, op, algorithm, async_op, options)
         if (
             not options
             and not async_op
@@ -277,6 +287,21 @@ class ProcessGroup:
         ):
             return x
         return self._collective(Collective.ALL_REDUCE, x, op, algorithm, 0, async_op, options)
+
+    def _replanned_all_reduce(
+        self, x: Any, op: str, algorithm: str | Schedule, async_op: bool, options: Mapping[str, Any]
+    ) -> Any:
+        """An all-reduce under ``ALLREDUCE_REPLAN``: on the re-planned ring where it applies, then counted; every
+        window the ranks gather their link records and decide alike (runtime/_replan.py)."""
+        replanning = self._replanning
+        assert replanning is not None
+        nbytes = int(getattr(x, "nbytes", 0))
+        chosen = replanning.algorithm(algorithm, nbytes)
+        result = self._collective(Collective.ALL_REDUCE, x, op, chosen, 0, async_op, options)  # type: ignore[arg-type]
+        decision = replanning.after_call(nbytes, self.stats)
+        if decision is not None and self.rank == 0 and os.environ.get("ALLREDUCE_DEBUG"):
+            print(f"allreduce: re-planned: {replanning.changes[-1]}", file=sys.stderr, flush=True)
+        return result
 
     def reduce_scatter(
         self, x: Any, op: str = "sum", algorithm: str | Schedule = "auto", async_op: bool = False,
@@ -348,7 +373,10 @@ class ProcessGroup:
             self.all_gather(rows.reshape(-1), algorithm="ring" if self.world_size > 1 else "auto")
         finally:
             recorder.enabled = was
-        return merge_summaries(rows, last)
+        merged = merge_summaries(rows, last)
+        if self._replanning is not None and self._replanning.changes:
+            merged = dataclasses.replace(merged, replans=tuple(self._replanning.changes))
+        return merged
 
     def _report_at_close(self) -> None:
         """``ALLREDUCE_STATS`` / ``ALLREDUCE_TRACE``: collectives of their own, so a failure is reported, not raised

@@ -22,16 +22,26 @@ The new ring is the ring schedule with ranks relabelled (position ``i`` played b
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._stats import LinkStats
-from allreduce.schedules import SLOW_LINK_RATIO, best_ring_order, ordered_ring, ring_time_s
+from allreduce.runtime._stats import GroupStats, LinkStats
+from allreduce.schedules import SLOW_LINK_RATIO, Schedule, best_ring_order, ordered_ring, ring_time_s
 
-__all__ = ["Decision", "ReplanRule", "Replanner", "link_rates", "rate_matrix", "slow_links"]
+__all__ = [
+    "REPLAN_ENV",
+    "Decision",
+    "GroupReplanning",
+    "ReplanRule",
+    "Replanner",
+    "link_rates",
+    "rate_matrix",
+    "rule_from_env",
+    "slow_links",
+]
 
 Link = tuple[int, int]
 
@@ -146,3 +156,92 @@ class Replanner:
             f"ring reordered {','.join(map(str, proposal))}; predicted {speedup:.1f}x faster"
         )
         return Decision(proposal, reason, speedup)
+
+
+REPLAN_ENV = "ALLREDUCE_REPLAN"
+"""``1`` turns re-planning on with the default rule; ``window=20,ratio=0.5,confirm=2,speedup=1.25,probe=20`` sets
+the rule (any of the five, the others default); unset, empty or ``0`` leaves it off."""
+
+_RULE_FIELDS = {
+    "window": ("window_calls", int),
+    "ratio": ("slow_ratio", float),
+    "confirm": ("confirm_windows", int),
+    "speedup": ("min_speedup", float),
+    "probe": ("probe_windows", int),
+}
+_MAX_RULE_INT = 1_000_000
+_MIN_AUTO_BYTES = 1 << 20
+"""An ``auto`` all-reduce takes the re-planned ring from this size on (there the ring's bandwidth matters; below it
+auto's latency-bound picks stay)."""
+
+
+def rule_from_env(value: str | None) -> ReplanRule | None:
+    """The rule :data:`REPLAN_ENV` asks for, or None; ``ValueError`` naming the variable and the field."""
+    text = (value or "").strip()
+    if text in ("", "0"):
+        return None
+    if text == "1":
+        return ReplanRule()
+    fields: dict[str, float | int] = {}
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or key.strip() not in _RULE_FIELDS:
+            raise ValueError(
+                f"{REPLAN_ENV}={text[:60]!r}: {item.strip()[:20]!r} is not one of "
+                f"{', '.join(f'{k}=...' for k in _RULE_FIELDS)} (or 1 for the defaults)"
+            )
+        name, kind = _RULE_FIELDS[key.strip()]
+        try:
+            number = kind(raw.strip())
+        except ValueError:
+            what = "whole number" if kind is int else "number"
+            raise ValueError(f"{REPLAN_ENV}: {key.strip()}={raw.strip()[:20]!r} is not a {what}") from None
+        if kind is int and not 1 <= number <= _MAX_RULE_INT:
+            raise ValueError(f"{REPLAN_ENV}: {key.strip()} must be in 1..{_MAX_RULE_INT:,}, got {number}")
+        fields[name] = number
+    try:
+        return ReplanRule(**fields)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{REPLAN_ENV}: {exc}") from None
+
+
+class GroupReplanning:
+    """A group's re-planning: which schedule its all-reduces run, and the window count that calls for a look.
+
+    Every rank of the group counts the same all-reduces and, every ``window_calls`` of them, gathers the link
+    records of all ranks (``group.stats``, a collective), so every rank feeds :class:`Replanner` the same rates
+    and adopts the same order: nothing is decided from one rank's view."""
+
+    def __init__(self, world_size: int, rule: ReplanRule, latency_s: float) -> None:
+        self.rule = rule
+        self.replanner = Replanner(world_size, rule)
+        self.latency_s = latency_s
+        self.calls = 0
+        self.window_bytes = 0
+        self.schedule: Schedule | None = None
+        self.changes: list[str] = []
+
+    def algorithm(self, requested: object, nbytes: int) -> object:
+        """The algorithm to run for a call that asked for ``requested``: the re-planned ring for ``ring``, and for
+        ``auto`` from :data:`_MIN_AUTO_BYTES` on; anything else (another name, a schedule) as asked."""
+        if self.schedule is None or requested.__class__ is not str:
+            return requested
+        if requested == "ring" or (requested == "auto" and nbytes >= _MIN_AUTO_BYTES):
+            return self.schedule
+        return requested
+
+    def after_call(self, nbytes: int, gather: Callable[[int], GroupStats]) -> Decision | None:
+        """Count one all-reduce of ``nbytes``; at a window's end, gather the records (``gather(last)``) and decide."""
+        self.calls += 1
+        self.window_bytes += nbytes
+        window = self.rule.window_calls
+        if self.calls % window:
+            return None
+        stats = gather(window)
+        size, self.window_bytes = self.window_bytes / window, 0
+        decision = self.replanner.observe(link_rates(stats.links), size_bytes=size, alpha_s=self.latency_s)
+        if decision is not None:
+            identity = tuple(range(self.replanner.world_size))
+            self.schedule = None if decision.order == identity else ordered_ring(decision.order)
+            self.changes.append(f"after call {self.calls}: {decision.reason}")
+        return decision

@@ -592,6 +592,8 @@ class GroupStats:
     slowest_link: tuple[int, int] | None
     """``(src, dst)`` of the link with the largest total transfer time, if it stands out (``STANDOUT_RATIO`` times
     the runner-up); None otherwise or if no data moved."""
+    replans: tuple[str, ...] = ()
+    """What re-planning (``ALLREDUCE_REPLAN``) changed in this group, and why, in order."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -626,6 +628,7 @@ class GroupStats:
                     f"{_ms(link.wait_p99_s)} {_ms(link.transfer_total_s)} {_ms(link.transfer_p50_s)} "
                     f"{_ms(link.transfer_p99_s)}{mark}"
                 )
+        lines.extend(f"re-planned {change}" for change in self.replans)
         if self.slowest_rank is None:
             lines.append(f"no rank stands out ({STANDOUT_RATIO:g}x the runner-up's median lateness)")
         if self.slowest_link is None and self.links:
