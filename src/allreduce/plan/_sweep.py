@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
@@ -489,6 +490,30 @@ def _write_parquet(csv_path: Path) -> Path | None:
     return out
 
 
+_INTERRUPT_POLL_S = 0.1
+"""How often a sweep waiting for its cases looks whether Ctrl-C arrived."""
+
+
+def _interrupt_flag() -> tuple[threading.Event, Callable[[], None]]:
+    """Ctrl-C as a flag the sweep's loop checks between cases, and how to put the old handler back. A
+    KeyboardInterrupt raised wherever SIGINT happens to land can leave a lock of the process pool's taken, and
+    shutting the pool down then waits forever (a loaded CI run saw it: 60 s without an exit); the flag makes the
+    loop raise it itself, at a point of its choosing. Where SIGINT is not Python's default (ignored, or handled by
+    the caller) or off the main thread, nothing changes."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return flag, lambda: None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return flag, lambda: None
+    signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, previous)
+
+    return flag, restore
+
+
 def run_sweep(
     cases: Iterable[Mapping[str, Any]],
     output: str | Path,
@@ -518,7 +543,9 @@ def run_sweep(
 
         def collect() -> None:
             nonlocal ran, failed
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            finished, _ = wait(pending, timeout=_INTERRUPT_POLL_S, return_when=FIRST_COMPLETED)
+            if interrupted.is_set():
+                raise KeyboardInterrupt  # here, between cases, never inside the executor's own locks
             for future in finished:
                 pending.discard(future)
                 row = future.result()
@@ -532,8 +559,11 @@ def run_sweep(
 
         if progress:
             progress(0, total, 0)
+        interrupted, restore = _interrupt_flag()
         try:
             for case in cases:
+                if interrupted.is_set():
+                    raise KeyboardInterrupt
                 seen += 1
                 if _known(done, case_id(case)):
                     skipped += 1
@@ -546,6 +576,7 @@ def run_sweep(
             if progress:
                 progress(skipped + ran, total, failed)
         finally:
+            restore()
             for future in pending:
                 future.cancel()
     wall_s = time.perf_counter() - started
