@@ -32,6 +32,10 @@ ORPHAN_TIMEOUT_S = 30
 INTERRUPT_TIMEOUT_S = 60
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _children(pid: int) -> set[int]:
     found = set()
     for entry in Path("/proc").iterdir():
@@ -77,8 +81,17 @@ def big_sweep(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     command = [sys.executable, "-m", "allreduce", "sweep", str(grid), "-o", str(out), "--workers", "2"]
     errors = tmp_path / "stderr.txt"
     with errors.open("wb") as stderr:
-        # a session of its own, as a shell's foreground job is: Ctrl-C reaches its whole process group
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        # a session of its own, as a shell's foreground job is: Ctrl-C reaches its whole process group. SIGINT as a
+        # foreground job has it, too: a test run started in the background of a non-interactive shell (`... &`)
+        # inherits SIGINT ignored, and the sweep, keeping what it inherited as programs should, never saw Ctrl-C
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+            preexec_fn=_default_sigint,  # noqa: PLW1509 (only a signal() call between fork and exec)
+        )
     try:
         deadline = time.monotonic() + FIRST_ROWS_TIMEOUT_S
         while _data_rows(out) < 4:
