@@ -38,16 +38,19 @@ def _rank(rank: int, env: dict[str, str], case: tuple[str, int, int], out: Any) 
     world_size = int(env["WORLD_SIZE"])
     group = allreduce.init(transport=transport, timeout_s=60)
     x = np.full(count, float(rank + 1), np.float32)
-    group.all_reduce(x)
-    if rank == victim:
-        out.put((rank, time.time()))  # the kill's moment, on the clock every process shares
-        out.close()
-        out.join_thread()  # the message is in the pipe before the process dies
-        os.kill(os.getpid(), signal.SIGKILL)
+    calls = 0  # the collectives this rank completed: every survivor must fail at the same one
     try:
+        group.all_reduce(x)  # the victim dies right after it: the others may still be finishing this one
+        calls += 1
+        if rank == victim:
+            out.put((rank, time.time()))  # the kill's moment, on the clock every process shares
+            out.close()
+            out.join_thread()  # the message is in the pipe before the process dies
+            os.kill(os.getpid(), signal.SIGKILL)
         while True:
             x[:] = rank + 1  # the sum grows N-fold per call: start afresh, never overflow
             group.all_reduce(x)
+            calls += 1
     except allreduce.CollectiveError:
         raised = time.time()
     started = time.monotonic()
@@ -66,7 +69,7 @@ def _rank(rank: int, env: dict[str, str], case: tuple[str, int, int], out: Any) 
     group.all_reduce(z)
     exact = exact and bool(np.all(z == float(sum(range(1, world_size + 1)))))
     group.close()
-    out.put((rank, (raised, recovered, exact)))
+    out.put((rank, (raised, recovered, exact, calls)))
 
 
 def _joiner(rank: int, env: dict[str, str], case: tuple[str, int, int], out: Any) -> None:
@@ -94,9 +97,9 @@ PIDS: set[int] = set()
 """Every rank process the benchmark started (for the soak's leftover count)."""
 
 
-def run_case(world_size: int, transport: str, count: int) -> tuple[float, float, float, bool]:
+def run_case(world_size: int, transport: str, count: int) -> tuple[float, float, float, bool, bool]:
     """(slowest detection after the kill, slowest shrink + first all-reduce, the restarted rank's start to its
-    first all-reduce with the group, every sum exact)."""
+    first all-reduce with the group, every sum exact, every survivor failed at the same collective)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     reservation = reserve_port()
@@ -126,7 +129,8 @@ def run_case(world_size: int, transport: str, count: int) -> tuple[float, float,
     detection = max(r[0] for r in results.values()) - killed_at
     recovery = max(r[1] for r in results.values())
     exact = joiner_exact and all(r[2] for r in results.values())
-    return detection, recovery, joined_at - restarted_at, exact
+    agreed = len({r[3] for r in results.values()}) == 1
+    return detection, recovery, joined_at - restarted_at, exact, agreed
 
 
 CASE_DEADLINE_S = 120.0
@@ -136,22 +140,23 @@ def soak(kills: int, world_size: int, transports: list[str], count: int) -> None
     """``kills`` cases in a row: hangs, wrong sums, processes and /dev/shm files left behind."""
     import queue
 
-    hangs = wrong = 0
+    hangs = wrong = split = 0
     started = time.monotonic()
     for i in range(kills):
         try:
-            *_, exact = run_case(world_size, transports[i % len(transports)], count)
+            *_, exact, agreed = run_case(world_size, transports[i % len(transports)], count)
             wrong += not exact
+            split += not agreed
         except queue.Empty:
             hangs += 1
         if (i + 1) % 10 == 0 or i + 1 == kills:
-            print(f"  {i + 1}/{kills} kills, {time.monotonic() - started:.0f} s: {hangs} hangs, {wrong} wrong",
-                  flush=True)  # fmt: skip
+            print(f"  {i + 1}/{kills} kills, {time.monotonic() - started:.0f} s: {hangs} hangs, {wrong} wrong, "
+                  f"{split} with survivors failing at different collectives", flush=True)  # fmt: skip
     left = len(mp.active_children())
     files = _files_of(PIDS)
     shown = f" {files[:3]}" if files else ""
     print(f"soak: {kills} kills ({', '.join(transports)} in turn, {world_size} ranks): {hangs} hangs, {wrong} wrong "
-          f"sums, {left} processes and {len(files)} /dev/shm files left behind{shown}")  # fmt: skip
+          f"sums, {split} splits, {left} processes and {len(files)} /dev/shm files left behind{shown}")  # fmt: skip
 
 
 def main() -> None:
