@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allreduce.runtime._replan import Replanner, ReplanRule, slow_links
+from allreduce.runtime._replan import Replanner, ReplanRule, sender_rates, slow_links
+from allreduce.runtime.tcp._tcpinfo import JIFFY_S
 
 N = 8
 FAST = 1e9
@@ -66,3 +67,22 @@ def test_noise_within_the_slow_ratio_never_changes_the_order(seed: int) -> None:
 
 def test_two_links_alone_are_never_slow() -> None:
     assert slow_links({(0, 1): 1.0, (1, 0): 100.0}, 0.5) == frozenset()
+
+
+def _table(counters: dict[tuple[int, int], tuple[float, float]], n: int = 4) -> np.ndarray:
+    """A gathered counter table: row src, columns 2·dst and 2·dst + 1 (bytes acknowledged, network-limited s)."""
+    table = np.full((n, 2 * n), np.nan)
+    for (src, dst), (acked, busy) in counters.items():
+        table[src, 2 * dst : 2 * dst + 2] = acked, busy
+    return table
+
+
+def test_sender_rates_are_the_bytes_over_the_network_limited_time_of_each_data_link() -> None:
+    before = _table({(0, 1): (0, 0.0), (1, 2): (0, 0.0), (2, 3): (0, 0.0), (3, 0): (0, 0.0)})
+    after = _table({(0, 1): (8e6, 0.4), (1, 2): (8e6, 4.0), (2, 3): (8e6, 0.0), (3, 0): (1e3, 0.0)})
+    rates = sender_rates(before, after)
+    assert rates[(0, 1)] == pytest.approx(2e7)
+    assert rates[(1, 2)] == pytest.approx(2e6)  # the slow one
+    assert rates[(2, 3)] == pytest.approx(8e6 / JIFFY_S)  # busy for less than a jiffy: a lower bound
+    assert (3, 0) not in rates  # a kilobyte of control frames is not a data link
+    assert len(rates) == 3  # pairs without counters (NaN) are not rated

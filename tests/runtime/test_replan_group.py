@@ -61,3 +61,22 @@ def test_the_rule_comes_from_the_environment_variable_or_is_refused_naming_it() 
         with pytest.raises(ValueError, match="ALLREDUCE_REPLAN") as info:
             rule_from_env(bad)
         assert message in str(info.value)
+
+
+def _healthy_tcp_loop(group: Any) -> tuple[tuple[str, ...], bool, int]:
+    exact = True
+    for _ in range(CALLS):
+        x = np.full(COUNT, float(group.rank + 1), np.float32)
+        group.all_reduce(x, algorithm="ring")
+        exact = exact and bool(np.all(x == float(sum(range(1, group.world_size + 1)))))
+    return group.stats().replans, exact, len(group.transport.sent_counters())
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_over_tcp_sockets_the_kernel_counters_decide_and_a_healthy_ring_is_never_changed() -> None:
+    env = {"ALLREDUCE_REPLAN": "window=10,confirm=2", "ALLREDUCE_TCP_UNIX": "0"}  # TCP over loopback, not Unix
+    results = spawn(4, _healthy_tcp_loop, env=env, init_options={"transport": "tcp"}, timeout_s=240)
+    assert all(r[2] >= 2 for r in results)  # each rank has the kernel's counters of its ring connections
+    assert all(r[1] for r in results)
+    assert {r[0] for r in results} == {()}  # six windows, every rank gathered the counters, none re-planned

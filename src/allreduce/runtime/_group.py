@@ -44,7 +44,7 @@ from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
-from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, rule_from_env
+from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
 from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._store_api import Store
 from allreduce.runtime._trace import TRACE_ENV, check_trace_path, write_trace
@@ -298,10 +298,27 @@ class ProcessGroup:
         nbytes = int(getattr(x, "nbytes", 0))
         chosen = replanning.algorithm(algorithm, nbytes)
         result = self._collective(Collective.ALL_REDUCE, x, op, chosen, 0, async_op, options)  # type: ignore[arg-type]
-        decision = replanning.after_call(nbytes, self.stats)
+        decision = replanning.after_call(nbytes, self._window_rates)
         if decision is not None and self.rank == 0 and os.environ.get("ALLREDUCE_DEBUG"):
             print(f"allreduce: re-planned: {replanning.changes[-1]}", file=sys.stderr, flush=True)
         return result
+
+    def _window_rates(self, last: int) -> Mapping[tuple[int, int], float]:
+        """The link rates re-planning decides from (runtime/_replan.py), a collective: the senders' kernel counters,
+        all-gathered, where the transport keeps them (tcp across hosts), else the receivers' records of the last
+        ``last`` calls. Every rank decides from the same gathered data, so every rank takes the same source."""
+        replanning = self._replanning
+        assert replanning is not None
+        if type(self._transport).sent_counters is not Transport.sent_counters:
+            n = self.world_size
+            table = np.full((n, 2 * n), np.nan)
+            for peer, counters in self._transport.sent_counters().items():
+                table[self.rank, 2 * peer : 2 * peer + 2] = counters
+            self.all_gather(table.reshape(-1))
+            rates = replanning.sent_rates(table)
+            if rates:
+                return rates
+        return link_rates(self.stats(last).links)
 
     def reduce_scatter(
         self, x: Any, op: str = "sum", algorithm: str | Schedule = "auto", async_op: bool = False,

@@ -1,8 +1,11 @@
 """Re-planning around a slow link: when one link is the bottleneck consistently, the ring order that avoids it.
 
 The group records, per directed link, the bytes its receiver got and the time they took to move
-(:class:`~allreduce.runtime.GroupStats` ``links``); every rank reads the same gathered records, so every rank
-that runs :class:`Replanner` on them reaches the same decision (nothing is decided from one rank's view).
+(:class:`~allreduce.runtime.GroupStats` ``links``); over TCP between hosts the senders' kernels know better (a
+receiver cannot time a link whose data arrives while it is busy, or at line rate through a shaped link's burst:
+runtime/tcp/_tcpinfo.py), and their counters (:func:`sender_rates`) are used instead. Every rank reads the same
+gathered data, so every rank that runs :class:`Replanner` on it reaches the same decision (nothing is decided from
+one rank's view).
 
 The rule, with hysteresis so that noise never flaps the order:
 
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._stats import GroupStats, LinkStats
+from allreduce.runtime._stats import LinkStats
+from allreduce.runtime.tcp._tcpinfo import JIFFY_S
 from allreduce.schedules import SLOW_LINK_RATIO, Schedule, best_ring_order, ordered_ring, ring_time_s
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "link_rates",
     "rate_matrix",
     "rule_from_env",
+    "sender_rates",
     "slow_links",
 ]
 
@@ -80,6 +85,29 @@ def link_rates(links: Iterable[LinkStats]) -> dict[Link, float]:
         (link.src, link.dst): link.size_bytes / link.transfer_total_s
         for link in links
         if link.size_bytes > 0 and link.transfer_total_s > 0
+    }
+
+
+DATA_LINK_SHARE = 0.25
+"""In the senders' counters, a link that carried less than this share of the busiest link's bytes in a window did not
+carry the collectives' data (agreement and control frames, a pair the schedule does not use): it is not rated."""
+
+
+def sender_rates(before: npt.NDArray[np.float64], after: npt.NDArray[np.float64]) -> dict[Link, float]:
+    """Link rates from the senders' kernel counters (``Transport.sent_counters``) gathered at two window ends: row
+    ``src``, columns ``2·dst`` and ``2·dst + 1`` the bytes ``dst`` acknowledged and the seconds the network limited
+    sending to it (NaN: no counters). A link's rate is its bytes over that time, the time at least one jiffy
+    (runtime/tcp/_tcpinfo.py: the kernel counts it in jiffies, so a link busy for less reads 0 and its rate is a
+    lower bound), over the links that carried data (:data:`DATA_LINK_SHARE`)."""
+    acked = after[:, 0::2] - before[:, 0::2]
+    busy = after[:, 1::2] - before[:, 1::2]
+    moved = np.nan_to_num(acked, nan=0.0)
+    floor = DATA_LINK_SHARE * float(moved.max(initial=0.0))
+    src, dst = np.nonzero((moved > 0) & (moved >= floor))
+    return {
+        (int(s), int(d)): float(acked[s, d] / max(float(busy[s, d]), JIFFY_S))
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True)
+        if s != d
     }
 
 
@@ -220,6 +248,14 @@ class GroupReplanning:
         self.window_bytes = 0
         self.schedule: Schedule | None = None
         self.changes: list[str] = []
+        self._sent_before: npt.NDArray[np.float64] | None = None
+
+    def sent_rates(self, table: npt.NDArray[np.float64]) -> dict[Link, float]:
+        """:func:`sender_rates` between the counters gathered at the last window's end (zeros at the first) and
+        ``table``, which the next window's rates are then counted from."""
+        before = np.zeros_like(table) if self._sent_before is None else self._sent_before
+        self._sent_before = table
+        return sender_rates(before, table)
 
     def algorithm(self, requested: object, nbytes: int) -> object:
         """The algorithm to run for a call that asked for ``requested``: the re-planned ring for ``ring``, and for
@@ -230,16 +266,17 @@ class GroupReplanning:
             return self.schedule
         return requested
 
-    def after_call(self, nbytes: int, gather: Callable[[int], GroupStats]) -> Decision | None:
-        """Count one all-reduce of ``nbytes``; at a window's end, gather the records (``gather(last)``) and decide."""
+    def after_call(self, nbytes: int, rates_of: Callable[[int], Mapping[Link, float]]) -> Decision | None:
+        """Count one all-reduce of ``nbytes``; at a window's end, gather the link rates of the last calls
+        (``rates_of(last)``, a collective: :func:`sender_rates` or the records' :func:`link_rates`) and decide."""
         self.calls += 1
         self.window_bytes += nbytes
         window = self.rule.window_calls
         if self.calls % window:
             return None
-        stats = gather(window)
+        rates = rates_of(window)
         size, self.window_bytes = self.window_bytes / window, 0
-        decision = self.replanner.observe(link_rates(stats.links), size_bytes=size, alpha_s=self.latency_s)
+        decision = self.replanner.observe(rates, size_bytes=size, alpha_s=self.latency_s)
         if decision is not None:
             identity = tuple(range(self.replanner.world_size))
             self.schedule = None if decision.order == identity else ordered_ring(decision.order)

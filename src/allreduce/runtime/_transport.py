@@ -229,6 +229,12 @@ class Transport(abc.ABC):
         """Counters a transport keeps about its own paths (for tests and tuning; default: none)."""
         return {}
 
+    def sent_counters(self) -> Mapping[int, tuple[int, float]]:
+        """Per peer this rank sends to, what the operating system measured since the connection opened: (bytes the
+        peer acknowledged, seconds the network limited sending). Default: none (re-planning then reads the
+        receivers' records); the tcp transport reads them from the kernel (runtime/tcp/_tcpinfo.py)."""
+        return {}
+
     @property
     def closed(self) -> bool:
         return self._closed

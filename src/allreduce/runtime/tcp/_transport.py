@@ -72,6 +72,7 @@ from allreduce.runtime.tcp._socket import (
     send_until,
     tune,
 )
+from allreduce.runtime.tcp._tcpinfo import sent_and_busy
 
 __all__ = [
     "ABORT_BUDGET_S",
@@ -253,6 +254,18 @@ class TcpTransport(Transport):
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise ValueError(f"rank {self.rank}: peer {peer} is not another rank of a group of {self.world_size}")
         self._corrupt = (step, peer)
+
+    def sent_counters(self) -> Mapping[int, tuple[int, float]]:
+        """The kernel's counters of each TCP connection (bytes acknowledged, seconds network-limited); none over
+        Unix sockets."""
+        with self._cond:
+            pairs = list(self._peers.items())
+        out = {}
+        for peer, pair in pairs:
+            counters = sent_and_busy(pair.sock)
+            if counters is not None:
+                out[peer] = counters
+        return out
 
     def statistics(self) -> Mapping[str, int]:
         """``connections_made`` (to lower ranks) and ``connections_accepted`` (from higher ranks);

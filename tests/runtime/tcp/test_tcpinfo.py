@@ -1,0 +1,65 @@
+"""The kernel's counters of a TCP connection (TCP_INFO): bytes the peer acknowledged, and the time the network
+limited sending, read from real loopback sockets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from allreduce.runtime.tcp._tcpinfo import sent_and_busy
+
+PAYLOAD = 8 << 20
+
+
+def _connected_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    return client, accepted
+
+
+def _drain(sock: socket.socket, total: int) -> None:
+    got = 0
+    while got < total:
+        got += len(sock.recv(1 << 20))
+
+
+def _acked(sock: socket.socket) -> int:
+    counters = sent_and_busy(sock)
+    assert counters is not None
+    return counters[0]
+
+
+def test_the_bytes_a_peer_read_are_counted_as_acknowledged() -> None:
+    client, accepted = _connected_pair()
+    with client, accepted:
+        before = _acked(client)
+        reader = threading.Thread(target=_drain, args=(accepted, PAYLOAD))
+        reader.start()
+        client.sendall(b"\0" * PAYLOAD)
+        reader.join(timeout=60)
+        deadline = time.monotonic() + 10
+        while _acked(client) - before < PAYLOAD and time.monotonic() < deadline:
+            time.sleep(0.01)  # the last ACK may still be on its way
+        assert _acked(client) - before == PAYLOAD
+
+
+def test_the_network_limited_time_never_goes_back() -> None:
+    client, accepted = _connected_pair()
+    with client, accepted:
+        first = sent_and_busy(client)
+        reader = threading.Thread(target=_drain, args=(accepted, PAYLOAD))
+        reader.start()
+        client.sendall(b"\0" * PAYLOAD)
+        reader.join(timeout=60)
+        second = sent_and_busy(client)
+    assert first is not None
+    assert second is not None
+    assert second[1] >= first[1] >= 0.0
+
+
+def test_a_unix_socket_has_no_counters() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        assert sent_and_busy(a) is None
