@@ -62,7 +62,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from allreduce.emulate._layout import MIN_BURST_BYTES, Layout, _hops_to
-from allreduce.emulate._loss import read_counters
+from allreduce.emulate._loss import BAD_STATE_MAX_S, read_counters
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
 from allreduce.runtime import die_with_parent, stop_signal_handlers
@@ -409,8 +409,10 @@ def tail_predictions(schedule: Schedule, model: Topology, size: int, *, rank_gpu
     links = tuple((name, drops / (sent + drops)) for name, sent, drops in dropped)
     out = []
     for stack in stacks:
-        # every repetition is timed from the barrier before it: its agreement is charged too
-        loss = LossModel(fabric="tcp", links=links, tcp=stack, barrier=True, burst=burst)
+        # every repetition is timed from the barrier before it: its agreement is charged too; the firewall's
+        # chain is clocked by the link's packets and holds a bad state up to BAD_STATE_MAX_S
+        hold = float(BAD_STATE_MAX_S) if burst > 1 else 0.0
+        loss = LossModel(fabric="tcp", links=links, tcp=stack, barrier=True, burst=burst, burst_hold_s=hold)
         config = TailConfig(samples=samples, seed=0, loss=loss)
         result = simulate_tail(schedule, model, size_bytes=float(size), config=config, placement=rank_gpu,
                                routing=routing)  # fmt: skip
