@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
@@ -123,3 +124,9 @@ def test_the_last_of_two_small_frames_is_probed_before_the_first_is_acknowledged
     share = float((full >= 0.2).mean())
     assert abs(share - 0.5) < Z * math.sqrt(0.25 / n)
     assert timers.sum() == (full >= 0.2).sum()
+
+
+@pytest.mark.parametrize("hold", [-1.0, math.inf, math.nan])
+def test_a_bursts_hold_is_a_finite_time(hold: float) -> None:
+    with pytest.raises(ValueError, match="a burst's hold must be a finite time >= 0"):
+        LossModel(0.01, fabric="tcp", burst=4.0, burst_hold_s=hold)
