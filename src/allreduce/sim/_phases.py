@@ -388,7 +388,8 @@ def agreement_delays(
 
     The sender does not wait for the rank it sends to: in Bruck's all-gather on N = 2^K ranks, rank r's final
     set holds from rank ``r + m`` only what that rank sent at step ``lowbit(m)``, and for the receiver of r's
-    step-s frame (``m = N − 2^s``) that is its own step-s frame, which it sends before it waits. So rank r
+    step-s frame (``m = N − 2^s``) that is its own step-s frame, which it sends before it waits (other N are
+    charged the same way). So rank r
     finishes its all-gather, and its next frame to ``r − d`` is the next all-gather's frame of the same step:
     with ``model.barrier`` (a barrier's all-gather, then the collective's) a lost barrier frame is revealed
     ``K − 1`` small steps later; a lost frame of the collective's own agreement is revealed only by the

@@ -43,7 +43,11 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   retransmission once packets sent after it are SACKed, but in recovery new data leaves only as ACKs arrive
   (proportional rate reduction), and on the emulated clusters the hosts' counters show lost retransmissions
   ending in RTOs one for one (``TCPLostRetransmit`` against ``TCPSackRecoveryFail``: 4/4, 2/2, 19/19, 30/31,
-  49/47 in five runs). A lost probe is such a loss too. With bursts (:class:`Bursts`) on a link whose chain is
+  49/47 in five runs, 256 KiB rings). Transfers many windows long are another matter: the grid's 8 MiB
+  halving-doubling at every link 1e-3 pays an RTO in 1 of 40 repetitions where this rule charges 14 (RACK does
+  see a lost retransmission once data sent after it is SACKed, RFC 8985 §6, and a long transfer keeps sending);
+  where one regime turns into the other is not established, so the rule stands as measured. A lost probe is
+  such a loss too. With bursts (:class:`Bursts`) on a link whose chain is
   clocked by its own packets (the emulator's firewall), the resend after a probe or RTO is the next packet the
   stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`);
 - several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
