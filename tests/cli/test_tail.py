@@ -105,6 +105,8 @@ def test_link_down_names_the_link(capsys: pytest.CaptureFixture[str]) -> None:
         (("--loss-link", "gpu0->edge0=2"), "--loss-link gpu0->edge0 '2': a probability must be in [0, 1)"),
         (("--flap", "gpu0->edge0@0s/1ms"), "write it as LINK@0s/20ms*0.5"),
         (("--rto", "soon"), "--rto: cannot read 'soon'"),
+        (("--loss-burst", "0.5"), "--loss-burst '0.5': the mean burst is at least 1 packet"),
+        (("--loss-burst", "5000"), "--loss-burst '5000': loss: the mean burst must be 1 to 1000 packets"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -115,3 +117,11 @@ def test_bad_input_is_one_line_and_exit_2(
     assert out == ""
     assert len(err.strip().splitlines()) == 1
     assert message in err
+
+
+def test_loss_burst_says_the_losses_come_in_bursts(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys, "-t", TOPOLOGY, "--size", "1MiB", "-k", "20", "--loss", "1e-3", "--fabric", "tcp", "--loss-burst", "4"
+    )
+    assert code == 0, err
+    assert "in bursts of 4 packets" in out

@@ -98,6 +98,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="probability that a link drops a packet, e.g. 1e-6 (default %(default)s)",
     )
     p.add_argument("--loss-link", action="append", default=[], metavar="LINK=P", help="loss probability of one link")
+    p.add_argument(
+        "--loss-burst",
+        default="1",
+        metavar="B",
+        help="mean burst of lost packets on every lossy link (default %(default)s: independent losses; above 1: a "
+        "Gilbert-Elliott chain of the same long-run rate, as 'allreduce emulate up --loss LINK=ge:p=P,burst=B')",
+    )
     p.add_argument("--fabric", choices=("roce", "tcp"), default="roce", help="retransmission model (default roce)")
     p.add_argument(
         "--tcp",
@@ -207,6 +214,16 @@ def _probability(text: str, what: str) -> float:
     return value
 
 
+def _burst(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise CLIError(f"--loss-burst {text!r}: not a number of packets") from None
+    if not (math.isfinite(value) and value >= 1):
+        raise CLIError(f"--loss-burst {text!r}: the mean burst is at least 1 packet (1: independent losses)")
+    return value
+
+
 def _config(args: argparse.Namespace, topology: Topology) -> TailConfig:
     from allreduce.sim import LossModel, parse_distribution, parse_time, parse_timed_fault, resolve_links
 
@@ -222,15 +239,19 @@ def _config(args: argparse.Namespace, topology: Topology) -> TailConfig:
     rto = parse_time(args.rto, what="--rto") if args.rto else None
     if rto is not None and rto <= 0:
         raise CLIError(f"--rto {args.rto!r}: must be > 0")
-    loss = LossModel(
-        _probability(args.loss, "--loss"),
-        args.fabric,
-        mtu,
-        rto,
-        tuple(links),
-        tcp=args.tcp,
-        agreement=not args.no_agreement,
-    )
+    try:
+        loss = LossModel(
+            _probability(args.loss, "--loss"),
+            args.fabric,
+            mtu,
+            rto,
+            tuple(links),
+            tcp=args.tcp,
+            agreement=not args.no_agreement,
+            burst=_burst(args.loss_burst),
+        )
+    except ValueError as exc:  # the burst's upper bound is the model's
+        raise CLIError(f"--loss-burst {args.loss_burst!r}: {exc}") from None
     try:
         link_jitter = parse_distribution(args.jitter_link) if args.jitter_link else None
         rank_jitter = parse_distribution(args.jitter_rank) if args.jitter_rank else None

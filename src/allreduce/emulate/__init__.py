@@ -38,6 +38,7 @@ from allreduce.emulate._run import (
     predicted_topology,
     run,
     tail_predictions,
+    tail_samples,
 )
 
 __all__ = [
@@ -77,4 +78,5 @@ __all__ = [
     "run",
     "running",
     "tail_predictions",
+    "tail_samples",
 ]

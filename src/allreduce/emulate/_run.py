@@ -60,9 +60,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from allreduce.emulate._layout import MIN_BURST_BYTES, Layout, _hops_to
-from allreduce.emulate._loss import read_counters
+from allreduce.emulate._loss import BAD_STATE_MAX_S, read_counters
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
 from allreduce.runtime import die_with_parent, stop_signal_handlers
@@ -82,6 +83,7 @@ __all__ = [
     "predicted_topology",
     "run",
     "tail_predictions",
+    "tail_samples",
 ]
 
 T = TypeVar("T")
@@ -398,24 +400,38 @@ TAIL_STACKS = ("linux", "rfc6298")
 Tails = tuple[tuple[str, tuple[float, float, float, float]], ...]
 
 
-def tail_predictions(schedule: Schedule, model: Topology, size: int, *, rank_gpu: Sequence[int],
-                     routing: PathTable | None, dropped: Sequence[tuple[str, int, int]], burst: float = 1.0,
-                     stacks: Sequence[str] = TAIL_STACKS, samples: int = TAIL_SAMPLES) -> Tails:  # fmt: skip
-    """Per TCP stack of ``stacks``, the tail model's (p50, p90, p99, max) at the loss rates the counters showed
-    (``dropped``: (link, packets sent, packets dropped)), in bursts of ``burst`` packets (nothing where nothing
-    was dropped). ``model`` is :func:`predicted_topology`'s, ``routing`` the kernel's paths."""
+def tail_samples(schedule: Schedule, model: Topology, size: int, *, rank_gpu: Sequence[int],
+                 routing: PathTable | None, dropped: Sequence[tuple[str, int, int]], burst: float = 1.0,
+                 stacks: Sequence[str] = TAIL_STACKS,
+                 samples: int = TAIL_SAMPLES) -> tuple[tuple[str, npt.NDArray[np.float64]], ...]:  # fmt: skip
+    """Per TCP stack of ``stacks``, the tail model's samples of the collective's time at the loss rates the counters
+    showed (``dropped``: (link, packets sent, packets dropped)), in bursts of ``burst`` packets (nothing where
+    nothing was dropped). ``model`` is :func:`predicted_topology`'s, ``routing`` the kernel's paths."""
     if not dropped:
         return ()
     links = tuple((name, drops / (sent + drops)) for name, sent, drops in dropped)
     out = []
     for stack in stacks:
-        # every repetition is timed from the barrier before it: its agreement is charged too
-        loss = LossModel(fabric="tcp", links=links, tcp=stack, barrier=True, burst=burst)
+        # every repetition is timed from the barrier before it: its agreement is charged too; the firewall's
+        # chain is clocked by the link's packets and holds a bad state up to BAD_STATE_MAX_S
+        hold = float(BAD_STATE_MAX_S) if burst > 1 else 0.0
+        loss = LossModel(fabric="tcp", links=links, tcp=stack, barrier=True, burst=burst, burst_hold_s=hold)
         config = TailConfig(samples=samples, seed=0, loss=loss)
         result = simulate_tail(schedule, model, size_bytes=float(size), config=config, placement=rank_gpu,
                                routing=routing)  # fmt: skip
-        p50, p90, p99 = (float(v) for v in np.percentile(result.collective_s, [50, 90, 99]))
-        out.append((stack, (p50, p90, p99, float(result.collective_s.max()))))
+        out.append((stack, result.collective_s))
+    return tuple(out)
+
+
+def tail_predictions(schedule: Schedule, model: Topology, size: int, *, rank_gpu: Sequence[int],
+                     routing: PathTable | None, dropped: Sequence[tuple[str, int, int]], burst: float = 1.0,
+                     stacks: Sequence[str] = TAIL_STACKS, samples: int = TAIL_SAMPLES) -> Tails:  # fmt: skip
+    """Per TCP stack of ``stacks``, the tail model's (p50, p90, p99, max) of :func:`tail_samples`."""
+    out = []
+    for stack, seconds in tail_samples(schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped,
+                                       burst=burst, stacks=stacks, samples=samples):  # fmt: skip
+        p50, p90, p99 = (float(v) for v in np.percentile(seconds, [50, 90, 99]))
+        out.append((stack, (p50, p90, p99, float(seconds.max()))))
     return tuple(out)
 
 

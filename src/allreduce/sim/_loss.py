@@ -106,7 +106,9 @@ class LossModel:
     benchmark that times each repetition from the barrier before it (the emulated clusters' runs); ``burst``:
     the mean length of a burst of lost packets on every lossy link (1: independent; above: a Gilbert–Elliott
     chain of the same long-run rate, as ``allreduce emulate up --loss LINK=ge:p=P,burst=B`` injects, see
-    :func:`allreduce.sim._tcp.gilbert_elliott`)."""
+    :func:`allreduce.sim._tcp.gilbert_elliott`); ``burst_hold_s``: how long a burst's bad state lasts on a link
+    no packet crosses (0: the chain is clocked by other traffic; the emulator's chain, clocked by the link's own
+    packets, holds it up to a second: :class:`allreduce.sim._tcp.Bursts`)."""
 
     probability: float = 0.0
     fabric: str = "roce"
@@ -117,6 +119,7 @@ class LossModel:
     agreement: bool = True
     barrier: bool = False
     burst: float = 1.0
+    burst_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.tcp not in TCP_STACKS:
@@ -128,6 +131,8 @@ class LossModel:
                 raise ValueError(f"{what}: must be a probability in [0, 1), got {p}")
         if not (math.isfinite(self.burst) and 1 <= self.burst <= MAX_BURST):
             raise ValueError(f"loss: the mean burst must be 1 to {MAX_BURST:g} packets, got {self.burst}")
+        if not (math.isfinite(self.burst_hold_s) and self.burst_hold_s >= 0):
+            raise ValueError(f"loss: a burst's hold must be a finite time >= 0, got {self.burst_hold_s}")
         if self.mtu_bytes is not None and self.mtu_bytes <= 0:
             raise ValueError(f"loss: the MTU must be > 0 bytes, got {self.mtu_bytes}")
         if self.rto_s is not None and not (math.isfinite(self.rto_s) and self.rto_s > 0):

@@ -204,6 +204,8 @@ def _describe(config: TailConfig, faults: Faults) -> str:
         loss = config.loss
         what = f"loss {loss.probability:g}/packet" if loss.probability else "loss"
         what += "".join(f", {name} {p:g}" for name, p in loss.links)
+        if loss.burst > 1:
+            what += f", in bursts of {loss.burst:g} packets"
         if loss.fabric == "tcp":
             rto = "rto_min" if loss.rack_tlp else "RTO"
             parts.append(f"{what} (tcp {loss.tcp}, MTU {loss.mtu} B, {rto} {format_seconds(loss.rto)})")
@@ -320,7 +322,7 @@ def simulate_tail(
         )
         if agreement and start_blame is not None:
             held, held_code, held_lost, held_timeouts = agreement_delays(
-                rng, router, members.size, config.loss, link_loss
+                rng, router, members.size, config.loss, link_loss, data=data
             )
             start[:, members] += held
             later = held > start_blame[0][:, members]

@@ -6,9 +6,11 @@ messages and their losses; the loss rates no stack recovers from, refused.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+import numpy.typing as npt
 
 from allreduce.schedules import Incidence, Phase, Schedule
 from allreduce.sim._cyclic import Cyclic
@@ -22,7 +24,7 @@ from allreduce.sim._tcp import (
     first_loss,
     gilbert_elliott,
 )
-from allreduce.topology import FloatArray, IntArray
+from allreduce.topology import FloatArray, IntArray, Routes
 
 __all__ = [
     "AGREEMENT_FRAME_BYTES",
@@ -51,6 +53,7 @@ class PhaseData:
     cyclic: Cyclic | None  # the phase is a cyclic shift of the ranks: stepped with slices (see _step_cyclic)
     ack_q: FloatArray | None = None  # per flow: loss probability of a packet on the way back (its ACKs)
     follow_gap_s: FloatArray | None = None  # per flow: after its last step, when the connection's next transfer
+    two_way: npt.NDArray[np.bool_] | None = None  # per flow: its receiver sends data back in the same step
 
 
 def phase_data(
@@ -70,10 +73,13 @@ def phase_data(
         first[has] = pattern.routes.link[pattern.routes.flow_ptr[:-1][has]]
         blame = np.where(pattern.bottleneck_link >= 0, pattern.bottleneck_link, first)
         cyclic = Cyclic.of(n, phase)
-        ack_q = None
+        ack_q = two_way = None
         if connections:
             ack_q, _ = packet_loss_probability(router.route_ranks(phase.dst, phase.src), link_loss)
-        out.append(PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic, ack_q))
+            key = phase.src.astype(np.int64) * n + phase.dst
+            two_way = np.isin(phase.dst.astype(np.int64) * n + phase.src, key)
+        data = PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic, ack_q)
+        out.append(replace(data, two_way=two_way))
     if connections:
         out = _with_follow_gaps(n, out)
     return out
@@ -175,7 +181,7 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
             packet_s,
             q_ack=None if d.ack_q is None else d.ack_q[flow],
             gap_s=gap,
-            bursts=None if bursts is None else Bursts(bursts.entry_q[flow], bursts.stay[flow]),
+            bursts=None if bursts is None else Bursts(bursts.entry_q[flow], bursts.stay[flow], bursts.hold_s),
         ),
     )
     losses = Losses(step, flow, sample, extra, _culprit_links(rng, d, flow), timeout)
@@ -188,15 +194,18 @@ def _bursts(model: LossModel, d: PhaseData) -> Bursts | None:
     """Per flow, how its losses cluster when every lossy link drops in bursts of ``model.burst`` packets
     (:func:`allreduce.sim._tcp.gilbert_elliott` per link; a burst starts on the path where one starts on any of
     its links); None for independent loss."""
+    return _path_bursts(model, d.pattern.routes, d.loss_hazard)
+
+
+def _path_bursts(model: LossModel, routes: Routes, loss_hazard: FloatArray) -> Bursts | None:
     if model.burst <= 1:
         return None
-    routes = d.pattern.routes
     weight = np.where(routes.weight > 0, routes.weight, 1.0)
-    link_p = -np.expm1(-d.loss_hazard / weight)
+    link_p = -np.expm1(-loss_hazard / weight)
     entry, _ = gilbert_elliott(link_p, model.burst)
     hazard = -routes.weight * np.log1p(-entry)
-    entry_q = -np.expm1(-np.bincount(routes.flow_of_entry(), weights=hazard, minlength=len(d.phase)))
-    return Bursts(entry_q, (1 - 1 / model.burst) + entry_q / model.burst)
+    entry_q = -np.expm1(-np.bincount(routes.flow_of_entry(), weights=hazard, minlength=routes.num_flows))
+    return Bursts(entry_q, (1 - 1 / model.burst) + entry_q / model.burst, model.burst_hold_s)
 
 
 def _culprit_links(rng: np.random.Generator, d: PhaseData, flow: IntArray) -> IntArray:
@@ -214,11 +223,15 @@ def _culprit_links(rng: np.random.Generator, d: PhaseData, flow: IntArray) -> In
 def _ack_stalls(rng: np.random.Generator, model: LossModel, d: PhaseData, packets: IntArray, samples: int) -> Losses:
     """The transfers that lose the last ACK of a flight with more to send (:func:`ack_stall_flights` flights
     each, the ACK lost with the reverse path's probability) and what the probe and the delayed ACK cost them
-    (:func:`draw_ack_stall_seconds`); blamed on the flow's bottleneck (or first) link."""
+    (:func:`draw_ack_stall_seconds`); blamed on the flow's bottleneck (or first) link. None where the receiver
+    sends data back on the same connection in the same step (a pairwise exchange): every segment carries the
+    cumulative ACK (RFC 9293 §3.4), so its next data segment repeats what a lost ACK said."""
     assert d.ack_q is not None
     bursts = _bursts(model, d)
     # CUBIC cuts its window once per recovery: once per burst
     flights = ack_stall_flights(d.loss_q if bursts is None else bursts.entry_q, packets, model.mtu)
+    if d.two_way is not None:
+        flights = np.where(d.two_way, 0, flights)
     with np.errstate(divide="ignore"):
         stall_p = np.where(flights > 0, -np.expm1(flights * np.log1p(-d.ack_q)), 0.0)
     step, flow, sample = _draw_transfers(rng, stall_p, d.phase.repeat, samples)
@@ -296,77 +309,159 @@ def check_recoverable(data: list[PhaseData], model: LossModel, samples: int) -> 
 AGREEMENT_FRAME_BYTES = 208
 
 
-def agreement_delays(
-    rng: np.random.Generator, router: Router, samples: int, model: LossModel, link_loss: FloatArray
-) -> tuple[FloatArray, IntArray, IntArray, IntArray]:
-    """What lost agreement messages cost each rank, per sample. The runtime agrees on every collective first:
-    an all-gather of small frames in ceil(log2 N) steps (Bruck's), in which rank r sends ``min(d, N − d)``
-    frames to rank ``r − d`` for d = 1, 2, 4, ...; nothing else follows on those connections, so a loss is a
-    tail loss (:func:`allreduce.sim._tcp.draw_repair_seconds` without a next transfer). The receiver starts the
-    data that much later (the largest delay of its messages; a rank two lost messages hold back in sequence,
-    probability q², is charged the larger). With ``model.barrier`` a barrier's all-gather comes first, and a
-    rank's delays in the two add up. Returns (delay, blame code: world_size + the link that dropped it, lost
-    messages per sample, timeouts per sample)."""
-    n = router.rank_gpu.size
-    code = np.full((n, samples), -1, dtype=np.int64)
-    lost = np.zeros(samples, dtype=np.int64)
-    timeouts = np.zeros(samples, dtype=np.int64)
-    total = np.zeros((n, samples))
-    for _ in range(2 if model.barrier else 1):
-        delay = _one_agreement(rng, router, model=model, link_loss=link_loss, code=code, lost=lost, timeouts=timeouts)
-        total += delay
-    return total, code, lost, timeouts
+@dataclass(frozen=True, eq=False)
+class _AgreementStep:
+    """One step of the agreement's all-gather: rank r sends ``packets`` to ``dst[r]`` over ``pattern``, whose
+    flows lose a packet with ``q`` (route-entry hazards ``hazard``); the step takes ``seconds`` noise-free;
+    ``small``: the packets are small segments (:class:`allreduce.sim._tcp.LostTransfers`)."""
+
+    dst: IntArray
+    pattern: Pattern
+    q: FloatArray
+    hazard: FloatArray
+    packets: IntArray
+    seconds: float
+    small: bool
 
 
-def _one_agreement(
-    rng: np.random.Generator,
-    router: Router,
-    *,
-    model: LossModel,
-    link_loss: FloatArray,
-    code: IntArray,
-    lost: IntArray,
-    timeouts: IntArray,
-) -> FloatArray:
-    """One agreement's delays per rank and sample (see :func:`agreement_delays`); the blame of a rank's larger
-    delay goes into ``code`` where it exceeds what ``code`` held, the counts into ``lost`` and ``timeouts``."""
+def _agreement_steps(router: Router, model: LossModel, link_loss: FloatArray) -> list[_AgreementStep]:
     n = router.rank_gpu.size
-    samples = code.shape[1]
-    delay = np.zeros((n, samples))
     src = np.arange(n, dtype=np.int64)
+    out = []
     distance = 1
     while distance < n:
         dst = (src - distance) % n
         pattern = router.pattern(src, dst)
         q, hazard = packet_loss_probability(pattern.routes, link_loss)
-        packets = np.full(n, math.ceil(min(distance, n - distance) * AGREEMENT_FRAME_BYTES / model.mtu))
-        message_p = -np.expm1(packets * np.log1p(-q))
-        flow, sample = np.nonzero(rng.random((n, samples)) < message_p[:, None])
+        # One sendmsg per frame with TCP_NODELAY: the first leaves alone at once, and the frames written while it
+        # is out join the queued segment's tail (tcp_sendmsg appends to the last unsent skb) up to an MTU.
+        frames = min(distance, n - distance)
+        nbytes = frames * AGREEMENT_FRAME_BYTES
+        seconds = pattern.routes.latency_s + pattern.transfer_seconds(np.full(n, float(nbytes)))
+        packets = np.full(n, min(frames, 1 + math.ceil((nbytes - AGREEMENT_FRAME_BYTES) / model.mtu)), dtype=np.int64)
+        # at most one full segment before the last: an interactive receiver holds its ACK (__tcp_ack_snd_check)
+        small = nbytes - AGREEMENT_FRAME_BYTES <= model.mtu
+        out.append(_AgreementStep(dst, pattern, q, hazard, packets, float(seconds.max(initial=0.0)), small))
         distance *= 2
-        if flow.size == 0:
-            continue
-        rate = pattern.rate_Bps[flow]
-        extra, fired = draw_extra_seconds(
-            rng,
-            model,
-            LostTransfers(
-                q[flow],
-                packets[flow],
-                2 * pattern.routes.latency_s[flow],
-                np.where(np.isfinite(rate), model.mtu / rate, 0.0),
-            ),
-        )
-        # Blamed on the path's lossiest link.
-        routes = pattern.routes
-        worst = np.full(n, -1, dtype=np.int64)
-        for f in np.unique(flow):
-            lo, hi = routes.flow_ptr[f], routes.flow_ptr[f + 1]
-            if hi > lo:
-                worst[f] = routes.link[lo + int(np.argmax(hazard[lo:hi]))]
-        receiver = dst[flow]
-        larger = extra > delay[receiver, sample]
-        delay[receiver[larger], sample[larger]] = extra[larger]
-        code[receiver[larger], sample[larger]] = n + worst[flow[larger]]
-        np.add.at(lost, sample, 1)
-        np.add.at(timeouts, sample, fired)
-    return delay
+    return out
+
+
+def _data_follow_gaps(world_size: int, steps: list[_AgreementStep], data: Sequence[PhaseData]) -> list[FloatArray]:
+    """Per agreement step, per sender: how long after its frame the same connection (sender to receiver) carries
+    the collective's data: the agreement's later steps, then the data phases before the first that sends on that
+    connection (each step as long as its longest flow, as :func:`_with_follow_gaps`); inf if none does."""
+    out = []
+    src = np.arange(world_size, dtype=np.int64)
+    for s, step in enumerate(steps):
+        key = src * world_size + step.dst
+        gap = np.full(world_size, math.inf)
+        pending = np.ones(world_size, dtype=np.bool_)
+        between = sum(later.seconds for later in steps[s + 1 :])
+        for d in data:
+            found = pending & np.isin(key, d.phase.src.astype(np.int64) * world_size + d.phase.dst)
+            gap[found] = between
+            pending &= ~found
+            if not pending.any():
+                break
+            between += float(d.seconds.max(initial=0.0)) * d.phase.repeat
+        out.append(gap)
+    return out
+
+
+def agreement_delays(
+    rng: np.random.Generator,
+    router: Router,
+    samples: int,
+    model: LossModel,
+    link_loss: FloatArray,
+    *,
+    data: Sequence[PhaseData] = (),
+) -> tuple[FloatArray, IntArray, IntArray, IntArray]:
+    """What lost agreement messages cost each rank, per sample. The runtime agrees on every collective first:
+    an all-gather of small frames in ceil(log2 N) steps (Bruck's), in which rank r sends ``min(d, N − d)``
+    frames to rank ``r − d`` for d = 1, 2, 4, ... The receiver of a lost frame waits for it (it starts the
+    data that much later: the largest delay of its messages; a rank two lost messages hold back in sequence,
+    probability q², is charged the larger), and what repairs it is
+    :func:`allreduce.sim._tcp.draw_repair_seconds`'s: the one-packet probe (``2·srtt + rto_min``) unless the
+    same connection carries a later message first, whose SACK reveals the hole (RACK marks it lost at once:
+    it was sent more than the reordering window before the SACKed one).
+
+    The sender does not wait for the rank it sends to: in Bruck's all-gather on N = 2^K ranks, rank r's final
+    set holds from rank ``r + m`` only what that rank sent at step ``lowbit(m)``, and for the receiver of r's
+    step-s frame (``m = N − 2^s``) that is its own step-s frame, which it sends before it waits (other N are
+    charged the same way). So rank r
+    finishes its all-gather, and its next frame to ``r − d`` is the next all-gather's frame of the same step:
+    with ``model.barrier`` (a barrier's all-gather, then the collective's) a lost barrier frame is revealed
+    ``K − 1`` small steps later; a lost frame of the collective's own agreement is revealed only by the
+    collective's data on the same connection (``data``, the collective's phases: halving-doubling sends on
+    ``r → r − 2^s``, a ring on none of them for N > 2), else it waits for the probe. A rank's delays in the
+    two all-gathers add up. Returns (delay, blame code: world_size + the link that dropped it, lost messages
+    per sample, timeouts per sample)."""
+    n = router.rank_gpu.size
+    code = np.full((n, samples), -1, dtype=np.int64)
+    lost = np.zeros(samples, dtype=np.int64)
+    timeouts = np.zeros(samples, dtype=np.int64)
+    total = np.zeros((n, samples))
+    steps = _agreement_steps(router, model, link_loss)
+    whole = sum(step.seconds for step in steps)
+    rounds = 2 if model.barrier else 1
+    for round_ in range(rounds):
+        if round_ < rounds - 1:
+            gaps = [np.full(n, whole - step.seconds) for step in steps]
+        else:
+            gaps = _data_follow_gaps(n, steps, data)
+        delay = np.zeros((n, samples))
+        for step, gap in zip(steps, gaps, strict=True):
+            _lost_frames(rng, step, gap, model=model, delay=delay, code=code, lost=lost, timeouts=timeouts)
+        total += delay
+    return total, code, lost, timeouts
+
+
+def _lost_frames(
+    rng: np.random.Generator,
+    step: _AgreementStep,
+    gap: FloatArray,
+    *,
+    model: LossModel,
+    delay: FloatArray,
+    code: IntArray,
+    lost: IntArray,
+    timeouts: IntArray,
+) -> None:
+    """One agreement step's lost frames (see :func:`agreement_delays`), ``gap``: per sender, when after its frame
+    the connection carries its next message. A receiver's ``delay`` (per rank and sample) is the largest of its
+    all-gather's, and the blame of that delay goes into ``code``; the counts go into ``lost`` and ``timeouts``."""
+    n, samples = code.shape
+    message_p = -np.expm1(step.packets * np.log1p(-step.q))
+    flow, sample = np.nonzero(rng.random((n, samples)) < message_p[:, None])
+    if flow.size == 0:
+        return
+    pattern = step.pattern
+    rate = pattern.rate_Bps[flow]
+    bursts = _path_bursts(model, pattern.routes, step.hazard)
+    extra, fired = draw_extra_seconds(
+        rng,
+        model,
+        LostTransfers(
+            step.q[flow],
+            step.packets[flow],
+            2 * pattern.routes.latency_s[flow],
+            np.where(np.isfinite(rate), model.mtu / rate, 0.0),
+            gap_s=gap[flow],
+            bursts=None if bursts is None else Bursts(bursts.entry_q[flow], bursts.stay[flow], bursts.hold_s),
+            small=step.small,
+        ),
+    )
+    # Blamed on the path's lossiest link.
+    routes = pattern.routes
+    worst = np.full(n, -1, dtype=np.int64)
+    for f in np.unique(flow):
+        lo, hi = routes.flow_ptr[f], routes.flow_ptr[f + 1]
+        if hi > lo:
+            worst[f] = routes.link[lo + int(np.argmax(step.hazard[lo:hi]))]
+    receiver = step.dst[flow]
+    larger = extra > delay[receiver, sample]
+    delay[receiver[larger], sample[larger]] = extra[larger]
+    code[receiver[larger], sample[larger]] = n + worst[flow[larger]]
+    np.add.at(lost, sample, 1)
+    np.add.at(timeouts, sample, fired)

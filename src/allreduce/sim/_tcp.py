@@ -26,7 +26,13 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   starts the next one when it is ready, whether or not the receiver has all of this one. ``gap`` after this
   transfer's end the next transfer's packets arrive, and their SACKs reveal the hole as above:
   ``gap + 1.5·RTT + (4 − k)τ``. A tail loss costs the cheapest of the ways that apply; only the last transfer
-  of a connection in a collective (and a single-packet message) pays the probe's ``rto_min``;
+  of a connection in a collective (and a single-packet message) pays the probe's ``rto_min``. The runtime's
+  agreement frames are messages too: a barrier's frame is followed on its connection by the collective's
+  agreement frame, the agreement's by the collective's data where it uses that connection
+  (:func:`allreduce.sim._phases.agreement_delays`);
+- small segments: the last of several sub-MSS segments (the agreement's frames) lost while an interactive
+  receiver still holds the ACK of the earlier ones (it acknowledges at once only more than one full segment,
+  ``__tcp_ack_snd_check``): the probe armed with several packets out, ``2·srtt + 2 ms``, resends it first;
 - lost ACKs: ACKs are cumulative and the next one repeats what a lost one said, so within a flight they cost
   nothing (the ACK that ends a flight of a window-limited flow is below); one case is a tail loss whose ``k``
   revealing SACKs are all lost (probability ``q_ack^k``): the
@@ -37,7 +43,13 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   retransmission once packets sent after it are SACKed, but in recovery new data leaves only as ACKs arrive
   (proportional rate reduction), and on the emulated clusters the hosts' counters show lost retransmissions
   ending in RTOs one for one (``TCPLostRetransmit`` against ``TCPSackRecoveryFail``: 4/4, 2/2, 19/19, 30/31,
-  49/47 in five runs). A lost probe is such a loss too;
+  49/47 in five runs, 256 KiB rings). Transfers many windows long are another matter: the grid's 8 MiB
+  halving-doubling at every link 1e-3 pays an RTO in 1 of 40 repetitions where this rule charges 14 (RACK does
+  see a lost retransmission once data sent after it is SACKed, RFC 8985 §6, and a long transfer keeps sending);
+  where one regime turns into the other is not established, so the rule stands as measured. A lost probe is
+  such a loss too. With bursts (:class:`Bursts`) on a link whose chain is
+  clocked by its own packets (the emulator's firewall), the resend after a probe or RTO is the next packet the
+  stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`);
 - several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
   together, so a transfer's delay is the largest of its losses' (NewReno's one hole per round trip is the
   ``rfc6298`` preset's sum);
@@ -61,7 +73,9 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   (``inet_csk_in_pingpong_mode``), where a single segment is acknowledged only by the delayed-ACK timer,
   ``TCP_DELACK_MIN`` = 40 ms (``__tcp_ack_snd_check``: at once only for more than one full segment).
   So each such flight but the last (after the last, the receiver has everything) costs
-  ``RTT + timer(2·srtt + 2 ms) + timer(40 ms)``, 44–52 ms at HZ=250 (:func:`draw_ack_stall_seconds`).
+  ``RTT + timer(2·srtt + 2 ms) + timer(40 ms)``, 44–52 ms at HZ=250 (:func:`draw_ack_stall_seconds`). Where
+  the receiver sends data back on the connection in the same step (halving-doubling's exchanges), every one of
+  its segments carries the cumulative ACK (RFC 9293 §3.4) and a lost ACK stalls nothing.
   Measured on the emulated clusters (every link 3e-3, ftrace of ``tcp_probe``): windows of 2–18 segments
   waiting 48–55 ms for an ACK, about one per collective; with ``quickack 1`` on the hosts' routes there were
   none, and 8 probes instead of 91 (the ``tuned`` preset assumes that route setting);
@@ -81,6 +95,7 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
+import numpy.typing as npt
 
 from allreduce.topology import FloatArray, IntArray
 
@@ -234,10 +249,14 @@ class Bursts:
     """Losses in bursts, as a Gilbert–Elliott chain drops them (a loss-free good state, a bad state that drops
     every packet, left after each packet with probability ``1/burst``): per transfer, the probability
     ``entry_q`` that a packet of the good state starts a burst, and ``stay`` that the packet after a lost one
-    is lost too (:func:`gilbert_elliott`)."""
+    is lost too (:func:`gilbert_elliott`). ``hold_s``: how long a bad state lasts on a link no packet crosses
+    (a chain clocked by the link's packets, as the emulator's firewall runs it, ends a bad state only with a
+    packet, or ``hold_s`` after it began); 0: the chain is clocked by other traffic, and a packet sent after
+    a pause finds it as any packet does."""
 
     entry_q: FloatArray
     stay: FloatArray
+    hold_s: float = 0.0
 
 
 def gilbert_elliott(p: FloatArray, burst: float) -> tuple[FloatArray, FloatArray]:
@@ -273,6 +292,28 @@ def first_loss(rng: np.random.Generator, q: FloatArray, packets: IntArray) -> In
     return np.minimum(position, packets - 1)
 
 
+def _held_resends(
+    rng: np.random.Generator, held: tuple[FloatArray, FloatArray, float], first_s: FloatArray, rto: FloatArray
+) -> IntArray:
+    """How many times in a row a packet a burst took is lost again when it is resent after the one-packet probe
+    (``first_s`` after the loss) and then after each backed-off RTO, on a chain held by a silent link
+    (:class:`Bursts`): the collective waits for this packet, so nothing else crosses the lossy link, and every
+    resend within ``hold_s`` of the burst meets the bad state the burst left, lost with ``stay``; a later one
+    meets the good state, lost only if a new burst starts (``entry_q``)."""
+    stay, entry_q, hold_s = held
+    sent_at = first_s.copy()
+    again = np.zeros(first_s.size, dtype=np.int64)
+    going = np.ones(first_s.size, dtype=np.bool_)
+    for j in range(GIVE_UP_AFTER):
+        lost = rng.random(first_s.size) < np.where(sent_at < hold_s, stay, entry_q)
+        going &= lost
+        if not going.any():
+            break
+        again += going
+        sent_at = sent_at + np.minimum(rto * 2.0**j, RTO_MAX_S)
+    return again
+
+
 def _one_loss(
     rng: np.random.Generator,
     stack: TcpStack,
@@ -283,23 +324,34 @@ def _one_loss(
     rtt: FloatArray,
     tau: FloatArray,
     gap: FloatArray,
+    held: tuple[FloatArray, FloatArray, float] | None = None,
+    unacked: npt.NDArray[np.bool_] | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """The delay one lost packet with ``after`` packets of its transfer behind it adds, and how many timers of
-    the ``rto_min`` class (the one-packet probe, the RTO) fired."""
+    the ``rto_min`` class (the one-packet probe, the RTO) fired. ``held``: (stay, entry_q, hold seconds) of a
+    burst held by a silent link (:func:`_held_resends`); ``unacked``: the packets before it are small segments
+    an interactive receiver acknowledges only with its delayed-ACK timer (see :class:`LostTransfers`)."""
     mid = after >= DUPTHRESH
     cost_mid = np.maximum(tau, rtt + (DUPTHRESH + 1 - after) * tau)
     reo = rtt + tau + stack.timer(rng, REO_WND_FRACTION * rtt + TIMEOUT_MIN_S)
     rto = stack.rto(rtt)
     probe_one = rtt + tau + stack.timer(rng, np.minimum(2 * rtt + stack.rto_min_s, rto))
     probe_many = 2 * (rtt + tau) + stack.timer(rng, np.minimum(2 * rtt + TIMEOUT_MIN_S, rto))
+    alone = np.ones(after.size, dtype=np.bool_)  # the one-packet probe's rto_min is paid
+    if unacked is not None:
+        # the packets before it are still unacknowledged when the probe armed with several out fires
+        probe_one = np.where(unacked, probe_many - rtt - tau, probe_one)
+        alone = ~unacked
     sacks_lost = rng.random(after.size) < q_ack ** np.maximum(after, 0)
     tail = np.where(after == 0, probe_one, np.where(sacks_lost, probe_many, reo))
     follow = gap + 1.5 * rtt + (DUPTHRESH + 1 - after) * tau
     tail = np.minimum(tail, follow)
     cost = np.where(mid, cost_mid, tail)
-    fired = (~mid & (after == 0) & (probe_one <= follow)).astype(np.int64)
+    fired = (~mid & (after == 0) & alone & (probe_one <= follow)).astype(np.int64)
     # The repair lost again, m times in a row: the RTO, backed off.
     again = np.minimum(rng.geometric(1 - q) - 1, GIVE_UP_AFTER).astype(np.int64)
+    if held is not None:
+        again = np.where(fired > 0, _held_resends(rng, held, cost, rto), again)
     if np.any(again > 0):
         backoff = np.zeros(after.size)
         for j in range(int(again.max())):
@@ -315,7 +367,12 @@ class LostTransfers:
     """Transfers that lost at least one packet, per transfer: the per-packet loss probability ``q``, its
     ``packets``, round trip ``rtt_s``, one packet's time ``packet_s``, the loss probability of its ACKs ``q_ack``
     (None: 0), ``gap_s``, when after its end the next transfer on its connection starts (None: none follows),
-    and ``bursts`` (how its losses cluster; None: independently)."""
+    ``bursts`` (how its losses cluster; None: independently), and ``small``: its packets are segments smaller
+    than an MSS (the runtime's control frames, one ``sendmsg`` each with ``TCP_NODELAY``). A receiver in
+    interactive mode acknowledges those only with its delayed-ACK timer (``__tcp_ack_snd_check`` sends at once
+    only for more than one full segment), so when the last of several is lost, the earlier ones are still
+    unacknowledged when the probe armed with several packets out (``2·srtt + 2 ms``) fires: the probe resends
+    the last one, and the one-packet probe's ``rto_min`` is not paid."""
 
     q: FloatArray
     packets: IntArray
@@ -324,6 +381,7 @@ class LostTransfers:
     q_ack: FloatArray | None = None
     gap_s: FloatArray | None = None
     bursts: Bursts | None = None
+    small: bool = False
 
 
 def draw_repair_seconds(
@@ -340,6 +398,7 @@ def draw_repair_seconds(
     fired = np.zeros(n, dtype=np.int64)
     lost = np.arange(n)
     position = first_loss(rng, q if bursts is None else bursts.entry_q, packets)
+    hold = None if bursts is None or bursts.hold_s <= 0 else (bursts.stay, bursts.entry_q, bursts.hold_s)
     for _ in range(int(packets.max(initial=0)) + 1):
         if lost.size == 0:
             break
@@ -352,6 +411,8 @@ def draw_repair_seconds(
             rtt=rtt_s[lost],
             tau=packet_s[lost],
             gap=gap_s[lost],
+            held=None if hold is None else (hold[0][lost], hold[1][lost], hold[2]),
+            unacked=(position > 0) if transfers.small and stack.delayed_ack_s > 0 else None,
         )
         extra[lost] = np.maximum(extra[lost], cost)
         fired[lost] += timers

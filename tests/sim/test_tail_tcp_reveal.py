@@ -1,0 +1,132 @@
+"""What reveals a lost packet before the probe does: the next message on the same connection (the agreement's
+frames, the collective's data), the data a receiver sends back (its ACKs ride on it), and what a burst held by a
+silent link does to the resends; each against its closed form."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from allreduce.schedules import all_reduce
+from allreduce.sim import LossModel
+from allreduce.sim._phases import _ack_stalls, agreement_delays, phase_data
+from allreduce.sim._routing import Router
+from allreduce.sim._tcp import DELACK_MIN_S, LostTransfers, TcpStack, _held_resends, draw_repair_seconds
+from allreduce.topology import FloatArray, IntArray, switch
+
+Z = 4.0
+RTT = 20e-6
+TAU = 1e-6
+# The linux preset's logic with exact timers (and its delayed ACK), so every cost is a closed form.
+EXACT = TcpStack("exact", rto_min_s=0.2, hz=0.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S)
+
+
+def _into_gpu0(p: float) -> tuple[Router, FloatArray]:
+    """Four ranks on one switch, packets lost only on the way into gpu0 (rank 0's receiving link)."""
+    topology = switch(4)
+    link = np.zeros(topology.num_links)
+    link[[i for i in range(topology.num_links) if topology.link_name(i) == "switch0->gpu0"]] = p
+    return Router(topology, np.arange(4), None, 0), link
+
+
+def test_a_lost_barrier_frame_is_revealed_by_the_agreement_frame_after_it() -> None:
+    # Barrier then agreement: rank 0 receives a lone frame from rank 1 in each. The barrier's is followed on
+    # its connection by the agreement's (the sender does not wait for rank 0): a few steps, never the probe.
+    router, link = _into_gpu0(0.05)
+    samples = 20_000
+    barrier = LossModel(fabric="tcp", tcp="linux", barrier=True)
+    delay, _, lost, _ = agreement_delays(np.random.default_rng(3), router, samples, barrier, link)
+    # Only the agreement's lone frame pays the probe; the other five packets rank 0 receives (the barrier's three,
+    # the agreement's two-frame step) wait for the RTO only if their resend is lost too.
+    p = 0.05
+    expected = 1 - (1 - p) * (1 - p * p) ** 5
+    probed = (delay[0] >= 0.204).mean()
+    assert abs(probed - expected) < Z * math.sqrt(expected * (1 - expected) / samples)
+    assert lost.sum() > 0
+
+
+def test_a_ring_waits_for_the_probe_where_halving_doublings_data_reveals_the_frame() -> None:
+    # Rank 0's agreement frames come from rank 1 (1 -> 0) and rank 2 (2 -> 0). Halving-doubling sends data on
+    # both connections (2 -> 0 first, 1 -> 0 second): the data reveals a lost frame. A ring (r -> r + 1) sends
+    # on neither, so the lone frame from rank 1 waits for the probe.
+    router, link = _into_gpu0(0.05)
+    model = LossModel(fabric="tcp", tcp="linux")
+    samples = 20_000
+
+    def probed(algorithm: str) -> float:
+        data = phase_data(all_reduce(algorithm, 4), router, 2**20, link, connections=True)
+        delay, *_ = agreement_delays(np.random.default_rng(4), router, samples, model, link, data=data)
+        return float((delay[0] >= 0.204).mean())
+
+    # The RTO is paid otherwise only where a resend is lost too (p^2 per packet; three packets).
+    p = 0.05
+    ring = 1 - (1 - p) * (1 - p * p) ** 2
+    assert abs(probed("ring") - ring) < Z * math.sqrt(ring * (1 - ring) / samples)
+    halving_doubling = 1 - (1 - p * p) ** 3
+    assert abs(probed("halving_doubling") - halving_doubling) < Z * math.sqrt(halving_doubling / samples)
+
+
+def test_a_pairwise_exchange_never_stalls_on_a_lost_ack() -> None:
+    # Every halving-doubling step is an exchange: the receiver's own data carries its cumulative ACK.
+    router, _ = _into_gpu0(0.0)
+    link = np.full(router.topology.num_links, 0.02)
+    model = LossModel(fabric="tcp", tcp="linux")
+    for d in phase_data(all_reduce("halving_doubling", 4), router, 2**20, link, connections=True):
+        assert d.two_way is not None
+        assert d.two_way.all()
+        packets = np.ceil(d.nbytes / model.mtu).astype(np.int64)
+        assert _ack_stalls(np.random.default_rng(5), model, d, packets, 2000).step.size == 0
+
+
+def test_a_ring_receiver_sends_nothing_back_so_its_lost_acks_stall() -> None:
+    router, _ = _into_gpu0(0.0)
+    link = np.full(router.topology.num_links, 0.02)
+    model = LossModel(fabric="tcp", tcp="linux")
+    ring = phase_data(all_reduce("ring", 4), router, 2**20, link, connections=True)[0]
+    assert ring.two_way is not None
+    assert not ring.two_way.any()
+    packets = np.ceil(ring.nbytes / model.mtu).astype(np.int64)
+    assert _ack_stalls(np.random.default_rng(5), model, ring, packets, 2000).step.size > 0
+
+
+def test_a_burst_held_by_a_silent_link_takes_the_resends_until_it_expires() -> None:
+    # Resends at 0.205 s, then each backed-off RTO (0.2 s, 0.4 s): 0.205 and 0.405 are within a 0.5 s hold and
+    # lost with `stay`; 0.805 meets the good state (no new burst: entry 0). So P(again = m) = s^m (1 - s), m < 2,
+    # and s^2 for m = 2.
+    n, s = 200_000, 0.75
+    again = _held_resends(
+        np.random.default_rng(6), (np.full(n, s), np.zeros(n), 0.5), np.full(n, 0.205), np.full(n, 0.2)
+    )
+    expected = [1 - s, s * (1 - s), s * s]
+    for m, share in enumerate(expected):
+        assert abs((again == m).mean() - share) < Z * math.sqrt(share * (1 - share) / n)
+    assert again.max() == 2
+
+
+def test_the_last_of_two_small_frames_is_probed_before_the_first_is_acknowledged() -> None:
+    # Two sub-MSS frames, one lost. The first: the second's SACK arms the reordering timer (min_rtt/4 + 2 ms).
+    # The second: the interactive receiver holds the first's ACK for 40 ms, so the probe armed with two out
+    # (2*srtt + 2 ms) resends it. Neither pays the one-packet probe's rto_min, as full segments would.
+    n = 4000
+
+    def extra(*, small: bool) -> tuple[FloatArray, IntArray]:
+        transfers = LostTransfers(
+            np.full(n, 1e-9), np.full(n, 2, dtype=np.int64), np.full(n, RTT), np.full(n, TAU), small=small
+        )
+        return draw_repair_seconds(np.random.default_rng(7), EXACT, transfers)
+
+    small, timers = extra(small=True)
+    assert small.max() < RTT + TAU + 2 * RTT + 2e-3 + 2 * RTT + 1e-4
+    assert not timers.any()  # no timer of the rto_min class fired
+    full, timers = extra(small=False)
+    share = float((full >= 0.2).mean())
+    assert abs(share - 0.5) < Z * math.sqrt(0.25 / n)
+    assert timers.sum() == (full >= 0.2).sum()
+
+
+@pytest.mark.parametrize("hold", [-1.0, math.inf, math.nan])
+def test_a_bursts_hold_is_a_finite_time(hold: float) -> None:
+    with pytest.raises(ValueError, match="a burst's hold must be a finite time >= 0"):
+        LossModel(0.01, fabric="tcp", burst=4.0, burst_hold_s=hold)
