@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import importlib.util
 import math
 import os
@@ -17,14 +18,18 @@ import numpy.typing as npt
 from allreduce.cli._args import add_algorithm_argument, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
+from allreduce.schedules import ordered_ring, ring_all_reduce
 from allreduce.sim import (
     DEFAULT_EXACT_BUDGET_S,
     DISTRIBUTIONS,
+    MAX_MITIGATE_RANKS,
     TAIL_EXACT_MAX_RANKS,
     TAIL_MEMORY_LIMIT_BYTES,
     TCP_STACKS,
+    Mitigation,
     TailConfig,
     TailResult,
+    mitigate_ring,
     tail_memory_bytes,
 )
 from allreduce.topology import Topology
@@ -152,6 +157,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="SECONDS",
         help="--engine auto: the CPU seconds the event engine's re-runs may be planned to take (default "
         "%(default)g; planned from their transfers, so the same samples are re-run on any machine)",
+    )
+    p.add_argument(
+        "--mitigate",
+        action="store_true",
+        help="also the ring re-planned around slow links as ALLREDUCE_REPLAN would order it, its tail beside the "
+        "ring as placed (what re-planning recovers; a slow rank it cannot)",
     )
     p.add_argument("--no-attribution", action="store_true", help="skip naming culprits (faster with loss/jitter)")
     p.add_argument("--top", type=non_negative_int("--top"), default=5, help="culprits to list (default 5)")
@@ -406,6 +417,47 @@ def _write_plot(path: str, results: list[TailResult], title: str) -> None:
         plt.close(figure)
 
 
+REPLANNED = "ring_replanned"
+"""The name of the re-planned ring's row (``--mitigate``)."""
+
+
+def _ring_rows(results: list[TailResult]) -> tuple[TailResult, TailResult]:
+    """The ring as placed and the re-planned ring among ``results`` (both there under ``--mitigate``)."""
+    by_name = {r.name: r for r in results}
+    return by_name["ring"], by_name[REPLANNED]
+
+
+def _mitigation_json(m: Mitigation, results: list[TailResult]) -> dict[str, object]:
+    placed, replanned = _ring_rows(results)
+    out: dict[str, object] = {
+        "order": list(m.order),
+        "rounds": m.rounds,
+        "slowest_link_before_GBps": m.slowest_before_Bps / 1e9,
+        "slowest_link_after_GBps": m.slowest_after_Bps / 1e9,
+        "note": m.note,
+    }
+    for q in (50, 99):
+        out[f"p{q}_before_s"] = float(np.percentile(placed.step_s, q))
+        out[f"p{q}_after_s"] = float(np.percentile(replanned.step_s, q))
+    return out
+
+
+def _render_mitigation(m: Mitigation, results: list[TailResult]) -> list[str]:
+    placed, replanned = _ring_rows(results)
+    p50, p99 = (tuple(float(np.percentile(r.step_s, q)) for r in (placed, replanned)) for q in (50, 99))
+    lines = [
+        f"re-planning (--mitigate): the ring as placed against the ring re-planned around its slow links "
+        f"({REPLANNED}): p50 {format_seconds(p50[0])} -> {format_seconds(p50[1])}, p99 {format_seconds(p99[0])} -> "
+        f"{format_seconds(p99[1])}; slowest ring link {m.slowest_before_Bps / 1e9:.3g} -> "
+        f"{m.slowest_after_Bps / 1e9:.3g} GB/s",
+    ]
+    if tuple(m.order) != tuple(range(len(m.order))):
+        lines.append(f"  order {','.join(map(str, m.order[:32]))}{',...' if len(m.order) > 32 else ''}")
+    if m.note:
+        lines.append(f"  {m.note}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     from allreduce.cli._sim import _faults, _placement, _schedules
     from allreduce.sim import simulate_tail
@@ -438,6 +490,17 @@ def run(args: argparse.Namespace) -> int:
     schedules, skipped = _schedules(args, topology, world_size)
     if not schedules:
         raise CLIError("no algorithm left to simulate: " + "; ".join(skipped))
+    mitigation = None
+    if args.mitigate:
+        if not 2 <= world_size <= MAX_MITIGATE_RANKS:
+            raise CLIError(
+                f"--mitigate: re-planning is predicted for 2..{MAX_MITIGATE_RANKS:,} ranks, got {world_size:,}"
+            )
+        mitigation = mitigate_ring(topology, world_size, size_bytes=size, placement=placement, routing=args.routing,
+                                   seed=args.seed, faults=faults)  # fmt: skip
+        if not any(schedule.name == "ring" for schedule in schedules):
+            schedules.append(ring_all_reduce(world_size))
+        schedules.append(dataclasses.replace(ordered_ring(mitigation.order), name=REPLANNED))
     results = []
     show = sys.stderr.isatty() and not args.json
     for i, schedule in enumerate(schedules):
@@ -487,6 +550,7 @@ def run(args: argparse.Namespace) -> int:
                     "tcp": None if stack is None else {"stack": config.loss.tcp, "settings": stack},
                     "algorithms": [r.to_json(top=args.top) for r in results],
                     "skipped": skipped,
+                    **({"mitigation": _mitigation_json(mitigation, results)} if mitigation else {}),
                 }
             )
         )
@@ -507,6 +571,8 @@ def run(args: argparse.Namespace) -> int:
             "(~ samples the fast engine's recurrence could not certify exact and the event engine did not re-run: "
             "see --engine and docs/tail.md)"
         )
+    if mitigation is not None:
+        lines += ["", *_render_mitigation(mitigation, results)]
     lines.extend(f"(note: {s})" for s in skipped)
     if args.csv:
         lines.append(f"samples: {args.csv}")
