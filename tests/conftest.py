@@ -1,6 +1,8 @@
-"""Shared test configuration."""
+"""Shared test configuration, and the fixture that runs the command line as a user does."""
 
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,3 +25,24 @@ def _registry_as_it_was() -> Iterator[None]:
     for collective, names in before.items():
         for name in set(algorithms(collective)) - names:
             unregister_algorithm(collective, name)
+
+
+def _run_allreduce(
+    *args: str, timeout_s: float = 240, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m allreduce ARGS`` in a new process (``env``: its whole environment, else this one's): its exit
+    status and its output as text. A non-zero status is the test's to judge, so that it can print stderr."""
+    return subprocess.run(
+        [sys.executable, "-m", "allreduce", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def run_allreduce() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Runs the command line in a new process: ``run_allreduce("train", "-n", "2", timeout_s=300)``."""
+    return _run_allreduce

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,15 +46,11 @@ class Demo:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
+def demo(
+    tmp_path_factory: pytest.TempPathFactory, run_allreduce: Callable[..., subprocess.CompletedProcess[str]]
+) -> Demo:
     report = tmp_path_factory.mktemp("demo") / "report.html"
-    out = subprocess.run(
-        [sys.executable, "-m", "allreduce", "demo", "--report", str(report)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    out = run_allreduce("demo", "--report", str(report), timeout_s=600)
     return Demo(out.returncode, out.stdout, out.stderr, report)
 
 

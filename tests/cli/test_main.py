@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -22,10 +22,10 @@ import pytest
     ],
 )
 @pytest.mark.slow
-def test_errors_name_the_subcommand(args: tuple[str, ...], prefix: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "allreduce", *args], capture_output=True, text=True, timeout=120, check=False
-    )
+def test_errors_name_the_subcommand(
+    args: tuple[str, ...], prefix: str, run_allreduce: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    out = run_allreduce(*args, timeout_s=120)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(prefix), out.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +65,8 @@ def test_every_json_output_is_strict_json(capsys: pytest.CaptureFixture[str], ar
 
 
 @pytest.mark.slow
-def test_bench_json_of_one_rank_is_strict_json() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "allreduce", "bench", "-n", "1", "--sizes", "4KiB", "--iters", "2", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+def test_bench_json_of_one_rank_is_strict_json(run_allreduce: Callable[..., subprocess.CompletedProcess[str]]) -> None:
+    done = run_allreduce("bench", "-n", "1", "--sizes", "4KiB", "--iters", "2", "--json")
     assert done.returncode == 0, done.stderr
     (row,) = _strict_json(done.stdout)
     assert row["busbw_Bps"] == 0  # nccl-tests: the bus factor of one rank is 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,14 +17,17 @@ pytest.importorskip("torch")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py"
 
 
-def _run(*flags: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "allreduce", "run", "-n", "3", *flags, "--", "python", str(EXAMPLE)]
-    return subprocess.run([*command, "--kill-rank", "2@5"], check=False, capture_output=True, text=True, timeout=300)
+def _run(
+    run_allreduce: Callable[..., subprocess.CompletedProcess[str]], *flags: str
+) -> subprocess.CompletedProcess[str]:
+    return run_allreduce("run", "-n", "3", *flags, "--", "python", str(EXAMPLE), "--kill-rank", "2@5", timeout_s=300)
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_restarted_and_rejoins_with_the_others_state() -> None:
-    done = _run("--elastic", "--max-restarts", "1")
+def test_a_killed_rank_is_restarted_and_rejoins_with_the_others_state(
+    run_allreduce: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
+    done = _run(run_allreduce, "--elastic", "--max-restarts", "1")
     assert done.returncode == 0, done.stderr
     assert "rank 2 was killed by SIGKILL; 2 ranks go on (--min-ranks 2); restarting it to rejoin" in done.stderr
     assert "[rank 2] joined at step 5 as rank 2 of 3" in done.stdout
@@ -34,8 +37,10 @@ def test_a_killed_rank_is_restarted_and_rejoins_with_the_others_state() -> None:
 
 
 @pytest.mark.slow
-def test_without_restarts_the_survivors_finish_and_the_job_succeeds() -> None:
-    done = _run("--elastic")
+def test_without_restarts_the_survivors_finish_and_the_job_succeeds(
+    run_allreduce: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
+    done = _run(run_allreduce, "--elastic")
     assert done.returncode == 0, done.stderr
     assert "rank 2 was killed by SIGKILL; 2 ranks go on (--min-ranks 2)\n" in done.stderr
     assert len(re.findall(r"done: 12 steps, 2 ranks", done.stdout)) == 2

@@ -146,19 +146,25 @@ HEADLESS = ["--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=std
 BROWSER_TIMEOUT_S = 120
 
 
-@pytest.mark.slow
-def test_chromium_runs_nothing_from_a_hostile_file(documents: list[dict[str, Any]], tmp_path: Path) -> None:
+def _dump_dom(page: Path) -> subprocess.CompletedProcess[str]:
+    """A headless browser's DOM of ``page`` once it has loaded (stdout) and its console (stderr); the test is
+    skipped where no browser is installed."""
     browser = next(filter(None, map(shutil.which, BROWSERS)), None)
     if browser is None:
         pytest.skip(f"no headless browser: none of {', '.join(BROWSERS)} is on PATH (.ci/run installs chromium)")
-    page = write_report(tmp_path / "hostile.html", [_hostile_texts(doc) for doc in documents])
-    done = subprocess.run(
+    return subprocess.run(
         [browser, *HEADLESS, "--dump-dom", page.as_uri()],
         capture_output=True,
         text=True,
         timeout=BROWSER_TIMEOUT_S,
         check=False,
     )
+
+
+@pytest.mark.slow
+def test_chromium_runs_nothing_from_a_hostile_file(documents: list[dict[str, Any]], tmp_path: Path) -> None:
+    page = write_report(tmp_path / "hostile.html", [_hostile_texts(doc) for doc in documents])
+    done = _dump_dom(page)
     assert done.returncode == 0, done.stderr[-500:]
     assert "PWNED" in done.stdout  # the page loaded, the payloads in it as text
     assert re.search(r"<body[^>]*data-pwned", done.stdout) is None
@@ -168,18 +174,9 @@ def test_chromium_runs_nothing_from_a_hostile_file(documents: list[dict[str, Any
 
 @pytest.mark.slow
 def test_the_chromium_check_sees_a_payload_that_runs(tmp_path: Path) -> None:
-    browser = next(filter(None, map(shutil.which, BROWSERS)), None)
-    if browser is None:
-        pytest.skip(f"no headless browser: none of {', '.join(BROWSERS)} is on PATH (.ci/run installs chromium)")
     page = tmp_path / "raw.html"
     page.write_text(f"<!DOCTYPE html><html><body><p>{PAYLOADS[0]}</p></body></html>")
-    done = subprocess.run(
-        [browser, *HEADLESS, "--dump-dom", page.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=BROWSER_TIMEOUT_S,
-        check=False,
-    )
+    done = _dump_dom(page)
     assert re.search(r"<body[^>]*data-pwned", done.stdout) is not None
     assert any(":CONSOLE" in line and "PWNED" in line for line in done.stderr.splitlines())
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,16 +59,10 @@ def test_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_allreduce_run(tmp_path: Path) -> None:
+def test_allreduce_run(tmp_path: Path, run_allreduce: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    out = subprocess.run(
-        [sys.executable, "-m", "allreduce", "run", "-n", "3", "--", sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    out = run_allreduce("run", "-n", "3", "--", sys.executable, str(script))
     assert out.returncode == 0, out.stderr[-3000:]
     _check(out.stdout, 3)
 
@@ -92,30 +87,16 @@ TORCH_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_torch_script(tmp_path: Path, backend: str) -> subprocess.CompletedProcess[str]:
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gloo", "allreduce"])
+def test_a_torch_backend_under_allreduce_run(
+    tmp_path: Path, run_allreduce: Callable[..., subprocess.CompletedProcess[str]], backend: str
+) -> None:
     script = tmp_path / "torch_job.py"
     script.write_text(TORCH_SCRIPT)
-    return subprocess.run(
-        [sys.executable, "-m", "allreduce", "run", "-n", "2", "--", sys.executable, str(script), backend],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-
-
-@pytest.mark.slow
-def test_torch_gloo_under_allreduce_run(tmp_path: Path) -> None:
-    out = _run_torch_script(tmp_path, "gloo")
+    out = run_allreduce("run", "-n", "2", "--", sys.executable, str(script), backend)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(out.stdout.splitlines()) == [f"[rank {r}] gloo rank {r}: [0, 3, 6, 9]" for r in range(2)]
-
-
-@pytest.mark.slow
-def test_the_allreduce_torch_backend_under_allreduce_run(tmp_path: Path) -> None:
-    out = _run_torch_script(tmp_path, "allreduce")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(out.stdout.splitlines()) == [f"[rank {r}] allreduce rank {r}: [0, 3, 6, 9]" for r in range(2)]
+    assert sorted(out.stdout.splitlines()) == [f"[rank {r}] {backend} rank {r}: [0, 3, 6, 9]" for r in range(2)]
 
 
 @pytest.mark.slow
@@ -146,16 +127,18 @@ def test_the_allreduce_torch_backend_with_variables_set_by_hand(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_a_job_token_reaches_every_rank_and_a_given_one_is_kept(tmp_path: Path) -> None:
+def test_a_job_token_reaches_every_rank_and_a_given_one_is_kept(
+    tmp_path: Path, run_allreduce: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
     script = tmp_path / "token.py"
     script.write_text("import os\nprint(os.environ['ALLREDUCE_TOKEN'])\n")
-    command = [sys.executable, "-m", "allreduce", "run", "-n", "2", "--", sys.executable, str(script)]
+    command = ("run", "-n", "2", "--", sys.executable, str(script))
     env = {k: v for k, v in os.environ.items() if k != "ALLREDUCE_TOKEN"}
-    fresh = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True, env=env)
+    fresh = run_allreduce(*command, env=env, timeout_s=120)
+    assert fresh.returncode == 0, fresh.stderr
     tokens = {line.split()[-1] for line in fresh.stdout.splitlines()}
     assert len(tokens) == 1
     assert len(tokens.pop()) >= 32  # 128 random bits, hex
-    given = subprocess.run(
-        command, capture_output=True, text=True, timeout=120, check=True, env={**env, "ALLREDUCE_TOKEN": "ours"}
-    )
+    given = run_allreduce(*command, env={**env, "ALLREDUCE_TOKEN": "ours"}, timeout_s=120)
+    assert given.returncode == 0, given.stderr
     assert sorted(given.stdout.splitlines()) == ["[rank 0] ours", "[rank 1] ours"]

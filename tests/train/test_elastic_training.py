@@ -1,13 +1,13 @@
 """Training goes on after a rank dies: DataParallel's survivors shrink the group, regroup their buckets, re-run the
 failed step on the data re-sharded over them (keeping the global batch) and stay identical replicas.
 
-Plain processes with the rendezvous variables, one SIGKILLed in the middle of training.
+The ranks run under spawn_elastic (a rank's death does not stop the others), one SIGKILLed in the middle of
+training.
 """
 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -17,18 +17,18 @@ import pytest
 
 pytest.importorskip("torch")
 
-from allreduce.runtime._spawn import new_token, rank_environment, reserve_port
+from allreduce.runtime import Departure, spawn_elastic
 
 GLOBAL_BATCH = 48
 STEPS = 8
 KILL_AT = 3
 
 
-def _train(rank: int, env: dict[str, str], victim: int, out: Any, files: dict[str, str]) -> None:
+def _train(victim: int, files: dict[str, str]) -> dict[str, Any]:
     """Train STEPS steps of GLOBAL_BATCH samples; ``victim`` SIGKILLs itself before step KILL_AT. Rank 0 saves the
     state it starts step KILL_AT with to ``files["checkpoint"]``; with ``files["resume"]`` every rank starts there
     from that state."""
-    os.environ.update(env)
+    rank = int(os.environ["RANK"])
     checkpoint, resume = files.get("checkpoint"), files.get("resume")
     import allreduce
     import torch
@@ -75,40 +75,21 @@ def _train(rank: int, env: dict[str, str], victim: int, out: Any, files: dict[st
     report["params"] = digest.hexdigest()
     report["world_size"] = group.world_size
     group.close()
-    out.put(report)
+    return report
 
 
-def _run(world_size: int, victim: int, **files: str) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Start ``world_size`` plain processes running :func:`_train`; the reports of those that finish."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    reservation = reserve_port()
-    port, token = int(reservation.getsockname()[1]), new_token()
-    procs = [
-        ctx.Process(
-            target=_train,
-            args=(r, rank_environment(r, world_size, master_port=port, token=token), victim, out, files),
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    reservation.close()
-    try:
-        reports = [out.get(timeout=240) for _ in range(world_size - (0 <= victim < world_size))]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return reports, procs
+def _run(world_size: int, victim: int, **files: str) -> tuple[list[dict[str, Any]], list[Departure]]:
+    """Run :func:`_train` on ``world_size`` ranks: the reports of those that finish, and the rank that died."""
+    dies = 0 <= victim < world_size
+    outcome = spawn_elastic(world_size, _train, victim, files, min_ranks=world_size - dies, timeout_s=240)
+    return list(outcome.results.values()), outcome.departures
 
 
 @pytest.mark.slow
 def test_survivors_of_a_killed_rank_keep_training_as_identical_replicas() -> None:
     world_size, victim = 4, 2
-    reports, procs = _run(world_size, victim)
-    assert procs[victim].exitcode == -signal.SIGKILL
+    reports, departures = _run(world_size, victim)
+    assert [(d.rank, d.how) for d in departures] == [(victim, "was killed by SIGKILL")]
     assert sorted(r["rank"] for r in reports) == [0, 1, 3]
     for r in reports:
         assert r["errors"] == [(KILL_AT, "PeerFailureError", victim)], r
@@ -132,10 +113,10 @@ def test_the_survivors_end_where_a_fresh_group_of_their_size_started_from_the_sa
 REJOIN_AT = 5
 
 
-def _rejoining(rank: int, env: dict[str, str], out: Any) -> None:
+def _rejoining() -> dict[str, Any]:
     """A member of 4 (rank 2 dies before step KILL_AT, the others shrink); from step REJOIN_AT the members call
     grow() until the restarted rank 2 is back, move the model over and hand it the optimizer state and the step."""
-    os.environ.update(env)
+    rank = int(os.environ["RANK"])
     import allreduce
     import torch
     from allreduce.train import DataParallel, sync_state
@@ -183,31 +164,14 @@ def _rejoining(rank: int, env: dict[str, str], out: Any) -> None:
         for _, value in sorted(optimizer.state[p].items()):
             digest.update(value.detach().numpy().tobytes())
     group.close()
-    out.put({"rank": rank, "joined": joining, "sizes": sizes, "state": digest.hexdigest()})
+    return {"rank": rank, "joined": joining, "sizes": sizes, "state": digest.hexdigest()}
 
 
 @pytest.mark.slow
 def test_a_restarted_rank_rejoins_training_with_the_model_and_optimizer_state_of_the_others() -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    reservation = reserve_port()
-    port, token = int(reservation.getsockname()[1]), new_token()
-    envs = [rank_environment(r, 4, master_port=port, token=token) for r in range(4)]
-    procs = [ctx.Process(target=_rejoining, args=(r, envs[r], out)) for r in range(4)]
-    for p in procs:
-        p.start()
-    reservation.close()
-    try:
-        procs[2].join(timeout=240)
-        assert procs[2].exitcode == -signal.SIGKILL
-        procs.append(ctx.Process(target=_rejoining, args=(2, {**envs[2], "ALLREDUCE_JOIN": "1"}, out)))
-        procs[-1].start()
-        reports = [out.get(timeout=240) for _ in range(4)]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    outcome = spawn_elastic(4, _rejoining, min_ranks=3, max_restarts=1, timeout_s=240)
+    assert [(d.rank, d.how, d.restarted) for d in outcome.departures] == [(2, "was killed by SIGKILL", True)]
+    reports = list(outcome.results.values())  # rank 2's is its restart's
     assert sorted((r["rank"], r["joined"]) for r in reports) == [(0, False), (1, False), (2, True), (3, False)]
     members = [r for r in reports if not r["joined"]]
     for r in members:  # 4 ranks, 3 after the death, 4 again from step REJOIN_AT

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -13,14 +13,11 @@ from allreduce.cli._main import main
 
 @pytest.mark.slow
 @pytest.mark.serial
-def test_train_json_names_the_injected_slow_rank() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "allreduce", "train", "-n", "2", "--epochs", "2", "--slow-rank", "1=0.05", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
+def test_train_json_names_the_injected_slow_rank(
+    run_allreduce: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
+    out = run_allreduce("train", "-n", "2", "--epochs", "2", "--slow-rank", "1=0.05", "--json")
+    assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["slowest_rank"] == 1
     assert [e["epoch"] for e in report["epochs"]] == [1, 2]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -40,14 +40,11 @@ def test_an_evenly_divided_global_batch_is_cut_as_before_any_shrink() -> None:
 
 @pytest.mark.slow
 @pytest.mark.serial
-def test_the_survivors_of_a_killed_rank_finish_the_run_on_the_same_global_batch() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "allreduce", "train", "-n", "4", "--epochs", "1", "--kill-rank", "3@4", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+def test_the_survivors_of_a_killed_rank_finish_the_run_on_the_same_global_batch(
+    run_allreduce: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
+    out = run_allreduce("train", "-n", "4", "--epochs", "1", "--kill-rank", "3@4", "--json", timeout_s=300)
+    assert out.returncode == 0, out.stderr
     elastic = json.loads(out.stdout)["elastic"]
     assert elastic["killed_rank"] == 3
     assert elastic["how"] == "was killed by SIGKILL"

@@ -6,9 +6,14 @@ import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from allreduce.cli._main import CLIError
 from allreduce.schedules import ENVIRONMENT_VARIABLE, Collective, algorithms, get_algorithm, load_algorithm
+from allreduce.units import parse_bytes
+
+if TYPE_CHECKING:
+    from allreduce.topology import Topology
 
 __all__ = [
     "AlgorithmSelection",
@@ -16,7 +21,9 @@ __all__ = [
     "algorithm_for_ranks",
     "algorithm_selection",
     "non_negative_int",
+    "positive_bytes",
     "positive_int",
+    "world_size_on",
 ]
 
 
@@ -43,6 +50,22 @@ def positive_int(name: str) -> Callable[[str], int]:
 def non_negative_int(name: str) -> Callable[[str], int]:
     """A whole number >= 0."""
     return _int_at_least(name, 0)
+
+
+def positive_bytes(text: str, *, flag: str) -> int:
+    """A size given to ``flag`` (64MiB, 1GiB), which must be more than 0 bytes."""
+    size = parse_bytes(text, what=flag)
+    if size <= 0:
+        raise CLIError(f"{flag} must be greater than 0 bytes, got {text!r}")
+    return size
+
+
+def world_size_on(topology: Topology, ranks: int | None) -> int:
+    """The ranks ``--ranks`` asked for on ``topology`` (all its GPUs when not given): at most one per GPU."""
+    world_size = ranks if ranks is not None else topology.num_gpus
+    if world_size > topology.num_gpus:
+        raise CLIError(f"--ranks {world_size}: {topology.name} has only {topology.num_gpus} GPUs")
+    return world_size
 
 
 @dataclass(frozen=True)

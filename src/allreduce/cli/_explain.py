@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from allreduce.cli._args import AlgorithmSelection, add_algorithm_argument, positive_int
+from allreduce.cli._args import AlgorithmSelection, add_algorithm_argument, positive_bytes, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import (
@@ -28,7 +28,6 @@ from allreduce.units import (
     format_bytes,
     format_seconds,
     parse_bandwidth,
-    parse_bytes,
     parse_seconds,
 )
 
@@ -399,9 +398,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    size = parse_bytes(args.size, what="--size")
-    if size <= 0:
-        raise CLIError(f"--size must be greater than 0 bytes, got {args.size!r}")
+    size = positive_bytes(args.size, flag="--size")
     model = CostModel(
         latency_s=parse_seconds(args.latency, what="--latency"),
         bandwidth_Bps=parse_bandwidth(args.bandwidth, what="--bandwidth"),

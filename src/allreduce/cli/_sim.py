@@ -6,10 +6,12 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
-from allreduce.cli._args import add_algorithm_argument, non_negative_int, positive_int
+from allreduce.cli._args import add_algorithm_argument, non_negative_int, positive_bytes, positive_int, world_size_on
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import Collective, Schedule, get_algorithm, make_schedule
@@ -29,6 +31,8 @@ from allreduce.topology import Topology, parse_topology
 from allreduce.units import format_bandwidth, format_bytes, format_seconds, parse_bytes, parse_seconds
 
 __all__ = ["ELEMENT_BYTES", "MAX_CHUNKS", "MAX_SIM_RANKS", "check_chunks", "register", "run"]
+
+_T = TypeVar("_T")
 
 # Direct all-reduce has one flow pattern per step (its peers move), so simulating it costs O(N^2) routing and
 # rate solves; naive puts N(N-1) flows in its one step. Algorithms for small groups, left out of ``all`` above
@@ -52,7 +56,6 @@ _SIM_BYTES_PER_RANK = 4 << 10
 ELEMENT_BYTES = 4
 """Bytes per element when counting the elements of --size: float32, the usual gradient dtype. A chunk needs at
 least one element, or the schedule moves empty blocks."""
-
 
 _TOPOLOGY_HELP = """\
 topology specs (KIND:ARG,KEY=VALUE,...; bandwidths take units: 400Gbps, 50GB/s; latencies: 1us, 500ns):
@@ -164,33 +167,41 @@ def _split(text: str, flag: str, example: str) -> tuple[str, str]:
     return left.strip(), right.strip()
 
 
+def _convert(convert: Callable[[str], _T], part: str, *, error: str) -> _T:
+    """``convert(part)``, or :class:`CLIError` saying ``error`` where it refuses ``part`` (a ValueError)."""
+    try:
+        return convert(part)
+    except ValueError:
+        raise CLIError(error) from None
+
+
+def _degraded_link(text: str) -> tuple[str, float]:
+    """One ``--degrade LINK=FACTOR``."""
+    link, factor_text = _split(text, "--degrade", "LINK=FACTOR, e.g. 'leaf0->spine1=0.1'")
+    factor = _convert(float, factor_text, error=f"--degrade {text!r}: the factor {factor_text!r} is not a number")
+    if not factor > 0:
+        raise CLIError(f"--degrade {text!r}: the factor must be > 0 (use --fail to remove a link)")
+    return link, factor
+
+
+def _slow_rank(text: str, world_size: int) -> tuple[int, float]:
+    """One ``--slow-rank R=SECONDS``: the delay in seconds, or with a unit (50us)."""
+    rank_text, seconds_text = _split(text, "--slow-rank", "R=SECONDS, e.g. 3=50us")
+    rank = _convert(int, rank_text, error=f"--slow-rank {text!r}: the rank {rank_text!r} is not a whole number")
+    if not 0 <= rank < world_size:
+        raise CLIError(f"--slow-rank {text!r}: rank {rank} is not in 0..{world_size - 1}")
+    try:
+        seconds = float(seconds_text)
+    except ValueError:
+        seconds = parse_seconds(seconds_text, what=f"--slow-rank {text!r}")
+    if seconds < 0:
+        raise CLIError(f"--slow-rank {text!r}: the delay must be >= 0")
+    return rank, seconds
+
+
 def _faults(args: argparse.Namespace, topology: Topology, world_size: int) -> Faults:
-    degraded = []
-    for text in args.degrade:
-        link, factor_text = _split(text, "--degrade", "LINK=FACTOR, e.g. 'leaf0->spine1=0.1'")
-        try:
-            factor = float(factor_text)
-        except ValueError:
-            raise CLIError(f"--degrade {text!r}: the factor {factor_text!r} is not a number") from None
-        if not factor > 0:
-            raise CLIError(f"--degrade {text!r}: the factor must be > 0 (use --fail to remove a link)")
-        degraded.append((link, factor))
-    slow = []
-    for text in args.slow_rank:
-        rank_text, seconds_text = _split(text, "--slow-rank", "R=SECONDS, e.g. 3=50us")
-        try:
-            rank = int(rank_text)
-        except ValueError:
-            raise CLIError(f"--slow-rank {text!r}: the rank {rank_text!r} is not a whole number") from None
-        if not 0 <= rank < world_size:
-            raise CLIError(f"--slow-rank {text!r}: rank {rank} is not in 0..{world_size - 1}")
-        try:
-            seconds = float(seconds_text)
-        except ValueError:
-            seconds = parse_seconds(seconds_text, what=f"--slow-rank {text!r}")
-        if seconds < 0:
-            raise CLIError(f"--slow-rank {text!r}: the delay must be >= 0")
-        slow.append((rank, seconds))
+    degraded = [_degraded_link(text) for text in args.degrade]
+    slow = [_slow_rank(text, world_size) for text in args.slow_rank]
     faults = Faults(degraded=tuple(degraded), failed=tuple(args.fail), slow_ranks=tuple(slow))
     # Resolve the link names now, so a typo is reported before any simulation runs.
     from allreduce.sim import resolve_links
@@ -431,17 +442,13 @@ def render(outcome: Outcome, top: int, context: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     topology = parse_topology(args.topology)
-    world_size = args.ranks if args.ranks is not None else topology.num_gpus
-    if world_size > topology.num_gpus:
-        raise CLIError(f"--ranks {world_size}: {topology.name} has only {topology.num_gpus} GPUs")
+    world_size = world_size_on(topology, args.ranks)
     if world_size > MAX_SIM_RANKS:
         raise CLIError(
             f"--ranks {world_size}: more than the cap of {MAX_SIM_RANKS:,} ranks (simulating would need about "
             f"{format_bytes(world_size * _SIM_BYTES_PER_RANK)} of memory; pass --ranks to simulate fewer)"
         )
-    size = parse_bytes(args.size, what="--size")
-    if size <= 0:
-        raise CLIError(f"--size must be greater than 0 bytes, got {args.size!r}")
+    size = positive_bytes(args.size, flag="--size")
     faults = _faults(args, topology, world_size)
     placement = _placement(args.placement)
     if args.mitigate and not 2 <= world_size <= MAX_MITIGATE_RANKS:

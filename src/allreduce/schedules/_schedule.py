@@ -271,12 +271,13 @@ class Schedule:
     root: int = 0
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"{self.name}: world_size must be >= 1, got {self.world_size}")
-        if self.num_blocks < 1:
-            raise ValueError(f"{self.name}: num_blocks must be >= 1, got {self.num_blocks}")
-        if self.segments < 1:
-            raise ValueError(f"{self.name}: segments must be >= 1, got {self.segments}")
+        for field_name, value in (
+            ("world_size", self.world_size),
+            ("num_blocks", self.num_blocks),
+            ("segments", self.segments),
+        ):
+            if value < 1:
+                raise ValueError(f"{self.name}: {field_name} must be >= 1, got {value}")
         if not 0 <= self.root < self.world_size:
             raise ValueError(f"{self.name}: root {self.root} is not a rank of a group of {self.world_size}")
 

@@ -54,12 +54,9 @@ class TrainConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
+        for what, value in (("world_size", self.world_size), ("epochs", self.epochs), ("batch size", self.batch_size)):
+            if value < 1:
+                raise ValueError(f"{what} must be >= 1, got {value}")
         if self.bucket_size_mb <= 0:
             raise ValueError(f"bucket size must be > 0 MB, got {self.bucket_size_mb}")
         if self.slow_rank is not None and not 0 <= self.slow_rank < self.world_size:
