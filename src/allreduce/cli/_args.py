@@ -144,3 +144,14 @@ def add_algorithm_argument(parser: argparse.ArgumentParser, *, default: str = "a
         help="registered names, module:function or file.py:function specs of your own (loaded, verified and "
         f"registered), comma-separated, or all (default: {default})",
     )
+
+
+def add_mitigate_argument(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """``--mitigate`` of ``sim`` and ``tail``: ``what`` (the time, the tail) of the ring re-planned around slow links
+    beside the ring as placed (sim/_mitigate.py)."""
+    parser.add_argument(
+        "--mitigate",
+        action="store_true",
+        help=f"also {what} of the ring re-planned around slow links, ordered from the rates its links would show "
+        "as the runtime's ALLREDUCE_REPLAN orders it, beside the ring as placed; a slow rank is said to be beyond it",
+    )

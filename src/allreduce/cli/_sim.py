@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from allreduce.cli._args import add_algorithm_argument, non_negative_int, positive_bytes, positive_int, world_size_on
+from allreduce.cli._args import (
+    add_algorithm_argument,
+    add_mitigate_argument,
+    non_negative_int,
+    positive_bytes,
+    positive_int,
+    world_size_on,
+)
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import Collective, Schedule, get_algorithm, make_schedule
@@ -146,12 +153,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         f"<= {AUTO_EXACT_MAX_TRANSFERS or 0:,} transfers (fast where it is exact, else event), fast beyond",
     )
     p.add_argument("--top", type=non_negative_int("--top"), default=3, help="bottleneck links to list (default 3)")
-    p.add_argument(
-        "--mitigate",
-        action="store_true",
-        help="also predict what re-planning around a slow link gains: the ring re-ordered from the rates its links "
-        "would show (the runtime's rule), beside the ring as placed; a slow rank is said to be beyond it",
-    )
+    add_mitigate_argument(p, what="the predicted time")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of per-rank steps to FILE")
     p.set_defaults(handler=run)

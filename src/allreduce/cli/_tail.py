@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.cli._args import add_algorithm_argument, non_negative_int, positive_int
+from allreduce.cli._args import add_algorithm_argument, add_mitigate_argument, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import ordered_ring, ring_all_reduce
@@ -158,12 +158,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="--engine auto: the CPU seconds the event engine's re-runs may be planned to take (default "
         "%(default)g; planned from their transfers, so the same samples are re-run on any machine)",
     )
-    p.add_argument(
-        "--mitigate",
-        action="store_true",
-        help="also the ring re-planned around slow links as ALLREDUCE_REPLAN would order it, its tail beside the "
-        "ring as placed (what re-planning recovers; a slow rank it cannot)",
-    )
+    add_mitigate_argument(p, what="the tail")
     p.add_argument("--no-attribution", action="store_true", help="skip naming culprits (faster with loss/jitter)")
     p.add_argument("--top", type=non_negative_int("--top"), default=5, help="culprits to list (default 5)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
