@@ -1,12 +1,11 @@
 """Point-to-point calls of the process group (group.send / recv / isend / irecv), real processes over shm and tcp.
 
 Each test runs its ranks with spawn() and checks what they report: one behaviour per test. A dead rank is
-SIGKILLed in plain processes (spawn() stops the others as soon as a rank dies).
+SIGKILLed under spawn_elastic() (spawn() stops the others as soon as a rank dies).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,7 +17,7 @@ import pytest
 
 import allreduce
 from allreduce.runtime import CollectiveError, CollectiveTimeoutError, PeerFailureError, local_groups
-from allreduce.runtime._spawn import new_token, rank_environment, reserve_port, spawn
+from allreduce.runtime._spawn import spawn, spawn_elastic
 
 TRANSPORTS = ["shm", "tcp"]
 TIMEOUT_S = 60.0  # generous: 2 cores at load 8; no test waits for it unless it fails
@@ -225,11 +224,11 @@ def test_a_receive_pending_when_the_group_closes_fails() -> None:
 
 
 # ------------------------------------------------------------------------------------------- a dead peer
-def _dying_rank(rank: int, env: dict[str, str], transport: str, when: str, out: Any) -> None:
-    os.environ.update(env)
+def _dying_rank(transport: str, when: str) -> Any:
+    """Rank 1 is SIGKILLed (before it sent anything, or after one message); rank 0's next receive from it."""
     group = allreduce.init(transport=transport, timeout_s=TIMEOUT_S)
     try:
-        if rank == 1:
+        if group.rank == 1:
             if when == "after a message":
                 group.send(np.ones(3), 0)
             group.barrier()
@@ -238,12 +237,11 @@ def _dying_rank(rank: int, env: dict[str, str], transport: str, when: str, out: 
         if when == "after a message":
             group.recv(x, 1)
         group.barrier()
-        started = time.monotonic()
         try:
             group.recv(x, 1, tag=0)
-            out.put("no error")
         except CollectiveError as exc:
-            out.put((type(exc).__name__, exc.peer, str(exc), time.monotonic() - started))
+            return type(exc).__name__, exc.peer, str(exc)
+        return "no error"
     finally:
         group.close()
 
@@ -252,26 +250,9 @@ def _dying_rank(rank: int, env: dict[str, str], transport: str, when: str, out: 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("when", ["before any message", "after a message"])
 def test_a_receive_from_a_rank_that_dies_raises_peer_failure_naming_it(transport: str, when: str) -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    reservation = reserve_port()
-    port, token = int(reservation.getsockname()[1]), new_token()
-    processes = [
-        ctx.Process(
-            target=_dying_rank, args=(r, rank_environment(r, 2, master_port=port, token=token), transport, when, out)
-        )
-        for r in range(2)
-    ]
-    for p in processes:
-        p.start()
-    reservation.close()
-    try:
-        kind, peer, message, _elapsed_s = out.get(timeout=3 * TIMEOUT_S)
-    finally:
-        for p in processes:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    # the ranks' timeout is 60 s and spawn_elastic's 4x that: a PeerFailureError proves the death was seen
+    outcome = spawn_elastic(2, _dying_rank, transport, when, min_ranks=1, timeout_s=4 * TIMEOUT_S)
+    kind, peer, message = outcome.results[0]
     assert (kind, peer) == (PeerFailureError.__name__, 1), message
     assert "recv from rank 1 (tag 0)" in message
 

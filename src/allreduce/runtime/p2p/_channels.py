@@ -173,19 +173,11 @@ class PointToPoint:
             else:
                 send_until(channel.sock, header, deadline)
                 send_until(channel.sock, payload.data, deadline)
-        except TimeoutError as exc:
-            channel.broken = CollectiveTimeoutError(
-                f"rank {self.rank}: {what}: rank {dst} did not take the message within {timeout_s:g} s (stalled)",
-                rank=self.rank,
-                peer=dst,
-            )
-            raise channel.broken from exc
-        except OSError as exc:
-            channel.broken = PeerFailureError(
-                f"rank {self.rank}: {what}: lost rank {dst} ({exc}): it died, or closed its group",
-                rank=self.rank,
-                peer=dst,
-            )
+        except OSError as exc:  # TimeoutError included: either way the stream is out of step for good
+            stalled = isinstance(exc, TimeoutError)
+            kind = CollectiveTimeoutError if stalled else PeerFailureError
+            why = f"took nothing for {timeout_s:g} s (stalled)" if stalled else f"is gone ({exc}): it died, or left"
+            channel.broken = kind(f"rank {self.rank}: {what}: rank {dst} {why}", rank=self.rank, peer=dst)
             raise channel.broken from exc
         channel.sequence[tag] = sequence + 1
 
