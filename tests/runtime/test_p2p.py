@@ -257,6 +257,41 @@ def test_a_receive_from_a_rank_that_dies_raises_peer_failure_naming_it(transport
     assert "recv from rank 1 (tag 0)" in message
 
 
+def _exchange(group: allreduce.ProcessGroup, value: float) -> float:
+    """Rank 0 sends ``value`` to rank 1, which sends back twice what it got: what each received."""
+    y = np.zeros(3)
+    if group.rank == 0:
+        group.send(np.full(3, value), 1)
+        group.recv(y, 1)
+    elif group.rank == 1:
+        group.recv(y, 0)
+        group.send(y * 2, 0)
+    return float(y[0])
+
+
+def _after_shrink(transport: str) -> tuple[int, float]:
+    """Point-to-point before rank 2 dies, then on the shrunk group (new channels, new keys)."""
+    group = allreduce.init(transport=transport, timeout_s=TIMEOUT_S)
+    try:
+        _exchange(group, 1.0)
+        if group.rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            while True:
+                group.all_reduce(np.ones(4))
+        except CollectiveError:
+            group = group.shrink()
+        return group.rank, _exchange(group, 5.0)
+    finally:
+        group.close()
+
+
+@pytest.mark.slow
+def test_the_survivors_of_a_shrink_send_and_receive_on_new_channels() -> None:
+    outcome = spawn_elastic(3, _after_shrink, "tcp", min_ranks=2, timeout_s=4 * TIMEOUT_S)
+    assert outcome.results == {0: (0, 10.0), 1: (1, 5.0)}
+
+
 # ------------------------------------------------------------------------------------------- in-process groups
 def _threads(world_size: int, fn: Any) -> list[Any]:
     """``fn(group)`` on each rank of an in-process group, each in its own thread: the results by rank."""
