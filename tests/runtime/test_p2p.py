@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from typing import Any
 
@@ -16,8 +17,12 @@ import numpy as np
 import pytest
 
 import allreduce
-from allreduce.runtime import CollectiveError, CollectiveTimeoutError, PeerFailureError, local_groups
+from allreduce.runtime import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError, local_groups
+from allreduce.runtime._memory_store import MemoryStore
 from allreduce.runtime._spawn import spawn, spawn_elastic
+from allreduce.runtime.p2p import PointToPoint
+from allreduce.runtime.tcp._frames import HEADER_SIZE, encode_header
+from allreduce.runtime.tcp._handshake import ClientHello, connect_handshake
 
 TRANSPORTS = ["shm", "tcp"]
 TIMEOUT_S = 60.0  # generous: 2 cores at load 8; no test waits for it unless it fails
@@ -318,3 +323,40 @@ def _threads(world_size: int, fn: Any) -> list[Any]:
 
 def test_an_in_process_group_sends_and_receives_in_order_per_tag() -> None:
     assert _threads(2, _tags_out_of_order)[1] == [2.0, 1.0, 3.0]
+
+
+# ------------------------------------------------------------------------------------------- a hostile peer
+def _raw_peer(store: Any, frame: bytes) -> socket.socket:
+    """A connection to rank 0's channel that passes the handshake as rank 1 (it knows the secret), then sends
+    ``frame`` where a message header belongs."""
+    address = store.get("p2p/0/addr/0").decode()
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    hello = ClientHello(rank=1, world_size=2, target=0)
+    connect_handshake(sock, b"p2p", store.group_secret(), hello, what="rank 0")
+    sock.sendall(frame)
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("frame", "says"),
+    [
+        (b"X" * HEADER_SIZE, "bad frame magic"),
+        (encode_header(sequence=0, step=2, block=0, segment=0, length=(1 << 40) - 1), "not a whole number"),
+        (encode_header(sequence=5, step=2, block=0, segment=0, length=4), "message 5 of tag 0 where message 0"),
+    ],
+    ids=["garbage", "oversized", "out of sequence"],
+)
+def test_a_malformed_header_fails_the_receive_naming_the_peer(frame: bytes, says: str) -> None:
+    store = MemoryStore(TIMEOUT_S)
+    for rank in (0, 1):
+        store.set(f"allreduce/host/{rank}", b"this process")
+    channels = PointToPoint(0, 2, store, epoch=0)
+    try:
+        work = channels.irecv(np.zeros(4, np.float32), 1, 0, timeout_s=TIMEOUT_S)
+        with _raw_peer(store, frame), pytest.raises(ProtocolError, match=says) as info:
+            work.wait()
+        assert info.value.peer == 1
+        assert "malformed message from rank 1" in str(info.value)
+    finally:
+        channels.close()

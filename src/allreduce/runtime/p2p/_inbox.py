@@ -41,6 +41,7 @@ DTYPE_NAMES = (
 )  # fmt: skip
 """The element types a message may hold; a header carries a dtype as its position here."""
 
+_CHUNK_BYTES = 1 << 20  # what a kept message's memory starts at and grows by at least (doubling)
 _JOIN_S = 5.0  # how long close() waits for each thread (they wake at once: sockets shut down, condition notified)
 
 
@@ -97,7 +98,7 @@ class Inbox:
         self._readers: dict[int, tuple[socket.socket, threading.Thread]] = {}
         self._claimed: dict[int, Receive] = {}  # per source: the receive its reader is filling
         self._aborted: dict[int, CollectiveError] = {}  # per source: why the watchdog cut its connection
-        self._gone: dict[int, str] = {}  # per source: why no more messages come from it
+        self._gone: dict[int, CollectiveError] = {}  # per source: why no more messages come from it
         self._closed = False
         self._wake_at = 0.0  # when the watchdog wakes next (time.monotonic())
         self._watchdog = threading.Thread(target=self._watch, name=f"allreduce-p2p-watch-{rank}", daemon=True)
@@ -153,8 +154,10 @@ class Inbox:
             peer=src,
         )
 
-    def _gone_error(self, receive: Receive, src: int) -> PeerFailureError:
-        return PeerFailureError(f"rank {self.rank}: {receive.what}: {self._gone[src]}", rank=self.rank, peer=src)
+    def _gone_error(self, receive: Receive, src: int) -> CollectiveError:
+        """The error of ``receive``, from rank ``src`` whose connection ended: of the class of why it ended."""
+        why = self._gone[src]
+        return type(why)(f"rank {self.rank}: {receive.what}: {why}", rank=self.rank, peer=src)
 
     def _complete(self, finished: list[Finish]) -> None:
         """Complete works outside the lock (their callbacks may call back into this inbox)."""
@@ -182,17 +185,19 @@ class Inbox:
     def _read_loop(self, src: int, sock: socket.socket) -> None:
         expected: dict[int, int] = {}  # the sequence number of the next message per tag
         header = bytearray(HEADER_SIZE)
-        why: str
+        why: CollectiveError
         try:
             while True:
                 if not _fill(sock, memoryview(header), at_boundary=True):
-                    why = f"rank {src} closed its connection (it exited, or closed its group)"
+                    why = PeerFailureError(f"rank {src} closed its connection (it exited, or closed its group)")
                     break
                 self._receive(src, sock, self._check(header, expected))
         except ProtocolError as exc:
-            why = f"malformed message from rank {src}: {exc}"
+            why = ProtocolError(f"malformed message from rank {src}: {exc}")
         except (OSError, EOFError) as exc:
-            why = f"lost rank {src} mid-message ({exc}): it died, or its connection broke"
+            why = PeerFailureError(f"lost rank {src} mid-message ({exc}): it died, or its connection broke")
+        except Exception as exc:  # never a reader gone silently (a receive would wait for its deadline)
+            why = CollectiveError(f"reading rank {src}'s messages failed: {exc!r}")
         finally:
             sock.close()
         with self._cond:
@@ -229,19 +234,19 @@ class Inbox:
                 self._posted.remove(receive)
                 self._claimed[src] = receive
         if receive is None:
-            payload = bytearray(nbytes)
-            _fill(sock, memoryview(payload))
-            self._keep(_Message(src, tag, dtype, count, payload))
+            self._keep(_Message(src, tag, dtype, count, _read_kept(sock, nbytes)))
             return
         error = self._mismatch(receive, src, dtype, count)
-        target = memoryview(bytearray(nbytes)) if error is not None else receive.buffer.flat.view(np.uint8).data
         try:
-            _fill(sock, target)
+            if error is None:
+                _fill(sock, receive.buffer.flat.view(np.uint8).data)
+            else:
+                _discard(sock, nbytes)
         except (OSError, EOFError):
             with self._cond:
                 del self._claimed[src]
                 cut = self._aborted.pop(src, None)
-                self._gone[src] = str(cut) if cut is not None else f"lost rank {src} mid-message: it died"
+                self._gone[src] = cut or PeerFailureError(f"lost rank {src} mid-message: it died")
             self._complete([(receive, None, cut or self._gone_error(receive, src))])
             raise
         with self._cond:
@@ -294,7 +299,7 @@ class Inbox:
             return
         with self._cond:
             for r in dead:
-                self._gone.setdefault(r, f"rank {r} died (the store lost it)")
+                self._gone.setdefault(r, PeerFailureError(f"rank {r} died (the store lost it)"))
             others = set(range(self._world_size)) - {self.rank}
             failed = [
                 r for r in self._posted if (r.src in dead) or (r.src is None and others <= dead | self._gone.keys())
@@ -332,6 +337,25 @@ def _timed_out(rank: int, receive: Receive, what: str) -> CollectiveTimeoutError
         rank=rank,
         peer=receive.src,
     )
+
+
+def _read_kept(sock: socket.socket, nbytes: int) -> bytearray:
+    """A message's ``nbytes`` of payload, in memory that grows as they arrive (a header may claim any size: memory
+    follows the bytes that came, not the claim)."""
+    payload = bytearray()
+    while len(payload) < nbytes:
+        start = len(payload)
+        payload.extend(bytes(min(nbytes - start, max(start, _CHUNK_BYTES))))
+        _fill(sock, memoryview(payload)[start:])
+    return payload
+
+
+def _discard(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop ``nbytes`` (a message no receive can take), a chunk at a time."""
+    scratch = memoryview(bytearray(min(nbytes, _CHUNK_BYTES)))
+    while nbytes:
+        _fill(sock, scratch[: min(nbytes, len(scratch))])
+        nbytes -= min(nbytes, len(scratch))
 
 
 def _fill(sock: socket.socket, view: memoryview, *, at_boundary: bool = False) -> bool:
