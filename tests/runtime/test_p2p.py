@@ -360,3 +360,14 @@ def test_a_malformed_header_fails_the_receive_naming_the_peer(frame: bytes, says
         assert "malformed message from rank 1" in str(info.value)
     finally:
         channels.close()
+
+
+def test_a_send_waiting_for_a_peer_that_never_listens_ends_when_the_group_closes() -> None:
+    group, silent = local_groups(2, timeout_s=TIMEOUT_S)
+    started = time.monotonic()
+    work = group.isend(np.ones(4 << 20), 1)  # rank 1 makes no point-to-point call: no address to send to
+    group.close()
+    silent.close()
+    with pytest.raises(CollectiveError, match="send to rank 1 \\(tag 0\\): the group is closed"):
+        work.wait()
+    assert time.monotonic() - started < TIMEOUT_S

@@ -211,6 +211,7 @@ class PointToPoint:
         key = f"{self._prefix}/addr/{dst}"
         next_dead_check = 0.0
         while not self._store.check([key]):
+            self._check_open(what)  # a send still waiting when the group closes gives up at once
             now = time.monotonic()
             if now >= deadline:
                 raise CollectiveTimeoutError(
