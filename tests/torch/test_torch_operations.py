@@ -1,4 +1,5 @@
-"""Every ProcessGroup operation of the "allreduce" backend against Gloo's answer and a closed form.
+"""Every ProcessGroup operation of the "allreduce" backend (collectives and point-to-point) against Gloo's answer
+and a closed form.
 
 One set of processes per world size runs every case on the default group (the backend) and on a Gloo group in
 the same processes, and returns both; each test checks one case: the backend's result equals the closed form,
@@ -240,7 +241,86 @@ def _collectives() -> dict[str, tuple[Case, Callable[[int, int], Any]]]:
     return cases
 
 
-CASES = _collectives()
+def _ring(rank: int, world_size: int) -> tuple[int, int]:
+    """The next and the previous rank of the ring: point-to-point cases send forward and receive from behind."""
+    return (rank + 1) % world_size, (rank - 1) % world_size
+
+
+def _point_to_point() -> dict[str, tuple[Case, Callable[[int, int], Any]]]:
+    """name -> (what each rank runs, the closed form of rank r's result at world size N)."""
+    cases: dict[str, tuple[Case, Callable[[int, int], Any]]] = {}
+
+    def send_recv(dtype: torch.dtype) -> Case:
+        def run(group: Any, rank: int, world_size: int) -> Any:
+            import torch.distributed as dist
+
+            after, before = _ring(rank, world_size)
+            x = torch.zeros(5, dtype=dtype)
+            if rank % 2 == 0:  # even ranks send first, odd ones receive first: no rank waits on another's send
+                dist.send(_value(rank, 5, dtype), after, group=group)
+                dist.recv(x, before, group=group)
+            else:
+                dist.recv(x, before, group=group)
+                dist.send(_value(rank, 5, dtype), after, group=group)
+            return x
+
+        return run
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint16):
+        cases[f"send/recv {dtype}"] = (send_recv(dtype), lambda r, n, dtype=dtype: _value(_ring(r, n)[1], 5, dtype))
+
+    def isend_irecv(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        after, before = _ring(rank, world_size)
+        x = torch.zeros(1 << 18)  # 1 MiB
+        receive = dist.irecv(x, before, group=group, tag=4)
+        dist.isend(torch.full((1 << 18,), float(rank)), after, group=group, tag=4).wait()
+        receive.wait()
+        return x.unique()
+
+    cases["isend/irecv of 1 MiB"] = (isend_irecv, lambda r, n: torch.tensor([float(_ring(r, n)[1])]))
+
+    def batch(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        after, before = _ring(rank, world_size)
+        x, y = torch.zeros(3), torch.zeros(3, dtype=torch.int32)
+        ops = [
+            dist.P2POp(dist.irecv, x, before, group=group),  # receives first: the order in a batch does not matter
+            dist.P2POp(dist.irecv, y, before, group=group, tag=7),
+            dist.P2POp(dist.isend, torch.full((3,), float(rank)), after, group=group),
+            dist.P2POp(dist.isend, torch.full((3,), rank, dtype=torch.int32), after, group=group, tag=7),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return [x, y]
+
+    cases["batch_isend_irecv with tags"] = (
+        batch,
+        lambda r, n: [torch.full((3,), float(_ring(r, n)[1])), torch.full((3,), _ring(r, n)[1], dtype=torch.int32)],
+    )
+
+    def any_source(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        if rank != 0:
+            dist.send(torch.full((2,), float(rank)), 0, group=group, tag=2)
+            return None
+        got = []
+        for _ in range(world_size - 1):
+            x = torch.zeros(2)
+            got.append((dist.recv(x, group=group, tag=2), x.tolist()))
+        return sorted(got)
+
+    cases["recv from any source"] = (
+        any_source,
+        lambda r, n: [(q, [float(q)] * 2) for q in range(1, n)] if r == 0 else None,
+    )
+    return cases
+
+
+CASES = {**_collectives(), **_point_to_point()}
 # torch leaves a reduce's result on other ranks than the root unspecified: Gloo leaves partial sums there.
 ROOT_ONLY = {"reduce to rank 1": 1}
 
@@ -264,6 +344,19 @@ def _wait_with_a_timeout(rank: int) -> Any:
             early = str(exc)
     work.wait()
     return {"early": early, "result": t.tolist()}
+
+
+def _mismatched_receive(rank: int, world_size: int) -> str:
+    """Each rank sends 4 floats to the next, which receives into 6: the error, through wait()."""
+    import torch.distributed as dist
+
+    after, before = _ring(rank, world_size)
+    dist.isend(torch.ones(4), after, tag=3).wait()
+    try:
+        dist.irecv(torch.zeros(6), before, tag=3).wait()
+    except dist.DistBackendError as exc:
+        return str(exc)
+    return "no error"
 
 
 def _profiled_names() -> list[str]:
@@ -305,11 +398,8 @@ def _worker() -> dict[str, Any]:
             except Exception as exc:  # compared below: Gloo refuses some cases
                 out[f"{backend}: {name}"] = ("raised", f"{type(exc).__name__}: {exc}")
     out["wait timeout"] = _wait_with_a_timeout(rank)
+    out["mismatched receive"] = _mismatched_receive(rank, world_size)
     out["profiled"] = _profiled_names()
-    try:
-        dist.send(torch.ones(1), dst=(rank + 1) % world_size)
-    except NotImplementedError as exc:
-        out["send refused"] = str(exc)
     sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
     try:
         dist.all_reduce(sparse)
@@ -353,10 +443,12 @@ def test_the_backend_gives_the_closed_form_and_gloos_answer(
 
 
 @pytest.mark.slow
-def test_an_operation_the_backend_lacks_raises_naming_it(results: tuple[int, list[dict[str, Any]]]) -> None:
-    _, per_rank = results
-    for out in per_rank:
-        assert "does not implement send" in out["send refused"]
+def test_a_receive_that_does_not_fit_raises_through_wait(results: tuple[int, list[dict[str, Any]]]) -> None:
+    world_size, per_rank = results
+    for rank, out in enumerate(per_rank):
+        before = _ring(rank, world_size)[1]
+        assert f"recv from rank {before} (tag 3): rank {before} sent 4 float32 elements" in out["mismatched receive"]
+        assert "this receive takes 6 float32 elements" in out["mismatched receive"]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ viewed as numpy without a copy (bfloat16 through its bits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,16 +67,19 @@ def torch_to_numpy(tensor: Any, what: str) -> npt.NDArray[Any]:
     return array
 
 
-def as_buffer(x: Any, what: str) -> Buffer:
-    """``x`` (a numpy array or a CPU torch tensor) as a :class:`Buffer`; ``what`` names it in errors."""
+def as_buffer(
+    x: Any, what: str, *, check: Callable[[np.dtype[Any], str], object] = check_dtype, writable: bool = True
+) -> Buffer:
+    """``x`` (a numpy array or a CPU torch tensor) as a :class:`Buffer`; ``what`` names it in errors. ``check``
+    refuses the dtypes the caller cannot move; ``writable``: the caller writes into it (read-only arrays refused)."""
     if isinstance(x, np.ndarray):
         array = x
     elif is_torch(x):
         array = torch_to_numpy(x, what)
     else:
         raise TypeError(f"{what}: expected a numpy array or a torch CPU tensor, got {type(x).__name__}")
-    check_dtype(array.dtype, what)
-    if not array.flags.writeable:
+    check(array.dtype, what)
+    if writable and not array.flags.writeable:
         raise ValueError(f"{what}: the array is read-only; collectives work in place")
     if array.flags.c_contiguous:
         return Buffer(x, array, array.reshape(-1), copied=False)

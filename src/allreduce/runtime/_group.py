@@ -50,6 +50,7 @@ from allreduce.runtime._store_api import Store
 from allreduce.runtime._trace import TRACE_ENV, check_trace_path, write_trace
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import Work
+from allreduce.runtime.p2p import PointToPoint
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds
 
 __all__ = [
@@ -147,6 +148,8 @@ class ProcessGroup:
             else GroupReplanning(self.world_size, rule, self.cost_model.latency_s)
         )
         self._closed = False
+        self._p2p: PointToPoint | None = None  # made by the first send or receive
+        self._p2p_lock = threading.Lock()
         # One cache for every compiled form: the group's schedules and plans, and the transport's own.
         plans = PlanCache(PLAN_CACHE_ENTRIES)
         transport.plans = plans
@@ -227,6 +230,9 @@ class ProcessGroup:
         if not self._closed and self._transport.failure is None:
             self._report_at_close()
         self._closed = True
+        with self._p2p_lock:
+            if self._p2p is not None:
+                self._p2p.close()
         self._pipeline.executor.close()
         self._transport.close()
         if self._store is not None:
@@ -357,6 +363,42 @@ class ProcessGroup:
     ) -> Any:  # fmt: skip
         checked = check_options(collective, options) if options else _DEFAULTS
         return self._pipeline.collective(collective, x, op, algorithm, root, async_op, checked)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Point-to-point (runtime/p2p): between two ranks, apart from the collectives' call order
+    # ----------------------------------------------------------------------------------------------------
+    def send(self, x: Any, dst: int, tag: int = 0, *, timeout_s: float | None = None) -> None:
+        """Send ``x`` (numpy array or CPU tensor) to rank ``dst``; returns once its bytes are handed to the
+        connection. Messages of one pair and tag meet their receives in order (see :mod:`allreduce.runtime.p2p`)."""
+        self._point_to_point().isend(x, dst, tag, timeout_s=self._p2p_timeout(timeout_s), async_op=False)
+
+    def isend(self, x: Any, dst: int, tag: int = 0, *, timeout_s: float | None = None) -> Work:
+        """Like :meth:`send`, in the background: a :class:`Work` (``x`` must not change until it is done)."""
+        work = self._point_to_point().isend(x, dst, tag, timeout_s=self._p2p_timeout(timeout_s), async_op=True)
+        assert work is not None
+        return work
+
+    def recv(self, x: Any, src: int | None = None, tag: int = 0, *, timeout_s: float | None = None) -> int:
+        """Receive into ``x`` the next message from rank ``src`` (None: from any rank) with ``tag``; its dtype and
+        element count must be ``x``'s. Returns the sender's rank."""
+        return int(self.irecv(x, src, tag, timeout_s=timeout_s).wait())
+
+    def irecv(self, x: Any, src: int | None = None, tag: int = 0, *, timeout_s: float | None = None) -> Work:
+        """Like :meth:`recv`, in the background: a :class:`Work` whose result is the sender's rank."""
+        return self._point_to_point().irecv(x, src, tag, timeout_s=self._p2p_timeout(timeout_s))
+
+    def _point_to_point(self) -> PointToPoint:
+        with self._p2p_lock:
+            if self._p2p is None:
+                if self._closed or self._store is None:
+                    why = "is closed" if self._closed else "has no store to publish its channels in (see init())"
+                    raise RuntimeError(f"rank {self.rank}: point-to-point: this group {why}")
+                epoch = self._lineage.epoch if self._lineage is not None else 0
+                self._p2p = PointToPoint(self.rank, self.world_size, self._store, epoch=epoch)
+            return self._p2p
+
+    def _p2p_timeout(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else checked_timeout(timeout_s)
 
     @property
     def recording(self) -> bool:

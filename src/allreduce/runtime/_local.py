@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, corrupted
 from allreduce.runtime._group import DEFAULT_TIMEOUT_S, ProcessGroup
+from allreduce.runtime._memory_store import MemoryStore
 from allreduce.runtime._transport import Call, Transport, abort_kind, error_class
 from allreduce.schedules import CostModel
 
@@ -235,7 +236,11 @@ def local_groups(
 
     The options are those of :class:`~allreduce.runtime.ProcessGroup` (``group_size``: ranks per simulated host).
     """
+    transports = local_transports(world_size)
+    store = MemoryStore(timeout_s)  # where point-to-point channels publish their addresses
+    for rank in range(world_size):
+        store.set(f"allreduce/host/{rank}", b"this process")
     return [
-        ProcessGroup(t, timeout_s=timeout_s, cost_model=cost_model, group_size=group_size)
-        for t in local_transports(world_size)
+        ProcessGroup(t, timeout_s=timeout_s, cost_model=cost_model, group_size=group_size, store=store)
+        for t in transports
     ]

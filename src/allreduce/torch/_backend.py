@@ -7,7 +7,8 @@ joins an allreduce process group (shared memory when all ranks share the host, T
 :func:`allreduce.runtime.init`. Nothing depends on the launcher: torchrun, ``allreduce run`` and variables set
 by hand all reach the backend through torch's store.
 ``dist.all_reduce / broadcast / all_gather / all_gather_into_tensor / reduce_scatter / reduce_scatter_tensor /
-barrier`` then run allreduce's schedules on CPU tensors.
+barrier`` then run allreduce's schedules on CPU tensors; ``dist.send / recv / isend / irecv / batch_isend_irecv``
+the group's point-to-point channels (:mod:`allreduce.runtime.p2p`).
 
 This relies on torch letting Python code implement a backend (``dist.Backend.register_backend`` and
 ``_create_work_from_future``), which torch has had since 2.2; older versions get a clear error.
@@ -134,20 +135,6 @@ _COLLECTIVE_OF = {
     "reduce_scatter_tensor": "reduce_scatter",
     "reduce": "reduce",
 }
-
-
-def _unsupported(what: str, instead: str) -> Callable[..., Any]:
-    def refuse(self: _AllreduceBackend, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"the allreduce backend does not implement {what}: {instead}")
-
-    refuse.__name__ = what
-    return refuse
-
-
-_P2P = (
-    "its collectives pair by call order and agree before data moves, which point-to-point calls do not; "
-    "run pipeline stages' sends on a Gloo group (dist.new_group(backend='gloo'))"
-)
 
 
 class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
@@ -522,9 +509,26 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
         self._group.barrier()
         return self._work([], _NOTHING, [], "barrier")
 
-    send = _unsupported("send", _P2P)
-    recv = _unsupported("recv", _P2P)
-    recv_anysource = _unsupported("recv_anysource", _P2P)
+    # ------------------------------------------------------------------------------------------------
+    # Point-to-point: the group's channels between two ranks (allreduce.runtime.p2p)
+    # ------------------------------------------------------------------------------------------------
+    @_reported("send")
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        _check_cpu(tensors, "send")
+        works = [self._group.isend(t, dst, tag) for t in tensors]
+        return self._work(works, _NOTHING, tensors, f"send to rank {dst} (tag {tag})")
+
+    @_reported("recv")
+    def recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> Any:
+        _check_cpu(tensors, "recv")
+        works = [self._group.irecv(t, src, tag) for t in tensors]
+        whence = "any rank" if src is None else f"rank {src}"
+        # torch asks a receive from any rank who sent (work._source_rank()): the first message's sender.
+        return BackendWork(works, lambda: tensors, f"recv from {whence} (tag {tag})", source=works[0].wait)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        return self.recv(tensors, None, tag)
+
     recvAnysource = recv_anysource
 
     def shutdown(self) -> None:

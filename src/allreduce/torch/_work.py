@@ -84,14 +84,18 @@ _TRANSLATED: tuple[tuple[type[CollectiveError], type[CollectiveError]], ...] = (
 
 def torch_error(exc: BaseException) -> BaseException:
     """``exc`` as the backend raises it: an allreduce collective error becomes its ``DistBackendError`` form (same
-    message, rank, peer and step, the original as its cause); anything else (a ``ValueError`` for a bad argument,
-    ``WrongThreadError`` for a misuse) is returned unchanged."""
+    message, a timeout's saying so in Gloo's word; rank, peer and step; the original as its cause); anything else
+    (a ``ValueError`` for a bad argument, ``WrongThreadError`` for a misuse) is returned unchanged."""
     if not isinstance(exc, CollectiveError) or isinstance(exc, _DistBackendError):
         return exc
     for runtime_class, backend_class in _TRANSLATED:
         # Exact classes: a subclass of the runtime's own (WrongThreadError, a misuse) keeps its type.
         if type(exc) is runtime_class:
-            translated = backend_class(str(exc), rank=exc.rank, peer=exc.peer, step=exc.step)
+            message = str(exc)
+            if runtime_class is CollectiveTimeoutError:
+                # torch's suite and users' scripts look for Gloo's words around a timeout ("... timeout ...")
+                message += " (the call's timeout ran out)"
+            translated = backend_class(message, rank=exc.rank, peer=exc.peer, step=exc.step)
             translated.__cause__ = exc
             return translated
     return exc
@@ -108,11 +112,19 @@ def _seconds(timeout: Any) -> float | None:
 class BackendWork(_WorkBase):  # type: ignore[misc]
     """The torch ``Work`` the backend returns: done when every one of ``works`` (allreduce :class:`Work` handles,
     in issue order) has finished and ``value()`` (which copies results out) has run; ``description`` names the
-    call in errors."""
+    call in errors; ``source()``, of a receive, the rank that sent."""
 
-    def __init__(self, works: Sequence[Any], value: Callable[[], Any], description: str) -> None:
+    def __init__(
+        self,
+        works: Sequence[Any],
+        value: Callable[[], Any],
+        description: str,
+        *,
+        source: Callable[[], int] | None = None,
+    ) -> None:
         super().__init__()
         self._description = description
+        self._source = source
         self._settled = threading.Event()
         self._error: BaseException | None = None
         self._future = future_of(works, value, translate=torch_error, on_settled=self._settle)
@@ -137,6 +149,15 @@ class BackendWork(_WorkBase):  # type: ignore[misc]
     def end_record(self, record: Any) -> None:
         """End the profiler's ``record`` (a ``record_function`` entered for this call) when the work completes."""
         self._future = record._call_end_callbacks_on_future(self._future)
+
+    def _source_rank(self) -> int:
+        """The rank a receive's message came from (what ``dist.recv(src=None)`` returns), once it is done."""
+        if self._source is None:
+            raise ValueError(f"allreduce backend: {self._description} is not a receive: it has no source rank")
+        self.wait()
+        return int(self._source())
+
+    source_rank = _source_rank
 
     def get_future(self) -> torch.futures.Future[Any]:
         """The future torch's C++ side (DDP) reads: its value, or failed with the collective's error."""

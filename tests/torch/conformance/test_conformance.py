@@ -37,6 +37,8 @@ SLICE = [
     "test_gather",
     "test_scatter",
     "test_barrier_full_group",
+    "test_send_recv",
+    "test_irecv",
     "test_destroy_group",
     "test_DistributedDataParallelCPU",
 ]
