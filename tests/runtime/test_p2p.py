@@ -371,3 +371,31 @@ def test_a_send_waiting_for_a_peer_that_never_listens_ends_when_the_group_closes
     with pytest.raises(CollectiveError, match="send to rank 1 \\(tag 0\\): the group is closed"):
         work.wait()
     assert time.monotonic() - started < TIMEOUT_S
+
+
+def _flood(group: allreduce.ProcessGroup) -> Any:
+    """Rank 0 sends 6 messages of 512 KiB nobody receives yet; rank 1 looks at what it keeps, then receives them."""
+    count = (512 << 10) // 4
+    if group.rank == 0:
+        works = [group.isend(np.full(count, float(i), np.float32), 1, tag=0) for i in range(6)]
+        for work in works:
+            work.wait()
+        return None
+    time.sleep(1.0)  # every message has had time to come
+    inbox = group._p2p.inbox if group._p2p is not None else None
+    kept = 0 if inbox is None else inbox._kept_bytes_total()
+    received = []
+    for _ in range(6):
+        x = np.empty(count, np.float32)
+        group.recv(x, 0, tag=0)
+        received.append(float(x[0]) if np.all(x == x[0]) else -1.0)
+    return kept, received
+
+
+def test_messages_no_receive_waits_for_are_kept_only_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from allreduce.runtime.p2p import _inbox
+
+    monkeypatch.setattr(_inbox, "UNEXPECTED_LIMIT_BYTES", 1 << 20)
+    _, (kept, received) = _threads(2, _flood)
+    assert kept <= 1 << 20  # the reader stopped reading: the rest waits in the kernel's buffers and the sender
+    assert received == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # and every message still arrives, in order

@@ -41,6 +41,12 @@ DTYPE_NAMES = (
 )  # fmt: skip
 """The element types a message may hold; a header carries a dtype as its position here."""
 
+UNEXPECTED_LIMIT_BYTES = 256 << 20
+"""Per peer, the bytes of messages no receive waits for yet that are kept. Beyond it (a message larger than the
+limit is kept alone) the peer's reader stops reading its connection until a receive takes one: the sender's kernel
+buffers fill and its sends wait, as a rendezvous protocol's do, so a sender nobody receives from cannot grow this
+rank's memory without bound."""
+
 _CHUNK_BYTES = 1 << 20  # what a kept message's memory starts at and grows by at least (doubling)
 _JOIN_S = 5.0  # how long close() waits for each thread (they wake at once: sockets shut down, condition notified)
 
@@ -112,14 +118,15 @@ class Inbox:
             message = next((m for m in self._unexpected if receive.matches(m.src, m.tag)), None)
             if message is not None:
                 self._unexpected.remove(message)
+                self._cond.notify_all()  # a reader held at UNEXPECTED_LIMIT_BYTES may go on
             elif self._closed:
                 failure = CollectiveError(f"rank {self.rank}: {receive.what}: the group is closed", rank=self.rank)
             elif receive.src is not None and receive.src in self._gone:
                 failure = self._gone_error(receive, receive.src)
             else:
                 self._posted.append(receive)
-                if receive.deadline < self._wake_at or receive.src not in self._readers:
-                    self._cond.notify_all()  # the watchdog sleeps past this deadline, or must watch for a death
+                self._cond.notify_all()  # the watchdog may sleep past this deadline or must watch for a death; a
+                # reader held at UNEXPECTED_LIMIT_BYTES may hold this receive's message
                 return receive.work
         self._complete([self._copy(receive, message) if message is not None else (receive, None, failure)])
         return receive.work
@@ -207,6 +214,17 @@ class Inbox:
             self._cond.notify_all()
         self._complete([(r, None, self._gone_error(r, src)) for r in lost])
 
+    def _kept_bytes_total(self) -> int:
+        """The bytes of every message kept for a receive not posted yet (for tests)."""
+        with self._cond:
+            return sum(len(m.payload) for m in self._unexpected)
+
+    def _over_limit(self, src: int, nbytes: int) -> bool:
+        """Whether keeping ``nbytes`` more of ``src``'s messages would pass :data:`UNEXPECTED_LIMIT_BYTES` (one
+        message is always kept, whatever its size; under the lock)."""
+        kept = sum(len(m.payload) for m in self._unexpected if m.src == src)
+        return kept > 0 and kept + nbytes > UNEXPECTED_LIMIT_BYTES
+
     def _check(self, header: bytearray, expected: dict[int, int]) -> tuple[int, str, int, int]:
         """The tag, dtype, element count and size of the message whose header is ``header``; ProtocolError
         naming what is wrong (the frame decoder checks the magic, version, header crc and length bound)."""
@@ -230,6 +248,12 @@ class Inbox:
         tag, dtype, count, nbytes = message
         with self._cond:
             receive = next((r for r in self._posted if r.matches(src, tag)), None)
+            while receive is None and not self._closed and self._over_limit(src, nbytes):
+                # held: read on when a receive takes a kept message or is posted for this one
+                self._cond.wait()
+                receive = next((r for r in self._posted if r.matches(src, tag)), None)
+            if self._closed and receive is None:
+                raise EOFError("the group closed")
             if receive is not None:
                 self._posted.remove(receive)
                 self._claimed[src] = receive
