@@ -3,6 +3,7 @@ process (a thread per rank, each mapping the others' real /dev/shm blocks), and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -41,13 +42,11 @@ def meet() -> Iterator[MeetFn]:
 @pytest.fixture
 def build(meet: MeetFn) -> Iterator[BuildFn]:
     """One rank's :class:`shm_parts.Parts` over its blocks; released after the test, before the blocks."""
-    made: list[Parts] = []
+    with contextlib.ExitStack() as releases:
 
-    def run(blocks: ControlBlocks, **options: Any) -> Parts:
-        parts = Parts(blocks, **options)
-        made.append(parts)
-        return parts
+        def run(blocks: ControlBlocks, **options: Any) -> Parts:
+            parts = Parts(blocks, **options)
+            releases.callback(parts.release)
+            return parts
 
-    yield run
-    for parts in made:
-        parts.release()
+        yield run

@@ -76,13 +76,6 @@ class PeerData:
         ptracer: bool,
         watch: PeerWatch,
     ) -> None:
-        self.rank = rank
-        self._prefix = prefix
-        self._segments = segments
-        self._views = views
-        self._peer_pids = peer_pids
-        self._ptracer = ptracer
-        self._watch = watch
         self._eager_offsets = (layout.eager_area_offset(0), layout.eager_area_offset(1))
         """Offset of snapshot area 0 and 1 in a control block (alternating with the parity of the sequence number)."""
         self._eager_areas: dict[tuple[int, int, np.dtype[Any]], npt.NDArray[Any]] = {}
@@ -90,6 +83,13 @@ class PeerData:
         self._peer_segments = [PeerSegments() for _ in views]
         """Per peer, the data segments this rank has mapped (by segment id)."""
         self._scratch: npt.NDArray[np.uint8] | None = None
+        self.rank = rank
+        self._prefix = prefix
+        self._segments = segments
+        self._views = views
+        self._peer_pids = peer_pids
+        self._ptracer = ptracer
+        self._watch = watch
 
     def release(self) -> None:
         """Let go of the snapshot views and unmap the peers' data segments (before the control blocks go)."""
