@@ -198,8 +198,8 @@ def _own_work_rank(group: Any, size_bytes: int, calls: int) -> tuple[float, floa
     """Per call: wall time, time spent waiting on peers (every wait of the shm transport: the descriptor exchange,
     each step's data, the readers) and this rank's CPU time outside those waits, for ``calls`` all-reduces of
     ``size_bytes``."""
-    shm = group.transport
-    plain_wait = shm._wait  # a benchmark probing the transport's waits: each returns how long it took
+    waiting = group.transport._waiting  # a benchmark probing the transport's waits: each returns how long it took
+    plain_wait = waiting.wait
     waited = [0, 0.0, 0]  # wall ns, CPU s (a wait may spin or yield on the CPU, or sleep off it), waits
     thread_cpu = time.thread_time
 
@@ -217,7 +217,7 @@ def _own_work_rank(group: Any, size_bytes: int, calls: int) -> tuple[float, floa
         thread_cpu()
     probe_s = (time.process_time() - probe) / 10_000
 
-    shm._wait = wait  # an instance attribute: every self._wait(...) of this transport finds it
+    waiting.wait = wait  # an instance attribute: every wait of this transport looks it up when it waits
     x = np.ones(size_bytes // 4, np.float32)
     with np.errstate(all="ignore"):
         for _ in range(calls // 10):

@@ -139,7 +139,7 @@ def _reads_a_buffer_offset_past_the_segment(rank: int, n: int, port: int, out: A
                 return "published", None, ""
             transport = group._transport  # type: ignore[attr-defined]
             transport._views[0][BUFFER_OFFSET_WORD] = 1
-            transport._peer_array(0, np.dtype(np.float32), count, seq=1, step=0)
+            transport._peer_data.peer_array(0, np.dtype(np.float32), count, seq=1, step=0)
         except allreduce.CollectiveError as exc:
             return type(exc).__name__, exc.peer, str(exc)
         finally:

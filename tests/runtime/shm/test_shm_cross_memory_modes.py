@@ -16,14 +16,14 @@ import pytest
 
 from allreduce.runtime._spawn import spawn
 from allreduce.runtime.shm import ADOPT_ENV, CROSS_MEMORY_ENV, CROSS_MEMORY_MIN_BYTES, ShmTransport
-from allreduce.runtime.shm._linux import HUGE_PAGE_BYTES, TRANSPARENT_HUGEPAGES
-from allreduce.runtime.shm._peer_data import (
+from allreduce.runtime.shm._huge_pages import (
     COLLAPSE_ENV,
     COLLAPSE_MIN_BYTES,
     NUMPY_HUGEPAGE_MIN_BYTES,
     HugePageMemo,
     huge_pages_likely,
 )
+from allreduce.runtime.shm._linux import HUGE_PAGE_BYTES, TRANSPARENT_HUGEPAGES
 
 ELEMENTS = 100_003
 """Plain float32 arrays of this many elements (not a multiple of any block count; above the eager area)."""

@@ -1,15 +1,17 @@
 """The shared-memory transport in one process (a group of one): knobs, errors, closing. Groups of several
-ranks run in tests/runtime/test_collectives_shm.py."""
+ranks run in tests/runtime/shm/test_collectives_shm.py."""
 
 from __future__ import annotations
 
+import gc
+import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from allreduce.runtime import CollectiveError, Transport
-from allreduce.runtime.shm import EAGER_BYTES, MAX_RANKS, ShmTransport
+from allreduce.runtime.shm import EAGER_BYTES, MAX_RANKS, SHM_DIR, ShmTransport, shm_prefix
 
 
 @pytest.fixture
@@ -82,3 +84,18 @@ def test_a_closed_transport_raises_a_collective_error(solo: ShmTransport) -> Non
     with pytest.raises(CollectiveError, match="closed"):
         solo.allocate(16)
     solo.close()  # idempotent
+
+
+def test_a_transport_dropped_unclosed_removes_its_files_at_once() -> None:
+    # its parts hold nothing that refers back to it, so no reference cycle waits for the collector
+    job = f"dropped-{uuid.uuid4().hex}"
+    transport = ShmTransport(0, 1, job, timeout_s=30)
+    transport.allocate(4096)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del transport
+        assert [name for name in os.listdir(SHM_DIR) if shm_prefix(job) in name] == []
+    finally:
+        if collecting:
+            gc.enable()

@@ -5,11 +5,16 @@
 - :mod:`~allreduce.runtime.shm._layout`: the control block every rank publishes, one declared layout;
 - :mod:`~allreduce.runtime.shm._compile`: a rank's plan compiled into shared-memory operations (pure);
 - :mod:`~allreduce.runtime.shm._rendezvous`: start-up (map the peers' control blocks, pidfds, the cross-memory probe);
-- :mod:`~allreduce.runtime.shm._waiting`: waiting on peers' counters while watching for dead or aborted peers;
+- :mod:`~allreduce.runtime.shm._ptracer`: Yama's ptracer discipline (one reader of private memory at a time);
+- :mod:`~allreduce.runtime.shm._watch`: watching for dead, closed, aborted or stalled peers;
+- :mod:`~allreduce.runtime.shm._waiting`: publishing this rank's counters and waiting on peers';
 - :mod:`~allreduce.runtime.shm._agreement`: the descriptor exchange of one collective;
 - :mod:`~allreduce.runtime.shm._adopt`: moving a large buffer used again onto shared pages at its own address;
 - :mod:`~allreduce.runtime.shm._peer_data`: where a peer's data is for one collective, and reading it;
-- :mod:`~allreduce.runtime.shm._transport`: :class:`ShmTransport`, which runs the compiled steps.
+- :mod:`~allreduce.runtime.shm._huge_pages`: which of this rank's buffers are on huge pages (read in place);
+- :mod:`~allreduce.runtime.shm._small`: the head start of a small buffer, and a small all-reduce in one pass;
+- :mod:`~allreduce.runtime.shm._transport`: :class:`ShmTransport`, composed of the parts above, which runs the
+  compiled steps.
 """
 
 from allreduce.runtime.shm._adopt import ADOPT_ENV, ADOPT_MIN_BYTES
@@ -17,7 +22,8 @@ from allreduce.runtime.shm._layout import CRC_SLOTS_PER_PEER, DESCRIPTOR_BYTES, 
 from allreduce.runtime.shm._peer_data import CROSS_MEMORY_CHUNK_BYTES
 from allreduce.runtime.shm._rendezvous import CROSS_MEMORY_ENV, CROSS_MEMORY_MODES
 from allreduce.runtime.shm._segments import PEER_SEGMENT_CACHE_ENTRIES, SHM_DIR, shm_prefix, sweep_stale_segments
-from allreduce.runtime.shm._transport import CROSS_MEMORY_MIN_BYTES, ShmTransport, eager_step_bound
+from allreduce.runtime.shm._small import eager_step_bound
+from allreduce.runtime.shm._transport import CROSS_MEMORY_MIN_BYTES, ShmTransport
 from allreduce.runtime.shm._waiting import MIN_SPIN_S, POLL_S, SPIN_S, YIELD_S
 
 __all__ = [

@@ -1,15 +1,15 @@
-"""Small all-reduces in one pass: the step-0 snapshot, the descriptor exchange and the plan's steps, without the
-general loop's bookkeeping.
+"""Small all-reduces through the eager snapshots: the head start of ``prepare()``, and the whole call in one pass
+(the step-0 snapshot, the descriptor exchange and the plan's steps, without the general loop's bookkeeping).
 
-A mixin of :class:`~allreduce.runtime.shm.ShmTransport` (its methods resolve like the class's own).
-:meth:`SmallCalls.run_small` is what the group calls for an all-reduce whose buffer goes through the eager
-snapshots (:meth:`~allreduce.runtime.shm.ShmTransport.prepare`). It writes the same words in the same order as
-``prepare()``, ``agree()`` and ``execute()`` on the eager path, so a peer that takes the general path for the same
-collective (a torch tensor, ``eager_bytes=0``, a non-contiguous array) pairs with it. What it saves is Python: the
-plan is compiled once per dtype and sequence-number parity into views of the snapshot areas, so a step is a
-counter, a wait that is usually already satisfied and one ufunc call per receive; the descriptors are compared as
-bytes, and read and checked one by one (:meth:`~allreduce.runtime.shm._agreement.Agreement._read_descriptor`)
-only when one differs.
+:class:`SmallCalls` owns the snapshot policy (``eager_bytes``, the step bound), the collective whose step 0 it
+published, and the compiled small programs. :meth:`SmallCalls.run` is the transport's ``run_small``, what the
+group calls for an all-reduce whose buffer goes through the eager snapshots. It writes the same words in the same
+order as ``prepare()``, ``agree()`` and ``execute()`` on the eager path, so a peer that takes the general path for
+the same collective (a torch tensor, ``eager_bytes=0``, a non-contiguous array) pairs with it. What it saves is
+Python: the plan is compiled once per dtype and sequence-number parity into views of the snapshot areas, so a step
+is a counter, a wait that is usually already satisfied and one ufunc call per receive; the descriptors are compared
+as bytes, and read and checked one by one (:class:`~allreduce.runtime.shm._agreement.Agreement`) only when one
+differs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._plan import RankPlan
 from allreduce.runtime._stats import Recorder
 from allreduce.runtime._transport import Call, PlanCache, ReduceInto
@@ -38,8 +37,23 @@ from allreduce.runtime.shm._layout import (
     STEP_BITS,
 )
 from allreduce.runtime.shm._peer_data import PeerData, Remote, apply_op
+from allreduce.runtime.shm._waiting import Waiting
 
-__all__ = ["SmallCalls", "SmallProgram"]
+__all__ = ["EAGER_STEPS_PER_RANK", "EAGER_STEPS_SLACK", "SmallCalls", "SmallProgram", "eager_step_bound"]
+
+EAGER_STEPS_PER_RANK = 2
+EAGER_STEPS_SLACK = 8
+"""``prepare()`` publishes a small buffer before the ranks agree on a plan, so it must bound the steps of any plan:
+``EAGER_STEPS_PER_RANK * N + EAGER_STEPS_SLACK`` (a ring takes 2(N - 1) steps; trees and doubling fewer)."""
+
+SMALL_PROGRAMS_KEPT = 64
+"""Compiled small programs a rank keeps (plans x dtypes x parities) before it forgets them all and starts over."""
+
+
+def eager_step_bound(world_size: int) -> int:
+    """The most steps a plan may have for a buffer that ``prepare()`` published (see :data:`EAGER_STEPS_SLACK`)."""
+    return EAGER_STEPS_PER_RANK * world_size + EAGER_STEPS_SLACK
+
 
 _Copy = tuple[npt.NDArray[Any], int, int]
 """A step's sent range (this rank's snapshot view for it, start, stop): the view takes ``buffer[start:stop]``."""
@@ -60,62 +74,111 @@ class SmallProgram:
         self.steps = steps
 
 
-class SmallCalls(Agreement, PeerData):
-    """``run_small``: prepare + agree + execute of a small all-reduce in one pass (mixed into the transport)."""
+class SmallCalls:
+    """Rank ``rank``'s small all-reduces over ``views`` (every rank's control block as int64 words): the step-0
+    head start and the one-pass call, reading peers through ``peer_data``, agreeing through ``agreement``,
+    publishing and waiting through ``waiting``; compiled plans are cached in the group's ``plans``, and each call's
+    receives recorded into ``recorder`` while it is enabled.
 
-    # the transport's (allreduce.runtime.Transport)
-    _closed: bool
-    _failure: CollectiveError | None
-    plans: PlanCache
-    recorder: Recorder
-    check_usable: Callable[[], None]
-    _record_failure: Callable[[BaseException, int], CollectiveError]
-    # ShmTransport's
-    _agreed_seq: int
-    _prepared_seq: int
-    _eager_bytes: int
-    _eager_step_bound: int
-    _executes_eager: int
-    _small_calls: int
-    _small_programs: dict[tuple[RankPlan, np.dtype[Any], int], SmallProgram]
+    ``eager_bytes``: buffers whose (steps x size) fits go through the snapshots (0: never). The transport's own
+    ``check_usable`` and ``record_failure`` are called when it was closed or failed (it clears :attr:`usable`)
+    and when a call fails."""
+
+    def __init__(
+        self,
+        rank: int,
+        views: list[memoryview],
+        *,
+        peer_data: PeerData,
+        agreement: Agreement,
+        waiting: Waiting,
+        plans: PlanCache,
+        recorder: Recorder,
+        eager_bytes: int,
+        check_usable: Callable[[], None],
+        record_failure: Callable[[BaseException, int], object],
+    ) -> None:
+        self.rank = rank
+        self.world_size = len(views)
+        self.eager_bytes = eager_bytes
+        self.step_bound = eager_step_bound(self.world_size)
+        self.usable = True
+        """False once the transport is closed or failed: then a call asks its ``check_usable``, which raises."""
+        self.prepared_seq = -1
+        """The collective whose step-0 snapshot this rank published before the descriptors were agreed."""
+        self.calls = 0
+        """Calls run in one pass (:meth:`run`)."""
+        self._views = views
+        self._own = views[rank]
+        self._peer_data = peer_data
+        self._agreement = agreement
+        self._waiting = waiting
+        self._publish = waiting.publish
+        self._plans = plans
+        self._recorder = recorder
+        self._check_usable = check_usable
+        self._record_failure = record_failure
+        self._programs: dict[tuple[RankPlan, np.dtype[Any], int], SmallProgram] = {}
+
+    def release(self) -> None:
+        """Forget the compiled programs (views of the control blocks, dropped before they are unmapped)."""
+        self._programs.clear()
+
+    def fits(self, seq: int, buffer: npt.NDArray[Any]) -> bool:
+        """Whether ``buffer``'s step 0 may be published for collective ``seq`` before the ranks agree on a plan:
+        whatever plan they agree on fits the snapshot area, and agree(seq - 1) proved every peer finished reading
+        the area of its parity (collective seq - 2)."""
+        return self._agreement.agreed_seq == seq - 1 and buffer.nbytes * self.step_bound <= self.eager_bytes
+
+    def prepare(self, seq: int, buffer: npt.NDArray[Any]) -> None:
+        """Publish ``buffer`` (1-D, C-contiguous, non-empty, :meth:`fits`) as the step-0 state of collective
+        ``seq``, and "at step 0" with it."""
+        if not self.usable:
+            self._check_usable()
+        area = self._peer_data.eager_area(self.rank, seq, buffer.dtype)
+        area[: buffer.size] = buffer
+        me = self._own
+        me[BUFFER_SEGMENT_WORD] = IN_EAGER_SNAPSHOT
+        me[BUFFER_OFFSET_WORD] = 0
+        self.prepared_seq = seq
+        self._publish(PROGRESS_WORD, seq << STEP_BITS)
 
     def small_bytes(self, seq: int) -> int:
-        """The largest buffer :meth:`run_small` takes for collective ``seq`` (0: none; it needs the collective
-        before to have been agreed, which proves every peer is done with the snapshot area it reuses)."""
-        if self._agreed_seq != seq - 1 or self.world_size == 1:
+        """The largest buffer :meth:`run` takes for collective ``seq`` (0: none; it needs the collective before to
+        have been agreed, which proves every peer is done with the snapshot area it reuses)."""
+        if self._agreement.agreed_seq != seq - 1 or self.world_size == 1:
             return 0
-        return self._eager_bytes // self._eager_step_bound
+        return self.eager_bytes // self.step_bound
 
-    def run_small(self, call: Call, descriptor: bytes) -> list[bytes] | None:
+    def run(self, call: Call, descriptor: bytes) -> list[bytes] | None:
         """All-reduce ``call.buffer`` (1-D, C-contiguous, at most :meth:`small_bytes`) by its plan: None when done;
         the descriptors when they differ (nothing was read: the group raises, or runs rank 0's plan with
         ``execute``)."""
         plan, buffer, reducer, seq, deadline, _, _ = call  # one unpacking: the hot path
-        if self._closed or self._failure is not None:
-            self.check_usable()
+        if not self.usable:
+            self._check_usable()
         try:
             parity = seq & 1
-            small = self._small_program(plan, buffer.dtype, parity)
+            small = self._program(plan, buffer.dtype, parity)
             views = self._views
-            me = views[self.rank]
+            me = self._own
+            publish = self._publish
             base = seq << STEP_BITS
             # prepare(): the step-0 snapshot, then "at step 0"
             small.own_step0[...] = buffer
             me[BUFFER_SEGMENT_WORD] = IN_EAGER_SNAPSHOT
             me[BUFFER_OFFSET_WORD] = 0
-            self._prepared_seq = seq
-            self._publish(PROGRESS_WORD, base)
+            self.prepared_seq = seq
+            publish(PROGRESS_WORD, base)
             # agree(): the descriptors, compared as bytes (read and checked one by one only if one differs)
-            length_word = self._write_descriptor(seq, descriptor)
-            descriptors = self._descriptors(seq, descriptor, length_word, deadline=deadline)
-            self._agreed_seq = seq
+            descriptors = self._agreement.agree(seq, descriptor, deadline=deadline)
             if any(d is not descriptor for d in descriptors):
                 return descriptors
-            self._executes_eager += 1
-            self._small_calls += 1
+            self.calls += 1
             # execute(): the plan's steps on the snapshots
             ufunc = reducer.ufunc  # type: ignore[attr-defined]
-            recorder = self.recorder
+            waiting = self._waiting
+            recorder = self._recorder
             mark = recorder.append if recorder.enabled else None
             clock = time.perf_counter_ns
             if mark is not None:
@@ -128,16 +191,16 @@ class SmallCalls(Agreement, PeerData):
                 if index:
                     for snapshot, a, b in copies:
                         snapshot[...] = buffer[a:b]
-                    self._publish(PROGRESS_WORD, base + index)
+                    publish(PROGRESS_WORD, base + index)
                 target = base + index
                 for peer, a, b, reduce, source, whole, rv in recvs:
                     waited = 0
                     if views[peer][PROGRESS_WORD] < target:
-                        waited = self._wait(peer, PROGRESS_WORD, target, deadline=deadline, seq=seq,
-                                            what="its data for this step", step=index)  # fmt: skip
+                        waited = waiting.wait(peer, PROGRESS_WORD, target, deadline=deadline, seq=seq,
+                                              what="its data for this step", step=index)  # fmt: skip
                     if mark is not None:
                         if waited:
-                            mark(self.wait_began)
+                            mark(waiting.wait_began)
                         elif boundary:
                             mark(clock())
                         else:
@@ -152,10 +215,10 @@ class SmallCalls(Agreement, PeerData):
                         ufunc(mine, source, out=mine)
                     else:
                         mine[...] = source
-                self._publish(READ_DONE_WORD, base + index + 1)
+                publish(READ_DONE_WORD, base + index + 1)
             if mark is not None:
                 mark(clock())
-            self._publish(PROGRESS_WORD, base + DONE_STEP)
+            publish(PROGRESS_WORD, base + DONE_STEP)
             return None
         except (ValueError, TypeError):
             raise
@@ -163,36 +226,34 @@ class SmallCalls(Agreement, PeerData):
             self._record_failure(exc, seq)
             raise
 
-    def _small_program(self, plan: RankPlan, dtype: np.dtype[Any], parity: int) -> SmallProgram:
+    def _program(self, plan: RankPlan, dtype: np.dtype[Any], parity: int) -> SmallProgram:
         key = (plan, dtype, parity)
-        small = self._small_programs.get(key)
+        small = self._programs.get(key)
         if small is not None:
             return small
-        program = self.plans.get(("shm", plan, True), lambda: compile_program(plan, True))
+        program = self._plans.get(("shm", plan, True), lambda: compile_program(plan, True))
         count = plan.count
-        own = self._eager_area(self.rank, parity, dtype)
+        eager_area = self._peer_data.eager_area
+        own = eager_area(self.rank, parity, dtype)
 
         def whole(rv: Receive) -> bool:
             return rv.start == 0 and rv.stop == count
+
+        def sent(rv: Receive, at: int) -> npt.NDArray[Any]:
+            """The range ``rv`` receives, in its sender's snapshot of the step that starts at element ``at``."""
+            return eager_area(rv.peer, parity, dtype)[at + rv.start : at + rv.stop]
 
         steps: list[_Step] = []
         for st in program.steps:
             at = st.index * count
             ranges = sorted({(a, b) for _, _, a, b in st.send_crcs})
             copies = tuple((own[at + a : at + b], a, b) for a, b in ranges)
-            recvs = tuple(
-                (rv.peer, rv.start, rv.stop, rv.reduce, self._peer_step_view(rv, parity, dtype, at), whole(rv), rv)
-                for rv in st.recvs
-            )
+            recvs = tuple((rv.peer, rv.start, rv.stop, rv.reduce, sent(rv, at), whole(rv), rv) for rv in st.recvs)
             steps.append((st.index, copies, recvs))
-        if len(self._small_programs) >= 64:
-            self._small_programs.clear()
-        small = self._small_programs[key] = SmallProgram(program, own[:count], tuple(steps))
+        if len(self._programs) >= SMALL_PROGRAMS_KEPT:
+            self._programs.clear()
+        small = self._programs[key] = SmallProgram(program, own[:count], tuple(steps))
         return small
-
-    def _peer_step_view(self, rv: Receive, parity: int, dtype: np.dtype[Any], at: int) -> npt.NDArray[Any]:
-        """The range ``rv`` receives, in its sender's snapshot of the step that starts at element ``at``."""
-        return self._eager_area(rv.peer, parity, dtype)[at + rv.start : at + rv.stop]
 
     def _receive_published(
         self, rv: Receive, buffer: npt.NDArray[Any], reducer: ReduceInto, *, seq: int, step: int
@@ -200,13 +261,14 @@ class SmallCalls(Agreement, PeerData):
         """A receive from a peer that published its data elsewhere than in its snapshots (it took the general
         path with snapshots off): read where it says, like the general loop."""
         ufunc = getattr(reducer, "ufunc", None)
-        source = self._peer_array(rv.peer, buffer.dtype, buffer.size, seq=seq, step=step)
+        peer_data = self._peer_data
+        source = peer_data.peer_array(rv.peer, buffer.dtype, buffer.size, seq=seq, step=step)
         arrays = (buffer, buffer)
         for pc in rv.pieces:
             a, b = pc.start, pc.stop
             if isinstance(source, Remote):
-                self._receive_remote(pc, rv, source, arrays=arrays, ufunc=ufunc, reduce_into=reducer, seq=seq,
-                                     step=step)  # fmt: skip
+                peer_data.receive_remote(pc, rv, source, arrays=arrays, ufunc=ufunc, reduce_into=reducer, seq=seq,
+                                         step=step)  # fmt: skip
             elif rv.reduce:
                 apply_op(ufunc, reducer, buffer[a:b], source[a:b], buffer[a:b], in_place=True)
             else:

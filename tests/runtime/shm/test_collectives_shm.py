@@ -18,7 +18,7 @@ from test_group_harness import contribution, reference, report, run_ranks
 import allreduce
 from allreduce.runtime import DTYPES, OPS, ProcessGroup
 from allreduce.runtime.shm import CROSS_MEMORY_MIN_BYTES, ShmTransport
-from allreduce.runtime.shm._peer_data import huge_pages_likely
+from allreduce.runtime.shm._huge_pages import huge_pages_likely
 from allreduce.schedules import Collective, algorithms, block_bounds
 
 INT_KINDS = "iu"
