@@ -6,6 +6,7 @@ messages and their losses; the loss rates no stack recovers from, refused.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -72,35 +73,57 @@ def phase_data(
         cyclic = Cyclic.of(n, phase)
         ack_q = None
         if connections:
-            ack_q, _ = packet_loss_probability(router.route_ranks(phase.dst, phase.src), link_loss)
+            # the reverse pattern, not just its routes: routers share patterns (see Router)
+            ack_q, _ = packet_loss_probability(router.pattern(phase.dst, phase.src).routes, link_loss)
         out.append(PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic, ack_q))
     if connections:
-        out = _with_follow_gaps(n, out)
+        out = _with_follow_gaps(schedule, out)
     return out
 
 
-def _with_follow_gaps(world_size: int, data: list[PhaseData]) -> list[PhaseData]:
+def _with_follow_gaps(schedule: Schedule, data: list[PhaseData]) -> list[PhaseData]:
     """For every flow, how long after its phase's last step the same connection (sender to receiver) carries
     its next transfer: the noise-free durations of the steps in between (each as long as its longest flow, the
     lockstep view; the sender writes the next transfer as soon as it reaches that step); inf if none does.
     Within a phase of several steps the next step's transfer follows at once (gap 0)."""
     out = []
     step_s = [float(d.seconds.max(initial=0.0)) * d.phase.repeat for d in data]
-    for i, d in enumerate(data):
-        key = d.phase.src.astype(np.int64) * world_size + d.phase.dst
-        gap = np.full(key.size, math.inf)
-        pending = np.ones(key.size, dtype=np.bool_)
-        between = 0.0
+    for i, (d, following) in enumerate(zip(data, _next_phase(schedule, [d.phase for d in data]), strict=True)):
+        # between[j]: the steps of phases i+1 .. j-1, summed in that order
+        between = np.full(len(data) + 1, math.inf)
+        total = 0.0
         for j in range(i + 1, len(data)):
-            later = data[j].phase.src.astype(np.int64) * world_size + data[j].phase.dst
-            found = pending & np.isin(key, later)
-            gap[found] = between
-            pending &= ~found
-            if not pending.any():
-                break
-            between += step_s[j]
-        out.append(replace(d, follow_gap_s=gap))
+            between[j] = total
+            total += step_s[j]
+        out.append(replace(d, follow_gap_s=between[following]))
     return out
+
+
+# Per schedule: for every flow of every phase, the next phase in which its connection carries a transfer.
+_NEXT_PHASE: weakref.WeakKeyDictionary[Schedule, list[IntArray]] = weakref.WeakKeyDictionary()
+
+
+def _next_phase(schedule: Schedule, phases: list[Phase]) -> list[IntArray]:
+    """Per phase, for each of its flows, the first later phase with a flow of the same sender and receiver (the
+    number of phases if none): one sort of every flow by (connection, phase), computed once per schedule."""
+    known = _NEXT_PHASE.get(schedule)
+    if known is not None and [k.size for k in known] == [len(p) for p in phases]:
+        return known
+    n = schedule.world_size
+    count = len(phases)
+    index = np.repeat(np.arange(count, dtype=np.int64), [len(p) for p in phases])
+    key = np.concatenate([p.src.astype(np.int64) * n + p.dst for p in phases]) if phases else index
+    # connection-major, phase-minor: the next phase of a connection is the first value above (key, own phase)
+    combined = key * (count + 1) + index
+    ordered = np.sort(combined)
+    at = np.searchsorted(ordered, combined + 1, side="left")
+    found = np.minimum(at, ordered.size - 1)
+    same = (at < ordered.size) & (ordered[found] // (count + 1) == key)
+    following = np.where(same, ordered[found] % (count + 1), count)
+    bounds = np.cumsum([0] + [len(p) for p in phases])
+    result = [following[bounds[i] : bounds[i + 1]] for i in range(count)]
+    _NEXT_PHASE[schedule] = result
+    return result
 
 
 @dataclass(frozen=True, eq=False)
