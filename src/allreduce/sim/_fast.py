@@ -65,6 +65,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -76,7 +77,14 @@ from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
 from allreduce.topology import Routes, Topology
 
-__all__ = ["rates_fixed_under_any_timing", "run_fast", "run_fast_checked", "run_fast_sizes"]
+__all__ = [
+    "PhaseSteps",
+    "phase_steps",
+    "rates_fixed_under_any_timing",
+    "run_fast",
+    "run_fast_checked",
+    "run_fast_sizes",
+]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -151,7 +159,7 @@ def run_fast_sizes(
         flow_seconds = latency + transfer
         certificate.check(phase, clock, nbytes, flow_seconds, delay)
         before = clock[:, :k].copy()
-        active = _steps_of(n, phase).active
+        active = phase_steps(n, phase).active
         begin = np.take(clock, active, axis=1).min(axis=1)
         clock = _advance(clock, phase, flow_seconds, rank_delay_s)
         end = np.take(clock, active, axis=1).max(axis=1)
@@ -409,32 +417,40 @@ _PROBE_RANKS = 256
 
 
 @dataclass(frozen=True, eq=False)
-class _Steps:
-    """How a phase is stepped: by slices when it is a cyclic shift of the ranks, else by its incidence layers."""
+class PhaseSteps:
+    """How a phase is stepped: by slices when it is a cyclic shift of the ranks, else by its incidence layers
+    (computed when first asked for; the Monte Carlo asks for them on every phase)."""
 
-    active: IntArray  # ranks that transfer in the phase, in order
+    phase: Phase
+    world_size: int
     cyclic: Cyclic | None
-    incidence: Incidence | None
+
+    @cached_property
+    def incidence(self) -> Incidence:
+        return Incidence.of(self.world_size, self.phase)
+
+    @cached_property
+    def active(self) -> IntArray:
+        """The ranks that transfer in the phase, in order."""
+        if self.cyclic is not None:  # every rank sends one flow and receives one
+            return np.arange(self.world_size, dtype=np.int64)
+        return self.incidence.active
 
 
 # Per phase object (a schedule keeps its phases), so a schedule simulated again reuses them.
-_STEPS: weakref.WeakKeyDictionary[Phase, _Steps] = weakref.WeakKeyDictionary()
+_STEPS: weakref.WeakKeyDictionary[Phase, PhaseSteps] = weakref.WeakKeyDictionary()
 
 
-def _steps_of(world_size: int, phase: Phase) -> _Steps:
+def phase_steps(world_size: int, phase: Phase) -> PhaseSteps:
+    """How ``phase`` of a schedule of ``world_size`` ranks is stepped, remembered for the phase object."""
     steps = _STEPS.get(phase)
-    if steps is None:
-        cyclic = Cyclic.of(world_size, phase)
-        if cyclic is not None:  # every rank sends one flow and receives one
-            steps = _Steps(np.arange(world_size, dtype=np.int64), cyclic, None)
-        else:
-            incidence = Incidence.of(world_size, phase)
-            steps = _Steps(incidence.active, None, incidence)
+    if steps is None or steps.world_size != world_size:
+        steps = PhaseSteps(phase, world_size, Cyclic.of(world_size, phase))
         _STEPS[phase] = steps
     return steps
 
 
-def _step(clock: FloatArray, phase: Phase, steps: _Steps, flow_seconds: FloatArray) -> FloatArray:
+def _step(clock: FloatArray, phase: Phase, steps: PhaseSteps, flow_seconds: FloatArray) -> FloatArray:
     """Clocks (sizes, ranks) after one step of ``phase``, before the ranks' own delays: each flow starts when
     both its ranks' clocks have reached it and ends ``flow_seconds`` (sizes, flows; a cyclic phase's in the
     order of their senders) later; each rank's clock becomes the latest end of its flows (never earlier than its
@@ -446,7 +462,6 @@ def _step(clock: FloatArray, phase: Phase, steps: _Steps, flow_seconds: FloatArr
         end = cyclic.max_ahead(clock.reshape(-1, 1)).reshape(clock.shape)
         end += flow_seconds
         return cyclic.max_behind(end.reshape(-1, 1)).reshape(clock.shape)
-    assert steps.incidence is not None
     end = np.maximum(np.take(clock, phase.src, axis=1), np.take(clock, phase.dst, axis=1))
     end += flow_seconds
     done = clock.copy()
@@ -471,7 +486,7 @@ def _advance(clock: FloatArray, phase: Phase, flow_seconds: FloatArray, rank_sec
     A row whose clocks advance by one amount every c steps skips the whole cycles left, as
     :func:`allreduce.schedules.propagate` does, and is then stepped through the rest alone; once its steps are
     done it leaves the arrays the others are stepped in."""
-    steps = _steps_of(clock.shape[1], phase)
+    steps = phase_steps(clock.shape[1], phase)
     active = steps.active
     everyone = active.size == clock.shape[1]  # then the active clocks are the clocks: no copy to take
     cyclic = steps.cyclic

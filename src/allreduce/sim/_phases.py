@@ -13,6 +13,7 @@ import numpy as np
 
 from allreduce.schedules import Incidence, Phase, Schedule
 from allreduce.sim._cyclic import Cyclic
+from allreduce.sim._fast import phase_steps
 from allreduce.sim._loss import GIVE_UP_AFTER, LossModel, draw_extra_seconds, packet_loss_probability
 from allreduce.sim._routing import Pattern, Router
 from allreduce.sim._tcp import (
@@ -70,12 +71,12 @@ def phase_data(
         has = np.diff(pattern.routes.flow_ptr) > 0
         first[has] = pattern.routes.link[pattern.routes.flow_ptr[:-1][has]]
         blame = np.where(pattern.bottleneck_link >= 0, pattern.bottleneck_link, first)
-        cyclic = Cyclic.of(n, phase)
+        steps = phase_steps(n, phase)
         ack_q = None
         if connections:
             # the reverse pattern, not just its routes: routers share patterns (see Router)
             ack_q, _ = packet_loss_probability(router.pattern(phase.dst, phase.src).routes, link_loss)
-        out.append(PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic, ack_q))
+        out.append(PhaseData(phase, steps.incidence, seconds, pattern, nbytes, q, hazard, blame, steps.cyclic, ack_q))
     if connections:
         out = _with_follow_gaps(schedule, out)
     return out
