@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -53,6 +54,17 @@ class PhaseData:
     cyclic: Cyclic | None  # the phase is a cyclic shift of the ranks: stepped with slices (see _step_cyclic)
     ack_q: FloatArray | None = None  # per flow: loss probability of a packet on the way back (its ACKs)
     follow_gap_s: FloatArray | None = None  # per flow: after its last step, when the connection's next transfer
+
+    @cached_property
+    def hazard_cumulative(self) -> FloatArray:
+        """The route entries' loss hazards summed in entry order (every sample group draws culprits from it)."""
+        return np.cumsum(self.loss_hazard)
+
+    @cached_property
+    def flow_hazard(self) -> FloatArray:
+        """Per flow, the loss hazard of its whole path."""
+        hazard = np.bincount(self.pattern.entry_flow, weights=self.loss_hazard, minlength=len(self.phase))
+        return np.asarray(hazard, dtype=np.float64)
 
 
 def phase_data(
@@ -227,9 +239,9 @@ def _culprit_links(rng: np.random.Generator, d: PhaseData, flow: IntArray) -> In
     """Per lost transfer of ``flow``, the link that dropped its (first) lost packet: drawn in proportion to each
     path link's hazard."""
     routes = d.pattern.routes
-    cumulative = np.cumsum(d.loss_hazard)
+    cumulative = d.hazard_cumulative
     before = np.concatenate([[0.0], cumulative])[routes.flow_ptr[flow]]
-    own = np.bincount(routes.flow_of_entry(), weights=d.loss_hazard, minlength=len(d.phase))[flow]
+    own = d.flow_hazard[flow]
     entry = np.searchsorted(cumulative, before + rng.random(flow.size) * own, side="right")
     entry = np.clip(entry, routes.flow_ptr[flow], routes.flow_ptr[flow + 1] - 1)
     return np.asarray(routes.link[entry], dtype=np.int64)
