@@ -73,7 +73,7 @@ import numpy.typing as npt
 from allreduce.schedules import Incidence, Phase, Schedule
 from allreduce.sim._cyclic import Cyclic
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
-from allreduce.sim._routing import Router
+from allreduce.sim._routing import Pattern, Router
 from allreduce.sim._summary import summarize_bottlenecks
 from allreduce.topology import Routes, Topology
 
@@ -157,7 +157,7 @@ def run_fast_sizes(
         transfer = pattern.transfer_seconds(nbytes)
         latency = pattern.routes.latency_s
         flow_seconds = latency + transfer
-        certificate.check(phase, clock, nbytes, flow_seconds, delay)
+        certificate.check(phase, pattern, clock=clock, nbytes=nbytes, flow_seconds=flow_seconds, delay=delay)
         before = clock[:, :k].copy()
         active = phase_steps(n, phase).active
         begin = np.take(clock, active, axis=1).min(axis=1)
@@ -268,7 +268,14 @@ class _Certificate:
         self._verdicts: dict[tuple[tuple[int, int], ...], bool] = {}
 
     def check(
-        self, phase: Phase, clock: FloatArray, nbytes: FloatArray, flow_seconds: FloatArray, delay: FloatArray
+        self,
+        phase: Phase,
+        pattern: Pattern,
+        *,
+        clock: FloatArray,
+        nbytes: FloatArray,
+        flow_seconds: FloatArray,
+        delay: FloatArray,
     ) -> None:
         self._phases += 1
         self._pairs = [None] * self.exact.size
@@ -289,7 +296,11 @@ class _Certificate:
             key = tuple(part.label for part in parts)
             if key not in self._verdicts:
                 live = np.unique(np.concatenate([part.keys for part in parts]))
-                routes = self.router.route_ranks(live // n, live % n)
+                # The live pairs are often the phase's own flows in their order (a ring's, say), already routed.
+                if np.array_equal(live, phase.src * n + phase.dst):
+                    routes = pattern.routes
+                else:
+                    routes = self.router.route_ranks(live // n, live % n)
                 self._verdicts[key] = _rates_independent_of_timing(routes, self.router.topology)
             self.exact[j] = self._verdicts[key]
 
@@ -498,67 +509,85 @@ def _advance(clock: FloatArray, phase: Phase, flow_seconds: FloatArray, rank_sec
     remaining = np.full(rows.size, phase.repeat, dtype=np.int64)
     length = np.ones(rows.size, dtype=np.int64)  # how many of the last states in history are the row's
     history = [work if everyone else np.take(work, active, axis=1)]
+    probe = slice(None, None, max(1, active.size // _PROBE_RANKS))
+    probes = [history[0][:, probe]]  # views: a jump's shift reaches them
+    # Per row, at least its largest clock: the largest before the phase, plus each step's longest flow and delay
+    # (added in the step's own order, so rounding keeps it above every clock).
+    ceiling = work.max(axis=1)
+    longest = per_flow.max(axis=1)
+    longest_delay = None if delay is None else float(delay.max())
     while rows.size:
         work = _step(work, phase, steps, per_flow)
+        ceiling += longest
         if delay is not None:
             if everyone:
                 work += delay
             else:
                 work[:, active] += delay
+            ceiling += longest_delay
         remaining -= 1
         now = work if everyone else np.take(work, active, axis=1)
         history.append(now)
+        probes.append(now[:, probe])
         length += 1
-        for row, shift, left in _jumps(history, length, remaining):
+        for row, shift, left in _jumps(history, probes, length, remaining, ceiling):
             now[row] += shift
             if not everyone:
                 work[row, active] = now[row]
+            ceiling[row] += shift
             remaining[row] = left
             length[row] = 1
         np.minimum(length, _MAX_PERIOD + 1, out=length)
         if len(history) > _MAX_PERIOD + 1:
             history.pop(0)
+            probes.pop(0)
         finished = remaining == 0
         if finished.any():
             out[rows[finished]] = work[finished]
             keep = ~finished
             rows, work, per_flow = rows[keep], work[keep], per_flow[keep]
-            remaining, length = remaining[keep], length[keep]
+            remaining, length, ceiling, longest = remaining[keep], length[keep], ceiling[keep], longest[keep]
             history = [state[keep] for state in history]
+            probes = [state[:, probe] for state in history]
     return out
 
 
-def _jumps(history: list[FloatArray], length: IntArray, remaining: IntArray) -> list[tuple[int, float, int]]:
+def _jumps(
+    history: list[FloatArray], probes: list[FloatArray], length: IntArray, remaining: IntArray, ceiling: FloatArray
+) -> list[tuple[int, float, int]]:
     """The rows whose clocks now advance by the same amount every c steps (c <= 4, within the row's own
     ``length`` last states; the smallest such c decides, as in propagate), with steps left to skip: per row
     (row, shift to add, steps still to simulate).
 
     The test is propagate's: the increments' spread (max - min) within a tolerance relative to the largest clock
-    (clocks are never negative, so their maximum is propagate's largest magnitude). A spread over a few probe
-    ranks is at most the spread over all, so a probe already too spread rejects a period at once, and only
-    periods that pass it are checked over every rank: the same decisions, at a fraction of the passes while
-    the clocks are still settling."""
+    (clocks are never negative, so their maximum is propagate's largest magnitude). The spread over a few probe
+    ranks (``probes``: those ranks' clocks in each state of ``history``) is at most the spread over all, and
+    ``ceiling`` (per row, at least its largest clock) gives a tolerance at least propagate's, so a period whose
+    probe is too spread for it is rejected at once, every period and row in a few array operations; only those
+    that pass are tested with the largest clock itself and over every rank: the same decisions, at a fraction of
+    the work while the clocks are still settling."""
+    periods = min(_MAX_PERIOD, len(history) - 1)
+    if periods < 1:
+        return []
     now = history[-1]
-    tolerance = _UNIFORM_RTOL * np.maximum(now.max(axis=1), 1e-300)
-    probe = slice(None, None, max(1, now.shape[1] // _PROBE_RANKS))
-    undecided = remaining > 0
+    # spread of the probes' increments over 1..periods steps: (periods, rows)
+    increments = probes[-1][None] - np.stack(probes[-2 : -2 - periods : -1])
+    spread = increments.max(axis=2) - increments.min(axis=2)
+    span = np.arange(1, periods + 1)[:, None]
+    possible = (length[None, :] - 1 >= span) & (remaining[None, :] > 0)
+    possible &= spread <= _UNIFORM_RTOL * np.maximum(ceiling, 1e-300)[None, :]
     out: list[tuple[int, float, int]] = []
-    for period in range(1, _MAX_PERIOD + 1):
-        candidates = np.flatnonzero(undecided & (length - 1 >= period))
-        if not candidates.size:
-            break
-        then = history[-1 - period]
-        rough = np.ptp(now[candidates, probe] - then[candidates, probe], axis=1) <= tolerance[candidates]
-        candidates = candidates[rough]
-        if not candidates.size:
-            continue
-        delta = now[candidates] - then[candidates]
-        uniform = np.ptp(delta, axis=1) <= tolerance[candidates]
-        for i in np.flatnonzero(uniform):
-            row = int(candidates[i])
-            undecided[row] = False
+    for row in np.flatnonzero(possible.any(axis=0)).tolist():
+        tolerance = _UNIFORM_RTOL * max(float(now[row].max()), 1e-300)
+        for period in (np.flatnonzero(possible[:, row]) + 1).tolist():
+            if float(spread[period - 1, row]) > tolerance:
+                continue
+            delta = now[row] - history[-1 - period][row]
+            if float(np.ptp(delta)) > tolerance:
+                continue
             cycles = int(remaining[row]) // period
             if cycles:
                 # the mean over one contiguous row: the same summation as propagate's, to the bit
-                out.append((row, float(delta[i].mean()) * cycles, int(remaining[row]) - cycles * period))
+                out.append((row, float(delta.mean()) * cycles, int(remaining[row]) - cycles * period))
+            break
     return out
