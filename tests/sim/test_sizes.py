@@ -128,3 +128,14 @@ def test_no_sizes_is_no_results() -> None:
 def test_a_bad_size_is_named_by_its_position(bad: object) -> None:
     with pytest.raises(ValueError, match=r"sizes_bytes\[1\] must be"):
         simulate_sizes(all_reduce("ring", 4), parse_topology("switch:4"), sizes_bytes=[1.0, bad])  # type: ignore[list-item]
+
+
+@pytest.mark.slow
+def test_a_ring_of_more_ranks_than_the_cycle_test_probes() -> None:
+    # 1,024 ranks: the cycle test screens every fourth rank before testing all of them.
+    topo = parse_topology("fat-tree:k=16")
+    sched = all_reduce("ring", 1024)
+    sizes = [1.0, 2.0**20, 25.0 * 2**20]
+    together = simulate_sizes(sched, topo, sizes_bytes=sizes, placement="random", seed=1, engine="fast")
+    for size, result in zip(sizes, together, strict=True):
+        assert_same(result, simulate(sched, topo, size_bytes=size, placement="random", seed=1, engine="fast"))
