@@ -7,12 +7,11 @@ the project's one timing recurrence (:func:`allreduce.schedules.propagate`), whi
 repeated pattern once the clocks move in lockstep. Nothing is one Python object per transfer.
 
 Sizes axis (:func:`run_fast_sizes`): the patterns, routes and fair rates do not depend on the buffer size, only
-the bytes per flow do, so one run takes several sizes: the clocks are an array of ranks x sizes, stepped by the
-sample-axis steps of the Monte Carlo (:func:`allreduce.schedules.step_samples`, and slices for cyclic shifts such
-as a ring's), and each size skips its own cycles by propagate's rule when its own clocks settle. Every step is
-additions and maxima, element by element, and the one sum (a cycle's mean increment) is taken over the same
-contiguous values, so each size's result is the one it gets alone, to the bit; one size is the same run with one
-column. The certificate below is kept per size.
+the bytes per flow do, so one run takes several sizes: the clocks are an array of sizes x ranks, stepped together
+(by slices for cyclic shifts such as a ring's, else by the phase's incidence layers), and each size skips its own
+cycles by propagate's rule when its own clocks settle. Every step is additions and maxima, element by element,
+and the one sum (a cycle's mean increment) is taken over the same contiguous values, so each size's result is the
+one it gets alone, to the bit; one size is the same run with one row. The certificate below is kept per size.
 
 The approximation, against the event engine: every flow of a step is assumed to run at the rate it gets when
 *all* flows of its pattern run together, for its whole duration. The engine certifies its own result
