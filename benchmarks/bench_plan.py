@@ -1,6 +1,7 @@
 """Planner and sweep speed: `allreduce plan` at 1,024 GPUs, its scaling table to 131,072, and a 1,000-case sweep.
 
     .venv/bin/python benchmarks/bench_plan.py [--skip plan,scaling,local,dask] [--workers 2]
+    .venv/bin/python benchmarks/bench_plan.py --skip local,dask --before OTHER/src --rounds 3
 
 Rows: wall time and CPU time (of this process and its children) of
 
@@ -14,7 +15,9 @@ Rows: wall time and CPU time (of this process and its children) of
 
 The goals: the 1,024-GPU plan in at most 3 s, the scaling table to 131,072 GPUs in at most 10 s. The machine may
 be shared: the table prints the 1-minute load average before each row, and `uptime` after the last. Run it with
-PYTHONPATH pointing at another checkout's src/ to time that code (a before/after pair).
+PYTHONPATH pointing at another checkout's src/ to time that code; or, for a before/after pair under the same load,
+with ``--before OTHER/src``: each `plan` row then runs ``--rounds`` times, alternating that checkout's code
+("before") with this process's ("after"), and the table ends with each side's median.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +55,8 @@ PLAN_131072 = [
     "ring",
     "--no-what-if",
 ]
+# Width of the table's first column (a row's name, with its side and median under --before).
+WIDTH = 76
 SWEEP_BASE = {"compute_ms": 100, "topology": "fat-tree:k=8", "algorithm": "ring"}
 SWEEP_GRID = {
     "gpus": [8, 16, 32, 64, 128],
@@ -76,9 +82,11 @@ def _load() -> str:
     return f"{os.getloadavg()[0]:.1f}"
 
 
-def time_cli(argv: list[str]) -> tuple[float, float]:
+def time_cli(argv: list[str], src: str | None = None) -> tuple[float, float]:
+    """Wall and CPU seconds of ``allreduce ARGV``; with ``src``, of the code in that src/ directory."""
+    env = None if src is None else {**os.environ, "PYTHONPATH": src}
     cpu0, t0 = _children_cpu_s(), time.perf_counter()
-    subprocess.run([sys.executable, "-m", "allreduce", *argv], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "allreduce", *argv], check=True, stdout=subprocess.DEVNULL, env=env)
     return time.perf_counter() - t0, _children_cpu_s() - cpu0
 
 
@@ -92,10 +100,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip", default="", help="comma-separated rows to skip: plan, scaling, local, dask")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the pool and the Dask cluster")
+    parser.add_argument("--before", metavar="SRC", help="another checkout's src/ to time against, run by run")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each plan row (per side with --before)")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    sides: list[tuple[str, str | None]] = [("after", None)]
+    if args.before:
+        if not Path(args.before, "allreduce").is_dir():
+            parser.error(f"--before {args.before}: no allreduce package there")
+        sides = [("before", str(Path(args.before).resolve())), ("after", None)]
+    plan_rows = [
+        ("plan", PLAN_1024, "plan llama2-7b, 1,024 GPUs, scaling, what-ifs, goodput"),
+        ("scaling", PLAN_131072, "plan ring, scaling table 8 -> 131,072 GPUs"),
+    ]
     rows: list[str] = []
-    header = f"{'what':<52} {'load':>5} {'wall s':>8} {'CPU s':>8} {'cases/s':>8}"
+    header = f"{'what':<{WIDTH}} {'load':>5} {'wall s':>8} {'CPU s':>8} {'cases/s':>8}"
     print(header)
     print("-" * len(header))
 
@@ -103,15 +124,23 @@ def main() -> None:
         rows.append(line)
         print(line, flush=True)
 
-    if "plan" not in skip:
-        load = _load()
-        wall, cpu = time_cli(PLAN_1024)
-        what = "plan llama2-7b, 1,024 GPUs, scaling, what-ifs, goodput"
-        emit(f"{what:<52} {load:>5} {wall:>8.2f} {cpu:>8.2f} {'':>8}")
-    if "scaling" not in skip:
-        load = _load()
-        wall, cpu = time_cli(PLAN_131072)
-        emit(f"{'plan ring, scaling table 8 -> 131,072 GPUs':<52} {load:>5} {wall:>8.2f} {cpu:>8.2f} {'':>8}")
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for key, argv, what in plan_rows:
+        if key in skip:
+            continue
+        for _ in range(args.rounds):
+            for side, src in sides:
+                load = _load()
+                wall, cpu = time_cli(argv, src)
+                times.setdefault((what, side), []).append((wall, cpu))
+                label = f"{what} ({side})" if args.before else what
+                emit(f"{label:<{WIDTH}} {load:>5} {wall:>8.2f} {cpu:>8.2f} {'':>8}")
+    if args.rounds > 1 or args.before:
+        for (what, side), runs in times.items():
+            wall = statistics.median(w for w, _ in runs)
+            cpu = statistics.median(c for _, c in runs)
+            label = f"{what} ({side}, median of {len(runs)})"
+            emit(f"{label:<{WIDTH}} {'':>5} {wall:>8.2f} {cpu:>8.2f} {'':>8}")
     cases = expand_grid(SWEEP_BASE, SWEEP_GRID)
     if "local" not in skip:
         load = _load()
@@ -121,7 +150,7 @@ def main() -> None:
             wall, ran, failed = time_sweep(pool, cases)
         cpu = _self_cpu_s() - cpu0 + _children_cpu_s() - children0
         what = f"sweep {ran} cases ({failed} failed), local pool of {args.workers}"
-        emit(f"{what:<52} {load:>5} {wall:>8.2f} {cpu:>8.2f} {ran / wall:>8.1f}")
+        emit(f"{what:<{WIDTH}} {load:>5} {wall:>8.2f} {cpu:>8.2f} {ran / wall:>8.1f}")
     if "dask" not in skip:
         from distributed import LocalCluster
 
@@ -135,7 +164,7 @@ def main() -> None:
             finally:
                 executor.shutdown()
         what = f"sweep {ran} cases ({failed} failed), Dask {args.workers} workers"
-        emit(f"{what:<52} {load:>5} {wall:>8.2f} {'-':>8} {ran / wall:>8.1f}")
+        emit(f"{what:<{WIDTH}} {load:>5} {wall:>8.2f} {'-':>8} {ran / wall:>8.1f}")
     uptime = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"uptime after the runs: {uptime}")
 

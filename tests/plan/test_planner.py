@@ -160,3 +160,14 @@ def test_auto_with_size_bounds_chooses_what_simulating_every_algorithm_chooses(e
         best = min(per_algorithm, key=lambda name: per_algorithm[name][i].seconds)
         assert run.seconds == per_algorithm[best][i].seconds, run.size_bytes
         assert run.algorithm == best, run.size_bytes
+
+
+@pytest.mark.slow
+def test_a_plan_with_what_ifs_makes_the_per_size_choice_a_step_alone_makes() -> None:
+    # With what-ifs the plan simulates every candidate at every base size first; the choice must not change.
+    req = request(60 * MiB, 0.01, algorithm="auto", bucket_cap_bytes=8 * MiB, first_bucket_bytes=MiB)
+    alone = plan_step(req).runs
+    planned = plan(req, scaling=False, curve=False, loss_probability=0).base.runs
+    assert [(r.size_bytes, r.algorithm, r.seconds) for r in planned] == [
+        (r.size_bytes, r.algorithm, r.seconds) for r in alone
+    ]

@@ -1,16 +1,17 @@
 """The step-time planner: a workload on a cluster, its scaling from 8 GPUs, and what one change would do.
 
-Every all-reduce time comes from :func:`allreduce.sim.simulate` of the bucket's size with the chosen schedule;
-the planner adds only the overlap timeline of :mod:`allreduce.plan._step`. ``algorithm="auto"`` takes, for each
-distinct bucket size, the fastest all-reduce in the simulator (as NCCL's tuner picks per message size); the
-scaling rows and what-if rows keep the base plan's per-size choice, so each row changes one thing.
+Every all-reduce time comes from the simulator (:func:`allreduce.sim.simulate_sizes`: each schedule once for all
+the bucket sizes it runs, each size's result what :func:`allreduce.sim.simulate` gives it alone); the planner
+adds only the overlap timeline of :mod:`allreduce.plan._step`. ``algorithm="auto"`` takes, for each distinct
+bucket size, the fastest all-reduce in the simulator (as NCCL's tuner picks per message size); the scaling rows
+and what-if rows keep the base plan's per-size choice, so each row changes one thing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from allreduce.sim import (
     SimResult,
     TailConfig,
     TailResult,
-    simulate,
+    simulate_sizes,
     simulate_tail,
 )
 from allreduce.topology import NodeKind, Topology, parse_topology
@@ -223,51 +224,79 @@ class _Simulator:
         )
 
     def run(self, request: PlanRequest, name: str, gpus: int, size_bytes: int) -> SimResult:
-        """:func:`allreduce.sim.simulate` of one candidate, remembered (on the engine :func:`plan_engine` picks)."""
+        """:func:`allreduce.sim.simulate` of one candidate at one size, remembered (on the engine
+        :func:`plan_engine` picks)."""
+        return self.run_sizes(request, name, gpus, [size_bytes])[size_bytes]
+
+    def run_sizes(self, request: PlanRequest, name: str, gpus: int, sizes: Sequence[int]) -> dict[int, SimResult]:
+        """:meth:`run` for several bucket sizes: those not yet simulated in one :func:`allreduce.sim.simulate_sizes`
+        call (routes, fair rates and the recurrence's steps shared by the sizes)."""
         setting = self._setting(request, name, gpus)
-        key = (*setting, size_bytes)
-        if key not in self._results:
+        missing = sorted({size for size in sizes if (*setting, size) not in self._results})
+        if missing:
             topology = self.topology(request.topology, request.uplink_oversubscription)
             if gpus > topology.num_gpus:
                 raise ValueError(f"--gpus {gpus}: {topology.name} has only {topology.num_gpus} GPUs")
-            self._results[key] = simulate(
+            results = simulate_sizes(
                 self.schedule(request, name, gpus),
                 topology,
-                size_bytes=size_bytes,
+                sizes_bytes=missing,
                 placement=request.placement,
                 seed=request.seed,
                 faults=request.faults,
                 engine=plan_engine(request.engine, gpus),
             )
-            self._seconds_by_size.setdefault(setting, {})[size_bytes] = self._results[key].seconds
-        return self._results[key]
+            known = self._seconds_by_size.setdefault(setting, {})
+            for size, result in zip(missing, results, strict=True):
+                self._results[(*setting, size)] = result
+                known[size] = result.seconds
+        return {size: self._results[(*setting, size)] for size in sizes}
 
-    def fastest(self, request: PlanRequest, gpus: int, size_bytes: int) -> SimResult:
-        """The fastest candidate algorithm for one bucket size (the first in candidate order among equals).
+    def prefetch(self, request: PlanRequest, gpus: int, sizes: Sequence[int]) -> None:
+        """Simulate every candidate algorithm at every one of ``sizes``, each candidate in one pass: what the
+        what-if rows need (one row per algorithm), done before the base plan's :meth:`fastest` so that it finds
+        them, rather than searching size by size and completing the sizes it pruned later. A candidate that
+        cannot run is left to the row that names it, which reports why."""
+        for name in self.candidates(request, gpus):
+            try:
+                self.run_sizes(request, name, gpus, sizes)
+            except ValueError:
+                continue
+
+    def fastest(self, request: PlanRequest, gpus: int, sizes: Sequence[int]) -> dict[int, SimResult]:
+        """The fastest candidate algorithm for each bucket size (the first in candidate order among equals).
 
         Where the fast engine computes every time, an all-reduce's time is non-decreasing in its size (flow
         durations are latency + bytes / a rate that does not depend on bytes, and the recurrence only adds and
-        takes maxima), so a time already simulated at a smaller size is a lower bound. Candidates are simulated in
-        order of that bound, and those whose bound already exceeds the best time found are skipped: they cannot
-        win or tie, so the choice and its time are the full search's. The event engine's times carry no such
-        guarantee, so where it may run every candidate is simulated."""
+        takes maxima), so a time already simulated at a smaller size is a lower bound. The smallest size is
+        searched first, candidates in order of that bound; then each candidate whose bound does not exceed the
+        best time found at some larger size is simulated at all such sizes in one pass. A candidate is skipped
+        at a size only when its bound exceeds the best time there: it cannot win or tie, so every choice and its
+        time are the full search's. The event engine's times carry no such guarantee, so where it may run every
+        candidate is simulated at every size."""
         names = self.candidates(request, gpus)
+        if not names:
+            raise ValueError(f"no all-reduce algorithm applies to {gpus} GPUs")
         monotone = plan_engine(request.engine, gpus) == "fast"
-        bound: dict[str, float] = {}
-        for name in names:
+
+        def bound(name: str, size_bytes: int) -> float:
             known = self._seconds_by_size.get(self._setting(request, name, gpus), {})
             smaller = [seconds for size, seconds in known.items() if size <= size_bytes]
-            bound[name] = max(smaller) if monotone and smaller else 0.0
-        best: tuple[float, int, SimResult] | None = None
-        for index, name in sorted(enumerate(names), key=lambda item: bound[item[1]]):
-            if best is not None and bound[name] > best[0]:
-                break
-            result = self.run(request, name, gpus, size_bytes)
-            if best is None or (result.seconds, index) < best[:2]:
-                best = (result.seconds, index, result)
-        if best is None:
-            raise ValueError(f"no all-reduce algorithm applies to {gpus} GPUs")
-        return best[2]
+            return max(smaller) if monotone and smaller else 0.0
+
+        ordered = sorted(set(sizes))
+        best: dict[int, tuple[float, int, SimResult]] = {}
+        for group in (ordered[:1], ordered[1:]):
+            if not group:
+                continue
+            for index, name in sorted(enumerate(names), key=lambda item: bound(item[1], group[0])):
+                needed = [size for size in group if size not in best or bound(name, size) <= best[size][0]]
+                if not needed:
+                    continue
+                for size, result in self.run_sizes(request, name, gpus, needed).items():
+                    if size not in best or (result.seconds, index) < best[size][:2]:
+                        best[size] = (result.seconds, index, result)
+        return {size: best[size][2] for size in sizes}
 
     def tail(self, request: PlanRequest, name: str, gpus: int, size_bytes: int, config: TailConfig) -> TailResult:
         """:func:`allreduce.sim.simulate_tail` of one bucket size under the request's topology, placement, faults
@@ -311,22 +340,32 @@ def _plan_step(
     n = request.gpus if gpus is None else gpus
     buckets = request.bucket_bytes
     sizes = sorted(set(buckets))
+    results: dict[int, SimResult] = {}
+    if n > 1:
+        # Sizes by the algorithm that runs them (each algorithm's sizes in one simulation), and those auto picks.
+        fixed: dict[str, list[int]] = {}
+        chosen_by_auto: list[int] = []
+        for size in sizes:
+            if algorithms is not None and size in algorithms:
+                name = algorithms[size]
+                if sim.needs_group(name) and sim.group_size(request, n) is None:
+                    name = "ring"
+                fixed.setdefault(name, []).append(size)
+            elif request.algorithm == AUTO:
+                chosen_by_auto.append(size)
+            else:
+                fixed.setdefault(request.algorithm, []).append(size)
+        for name, group in fixed.items():
+            results.update(sim.run_sizes(request, name, n, group))
+        if chosen_by_auto:
+            results.update(sim.fastest(request, n, chosen_by_auto))
     runs: dict[int, SizeRun] = {}
     for size in sizes:
         count = buckets.count(size)
         if n == 1:
             runs[size] = SizeRun(size, count, "none", 0.0, 0.0, True, (), None)
-            continue
-        if algorithms is not None and size in algorithms:
-            name = algorithms[size]
-            if sim.needs_group(name) and sim.group_size(request, n) is None:
-                name = "ring"
-            result = sim.run(request, name, n, size)
-        elif request.algorithm == AUTO:
-            result = sim.fastest(request, n, size)
         else:
-            result = sim.run(request, request.algorithm, n, size)
-        runs[size] = _size_run(result, size, count, busiest=busiest)
+            runs[size] = _size_run(results[size], size, count, busiest=busiest)
     step = step_time(buckets, [runs[b].seconds for b in buckets], request.step_compute)
     return StepPlan(request, step, tuple(runs[s] for s in sizes))
 
@@ -476,6 +515,8 @@ def plan(
     sim = _Simulator()
     say = progress or (lambda _text: None)
     say(f"base plan on {request.gpus} GPUs")
+    if what_ifs and request.gpus > 1:
+        sim.prefetch(request, request.gpus, sorted(set(request.bucket_bytes)))
     base = _plan_step(request, sim, busiest=True)
     rows: list[ScalingRow] = []
     if scaling:
@@ -503,10 +544,8 @@ def plan(
     points: list[tuple[int, float, float]] = []
     if curve and request.gpus > 1:
         say("busbw curve")
-        name = base.dominant.algorithm
-        for size in CURVE_SIZES_BYTES:
-            result = sim.run(request, name, request.gpus, size)
-            points.append((size, result.seconds, result.busbw_Bps))
+        curve_runs = sim.run_sizes(request, base.dominant.algorithm, request.gpus, CURVE_SIZES_BYTES)
+        points = [(size, curve_runs[size].seconds, curve_runs[size].busbw_Bps) for size in CURVE_SIZES_BYTES]
     if not all(r.exact for r in base.runs):
         notes.append("some all-reduce times are the fast engine's approximation (ranks left lockstep)")
     base_quantiles = compute_quantiles(base, distribution, gpus=request.gpus) if distribution else None

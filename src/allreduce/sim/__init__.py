@@ -1,7 +1,8 @@
 """Flow-level network simulation: run a schedule on a topology with max-min fair link sharing.
 
-:func:`simulate` is the entry point; :func:`max_min_rates` the rate model both engines share;
-:func:`simulate_tail` the Monte Carlo of the tail (packet loss, jitter, stragglers, timed faults).
+:func:`simulate` is the entry point (:func:`simulate_sizes` for several buffer sizes in one pass);
+:func:`max_min_rates` the rate model both engines share; :func:`simulate_tail` the Monte Carlo of the tail (packet
+loss, jitter, stragglers, timed faults).
 """
 
 from allreduce.sim._event import Transfers, match_transfers
@@ -36,6 +37,7 @@ from allreduce.sim._simulate import (
     FAST_ERROR_RANGE,
     TRACE_RANKS,
     simulate,
+    simulate_sizes,
 )
 from allreduce.sim._stochastic import DISTRIBUTIONS, Distribution, parse_distribution, parse_time
 from allreduce.sim._tailresult import (
@@ -106,6 +108,7 @@ __all__ = [
     "register_fault_kind",
     "resolve_links",
     "simulate",
+    "simulate_sizes",
     "simulate_tail",
     "tail_memory_bytes",
     "transfer_loss_probability",

@@ -3,8 +3,15 @@
 For each phase of :meth:`Schedule.phases` (a flow pattern that ``repeat`` consecutive steps reuse), the flows
 are routed and their max-min fair rates computed once (patterns are cached, so ring all-reduce routes once for
 its 2(N-1) steps). Each flow then takes ``path latency + bytes / rate`` and the per-rank clocks advance through
-the project's one timing recurrence, :func:`allreduce.schedules.propagate`, which also skips whole cycles of a
+the project's one timing recurrence (:func:`allreduce.schedules.propagate`), which also skips whole cycles of a
 repeated pattern once the clocks move in lockstep. Nothing is one Python object per transfer.
+
+Sizes axis (:func:`run_fast_sizes`): the patterns, routes and fair rates do not depend on the buffer size, only
+the bytes per flow do, so one run takes several sizes: the clocks are an array of sizes x ranks, stepped together
+(by slices for cyclic shifts such as a ring's, else by the phase's incidence layers), and each size skips its own
+cycles by propagate's rule when its own clocks settle. Every step is additions and maxima, element by element,
+and the one sum (a cycle's mean increment) is taken over the same contiguous values, so each size's result is the
+one it gets alone, to the bit; one size is the same run with one row. The certificate below is kept per size.
 
 The approximation, against the event engine: every flow of a step is assumed to run at the rate it gets when
 *all* flows of its pattern run together, for its whole duration. The engine certifies its own result
@@ -54,16 +61,29 @@ slowest flows; their bottleneck links are the links the critical path waited on.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Phase, Schedule, propagate
+from allreduce.schedules import Incidence, Phase, Schedule
+from allreduce.sim._cyclic import Cyclic
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
-from allreduce.sim._routing import Router
+from allreduce.sim._routing import Pattern, Router
 from allreduce.sim._summary import summarize_bottlenecks
 from allreduce.topology import Routes, Topology
 
-__all__ = ["rates_fixed_under_any_timing", "run_fast", "run_fast_checked"]
+__all__ = [
+    "PhaseSteps",
+    "phase_steps",
+    "rates_fixed_under_any_timing",
+    "run_fast",
+    "run_fast_checked",
+    "run_fast_sizes",
+]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -82,8 +102,8 @@ def run_fast(
     rank_delay_s: FloatArray | None,
     trace_ranks: int,
 ) -> SimResult:
-    result, _ = run_fast_checked(
-        schedule, router, size_bytes=size_bytes, rank_delay_s=rank_delay_s, trace_ranks=trace_ranks
+    (result,) = run_fast_sizes(
+        schedule, router, sizes_bytes=[size_bytes], rank_delay_s=rank_delay_s, trace_ranks=trace_ranks
     )
     return result
 
@@ -98,139 +118,239 @@ def run_fast_checked(
 ) -> tuple[SimResult, bool]:
     """The fast engine's result, and whether it is certified exact (lockstep, or rates no timing can change:
     see the module docstring)."""
+    result = run_fast(schedule, router, size_bytes=size_bytes, rank_delay_s=rank_delay_s, trace_ranks=trace_ranks)
+    return result, result.exact
+
+
+def run_fast_sizes(
+    schedule: Schedule,
+    router: Router,
+    *,
+    sizes_bytes: Sequence[float],
+    rank_delay_s: FloatArray | None,
+    trace_ranks: int,
+) -> list[SimResult]:
+    """The fast engine's result for every buffer size of ``sizes_bytes``, each the one that size gets alone
+    (its ``exact`` says whether it is certified): one routing and fair-rate computation per phase for all of
+    them, their clocks advanced together as columns (see the module docstring)."""
     topology = router.topology
     n = schedule.world_size
-    clock = np.zeros(n, dtype=np.float64)
-    link_bytes = np.zeros(topology.num_links, dtype=np.float64)
-    waited = np.zeros(topology.num_links, dtype=np.float64)
-    zero_delay = np.zeros(n, dtype=np.float64)
-    delay = zero_delay if rank_delay_s is None else rank_delay_s
-    phases: list[PhaseResult] = []
-    critical: list[CriticalStep] = []
+    sizes = np.asarray(sizes_bytes, dtype=np.float64).reshape(-1)
+    count = sizes.size
+    columns = np.arange(count)
+    clock = np.zeros((count, n), dtype=np.float64)
+    link_bytes = np.zeros((count, topology.num_links), dtype=np.float64)
+    waited = np.zeros((count, topology.num_links), dtype=np.float64)
+    delay = np.zeros(n, dtype=np.float64) if rank_delay_s is None else rank_delay_s
+    phases: list[list[PhaseResult]] = [[] for _ in columns]
+    critical: list[list[CriticalStep]] = [[] for _ in columns]
     labels: list[str] = []
     trace_start: list[FloatArray] = []
     trace_end: list[FloatArray] = []
     k = min(n, trace_ranks)
-    path_end = 0.0
-    exact = True
-    latest_end = 0.0  # when the last rank so far finished its steps (its clock), while exact
-    # Per earlier phase, while exact: when its last flow was delivered, and its flows that carry bytes (as
-    # src * n + dst keys).
-    earlier: list[tuple[float, IntArray]] = []
+    path_end = np.zeros(count)
+    certificate = _Certificate(router, n, count)
     for phase in schedule.phases():
         pattern = router.pattern(phase.src, phase.dst)
-        nbytes = phase.fraction * float(size_bytes)
+        nbytes = phase.fraction * sizes[:, None]  # (sizes, flows)
         transfer = pattern.transfer_seconds(nbytes)
         latency = pattern.routes.latency_s
         flow_seconds = latency + transfer
+        certificate.check(phase, pattern, clock=clock, nbytes=nbytes, flow_seconds=flow_seconds, delay=delay)
+        before = clock[:, :k].copy()
+        active = phase_steps(n, phase).active
+        begin = np.take(clock, active, axis=1).min(axis=1)
+        clock = _advance(clock, phase, flow_seconds, rank_delay_s)
+        end = np.take(clock, active, axis=1).max(axis=1)
+        certificate.done(phase, clock)
+        for j in columns:
+            link_bytes[j] += pattern.link_bytes(nbytes[j], topology.num_links) * phase.repeat
 
-        def flows(_: Phase, seconds: FloatArray = flow_seconds) -> FloatArray:
-            return seconds
-
-        def ranks(_: Phase) -> FloatArray | None:
-            return rank_delay_s
-
-        if exact and len(phase):
-            pairs = phase.src[nbytes > 0] * n + phase.dst[nbytes > 0]
-            starts = np.maximum(clock[phase.src], clock[phase.dst])
-            if not _in_lockstep(starts, phase, flow_seconds, delay, latest_end):
-                # This phase's flows, and every earlier phase's that may still drain when its first one
-                # starts. A rank pair counts once: its transfers run one after the other.
-                first = float(starts.min())
-                live = np.unique(np.concatenate([pairs, *(q for end, q in earlier if end > first)]))
-                exact = _rates_independent_of_timing(router.route_ranks(live // n, live % n), topology)
-        before = clock[:k].copy()
-        clock, (timing,) = propagate(n, [phase], flows, ranks, clock=clock)
-        if exact and len(phase):
-            latest_end = max(latest_end, float(clock.max()))
-            earlier.append((latest_end, pairs))
-        link_bytes += pattern.link_bytes(nbytes, topology.num_links) * phase.repeat
-
-        # The phase's share of the end time, and who set its pace.
-        share_s = max(0.0, timing.end_s - path_end)
-        path_end = max(path_end, timing.end_s)
+        # Each size's share of the end time in this phase, and who set its pace.
+        share_s = np.maximum(0.0, end - path_end)
+        path_end = np.maximum(path_end, end)
         flow_delay = np.maximum(delay[phase.src], delay[phase.dst])
         pace = flow_seconds + flow_delay
-        worst = int(np.argmax(pace)) if pace.size else 0
-        if pace.size:
-            tied = pace >= pace[worst] * (1 - _CRITICAL_RTOL)
+        if len(phase):
+            worst = np.argmax(pace, axis=1)
+            tied = pace >= pace[columns, worst][:, None] * (1 - _CRITICAL_RTOL)
             limited = tied & (transfer > 0) & (pattern.bottleneck_link >= 0)
-            if share_s > 0 and limited.any():
-                # The share of the pace that was bytes on the link, not path latency or a slow rank.
-                fraction = transfer[worst] / pace[worst] if pace[worst] > 0 else 0.0
-                links = np.unique(pattern.bottleneck_link[limited])
-                waited[links] += share_s * fraction
-            critical.append(
-                CriticalStep(
+            for j in columns:
+                w = int(worst[j])
+                if share_s[j] > 0 and limited[j].any():
+                    # The share of the pace that was bytes on the link, not path latency or a slow rank.
+                    fraction = transfer[j, w] / pace[j, w] if pace[j, w] > 0 else 0.0
+                    links = np.unique(pattern.bottleneck_link[limited[j]])
+                    waited[j, links] += share_s[j] * fraction
+                critical[j].append(
+                    CriticalStep(
+                        first_step=phase.first_step,
+                        last_step=phase.first_step + phase.repeat - 1,
+                        src_rank=int(phase.src[w]),
+                        dst_rank=int(phase.dst[w]),
+                        seconds=float(share_s[j]),
+                        transfer_s=float(transfer[j, w]),
+                        latency_s=float(latency[w]),
+                        rank_delay_s=float(flow_delay[w]),
+                        rate_Bps=float(pattern.rate_Bps[w]),
+                        bottleneck_link=int(pattern.bottleneck_link[w]),
+                    )
+                )
+        rates = pattern.rate_Bps
+        slowest = float(rates.min()) if rates.size else float("inf")
+        median = float(np.median(rates)) if rates.size else float("inf")
+        for j in columns:
+            phases[j].append(
+                PhaseResult(
                     first_step=phase.first_step,
-                    last_step=phase.first_step + phase.repeat - 1,
-                    src_rank=int(phase.src[worst]),
-                    dst_rank=int(phase.dst[worst]),
-                    seconds=share_s,
-                    transfer_s=float(transfer[worst]),
-                    latency_s=float(latency[worst]),
-                    rank_delay_s=float(flow_delay[worst]),
-                    rate_Bps=float(pattern.rate_Bps[worst]),
-                    bottleneck_link=int(pattern.bottleneck_link[worst]),
+                    repeat=phase.repeat,
+                    num_flows=len(phase),
+                    start_s=float(begin[j]),
+                    end_s=float(end[j]),
+                    slowest_rate_Bps=slowest,
+                    fair_share_Bps=median,
                 )
             )
-        rates = pattern.rate_Bps
-        phases.append(
-            PhaseResult(
-                first_step=phase.first_step,
-                repeat=phase.repeat,
-                num_flows=len(phase),
-                start_s=timing.start_s,
-                end_s=timing.end_s,
-                slowest_rate_Bps=float(rates.min()) if rates.size else float("inf"),
-                fair_share_Bps=float(np.median(rates)) if rates.size else float("inf"),
-            )
-        )
         last = phase.first_step + phase.repeat - 1
         labels.append(f"steps {phase.first_step}-{last}" if phase.repeat > 1 else f"step {phase.first_step}")
         trace_start.append(before)
-        trace_end.append(clock[:k].copy())
+        trace_end.append(clock[:, :k].copy())
 
-    seconds = float(clock.max()) if n else 0.0
-    bottlenecks, count = summarize_bottlenecks(topology, waited, link_bytes, seconds)
-    result = SimResult(
-        name=schedule.name,
-        collective=schedule.collective,
-        world_size=n,
-        size_bytes=float(size_bytes),
-        seconds=seconds,
-        engine="fast",
-        topology=topology,
-        rank_gpu=router.rank_gpu,
-        phases=tuple(phases),
-        link_bytes=link_bytes,
-        critical_path=tuple(critical),
-        bottlenecks=bottlenecks,
-        critical_links=count,
-        rank_end_s=clock,
-        trace_labels=tuple(labels),
-        trace_start_s=np.asarray(trace_start, dtype=np.float64).reshape(len(labels), k),
-        trace_end_s=np.asarray(trace_end, dtype=np.float64).reshape(len(labels), k),
-        exact=exact,
-    )
-    return result, exact
+    starts = np.asarray(trace_start, dtype=np.float64).reshape(len(labels), count, k)
+    ends = np.asarray(trace_end, dtype=np.float64).reshape(len(labels), count, k)
+    results = []
+    for j in columns:
+        rank_end = clock[j].copy()
+        seconds = float(rank_end.max()) if n else 0.0
+        bottlenecks, critical_links = summarize_bottlenecks(topology, waited[j], link_bytes[j], seconds)
+        results.append(
+            SimResult(
+                name=schedule.name,
+                collective=schedule.collective,
+                world_size=n,
+                size_bytes=float(sizes[j]),
+                seconds=seconds,
+                engine="fast",
+                topology=topology,
+                rank_gpu=router.rank_gpu,
+                phases=tuple(phases[j]),
+                link_bytes=link_bytes[j].copy(),
+                critical_path=tuple(critical[j]),
+                bottlenecks=bottlenecks,
+                critical_links=critical_links,
+                rank_end_s=rank_end,
+                trace_labels=tuple(labels),
+                trace_start_s=np.ascontiguousarray(starts[:, j]),
+                trace_end_s=np.ascontiguousarray(ends[:, j]),
+                exact=bool(certificate.exact[j]),
+            )
+        )
+    return results
+
+
+class _Certificate:
+    """Whether each size's run is still certified exact (see the module docstring), checked phase by phase
+    before the phase runs (:meth:`check`) and recorded after it (:meth:`done`). Each size keeps its own state;
+    the routes of one set of live rank pairs are checked once for every size that has that set."""
+
+    def __init__(self, router: Router, world_size: int, count: int) -> None:
+        self.router = router
+        self.world_size = world_size
+        self.exact = np.ones(count, dtype=np.bool_)
+        # When the last rank so far finished its steps, per size (while exact).
+        self.latest_end = np.zeros(count)
+        # Per earlier phase: when its last flow was delivered, per size, and per size its flows that carry
+        # bytes (None for a size no longer exact).
+        self.earlier: list[tuple[FloatArray, list[_Pairs | None]]] = []
+        self._pairs: list[_Pairs | None] = [None] * count
+        self._phases = 0
+        self._verdicts: dict[tuple[tuple[int, int], ...], bool] = {}
+
+    def check(
+        self,
+        phase: Phase,
+        pattern: Pattern,
+        *,
+        clock: FloatArray,
+        nbytes: FloatArray,
+        flow_seconds: FloatArray,
+        delay: FloatArray,
+    ) -> None:
+        self._phases += 1
+        self._pairs = [None] * self.exact.size
+        if not len(phase) or not self.exact.any():
+            return
+        n = self.world_size
+        checked = np.flatnonzero(self.exact)
+        self._pairs = _pairs_by_size(phase, nbytes, checked, n, self._phases)
+        starts = np.maximum(np.take(clock, phase.src, axis=1), np.take(clock, phase.dst, axis=1))
+        locked = _in_lockstep(starts[checked], phase, flow_seconds[checked], delay, self.latest_end[checked])
+        for j in checked[~locked]:
+            pairs = self._pairs[j]
+            assert pairs is not None
+            # This phase's flows, and every earlier phase's that may still drain when its first one starts.
+            # A rank pair counts once: its transfers run one after the other.
+            first = float(starts[j].min())
+            parts = [pairs, *(q for end, kept in self.earlier if end[j] > first and (q := kept[j]) is not None)]
+            key = tuple(part.label for part in parts)
+            if key not in self._verdicts:
+                live = np.unique(np.concatenate([part.keys for part in parts]))
+                # The live pairs are often the phase's own flows in their order (a ring's, say), already routed.
+                if np.array_equal(live, phase.src * n + phase.dst):
+                    routes = pattern.routes
+                else:
+                    routes = self.router.route_ranks(live // n, live % n)
+                self._verdicts[key] = _rates_independent_of_timing(routes, self.router.topology)
+            self.exact[j] = self._verdicts[key]
+
+    def done(self, phase: Phase, clock: FloatArray) -> None:
+        if not len(phase) or not self.exact.any():
+            return
+        still = np.flatnonzero(self.exact)
+        self.latest_end[still] = np.maximum(self.latest_end[still], clock[still].max(axis=1))
+        self.earlier.append((self.latest_end.copy(), [p if self.exact[j] else None for j, p in enumerate(self._pairs)]))
+
+
+@dataclass(frozen=True, eq=False)
+class _Pairs:
+    """A phase's flows that carry bytes, as src * n + dst keys; ``label`` (phase, which of its sets) names them."""
+
+    label: tuple[int, int]
+    keys: IntArray
+
+
+def _pairs_by_size(
+    phase: Phase, nbytes: FloatArray, sizes: IntArray, world_size: int, index: int
+) -> list[_Pairs | None]:
+    """Per size (those in ``sizes``; None for the others), the flows of phase ``index`` that carry bytes: one set
+    for all sizes whose flows carry bytes alike."""
+    out: list[_Pairs | None] = [None] * nbytes.shape[0]
+    by_mask: dict[bytes, _Pairs] = {}
+    for j in sizes:
+        carries = nbytes[j] > 0
+        mask = carries.tobytes()
+        if mask not in by_mask:
+            by_mask[mask] = _Pairs((index, len(by_mask)), phase.src[carries] * world_size + phase.dst[carries])
+        out[j] = by_mask[mask]
+    return out
 
 
 def _in_lockstep(
-    starts: FloatArray, phase: Phase, flow_seconds: FloatArray, delay: FloatArray, latest_end: float
-) -> bool:
-    """Whether every step of ``phase`` runs in lockstep: all flows of a step start at one instant, after every
-    earlier flow was delivered, and end at one instant, and their ranks then wait the same delay; so the next
-    step starts in lockstep again, and every flow of a step overlaps every other one for its whole duration."""
-    first = float(starts.min())
-    scale = max(float(starts.max()) + float(flow_seconds.max()), 1e-300)
-    wait = delay[np.concatenate([phase.src, phase.dst])]
+    starts: FloatArray, phase: Phase, flow_seconds: FloatArray, delay: FloatArray, latest_end: FloatArray
+) -> npt.NDArray[np.bool_]:
+    """Per size (``starts`` and ``flow_seconds``: sizes x flows), whether every step of ``phase`` runs in
+    lockstep: all flows of a step start at one instant, after every earlier flow was delivered, and end at one
+    instant, and their ranks then wait the same delay; so the next step starts in lockstep again, and every flow
+    of a step overlaps every other one for its whole duration."""
+    first = starts.min(axis=1)
+    scale = np.maximum(starts.max(axis=1) + flow_seconds.max(axis=1), 1e-300)
+    wait = float(np.ptp(delay[np.concatenate([phase.src, phase.dst])]))
     tol = _LOCKSTEP_RTOL * scale
-    return (
-        float(np.ptp(starts)) <= tol
-        and float(np.ptp(flow_seconds)) <= tol
-        and float(np.ptp(wait)) <= tol
-        and first >= latest_end - tol
+    return np.asarray(
+        (np.ptp(starts, axis=1) <= tol)
+        & (np.ptp(flow_seconds, axis=1) <= tol)
+        & (wait <= tol)
+        & (first >= latest_end - tol)
     )
 
 
@@ -288,3 +408,185 @@ def rates_fixed_under_any_timing(phases: list[tuple[Phase, Routes]], world_size:
             routes.link[counted], weights=routes.weight[counted] * solo[flow][counted], minlength=capacity.size
         )
     return bool(np.all(load <= capacity * (1 + _LOCKSTEP_RTOL)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The timing recurrence of :func:`allreduce.schedules.propagate` with a sizes axis: clocks of shape (sizes,
+# ranks), one row per buffer size, and whole cycles skipped per row by propagate's own rule, so every row is what
+# propagate makes of that size alone. Sizes come first (unlike the Monte Carlo's samples, which come last): a row
+# is one size's clocks, contiguous, so the per-size reductions the cycle test takes every step (a maximum, a
+# spread, a mean) are passes over contiguous memory; over the first axis of a (ranks, 3) array numpy's
+# reductions were measured 40-200x slower than a pass over the whole array.
+# ------------------------------------------------------------------------------------------------------------
+# How many past states a row keeps to detect a periodic steady state (as propagate: periods up to 4).
+_MAX_PERIOD = 4
+# A row's clocks "advance uniformly" when their increments agree to this relative tolerance (propagate's).
+_UNIFORM_RTOL = 1e-12
+# Ranks whose increments are compared first, before all of them (see _jumps).
+_PROBE_RANKS = 256
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseSteps:
+    """How a phase is stepped: by slices when it is a cyclic shift of the ranks, else by its incidence layers
+    (computed when first asked for; the Monte Carlo asks for them on every phase)."""
+
+    phase: Phase
+    world_size: int
+    cyclic: Cyclic | None
+
+    @cached_property
+    def incidence(self) -> Incidence:
+        return Incidence.of(self.world_size, self.phase)
+
+    @cached_property
+    def active(self) -> IntArray:
+        """The ranks that transfer in the phase, in order."""
+        if self.cyclic is not None:  # every rank sends one flow and receives one
+            return np.arange(self.world_size, dtype=np.int64)
+        return self.incidence.active
+
+
+# Per phase object (a schedule keeps its phases), so a schedule simulated again reuses them.
+_STEPS: weakref.WeakKeyDictionary[Phase, PhaseSteps] = weakref.WeakKeyDictionary()
+
+
+def phase_steps(world_size: int, phase: Phase) -> PhaseSteps:
+    """How ``phase`` of a schedule of ``world_size`` ranks is stepped, remembered for the phase object."""
+    steps = _STEPS.get(phase)
+    if steps is None or steps.world_size != world_size:
+        steps = PhaseSteps(phase, world_size, Cyclic.of(world_size, phase))
+        _STEPS[phase] = steps
+    return steps
+
+
+def _step(clock: FloatArray, phase: Phase, steps: PhaseSteps, flow_seconds: FloatArray) -> FloatArray:
+    """Clocks (sizes, ranks) after one step of ``phase``, before the ranks' own delays: each flow starts when
+    both its ranks' clocks have reached it and ends ``flow_seconds`` (sizes, flows; a cyclic phase's in the
+    order of their senders) later; each rank's clock becomes the latest end of its flows (never earlier than its
+    own clock, as durations are >= 0). Maxima and one addition per flow: :func:`allreduce.schedules.step_once`'s
+    arithmetic, element by element."""
+    cyclic = steps.cyclic
+    if cyclic is not None:
+        # A cyclic shift never crosses a row (ranks % block == 0): the rows as one long row of ranks.
+        end = cyclic.max_ahead(clock.reshape(-1, 1)).reshape(clock.shape)
+        end += flow_seconds
+        return cyclic.max_behind(end.reshape(-1, 1)).reshape(clock.shape)
+    end = np.maximum(np.take(clock, phase.src, axis=1), np.take(clock, phase.dst, axis=1))
+    end += flow_seconds
+    done = clock.copy()
+    # Layers in which a rank appears at most once (Incidence); the first one's ranks take their flow's end outright.
+    for index, (ranks, flows, every_rank, identity) in enumerate(steps.incidence.layers):
+        candidate = end if identity else np.take(end, flows, axis=1)
+        if every_rank:
+            if index == 0:
+                done[...] = candidate
+            else:
+                np.maximum(done, candidate, out=done)
+        elif index == 0:
+            done[:, ranks] = candidate
+        else:
+            done[:, ranks] = np.maximum(np.take(done, ranks, axis=1), candidate)
+    return done
+
+
+def _advance(clock: FloatArray, phase: Phase, flow_seconds: FloatArray, rank_seconds: FloatArray | None) -> FloatArray:
+    """Clocks (sizes, ranks) after the ``repeat`` steps of ``phase``, ``flow_seconds`` per size and flow.
+
+    A row whose clocks advance by one amount every c steps skips the whole cycles left, as
+    :func:`allreduce.schedules.propagate` does, and is then stepped through the rest alone; once its steps are
+    done it leaves the arrays the others are stepped in."""
+    steps = phase_steps(clock.shape[1], phase)
+    active = steps.active
+    everyone = active.size == clock.shape[1]  # then the active clocks are the clocks: no copy to take
+    cyclic = steps.cyclic
+    per_flow = flow_seconds if cyclic is None else np.take(flow_seconds, cyclic.order, axis=1)
+    delay = None if rank_seconds is None else np.take(rank_seconds, active)
+    out = clock.copy()
+    work = clock
+    rows = np.arange(clock.shape[0])
+    remaining = np.full(rows.size, phase.repeat, dtype=np.int64)
+    length = np.ones(rows.size, dtype=np.int64)  # how many of the last states in history are the row's
+    history = [work if everyone else np.take(work, active, axis=1)]
+    probe = slice(None, None, max(1, active.size // _PROBE_RANKS))
+    probes = [history[0][:, probe]]  # views: a jump's shift reaches them
+    # Per row, at least its largest clock: the largest before the phase, plus each step's longest flow and delay
+    # (added in the step's own order, so rounding keeps it above every clock).
+    ceiling = work.max(axis=1)
+    longest = per_flow.max(axis=1)
+    longest_delay = None if delay is None else float(delay.max())
+    while rows.size:
+        work = _step(work, phase, steps, per_flow)
+        ceiling += longest
+        if delay is not None:
+            if everyone:
+                work += delay
+            else:
+                work[:, active] += delay
+            ceiling += longest_delay
+        remaining -= 1
+        now = work if everyone else np.take(work, active, axis=1)
+        history.append(now)
+        probes.append(now[:, probe])
+        length += 1
+        for row, shift, left in _jumps(history, probes, length, remaining, ceiling):
+            now[row] += shift
+            if not everyone:
+                work[row, active] = now[row]
+            ceiling[row] += shift
+            remaining[row] = left
+            length[row] = 1
+        np.minimum(length, _MAX_PERIOD + 1, out=length)
+        if len(history) > _MAX_PERIOD + 1:
+            history.pop(0)
+            probes.pop(0)
+        finished = remaining == 0
+        if finished.any():
+            out[rows[finished]] = work[finished]
+            keep = ~finished
+            rows, work, per_flow = rows[keep], work[keep], per_flow[keep]
+            remaining, length, ceiling, longest = remaining[keep], length[keep], ceiling[keep], longest[keep]
+            history = [state[keep] for state in history]
+            probes = [state[:, probe] for state in history]
+    return out
+
+
+def _jumps(
+    history: list[FloatArray], probes: list[FloatArray], length: IntArray, remaining: IntArray, ceiling: FloatArray
+) -> list[tuple[int, float, int]]:
+    """The rows whose clocks now advance by the same amount every c steps (c <= 4, within the row's own
+    ``length`` last states; the smallest such c decides, as in propagate), with steps left to skip: per row
+    (row, shift to add, steps still to simulate).
+
+    The test is propagate's: the increments' spread (max - min) within a tolerance relative to the largest clock
+    (clocks are never negative, so their maximum is propagate's largest magnitude). The spread over a few probe
+    ranks (``probes``: those ranks' clocks in each state of ``history``) is at most the spread over all, and
+    ``ceiling`` (per row, at least its largest clock) gives a tolerance at least propagate's, so a period whose
+    probe is too spread for it is rejected at once, every period and row in a few array operations; only those
+    that pass are tested with the largest clock itself and over every rank: the same decisions, at a fraction of
+    the work while the clocks are still settling."""
+    periods = min(_MAX_PERIOD, len(history) - 1)
+    if periods < 1:
+        return []
+    now = history[-1]
+    # spread of the probes' increments over 1..periods steps: (periods, rows)
+    increments = probes[-1][None] - np.stack(probes[-2 : -2 - periods : -1])
+    spread = increments.max(axis=2) - increments.min(axis=2)
+    span = np.arange(1, periods + 1)[:, None]
+    possible = (length[None, :] - 1 >= span) & (remaining[None, :] > 0)
+    possible &= spread <= _UNIFORM_RTOL * np.maximum(ceiling, 1e-300)[None, :]
+    out: list[tuple[int, float, int]] = []
+    for row in np.flatnonzero(possible.any(axis=0)).tolist():
+        tolerance = _UNIFORM_RTOL * max(float(now[row].max()), 1e-300)
+        for period in (np.flatnonzero(possible[:, row]) + 1).tolist():
+            if float(spread[period - 1, row]) > tolerance:
+                continue
+            delta = now[row] - history[-1 - period][row]
+            if float(np.ptp(delta)) > tolerance:
+                continue
+            cycles = int(remaining[row]) // period
+            if cycles:
+                # the mean over one contiguous row: the same summation as propagate's, to the bit
+                out.append((row, float(delta.mean()) * cycles, int(remaining[row]) - cycles * period))
+            break
+    return out

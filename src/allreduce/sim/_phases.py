@@ -6,14 +6,17 @@ messages and their losses; the loss rates no stack recovers from, refused.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules import Incidence, Phase, Schedule
 from allreduce.sim._cyclic import Cyclic
+from allreduce.sim._fast import phase_steps
 from allreduce.sim._loss import GIVE_UP_AFTER, LossModel, draw_extra_seconds, packet_loss_probability
 from allreduce.sim._routing import Pattern, Router
 from allreduce.sim._tcp import (
@@ -55,6 +58,17 @@ class PhaseData:
     follow_gap_s: FloatArray | None = None  # per flow: after its last step, when the connection's next transfer
     two_way: npt.NDArray[np.bool_] | None = None  # per flow: its receiver sends data back in the same step
 
+    @cached_property
+    def hazard_cumulative(self) -> FloatArray:
+        """The route entries' loss hazards summed in entry order (every sample group draws culprits from it)."""
+        return np.cumsum(self.loss_hazard)
+
+    @cached_property
+    def flow_hazard(self) -> FloatArray:
+        """Per flow, the loss hazard of its whole path."""
+        hazard = np.bincount(self.pattern.entry_flow, weights=self.loss_hazard, minlength=len(self.phase))
+        return np.asarray(hazard, dtype=np.float64)
+
 
 def phase_data(
     schedule: Schedule, router: Router, size_bytes: float, link_loss: FloatArray, *, connections: bool = False
@@ -72,41 +86,63 @@ def phase_data(
         has = np.diff(pattern.routes.flow_ptr) > 0
         first[has] = pattern.routes.link[pattern.routes.flow_ptr[:-1][has]]
         blame = np.where(pattern.bottleneck_link >= 0, pattern.bottleneck_link, first)
-        cyclic = Cyclic.of(n, phase)
+        steps = phase_steps(n, phase)
         ack_q = two_way = None
         if connections:
-            ack_q, _ = packet_loss_probability(router.route_ranks(phase.dst, phase.src), link_loss)
+            # the reverse pattern, not just its routes: routers share patterns (see Router)
+            ack_q, _ = packet_loss_probability(router.pattern(phase.dst, phase.src).routes, link_loss)
             key = phase.src.astype(np.int64) * n + phase.dst
             two_way = np.isin(phase.dst.astype(np.int64) * n + phase.src, key)
-        data = PhaseData(phase, Incidence.of(n, phase), seconds, pattern, nbytes, q, hazard, blame, cyclic, ack_q)
+        data = PhaseData(phase, steps.incidence, seconds, pattern, nbytes, q, hazard, blame, steps.cyclic, ack_q)
         out.append(replace(data, two_way=two_way))
     if connections:
-        out = _with_follow_gaps(n, out)
+        out = _with_follow_gaps(schedule, out)
     return out
 
 
-def _with_follow_gaps(world_size: int, data: list[PhaseData]) -> list[PhaseData]:
+def _with_follow_gaps(schedule: Schedule, data: list[PhaseData]) -> list[PhaseData]:
     """For every flow, how long after its phase's last step the same connection (sender to receiver) carries
     its next transfer: the noise-free durations of the steps in between (each as long as its longest flow, the
     lockstep view; the sender writes the next transfer as soon as it reaches that step); inf if none does.
     Within a phase of several steps the next step's transfer follows at once (gap 0)."""
     out = []
     step_s = [float(d.seconds.max(initial=0.0)) * d.phase.repeat for d in data]
-    for i, d in enumerate(data):
-        key = d.phase.src.astype(np.int64) * world_size + d.phase.dst
-        gap = np.full(key.size, math.inf)
-        pending = np.ones(key.size, dtype=np.bool_)
-        between = 0.0
+    for i, (d, following) in enumerate(zip(data, _next_phase(schedule, [d.phase for d in data]), strict=True)):
+        # between[j]: the steps of phases i+1 .. j-1, summed in that order
+        between = np.full(len(data) + 1, math.inf)
+        total = 0.0
         for j in range(i + 1, len(data)):
-            later = data[j].phase.src.astype(np.int64) * world_size + data[j].phase.dst
-            found = pending & np.isin(key, later)
-            gap[found] = between
-            pending &= ~found
-            if not pending.any():
-                break
-            between += step_s[j]
-        out.append(replace(d, follow_gap_s=gap))
+            between[j] = total
+            total += step_s[j]
+        out.append(replace(d, follow_gap_s=between[following]))
     return out
+
+
+# Per schedule: for every flow of every phase, the next phase in which its connection carries a transfer.
+_NEXT_PHASE: weakref.WeakKeyDictionary[Schedule, list[IntArray]] = weakref.WeakKeyDictionary()
+
+
+def _next_phase(schedule: Schedule, phases: list[Phase]) -> list[IntArray]:
+    """Per phase, for each of its flows, the first later phase with a flow of the same sender and receiver (the
+    number of phases if none): one sort of every flow by (connection, phase), computed once per schedule."""
+    known = _NEXT_PHASE.get(schedule)
+    if known is not None and [k.size for k in known] == [len(p) for p in phases]:
+        return known
+    n = schedule.world_size
+    count = len(phases)
+    index = np.repeat(np.arange(count, dtype=np.int64), [len(p) for p in phases])
+    key = np.concatenate([p.src.astype(np.int64) * n + p.dst for p in phases]) if phases else index
+    # connection-major, phase-minor: the next phase of a connection is the first value above (key, own phase)
+    combined = key * (count + 1) + index
+    ordered = np.sort(combined)
+    at = np.searchsorted(ordered, combined + 1, side="left")
+    found = np.minimum(at, ordered.size - 1)
+    same = (at < ordered.size) & (ordered[found] // (count + 1) == key)
+    following = np.where(same, ordered[found] % (count + 1), count)
+    bounds = np.cumsum([0] + [len(p) for p in phases])
+    result = [following[bounds[i] : bounds[i + 1]] for i in range(count)]
+    _NEXT_PHASE[schedule] = result
+    return result
 
 
 @dataclass(frozen=True, eq=False)
@@ -212,9 +248,9 @@ def _culprit_links(rng: np.random.Generator, d: PhaseData, flow: IntArray) -> In
     """Per lost transfer of ``flow``, the link that dropped its (first) lost packet: drawn in proportion to each
     path link's hazard."""
     routes = d.pattern.routes
-    cumulative = np.cumsum(d.loss_hazard)
+    cumulative = d.hazard_cumulative
     before = np.concatenate([[0.0], cumulative])[routes.flow_ptr[flow]]
-    own = np.bincount(routes.flow_of_entry(), weights=d.loss_hazard, minlength=len(d.phase))[flow]
+    own = d.flow_hazard[flow]
     entry = np.searchsorted(cumulative, before + rng.random(flow.size) * own, side="right")
     entry = np.clip(entry, routes.flow_ptr[flow], routes.flow_ptr[flow + 1] - 1)
     return np.asarray(routes.link[entry], dtype=np.int64)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ FloatArray = npt.NDArray[np.float64]
 _CACHE_PATTERNS = 8
 # How many unreachable pairs an error message lists.
 _NAMED_PAIRS = 3
+# Route entries (a flow's links) that the patterns shared between routers keep in all: about 60 MB.
+_SHARED_ENTRIES = 2**21
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,8 +52,47 @@ class Pattern:
         ).astype(np.float64)
 
 
+class _SharedPatterns:
+    """Patterns every router on the same topology object, placement, routing and seed shares: a planner
+    simulates one schedule on one cluster many times (the Monte Carlo of each bucket size under each loss model,
+    each with a noise-free run), and routing the patterns was most of each run. Least recently used first out,
+    within :data:`_SHARED_ENTRIES` route entries; a pattern of a topology that no longer exists is never hit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._patterns: OrderedDict[bytes, tuple[weakref.ref[Topology], Pattern]] = OrderedDict()
+        self._entries = 0
+
+    def get(self, key: bytes, topology: Topology, src: IntArray, dst: IntArray) -> Pattern | None:
+        with self._lock:
+            hit = self._patterns.get(key)
+            if hit is None or hit[0]() is not topology:
+                return None
+            self._patterns.move_to_end(key)
+        pattern = hit[1]
+        return pattern if np.array_equal(pattern.src, src) and np.array_equal(pattern.dst, dst) else None
+
+    def put(self, key: bytes, topology: Topology, pattern: Pattern) -> None:
+        size = int(pattern.routes.link.size)
+        if size > _SHARED_ENTRIES:
+            return
+        with self._lock:
+            old = self._patterns.pop(key, None)
+            if old is not None:
+                self._entries -= int(old[1].routes.link.size)
+            self._patterns[key] = (weakref.ref(topology), pattern)
+            self._entries += size
+            while self._entries > _SHARED_ENTRIES:
+                _, (_, evicted) = self._patterns.popitem(last=False)
+                self._entries -= int(evicted.routes.link.size)
+
+
+_SHARED = _SharedPatterns()
+
+
 class Router:
-    """Routes rank-to-rank flows on one topology and placement; remembers recent patterns."""
+    """Routes rank-to-rank flows on one topology and placement; remembers recent patterns, and shares them
+    with every router of the same topology object, placement, routing (by name) and seed."""
 
     def __init__(self, topology: Topology, rank_gpu: IntArray, routing: str | PathTable | None, seed: int) -> None:
         self.topology = topology
@@ -57,6 +100,11 @@ class Router:
         self.routing = routing
         self.seed = seed
         self._cache: OrderedDict[bytes, Pattern] = OrderedDict()
+        # The key of this router's shared patterns (None: a table of paths, not shared).
+        self._shared: bytes | None = None
+        if routing is None or isinstance(routing, str):
+            where = f"{id(topology)}|{routing}|{seed}|".encode() + np.ascontiguousarray(rank_gpu).tobytes()
+            self._shared = hashlib.blake2b(where, digest_size=16).digest()
 
     def route_ranks(self, src: IntArray, dst: IntArray) -> Routes:
         """Routes of the flows src[f] -> dst[f] (ranks); ValueError naming ranks that cannot reach each other."""
@@ -81,16 +129,21 @@ class Router:
         if hit is not None and np.array_equal(hit.src, src) and np.array_equal(hit.dst, dst):
             self._cache.move_to_end(key)
             return hit
-        routes = self.route_ranks(src, dst)
-        share = max_min_rates(routes.flow_ptr, routes.link, routes.weight, self.topology.link_bandwidth_Bps)
-        pattern = Pattern(
-            src=src.copy(),
-            dst=dst.copy(),
-            routes=routes,
-            entry_flow=routes.flow_of_entry(),
-            rate_Bps=share.rate_Bps,
-            bottleneck_link=share.bottleneck_link,
-        )
+        shared = None if self._shared is None else self._shared + key
+        pattern = None if shared is None else _SHARED.get(shared, self.topology, src, dst)
+        if pattern is None:
+            routes = self.route_ranks(src, dst)
+            share = max_min_rates(routes.flow_ptr, routes.link, routes.weight, self.topology.link_bandwidth_Bps)
+            pattern = Pattern(
+                src=src.copy(),
+                dst=dst.copy(),
+                routes=routes,
+                entry_flow=routes.flow_of_entry(),
+                rate_Bps=share.rate_Bps,
+                bottleneck_link=share.bottleneck_link,
+            )
+            if shared is not None:
+                _SHARED.put(shared, self.topology, pattern)
         self._cache[key] = pattern
         if len(self._cache) > _CACHE_PATTERNS:
             self._cache.popitem(last=False)

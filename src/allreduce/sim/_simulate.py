@@ -1,4 +1,5 @@
-"""``simulate``: run a schedule on a topology, with faults, on the fast or the event-driven engine."""
+"""``simulate``: run a schedule on a topology, with faults, on the fast or the event-driven engine;
+``simulate_sizes``: the same for several buffer sizes in one pass."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from allreduce.schedules import Schedule
 from allreduce.sim._event import run_event
-from allreduce.sim._fast import run_fast, run_fast_checked
+from allreduce.sim._fast import run_fast_sizes
 from allreduce.sim._faults import Faults, apply_faults
 from allreduce.sim._kernel import available as kernel_available
 from allreduce.sim._result import SimResult
@@ -24,6 +25,7 @@ __all__ = [
     "TRACE_RANKS",
     "auto_exact_affordable",
     "simulate",
+    "simulate_sizes",
 ]
 
 # engine="auto" gives the exact result on at most AUTO_EXACT_MAX_RANKS ranks and AUTO_EXACT_MAX_TRANSFERS
@@ -84,12 +86,42 @@ def simulate(
     engine beyond). While the event engine
     runs, ``progress`` (if given) is called now and then with the fraction of transfers delivered so far.
     """
-    try:
-        size = float(size_bytes)
-    except (TypeError, ValueError):
-        raise ValueError(f"size_bytes must be a number of bytes, got {size_bytes!r}") from None
-    if not (math.isfinite(size) and size >= 0):
-        raise ValueError(f"size_bytes must be a finite number >= 0, got {size_bytes!r}")
+    (result,) = simulate_sizes(
+        schedule,
+        topology,
+        sizes_bytes=[_checked_size(size_bytes, "size_bytes")],
+        placement=placement,
+        routing=routing,
+        seed=seed,
+        faults=faults,
+        engine=engine,
+        trace_ranks=trace_ranks,
+        progress=progress,
+    )
+    return result
+
+
+def simulate_sizes(
+    schedule: Schedule,
+    topology: Topology,
+    *,
+    sizes_bytes: Sequence[float],
+    placement: str | Sequence[int] = "linear",
+    routing: str | PathTable | None = None,
+    seed: int = 0,
+    faults: Faults | None = None,
+    engine: str = "auto",
+    trace_ranks: int = TRACE_RANKS,
+    progress: Callable[[float], None] | None = None,
+) -> list[SimResult]:
+    """:func:`simulate` for every buffer size of ``sizes_bytes`` at once: one result per size, in order, each
+    what :func:`simulate` returns for that size alone (to rounding: the same arithmetic, column by column).
+
+    The flow patterns, their routes and fair rates do not depend on the size; they are computed once, and the
+    fast engine advances every size's clocks together. Sizes the event engine runs (``engine="event"``, or
+    "auto" where the fast engine cannot certify a size) run one by one on the same routes; ``progress`` is
+    then called per run."""
+    sizes = [_checked_size(size, f"sizes_bytes[{i}]") for i, size in enumerate(sizes_bytes)]
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if trace_ranks < 0:
@@ -98,18 +130,33 @@ def simulate(
     n = schedule.world_size
     if n > topology.num_gpus:
         raise ValueError(f"{schedule.name} needs {n} ranks but {topology.name} has only {topology.num_gpus} GPUs")
+    if not sizes:
+        return []
     delay = faults.rank_delay_s(n)
     faulted = apply_faults(topology, faults)
     rank_gpu = np.asarray(place(n, faulted, placement, seed=seed), dtype=np.int64)
     router = Router(faulted, rank_gpu, routing, seed)
-    if engine == "event":
+
+    def event(size: float) -> SimResult:
         return run_event(
             schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks, progress=progress
         )
+
+    if engine == "event":
+        return [event(size) for size in sizes]
+    results = run_fast_sizes(schedule, router, sizes_bytes=sizes, rank_delay_s=delay, trace_ranks=trace_ranks)
     if engine == "fast" or not auto_exact_affordable(schedule):
-        return run_fast(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
-    # The fast run is cheap, and exact when it certified itself; only otherwise pay for the event engine.
-    result, exact = run_fast_checked(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks)
-    if exact:
-        return result
-    return run_event(schedule, router, size_bytes=size, rank_delay_s=delay, trace_ranks=trace_ranks, progress=progress)
+        return results
+    # The fast run is cheap, and exact where it certified itself; only elsewhere pay for the event engine.
+    return [result if result.exact else event(size) for size, result in zip(sizes, results, strict=True)]
+
+
+def _checked_size(size_bytes: object, name: str) -> float:
+    """``size_bytes`` as a float, refused unless a finite number >= 0 (``name`` says which argument it was)."""
+    try:
+        size = float(size_bytes)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of bytes, got {size_bytes!r}") from None
+    if not (math.isfinite(size) and size >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {size_bytes!r}")
+    return size

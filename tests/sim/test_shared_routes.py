@@ -1,0 +1,74 @@
+"""Patterns shared between routers of one cluster, and the follow gaps of a tail's connections."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from allreduce.schedules import all_reduce
+from allreduce.sim._phases import phase_data
+from allreduce.sim._routing import Router
+from allreduce.topology import parse_topology, place
+
+
+def _router(topology_spec: str = "fat-tree:k=4", *, seed: int = 0, topology: object = None) -> Router:
+    topo = parse_topology(topology_spec) if topology is None else topology
+    rank_gpu = np.asarray(place(16, topo, "linear"), dtype=np.int64)  # type: ignore[arg-type]
+    return Router(topo, rank_gpu, None, seed)  # type: ignore[arg-type]
+
+
+def test_two_routers_of_one_cluster_share_a_pattern() -> None:
+    first = _router()
+    second = Router(first.topology, first.rank_gpu.copy(), None, 0)
+    src = np.arange(16, dtype=np.int64)
+    dst = (src + 5) % 16
+    assert second.pattern(src, dst) is first.pattern(src, dst)
+
+
+@pytest.mark.parametrize("change", ["seed", "topology", "placement"])
+def test_a_router_of_another_seed_topology_or_placement_routes_its_own(change: str) -> None:
+    first = _router()
+    topology, rank_gpu, seed = first.topology, first.rank_gpu, 0
+    if change == "seed":
+        seed = 1
+    elif change == "topology":
+        topology = parse_topology("fat-tree:k=4")  # equal, but another object: faults make new ones
+    else:
+        rank_gpu = rank_gpu[::-1].copy()
+    src = np.arange(16, dtype=np.int64)
+    dst = (src + 5) % 16
+    assert Router(topology, rank_gpu, None, seed).pattern(src, dst) is not first.pattern(src, dst)
+
+
+def _follow_gaps_by_definition(data: list, world_size: int) -> list[np.ndarray]:
+    """The gap of every flow by its definition: the steps of the phases between its own and the next one in
+    which its connection carries a transfer, each as long as its longest flow; inf if none does."""
+    step_s = [float(d.seconds.max(initial=0.0)) * d.phase.repeat for d in data]
+    out = []
+    for i, d in enumerate(data):
+        gaps = []
+        for src, dst in zip(d.phase.src.tolist(), d.phase.dst.tolist(), strict=True):
+            gap, between = math.inf, 0.0
+            for j in range(i + 1, len(data)):
+                if np.any((data[j].phase.src == src) & (data[j].phase.dst == dst)):
+                    gap = between
+                    break
+                between += step_s[j]
+            gaps.append(gap)
+        out.append(np.asarray(gaps))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "world_size"), [("ring", 16), ("double_binary_tree", 16), ("halving_doubling", 16), ("hierarchical", 16)]
+)
+def test_follow_gaps_are_the_steps_until_the_connection_is_used_again(name: str, world_size: int) -> None:
+    router = _router()
+    schedule = all_reduce(name, world_size, group_size=4) if name == "hierarchical" else all_reduce(name, world_size)
+    link_loss = np.full(router.topology.num_links, 1e-6)
+    data = phase_data(schedule, router, 2**20, link_loss, connections=True)
+    for d, expected in zip(data, _follow_gaps_by_definition(data, world_size), strict=True):
+        assert d.follow_gap_s is not None
+        np.testing.assert_array_equal(d.follow_gap_s, expected)
