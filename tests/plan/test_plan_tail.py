@@ -105,8 +105,8 @@ def test_the_loss_rows_name_their_fabric_and_carry_p50_and_p99() -> None:
     loss_rows = [w for w in result.what_ifs if w.change.startswith("loss ")]
     assert [w.change for w in loss_rows] == [
         "loss 1e-06, RoCE timeout 4.295 s",
-        "loss 1e-06, TCP RTO 200 ms",
-        "loss 1e-06, TCP RTO 4 ms",
+        "loss 1e-06, TCP (linux stack) RTO 200 ms",
+        "loss 1e-06, TCP (linux stack) RTO 4 ms",
     ]
     base_s = result.base.step.step_s
     for row in loss_rows:
@@ -131,7 +131,7 @@ def test_a_timeout_that_fires_adds_at_least_one_rto_to_the_steps_that_see_it() -
     # 1e-4 per packet: most 25 MiB ring all-reduces on 16 GPUs lose a packet somewhere; under TCP with a 200 ms
     # minimum RTO a tail loss costs >= 200 ms, far above the base step.
     result = plan(request(100 * MiB, 0.05), scaling=False, curve=False, loss_probability=1e-4)
-    row = next(w for w in result.what_ifs if w.change == "loss 0.0001, TCP RTO 200 ms")
+    row = next(w for w in result.what_ifs if w.change == "loss 0.0001, TCP (linux stack) RTO 200 ms")
     assert row.quantiles is not None
     assert row.quantiles.p99.step_s >= result.base.step.step_s + 0.2
 

@@ -461,7 +461,7 @@ def _what_ifs(
     if loss_probability > 0 and request.gpus > 1:
         for label, fabric, rto_s in WHAT_IF_LOSS_MODELS:
             model = LossModel(loss_probability, fabric=fabric, rto_s=rto_s)
-            timeout = "timeout" if fabric == "roce" else "RTO"
+            timeout = "timeout" if fabric == "roce" else f"({model.tcp} stack) RTO"  # the tail's TCP preset
             change = f"loss {loss_probability:g}, {label} {timeout} {format_seconds(model.rto)}"
             try:
                 quantiles = loss_quantiles(base, sim, model)
