@@ -40,32 +40,40 @@ def grow(heap: Any, size: int, extra: int) -> Any:
 
 
 @njit
+def _put(heap: Any, i: int, event: Any) -> None:
+    """Write ``event`` (time, counter, item, version) at place ``i``."""
+    times, counters, items, versions = heap
+    times[i], counters[i], items[i], versions[i] = event
+
+
+@njit
+def _get(heap: Any, i: int) -> Any:
+    times, counters, items, versions = heap
+    return times[i], counters[i], items[i], versions[i]
+
+
+@njit
 def push(heap: Any, size: int, time_s: float, counter: int, item: int, version: int) -> int:  # noqa: PLR0917
     """Add an event (the caller made room: :func:`grow`); returns the new size."""
-    times, counters, items, versions = heap
+    times, counters, _, _ = heap
     i = size
     while i > 0:
         parent = (i - 1) >> 1
         if times[parent] < time_s or (times[parent] == time_s and counters[parent] < counter):
             break
-        times[i] = times[parent]
-        counters[i] = counters[parent]
-        items[i] = items[parent]
-        versions[i] = versions[parent]
+        _put(heap, i, _get(heap, parent))
         i = parent
-    times[i] = time_s
-    counters[i] = counter
-    items[i] = item
-    versions[i] = version
+    _put(heap, i, (time_s, counter, item, version))
     return size + 1
 
 
 @njit
 def pop(heap: Any, size: int) -> int:
     """Remove the first event (the caller read it); returns the new size."""
-    times, counters, items, versions = heap
+    times, counters, _, _ = heap
     size -= 1
-    time_s, counter, item, version = times[size], counters[size], items[size], versions[size]
+    last = _get(heap, size)
+    time_s, counter = last[0], last[1]
     i = 0
     while True:
         child = 2 * i + 1
@@ -78,13 +86,7 @@ def pop(heap: Any, size: int) -> int:
             child = right
         if times[child] > time_s or (times[child] == time_s and counters[child] > counter):
             break
-        times[i] = times[child]
-        counters[i] = counters[child]
-        items[i] = items[child]
-        versions[i] = versions[child]
+        _put(heap, i, _get(heap, child))
         i = child
-    times[i] = time_s
-    counters[i] = counter
-    items[i] = item
-    versions[i] = version
+    _put(heap, i, last)
     return size
