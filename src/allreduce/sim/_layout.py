@@ -6,6 +6,7 @@ ended, when each transfer started, drained and was delivered, its slowest rate a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -158,7 +159,12 @@ class Layout:
         del slot_keys
         self.rank_first_slot = np.searchsorted(self.slot_rank, np.arange(n), side="left")
         self.rank_stop_slot = np.searchsorted(self.slot_rank, np.arange(n), side="right")
-        self.slot_ptr = np.concatenate([[0], np.cumsum(np.bincount(slot_of, minlength=self.num_slots))])
+        counts = np.bincount(slot_of, minlength=self.num_slots)
+        self.slot_ptr: npt.NDArray[np.integer[Any]] = np.zeros(
+            self.num_slots + 1, dtype=np.int32 if 2 * len(t) < 2**31 else np.int64
+        )
+        np.cumsum(counts, out=self.slot_ptr[1:])
+        del counts
         # Transfers of slot s: slot_member[slot_ptr[s]:slot_ptr[s+1]], sends before receives, each in order.
         members = np.argsort(slot_of, kind="stable")
         np.remainder(members, max(len(t), 1), out=members)

@@ -77,7 +77,7 @@ _NO_INT = np.zeros(0, dtype=np.int64)
 _NO_FLOAT = np.zeros(0, dtype=np.float64)
 
 
-def _segments(ptr: IntArray, ids: npt.NDArray[np.integer[Any]]) -> tuple[IntArray, IntArray]:
+def _segments(ptr: npt.NDArray[np.integer[Any]], ids: npt.NDArray[np.integer[Any]]) -> tuple[IntArray, IntArray]:
     """The entries ``ptr[i]:ptr[i+1]`` of each ``i`` in ``ids``, concatenated, and the position in ``ids`` of
     each entry's owner."""
     lens = ptr[ids + 1] - ptr[ids]
