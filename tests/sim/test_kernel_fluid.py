@@ -7,6 +7,7 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +35,7 @@ def incidences(draw: st.DrawFn) -> Incidence:
     return paths, weights, room
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(incidences())
 def test_the_dense_fill_equals_fill_dense_bit_for_bit(case: Incidence) -> None:
@@ -73,6 +75,7 @@ def test_only_dyadic_weights_at_most_one_are_summable_in_any_order() -> None:
     assert summable_links(link, weight, 5).tolist() == [True, False, True, False, True]
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.none(), st.integers(0, 5))))
 def test_the_event_queue_pops_in_time_then_counter_order(ops: list[int | None]) -> None:

@@ -15,6 +15,7 @@ from allreduce.sim._routing import Router
 from allreduce.topology import parse_topology, place
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 5000), max_size=300), st.sampled_from([5001, 10**9]))
 def test_keys_are_numbered_as_np_unique_numbers_them(keys: list[int], space: int) -> None:
@@ -27,6 +28,7 @@ def test_keys_are_numbered_as_np_unique_numbers_them(keys: list[int], space: int
     assert index.dtype == np.int32
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 9), st.integers(0, 6), st.integers(0, 6), st.integers(0, 20)), max_size=200),
