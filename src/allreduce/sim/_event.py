@@ -465,13 +465,14 @@ def run_event(
 
     # Trace: one slice per step of the first ranks.
     k = min(n, trace_ranks)
-    steps = np.unique(transfers.step)
-    row = np.searchsorted(steps, run.slot_step)
+    steps = np.flatnonzero(np.bincount(transfers.step))  # the steps with transfers, without sorting them all
     trace_start = np.full((steps.size, k), np.nan)
     trace_end = np.full((steps.size, k), np.nan)
-    shown = run.slot_rank < k
-    trace_start[row[shown], run.slot_rank[shown]] = run.slot_start[shown]
-    trace_end[row[shown], run.slot_rank[shown]] = run.slot_end[shown] + run.delay[run.slot_rank[shown]]
+    # The first ranks' slots only: arrays over every slot would be the largest of the run's last allocations.
+    shown = np.flatnonzero(run.slot_rank < k)
+    row, rank = np.searchsorted(steps, run.slot_step[shown]), run.slot_rank[shown]
+    trace_start[row, rank] = run.slot_start[shown]
+    trace_end[row, rank] = run.slot_end[shown] + run.delay[rank]
     return SimResult(
         name=schedule.name,
         collective=schedule.collective,
@@ -557,7 +558,6 @@ def _phase_results(schedule: Schedule, run: Layout) -> tuple[PhaseResult, ...]:
         out=np.full(len(t), np.inf),
         where=run.drained_s > run.start_s,
     )
-    slot_done = run.slot_end + run.delay[run.slot_rank]
     out = []
     for phase in schedule.phases():
         last = phase.first_step + phase.repeat
@@ -570,7 +570,9 @@ def _phase_results(schedule: Schedule, run: Layout) -> tuple[PhaseResult, ...]:
                 repeat=phase.repeat,
                 num_flows=len(phase),
                 start_s=float(run.slot_start[in_slots].min()) if in_slots.any() else 0.0,
-                end_s=float(slot_done[in_slots].max()) if in_slots.any() else 0.0,
+                end_s=float((run.slot_end[in_slots] + run.delay[run.slot_rank[in_slots]]).max())
+                if in_slots.any()
+                else 0.0,
                 slowest_rate_Bps=float(rates.min()) if rates.size else float("inf"),
                 fair_share_Bps=float(np.median(rates)) if rates.size else float("inf"),
             )

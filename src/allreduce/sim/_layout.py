@@ -6,6 +6,7 @@ ended, when each transfer started, drained and was delivered, its slowest rate a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -16,17 +17,22 @@ from allreduce.sim._routing import Router
 __all__ = ["Layout", "Problem", "Transfers", "match_transfers"]
 
 IntArray = npt.NDArray[np.int64]
+Int32Array = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float64]
+
+# A table indexed by key numbers distinct keys without a sort where it is no larger than this many 32-bit
+# entries per key (a sort's work arrays take about as much).
+_TABLE_PER_KEY = 4
 
 
 @dataclass(frozen=True, eq=False)
 class Transfers:
     """Every transfer of a schedule, matched from the per-rank programs: rank ``src`` sends ``fraction`` of the
-    buffer to rank ``dst`` at ``step``."""
+    buffer to rank ``dst`` at ``step`` (32-bit ranks and steps: millions of transfers are held at once)."""
 
-    src: IntArray
-    dst: IntArray
-    step: IntArray
+    src: Int32Array
+    dst: Int32Array
+    step: Int32Array
     fraction: FloatArray
 
     def __len__(self) -> int:
@@ -51,17 +57,45 @@ def match_transfers(schedule: Schedule) -> Transfers:
     src = s.src[stream]
     dst = np.mod(s.peer[stream] + j * s.peer_stride[stream], schedule.world_size)
     step = s.start[stream] + j
-    block = (
+    block = np.asarray(
         s.block_base[stream]
-        + np.mod(s.block_offset[stream] + j * s.block_stride[stream], s.block_period[stream]) * s.block_count[stream]
+        + np.mod(s.block_offset[stream] + j * s.block_stride[stream], s.block_period[stream]) * s.block_count[stream],
+        dtype=np.int64,
     )
-    order = np.lexsort((block, dst, src, step))
+    order = _sort_order(step, src, dst, block, schedule.world_size)
+    del block
     return Transfers(
-        src=src[order],
-        dst=dst[order],
-        step=step[order],
-        fraction=s.block_count[stream][order].astype(np.float64) / schedule.num_blocks,
+        src=src[order].astype(np.int32),
+        dst=dst[order].astype(np.int32),
+        step=step[order].astype(np.int32),
+        fraction=s.block_count[stream[order]].astype(np.float64) / schedule.num_blocks,
     )
+
+
+def _sort_order(step: IntArray, src: IntArray, dst: IntArray, block: IntArray, n: int) -> IntArray:
+    """The order of (step, src, dst, block): one sort of a combined key where it fits 63 bits (a quarter of
+    lexsort's four), else lexsort."""
+    if not step.size:
+        return np.zeros(0, dtype=np.int64)
+    steps = int(step.max()) + 1
+    blocks = int(block.max()) + 1
+    if int(step.min()) >= 0 and int(block.min()) >= 0 and steps * n * n * blocks < 2**62:
+        key = ((step * n + src) * n + dst) * blocks + block
+        return np.asarray(np.argsort(key, kind="stable"), dtype=np.int64)
+    return np.asarray(np.lexsort((block, dst, src, step)), dtype=np.int64)
+
+
+def _numbered(keys: IntArray, space: int) -> tuple[IntArray, Int32Array]:
+    """The distinct ``keys`` (all in ``[0, space)``) in increasing order, and each key's place among them: by a
+    table over the key space where it is small (no sort), else by np.unique."""
+    if space <= _TABLE_PER_KEY * keys.size + 1024:
+        table = np.zeros(space, dtype=np.int32)
+        table[keys] = 1
+        distinct = np.flatnonzero(table)
+        table[distinct] = np.arange(distinct.size, dtype=np.int32)
+        return distinct, table[keys]
+    distinct, inverse = np.unique(keys, return_inverse=True)
+    return distinct, inverse.reshape(-1).astype(np.int32)
 
 
 class Layout:
@@ -91,9 +125,7 @@ class Layout:
         self.delay = np.zeros(n) if rank_delay_s is None else rank_delay_s
 
         # Route each distinct (src, dst) pair once.
-        pair_key = t.src * n + t.dst
-        keys, self.pair = np.unique(pair_key, return_inverse=True)
-        self.pair = self.pair.reshape(-1)
+        keys, self.pair = _numbered(t.src.astype(np.int64) * n + t.dst, n * n)
         routes = router.route_ranks(keys // n, keys % n)
         self.pair_ptr = routes.flow_ptr
         self.pair_len = np.diff(routes.flow_ptr)
@@ -112,23 +144,32 @@ class Layout:
         self.start_at = np.zeros(n) if start_s is None else np.asarray(start_s, dtype=np.float64)
 
         # Slots: one per (rank, step) in which the rank transfers; each transfer sits in two (send, receive).
-        slot_rank = np.concatenate([t.src, t.dst])
-        slot_step = np.concatenate([t.step, t.step])
-        slot_key = slot_rank * (int(t.step.max()) + 1 if len(t) else 1) + slot_step
-        slot_keys, slot_of = np.unique(slot_key, return_inverse=True)
-        slot_of = slot_of.reshape(-1)
+        steps = int(t.step.max()) + 1 if len(t) else 1
+        keys = np.concatenate([t.src, t.dst]).astype(np.int64) * steps
+        keys[: len(t)] += t.step
+        keys[len(t) :] += t.step
+        slot_keys, slot_of = _numbered(keys, n * steps)
+        del keys
         self.num_slots = int(slot_keys.size)
         self.send_slot = slot_of[: len(t)]
         self.recv_slot = slot_of[len(t) :]
-        # Unique keys sort by rank then step, so a rank's slots are consecutive and in step order.
-        first_of = np.unique(slot_of, return_index=True)[1]
-        self.slot_rank = slot_rank[first_of]
-        self.slot_step = slot_step[first_of]
+        # Keys sort by rank then step, so a rank's slots are consecutive and in step order.
+        self.slot_rank = (slot_keys // steps).astype(np.int32)
+        self.slot_step = (slot_keys % steps).astype(np.int32)
+        del slot_keys
         self.rank_first_slot = np.searchsorted(self.slot_rank, np.arange(n), side="left")
         self.rank_stop_slot = np.searchsorted(self.slot_rank, np.arange(n), side="right")
-        members = np.argsort(slot_of, kind="stable")  # entries 0..2T-1 grouped by slot
-        self.slot_ptr = np.concatenate([[0], np.cumsum(np.bincount(slot_of, minlength=self.num_slots))])
-        self.slot_member = members % max(len(t), 1)  # transfers of slot s: slot_ptr[s]:slot_ptr[s+1]
+        counts = np.bincount(slot_of, minlength=self.num_slots)
+        self.slot_ptr: npt.NDArray[np.integer[Any]] = np.zeros(
+            self.num_slots + 1, dtype=np.int32 if 2 * len(t) < 2**31 else np.int64
+        )
+        np.cumsum(counts, out=self.slot_ptr[1:])
+        del counts
+        # Transfers of slot s: slot_member[slot_ptr[s]:slot_ptr[s+1]], sends before receives, each in order.
+        members = np.argsort(slot_of, kind="stable")
+        np.remainder(members, max(len(t), 1), out=members)
+        self.slot_member = members.astype(np.int32)
+        del members
 
         self._clear()
 
@@ -136,14 +177,14 @@ class Layout:
         count = len(self.t)
         self.slot_start = np.full(self.num_slots, np.nan)
         self.slot_end = np.full(self.num_slots, np.nan)
-        self.slot_last = np.full(self.num_slots, -1, dtype=np.int64)  # transfer that completed the slot
-        self.trigger = np.full(count, -1, dtype=np.int64)  # slot whose start let the transfer begin
+        self.slot_last = np.full(self.num_slots, -1, dtype=np.int32)  # transfer that completed the slot
+        self.trigger = np.full(count, -1, dtype=np.int32)  # slot whose start let the transfer begin
         self.start_s = np.full(count, np.nan)
         self.drained_s = np.full(count, np.nan)
         self.delivered_s = np.full(count, np.nan)
         self.rank_end = np.zeros(self.schedule.world_size)
         self.slowest_rate = np.full(count, np.inf)  # per transfer, filled in when the run ends
-        self.bottleneck = np.full(count, -1, dtype=np.int64)
+        self.bottleneck = np.full(count, -1, dtype=np.int32)
 
     def replay(self, start_s: FloatArray, extra_s: FloatArray) -> None:
         """Ready the same transfers for another run, with ranks reaching the collective at ``start_s`` and

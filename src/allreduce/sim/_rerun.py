@@ -134,7 +134,7 @@ class Recorder:
         self.dense = dense
         n = schedule.world_size
         t = transfers
-        keys = (t.step * n + t.src) * n + t.dst
+        keys = (t.step.astype(np.int64) * n + t.src) * n + t.dst
         occurrence = _occurrence(keys)
         width = int(occurrence.max()) + 1 if occurrence.size else 1
         combined = keys * width + occurrence

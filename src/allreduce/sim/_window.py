@@ -30,6 +30,7 @@ Python operations per transfer and event; where passes are many, run_event goes 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -76,7 +77,7 @@ _NO_INT = np.zeros(0, dtype=np.int64)
 _NO_FLOAT = np.zeros(0, dtype=np.float64)
 
 
-def _segments(ptr: IntArray, ids: IntArray) -> tuple[IntArray, IntArray]:
+def _segments(ptr: npt.NDArray[np.integer[Any]], ids: npt.NDArray[np.integer[Any]]) -> tuple[IntArray, IntArray]:
     """The entries ``ptr[i]:ptr[i+1]`` of each ``i`` in ``ids``, concatenated, and the position in ``ids`` of
     each entry's owner."""
     lens = ptr[ids + 1] - ptr[ids]

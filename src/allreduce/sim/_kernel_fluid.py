@@ -1,0 +1,359 @@
+"""Max-min fair rates of the transfers a change touches, for the compiled event core (sim/_kernel.py).
+
+The formulas and summation orders of the per-event Python core (sim/_event.py's ``_Run``) and of
+``sim/_fair.fill_dense``, so that results agree bit for bit: the threshold below which no rate can have changed
+(``_Run._threshold``); progressive filling with running sums for a few transfers (``_Run._fill_python``); and
+for more, progressive filling a level at a time with fresh sums (``fill_dense``), done here without a pass over
+every entry per level: each link's fill level sits in a min segment tree, a level takes the links at its
+minimum (to _LEVEL_RTOL) and updates only the links its frozen transfers cross. A link's demand (the weight of
+its unfrozen transfers) is then updated by subtraction where that is exact (every weight on it a multiple of
+2^-20, see :func:`summable_links`: the sums are exact in any order) and summed afresh in entry order elsewhere;
+what a level takes from a link is summed in entry order as ``fill_dense`` does. So a component of ``F``
+transfers and ``E`` link entries costs about ``E log E`` rather than ``E`` per level.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.sim._jit import njit
+
+__all__ = ["fill_dense", "fill_small", "number_path", "sort_ids", "summable_links", "threshold"]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+# Links whose fill levels agree to this relative tolerance saturate together (as sim/_fair.py and sim/_event.py).
+_LEVEL_RTOL = 1e-9
+# Weights that are multiples of 2^-_EXACT_BITS and at most 1 sum exactly in any order, for fewer than
+# 2^(53 - _EXACT_BITS) terms (more transfers than any run holds): every partial sum fits a double's mantissa.
+_EXACT_BITS = 16
+
+
+def summable_links(pair_link: IntArray, pair_weight: FloatArray, num_links: int) -> BoolArray:
+    """Per dense link, whether the weights crossing it sum exactly in any order (see _EXACT_BITS): the dense
+    fill may then keep a link's demand by subtraction instead of summing it afresh."""
+    scaled = pair_weight * 2.0**_EXACT_BITS
+    fine = (scaled == np.floor(scaled)) & (pair_weight <= 1.0)
+    return np.asarray(np.bincount(pair_link[~fine], minlength=num_links) == 0, dtype=np.bool_)
+
+
+@njit
+def number_path(p: int, route: Any, local: Any, comp_links: Any, count: int) -> int:
+    """Number the links of pair ``p``'s path not numbered yet (``local``), in path order, from ``count`` on;
+    returns how many are numbered."""
+    _, pair_ptr, pair_link, _, _ = route
+    for e in range(pair_ptr[p], pair_ptr[p + 1]):
+        link = pair_link[e]
+        if local[link] < 0:
+            local[link] = count
+            comp_links[count] = link
+            count += 1
+    return count
+
+
+# -- the fluid: rates of a changed component -------------------------------------------------------------------
+@njit
+def _sort_pairs(key: Any, second: Any, count: int) -> None:
+    """Sort ``key[:count]`` (ties by ``second``), moving ``second`` along: insertion sort for the few flows
+    a link usually carries, a stable sort beyond."""
+    if count > 32:
+        by_second = np.argsort(second[:count], kind="mergesort")
+        order = by_second[np.argsort(key[:count][by_second], kind="mergesort")]
+        key[:count] = key[:count][order]
+        second[:count] = second[:count][order]
+        return
+    for i in range(1, count):
+        k, v = key[i], second[i]
+        j = i - 1
+        while j >= 0 and (key[j] > k or (key[j] == k and second[j] > v)):
+            key[j + 1] = key[j]
+            second[j + 1] = second[j]
+            j -= 1
+        key[j + 1] = k
+        second[j + 1] = v
+
+
+@njit
+def threshold(  # noqa: PLR0917 (numba has no keyword-only parameters)
+    started: Any, num_started: int, drained_rate: float, route: Any, lists: Any, rate: Any, stamp: int, scratch: Any
+) -> float:
+    """A rate below which no transfer's max-min fair rate can have changed (``_Run._threshold``)."""
+    pair, pair_ptr, pair_link, _, capacity = route
+    head, _, node_w, node_next, shift = lists
+    seen, old_r, old_w = scratch
+    theta = drained_rate
+    for i in range(num_started):
+        p = pair[started[i]]
+        for e in range(pair_ptr[p], pair_ptr[p + 1]):
+            link = pair_link[e]
+            if seen[link] == stamp:
+                continue
+            seen[link] = stamp
+            rising = 0.0
+            count = 0
+            node = head[link]
+            while node >= 0:
+                r = rate[node >> shift]
+                if r == 0.0:
+                    rising += node_w[node]
+                else:
+                    old_r[count] = r
+                    old_w[count] = node_w[node]
+                    count += 1
+                node = node_next[node]
+            room = capacity[link]
+            for j in range(count):
+                rising += old_w[j]
+            _sort_pairs(old_r, old_w, count)  # in (rate, weight) order, as Python sorts the tuples
+            for j in range(count):
+                r = old_r[j]
+                if room <= r * rising:
+                    break
+                room -= old_w[j] * r
+                rising -= old_w[j]
+            theta = min(theta, room / rising)
+    return theta * (1 - 4 * _LEVEL_RTOL)
+
+
+@njit
+def fill_small(  # noqa: PLR0917 (numba has no keyword-only parameters)
+    members: Any, num: int, route: Any, room: Any, lists: Any, comp_pos: Any, new: Any, scratch: Any
+) -> None:
+    """Progressive filling with running sums over the component's links (``_Run._fill_python``), in the order
+    the transfers reach them (``place``: a link's place in that order, valid where ``links`` agrees)."""
+    links, demand, count, tight, rated, place = scratch
+    pair, pair_ptr, pair_link, pair_weight, _ = route
+    num_links = 0
+    for i in range(num):
+        p = pair[members[i]]
+        for e in range(pair_ptr[p], pair_ptr[p + 1]):
+            link = pair_link[e]
+            k = place[link]
+            if k >= num_links or links[k] != link:
+                k = num_links
+                place[link] = k
+                links[k] = link
+                demand[k] = 0.0
+                count[k] = 0
+                num_links += 1
+            demand[k] += pair_weight[e]
+            count[k] += 1
+    rated[:num] = False
+    head, node_x, _, node_next, shift = lists
+    new_rate, new_bottleneck = new
+    while True:
+        fill = np.inf
+        any_left = False
+        for k in range(num_links):
+            if count[k] > 0:
+                any_left = True
+                fill = min(fill, room[links[k]] / demand[k])
+        if not any_left or not np.isfinite(fill):
+            break
+        limit = fill * (1 + _LEVEL_RTOL)
+        for k in range(num_links):
+            tight[k] = count[k] > 0 and room[links[k]] / demand[k] <= limit
+        for k in range(num_links):
+            if not tight[k]:
+                continue
+            node = head[links[k]]
+            while node >= 0:
+                x = node_x[node]
+                pos = comp_pos[node >> shift] - 1
+                node = node_next[node]
+                if pos < 0 or rated[pos]:
+                    continue
+                rated[pos] = True
+                new_rate[pos] = fill
+                p = pair[x]
+                first = -1
+                for e in range(pair_ptr[p], pair_ptr[p + 1]):
+                    lk = pair_link[e]
+                    j = place[lk]
+                    if first < 0 and tight[j]:
+                        first = lk
+                    room[lk] = max(room[lk] - pair_weight[e] * fill, 0.0)
+                    demand[j] -= pair_weight[e]
+                    count[j] -= 1
+                new_bottleneck[pos] = first
+
+
+@njit
+def sort_ids(ids: Any, count: int) -> None:
+    """Sort ``ids[:count]`` in place: insertion sort for the few a small component has, np.sort beyond."""
+    if count > 32:
+        ids[:count] = np.sort(ids[:count])
+        return
+    for i in range(1, count):
+        x = ids[i]
+        k = i - 1
+        while k >= 0 and ids[k] > x:
+            ids[k + 1] = ids[k]
+            k -= 1
+        ids[k + 1] = x
+
+
+@njit
+def _set_level(tree: Any, size: int, j: int, value: float) -> None:
+    """Link ``j``'s fill level is ``value``: its leaf and the minima above it."""
+    node = size + j
+    tree[node] = value
+    node >>= 1
+    while node:
+        tree[node] = min(tree[2 * node], tree[2 * node + 1])
+        node >>= 1
+
+
+@njit
+def _freeze_level(  # noqa: PLR0917 (numba has no keyword-only parameters)
+    tree: Any, size: int, limit: float, level: int, links: Any, frozen: Any, picked: Any, stack: Any
+) -> int:
+    """Mark the links whose fill level is at most ``limit`` tight at ``level``, freeze the unfrozen transfers
+    that cross them (``picked``, in increasing order); returns how many."""
+    link_ptr, link_entry, entry_flow, tight = links
+    count = 0
+    stack[0] = 1
+    top = 1
+    while top:
+        top -= 1
+        node = stack[top]
+        if not tree[node] <= limit:  # as fill_dense's test (a NaN level is never tight)
+            continue
+        if node < size:
+            stack[top] = 2 * node + 1
+            stack[top + 1] = 2 * node
+            top += 2
+            continue
+        j = node - size
+        tight[j] = level
+        for q in range(link_ptr[j], link_ptr[j + 1]):
+            f = entry_flow[link_entry[q]]
+            if not frozen[f]:
+                frozen[f] = True
+                picked[count] = f
+                count += 1
+    sort_ids(picked, count)
+    return count
+
+
+@njit
+def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
+    members: Any, num: int, comp: Any, route: Any, room: Any, new: Any, summable: Any
+) -> int:
+    """Progressive filling a level at a time with fresh sums (``sim/_fair.fill_dense``), over the component's
+    links (``local`` numbers them, ``comp_links`` names them); returns the number of levels."""
+    pair, pair_ptr, pair_link, pair_weight, _ = route
+    comp_links, num_links, local = comp
+    new_rate, new_bottleneck = new
+    # The entries, transfer by transfer in path order (fill_dense's order), and per link in that order.
+    flow_ptr = np.empty(num + 1, dtype=np.int64)
+    total = 0
+    for i in range(num):
+        flow_ptr[i] = total
+        p = pair[members[i]]
+        total += pair_ptr[p + 1] - pair_ptr[p]
+    flow_ptr[num] = total
+    link = np.empty(total, dtype=np.int64)
+    weight = np.empty(total)
+    entry_flow = np.empty(total, dtype=np.int64)
+    link_ptr = np.zeros(num_links + 1, dtype=np.int64)
+    demand = np.zeros(num_links)
+    k = 0
+    for i in range(num):
+        p = pair[members[i]]
+        for e in range(pair_ptr[p], pair_ptr[p + 1]):
+            j = local[pair_link[e]]
+            link[k] = j
+            weight[k] = pair_weight[e]
+            entry_flow[k] = i
+            demand[j] += pair_weight[e]
+            link_ptr[j + 1] += 1
+            k += 1
+    for j in range(num_links):
+        link_ptr[j + 1] += link_ptr[j]
+    at = link_ptr[:-1].copy()
+    link_entry = np.empty(total, dtype=np.int64)
+    for e in range(total):
+        j = link[e]
+        link_entry[at[j]] = e
+        at[j] += 1
+    remaining = np.empty(num_links)
+    exact = np.empty(num_links, dtype=np.bool_)
+    size = 1
+    while size < num_links:
+        size *= 2
+    tree = np.full(2 * size, np.inf)
+    for j in range(num_links):
+        remaining[j] = room[comp_links[j]]
+        exact[j] = summable[comp_links[j]]
+        tree[size + j] = remaining[j] / demand[j] if demand[j] > 0 else np.inf
+    for node in range(size - 1, 0, -1):
+        tree[node] = min(tree[2 * node], tree[2 * node + 1])
+
+    frozen = np.zeros(num, dtype=np.bool_)
+    taken = np.zeros(num_links)
+    tight = np.zeros(num_links, dtype=np.int64)  # the level at which a link was last tight
+    touched_at = np.zeros(num_links, dtype=np.int64)
+    touched = np.empty(num_links, dtype=np.int64)
+    picked = np.empty(num, dtype=np.int64)
+    stack = np.empty(130, dtype=np.int64)  # a depth-first walk pushes two nodes per level of the tree
+    links = (link_ptr, link_entry, entry_flow, tight)
+    left = num
+    levels = 0
+    while left:
+        levels += 1
+        fill = tree[1]
+        if not np.isfinite(fill):
+            break  # only infinitely fast links left
+        count = _freeze_level(tree, size, fill * (1 + _LEVEL_RTOL), levels, links, frozen, picked, stack)
+        left -= count
+        num_touched = 0
+        # What the frozen transfers take, per link in entry order (transfers in increasing order).
+        for q in range(count):
+            f = picked[q]
+            new_rate[f] = fill
+            first = -1
+            for e in range(flow_ptr[f], flow_ptr[f + 1]):
+                j = link[e]
+                if first < 0 and tight[j] == levels:
+                    first = j
+                taken[j] += weight[e] * fill
+                if exact[j]:
+                    demand[j] -= weight[e]
+                if touched_at[j] != levels:
+                    touched_at[j] = levels
+                    touched[num_touched] = j
+                    num_touched += 1
+            new_bottleneck[f] = comp_links[first]
+        if levels == 1:
+            # fill_dense clips every link's capacity left after the first level (a room left by transfers
+            # below the threshold may round below zero); after it, only the touched links change.
+            for j in range(num_links):
+                if touched_at[j] != levels:
+                    remaining[j] = max(remaining[j] - taken[j], 0.0)
+                    tree[size + j] = remaining[j] / demand[j] if demand[j] > 0 else np.inf
+        for t in range(num_touched):
+            j = touched[t]
+            remaining[j] = max(remaining[j] - taken[j], 0.0)
+            taken[j] = 0.0
+            if not exact[j]:
+                d = 0.0
+                for q in range(link_ptr[j], link_ptr[j + 1]):
+                    e = link_entry[q]
+                    if not frozen[entry_flow[e]]:
+                        d += weight[e]
+                demand[j] = d
+            value = remaining[j] / demand[j] if demand[j] > 0 else np.inf
+            if levels == 1:
+                tree[size + j] = value
+            else:
+                _set_level(tree, size, j, value)
+        if levels == 1:
+            for node in range(size - 1, 0, -1):
+                tree[node] = min(tree[2 * node], tree[2 * node + 1])
+    return levels
