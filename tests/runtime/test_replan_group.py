@@ -1,4 +1,4 @@
-"""ALLREDUCE_REPLAN in a real group: one link paced to 20 MB/s (ALLREDUCE_INJECT) makes the ring slow; after two
+"""ALLREDUCE_REPLAN in a real group: one link paced to 5 MB/s (ALLREDUCE_INJECT) makes the ring slow; after two
 windows every rank has re-planned to the same ring order that leaves the link out, says why in group.stats(), and
 the all-reduces are exact and faster. Real processes over shared memory."""
 
@@ -32,7 +32,7 @@ def _loop(group: Any) -> tuple[list[float], bool, tuple[str, ...]]:
 @pytest.mark.slow
 @pytest.mark.serial
 def test_a_paced_link_is_re_planned_around_alike_on_every_rank() -> None:
-    env = {"ALLREDUCE_INJECT": "pace:link=1->2:rate=20MB/s", "ALLREDUCE_REPLAN": "window=10,confirm=2"}
+    env = {"ALLREDUCE_INJECT": "pace:link=1->2:rate=5MB/s", "ALLREDUCE_REPLAN": "window=10,confirm=2"}
     results = spawn(4, _loop, env=env, init_options={"transport": "shm"}, timeout_s=240)
     changes = {r[2] for r in results}
     assert len(changes) == 1  # every rank decided the same, from the same gathered records
@@ -42,7 +42,8 @@ def test_a_paced_link_is_re_planned_around_alike_on_every_rank() -> None:
     assert all(r[1] for r in results)
     before = np.median([t for r in results for t in r[0][:20]])
     after = np.median([t for r in results for t in r[0][-20:]])
-    assert after < before / 2  # 64 KiB at 20 MB/s is 3.3 ms a step on the paced link, in 6 steps of a ring
+    assert after < before / 2  # 64 KiB at 5 MB/s is 13 ms a step on the paced link, 80 ms in a ring's 6 steps: far
+    # above what 4 ranks on 2 cores add to a call at load 8-17 (10-15 ms, which at 20 MB/s hid a 2x gain)
 
 
 def test_the_rule_comes_from_the_environment_variable_or_is_refused_naming_it() -> None:

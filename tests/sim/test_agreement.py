@@ -269,7 +269,8 @@ def _runs(
     for local, numpy_min_flows in ((True, 2**30), (True, 0), (False, 0)):
         router = Router(topo, rank_gpu, routing, seed)
         transfers = match_transfers(sched)
-        run = _Recorded(sched, router, transfers, size, delay, local=local, numpy_min_flows=numpy_min_flows)
+        run = _Recorded(sched, router, transfers, size, delay)
+        run.local, run.numpy_min_flows = local, numpy_min_flows
         run.run()
         runs.append(run)
     whole = runs[-1]

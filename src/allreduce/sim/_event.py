@@ -76,28 +76,16 @@ _LEVEL_RTOL = 1e-9
 
 
 class _Run(Layout):
-    """One event-driven simulation: the state that changes as time advances."""
+    """One event-driven simulation: the state that changes as time advances.
 
-    def __init__(
-        self,
-        schedule: Schedule,
-        router: Router,
-        transfers: Transfers,
-        size_bytes: float,
-        rank_delay_s: FloatArray | None,
-        *,
-        local: bool = True,
-        numpy_min_flows: int = _NUMPY_MIN_FLOWS,
-        start_s: FloatArray | None = None,
-        extra_s: FloatArray | None = None,
-    ) -> None:
-        """``local=False`` re-solves the rates of every draining transfer at every change, not only those
-        of the changed transfers' component (the reference the local re-solve is tested against);
-        components of more than ``numpy_min_flows`` transfers are solved with numpy, smaller ones over dicts.
-        ``start_s`` and ``extra_s``: as :class:`Layout` has them."""
-        self.local = local
-        self.numpy_min_flows = numpy_min_flows
-        super().__init__(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
+    ``local = False`` re-solves the rates of every draining transfer at every change, not only those of the
+    changed transfers' component (the reference the local re-solve is tested against); components of more than
+    ``numpy_min_flows`` transfers are solved with numpy, smaller ones over dicts. Both are read while it runs."""
+
+    local = True
+    numpy_min_flows = _NUMPY_MIN_FLOWS
+
+    def _prepare(self) -> None:
         t = self.t
         link_capacity = self.link_capacity
         self.slot_members = self.slot_member.tolist()

@@ -172,6 +172,10 @@ class Layout:
         del members
 
         self._clear()
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """What a kind of run derives from the layout once it is built (none here; see WindowRun, _Run)."""
 
     def _clear(self) -> None:
         count = len(self.t)

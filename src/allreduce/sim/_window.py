@@ -35,9 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Schedule
-from allreduce.sim._layout import Layout, Transfers
-from allreduce.sim._routing import Router
+from allreduce.sim._layout import Layout
 
 __all__ = ["WindowRun"]
 
@@ -157,18 +155,7 @@ class WindowRun(Layout):
     zero (a transfer delivered the instant it drained) or a route crosses a link twice: the per-event core
     then runs instead."""
 
-    def __init__(
-        self,
-        schedule: Schedule,
-        router: Router,
-        transfers: Transfers,
-        size_bytes: float,
-        rank_delay_s: FloatArray | None,
-        *,
-        start_s: FloatArray | None = None,
-        extra_s: FloatArray | None = None,
-    ) -> None:
-        super().__init__(schedule, router, transfers, size_bytes, rank_delay_s, start_s=start_s, extra_s=extra_s)
+    def _prepare(self) -> None:
         count = len(self.t)
         self.lookahead_s = float(self.latency.min()) if count else 0.0
         num_pairs = self.pair_len.size
