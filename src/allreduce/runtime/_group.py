@@ -71,6 +71,22 @@ enough that a rank that never calls is reported within minutes rather than hangi
 
 _DEFAULTS = Options()
 
+_PLAIN_OPTIONS: dict[str, object] = {
+    "timeout_s": None, "checksum": False, "segments": 1, "tag": None, "deterministic": False,
+}  # fmt: skip
+"""The options a plain all-reduce may be given and still take the fast path: each at its default, of the default's
+own type (``segments=True`` is checked on the general path, never taken for 1)."""
+
+
+def _defaults_only(options: Mapping[str, object]) -> bool:
+    """Whether every option given is one of :data:`_PLAIN_OPTIONS` at its default (``all_reduce(x, segments=1)``
+    is as fast as ``all_reduce(x)``)."""
+    for key, value in options.items():
+        default = _PLAIN_OPTIONS.get(key, _PLAIN_OPTIONS)  # the table itself: not an option of the fast path
+        if default is _PLAIN_OPTIONS or value.__class__ is not default.__class__ or value != default:
+            return False
+    return True
+
 
 class MoveOptions(TypedDict, total=False):
     """The keyword options of every collective: ``timeout_s`` (default: the group's), ``checksum`` (a crc32 per
@@ -285,7 +301,7 @@ class ProcessGroup:
         if self._replanning is not None:
             return self._replanned_all_reduce(x, op, algorithm, async_op, options)
         if (
-            not options
+            (not options or _defaults_only(options))
             and not async_op
             and algorithm.__class__ is str
             and algorithm == "auto"
