@@ -22,6 +22,7 @@ from allreduce.runtime._group import ProcessGroup
 from allreduce.runtime._store_api import KeyValueStore
 from allreduce.runtime._transport import Transport
 from allreduce.runtime._transports import AUTO, TransportSetup, select_transport, transport_names
+from allreduce.runtime.tcp._socket import advertised_host
 from allreduce.schedules import CostModel
 
 __all__ = ["init"]
@@ -259,7 +260,7 @@ def init(
             rank, world_size, tuple(hosts), store, job, "", timeout_s, token, host, {"cross_memory": cross_memory}
         )
         if not setup.one_host:
-            setup.options["advertise_host"] = _advertised_host(host)
+            setup.options["advertise_host"] = advertised_host(host)
         if join:
             transport = _running_kind(store, transport, rank)
         entry = select_transport(transport, setup)
@@ -376,16 +377,6 @@ def _store_at(host: str, port: int, *, rank: int, world_size: int, timeout_s: fl
             rank=rank,
             peer=0,
         ) from exc
-
-
-def _advertised_host(master_addr: str) -> str:
-    """The address peers should use to reach this host: the interface that routes to the master."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostname()
 
 
 def _tuned_model(transport: str, world_size: int) -> CostModel:

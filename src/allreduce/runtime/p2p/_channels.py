@@ -33,7 +33,7 @@ from allreduce.runtime.p2p._inbox import DEAD_POLL_S, DTYPE_NAMES, Inbox, Receiv
 from allreduce.runtime.tcp._frames import encode_header
 from allreduce.runtime.tcp._handshake import ClientHello, connect_handshake, resolve_token
 from allreduce.runtime.tcp._listener import Listener, listening_socket
-from allreduce.runtime.tcp._socket import send_until
+from allreduce.runtime.tcp._socket import advertised_host, send_until
 
 __all__ = ["MAX_TAG", "PointToPoint"]
 
@@ -271,8 +271,6 @@ def _where_to_listen(store: Store, rank: int, world_size: int) -> tuple[str, byt
             f"rank {rank}: point-to-point between hosts listens beyond loopback: set a shared token "
             "(the ALLREDUCE_TOKEN environment variable, the same on every rank)"
         )
-    from allreduce.runtime._bootstrap import _advertised_host
-
     with contextlib.suppress(AttributeError):
-        return _advertised_host(str(store.host)), token  # type: ignore[attr-defined]
+        return advertised_host(str(store.host)), token  # type: ignore[attr-defined]
     return socket.gethostname(), token

@@ -18,6 +18,7 @@ __all__ = [
     "POLL_IN",
     "UNIX_SHARED_CORES_SNDBUF_BYTES",
     "UNIX_SNDBUF_BYTES",
+    "advertised_host",
     "drain_and_close",
     "family_of",
     "host_key",
@@ -200,3 +201,13 @@ def drain_and_close(socks: list[socket.socket], linger_s: float = DRAIN_LINGER_S
                 sock.close()
     for sock in open_socks:
         sock.close()
+
+
+def advertised_host(master_addr: str) -> str:
+    """The address peers should use to reach this host: the interface that routes to the master."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
