@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import ml_dtypes
 import numpy as np
 
 from allreduce.runtime._buffers import Buffer
@@ -51,7 +50,8 @@ _CHUNK_BYTES = 1 << 20  # what a kept message's memory starts at and grows by at
 _JOIN_S = 5.0  # how long close() waits for each thread (they wake at once: sockets shut down, condition notified)
 
 
-_ITEMSIZES = {name: np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name).itemsize for name in DTYPE_NAMES}
+_ITEMSIZES = {name: 2 if name == "bfloat16" else np.dtype(name).itemsize for name in DTYPE_NAMES}
+# (bfloat16 is 2 bytes; naming it here keeps ml_dtypes, slow to import, out of `import allreduce`)
 
 
 def shape(dtype: str, count: int) -> str:
