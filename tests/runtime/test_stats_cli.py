@@ -40,7 +40,9 @@ def _run(tmp_path: Path, *options: str, env: dict[str, str] | None = None) -> su
 
 @pytest.mark.slow
 def test_run_stats_prints_one_table_naming_the_straggler(tmp_path: Path) -> None:
-    done = _run(tmp_path, "--stats", env={"ALLREDUCE_INJECT": "delay:rank=1:2ms"})
+    # 20 ms, not 2: with two test runs' serial parts on 2 cores (load 8) a 4 KiB ring of 3 ranks took ms a call
+    # and a 2 ms straggler did not stand out (a fresh-clone CI found slowest_rank None)
+    done = _run(tmp_path, "--stats", env={"ALLREDUCE_INJECT": "delay:rank=1:20ms"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("allreduce stats: 3 ranks, last 20 collectives") == 1
     marked = [line.split()[0] for line in done.stdout.splitlines() if "<- slowest rank" in line]
