@@ -88,6 +88,13 @@ def link_rates(links: Iterable[LinkStats]) -> dict[Link, float]:
     }
 
 
+RESOLVED_BUSY_S = 10 * JIFFY_S
+"""The least network-limited time a window's rate is divided by. The kernel counts that time in jiffies, so a link
+busy for a jiffy or two reads 0, 4 or 8 ms by chance: divided by such a time, healthy links' rates differ 2-3x at
+random (a healthy ring over loopback TCP was once re-planned that way). Below ten jiffies every link reads as this
+floor allows (a lower bound, the same for all), so only links slow enough to keep the network busy for longer are
+told apart, to within a jiffy in ten."""
+
 DATA_LINK_SHARE = 0.25
 """In the senders' counters, a link that carried less than this share of the busiest link's bytes in a window did not
 carry the collectives' data (agreement and control frames, a pair the schedule does not use): it is not rated."""
@@ -96,16 +103,16 @@ carry the collectives' data (agreement and control frames, a pair the schedule d
 def sender_rates(before: npt.NDArray[np.float64], after: npt.NDArray[np.float64]) -> dict[Link, float]:
     """Link rates from the senders' kernel counters (``Transport.sent_counters``) gathered at two window ends: row
     ``src``, columns ``2·dst`` and ``2·dst + 1`` the bytes ``dst`` acknowledged and the seconds the network limited
-    sending to it (NaN: no counters). A link's rate is its bytes over that time, the time at least one jiffy
-    (runtime/tcp/_tcpinfo.py: the kernel counts it in jiffies, so a link busy for less reads 0 and its rate is a
-    lower bound), over the links that carried data (:data:`DATA_LINK_SHARE`)."""
+    sending to it (NaN: no counters). A link's rate is its bytes over that time, the time at least
+    :data:`RESOLVED_BUSY_S` (the kernel counts it in jiffies: below that floor the rate is a lower bound, the same
+    for every such link), over the links that carried data (:data:`DATA_LINK_SHARE`)."""
     acked = after[:, 0::2] - before[:, 0::2]
     busy = after[:, 1::2] - before[:, 1::2]
     moved = np.nan_to_num(acked, nan=0.0)
     floor = DATA_LINK_SHARE * float(moved.max(initial=0.0))
     src, dst = np.nonzero((moved > 0) & (moved >= floor))
     return {
-        (int(s), int(d)): float(acked[s, d] / max(float(busy[s, d]), JIFFY_S))
+        (int(s), int(d)): float(acked[s, d] / max(float(busy[s, d]), RESOLVED_BUSY_S))
         for s, d in zip(src.tolist(), dst.tolist(), strict=True)
         if s != d
     }
