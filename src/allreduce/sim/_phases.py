@@ -124,25 +124,41 @@ _NEXT_PHASE: weakref.WeakKeyDictionary[Schedule, list[IntArray]] = weakref.WeakK
 
 def _next_phase(schedule: Schedule, phases: list[Phase]) -> list[IntArray]:
     """Per phase, for each of its flows, the first later phase with a flow of the same sender and receiver (the
-    number of phases if none): one sort of every flow by (connection, phase), computed once per schedule."""
+    number of phases if none), computed once per schedule."""
     known = _NEXT_PHASE.get(schedule)
     if known is not None and [k.size for k in known] == [len(p) for p in phases]:
         return known
-    n = schedule.world_size
-    count = len(phases)
-    index = np.repeat(np.arange(count, dtype=np.int64), [len(p) for p in phases])
-    key = np.concatenate([p.src.astype(np.int64) * n + p.dst for p in phases]) if phases else index
-    # connection-major, phase-minor: the next phase of a connection is the first value above (key, own phase)
-    combined = key * (count + 1) + index
-    ordered = np.sort(combined)
-    at = np.searchsorted(ordered, combined + 1, side="left")
-    found = np.minimum(at, ordered.size - 1)
-    same = (at < ordered.size) & (ordered[found] // (count + 1) == key)
-    following = np.where(same, ordered[found] % (count + 1), count)
+    connections = _Connections(schedule.world_size, phases)
+    following = connections.first_phase(connections.keys, connections.index + 1)
     bounds = np.cumsum([0] + [len(p) for p in phases])
-    result = [following[bounds[i] : bounds[i + 1]] for i in range(count)]
+    result = [following[bounds[i] : bounds[i + 1]] for i in range(len(phases))]
     _NEXT_PHASE[schedule] = result
     return result
+
+
+class _Connections:
+    """Every flow of ``phases`` as its connection (sender * world_size + receiver) and phase, sorted
+    connection-major, phase-minor: the first phase at or after a given one with a flow on a connection is then
+    one search."""
+
+    def __init__(self, world_size: int, phases: list[Phase]) -> None:
+        self.count = len(phases)
+        self.index = np.repeat(np.arange(self.count, dtype=np.int64), [len(p) for p in phases])
+        self.keys = (
+            np.concatenate([p.src.astype(np.int64) * world_size + p.dst for p in phases]) if phases else self.index
+        )
+        self.ordered = np.sort(self.keys * (self.count + 1) + self.index)
+
+    def first_phase(self, key: IntArray, earliest: IntArray | int) -> IntArray:
+        """For each connection ``key``, the first phase at or after ``earliest`` with a flow on it (the number of
+        phases if none)."""
+        span = self.count + 1
+        if not self.ordered.size:
+            return np.full(key.size, self.count, dtype=np.int64)
+        at = np.searchsorted(self.ordered, key * span + earliest, side="left")
+        found = self.ordered[np.minimum(at, self.ordered.size - 1)]
+        same = (at < self.ordered.size) & (found // span == key)
+        return np.where(same, found % span, self.count)
 
 
 @dataclass(frozen=True, eq=False)
@@ -386,21 +402,19 @@ def _data_follow_gaps(world_size: int, steps: list[_AgreementStep], data: Sequen
     """Per agreement step, per sender: how long after its frame the same connection (sender to receiver) carries
     the collective's data: the agreement's later steps, then the data phases before the first that sends on that
     connection (each step as long as its longest flow, as :func:`_with_follow_gaps`); inf if none does."""
-    out = []
+    count = len(data)
+    connections = _Connections(world_size, [d.phase for d in data])
+    step_s = [float(d.seconds.max(initial=0.0)) * d.phase.repeat for d in data]
     src = np.arange(world_size, dtype=np.int64)
+    out = []
     for s, step in enumerate(steps):
-        key = src * world_size + step.dst
-        gap = np.full(world_size, math.inf)
-        pending = np.ones(world_size, dtype=np.bool_)
+        # before[j]: the later agreement steps, then the data phases 0 .. j-1, summed in that order
+        before = np.full(count + 1, math.inf)
         between = sum(later.seconds for later in steps[s + 1 :])
-        for d in data:
-            found = pending & np.isin(key, d.phase.src.astype(np.int64) * world_size + d.phase.dst)
-            gap[found] = between
-            pending &= ~found
-            if not pending.any():
-                break
-            between += float(d.seconds.max(initial=0.0)) * d.phase.repeat
-        out.append(gap)
+        for j in range(count):
+            before[j] = between
+            between += step_s[j]
+        out.append(before[connections.first_phase(src * world_size + step.dst, 0)])
     return out
 
 
