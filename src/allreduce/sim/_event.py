@@ -48,8 +48,7 @@ import numpy.typing as npt
 
 from allreduce.schedules import Schedule
 from allreduce.sim._fair import fill_dense
-from allreduce.sim._kernel import available as kernel_available
-from allreduce.sim._kernel import run_kernel
+from allreduce.sim._jit import ready as kernel_ready
 from allreduce.sim._layout import Layout, Problem, Transfers, match_transfers
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
@@ -404,7 +403,9 @@ def run_core(
     pay, else the per-event core in Python. All three give the same result (to rounding: see docs/design.md).
     ``start_s`` and ``extra_s``: as :class:`Layout` has them."""
     count = len(problem[2])
-    if kernel_available():
+    if kernel_ready():
+        from allreduce.sim._kernel import run_kernel  # numba loads with the first run that needs it
+
         run = Layout(*problem, start_s=start_s, extra_s=extra_s)
         if count:
             run_kernel(run, progress)

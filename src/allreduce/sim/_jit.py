@@ -1,38 +1,64 @@
 """Whether the event engine's compiled cores run, and how they are compiled: numba (the optional ``fast``
 extra) when it is installed and the environment variable ``ALLREDUCE_SIM_KERNEL`` is not ``numpy`` (which
-forces the pure numpy/Python cores, so tests can compare the two)."""
+forces the pure numpy/Python cores, so tests can compare the two).
+
+numba is imported when a run first needs the compiled core (:func:`ready`), not with the simulator: its import
+and the loading of the cached kernel cost about 0.6 CPU-seconds, which a run on the fast engine alone never
+repays. Until then :func:`available` answers from whether numba is installed."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
 
-
-def _load_numba() -> Any:
-    try:
-        import numba
-    except ImportError:  # the fast extra is not installed: the numpy cores run
-        return None
-    return numba
-
-
-numba: Any = _load_numba()
-
-__all__ = ["KERNEL_ENV", "available", "njit", "numba"]
+__all__ = ["KERNEL_ENV", "available", "load_numba", "njit", "ready"]
 
 # Set to "numpy" to run the pure numpy/Python cores even where numba is installed.
 KERNEL_ENV = "ALLREDUCE_SIM_KERNEL"
 
 
+@functools.cache
+def _installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
+@functools.cache
+def load_numba() -> Any:
+    """The numba module, imported on first use; None where it cannot be imported (the numpy cores run)."""
+    if not _installed():
+        return None
+    try:
+        import numba
+    except ImportError:  # installed but broken (say, built for another numpy): the numpy cores run
+        return None
+    return numba
+
+
 def available() -> bool:
-    """Whether the compiled kernel runs: numba is installed and not switched off by ALLREDUCE_SIM_KERNEL."""
-    return numba is not None and os.environ.get(KERNEL_ENV, "").strip().lower() != "numpy"
+    """Whether the compiled kernel runs: numba is installed and not switched off by ALLREDUCE_SIM_KERNEL (an
+    installed numba that fails to import is found out by :func:`ready`, and the numpy cores run instead)."""
+    return _installed() and os.environ.get(KERNEL_ENV, "").strip().lower() != "numpy"
+
+
+def ready() -> bool:
+    """:func:`available`, and numba imported: what a run checks before it takes the compiled kernel."""
+    return available() and load_numba() is not None
 
 
 def njit(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` compiled in nopython mode, cached on disk; itself without numba."""
+    numba = load_numba()
     if numba is None:
         return function
     compiled: Callable[..., Any] = numba.njit(cache=True)(function)
     return compiled
+
+
+def __getattr__(name: str) -> Any:
+    # ``numba`` as the compiled cores name it (``numba.objmode``): imported with the first of them.
+    if name == "numba":
+        return load_numba()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,8 +11,8 @@ import numpy.typing as npt
 
 from allreduce.schedules import Blame, Phase, Schedule, blame_key
 from allreduce.sim._event import Transfers, match_transfers, run_core
-from allreduce.sim._kernel import available as kernel_available
-from allreduce.sim._kernel import run_kernel
+from allreduce.sim._jit import available as kernel_available
+from allreduce.sim._jit import ready as kernel_ready
 from allreduce.sim._layout import Layout
 from allreduce.sim._routing import Router
 from allreduce.sim._simulate import AUTO_EXACT_MAX_RANKS
@@ -204,7 +204,9 @@ class Recorder:
         sample, transfer, seconds, key = sample[order], transfer[order], seconds[order], key[order]
         # The compiled core runs every sample on one layout (routes and slots built once).
         prepared = None
-        if kernel_available() and count and samples.size:
+        if kernel_ready() and count and samples.size:
+            from allreduce.sim._kernel import run_kernel  # numba loads with the first run that needs it
+
             prepared = Layout(self.schedule, router, self.transfers, size_bytes, rank_delay)
         for s in samples.tolist():
             lo, hi = np.searchsorted(sample, [s, s + 1])

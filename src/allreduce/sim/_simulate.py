@@ -12,7 +12,7 @@ from allreduce.schedules import Schedule
 from allreduce.sim._event import run_event
 from allreduce.sim._fast import run_fast_sizes
 from allreduce.sim._faults import Faults, apply_faults
-from allreduce.sim._kernel import available as kernel_available
+from allreduce.sim._jit import available as kernel_available
 from allreduce.sim._result import SimResult
 from allreduce.sim._routing import Router
 from allreduce.topology import PathTable, Topology, place

@@ -1,0 +1,42 @@
+"""numba (the compiled event core) is imported by the first run that needs it, not with the simulator: its import
+and the loading of the cached kernel cost a CLI run about 0.6 CPU-seconds that the fast engine never repays."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from allreduce.sim._jit import available
+
+pytestmark = pytest.mark.slow  # each starts an interpreter that imports numpy and the simulator
+
+SIMULATE = (
+    "import sys\n"
+    "from allreduce.schedules import all_reduce\n"
+    "from allreduce.sim import simulate\n"
+    "from allreduce.topology import parse_topology\n"
+    "simulate(all_reduce('double_binary_tree', 8), parse_topology('fat-tree:k=4'), size_bytes=2**20, engine={!r})\n"
+    "print('numba' in sys.modules)\n"
+)
+
+
+def _fresh_python(code: str) -> str:
+    """Run ``code`` in a new interpreter (nothing imported yet, unlike this test process); its output."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_importing_the_simulator_and_planner_leaves_numba_unimported() -> None:
+    assert _fresh_python("import sys, allreduce.sim, allreduce.plan; print('numba' in sys.modules)") == "False"
+
+
+def test_a_fast_engine_run_leaves_numba_unimported() -> None:
+    assert _fresh_python(SIMULATE.format("fast")) == "False"
+
+
+@pytest.mark.skipif(not available(), reason="numba (the fast extra) is not installed")
+def test_an_event_engine_run_imports_numba() -> None:
+    assert _fresh_python(SIMULATE.format("event")) == "True"
