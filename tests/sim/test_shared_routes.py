@@ -1,4 +1,5 @@
-"""Patterns shared between routers of one cluster, and the follow gaps of a tail's connections."""
+"""Patterns shared between routers of one cluster, and the follow gaps of a tail's connections (the collective's
+own flows and the agreement's frames before it)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from allreduce.schedules import all_reduce
-from allreduce.sim._phases import phase_data
+from allreduce.sim import LossModel
+from allreduce.sim._phases import _agreement_steps, _data_follow_gaps, phase_data
 from allreduce.sim._routing import Router
 from allreduce.topology import parse_topology, place
 
@@ -72,3 +74,35 @@ def test_follow_gaps_are_the_steps_until_the_connection_is_used_again(name: str,
     for d, expected in zip(data, _follow_gaps_by_definition(data, world_size), strict=True):
         assert d.follow_gap_s is not None
         np.testing.assert_array_equal(d.follow_gap_s, expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "placement", "every"),
+    [
+        ("ring", "linear", 1),
+        ("double_binary_tree", "random", 1),
+        ("halving_doubling", "random", 2),
+        ("recursive_doubling", "linear", 3),
+        ("hierarchical", "random", 1),
+    ],
+)
+def test_an_agreement_frame_waits_for_the_first_data_phase_on_its_connection(
+    name: str, placement: str, every: int
+) -> None:
+    # Every ``every``-th data phase only: connections the kept phases never use wait for nothing (inf).
+    topology = parse_topology("fat-tree:k=4")
+    router = Router(topology, np.asarray(place(16, topology, placement, seed=3), dtype=np.int64), None, 0)
+    schedule = all_reduce(name, 16, group_size=4) if name == "hierarchical" else all_reduce(name, 16)
+    link_loss = np.full(topology.num_links, 1e-6)
+    data = phase_data(schedule, router, 2**20, link_loss, connections=True)[::every]
+    steps = _agreement_steps(router, LossModel(1e-6, fabric="tcp"), link_loss)
+    step_s = [float(d.seconds.max(initial=0.0)) * d.phase.repeat for d in data]
+    for s, (step, gaps) in enumerate(zip(steps, _data_follow_gaps(16, steps, data), strict=True)):
+        for sender in range(16):
+            expected, between = math.inf, sum(later.seconds for later in steps[s + 1 :])
+            for d, seconds in zip(data, step_s, strict=True):
+                if np.any((d.phase.src == sender) & (d.phase.dst == step.dst[sender])):
+                    expected = between
+                    break
+                between += seconds
+            assert gaps[sender] == expected, f"agreement step {s}, sender {sender}"
