@@ -44,6 +44,27 @@ def test_a_router_of_another_seed_topology_or_placement_routes_its_own(change: s
     assert Router(topology, rank_gpu, None, seed).pattern(src, dst) is not first.pattern(src, dst)
 
 
+@pytest.mark.parametrize("slowed", ["unused", "used"])
+def test_a_topology_with_slower_links_takes_the_routes_and_the_rates_it_can(slowed: str) -> None:
+    # An oversubscribed tier or a degraded link (Topology.scaled) routes as the cluster does; the fair rates
+    # stay where no link the pattern uses was slowed, and are solved again where one was.
+    first = _router()
+    src = np.arange(16, dtype=np.int64)
+    dst = (src + 5) % 16
+    original = first.pattern(src, dst)
+    used = np.unique(original.routes.link)
+    links = used[:1] if slowed == "used" else np.setdiff1d(np.arange(first.topology.num_links), used)[:4]
+    slower = first.topology.scaled(links, 0.25)
+    pattern = Router(slower, first.rank_gpu, None, 0).pattern(src, dst)
+    fresh = Router(parse_topology("fat-tree:k=4").scaled(links, 0.25), first.rank_gpu, None, 0).pattern(src, dst)
+    assert pattern.routes is original.routes
+    assert (pattern.rate_Bps is original.rate_Bps) == (slowed == "unused")
+    np.testing.assert_array_equal(pattern.rate_Bps, fresh.rate_Bps)
+    np.testing.assert_array_equal(pattern.bottleneck_link, fresh.bottleneck_link)
+    if slowed == "used":
+        assert pattern.rate_Bps.min() < original.rate_Bps.min()
+
+
 def _follow_gaps_by_definition(data: list, world_size: int) -> list[np.ndarray]:
     """The gap of every flow by its definition: the steps of the phases between its own and the next one in
     which its connection carries a transfer, each as long as its longest flow; inf if none does."""
