@@ -20,7 +20,10 @@ from allreduce.plan import (
     step_seconds,
     step_time,
 )
-from allreduce.sim import Distribution, parse_distribution
+from allreduce.plan._planner import _Simulator
+from allreduce.schedules import all_reduce
+from allreduce.sim import Distribution, LossModel, TailConfig, parse_distribution, simulate_tail
+from allreduce.topology import parse_topology
 
 FABRIC = "fat-tree:k=4"  # 16 GPUs
 MiB = 2**20
@@ -146,3 +149,21 @@ def test_loss_zero_leaves_the_rows_out() -> None:
 def test_a_loss_probability_outside_0_1_is_refused() -> None:
     with pytest.raises(ValueError, match=r"--loss must be a probability in \[0, 1\), got 1.5"):
         plan(request(20 * MiB, 0.05), loss_probability=1.5)
+
+
+@pytest.mark.parametrize("name", ["double_binary_tree", "halving_doubling"])
+def test_a_tail_the_plan_runs_on_the_fast_engine_is_the_auto_tail_without_re_runs(name: str) -> None:
+    # Where the plan's engine is the fast one, its tails re-run no sample on the event engine: the same as
+    # engine "auto" with no budget for re-runs, sample for sample (and its noise is not recorded for them).
+    sim = _Simulator()
+    changed = request(20 * MiB, 0.1, engine="fast")
+    config = TailConfig(samples=40, seed=3, loss=LossModel(1e-4, fabric="tcp"), attribution=False)
+    got = sim.tail(changed, name, 16, 4 * MiB, config)
+    expected = simulate_tail(
+        all_reduce(name, 16), parse_topology(FABRIC), size_bytes=4 * MiB, config=config, exact_budget_s=0.0
+    )
+    assert got.lost_transfers.sum() > 0
+    assert not got.exact  # samples "auto" would re-run with a budget
+    for field in ("step_s", "collective_s", "lost_transfers", "timeouts", "sample_engine"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(expected, field), err_msg=field)
+    assert (got.baseline_s, got.exact) == (expected.baseline_s, expected.exact)

@@ -302,6 +302,9 @@ class _Simulator:
         """:func:`allreduce.sim.simulate_tail` of one bucket size under the request's topology, placement, faults
         (its uncertified samples re-run on the event engine only where :func:`plan_engine` would run it)."""
         exact = plan_engine(request.engine, gpus) != "fast"
+        if not exact and config.engine == "auto":
+            # No sample is re-run on the event engine: then the tail need not record their noise for it either.
+            config = dataclasses.replace(config, engine="fast")
         return simulate_tail(
             self.schedule(request, name, gpus),
             self.topology(request.topology, request.uplink_oversubscription),
