@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import Faults, SimResult, simulate, simulate_sizes
-from allreduce.topology import parse_topology
+from allreduce.sim._fast import run_fast_certified, run_fast_sizes
+from allreduce.sim._routing import Router
+from allreduce.topology import parse_topology, place
 
 RTOL = 1e-12
 ALGORITHMS = ["ring", "halving_doubling", "recursive_doubling", "double_binary_tree", "hierarchical"]
@@ -87,6 +89,23 @@ def test_sizes_the_fast_engine_cannot_certify_are_uncertified_alone_too() -> Non
     assert [r.exact for r in together] == [True, False, False]
     for size, result in zip(sizes, together, strict=True):
         assert_same(result, simulate(sched, topo, size_bytes=size, placement="random", seed=2, engine="fast"))
+
+
+@pytest.mark.parametrize(("sizes", "certified"), [([2.0**20, 2.0**26], False), ([0.0, 2.0**20], True)])
+def test_a_fast_run_for_certified_sizes_only_stops_once_none_is(sizes: list[float], certified: bool) -> None:
+    # What auto asks for: the results where some size keeps its certificate (the same as the full run), else
+    # nothing, the phases left not simulated.
+    topo = parse_topology("clos:leaves=4,spines=1,hosts_per_leaf=4,oversub=4")
+    sched = all_reduce("ring", 16)
+    router = Router(topo, np.asarray(place(16, topo, "random", seed=2), dtype=np.int64), None, 2)
+    got = run_fast_certified(sched, router, sizes_bytes=sizes, rank_delay_s=None, trace_ranks=4)
+    if not certified:
+        assert got is None
+        return
+    assert got is not None
+    full = run_fast_sizes(sched, router, sizes_bytes=sizes, rank_delay_s=None, trace_ranks=4)
+    for result, alone in zip(got, full, strict=True):
+        assert_same(result, alone)
 
 
 @pytest.mark.slow

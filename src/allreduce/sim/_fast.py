@@ -81,6 +81,7 @@ __all__ = [
     "phase_steps",
     "rates_fixed_under_any_timing",
     "run_fast",
+    "run_fast_certified",
     "run_fast_checked",
     "run_fast_sizes",
 ]
@@ -133,6 +134,33 @@ def run_fast_sizes(
     """The fast engine's result for every buffer size of ``sizes_bytes``, each the one that size gets alone
     (its ``exact`` says whether it is certified): one routing and fair-rate computation per phase for all of
     them, their clocks advanced together as columns (see the module docstring)."""
+    results = _run_sizes(schedule, router, sizes_bytes, rank_delay_s, trace_ranks, certified_only=False)
+    assert results is not None
+    return results
+
+
+def run_fast_certified(
+    schedule: Schedule,
+    router: Router,
+    *,
+    sizes_bytes: Sequence[float],
+    rank_delay_s: FloatArray | None,
+    trace_ranks: int,
+) -> list[SimResult] | None:
+    """:func:`run_fast_sizes`, for a caller that has no use for results not certified exact (it runs the event
+    engine for those): None, without simulating the phases left, once no size is certified."""
+    return _run_sizes(schedule, router, sizes_bytes, rank_delay_s, trace_ranks, certified_only=True)
+
+
+def _run_sizes(
+    schedule: Schedule,
+    router: Router,
+    sizes_bytes: Sequence[float],
+    rank_delay_s: FloatArray | None,
+    trace_ranks: int,
+    *,
+    certified_only: bool,
+) -> list[SimResult] | None:
     topology = router.topology
     n = schedule.world_size
     sizes = np.asarray(sizes_bytes, dtype=np.float64).reshape(-1)
@@ -157,6 +185,8 @@ def run_fast_sizes(
         latency = pattern.routes.latency_s
         flow_seconds = latency + transfer
         certificate.check(phase, pattern, clock=clock, nbytes=nbytes, flow_seconds=flow_seconds, delay=delay)
+        if certified_only and not certificate.exact.any():
+            return None
         before = clock[:, :k].copy()
         active = phase_steps(n, phase).active
         begin = np.take(clock, active, axis=1).min(axis=1)

@@ -10,7 +10,7 @@ import numpy as np
 
 from allreduce.schedules import Schedule
 from allreduce.sim._event import run_event
-from allreduce.sim._fast import run_fast_sizes
+from allreduce.sim._fast import run_fast_certified, run_fast_sizes
 from allreduce.sim._faults import Faults, apply_faults
 from allreduce.sim._jit import available as kernel_available
 from allreduce.sim._result import SimResult
@@ -144,11 +144,14 @@ def simulate_sizes(
 
     if engine == "event":
         return [event(size) for size in sizes]
-    results = run_fast_sizes(schedule, router, sizes_bytes=sizes, rank_delay_s=delay, trace_ranks=trace_ranks)
     if engine == "fast" or not auto_exact_affordable(schedule):
-        return results
-    # The fast run is cheap, and exact where it certified itself; only elsewhere pay for the event engine.
-    return [result if result.exact else event(size) for size, result in zip(sizes, results, strict=True)]
+        return run_fast_sizes(schedule, router, sizes_bytes=sizes, rank_delay_s=delay, trace_ranks=trace_ranks)
+    # The fast run is cheap, and exact where it certified itself; only elsewhere pay for the event engine (and
+    # once no size is certified, the fast run stops).
+    certified = run_fast_certified(schedule, router, sizes_bytes=sizes, rank_delay_s=delay, trace_ranks=trace_ranks)
+    if certified is None:
+        return [event(size) for size in sizes]
+    return [result if result.exact else event(size) for size, result in zip(sizes, certified, strict=True)]
 
 
 def _checked_size(size_bytes: object, name: str) -> float:
