@@ -91,13 +91,29 @@ def phase_data(
         if connections:
             # the reverse pattern, not just its routes: routers share patterns (see Router)
             ack_q, _ = packet_loss_probability(router.pattern(phase.dst, phase.src).routes, link_loss)
-            key = phase.src.astype(np.int64) * n + phase.dst
-            two_way = np.isin(phase.dst.astype(np.int64) * n + phase.src, key)
+            two_way = _two_way(n, phase)
         data = PhaseData(phase, steps.incidence, seconds, pattern, nbytes, q, hazard, blame, steps.cyclic, ack_q)
         out.append(replace(data, two_way=two_way))
     if connections:
         out = _with_follow_gaps(schedule, out)
     return out
+
+
+# Per phase object (a schedule keeps its phases): which of its flows' receivers send back to their sender in it.
+_TWO_WAY: weakref.WeakKeyDictionary[Phase, tuple[int, npt.NDArray[np.bool_]]] = weakref.WeakKeyDictionary()
+
+
+def _two_way(world_size: int, phase: Phase) -> npt.NDArray[np.bool_]:
+    """Per flow of ``phase``, whether its receiver sends data back to its sender in the same step; computed once
+    per phase (every tail of a plan's loss rows asks for every phase)."""
+    known = _TWO_WAY.get(phase)
+    if known is not None and known[0] == world_size:
+        return known[1]
+    key = phase.src.astype(np.int64) * world_size + phase.dst
+    two_way = np.isin(phase.dst.astype(np.int64) * world_size + phase.src, key)
+    two_way.flags.writeable = False  # every tail's phase data shares it
+    _TWO_WAY[phase] = (world_size, two_way)
+    return two_way
 
 
 def _with_follow_gaps(schedule: Schedule, data: list[PhaseData]) -> list[PhaseData]:
