@@ -1,5 +1,5 @@
-"""Patterns shared between routers of one cluster, and the follow gaps of a tail's connections (the collective's
-own flows and the agreement's frames before it)."""
+"""Patterns shared between routers of one cluster (and the tail's noise-free runs on them), and the follow gaps
+of a tail's connections (the collective's own flows and the agreement's frames before it)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
+from allreduce.sim._fast import run_fast, run_fast_checked
 from allreduce.sim._phases import _agreement_steps, _data_follow_gaps, phase_data
 from allreduce.sim._routing import Router
 from allreduce.topology import parse_topology, place
@@ -63,6 +64,26 @@ def test_a_topology_with_slower_links_takes_the_routes_and_the_rates_it_can(slow
     np.testing.assert_array_equal(pattern.bottleneck_link, fresh.bottleneck_link)
     if slowed == "used":
         assert pattern.rate_Bps.min() < original.rate_Bps.min()
+
+
+def test_the_tails_noise_free_run_is_shared_by_routers_of_one_cluster_and_size() -> None:
+    # Each loss model's tail of one bucket size begins with the same noise-free run: computed once.
+    first = _router()
+    schedule = all_reduce("double_binary_tree", 16)
+    result, exact = run_fast_checked(schedule, first, size_bytes=2**20, rank_delay_s=None, trace_ranks=0)
+    again = Router(first.topology, first.rank_gpu.copy(), None, 0)
+    assert run_fast_checked(schedule, again, size_bytes=2**20, rank_delay_s=None, trace_ranks=0)[0] is result
+    fresh = run_fast(schedule, _router(), size_bytes=2**20, rank_delay_s=None, trace_ranks=0)
+    assert (result.seconds, exact) == (fresh.seconds, fresh.exact)
+    np.testing.assert_array_equal(result.rank_end_s, fresh.rank_end_s)
+    slow = np.zeros(16)
+    slow[3] = 1e-3
+    for other in (
+        run_fast_checked(schedule, first, size_bytes=2**21, rank_delay_s=None, trace_ranks=0),
+        run_fast_checked(schedule, first, size_bytes=2**20, rank_delay_s=slow, trace_ranks=0),
+        run_fast_checked(schedule, _router(seed=1), size_bytes=2**20, rank_delay_s=None, trace_ranks=0),
+    ):
+        assert other[0] is not result
 
 
 def _follow_gaps_by_definition(data: list, world_size: int) -> list[np.ndarray]:

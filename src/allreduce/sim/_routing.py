@@ -138,6 +138,12 @@ class Router:
                 hashlib.blake2b(graph.encode() + where, digest_size=16).digest(),
             )
 
+    @property
+    def shared_key(self) -> bytes | None:
+        """What this router routes alike with every router that shares its patterns (topology object, placement,
+        routing, seed): a key for results computed on them; None for a table of paths."""
+        return None if self._shared is None else self._shared[0]
+
     def route_ranks(self, src: IntArray, dst: IntArray) -> Routes:
         """Routes of the flows src[f] -> dst[f] (ranks); ValueError naming ranks that cannot reach each other."""
         try:
