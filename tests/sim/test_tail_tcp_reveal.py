@@ -182,6 +182,28 @@ def test_a_held_burst_with_several_out_takes_the_probe_and_the_rtos_from_the_los
         assert abs((several == m).mean() - share) < Z * math.sqrt(share * (1 - share) / n)
 
 
+def test_a_held_burst_takes_a_data_tails_resends_but_not_a_control_frames() -> None:
+    # One-packet transfers, each lost by a burst (stay 0.75) on a chain held for 1 s. Data: the probe's resend at
+    # ~0.2 s meets the bad state, so the RTO fires after it three times in four. A control frame: the collective's
+    # other packets have moved the chain on, so the resend is lost only at the long-run rate (here 1e-9).
+    n, s = 20_000, 0.75
+
+    def fired(*, small: bool) -> IntArray:
+        transfers = LostTransfers(
+            np.full(n, 1e-9),
+            np.ones(n, dtype=np.int64),
+            np.full(n, RTT),
+            np.full(n, TAU),
+            bursts=Bursts(np.full(n, 1e-12), np.full(n, s), 1.0),
+            small=small,
+        )
+        return draw_repair_seconds(np.random.default_rng(12), EXACT, transfers)[1]
+
+    data = fired(small=False)
+    assert abs((data >= 2).mean() - s) < Z * math.sqrt(s * (1 - s) / n)
+    assert (fired(small=True) == 1).all()  # the one-packet probe, and no RTO
+
+
 def test_the_last_of_two_small_frames_is_probed_before_the_first_is_acknowledged() -> None:
     # Two sub-MSS frames, one lost. The first: the second's SACK arms the reordering timer (min_rtt/4 + 2 ms).
     # The second: the interactive receiver holds the first's ACK for 40 ms, so the probe armed with two out

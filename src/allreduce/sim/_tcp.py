@@ -55,7 +55,12 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   where one regime turns into the other is not established, so the rule stands as measured. A lost probe is
   such a loss too. With bursts (:class:`Bursts`) on a link whose chain is
   clocked by its own packets (the emulator's firewall), the resend after a probe or RTO is the next packet the
-  stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`);
+  stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`). Not so
+  for the runtime's control frames (agreement, barrier): their exchanges run on every connection at once and a
+  sender does not wait for its receiver, so the step's other frames, the next step's and the collective's data
+  on the ranks the loss does not hold cross the lossy links in the milliseconds after the burst, and each packet
+  that meets the bad state ends it with ``1/burst``; the probe, ``2·srtt`` or more later, finds the chain as
+  any packet does and is lost with the long-run rate;
 - several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
   together, so a transfer's delay is the largest of its losses' (NewReno's one hole per round trip is the
   ``rfc6298`` preset's sum);
@@ -402,7 +407,8 @@ class LostTransfers:
     interactive mode acknowledges those only with its delayed-ACK timer (``__tcp_ack_snd_check`` sends at once
     only for more than one full segment), so when the last of several is lost, the earlier ones are still
     unacknowledged when the probe armed with several packets out (``2·srtt + 2 ms``) fires: the probe resends
-    the last one, and the one-packet probe's ``rto_min`` is not paid."""
+    the last one, and the one-packet probe's ``rto_min`` is not paid. Nor does a held burst take their resends:
+    the collective's other packets cross the link first (the module docstring)."""
 
     q: FloatArray
     packets: IntArray
@@ -428,7 +434,9 @@ def draw_repair_seconds(
     fired = np.zeros(n, dtype=np.int64)
     lost = np.arange(n)
     position = first_loss(rng, q if bursts is None else bursts.entry_q, packets)
-    hold = None if bursts is None or bursts.hold_s <= 0 else (bursts.stay, bursts.entry_q, bursts.hold_s)
+    # a control frame's resend finds a chain the collective's other packets have moved on (the module docstring)
+    held = bursts is not None and bursts.hold_s > 0 and not transfers.small
+    hold = (bursts.stay, bursts.entry_q, bursts.hold_s) if held and bursts is not None else None
     previous = np.full(n, -2, dtype=np.int64)
     for _ in range(int(packets.max(initial=0)) + 1):
         if lost.size == 0:
