@@ -281,6 +281,21 @@ def gilbert_elliott(p: FloatArray, burst: float) -> tuple[FloatArray, FloatArray
     return entry, (1 - 1 / burst) + entry / burst
 
 
+def resend_loss(bursts: Bursts, packets_between: FloatArray) -> FloatArray:
+    """The probability that a resend is lost on a Gilbert–Elliott chain clocked by every packet that crosses the
+    link (:func:`gilbert_elliott`), when ``packets_between`` packets crossed it since the delivered one whose
+    SACK revealed the loss. That one left the chain good; a packet then finds it bad with ``b_k`` and is lost with
+    ``L_k = b_k + (1 − b_k)·g``, and the chain stays bad after it with ``a = 1 − 1/burst`` (``a = (stay − g)/(1 −
+    g)``), so ``b_(k+1) = a·L_k``: ``b_n = b*(1 − λ^n)`` with ``λ = a(1 − g)`` and ``b* = a·g/(1 − λ)``. The
+    resend is lost with ``L_n``: ``g`` right behind the delivered packet, the long-run rate after many. A chain
+    that went bad within the burst's own packets is that burst, already drawn; this is a new one."""
+    g = bursts.entry_q
+    stay_bad = (bursts.stay - g) / (1 - g)
+    decay = stay_bad * (1 - g)
+    bad = stay_bad * g / (1 - decay) * (1 - decay ** np.maximum(packets_between, 0.0))
+    return np.asarray(bad + (1 - bad) * g, dtype=np.float64)
+
+
 def next_loss(
     rng: np.random.Generator, q: FloatArray, bursts: Bursts | None, after: IntArray, which: IntArray
 ) -> IntArray:
@@ -347,12 +362,14 @@ def _one_loss(
     held: tuple[FloatArray, FloatArray, float] | None = None,
     unacked: npt.NDArray[np.bool_] | None = None,
     lost_before: npt.NDArray[np.bool_] | None = None,
+    resend_q: FloatArray | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """The delay one lost packet with ``after`` packets of its transfer behind it adds, and how many timers of
     the ``rto_min`` class (the one-packet probe, the RTO) fired. ``held``: (stay, entry_q, hold seconds) of a
     burst held by a silent link (:func:`_held_resends`); ``unacked``: the packets before it are small segments
     an interactive receiver acknowledges only with its delayed-ACK timer (see :class:`LostTransfers`);
-    ``lost_before``: the packet before it was lost too, so a lost last packet leaves several out."""
+    ``lost_before``: the packet before it was lost too, so a lost last packet leaves several out; ``resend_q``:
+    the probability that a repair sent on a SACK (not by the probe) is lost (:func:`resend_loss`; None: ``q``)."""
     mid = after >= DUPTHRESH
     cost_mid = np.maximum(tau, rtt + (DUPTHRESH + 1 - after) * tau)
     reo = rtt + tau + stack.timer(rng, REO_WND_FRACTION * rtt + TIMEOUT_MIN_S)
@@ -380,6 +397,11 @@ def _one_loss(
     fired = (probed & ~several).astype(np.int64)  # the one-packet probe's rto_min is paid
     # The repair lost again, m times in a row: the RTO, backed off.
     again = np.minimum(rng.geometric(1 - q) - 1, GIVE_UP_AFTER).astype(np.int64)
+    if resend_q is not None:
+        # the first resend on a SACK follows the packets that revealed the loss; the RTO's, 200 ms on, meet the
+        # chain as any packet does
+        first_lost = rng.random(after.size) < np.where(probed, q, resend_q)
+        again = np.where(first_lost, np.minimum(again + 1, GIVE_UP_AFTER), 0)
     if held is not None:
         again = np.where(probed, _held_resends(rng, held, cost, rto, several=several), again)
     if np.any(again > 0):
@@ -437,6 +459,13 @@ def draw_repair_seconds(
     # a control frame's resend finds a chain the collective's other packets have moved on (the module docstring)
     held = bursts is not None and bursts.hold_s > 0 and not transfers.small
     hold = (bursts.stay, bursts.entry_q, bursts.hold_s) if held and bursts is not None else None
+    # with bursts, a resend on a SACK is lost by a new burst starting on the link after the packets that crossed
+    # it in the round trip since the revealing one (the flow's own, at its rate: a lower bound on the link's)
+    resend_q = None
+    if bursts is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            between = np.where(packet_s > 0, rtt_s / packet_s, 0.0)
+        resend_q = resend_loss(bursts, between)
     previous = np.full(n, -2, dtype=np.int64)
     for _ in range(int(packets.max(initial=0)) + 1):
         if lost.size == 0:
@@ -453,6 +482,7 @@ def draw_repair_seconds(
             held=None if hold is None else (hold[0][lost], hold[1][lost], hold[2]),
             unacked=(position > 0) if transfers.small and stack.delayed_ack_s > 0 else None,
             lost_before=previous == position - 1,
+            resend_q=None if resend_q is None else resend_q[lost],
         )
         extra[lost] = np.maximum(extra[lost], cost)
         fired[lost] += timers
