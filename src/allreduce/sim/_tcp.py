@@ -60,7 +60,9 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   sender does not wait for its receiver, so the step's other frames, the next step's and the collective's data
   on the ranks the loss does not hold cross the lossy links in the milliseconds after the burst, and each packet
   that meets the bad state ends it with ``1/burst``; the probe, ``2·srtt`` or more later, finds the chain as
-  any packet does and is lost with the long-run rate;
+  any packet does and is lost with the long-run rate. A resend sent on SACKs follows the delivered packet that
+  revealed the loss, which left the chain good, so a new burst must start for it to be lost
+  (:func:`resend_loss`);
 - several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
   together, so a transfer's delay is the largest of its losses' (NewReno's one hole per round trip is the
   ``rfc6298`` preset's sum);
