@@ -23,6 +23,7 @@ from allreduce.sim._tcp import (
     gilbert_elliott,
     loss_window_packets,
     next_loss,
+    resend_loss,
 )
 from allreduce.topology import switch
 
@@ -125,7 +126,9 @@ def test_a_barrier_before_the_collective_doubles_the_agreements_losses() -> None
     topology = switch(4)
     router = Router(topology, np.arange(4), None, 0)
     link = np.full(topology.num_links, 0.01)
-    samples = 20_000
+    # the barrier's frames mostly cost little (the agreement frame after them reveals a loss), so the mean delay
+    # grows by about 5%: enough samples that the draws' noise stays below that
+    samples = 200_000
     once = agreement_delays(np.random.default_rng(5), router, samples, LossModel(fabric="tcp", tcp="linux"), link)
     twice = agreement_delays(
         np.random.default_rng(5), router, samples, LossModel(fabric="tcp", tcp="linux", barrier=True), link
@@ -164,6 +167,21 @@ def test_the_gilbert_elliott_closed_forms_are_the_emulators_chain() -> None:
     entry1, stay1 = gilbert_elliott(np.array([p]), 1.0)
     np.testing.assert_allclose([entry1[0], stay1[0]], [p, p])
     assert entry[0] < p
+
+
+@pytest.mark.slow
+def test_a_resend_behind_a_delivered_packet_is_lost_as_the_emulators_chain_loses_it() -> None:
+    # Packet by packet: the packet n + 1 places after a delivered one is lost with resend_loss(n), from g
+    # (n = 0, a burst starting at it) towards the long-run rate p.
+    p, burst = 0.05, 4.0
+    entry, stay = gilbert_elliott(np.array([p]), burst)
+    lost = _emulated_chain(p, burst, 400_000, seed=9)
+    delivered = np.flatnonzero(~lost[:-60])
+    for n in (0, 2, 8, 50):
+        expected = float(resend_loss(Bursts(entry, stay), np.array([float(n)]))[0])
+        measured = lost[delivered + 1 + n].mean()
+        assert abs(measured - expected) < Z * math.sqrt(expected * burst / delivered.size)
+    np.testing.assert_allclose(resend_loss(Bursts(entry, stay), np.array([0.0, 1e4])), [entry[0], p], rtol=1e-9)
 
 
 def test_a_burst_continues_with_the_stay_probability() -> None:

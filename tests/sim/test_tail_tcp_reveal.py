@@ -13,7 +13,17 @@ from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
 from allreduce.sim._phases import _ack_stalls, agreement_delays, phase_data
 from allreduce.sim._routing import Router
-from allreduce.sim._tcp import DELACK_MIN_S, LostTransfers, TcpStack, _held_resends, draw_repair_seconds
+from allreduce.sim._tcp import (
+    DELACK_MIN_S,
+    TIMEOUT_MIN_S,
+    Bursts,
+    LostTransfers,
+    TcpStack,
+    _held_resends,
+    _one_loss,
+    draw_repair_seconds,
+    window_reduction_seconds,
+)
 from allreduce.topology import FloatArray, IntArray, switch
 
 Z = 4.0
@@ -103,6 +113,114 @@ def test_a_burst_held_by_a_silent_link_takes_the_resends_until_it_expires() -> N
     for m, share in enumerate(expected):
         assert abs((again == m).mean() - share) < Z * math.sqrt(share * (1 - share) / n)
     assert again.max() == 2
+
+
+def _last_two(n: int, *, q: float, seed: int) -> tuple[FloatArray, IntArray]:
+    """Transfers of two packets: one lost uniformly at random (bursts start rarely), and a burst that starts at
+    the first always takes the second too; each resend lost with ``q``."""
+    transfers = LostTransfers(
+        np.full(n, q),
+        np.full(n, 2, dtype=np.int64),
+        np.full(n, RTT),
+        np.full(n, TAU),
+        bursts=Bursts(np.full(n, 1e-9), np.full(n, 1 - 1e-12)),
+    )
+    return draw_repair_seconds(np.random.default_rng(seed), EXACT, transfers)
+
+
+WINDOW = float(window_reduction_seconds(np.array([RTT]), np.array([TAU]))[0])
+
+
+def test_a_lost_tail_of_two_packets_is_probed_without_rto_min() -> None:
+    # Both lost: two packets out, so the probe is armed at 2*srtt + 2 ms (tcp_schedule_loss_probe adds rto_min
+    # only with one out), resends the last, and its SACK marks the first, one round trip later. The second alone:
+    # one packet out, the probe at 2*srtt + rto_min capped by the RTO.
+    n = 20_000
+    extra, fired = _last_two(n, q=1e-12, seed=8)
+    both = fired == 0
+    np.testing.assert_allclose(extra[both], 2 * (RTT + TAU) + 2 * RTT + TIMEOUT_MIN_S + WINDOW, rtol=1e-12)
+    np.testing.assert_allclose(extra[~both], RTT + TAU + RTT + 0.2 + WINDOW, rtol=1e-12)
+    assert abs(both.mean() - 0.5) < Z * math.sqrt(0.25 / n)
+
+
+def test_a_lost_probe_with_several_out_waits_for_the_rto_from_the_first_sending() -> None:
+    # The last packet lost with the one before it, and its probe too (q each resend): tcp_rearm_rto times the RTO
+    # from the head's first sending, so it fires RTO after the loss, not after the probe, and the backed-off
+    # ones follow: RTT + tau + RTO (2^m - 1) for m resends lost, every one an RTO.
+    n, q = 200_000, 0.3
+    extra, again = _one_loss(
+        np.random.default_rng(9),
+        EXACT,
+        np.zeros(n, dtype=np.int64),
+        q=np.full(n, q),
+        q_ack=np.zeros(n),
+        rtt=np.full(n, RTT),
+        tau=np.full(n, TAU),
+        gap=np.full(n, math.inf),
+        lost_before=np.ones(n, dtype=np.bool_),
+    )
+    rto = RTT + 0.2
+    assert again.max() >= 3
+    lost = again > 0
+    np.testing.assert_allclose(extra[lost], RTT + TAU + rto * (2.0 ** again[lost] - 1), rtol=1e-9)
+    np.testing.assert_allclose(extra[~lost], 2 * (RTT + TAU) + 2 * RTT + TIMEOUT_MIN_S, rtol=1e-12)
+    assert abs(lost.mean() - q) < Z * math.sqrt(q * (1 - q) / n)
+
+
+def test_a_held_burst_with_several_out_takes_the_probe_and_the_rtos_from_the_loss() -> None:
+    # Several out: the probe a few ms after the loss, then RTOs at 0.2, 0.6, 1.4 s from it; with a 0.7 s hold
+    # three resends meet the bad state. One out: 0.205, 0.405 and 0.805 s, two within it.
+    n, s = 200_000, 0.75
+    held = (np.full(n, s), np.zeros(n), 0.7)
+    several = _held_resends(
+        np.random.default_rng(10), held, np.full(n, 0.006), np.full(n, 0.2), several=np.ones(n, dtype=np.bool_)
+    )
+    one = _held_resends(np.random.default_rng(10), held, np.full(n, 0.205), np.full(n, 0.2))
+    assert several.max() == 3
+    assert one.max() == 2
+    for m, share in enumerate([1 - s, s * (1 - s), s * s * (1 - s), s**3]):
+        assert abs((several == m).mean() - share) < Z * math.sqrt(share * (1 - share) / n)
+
+
+def test_a_held_burst_takes_a_data_tails_resends_but_not_a_control_frames() -> None:
+    # One-packet transfers, each lost by a burst (stay 0.75) on a chain held for 1 s. Data: the probe's resend at
+    # ~0.2 s meets the bad state, so the RTO fires after it three times in four. A control frame: the collective's
+    # other packets have moved the chain on, so the resend is lost only at the long-run rate (here 1e-9).
+    n, s = 20_000, 0.75
+
+    def fired(*, small: bool) -> IntArray:
+        transfers = LostTransfers(
+            np.full(n, 1e-9),
+            np.ones(n, dtype=np.int64),
+            np.full(n, RTT),
+            np.full(n, TAU),
+            bursts=Bursts(np.full(n, 1e-12), np.full(n, s), 1.0),
+            small=small,
+        )
+        return draw_repair_seconds(np.random.default_rng(12), EXACT, transfers)[1]
+
+    data = fired(small=False)
+    assert abs((data >= 2).mean() - s) < Z * math.sqrt(s * (1 - s) / n)
+    assert (fired(small=True) == 1).all()  # the one-packet probe, and no RTO
+
+
+def test_a_resend_on_a_sack_is_lost_by_a_new_burst_not_at_the_long_run_rate() -> None:
+    # A long-run rate of 0.3 in bursts that almost never start (g = 1e-9), one loss uniform in a transfer of 50:
+    # repaired on the SACKs of the packets behind it, its resend, right behind a delivered packet, is lost only
+    # if a burst starts at it, so no timer fires but for the last packet's (1 in 50: the probe, 200 ms on, and
+    # its resend lost at the long-run rate); independent loss at 0.3 loses every resend three times in ten.
+    n = 20_000
+
+    def fired(bursts: Bursts | None) -> IntArray:
+        transfers = LostTransfers(
+            np.full(n, 0.3), np.full(n, 50, dtype=np.int64), np.full(n, RTT), np.full(n, TAU), bursts=bursts
+        )
+        return draw_repair_seconds(np.random.default_rng(13), EXACT, transfers)[1]
+
+    bursty = fired(Bursts(np.full(n, 1e-9), np.full(n, 1e-9)))
+    assert abs((bursty > 0).mean() - 1 / 50) < Z * math.sqrt(0.02 * 0.98 / n)
+    independent = fired(None)
+    assert (independent > 0).mean() > 0.25
 
 
 def test_the_last_of_two_small_frames_is_probed_before_the_first_is_acknowledged() -> None:

@@ -22,6 +22,12 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   ``tcp_schedule_loss_probe`` arms the probe at ``2·srtt + rto_min`` (not ``2·srtt + 2 ms``: with one
   packet out the receiver may be delaying its ACK), capped by the RTO: 204–208 ms on a stock kernel. The probe
   resends the last packet: ``RTT + τ + timer``;
+- ``k = 0`` with the packet before it lost too (a burst took the transfer's tail, or two losses did): several
+  packets are out, so the probe is armed at ``2·srtt + 2 ms`` and resends the last, whose SACK marks the others
+  (RACK, no reordering window in recovery), one round trip later: ``2·(RTT + τ) + timer``. Where the probe is
+  lost, the RTO is timed from the head of the queue's first sending (``tcp_rearm_rto`` offsets it by the time
+  elapsed), so it fires ``RTO`` after the loss and replaces the probe's wait: ``RTT + τ + timer(RTO)``, then
+  the backoff below;
 - what comes next on the connection: a collective sends many transfers on one connection, and the sender
   starts the next one when it is ready, whether or not the receiver has all of this one. ``gap`` after this
   transfer's end the next transfer's packets arrive, and their SACKs reveal the hole as above:
@@ -49,7 +55,14 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   where one regime turns into the other is not established, so the rule stands as measured. A lost probe is
   such a loss too. With bursts (:class:`Bursts`) on a link whose chain is
   clocked by its own packets (the emulator's firewall), the resend after a probe or RTO is the next packet the
-  stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`);
+  stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`). Not so
+  for the runtime's control frames (agreement, barrier): their exchanges run on every connection at once and a
+  sender does not wait for its receiver, so the step's other frames, the next step's and the collective's data
+  on the ranks the loss does not hold cross the lossy links in the milliseconds after the burst, and each packet
+  that meets the bad state ends it with ``1/burst``; the probe, ``2·srtt`` or more later, finds the chain as
+  any packet does and is lost with the long-run rate. A resend sent on SACKs follows the delivered packet that
+  revealed the loss, which left the chain good, so a new burst must start for it to be lost
+  (:func:`resend_loss`);
 - several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
   together, so a transfer's delay is the largest of its losses' (NewReno's one hole per round trip is the
   ``rfc6298`` preset's sum);
@@ -270,6 +283,21 @@ def gilbert_elliott(p: FloatArray, burst: float) -> tuple[FloatArray, FloatArray
     return entry, (1 - 1 / burst) + entry / burst
 
 
+def resend_loss(bursts: Bursts, packets_between: FloatArray) -> FloatArray:
+    """The probability that a resend is lost on a Gilbert–Elliott chain clocked by every packet that crosses the
+    link (:func:`gilbert_elliott`), when ``packets_between`` packets crossed it since the delivered one whose
+    SACK revealed the loss. That one left the chain good; a packet then finds it bad with ``b_k`` and is lost with
+    ``L_k = b_k + (1 − b_k)·g``, and the chain stays bad after it with ``a = 1 − 1/burst`` (``a = (stay − g)/(1 −
+    g)``), so ``b_(k+1) = a·L_k``: ``b_n = b*(1 − λ^n)`` with ``λ = a(1 − g)`` and ``b* = a·g/(1 − λ)``. The
+    resend is lost with ``L_n``: ``g`` right behind the delivered packet, the long-run rate after many. A chain
+    that went bad within the burst's own packets is that burst, already drawn; this is a new one."""
+    g = bursts.entry_q
+    stay_bad = (bursts.stay - g) / (1 - g)
+    decay = stay_bad * (1 - g)
+    bad = stay_bad * g / (1 - decay) * (1 - decay ** np.maximum(packets_between, 0.0))
+    return np.asarray(bad + (1 - bad) * g, dtype=np.float64)
+
+
 def next_loss(
     rng: np.random.Generator, q: FloatArray, bursts: Bursts | None, after: IntArray, which: IntArray
 ) -> IntArray:
@@ -293,14 +321,23 @@ def first_loss(rng: np.random.Generator, q: FloatArray, packets: IntArray) -> In
 
 
 def _held_resends(
-    rng: np.random.Generator, held: tuple[FloatArray, FloatArray, float], first_s: FloatArray, rto: FloatArray
+    rng: np.random.Generator,
+    held: tuple[FloatArray, FloatArray, float],
+    first_s: FloatArray,
+    rto: FloatArray,
+    *,
+    several: npt.NDArray[np.bool_] | None = None,
 ) -> IntArray:
-    """How many times in a row a packet a burst took is lost again when it is resent after the one-packet probe
-    (``first_s`` after the loss) and then after each backed-off RTO, on a chain held by a silent link
-    (:class:`Bursts`): the collective waits for this packet, so nothing else crosses the lossy link, and every
-    resend within ``hold_s`` of the burst meets the bad state the burst left, lost with ``stay``; a later one
-    meets the good state, lost only if a new burst starts (``entry_q``)."""
+    """How many times in a row a packet a burst took is lost again when it is resent by the probe (``first_s``
+    after the loss) and then by each backed-off RTO, on a chain held by a silent link (:class:`Bursts`): the
+    collective waits for this packet, so nothing else crosses the lossy link, and every resend within
+    ``hold_s`` of the burst meets the bad state the burst left, lost with ``stay``; a later one meets the good
+    state, lost only if a new burst starts (``entry_q``). The first RTO fires ``rto`` after the probe where one
+    packet was out (the probe resent the head of the queue and the timer restarts from it), and ``rto`` after
+    the loss where ``several`` were (``tcp_rearm_rto`` offsets the timer from the head's first sending); each
+    later one waits twice as long as the one before (``icsk_rto <<= 1``)."""
     stay, entry_q, hold_s = held
+    first_rto = first_s + rto if several is None else np.where(several, rto, first_s + rto)
     sent_at = first_s.copy()
     again = np.zeros(first_s.size, dtype=np.int64)
     going = np.ones(first_s.size, dtype=np.bool_)
@@ -310,7 +347,7 @@ def _held_resends(
         if not going.any():
             break
         again += going
-        sent_at = sent_at + np.minimum(rto * 2.0**j, RTO_MAX_S)
+        sent_at = first_rto if j == 0 else sent_at + np.minimum(rto * 2.0**j, RTO_MAX_S)
     return again
 
 
@@ -326,36 +363,58 @@ def _one_loss(
     gap: FloatArray,
     held: tuple[FloatArray, FloatArray, float] | None = None,
     unacked: npt.NDArray[np.bool_] | None = None,
+    lost_before: npt.NDArray[np.bool_] | None = None,
+    resend_q: FloatArray | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """The delay one lost packet with ``after`` packets of its transfer behind it adds, and how many timers of
     the ``rto_min`` class (the one-packet probe, the RTO) fired. ``held``: (stay, entry_q, hold seconds) of a
     burst held by a silent link (:func:`_held_resends`); ``unacked``: the packets before it are small segments
-    an interactive receiver acknowledges only with its delayed-ACK timer (see :class:`LostTransfers`)."""
+    an interactive receiver acknowledges only with its delayed-ACK timer (see :class:`LostTransfers`);
+    ``lost_before``: the packet before it was lost too, so a lost last packet leaves several out; ``resend_q``:
+    the probability that a repair sent on a SACK (not by the probe) is lost (:func:`resend_loss`; None: ``q``)."""
     mid = after >= DUPTHRESH
     cost_mid = np.maximum(tau, rtt + (DUPTHRESH + 1 - after) * tau)
     reo = rtt + tau + stack.timer(rng, REO_WND_FRACTION * rtt + TIMEOUT_MIN_S)
     rto = stack.rto(rtt)
     probe_one = rtt + tau + stack.timer(rng, np.minimum(2 * rtt + stack.rto_min_s, rto))
     probe_many = 2 * (rtt + tau) + stack.timer(rng, np.minimum(2 * rtt + TIMEOUT_MIN_S, rto))
-    alone = np.ones(after.size, dtype=np.bool_)  # the one-packet probe's rto_min is paid
+    # Several packets out when the last one is lost: the probe is armed at 2*srtt + 2 ms (tcp_schedule_loss_probe
+    # adds rto_min only with one out) and resends the last; where the ones before it were lost too, its SACK marks
+    # them (RACK, no reordering window in recovery) and they follow one round trip later.
+    several = np.zeros(after.size, dtype=np.bool_)
+    last = probe_one
+    if lost_before is not None:
+        several = lost_before.copy()
+        last = np.where(lost_before, probe_many, last)
     if unacked is not None:
-        # the packets before it are still unacknowledged when the probe armed with several out fires
-        probe_one = np.where(unacked, probe_many - rtt - tau, probe_one)
-        alone = ~unacked
+        # the packets before it are delivered but still unacknowledged: the probe's resend is all that is missing
+        last = np.where(unacked, probe_many - rtt - tau, last)
+        several |= unacked
     sacks_lost = rng.random(after.size) < q_ack ** np.maximum(after, 0)
-    tail = np.where(after == 0, probe_one, np.where(sacks_lost, probe_many, reo))
+    tail = np.where(after == 0, last, np.where(sacks_lost, probe_many, reo))
     follow = gap + 1.5 * rtt + (DUPTHRESH + 1 - after) * tau
+    probed = ~mid & (after == 0) & (last <= follow)
     tail = np.minimum(tail, follow)
     cost = np.where(mid, cost_mid, tail)
-    fired = (~mid & (after == 0) & alone & (probe_one <= follow)).astype(np.int64)
+    fired = (probed & ~several).astype(np.int64)  # the one-packet probe's rto_min is paid
     # The repair lost again, m times in a row: the RTO, backed off.
     again = np.minimum(rng.geometric(1 - q) - 1, GIVE_UP_AFTER).astype(np.int64)
+    if resend_q is not None:
+        # the first resend on a SACK follows the packets that revealed the loss; the RTO's, 200 ms on, meet the
+        # chain as any packet does
+        first_lost = rng.random(after.size) < np.where(probed, q, resend_q)
+        again = np.where(first_lost, np.minimum(again + 1, GIVE_UP_AFTER), 0)
     if held is not None:
-        again = np.where(fired > 0, _held_resends(rng, held, cost, rto), again)
+        again = np.where(probed, _held_resends(rng, held, cost, rto, several=several), again)
     if np.any(again > 0):
+        # With several out, the RTO after a lost probe is timed from the head's first sending (tcp_rearm_rto
+        # offsets it by the time elapsed): it replaces the probe's wait instead of following it.
+        from_head = probed & several & (again > 0)
+        first = np.minimum(follow, rtt + tau + stack.timer(rng, rto))
+        cost = np.where(from_head, first, cost)
         backoff = np.zeros(after.size)
         for j in range(int(again.max())):
-            waiting = again > j
+            waiting = (again > j) & ~(from_head & (j == 0))
             backoff[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0**j, RTO_MAX_S))
         cost = cost + backoff
         fired += again
@@ -372,7 +431,8 @@ class LostTransfers:
     interactive mode acknowledges those only with its delayed-ACK timer (``__tcp_ack_snd_check`` sends at once
     only for more than one full segment), so when the last of several is lost, the earlier ones are still
     unacknowledged when the probe armed with several packets out (``2·srtt + 2 ms``) fires: the probe resends
-    the last one, and the one-packet probe's ``rto_min`` is not paid."""
+    the last one, and the one-packet probe's ``rto_min`` is not paid. Nor does a held burst take their resends:
+    the collective's other packets cross the link first (the module docstring)."""
 
     q: FloatArray
     packets: IntArray
@@ -398,7 +458,17 @@ def draw_repair_seconds(
     fired = np.zeros(n, dtype=np.int64)
     lost = np.arange(n)
     position = first_loss(rng, q if bursts is None else bursts.entry_q, packets)
-    hold = None if bursts is None or bursts.hold_s <= 0 else (bursts.stay, bursts.entry_q, bursts.hold_s)
+    # a control frame's resend finds a chain the collective's other packets have moved on (the module docstring)
+    held = bursts is not None and bursts.hold_s > 0 and not transfers.small
+    hold = (bursts.stay, bursts.entry_q, bursts.hold_s) if held and bursts is not None else None
+    # with bursts, a resend on a SACK is lost by a new burst starting on the link after the packets that crossed
+    # it in the round trip since the revealing one (the flow's own, at its rate: a lower bound on the link's)
+    resend_q = None
+    if bursts is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            between = np.where(packet_s > 0, rtt_s / packet_s, 0.0)
+        resend_q = resend_loss(bursts, between)
+    previous = np.full(n, -2, dtype=np.int64)
     for _ in range(int(packets.max(initial=0)) + 1):
         if lost.size == 0:
             break
@@ -413,11 +483,14 @@ def draw_repair_seconds(
             gap=gap_s[lost],
             held=None if hold is None else (hold[0][lost], hold[1][lost], hold[2]),
             unacked=(position > 0) if transfers.small and stack.delayed_ack_s > 0 else None,
+            lost_before=previous == position - 1,
+            resend_q=None if resend_q is None else resend_q[lost],
         )
         extra[lost] = np.maximum(extra[lost], cost)
         fired[lost] += timers
+        previous = position
         position = next_loss(rng, q, bursts, position, lost)
         keep = position < packets[lost]
-        lost, position = lost[keep], position[keep]
+        lost, position, previous = lost[keep], position[keep], previous[keep]
     extra += window_reduction_seconds(rtt_s, packet_s)
     return extra, fired
