@@ -74,6 +74,9 @@ class Collective(enum.Enum):
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
     REDUCE = "reduce"
+    ALL_TO_ALL = "all_to_all"
+    GATHER = "gather"
+    SCATTER = "scatter"
 
 
 class Verb(enum.Enum):
@@ -258,7 +261,7 @@ class Schedule:
 
     ``segments`` cuts every transfer into that many pieces that the runtime streams back to back, so receiving
     (and reducing) piece k overlaps sending piece k+1; the data movement, and so the verification, is the same
-    as with one segment. ``root`` is the root rank of a broadcast or a reduce.
+    as with one segment. ``root`` is the root rank of a broadcast, a reduce, a gather or a scatter.
     """
 
     name: str
