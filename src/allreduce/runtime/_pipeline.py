@@ -212,7 +212,7 @@ class Pipeline:
             segments = integer_arg(segments, "segments")
             if segments < 1:
                 raise ValueError(f"segments must be a positive int, got {segments!r}")
-        buf = as_buffer(x, what)
+        buf = x if isinstance(x, Buffer) else as_buffer(x, what)  # all_to_all's packed buffer comes made
         dtype = buf.flat.dtype
         if op == "avg" and dtype.kind in "iu":
             raise TypeError(f"op: avg is not defined for integer dtype {dtype}; use sum and divide yourself")
@@ -318,9 +318,10 @@ class Pipeline:
         return run
 
     def _result(self, prepared: Prepared, buf: Buffer) -> Any:
-        """What the collective returns (its buffer, or reduce_scatter's block), written back if it was copied."""
+        """What the collective returns (its buffer, or reduce_scatter's and scatter's block), written back if it was
+        copied."""
         buf.write_back()
-        if prepared.collective is Collective.REDUCE_SCATTER:
+        if prepared.collective is Collective.REDUCE_SCATTER or prepared.collective is Collective.SCATTER:
             bounds = block_bounds(prepared.elements, self._group.world_size)
             rank = self._group.rank
             return buf.block(int(bounds[rank]), int(bounds[rank + 1]))

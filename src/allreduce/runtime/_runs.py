@@ -31,6 +31,8 @@ DETERMINISTIC = {Collective.ALL_REDUCE: "ring", Collective.REDUCE_SCATTER: "ring
 """deterministic=True: one fixed schedule per collective, so each element is reduced along one fixed chain of
 ranks for a given N whatever algorithm= says and whatever the transport."""
 
+_ROOTED = frozenset((Collective.BROADCAST, Collective.REDUCE, Collective.GATHER, Collective.SCATTER))
+
 # plan-cache keys of the group start with one of these (a transport's own keys start with its name)
 _SCHEDULE_KEY = "group-schedule"
 _RUN_KEY = "group-run"
@@ -175,7 +177,7 @@ class Runs:
                     f"algorithm: schedule {schedule.name!r} is for {schedule.world_size} ranks; "
                     f"this group has {world_size}"
                 )
-            if collective in (Collective.BROADCAST, Collective.REDUCE) and schedule.root != root:
+            if collective in _ROOTED and schedule.root != root:
                 raise ValueError(
                     f"algorithm: schedule {schedule.name!r} is rooted at rank {schedule.root}, but root={root}"
                 )
