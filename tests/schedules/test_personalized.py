@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from allreduce.schedules import (
     BRUCK_MAX_RANKS,
     Collective,
+    CostModel,
     Op,
     Schedule,
     ScheduleError,
@@ -26,6 +27,7 @@ from allreduce.schedules import (
     get_algorithm,
     make_schedule,
     pairwise_all_to_all,
+    predict,
     verify,
     verify_programs,
 )
@@ -126,8 +128,9 @@ def test_pairwise_takes_n_minus_1_steps_with_one_peer_each_and_sends_each_block_
         assert [op.peer for op in sends] == [(rank + k) % n for k in range(1, n)]
         assert [op.peer for op in program if op.verb is Verb.RECV_COPY] == [(rank - k) % n for k in range(1, n)]
         assert sorted(op.block_start for op in sends) == [rank * n + d for d in range(n) if d != rank]
-    # each rank sends (N-1)/N of its send buffer, which is 1/N of the N²-block buffer
-    assert np.allclose(schedule.bytes_sent_per_rank(float(n * n)), n - 1)
+    # each rank sends (N-1)/N of its send buffer (the size the cost model is given), in N-1 flows of 1/N
+    assert np.allclose(schedule.bytes_sent_per_rank(float(n)), n - 1)
+    assert all(np.allclose(phase.fraction, 1 / n) for phase in schedule.phases())
 
 
 @pytest.mark.parametrize(("n", "steps"), [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (16, 4), (17, 5)])
@@ -158,3 +161,11 @@ def test_the_registry_lists_them_and_auto_may_choose_all_but_bruck() -> None:
     for collective in ("gather", "scatter"):
         assert set(algorithms(collective, automatic=True)) == {"binomial", "direct"}
         assert make_schedule(collective, "binomial", 6, root=4).root == 4
+
+
+def test_the_cost_model_predicts_pairwise_all_to_all_on_the_send_buffer() -> None:
+    n, size, model = 8, float(1 << 20), CostModel(latency_s=1e-6, bandwidth_Bps=1e9)
+    prediction = predict(pairwise_all_to_all(n), size, model)
+    assert prediction.seconds == pytest.approx((n - 1) * (1e-6 + size / n / 1e9))
+    assert prediction.bytes_sent_per_rank == pytest.approx((n - 1) / n * size)
+    assert prediction.busbw_Bps == pytest.approx(size / prediction.seconds * (n - 1) / n)

@@ -78,11 +78,10 @@ def bus_factor(collective: Collective, world_size: int) -> float:
     n = world_size
     if collective is Collective.ALL_REDUCE:
         return 2.0 * (n - 1) / n
-    if collective in (Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.GATHER, Collective.SCATTER):
+    if collective in (
+        Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_TO_ALL, Collective.GATHER, Collective.SCATTER
+    ):  # fmt: skip
         return (n - 1) / n
-    if collective is Collective.ALL_TO_ALL:
-        # the buffer is N² blocks, N times a rank's send buffer (nccl-tests: busbw = send buffer/time × (N-1)/N)
-        return (n - 1) / (n * n)
     return 1.0
 
 
