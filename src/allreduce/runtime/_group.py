@@ -46,7 +46,7 @@ from allreduce.runtime._descriptor import DTYPES, OPS
 from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
-from allreduce.runtime._personalized import check_splits, pack_all_to_all, split_table
+from allreduce.runtime._personalized import WorkBuffers, check_splits, pack_all_to_all, split_table
 from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
 from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
 from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
@@ -181,6 +181,7 @@ class ProcessGroup:
         plans = PlanCache(PLAN_CACHE_ENTRIES)
         transport.plans = plans
         self._pipeline = Pipeline(self, transport, plans)
+        self._work_buffers = WorkBuffers(lambda size_bytes: self.empty(size_bytes, np.uint8))
         transport.injection = injection
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs about 1% of a 1 MiB call (0.7-1.4% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
@@ -419,7 +420,7 @@ class ProcessGroup:
             block = count // n
         else:
             block = split_table(in_parts, out_parts, lambda t: self.all_gather(t, tag=options.get("tag")), self.rank)
-        packed = pack_all_to_all(x, out, self.rank, n, in_parts, out_parts, block)
+        packed = pack_all_to_all(x, out, self.rank, n, in_parts, out_parts, block, self._work_buffers)
         return self._collective(Collective.ALL_TO_ALL, packed, None, algorithm, 0, async_op, options)
 
     def barrier(self, *, timeout_s: float | None = None, tag: str | None = None) -> None:

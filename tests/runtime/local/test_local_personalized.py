@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import MismatchError, ProcessGroup
+from allreduce.runtime._personalized import WorkBuffers
 from allreduce.schedules import Collective, algorithms, binomial_gather, make_schedule
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
@@ -117,3 +118,45 @@ def test_a_scatter_schedule_object_runs(ranks: Any, on_ranks: Any) -> None:
         return np.asarray(group.scatter(x, root=2, algorithm=schedule)).tolist()
 
     assert on_ranks(ranks(3), body) == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+def test_all_to_alls_in_flight_at_once_keep_their_own_buffers(ranks: Any, on_ranks: Any) -> None:
+    def body(group: ProcessGroup) -> bool:
+        n, r = group.world_size, group.rank
+        sends = [np.concatenate([_part(r, d, 5) + 10_000 * k for d in range(n)]) for k in range(4)]
+        works = [group.all_to_all(x, async_op=True) for x in sends]
+        results = [w.wait() for w in works]
+        return all(
+            np.array_equal(got, np.concatenate([_part(s, r, 5) + 10_000 * k for s in range(n)]))
+            for k, got in enumerate(results)
+        )
+
+    assert on_ranks(ranks(3), body) == [True] * 3
+
+
+def test_out_may_be_x_itself(ranks: Any, on_ranks: Any) -> None:
+    def body(group: ProcessGroup) -> bool:
+        n, r = group.world_size, group.rank
+        x = np.concatenate([_part(r, d, 4) for d in range(n)])
+        group.all_to_all(x, x)
+        return bool(np.array_equal(x, np.concatenate([_part(s, r, 4) for s in range(n)])))
+
+    assert on_ranks(ranks(3), body) == [True] * 3
+
+
+def test_work_buffers_are_reused_by_size_class_and_never_shared_in_flight() -> None:
+    made: list[int] = []
+
+    def allocate(size_bytes: int) -> np.ndarray[Any, Any]:
+        made.append(size_bytes)
+        return np.zeros(size_bytes, np.uint8)
+
+    buffers = WorkBuffers(allocate)
+    first, give_back = buffers.take(np.dtype(np.float32), 100)
+    second, _ = buffers.take(np.dtype(np.float32), 100)  # the first is still in use
+    assert first.shape == (100,)
+    assert not np.shares_memory(first, second)
+    give_back()
+    again, _ = buffers.take(np.dtype(np.float64), 60)  # 480 bytes: the same 512-byte class
+    assert np.shares_memory(again, first)
+    assert made == [512, 512]
