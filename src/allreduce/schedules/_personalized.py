@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from allreduce.schedules._algorithms import _check_root, _check_world_size, _sequence
+from allreduce.schedules._algorithms import _block_per_step, _check_root, _check_world_size, _sequence
 from allreduce.schedules._schedule import Collective, Schedule, Streams
 
 __all__ = [
@@ -35,23 +35,11 @@ quarter of a million at 256 ranks)."""
 def pairwise_all_to_all(world_size: int) -> Schedule:
     """Pairwise exchange: N-1 steps; at step k (1..N-1) rank r sends its block for rank r+k and receives rank r-k's
     block for it. Each rank sends (N-1)/N of its part, once, and talks to one peer per step."""
-    _check_world_size(world_size)
-    n = world_size
-    ranks = np.arange(n if n > 1 else 0, dtype=np.int64)
     # step k-1 of N-1: rank r sends block (r, r+k) = r·N + (r+k mod N) to rank r+k, which copies it.
-    streams = Streams.build(
-        src=ranks,
-        peer=(ranks + 1) % n,
-        peer_stride=1,
-        start=0,
-        steps=n - 1,
-        block_base=ranks * n,
-        block_offset=(ranks + 1) % n,
-        block_stride=1,
-        block_period=n,
-        reduce=False,
-    )
-    return Schedule("pairwise", Collective.ALL_TO_ALL, n, n * n, n - 1, streams)
+    return _block_per_step(
+        "pairwise", Collective.ALL_TO_ALL, world_size, peer_stride=1, block_shift=1, block_stride=1, reduce=False,
+        rows=True,
+    )  # fmt: skip
 
 
 def _rounds(world_size: int) -> int:
@@ -83,26 +71,29 @@ def bruck_all_to_all(world_size: int) -> Schedule:
     return Schedule("bruck", Collective.ALL_TO_ALL, n, n * n, steps, streams)
 
 
-def direct_gather(world_size: int, root: int = 0) -> Schedule:
-    """Every rank sends its block straight to the root, all in one step (linear gather)."""
+def _direct(collective: Collective, world_size: int, root: int) -> Schedule:
+    """One step between the root and every other rank r, carrying block r: to the root (gather), or from it."""
     _check_world_size(world_size)
     _check_root(world_size, root)
     n = world_size
     others = np.asarray([r for r in range(n) if r != root], dtype=np.int64)
+    to_root = collective is Collective.GATHER
+    streams = Streams.build(
+        src=others if to_root else root, peer=root if to_root else others, start=0, block_base=others, reduce=False
+    )
+    return Schedule("direct", collective, n, n, 1 if n > 1 else 0, streams, root=root)
+
+
+def direct_gather(world_size: int, root: int = 0) -> Schedule:
+    """Every rank sends its block straight to the root, all in one step (linear gather)."""
     # step 0: rank r sends its own block r to the root, which copies it.
-    streams = Streams.build(src=others, peer=root, start=0, block_base=others, reduce=False)
-    return Schedule("direct", Collective.GATHER, n, n, 1 if n > 1 else 0, streams, root=root)
+    return _direct(Collective.GATHER, world_size, root)
 
 
 def direct_scatter(world_size: int, root: int = 0) -> Schedule:
     """The root sends every rank its block, all in one step (linear scatter)."""
-    _check_world_size(world_size)
-    _check_root(world_size, root)
-    n = world_size
-    others = np.asarray([r for r in range(n) if r != root], dtype=np.int64)
     # step 0: the root sends block r to rank r, which copies it.
-    streams = Streams.build(src=root, peer=others, start=0, block_base=others, reduce=False)
-    return Schedule("direct", Collective.SCATTER, n, n, 1 if n > 1 else 0, streams, root=root)
+    return _direct(Collective.SCATTER, world_size, root)
 
 
 def _subtree_streams(world_size: int, root: int, moves: list[tuple[int, int, int, int]]) -> Streams:
