@@ -22,6 +22,7 @@ from allreduce.schedules import (
     binomial_gather,
     binomial_scatter,
     bruck_all_to_all,
+    direct_all_to_all,
     direct_gather,
     direct_scatter,
     get_algorithm,
@@ -46,7 +47,7 @@ def test_gather_and_scatter_verify_for_every_root(n: int, data: st.DataObject) -
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 33), generator=st.sampled_from([pairwise_all_to_all, bruck_all_to_all]))
+@given(n=st.integers(1, 33), generator=st.sampled_from([pairwise_all_to_all, bruck_all_to_all, direct_all_to_all]))
 def test_all_to_all_verifies(n: int, generator: Callable[[int], Schedule]) -> None:
     schedule = generator(n)
     assert schedule.collective is Collective.ALL_TO_ALL
@@ -155,8 +156,8 @@ def test_binomial_gather_and_scatter_take_ceil_log2_n_steps_and_the_root_handles
         assert sorted(blocks) == [b for b in range(n) if b != n - 1]
 
 
-def test_the_registry_lists_them_and_auto_may_choose_all_but_bruck() -> None:
-    assert set(algorithms("all_to_all")) == {"pairwise", "bruck"}
+def test_the_registry_lists_them_and_auto_runs_pairwise_all_to_all() -> None:
+    assert set(algorithms("all_to_all")) == {"pairwise", "bruck", "direct"}
     assert algorithms("all_to_all", automatic=True) == ("pairwise",)
     for collective in ("gather", "scatter"):
         assert set(algorithms(collective, automatic=True)) == {"binomial", "direct"}
@@ -169,3 +170,9 @@ def test_the_cost_model_predicts_pairwise_all_to_all_on_the_send_buffer() -> Non
     assert prediction.seconds == pytest.approx((n - 1) * (1e-6 + size / n / 1e9))
     assert prediction.bytes_sent_per_rank == pytest.approx((n - 1) / n * size)
     assert prediction.busbw_Bps == pytest.approx(size / prediction.seconds * (n - 1) / n)
+
+
+def test_direct_all_to_all_is_one_step_of_every_pair() -> None:
+    schedule = direct_all_to_all(5)
+    assert schedule.num_steps == 1
+    assert sorted(op.peer for op in schedule.program(2) if op.verb is Verb.SEND) == [0, 1, 3, 4]

@@ -22,6 +22,7 @@ __all__ = [
     "binomial_gather",
     "binomial_scatter",
     "bruck_all_to_all",
+    "direct_all_to_all",
     "direct_gather",
     "direct_scatter",
     "pairwise_all_to_all",
@@ -40,6 +41,18 @@ def pairwise_all_to_all(world_size: int) -> Schedule:
         "pairwise", Collective.ALL_TO_ALL, world_size, peer_stride=1, block_shift=1, block_stride=1, reduce=False,
         rows=True,
     )  # fmt: skip
+
+
+def direct_all_to_all(world_size: int) -> Schedule:
+    """Every rank sends each other rank its block at once, one step (as Gloo and MPI's linear all-to-all post every
+    send and receive together): the fewest steps and bytes, every rank receiving from N-1 at once."""
+    _check_world_size(world_size)
+    n = world_size
+    src, offset = np.divmod(np.arange(n * (n - 1), dtype=np.int64), max(n - 1, 1))
+    dst = (src + offset + 1) % n
+    # step 0: rank r sends block (r, d) = r·N + d to every rank d != r, which copies it.
+    streams = Streams.build(src=src, peer=dst, start=0, block_base=src * n + dst, reduce=False)
+    return Schedule("direct", Collective.ALL_TO_ALL, n, n * n, 1 if n > 1 else 0, streams)
 
 
 def _rounds(world_size: int) -> int:
