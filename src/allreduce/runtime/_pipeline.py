@@ -364,7 +364,8 @@ class Pipeline:
 
     def _log(self, collective: Collective, schedule: Schedule, size_bytes: int, started: int, seq: int) -> None:
         seconds = (time.perf_counter_ns() - started) * 1e-9
-        predicted = predict(schedule, float(size_bytes), self._group.cost_model).seconds
+        caller_bytes = float(size_bytes) * schedule.buffer_blocks / schedule.num_blocks  # all-to-all: a row
+        predicted = predict(schedule, caller_bytes, self._group.cost_model).seconds
         print(
             f"[allreduce rank {self._group.rank}] seq={seq} {collective.value} {size_bytes} B "
             f"algorithm={schedule.name} predicted={predicted * 1e6:.1f}us measured={seconds * 1e6:.1f}us",

@@ -127,7 +127,8 @@ class Runs:
                 schedule = self.schedule(collective, name, 0, 1)
             except ValueError:
                 continue
-            predicted_s = predict_seconds(schedule, size_bytes, model)
+            # the model's size is a rank's buffer as its caller sees it (all-to-all: one row of the buffer here)
+            predicted_s = predict_seconds(schedule, size_bytes * schedule.buffer_blocks / schedule.num_blocks, model)
             if predicted_s < best_s:
                 best, best_s = name, predicted_s
         if not best:

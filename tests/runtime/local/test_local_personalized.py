@@ -160,3 +160,10 @@ def test_work_buffers_are_reused_by_size_class_and_never_shared_in_flight() -> N
     again, _ = buffers.take(np.dtype(np.float64), 60)  # 480 bytes: the same 512-byte class
     assert np.shares_memory(again, first)
     assert made == [512, 512]
+
+
+def test_auto_picks_among_the_automatic_algorithms_of_each_collective(ranks: Any) -> None:
+    group = ranks(4)[0]
+    assert group.choose_algorithm(4 * 4096, collective="all_to_all") == "pairwise"
+    for collective in ("gather", "scatter"):
+        assert group.choose_algorithm(4096, collective=collective) in algorithms(collective, automatic=True)
