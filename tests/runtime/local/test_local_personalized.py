@@ -6,8 +6,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from allreduce.runtime import MismatchError, ProcessGroup
+from allreduce.runtime import MismatchError, ProcessGroup, local_groups
 from allreduce.runtime._personalized import WorkBuffers
 from allreduce.schedules import Collective, algorithms, binomial_gather, make_schedule
 
@@ -167,3 +169,32 @@ def test_auto_picks_among_the_automatic_algorithms_of_each_collective(ranks: Any
     assert group.choose_algorithm(4 * 4096, collective="all_to_all") == "pairwise"
     for collective in ("gather", "scatter"):
         assert group.choose_algorithm(4096, collective=collective) in algorithms(collective, automatic=True)
+
+
+# on_ranks is a pure function: sharing it between examples is safe
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(world_size=st.integers(1, 5), segments=st.integers(1, 3), data=st.data())
+@pytest.mark.slow
+def test_any_split_matrix_lands_every_part_exactly(
+    on_ranks: Any, world_size: int, segments: int, data: st.DataObject
+) -> None:
+    algorithm = data.draw(st.sampled_from(algorithms(Collective.ALL_TO_ALL)), label="algorithm")
+    sizes = data.draw(
+        st.lists(st.lists(st.integers(0, 9), min_size=world_size, max_size=world_size), min_size=world_size,
+                 max_size=world_size),
+        label="sizes[src][dst]",
+    )  # fmt: skip
+
+    def body(group: ProcessGroup) -> bool:
+        r = group.rank
+        ins, outs = sizes[r], [sizes[s][r] for s in range(world_size)]
+        x = np.concatenate([_part(r, d, ins[d]) for d in range(world_size)])
+        out = group.all_to_all(x, algorithm=algorithm, input_splits=ins, output_splits=outs, segments=segments)
+        return bool(np.array_equal(out, np.concatenate([_part(s, r, outs[s]) for s in range(world_size)])))
+
+    groups = local_groups(world_size, timeout_s=10.0)
+    try:
+        assert on_ranks(groups, body) == [True] * world_size
+    finally:
+        for group in groups:
+            group.close()
