@@ -7,17 +7,17 @@ combinations it got wrong; one test per collective reads the report.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import time
-from collections.abc import Callable
+import itertools
+import os
+import signal
 from typing import Any
 
 import numpy as np
 import pytest
-from test_group_harness import SPAWN, free_port, kill_rounds, report, run_ranks
+from test_group_harness import report, run_ranks
 
 import allreduce
-from allreduce.runtime import DTYPES, CollectiveError
+from allreduce.runtime import DTYPES
 from allreduce.schedules import Collective, algorithms, block_bounds
 
 COLLECTIVES = ("all_to_all", "all_to_all_splits", "gather", "scatter", "async")
@@ -133,48 +133,24 @@ def test_every_algorithm_root_and_dtype_is_exact(matrix: tuple[str, list[dict[st
         assert result["failures"][collective] == [], f"rank {rank}: {result['failures'][collective][:10]}"
 
 
-def _looping_all_to_all(rank: int, n: int, port: int, started: Any, out: Any) -> None:
-    with allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=60) as group:
-        x = np.ones(n << 16, np.float32)  # 256 KiB per part: the kill lands in the data phase most of the time
-        group.all_to_all(x)
-        started.put(rank)
-        try:
-            while True:
+def _all_to_all_until_a_rank_dies(rank: int, n: int, port: int, out: Any, victim: int) -> None:
+    def body() -> None:
+        with allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=60) as group:
+            x = np.ones(n << 16, np.float32)
+            for call in itertools.count():
+                if rank == victim and call == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)  # mid-loop: its peers are in call 3, waiting for it
                 group.all_to_all(x)
-        except CollectiveError as exc:
-            out.put((rank, type(exc).__name__, exc.peer, str(exc), time.monotonic()))
 
-
-def _kill_launcher(repetitions: int, world_size: int, results: Any) -> None:
-    """Runs in one spawned process and forks each group from it."""
-    fork = mp.get_context("fork")
-
-    def start(rep: int, started: Any, out: Any) -> tuple[list[Any], Callable[[], None]]:
-        port = free_port()
-        procs = [
-            fork.Process(target=_looping_all_to_all, args=(r, world_size, port, started, out))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        return procs, lambda: None
-
-    results.put(kill_rounds(repetitions, world_size, start, report_timeout_s=30))
+    report(out, rank, body)
 
 
 @pytest.mark.slow
-def test_sigkill_mid_all_to_all_makes_every_other_rank_raise_naming_it() -> None:
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_a_rank_sigkilled_between_all_to_alls_makes_every_other_rank_raise_naming_it(victim: int) -> None:
     # a 60 s collective timeout: a PeerFailureError proves the death was seen by the peer watch, not the clock
-    results = SPAWN.Queue()
-    launcher = SPAWN.Process(target=_kill_launcher, args=(6, 3, results))
-    launcher.start()
-    runs = results.get(timeout=240)
-    launcher.join(timeout=30)
-    assert launcher.exitcode == 0
-    for victim, killed_at, reports in runs:
-        assert None not in reports, f"a survivor of the kill of rank {victim} never raised (hang)"
-        for rank, kind, peer, message, raised_at in reports:
-            assert rank != victim
-            assert kind == "PeerFailureError", message
-            assert peer == victim, message
-            assert raised_at >= killed_at
+    survivors = [r for r in range(3) if r != victim]
+    results = run_ranks(3, _all_to_all_until_a_rank_dies, victim, needed=survivors, timeout_s=120)
+    for rank in survivors:
+        assert f"rank {rank} raised PeerFailureError" in results[rank], results[rank]
+        assert f"rank {victim}" in results[rank]

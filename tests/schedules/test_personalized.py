@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import allreduce.schedules as generators
 from allreduce.schedules import (
     BRUCK_MAX_RANKS,
     Collective,
@@ -19,21 +20,14 @@ from allreduce.schedules import (
     ScheduleError,
     Verb,
     algorithms,
-    binomial_gather,
-    binomial_scatter,
-    bruck_all_to_all,
-    direct_all_to_all,
-    direct_gather,
-    direct_scatter,
     get_algorithm,
     make_schedule,
-    pairwise_all_to_all,
     predict,
     verify,
     verify_programs,
 )
 
-ROOTED = [binomial_gather, binomial_scatter, direct_gather, direct_scatter]
+ROOTED = [generators.binomial_gather, generators.binomial_scatter, generators.direct_gather, generators.direct_scatter]
 
 
 @settings(max_examples=60, deadline=None)
@@ -47,7 +41,12 @@ def test_gather_and_scatter_verify_for_every_root(n: int, data: st.DataObject) -
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 33), generator=st.sampled_from([pairwise_all_to_all, bruck_all_to_all, direct_all_to_all]))
+@given(
+    n=st.integers(1, 33),
+    generator=st.sampled_from(
+        [generators.pairwise_all_to_all, generators.bruck_all_to_all, generators.direct_all_to_all]
+    ),
+)
 def test_all_to_all_verifies(n: int, generator: Callable[[int], Schedule]) -> None:
     schedule = generator(n)
     assert schedule.collective is Collective.ALL_TO_ALL
@@ -78,7 +77,7 @@ def _retarget(schedule: Schedule, rank: int, index: int, block: int) -> list[lis
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(3, 9), data=st.data())
 def test_an_all_to_all_block_delivered_to_the_wrong_rank_is_caught(n: int, data: st.DataObject) -> None:
-    schedule = pairwise_all_to_all(n)
+    schedule = generators.pairwise_all_to_all(n)
     rank = data.draw(st.integers(0, n - 1))
     sends = [i for i, op in enumerate(schedule.program(rank)) if op.verb is Verb.SEND]
     index = data.draw(st.sampled_from(sends))
@@ -109,7 +108,7 @@ def test_a_dropped_gather_or_scatter_transfer_is_caught(collective: str, n: int,
 
 def test_a_scatter_that_sends_a_rank_the_wrong_block_is_caught() -> None:
     # rank 1 receives block 2 (the root's part for rank 2) where block 1 should be
-    schedule = direct_scatter(3, 0)
+    schedule = generators.direct_scatter(3, 0)
     with pytest.raises(ScheduleError, match=r"after scatter, rank 1 block 1 holds no data"):
         _check(schedule, _retarget(schedule, 0, 0, 2))
 
@@ -121,7 +120,7 @@ def test_all_to_all_needs_n_squared_blocks() -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
 def test_pairwise_takes_n_minus_1_steps_with_one_peer_each_and_sends_each_block_once(n: int) -> None:
-    schedule = pairwise_all_to_all(n)
+    schedule = generators.pairwise_all_to_all(n)
     assert schedule.num_steps == n - 1
     for rank in range(n):
         program = schedule.program(rank)
@@ -136,7 +135,7 @@ def test_pairwise_takes_n_minus_1_steps_with_one_peer_each_and_sends_each_block_
 
 @pytest.mark.parametrize(("n", "steps"), [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (16, 4), (17, 5)])
 def test_bruck_takes_ceil_log2_n_steps(n: int, steps: int) -> None:
-    assert bruck_all_to_all(n).num_steps == steps
+    assert generators.bruck_all_to_all(n).num_steps == steps
 
 
 def test_bruck_refuses_more_than_its_rank_cap() -> None:
@@ -149,7 +148,7 @@ def test_bruck_refuses_more_than_its_rank_cap() -> None:
 def test_binomial_gather_and_scatter_take_ceil_log2_n_steps_and_the_root_handles_each_block_once(
     n: int, steps: int
 ) -> None:
-    for generator, verb in ((binomial_gather, Verb.RECV_COPY), (binomial_scatter, Verb.SEND)):
+    for generator, verb in ((generators.binomial_gather, Verb.RECV_COPY), (generators.binomial_scatter, Verb.SEND)):
         schedule = generator(n, n - 1)
         assert schedule.num_steps == steps
         blocks = [b for op in schedule.program(n - 1) if op.verb is verb for b in range(op.block_start, op.block_stop)]
@@ -166,13 +165,13 @@ def test_the_registry_lists_them_and_auto_runs_pairwise_all_to_all() -> None:
 
 def test_the_cost_model_predicts_pairwise_all_to_all_on_the_send_buffer() -> None:
     n, size, model = 8, float(1 << 20), CostModel(latency_s=1e-6, bandwidth_Bps=1e9)
-    prediction = predict(pairwise_all_to_all(n), size, model)
+    prediction = predict(generators.pairwise_all_to_all(n), size, model)
     assert prediction.seconds == pytest.approx((n - 1) * (1e-6 + size / n / 1e9))
     assert prediction.bytes_sent_per_rank == pytest.approx((n - 1) / n * size)
     assert prediction.busbw_Bps == pytest.approx(size / prediction.seconds * (n - 1) / n)
 
 
 def test_direct_all_to_all_is_one_step_of_every_pair() -> None:
-    schedule = direct_all_to_all(5)
+    schedule = generators.direct_all_to_all(5)
     assert schedule.num_steps == 1
     assert sorted(op.peer for op in schedule.program(2) if op.verb is Verb.SEND) == [0, 1, 3, 4]
