@@ -171,6 +171,34 @@ def _collectives() -> dict[str, tuple[Case, Callable[[int, int], Any]]]:
 
     cases["all_to_all"] = (all_to_all, lambda r, n: torch.cat([torch.full((r + 1,), q * 10.0 + r) for q in range(n)]))
 
+    def complex_parts(q: int, n: int) -> list[torch.Tensor]:
+        # what rank q sends each rank d: d + 1 complex numbers, moved as (real, imaginary) pairs
+        return [torch.full((d + 1,), complex(q, d), dtype=torch.complex64) for d in range(n)]
+
+    def all_to_all_complex(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        send = [d + 1 for d in range(world_size)]
+        out = torch.zeros(world_size * (rank + 1), dtype=torch.complex64)
+        local = torch.cat(complex_parts(rank, world_size))
+        dist.all_to_all_single(out, local, [rank + 1] * world_size, send, group=group)
+        return out
+
+    cases["all_to_all_single, complex, uneven splits"] = (
+        all_to_all_complex,
+        lambda r, n: torch.cat([complex_parts(q, n)[r] for q in range(n)]),
+    )
+
+    def scatter_bool(group: Any, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        out = torch.zeros(3, dtype=torch.bool)
+        chunks = [torch.tensor([q % 2 == 0, True, q == 1]) for q in range(world_size)] if rank == 0 else None
+        dist.scatter(out, chunks, src=0, group=group)
+        return out
+
+    cases["scatter of bool"] = (scatter_bool, lambda r, n: torch.tensor([r % 2 == 0, True, r == 1]))
+
     def coalesced(group: Any, rank: int, world_size: int) -> Any:
         import torch.distributed as dist
 
@@ -369,6 +397,20 @@ def _profiled_names() -> list[str]:
     return [event.name for event in prof.events() if event.name.startswith("allreduce.")]
 
 
+def _all_to_all_traffic(world_size: int) -> dict[str, Any]:
+    """all_to_all_single of 16 KiB per part: the profiler's label, and the bytes each link carried (the group's
+    stats of that one call)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.all_to_all_single(torch.empty(4096 * world_size), torch.ones(4096 * world_size))
+    group = dist.group.WORLD.allreduce_group  # torch hands out the Python backend itself as the group
+    links = {(link.src, link.dst): link.size_bytes for link in group.stats(last=1).links}
+    names = [event.name for event in prof.events() if event.name.startswith("allreduce.")]
+    return {"profiled": names, "links": links}
+
+
 def _imported_by_a_first_call() -> list[str]:
     """The modules the first (async, 16 MiB) all_reduce imports on the caller's thread."""
     import sys
@@ -400,6 +442,7 @@ def _worker() -> dict[str, Any]:
     out["wait timeout"] = _wait_with_a_timeout(rank)
     out["mismatched receive"] = _mismatched_receive(rank, world_size)
     out["profiled"] = _profiled_names()
+    out["all_to_all traffic"] = _all_to_all_traffic(dist.get_world_size())
     sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
     try:
         dist.all_reduce(sparse)
@@ -487,3 +530,14 @@ def test_the_profiler_records_every_call_with_its_size_algorithm_and_ranks(
         assert all_reduce.endswith(f" {world_size} ranks")
         assert all_reduce.split()[3] != "-", all_reduce  # the algorithm auto picked
         assert broadcast.startswith("allreduce.broadcast 128 B ")
+
+
+@pytest.mark.slow
+def test_all_to_all_single_runs_pairwise_and_each_link_carries_one_part(
+    results: tuple[int, list[dict[str, Any]]],
+) -> None:
+    n, per_rank = results
+    label = f"allreduce.all_to_all_single {2 * 4 * 4096 * n} B pairwise {n} ranks"
+    # every ordered pair of ranks exchanges exactly one 16 KiB part (an all-gather would move every part)
+    one_part_each = {(s, d): 4096 * 4 for s in range(n) for d in range(n) if s != d}
+    assert [out["all_to_all traffic"] for out in per_rank] == [{"profiled": [label], "links": one_part_each}] * n

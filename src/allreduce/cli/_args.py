@@ -70,7 +70,8 @@ def world_size_on(topology: Topology, ranks: int | None) -> int:
 
 @dataclass(frozen=True)
 class AlgorithmSelection:
-    """What ``--algorithm`` named: registered all-reduce algorithm names, and whether the user listed them."""
+    """What ``--algorithm`` named: registered algorithm names (of all-reduce unless re-read with
+    :meth:`for_collective`), and whether the user listed them."""
 
     names: tuple[str, ...]
     explicit: bool
@@ -78,6 +79,8 @@ class AlgorithmSelection:
     error: str | None = None
     """Why the value could not be resolved. Kept rather than raised so that the subcommand reports it as its
     one-line error (argparse would print its usage first); :meth:`checked` raises it."""
+    text: str = "all"
+    flag: str = "--algorithm"
 
     def checked(self) -> AlgorithmSelection:
         """This selection, or :class:`CLIError` with the reason it could not be resolved."""
@@ -85,27 +88,37 @@ class AlgorithmSelection:
             raise CLIError(self.error)
         return self
 
+    def for_collective(self, collective: Collective) -> AlgorithmSelection:
+        """The same words read as names of ``collective``'s algorithms (``--collective``)."""
+        return self if collective is Collective.ALL_REDUCE else select_algorithms(self.text, self.flag, collective)
+
+
+def select_algorithms(text: str, flag: str, collective: Collective = Collective.ALL_REDUCE) -> AlgorithmSelection:
+    """``text`` of ``flag`` as a selection of ``collective``'s algorithms: comma-separated registered names,
+    ``all``, and ``module:function`` or ``file.py:function`` specs, which are loaded (imported, verified,
+    registered) and stand for their name."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        return AlgorithmSelection((), explicit=True, error=f"{flag} is empty; name an algorithm or all")
+    names: list[str] = []
+    for item in items:
+        try:
+            if ":" in item:
+                names.append(load_algorithm(item).name)
+            elif item != "all":
+                names.append(get_algorithm(collective, item).name)
+        except ValueError as exc:
+            return AlgorithmSelection((), explicit=True, error=f"{flag}: {exc}", text=text, flag=flag)
+    if "all" in items:
+        return AlgorithmSelection(algorithms(collective), explicit=False, text=text, flag=flag)
+    return AlgorithmSelection(tuple(dict.fromkeys(names)), explicit=True, text=text, flag=flag)
+
 
 def algorithm_selection(flag: str) -> Callable[[str], AlgorithmSelection]:
-    """An argparse type for ``--algorithm``: comma-separated registered names, ``all``, and ``module:function``
-    or ``file.py:function`` specs, which are loaded (imported, verified, registered) and stand for their name."""
+    """An argparse type for ``--algorithm`` (see :func:`select_algorithms`), read as all-reduce algorithms."""
 
     def parse(text: str) -> AlgorithmSelection:
-        items = [item.strip() for item in text.split(",") if item.strip()]
-        if not items:
-            return AlgorithmSelection((), explicit=True, error=f"{flag} is empty; name an algorithm or all")
-        names: list[str] = []
-        for item in items:
-            try:
-                if ":" in item:
-                    names.append(load_algorithm(item).name)
-                elif item != "all":
-                    names.append(get_algorithm(Collective.ALL_REDUCE, item).name)
-            except ValueError as exc:
-                return AlgorithmSelection((), explicit=True, error=f"{flag}: {exc}")
-        if "all" in items:
-            return AlgorithmSelection(algorithms(Collective.ALL_REDUCE), explicit=False)
-        return AlgorithmSelection(tuple(dict.fromkeys(names)), explicit=True)
+        return select_algorithms(text, flag)
 
     return parse
 
@@ -143,6 +156,17 @@ def add_algorithm_argument(parser: argparse.ArgumentParser, *, default: str = "a
         type=algorithm_selection("--algorithm"),
         help="registered names, module:function or file.py:function specs of your own (loaded, verified and "
         f"registered), comma-separated, or all (default: {default})",
+    )
+
+
+def add_collective_argument(parser: argparse.ArgumentParser) -> None:
+    """``--collective`` as explain and sim take it: which collective's algorithms ``--algorithm`` names."""
+    parser.add_argument(
+        "--collective",
+        "-c",
+        default=Collective.ALL_REDUCE.value,
+        choices=[c.value for c in Collective],
+        help="the collective whose algorithms to model (default: all_reduce)",
     )
 
 

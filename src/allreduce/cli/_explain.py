@@ -1,4 +1,5 @@
-"""``allreduce explain``: every registered all-reduce algorithm under the α–β–γ model, the fastest, and why."""
+"""``allreduce explain``: every registered algorithm of a collective (all-reduce unless ``--collective`` names
+another) under the α–β–γ model, the fastest, and why."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from allreduce.cli._args import AlgorithmSelection, add_algorithm_argument, positive_bytes, positive_int
+from allreduce.cli._args import (
+    AlgorithmSelection,
+    add_algorithm_argument,
+    add_collective_argument,
+    positive_bytes,
+    positive_int,
+)
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
 from allreduce.schedules import (
@@ -73,6 +80,7 @@ class Explanation:
     candidates: tuple[Candidate, ...]  # fastest first
     skipped: tuple[str, ...]  # one line per algorithm left out, with the reason
     crossover_bytes: float | None  # where the two best swap places, if they do between 1 B and 1 PiB
+    collective: Collective = Collective.ALL_REDUCE
 
     @property
     def best(self) -> Candidate:
@@ -87,13 +95,14 @@ def _schedules(  # noqa: PLR0917 (one private call site)
     segments: int,
     selection: AlgorithmSelection,
     say: Callable[[str], None],
+    collective: Collective,
 ) -> tuple[list[tuple[Schedule, str]], list[str]]:
     chosen: list[tuple[Schedule, str]] = []
     skipped: list[str] = []
     names = selection.checked().names
     for index, name in enumerate(names):
         say(f"{name} ({index + 1} of {len(names)})")
-        entry = get_algorithm(Collective.ALL_REDUCE, name)
+        entry = get_algorithm(collective, name)
         limit = min(_QUADRATIC_MAX_RANKS, entry.max_ranks or _QUADRATIC_MAX_RANKS) if entry.quadratic else None
         all_limit = limit // 4 if limit is not None else 0
         if limit is not None and world_size > all_limit and not selection.explicit:
@@ -124,7 +133,7 @@ def _schedules(  # noqa: PLR0917 (one private call site)
             if "chunks" in entry.parameters:
                 schedule, detail = _best_chunks(name, world_size, size_bytes, model, segments, g, say)
             else:
-                schedule = make_schedule(Collective.ALL_REDUCE, name, world_size, group_size=g, segments=segments)
+                schedule = make_schedule(collective, name, world_size, group_size=g, segments=segments)
         except ValueError as exc:
             if selection.explicit:
                 raise
@@ -165,10 +174,12 @@ def explain(
     segments: int = 1,
     selection: AlgorithmSelection | None = None,
     progress: Callable[[str], None] | None = None,
+    collective: Collective = Collective.ALL_REDUCE,
 ) -> Explanation:
-    """Predict the selected all-reduce algorithms (default: every registered one) for ``world_size`` ranks and
-    ``size_bytes`` per rank. ``progress`` is told what is being modelled as the work goes on (at 131,072 ranks
-    every algorithm takes tens of seconds in all)."""
+    """Predict the selected algorithms of ``collective`` (default: every registered one) for ``world_size`` ranks
+    and ``size_bytes`` per rank (all-to-all: what each rank sends, all destinations together). ``progress`` is
+    told what is being modelled as the work goes on (at 131,072 ranks every algorithm takes tens of seconds in
+    all)."""
     say = progress or (lambda _text: None)
     if world_size < 1:
         raise ValueError(f"--ranks must be >= 1, got {world_size}")
@@ -188,11 +199,11 @@ def explain(
     if segments < 1:
         raise ValueError(f"--segments must be >= 1, got {segments}")
     if selection is None:
-        selection = AlgorithmSelection(algorithms(Collective.ALL_REDUCE), explicit=False)
-    chosen, skipped = _schedules(world_size, size_bytes, model, group_size, segments, selection, say)
+        selection = AlgorithmSelection(algorithms(collective), explicit=False)
+    chosen, skipped = _schedules(world_size, size_bytes, model, group_size, segments, selection, say, collective)
     if not chosen:
         raise CLIError("no algorithm left to explain: " + "; ".join(skipped))
-    order = algorithms(Collective.ALL_REDUCE)
+    order = algorithms(collective)
     say("predicting each algorithm")
     candidates = sorted(
         (Candidate(predict(s, size_bytes, model), detail, s) for s, detail in chosen),
@@ -202,7 +213,7 @@ def explain(
     if len(candidates) >= 2:
         say("the crossover of the two fastest")
         crossover = _crossover(candidates[0].schedule, candidates[1].schedule, size_bytes, model)
-    return Explanation(world_size, size_bytes, model, tuple(candidates), tuple(skipped), crossover)
+    return Explanation(world_size, size_bytes, model, tuple(candidates), tuple(skipped), crossover, collective)
 
 
 _TIE_RELATIVE = 1e-9
@@ -251,7 +262,8 @@ def render(e: Explanation) -> str:
     m = e.model
     gamma = "" if m.reduce_bandwidth_Bps is None else f", reduce {format_bandwidth(m.reduce_bandwidth_Bps)}"
     lines = [
-        f"All-reduce of {format_bytes(e.size_bytes)} per rank on {e.world_size} ranks "
+        f"{e.collective.value.replace('_', '-').capitalize()} of {format_bytes(e.size_bytes)} per rank on "
+        f"{e.world_size} ranks "
         f"(α = {format_seconds(m.latency_s)} per step, link {format_bandwidth(m.bandwidth_Bps)}{gamma})",
         "",
     ]
@@ -332,6 +344,7 @@ def why(e: Explanation) -> str:
 
 def as_json(e: Explanation) -> dict[str, object]:
     return {
+        "collective": e.collective.value,
         "ranks": e.world_size,
         "size_bytes": e.size_bytes,
         "algorithms": [
@@ -360,11 +373,13 @@ def as_json(e: Explanation) -> dict[str, object]:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "explain",
-        help="predict every all-reduce algorithm with the α–β–γ model and say which wins and why",
+        help="predict every algorithm of a collective with the α–β–γ model and say which wins and why",
         description=(
-            "Predict the time of every all-reduce algorithm for N ranks and a buffer of SIZE bytes per rank, "
-            "from each schedule's critical path under the α–β–γ model (α: per-step latency, β: 1/link bandwidth, "
-            "γ: 1/reduction bandwidth). algbw = SIZE/time; busbw = algbw × 2(N-1)/N (nccl-tests)."
+            "Predict the time of every algorithm of a collective (default all_reduce) for N ranks and a buffer of "
+            "SIZE bytes per rank (all_to_all: what each rank sends), from each schedule's critical path under the "
+            "α–β–γ model (α: per-step latency, β: 1/link bandwidth, γ: 1/reduction bandwidth). algbw = SIZE/time; "
+            "busbw = algbw × 2(N-1)/N for all_reduce, (N-1)/N for reduce_scatter, all_gather, all_to_all, gather "
+            "and scatter, 1 for broadcast and reduce (nccl-tests)."
         ),
         epilog="example: allreduce explain --ranks 1024 --size 1GiB --bandwidth 400Gbps --latency 5us --group-size 8",
     )
@@ -376,6 +391,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"number of ranks N (at most {MAX_EXPLAIN_RANKS:,})",
     )
     p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GB, 512")
+    add_collective_argument(p)
     p.add_argument("--bandwidth", required=True, help="link bandwidth per rank: 400Gbps, 100Gb/s, 50GB/s")
     p.add_argument("--latency", required=True, help="α, per-step latency: 5us, 2ms, 100ns")
     p.add_argument(
@@ -420,8 +436,9 @@ def run(args: argparse.Namespace) -> int:
             model,
             group_size=args.group_size,
             segments=args.segments,
-            selection=args.algorithm,
+            selection=args.algorithm.for_collective(Collective(args.collective)),
             progress=show if status else None,
+            collective=Collective(args.collective),
         )
     finally:
         if status:

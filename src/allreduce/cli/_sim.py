@@ -1,4 +1,5 @@
-"""``allreduce sim``: run all-reduce schedules on a cluster topology with the flow-level simulator."""
+"""``allreduce sim``: run all-reduce schedules (or another collective's, ``--collective``) on a cluster topology
+with the flow-level simulator."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TypeVar
 
 from allreduce.cli._args import (
     add_algorithm_argument,
+    add_collective_argument,
     add_mitigate_argument,
     non_negative_int,
     positive_bytes,
@@ -115,7 +117,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=positive_int("--ranks"),
         help=f"number of ranks (default: every GPU; at most {MAX_SIM_RANKS:,})",
     )
-    p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GiB")
+    p.add_argument("--size", required=True, help="bytes per rank: 4KiB, 64MiB, 1GiB (all_to_all: what each sends)")
+    add_collective_argument(p)
     add_algorithm_argument(p)
     p.add_argument("--group-size", type=positive_int("--group-size"), help="ranks per node for hierarchical")
     p.add_argument(
@@ -306,12 +309,13 @@ def _group_size(args: argparse.Namespace, topology: Topology, world_size: int) -
 
 
 def _schedules(args: argparse.Namespace, topology: Topology, world_size: int) -> tuple[list[Schedule], list[str]]:
-    selection = args.algorithm.checked()
+    collective = Collective(getattr(args, "collective", Collective.ALL_REDUCE.value))  # tail models all-reduce
+    selection = args.algorithm.for_collective(collective).checked()
     explicit = selection.explicit
     schedules: list[Schedule] = []
     skipped: list[str] = []
     for name in selection.names:
-        entry = get_algorithm(Collective.ALL_REDUCE, name)
+        entry = get_algorithm(collective, name)
         if entry.quadratic and world_size > DIRECT_MAX_RANKS and not explicit:
             skipped.append(f"{name}: left out above {DIRECT_MAX_RANKS} ranks (O(N^2) flows; ask for it by name)")
             continue
@@ -332,9 +336,7 @@ def _schedules(args: argparse.Namespace, topology: Topology, world_size: int) ->
                 skipped.append(why.replace("hierarchical", name, 1))
                 continue
         try:
-            schedules.append(
-                make_schedule(Collective.ALL_REDUCE, name, world_size, chunks=args.chunks, group_size=group_size)
-            )
+            schedules.append(make_schedule(collective, name, world_size, chunks=args.chunks, group_size=group_size))
         except ValueError as exc:
             if explicit:
                 raise
@@ -354,6 +356,7 @@ class Outcome:
     size_bytes: int
     results: list[SimResult]
     skipped: list[str]
+    collective: Collective = Collective.ALL_REDUCE
 
     @property
     def best(self) -> SimResult:
@@ -363,6 +366,7 @@ class Outcome:
 def as_json(outcome: Outcome, top: int) -> dict[str, object]:
     results, best = outcome.results, outcome.best
     return {
+        "collective": outcome.collective.value,
         "topology": outcome.topology.name,
         "ranks": outcome.world_size,
         "size_bytes": outcome.size_bytes,
@@ -409,10 +413,16 @@ def _error_range(name: str) -> str:
     return f"(~ {name}: {low:+.0%} to {high:+.0%} of the exact time, measured on 6 fabrics at 256 and 1,024 ranks)"
 
 
+def _collective_of(outcome: Outcome) -> str:
+    """The collective as the header names it: unnamed for all-reduce, the one sim runs unless told."""
+    return "" if outcome.collective is Collective.ALL_REDUCE else f"{outcome.collective.value} of "
+
+
 def render(outcome: Outcome, top: int, context: str) -> str:
     results, best = outcome.results, outcome.best
     lines = [
-        f"{outcome.world_size} ranks, {format_bytes(outcome.size_bytes)} per rank on {outcome.topology.name} "
+        f"{outcome.world_size} ranks, {_collective_of(outcome)}{format_bytes(outcome.size_bytes)} per rank on "
+        f"{outcome.topology.name} "
         f"({context})",
         "",
         f"{'algorithm':<20} {'time':>10} {'algbw':>11} {'busbw':>11}  {'engine':<6} slowest link (utilization)",
@@ -453,6 +463,8 @@ def run(args: argparse.Namespace) -> int:
     size = positive_bytes(args.size, flag="--size")
     faults = _faults(args, topology, world_size)
     placement = _placement(args.placement)
+    if args.mitigate and args.collective != Collective.ALL_REDUCE.value:
+        raise CLIError(f"--mitigate re-plans the all-reduce ring; it does not apply to --collective {args.collective}")
     if args.mitigate and not 2 <= world_size <= MAX_MITIGATE_RANKS:
         raise CLIError(f"--mitigate: re-planning is predicted for 2..{MAX_MITIGATE_RANKS:,} ranks, got {world_size:,}")
     schedules, skipped = _schedules(args, topology, world_size)
@@ -491,7 +503,7 @@ def run(args: argparse.Namespace) -> int:
             write_trace(args.trace, results)
         except OSError as exc:
             raise CLIError(f"--trace {args.trace}: cannot write it ({exc.strerror})") from None
-    outcome = Outcome(topology, world_size, size, results, skipped)
+    outcome = Outcome(topology, world_size, size, results, skipped, Collective(args.collective))
     mitigation = None
     if args.mitigate:
         mitigation = mitigate_ring(

@@ -19,7 +19,10 @@ Buffer conventions (``count`` elements, blocks of ``block_bounds(count, N)``, ra
 - ``all_gather(x)``: the inverse: on entry block r of ``x`` holds rank r's part (other blocks are ignored), on
   return every block is filled. ``all_gather(reduce_scatter(x)'s x)`` is an all-reduce;
 - ``broadcast(x, root)``: in place; ``reduce(x, root)``: the root's ``x`` receives the reduction, the other ranks'
-  ``x`` are left untouched (they reduce in a copy).
+  ``x`` are left untouched (they reduce in a copy);
+- ``gather(x, root)``: block r of every rank's ``x`` into block r of the root's; ``scatter(x, root)``: block r of
+  the root's ``x`` into rank r's block r, which it returns;
+- ``all_to_all(x, out)``: part d of ``x`` to rank d, part s of ``out`` from rank s (equal parts, or splits).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
@@ -43,6 +46,7 @@ from allreduce.runtime._descriptor import DTYPES, OPS
 from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
+from allreduce.runtime._personalized import WorkBuffers, check_splits, pack_all_to_all, split_table
 from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
 from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
 from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
@@ -86,6 +90,13 @@ def _defaults_only(options: Mapping[str, object]) -> bool:
         if default is _PLAIN_OPTIONS or value.__class__ is not default.__class__ or value != default:
             return False
     return True
+
+
+def _new_like(x: Any, size: int) -> Any:
+    """A new 1-D array (a tensor for a tensor) of ``size`` elements of ``x``'s dtype."""
+    if isinstance(x, np.ndarray):
+        return np.empty(size, dtype=x.dtype)
+    return x.new_empty(size)
 
 
 class MoveOptions(TypedDict, total=False):
@@ -170,6 +181,7 @@ class ProcessGroup:
         plans = PlanCache(PLAN_CACHE_ENTRIES)
         transport.plans = plans
         self._pipeline = Pipeline(self, transport, plans)
+        self._work_buffers = WorkBuffers(lambda size_bytes: self.empty(size_bytes, np.uint8))
         transport.injection = injection
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs about 1% of a 1 MiB call (0.7-1.4% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
@@ -368,6 +380,48 @@ class ProcessGroup:
     ) -> Any:  # fmt: skip
         """Reduce ``x`` over all ranks into the root's ``x`` (other ranks' ``x`` untouched); returns ``x``."""
         return self._collective(Collective.REDUCE, x, op, algorithm, root, async_op, options)
+
+    def gather(
+        self, x: Any, root: int = 0, algorithm: str | Schedule = "auto", async_op: bool = False,
+        **options: Unpack[MoveOptions],
+    ) -> Any:  # fmt: skip
+        """Collect every rank's block r of ``x`` (block r from rank r) into the root's ``x``; returns ``x``. The
+        other ranks' other blocks are work space (a tree passes its subtree's blocks through them)."""
+        return self._collective(Collective.GATHER, x, None, algorithm, root, async_op, options)
+
+    def scatter(
+        self, x: Any, root: int = 0, algorithm: str | Schedule = "auto", async_op: bool = False,
+        **options: Unpack[MoveOptions],
+    ) -> Any:  # fmt: skip
+        """Send block r of the root's ``x`` to rank r; returns this rank's block (a view into ``x``, whose other
+        blocks are work space on the other ranks)."""
+        return self._collective(Collective.SCATTER, x, None, algorithm, root, async_op, options)
+
+    def all_to_all(
+        self, x: Any, out: Any = None, algorithm: str | Schedule = "auto", async_op: bool = False, *,
+        input_splits: Sequence[int] | None = None, output_splits: Sequence[int] | None = None,
+        **options: Unpack[MoveOptions],
+    ) -> Any:  # fmt: skip
+        """Send part d of ``x`` to rank d, and receive rank s's part for this rank into part s of ``out``
+        (default: a new array like ``x``); returns ``out``. Parts are N equal slices, or ``input_splits`` and
+        ``output_splits`` elements (every rank's splits are all-gathered first: a blocking call; see
+        :mod:`._personalized`). ``x`` is read when the call is made; ``out`` is written when it completes."""
+        n = self.world_size
+        count = as_buffer(x, "all_to_all(x)", writable=False).flat.size
+        in_parts = check_splits(input_splits, count, n, "all_to_all(input_splits)")
+        if out is None:
+            size = count if output_splits is None else sum(int(s) for s in output_splits)
+            out = _new_like(x, size)
+        out_count = as_buffer(out, "all_to_all(out)").flat.size
+        out_parts = check_splits(output_splits, out_count, n, "all_to_all(output_splits)")
+        if input_splits is None and output_splits is None:
+            if count != out_count:
+                raise ValueError(f"all_to_all: out holds {out_count} elements, x {count}; they must match")
+            block = count // n
+        else:
+            block = split_table(in_parts, out_parts, lambda t: self.all_gather(t, tag=options.get("tag")), self.rank)
+        packed = pack_all_to_all(x, out, self.rank, n, in_parts, out_parts, block, self._work_buffers)
+        return self._collective(Collective.ALL_TO_ALL, packed, None, algorithm, 0, async_op, options)
 
     def barrier(self, *, timeout_s: float | None = None, tag: str | None = None) -> None:
         """Return once every rank has entered the barrier."""

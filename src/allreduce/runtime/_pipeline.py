@@ -212,7 +212,7 @@ class Pipeline:
             segments = integer_arg(segments, "segments")
             if segments < 1:
                 raise ValueError(f"segments must be a positive int, got {segments!r}")
-        buf = as_buffer(x, what)
+        buf = x if isinstance(x, Buffer) else as_buffer(x, what)  # all_to_all's packed buffer comes made
         dtype = buf.flat.dtype
         if op == "avg" and dtype.kind in "iu":
             raise TypeError(f"op: avg is not defined for integer dtype {dtype}; use sum and divide yourself")
@@ -318,9 +318,10 @@ class Pipeline:
         return run
 
     def _result(self, prepared: Prepared, buf: Buffer) -> Any:
-        """What the collective returns (its buffer, or reduce_scatter's block), written back if it was copied."""
+        """What the collective returns (its buffer, or reduce_scatter's and scatter's block), written back if it was
+        copied."""
         buf.write_back()
-        if prepared.collective is Collective.REDUCE_SCATTER:
+        if prepared.collective is Collective.REDUCE_SCATTER or prepared.collective is Collective.SCATTER:
             bounds = block_bounds(prepared.elements, self._group.world_size)
             rank = self._group.rank
             return buf.block(int(bounds[rank]), int(bounds[rank + 1]))
@@ -363,7 +364,8 @@ class Pipeline:
 
     def _log(self, collective: Collective, schedule: Schedule, size_bytes: int, started: int, seq: int) -> None:
         seconds = (time.perf_counter_ns() - started) * 1e-9
-        predicted = predict(schedule, float(size_bytes), self._group.cost_model).seconds
+        caller_bytes = float(size_bytes) * schedule.buffer_blocks / schedule.num_blocks  # all-to-all: a row
+        predicted = predict(schedule, caller_bytes, self._group.cost_model).seconds
         print(
             f"[allreduce rank {self._group.rank}] seq={seq} {collective.value} {size_bytes} B "
             f"algorithm={schedule.name} predicted={predicted * 1e6:.1f}us measured={seconds * 1e6:.1f}us",

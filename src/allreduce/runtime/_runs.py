@@ -31,6 +31,8 @@ DETERMINISTIC = {Collective.ALL_REDUCE: "ring", Collective.REDUCE_SCATTER: "ring
 """deterministic=True: one fixed schedule per collective, so each element is reduced along one fixed chain of
 ranks for a given N whatever algorithm= says and whatever the transport."""
 
+_ROOTED = frozenset((Collective.BROADCAST, Collective.REDUCE, Collective.GATHER, Collective.SCATTER))
+
 # plan-cache keys of the group start with one of these (a transport's own keys start with its name)
 _SCHEDULE_KEY = "group-schedule"
 _RUN_KEY = "group-run"
@@ -125,7 +127,8 @@ class Runs:
                 schedule = self.schedule(collective, name, 0, 1)
             except ValueError:
                 continue
-            predicted_s = predict_seconds(schedule, size_bytes, model)
+            # the model's size is a rank's buffer as its caller sees it (all-to-all: one row of the buffer here)
+            predicted_s = predict_seconds(schedule, size_bytes * schedule.buffer_blocks / schedule.num_blocks, model)
             if predicted_s < best_s:
                 best, best_s = name, predicted_s
         if not best:
@@ -175,7 +178,7 @@ class Runs:
                     f"algorithm: schedule {schedule.name!r} is for {schedule.world_size} ranks; "
                     f"this group has {world_size}"
                 )
-            if collective in (Collective.BROADCAST, Collective.REDUCE) and schedule.root != root:
+            if collective in _ROOTED and schedule.root != root:
                 raise ValueError(
                     f"algorithm: schedule {schedule.name!r} is rooted at rank {schedule.root}, but root={root}"
                 )

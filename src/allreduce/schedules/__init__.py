@@ -27,6 +27,16 @@ from allreduce.schedules._algorithms import (
 )
 from allreduce.schedules._author import Program, Step
 from allreduce.schedules._cost import Bandwidths, CostModel, Prediction, bus_factor, predict, predict_seconds
+from allreduce.schedules._personalized import (
+    BRUCK_MAX_RANKS,
+    binomial_gather,
+    binomial_scatter,
+    bruck_all_to_all,
+    direct_all_to_all,
+    direct_gather,
+    direct_scatter,
+    pairwise_all_to_all,
+)
 from allreduce.schedules._plugins import (
     ENTRY_POINT_GROUP,
     ENVIRONMENT_VARIABLE,
@@ -79,6 +89,7 @@ from allreduce.schedules._timing import (
 from allreduce.schedules._verify import ScheduleError, verify, verify_programs
 
 __all__ = [
+    "BRUCK_MAX_RANKS",
     "ENTRY_POINT_GROUP",
     "ENVIRONMENT_VARIABLE",
     "MAX_ALGORITHM_NAME_BYTES",
@@ -112,14 +123,20 @@ __all__ = [
     "binary_tree_broadcast",
     "binary_tree_reduce",
     "binomial_broadcast",
+    "binomial_gather",
     "binomial_reduce",
+    "binomial_scatter",
     "blame_key",
     "block_bounds",
+    "bruck_all_to_all",
     "bus_factor",
     "concat_streams",
     "direct_all_gather",
     "direct_all_reduce",
+    "direct_all_to_all",
+    "direct_gather",
     "direct_reduce_scatter",
+    "direct_scatter",
     "double_binary_tree_all_reduce",
     "get_algorithm",
     "halving_doubling_all_reduce",
@@ -129,6 +146,7 @@ __all__ = [
     "make_schedule",
     "naive_all_reduce",
     "ordered_ring",
+    "pairwise_all_to_all",
     "plugin_errors",
     "predict",
     "predict_seconds",

@@ -92,9 +92,11 @@ def _block_per_step(
     block_shift: int,
     block_stride: int,
     reduce: bool,
+    rows: bool = False,
 ) -> Schedule:
     """N-1 steps: at step j rank r sends block ``r + block_shift + j·block_stride`` to rank
-    ``r + 1 + j·peer_stride``, which reduces it into its copy (``reduce``) or copies it."""
+    ``r + 1 + j·peer_stride``, which reduces it into its copy (``reduce``) or copies it. With ``rows`` the buffer
+    is N rows of N blocks and rank r sends from its own row r (all-to-all's layout)."""
     _check_world_size(world_size)
     n = world_size
     ranks = np.arange(n if n > 1 else 0, dtype=np.int64)
@@ -104,13 +106,13 @@ def _block_per_step(
         peer_stride=peer_stride,
         start=0,
         steps=n - 1,
-        block_base=0,
+        block_base=ranks * n if rows else 0,
         block_offset=(ranks + block_shift) % n,
         block_stride=block_stride,
         block_period=n,
         reduce=reduce,
     )
-    return Schedule(name, collective, n, n, n - 1, streams)
+    return Schedule(name, collective, n, n * n if rows else n, n - 1, streams)
 
 
 def _reduce_scatter_then_all_gather(reduce_scatter: Schedule, all_gather: Schedule) -> Schedule:

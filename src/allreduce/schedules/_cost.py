@@ -78,7 +78,9 @@ def bus_factor(collective: Collective, world_size: int) -> float:
     n = world_size
     if collective is Collective.ALL_REDUCE:
         return 2.0 * (n - 1) / n
-    if collective in (Collective.REDUCE_SCATTER, Collective.ALL_GATHER):
+    if collective in (
+        Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_TO_ALL, Collective.GATHER, Collective.SCATTER
+    ):  # fmt: skip
         return (n - 1) / n
     return 1.0
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from allreduce.schedules import _algorithms as built_in
+from allreduce.schedules import _personalized as personalized
 from allreduce.schedules._author import Program
 from allreduce.schedules._schedule import Collective, Schedule
 from allreduce.schedules._verify import ScheduleError, verify
@@ -46,7 +47,8 @@ __all__ = [
 ]
 
 PARAMETERS: frozenset[str] = frozenset({"root", "chunks", "group_size"})
-"""The parameters a generator may declare besides ``world_size``: the root rank (broadcast, reduce), the number of
+"""The parameters a generator may declare besides ``world_size``: the root rank (broadcast, reduce, gather,
+scatter), the number of
 pipelined chunks (trees), and the ranks per host (hierarchical)."""
 
 MAX_ALGORITHM_NAME_BYTES = 24
@@ -399,6 +401,46 @@ def _register_builtins() -> None:
         (Collective.REDUCE, "binary_tree", built_in.binary_tree_reduce),
     ):
         register_algorithm(coll, name, build, origin="built-in", verify_on=None, automatic=True)
+    for coll, name, build, description in (
+        (Collective.GATHER, "binomial", personalized.binomial_gather, "subtrees handed in: ceil(log2 N) steps"),
+        (Collective.GATHER, "direct", personalized.direct_gather, "every rank sends to the root in one step"),
+        (Collective.SCATTER, "binomial", personalized.binomial_scatter, "subtrees handed out: ceil(log2 N) steps"),
+        (Collective.SCATTER, "direct", personalized.direct_scatter, "the root sends every rank its block"),
+    ):
+        register_algorithm(coll, name, build, description=description, origin="built-in", verify_on=None,
+                           automatic=True, quadratic=False)  # fmt: skip
+    register_algorithm(
+        Collective.ALL_TO_ALL,
+        "pairwise",
+        personalized.pairwise_all_to_all,
+        description="N-1 steps: at step k send to rank+k, receive from rank-k",
+        origin="built-in",
+        verify_on=None,
+        automatic=True,
+        quadratic=True,
+    )
+    register_algorithm(
+        Collective.ALL_TO_ALL,
+        "direct",
+        personalized.direct_all_to_all,
+        description="one step: every rank sends every other rank its block at once",
+        origin="built-in",
+        verify_on=None,
+        quadratic=True,
+    )
+    # Named only, as direct above: the α–β model ranks both ahead of pairwise (fewer steps, and direct no more
+    # bytes), but it sees neither incast nor that the runtime sends each block Bruck forwards as a transfer of its
+    # own (it saves steps, not messages); measured on 4 ranks, direct was no faster than pairwise over shm.
+    register_algorithm(
+        Collective.ALL_TO_ALL,
+        "bruck",
+        personalized.bruck_all_to_all,
+        description="ceil(log2 N) steps, blocks forwarded through ranks 2^k apart: for small messages",
+        origin="built-in",
+        verify_on=None,
+        max_ranks=personalized.BRUCK_MAX_RANKS,
+        quadratic=True,
+    )
 
 
 _register_builtins()

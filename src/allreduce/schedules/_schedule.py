@@ -74,6 +74,9 @@ class Collective(enum.Enum):
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
     REDUCE = "reduce"
+    ALL_TO_ALL = "all_to_all"
+    GATHER = "gather"
+    SCATTER = "scatter"
 
 
 class Verb(enum.Enum):
@@ -223,7 +226,8 @@ def concat_streams(parts: Sequence[Streams]) -> Streams:
 class Phase:
     """One flow pattern: concurrent transfers that ``repeat`` consecutive steps reuse.
 
-    ``fraction[i]`` is the share of the whole buffer that transfer ``i`` carries (so bytes = fraction × size);
+    ``fraction[i]`` is the share of a rank's buffer (:attr:`Schedule.buffer_blocks`) that transfer ``i`` carries
+    (so bytes = fraction × size);
     ``reduce[i]`` says whether the receiver reduces it. The blocks differ from step to step; the (src, dst,
     bytes) pattern does not.
     """
@@ -258,7 +262,7 @@ class Schedule:
 
     ``segments`` cuts every transfer into that many pieces that the runtime streams back to back, so receiving
     (and reducing) piece k overlaps sending piece k+1; the data movement, and so the verification, is the same
-    as with one segment. ``root`` is the root rank of a broadcast or a reduce.
+    as with one segment. ``root`` is the root rank of a broadcast, a reduce, a gather or a scatter.
     """
 
     name: str
@@ -287,6 +291,12 @@ class Schedule:
             f"Schedule({self.name!r}, {self.collective.value}, world_size={self.world_size}, "
             f"num_blocks={self.num_blocks}, steps={self.num_steps}, streams={len(self.streams)}{seg})"
         )
+
+    @property
+    def buffer_blocks(self) -> int:
+        """How many blocks make what a caller calls its buffer, the size the cost model and the simulator are
+        given: every block, but for all-to-all one row of the N² (its send buffer, of which every rank moves N)."""
+        return self.num_blocks // self.world_size if self.collective is Collective.ALL_TO_ALL else self.num_blocks
 
     def with_segments(self, segments: int) -> Schedule:
         """The same schedule with every transfer cut into ``segments`` pipelined pieces."""
@@ -403,12 +413,13 @@ class Schedule:
                 repeat=stop_i - first_i,
                 src=sub.src,
                 dst=dst,
-                fraction=sub.block_count.astype(np.float64) / self.num_blocks,
+                fraction=sub.block_count.astype(np.float64) / self.buffer_blocks,
                 reduce=sub.reduce,
             )
 
     def bytes_sent_per_rank(self, size_bytes: float) -> FloatArray:
-        """Bytes each rank sends over the whole collective, for a buffer of ``size_bytes``."""
+        """Bytes each rank sends over the whole collective, for a buffer of ``size_bytes`` (all-to-all: a send
+        buffer)."""
         s = self.streams
-        per_stream = s.steps.astype(np.float64) * s.block_count / self.num_blocks * size_bytes
+        per_stream = s.steps.astype(np.float64) * s.block_count / self.buffer_blocks * size_bytes
         return np.bincount(s.src, weights=per_stream, minlength=self.world_size).astype(np.float64)

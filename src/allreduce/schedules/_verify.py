@@ -28,8 +28,29 @@ class _Match:
 
 
 def _owner(block: int, world_size: int, num_blocks: int) -> int:
-    """Rank that owns ``block`` in reduce-scatter output / all-gather input (rank r owns the r-th N-th)."""
+    """Rank that owns ``block`` in reduce-scatter output / all-gather, gather and scatter (rank r owns the r-th
+    N-th)."""
     return block * world_size // num_blocks
+
+
+def _pair(block: int, world_size: int, num_blocks: int) -> tuple[int, int]:
+    """(source, destination) of an all-to-all block: block s·N + d of N² carries rank s's part for rank d."""
+    return divmod(block * world_size * world_size // num_blocks, world_size)
+
+
+def _initial_blocks(collective: Collective, rank: int, n: int, num_blocks: int, root: int) -> list[int | None]:
+    """What ``rank``'s blocks hold before the first step: the set of ranks whose data each block carries (None:
+    nothing yet). Scatter labels the root's block b with rank b, its destination, so that delivery is checked."""
+    blocks = range(num_blocks)
+    if collective in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE):
+        return [1 << rank] * num_blocks
+    if collective in (Collective.ALL_GATHER, Collective.GATHER):
+        return [1 << rank if _owner(b, n, num_blocks) == rank else None for b in blocks]
+    if collective is Collective.ALL_TO_ALL:
+        return [1 << rank if _pair(b, n, num_blocks)[0] == rank else None for b in blocks]
+    if collective is Collective.SCATTER:
+        return [1 << _owner(b, n, num_blocks) if rank == root else None for b in blocks]
+    return [1 << root if rank == root else None] * num_blocks  # broadcast
 
 
 def _raise_malformed(name: str, rank: int, op: Op, n: int, num_blocks: int) -> None:
@@ -121,14 +142,12 @@ def verify_programs(
         steps.append(grouped)
 
     # ---- initial state ------------------------------------------------------------------------------------
-    state: list[list[int | None]] = []
-    for rank in range(n):
-        if collective in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE):
-            state.append([1 << rank] * num_blocks)
-        elif collective is Collective.ALL_GATHER:
-            state.append([1 << rank if _owner(b, n, num_blocks) == rank else None for b in range(num_blocks)])
-        else:  # broadcast
-            state.append([1 << root if rank == root else None] * num_blocks)
+    if collective is Collective.ALL_TO_ALL and num_blocks % (n * n):
+        raise ScheduleError(
+            f"{name}: an all_to_all schedule cuts the buffer into a multiple of N² = {n * n} blocks "
+            f"(block s·N + d: rank s's part for rank d); it has {num_blocks}"
+        )
+    state = [_initial_blocks(collective, rank, n, num_blocks, root) for rank in range(n)]
 
     # ---- replay: a rank's step completes when every partner of its ops has posted them --------------------
     position = [0] * n  # index into steps[rank] of the step in progress
@@ -233,6 +252,12 @@ def verify_programs(
                 want = 1 << _owner(b, n, num_blocks)
             elif collective is Collective.BROADCAST:
                 want = 1 << root
+            elif collective is Collective.ALL_TO_ALL and _pair(b, n, num_blocks)[1] == rank:
+                want = 1 << _pair(b, n, num_blocks)[0]
+            elif (collective is Collective.GATHER and rank == root) or (
+                collective is Collective.SCATTER and _owner(b, n, num_blocks) == rank
+            ):
+                want = 1 << _owner(b, n, num_blocks)
             else:
                 continue
             if value != want:

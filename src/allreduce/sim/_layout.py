@@ -68,7 +68,7 @@ def match_transfers(schedule: Schedule) -> Transfers:
         src=src[order].astype(np.int32),
         dst=dst[order].astype(np.int32),
         step=step[order].astype(np.int32),
-        fraction=s.block_count[stream[order]].astype(np.float64) / schedule.num_blocks,
+        fraction=s.block_count[stream[order]].astype(np.float64) / schedule.buffer_blocks,
     )
 
 

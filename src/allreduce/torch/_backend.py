@@ -6,8 +6,9 @@ rank 0 publishes there the port of allreduce's own store (bound to a port the ke
 joins an allreduce process group (shared memory when all ranks share the host, TCP otherwise) with
 :func:`allreduce.runtime.init`. Nothing depends on the launcher: torchrun, ``allreduce run`` and variables set
 by hand all reach the backend through torch's store.
-``dist.all_reduce / broadcast / all_gather / all_gather_into_tensor / reduce_scatter / reduce_scatter_tensor /
-barrier`` then run allreduce's schedules on CPU tensors; ``dist.send / recv / isend / irecv / batch_isend_irecv``
+``dist.all_reduce / broadcast / reduce / all_gather / all_gather_into_tensor / reduce_scatter /
+reduce_scatter_tensor / gather / scatter / all_to_all / all_to_all_single / barrier`` then run allreduce's schedules
+on CPU tensors; ``dist.send / recv / isend / irecv / batch_isend_irecv``
 the group's point-to-point channels (:mod:`allreduce.runtime.p2p`).
 
 This relies on torch letting Python code implement a backend (``dist.Backend.register_backend`` and
@@ -134,6 +135,10 @@ _COLLECTIVE_OF = {
     "reduce_scatter": "reduce_scatter",
     "reduce_scatter_tensor": "reduce_scatter",
     "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all",
 }
 
 
@@ -390,14 +395,16 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
     def gather(
         self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        # An all-gather whose result only the root keeps.
+        # The group's gather: block r of a buffer of N blocks from rank r, into the root's.
         _check_cpu(input_tensors, "gather")
         root, rank, world_size = _root_of(opts), self._group.rank, self._group.world_size
         works, copies = [], []
         for i, local in enumerate(input_tensors):
-            flat = torch.empty(local.numel() * world_size, dtype=local.dtype)
-            works.append(self._start_all_gather(flat, local))
-            copies.append((flat, output_lists[i] if rank == root else [], local.numel()))
+            n = local.numel()
+            flat = torch.empty(n * world_size, dtype=local.dtype)
+            flat[rank * n : (rank + 1) * n] = local.reshape(-1)
+            works.append(self._group.gather(as_runtime_dtype(flat), root, async_op=True))
+            copies.append((flat, output_lists[i] if rank == root else [], n))
 
         def copy_out() -> None:
             for flat, outputs, n in copies:
@@ -410,7 +417,7 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
     def scatter(
         self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
-        # A broadcast of the root's N blocks, of which every rank keeps its own.
+        # The group's scatter: block r of the root's buffer of N blocks to rank r.
         _check_cpu(output_tensors, "scatter")
         root, rank, world_size = _root_of(opts), self._group.rank, self._group.world_size
         works, copies = [], []
@@ -420,7 +427,7 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
             if rank == root:
                 for r, block in enumerate(input_lists[i]):
                     flat[r * n : (r + 1) * n] = block.reshape(-1)
-            works.append(self._group.broadcast(as_runtime_dtype(flat), root, async_op=True))
+            works.append(self._group.scatter(as_runtime_dtype(flat), root, async_op=True))
             copies.append((flat, out, n))
 
         def copy_out() -> None:
@@ -430,33 +437,18 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
         return self._work(works, copy_out, output_tensors, "scatter")
 
     def _start_all_to_all(
-        self, outputs: list[torch.Tensor], local: torch.Tensor, send_counts: list[int], what: str
-    ) -> tuple[Any, Callable[[], Any]]:
-        """Start sending ``send_counts[r]`` consecutive elements of ``local`` (flat) to rank r, into ``outputs[r]``
-        (flat views, one per source rank): the ranks' counts are all-gathered first (a small call, waited for
-        here), then every rank's input, padded to the longest; each rank keeps what was sent to it."""
-        world_size, rank = self._group.world_size, self._group.rank
-        counts = torch.zeros(world_size * world_size, dtype=torch.int64)
-        self._start_all_gather(counts, torch.tensor(send_counts, dtype=torch.int64)).wait()
-        matrix = counts.view(world_size, world_size)
-        for src in range(world_size):
-            if int(matrix[src, rank]) != outputs[src].numel():
-                raise ValueError(
-                    f"{what}: rank {src} sends {int(matrix[src, rank])} elements to rank {rank}, which expects "
-                    f"{outputs[src].numel()}"
-                )
-        longest = int(matrix.sum(dim=1).max())
-        padded = torch.zeros(longest, dtype=local.dtype)
-        padded[: local.numel()] = local.reshape(-1)
-        flat = torch.empty(longest * world_size, dtype=local.dtype)
-        work = self._start_all_gather(flat, padded)
-
-        def keep_mine() -> None:
-            for src in range(world_size):
-                start = src * longest + int(matrix[src, :rank].sum())
-                outputs[src].copy_(flat[start : start + outputs[src].numel()].view(outputs[src].shape))
-
-        return work, keep_mine
+        self, out: torch.Tensor, local: torch.Tensor, splits: tuple[list[int], list[int]] | None
+    ) -> Any:
+        """Start the group's all-to-all of ``local`` into ``out`` (both flat and contiguous); ``splits`` (elements
+        sent to, received from each rank) None for equal parts, which need no exchange of sizes."""
+        if out.dtype != local.dtype:
+            raise TypeError(f"all_to_all: the output is {out.dtype}, the input {local.dtype}; they must match")
+        ins, outs = splits if splits is not None else (None, None)
+        if splits is not None and local.dtype.is_complex:  # moved as (real, imaginary) pairs
+            ins, outs = [2 * k for k in splits[0]], [2 * k for k in splits[1]]
+        return self._group.all_to_all(
+            as_runtime_dtype(local), as_runtime_dtype(out), async_op=True, input_splits=ins, output_splits=outs
+        )
 
     @_reported("all_to_all_single")
     def alltoall_base(
@@ -467,24 +459,20 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> Any:
-        # An all-gather of every rank's input, of which each rank keeps what was sent to it: N times the traffic.
+        # The group's all-to-all; without split sizes, N equal parts and no exchange of sizes.
         _check_cpu([output, local], "all_to_all_single")
         world_size = self._group.world_size
-        row_in = local[0].numel() if local.dim() and local.size(0) else 1
-        row_out = output[0].numel() if output.dim() and output.size(0) else 1
-        in_rows = list(input_split_sizes) or [local.size(0) // world_size] * world_size
-        out_rows = list(output_split_sizes) or [output.size(0) // world_size] * world_size
+        splits = None
+        if input_split_sizes or output_split_sizes:
+            row_in = local[0].numel() if local.dim() and local.size(0) else 1
+            row_out = output[0].numel() if output.dim() and output.size(0) else 1
+            in_rows = list(input_split_sizes) or [local.size(0) // world_size] * world_size
+            out_rows = list(output_split_sizes) or [output.size(0) // world_size] * world_size
+            splits = ([rows * row_in for rows in in_rows], [rows * row_out for rows in out_rows])
         target = output if output.is_contiguous() else torch.empty_like(output)
-        pieces, offset = [], 0
-        for rows in out_rows:
-            pieces.append(target.view(-1)[offset : offset + rows * row_out])
-            offset += rows * row_out
-        work, keep = self._start_all_to_all(
-            pieces, local.contiguous(), [rows * row_in for rows in in_rows], "all_to_all_single"
-        )
+        work = self._start_all_to_all(target.view(-1), local.contiguous().view(-1), splits)
 
         def finish() -> None:
-            keep()
             if target is not output:
                 output.copy_(target)
 
@@ -494,15 +482,20 @@ class _AllreduceBackend(_ProcessGroupBase):  # type: ignore[misc]
 
     @_reported("all_to_all")
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        # The group's all-to-all of the inputs laid end to end, whose sizes may differ: sizes exchanged first.
         _check_cpu([*outputs, *inputs], "all_to_all")
         local = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
-        work, keep = self._start_all_to_all(
-            [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in outputs],
-            local,
-            [t.numel() for t in inputs],
-            "all_to_all",
-        )
-        return self._work([work], keep, outputs, "all_to_all")
+        received = torch.empty(sum(t.numel() for t in outputs), dtype=local.dtype)
+        splits = ([t.numel() for t in inputs], [t.numel() for t in outputs])
+        work = self._start_all_to_all(received, local, splits)
+
+        def copy_out() -> None:
+            offset = 0
+            for t in outputs:
+                t.copy_(received[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+
+        return self._work([work], copy_out, outputs, "all_to_all")
 
     @_reported("barrier")
     def barrier(self, opts: Any = None) -> Any:
