@@ -11,6 +11,12 @@ printing busbw per window and the change re-planning made; one healthy, counting
     sudo .venv/bin/python benchmarks/bench_replan.py --emulated [--size 256KiB] [--calls 150]
         [--replan window=10,confirm=2] [--healthy-calls 2000]
 
+    .venv/bin/python benchmarks/bench_replan.py --tcp-healthy [--size 64KiB] [--healthy-calls 10000]
+        [--replan window=10,confirm=2] [--cost-pairs 5] [--cost-calls 2000]
+
+A healthy ring of 4 ranks over loopback TCP with re-planning on: the changes it makes (none is the goal), and what
+it costs: the median call with it over the median call without, in runs interleaved.
+
 The same over real TCP on an emulated cluster (``allreduce emulate``, root and iproute2 needed): a 1:1 Clos of 2
 leaves and 2 spines with 4 hosts each, links at ``--link-rate``, the cable leaf0<->spine0 at 10% of it, and the
 ranks placed interleaved (rank r on host 0,4,1,5,2,6,3,7[r]) so that every hop of the ring crosses a spine and the
@@ -252,6 +258,32 @@ def main_emulated(args: argparse.Namespace) -> None:
     print(f"wall {time.monotonic() - started:.0f} s; load {os.getloadavg()[0]:.1f}")
 
 
+def main_tcp_healthy(args: argparse.Namespace) -> None:
+    """A healthy ring over loopback TCP: the changes re-planning makes in ``--healthy-calls`` calls, and its cost
+    (median call with it over median call without, runs interleaved)."""
+    ranks, count = 4, max(1, parse_bytes(args.size, what="--size") // 4)
+    tcp = {"ALLREDUCE_TCP_UNIX": "0"}
+    print(f"bench_replan --tcp-healthy: {ranks} ranks over loopback TCP, ring all-reduce of {args.size}, "
+          f"ALLREDUCE_REPLAN={args.replan}; load {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores")  # fmt: skip
+    started = time.monotonic()
+    options = {"transport": "tcp"}
+    env = {**tcp, "ALLREDUCE_REPLAN": args.replan}
+    results = spawn(ranks, _loop, count, args.healthy_calls, env=env, init_options=options, timeout_s=7200)
+    changes = max(len(r[1]) for r in results)
+    print(f"  {changes} changes in {args.healthy_calls:,} calls ({time.monotonic() - started:.0f} s); "
+          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    ratios = []
+    for _ in range(args.cost_pairs):
+        medians = []
+        for extra in ({}, {"ALLREDUCE_REPLAN": args.replan}):
+            runs = spawn(ranks, _loop, count, args.cost_calls, env={**tcp, **extra}, init_options=options)
+            medians.append(float(np.median(np.max([r[0] for r in runs], axis=0))))
+        ratios.append(medians[1] / medians[0])
+    print(f"  cost: median call with re-planning over without, {args.cost_pairs} interleaved pairs of "
+          f"{args.cost_calls:,} calls: {', '.join(f'{r:.3f}' for r in ratios)} (median {np.median(ratios):.3f}); "
+          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         raise SystemExit(_worker(sys.argv[2]))
@@ -265,7 +297,13 @@ def main() -> None:
     parser.add_argument("--emulated", action="store_true", help="over TCP on an emulated Clos (root)")
     parser.add_argument("--link-rate", default="200Mbps", help="with --emulated: the links' shaped rate")
     parser.add_argument("--replan", default="window=10,confirm=2", help="with --emulated: ALLREDUCE_REPLAN")
+    parser.add_argument("--tcp-healthy", action="store_true", help="a healthy ring over loopback TCP: changes, cost")
+    parser.add_argument("--cost-pairs", type=int, default=5, help="with --tcp-healthy: runs with and without")
+    parser.add_argument("--cost-calls", type=int, default=2000, help="with --tcp-healthy: calls in each run")
     args = parser.parse_args()
+    if args.tcp_healthy:
+        main_tcp_healthy(args)
+        return
     if args.emulated:
         main_emulated(args)
         return

@@ -124,3 +124,39 @@ def test_a_link_is_slow_only_when_its_highest_rate_is_below_the_others_lowest() 
     assert slow_links(barely, 0.25) == frozenset()
     clearly = {**others, (0, 1): MeasuredRate(1e7, 5e6, 1.2e7)}
     assert slow_links(clearly, 0.25) == {(0, 1)}
+
+
+def _counted(rates: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """``rates`` as the kernel's counters give them: each within +-20%."""
+    return {link: MeasuredRate(rate, 0.8 * rate, 1.2 * rate) for link, rate in rates.items()}
+
+
+def _first_change(planner: Replanner, slow: dict[tuple[int, int], float]) -> tuple[int, ...]:
+    for _ in range(planner.rule.confirm_windows):
+        decision = planner.observe(_counted(_ring_rates(planner.order, slow)), size_bytes=SIZE, alpha_s=ALPHA)
+    assert decision is not None
+    return decision.order
+
+
+def _unmeasured_edge(order: tuple[int, ...]) -> tuple[int, int]:
+    identity_edges = _ring_rates(tuple(range(N)), {})
+    return next(e for e in ((order[i], order[(i + 1) % N]) for i in range(N)) if e not in identity_edges)
+
+
+def test_a_pair_the_new_order_uses_first_and_the_kernel_reads_slow_is_re_planned_after_one_window() -> None:
+    planner = Replanner(N, ReplanRule(confirm_windows=2))
+    order = _first_change(planner, {(3, 4): 1e7})
+    hidden = _unmeasured_edge(order)
+    second = planner.observe(_counted(_ring_rates(order, {hidden: 1e7})), size_bytes=SIZE, alpha_s=ALPHA)
+    assert second is not None
+    edges = set(_ring_rates(second.order, {}))
+    assert hidden not in edges
+    assert (3, 4) not in edges  # the first slow link is remembered
+
+
+def test_a_receivers_record_of_a_new_pair_is_confirmed_like_any_other() -> None:
+    planner = Replanner(N, ReplanRule(confirm_windows=2))
+    order = _first_change(planner, {(3, 4): 1e7})
+    hidden = _unmeasured_edge(order)
+    assert planner.observe(_ring_rates(order, {hidden: 1e7}), size_bytes=SIZE, alpha_s=ALPHA) is None
+    assert planner.observe(_ring_rates(order, {hidden: 1e7}), size_bytes=SIZE, alpha_s=ALPHA) is not None

@@ -19,6 +19,10 @@ The rule, with hysteresis so that noise never flaps the order:
   the new ring at least ``min_speedup`` times faster: a ring all-reduce of S bytes on N ranks takes
   ``2(N-1)·α + 2(N-1)/N · S / r_min`` (Patarasuk and Yuan, 2009), where ``r_min`` is the slowest link the ring
   uses, so the order that maximises ``r_min`` is the one to run;
+- the new order may use pairs never measured (rated at the median measured link until then): a pair that the
+  kernel's counters put below the ratio in the first window it is used is acted on at once (re-planned around
+  with everything measured so far), since the episode was confirmed already and a first measurement is not a
+  change; a receiver's record of it (no interval) is confirmed like any other;
 - a link the new order avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back to
   the original order for one window to look again (a healed link is then kept, a still slow one avoided again).
 
@@ -216,6 +220,7 @@ class Replanner:
     _streak: int = 0
     _since_change: int = 0
     _probing: bool = False
+    _refining: bool = False
     _last_rates: dict[Link, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -238,11 +243,14 @@ class Replanner:
             return Decision(identity, "probing the original ring order: avoided links are not measured", 1.0)
         self._streak = self._streak + 1 if slow and slow == self._seen else (1 if slow else 0)
         self._seen = slow
-        if not slow or self._streak < self.rule.confirm_windows:
+        refining, self._refining = self._refining, False
+        # A pair the new order uses for the first time, read slow by the kernel's interval in its first window, is a
+        # first measurement, not a change to confirm: the episode was confirmed already.
+        first_seen = all(link not in self._last_rates and isinstance(rates[link], MeasuredRate) for link in slow)
+        self._last_rates = {**self._last_rates, **_cautious(rates, slow)}
+        if not slow or (self._streak < self.rule.confirm_windows and not (refining and first_seen)):
             return None
-        merged = {**self._last_rates, **_cautious(rates, slow)}
-        self._last_rates = merged
-        matrix = rate_matrix(self.world_size, merged)
+        matrix = rate_matrix(self.world_size, self._last_rates)
         proposal = best_ring_order(self.order, matrix)
         before = ring_time_s(self.order, matrix, size_bytes, alpha_s)
         after = ring_time_s(proposal, matrix, size_bytes, alpha_s)
@@ -250,7 +258,7 @@ class Replanner:
         if proposal == self.order or speedup < self.rule.min_speedup:
             return None
         ordered_ring(proposal)  # verified before it is offered
-        self.order, self._since_change = proposal, 0
+        self.order, self._since_change, self._refining = proposal, 0, True
         median = statistics.median(rates.values())
         worst = min(slow, key=lambda link: rates[link])
         calls = self._streak * self.rule.window_calls
