@@ -51,15 +51,17 @@ SLOW_CABLE = ("leaf0<->spine0", 0.1)
 STORE_PORT = 29_531
 
 
-def _loop(group: Any, count: int, calls: int) -> tuple[list[float], tuple[str, ...]]:
+def _loop(group: Any, count: int, calls: int) -> tuple[list[float], tuple[str, ...], float]:
+    """``calls`` ring all-reduces: each call's seconds, the changes re-planning made, this rank's CPU seconds."""
     times = []
     x = np.ones(count, np.float32)
+    cpu_started = time.process_time()
     for _ in range(calls):
         started = time.perf_counter()
         group.all_reduce(x, algorithm="ring")
         times.append(time.perf_counter() - started)
         x[:] = 1.0
-    return times, group.stats().replans
+    return times, group.stats().replans, time.process_time() - cpu_started
 
 
 def _busbw(times: list[float], nbytes: int, n: int) -> list[float]:
@@ -272,16 +274,20 @@ def main_tcp_healthy(args: argparse.Namespace) -> None:
     changes = max(len(r[1]) for r in results)
     print(f"  {changes} changes in {args.healthy_calls:,} calls ({time.monotonic() - started:.0f} s); "
           f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
-    ratios = []
+    ratios, cpu_ratios = [], []
     for _ in range(args.cost_pairs):
-        medians = []
+        medians, cpu = [], []
         for extra in ({}, {"ALLREDUCE_REPLAN": args.replan}):
             runs = spawn(ranks, _loop, count, args.cost_calls, env={**tcp, **extra}, init_options=options)
             medians.append(float(np.median(np.max([r[0] for r in runs], axis=0))))
+            cpu.append(sum(r[2] for r in runs))
         ratios.append(medians[1] / medians[0])
-    print(f"  cost: median call with re-planning over without, {args.cost_pairs} interleaved pairs of "
-          f"{args.cost_calls:,} calls: {', '.join(f'{r:.3f}' for r in ratios)} (median {np.median(ratios):.3f}); "
-          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+        cpu_ratios.append(cpu[1] / cpu[0])
+    for what, values in (("median call", ratios), ("CPU seconds of the ranks", cpu_ratios)):
+        print(f"  cost, {what} with re-planning over without, {args.cost_pairs} interleaved pairs of "
+              f"{args.cost_calls:,} calls: median {np.median(values):.3f}, quartiles {np.percentile(values, 25):.3f}"
+              f"-{np.percentile(values, 75):.3f}")  # fmt: skip
+    print(f"  load {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:

@@ -101,7 +101,7 @@ def test_over_tcp_a_link_the_kernel_paces_is_named_and_re_planned_around_alike_o
     assert (1, 2) not in {(order[i], order[(i + 1) % 4]) for i in range(4)}
     before = np.median([t for r in results for t in r[0][1:20]])
     after = np.median([t for r in results for t in r[0][-20:]])
-    assert after < before / 2, (before, after)  # 0.1 s a call on the paced link against 10-20 ms on loopback at load 8-17
+    assert after < before / 2, (before, after)  # 0.1 s a call paced, 10-20 ms on loopback at load 8-17
 
 
 @pytest.mark.slow

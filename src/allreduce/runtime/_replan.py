@@ -245,8 +245,9 @@ class Replanner:
         self._seen = slow
         refining, self._refining = self._refining, False
         # A pair the new order uses for the first time, read slow by the kernel's interval in its first window, is a
-        # first measurement, not a change to confirm: the episode was confirmed already.
-        first_seen = all(link not in self._last_rates and isinstance(rates[link], MeasuredRate) for link in slow)
+        # first measurement, not a change to confirm: the episode was confirmed already. Links read slow beside it
+        # are taken as read (a slow cable delays the ACKs of flows whose return path crosses it).
+        first_seen = any(link not in self._last_rates and isinstance(rates[link], MeasuredRate) for link in slow)
         self._last_rates = {**self._last_rates, **_cautious(rates, slow)}
         if not slow or (self._streak < self.rule.confirm_windows and not (refining and first_seen)):
             return None
