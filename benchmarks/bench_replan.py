@@ -260,6 +260,31 @@ def main_emulated(args: argparse.Namespace) -> None:
     print(f"wall {time.monotonic() - started:.0f} s; load {os.getloadavg()[0]:.1f}")
 
 
+def _window_share(group: Any, count: int, calls: int) -> tuple[float, float]:
+    """``calls`` ring all-reduces with re-planning's per-call work (``GroupReplanning.after_call``: the count, and
+    at a window's end the counters' gather and the decision) timed: its share of this rank's wall and CPU time."""
+    from allreduce.runtime import _replan
+
+    spent = [0.0, 0.0]
+    plain = _replan.GroupReplanning.after_call
+
+    def timed(self: Any, nbytes: int, rates_of: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return plain(self, nbytes, rates_of)
+        finally:
+            spent[0] += time.perf_counter() - wall
+            spent[1] += time.process_time() - cpu
+
+    _replan.GroupReplanning.after_call = timed  # type: ignore[method-assign]
+    x = np.ones(count, np.float32)
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        group.all_reduce(x, algorithm="ring")
+        x[:] = 1.0
+    return spent[0] / (time.perf_counter() - wall), spent[1] / (time.process_time() - cpu)
+
+
 def main_tcp_healthy(args: argparse.Namespace) -> None:
     """A healthy ring over loopback TCP: the changes re-planning makes in ``--healthy-calls`` calls, and its cost
     (median call with it over median call without, runs interleaved)."""
@@ -287,7 +312,11 @@ def main_tcp_healthy(args: argparse.Namespace) -> None:
         print(f"  cost, {what} with re-planning over without, {args.cost_pairs} interleaved pairs of "
               f"{args.cost_calls:,} calls: median {np.median(values):.3f}, quartiles {np.percentile(values, 25):.3f}"
               f"-{np.percentile(values, 75):.3f}")  # fmt: skip
-    print(f"  load {os.getloadavg()[0]:.1f}")
+    shares = spawn(ranks, _window_share, count, args.cost_calls, env={**tcp, "ALLREDUCE_REPLAN": args.replan},
+                   init_options=options)  # fmt: skip
+    print(f"  re-planning's own work, timed in each rank over {args.cost_calls:,} calls: "
+          + ", ".join(f"{w:.1%} of wall / {c:.1%} of CPU" for w, c in shares)
+          + f"; load {os.getloadavg()[0]:.1f}")  # fmt: skip
 
 
 def main() -> None:
