@@ -11,16 +11,26 @@ printing busbw per window and the change re-planning made; one healthy, counting
     sudo .venv/bin/python benchmarks/bench_replan.py --emulated [--size 256KiB] [--calls 150]
         [--replan window=10,confirm=2] [--healthy-calls 2000]
 
+    .venv/bin/python benchmarks/bench_replan.py --tcp-healthy [--size 64KiB] [--healthy-calls 10000]
+        [--replan window=10,confirm=2] [--cost-pairs 5] [--cost-calls 2000]
+
+A healthy ring of 4 ranks over loopback TCP with re-planning on: the changes it makes (none is the goal), and what
+it costs: the median call with it over the median call without, in runs interleaved.
+
 The same over real TCP on an emulated cluster (``allreduce emulate``, root and iproute2 needed): a 1:1 Clos of 2
 leaves and 2 spines with 4 hosts each, links at ``--link-rate``, the cable leaf0<->spine0 at 10% of it, and the
 ranks placed interleaved (rank r on host 0,4,1,5,2,6,3,7[r]) so that every hop of the ring crosses a spine and the
 kernel's ECMP hash sends some of them over the slow cable. One rank per host namespace; every result checked
-exactly. The healthy reference runs on the same cluster without the slow cable.
+exactly. The healthy reference runs on the same cluster without the slow cable. A last run on the slow cluster
+asks the kernel which links each rank pair's connection crosses (its ECMP hash of the ports) and runs the ring
+order whose slowest hop gets the largest share of its links, out of all 5,040: what re-planning could reach if it
+knew the paths.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import secrets
@@ -41,15 +51,17 @@ SLOW_CABLE = ("leaf0<->spine0", 0.1)
 STORE_PORT = 29_531
 
 
-def _loop(group: Any, count: int, calls: int) -> tuple[list[float], tuple[str, ...]]:
+def _loop(group: Any, count: int, calls: int) -> tuple[list[float], tuple[str, ...], float]:
+    """``calls`` ring all-reduces: each call's seconds, the changes re-planning made, this rank's CPU seconds."""
     times = []
     x = np.ones(count, np.float32)
+    cpu_started = time.process_time()
     for _ in range(calls):
         started = time.perf_counter()
         group.all_reduce(x, algorithm="ring")
         times.append(time.perf_counter() - started)
         x[:] = 1.0
-    return times, group.stats().replans
+    return times, group.stats().replans, time.process_time() - cpu_started
 
 
 def _busbw(times: list[float], nbytes: int, n: int) -> list[float]:
@@ -65,8 +77,11 @@ def run(n: int, count: int, calls: int, env: dict[str, str]) -> tuple[list[float
 
 
 def _worker(spec_json: str) -> int:
-    """One rank inside a host namespace: join over TCP, run the loop, check every result, print one JSON line."""
+    """One rank inside a host namespace: join over TCP, run the loop, check every result, print one JSON line. With
+    ``oracle`` it first prints its connections and reads the ring order to run from its input."""
     import allreduce
+    from allreduce.emulate._rank import established_connections
+    from allreduce.schedules import ordered_ring
 
     spec = json.loads(spec_json)
     group = allreduce.init(transport="tcp", timeout_s=120.0)
@@ -74,39 +89,101 @@ def _worker(spec_json: str) -> int:
         n, rank, count = group.world_size, group.rank, int(spec["count"])
         base = (np.arange(count, dtype=np.int64) % 251).astype(np.float32)  # sums exact in float32
         expected, times, exact = base * (n * (n + 1) // 2), [], True
+        algorithm: Any = "ring"
+        if spec.get("oracle"):
+            for order in _covering_orders(n):  # a connection between every pair, so the kernel routes them all
+                group.all_reduce(base * (rank + 1), algorithm=ordered_ring(order))
+            group.barrier()
+            print(json.dumps({"connections": established_connections()}), flush=True)
+            algorithm = ordered_ring(json.loads(sys.stdin.readline())["order"])
         for _ in range(int(spec["calls"])):
             x = base * (rank + 1)
             started = time.perf_counter()
-            group.all_reduce(x, algorithm="ring")
+            group.all_reduce(x, algorithm=algorithm)
             times.append(time.perf_counter() - started)
             exact = exact and bool(np.array_equal(x, expected))
         stats = group.stats()
-        moving = [k for k in stats.links if k.transfer_total_s]
-        rates = {f"{k.src}->{k.dst}": k.size_bytes / k.transfer_total_s / 1e6 for k in moving}
-        print(json.dumps({"times": times, "exact": exact, "replans": list(stats.replans), "rates": rates}), flush=True)
+        print(json.dumps({"times": times, "exact": exact, "replans": list(stats.replans)}), flush=True)
     finally:
         group.close()
     return 0
 
 
+def _covering_orders(n: int) -> list[list[int]]:
+    """Ring orders that between them make every pair of ranks neighbours (a greedy walk along pairs not yet used)."""
+    uncovered = {frozenset((a, b)) for a in range(n) for b in range(a + 1, n)}
+    orders = []
+    while uncovered:
+        order = [min(min(pair) for pair in uncovered)]
+        left = set(range(n)) - set(order)
+        while left:
+            here = order[-1]
+            step = min(left, key=lambda r: (frozenset((here, r)) not in uncovered, r))
+            order.append(step)
+            left.remove(step)
+        uncovered -= {frozenset((order[i], order[(i + 1) % n])) for i in range(n)}
+        orders.append(order)
+    return orders
+
+
+def _flow_rates(built: Any, order: tuple[int, ...], paths: Any) -> float:
+    """The slowest ring hop's share of its most loaded link (B/s) when the ring runs in ``order``, its hops on the
+    kernel's paths ``paths`` (a PathTable by host) and every link's shaped rate shared by the hops crossing it."""
+    rate = {}
+    for cable in built.cables:
+        rate[cable.link_ab], rate[cable.link_ba] = cable.rate_ab_bps / 8, cable.rate_ba_bps / 8
+    hops = [(INTERLEAVED[order[i]], INTERLEAVED[order[(i + 1) % len(order)]]) for i in range(len(order))]
+    load: dict[int, int] = {}
+    for hop in hops:
+        for link in paths.paths[hop]:
+            load[link] = load.get(link, 0) + 1
+    return min(rate[link] / load[link] for link in load)
+
+
+def _oracle_order(built: Any, paths: Any) -> tuple[tuple[int, ...], float, float]:
+    """The ring order (rank 0 first) whose slowest hop gets the largest share of its links, with that share and
+    the interleaved ring's, over every order of the 8 ranks (5,040)."""
+    n = len(INTERLEAVED)
+    best, best_rate = tuple(range(n)), -1.0
+    for rest in itertools.permutations(range(1, n)):
+        order = (0, *rest)
+        share = _flow_rates(built, order, paths)
+        if share > best_rate * (1 + 1e-9):
+            best, best_rate = order, share
+    return best, best_rate, _flow_rates(built, tuple(range(n)), paths)
+
+
 def run_emulated(built: Any, count: int, calls: int, replan: str | None,
-                 rates: dict[str, float] | None = None) -> tuple[list[float], tuple[str, ...]]:  # fmt: skip
-    """The loop on one rank per host of the emulation ``built``, ranks placed :data:`INTERLEAVED`."""
+                 oracle: dict[str, Any] | None = None) -> tuple[list[float], tuple[str, ...]]:  # fmt: skip
+    """The loop on one rank per host of the emulation ``built``, ranks placed :data:`INTERLEAVED`. With ``oracle``
+    (a dict the order and the shares are put in), the ranks run the order :func:`_oracle_order` picks from the
+    kernel's paths of their own connections."""
+    from allreduce.emulate import Connection, kernel_paths
+
     env = dict(os.environ, WORLD_SIZE=str(len(INTERLEAVED)), MASTER_ADDR=built.host_address[INTERLEAVED[0]],
                MASTER_PORT=str(STORE_PORT), ALLREDUCE_TOKEN=secrets.token_hex(16))  # fmt: skip
     env.pop("ALLREDUCE_REPLAN", None)
     if replan:
         env["ALLREDUCE_REPLAN"] = replan
-    spec = json.dumps({"count": count, "calls": calls})
+    spec = json.dumps({"count": count, "calls": calls, "oracle": oracle is not None})
     in_child = die_with_parent(os.getpid())  # a rank never outlives this process
     procs = []
     for rank, host in enumerate(INTERLEAVED):
         cmd = ["ip", "netns", "exec", built.host_namespace(host), sys.executable, __file__, "--worker", spec]
         out = subprocess.PIPE
-        procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdout=out, stderr=out, text=True,
-                                      preexec_fn=in_child))  # fmt: skip  # noqa: PLW1509
+        procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdin=out, stdout=out, stderr=out,
+                                      text=True, preexec_fn=in_child))  # fmt: skip  # noqa: PLW1509
     reports = []
     try:
+        if oracle is not None:
+            seen = [json.loads(proc.stdout.readline())["connections"] for proc in procs]  # type: ignore[union-attr]
+            connections = [Connection(INTERLEAVED[rank], *c) for rank, cs in enumerate(seen) for c in cs]
+            paths = kernel_paths(built, connections, ignore_ports=frozenset({STORE_PORT}))
+            order, share, interleaved = _oracle_order(built, paths)
+            oracle.update(order=order, share=share, interleaved=interleaved, paths=paths)
+            for proc in procs:
+                proc.stdin.write(json.dumps({"order": order}) + "\n")  # type: ignore[union-attr]
+                proc.stdin.flush()  # type: ignore[union-attr]
         for rank, proc in enumerate(procs):
             out, err = proc.communicate(timeout=60 + calls * 5)
             if proc.returncode != 0:
@@ -120,8 +197,6 @@ def run_emulated(built: Any, count: int, calls: int, replan: str | None,
     if not all(r["exact"] for r in reports):
         raise SystemExit("a result was not exact")
     times = np.max([r["times"] for r in reports], axis=0).tolist()
-    if rates is not None:
-        rates.update(reports[0]["rates"])
     return times, tuple(reports[0]["replans"])
 
 
@@ -149,24 +224,99 @@ def main_emulated(args: argparse.Namespace) -> None:
     started = time.monotonic()
     with running(EmulationSpec(CLOS, name="replan", rate_bps=rate_bps)) as built:
         healthy, _ = run_emulated(built, count, args.calls, None)
+        flap_started = time.monotonic()
         _, flaps = run_emulated(built, max(1, (64 << 10) // 4), args.healthy_calls, args.replan)
+        flap_s = time.monotonic() - flap_started
+    oracle: dict[str, Any] = {}
     with running(EmulationSpec(CLOS, name="replan", rate_bps=rate_bps, degrade=(SLOW_CABLE,))) as built:
-        measured: dict[str, float] = {}
-        slow, _ = run_emulated(built, count, args.calls, None, measured)
+        slow, _ = run_emulated(built, count, args.calls, None)
         replanned, changes = run_emulated(built, count, args.calls, args.replan)
+        best, _ = run_emulated(built, count, args.calls, None, oracle)
+        ends = SLOW_CABLE[0].split("<->")
+        slow_links = {built.topology.find_link("->".join(ends)), built.topology.find_link("->".join(ends[::-1]))}
+        by_host = oracle["paths"].paths.items()
+        crossing = sorted(
+            (INTERLEAVED.index(a), INTERLEAVED.index(b)) for (a, b), hops in by_host if slow_links & set(hops)
+        )
     print(f"busbw GB/s per window of {window} calls (median call):")
-    bw = _print_windows([("healthy", healthy), ("slow cable", slow), ("slow cable, re-planning", replanned)],
-                        nbytes, n, window)  # fmt: skip
-    print("  link rates with the slow cable, no re-planning (MB/s, as the receivers measured them): "
-          + ", ".join(f"{link} {rate:.1f}" for link, rate in sorted(measured.items())))  # fmt: skip
+    rows = [("healthy", healthy), ("slow cable", slow), ("slow cable, re-planning", replanned),
+            ("slow cable, best order", best)]  # fmt: skip
+    bw = _print_windows(rows, nbytes, n, window)
     for change in changes:
         print(f"  re-planned {change}")
-    first = next((i for i, b in enumerate(bw[2]) if b >= 0.8 * bw[0][-1]), None)
+    reference = float(np.median(bw[0]))
+    first = next((i for i, b in enumerate(bw[2]) if b >= 0.8 * reference), None)
     at = "never" if first is None else f"from call {first * window} on (window {first})"
-    print(f"  >= 80% of the healthy busbw: {at}; last window {bw[2][-1] / bw[0][-1]:.0%} of healthy, "
-          f"without re-planning {bw[1][-1] / bw[0][-1]:.0%}")  # fmt: skip
-    print(f"healthy cluster with re-planning on: {len(flaps)} changes in {args.healthy_calls:,} calls of 64 KiB")
+    print(f"  >= 80% of the healthy busbw (median window): {at}; last window {bw[2][-1] / reference:.0%} of healthy, "
+          f"without re-planning {bw[1][-1] / reference:.0%}")  # fmt: skip
+    pairs = ", ".join(f"{a}->{b}" for a, b in crossing)
+    print(f"  the kernel's ECMP paths in the last run: {len(crossing)} of {n * (n - 1)} rank pairs cross the slow "
+          f"cable ({pairs})")  # fmt: skip
+    print(f"  order the paths allow: {','.join(map(str, oracle['order']))}, its slowest hop's share "
+          f"{oracle['share'] / 1e6:.1f} MB/s (the interleaved ring's {oracle['interleaved'] / 1e6:.2f} MB/s); "
+          f"measured {np.median(bw[3]) / reference:.0%} of the healthy busbw")  # fmt: skip
+    print(f"healthy cluster with re-planning on: {len(flaps)} changes in {args.healthy_calls:,} calls of 64 KiB "
+          f"({flap_s:.0f} s)")  # fmt: skip
     print(f"wall {time.monotonic() - started:.0f} s; load {os.getloadavg()[0]:.1f}")
+
+
+def _window_share(group: Any, count: int, calls: int) -> tuple[float, float]:
+    """``calls`` ring all-reduces with re-planning's per-call work (``GroupReplanning.after_call``: the count, and
+    at a window's end the counters' gather and the decision) timed: its share of this rank's wall and CPU time."""
+    from allreduce.runtime import _replan
+
+    spent = [0.0, 0.0]
+    plain = _replan.GroupReplanning.after_call
+
+    def timed(self: Any, nbytes: int, rates_of: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return plain(self, nbytes, rates_of)
+        finally:
+            spent[0] += time.perf_counter() - wall
+            spent[1] += time.process_time() - cpu
+
+    _replan.GroupReplanning.after_call = timed  # type: ignore[method-assign]
+    x = np.ones(count, np.float32)
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        group.all_reduce(x, algorithm="ring")
+        x[:] = 1.0
+    return spent[0] / (time.perf_counter() - wall), spent[1] / (time.process_time() - cpu)
+
+
+def main_tcp_healthy(args: argparse.Namespace) -> None:
+    """A healthy ring over loopback TCP: the changes re-planning makes in ``--healthy-calls`` calls, and its cost
+    (median call with it over median call without, runs interleaved)."""
+    ranks, count = 4, max(1, parse_bytes(args.size, what="--size") // 4)
+    tcp = {"ALLREDUCE_TCP_UNIX": "0"}
+    print(f"bench_replan --tcp-healthy: {ranks} ranks over loopback TCP, ring all-reduce of {args.size}, "
+          f"ALLREDUCE_REPLAN={args.replan}; load {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores")  # fmt: skip
+    started = time.monotonic()
+    options = {"transport": "tcp"}
+    env = {**tcp, "ALLREDUCE_REPLAN": args.replan}
+    results = spawn(ranks, _loop, count, args.healthy_calls, env=env, init_options=options, timeout_s=7200)
+    changes = max(len(r[1]) for r in results)
+    print(f"  {changes} changes in {args.healthy_calls:,} calls ({time.monotonic() - started:.0f} s); "
+          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    ratios, cpu_ratios = [], []
+    for _ in range(args.cost_pairs):
+        medians, cpu = [], []
+        for extra in ({}, {"ALLREDUCE_REPLAN": args.replan}):
+            runs = spawn(ranks, _loop, count, args.cost_calls, env={**tcp, **extra}, init_options=options)
+            medians.append(float(np.median(np.max([r[0] for r in runs], axis=0))))
+            cpu.append(sum(r[2] for r in runs))
+        ratios.append(medians[1] / medians[0])
+        cpu_ratios.append(cpu[1] / cpu[0])
+    for what, values in (("median call", ratios), ("CPU seconds of the ranks", cpu_ratios)):
+        print(f"  cost, {what} with re-planning over without, {args.cost_pairs} interleaved pairs of "
+              f"{args.cost_calls:,} calls: median {np.median(values):.3f}, quartiles {np.percentile(values, 25):.3f}"
+              f"-{np.percentile(values, 75):.3f}")  # fmt: skip
+    shares = spawn(ranks, _window_share, count, args.cost_calls, env={**tcp, "ALLREDUCE_REPLAN": args.replan},
+                   init_options=options)  # fmt: skip
+    print(f"  re-planning's own work, timed in each rank over {args.cost_calls:,} calls: "
+          + ", ".join(f"{w:.1%} of wall / {c:.1%} of CPU" for w, c in shares)
+          + f"; load {os.getloadavg()[0]:.1f}")  # fmt: skip
 
 
 def main() -> None:
@@ -182,7 +332,13 @@ def main() -> None:
     parser.add_argument("--emulated", action="store_true", help="over TCP on an emulated Clos (root)")
     parser.add_argument("--link-rate", default="200Mbps", help="with --emulated: the links' shaped rate")
     parser.add_argument("--replan", default="window=10,confirm=2", help="with --emulated: ALLREDUCE_REPLAN")
+    parser.add_argument("--tcp-healthy", action="store_true", help="a healthy ring over loopback TCP: changes, cost")
+    parser.add_argument("--cost-pairs", type=int, default=5, help="with --tcp-healthy: runs with and without")
+    parser.add_argument("--cost-calls", type=int, default=2000, help="with --tcp-healthy: calls in each run")
     args = parser.parse_args()
+    if args.tcp_healthy:
+        main_tcp_healthy(args)
+        return
     if args.emulated:
         main_emulated(args)
         return

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allreduce.runtime._replan import RESOLVED_BUSY_S, Replanner, ReplanRule, sender_rates, slow_links
+from allreduce.runtime._replan import (
+    MeasuredRate,
+    Replanner,
+    ReplanRule,
+    busy_interval_s,
+    sender_rates,
+    slow_links,
+)
+from allreduce.runtime.tcp._tcpinfo import JIFFY_S
 
 N = 8
 FAST = 1e9
@@ -82,6 +90,73 @@ def test_sender_rates_are_the_bytes_over_the_network_limited_time_of_each_data_l
     rates = sender_rates(before, after)
     assert rates[(0, 1)] == pytest.approx(2e7)
     assert rates[(1, 2)] == pytest.approx(2e6)  # the slow one
-    assert rates[(2, 3)] == pytest.approx(8e6 / RESOLVED_BUSY_S)  # busy for less than 10 jiffies: a lower bound
+    assert rates[(2, 3)] == pytest.approx(8e6 / JIFFY_S)  # never seen busy: at least a jiffy's worth
     assert (3, 0) not in rates  # a kilobyte of control frames is not a data link
     assert len(rates) == 3  # pairs without counters (NaN) are not rated
+
+
+def test_a_link_never_seen_busy_may_be_any_rate_above_its_bytes_over_nine_jiffies() -> None:
+    before = _table({(0, 1): (0, 0.0)})
+    rate = sender_rates(before, _table({(0, 1): (8e6, 0.0)}))[(0, 1)]
+    assert isinstance(rate, MeasuredRate)
+    assert rate.low == pytest.approx(8e6 / (9 * JIFFY_S))  # z = 3: a count of 0 allows z² jiffies
+    assert rate.high == float("inf")
+
+
+def test_the_busy_interval_holds_the_true_time_of_jiffy_counted_periods() -> None:
+    """The kernel counts a busy period as the jiffies that ticked in it: over 2,000 windows of 1-300 periods of
+    0.1-10 ms at random phases, the true busy time lies in the interval of its count in at least 99.5% of them
+    (z = 3 covers 99.7% of a normal count; the variance bound is an upper bound)."""
+    rng = np.random.default_rng(39)
+    inside = 0
+    for _ in range(2000):
+        durations = rng.uniform(1e-4, 1e-2, rng.integers(1, 301))
+        starts = rng.uniform(0, JIFFY_S, durations.size)
+        counted = (np.floor((starts + durations) / JIFFY_S) - np.floor(starts / JIFFY_S)) * JIFFY_S
+        low, high = busy_interval_s(float(counted.sum()))
+        inside += low <= durations.sum() <= high
+    assert inside >= 1990
+
+
+def test_a_link_is_slow_only_when_its_highest_rate_is_below_the_others_lowest() -> None:
+    others = {(1, 2): MeasuredRate(1e8, 5e7, 2e8), (2, 3): MeasuredRate(1e8, 5e7, 2e8)}
+    barely = {**others, (0, 1): MeasuredRate(1e7, 5e6, 1.3e7)}  # estimate a tenth, but could be a quarter
+    assert slow_links(barely, 0.25) == frozenset()
+    clearly = {**others, (0, 1): MeasuredRate(1e7, 5e6, 1.2e7)}
+    assert slow_links(clearly, 0.25) == {(0, 1)}
+
+
+def _counted(rates: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """``rates`` as the kernel's counters give them: each within +-20%."""
+    return {link: MeasuredRate(rate, 0.8 * rate, 1.2 * rate) for link, rate in rates.items()}
+
+
+def _first_change(planner: Replanner, slow: dict[tuple[int, int], float]) -> tuple[int, ...]:
+    for _ in range(planner.rule.confirm_windows):
+        decision = planner.observe(_counted(_ring_rates(planner.order, slow)), size_bytes=SIZE, alpha_s=ALPHA)
+    assert decision is not None
+    return decision.order
+
+
+def _unmeasured_edge(order: tuple[int, ...]) -> tuple[int, int]:
+    identity_edges = _ring_rates(tuple(range(N)), {})
+    return next(e for e in ((order[i], order[(i + 1) % N]) for i in range(N)) if e not in identity_edges)
+
+
+def test_a_pair_the_new_order_uses_first_and_the_kernel_reads_slow_is_re_planned_after_one_window() -> None:
+    planner = Replanner(N, ReplanRule(confirm_windows=2))
+    order = _first_change(planner, {(3, 4): 1e7})
+    hidden = _unmeasured_edge(order)
+    second = planner.observe(_counted(_ring_rates(order, {hidden: 1e7})), size_bytes=SIZE, alpha_s=ALPHA)
+    assert second is not None
+    edges = set(_ring_rates(second.order, {}))
+    assert hidden not in edges
+    assert (3, 4) not in edges  # the first slow link is remembered
+
+
+def test_a_receivers_record_of_a_new_pair_is_confirmed_like_any_other() -> None:
+    planner = Replanner(N, ReplanRule(confirm_windows=2))
+    order = _first_change(planner, {(3, 4): 1e7})
+    hidden = _unmeasured_edge(order)
+    assert planner.observe(_ring_rates(order, {hidden: 1e7}), size_bytes=SIZE, alpha_s=ALPHA) is None
+    assert planner.observe(_ring_rates(order, {hidden: 1e7}), size_bytes=SIZE, alpha_s=ALPHA) is not None

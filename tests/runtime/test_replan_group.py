@@ -1,6 +1,7 @@
-"""ALLREDUCE_REPLAN in a real group: one link paced to 5 MB/s (ALLREDUCE_INJECT) makes the ring slow; after two
-windows every rank has re-planned to the same ring order that leaves the link out, says why in group.stats(), and
-the all-reduces are exact and faster. Real processes over shared memory."""
+"""ALLREDUCE_REPLAN in a real group: one link paced (over shared memory by ALLREDUCE_INJECT, over TCP by the
+sender's kernel) makes the ring slow; after two windows every rank has re-planned to the same ring order that leaves
+the link out, says why in group.stats(), and the all-reduces are exact and faster. A healthy ring over TCP is never
+changed. Real processes, shared memory and loopback sockets."""
 
 from __future__ import annotations
 
@@ -64,20 +65,49 @@ def test_the_rule_comes_from_the_environment_variable_or_is_refused_naming_it() 
         assert message in str(info.value)
 
 
-def _healthy_tcp_loop(group: Any) -> tuple[tuple[str, ...], bool, int]:
-    exact = True
-    for _ in range(CALLS):
+TCP_ENV = {"ALLREDUCE_REPLAN": "window=10,confirm=2", "ALLREDUCE_TCP_UNIX": "0"}  # TCP over loopback, not Unix
+PACED_BPS = 4e6
+"""The slow link's rate: a ring all-reduce of 256 KiB on 4 ranks sends 384 KiB a call over each link, 0.1 s at 4
+MB/s; in the kernel's busy time healthy loopback links read 100 MB/s and more at load 11 (steps of 64 KiB, a
+loopback segment: each is acknowledged at once), so the paced one is 25x below the others, far outside both
+intervals whatever the load adds."""
+
+
+def _tcp_loop(group: Any, calls: int, slow: tuple[int, int] | None) -> tuple[list[float], bool, tuple[str, ...], int]:
+    times, exact = [], True
+    expected = float(sum(range(1, group.world_size + 1)))
+    for call in range(calls):
         x = np.full(COUNT, float(group.rank + 1), np.float32)
+        started = time.perf_counter()
         group.all_reduce(x, algorithm="ring")
-        exact = exact and bool(np.all(x == float(sum(range(1, group.world_size + 1)))))
-    return group.stats().replans, exact, len(group.transport.sent_counters())
+        times.append(time.perf_counter() - started)
+        exact = exact and bool(np.all(x == expected))
+        if call == 0 and slow is not None and group.rank == slow[0]:
+            group.transport.inject_slow_link(peer=slow[1], rate_Bps=PACED_BPS)  # the kernel paces it from now on
+    return times, exact, group.stats().replans, len(group.transport.sent_counters())
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_over_tcp_a_link_the_kernel_paces_is_named_and_re_planned_around_alike_on_every_rank() -> None:
+    results = spawn(4, _tcp_loop, 50, (1, 2), env=TCP_ENV, init_options={"transport": "tcp"}, timeout_s=240)
+    assert all(r[1] for r in results)
+    changes = {r[2] for r in results}
+    assert len(changes) == 1  # every rank decided the same, from the same gathered counters
+    (replans,) = changes
+    assert len(replans) == 1, replans
+    assert replans[0].startswith("after call 20: link 1->2 at "), replans
+    order = [int(r) for r in replans[0].split("ring reordered ")[1].split(";")[0].split(",")]
+    assert (1, 2) not in {(order[i], order[(i + 1) % 4]) for i in range(4)}
+    before = np.median([t for r in results for t in r[0][1:20]])
+    after = np.median([t for r in results for t in r[0][-20:]])
+    assert after < before / 2, (before, after)  # 0.1 s a call paced, 10-20 ms on loopback at load 8-17
 
 
 @pytest.mark.slow
 @pytest.mark.serial
 def test_over_tcp_sockets_the_kernel_counters_decide_and_a_healthy_ring_is_never_changed() -> None:
-    env = {"ALLREDUCE_REPLAN": "window=10,confirm=2", "ALLREDUCE_TCP_UNIX": "0"}  # TCP over loopback, not Unix
-    results = spawn(4, _healthy_tcp_loop, env=env, init_options={"transport": "tcp"}, timeout_s=240)
-    assert all(r[2] >= 2 for r in results)  # each rank has the kernel's counters of its ring connections
+    results = spawn(4, _tcp_loop, 200, None, env=TCP_ENV, init_options={"transport": "tcp"}, timeout_s=240)
+    assert all(r[3] >= 2 for r in results)  # each rank has the kernel's counters of its ring connections
     assert all(r[1] for r in results)
-    assert {r[0] for r in results} == {()}  # six windows, every rank gathered the counters, none re-planned
+    assert {r[2] for r in results} == {()}  # twenty windows, every rank gathered the counters, none re-planned

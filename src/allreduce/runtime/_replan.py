@@ -10,11 +10,19 @@ one rank's view).
 The rule, with hysteresis so that noise never flaps the order:
 
 - a *window* is ``window_calls`` collectives; at its end each link's rate is its bytes over its transfer time;
-- a link is *slow* when its rate is below ``slow_ratio`` times the median rate of the links measured in the window;
+- a link is *slow* when even the highest rate its measurement allows is below ``slow_ratio`` times the median of
+  the lowest rates the others' allow (:class:`MeasuredRate`: a receiver's timing is exact, a kernel's busy time is
+  counted in jiffies, so its rate is an interval); the ratio is 1/4, not 1/2, because a healthy TCP link that
+  shares a switch uplink with two other flows reads a third of the others: contention, not a slow link;
 - the order changes only when the same slow links were seen in ``confirm_windows`` consecutive windows and the
-  α–β model, fed with the measured rates, predicts the new ring at least ``min_speedup`` times faster: a ring
-  all-reduce of S bytes on N ranks takes ``2(N-1)·α + 2(N-1)/N · S / r_min`` (Patarasuk and Yuan, 2009), where
-  ``r_min`` is the slowest link the ring uses, so the order that maximises ``r_min`` is the one to run;
+  α–β model, fed with the measured rates (the slow links at their highest, the others at their lowest), predicts
+  the new ring at least ``min_speedup`` times faster: a ring all-reduce of S bytes on N ranks takes
+  ``2(N-1)·α + 2(N-1)/N · S / r_min`` (Patarasuk and Yuan, 2009), where ``r_min`` is the slowest link the ring
+  uses, so the order that maximises ``r_min`` is the one to run;
+- the new order may use pairs never measured (rated at the median measured link until then): a pair that the
+  kernel's counters put below the ratio in the first window it is used is acted on at once (re-planned around
+  with everything measured so far), since the episode was confirmed already and a first measurement is not a
+  change; a receiver's record of it (no interval) is confirmed like any other;
 - a link the new order avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back to
   the original order for one window to look again (a healed link is then kept, a still slow one avoided again).
 
@@ -24,6 +32,7 @@ The new ring is the ring schedule with ranks relabelled (position ``i`` played b
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,14 +42,18 @@ import numpy.typing as npt
 
 from allreduce.runtime._stats import LinkStats
 from allreduce.runtime.tcp._tcpinfo import JIFFY_S
-from allreduce.schedules import SLOW_LINK_RATIO, Schedule, best_ring_order, ordered_ring, ring_time_s
+from allreduce.schedules import Schedule, best_ring_order, ordered_ring, ring_time_s
 
 __all__ = [
+    "CONFIDENCE_Z",
+    "MEASURED_SLOW_RATIO",
     "REPLAN_ENV",
     "Decision",
     "GroupReplanning",
+    "MeasuredRate",
     "ReplanRule",
     "Replanner",
+    "busy_interval_s",
     "link_rates",
     "rate_matrix",
     "rule_from_env",
@@ -51,12 +64,19 @@ __all__ = [
 Link = tuple[int, int]
 
 
+MEASURED_SLOW_RATIO = 0.25
+"""A link is slow below this share of the others (the rule's default). On an emulated 1:1 Clos (two spines, ECMP),
+the healthy ring's links that shared a spine uplink read 20-25 MB/s in the senders' counters beside 30-1,200 MB/s
+for the others (a link that is not the bottleneck drains each step at once and reads fast): a half would call
+healthy contention slow; a link at 10% reads a tenth of that."""
+
+
 @dataclass(frozen=True)
 class ReplanRule:
     """When to change the ring order (the module docstring gives the rule)."""
 
     window_calls: int = 50
-    slow_ratio: float = SLOW_LINK_RATIO
+    slow_ratio: float = MEASURED_SLOW_RATIO
     confirm_windows: int = 2
     min_speedup: float = 1.25
     probe_windows: int = 20
@@ -79,6 +99,29 @@ class Decision:
     predicted_speedup: float
 
 
+class MeasuredRate(float):
+    """A link's rate in bytes per second (the float's value, the best estimate) with the interval its measurement
+    allows: the true rate lies in ``[low, high]`` (``high`` may be infinite: a link never seen busy). A plain float
+    is a rate measured exactly (a receiver's timing of its own transfers)."""
+
+    __slots__ = ("high", "low")
+    low: float
+    high: float
+
+    def __new__(cls, value: float, low: float, high: float) -> MeasuredRate:
+        rate = super().__new__(cls, value)
+        rate.low, rate.high = low, high
+        return rate
+
+
+def _low(rate: float) -> float:
+    return rate.low if isinstance(rate, MeasuredRate) else rate
+
+
+def _high(rate: float) -> float:
+    return rate.high if isinstance(rate, MeasuredRate) else rate
+
+
 def link_rates(links: Iterable[LinkStats]) -> dict[Link, float]:
     """Bytes per second of each link that moved data in the records."""
     return {
@@ -88,12 +131,26 @@ def link_rates(links: Iterable[LinkStats]) -> dict[Link, float]:
     }
 
 
-RESOLVED_BUSY_S = 10 * JIFFY_S
-"""The least network-limited time a window's rate is divided by. The kernel counts that time in jiffies, so a link
-busy for a jiffy or two reads 0, 4 or 8 ms by chance: divided by such a time, healthy links' rates differ 2-3x at
-random (a healthy ring over loopback TCP was once re-planned that way). Below ten jiffies every link reads as this
-floor allows (a lower bound, the same for all), so only links slow enough to keep the network busy for longer are
-told apart, to within a jiffy in ten."""
+CONFIDENCE_Z = 3.0
+"""How many standard deviations of the jiffy count a kernel-counted busy time's interval spans (both sides)."""
+
+
+def busy_interval_s(measured_s: float, *, z: float = CONFIDENCE_Z, jiffy_s: float = JIFFY_S) -> tuple[float, float]:
+    """The interval of true network-limited time ``T`` that a kernel count of ``measured_s`` allows.
+
+    The kernel adds to a connection's busy time, per busy period, the jiffies that ticked during it: a period of
+    ``k + f`` jiffies counts ``k`` or ``k + 1``, ``k + 1`` with probability ``f`` when it starts at a random phase.
+    So the count is unbiased, and its variance, ``Σ f(1 - f)·J²`` over the periods, is at most ``J·T`` (a period
+    shorter than a jiffy adds at most ``f·J² = d·J``, a longer one at most ``J²/4 <= d·J``): whatever the number
+    of periods, ``M`` lies within ``z·sqrt(J·T)`` of ``T``. Solving ``M = T ± z·sqrt(J·T)`` for ``T`` gives the
+    interval; a count of 0 still allows up to ``z²`` jiffies."""
+    measured = max(measured_s, 0.0)
+    root_j = math.sqrt(jiffy_s)
+    spread = math.sqrt(z * z * jiffy_s + 4.0 * measured)
+    low = 2.0 * measured / (spread + z * root_j)  # (spread - z·sqrt(J)) / 2, without the cancellation
+    high = (spread + z * root_j) / 2.0
+    return low * low, high * high
+
 
 DATA_LINK_SHARE = 0.25
 """In the senders' counters, a link that carried less than this share of the busiest link's bytes in a window did not
@@ -103,28 +160,37 @@ carry the collectives' data (agreement and control frames, a pair the schedule d
 def sender_rates(before: npt.NDArray[np.float64], after: npt.NDArray[np.float64]) -> dict[Link, float]:
     """Link rates from the senders' kernel counters (``Transport.sent_counters``) gathered at two window ends: row
     ``src``, columns ``2·dst`` and ``2·dst + 1`` the bytes ``dst`` acknowledged and the seconds the network limited
-    sending to it (NaN: no counters). A link's rate is its bytes over that time, the time at least
-    :data:`RESOLVED_BUSY_S` (the kernel counts it in jiffies: below that floor the rate is a lower bound, the same
-    for every such link), over the links that carried data (:data:`DATA_LINK_SHARE`)."""
+    sending to it (NaN: no counters). Each is a :class:`MeasuredRate`: the bytes over the counted time (at least a
+    jiffy), within the bytes over :func:`busy_interval_s`'s ends; only links that carried data are rated
+    (:data:`DATA_LINK_SHARE`)."""
     acked = after[:, 0::2] - before[:, 0::2]
     busy = after[:, 1::2] - before[:, 1::2]
     moved = np.nan_to_num(acked, nan=0.0)
     floor = DATA_LINK_SHARE * float(moved.max(initial=0.0))
     src, dst = np.nonzero((moved > 0) & (moved >= floor))
-    return {
-        (int(s), int(d)): float(acked[s, d] / max(float(busy[s, d]), RESOLVED_BUSY_S))
-        for s, d in zip(src.tolist(), dst.tolist(), strict=True)
-        if s != d
-    }
+    rates: dict[Link, float] = {}
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        if s == d:
+            continue
+        nbytes, measured = float(acked[s, d]), max(float(busy[s, d]), 0.0)
+        shortest, longest = busy_interval_s(measured)
+        high = nbytes / shortest if shortest > 0 else math.inf
+        rates[(int(s), int(d))] = MeasuredRate(nbytes / max(measured, JIFFY_S), nbytes / longest, high)
+    return rates
 
 
 def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link]:
-    """The links slower than ``slow_ratio`` times the median link (none with fewer than three links measured:
-    with two, neither is "the others")."""
+    """The links whose highest possible rate is below ``slow_ratio`` times the median of the others' lowest (none
+    with fewer than three links measured: with two, neither is "the others")."""
     if len(rates) < 3:
         return frozenset()
-    median = statistics.median(rates.values())
-    return frozenset(link for link, rate in rates.items() if rate < slow_ratio * median)
+    lows = {link: _low(rate) for link, rate in rates.items()}
+    slow = []
+    for link, rate in rates.items():
+        others = statistics.median(low for other, low in lows.items() if other != link)
+        if _high(rate) < slow_ratio * others:
+            slow.append(link)
+    return frozenset(slow)
 
 
 def rate_matrix(world_size: int, rates: Mapping[Link, float]) -> npt.NDArray[np.float64]:
@@ -137,9 +203,15 @@ def rate_matrix(world_size: int, rates: Mapping[Link, float]) -> npt.NDArray[np.
     return matrix
 
 
+def _cautious(rates: Mapping[Link, float], slow: frozenset[Link]) -> dict[Link, float]:
+    """The rates a prediction can stand on: slow links at the highest their measurement allows, the others at the
+    lowest (the gain it predicts is then the least the measurements allow)."""
+    return {link: _high(rate) if link in slow else _low(rate) for link, rate in rates.items()}
+
+
 @dataclass
 class Replanner:
-    """Feeds on one window of link records at a time and says when to change the ring order (and back)."""
+    """Feeds on one window of link rates at a time and says when to change the ring order (and back)."""
 
     world_size: int
     rule: ReplanRule = field(default_factory=ReplanRule)
@@ -148,6 +220,7 @@ class Replanner:
     _streak: int = 0
     _since_change: int = 0
     _probing: bool = False
+    _refining: bool = False
     _last_rates: dict[Link, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -170,11 +243,15 @@ class Replanner:
             return Decision(identity, "probing the original ring order: avoided links are not measured", 1.0)
         self._streak = self._streak + 1 if slow and slow == self._seen else (1 if slow else 0)
         self._seen = slow
-        if not slow or self._streak < self.rule.confirm_windows:
+        refining, self._refining = self._refining, False
+        # A pair the new order uses for the first time, read slow by the kernel's interval in its first window, is a
+        # first measurement, not a change to confirm: the episode was confirmed already. Links read slow beside it
+        # are taken as read (a slow cable delays the ACKs of flows whose return path crosses it).
+        first_seen = any(link not in self._last_rates and isinstance(rates[link], MeasuredRate) for link in slow)
+        self._last_rates = {**self._last_rates, **_cautious(rates, slow)}
+        if not slow or (self._streak < self.rule.confirm_windows and not (refining and first_seen)):
             return None
-        merged = {**self._last_rates, **rates}
-        self._last_rates = merged
-        matrix = rate_matrix(self.world_size, merged)
+        matrix = rate_matrix(self.world_size, self._last_rates)
         proposal = best_ring_order(self.order, matrix)
         before = ring_time_s(self.order, matrix, size_bytes, alpha_s)
         after = ring_time_s(proposal, matrix, size_bytes, alpha_s)
@@ -182,7 +259,7 @@ class Replanner:
         if proposal == self.order or speedup < self.rule.min_speedup:
             return None
         ordered_ring(proposal)  # verified before it is offered
-        self.order, self._since_change = proposal, 0
+        self.order, self._since_change, self._refining = proposal, 0, True
         median = statistics.median(rates.values())
         worst = min(slow, key=lambda link: rates[link])
         calls = self._streak * self.rule.window_calls
@@ -194,7 +271,7 @@ class Replanner:
 
 
 REPLAN_ENV = "ALLREDUCE_REPLAN"
-"""``1`` turns re-planning on with the default rule; ``window=20,ratio=0.5,confirm=2,speedup=1.25,probe=20`` sets
+"""``1`` turns re-planning on with the default rule; ``window=20,ratio=0.25,confirm=2,speedup=1.25,probe=20`` sets
 the rule (any of the five, the others default); unset, empty or ``0`` leaves it off."""
 
 _RULE_FIELDS = {

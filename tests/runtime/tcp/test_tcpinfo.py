@@ -1,5 +1,5 @@
 """The kernel's counters of a TCP connection (TCP_INFO): bytes the peer acknowledged, and the time the network
-limited sending, read from real loopback sockets."""
+limited sending, read from real loopback sockets; a connection the kernel paces."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import socket
 import threading
 import time
 
-from allreduce.runtime.tcp._tcpinfo import sent_and_busy
+import pytest
+
+from allreduce.runtime.tcp._tcpinfo import pace_sending, sent_and_busy
 
 PAYLOAD = 8 << 20
 
@@ -60,3 +62,23 @@ def test_a_unix_socket_has_no_counters() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
         assert sent_and_busy(a) is None
+
+
+def test_a_paced_connection_counts_its_sending_as_network_limited() -> None:
+    """1 MiB paced at 4 MB/s takes 0.26 s in the kernel: its network-limited time says so (not the app's)."""
+    client, accepted = _connected_pair()
+    with client, accepted:
+        pace_sending(client, 4e6)
+        before = _counters(client)
+        reader = threading.Thread(target=_drain, args=(accepted, 1 << 20))
+        reader.start()
+        client.sendall(b"\0" * (1 << 20))
+        reader.join(timeout=60)
+        after = _counters(client)
+    assert after[1] - before[1] >= 0.15  # at least 0.26 s less the jiffies' rounding and the first burst
+
+
+def test_only_a_tcp_connection_is_paced_by_the_kernel() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b, pytest.raises(ValueError, match="Unix socket"):
+        pace_sending(a, 4e6)

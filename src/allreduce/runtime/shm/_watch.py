@@ -101,14 +101,22 @@ class PeerWatch:
         return CollectiveTimeoutError(f"{head}: {reason}", rank=self._rank, peer=root, step=step_or_none)
 
     def check(self, peer: int, word: int, target: int, *, seq: int, what: str, step: int) -> None:
-        """Raise if a peer died, closed, or gave up (after re-checking the awaited condition)."""
+        """Raise if the awaited peer died, closed, or gave up (after re-checking the awaited condition); a wait on
+        this rank's own word (peers counting in it) watches every peer.
+
+        A death or an abort elsewhere is not this wait's to raise on, as over TCP, where only the awaited peer's
+        connection can fail a wait: a peer held up by it gives up and says so (its abort word), and a peer that did
+        its part lets this rank finish the collective. Raising on any death would split the survivors of one:
+        a rank still waiting on a live peer in the collective the dead rank had finished would fail it, while the
+        others complete it and fail the next, and a retry on the shrunk group would pair different collectives."""
         dead = self.exited_peers()
         views = self._views
         self.check_abort_words(seq=seq, step=step)
+        watched = range(self._world_size) if peer == self._rank else (peer,)
         # A rank that gave up set its abort flag before exiting; a rank that closed set its closed flag. Only a
         # process that exited with neither died unannounced: that is the root cause to name.
-        died = [p for p in dead if views[p][ABORTED_WORD] == NO_ABORT and not views[p][CLOSED_WORD]]
-        aborted = [p for p in range(self._world_size) if p != self._rank and views[p][ABORTED_WORD] != NO_ABORT]
+        died = [p for p in dead if p in watched and views[p][ABORTED_WORD] == NO_ABORT and not views[p][CLOSED_WORD]]
+        aborted = [p for p in watched if p != self._rank and views[p][ABORTED_WORD] != NO_ABORT]
         # A peer that closed after doing its part is fine unless we still wait on it.
         if peer != self._rank and views[peer][ABORTED_WORD] == NO_ABORT and (views[peer][CLOSED_WORD] or peer in dead):
             aborted.append(peer)

@@ -21,13 +21,16 @@ from __future__ import annotations
 import socket
 import struct
 
-__all__ = ["JIFFY_S", "sent_and_busy"]
+__all__ = ["JIFFY_S", "pace_sending", "sent_and_busy"]
 
 _BYTES_ACKED = struct.Struct("<Q")
 _BYTES_ACKED_AT = 120  # after the u8 flags, 24 u32 fields, pacing_rate and max_pacing_rate
 _CHRONO = struct.Struct("<3Q")  # tcpi_busy_time, tcpi_rwnd_limited, tcpi_sndbuf_limited (µs)
 _CHRONO_AT = 168  # after bytes_received, segs_out/in, notsent_bytes, min_rtt, data_segs_in/out, delivery_rate
 _INFO_BYTES = _CHRONO_AT + _CHRONO.size
+
+_SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # include/uapi/asm-generic/socket.h
+_MAX_PACING_BPS = 2**32 - 1  # the option's 32-bit form
 
 JIFFY_S = 0.004
 """The resolution of the kernel's busy times at HZ=250 (a kernel with a higher HZ only makes them finer)."""
@@ -47,3 +50,15 @@ def sent_and_busy(sock: socket.socket) -> tuple[int, float] | None:
     (acked,) = _BYTES_ACKED.unpack_from(raw, _BYTES_ACKED_AT)
     busy_us, rwnd_us, sndbuf_us = _CHRONO.unpack_from(raw, _CHRONO_AT)
     return int(acked), max(busy_us - rwnd_us - sndbuf_us, 0) / 1e6
+
+
+def pace_sending(sock: socket.socket, rate_Bps: float) -> None:
+    """Make the kernel pace ``sock``'s sending at ``rate_Bps`` bytes per second (``SO_MAX_PACING_RATE``; TCP paces
+    itself without the fq qdisc since Linux 4.13): a slow link as the network would make it, data queued in the
+    kernel and counted as network-limited time, not a sender that holds its data back. ValueError for a socket that
+    is not TCP or a rate outside 1 B/s..4 GiB/s."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        raise ValueError("only a TCP connection can be paced by the kernel (this one is a Unix socket)")
+    if not 1 <= rate_Bps <= _MAX_PACING_BPS:
+        raise ValueError(f"pacing rate {rate_Bps} B/s is outside 1..{_MAX_PACING_BPS} B/s")
+    sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, int(rate_Bps))

@@ -72,7 +72,7 @@ from allreduce.runtime.tcp._socket import (
     send_until,
     tune,
 )
-from allreduce.runtime.tcp._tcpinfo import sent_and_busy
+from allreduce.runtime.tcp._tcpinfo import pace_sending, sent_and_busy
 
 __all__ = [
     "ABORT_BUDGET_S",
@@ -266,6 +266,16 @@ class TcpTransport(Transport):
             if counters is not None:
                 out[peer] = counters
         return out
+
+    def inject_slow_link(self, *, peer: int, rate_Bps: float) -> None:
+        """Make this rank's kernel pace its sending to ``peer`` at ``rate_Bps`` (a slow link the kernel's counters
+        see, for tests of re-planning): ValueError if there is no TCP connection to ``peer`` yet (connections are
+        made by the first collective) or it is a Unix socket."""
+        with self._cond:
+            pair = self._peers.get(peer)
+        if pair is None:
+            raise ValueError(f"rank {self.rank}: no connection to rank {peer} yet (run a collective first)")
+        pace_sending(pair.sock, rate_Bps)
 
     def statistics(self) -> Mapping[str, int]:
         """``connections_made`` (to lower ranks) and ``connections_accepted`` (from higher ranks);
