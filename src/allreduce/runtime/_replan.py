@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._stats import LinkStats
 from allreduce.runtime.tcp._tcpinfo import JIFFY_S
-from allreduce.schedules import Schedule, best_ring_order, ordered_ring, ring_time_s
+from allreduce.schedules import SLOW_LINK_RATIO, Schedule, best_ring_order, ordered_ring, ring_time_s
 
 __all__ = [
     "CONFIDENCE_Z",
@@ -64,11 +64,8 @@ __all__ = [
 Link = tuple[int, int]
 
 
-MEASURED_SLOW_RATIO = 0.25
-"""A link is slow below this share of the others (the rule's default). On an emulated 1:1 Clos (two spines, ECMP),
-the healthy ring's links that shared a spine uplink read 20-25 MB/s in the senders' counters beside 30-1,200 MB/s
-for the others (a link that is not the bottleneck drains each step at once and reads fast): a half would call
-healthy contention slow; a link at 10% reads a tenth of that."""
+MEASURED_SLOW_RATIO = SLOW_LINK_RATIO
+"""A link is slow below this share of the others (the rule's default; the schedules' constant says why)."""
 
 
 @dataclass(frozen=True)
