@@ -34,6 +34,21 @@ def case_id(case: tuple[str, str]) -> str:
     return f"{case[0]}-{case[1]}"
 
 
+def assert_ran(reports: list[dict[str, Any]], transport: str) -> None:
+    """Every rank ran the whole matrix over ``transport``."""
+    for rank, report in enumerate(reports):
+        assert report["transport"] == transport, f"rank {rank}"
+        assert sum(report["ran"].values()) > 500, f"rank {rank}: {report['ran']}"
+
+
+def assert_exact(reports: list[dict[str, Any]], case: tuple[str, str]) -> None:
+    """Every rank ran ``case`` (collective, algorithm) and got every combination of it right."""
+    key = " ".join(case)
+    for rank, report in enumerate(reports):
+        assert report["ran"][key] > 0, f"rank {rank}: {key} never ran"
+        assert report["failures"][key] == [], f"rank {rank}: {report['failures'][key][:10]}"
+
+
 def sizes(world_size: int) -> list[int]:
     # 0, 1, primes, and sizes that leave remainders against N blocks × 3 segments
     return [0, 1, 13, world_size * 3 + 1, 1031]

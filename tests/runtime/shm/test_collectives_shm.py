@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from collective_matrix import WORLD_SIZES, case_id, cases, run_matrix
+from collective_matrix import WORLD_SIZES, assert_exact, assert_ran, case_id, cases, run_matrix
 
 import allreduce
 from allreduce.runtime import ProcessGroup
@@ -96,17 +96,12 @@ def test_the_probe_finds_cross_memory_reads_where_the_kernel_allows_them(matrix:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", cases(), ids=case_id)
 def test_every_dtype_and_op_is_exact_over_shm(matrix: list[dict[str, Any]], case: tuple[str, str]) -> None:
-    key = " ".join(case)
-    for rank, result in enumerate(matrix):
-        assert result["ran"][key] > 0
-        assert result["failures"][key] == [], f"rank {rank}: {result['failures'][key][:10]}"
+    assert_exact(matrix, case)
 
 
 @pytest.mark.slow
 def test_the_matrix_ran_over_shm(matrix: list[dict[str, Any]]) -> None:
-    for result in matrix:
-        assert result["transport"] == "shm"
-        assert sum(result["ran"].values()) > 500
+    assert_ran(matrix, "shm")
 
 
 @pytest.mark.slow

@@ -4,36 +4,17 @@ home peers read in place, without the staging copy in and out."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import numpy as np
 import pytest
+from pipeline_paths import general_path_entries
 
 from allreduce.runtime._spawn import spawn
 
 SMALL, LARGE = 4 << 10, 1 << 20
 IN_PLACE = frozenset(("executes_shared", "executes_adopted", "executes_cross_memory"))
 """The homes peers read where the buffer is (a ``group.empty()`` array, an adopted or a huge-page plain one)."""
-
-
-def _general_path_entries(call: Callable[[], object]) -> int:
-    """How many times ``call()`` entered the general path's preparation (``Pipeline.collective``)."""
-    entries = 0
-
-    def count(frame: FrameType, event: str, _: object) -> None:
-        nonlocal entries
-        if event == "call" and frame.f_code.co_name == "collective" and "_pipeline" in frame.f_code.co_filename:
-            entries += 1
-
-    sys.setprofile(count)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return entries
 
 
 def _paths(group: Any) -> dict[tuple[str, int], tuple[int, dict[str, int]]]:
@@ -47,7 +28,7 @@ def _paths(group: Any) -> dict[tuple[str, int], tuple[int, dict[str, int]]]:
             group.all_reduce(x)
             group.all_reduce(x)
             before = dict(group.transport.statistics())
-            entries = _general_path_entries(lambda x=x: group.all_reduce(x))
+            entries = general_path_entries(lambda x=x: group.all_reduce(x))
             after = group.transport.statistics()
             out[kind, size] = (entries, {k: after[k] - before[k] for k in after if after[k] != before[k]})
             assert float(x[0]) == group.world_size**3  # three sums in place

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from collective_matrix import WORLD_SIZES, case_id, cases, run_matrix
+from collective_matrix import WORLD_SIZES, assert_exact, assert_ran, case_id, cases, run_matrix
 
 import allreduce
 from allreduce.runtime._spawn import spawn
@@ -26,15 +26,10 @@ def tcp_matrix(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_the_matrix_ran_over_tcp(tcp_matrix: list[dict[str, Any]]) -> None:
-    for result in tcp_matrix:
-        assert result["transport"] == "tcp"
-        assert sum(result["ran"].values()) > 500
+    assert_ran(tcp_matrix, "tcp")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", cases(), ids=case_id)
 def test_every_dtype_and_op_is_exact_over_tcp(tcp_matrix: list[dict[str, Any]], case: tuple[str, str]) -> None:
-    key = " ".join(case)
-    for rank, result in enumerate(tcp_matrix):
-        assert result["ran"][key] > 0
-        assert result["failures"][key] == [], f"rank {rank}: {result['failures'][key][:10]}"
+    assert_exact(tcp_matrix, case)
