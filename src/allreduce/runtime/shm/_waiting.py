@@ -32,8 +32,8 @@ YIELD_S = 300e-6
 YIELD_NS = int(YIELD_S * 1e9)
 
 RAN_ELSEWHERE_NS = 5_000
-"""A ``sched_yield`` that returns later than this let another task run on this core (alone on it, one returns
-within a microsecond or two)."""
+"""A ``sched_yield`` that returns later than this let another task run on this core: one that did not, with its clock
+read, takes 0.7-0.8 µs from Python (2026-12-06, 20,000 calls at load 29: 1.6% took longer than this)."""
 
 POLL_S = 0.001
 """Longest a waiter blocks in futex before it re-checks the deadline, dead peers and abort flags."""
