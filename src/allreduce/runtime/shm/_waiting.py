@@ -3,9 +3,9 @@
 A waiter spins briefly when every rank has a core, then yields, then blocks in ``futex(2)`` on the counter with a
 short timeout, so that N ranks on fewer cores do not starve each other; a publisher wakes the futex only when a
 peer has marked itself asleep. How long a wait spins is :class:`SpinPolicy`'s to say: a wait that a full spin did not
-catch halves the next spin (it had to block, or it ended only after this rank gave its core away: a busy machine, or
-the peer waited for runs on this rank's core, where spinning only keeps it from running), and a wait that a full
-spin would have caught restores it. Between futex sleeps a waiter asks its
+catch halves the next spin (it had to block, or it ended right after a yield that gave this rank's core away: a busy
+machine, or the peer waited for runs on this rank's core, where spinning only keeps it from running), and a wait
+that a full spin would have caught restores it. Between futex sleeps a waiter asks its
 :class:`~allreduce.runtime.shm._watch.PeerWatch` whether a peer died, closed or gave up, and at the deadline it
 raises the watch's timeout error, naming the rank at the root of the wait.
 """
@@ -46,7 +46,8 @@ class SpinPolicy:
     The two ranks of a group of two share one core now and then (the scheduler's placement, on a loaded 2-core
     machine), and a spin there only keeps the peer waited for from running: a 1 MiB all-reduce took a median
     250-300 µs a call placed so, 90 µs on two cores (load 5-7, 2026-12-06), the bimodal busbw of
-    benchmarks/bench_runtime.py. Such a wait ends after this rank gave its core away, so it halves the spin too."""
+    benchmarks/bench_runtime.py. Such a wait ends right after a yield that gave the core away, so it halves the spin
+    too."""
 
     __slots__ = ("limit_ns", "spin_ns")
 
@@ -64,7 +65,7 @@ class SpinPolicy:
 
     def caught(self, waited_ns: int, *, core_given_away: bool) -> None:
         """A wait that yielded was satisfied after ``waited_ns``; ``core_given_away``: another task ran on this
-        core meanwhile (then a spin would only have kept it waiting, whatever ``waited_ns``)."""
+        core just before (then a spin would only have kept it waiting, whatever ``waited_ns``)."""
         if waited_ns <= self.limit_ns and not core_given_away:
             self.spin_ns = self.limit_ns
         else:
@@ -144,13 +145,13 @@ class Waiting:
                 return now - start
             now = clock()
         yield_until = start + YIELD_NS
-        given_away = False
         while now < yield_until:
             os.sched_yield()
             then, now = now, clock()
-            given_away = given_away or now - then > RAN_ELSEWHERE_NS
             if view[word] >= target:
-                policy.caught(now - start, core_given_away=given_away)
+                # Judged by the last yield alone (no work per turn of the loop): on a shared core the peer ran in
+                # it, and published what this wait was for.
+                policy.caught(now - start, core_given_away=now - then > RAN_ELSEWHERE_NS)
                 return now - start
         policy.blocked()
         address = self._addresses[peer] + 8 * word
