@@ -1,7 +1,7 @@
 """init() on a bad or busy MASTER_PORT, and a second init() while a group is open: one clear error on every rank.
 
-Real processes: two ranks started by hand with the variables a launcher sets; the test holds a port itself to play
-another service.
+Real processes: two ranks started by ``runtime.spawn`` with the variables a launcher sets (a test's own MASTER_PORT
+set in the rank before init()); the test holds a port itself to play another service.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_group_harness import report, run_ranks
 
 import allreduce
 from allreduce.runtime import CollectiveTimeoutError
+from allreduce.runtime._spawn import spawn
 
 WORLD_SIZE = 2
 SHORT_TIMEOUT_S = 5.0
@@ -32,23 +32,20 @@ def _outcome(fn: Any) -> tuple[str, str, int | None]:
     return "ok", "", None
 
 
-def _second_init_rank(rank: int, n: int, port: int, out: Any) -> None:
-    def body() -> dict[str, Any]:
-        first = allreduce.init(rank, n, master_port=port, timeout_s=60)
-        second = _outcome(lambda: allreduce.init(rank, n, master_port=port, timeout_s=60))
-        x = np.ones(4)
-        first.all_reduce(x)  # the refused init consumed nothing of the first group
-        first.close()
-        with allreduce.init(rank, n, master_port=port, timeout_s=60) as third:
-            y = third.all_reduce(np.ones(4))
-        return {"second": second, "first_sum": float(x[0]), "third_sum": float(y[0])}
-
-    report(out, rank, body)
+def _second_init_rank() -> dict[str, Any]:
+    first = allreduce.init(timeout_s=60)
+    second = _outcome(lambda: allreduce.init(timeout_s=60))
+    x = np.ones(4)
+    first.all_reduce(x)  # the refused init consumed nothing of the first group
+    first.close()
+    with allreduce.init(timeout_s=60) as third:
+        y = third.all_reduce(np.ones(4))
+    return {"second": second, "first_sum": float(x[0]), "third_sum": float(y[0])}
 
 
 @pytest.fixture(scope="module")
 def second_init() -> list[dict[str, Any]]:
-    return run_ranks(WORLD_SIZE, _second_init_rank)
+    return spawn(WORLD_SIZE, _second_init_rank, group=False, timeout_s=240)
 
 
 @pytest.mark.slow
@@ -69,15 +66,19 @@ def test_the_open_group_still_works_and_a_new_one_opens_after_close(second_init:
         assert result["third_sum"] == WORLD_SIZE
 
 
-def _env_port_rank(rank: int, n: int, port: int, out: Any, master_port: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), MASTER_PORT=master_port)
-    report(out, rank, lambda: _outcome(lambda: allreduce.init(timeout_s=SHORT_TIMEOUT_S)))
+def _env_port_rank(master_port: str) -> tuple[str, str, int | None]:
+    os.environ["MASTER_PORT"] = master_port
+    return _outcome(lambda: allreduce.init(timeout_s=SHORT_TIMEOUT_S))
+
+
+def _with_master_port(master_port: str) -> list[tuple[str, str, int | None]]:
+    return spawn(WORLD_SIZE, _env_port_rank, master_port, group=False, timeout_s=240)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("master_port", ["70000", "0", "-1"])
 def test_a_master_port_that_is_no_tcp_port_is_refused_on_every_rank(master_port: str) -> None:
-    for outcome in run_ranks(WORLD_SIZE, _env_port_rank, master_port):
+    for outcome in _with_master_port(master_port):
         kind, message, _ = outcome
         assert kind == "ValueError", outcome
         assert message.startswith(f"MASTER_PORT: {master_port} is not a TCP port (1..65535)"), message
@@ -97,7 +98,7 @@ def test_a_master_port_argument_of_another_type_is_refused() -> None:
 def port_held_by_a_silent_service() -> list[Any]:
     # a listener that accepts (the kernel does, into the backlog) and never answers: another service's port
     with socket.create_server(("127.0.0.1", 0)) as service:
-        return run_ranks(WORLD_SIZE, _env_port_rank, str(service.getsockname()[1]))
+        return _with_master_port(str(service.getsockname()[1]))
 
 
 @pytest.mark.slow

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_group_harness import report, run_ranks
 
 import allreduce
+from allreduce.runtime._spawn import spawn
 
 THREADS = ("A", "B")
 # each thread's contribution per rank: any cross-pairing of A with B gives a sum no correct pairing gives
@@ -24,49 +24,47 @@ TURN_TIMEOUT_S = 120.0
 """How long a thread waits for its turn: far above the collective's timeout, so a hang fails, never passes."""
 
 
-def _racing_rank(rank: int, n: int, port: int, out: Any, case: tuple[str, str]) -> None:
+def _racing_rank(group: allreduce.ProcessGroup, mode: str) -> dict[str, tuple[str, Any]]:
     """Each thread's outcome: ("ok", the sum) or (the exception's class name, its message).
 
-    ``case`` is (transport, mode); mode: "plain" (no tags), "tagged" (each thread tags its calls with its name),
-    or "handed" (the main thread hands the group to thread A, which then calls alone; B does not call).
+    ``mode``: "plain" (no tags), "tagged" (each thread tags its calls with its name), or "handed" (the main thread
+    hands the group to thread A, which then calls alone; B does not call).
     """
+    rank = group.rank
+    outcome: dict[str, tuple[str, Any]] = {}
+    order = THREADS if rank == 0 or mode == "handed" else THREADS[::-1]
+    turn = {name: threading.Event() for name in THREADS}
+    turn[order[0]].set()
 
-    transport, mode = case
+    def thread_body(name: str) -> None:
+        try:
+            if not turn[name].wait(TURN_TIMEOUT_S):
+                outcome[name] = ("no turn", None)
+                return
+            if mode == "handed" and name == "B":
+                return
+            x = np.full(1024, VALUES[name][rank])
+            kwargs = {"tag": name} if mode == "tagged" else {}
+            group.all_reduce(x, algorithm="ring", **kwargs)
+            outcome[name] = ("ok", float(x[0]))
+        except Exception as exc:  # reported to the test, which asserts on it
+            outcome[name] = (type(exc).__name__, str(exc))
+        finally:
+            if name == order[0]:
+                turn[order[1]].set()
 
-    def body() -> dict[str, tuple[str, Any]]:
-        outcome: dict[str, tuple[str, Any]] = {}
-        with allreduce.init(rank, n, master_port=port, transport=transport, timeout_s=60) as group:
-            order = THREADS if rank == 0 or mode == "handed" else THREADS[::-1]
-            turn = {name: threading.Event() for name in THREADS}
-            turn[order[0]].set()
+    threads = [threading.Thread(target=thread_body, args=(name,), name=f"worker-{name}") for name in THREADS]
+    if mode == "handed":
+        group.hand_over(threads[0])
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcome
 
-            def thread_body(name: str) -> None:
-                try:
-                    if not turn[name].wait(TURN_TIMEOUT_S):
-                        outcome[name] = ("no turn", None)
-                        return
-                    if mode == "handed" and name == "B":
-                        return
-                    x = np.full(1024, VALUES[name][rank])
-                    kwargs = {"tag": name} if mode == "tagged" else {}
-                    group.all_reduce(x, algorithm="ring", **kwargs)
-                    outcome[name] = ("ok", float(x[0]))
-                except Exception as exc:  # reported to the test, which asserts on it
-                    outcome[name] = (type(exc).__name__, str(exc))
-                finally:
-                    if name == order[0]:
-                        turn[order[1]].set()
 
-            threads = [threading.Thread(target=thread_body, args=(name,), name=f"worker-{name}") for name in THREADS]
-            if mode == "handed":
-                group.hand_over(threads[0])
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        return outcome
-
-    report(out, rank, body)
+def _race(transport: str, mode: str) -> list[dict[str, tuple[str, Any]]]:
+    return spawn(2, _racing_rank, mode, init_options={"transport": transport, "timeout_s": 60}, timeout_s=240)
 
 
 def _assert_no_wrong_sum(results: list[Any]) -> None:
@@ -80,13 +78,13 @@ def _assert_no_wrong_sum(results: list[Any]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_two_threads_racing_on_one_group_never_get_a_wrong_sum(transport: str) -> None:
-    _assert_no_wrong_sum(run_ranks(2, _racing_rank, (transport, "plain")))
+    _assert_no_wrong_sum(_race(transport, "plain"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_thread_that_does_not_own_the_group_raises_naming_both_threads(transport: str) -> None:
-    for rank, outcome in enumerate(run_ranks(2, _racing_rank, (transport, "plain"))):
+    for rank, outcome in enumerate(_race(transport, "plain")):
         for name in THREADS:
             status, message = outcome[name]
             assert status == "WrongThreadError", (rank, name, outcome[name])
@@ -98,7 +96,7 @@ def test_a_thread_that_does_not_own_the_group_raises_naming_both_threads(transpo
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_tagged_calls_paired_across_threads_raise_mismatch_on_every_rank(transport: str) -> None:
-    results = run_ranks(2, _racing_rank, (transport, "tagged"))
+    results = _race(transport, "tagged")
     _assert_no_wrong_sum(results)
     for rank, outcome in enumerate(results):
         for name in THREADS:
@@ -112,48 +110,44 @@ def test_tagged_calls_paired_across_threads_raise_mismatch_on_every_rank(transpo
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_thread_handed_the_group_gets_the_right_sum(transport: str) -> None:
-    for outcome in run_ranks(2, _racing_rank, (transport, "handed")):
+    for outcome in _race(transport, "handed"):
         assert outcome["A"] == ("ok", EXPECTED["A"]), outcome
 
 
-def _left_behind_rank(rank: int, n: int, port: int, out: Any, transport: str) -> None:
+def _left_behind_rank(transport: str) -> dict[str, tuple[str, Any]]:
     """A group made in a worker thread that has ended: the main thread's call first (refused), then its adoption
     and a call, then a second thread's attempt to take it too."""
-
-    def body() -> dict[str, tuple[str, Any]]:
-        made: list[Any] = []
-        maker = threading.Thread(
-            target=lambda: made.append(allreduce.init(rank, n, master_port=port, transport=transport, timeout_s=60)),
-            name="maker",
-        )
-        maker.start()
-        maker.join()
-        group = made[0]
-        outcome: dict[str, tuple[str, Any]] = {}
-        x = np.full(1024, rank + 1.0)
-        try:
-            group.all_reduce(x)
-            outcome["before"] = ("ok", float(x[0]))
-        except Exception as exc:  # reported to the test, which asserts on it
-            outcome["before"] = (type(exc).__name__, str(exc))
-        group.hand_over(threading.current_thread())  # adopting it: the maker has finished
+    made: list[Any] = []
+    maker = threading.Thread(
+        target=lambda: made.append(allreduce.init(transport=transport, timeout_s=60)),
+        name="maker",
+    )
+    maker.start()
+    maker.join()
+    group = made[0]
+    outcome: dict[str, tuple[str, Any]] = {}
+    x = np.full(1024, group.rank + 1.0)
+    try:
         group.all_reduce(x)
-        outcome["adopted"] = ("ok", float(x[0]))
+        outcome["before"] = ("ok", float(x[0]))
+    except Exception as exc:  # reported to the test, which asserts on it
+        outcome["before"] = (type(exc).__name__, str(exc))
+    group.hand_over(threading.current_thread())  # adopting it: the maker has finished
+    group.all_reduce(x)
+    outcome["adopted"] = ("ok", float(x[0]))
 
-        def second() -> None:
-            try:
-                group.hand_over(threading.current_thread())
-                outcome["second"] = ("ok", None)
-            except Exception as exc:  # reported to the test, which asserts on it
-                outcome["second"] = (type(exc).__name__, str(exc))
+    def second() -> None:
+        try:
+            group.hand_over(threading.current_thread())
+            outcome["second"] = ("ok", None)
+        except Exception as exc:  # reported to the test, which asserts on it
+            outcome["second"] = (type(exc).__name__, str(exc))
 
-        rival = threading.Thread(target=second, name="rival")
-        rival.start()
-        rival.join()
-        group.close()
-        return outcome
-
-    report(out, rank, body)
+    rival = threading.Thread(target=second, name="rival")
+    rival.start()
+    rival.join()
+    group.close()
+    return outcome
 
 
 @pytest.mark.slow
@@ -161,7 +155,7 @@ def _left_behind_rank(rank: int, n: int, port: int, out: Any, transport: str) ->
 def test_a_group_whose_owner_thread_ended_is_adopted_explicitly_and_then_belongs_to_its_adopter(
     transport: str,
 ) -> None:
-    for rank, outcome in enumerate(run_ranks(2, _left_behind_rank, transport)):
+    for rank, outcome in enumerate(spawn(2, _left_behind_rank, transport, group=False, timeout_s=240)):
         status, message = outcome["before"]
         assert status == "WrongThreadError", (rank, outcome)
         assert "'maker'" in message, message

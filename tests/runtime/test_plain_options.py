@@ -3,13 +3,12 @@ bare ``all_reduce(x)`` does (a benchmark passing ``segments=1`` measured 2.5-3x 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from types import FrameType
 from typing import Any
 
 import numpy as np
 import pytest
+from pipeline_paths import general_path_entries
 
 import allreduce
 from allreduce.runtime._group import _defaults_only
@@ -25,19 +24,7 @@ def _general_path_calls(group: allreduce.ProcessGroup, **options: Any) -> int:
     """How many times ``all_reduce(x, **options)`` entered the general path (``Pipeline.collective``)."""
     x = np.ones(1024, np.float32)
     group.all_reduce(x)  # the plain path's preparation happens once, outside the count
-    calls = 0
-
-    def count(frame: FrameType, event: str, _: object) -> None:
-        nonlocal calls
-        if event == "call" and frame.f_code.co_name == "collective" and "_pipeline" in frame.f_code.co_filename:
-            calls += 1
-
-    sys.setprofile(count)
-    try:
-        group.all_reduce(x, **options)
-    finally:
-        sys.setprofile(None)
-    return calls
+    return general_path_entries(lambda: group.all_reduce(x, **options))
 
 
 def test_options_at_their_defaults_take_the_plain_path(group: allreduce.ProcessGroup) -> None:

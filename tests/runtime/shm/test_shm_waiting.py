@@ -47,14 +47,20 @@ def test_a_wait_a_full_spin_would_have_caught_restores_the_spin() -> None:
     policy = SpinPolicy(32e-6)
     for _ in range(3):
         policy.blocked()
-    policy.caught(31_000)
+    policy.caught(31_000, core_given_away=False)
     assert policy.spin_ns == 32_000
 
 
-def test_a_wait_caught_later_than_a_full_spin_keeps_the_spin_short() -> None:
+def test_a_wait_caught_later_than_a_full_spin_halves_the_spin() -> None:
     policy = SpinPolicy(32e-6)
-    policy.blocked()
-    policy.caught(33_000)
+    policy.caught(33_000, core_given_away=False)
+    assert policy.spin_ns == 16_000
+
+
+def test_a_wait_caught_after_the_core_was_given_away_halves_the_spin_however_short() -> None:
+    # the peer ran on this rank's core: spinning would only have kept it from running
+    policy = SpinPolicy(32e-6)
+    policy.caught(10_000, core_given_away=True)
     assert policy.spin_ns == 16_000
 
 

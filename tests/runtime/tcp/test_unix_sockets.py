@@ -2,7 +2,7 @@
 TCP when they can't.
 
 Every rank is a :class:`TcpTransport` of its own in a thread of this process (real sockets, real listeners);
-a rank process killed mid-collective over a Unix socket is in ``tests/runtime/test_tcp.py`` (the ``unix`` cases).
+a rank process killed mid-collective over a Unix socket is in ``tests/runtime/tcp/test_tcp.py`` (the ``unix`` cases).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 A waiter spins briefly when every rank has a core, then yields, then blocks in ``futex(2)`` on the counter with a
 short timeout, so that N ranks on fewer cores do not starve each other; a publisher wakes the futex only when a
-peer has marked itself asleep. How long a wait spins is :class:`SpinPolicy`'s to say: a wait that had to block
-halves the next spin (a busy machine: spinning only takes the core from the peer being waited for), and a wait that
-a full spin would have caught restores it. Between futex sleeps a waiter asks its
+peer has marked itself asleep. How long a wait spins is :class:`SpinPolicy`'s to say: a wait that a full spin did not
+catch halves the next spin (it had to block, or it ended right after a yield that gave this rank's core away: a busy
+machine, or the peer waited for runs on this rank's core, where spinning only keeps it from running), and a wait
+that a full spin would have caught restores it. Between futex sleeps a waiter asks its
 :class:`~allreduce.runtime.shm._watch.PeerWatch` whether a peer died, closed or gave up, and at the deadline it
 raises the watch's timeout error, naming the rank at the root of the wait.
 """
@@ -30,14 +31,23 @@ YIELD_S = 300e-6
 """Then it gives the core away between checks for this long; then it blocks in futex."""
 YIELD_NS = int(YIELD_S * 1e9)
 
+RAN_ELSEWHERE_NS = 5_000
+"""A ``sched_yield`` that returns later than this let another task run on this core: one that did not, with its clock
+read, takes 0.7-0.8 µs from Python (2026-12-06, 20,000 calls at load 29: 1.6% took longer than this)."""
+
 POLL_S = 0.001
 """Longest a waiter blocks in futex before it re-checks the deadline, dead peers and abort flags."""
 
 
 class SpinPolicy:
-    """How long the next wait busy-waits before it yields, adapted between 0 and ``limit_s``: a wait that yielded
-    its whole time and had to block halves it (below :data:`MIN_SPIN_S`: 0), one caught while yielding within
-    ``limit_s`` of its start (a full spin would have caught it) restores it."""
+    """How long the next wait busy-waits before it yields, adapted between 0 and ``limit_s``: a wait that a full
+    spin would not have caught halves it (below :data:`MIN_SPIN_S`: 0), one that it would have restores it.
+
+    The two ranks of a group of two share one core now and then (the scheduler's placement, on a loaded 2-core
+    machine), and a spin there only keeps the peer waited for from running: a 1 MiB all-reduce took a median
+    250-300 µs a call placed so, 90 µs on two cores (load 5-7, 2026-12-06), the bimodal busbw of
+    benchmarks/bench_runtime.py. Such a wait ends right after a yield that gave the core away, so it halves the spin
+    too."""
 
     __slots__ = ("limit_ns", "spin_ns")
 
@@ -53,13 +63,16 @@ class SpinPolicy:
         """:data:`SPIN_S` when every rank of ``world_size`` has a core of this machine, else no spin at all."""
         return cls(SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0)
 
-    def caught(self, waited_ns: int) -> None:
-        """A wait that yielded was satisfied after ``waited_ns``."""
-        if waited_ns <= self.limit_ns:
+    def caught(self, waited_ns: int, *, core_given_away: bool) -> None:
+        """A wait that yielded was satisfied after ``waited_ns``; ``core_given_away``: another task ran on this
+        core just before (then a spin would only have kept it waiting, whatever ``waited_ns``)."""
+        if waited_ns <= self.limit_ns and not core_given_away:
             self.spin_ns = self.limit_ns
+        else:
+            self.blocked()
 
     def blocked(self) -> None:
-        """A wait yielded its whole time and blocks in futex."""
+        """A wait yielded its whole time and blocks in futex (or a full spin would not have caught it)."""
         halved = self.spin_ns // 2
         self.spin_ns = halved if halved >= MIN_SPIN_S * 1e9 else 0
 
@@ -134,9 +147,11 @@ class Waiting:
         yield_until = start + YIELD_NS
         while now < yield_until:
             os.sched_yield()
-            now = clock()
+            then, now = now, clock()
             if view[word] >= target:
-                policy.caught(now - start)
+                # Judged by the last yield alone (no work per turn of the loop): on a shared core the peer ran in
+                # it, and published what this wait was for.
+                policy.caught(now - start, core_given_away=now - then > RAN_ELSEWHERE_NS)
                 return now - start
         policy.blocked()
         address = self._addresses[peer] + 8 * word

@@ -23,11 +23,7 @@ from allreduce.runtime import (
     MismatchError,
     ProcessGroup,
 )
-
-try:
-    from allreduce.runtime.shm import ShmTransport
-except ImportError:  # the transport's single-module layout
-    from allreduce.runtime._shm import ShmTransport  # type: ignore[no-redef]
+from allreduce.runtime.shm import ShmTransport
 
 
 # ----------------------------------------------------------------------------------- SIGKILL mid-collective
@@ -35,7 +31,7 @@ def _looping_rank(rank: int, n: int, job: str, started: Any, out: Any, *, plain:
     # 1 MiB: the kill lands in the data phase most of the time; a plain array is read by peers in the victim's
     # own memory (process_vm_readv), a group.zeros() array in its shared segment. small: 1 KiB with auto, the
     # one-pass small-call path (snapshots)
-    transport = ShmTransport(rank, n, job, timeout_s=60, cross_memory_min_bytes=0)  # type: ignore[call-arg]
+    transport = ShmTransport(rank, n, job, timeout_s=60, cross_memory_min_bytes=0)
     group = ProcessGroup(transport, transport_name="shm", timeout_s=60)
     algorithm = "auto" if small else "ring"
     if small:

@@ -62,6 +62,9 @@ def schedules_for(world_size: int, segments: int = 1) -> list[tuple[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------- harness
+Scenario = Callable[..., Any]
+"""What a rank runs: ``scenario(rank, world_size, store, transport, ...)``, a function of this module (sent to the
+ranks by name, as pickle sends functions)."""
 
 
 def _setup(
@@ -74,11 +77,13 @@ def _setup(
     return store, TcpTransport(rank, world_size, store, token=token, timeout_s=TIMEOUT_S, **options)
 
 
-def _worker(scenario: str, rank: int, world_size: int, port: int, out: Any, *args: Any, unix_sockets: bool) -> None:
+def _worker(
+    scenario: Scenario, rank: int, world_size: int, port: int, out: Any, *args: Any, unix_sockets: bool
+) -> None:
     try:
         store, transport = _setup(rank, world_size, port, unix_sockets=unix_sockets)
         try:
-            result = SCENARIOS[scenario](rank, world_size, store, transport, *args)
+            result = scenario(rank, world_size, store, transport, *args)
             out.put((rank, "ok", result))
         finally:
             transport.close()
@@ -90,14 +95,14 @@ def _worker(scenario: str, rank: int, world_size: int, port: int, out: Any, *arg
 
 
 def run_ranks(
-    scenario: str,
+    scenario: Scenario,
     world_size: int,
     *args: Any,
     wait_for: set[int] | None = None,
     kill: Callable[..., None] | None = None,
     unix_sockets: bool = False,
 ) -> dict[int, tuple[str, Any]]:
-    """Run ``scenario`` on ``world_size`` spawned ranks (rank 0's store hosted here); results by rank."""
+    """Run ``scenario`` on ``world_size`` fresh spawned ranks (rank 0's store hosted here); results by rank."""
     server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=-1, timeout_s=TIMEOUT_S)
     out = SPAWN.Queue()
     procs = [
@@ -133,14 +138,14 @@ def run_ranks(
 
 
 def _pool_worker(rank: int, world_size: int, port: int, commands: Any, out: Any) -> None:
-    """Serve commands ``(scenario, args)`` on one transport until ``None``; report each result. The pool's ranks
+    """Serve commands ``(scenario, kwargs)`` on one transport until ``None``; report each result. The pool's ranks
     send large steps from the sender thread, as ranks with cores of their own do (here they would not)."""
     store, transport = _setup(rank, world_size, port, sender_thread=True)
     try:
         while (command := commands.get()) is not None:
             scenario, kwargs = command
             try:
-                out.put((rank, "ok", SCENARIOS[scenario](rank, world_size, store, transport, **kwargs)))
+                out.put((rank, "ok", scenario(rank, world_size, store, transport, **kwargs)))
             except CollectiveError as exc:
                 out.put((rank, type(exc).__name__, (str(exc), exc.peer)))
             except BaseException:
@@ -165,7 +170,7 @@ class RankPool:
         for p in self.procs:
             p.start()
 
-    def run(self, scenario: str, **kwargs: Any) -> dict[int, tuple[str, Any]]:
+    def run(self, scenario: Scenario, **kwargs: Any) -> dict[int, tuple[str, Any]]:
         """Results by rank of ``scenario`` run on every rank."""
         for commands in self.commands:
             commands.put((scenario, kwargs))
@@ -175,10 +180,12 @@ class RankPool:
                 rank, status, payload = self.out.get(timeout=240)
                 results[rank] = (status, payload)
         except queue.Empty:
-            pytest.fail(f"{scenario}: ranks {sorted(set(range(self.world_size)) - results.keys())} never reported")
+            pytest.fail(
+                f"{scenario.__name__}: ranks {sorted(set(range(self.world_size)) - results.keys())} never reported"
+            )
         return results
 
-    def run_ok(self, scenario: str, **kwargs: Any) -> dict[int, Any]:
+    def run_ok(self, scenario: Scenario, **kwargs: Any) -> dict[int, Any]:
         """Results by rank of a scenario that must succeed on every rank."""
         results = self.run(scenario, **kwargs)
         for rank, (status, payload) in results.items():
@@ -365,20 +372,6 @@ def _gives_up_unread(
     return "returned"
 
 
-SCENARIOS: dict[str, Callable[..., Any]] = {
-    "gives_up_unread": _gives_up_unread,
-    "agree": _agree,
-    "algorithm": _algorithm,
-    "statistics": _statistics,
-    "dtype": _dtype,
-    "max_op": _max_op,
-    "corrupt": _corrupt,
-    "absent_peer": _absent_peer,
-    "mismatched_count": _mismatched_count,
-    "die": _die_mid_collective,
-}
-
-
 # ----------------------------------------------------------------------------------- tests
 
 
@@ -386,7 +379,7 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
 @pytest.mark.slow
 def test_agree_gathers_every_rank_descriptor(pool: RankPool) -> None:
     expected = [f"rank-{r}".encode() for r in range(pool.world_size)]
-    assert pool.run_ok("agree") == dict.fromkeys(range(pool.world_size), expected)
+    assert pool.run_ok(_agree) == dict.fromkeys(range(pool.world_size), expected)
 
 
 @at_world_sizes(*EVERY_WORLD_SIZE)
@@ -397,16 +390,16 @@ def test_algorithm_is_exact_on_integers_at_awkward_counts(pool: RankPool, name: 
     if name == "hierarchical" and n % 2:
         pytest.skip("hierarchical needs an even world size (groups of 2)")
     segments = 1 if n in (1, 8) else n - 1  # exercise segment pipelining too
-    assert pool.run_ok("algorithm", name=name, segments=segments, counts=list(COUNTS)) == {r: [] for r in range(n)}
+    assert pool.run_ok(_algorithm, name=name, segments=segments, counts=list(COUNTS)) == {r: [] for r in range(n)}
 
 
 @at_world_sizes(*EVERY_WORLD_SIZE)
 def test_statistics_count_one_frame_per_ring_transfer(pool: RankPool) -> None:
     # A ring all-reduce sends and receives 2(N-1) frames per rank (one segment); no agreement frames here.
     n = pool.world_size
-    before = pool.run_ok("statistics")
-    pool.run_ok("algorithm", name="ring", segments=1, counts=[1000])
-    after = pool.run_ok("statistics")
+    before = pool.run_ok(_statistics)
+    pool.run_ok(_algorithm, name="ring", segments=1, counts=[1000])
+    after = pool.run_ok(_statistics)
     for rank in range(n):
         assert after[rank]["frames_sent"] - before[rank]["frames_sent"] == 2 * (n - 1), rank
         assert after[rank]["frames_received"] - before[rank]["frames_received"] == 2 * (n - 1), rank
@@ -415,8 +408,8 @@ def test_statistics_count_one_frame_per_ring_transfer(pool: RankPool) -> None:
 @at_world_sizes(*EVERY_WORLD_SIZE)
 def test_statistics_count_each_connection_once(pool: RankPool) -> None:
     # Every pair of ranks that talked is one connection: made by the higher rank, accepted by the lower one.
-    pool.run_ok("algorithm", name="ring", segments=1, counts=[1000])
-    stats = pool.run_ok("statistics")
+    pool.run_ok(_algorithm, name="ring", segments=1, counts=[1000])
+    stats = pool.run_ok(_statistics)
     made = sum(s["connections_made"] for s in stats.values())
     accepted = sum(s["connections_accepted"] for s in stats.values())
     assert made == accepted
@@ -433,7 +426,7 @@ def test_large_messages_through_the_sender_thread_are_exact(pool: RankPool, name
     assert LARGE_COUNT * 8 // n >= THREAD_MIN_BYTES  # a ring step's sends go through the thread
     if name == "hierarchical" and n % 2:
         pytest.skip("hierarchical needs an even world size (groups of 2)")
-    assert pool.run_ok("algorithm", name=name, segments=2, counts=[LARGE_COUNT], checksum=checksum) == {
+    assert pool.run_ok(_algorithm, name=name, segments=2, counts=[LARGE_COUNT], checksum=checksum) == {
         r: [] for r in range(n)
     }
 
@@ -441,23 +434,23 @@ def test_large_messages_through_the_sender_thread_are_exact(pool: RankPool, name
 @pytest.mark.slow
 @at_world_sizes(2, 3, 5)
 def test_large_steps_are_handed_to_the_sender_thread(pool: RankPool) -> None:
-    pool.run_ok("algorithm", name="ring", segments=2, counts=[LARGE_COUNT])
-    for rank, stats in pool.run_ok("statistics").items():
+    pool.run_ok(_algorithm, name="ring", segments=2, counts=[LARGE_COUNT])
+    for rank, stats in pool.run_ok(_statistics).items():
         assert stats["sender_handoffs"] > 0, f"rank {rank}: the sender thread never ran"
 
 
 @at_world_sizes(*EVERY_WORLD_SIZE)
 def test_small_steps_stay_in_the_calling_thread(pool: RankPool) -> None:
-    before = pool.run_ok("statistics")
-    pool.run_ok("algorithm", name="ring", segments=1, counts=[1000])
-    after = pool.run_ok("statistics")
+    before = pool.run_ok(_statistics)
+    pool.run_ok(_algorithm, name="ring", segments=1, counts=[1000])
+    after = pool.run_ok(_statistics)
     assert all(after[r]["sender_handoffs"] == before[r]["sender_handoffs"] for r in range(pool.world_size))
 
 
 @at_world_sizes(2, 3, 5)
 def test_loopback_send_buffers_stay_small(pool: RankPool) -> None:
-    pool.run_ok("algorithm", name="ring", segments=1, counts=[1000])
-    for rank, stats in pool.run_ok("statistics").items():
+    pool.run_ok(_algorithm, name="ring", segments=1, counts=[1000])
+    for rank, stats in pool.run_ok(_statistics).items():
         # The kernel doubles what is asked; autotuning would have grown it to megabytes.
         assert 0 < stats["largest_send_buffer_bytes"] <= 2 * LOOPBACK_SNDBUF_BYTES, f"rank {rank}"
 
@@ -465,19 +458,19 @@ def test_loopback_send_buffers_stay_small(pool: RankPool) -> None:
 @at_world_sizes(3)
 @pytest.mark.parametrize("dtype_name", ["int8", "uint8", "int16", "int32", "float16", "bfloat16", "float32", "float64"])
 def test_dtype_sums_exactly(pool: RankPool, dtype_name: str) -> None:
-    assert pool.run_ok("dtype", dtype_name=dtype_name) == dict.fromkeys(range(3), True)
+    assert pool.run_ok(_dtype, dtype_name=dtype_name) == dict.fromkeys(range(3), True)
 
 
 @at_world_sizes(2)
 def test_max_op(pool: RankPool) -> None:
-    assert pool.run_ok("max_op") == {0: [1, 0, 7], 1: [1, 0, 7]}
+    assert pool.run_ok(_max_op) == {0: [1, 0, 7], 1: [1, 0, 7]}
 
 
 # Sent from the calling thread, from the sender thread.
 @pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
 @pytest.mark.parametrize("count", [4096, pytest.param(LARGE_COUNT, marks=pytest.mark.slow)])
 def test_checksum_names_the_corrupting_link(count: int, unix_sockets: bool) -> None:
-    results = run_ranks("corrupt", 2, count, unix_sockets=unix_sockets)
+    results = run_ranks(_corrupt, 2, count, unix_sockets=unix_sockets)
     status, (message, peer) = results[0]
     assert status == "ChecksumError"
     assert "link rank 1 -> rank 0" in message
@@ -490,7 +483,7 @@ def test_checksum_names_the_corrupting_link(count: int, unix_sockets: bool) -> N
 @pytest.mark.slow
 @pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
 def test_timeout_names_the_missing_peer(unix_sockets: bool) -> None:
-    results = run_ranks("absent_peer", 3, 2, wait_for={0, 1}, unix_sockets=unix_sockets)
+    results = run_ranks(_absent_peer, 3, 2, wait_for={0, 1}, unix_sockets=unix_sockets)
     for rank in (0, 1):
         status, (message, peer) = results[rank]
         assert status == "CollectiveTimeoutError", message
@@ -501,7 +494,7 @@ def test_timeout_names_the_missing_peer(unix_sockets: bool) -> None:
 @pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
 @pytest.mark.slow
 def test_mismatched_sizes_raise_on_every_rank(unix_sockets: bool) -> None:
-    results = run_ranks("mismatched_count", 2, unix_sockets=unix_sockets)
+    results = run_ranks(_mismatched_count, 2, unix_sockets=unix_sockets)
     for rank, (status, (message, _)) in results.items():
         assert status == "MismatchError", f"rank {rank}: {message}"
         assert "different plan" in message
@@ -518,7 +511,9 @@ def test_killed_peer_is_named_by_every_rank(world_size: int, unix_sockets: bool)
         server.set("test/kill-sent", b"")
 
     survivors = set(range(world_size)) - {victim}
-    results = run_ranks("die", world_size, victim, wait_for=survivors, kill=kill_victim, unix_sockets=unix_sockets)
+    results = run_ranks(
+        _die_mid_collective, world_size, victim, wait_for=survivors, kill=kill_victim, unix_sockets=unix_sockets
+    )
     for rank in survivors:
         status, payload = results[rank]
         assert status == "PeerFailureError", f"rank {rank}: {status} {payload}"
@@ -533,7 +528,7 @@ def test_killed_peer_is_named_by_every_rank(world_size: int, unix_sockets: bool)
 def test_a_peer_that_gave_up_is_heard_while_this_rank_waits_for_another(unix_sockets: bool, linger_s: float) -> None:
     """Rank 1 reads rank 2's ABORT frame while it sends to rank 2 or, once done sending, while it waits for the
     parked rank 0 (which before watching idle peers it saw only at its timeout, then naming rank 2)."""
-    results = run_ranks("gives_up_unread", 3, linger_s, wait_for={1}, unix_sockets=unix_sockets)
+    results = run_ranks(_gives_up_unread, 3, linger_s, wait_for={1}, unix_sockets=unix_sockets)
     status, payload = results[1]
     assert status == "PeerFailureError", f"rank 1: {status} {payload}"
     message, peer = payload
