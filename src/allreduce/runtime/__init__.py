@@ -34,10 +34,8 @@ from allreduce.runtime._spawn import (
     spawn_elastic,
     stop_signal_handlers,
 )
-from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
 from allreduce.runtime._store_api import KeyValueStore, Store
 from allreduce.runtime._threads import WrongThreadError
-from allreduce.runtime._trace import TRACE_ENV, check_trace_path
 from allreduce.runtime._transport import (
     ABORT_KINDS,
     PLAN_CACHE_ENTRIES,
@@ -51,6 +49,8 @@ from allreduce.runtime._transport import (
 from allreduce.runtime._transports import TransportSetup, register_transport, transport_names, unregister_transport
 from allreduce.runtime._tune import load_cost_model, save_cost_model, tune_file
 from allreduce.runtime._work import Work
+from allreduce.runtime.stats._stats import GroupStats, LinkStats, RankStats
+from allreduce.runtime.stats._trace import TRACE_ENV, check_trace_path
 
 __all__ = [
     "ABORT_KINDS",

@@ -45,12 +45,12 @@ from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
 from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
-from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._store_api import Store
-from allreduce.runtime._trace import TRACE_ENV, check_trace_path, write_trace
 from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import Work
 from allreduce.runtime.p2p import PointToPoint
+from allreduce.runtime.stats._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime.stats._trace import TRACE_ENV, check_trace_path, write_trace
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds
 
 __all__ = [
@@ -173,7 +173,7 @@ class ProcessGroup:
         transport.injection = injection
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs about 1% of a 1 MiB call (0.7-1.4% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
-        # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per process, taken once (runtime/_spare.py).
+        # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per process, taken once (runtime/stats/_spare.py).
         if os.environ.get("ALLREDUCE_STATS") != "0" or any(
             os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
         ):

@@ -9,7 +9,7 @@ import pytest
 
 from allreduce.runtime import GroupStats, ProcessGroup
 from allreduce.runtime._inject import parse_injection
-from allreduce.runtime._trace import rank_events
+from allreduce.runtime.stats._trace import rank_events
 
 COUNT = 4096
 

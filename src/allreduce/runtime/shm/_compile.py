@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._stats import Layout
+from allreduce.runtime.stats._stats import Layout
 
 __all__ = ["IN_BOTH", "IN_USER", "IN_WORK", "Piece", "Program", "Receive", "StepProgram", "Wait", "compile_program"]
 

@@ -466,7 +466,7 @@ class ShmTransport(Transport):
         injection = self.injection
         clock = time.perf_counter_ns
         arrived = 0
-        # the recorder's marks (see allreduce.runtime._stats): per receive, when its wait began and how long it
+        # the recorder's marks (see allreduce.runtime.stats._stats): per receive, when its wait began and how long it
         # took, both read by the wait while it waited. A receive whose data was there marks the clock (now) if it
         # is the call's first, or the first after a step without receives, else (0, 0): no boundary
         mark = recorder.append if recorder.enabled else None

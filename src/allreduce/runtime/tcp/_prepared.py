@@ -12,7 +12,7 @@ import zlib
 from dataclasses import dataclass, replace
 
 from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._stats import Layout
+from allreduce.runtime.stats._stats import Layout
 
 __all__ = ["WINDOW_BYTES", "PreparedPlan", "PreparedStep", "RecvSpec", "SendSpec", "prepare"]
 

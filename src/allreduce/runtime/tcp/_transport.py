@@ -509,7 +509,7 @@ class TcpTransport(Transport):
             self._ensure_connected(prepared.peers, deadline, f"collective {seq} ({plan.schedule_name})")
         recorder = self.recorder
         injection = self.injection
-        # the recorder's marks (see allreduce.runtime._stats): a clock read each, appended
+        # the recorder's marks (see allreduce.runtime.stats._stats): a clock read each, appended
         mark = recorder.append if recorder.enabled else None
         marks = recorder.log.extend if mark is not None else None  # the call's own list: flush() runs between calls
         if mark is not None:
