@@ -26,7 +26,7 @@ from allreduce.runtime._descriptor import (
     proposal_of,
     schedule_digest,
 )
-from allreduce.runtime._transport import MAX_DESCRIPTOR_BYTES
+from allreduce.runtime.transport._transport import MAX_DESCRIPTOR_BYTES
 from allreduce.schedules import MAX_ALGORITHM_NAME_BYTES, Collective, ring_all_reduce
 
 BASE = {

@@ -15,10 +15,8 @@ from allreduce.runtime._errors import (
     corrupted,
 )
 from allreduce.runtime._group import STATS_FILE_ENV, ProcessGroup
-from allreduce.runtime._inject import ENV_VAR as INJECT_ENV
 from allreduce.runtime._launch import LaunchResult, launch
 from allreduce.runtime._local import LocalTransport, local_groups, local_transports
-from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
 from allreduce.runtime._spawn import (
     DEFAULT_GRACE_S,
     MAX_LOCAL_RANKS,
@@ -36,7 +34,14 @@ from allreduce.runtime._spawn import (
 )
 from allreduce.runtime._store_api import KeyValueStore, Store
 from allreduce.runtime._threads import WrongThreadError
-from allreduce.runtime._transport import (
+from allreduce.runtime._transports import TransportSetup, register_transport, transport_names, unregister_transport
+from allreduce.runtime._tune import load_cost_model, save_cost_model, tune_file
+from allreduce.runtime._work import Work
+from allreduce.runtime.stats._stats import GroupStats, LinkStats, RankStats
+from allreduce.runtime.stats._trace import TRACE_ENV, check_trace_path
+from allreduce.runtime.transport._inject import ENV_VAR as INJECT_ENV
+from allreduce.runtime.transport._plan import RankPlan, Step, Transfer, compile_plan
+from allreduce.runtime.transport._transport import (
     ABORT_KINDS,
     PLAN_CACHE_ENTRIES,
     Call,
@@ -46,11 +51,6 @@ from allreduce.runtime._transport import (
     abort_kind,
     error_class,
 )
-from allreduce.runtime._transports import TransportSetup, register_transport, transport_names, unregister_transport
-from allreduce.runtime._tune import load_cost_model, save_cost_model, tune_file
-from allreduce.runtime._work import Work
-from allreduce.runtime.stats._stats import GroupStats, LinkStats, RankStats
-from allreduce.runtime.stats._trace import TRACE_ENV, check_trace_path
 
 __all__ = [
     "ABORT_KINDS",

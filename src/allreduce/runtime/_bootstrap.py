@@ -20,9 +20,9 @@ from allreduce.runtime._elastic import JOIN_ENV, SHRINK_PREFIX, Lineage, joined,
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
 from allreduce.runtime._group import ProcessGroup
 from allreduce.runtime._store_api import KeyValueStore
-from allreduce.runtime._transport import Transport
 from allreduce.runtime._transports import AUTO, TransportSetup, select_transport, transport_names
 from allreduce.runtime.tcp._socket import advertised_host
+from allreduce.runtime.transport._transport import Transport
 from allreduce.schedules import CostModel
 
 __all__ = ["init"]

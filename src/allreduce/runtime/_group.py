@@ -42,15 +42,15 @@ from allreduce.runtime._cost_models import default_cost_model
 from allreduce.runtime._descriptor import DTYPES, OPS
 from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
-from allreduce.runtime._inject import injection_from_env
 from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
 from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
 from allreduce.runtime._store_api import Store
-from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.runtime._work import Work
 from allreduce.runtime.p2p import PointToPoint
 from allreduce.runtime.stats._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime.stats._trace import TRACE_ENV, check_trace_path, write_trace
+from allreduce.runtime.transport._inject import injection_from_env
+from allreduce.runtime.transport._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds
 
 __all__ = [

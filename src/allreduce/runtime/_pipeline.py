@@ -50,8 +50,8 @@ from allreduce.runtime._descriptor import (
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._runs import DETERMINISTIC, Run, Runs
 from allreduce.runtime._threads import ThreadOwner
-from allreduce.runtime._transport import Call, PlanCache, Transport
 from allreduce.runtime._work import OrderedExecutor
+from allreduce.runtime.transport._transport import Call, PlanCache, Transport
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds, predict
 
 __all__ = ["PLAIN_CALLS", "Options", "Pipeline", "Prepared", "check_options", "checked_timeout"]

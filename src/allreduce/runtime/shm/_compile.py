@@ -24,8 +24,8 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
-from allreduce.runtime._plan import RankPlan
 from allreduce.runtime.stats._stats import Layout
+from allreduce.runtime.transport._plan import RankPlan
 
 __all__ = ["IN_BOTH", "IN_USER", "IN_WORK", "Piece", "Program", "Receive", "StepProgram", "Wait", "compile_program"]
 

@@ -21,8 +21,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import Call, PlanCache, ReduceInto
 from allreduce.runtime.shm._agreement import Agreement
 from allreduce.runtime.shm._compile import Program, Receive, compile_program
 from allreduce.runtime.shm._copy import copy_into
@@ -38,6 +36,8 @@ from allreduce.runtime.shm._layout import (
 from allreduce.runtime.shm._peer_data import PeerData, Remote, apply_op
 from allreduce.runtime.shm._waiting import Waiting
 from allreduce.runtime.stats._stats import Recorder
+from allreduce.runtime.transport._plan import RankPlan
+from allreduce.runtime.transport._transport import Call, PlanCache, ReduceInto
 
 __all__ = ["EAGER_STEPS_PER_RANK", "EAGER_STEPS_SLACK", "SmallCalls", "SmallProgram", "eager_step_bound"]
 

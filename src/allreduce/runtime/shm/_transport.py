@@ -51,8 +51,6 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, corrupted
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import Call, Transport, abort_kind
 from allreduce.runtime.shm._adopt import SUPPORTED as ADOPTION_SUPPORTED
 from allreduce.runtime.shm._adopt import Adopted, Adoptions, adopt_wanted
 from allreduce.runtime.shm._agreement import Agreement
@@ -85,6 +83,8 @@ from allreduce.runtime.shm._segments import SHM_DIR, LocalSegments, shm_prefix, 
 from allreduce.runtime.shm._small import SmallCalls
 from allreduce.runtime.shm._waiting import SpinPolicy, Waiting
 from allreduce.runtime.shm._watch import PeerWatch
+from allreduce.runtime.transport._plan import RankPlan
+from allreduce.runtime.transport._transport import Call, Transport, abort_kind
 
 __all__ = ["CROSS_MEMORY_MIN_BYTES", "ShmTransport"]
 

@@ -40,7 +40,6 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError
 from allreduce.runtime._store_api import Store
-from allreduce.runtime._transport import Call, Transport, abort_kind
 from allreduce.runtime.tcp._blame import DEAD_POLL_S, STALL_GRACE_S, STOP_SETTLE_S, Blame, LostPeerError
 from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
@@ -73,6 +72,7 @@ from allreduce.runtime.tcp._socket import (
     tune,
 )
 from allreduce.runtime.tcp._tcpinfo import sent_and_busy
+from allreduce.runtime.transport._transport import Call, Transport, abort_kind
 
 __all__ = [
     "ABORT_BUDGET_S",

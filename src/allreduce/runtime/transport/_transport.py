@@ -9,7 +9,7 @@ calls, in this order:
    algorithm), so that every rank compares all N descriptors and raises :class:`MismatchError` *before* any data
    moves. ``seq`` is the collective's sequence number (0, 1, 2, ... identical on every rank);
 3. :meth:`Transport.execute`: walk ``plan.steps`` in order on ``buffer`` (a 1-D contiguous numpy array of
-   ``plan.count`` elements), honouring the plan semantics of :mod:`allreduce.runtime._plan`: sends read the
+   ``plan.count`` elements), honouring the plan semantics of :mod:`allreduce.runtime.transport._plan`: sends read the
    step-start state, receives land at step end (staged when a range is both sent and received in one step).
    ``reduce_into(dst_view, incoming)`` reduces ``incoming`` into ``dst_view`` in place; receives without
    ``reduce`` copy.
@@ -48,9 +48,9 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import ABORT_KINDS, CollectiveError, abort_kind, error_class
-from allreduce.runtime._inject import Injection
-from allreduce.runtime._plan import RankPlan
 from allreduce.runtime.stats._stats import Recorder
+from allreduce.runtime.transport._inject import Injection
+from allreduce.runtime.transport._plan import RankPlan
 
 __all__ = [
     "ABORT_KINDS",
