@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allreduce.runtime import CollectiveError, ProtocolError
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import ClientHello, connect_handshake, read_exact
 from allreduce.runtime.tcp._handshake import AcceptHandshake
 from allreduce.runtime.tcp._peercred import loopback_peer

@@ -115,8 +115,8 @@ def _read_checked(store: Any, key: str, pattern: re.Pattern[str], what: str, ran
     """The value of ``key`` in ``store``, which must match ``pattern``; else a ProtocolError naming the key, the
     store and, with allreduce's store, the client that wrote the value (another process writing to the job's store
     is the likely cause). A malformed value rewritten while its writer is looked up is read again."""
-    from allreduce.runtime._store import TCPStore
-    from allreduce.runtime._store_protocol import WRITER_PREFIX
+    from allreduce.runtime.store._store import TCPStore
+    from allreduce.runtime.store._store_protocol import WRITER_PREFIX
 
     written_by = ""
     for _ in range(_REREADS):
@@ -227,7 +227,7 @@ def init(
         model = cost_model or _tuned_model("shm", 1)
         return ProcessGroup(shm, transport_name="shm", timeout_s=timeout_s, cost_model=model, group_size=1)
 
-    from allreduce.runtime._store import TCPStore
+    from allreduce.runtime.store._store import TCPStore
 
     agent = rendezvous_store if rendezvous_store is not None else _torchrun_agent_store(host, port, timeout_s)
     if agent is None:
@@ -341,7 +341,7 @@ def _refuse_if_open(host: str, port: int, rank: int) -> None:
 def _store_at(host: str, port: int, *, rank: int, world_size: int, timeout_s: float, token: str | None) -> Any:
     """The store client (rank 0 also hosts the server) at MASTER_ADDR:MASTER_PORT, with errors that say which
     variable to change: the port is taken, or what answered there is not this job's store."""
-    from allreduce.runtime._store import TCPStore
+    from allreduce.runtime.store._store import TCPStore
 
     where = f"{host}:{port} (MASTER_ADDR:MASTER_PORT)"
     try:

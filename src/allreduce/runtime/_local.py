@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, corrupted
 from allreduce.runtime._group import DEFAULT_TIMEOUT_S, ProcessGroup
-from allreduce.runtime._memory_store import MemoryStore
+from allreduce.runtime.store._memory_store import MemoryStore
 from allreduce.runtime.transport._transport import Call, Transport, abort_kind, error_class
 from allreduce.schedules import CostModel
 

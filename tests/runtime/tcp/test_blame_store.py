@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from allreduce.runtime import CollectiveError, PeerFailureError
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp._blame import Blame, LostPeerError
 
 

@@ -1,6 +1,6 @@
 """The store's wire protocol and limits: key conventions, request and response layouts, opcodes, statuses, and the
-bounds both ends enforce (the server in :mod:`~allreduce.runtime._store_server`, the client in
-:mod:`~allreduce.runtime._store`)."""
+bounds both ends enforce (the server in :mod:`~allreduce.runtime.store._store_server`, the client in
+:mod:`~allreduce.runtime.store._store`)."""
 
 from __future__ import annotations
 
