@@ -3,7 +3,6 @@
 from allreduce.runtime._bench import BenchConfig, BenchRow, default_iters, expected_result, pattern, run_bench
 from allreduce.runtime._bootstrap import init
 from allreduce.runtime._cost_models import SHM_FUSED_BYTES, default_cost_model
-from allreduce.runtime._descriptor import DTYPES, OPS
 from allreduce.runtime._errors import (
     ChecksumError,
     CollectiveError,
@@ -33,10 +32,11 @@ from allreduce.runtime._spawn import (
     stop_signal_handlers,
 )
 from allreduce.runtime._store_api import KeyValueStore, Store
-from allreduce.runtime._threads import WrongThreadError
 from allreduce.runtime._transports import TransportSetup, register_transport, transport_names, unregister_transport
 from allreduce.runtime._tune import load_cost_model, save_cost_model, tune_file
-from allreduce.runtime._work import Work
+from allreduce.runtime.pipeline._descriptor import DTYPES, OPS
+from allreduce.runtime.pipeline._threads import WrongThreadError
+from allreduce.runtime.pipeline._work import Work
 from allreduce.runtime.stats._stats import GroupStats, LinkStats, RankStats
 from allreduce.runtime.stats._trace import TRACE_ENV, check_trace_path
 from allreduce.runtime.transport._inject import ENV_VAR as INJECT_ENV

@@ -37,16 +37,16 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._args import integer_arg, rank_arg
-from allreduce.runtime._buffers import as_buffer, check_dtype
 from allreduce.runtime._cost_models import default_cost_model
-from allreduce.runtime._descriptor import DTYPES, OPS
 from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
-from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
 from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
 from allreduce.runtime._store_api import Store
-from allreduce.runtime._work import Work
 from allreduce.runtime.p2p import PointToPoint
+from allreduce.runtime.pipeline._buffers import as_buffer, check_dtype
+from allreduce.runtime.pipeline._descriptor import DTYPES, OPS
+from allreduce.runtime.pipeline._pipeline import Options, Pipeline, check_options, checked_timeout
+from allreduce.runtime.pipeline._work import Work
 from allreduce.runtime.stats._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime.stats._trace import TRACE_ENV, check_trace_path, write_trace
 from allreduce.runtime.transport._inject import injection_from_env
