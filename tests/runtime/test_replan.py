@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allreduce.runtime._replan import RESOLVED_BUSY_S, Replanner, ReplanRule, sender_rates, slow_links
+from allreduce.runtime.elastic._replan import RESOLVED_BUSY_S, Replanner, ReplanRule, sender_rates, slow_links
 
 N = 8
 FAST = 1e9

@@ -16,11 +16,11 @@ from typing import Any
 
 from allreduce.runtime._args import integer_arg
 from allreduce.runtime._cost_models import default_cost_model
-from allreduce.runtime._elastic import JOIN_ENV, SHRINK_PREFIX, Lineage, joined, request_join
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
 from allreduce.runtime._group import ProcessGroup
 from allreduce.runtime._store_api import KeyValueStore
 from allreduce.runtime._transports import AUTO, TransportSetup, select_transport, transport_names
+from allreduce.runtime.elastic._elastic import JOIN_ENV, SHRINK_PREFIX, Lineage, joined, request_join
 from allreduce.runtime.tcp._socket import advertised_host
 from allreduce.runtime.transport._transport import Transport
 from allreduce.schedules import CostModel

@@ -38,10 +38,10 @@ import numpy.typing as npt
 
 from allreduce.runtime._args import integer_arg, rank_arg
 from allreduce.runtime._cost_models import default_cost_model
-from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
-from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
 from allreduce.runtime._store_api import Store
+from allreduce.runtime.elastic._elastic import Lineage, Shrunk, grow, shrink
+from allreduce.runtime.elastic._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
 from allreduce.runtime.p2p import PointToPoint
 from allreduce.runtime.pipeline._buffers import as_buffer, check_dtype
 from allreduce.runtime.pipeline._descriptor import DTYPES, OPS
@@ -314,7 +314,7 @@ class ProcessGroup:
         self, x: Any, op: str, algorithm: str | Schedule, async_op: bool, options: Mapping[str, Any]
     ) -> Any:
         """An all-reduce under ``ALLREDUCE_REPLAN``: on the re-planned ring where it applies, then counted; every
-        window the ranks gather their link records and decide alike (runtime/_replan.py)."""
+        window the ranks gather their link records and decide alike (runtime/elastic/_replan.py)."""
         replanning = self._replanning
         assert replanning is not None
         nbytes = int(getattr(x, "nbytes", 0))
@@ -326,7 +326,7 @@ class ProcessGroup:
         return result
 
     def _window_rates(self, last: int) -> Mapping[tuple[int, int], float]:
-        """The link rates re-planning decides from (runtime/_replan.py), a collective: the senders' kernel counters,
+        """The link rates re-planning decides from (elastic/_replan.py), a collective: the senders' kernel counters,
         all-gathered, where the transport keeps them (tcp across hosts), else the receivers' records of the last
         ``last`` calls. Every rank decides from the same gathered data, so every rank takes the same source."""
         replanning = self._replanning

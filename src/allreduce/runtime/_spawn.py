@@ -36,10 +36,10 @@ from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
-from allreduce.runtime._elastic import JOIN_ENV
 from allreduce.runtime._rank_report import install_failure_report, reacted_to
 from allreduce.runtime._reaper import Reaper
 from allreduce.runtime._watch import RankWatch, describe_status, ranks_phrase
+from allreduce.runtime.elastic._elastic import JOIN_ENV
 
 __all__ = [
     "DEFAULT_GRACE_S",

@@ -35,7 +35,7 @@ __all__ = [
 RESERVED_PREFIX = "__"
 """Keys the server itself writes; clients may only read them."""
 DEAD_PREFIX = "__dead__/"
-ELASTIC_PREFIX = "allreduce/elastic/"  # shrunk groups' keys (runtime/_elastic.py): see _try_answer
+ELASTIC_PREFIX = "allreduce/elastic/"  # shrunk groups' keys (runtime/elastic/_elastic.py): see _try_answer
 WRITER_PREFIX = "__writer__/"
 """``__writer__/<key>``: which client last wrote ``<key>`` ("rank 1 (127.0.0.1:40112, pid 4242)"), set by the server
 with every write, so a rank that reads a malformed value can name who wrote it."""
