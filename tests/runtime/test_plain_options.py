@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import allreduce
-from allreduce.runtime._group import _defaults_only
+from allreduce.runtime.group._group import _defaults_only
 
 
 @pytest.fixture

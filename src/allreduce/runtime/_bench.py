@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._group import DTYPES, OPS, ProcessGroup
 from allreduce.runtime._spawn import spawn
+from allreduce.runtime.group._group import DTYPES, OPS, ProcessGroup
 from allreduce.runtime.shm import SHM_DIR
 from allreduce.schedules import Collective, bus_factor
 from allreduce.units import format_bytes

@@ -31,7 +31,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from allreduce.runtime._group import STATS_FILE_ENV
 from allreduce.runtime._rank_report import FAILURE_DIR_ENV, read_report, remove_report
 from allreduce.runtime._reaper import Reaper
 from allreduce.runtime._spawn import (
@@ -49,6 +48,7 @@ from allreduce.runtime._spawn import (
 )
 from allreduce.runtime._watch import ranks_phrase
 from allreduce.runtime.elastic._elastic import JOIN_ENV
+from allreduce.runtime.group._group import STATS_FILE_ENV
 
 __all__ = ["LaunchResult", "describe_status", "launch"]
 

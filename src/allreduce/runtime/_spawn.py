@@ -265,7 +265,7 @@ def _rank_main(
         if init_options is None:
             value = fn(*args)
         else:
-            from allreduce.runtime._bootstrap import init
+            from allreduce.runtime.group._bootstrap import init
 
             with init(**init_options) as group:
                 value = fn(group, *args)

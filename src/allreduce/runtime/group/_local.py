@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, corrupted
-from allreduce.runtime._group import DEFAULT_TIMEOUT_S, ProcessGroup
+from allreduce.runtime.group._group import DEFAULT_TIMEOUT_S, ProcessGroup
 from allreduce.runtime.store._memory_store import MemoryStore
 from allreduce.runtime.transport._transport import Call, Transport, abort_kind, error_class
 from allreduce.schedules import CostModel

@@ -37,11 +37,11 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._args import integer_arg, rank_arg
-from allreduce.runtime._cost_models import default_cost_model
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._store_api import Store
 from allreduce.runtime.elastic._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime.elastic._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
+from allreduce.runtime.group._cost_models import default_cost_model
 from allreduce.runtime.p2p import PointToPoint
 from allreduce.runtime.pipeline._buffers import as_buffer, check_dtype
 from allreduce.runtime.pipeline._descriptor import DTYPES, OPS

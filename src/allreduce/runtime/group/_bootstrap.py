@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from allreduce.runtime._args import integer_arg
-from allreduce.runtime._cost_models import default_cost_model
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
-from allreduce.runtime._group import ProcessGroup
 from allreduce.runtime._store_api import KeyValueStore
-from allreduce.runtime._transports import AUTO, TransportSetup, select_transport, transport_names
 from allreduce.runtime.elastic._elastic import JOIN_ENV, SHRINK_PREFIX, Lineage, joined, request_join
+from allreduce.runtime.group._cost_models import default_cost_model
+from allreduce.runtime.group._group import ProcessGroup
+from allreduce.runtime.group._transports import AUTO, TransportSetup, select_transport, transport_names
 from allreduce.runtime.tcp._socket import advertised_host
 from allreduce.runtime.transport._transport import Transport
 from allreduce.schedules import CostModel
@@ -380,6 +380,6 @@ def _store_at(host: str, port: int, *, rank: int, world_size: int, timeout_s: fl
 
 
 def _tuned_model(transport: str, world_size: int) -> CostModel:
-    from allreduce.runtime._tune import load_cost_model
+    from allreduce.runtime.group._tune import load_cost_model
 
     return load_cost_model(transport) or default_cost_model(transport, world_size)
