@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from allreduce.runtime import compile_plan
-from allreduce.runtime._spawn import new_token, spawn
+from allreduce.runtime.launcher._spawn import new_token, spawn
 from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import TcpTransport
 from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import spawn
-from allreduce.runtime._spawn import RankFailedError
+from allreduce.runtime.launcher._spawn import RankFailedError
 from allreduce.runtime.transport._inject import (
     ENV_VAR,
     MAX_FAULT_S,

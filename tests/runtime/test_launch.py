@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from allreduce.runtime._launch import launch
+from allreduce.runtime.launcher._launch import launch
 
 RUN = [sys.executable, "-m", "allreduce", "run"]
 

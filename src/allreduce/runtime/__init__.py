@@ -11,8 +11,20 @@ from allreduce.runtime._errors import (
     ShrinkError,
     corrupted,
 )
-from allreduce.runtime._launch import LaunchResult, launch
-from allreduce.runtime._spawn import (
+from allreduce.runtime._store_api import KeyValueStore, Store
+from allreduce.runtime.group._bootstrap import init
+from allreduce.runtime.group._cost_models import SHM_FUSED_BYTES, default_cost_model
+from allreduce.runtime.group._group import STATS_FILE_ENV, ProcessGroup
+from allreduce.runtime.group._local import LocalTransport, local_groups, local_transports
+from allreduce.runtime.group._transports import (
+    TransportSetup,
+    register_transport,
+    transport_names,
+    unregister_transport,
+)
+from allreduce.runtime.group._tune import load_cost_model, save_cost_model, tune_file
+from allreduce.runtime.launcher._launch import LaunchResult, launch
+from allreduce.runtime.launcher._spawn import (
     DEFAULT_GRACE_S,
     MAX_LOCAL_RANKS,
     MAX_RESTARTS,
@@ -27,18 +39,6 @@ from allreduce.runtime._spawn import (
     spawn_elastic,
     stop_signal_handlers,
 )
-from allreduce.runtime._store_api import KeyValueStore, Store
-from allreduce.runtime.group._bootstrap import init
-from allreduce.runtime.group._cost_models import SHM_FUSED_BYTES, default_cost_model
-from allreduce.runtime.group._group import STATS_FILE_ENV, ProcessGroup
-from allreduce.runtime.group._local import LocalTransport, local_groups, local_transports
-from allreduce.runtime.group._transports import (
-    TransportSetup,
-    register_transport,
-    transport_names,
-    unregister_transport,
-)
-from allreduce.runtime.group._tune import load_cost_model, save_cost_model, tune_file
 from allreduce.runtime.pipeline._descriptor import DTYPES, OPS
 from allreduce.runtime.pipeline._threads import WrongThreadError
 from allreduce.runtime.pipeline._work import Work
