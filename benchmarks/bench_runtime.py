@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.runtime._bench import default_iters
+from allreduce.runtime.bench._bench import default_iters
 from allreduce.runtime.launcher._spawn import spawn
 from allreduce.runtime.shm import CROSS_MEMORY_ENV
 from allreduce.runtime.tcp._socket import tune

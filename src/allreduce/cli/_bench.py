@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._json import dumps
@@ -92,7 +93,7 @@ def _handle(args: argparse.Namespace) -> int:
     except RankFailedError as exc:
         raise CLIError(str(exc)) from None
     if args.json:
-        print(dumps([r.as_dict() for r in rows]))
+        print(dumps([dataclasses.asdict(r) for r in rows]))
     else:
         memory = "plain numpy arrays" if args.copy else "group.empty() buffers"
         print(

@@ -1,6 +1,5 @@
 """Executing schedules between real ranks: process group, transports (shm, tcp, in-process), store, launcher."""
 
-from allreduce.runtime._bench import BenchConfig, BenchRow, default_iters, expected_result, pattern, run_bench
 from allreduce.runtime._errors import (
     ChecksumError,
     CollectiveError,
@@ -12,6 +11,7 @@ from allreduce.runtime._errors import (
     corrupted,
 )
 from allreduce.runtime._store_api import KeyValueStore, Store
+from allreduce.runtime.bench._bench import BenchConfig, BenchRow, default_iters, expected_result, pattern, run_bench
 from allreduce.runtime.group._bootstrap import init
 from allreduce.runtime.group._cost_models import SHM_FUSED_BYTES, default_cost_model
 from allreduce.runtime.group._group import STATS_FILE_ENV, ProcessGroup

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -96,9 +96,6 @@ class BenchRow:
     algbw_Bps: float
     busbw_Bps: float
     wrong: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def default_iters(size_bytes: int) -> int:
