@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.runtime import die_with_parent, spawn
+from allreduce.runtime import spawn
+from allreduce.runtime.launcher import die_with_parent
 from allreduce.units import parse_bandwidth, parse_bytes
 
 WINDOW = 50

@@ -8,7 +8,8 @@ import dataclasses
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._json import dumps
 from allreduce.cli._main import RANK_ENVIRONMENT_HELP, CLIError
-from allreduce.runtime import DTYPES, OPS, BenchConfig, BenchRow, RankFailedError, run_bench
+from allreduce.runtime import DTYPES, OPS, RankFailedError
+from allreduce.runtime.bench import BenchConfig, BenchRow, run_bench
 from allreduce.schedules import Collective, algorithms
 from allreduce.units import parse_size_range
 

@@ -90,7 +90,7 @@ def _pieces(start: int, stop: int, segments: int) -> list[tuple[int, int]]:
 def compile_plan(schedule: Schedule, rank: int, count: int) -> RankPlan:
     """Compile ``schedule`` for ``rank`` and a buffer of ``count`` elements.
 
-    Not cached: a process group keeps its compiled plans in its :class:`~allreduce.runtime.PlanCache`.
+    Not cached: a process group keeps its compiled plans in its :class:`~._transport.PlanCache`.
     """
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
