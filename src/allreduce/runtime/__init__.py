@@ -38,7 +38,7 @@ from allreduce.runtime.pipeline._descriptor import DTYPES, OPS
 from allreduce.runtime.pipeline._threads import WrongThreadError
 from allreduce.runtime.pipeline._work import Work
 from allreduce.runtime.stats._stats import GroupStats, LinkStats, RankStats
-from allreduce.runtime.transport._plan import RankPlan, Step, Transfer, compile_plan
+from allreduce.runtime.transport._plan import PlanStep, RankPlan, Transfer, compile_plan
 from allreduce.runtime.transport._transport import Call, ReduceInto, Transport, abort_kind, error_class
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "LocalTransport",
     "MismatchError",
     "PeerFailureError",
+    "PlanStep",
     "ProcessGroup",
     "ProtocolError",
     "RankFailedError",
@@ -65,7 +66,6 @@ __all__ = [
     "RankStats",
     "ReduceInto",
     "ShrinkError",
-    "Step",
     "Store",
     "Transfer",
     "Transport",

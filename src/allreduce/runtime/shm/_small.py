@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime.shm._agreement import Agreement
-from allreduce.runtime.shm._compile import Program, Receive, compile_program
+from allreduce.runtime.shm._compile import RankProgram, Receive, compile_program
 from allreduce.runtime.shm._copy import copy_into
 from allreduce.runtime.shm._layout import (
     BUFFER_OFFSET_WORD,
@@ -68,7 +68,7 @@ class SmallProgram:
 
     __slots__ = ("own_step0", "program", "steps")
 
-    def __init__(self, program: Program, own_step0: npt.NDArray[Any], steps: tuple[_Step, ...]) -> None:
+    def __init__(self, program: RankProgram, own_step0: npt.NDArray[Any], steps: tuple[_Step, ...]) -> None:
         self.program = program
         self.own_step0 = own_step0
         self.steps = steps

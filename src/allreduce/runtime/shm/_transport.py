@@ -54,7 +54,7 @@ from allreduce.runtime._errors import CollectiveError, corrupted
 from allreduce.runtime.shm._adopt import SUPPORTED as ADOPTION_SUPPORTED
 from allreduce.runtime.shm._adopt import Adopted, Adoptions, adopt_wanted
 from allreduce.runtime.shm._agreement import Agreement
-from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
+from allreduce.runtime.shm._compile import Piece, RankProgram, Receive, StepProgram, compile_program
 from allreduce.runtime.shm._copy import copy_into
 from allreduce.runtime.shm._huge_pages import HugePageMemo, collapse_wanted, huge_pages_likely
 from allreduce.runtime.shm._layout import (
@@ -178,7 +178,7 @@ class ShmTransport(Transport):
         eager_bytes = _checked_eager_bytes(eager_bytes)
         prefix = os.path.join(SHM_DIR, shm_prefix(job))
         # the last compiled program: a training loop repeats one collective, and this skips even hashing the plan
-        self._last_compiled: tuple[RankPlan, bool, Program] | None = None
+        self._last_compiled: tuple[RankPlan, bool, RankProgram] | None = None
         self._segments = LocalSegments(prefix, rank)
         self._adoptions = Adoptions(self._segments.new_segment, enabled=adopt)
         self._corrupt_next: tuple[int, int] | None = None  # (peer, step) of inject_corruption()
@@ -436,7 +436,7 @@ class ShmTransport(Transport):
     def _run_steps(
         self,
         call: Call,
-        program: Program,
+        program: RankProgram,
         user: npt.NDArray[Any],
         work: npt.NDArray[Any],
         *,
@@ -598,7 +598,7 @@ class ShmTransport(Transport):
         return source, shift
 
     def _finish(
-        self, call: Call, program: Program, user: npt.NDArray[Any], work: npt.NDArray[Any], *, eager: bool
+        self, call: Call, program: RankProgram, user: npt.NDArray[Any], work: npt.NDArray[Any], *, eager: bool
     ) -> None:
         """Wait until peers have read this rank's last data, copy staged results back, publish "done"."""
         seq, deadline = call.seq, call.deadline
