@@ -230,16 +230,19 @@ def documented_map() -> dict[str, frozenset[str]]:
     return allowed
 
 
-def test_the_design_doc_maps_every_package() -> None:
-    mapped = documented_map()
-    present = top_level_names() | {ROOT}
-    missing = sorted(present - set(mapped))
+def fail_unless_mapped(missing: list[str], table: str, row: str, section: str) -> None:
+    """Fail naming what has no row in a table of docs/design.md, and the row to add."""
     if missing:
         pytest.fail(
-            f"{DESIGN_DOC.relative_to(REPO)}: the package map has no row for {', '.join(missing)}; add one "
-            "(| `name` | what it is | may import |) under 'Package map'",
+            f"{DESIGN_DOC.relative_to(REPO)}: the {table} has no row for {', '.join(missing)}; add one ({row}) "
+            f"under '{section}'",
             pytrace=False,
         )
+
+
+def test_the_design_doc_maps_every_package() -> None:
+    missing = sorted((top_level_names() | {ROOT}) - set(documented_map()))
+    fail_unless_mapped(missing, "package map", "| `name` | what it is | may import |", "Package map")
 
 
 def test_every_import_follows_the_package_map() -> None:
@@ -339,12 +342,7 @@ def documented_runtime_map() -> dict[str, frozenset[str]]:
 
 def test_the_design_doc_maps_every_runtime_subpackage() -> None:
     missing = sorted(runtime_subpackages() - set(documented_runtime_map()))
-    if missing:
-        pytest.fail(
-            f"{DESIGN_DOC.relative_to(REPO)}: the runtime table has no row for {', '.join(missing)}; add one "
-            "(| `runtime.name` | what it is | may import |) under 'Inside runtime'",
-            pytrace=False,
-        )
+    fail_unless_mapped(missing, "runtime table", "| `runtime.name` | what it is | may import |", "Inside runtime")
 
 
 def test_runtime_subpackages_import_only_what_the_runtime_table_lets_them() -> None:
