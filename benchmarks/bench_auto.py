@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.units import format_bytes, parse_bytes
 
 FORCED = ("ring", "halving_doubling", "recursive_doubling")

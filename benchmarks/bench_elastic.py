@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.runtime._spawn import new_token, rank_environment, reserve_port
+from allreduce.runtime.launcher._spawn import new_token, rank_environment, reserve_port
 
 
 def _rank(rank: int, env: dict[str, str], case: tuple[str, int, int], out: Any) -> None:

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from allreduce.runtime import die_with_parent
+from allreduce.runtime.launcher import die_with_parent
 from bench_elastic import _joiner, _rank
 
 CLOS = "clos:leaves=2,spines=2,hosts_per_leaf=4"

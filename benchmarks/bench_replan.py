@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.runtime import die_with_parent, spawn
+from allreduce.runtime import spawn
+from allreduce.runtime.launcher import die_with_parent
 from allreduce.units import parse_bandwidth, parse_bytes
 
 WINDOW = 50
@@ -263,7 +264,7 @@ def main_emulated(args: argparse.Namespace) -> None:
 def _window_share(group: Any, count: int, calls: int) -> tuple[float, float]:
     """``calls`` ring all-reduces with re-planning's per-call work (``GroupReplanning.after_call``: the count, and
     at a window's end the counters' gather and the decision) timed: its share of this rank's wall and CPU time."""
-    from allreduce.runtime import _replan
+    from allreduce.runtime.elastic import _replan
 
     spent = [0.0, 0.0]
     plain = _replan.GroupReplanning.after_call

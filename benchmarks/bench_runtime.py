@@ -54,8 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.runtime._bench import default_iters
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.bench._bench import default_iters
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.runtime.shm import CROSS_MEMORY_ENV
 from allreduce.runtime.tcp._socket import tune
 from allreduce.runtime.tcp._transport import cores_shared

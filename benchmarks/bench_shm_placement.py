@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.units import format_bytes, parse_size_range
 
 _KINDS = ("plain", "empty")

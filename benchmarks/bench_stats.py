@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from allreduce.runtime import spawn
-from allreduce.runtime._stats import SPILL_ENTRIES, Layout, Recorder
+from allreduce.runtime.stats._stats import SPILL_ENTRIES, Layout, Recorder
 from allreduce.units import format_bytes, parse_size_range
 
 _BLOCK = np.array([1, 0, 0, 1, 0, 1, 1, 0], dtype=bool)

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from allreduce.runtime import compile_plan
-from allreduce.runtime._spawn import new_token, spawn
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.launcher._spawn import new_token, spawn
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import TcpTransport
 from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES
 from allreduce.schedules import all_reduce

@@ -173,7 +173,7 @@ def _kill_rank(args: argparse.Namespace) -> None:
 
 
 def _launch(rank_args: list[str], ranks: int, env: dict[str, str]) -> list[int]:
-    from allreduce.runtime import reserve_port
+    from allreduce.runtime.launcher._spawn import reserve_port
 
     with reserve_port() as reservation:
         port = str(reservation.getsockname()[1])

@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
 
-    from allreduce.runtime._spawn import spawn
+    from allreduce.runtime.launcher._spawn import spawn
 
     params = FEATURES * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden + args.hidden * CLASSES
     params += CLASSES

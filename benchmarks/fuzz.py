@@ -364,7 +364,7 @@ class _CountingHandler(logging.Handler):
 
 
 def fuzz_store(count: int, rng: random.Random) -> Tally:
-    from allreduce.runtime._store import TCPStore
+    from allreduce.runtime.store._store import TCPStore
 
     tally = Tally("store")
     store_log = logging.getLogger("allreduce.store")
@@ -449,7 +449,7 @@ _CLIENT_PATIENCE_S = 0.05  # how long the fake server waits for a client to say 
 
 def fuzz_client(count: int, rng: random.Random) -> Tally:
     """Each input: a fresh client, one request, the fake server's fuzzed answer."""
-    from allreduce.runtime._store import TCPStore
+    from allreduce.runtime.store._store import TCPStore
 
     tally = Tally("client")
     listener = socket.create_server(("127.0.0.1", 0))

@@ -222,22 +222,27 @@ def documented_map() -> dict[str, frozenset[str]]:
         match = _MAP_ROW.match(line)
         if match is None:
             continue
+        if "." in match["package"]:  # a row of the runtime table below the package map
+            continue
         cell = match["imports"]
         names = frozenset(re.findall(r"`([\w.]+)`", cell))
         allowed[match["package"]] = frozenset({EVERY_PACKAGE}) if not names and "every" in cell else names
     return allowed
 
 
-def test_the_design_doc_maps_every_package() -> None:
-    mapped = documented_map()
-    present = top_level_names() | {ROOT}
-    missing = sorted(present - set(mapped))
+def fail_unless_mapped(missing: list[str], table: str, row: str, section: str) -> None:
+    """Fail naming what has no row in a table of docs/design.md, and the row to add."""
     if missing:
         pytest.fail(
-            f"{DESIGN_DOC.relative_to(REPO)}: the package map has no row for {', '.join(missing)}; add one "
-            "(| `name` | what it is | may import |) under 'Package map'",
+            f"{DESIGN_DOC.relative_to(REPO)}: the {table} has no row for {', '.join(missing)}; add one ({row}) "
+            f"under '{section}'",
             pytrace=False,
         )
+
+
+def test_the_design_doc_maps_every_package() -> None:
+    missing = sorted((top_level_names() | {ROOT}) - set(documented_map()))
+    fail_unless_mapped(missing, "package map", "| `name` | what it is | may import |", "Package map")
 
 
 def test_every_import_follows_the_package_map() -> None:
@@ -282,6 +287,101 @@ def test_packages_import_each_other_without_cycles() -> None:
     fail_unless_none(
         offenders,
         "packages import each other without cycles; found " + "; ".join(" -> ".join([*c, c[0]]) for c in cycles),
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Inside runtime: subpackages in layers, as docs/design.md states them
+# ------------------------------------------------------------------------------------------------------------
+RUNTIME = f"{ROOT_PACKAGE}.runtime"
+RUNTIME_ROOT = "runtime root"  # the modules directly under runtime/ (errors, argument checks, the Store interface)
+RUNTIME_FACE = "runtime face"  # allreduce.runtime itself: its __init__.py, which imports every subpackage
+_RUNTIME_ROW = re.compile(r"^\|\s*`runtime\.(?P<part>\w+)`\s*\|(?P<what>[^|]*)\|(?P<imports>[^|]*)\|\s*$")
+
+
+@functools.cache
+def runtime_subpackages() -> frozenset[str]:
+    base = SRC / ROOT_PACKAGE / "runtime"
+    return frozenset(p.name for p in base.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+
+
+def runtime_part(module: str) -> str:
+    """``allreduce.runtime.group._group(.Name)`` -> ``group``; ``allreduce.runtime._errors`` -> the root; names
+    of ``allreduce.runtime`` itself -> its face."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[2] in runtime_subpackages():
+        return parts[2]
+    if len(parts) > 2 and (SRC / ROOT_PACKAGE / "runtime" / f"{parts[2]}.py").exists():
+        return RUNTIME_ROOT
+    return RUNTIME_FACE
+
+
+def runtime_imports() -> list[tuple[str, str, Import]]:
+    """(importing part, imported part, import) for every import between two parts of runtime."""
+    found = []
+    for i in imports():
+        if i.source_package != "runtime" or not (i.target == RUNTIME or i.target.startswith(RUNTIME + ".")):
+            continue
+        source = RUNTIME_FACE if i.importer == RUNTIME else runtime_part(i.importer)
+        target = runtime_part(i.target)
+        if source != target:
+            found.append((source, target, i))
+    return found
+
+
+@functools.cache
+def documented_runtime_map() -> dict[str, frozenset[str]]:
+    """runtime subpackage -> the subpackages it may import, from the runtime table of docs/design.md."""
+    allowed: dict[str, frozenset[str]] = {}
+    for line in DESIGN_DOC.read_text(encoding="utf-8").splitlines():
+        match = _RUNTIME_ROW.match(line)
+        if match is not None:
+            allowed[match["part"]] = frozenset(re.findall(r"`runtime\.(\w+)`", match["imports"]))
+    return allowed
+
+
+def test_the_design_doc_maps_every_runtime_subpackage() -> None:
+    missing = sorted(runtime_subpackages() - set(documented_runtime_map()))
+    fail_unless_mapped(missing, "runtime table", "| `runtime.name` | what it is | may import |", "Inside runtime")
+
+
+def test_runtime_subpackages_import_only_what_the_runtime_table_lets_them() -> None:
+    mapped = documented_runtime_map()
+    bad = [
+        i
+        for source, target, i in runtime_imports()
+        if source in runtime_subpackages() and target != RUNTIME_ROOT and target not in mapped.get(source, ())
+    ]
+    fail_unless_none(
+        bad,
+        "a runtime subpackage imports its own modules, runtime's root modules and the subpackages its row of the "
+        "runtime table in docs/design.md lists",
+    )
+
+
+def test_nothing_inside_runtime_imports_the_runtime_face() -> None:
+    rule = "nothing inside runtime imports allreduce.runtime itself (import the defining module instead)"
+    fail_unless_none([i for source, target, i in runtime_imports() if target == RUNTIME_FACE], rule)
+
+
+def test_runtime_root_modules_import_no_subpackage() -> None:
+    rule = "runtime's root modules (_errors, _args, _store_api) are the layer below every subpackage"
+    fail_unless_none([i for source, target, i in runtime_imports() if source == RUNTIME_ROOT], rule)
+
+
+def test_runtime_subpackages_import_each_other_without_cycles() -> None:
+    graph: dict[str, set[str]] = {}
+    first_import: dict[tuple[str, str], Import] = {}
+    for source, target, i in runtime_imports():
+        if source in runtime_subpackages() and target in runtime_subpackages():
+            graph.setdefault(source, set()).add(target)
+            first_import.setdefault((source, target), i)
+    cycles = _cycles(graph)
+    offenders = [first_import[a, b] for c in cycles for a, b in itertools.pairwise([*c, c[0]])]
+    fail_unless_none(
+        offenders,
+        "runtime subpackages import each other without cycles; found "
+        + "; ".join(" -> ".join([*c, c[0]]) for c in cycles),
     )
 
 

@@ -125,7 +125,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 def test_bench_refuses_a_size_beyond_shared_memory_and_memory() -> None:
     done = _bench("--sizes", "1TiB")
     message = _one_line_error(done.returncode, done.stderr, "--sizes", "/dev/shm", "memory")
-    from allreduce.runtime import BenchConfig, run_bench
+    from allreduce.runtime.bench import BenchConfig, run_bench
 
     with pytest.raises(ValueError, match="--sizes") as info:
         run_bench(BenchConfig(world_size=2, sizes_bytes=(1 << 40,)))

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from allreduce.cli._tune import fit_cost_model
-from allreduce.runtime import DTYPES, OPS, SHM_FUSED_BYTES
-from allreduce.runtime._bench import expected_result, pattern
-from allreduce.runtime._tune import load_cost_model, save_cost_model
+from allreduce.runtime import DTYPES, OPS
+from allreduce.runtime.bench._bench import expected_result, pattern
+from allreduce.runtime.group._cost_models import SHM_FUSED_BYTES
+from allreduce.runtime.group._tune import load_cost_model, save_cost_model
 from allreduce.schedules import CostModel
 
 

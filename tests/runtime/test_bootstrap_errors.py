@@ -16,7 +16,7 @@ import pytest
 
 import allreduce
 from allreduce.runtime import CollectiveTimeoutError
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 
 WORLD_SIZE = 2
 SHORT_TIMEOUT_S = 5.0

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import allreduce
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 
 SPAWN = mp.get_context("spawn")
 TOKEN = "junk-test-token"

@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allreduce.runtime import CollectiveError, ProtocolError
-from allreduce.runtime._peercred import loopback_peer
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import ClientHello, connect_handshake, read_exact
 from allreduce.runtime.tcp._handshake import AcceptHandshake
+from allreduce.runtime.tcp._peercred import loopback_peer
 
 TOKEN = b"fuzz-token"
 WORLD_SIZE = 64

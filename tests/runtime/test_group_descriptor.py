@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from allreduce.runtime._descriptor import (
+from allreduce.runtime.pipeline._descriptor import (
     BARRIER_CODE,
     DESCRIPTOR,
     DTYPE_CODES,
@@ -26,7 +26,7 @@ from allreduce.runtime._descriptor import (
     proposal_of,
     schedule_digest,
 )
-from allreduce.runtime._transport import MAX_DESCRIPTOR_BYTES
+from allreduce.runtime.transport._transport import MAX_DESCRIPTOR_BYTES
 from allreduce.schedules import MAX_ALGORITHM_NAME_BYTES, Collective, ring_all_reduce
 
 BASE = {
@@ -159,7 +159,7 @@ def test_import_allreduce_leaves_ml_dtypes_unimported() -> None:
 def test_a_bfloat16_array_made_after_import_is_reduced_with_its_fixed_code() -> None:
     out = _fresh_python(
         "import numpy as np, allreduce\n"
-        "from allreduce.runtime._descriptor import DTYPE_CODES\n"
+        "from allreduce.runtime.pipeline._descriptor import DTYPE_CODES\n"
         "import ml_dtypes\n"
         "group = allreduce.init(0, 1)\n"
         "x = np.arange(6).astype(ml_dtypes.bfloat16)\n"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import allreduce
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 
 THREADS = ("A", "B")
 # each thread's contribution per rank: any cross-pairing of A with B gives a sum no correct pairing gives

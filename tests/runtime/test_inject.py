@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import spawn
-from allreduce.runtime._inject import (
+from allreduce.runtime.launcher._spawn import RankFailedError
+from allreduce.runtime.transport._inject import (
     ENV_VAR,
     MAX_FAULT_S,
     Distribution,
     injection_from_env,
     parse_injection,
 )
-from allreduce.runtime._spawn import RankFailedError
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from allreduce.runtime._launch import launch
+from allreduce.runtime.launcher._launch import launch
 
 RUN = [sys.executable, "-m", "allreduce", "run"]
 
@@ -229,7 +229,7 @@ _TCP_SCRIPT = """
 import os
 import numpy as np
 from allreduce.runtime import compile_plan
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import TcpTransport
 from allreduce.schedules import all_reduce
 

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from allreduce.runtime._launch import launch
-from allreduce.runtime._spawn import MAX_LOCAL_RANKS, RankFailedError, spawn
+from allreduce.runtime.launcher._launch import launch
+from allreduce.runtime.launcher._spawn import MAX_LOCAL_RANKS, RankFailedError, spawn
 from allreduce.runtime.shm import sweep_stale_segments
 
 RUN = [sys.executable, "-m", "allreduce", "run"]

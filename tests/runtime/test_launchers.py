@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from allreduce.runtime._spawn import reserve_port
+from allreduce.runtime.launcher._spawn import reserve_port
 
 SCRIPT = textwrap.dedent(
     """

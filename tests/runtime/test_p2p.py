@@ -18,9 +18,9 @@ import pytest
 
 import allreduce
 from allreduce.runtime import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError, local_groups
-from allreduce.runtime._memory_store import MemoryStore
-from allreduce.runtime._spawn import spawn, spawn_elastic
+from allreduce.runtime.launcher._spawn import spawn, spawn_elastic
 from allreduce.runtime.p2p import PointToPoint
+from allreduce.runtime.store._memory_store import MemoryStore
 from allreduce.runtime.tcp._frames import HEADER_SIZE, encode_header
 from allreduce.runtime.tcp._handshake import ClientHello, connect_handshake
 

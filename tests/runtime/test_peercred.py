@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from allreduce.runtime._peercred import PeerCredentials, diag_lookup, holds_socket, loopback_peer, proc_lookup
+from allreduce.runtime.tcp._peercred import PeerCredentials, diag_lookup, holds_socket, loopback_peer, proc_lookup
 
 NOBODY_UID = 65534
 FAMILIES = {"ipv4": (socket.AF_INET, "127.0.0.1"), "ipv6": (socket.AF_INET6, "::1")}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_group_harness import contribution, count_mismatch, reference
 
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.schedules import CostModel
 
 COUNTS = (1 << 14, (1 << 18) + 3, 1 << 20)  # 64 KiB, just over 1 MiB, 4 MiB of float32

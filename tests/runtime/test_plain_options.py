@@ -11,7 +11,7 @@ import pytest
 from pipeline_paths import general_path_entries
 
 import allreduce
-from allreduce.runtime._group import _defaults_only
+from allreduce.runtime.group._group import _defaults_only
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import gc
 import os
 import warnings
 
-from allreduce.runtime._reaper import running_in_groups
+from allreduce.runtime.launcher._reaper import running_in_groups
 
 
 def test_a_live_group_is_found_and_the_proc_listing_is_closed() -> None:

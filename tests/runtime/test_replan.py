@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allreduce.runtime._replan import (
+from allreduce.runtime.elastic._replan import (
     MeasuredRate,
     Replanner,
     ReplanRule,

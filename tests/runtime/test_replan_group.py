@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import spawn
-from allreduce.runtime._replan import rule_from_env
+from allreduce.runtime.elastic._replan import rule_from_env
 
 CALLS = 60
 COUNT = 1 << 16  # 256 KiB of float32: 64 KiB per ring step

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import CollectiveError, ProcessGroup, spawn_elastic
-from allreduce.runtime._spawn import new_token, rank_environment, reserve_port
+from allreduce.runtime.launcher._spawn import new_token, rank_environment, reserve_port
 
 TIMEOUT_S = 60.0
 

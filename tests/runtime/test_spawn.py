@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from allreduce.runtime._spawn import RankFailedError, reserve_port, spawn
+from allreduce.runtime.launcher._spawn import RankFailedError, reserve_port, spawn
 
 
 def _shm_files_of(pids: list[int]) -> list[str]:

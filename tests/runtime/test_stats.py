@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import spawn
-from allreduce.runtime._inject import parse_injection
-from allreduce.runtime._stats import GroupStats
+from allreduce.runtime.stats._stats import GroupStats
+from allreduce.runtime.transport._inject import parse_injection
 
 pytestmark = pytest.mark.serial  # injected delays, holds and paced links
 

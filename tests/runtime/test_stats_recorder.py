@@ -15,7 +15,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allreduce.runtime._stats import CALL_CAPACITY, MARK_CAPACITY, SPILL_ENTRIES, TAG_BASE, VOID, Layout, Recorder
+from allreduce.runtime.stats._stats import CALL_CAPACITY, MARK_CAPACITY, SPILL_ENTRIES, TAG_BASE, VOID, Layout, Recorder
 
 SEQ, STEP, PEER, START, WAIT, MOVE, SIZE = range(7)  # the fields of a transfer record
 

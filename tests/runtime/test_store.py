@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from allreduce.runtime import CollectiveTimeoutError, PeerFailureError, ProtocolError
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 
 SPAWN = mp.get_context("spawn")
 

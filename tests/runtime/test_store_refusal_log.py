@@ -18,7 +18,7 @@ STRANGERS = 500
 
 HOST = """
 import sys
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 with TCPStore("127.0.0.1", 0, is_server=True, world_size=2, rank=0, timeout_s=120, token="job-secret") as store:
     print(store.port, flush=True)
     sys.stdin.read()  # until the test has sent its strangers

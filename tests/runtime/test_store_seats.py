@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from allreduce.runtime import CollectiveTimeoutError, PeerFailureError, ProtocolError
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 
 SPAWN = mp.get_context("spawn")
 WORLD_SIZE = 3
@@ -118,7 +118,7 @@ def test_a_host_refused_its_own_seat_lingers_to_tell_the_ranks_that_join_why() -
     """Another client took the hosting rank's seat before the host's own client: the host gives up, and its store
     stays up (for a while) to refuse the ranks that join with the reason, rather than vanish so that they time out
     trying to reach it."""
-    from allreduce.runtime._store_server import StoreServer
+    from allreduce.runtime.store._store_server import StoreServer
     from allreduce.runtime.tcp._listener import listening_socket
 
     server = StoreServer(listening_socket("127.0.0.1", backlog=8), world_size=WORLD_SIZE, token=None, single_group=True)

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from allreduce.runtime import CollectiveTimeoutError, ProtocolError
-from allreduce.runtime._store import TCPStore
-from allreduce.runtime._store_protocol import (
+from allreduce.runtime.store._store import TCPStore
+from allreduce.runtime.store._store_protocol import (
     GROUP_SECRET_KEY,
     MAX_STORED_BYTES,
     MAX_VALUE_BYTES,

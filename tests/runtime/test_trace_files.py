@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from allreduce.runtime import RankFailedError, check_trace_path, spawn
+from allreduce.runtime import RankFailedError, spawn
+from allreduce.runtime.stats import check_trace_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("stop_signals_not_ignored")]
 

@@ -20,7 +20,7 @@ from allreduce.runtime import (
     transport_names,
     unregister_transport,
 )
-from allreduce.runtime._transports import select_transport
+from allreduce.runtime.group._transports import select_transport
 from allreduce.schedules import block_bounds
 
 TIMEOUT_S = 60.0

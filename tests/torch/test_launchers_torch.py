@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import torch
-from allreduce.runtime._spawn import reserve_port
+from allreduce.runtime.launcher._spawn import reserve_port
 
 WORLD_SIZE = 2
 # A job's deadline: torch start-up costs seconds per process on two shared cores; a hang costs the whole deadline.

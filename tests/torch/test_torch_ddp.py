@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import torch
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from torch import nn
 
 STEPS = 10

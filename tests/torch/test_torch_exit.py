@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from allreduce.runtime._spawn import reserve_port
+from allreduce.runtime.launcher._spawn import reserve_port
 
 SCRIPT = textwrap.dedent(
     """

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from allreduce.runtime._spawn import reserve_port
+from allreduce.runtime.launcher._spawn import reserve_port
 
 JOB = Path(__file__).with_name("failing_job.py")
 WORLD_SIZE = 2

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import torch
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 
 STEPS = 4
 

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 
 LATE_S = 0.15  # longer than the transport's spin and yield: the waiting rank sleeps on a futex and checks its peers
 

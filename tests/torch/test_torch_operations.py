@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import torch
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 
 WORLD_SIZES = [2, 3]
 

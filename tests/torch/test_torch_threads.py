@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 
 
 def _in_a_thread(rank: int, world_size: int, hand_over: bool) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import compile_plan
-from allreduce.runtime._spawn import RankFailedError, spawn
+from allreduce.runtime.launcher._spawn import RankFailedError, spawn
 from allreduce.schedules import algorithms, all_reduce
 
 COUNTS = (0, 1, 3, 7, 1000, 4099)

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given
 
 import torch
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.train import DataParallel, bucket_layout
 from torch import nn
 

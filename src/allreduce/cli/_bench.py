@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._json import dumps
 from allreduce.cli._main import RANK_ENVIRONMENT_HELP, CLIError
-from allreduce.runtime import DTYPES, OPS, BenchConfig, BenchRow, RankFailedError, run_bench
+from allreduce.runtime import DTYPES, OPS, RankFailedError
+from allreduce.runtime.bench import BenchConfig, BenchRow, run_bench
 from allreduce.schedules import Collective, algorithms
 from allreduce.units import parse_size_range
 
@@ -92,7 +94,7 @@ def _handle(args: argparse.Namespace) -> int:
     except RankFailedError as exc:
         raise CLIError(str(exc)) from None
     if args.json:
-        print(dumps([r.as_dict() for r in rows]))
+        print(dumps([dataclasses.asdict(r) for r in rows]))
     else:
         memory = "plain numpy arrays" if args.copy else "group.empty() buffers"
         print(

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     _section("2. The real thing: all-reduce between 4 processes on this machine (allreduce bench -n 4)")
     print()
     from allreduce.cli._bench import render as render_bench
-    from allreduce.runtime import BenchConfig, run_bench
+    from allreduce.runtime.bench import BenchConfig, run_bench
 
     config = BenchConfig(world_size=4, sizes_bytes=tuple(4 * 4**k * 2**10 for k in range(7)), timeout_s=120.0)
     print(render_bench(run_bench(config), header="N=4 transport=shm algorithm=auto dtype=float32 op=sum"))

@@ -10,7 +10,9 @@ import textwrap
 
 from allreduce.cli._args import algorithm_for_ranks
 from allreduce.cli._main import RANK_ENVIRONMENT_HELP, CLIError
-from allreduce.runtime import DEFAULT_GRACE_S, MAX_RESTARTS, TRACE_ENV, check_trace_path, launch
+from allreduce.runtime import launch
+from allreduce.runtime.launcher import DEFAULT_GRACE_S, MAX_RESTARTS
+from allreduce.runtime.stats import TRACE_ENV, check_trace_path
 
 __all__ = ["register"]
 

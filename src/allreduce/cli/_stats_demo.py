@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from allreduce.runtime import INJECT_ENV, GroupStats, spawn
+from allreduce.runtime import GroupStats, spawn
+from allreduce.runtime.transport import INJECT_ENV
 from allreduce.units import format_bytes
 
 __all__ = ["demo_section"]

@@ -12,14 +12,9 @@ import numpy as np
 
 from allreduce.cli._args import positive_int
 from allreduce.cli._main import CLIError
-from allreduce.runtime import (
-    INJECT_ENV,
-    BenchConfig,
-    default_cost_model,
-    run_bench,
-    save_cost_model,
-    tune_file,
-)
+from allreduce.runtime.bench import BenchConfig, run_bench
+from allreduce.runtime.group import default_cost_model, save_cost_model, tune_file
+from allreduce.runtime.transport import INJECT_ENV
 from allreduce.schedules import CostModel
 from allreduce.units import parse_bytes
 

@@ -66,7 +66,7 @@ from allreduce.emulate._layout import MIN_BURST_BYTES, Layout, _hops_to
 from allreduce.emulate._loss import BAD_STATE_MAX_S, read_counters
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
-from allreduce.runtime import die_with_parent, stop_signal_handlers
+from allreduce.runtime.launcher import die_with_parent, stop_signal_handlers
 from allreduce.runtime.tcp import CONGESTION_ENV, congestion_control
 from allreduce.schedules import Schedule, make_schedule
 from allreduce.sim import LossModel, TailConfig, simulate, simulate_tail

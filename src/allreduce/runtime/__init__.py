@@ -1,9 +1,10 @@
-"""Executing schedules between real ranks: process group, transports (shm, tcp, in-process), store, launcher."""
+"""Executing schedules between real ranks: process group, transports (shm, tcp, in-process), store, launcher.
 
-from allreduce.runtime._bench import BenchConfig, BenchRow, default_iters, expected_result, pattern, run_bench
-from allreduce.runtime._bootstrap import init
-from allreduce.runtime._cost_models import SHM_FUSED_BYTES, default_cost_model
-from allreduce.runtime._descriptor import DTYPES, OPS
+What users and transport writers need; what only one other package needs is exported by the subpackage that
+defines it (``allreduce.runtime.bench`` for the bench command, ``allreduce.runtime.launcher`` for the launcher's
+settings, ...), and tuning constants stay private.
+"""
+
 from allreduce.runtime._errors import (
     ChecksumError,
     CollectiveError,
@@ -14,58 +15,35 @@ from allreduce.runtime._errors import (
     ShrinkError,
     corrupted,
 )
-from allreduce.runtime._group import STATS_FILE_ENV, ProcessGroup
-from allreduce.runtime._inject import ENV_VAR as INJECT_ENV
-from allreduce.runtime._launch import LaunchResult, launch
-from allreduce.runtime._local import LocalTransport, local_groups, local_transports
-from allreduce.runtime._plan import RankPlan, Step, Transfer, compile_plan
-from allreduce.runtime._spawn import (
-    DEFAULT_GRACE_S,
-    MAX_LOCAL_RANKS,
-    MAX_RESTARTS,
+from allreduce.runtime._store_api import KeyValueStore, Store
+from allreduce.runtime.group._bootstrap import init
+from allreduce.runtime.group._group import ProcessGroup
+from allreduce.runtime.group._local import LocalTransport, local_groups, local_transports
+from allreduce.runtime.group._transports import (
+    TransportSetup,
+    register_transport,
+    transport_names,
+    unregister_transport,
+)
+from allreduce.runtime.launcher._launch import LaunchResult, launch
+from allreduce.runtime.launcher._spawn import (
     Departure,
     ElasticOutcome,
     JobInterruptedError,
     RankFailedError,
-    die_with_parent,
-    new_token,
-    reserve_port,
     spawn,
     spawn_elastic,
-    stop_signal_handlers,
 )
-from allreduce.runtime._stats import GroupStats, LinkStats, RankStats
-from allreduce.runtime._store_api import KeyValueStore, Store
-from allreduce.runtime._threads import WrongThreadError
-from allreduce.runtime._trace import TRACE_ENV, check_trace_path
-from allreduce.runtime._transport import (
-    ABORT_KINDS,
-    PLAN_CACHE_ENTRIES,
-    Call,
-    PlanCache,
-    ReduceInto,
-    Transport,
-    abort_kind,
-    error_class,
-)
-from allreduce.runtime._transports import TransportSetup, register_transport, transport_names, unregister_transport
-from allreduce.runtime._tune import load_cost_model, save_cost_model, tune_file
-from allreduce.runtime._work import Work
+from allreduce.runtime.pipeline._descriptor import DTYPES, OPS
+from allreduce.runtime.pipeline._threads import WrongThreadError
+from allreduce.runtime.pipeline._work import Work
+from allreduce.runtime.stats._stats import GroupStats, LinkStats, RankStats
+from allreduce.runtime.transport._plan import PlanStep, RankPlan, Transfer, compile_plan
+from allreduce.runtime.transport._transport import Call, ReduceInto, Transport, abort_kind, error_class
 
 __all__ = [
-    "ABORT_KINDS",
-    "DEFAULT_GRACE_S",
     "DTYPES",
-    "INJECT_ENV",
-    "MAX_LOCAL_RANKS",
-    "MAX_RESTARTS",
     "OPS",
-    "PLAN_CACHE_ENTRIES",
-    "SHM_FUSED_BYTES",
-    "STATS_FILE_ENV",
-    "TRACE_ENV",
-    "BenchConfig",
-    "BenchRow",
     "Call",
     "ChecksumError",
     "CollectiveError",
@@ -80,7 +58,7 @@ __all__ = [
     "LocalTransport",
     "MismatchError",
     "PeerFailureError",
-    "PlanCache",
+    "PlanStep",
     "ProcessGroup",
     "ProtocolError",
     "RankFailedError",
@@ -88,7 +66,6 @@ __all__ = [
     "RankStats",
     "ReduceInto",
     "ShrinkError",
-    "Step",
     "Store",
     "Transfer",
     "Transport",
@@ -96,29 +73,16 @@ __all__ = [
     "Work",
     "WrongThreadError",
     "abort_kind",
-    "check_trace_path",
     "compile_plan",
     "corrupted",
-    "default_cost_model",
-    "default_iters",
-    "die_with_parent",
     "error_class",
-    "expected_result",
     "init",
     "launch",
-    "load_cost_model",
     "local_groups",
     "local_transports",
-    "new_token",
-    "pattern",
     "register_transport",
-    "reserve_port",
-    "run_bench",
-    "save_cost_model",
     "spawn",
     "spawn_elastic",
-    "stop_signal_handlers",
     "transport_names",
-    "tune_file",
     "unregister_transport",
 ]

@@ -1,7 +1,7 @@
 """The store interfaces: what the runtime asks of the rendezvous store every rank of a group shares.
 
 After Gloo's ``Store`` (set, get, wait with a timeout): :class:`Store` is what the group, its transports and a
-shrink use, and what :class:`~allreduce.runtime._store.TCPStore` and the renumbered view a shrunk group gets
+shrink use, and what :class:`~allreduce.runtime.store._store.TCPStore` and the renumbered view a shrunk group gets
 implement; :class:`KeyValueStore` is the least a job's own store (torch's, passed as ``init(rendezvous_store=...)``)
 must offer for allreduce to publish where its store is.
 """

@@ -40,7 +40,7 @@ from allreduce.sim._phases import PhaseData, agreement_delays, check_recoverable
 from allreduce.sim._rerun import (
     DEFAULT_EXACT_BUDGET_S,
     TAIL_EXACT_MAX_RANKS,
-    Recorder,
+    NoiseRecorder,
     event_transfers,
     rerun_cost_s,
 )
@@ -318,7 +318,9 @@ def simulate_tail(
         any_timing = rates_fixed_under_any_timing([(d.phase, d.pattern.routes) for d in data], n, base_topology)
         members = np.flatnonzero(group == g)
         record = (
-            Recorder(schedule, transfers, [d.phase for d in data], dense=keep_dense) if transfers is not None else None
+            NoiseRecorder(schedule, transfers, [d.phase for d in data], dense=keep_dense)
+            if transfers is not None
+            else None
         )
         if agreement and start_blame is not None:
             held, held_code, held_lost, held_timeouts = agreement_delays(
@@ -439,7 +441,7 @@ def _step_group(
     rank_delay: FloatArray | None,
     rank_culprit: IntArray,
     out: tuple[FloatArray, IntArray, FloatArray, IntArray, IntArray],
-    record: Recorder | None,
+    record: NoiseRecorder | None,
     progress: Callable[[int], None] | None,
 ) -> None:
     """The stepping method for the samples ``members`` (of one ECMP seed), chunk by chunk; ``progress`` is
@@ -505,7 +507,7 @@ def _run_phase(
     lost: IntArray,
     timeouts: IntArray,
     cols: IntArray,
-    record: tuple[Recorder, int] | None = None,
+    record: tuple[NoiseRecorder, int] | None = None,
 ) -> FloatArray:
     """Step ``clock`` (ranks x samples of the chunk ``cols``) through the ``repeat`` steps of one phase;
     ``record``: (recorder, this phase's index), which keeps the noise drawn for the event engine."""

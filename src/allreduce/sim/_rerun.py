@@ -22,7 +22,7 @@ __all__ = [
     "DEFAULT_EXACT_BUDGET_S",
     "EVENT_S_PER_TRANSFER",
     "TAIL_EXACT_MAX_RANKS",
-    "Recorder",
+    "NoiseRecorder",
     "SampleRun",
     "event_transfers",
     "rerun_cost_s",
@@ -122,7 +122,7 @@ def _occurrence(keys: IntArray) -> IntArray:
 _NO_BLAME = int(blame_key(np.zeros(1), -1)[0])
 
 
-class Recorder:
+class NoiseRecorder:
     """The noise the stepping method drew, per sample and event-engine transfer, for samples re-run with the
     event engine: the delay added to each transfer (losses, link jitter) and the blame key of its largest
     part. Phase ``p``'s flow ``f`` at its ``j``-th step is transfer ``index[p][j, f]``: the k-th transfer from

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from allreduce.runtime import PLAN_CACHE_ENTRIES, MismatchError, PlanCache, ProcessGroup
-from allreduce.runtime._cost_models import SHM_SHARED_CORES_STEP_S, SHM_STEP_S, default_cost_model
+from allreduce.runtime import MismatchError, ProcessGroup
+from allreduce.runtime.group._cost_models import SHM_SHARED_CORES_STEP_S, SHM_STEP_S, default_cost_model
+from allreduce.runtime.transport._transport import PLAN_CACHE_ENTRIES, PlanCache
 from allreduce.schedules import (
     MAX_ALGORITHM_NAME_BYTES,
     Collective,

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allreduce.runtime import MismatchError, ProcessGroup, local_groups
-from allreduce.runtime._personalized import WorkBuffers
+from allreduce.runtime.pipeline._personalized import WorkBuffers
 from allreduce.schedules import Collective, algorithms, binomial_gather, make_schedule
 
 WORLD_SIZES = (1, 2, 3, 4, 5)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import GroupStats, ProcessGroup
-from allreduce.runtime._inject import parse_injection
-from allreduce.runtime._trace import rank_events
+from allreduce.runtime.stats._trace import rank_events
+from allreduce.runtime.transport._inject import parse_injection
 
 COUNT = 4096
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import MismatchError, ProcessGroup, WrongThreadError
-from allreduce.runtime._descriptor import MAX_TAG_BYTES
+from allreduce.runtime.pipeline._descriptor import MAX_TAG_BYTES
 
 WORLD_SIZE = 2
 

@@ -18,7 +18,7 @@ from collective_matrix import WORLD_SIZES, assert_exact, assert_ran, case_id, ca
 
 import allreduce
 from allreduce.runtime import ProcessGroup
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.runtime.shm import CROSS_MEMORY_MIN_BYTES, ShmTransport
 from allreduce.runtime.shm._huge_pages import huge_pages_likely
 

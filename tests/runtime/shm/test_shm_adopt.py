@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.runtime.shm import ADOPT_ENV, ADOPT_MIN_BYTES, CROSS_MEMORY_ENV, ShmTransport
 from allreduce.runtime.shm._adopt import (
     SUPPORTED,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.runtime.shm import CROSS_MEMORY_MIN_BYTES
 
 MIB = 1 << 20

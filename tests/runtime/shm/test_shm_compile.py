@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from allreduce.runtime import RankPlan, compile_plan
-from allreduce.runtime.shm._compile import IN_BOTH, IN_USER, IN_WORK, Program, compile_program
+from allreduce.runtime.shm._compile import IN_BOTH, IN_USER, IN_WORK, RankProgram, compile_program
 from allreduce.schedules import Collective, algorithms, make_schedule
 
 
@@ -125,7 +125,7 @@ def _plans(draw: st.DrawFn) -> RankPlan:
     return _plan(collective, name, world_size, rank, count, segments=segments)
 
 
-def _replay_locations(plan: RankPlan, program: Program, in_shm: bool) -> None:
+def _replay_locations(plan: RankPlan, program: RankProgram, in_shm: bool) -> None:
     """Walk the program element by element: sends must read W, and the final value must reach the user array."""
     where = [IN_WORK if in_shm else IN_USER] * plan.count
     for step, compiled in zip(plan.steps, program.steps, strict=True):
@@ -151,7 +151,7 @@ def test_sends_read_the_working_buffer_and_results_reach_the_user_array(plan: Ra
     _replay_locations(plan, compile_program(plan, in_shm), in_shm)
 
 
-def _check_waits(plan: RankPlan, program: Program) -> None:
+def _check_waits(plan: RankPlan, program: RankProgram) -> None:
     """Every write into W waits for each reader of the overwritten range at that step or before."""
     sends = [(s.index, t.peer, t.start, t.stop) for s in plan.steps for t in s.sends]
     for step, compiled in zip(plan.steps, program.steps, strict=True):

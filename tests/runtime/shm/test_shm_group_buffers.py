@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from pipeline_paths import general_path_entries
 
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 
 SMALL, LARGE = 4 << 10, 1 << 20
 IN_PLACE = frozenset(("executes_shared", "executes_adopted", "executes_cross_memory"))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import PeerFailureError, ProcessGroup
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.runtime.shm import ShmTransport
 
 OPEN_FILES = 4000

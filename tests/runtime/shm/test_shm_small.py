@@ -15,7 +15,7 @@ import pytest
 from test_group_harness import contribution, count_mismatch, reference
 
 from allreduce.runtime import DTYPES, OPS
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.schedules import CostModel
 
 SIZES = (1, 13, 1031)

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from shm_parts import BuildFn, MeetFn, Parts
 
-from allreduce.runtime import Call, CollectiveError, PlanCache, compile_plan
-from allreduce.runtime._stats import Recorder
+from allreduce.runtime import Call, CollectiveError, compile_plan
 from allreduce.runtime.shm._layout import EAGER_BYTES, PROGRESS_WORD, STEP_BITS
 from allreduce.runtime.shm._small import SmallCalls, eager_step_bound
+from allreduce.runtime.stats._stats import Recorder
+from allreduce.runtime.transport._transport import PlanCache
 from allreduce.schedules import Collective, make_schedule
 
 

@@ -13,7 +13,6 @@ import pytest
 from shm_parts import BuildFn, MeetFn
 
 from allreduce.runtime import CollectiveTimeoutError, PeerFailureError, ProtocolError
-from allreduce.runtime._transport import abort_kind
 from allreduce.runtime.shm._layout import (
     ABORTED_WORD,
     CLOSED_WORD,
@@ -26,6 +25,7 @@ from allreduce.runtime.shm._linux import open_pidfd
 from allreduce.runtime.shm._rendezvous import ControlBlocks
 from allreduce.runtime.shm._waiting import MIN_SPIN_S, SPIN_S, SpinPolicy, Waiting
 from allreduce.runtime.shm._watch import PeerWatch
+from allreduce.runtime.transport._transport import abort_kind
 
 
 # ----------------------------------------------------------------------------------------------- the spin policy

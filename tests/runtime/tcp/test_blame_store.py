@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from allreduce.runtime import CollectiveError, PeerFailureError
-from allreduce.runtime._store import TCPStore
-from allreduce.runtime.tcp._blame import Blame, LostPeerError
+from allreduce.runtime.store._store import TCPStore
+from allreduce.runtime.tcp._blame import BlameRecords, LostPeerError
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def test_a_store_whose_host_left_names_the_host_to_a_rank_waiting_for_connection
         host.close(wait_for_ranks_s=0)  # the host leaves (dies or closes): its store goes with it
         with pytest.raises(CollectiveError):
             client.get("tcp/addr/2", timeout_s=1)  # how a rank finds out: one request
-        blame = Blame(client, "tcp", rank=1, world_size=3)
+        blame = BlameRecords(client, "tcp", rank=1, world_size=3)
         assert blame.dead_ranks() == [0]
         with pytest.raises(PeerFailureError, match=r"rank 1: rank 0 died \(agreement for collective 0\)") as info:
             blame.raise_if_dead({2}, "agreement for collective 0")
@@ -37,7 +37,7 @@ def test_a_store_that_answers_names_nobody_while_no_rank_died(no_env_token: None
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=60) as host:
         client = TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=1, timeout_s=60)
         try:
-            blame = Blame(client, "tcp", rank=1, world_size=3)
+            blame = BlameRecords(client, "tcp", rank=1, world_size=3)
             assert blame.dead_ranks() == []
             blame.raise_if_dead({2}, "agreement for collective 0")  # returns: keep waiting
         finally:
@@ -49,9 +49,9 @@ def test_a_lost_connection_names_the_rank_the_lost_peer_gave_up_for(no_env_token
         client = TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=1, timeout_s=60)
         gives_up = TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=2, timeout_s=60)
         try:
-            Blame(gives_up, "tcp", rank=2, world_size=3).record_abort(0)  # rank 2 gives up because of rank 0
+            BlameRecords(gives_up, "tcp", rank=2, world_size=3).record_abort(0)  # rank 2 gives up because of rank 0
             lost = LostPeerError("rank 1: rank 2 closed its connection at step 0", rank=1, peer=2, step=0)
-            error = Blame(client, "tcp", rank=1, world_size=3).lost(lost)
+            error = BlameRecords(client, "tcp", rank=1, world_size=3).lost(lost)
             assert error.peer == 0
             assert "rank 2 gave up because of rank 0" in str(error)
         finally:
@@ -64,6 +64,6 @@ def test_a_lost_connection_to_a_peer_that_left_no_record_names_that_peer(no_env_
         client = TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=1, timeout_s=60)
         try:
             lost = LostPeerError("rank 1: rank 2 closed its connection at step 0", rank=1, peer=2, step=0)
-            assert Blame(client, "tcp", rank=1, world_size=3).lost(lost).peer == 2
+            assert BlameRecords(client, "tcp", rank=1, world_size=3).lost(lost).peer == 2
         finally:
             client.close()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from allreduce.runtime import ProtocolError
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import ClientHello, TcpTransport, connect_handshake
 
 TOKEN = "s3cret"

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import TcpTransport
 from allreduce.runtime.tcp._transport import SENDER_THREAD_ENV, sender_thread_pays
 

@@ -89,7 +89,7 @@ def test_an_unknown_congestion_control_is_refused_naming_what_the_kernel_has() -
 
 
 def test_the_transport_names_the_variable_of_an_unknown_congestion_control(monkeypatch: pytest.MonkeyPatch) -> None:
-    from allreduce.runtime._store import TCPStore
+    from allreduce.runtime.store._store import TCPStore
     from allreduce.runtime.tcp import CONGESTION_ENV, TcpTransport
 
     monkeypatch.setenv(CONGESTION_ENV, "no-such-cc")

@@ -21,7 +21,7 @@ import pytest
 from test_group_harness import kill_rounds
 
 from allreduce.runtime import CollectiveError, PeerFailureError, compile_plan
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import TcpTransport
 from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES
 from allreduce.runtime.tcp._transport import THREAD_MIN_BYTES

@@ -12,7 +12,7 @@ import pytest
 from collective_matrix import WORLD_SIZES, assert_exact, assert_ran, case_id, cases, run_matrix
 
 import allreduce
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.launcher._spawn import spawn
 
 
 def _matrix_rank(group: allreduce.ProcessGroup) -> dict[str, Any]:

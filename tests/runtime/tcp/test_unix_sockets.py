@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from allreduce.runtime import ChecksumError, PeerFailureError, ProtocolError, compile_plan
-from allreduce.runtime._store import TCPStore
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import ClientHello, TcpTransport, connect_handshake
 from allreduce.runtime.tcp._socket import UNIX_SHARED_CORES_SNDBUF_BYTES, UNIX_SNDBUF_BYTES
 from allreduce.runtime.tcp._transport import THREAD_MIN_BYTES, UNIX_ENV

@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 from allreduce.runtime._args import integer_arg, rank_arg
-from allreduce.runtime._buffers import Buffer, as_buffer
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError
 from allreduce.runtime._store_api import Store
-from allreduce.runtime._work import OrderedExecutor, Work
 from allreduce.runtime.p2p._inbox import DEAD_POLL_S, DTYPE_NAMES, Inbox, Receive
+from allreduce.runtime.pipeline._buffers import Buffer, as_buffer
+from allreduce.runtime.pipeline._work import OrderedExecutor, Work
 from allreduce.runtime.tcp._frames import encode_header
 from allreduce.runtime.tcp._handshake import ClientHello, connect_handshake, resolve_token
 from allreduce.runtime.tcp._listener import Listener, listening_socket

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from allreduce.runtime._buffers import Buffer
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError
-from allreduce.runtime._work import Work
+from allreduce.runtime.pipeline._buffers import Buffer
+from allreduce.runtime.pipeline._work import Work
 from allreduce.runtime.tcp._frames import HEADER_SIZE, decode_header
 
 __all__ = ["DEAD_POLL_S", "DTYPE_NAMES", "Inbox", "Receive", "shape"]

@@ -24,10 +24,10 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._stats import Layout
+from allreduce.runtime.stats._stats import Layout
+from allreduce.runtime.transport._plan import RankPlan
 
-__all__ = ["IN_BOTH", "IN_USER", "IN_WORK", "Piece", "Program", "Receive", "StepProgram", "Wait", "compile_program"]
+__all__ = ["IN_BOTH", "IN_USER", "IN_WORK", "Piece", "RankProgram", "Receive", "StepProgram", "Wait", "compile_program"]
 
 IN_USER = 0
 """The range's current value is in the user's array (also the index of that array in ``(user, work)``)."""
@@ -80,7 +80,7 @@ class StepProgram:
 
 
 @dataclass(frozen=True, slots=True)
-class Program:
+class RankProgram:
     """A rank's whole collective: its steps, the readers to wait for at the end, the ranges copied back to U."""
 
     steps: tuple[StepProgram, ...]
@@ -106,7 +106,7 @@ def _runs(items: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]]:
     return out
 
 
-def compile_program(plan: RankPlan, in_shm: bool) -> Program:
+def compile_program(plan: RankPlan, in_shm: bool) -> RankProgram:
     """Decide, for every range, where it is read from and written to, and which reader each write waits for."""
     cuts_set = {0, plan.count}
     for step in plan.steps:
@@ -206,4 +206,4 @@ def compile_program(plan: RankPlan, in_shm: bool) -> Program:
         concurrent=False,
         count=max(plan.count, 1),
     )
-    return Program(tuple(steps), _merge_waits(final), copyouts, max_slots, layout, layout.tag)
+    return RankProgram(tuple(steps), _merge_waits(final), copyouts, max_slots, layout, layout.tag)

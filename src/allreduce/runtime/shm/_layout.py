@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from allreduce.runtime._transport import MAX_DESCRIPTOR_BYTES
+from allreduce.runtime.transport._transport import MAX_DESCRIPTOR_BYTES
 
 __all__ = [
     "ABORTED_WORD",

@@ -20,7 +20,6 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, PeerFailureError, ProtocolError
-from allreduce.runtime._transport import ReduceInto
 from allreduce.runtime.shm._compile import Piece, Receive
 from allreduce.runtime.shm._layout import (
     BUFFER_OFFSET_WORD,
@@ -35,6 +34,7 @@ from allreduce.runtime.shm._layout import (
 from allreduce.runtime.shm._linux import read_remote
 from allreduce.runtime.shm._segments import PeerSegments, Segment, data_segment_path
 from allreduce.runtime.shm._watch import PeerWatch, corrupt_block_error
+from allreduce.runtime.transport._transport import ReduceInto
 
 __all__ = ["ALIGN_MIN_BYTES", "CACHE_LINE", "CROSS_MEMORY_CHUNK_BYTES", "PeerData", "Remote", "apply_op"]
 

@@ -21,11 +21,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._stats import Recorder
-from allreduce.runtime._transport import Call, PlanCache, ReduceInto
 from allreduce.runtime.shm._agreement import Agreement
-from allreduce.runtime.shm._compile import Program, Receive, compile_program
+from allreduce.runtime.shm._compile import RankProgram, Receive, compile_program
 from allreduce.runtime.shm._copy import copy_into
 from allreduce.runtime.shm._layout import (
     BUFFER_OFFSET_WORD,
@@ -38,6 +35,9 @@ from allreduce.runtime.shm._layout import (
 )
 from allreduce.runtime.shm._peer_data import PeerData, Remote, apply_op
 from allreduce.runtime.shm._waiting import Waiting
+from allreduce.runtime.stats._stats import Recorder
+from allreduce.runtime.transport._plan import RankPlan
+from allreduce.runtime.transport._transport import Call, PlanCache, ReduceInto
 
 __all__ = ["EAGER_STEPS_PER_RANK", "EAGER_STEPS_SLACK", "SmallCalls", "SmallProgram", "eager_step_bound"]
 
@@ -68,7 +68,7 @@ class SmallProgram:
 
     __slots__ = ("own_step0", "program", "steps")
 
-    def __init__(self, program: Program, own_step0: npt.NDArray[Any], steps: tuple[_Step, ...]) -> None:
+    def __init__(self, program: RankProgram, own_step0: npt.NDArray[Any], steps: tuple[_Step, ...]) -> None:
         self.program = program
         self.own_step0 = own_step0
         self.steps = steps

@@ -51,12 +51,10 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, corrupted
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._transport import Call, Transport, abort_kind
 from allreduce.runtime.shm._adopt import SUPPORTED as ADOPTION_SUPPORTED
 from allreduce.runtime.shm._adopt import Adopted, Adoptions, adopt_wanted
 from allreduce.runtime.shm._agreement import Agreement
-from allreduce.runtime.shm._compile import Piece, Program, Receive, StepProgram, compile_program
+from allreduce.runtime.shm._compile import Piece, RankProgram, Receive, StepProgram, compile_program
 from allreduce.runtime.shm._copy import copy_into
 from allreduce.runtime.shm._huge_pages import HugePageMemo, collapse_wanted, huge_pages_likely
 from allreduce.runtime.shm._layout import (
@@ -85,6 +83,8 @@ from allreduce.runtime.shm._segments import SHM_DIR, LocalSegments, shm_prefix, 
 from allreduce.runtime.shm._small import SmallCalls
 from allreduce.runtime.shm._waiting import SpinPolicy, Waiting
 from allreduce.runtime.shm._watch import PeerWatch
+from allreduce.runtime.transport._plan import RankPlan
+from allreduce.runtime.transport._transport import Call, Transport, abort_kind
 
 __all__ = ["CROSS_MEMORY_MIN_BYTES", "ShmTransport"]
 
@@ -178,7 +178,7 @@ class ShmTransport(Transport):
         eager_bytes = _checked_eager_bytes(eager_bytes)
         prefix = os.path.join(SHM_DIR, shm_prefix(job))
         # the last compiled program: a training loop repeats one collective, and this skips even hashing the plan
-        self._last_compiled: tuple[RankPlan, bool, Program] | None = None
+        self._last_compiled: tuple[RankPlan, bool, RankProgram] | None = None
         self._segments = LocalSegments(prefix, rank)
         self._adoptions = Adoptions(self._segments.new_segment, enabled=adopt)
         self._corrupt_next: tuple[int, int] | None = None  # (peer, step) of inject_corruption()
@@ -436,7 +436,7 @@ class ShmTransport(Transport):
     def _run_steps(
         self,
         call: Call,
-        program: Program,
+        program: RankProgram,
         user: npt.NDArray[Any],
         work: npt.NDArray[Any],
         *,
@@ -466,7 +466,7 @@ class ShmTransport(Transport):
         injection = self.injection
         clock = time.perf_counter_ns
         arrived = 0
-        # the recorder's marks (see allreduce.runtime._stats): per receive, when its wait began and how long it
+        # the recorder's marks (see allreduce.runtime.stats._stats): per receive, when its wait began and how long it
         # took, both read by the wait while it waited. A receive whose data was there marks the clock (now) if it
         # is the call's first, or the first after a step without receives, else (0, 0): no boundary
         mark = recorder.append if recorder.enabled else None
@@ -598,7 +598,7 @@ class ShmTransport(Transport):
         return source, shift
 
     def _finish(
-        self, call: Call, program: Program, user: npt.NDArray[Any], work: npt.NDArray[Any], *, eager: bool
+        self, call: Call, program: RankProgram, user: npt.NDArray[Any], work: npt.NDArray[Any], *, eager: bool
     ) -> None:
         """Wait until peers have read this rank's last data, copy staged results back, publish "done"."""
         seq, deadline = call.seq, call.deadline

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 
 from allreduce.runtime._errors import ChecksumError, CollectiveTimeoutError, PeerFailureError, ProtocolError
-from allreduce.runtime._transport import ABORT_KINDS, error_class
 from allreduce.runtime.shm._layout import (
     ABORTED_WORD,
     CLOSED_WORD,
@@ -24,6 +23,7 @@ from allreduce.runtime.shm._layout import (
 )
 from allreduce.runtime.shm._linux import exited
 from allreduce.runtime.shm._segments import unlink_rank_files
+from allreduce.runtime.transport._transport import ABORT_KINDS, error_class
 
 __all__ = ["CLOSED_GRACE_S", "DEATH_POLL_S", "PeerWatch", "corrupt_block_error"]
 

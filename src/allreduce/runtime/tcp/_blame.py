@@ -17,7 +17,7 @@ import time
 from allreduce.runtime._errors import CollectiveError, PeerFailureError
 from allreduce.runtime._store_api import Store
 
-__all__ = ["DEAD_POLL_S", "STALL_GRACE_S", "STOP_SETTLE_S", "Blame", "LostPeerError"]
+__all__ = ["DEAD_POLL_S", "STALL_GRACE_S", "STOP_SETTLE_S", "BlameRecords", "LostPeerError"]
 
 DEAD_POLL_S = 0.2
 """How often a rank waiting for peers to connect asks the store which ranks died (one small request each time): a
@@ -35,10 +35,10 @@ says; so the chain of waits is followed to the rank at its root, which every ran
 
 class LostPeerError(PeerFailureError):
     """A connection's end of file, reset or broken pipe: the peer died, or gave up and closed its connections with
-    its ABORT frame still unread here. :meth:`Blame.lost` tells which (never raised to the user)."""
+    its ABORT frame still unread here. :meth:`BlameRecords.lost` tells which (never raised to the user)."""
 
 
-class Blame:
+class BlameRecords:
     """The store's records of one rank's group: deaths, who gave up because of whom, who waited for whom."""
 
     def __init__(self, store: Store, prefix: str, rank: int, world_size: int) -> None:

@@ -8,7 +8,7 @@ Both directions authenticate; the token itself never crosses the network::
     acceptor  -> connector: REPLY     magic, status, message length, mac_a = HMAC(token, "accept" | ... ), message
 
 With a token, the MACs prove each side knows it. Without one (loopback only), each side checks the other's
-socket instead (:mod:`allreduce.runtime._peercred`): it must belong to this user's uid and be held by the
+socket instead (:mod:`allreduce.runtime.tcp._peercred`): it must belong to this user's uid and be held by the
 process whose pid the other side announced (``pid_a``, ``pid_c``). ``service`` ("store", "tcp") keeps a client
 from talking to the wrong kind of endpoint. Nothing here unpickles or evaluates anything received.
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from allreduce.runtime._errors import ProtocolError
-from allreduce.runtime._peercred import PeerCredentials, holds_socket, loopback_peer
+from allreduce.runtime.tcp._peercred import PeerCredentials, holds_socket, loopback_peer
 from allreduce.runtime.tcp._socket import read_exact
 
 __all__ = [

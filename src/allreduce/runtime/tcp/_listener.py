@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from allreduce.runtime._errors import ProtocolError
-from allreduce.runtime._peercred import loopback_peer
 from allreduce.runtime.tcp._handshake import (
     ACCEPT_HANDSHAKE_TIMEOUT_S,
     AcceptHandshake,
@@ -30,6 +29,7 @@ from allreduce.runtime.tcp._handshake import (
     HandshakeRefusedError,
     Refusal,
 )
+from allreduce.runtime.tcp._peercred import loopback_peer
 from allreduce.runtime.tcp._socket import family_of
 
 __all__ = [

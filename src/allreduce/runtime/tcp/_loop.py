@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from allreduce.runtime._errors import CollectiveTimeoutError
-from allreduce.runtime._transport import ReduceInto
 from allreduce.runtime.tcp._blame import LostPeerError
 from allreduce.runtime.tcp._frames import InFrame, OutFrame
 from allreduce.runtime.tcp._pair import Pair, apply_staged, check_idle
 from allreduce.runtime.tcp._socket import POLL_ERR, POLL_IN
+from allreduce.runtime.transport._transport import ReduceInto
 
 __all__ = ["SENDER_POLL_S", "SENDER_STOP_S", "Sender", "exchange", "pace_step"]
 

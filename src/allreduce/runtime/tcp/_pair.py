@@ -17,7 +17,6 @@ from typing import NoReturn
 import numpy as np
 
 from allreduce.runtime._errors import MismatchError, ProtocolError, corrupted
-from allreduce.runtime._transport import MAX_DESCRIPTOR_BYTES, ReduceInto, error_class
 from allreduce.runtime.tcp._blame import LostPeerError
 from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
@@ -33,6 +32,7 @@ from allreduce.runtime.tcp._frames import (
     decode_header,
 )
 from allreduce.runtime.tcp._socket import IO_CHUNK_BYTES, read_exact
+from allreduce.runtime.transport._transport import MAX_DESCRIPTOR_BYTES, ReduceInto, error_class
 
 __all__ = ["ABORT_MESSAGE_WAIT_S", "Pair", "apply_staged", "check_idle"]
 

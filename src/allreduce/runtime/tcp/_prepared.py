@@ -3,7 +3,7 @@
 Compiled once per (plan, itemsize, checksum) and cached in the group's plan cache. Receives land directly in the
 user's buffer for a copy, and in scratch for a reduction (through a small window, see :data:`WINDOW_BYTES`) or
 for a receive whose range is also sent in the same step (*staged*: applied once the sends reading that range have
-left, as the plan semantics of :mod:`allreduce.runtime._plan` require).
+left, as the plan semantics of :mod:`allreduce.runtime.transport._plan` require).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, replace
 
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._stats import Layout
+from allreduce.runtime.stats._stats import Layout
+from allreduce.runtime.transport._plan import RankPlan
 
 __all__ = ["WINDOW_BYTES", "PreparedPlan", "PreparedStep", "RecvSpec", "SendSpec", "prepare"]
 

@@ -40,8 +40,7 @@ import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError
 from allreduce.runtime._store_api import Store
-from allreduce.runtime._transport import Call, Transport, abort_kind
-from allreduce.runtime.tcp._blame import DEAD_POLL_S, STALL_GRACE_S, STOP_SETTLE_S, Blame, LostPeerError
+from allreduce.runtime.tcp._blame import DEAD_POLL_S, STALL_GRACE_S, STOP_SETTLE_S, BlameRecords, LostPeerError
 from allreduce.runtime.tcp._frames import (
     FLAG_ABORT,
     FLAG_AGREE,
@@ -73,6 +72,7 @@ from allreduce.runtime.tcp._socket import (
     tune,
 )
 from allreduce.runtime.tcp._tcpinfo import pace_sending, sent_and_busy
+from allreduce.runtime.transport._transport import Call, Transport, abort_kind
 
 __all__ = [
     "ABORT_BUDGET_S",
@@ -192,7 +192,7 @@ class TcpTransport(Transport):
         self.timeout_s = timeout_s
         self._store = store
         self._prefix = prefix
-        self._blame = Blame(store, prefix, rank, world_size)
+        self._blame = BlameRecords(store, prefix, rank, world_size)
         self._token = resolve_token(token)
         congestion = os.environ.get(CONGESTION_ENV, "")
         try:
@@ -519,7 +519,7 @@ class TcpTransport(Transport):
             self._ensure_connected(prepared.peers, deadline, f"collective {seq} ({plan.schedule_name})")
         recorder = self.recorder
         injection = self.injection
-        # the recorder's marks (see allreduce.runtime._stats): a clock read each, appended
+        # the recorder's marks (see allreduce.runtime.stats._stats): a clock read each, appended
         mark = recorder.append if recorder.enabled else None
         marks = recorder.log.extend if mark is not None else None  # the call's own list: flush() runs between calls
         if mark is not None:
@@ -614,7 +614,7 @@ class TcpTransport(Transport):
 
     def _exchange(self, seq: int, **kwargs: Any) -> None:
         """:func:`exchange` over this rank's connections, whose errors name the first cause: the root of a stall,
-        the rank a lost peer gave up because of (:class:`Blame`)."""
+        the rank a lost peer gave up because of (:class:`BlameRecords`)."""
         try:
             exchange(self.rank, self._peers, seq, **kwargs)
         except LostPeerError as exc:

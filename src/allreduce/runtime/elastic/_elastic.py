@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from allreduce.runtime._errors import CollectiveError, ShrinkError
-from allreduce.runtime._store_protocol import ELASTIC_PREFIX
-from allreduce.runtime._transport import Transport
+from allreduce.runtime.store._store_protocol import ELASTIC_PREFIX
+from allreduce.runtime.transport._transport import Transport
 from allreduce.schedules import CostModel
 
 __all__ = [

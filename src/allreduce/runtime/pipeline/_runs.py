@@ -11,9 +11,9 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from allreduce.runtime._descriptor import NO_DIGEST, algorithm_name_bytes, schedule_digest
-from allreduce.runtime._plan import RankPlan, compile_plan
-from allreduce.runtime._transport import PlanCache
+from allreduce.runtime.pipeline._descriptor import NO_DIGEST, algorithm_name_bytes, schedule_digest
+from allreduce.runtime.transport._plan import RankPlan, compile_plan
+from allreduce.runtime.transport._transport import PlanCache
 from allreduce.schedules import (
     Collective,
     CostModel,

@@ -69,8 +69,8 @@ class Reaper:
         self._pipe: int | None = None
         if not sys.executable:  # an embedded interpreter cannot start another one: no reaper
             return
-        # .../src/allreduce/runtime/_reaper.py -> .../src
-        src_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        # .../src/allreduce/runtime/launcher/_reaper.py -> .../src
+        src_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         read, write = os.pipe()
         try:
             self._proc = subprocess.Popen(

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._stats import LinkStats
+from allreduce.runtime.stats._stats import LinkStats
 from allreduce.runtime.tcp._tcpinfo import JIFFY_S
 from allreduce.schedules import SLOW_LINK_RATIO, Schedule, best_ring_order, ordered_ring, ring_time_s
 

@@ -8,9 +8,9 @@ taken by anyone else: the parent holds a *port reservation* for the whole job, a
 while rank 0's store (allreduce's, or torch's, both of which set ``SO_REUSEADDR``) binds and listens on it.
 
 A rank never outlives its job: it asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), each
-rank leads its own process group and is signalled as a group, and a :class:`~allreduce.runtime._reaper.Reaper`
+rank leads its own process group and is signalled as a group, and a :class:`~allreduce.runtime.launcher._reaper.Reaper`
 kills those groups and sweeps their shared memory if the parent is killed without warning. A
-:class:`~allreduce.runtime._watch.RankWatch` waits on the ranks' exits: on the first failure it names the rank and
+:class:`~._watch.RankWatch` waits on the ranks' exits: on the first failure it names the rank and
 stops the others (SIGTERM, then SIGKILL after a grace period), as it does at the job's deadline and when the
 parent receives SIGINT, SIGTERM or SIGHUP; the parent then delivers that signal to itself as if it had arrived
 once the ranks were gone.
@@ -36,10 +36,10 @@ from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
-from allreduce.runtime._elastic import JOIN_ENV
-from allreduce.runtime._rank_report import install_failure_report, reacted_to
-from allreduce.runtime._reaper import Reaper
-from allreduce.runtime._watch import RankWatch, describe_status, ranks_phrase
+from allreduce.runtime.elastic._elastic import JOIN_ENV
+from allreduce.runtime.launcher._rank_report import install_failure_report, reacted_to
+from allreduce.runtime.launcher._reaper import Reaper
+from allreduce.runtime.launcher._watch import RankWatch, describe_status, ranks_phrase
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -265,7 +265,7 @@ def _rank_main(
         if init_options is None:
             value = fn(*args)
         else:
-            from allreduce.runtime._bootstrap import init
+            from allreduce.runtime.group._bootstrap import init
 
             with init(**init_options) as group:
                 value = fn(group, *args)

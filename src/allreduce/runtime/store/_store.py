@@ -1,7 +1,7 @@
 """A small TCP key-value store for rendezvous, hosted by rank 0 (set / get / add / wait with timeouts).
 
 :class:`TCPStore` is the client every rank holds; with ``is_server=True`` it also hosts the server
-(:mod:`allreduce.runtime._store_server`) in this process. Blocking calls (``get``, ``wait``) carry their deadline
+(:mod:`allreduce.runtime.store._store_server`) in this process. Blocking calls (``get``, ``wait``) carry their deadline
 to the server, which answers with the value or with "timed out" plus what it knows about the missing keys, and
 fails them at once, naming the rank, when a registered rank dies (``__dead__/<rank>``), so rendezvous never hangs
 on a dead process. When the server dies, the kernel closes its sockets and every client call raises
@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError
-from allreduce.runtime._store_protocol import (
+from allreduce.runtime.store._store_protocol import (
     DEAD_PREFIX,
     FAILED_LINGER_S,
     GROUP_SECRET_KEY,
@@ -43,7 +43,7 @@ from allreduce.runtime._store_protocol import (
     check_key,
     encode_keys,
 )
-from allreduce.runtime._store_server import StoreServer
+from allreduce.runtime.store._store_server import StoreServer
 from allreduce.runtime.tcp import (
     CONNECT_HANDSHAKE_MAX_S,
     ClientHello,

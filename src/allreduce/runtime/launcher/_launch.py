@@ -1,6 +1,6 @@
 """Start N local ranks of a command, the way torchrun does on one host, and watch them.
 
-Each rank gets the rendezvous environment of :mod:`allreduce.runtime._spawn` (RANK, WORLD_SIZE, LOCAL_RANK,
+Each rank gets the rendezvous environment of :mod:`allreduce.runtime.launcher._spawn` (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT - a port reserved for the job unless given - and a per-job
 ALLREDUCE_TOKEN unless one is set), PYTHONUNBUFFERED=1 so that its lines arrive as they are printed, and
 ALLREDUCE_FAILURE_DIR, where a rank that imports allreduce reports an uncaught exception. Every line it writes is
@@ -31,11 +31,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from allreduce.runtime._elastic import JOIN_ENV
-from allreduce.runtime._group import STATS_FILE_ENV
-from allreduce.runtime._rank_report import FAILURE_DIR_ENV, read_report, remove_report
-from allreduce.runtime._reaper import Reaper
-from allreduce.runtime._spawn import (
+from allreduce.runtime.elastic._elastic import JOIN_ENV
+from allreduce.runtime.group._group import STATS_FILE_ENV
+from allreduce.runtime.launcher._rank_report import FAILURE_DIR_ENV, read_report, remove_report
+from allreduce.runtime.launcher._reaper import Reaper
+from allreduce.runtime.launcher._spawn import (
     DEFAULT_GRACE_S,
     Departure,
     Elasticity,
@@ -48,7 +48,7 @@ from allreduce.runtime._spawn import (
     reserve_port,
     stop_signal_handlers,
 )
-from allreduce.runtime._watch import ranks_phrase
+from allreduce.runtime.launcher._watch import ranks_phrase
 
 __all__ = ["LaunchResult", "describe_status", "launch"]
 

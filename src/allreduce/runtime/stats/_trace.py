@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from allreduce.runtime._stats import CALL_CAPACITY, Recorder
+from allreduce.runtime.stats._stats import CALL_CAPACITY, Recorder
 
 __all__ = ["TRACE_ENV", "check_trace_path", "rank_events", "write_trace"]
 

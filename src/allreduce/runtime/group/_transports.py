@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from allreduce.runtime._store_api import Store
-from allreduce.runtime._transport import Transport
+from allreduce.runtime.transport._transport import Transport
 
 __all__ = [
     "AUTO",

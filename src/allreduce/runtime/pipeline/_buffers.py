@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._descriptor import DTYPE_CODES, DTYPES, dtype_code
+from allreduce.runtime.pipeline._descriptor import DTYPE_CODES, DTYPES, dtype_code
 
 __all__ = ["Buffer", "as_buffer", "check_dtype", "is_torch", "torch_to_numpy"]
 

@@ -1,6 +1,6 @@
 """The store's wire protocol and limits: key conventions, request and response layouts, opcodes, statuses, and the
-bounds both ends enforce (the server in :mod:`~allreduce.runtime._store_server`, the client in
-:mod:`~allreduce.runtime._store`)."""
+bounds both ends enforce (the server in :mod:`~allreduce.runtime.store._store_server`, the client in
+:mod:`~allreduce.runtime.store._store`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ __all__ = [
 RESERVED_PREFIX = "__"
 """Keys the server itself writes; clients may only read them."""
 DEAD_PREFIX = "__dead__/"
-ELASTIC_PREFIX = "allreduce/elastic/"  # shrunk groups' keys (runtime/_elastic.py): see _try_answer
+ELASTIC_PREFIX = "allreduce/elastic/"  # shrunk groups' keys (runtime/elastic/_elastic.py): see _try_answer
 WRITER_PREFIX = "__writer__/"
 """``__writer__/<key>``: which client last wrote ``<key>`` ("rank 1 (127.0.0.1:40112, pid 4242)"), set by the server
 with every write, so a rank that reads a malformed value can name who wrote it."""

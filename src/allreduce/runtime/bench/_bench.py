@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._group import DTYPES, OPS, ProcessGroup
-from allreduce.runtime._spawn import spawn
+from allreduce.runtime.group._group import DTYPES, OPS, ProcessGroup
+from allreduce.runtime.launcher._spawn import spawn
 from allreduce.runtime.shm import SHM_DIR
 from allreduce.schedules import Collective, bus_factor
 from allreduce.units import format_bytes
@@ -96,9 +96,6 @@ class BenchRow:
     algbw_Bps: float
     busbw_Bps: float
     wrong: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def default_iters(size_bytes: int) -> int:
@@ -206,7 +203,7 @@ def run_bench(config: BenchConfig) -> list[BenchRow]:
     """Spawn ``config.world_size`` local ranks, measure, and return one row per size.
 
     Raises ValueError if the largest size does not fit (:func:`check_bench_fits`), and
-    :class:`~allreduce.runtime._spawn.RankFailedError` naming the rank when one fails."""
+    :class:`~allreduce.runtime.launcher._spawn.RankFailedError` naming the rank when one fails."""
     check_bench_fits(config)
     per_rank = spawn(
         config.world_size,

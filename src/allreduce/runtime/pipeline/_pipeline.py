@@ -31,8 +31,9 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._args import integer_arg, rank_arg
-from allreduce.runtime._buffers import Buffer, as_buffer, check_dtype, is_torch, torch_to_numpy
-from allreduce.runtime._descriptor import (
+from allreduce.runtime._errors import CollectiveError
+from allreduce.runtime.pipeline._buffers import Buffer, as_buffer, check_dtype, is_torch, torch_to_numpy
+from allreduce.runtime.pipeline._descriptor import (
     DESCRIPTOR,
     DTYPE_CODES,
     FLAG_CHECKSUM,
@@ -47,11 +48,10 @@ from allreduce.runtime._descriptor import (
     proposal_of,
     tag_bytes,
 )
-from allreduce.runtime._errors import CollectiveError
-from allreduce.runtime._runs import DETERMINISTIC, Run, Runs
-from allreduce.runtime._threads import ThreadOwner
-from allreduce.runtime._transport import Call, PlanCache, Transport
-from allreduce.runtime._work import OrderedExecutor
+from allreduce.runtime.pipeline._runs import DETERMINISTIC, Run, Runs
+from allreduce.runtime.pipeline._threads import ThreadOwner
+from allreduce.runtime.pipeline._work import OrderedExecutor
+from allreduce.runtime.transport._transport import Call, PlanCache, Transport
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds, predict
 
 __all__ = ["PLAIN_CALLS", "Options", "Pipeline", "Prepared", "check_options", "checked_timeout"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from allreduce.schedules import Schedule, Verb, block_bounds
 
-__all__ = ["RankPlan", "Step", "Transfer", "compile_plan"]
+__all__ = ["PlanStep", "RankPlan", "Transfer", "compile_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class Transfer:
 
 
 @dataclass(frozen=True, slots=True)
-class Step:
+class PlanStep:
     index: int
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
@@ -58,7 +58,7 @@ class RankPlan:
     world_size: int
     count: int
     segments: int
-    steps: tuple[Step, ...]
+    steps: tuple[PlanStep, ...]
 
     def check_fits(self, rank: int, world_size: int, buffer: Any) -> None:
         """Raise ValueError unless this plan is for ``rank`` of ``world_size`` and ``buffer`` is the 1-D contiguous
@@ -90,7 +90,7 @@ def _pieces(start: int, stop: int, segments: int) -> list[tuple[int, int]]:
 def compile_plan(schedule: Schedule, rank: int, count: int) -> RankPlan:
     """Compile ``schedule`` for ``rank`` and a buffer of ``count`` elements.
 
-    Not cached: a process group keeps its compiled plans in its :class:`~allreduce.runtime.PlanCache`.
+    Not cached: a process group keeps its compiled plans in its :class:`~._transport.PlanCache`.
     """
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
@@ -105,6 +105,8 @@ def compile_plan(schedule: Schedule, rank: int, count: int) -> RankPlan:
             Transfer(op.peer, a, b, op.block_start, k, op.verb is Verb.RECV_REDUCE) for k, (a, b) in enumerate(pieces)
         )
     steps = tuple(
-        Step(index, tuple(sends), tuple(recvs)) for index, (sends, recvs) in sorted(by_step.items()) if sends or recvs
+        PlanStep(index, tuple(sends), tuple(recvs))
+        for index, (sends, recvs) in sorted(by_step.items())
+        if sends or recvs
     )
     return RankPlan(schedule.name, rank, schedule.world_size, count, schedule.segments, steps)

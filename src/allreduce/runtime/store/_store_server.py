@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from allreduce.runtime._store_protocol import (
+from allreduce.runtime.store._store_protocol import (
     _INT64_MAX,
     _INT64_MIN,
     _MAX_REFUSAL_CHARS,

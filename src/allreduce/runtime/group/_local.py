@@ -23,9 +23,9 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, corrupted
-from allreduce.runtime._group import DEFAULT_TIMEOUT_S, ProcessGroup
-from allreduce.runtime._memory_store import MemoryStore
-from allreduce.runtime._transport import Call, Transport, abort_kind, error_class
+from allreduce.runtime.group._group import DEFAULT_TIMEOUT_S, ProcessGroup
+from allreduce.runtime.store._memory_store import MemoryStore
+from allreduce.runtime.transport._transport import Call, Transport, abort_kind, error_class
 from allreduce.schedules import CostModel
 
 __all__ = ["LocalTransport", "local_groups", "local_transports"]

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from allreduce.runtime._cost_models import default_cost_model
+from allreduce.runtime.group._cost_models import default_cost_model
 from allreduce.schedules import CostModel
 
 __all__ = ["load_cost_model", "save_cost_model", "tune_file"]

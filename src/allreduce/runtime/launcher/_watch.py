@@ -3,7 +3,7 @@
 Every way a job stops goes the same way: a rank's own failure, an interrupt of the launcher (SIGINT, SIGTERM,
 SIGHUP, its output closing), or the job's deadline sends the running ranks a signal, and SIGKILL follows after
 the grace period, so a rank that ignores SIGTERM cannot keep the job alive. A failure that is a reaction to
-another rank's (the rank reports it, see :mod:`allreduce.runtime._rank_report`) does not start the stop: the rank
+another rank's (the rank reports it, see :mod:`._rank_report`) does not start the stop: the rank
 it names is failing too and must not be interrupted while it reports why; if that rank is still running a grace
 period later, the stop starts then. Exits are waited on with pidfds, never polled.
 """
@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
-from allreduce.runtime._reaper import kill_groups
+from allreduce.runtime.launcher._reaper import kill_groups
 
 __all__ = ["RankProcess", "RankWatch", "describe_status", "ranks_phrase", "signal_rank"]
 
@@ -114,7 +114,7 @@ class RankWatch:
     @property
     def wake_fd(self) -> int:
         """The write end of the pipe :meth:`watch` also waits on (non-blocking): a byte there wakes it, for
-        ``signal.set_wakeup_fd`` (see :func:`~allreduce.runtime._spawn.stop_signal_handlers`)."""
+        ``signal.set_wakeup_fd`` (see :func:`~allreduce.runtime.launcher._spawn.stop_signal_handlers`)."""
         return self._wake_w
 
     @property

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._buffers import Buffer, as_buffer
+from allreduce.runtime.pipeline._buffers import Buffer, as_buffer
 
 __all__ = ["PackedAllToAll", "WorkBuffers", "check_splits", "pack_all_to_all", "split_table"]
 

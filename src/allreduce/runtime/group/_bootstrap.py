@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from allreduce.runtime._args import integer_arg
-from allreduce.runtime._cost_models import default_cost_model
-from allreduce.runtime._elastic import JOIN_ENV, SHRINK_PREFIX, Lineage, joined, request_join
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
-from allreduce.runtime._group import ProcessGroup
 from allreduce.runtime._store_api import KeyValueStore
-from allreduce.runtime._transport import Transport
-from allreduce.runtime._transports import AUTO, TransportSetup, select_transport, transport_names
+from allreduce.runtime.elastic._elastic import JOIN_ENV, SHRINK_PREFIX, Lineage, joined, request_join
+from allreduce.runtime.group._cost_models import default_cost_model
+from allreduce.runtime.group._group import ProcessGroup
+from allreduce.runtime.group._transports import AUTO, TransportSetup, select_transport, transport_names
 from allreduce.runtime.tcp._socket import advertised_host
+from allreduce.runtime.transport._transport import Transport
 from allreduce.schedules import CostModel
 
 __all__ = ["init"]
@@ -115,8 +115,8 @@ def _read_checked(store: Any, key: str, pattern: re.Pattern[str], what: str, ran
     """The value of ``key`` in ``store``, which must match ``pattern``; else a ProtocolError naming the key, the
     store and, with allreduce's store, the client that wrote the value (another process writing to the job's store
     is the likely cause). A malformed value rewritten while its writer is looked up is read again."""
-    from allreduce.runtime._store import TCPStore
-    from allreduce.runtime._store_protocol import WRITER_PREFIX
+    from allreduce.runtime.store._store import TCPStore
+    from allreduce.runtime.store._store_protocol import WRITER_PREFIX
 
     written_by = ""
     for _ in range(_REREADS):
@@ -227,7 +227,7 @@ def init(
         model = cost_model or _tuned_model("shm", 1)
         return ProcessGroup(shm, transport_name="shm", timeout_s=timeout_s, cost_model=model, group_size=1)
 
-    from allreduce.runtime._store import TCPStore
+    from allreduce.runtime.store._store import TCPStore
 
     agent = rendezvous_store if rendezvous_store is not None else _torchrun_agent_store(host, port, timeout_s)
     if agent is None:
@@ -341,7 +341,7 @@ def _refuse_if_open(host: str, port: int, rank: int) -> None:
 def _store_at(host: str, port: int, *, rank: int, world_size: int, timeout_s: float, token: str | None) -> Any:
     """The store client (rank 0 also hosts the server) at MASTER_ADDR:MASTER_PORT, with errors that say which
     variable to change: the port is taken, or what answered there is not this job's store."""
-    from allreduce.runtime._store import TCPStore
+    from allreduce.runtime.store._store import TCPStore
 
     where = f"{host}:{port} (MASTER_ADDR:MASTER_PORT)"
     try:
@@ -380,6 +380,6 @@ def _store_at(host: str, port: int, *, rank: int, world_size: int, timeout_s: fl
 
 
 def _tuned_model(transport: str, world_size: int) -> CostModel:
-    from allreduce.runtime._tune import load_cost_model
+    from allreduce.runtime.group._tune import load_cost_model
 
     return load_cost_model(transport) or default_cost_model(transport, world_size)

@@ -9,7 +9,7 @@ calls, in this order:
    algorithm), so that every rank compares all N descriptors and raises :class:`MismatchError` *before* any data
    moves. ``seq`` is the collective's sequence number (0, 1, 2, ... identical on every rank);
 3. :meth:`Transport.execute`: walk ``plan.steps`` in order on ``buffer`` (a 1-D contiguous numpy array of
-   ``plan.count`` elements), honouring the plan semantics of :mod:`allreduce.runtime._plan`: sends read the
+   ``plan.count`` elements), honouring the plan semantics of :mod:`allreduce.runtime.transport._plan`: sends read the
    step-start state, receives land at step end (staged when a range is both sent and received in one step).
    ``reduce_into(dst_view, incoming)`` reduces ``incoming`` into ``dst_view`` in place; receives without
    ``reduce`` copy.
@@ -17,7 +17,7 @@ calls, in this order:
 :meth:`Transport.allocate` (optional capability; the default returns ``None``) hands out memory that the
 transport can move without a copy (shared memory for shm); the group falls back to ``numpy.empty``.
 
-Every transport owns a :class:`~allreduce.runtime._stats.Recorder` (``recorder``): while it is enabled,
+Every transport owns a :class:`~allreduce.runtime.stats._stats.Recorder` (``recorder``): while it is enabled,
 ``_execute`` records each received transfer - how long it waited for the peer's data, how long moving it took -
 where it already knows (shm: its counter wait; tcp: the first and last byte of the peer's frames).
 ``injection`` (``ALLREDUCE_INJECT``; None in production) holds a step's sends and paces slow links there too.
@@ -48,9 +48,9 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import ABORT_KINDS, CollectiveError, abort_kind, error_class
-from allreduce.runtime._inject import Injection
-from allreduce.runtime._plan import RankPlan
-from allreduce.runtime._stats import Recorder
+from allreduce.runtime.stats._stats import Recorder
+from allreduce.runtime.transport._inject import Injection
+from allreduce.runtime.transport._plan import RankPlan
 
 __all__ = [
     "ABORT_KINDS",
@@ -139,7 +139,7 @@ class Transport(abc.ABC):
         self._closed = False
         self._failure: CollectiveError | None = None
         self.recorder = Recorder()
-        """Per-transfer wait records (:mod:`allreduce.runtime._stats`), kept while ``recorder.enabled`` (the group
+        """Per-transfer wait records (:mod:`allreduce.runtime.stats._stats`), kept while ``recorder.enabled`` (the group
         sets it)."""
         self.injection: Injection | None = None
         """Faults to inject (``ALLREDUCE_INJECT``, set by the group); None in production."""

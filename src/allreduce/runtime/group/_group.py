@@ -40,21 +40,21 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._args import integer_arg, rank_arg
-from allreduce.runtime._buffers import as_buffer, check_dtype
-from allreduce.runtime._cost_models import default_cost_model
-from allreduce.runtime._descriptor import DTYPES, OPS
-from allreduce.runtime._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime._errors import CollectiveError
-from allreduce.runtime._inject import injection_from_env
-from allreduce.runtime._personalized import WorkBuffers, check_splits, pack_all_to_all, split_table
-from allreduce.runtime._pipeline import Options, Pipeline, check_options, checked_timeout
-from allreduce.runtime._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
-from allreduce.runtime._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
 from allreduce.runtime._store_api import Store
-from allreduce.runtime._trace import TRACE_ENV, check_trace_path, write_trace
-from allreduce.runtime._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
-from allreduce.runtime._work import Work
+from allreduce.runtime.elastic._elastic import Lineage, Shrunk, grow, shrink
+from allreduce.runtime.elastic._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
+from allreduce.runtime.group._cost_models import default_cost_model
 from allreduce.runtime.p2p import PointToPoint
+from allreduce.runtime.pipeline._buffers import as_buffer, check_dtype
+from allreduce.runtime.pipeline._descriptor import DTYPES, OPS
+from allreduce.runtime.pipeline._personalized import WorkBuffers, check_splits, pack_all_to_all, split_table
+from allreduce.runtime.pipeline._pipeline import Options, Pipeline, check_options, checked_timeout
+from allreduce.runtime.pipeline._work import Work
+from allreduce.runtime.stats._stats import CALL_CAPACITY, GroupStats, merge_summaries, summary_row, summary_row_length
+from allreduce.runtime.stats._trace import TRACE_ENV, check_trace_path, write_trace
+from allreduce.runtime.transport._inject import injection_from_env
+from allreduce.runtime.transport._transport import PLAN_CACHE_ENTRIES, PlanCache, Transport
 from allreduce.schedules import Collective, CostModel, Schedule, block_bounds
 
 __all__ = [
@@ -185,7 +185,7 @@ class ProcessGroup:
         transport.injection = injection
         # On unless ALLREDUCE_STATS=0: a straggler is found after the fact, so the record must already be there.
         # It costs about 1% of a 1 MiB call (0.7-1.4% on the 2-core machine, benchmarks/bench_stats.py, docs/tail.md)
-        # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per process, taken once (runtime/_spare.py).
+        # and 2-8% of a 4 KiB one (0.5 µs of a small call); ~10 MiB per process, taken once (runtime/stats/_spare.py).
         if os.environ.get("ALLREDUCE_STATS") != "0" or any(
             os.environ.get(name) for name in (STATS_FILE_ENV, TRACE_ENV)
         ):
@@ -326,7 +326,7 @@ class ProcessGroup:
         self, x: Any, op: str, algorithm: str | Schedule, async_op: bool, options: Mapping[str, Any]
     ) -> Any:
         """An all-reduce under ``ALLREDUCE_REPLAN``: on the re-planned ring where it applies, then counted; every
-        window the ranks gather their link records and decide alike (runtime/_replan.py)."""
+        window the ranks gather their link records and decide alike (runtime/elastic/_replan.py)."""
         replanning = self._replanning
         assert replanning is not None
         nbytes = int(getattr(x, "nbytes", 0))
@@ -338,7 +338,7 @@ class ProcessGroup:
         return result
 
     def _window_rates(self, last: int) -> Mapping[tuple[int, int], float]:
-        """The link rates re-planning decides from (runtime/_replan.py), a collective: the senders' kernel counters,
+        """The link rates re-planning decides from (elastic/_replan.py), a collective: the senders' kernel counters,
         all-gathered, where the transport keeps them (tcp across hosts), else the receivers' records of the last
         ``last`` calls. Every rank decides from the same gathered data, so every rank takes the same source."""
         replanning = self._replanning

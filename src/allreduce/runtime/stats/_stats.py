@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime._spare import SpareInts
+from allreduce.runtime.stats._spare import SpareInts
 
 __all__ = [
     "CALL_CAPACITY",
@@ -328,7 +328,7 @@ class Recorder:
             self.reserve()
 
     def reserve(self) -> None:
-        """Make sure the process holds the memory recording grows into (:mod:`allreduce.runtime._spare`):
+        """Make sure the process holds the memory recording grows into (:mod:`allreduce.runtime.stats._spare`):
         :data:`MARK_CAPACITY` placeholder ints, taken once per process, shared by its recorders; a growing recorder
         drops as many as it adds, and once full drops its own oldest chunks instead. A process with one busy group
         holds ~10 MiB, as its entries would after about 26,000 calls, and each further group only what it recorded
