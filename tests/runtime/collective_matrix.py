@@ -124,4 +124,37 @@ def run_matrix(group: ProcessGroup, buffers: Buffers = _as_is) -> dict[str, Any]
                 group.reduce(x, root=root, op=op, algorithm=algorithm)
                 ok = close(x, reference(dt, count, n, op) if rank == root else mine, op)
                 check(Collective.REDUCE, algorithm, ok, f"root={root} {dname} {op} count={count}")
+    for algorithm in algorithms(Collective.GATHER):
+        for root in sorted({0, n - 1}):
+            for k, (dname, dt) in enumerate(DTYPES.items()):
+                count = sizes(n)[k % 5]
+                bounds = block_bounds(count, n)
+                mine = contribution(dt, count, rank, "sum")
+                want = np.concatenate([contribution(dt, count, r, "sum")[bounds[r] : bounds[r + 1]] for r in range(n)])
+                x = mine.copy()
+                group.gather(x, root=root, algorithm=algorithm)
+                got = x if rank == root else x[bounds[rank] : bounds[rank + 1]]
+                expect = want.astype(dt) if rank == root else mine[bounds[rank] : bounds[rank + 1]]
+                ok = bool(np.array_equal(got.view(np.uint8), expect.view(np.uint8)))
+                check(Collective.GATHER, algorithm, ok, f"root={root} {dname} count={count}")
+    for algorithm in algorithms(Collective.SCATTER):
+        for root in sorted({0, n - 1}):
+            for k, (dname, dt) in enumerate(DTYPES.items()):
+                count = sizes(n)[k % 5]
+                bounds = block_bounds(count, n)
+                sent = contribution(dt, count, root, "sum")
+                x = sent.copy() if rank == root else np.zeros(count, dt)
+                block = group.scatter(x, root=root, algorithm=algorithm)
+                want = sent[bounds[rank] : bounds[rank + 1]]
+                ok = block.shape == want.shape and bool(np.array_equal(block.view(np.uint8), want.view(np.uint8)))
+                check(Collective.SCATTER, algorithm, ok, f"root={root} {dname} count={count}")
+    for algorithm in algorithms(Collective.ALL_TO_ALL):
+        for k, (dname, dt) in enumerate(DTYPES.items()):
+            part = (0, 1, 7, 1031)[k % 4]
+            # part d of rank s's input is contribution(s)'s slice d: rank d receives slice d of every rank's input
+            inputs = [contribution(dt, n * part, r, "sum") for r in range(n)]
+            out = group.all_to_all(inputs[rank], algorithm=algorithm)
+            want = np.concatenate([inputs[s][rank * part : (rank + 1) * part] for s in range(n)]).astype(dt)
+            ok = out.shape == want.shape and bool(np.array_equal(out.view(np.uint8), want.view(np.uint8)))
+            check(Collective.ALL_TO_ALL, algorithm, ok, f"{dname} part={part}")
     return {"ran": ran, "failures": failures, "transport": group.transport_name}
