@@ -248,3 +248,23 @@ def test_the_last_of_two_small_frames_is_probed_before_the_first_is_acknowledged
 def test_a_bursts_hold_is_a_finite_time(hold: float) -> None:
     with pytest.raises(ValueError, match="a burst's hold must be a finite time >= 0"):
         LossModel(0.01, fabric="tcp", burst=4.0, burst_hold_s=hold)
+
+
+def test_a_control_frame_on_a_bursty_link_is_lost_only_by_a_burst_starting_at_it() -> None:
+    # Four ranks on one switch, every link p in bursts of 4, one agreement (no barrier): per rank one frame to
+    # r - 1, then two to r - 2 (two segments: the second leaves while the first is out), each packet behind a
+    # delivered one on its link, so lost only when a burst starts on either of its two links, g_path = 1 - (1 -
+    # g)^2 per packet, not the long-run 1 - (1 - p)^2.
+    p, burst = 0.02, 4.0
+    topology = switch(4)
+    router = Router(topology, np.arange(4), None, 0)
+    link = np.full(topology.num_links, p)
+    samples = 20_000
+    model = LossModel(fabric="tcp", tcp="linux", burst=burst, burst_hold_s=1.0)
+    lost = agreement_delays(np.random.default_rng(14), router, samples, model, link)[2]
+    g = p / (burst * (1 - p) + p)
+    keep = (1 - g) ** 2
+    expected = 4 * (1 - keep) + 4 * (1 - keep**2)
+    assert abs(lost.mean() - expected) < Z * math.sqrt(expected / samples)
+    long_run = 1 - (1 - p) ** 2
+    assert expected < (4 * long_run + 4 * (1 - (1 - long_run) ** 2)) / 3

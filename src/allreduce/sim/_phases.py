@@ -461,8 +461,12 @@ def agreement_delays(
     ``K − 1`` small steps later; a lost frame of the collective's own agreement is revealed only by the
     collective's data on the same connection (``data``, the collective's phases: halving-doubling sends on
     ``r → r − 2^s``, a ring on none of them for N > 2), else it waits for the probe. A rank's delays in the
-    two all-gathers add up. Returns (delay, blame code: world_size + the link that dropped it, lost messages
-    per sample, timeouts per sample)."""
+    two all-gathers add up. On bursty links (:func:`allreduce.sim._tcp.gilbert_elliott`, a chain clocked by
+    the link's packets, as the emulator's firewall runs it) a frame is lost only where a burst starts at it,
+    ``g`` (about ``p/burst``), not at the long-run ``p``: it crosses its link behind a delivered packet (the
+    step's before it, or the previous collective's last, which that collective waited for), which left the
+    chain good. Returns (delay, blame code: world_size + the link that dropped it, lost messages per sample,
+    timeouts per sample)."""
     n = router.rank_gpu.size
     code = np.full((n, samples), -1, dtype=np.int64)
     lost = np.zeros(samples, dtype=np.int64)
@@ -498,13 +502,16 @@ def _lost_frames(
     the connection carries its next message. A receiver's ``delay`` (per rank and sample) is the largest of its
     all-gather's, and the blame of that delay goes into ``code``; the counts go into ``lost`` and ``timeouts``."""
     n, samples = code.shape
-    message_p = -np.expm1(step.packets * np.log1p(-step.q))
+    pattern = step.pattern
+    bursts = _path_bursts(model, pattern.routes, step.hazard)
+    # A frame crosses its link behind a delivered packet (the step's or the collective's before it, which the
+    # collective waited for), which left the chain good: on bursty links it starts a burst with g, not p.
+    start_q = step.q if bursts is None else bursts.entry_q
+    message_p = -np.expm1(step.packets * np.log1p(-start_q))
     flow, sample = np.nonzero(rng.random((n, samples)) < message_p[:, None])
     if flow.size == 0:
         return
-    pattern = step.pattern
     rate = pattern.rate_Bps[flow]
-    bursts = _path_bursts(model, pattern.routes, step.hazard)
     extra, fired = draw_extra_seconds(
         rng,
         model,
