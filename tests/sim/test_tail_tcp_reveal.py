@@ -292,7 +292,9 @@ def test_the_next_barriers_first_frames_cross_a_held_link_but_the_waiting_ranks(
     # into gpu2 only rank 3's frame crosses; out of gpu2 its own would, but it waits; out of gpu3, rank 3's.
     topology = switch(4)
     router = Router(topology, np.arange(4), None, 0)
-    last = phase_data(all_reduce("ring", 4), router, 2**18, np.zeros(topology.num_links), connections=True)[-1]
+    last = phase_data(
+        all_reduce("ring", 4), router, 2**18, np.zeros(topology.num_links), connections=True, next_barrier=True
+    )[-1]
     assert last.next_frames is not None
     names = {topology.link_name(i): i for i in range(topology.num_links)}
     links = np.array([names["switch0->gpu2"], names["gpu2->switch0"], names["gpu3->switch0"]], dtype=np.int64)

@@ -74,10 +74,17 @@ class PhaseData:
 
 
 def phase_data(
-    schedule: Schedule, router: Router, size_bytes: float, link_loss: FloatArray, *, connections: bool = False
+    schedule: Schedule,
+    router: Router,
+    size_bytes: float,
+    link_loss: FloatArray,
+    *,
+    connections: bool = False,
+    next_barrier: bool = False,
 ) -> list[PhaseData]:
     """Per phase, the flows' noise-free durations and loss probabilities; with ``connections`` (a RACK-TLP
-    stack) also the loss probability of their ACKs and when each connection carries its next transfer."""
+    stack) also the loss probability of their ACKs and when each connection carries its next transfer, and with
+    ``next_barrier`` too the routes of the next barrier's first frames (``PhaseData.next_frames``)."""
     out = []
     n = schedule.world_size
     for phase in schedule.phases():
@@ -99,7 +106,7 @@ def phase_data(
         out.append(replace(data, two_way=two_way))
     if connections:
         out = _with_follow_gaps(schedule, out)
-        if out:
+        if out and next_barrier:
             src = np.arange(n, dtype=np.int64)
             out[-1] = replace(out[-1], next_frames=router.pattern(src, (src - 1) % n).routes)
     return out
@@ -248,7 +255,7 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
     if d.follow_gap_s is not None:
         gap = np.where(step < d.phase.repeat - 1, 0.0, d.follow_gap_s[flow])
     culprit = cleared = None
-    if bursts is not None and bursts.hold_s > 0 and model.barrier and d.next_frames is not None:
+    if bursts is not None and model.held_bursts and d.next_frames is not None:
         culprit = _culprit_links(rng, d, flow)
         cleared = np.where(step == d.phase.repeat - 1, _frames_crossing(d.next_frames, d.phase.dst[flow], culprit), 0)
     extra, timeout = draw_extra_seconds(
