@@ -19,6 +19,7 @@ from allreduce.sim._tcp import (
     Bursts,
     TcpStack,
     ack_stall_flights,
+    chain_loss,
     draw_ack_stall_seconds,
     gilbert_elliott,
     loss_window_packets,
@@ -182,6 +183,23 @@ def test_a_resend_behind_a_delivered_packet_is_lost_as_the_emulators_chain_loses
         measured = lost[delivered + 1 + n].mean()
         assert abs(measured - expected) < Z * math.sqrt(expected * burst / delivered.size)
     np.testing.assert_allclose(resend_loss(Bursts(entry, stay), np.array([0.0, 1e4])), [entry[0], p], rtol=1e-9)
+
+
+@pytest.mark.slow
+def test_a_packet_behind_a_lost_one_is_lost_as_the_emulators_chain_loses_it() -> None:
+    # Packet by packet: the packet n + 1 places after a lost one is lost with chain_loss(n, after_loss=True),
+    # from stay (n = 0) towards the long-run rate p.
+    p, burst = 0.05, 4.0
+    entry, stay = gilbert_elliott(np.array([p]), burst)
+    lost = _emulated_chain(p, burst, 400_000, seed=15)
+    behind = np.flatnonzero(lost[:-60])
+    for n in (0, 1, 3, 50):
+        expected = float(chain_loss(Bursts(entry, stay), np.array([float(n)]), after_loss=True)[0])
+        measured = lost[behind + 1 + n].mean()
+        assert abs(measured - expected) < Z * math.sqrt(expected * burst / behind.size)
+    np.testing.assert_allclose(
+        chain_loss(Bursts(entry, stay), np.array([0.0, 1e4]), after_loss=True), [stay[0], p], rtol=1e-9
+    )
 
 
 def test_a_burst_continues_with_the_stay_probability() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
-from allreduce.sim._phases import _ack_stalls, agreement_delays, phase_data
+from allreduce.sim._phases import _ack_stalls, _frames_crossing, agreement_delays, phase_data
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
     DELACK_MIN_S,
@@ -248,3 +248,55 @@ def test_the_last_of_two_small_frames_is_probed_before_the_first_is_acknowledged
 def test_a_bursts_hold_is_a_finite_time(hold: float) -> None:
     with pytest.raises(ValueError, match="a burst's hold must be a finite time >= 0"):
         LossModel(0.01, fabric="tcp", burst=4.0, burst_hold_s=hold)
+
+
+def test_a_control_frame_on_a_bursty_link_is_lost_only_by_a_burst_starting_at_it() -> None:
+    # Four ranks on one switch, every link p in bursts of 4, one agreement (no barrier): per rank one frame to
+    # r - 1, then two to r - 2 (two segments: the second leaves while the first is out), each packet behind a
+    # delivered one on its link, so lost only when a burst starts on either of its two links, g_path = 1 - (1 -
+    # g)^2 per packet, not the long-run 1 - (1 - p)^2.
+    p, burst = 0.02, 4.0
+    topology = switch(4)
+    router = Router(topology, np.arange(4), None, 0)
+    link = np.full(topology.num_links, p)
+    samples = 20_000
+    model = LossModel(fabric="tcp", tcp="linux", burst=burst, burst_hold_s=1.0)
+    lost = agreement_delays(np.random.default_rng(14), router, samples, model, link)[2]
+    g = p / (burst * (1 - p) + p)
+    keep = (1 - g) ** 2
+    expected = 4 * (1 - keep) + 4 * (1 - keep**2)
+    assert abs(lost.mean() - expected) < Z * math.sqrt(expected / samples)
+    long_run = 1 - (1 - p) ** 2
+    assert expected < (4 * long_run + 4 * (1 - (1 - long_run) ** 2)) / 3
+
+
+def test_packets_crossing_a_held_link_end_the_burst_before_the_probes_resend() -> None:
+    # One-packet data tails, each lost by a burst (stay 0.75, g ~ 0) on a chain held for 1 s, with two packets
+    # of other connections across the link after it: each meets the bad state and ends it with 1/4, so the
+    # probe's resend is lost with 0.75^3, not 0.75; after a lost resend nothing precedes the RTO's (0.75 again).
+    n, a = 20_000, 0.75
+    transfers = LostTransfers(
+        np.full(n, 1e-9),
+        np.ones(n, dtype=np.int64),
+        np.full(n, RTT),
+        np.full(n, TAU),
+        bursts=Bursts(np.full(n, 1e-12), np.full(n, a), 1.0, cleared=np.full(n, 2.0)),
+    )
+    fired = draw_repair_seconds(np.random.default_rng(16), EXACT, transfers)[1]
+    for share, m in ((a**3, 2), (a**3 * a, 3)):
+        assert abs((fired >= m).mean() - share) < Z * math.sqrt(share * (1 - share) / n)
+
+
+def test_the_next_barriers_first_frames_cross_a_held_link_but_the_waiting_ranks() -> None:
+    # Four ranks on one switch; rank s sends its first barrier frame to s - 1. Rank 2 waits for a lost tail:
+    # into gpu2 only rank 3's frame crosses; out of gpu2 its own would, but it waits; out of gpu3, rank 3's.
+    topology = switch(4)
+    router = Router(topology, np.arange(4), None, 0)
+    last = phase_data(
+        all_reduce("ring", 4), router, 2**18, np.zeros(topology.num_links), connections=True, next_barrier=True
+    )[-1]
+    assert last.next_frames is not None
+    names = {topology.link_name(i): i for i in range(topology.num_links)}
+    links = np.array([names["switch0->gpu2"], names["gpu2->switch0"], names["gpu3->switch0"]], dtype=np.int64)
+    crossing = _frames_crossing(last.next_frames, np.full(3, 2, dtype=np.int64), links)
+    assert crossing.tolist() == [1.0, 0.0, 1.0]

@@ -166,6 +166,12 @@ class LossModel:
         """Whether losses are repaired as Linux's RACK-TLP does (TCP, a stack other than rfc6298)."""
         return self.fabric == "tcp" and self.stack.rack_tlp
 
+    @property
+    def held_bursts(self) -> bool:
+        """Whether a burst can outlast a lost tail on a silent link and be ended by the next barrier's frames
+        (bursty loss on a chain clocked by the link's packets, repetitions timed from a barrier)."""
+        return self.burst > 1 and self.burst_hold_s > 0 and self.barrier
+
 
 def transfer_loss_probability(size_bytes: float, packet_loss: float, mtu_bytes: int) -> float:
     """P(a transfer of ``size_bytes`` loses at least one packet) = 1 − (1 − q)^ceil(B/MTU)."""

@@ -312,7 +312,9 @@ def simulate_tail(
     done = 0
     for g, ecmp_seed in enumerate(seeds):
         router = Router(base_topology, rank_gpu, routing, ecmp_seed)
-        data = phase_data(schedule, router, size, link_loss, connections=config.loss.rack_tlp)
+        data = phase_data(
+            schedule, router, size, link_loss, connections=config.loss.rack_tlp, next_barrier=config.loss.held_bursts
+        )
         if config.loss:
             check_recoverable(data, config.loss, k)
         any_timing = rates_fixed_under_any_timing([(d.phase, d.pattern.routes) for d in data], n, base_topology)

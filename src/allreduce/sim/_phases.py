@@ -57,6 +57,9 @@ class PhaseData:
     ack_q: FloatArray | None = None  # per flow: loss probability of a packet on the way back (its ACKs)
     follow_gap_s: FloatArray | None = None  # per flow: after its last step, when the connection's next transfer
     two_way: npt.NDArray[np.bool_] | None = None  # per flow: its receiver sends data back in the same step
+    # the collective's last phase: the routes of the frames every rank sends first in the next collective's
+    # barrier (rank s to s - 1), which cross the links while a lost tail of its last step is waited for
+    next_frames: Routes | None = None
 
     @cached_property
     def hazard_cumulative(self) -> FloatArray:
@@ -71,10 +74,17 @@ class PhaseData:
 
 
 def phase_data(
-    schedule: Schedule, router: Router, size_bytes: float, link_loss: FloatArray, *, connections: bool = False
+    schedule: Schedule,
+    router: Router,
+    size_bytes: float,
+    link_loss: FloatArray,
+    *,
+    connections: bool = False,
+    next_barrier: bool = False,
 ) -> list[PhaseData]:
     """Per phase, the flows' noise-free durations and loss probabilities; with ``connections`` (a RACK-TLP
-    stack) also the loss probability of their ACKs and when each connection carries its next transfer."""
+    stack) also the loss probability of their ACKs and when each connection carries its next transfer, and with
+    ``next_barrier`` too the routes of the next barrier's first frames (``PhaseData.next_frames``)."""
     out = []
     n = schedule.world_size
     for phase in schedule.phases():
@@ -96,6 +106,9 @@ def phase_data(
         out.append(replace(data, two_way=two_way))
     if connections:
         out = _with_follow_gaps(schedule, out)
+        if out and next_barrier:
+            src = np.arange(n, dtype=np.int64)
+            out[-1] = replace(out[-1], next_frames=router.pattern(src, (src - 1) % n).routes)
     return out
 
 
@@ -221,7 +234,9 @@ def _draw_transfers(
 
 def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, samples: int) -> Losses:
     """Which transfers of ``repeat x flows x samples`` lose packets, and what each loss costs; on a RACK-TLP
-    stack also which lose the last ACK of a flight with nothing behind it (:func:`_ack_stalls`)."""
+    stack also which lose the last ACK of a flight with nothing behind it (:func:`_ack_stalls`). Where a burst
+    holds the link of a lost tail of the collective's last step and repetitions are timed from a barrier, the
+    next barrier's first frames that cross it before the probe are counted (:func:`_frames_crossing`)."""
     mtu = model.mtu
     packets = np.ceil(d.nbytes / mtu).astype(np.int64)
     q = d.loss_q
@@ -239,6 +254,10 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
     gap = None
     if d.follow_gap_s is not None:
         gap = np.where(step < d.phase.repeat - 1, 0.0, d.follow_gap_s[flow])
+    culprit = cleared = None
+    if bursts is not None and model.held_bursts and d.next_frames is not None:
+        culprit = _culprit_links(rng, d, flow)
+        cleared = np.where(step == d.phase.repeat - 1, _frames_crossing(d.next_frames, d.phase.dst[flow], culprit), 0)
     extra, timeout = draw_extra_seconds(
         rng,
         model,
@@ -249,10 +268,12 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
             packet_s,
             q_ack=None if d.ack_q is None else d.ack_q[flow],
             gap_s=gap,
-            bursts=None if bursts is None else Bursts(bursts.entry_q[flow], bursts.stay[flow], bursts.hold_s),
+            bursts=None
+            if bursts is None
+            else Bursts(bursts.entry_q[flow], bursts.stay[flow], bursts.hold_s, cleared=cleared),
         ),
     )
-    losses = Losses(step, flow, sample, extra, _culprit_links(rng, d, flow), timeout)
+    losses = Losses(step, flow, sample, extra, _culprit_links(rng, d, flow) if culprit is None else culprit, timeout)
     if d.ack_q is not None and model.rack_tlp:
         losses = _merge(losses, _ack_stalls(rng, model, d, packets, samples))
     return losses
@@ -274,6 +295,26 @@ def _path_bursts(model: LossModel, routes: Routes, loss_hazard: FloatArray) -> B
     hazard = -routes.weight * np.log1p(-entry)
     entry_q = -np.expm1(-np.bincount(routes.flow_of_entry(), weights=hazard, minlength=routes.num_flows))
     return Bursts(entry_q, (1 - 1 / model.burst) + entry_q / model.burst, model.burst_hold_s)
+
+
+def _frames_crossing(frames: Routes, waiting: IntArray, link: IntArray) -> FloatArray:
+    """Per lost tail of the collective's last step, held by a burst on ``link`` while rank ``waiting`` waits for
+    it: the packets of the next barrier's first frames (``frames``, rank s to s − 1, one segment each) that cross
+    ``link``. Only the waiting rank is held there (no one waits for it after the last step), so every other rank
+    finishes and sends its frame at once, well before the probe (``2·srtt`` or more); a lower bound on the link's
+    packets, as the ACKs of the collective's other flows ending with it and the barrier's later steps are left
+    out."""
+    # a frame sprayed over several paths crosses each with its share of the packets
+    share = np.where(frames.weight > 0, frames.weight, 1.0)
+    span = int(max(frames.link.max(initial=0), link.max(initial=0))) + 1
+    crossing = np.bincount(frames.link, weights=share, minlength=span)[link]
+    keys, inverse = np.unique(frames.flow_of_entry() * span + frames.link, return_inverse=True)
+    if keys.size == 0:
+        return np.zeros(link.size)
+    own = np.bincount(inverse, weights=share, minlength=keys.size)
+    key = waiting * span + link
+    at = np.minimum(np.searchsorted(keys, key), keys.size - 1)
+    return np.asarray(crossing - np.where(keys[at] == key, own[at], 0.0), dtype=np.float64)
 
 
 def _culprit_links(rng: np.random.Generator, d: PhaseData, flow: IntArray) -> IntArray:
@@ -461,8 +502,12 @@ def agreement_delays(
     ``K − 1`` small steps later; a lost frame of the collective's own agreement is revealed only by the
     collective's data on the same connection (``data``, the collective's phases: halving-doubling sends on
     ``r → r − 2^s``, a ring on none of them for N > 2), else it waits for the probe. A rank's delays in the
-    two all-gathers add up. Returns (delay, blame code: world_size + the link that dropped it, lost messages
-    per sample, timeouts per sample)."""
+    two all-gathers add up. On bursty links (:func:`allreduce.sim._tcp.gilbert_elliott`, a chain clocked by
+    the link's packets, as the emulator's firewall runs it) a frame is lost only where a burst starts at it,
+    ``g`` (about ``p/burst``), not at the long-run ``p``: it crosses its link behind a delivered packet (the
+    step's before it, or the previous collective's last, which that collective waited for), which left the
+    chain good. Returns (delay, blame code: world_size + the link that dropped it, lost messages per sample,
+    timeouts per sample)."""
     n = router.rank_gpu.size
     code = np.full((n, samples), -1, dtype=np.int64)
     lost = np.zeros(samples, dtype=np.int64)
@@ -498,13 +543,16 @@ def _lost_frames(
     the connection carries its next message. A receiver's ``delay`` (per rank and sample) is the largest of its
     all-gather's, and the blame of that delay goes into ``code``; the counts go into ``lost`` and ``timeouts``."""
     n, samples = code.shape
-    message_p = -np.expm1(step.packets * np.log1p(-step.q))
+    pattern = step.pattern
+    bursts = _path_bursts(model, pattern.routes, step.hazard)
+    # A frame crosses its link behind a delivered packet (the step's or the collective's before it, which the
+    # collective waited for), which left the chain good: on bursty links it starts a burst with g, not p.
+    start_q = step.q if bursts is None else bursts.entry_q
+    message_p = -np.expm1(step.packets * np.log1p(-start_q))
     flow, sample = np.nonzero(rng.random((n, samples)) < message_p[:, None])
     if flow.size == 0:
         return
-    pattern = step.pattern
     rate = pattern.rate_Bps[flow]
-    bursts = _path_bursts(model, pattern.routes, step.hazard)
     extra, fired = draw_extra_seconds(
         rng,
         model,

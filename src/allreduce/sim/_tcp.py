@@ -55,7 +55,12 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   where one regime turns into the other is not established, so the rule stands as measured. A lost probe is
   such a loss too. With bursts (:class:`Bursts`) on a link whose chain is
   clocked by its own packets (the emulator's firewall), the resend after a probe or RTO is the next packet the
-  stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`). Not so
+  stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless
+  other connections' packets cross the link before the probe: after the collective's last step only the rank
+  waiting for the lost tail is held, and where repetitions are timed from a barrier, every other rank sends its
+  first frame of the next one at once; each that meets the bad state ends it with ``1/burst``, so the probe's
+  resend is lost with :func:`chain_loss` after them (``stay^(n+1)`` for ``n`` such packets and a rare new burst;
+  :attr:`Bursts.cleared`, counted in :mod:`allreduce.sim._phases`). Not so
   for the runtime's control frames (agreement, barrier): their exchanges run on every connection at once and a
   sender does not wait for its receiver, so the step's other frames, the next step's and the collective's data
   on the ranks the loss does not hold cross the lossy links in the milliseconds after the burst, and each packet
@@ -121,6 +126,7 @@ __all__ = [
     "LostTransfers",
     "TcpStack",
     "ack_stall_flights",
+    "chain_loss",
     "draw_ack_stall_seconds",
     "draw_repair_seconds",
     "first_loss",
@@ -265,11 +271,14 @@ class Bursts:
     is lost too (:func:`gilbert_elliott`). ``hold_s``: how long a bad state lasts on a link no packet crosses
     (a chain clocked by the link's packets, as the emulator's firewall runs it, ends a bad state only with a
     packet, or ``hold_s`` after it began); 0: the chain is clocked by other traffic, and a packet sent after
-    a pause finds it as any packet does."""
+    a pause finds it as any packet does. ``cleared``: per transfer, the packets of other connections that cross
+    the held link after the burst and before the probe's resend (None: none), each ending the bad state with
+    ``1/burst`` (:func:`chain_loss`)."""
 
     entry_q: FloatArray
     stay: FloatArray
     hold_s: float = 0.0
+    cleared: FloatArray | None = None
 
 
 def gilbert_elliott(p: FloatArray, burst: float) -> tuple[FloatArray, FloatArray]:
@@ -283,19 +292,28 @@ def gilbert_elliott(p: FloatArray, burst: float) -> tuple[FloatArray, FloatArray
     return entry, (1 - 1 / burst) + entry / burst
 
 
-def resend_loss(bursts: Bursts, packets_between: FloatArray) -> FloatArray:
-    """The probability that a resend is lost on a Gilbert–Elliott chain clocked by every packet that crosses the
-    link (:func:`gilbert_elliott`), when ``packets_between`` packets crossed it since the delivered one whose
-    SACK revealed the loss. That one left the chain good; a packet then finds it bad with ``b_k`` and is lost with
-    ``L_k = b_k + (1 − b_k)·g``, and the chain stays bad after it with ``a = 1 − 1/burst`` (``a = (stay − g)/(1 −
-    g)``), so ``b_(k+1) = a·L_k``: ``b_n = b*(1 − λ^n)`` with ``λ = a(1 − g)`` and ``b* = a·g/(1 − λ)``. The
-    resend is lost with ``L_n``: ``g`` right behind the delivered packet, the long-run rate after many. A chain
-    that went bad within the burst's own packets is that burst, already drawn; this is a new one."""
+def chain_loss(bursts: Bursts, packets_between: FloatArray, *, after_loss: bool) -> FloatArray:
+    """The probability that a packet is lost on a Gilbert–Elliott chain clocked by every packet that crosses the
+    link (:func:`gilbert_elliott`), ``packets_between`` packets after a delivered one (``after_loss`` False) or a
+    lost one (True). A packet finds the chain bad with ``b_k`` and is lost with ``L_k = b_k + (1 − b_k)·g``, and
+    the chain stays bad after it with ``a = 1 − 1/burst`` (``a = (stay − g)/(1 − g)``), so ``b_(k+1) = a·L_k``:
+    ``b_n = b* + (b_0 − b*)·λ^n`` with ``λ = a(1 − g)``, ``b* = a·g/(1 − λ)``, and ``b_0`` 0 behind a delivered
+    packet (it left the chain good), ``a`` behind a lost one. The packet is lost with ``L_n``: ``g`` right behind
+    a delivered packet, ``stay`` right behind a lost one, the long-run rate after many."""
     g = bursts.entry_q
     stay_bad = (bursts.stay - g) / (1 - g)
     decay = stay_bad * (1 - g)
-    bad = stay_bad * g / (1 - decay) * (1 - decay ** np.maximum(packets_between, 0.0))
+    settled = stay_bad * g / (1 - decay)
+    start = stay_bad if after_loss else 0.0
+    bad = settled + (start - settled) * decay ** np.maximum(packets_between, 0.0)
     return np.asarray(bad + (1 - bad) * g, dtype=np.float64)
+
+
+def resend_loss(bursts: Bursts, packets_between: FloatArray) -> FloatArray:
+    """The probability that a resend sent on SACKs is lost, ``packets_between`` packets after the delivered one
+    whose SACK revealed the loss (:func:`chain_loss`): ``g`` right behind it, the long-run rate after many. A
+    chain that went bad within the burst's own packets is that burst, already drawn; this is a new one."""
+    return chain_loss(bursts, packets_between, after_loss=False)
 
 
 def next_loss(
@@ -327,6 +345,7 @@ def _held_resends(
     rto: FloatArray,
     *,
     several: npt.NDArray[np.bool_] | None = None,
+    probe_q: FloatArray | None = None,
 ) -> IntArray:
     """How many times in a row a packet a burst took is lost again when it is resent by the probe (``first_s``
     after the loss) and then by each backed-off RTO, on a chain held by a silent link (:class:`Bursts`): the
@@ -335,14 +354,17 @@ def _held_resends(
     state, lost only if a new burst starts (``entry_q``). The first RTO fires ``rto`` after the probe where one
     packet was out (the probe resent the head of the queue and the timer restarts from it), and ``rto`` after
     the loss where ``several`` were (``tcp_rearm_rto`` offsets the timer from the head's first sending); each
-    later one waits twice as long as the one before (``icsk_rto <<= 1``)."""
+    later one waits twice as long as the one before (``icsk_rto <<= 1``). ``probe_q``: the probe's resend is
+    lost with it within ``hold_s`` (other packets crossed the link before it, :func:`chain_loss`; None:
+    ``stay``); a lost resend leaves the chain bad for the next one, which nothing else precedes."""
     stay, entry_q, hold_s = held
     first_rto = first_s + rto if several is None else np.where(several, rto, first_s + rto)
     sent_at = first_s.copy()
     again = np.zeros(first_s.size, dtype=np.int64)
     going = np.ones(first_s.size, dtype=np.bool_)
     for j in range(GIVE_UP_AFTER):
-        lost = rng.random(first_s.size) < np.where(sent_at < hold_s, stay, entry_q)
+        held_q = stay if j > 0 or probe_q is None else probe_q
+        lost = rng.random(first_s.size) < np.where(sent_at < hold_s, held_q, entry_q)
         going &= lost
         if not going.any():
             break
@@ -365,13 +387,15 @@ def _one_loss(
     unacked: npt.NDArray[np.bool_] | None = None,
     lost_before: npt.NDArray[np.bool_] | None = None,
     resend_q: FloatArray | None = None,
+    probe_q: FloatArray | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """The delay one lost packet with ``after`` packets of its transfer behind it adds, and how many timers of
     the ``rto_min`` class (the one-packet probe, the RTO) fired. ``held``: (stay, entry_q, hold seconds) of a
     burst held by a silent link (:func:`_held_resends`); ``unacked``: the packets before it are small segments
     an interactive receiver acknowledges only with its delayed-ACK timer (see :class:`LostTransfers`);
     ``lost_before``: the packet before it was lost too, so a lost last packet leaves several out; ``resend_q``:
-    the probability that a repair sent on a SACK (not by the probe) is lost (:func:`resend_loss`; None: ``q``)."""
+    the probability that a repair sent on a SACK (not by the probe) is lost (:func:`resend_loss`; None: ``q``);
+    ``probe_q``: that the probe's resend is lost by a held burst (:func:`_held_resends`)."""
     mid = after >= DUPTHRESH
     cost_mid = np.maximum(tau, rtt + (DUPTHRESH + 1 - after) * tau)
     reo = rtt + tau + stack.timer(rng, REO_WND_FRACTION * rtt + TIMEOUT_MIN_S)
@@ -405,7 +429,7 @@ def _one_loss(
         first_lost = rng.random(after.size) < np.where(probed, q, resend_q)
         again = np.where(first_lost, np.minimum(again + 1, GIVE_UP_AFTER), 0)
     if held is not None:
-        again = np.where(probed, _held_resends(rng, held, cost, rto, several=several), again)
+        again = np.where(probed, _held_resends(rng, held, cost, rto, several=several, probe_q=probe_q), again)
     if np.any(again > 0):
         # With several out, the RTO after a lost probe is timed from the head's first sending (tcp_rearm_rto
         # offsets it by the time elapsed): it replaces the probe's wait instead of following it.
@@ -468,6 +492,10 @@ def draw_repair_seconds(
         with np.errstate(divide="ignore", invalid="ignore"):
             between = np.where(packet_s > 0, rtt_s / packet_s, 0.0)
         resend_q = resend_loss(bursts, between)
+    # the probe's resend on a held link, behind the burst and the packets of other connections after it
+    probe_q = None
+    if hold is not None and bursts is not None and bursts.cleared is not None:
+        probe_q = chain_loss(bursts, bursts.cleared, after_loss=True)
     previous = np.full(n, -2, dtype=np.int64)
     for _ in range(int(packets.max(initial=0)) + 1):
         if lost.size == 0:
@@ -485,6 +513,7 @@ def draw_repair_seconds(
             unacked=(position > 0) if transfers.small and stack.delayed_ack_s > 0 else None,
             lost_before=previous == position - 1,
             resend_q=None if resend_q is None else resend_q[lost],
+            probe_q=None if probe_q is None else probe_q[lost],
         )
         extra[lost] = np.maximum(extra[lost], cost)
         fired[lost] += timers
