@@ -32,7 +32,7 @@ def _all_gather_emulation(out: Any, local: Any, world_size: int, rank: int) -> N
     import torch
 
     gathered = torch.empty(local.numel() * world_size, dtype=local.dtype)
-    dist.all_gather_into_tensor(gathered, local)
+    dist.all_gather_single(gathered, local)
     part = local.numel() // world_size
     rows = gathered.view(world_size, world_size, part)
     out.view(world_size, part).copy_(rows[:, rank])
