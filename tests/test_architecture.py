@@ -386,6 +386,40 @@ def test_runtime_subpackages_import_each_other_without_cycles() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Public faces: a package's ``__init__.py`` and its public modules (``allreduce.schedules.timing``,
+# ``allreduce.runtime.bench``) each export what one audience needs, so a name has one face
+# ------------------------------------------------------------------------------------------------------------
+def exported_names(path: Path) -> list[str]:
+    """The strings of a module's ``__all__`` (empty when it has none), read from its source."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        names_all = any(isinstance(t, ast.Name) and t.id == "__all__" for t in getattr(node, "targets", ()))
+        if isinstance(node, ast.Assign) and names_all and isinstance(node.value, ast.List | ast.Tuple):
+            return [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def test_a_name_is_exported_by_one_face_of_its_package() -> None:
+    faces: dict[str, dict[str, list[str]]] = {}
+    for module, path in modules():
+        if any(part.startswith("_") for part in module.split(".")[1:]):
+            continue
+        for name in exported_names(path):
+            faces.setdefault(package_of(module), {}).setdefault(name, []).append(module)
+    twice = [
+        f"{name} ({', '.join(where)})"
+        for package in sorted(faces)
+        for name, where in sorted(faces[package].items())
+        if len(where) > 1
+    ]
+    if twice:
+        pytest.fail(
+            f"{len(twice)} name(s) exported by two faces of one package; keep each in the face of the audience "
+            "that needs it: " + ", ".join(twice),
+            pytrace=False,
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Module hygiene
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow

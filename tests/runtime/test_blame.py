@@ -1,18 +1,24 @@
 """Who is blamed when a rank fails: every survivor names the rank at fault, not a neighbour that reacted to it.
 
-Real processes over the real transports: a dying rank really exits, without closing anything.
+Real processes over the real transports, started by ``runtime.spawn`` (``spawn_elastic`` where a rank dies on
+purpose: the others go on without it): a dying rank really exits, without closing anything. Each rank returns
+what it raised, (kind, peer, message).
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 from typing import Any
 
 import numpy as np
 import pytest
-from test_group_harness import report, run_ranks
 
 import allreduce
+from allreduce.runtime import spawn, spawn_elastic
+
+SPAWN = mp.get_context("spawn")  # the queues and barriers the ranks share, handed over as they start
+Raised = tuple[str, int | None, str]
 
 pytestmark = pytest.mark.serial  # stalled ranks
 
@@ -21,88 +27,73 @@ BLAME_TIMEOUT_S = 60.0
 CollectiveTimeoutError (instead of PeerFailureError) waited out the clock instead of hearing of the death."""
 
 
-def _dies_before_collective_zero(rank: int, n: int, port: int, out: Any, victim: int) -> None:
-    group = allreduce.init(rank, n, master_port=port, transport="tcp", timeout_s=BLAME_TIMEOUT_S)
-    if rank == victim:
-        out.put((rank, None))
-        out.close()
-        out.join_thread()
+def _dies_before_collective_zero(victim: int) -> Raised:
+    group = allreduce.init(transport="tcp", timeout_s=BLAME_TIMEOUT_S)
+    if group.rank == victim:
         os._exit(1)  # no close: the store sees the connection drop, no connection to a peer exists yet
-
-    def body() -> tuple[str, int | None, str]:
-        try:
-            group.all_reduce(np.ones(1024, np.float32), algorithm="ring")
-        except allreduce.CollectiveError as exc:
-            return type(exc).__name__, exc.peer, str(exc)
-        finally:
-            group.close()
-        return "returned", None, ""
-
-    report(out, rank, body)
+    try:
+        group.all_reduce(np.ones(1024, np.float32), algorithm="ring")
+    except allreduce.CollectiveError as exc:
+        return type(exc).__name__, exc.peer, str(exc)
+    finally:
+        group.close()
+    return "returned", None, ""
 
 
 @pytest.mark.slow
 def test_tcp_death_before_the_connections_exist_is_named_by_every_survivor() -> None:
     n, victim = 4, 3
-    results = run_ranks(n, _dies_before_collective_zero, victim, timeout_s=BLAME_TIMEOUT_S * 3)
-    for rank, result in enumerate(results):
-        if rank == victim:
-            continue
-        assert isinstance(result, tuple), result
-        kind, peer, message = result
+    outcome = spawn_elastic(n, _dies_before_collective_zero, victim, min_ranks=1, timeout_s=BLAME_TIMEOUT_S * 3)
+    assert [d.rank for d in outcome.departures] == [victim]
+    assert sorted(outcome.results) == [0, 1, 2]
+    for rank, (kind, peer, message) in outcome.results.items():
         assert (kind, peer) == ("PeerFailureError", victim), f"rank {rank}: {message}"
         assert f"rank {victim}" in message
 
 
-def _corrupts_its_control_word(rank: int, n: int, port: int, out: Any, case: tuple[int, str, Any, Any]) -> None:
+def _corrupts_its_control_word(case: tuple[int, str, Any, Any]) -> Raised:
     """The victim overwrites one word of its own control block between two collectives with a value its code never
     writes (the campaign does it from outside, through /proc/PID/mem), and joins the next collective only once the
     others have reported: they read the corrupted word, never a value it rewrote."""
     from allreduce.runtime.shm._layout import ABORTED_WORD, descriptor_word
 
     victim, word, survivors, finished_first = case
-    group = allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=BLAME_TIMEOUT_S)
-
-    def body() -> tuple[str, int | None, str]:
-        try:
-            for _ in range(2 if word == "descriptor_low" else 1):  # a low stamp is detectable from collective 2 on
-                group.all_reduce(np.ones(1024, np.float32))
-            finished_first.wait(timeout=BLAME_TIMEOUT_S)  # nobody reads the victim's block of these anymore
-            if rank == victim:
-                writes = {
-                    "aborted": [(ABORTED_WORD, 1 << 40)],
-                    # a kind an abort does write (PeerFailureError's), over the culprit no abort left there: the
-                    # campaign's "aborted: 0 -> 1", which every rank read as "rank 2 gave up because rank 0 died"
-                    "aborted_kind": [(ABORTED_WORD, 1)],
-                    "descriptor": [(descriptor_word(1), 1 << 40)],  # the next collective's stamp, too far ahead
-                    "descriptor_low": [(descriptor_word(0), -5)],  # below what the slot already held
-                    # the next collective's stamp as the victim would publish it, over an empty descriptor (the
-                    # crc32 of b"" is 0, so a zeroed length word passes a crc check)
-                    "descriptor_length": [(descriptor_word(1) + 1, 0), (descriptor_word(1), 1)],
-                }[word]
-                for index, value in writes:
-                    group._transport._views[rank][index] = value  # type: ignore[attr-defined]
-                for _ in range(n - 1):
-                    survivors.get(timeout=BLAME_TIMEOUT_S * 2)
+    group = allreduce.init(transport="shm", timeout_s=BLAME_TIMEOUT_S)
+    rank, n = group.rank, group.world_size
+    try:
+        for _ in range(2 if word == "descriptor_low" else 1):  # a low stamp is detectable from collective 2 on
             group.all_reduce(np.ones(1024, np.float32))
-        except allreduce.CollectiveError as exc:
-            if rank != victim:
-                survivors.put(rank)
-            return type(exc).__name__, exc.peer, str(exc)
-        finally:
-            group.close()
-        return "returned", None, ""
+        finished_first.wait(timeout=BLAME_TIMEOUT_S)  # nobody reads the victim's block of these anymore
+        if rank == victim:
+            writes = {
+                "aborted": [(ABORTED_WORD, 1 << 40)],
+                # a kind an abort does write (PeerFailureError's), over the culprit no abort left there: the
+                # campaign's "aborted: 0 -> 1", which every rank read as "rank 2 gave up because rank 0 died"
+                "aborted_kind": [(ABORTED_WORD, 1)],
+                "descriptor": [(descriptor_word(1), 1 << 40)],  # the next collective's stamp, too far ahead
+                "descriptor_low": [(descriptor_word(0), -5)],  # below what the slot already held
+                # the next collective's stamp as the victim would publish it, over an empty descriptor (the
+                # crc32 of b"" is 0, so a zeroed length word passes a crc check)
+                "descriptor_length": [(descriptor_word(1) + 1, 0), (descriptor_word(1), 1)],
+            }[word]
+            for index, value in writes:
+                group._transport._views[rank][index] = value  # type: ignore[attr-defined]
+            for _ in range(n - 1):
+                survivors.get(timeout=BLAME_TIMEOUT_S * 2)
+        group.all_reduce(np.ones(1024, np.float32))
+    except allreduce.CollectiveError as exc:
+        if rank != victim:
+            survivors.put(rank)
+        return type(exc).__name__, exc.peer, str(exc)
+    finally:
+        group.close()
+    return "returned", None, ""
 
-    report(out, rank, body)
 
-
-def _corruption_reports(word: str) -> list[Any]:
-    from test_group_harness import SPAWN
-
+def _corruption_reports(word: str) -> list[Raised]:
     n, victim = 3, 2
-    return run_ranks(
-        n, _corrupts_its_control_word, (victim, word, SPAWN.Queue(), SPAWN.Barrier(n)), timeout_s=BLAME_TIMEOUT_S * 3
-    )
+    case = (victim, word, SPAWN.Queue(), SPAWN.Barrier(n))
+    return spawn(n, _corrupts_its_control_word, case, group=False, timeout_s=BLAME_TIMEOUT_S * 3)
 
 
 def _every_rank_names_the_victims_block(reports: list[Any]) -> None:
@@ -124,38 +115,33 @@ def test_shm_an_abort_word_set_without_its_culprit_is_named_as_corruption_not_as
     assert any("(word aborted = 1)" in message for _, _, message in reports), reports
 
 
-def _reads_a_buffer_offset_past_the_segment(rank: int, n: int, port: int, out: Any, done: Any) -> None:
+def _reads_a_buffer_offset_past_the_segment(done: Any) -> Raised:
     """Rank 1 finds rank 0's published buffer offset past the end of rank 0's segment (the campaign's
     "buffer_offset: 0 -> 1" on a buffer that fills its segment) when it looks up where rank 0's data lies."""
     from allreduce.runtime.shm._layout import BUFFER_OFFSET_WORD
 
-    group = allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=BLAME_TIMEOUT_S)
-
-    def body() -> tuple[str, int | None, str]:
-        count = 1 << 18  # 1 MiB of float32: not eager, so rank 0 publishes a data segment and an offset
-        try:
-            group.all_reduce(group.empty(count, np.float32))
-            if rank == 0:
-                return "published", None, ""
-            transport = group._transport  # type: ignore[attr-defined]
-            transport._views[0][BUFFER_OFFSET_WORD] = 1
-            transport._peer_data.peer_array(0, np.dtype(np.float32), count, seq=1, step=0)
-        except allreduce.CollectiveError as exc:
-            return type(exc).__name__, exc.peer, str(exc)
-        finally:
-            done.wait(timeout=BLAME_TIMEOUT_S)  # rank 0's block stays mapped until rank 1 has looked
-            group.close()
-        return "returned", None, ""
-
-    report(out, rank, body)
+    group = allreduce.init(transport="shm", timeout_s=BLAME_TIMEOUT_S)
+    count = 1 << 18  # 1 MiB of float32: not eager, so rank 0 publishes a data segment and an offset
+    try:
+        group.all_reduce(group.empty(count, np.float32))
+        if group.rank == 0:
+            return "published", None, ""
+        transport = group._transport  # type: ignore[attr-defined]
+        transport._views[0][BUFFER_OFFSET_WORD] = 1
+        transport._peer_data.peer_array(0, np.dtype(np.float32), count, seq=1, step=0)
+    except allreduce.CollectiveError as exc:
+        return type(exc).__name__, exc.peer, str(exc)
+    finally:
+        done.wait(timeout=BLAME_TIMEOUT_S)  # rank 0's block stays mapped until rank 1 has looked
+        group.close()
+    return "returned", None, ""
 
 
 @pytest.mark.slow
 def test_shm_a_buffer_offset_past_the_peers_segment_is_named_as_corruption_not_a_value_error() -> None:
-    from test_group_harness import SPAWN
-
-    reports = run_ranks(2, _reads_a_buffer_offset_past_the_segment, SPAWN.Barrier(2), timeout_s=BLAME_TIMEOUT_S * 3)
-    assert isinstance(reports[1], tuple), reports[1]
+    reports = spawn(
+        2, _reads_a_buffer_offset_past_the_segment, SPAWN.Barrier(2), group=False, timeout_s=BLAME_TIMEOUT_S * 3
+    )
     kind, peer, message = reports[1]
     assert (kind, peer) == ("ProtocolError", 0), message
     assert "rank 0's control block is corrupt (word buffer_offset = 1)" in message
@@ -183,25 +169,26 @@ STALL_TIMEOUT_S = 3.0
 """The collective timeout of the stall test's group; the stalled rank holds each step four times as long."""
 
 
-def _one_rank_stalls_mid_collective(rank: int, n: int, port: int, out: Any, case: tuple[int, str]) -> None:
-    stalled, transport = case
-    hold_ms = int(STALL_TIMEOUT_S * 4 * 1000)
-    os.environ["ALLREDUCE_INJECT"] = f"hold:rank={stalled}:p=1:ms={hold_ms}"  # this process's own environment
-
-    def body() -> tuple[str, int | None, str]:
-        with allreduce.init(rank, n, master_port=port, transport=transport, timeout_s=STALL_TIMEOUT_S) as group:
-            try:
-                group.all_reduce(np.ones(1 << 16, np.float32), algorithm="ring")
-            except allreduce.CollectiveError as exc:
-                return type(exc).__name__, exc.peer, str(exc)
-        return "returned", None, ""
-
-    report(out, rank, body)
+def _one_rank_stalls_mid_collective(transport: str) -> Raised:
+    with allreduce.init(transport=transport, timeout_s=STALL_TIMEOUT_S) as group:
+        try:
+            group.all_reduce(np.ones(1 << 16, np.float32), algorithm="ring")
+        except allreduce.CollectiveError as exc:
+            return type(exc).__name__, exc.peer, str(exc)
+    return "returned", None, ""
 
 
-def _stall_reports(transport: str) -> list[Any]:
+def _stall_reports(transport: str) -> list[Raised]:
     # In the ring, only rank 0 receives from rank 3; ranks 1 and 2 wait for ranks 0 and 1, which wait for rank 3.
-    return run_ranks(4, _one_rank_stalls_mid_collective, (3, transport), timeout_s=BLAME_TIMEOUT_S * 3, needed=range(3))
+    stalled, hold_ms = 3, int(STALL_TIMEOUT_S * 4 * 1000)
+    return spawn(
+        4,
+        _one_rank_stalls_mid_collective,
+        transport,
+        group=False,
+        env={"ALLREDUCE_INJECT": f"hold:rank={stalled}:p=1:ms={hold_ms}"},
+        timeout_s=BLAME_TIMEOUT_S * 3,
+    )
 
 
 @pytest.mark.slow

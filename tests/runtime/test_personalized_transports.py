@@ -17,7 +17,7 @@ import pytest
 from test_group_harness import report, run_ranks
 
 import allreduce
-from allreduce.runtime import DTYPES
+from allreduce.runtime import DTYPES, spawn
 from allreduce.schedules import Collective, algorithms, block_bounds
 
 COLLECTIVES = ("all_to_all", "all_to_all_splits", "gather", "scatter", "async")
@@ -102,14 +102,6 @@ def _run(group: allreduce.ProcessGroup) -> dict[str, Any]:
     return {"failures": failures, "ran": ran, "transport": group.transport_name}
 
 
-def _worker(rank: int, n: int, port: int, out: Any, transport: str) -> None:
-    def body() -> dict[str, Any]:
-        with allreduce.init(rank, n, master_port=port, transport=transport, timeout_s=120) as group:
-            return _run(group)
-
-    report(out, rank, body)
-
-
 @pytest.fixture(
     scope="module",
     params=[("shm", 1), ("shm", 2), ("shm", 3), ("shm", 5), ("tcp", 2), ("tcp", 3), ("tcp", 4)],
@@ -117,10 +109,7 @@ def _worker(rank: int, n: int, port: int, out: Any, transport: str) -> None:
 )
 def matrix(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
     transport, n = request.param
-    results = run_ranks(n, _worker, transport)
-    for result in results:
-        assert isinstance(result, dict), result
-    return transport, results
+    return transport, spawn(n, _run, init_options={"transport": transport, "timeout_s": 120}, timeout_s=240)
 
 
 @pytest.mark.slow

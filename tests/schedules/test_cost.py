@@ -18,10 +18,10 @@ from allreduce.schedules import (
     halving_doubling_all_reduce,
     hierarchical_all_reduce,
     predict,
-    propagate,
     recursive_doubling_all_reduce,
     ring_all_reduce,
 )
+from allreduce.schedules.timing import propagate
 
 RTOL = 1e-9
 

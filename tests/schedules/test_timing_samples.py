@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from allreduce.schedules import Phase, all_reduce, step_once
-from allreduce.schedules._timing import Blame, Incidence, blame_key, step_samples
+from allreduce.schedules import Phase, all_reduce
+from allreduce.schedules.timing import Blame, Incidence, blame_key, step_once, step_samples
 
 
 def _random_phase(rng: np.random.Generator, world_size: int, flows: int) -> Phase:

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allreduce.schedules import Blame, Incidence, Phase, all_reduce, blame_key, step_samples
+from allreduce.schedules import Phase, all_reduce
+from allreduce.schedules.timing import Blame, Incidence, blame_key, step_samples
 from allreduce.sim import (
     Distribution,
     Faults,

@@ -4,11 +4,11 @@ Pure: no I/O, no threads. The runtime executes :meth:`Schedule.program`; the sim
 :meth:`Schedule.phases`. Algorithms are looked up by name in the registry (:func:`algorithms`,
 :func:`make_schedule`); users add their own with :func:`register_algorithm`, :func:`load_algorithm`, an entry
 point or ``ALLREDUCE_ALGORITHMS``, and may write them with :class:`Program`. :mod:`._plugins` is the one module
-that imports user code.
+that imports user code. The timing recurrence's verbs, for an engine that times schedules itself (the
+simulator), are the other face: :mod:`allreduce.schedules.timing`.
 """
 
 from allreduce.schedules._algorithms import (
-    NAIVE_MAX_RANKS,
     binary_tree_broadcast,
     binary_tree_reduce,
     binomial_broadcast,
@@ -26,9 +26,8 @@ from allreduce.schedules._algorithms import (
     ring_reduce_scatter,
 )
 from allreduce.schedules._author import Program, Step
-from allreduce.schedules._cost import Bandwidths, CostModel, Prediction, bus_factor, predict, predict_seconds
+from allreduce.schedules._cost import CostModel, Prediction, bus_factor, predict, predict_seconds
 from allreduce.schedules._personalized import (
-    BRUCK_MAX_RANKS,
     binomial_gather,
     binomial_scatter,
     bruck_all_to_all,
@@ -38,7 +37,6 @@ from allreduce.schedules._personalized import (
     pairwise_all_to_all,
 )
 from allreduce.schedules._plugins import (
-    ENTRY_POINT_GROUP,
     ENVIRONMENT_VARIABLE,
     AlgorithmLoadError,
     PluginWarning,
@@ -47,8 +45,6 @@ from allreduce.schedules._plugins import (
 )
 from allreduce.schedules._registry import (
     MAX_ALGORITHM_NAME_BYTES,
-    MAX_SCHEDULE_RANKS,
-    PARAMETERS,
     VERIFY_WORLD_SIZES,
     Algorithm,
     algorithms,
@@ -73,41 +69,20 @@ from allreduce.schedules._schedule import (
     Streams,
     Verb,
     block_bounds,
-    concat_streams,
-)
-from allreduce.schedules._timing import (
-    Blame,
-    Incidence,
-    PhaseTiming,
-    add_flow_delays,
-    blame_key,
-    jump_samples,
-    propagate,
-    step_once,
-    step_samples,
 )
 from allreduce.schedules._verify import ScheduleError, verify, verify_programs
 
 __all__ = [
-    "BRUCK_MAX_RANKS",
-    "ENTRY_POINT_GROUP",
     "ENVIRONMENT_VARIABLE",
     "MAX_ALGORITHM_NAME_BYTES",
-    "MAX_SCHEDULE_RANKS",
-    "NAIVE_MAX_RANKS",
-    "PARAMETERS",
     "SLOW_LINK_RATIO",
     "VERIFY_WORLD_SIZES",
     "Algorithm",
     "AlgorithmLoadError",
-    "Bandwidths",
-    "Blame",
     "Collective",
     "CostModel",
-    "Incidence",
     "Op",
     "Phase",
-    "PhaseTiming",
     "PluginWarning",
     "Prediction",
     "Program",
@@ -116,7 +91,6 @@ __all__ = [
     "Step",
     "Streams",
     "Verb",
-    "add_flow_delays",
     "algorithms",
     "all_reduce",
     "best_ring_order",
@@ -126,11 +100,9 @@ __all__ = [
     "binomial_gather",
     "binomial_reduce",
     "binomial_scatter",
-    "blame_key",
     "block_bounds",
     "bruck_all_to_all",
     "bus_factor",
-    "concat_streams",
     "direct_all_gather",
     "direct_all_reduce",
     "direct_all_to_all",
@@ -141,7 +113,6 @@ __all__ = [
     "get_algorithm",
     "halving_doubling_all_reduce",
     "hierarchical_all_reduce",
-    "jump_samples",
     "load_algorithm",
     "make_schedule",
     "naive_all_reduce",
@@ -150,7 +121,6 @@ __all__ = [
     "plugin_errors",
     "predict",
     "predict_seconds",
-    "propagate",
     "recursive_doubling_all_reduce",
     "register_algorithm",
     "ring_all_gather",
@@ -158,8 +128,6 @@ __all__ = [
     "ring_bottleneck",
     "ring_reduce_scatter",
     "ring_time_s",
-    "step_once",
-    "step_samples",
     "unregister_algorithm",
     "verify",
     "verify_programs",

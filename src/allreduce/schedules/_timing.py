@@ -15,6 +15,8 @@ stepped: a ring of 131,072 ranks costs a few array passes, not 262,142.
 :func:`step_samples` is the same step with a sample axis (clocks of shape (ranks, samples)), for the Monte
 Carlo of :mod:`allreduce.sim._montecarlo`; it carries each clock's :class:`Blame` (the largest single delay on
 its critical path and its cause) through the argmax the recurrence takes.
+
+What other packages use of it, :mod:`allreduce.schedules.timing` exports (the one list of its public names).
 """
 
 from __future__ import annotations
@@ -27,19 +29,6 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules._schedule import Phase
-
-__all__ = [
-    "BLAME_CODE_BITS",
-    "Blame",
-    "Incidence",
-    "PhaseTiming",
-    "add_flow_delays",
-    "blame_key",
-    "jump_samples",
-    "propagate",
-    "step_once",
-    "step_samples",
-]
 
 FloatArray = npt.NDArray[np.float64]
 

@@ -1,6 +1,6 @@
 """The Monte Carlo's step for cyclic-shift phases: rings, the rings of hierarchical all-reduce, the pairwise
 exchanges of halving-doubling — every rank sends one flow, to the rank a fixed distance ahead in its block.
-Two slices replace :func:`allreduce.schedules.step_samples`' index gathers, with the same arithmetic."""
+Two slices replace :func:`allreduce.schedules.timing.step_samples`' index gathers, with the same arithmetic."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Blame, Phase, add_flow_delays
+from allreduce.schedules import Phase
+from allreduce.schedules.timing import Blame, add_flow_delays
 
 __all__ = ["Cyclic", "step_cyclic"]
 
@@ -25,7 +26,7 @@ class Cyclic:
 
     Then a step's gathers are two slices of the clocks seen as ``(ranks / block, block, samples)``, and its
     scatter is one maximum with the ends shifted back: no index arrays, about a third of the passes of
-    :func:`allreduce.schedules.step_samples`, whose arithmetic it repeats operation for operation (so the
+    :func:`allreduce.schedules.timing.step_samples`, whose arithmetic it repeats operation for operation (so the
     clocks are the same bit for bit, and so are the blames: the same strict comparisons pick them)."""
 
     block: int
@@ -127,7 +128,7 @@ def step_cyclic(
     sparse: tuple[IntArray, IntArray, FloatArray, IntArray | None] | None,
     blame: Blame | None,
 ) -> FloatArray:
-    """:func:`allreduce.schedules.step_samples` for a cyclic phase, with every per-flow array in rank order
+    """:func:`allreduce.schedules.timing.step_samples` for a cyclic phase, with every per-flow array in rank order
     (row r: the flow rank r sends; ``sparse`` rows likewise). Rank r's flow starts at
     ``max(clock[r], clock[r + shift])``; rank r's clock becomes the later of its own flow's end and the end of
     the flow it receives, rank ``r − shift``'s; then its own delay."""

@@ -3,7 +3,7 @@
 For each phase of :meth:`Schedule.phases` (a flow pattern that ``repeat`` consecutive steps reuse), the flows
 are routed and their max-min fair rates computed once (patterns are cached, so ring all-reduce routes once for
 its 2(N-1) steps). Each flow then takes ``path latency + bytes / rate`` and the per-rank clocks advance through
-the project's one timing recurrence (:func:`allreduce.schedules.propagate`), which also skips whole cycles of a
+the project's one timing recurrence (:func:`allreduce.schedules.timing.propagate`), which also skips whole cycles of a
 repeated pattern once the clocks move in lockstep. Nothing is one Python object per transfer.
 
 Sizes axis (:func:`run_fast_sizes`): the patterns, routes and fair rates do not depend on the buffer size, only
@@ -70,7 +70,8 @@ from functools import cached_property
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Incidence, Phase, Schedule
+from allreduce.schedules import Phase, Schedule
+from allreduce.schedules.timing import Incidence
 from allreduce.sim._cyclic import Cyclic
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Pattern, Router
@@ -467,7 +468,7 @@ def rates_fixed_under_any_timing(phases: list[tuple[Phase, Routes]], world_size:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The timing recurrence of :func:`allreduce.schedules.propagate` with a sizes axis: clocks of shape (sizes,
+# The timing recurrence of :func:`allreduce.schedules.timing.propagate` with a sizes axis: clocks of shape (sizes,
 # ranks), one row per buffer size, and whole cycles skipped per row by propagate's own rule, so every row is what
 # propagate makes of that size alone. Sizes come first (unlike the Monte Carlo's samples, which come last): a row
 # is one size's clocks, contiguous, so the per-size reductions the cycle test takes every step (a maximum, a
@@ -520,7 +521,7 @@ def _step(clock: FloatArray, phase: Phase, steps: PhaseSteps, flow_seconds: Floa
     """Clocks (sizes, ranks) after one step of ``phase``, before the ranks' own delays: each flow starts when
     both its ranks' clocks have reached it and ends ``flow_seconds`` (sizes, flows; a cyclic phase's in the
     order of their senders) later; each rank's clock becomes the latest end of its flows (never earlier than its
-    own clock, as durations are >= 0). Maxima and one addition per flow: :func:`allreduce.schedules.step_once`'s
+    own clock, as durations are >= 0). Maxima and one addition per flow: :func:`allreduce.schedules.timing.step_once`'s
     arithmetic, element by element."""
     cyclic = steps.cyclic
     if cyclic is not None:
@@ -550,7 +551,7 @@ def _advance(clock: FloatArray, phase: Phase, flow_seconds: FloatArray, rank_sec
     """Clocks (sizes, ranks) after the ``repeat`` steps of ``phase``, ``flow_seconds`` per size and flow.
 
     A row whose clocks advance by one amount every c steps skips the whole cycles left, as
-    :func:`allreduce.schedules.propagate` does, and is then stepped through the rest alone; once its steps are
+    :func:`allreduce.schedules.timing.propagate` does, and is then stepped through the rest alone; once its steps are
     done it leaves the arrays the others are stepped in."""
     steps = phase_steps(clock.shape[1], phase)
     active = steps.active

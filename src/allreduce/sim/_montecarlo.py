@@ -1,6 +1,6 @@
 """Monte Carlo of the tail: K samples of a collective with packet loss, jitter, stragglers and timed faults.
 
-Every sample runs the fast engine's recurrence (:mod:`allreduce.schedules._timing`) on the flow durations of
+Every sample runs the fast engine's recurrence (:mod:`allreduce.schedules.timing`) on the flow durations of
 the noise-free run — path latency + bytes at the pattern's max-min fair rate — plus what the noise adds. The
 samples are a column axis of the clocks, so each step is a few array operations over all samples at once.
 Two methods, chosen by what the noise is, both exact with respect to that recurrence:
@@ -13,7 +13,7 @@ Two methods, chosen by what the noise is, both exact with respect to that recurr
 - ``stepping`` — noise per transfer (packet loss, latency jitter, faults that come and go): every step of every
   sample is stepped (clocks ``(ranks, samples)``); the largest single delay on each sample's critical path and
   its cause (a rank's late arrival or delay, a link that dropped a packet, jittered or failed) ride along with
-  the clocks through the argmax the recurrence takes anyway (:class:`allreduce.schedules._timing.Blame`).
+  the clocks through the argmax the recurrence takes anyway (:class:`allreduce.schedules.timing.Blame`).
   Phases free of per-transfer noise still jump whole cycles once every sample's clocks advance uniformly.
 
 The recurrence is the event engine's exactly where the fast engine certifies its noise-free run (lockstep or
@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Blame, Phase, Schedule, blame_key, jump_samples, propagate, step_samples
+from allreduce.schedules import Phase, Schedule
+from allreduce.schedules.timing import Blame, blame_key, jump_samples, propagate, step_samples
 from allreduce.sim._cyclic import step_cyclic
 from allreduce.sim._event import run_event
 from allreduce.sim._fast import rates_fixed_under_any_timing, run_fast_checked

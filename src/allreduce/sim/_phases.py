@@ -14,7 +14,8 @@ from functools import cached_property
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Incidence, Phase, Schedule
+from allreduce.schedules import Phase, Schedule
+from allreduce.schedules.timing import Incidence
 from allreduce.sim._cyclic import Cyclic
 from allreduce.sim._fast import phase_steps
 from allreduce.sim._loss import GIVE_UP_AFTER, LossModel, draw_extra_seconds, packet_loss_probability

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Blame, Phase, Schedule, blame_key
+from allreduce.schedules import Phase, Schedule
+from allreduce.schedules.timing import Blame, blame_key
 from allreduce.sim._event import Transfers, match_transfers, run_core
 from allreduce.sim._jit import available as kernel_available
 from allreduce.sim._jit import ready as kernel_ready

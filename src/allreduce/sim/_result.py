@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.schedules import Bandwidths, Collective
+from allreduce.schedules import Collective
+from allreduce.schedules.timing import Bandwidths
 from allreduce.topology import Topology
 from allreduce.units import format_bandwidth, format_bytes, format_seconds
 

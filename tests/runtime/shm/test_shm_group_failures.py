@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_group_harness import SPAWN, kill_rounds, report, run_ranks
+from test_group_harness import SPAWN, kill_rounds
 
 import allreduce
 from allreduce.runtime import (
@@ -22,6 +22,7 @@ from allreduce.runtime import (
     CollectiveTimeoutError,
     MismatchError,
     ProcessGroup,
+    spawn,
 )
 from allreduce.runtime.shm import ShmTransport
 
@@ -94,14 +95,16 @@ def test_sigkill_of_one_rank_makes_every_other_rank_raise_naming_it(small: bool)
 
 
 # ----------------------------------------------------------------------------------- one process set, many cases
-# One set of 3 processes runs every case below once (module-scoped fixture); each test asserts one behaviour.
-# The same behaviours are tested in milliseconds on the in-process transport (tests/runtime/local/); these hold
-# the shared-memory transport to them with real processes.
-def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    group = allreduce.init(rank, n, master_port=port, transport="shm", timeout_s=60)
+# One set of 3 processes (runtime.spawn, module-scoped fixture) runs every case below once, in this order (the
+# last leaves the group broken); each test asserts one behaviour of what the ranks saw. One spawn per case would
+# cost a process set each (2-7 s on this machine, load 3-18), for behaviours tested in milliseconds on the
+# in-process transport too (tests/runtime/local/); these hold the shared-memory transport to them.
+Seen = dict[str, Any]
 
-    # mismatched sizes: every rank raises before any data moves, the buffers stay untouched
+
+def _mismatches(group: ProcessGroup, seen: Seen) -> None:
+    """Mismatched sizes, collectives, dtypes, ops, roots, algorithms: every rank raises before any data moves."""
+    rank = group.rank
     x = np.arange(10 + (rank == 2), dtype=np.int32)
     before = x.copy()
     try:
@@ -109,7 +112,6 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
     except MismatchError as exc:
         seen["count_mismatch"] = str(exc)
     seen["untouched"] = bool(np.array_equal(x, before))
-    # different collectives, dtypes, ops
     for field, call in (
         ("collective", lambda: group.broadcast(np.zeros(4)) if rank == 1 else group.all_reduce(np.zeros(4))),
         ("dtype", lambda: group.all_reduce(np.zeros(4, np.float32 if rank else np.float64))),
@@ -121,19 +123,18 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
             call()
         except MismatchError as exc:
             seen[f"{field}_mismatch"] = str(exc)
-    # the group is still usable after a mismatch
     y = np.full(5, rank + 1, dtype=np.int64)
     group.all_reduce(y)
     seen["after_mismatch"] = y.tolist()
 
-    # checksum=True on healthy data
+
+def _checksum_and_determinism(group: ProcessGroup, seen: Seen) -> None:
+    """checksum=True on healthy data; deterministic=True gives the same bits whatever the algorithm."""
+    rank, n = group.rank, group.world_size
     z = np.arange(1000, dtype=np.float32) * (rank + 1)
     group.all_reduce(z, checksum=True, algorithm="ring", segments=4)
     seen["checksum_ok"] = bool(np.array_equal(z, np.arange(1000, dtype=np.float32) * (n * (n + 1) // 2)))
-
-    # deterministic: same bits whatever algorithm, on every rank
-    rng = np.random.default_rng(rank)
-    data = rng.standard_normal(4099).astype(np.float32)
+    data = np.random.default_rng(rank).standard_normal(4099).astype(np.float32)
     results = []
     for algorithm in ("auto", "ring", "halving_doubling", "recursive_doubling", "direct", "double_binary_tree"):
         w = data.copy()
@@ -146,15 +147,16 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
     group.all_reduce(plain[1], algorithm="recursive_doubling")
     seen["plain_differs"] = plain[0].tobytes() != plain[1].tobytes()
 
-    # async handles keep call order
+
+def _async_and_callbacks(group: ProcessGroup, seen: Seen) -> None:
+    """Async handles keep call order; done callbacks run once each, in issue order, with the result readable;
+    one added to a finished work runs at once; one that raises does not stop later collectives."""
+    rank = group.rank
     bufs = [np.full(100, rank + i, dtype=np.int64) for i in range(3)]
     works = [group.all_reduce(b, async_op=True) for b in bufs]
     sync = np.ones(7, dtype=np.int64)
     group.all_reduce(sync)
     seen["async"] = [w.result()[0] for w in works] + [int(sync[0])] + [w.done() for w in works]
-
-    # done callbacks: each runs once, in issue order, with the result readable; one added to a finished work
-    # runs at once; one that raises does not stop later collectives
     calls: list[tuple[int, int]] = []
     cb_works = [group.all_reduce(np.full(4, rank + i, dtype=np.int64), async_op=True) for i in range(3)]
     for i, w in enumerate(cb_works):
@@ -167,7 +169,9 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
     cb_works[0].add_done_callback(lambda w: late.append(w.done()))
     seen["callbacks"] = (calls, late, after_value)
 
-    # local argument errors consume nothing and name the culprit
+
+def _argument_errors(group: ProcessGroup, seen: Seen) -> None:
+    """Local argument errors consume nothing and name the culprit."""
     errors = []
     for call in (
         lambda: group.all_reduce(np.zeros(3, np.int32), op="avg"),
@@ -175,7 +179,7 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
         lambda: group.all_reduce(np.zeros(3).view(np.ndarray).__array__().copy().setflags(write=False)),
         lambda: group.all_reduce(np.zeros(3), algorithm="bogus"),
         lambda: group.all_reduce(np.zeros(3), op="median"),
-        lambda: group.broadcast(np.zeros(3), root=n),
+        lambda: group.broadcast(np.zeros(3), root=group.world_size),
         lambda: group.all_reduce([1, 2, 3]),
     ):
         try:
@@ -194,9 +198,12 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
     group.all_reduce(v)
     seen["after_errors"] = v.tolist()
 
-    # non-contiguous numpy and torch tensors, in place
+
+def _strided(group: ProcessGroup, seen: Seen) -> None:
+    """Non-contiguous numpy arrays and torch tensors, reduced in place."""
     import torch
 
+    rank = group.rank
     m = np.arange(24, dtype=np.float64).reshape(4, 6) * (rank + 1)
     group.all_reduce(m[:, ::2])
     t = torch.arange(24, dtype=torch.float32).reshape(4, 6) * (rank + 1)
@@ -208,8 +215,11 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
     group.all_reduce(ti, op="max")
     seen["strided"] = (m.tolist(), t.tolist(), same is tv, tb.float().tolist(), ti.tolist())
 
-    # corrupted data is caught and the link named (second group; it is unusable afterwards)
-    side = ProcessGroup(ShmTransport(rank, n, f"cks-{port}", timeout_s=60), transport_name="shm", timeout_s=60)
+
+def _corrupted_data(group: ProcessGroup, seen: Seen, job: str) -> None:
+    """Corrupted data is caught and the link named (on a second group, unusable afterwards)."""
+    rank, n = group.rank, group.world_size
+    side = ProcessGroup(ShmTransport(rank, n, job, timeout_s=60), transport_name="shm", timeout_s=60)
     c = np.arange(64, dtype=np.int32)
     try:
         if rank == 0:
@@ -219,19 +229,21 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
         seen["checksum"] = (type(exc).__name__, str(exc))
     side.close()
 
-    # a rank that never calls: the others time out naming it; it then learns the group failed
-    if rank != 2:
+
+def _rank_2_never_calls(group: ProcessGroup, seen: Seen, timed_out: Any) -> None:
+    """The others time out naming rank 2, then learn the group failed; a closed group says so."""
+    if group.rank != 2:
         try:
             group.all_reduce(np.zeros(8), timeout_s=1.0)
         except CollectiveTimeoutError as exc:
             seen["timeout"] = str(exc)
-        timed_out.put(rank)
+        timed_out.put(group.rank)
         try:
             group.all_reduce(np.zeros(2))
         except CollectiveError as exc:
             seen["broken"] = str(exc)
     else:
-        for _ in range(n - 1):
+        for _ in range(group.world_size - 1):
             timed_out.get(timeout=60)  # stay alive (and silent) until both others have given up
         seen["timeout"] = "rank 2 stayed away"
         seen["broken"] = "collective (not called)"
@@ -240,75 +252,77 @@ def _scenarios(rank: int, n: int, port: int, timed_out: Any) -> dict[str, Any]:
         group.all_reduce(np.zeros(2))
     except CollectiveError as exc:
         seen["closed"] = str(exc)
+
+
+def _scenarios(group: ProcessGroup, job: str, timed_out: Any) -> Seen:
+    seen: Seen = {}
+    for case in (_mismatches, _checksum_and_determinism, _async_and_callbacks, _argument_errors, _strided):
+        case(group, seen)
+    _corrupted_data(group, seen, job)
+    _rank_2_never_calls(group, seen, timed_out)
     return seen
 
 
-def _scenario_worker(rank: int, n: int, port: int, out: Any, timed_out: Any) -> None:
-    report(out, rank, lambda: _scenarios(rank, n, port, timed_out))
-
-
 @pytest.fixture(scope="module")
-def shm_scenario() -> list[dict[str, Any]]:
+def shm_scenario() -> list[Seen]:
     """What each of 3 shared-memory ranks saw in :func:`_scenarios`, by rank."""
-    results = run_ranks(3, _scenario_worker, SPAWN.Queue())
-    crashed = [seen for seen in results if not isinstance(seen, dict)]
-    assert crashed == []
-    return results
+    job = f"cks-{os.getpid()}"
+    return spawn(3, _scenarios, job, SPAWN.Queue(), init_options={"transport": "shm", "timeout_s": 60})
 
 
 @pytest.mark.slow
-def test_shm_count_mismatch_names_the_field_and_each_ranks_count(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_count_mismatch_names_the_field_and_each_ranks_count(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert "count" in seen["count_mismatch"]
         assert "rank 2: 11" in seen["count_mismatch"]
 
 
 @pytest.mark.slow
-def test_shm_mismatch_leaves_the_buffer_untouched(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_mismatch_leaves_the_buffer_untouched(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert seen["untouched"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("field", ["collective", "dtype", "op", "root", "algorithm"])
-def test_shm_mismatch_names_the_field(shm_scenario: list[dict[str, Any]], field: str) -> None:
+def test_shm_mismatch_names_the_field(shm_scenario: list[Seen], field: str) -> None:
     for seen in shm_scenario:
         assert field in seen[f"{field}_mismatch"], (field, seen)
 
 
 @pytest.mark.slow
-def test_shm_group_is_usable_after_a_mismatch(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_group_is_usable_after_a_mismatch(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert seen["after_mismatch"] == [6] * 5
 
 
 @pytest.mark.slow
-def test_shm_checksum_passes_healthy_data(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_checksum_passes_healthy_data(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert seen["checksum_ok"]
 
 
 @pytest.mark.slow
-def test_shm_deterministic_gives_the_same_bits_whatever_the_algorithm(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_deterministic_gives_the_same_bits_whatever_the_algorithm(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert seen["deterministic_same"]
     assert len({r["deterministic_digest"] for r in shm_scenario}) == 1
 
 
 @pytest.mark.slow
-def test_shm_async_collectives_complete_in_call_order(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_async_collectives_complete_in_call_order(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert seen["async"] == [3, 6, 9, 3, True, True, True]
 
 
 @pytest.mark.slow
-def test_shm_done_callbacks_run_in_order_and_survive_a_raising_one(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_done_callbacks_run_in_order_and_survive_a_raising_one(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert seen["callbacks"] == ([(0, 3), (1, 6), (2, 9)], [True], [3, 3])
 
 
 @pytest.mark.slow
-def test_shm_bad_arguments_name_the_culprit(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_bad_arguments_name_the_culprit(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         names = seen["errors"]
         assert "avg" in names[0]
@@ -322,13 +336,13 @@ def test_shm_bad_arguments_name_the_culprit(shm_scenario: list[dict[str, Any]]) 
 
 
 @pytest.mark.slow
-def test_shm_bad_arguments_consume_nothing(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_bad_arguments_consume_nothing(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert seen["after_errors"] == [3, 3, 3]
 
 
 @pytest.mark.slow
-def test_shm_strided_arrays_and_tensors_are_reduced_in_place(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_strided_arrays_and_tensors_are_reduced_in_place(shm_scenario: list[Seen]) -> None:
     for rank, seen in enumerate(shm_scenario):
         m, t, same, tb, ti = seen["strided"]
         base = np.arange(24, dtype=np.float64).reshape(4, 6)
@@ -344,7 +358,7 @@ def test_shm_strided_arrays_and_tensors_are_reduced_in_place(shm_scenario: list[
 
 
 @pytest.mark.slow
-def test_shm_corrupted_data_is_caught_naming_the_link(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_corrupted_data_is_caught_naming_the_link(shm_scenario: list[Seen]) -> None:
     for rank, seen in enumerate(shm_scenario):
         kind, message = seen["checksum"]
         assert kind == "ChecksumError", message
@@ -354,19 +368,19 @@ def test_shm_corrupted_data_is_caught_naming_the_link(shm_scenario: list[dict[st
 
 
 @pytest.mark.slow
-def test_shm_timeout_names_the_rank_that_never_called(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_timeout_names_the_rank_that_never_called(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert "rank 2" in seen["timeout"]
 
 
 @pytest.mark.slow
-def test_shm_group_is_unusable_after_a_timeout(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_group_is_unusable_after_a_timeout(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert "collective" in seen["broken"]
 
 
 @pytest.mark.slow
-def test_shm_closed_group_says_it_is_closed(shm_scenario: list[dict[str, Any]]) -> None:
+def test_shm_closed_group_says_it_is_closed(shm_scenario: list[Seen]) -> None:
     for seen in shm_scenario:
         assert "closed" in seen["closed"]
 

@@ -13,7 +13,7 @@ import pytest
 
 from allreduce.runtime.tcp._listener import REFUSALS_SHOWN
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 STRANGERS = 500
 
 HOST = """

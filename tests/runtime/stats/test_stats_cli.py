@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.serial  # an injected straggler
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 
 JOB = """
 import numpy as np, allreduce

@@ -19,7 +19,7 @@ from allreduce.runtime.stats import check_trace_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("stop_signals_not_ignored")]
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 RANKS = 3
 WAIT_S = 120.0
 
