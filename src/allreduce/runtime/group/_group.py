@@ -168,6 +168,11 @@ class ProcessGroup:
         self._store = store
         self._lineage = lineage  # how to shrink it (groups from init() only)
         self._grow_calls = 0  # grow() calls on this group: the members count them alike
+        self.last_agreed_call: int = -1
+        """After :meth:`shrink`: the old group's last call (numbered from 0) that every survivor completed."""
+        self.ahead_ranks: tuple[int, ...] = ()
+        """After :meth:`shrink`: the ranks (new numbers) that completed the old group's call ``last_agreed_call + 1``,
+        which the others raised in; empty when every survivor raised in the same call (docs/elastic.md)."""
         rule = rule_from_env(os.environ.get(REPLAN_ENV))
         self._replanning = (
             None
@@ -219,13 +224,17 @@ class ProcessGroup:
 
     def shrink(self, *, timeout_s: float | None = None) -> ProcessGroup:
         """The survivors of a failure as a new group, renumbered 0..k-1 in their old order; this one is closed.
-        Every survivor calls it (in ``except CollectiveError``), then re-runs the failed collective on the new group.
-        Raises :class:`ShrinkError` on every survivor when none can be formed (docs/reliability.md)."""
+        Every survivor calls it (in ``except CollectiveError``). The survivors also agree on the last collective all
+        of them completed (:attr:`last_agreed_call`): when the death split them by one call, the new group's
+        :attr:`ahead_ranks` completed the call the others raised in, and the others take its result from
+        ``ahead_ranks[0]`` (a broadcast on the new group) before every survivor re-runs the call the ahead ranks
+        failed; otherwise every survivor re-runs the one it failed. Raises :class:`ShrinkError` on every survivor
+        when none can be formed (docs/reliability.md)."""
         if self._lineage is None or self._store is None:
             raise RuntimeError(f"rank {self.rank}: only groups made by allreduce.init() can shrink (through the store)")
         store, self._store = self._store, None  # the new group's from now on
         wait_s = self.timeout_s if timeout_s is None else timeout_s
-        parts = shrink(store, self._lineage, timeout_s=wait_s, close=self.close)
+        parts = shrink(store, self._lineage, timeout_s=wait_s, close=self.close, completed=self._pipeline.completed)
         return self._successor(parts)
 
     def grow(self, *, timeout_s: float | None = None) -> ProcessGroup:
@@ -246,10 +255,17 @@ class ProcessGroup:
         self.close()
 
     def _successor(self, parts: Shrunk) -> ProcessGroup:
-        return ProcessGroup(
+        group = ProcessGroup(
             parts.transport, transport_name=self.transport_name, timeout_s=self.timeout_s,
             cost_model=parts.cost_model, group_size=parts.group_size, store=parts.store, lineage=parts.lineage,
         )  # fmt: skip
+        group.last_agreed_call, group.ahead_ranks = parts.last_agreed_call, parts.ahead
+        return group
+
+    @property
+    def completed_calls(self) -> int:
+        """How many collectives (the barrier included) completed on this rank: the k-th call is number k - 1."""
+        return self._pipeline.completed
 
     def close(self) -> None:
         """Finish pending asynchronous collectives, then release the transport and the store."""
