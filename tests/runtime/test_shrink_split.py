@@ -3,23 +3,19 @@ that already hold the call's whole result finish it, the others raise in it. shr
 survivor completed and names the ranks ahead (``ahead_ranks``); the others take the call's result from them and
 every survivor goes on from the same call, with exact sums, over shm and tcp.
 
-The victim dies by its own SIGKILL at the start of a chosen step of the plan (a test injection counting the steps
-its transport runs), so where the survivors stand when it dies is fixed by the schedule, not by a timer: in a ring
-of 4, rank 3's successor (rank 0) waits for rank 3 at every step, and rank r + 1 waits for rank r's next step.
+The victim dies by its own SIGKILL at the start of a chosen step of the plan (``ALLREDUCE_INJECT=kill:...``), so
+where the survivors stand when it dies is fixed by the schedule, not by a timer: in a ring of 4, rank 3's successor
+(rank 0) waits for rank 3 at every step, and rank r + 1 waits for rank r's next step.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import signal
 from typing import Any
 
 import numpy as np
 import pytest
 
 from allreduce.runtime import CollectiveError, spawn_elastic
-from allreduce.runtime.transport._inject import Injection
 
 WORLD = 4
 VICTIM = 3
@@ -28,25 +24,12 @@ CALLS = 6
 SPLIT_CALL = 2
 
 
-@dataclasses.dataclass(frozen=True)
-class _DieAtStep(Injection):
-    """SIGKILL this process before the ``step``-th step (from 0) its transport runs from now on."""
-
-    step: int = 0
-    taken: list[int] = dataclasses.field(default_factory=lambda: [0])
-
-    def hold_step(self) -> None:
-        if self.taken[0] == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.taken[0] += 1
-
-
 def _contribution(rank: int, call: int) -> float:
     return float((rank + 1) * (call + 1))
 
 
-def _ring_through_a_death(transport: str, die_at_step: int) -> dict[str, Any]:
-    """All-reduce CALLS times (ring); the victim dies at step ``die_at_step`` of call SPLIT_CALL. A survivor that
+def _ring_through_a_death(transport: str) -> dict[str, Any]:
+    """All-reduce CALLS times (ring); the victim dies in call SPLIT_CALL (``ALLREDUCE_INJECT``). A survivor that
     raises shrinks, takes the split call's result from the first rank ahead if the survivors split, and goes on from
     the call after the last one every survivor holds."""
     import allreduce
@@ -58,9 +41,6 @@ def _ring_through_a_death(transport: str, die_at_step: int) -> dict[str, Any]:
     try:
         call = 0
         while call < CALLS:
-            if me == VICTIM and call == 1:
-                # from here its transport counts steps: call 1's, then call 2's up to the one it dies at
-                group.transport.injection = _DieAtStep(step=RING_STEPS + die_at_step)
             x = np.full(1 << 14, _contribution(me, call), np.float32)
             try:
                 group.all_reduce(x, algorithm="ring")
@@ -68,6 +48,7 @@ def _ring_through_a_death(transport: str, die_at_step: int) -> dict[str, Any]:
                 report["raised_in"] = call
                 group = group.shrink()
                 report["ahead"] = group.ahead_ranks
+                report["last_agreed"] = group.last_agreed_call
                 if group.ahead_ranks:
                     split = call - 1 if group.rank in group.ahead_ranks else call
                     kept = np.array([results.get(split, np.nan)])
@@ -84,7 +65,10 @@ def _ring_through_a_death(transport: str, die_at_step: int) -> dict[str, Any]:
 
 
 def _survivors(transport: str, die_at_step: int) -> dict[int, dict[str, Any]]:
-    outcome = spawn_elastic(WORLD, _ring_through_a_death, transport, die_at_step, min_ranks=WORLD - 1, timeout_s=120)
+    kill = f"kill:rank={VICTIM}:call={SPLIT_CALL}:step={die_at_step}"
+    outcome = spawn_elastic(
+        WORLD, _ring_through_a_death, transport, min_ranks=WORLD - 1, env={"ALLREDUCE_INJECT": kill}, timeout_s=120
+    )
     assert [(d.rank, d.how) for d in outcome.departures] == [(VICTIM, "was killed by SIGKILL")]
     assert sorted(outcome.results) == [0, 1, 2]
     return outcome.results
@@ -116,6 +100,7 @@ def test_a_death_in_the_rings_last_steps_splits_the_survivors_and_every_one_goes
     raised_in = {r: SPLIT_CALL + 1 if r in ahead else SPLIT_CALL for r in range(WORLD - 1)}
     assert {r: rep["raised_in"] for r, rep in reports.items()} == raised_in
     assert {rep["ahead"] for rep in reports.values()} == {ahead}
+    assert {rep["last_agreed"] for rep in reports.values()} == {SPLIT_CALL - 1}
     assert {rep["resumed_at"] for rep in reports.values()} == {SPLIT_CALL + 1}
     for report in reports.values():
         assert report["results"] == _exact_sums()  # the split call's whole sum, taken from the ranks ahead
@@ -128,6 +113,7 @@ def test_a_death_before_the_victim_sends_anything_fails_the_call_everywhere(tran
     reports = _survivors(transport, die_at_step=0)
     assert {rep["raised_in"] for rep in reports.values()} == {SPLIT_CALL}
     assert {rep["ahead"] for rep in reports.values()} == {()}
+    assert {rep["last_agreed"] for rep in reports.values()} == {SPLIT_CALL - 1}
     assert {rep["resumed_at"] for rep in reports.values()} == {SPLIT_CALL}
     expected = _exact_sums()
     expected[SPLIT_CALL] -= _contribution(VICTIM, SPLIT_CALL)  # re-run on the three survivors
