@@ -24,7 +24,7 @@ STEPS = 8
 KILL_AT = 3
 
 
-def _train(victim: int, files: dict[str, str], kill_at: int, mid_call: bool) -> dict[str, Any]:
+def _train(victim: int, files: dict[str, str], kill_at: int, mid_call: bool, transport: str) -> dict[str, Any]:
     """Train STEPS steps of GLOBAL_BATCH samples; ``victim`` SIGKILLs itself before step ``kill_at`` (``mid_call``:
     at the start of the last step of the ring all-reduce of step ``kill_at``'s last bucket). Rank 0 saves the state
     it starts step KILL_AT with to ``files["checkpoint"]``; with ``files["resume"]`` every rank starts there from
@@ -38,7 +38,7 @@ def _train(victim: int, files: dict[str, str], kill_at: int, mid_call: bool) -> 
     from allreduce.train._digits import load_digits, make_mlp
 
     torch.set_num_threads(1)
-    group = allreduce.init(transport="shm", timeout_s=60)
+    group = allreduce.init(transport=transport, timeout_s=60)
     data = load_digits(seed=0)
     net = make_mlp((32,), seed=rank)
     state = torch.load(resume) if resume else None
@@ -90,12 +90,13 @@ def _train(victim: int, files: dict[str, str], kill_at: int, mid_call: bool) -> 
 
 
 def _run(
-    world_size: int, victim: int, kill_at: int = KILL_AT, *, mid_call: bool = False, **files: str
-) -> tuple[list[dict[str, Any]], list[Departure]]:
+    world_size: int, victim: int, kill_at: int = KILL_AT, *, mid_call: bool = False, transport: str = "shm",
+    **files: str,
+) -> tuple[list[dict[str, Any]], list[Departure]]:  # fmt: skip
     """Run :func:`_train` on ``world_size`` ranks: the reports of those that finish, and the rank that died."""
     dies = 0 <= victim < world_size
     outcome = spawn_elastic(
-        world_size, _train, victim, files, kill_at, mid_call, min_ranks=world_size - dies, timeout_s=240
+        world_size, _train, victim, files, kill_at, mid_call, transport, min_ranks=world_size - dies, timeout_s=240
     )
     return list(outcome.results.values()), outcome.departures
 
@@ -196,13 +197,16 @@ def test_a_restarted_rank_rejoins_training_with_the_model_and_optimizer_state_of
 
 
 @pytest.mark.slow
-def test_a_death_that_splits_the_survivors_by_one_call_leaves_them_where_a_death_after_that_step_does() -> None:
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_death_that_splits_the_survivors_by_one_call_leaves_them_where_a_death_after_that_step_does(
+    transport: str,
+) -> None:
     """Rank 3 dies at the last ring step of step KILL_AT's last bucket: rank 1 finishes that step (and applies it),
-    rank 0 raises in it (rank 2 finished it with these buckets over shm; with 64 KiB calls it raised). After the
+    rank 0 raises in it (rank 2 finished it with these buckets over shm, where with 64 KiB calls it raised). After the
     shrink they take rank 1's parameters, optimizer state and step, and all three end bit for bit where the
     survivors of a death before step KILL_AT + 1 end."""
-    split, _ = _run(4, 3, KILL_AT, mid_call=True)
-    after, _ = _run(4, 3, KILL_AT + 1)
+    split, _ = _run(4, 3, KILL_AT, mid_call=True, transport=transport)
+    after, _ = _run(4, 3, KILL_AT + 1, transport=transport)
     errors = {r["rank"]: r["errors"] for r in split}
     assert errors[0] == [(KILL_AT, "PeerFailureError", 3)]  # the victim's successor waits on it at that step
     assert errors[1] == [(KILL_AT + 1, "PeerFailureError", 3)]  # it had all it needed from ranks 0 and 2
