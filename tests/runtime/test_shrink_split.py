@@ -28,10 +28,11 @@ def _contribution(rank: int, call: int) -> float:
     return float((rank + 1) * (call + 1))
 
 
-def _ring_through_a_death(transport: str) -> dict[str, Any]:
+def _ring_through_a_death(transport: str, follow_the_rule: bool) -> dict[str, Any]:
     """All-reduce CALLS times (ring); the victim dies in call SPLIT_CALL (``ALLREDUCE_INJECT``). A survivor that
     raises shrinks, takes the split call's result from the first rank ahead if the survivors split, and goes on from
-    the call after the last one every survivor holds."""
+    the call after the last one every survivor holds (unless not ``follow_the_rule``: then it re-runs the call it
+    failed)."""
     import allreduce
 
     group = allreduce.init(transport=transport, timeout_s=60)
@@ -49,7 +50,7 @@ def _ring_through_a_death(transport: str) -> dict[str, Any]:
                 group = group.shrink()
                 report["ahead"] = group.ahead_ranks
                 report["last_agreed"] = group.last_agreed_call
-                if group.ahead_ranks:
+                if group.ahead_ranks and follow_the_rule:
                     split = call - 1 if group.rank in group.ahead_ranks else call
                     kept = np.array([results.get(split, np.nan)])
                     group.broadcast(kept, root=group.ahead_ranks[0])
@@ -59,16 +60,19 @@ def _ring_through_a_death(transport: str) -> dict[str, Any]:
                 continue
             results[call] = float(x[0])
             call += 1
+    except RuntimeError as exc:
+        report["refused"] = str(exc)
     finally:
         group.close()
     return report
 
 
-def _survivors(transport: str, die_at_step: int) -> dict[int, dict[str, Any]]:
+def _survivors(transport: str, die_at_step: int, *, follow_the_rule: bool = True) -> dict[int, dict[str, Any]]:
     kill = f"kill:rank={VICTIM}:call={SPLIT_CALL}:step={die_at_step}"
     outcome = spawn_elastic(
-        WORLD, _ring_through_a_death, transport, min_ranks=WORLD - 1, env={"ALLREDUCE_INJECT": kill}, timeout_s=120
-    )
+        WORLD, _ring_through_a_death, transport, follow_the_rule, min_ranks=WORLD - 1,
+        env={"ALLREDUCE_INJECT": kill}, timeout_s=120,
+    )  # fmt: skip
     assert [(d.rank, d.how) for d in outcome.departures] == [(VICTIM, "was killed by SIGKILL")]
     assert sorted(outcome.results) == [0, 1, 2]
     return outcome.results
@@ -119,3 +123,15 @@ def test_a_death_before_the_victim_sends_anything_fails_the_call_everywhere(tran
     expected[SPLIT_CALL] -= _contribution(VICTIM, SPLIT_CALL)  # re-run on the three survivors
     for report in reports.values():
         assert report["results"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_survivors_that_re_run_their_own_failed_calls_after_a_split_are_refused_on_every_rank() -> None:
+    """Rank 0 would re-run call 2 while ranks 1 and 2 re-run call 3, of the same size: a sum of different calls.
+    The group refuses any first collective but the broadcast from the first rank ahead, naming it."""
+    reports = _survivors("tcp", RING_STEPS - 1, follow_the_rule=False)
+    for report in reports.values():
+        assert "split by one call" in report["refused"]
+        assert "broadcast(x, root=1)" in report["refused"]
+        assert set(report["results"]) == set(range(report["raised_in"]))  # nothing summed on the shrunk group

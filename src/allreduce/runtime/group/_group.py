@@ -40,7 +40,6 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._args import integer_arg, rank_arg
-from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._store_api import Store
 from allreduce.runtime.elastic._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime.elastic._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
@@ -173,6 +172,7 @@ class ProcessGroup:
         self.ahead_ranks: tuple[int, ...] = ()
         """After :meth:`shrink`: the ranks (new numbers) that completed the old group's call ``last_agreed_call + 1``,
         which the others raised in; empty when every survivor raised in the same call (docs/elastic.md)."""
+        self._split_root: int | None = None  # while set, the first collective must be a broadcast from it
         rule = rule_from_env(os.environ.get(REPLAN_ENV))
         self._replanning = (
             None
@@ -260,7 +260,25 @@ class ProcessGroup:
             cost_model=parts.cost_model, group_size=parts.group_size, store=parts.store, lineage=parts.lineage,
         )  # fmt: skip
         group.last_agreed_call, group.ahead_ranks = parts.last_agreed_call, parts.ahead
+        if parts.ahead:
+            group._split_root = parts.ahead[0]
         return group
+
+    def _check_split(self, collective: Collective | None, root: int) -> None:
+        """After a shrink that split the survivors by one call, the first collective must take the split call's
+        result from the first rank ahead: a caller that re-runs its own failed call instead would pair the call the
+        others failed with the one after it, and the sums would agree in size, not in meaning."""
+        if collective is Collective.BROADCAST and root == self._split_root:
+            self._split_root = None
+            return
+        what = collective.value if collective is not None else "barrier"
+        raise RuntimeError(
+            f"rank {self.rank}: {what}() on a group whose survivors split by one call: ranks "
+            f"{', '.join(map(str, self.ahead_ranks))} completed the old group's call {self.last_agreed_call + 1}, "
+            f"which the others raised in; first broadcast its result from rank {self._split_root} "
+            f"(broadcast(x, root={self._split_root}) on every rank), then re-run the call the ranks ahead failed "
+            "(docs/elastic.md)"
+        )
 
     @property
     def completed_calls(self) -> int:
@@ -333,6 +351,7 @@ class ProcessGroup:
             and not async_op
             and algorithm.__class__ is str
             and algorithm == "auto"
+            and self._split_root is None
             and self._pipeline.plain(x, op)
         ):
             return x
@@ -441,6 +460,8 @@ class ProcessGroup:
 
     def barrier(self, *, timeout_s: float | None = None, tag: str | None = None) -> None:
         """Return once every rank has entered the barrier."""
+        if self._split_root is not None:
+            self._check_split(None, 0)
         self._pipeline.collective(None, None, None, "auto", 0, False, Options(timeout_s=timeout_s, tag=tag))
 
     def _collective(  # noqa: PLR0917 (the public methods' arguments, in their order)
@@ -448,6 +469,8 @@ class ProcessGroup:
         options: Mapping[str, Any],
     ) -> Any:  # fmt: skip
         checked = check_options(collective, options) if options else _DEFAULTS
+        if self._split_root is not None:
+            self._check_split(collective, root)
         return self._pipeline.collective(collective, x, op, algorithm, root, async_op, checked)
 
     # ----------------------------------------------------------------------------------------------------
@@ -536,7 +559,7 @@ class ProcessGroup:
                     print(table, file=sys.stderr, flush=True)
             if trace := os.environ.get(TRACE_ENV):
                 write_trace(trace, self._transport.recorder, self)
-        except (CollectiveError, OSError, ValueError) as exc:
+        except (RuntimeError, OSError, ValueError) as exc:  # a CollectiveError, or a split not taken yet
             print(f"[allreduce rank {self.rank}] no stats or trace at close: {exc}", file=sys.stderr, flush=True)
 
     def choose_algorithm(
