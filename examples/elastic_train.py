@@ -78,10 +78,12 @@ def main() -> None:
             loss.backward()
         except allreduce.CollectiveError as exc:
             group = group.shrink()
-            model.regroup(group)
+            model.regroup(group)  # after a split by one call: the parameters of the first rank ahead
+            if group.ahead_ranks:  # which may have finished this step: its optimizer state and step
+                step = sync_state(group, model, optimizer, {"step": step})["step"]
             shrunk_at = time.monotonic()
             print(f"step {step}: {type(exc).__name__} naming rank {exc.peer}; shrank to {group.world_size}")
-            continue  # the same step again, on the survivors
+            continue  # the step the survivors did not all finish, again on the survivors
         optimizer.step()
         step += 1
     digest = hashlib.sha256()

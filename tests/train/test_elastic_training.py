@@ -24,30 +24,36 @@ STEPS = 8
 KILL_AT = 3
 
 
-def _train(victim: int, files: dict[str, str]) -> dict[str, Any]:
-    """Train STEPS steps of GLOBAL_BATCH samples; ``victim`` SIGKILLs itself before step KILL_AT. Rank 0 saves the
-    state it starts step KILL_AT with to ``files["checkpoint"]``; with ``files["resume"]`` every rank starts there
-    from that state."""
+def _train(victim: int, files: dict[str, str], kill_at: int, mid_call: bool, transport: str) -> dict[str, Any]:
+    """Train STEPS steps of GLOBAL_BATCH samples; ``victim`` SIGKILLs itself before step ``kill_at`` (``mid_call``:
+    at the start of the last step of the ring all-reduce of step ``kill_at``'s last bucket). Rank 0 saves the state
+    it starts step KILL_AT with to ``files["checkpoint"]``; with ``files["resume"]`` every rank starts there from
+    that state."""
     rank = int(os.environ["RANK"])
     checkpoint, resume = files.get("checkpoint"), files.get("resume")
     import allreduce
     import torch
-    from allreduce.train import DataParallel
+    from allreduce.runtime.transport._inject import parse_injection
+    from allreduce.train import DataParallel, sync_state
     from allreduce.train._digits import load_digits, make_mlp
 
     torch.set_num_threads(1)
-    group = allreduce.init(transport="shm", timeout_s=60)
+    group = allreduce.init(transport=transport, timeout_s=60)
     data = load_digits(seed=0)
     net = make_mlp((32,), seed=rank)
     state = torch.load(resume) if resume else None
     if state is not None:
         net.load_state_dict(state["model"])
-    model = DataParallel(net, group, bucket_size_mb=0.01)
+    model = DataParallel(net, group, bucket_size_mb=0.01, algorithm="ring")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     loss_fn = torch.nn.CrossEntropyLoss()
     report: dict[str, Any] = {"rank": rank, "errors": [], "losses": []}
+    if mid_call and rank == victim:  # counted from here: one all-reduce per bucket and step, 2(N-1) ring steps each
+        last_bucket = (kill_at + 1) * model.num_buckets - 1
+        spec = f"kill:rank={rank}:call={last_bucket}:step={2 * (group.world_size - 1) - 1}"
+        group.transport.injection = parse_injection(spec, rank, group.world_size)
     step = KILL_AT if resume else 0
     while step < STEPS:
         if step == KILL_AT and rank == 0 and checkpoint and not report["errors"]:
@@ -55,7 +61,7 @@ def _train(victim: int, files: dict[str, str]) -> dict[str, Any]:
         per_rank = GLOBAL_BATCH // group.world_size  # the global batch is kept: each survivor takes more
         start = step * GLOBAL_BATCH + group.rank * per_rank
         idx = torch.arange(start, start + per_rank) % len(data.train_y)
-        if step == KILL_AT and rank == victim:
+        if step == kill_at and rank == victim and not mid_call:
             os.kill(os.getpid(), signal.SIGKILL)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(data.train_x[idx]), data.train_y[idx])
@@ -64,8 +70,13 @@ def _train(victim: int, files: dict[str, str]) -> dict[str, Any]:
         except allreduce.CollectiveError as exc:
             report["errors"].append((step, type(exc).__name__, exc.peer))
             group = group.shrink()
-            model.regroup(group)
-            continue  # the same step again, on the survivors
+            model.regroup(group)  # after a split by one call: the parameters of the first rank ahead
+            if group.ahead_ranks:  # which may have finished this step: then so has this rank, with its update
+                finished = sync_state(group, model, optimizer, {"step": step})["step"]
+                if finished != step:
+                    report["losses"].append(float(loss.item()))
+                    step = finished
+            continue  # the step the ranks ahead failed, or this one, again on the survivors
         optimizer.step()
         report["losses"].append(float(loss.item()))
         step += 1
@@ -78,10 +89,15 @@ def _train(victim: int, files: dict[str, str]) -> dict[str, Any]:
     return report
 
 
-def _run(world_size: int, victim: int, **files: str) -> tuple[list[dict[str, Any]], list[Departure]]:
+def _run(
+    world_size: int, victim: int, kill_at: int = KILL_AT, *, mid_call: bool = False, transport: str = "shm",
+    **files: str,
+) -> tuple[list[dict[str, Any]], list[Departure]]:  # fmt: skip
     """Run :func:`_train` on ``world_size`` ranks: the reports of those that finish, and the rank that died."""
     dies = 0 <= victim < world_size
-    outcome = spawn_elastic(world_size, _train, victim, files, min_ranks=world_size - dies, timeout_s=240)
+    outcome = spawn_elastic(
+        world_size, _train, victim, files, kill_at, mid_call, transport, min_ranks=world_size - dies, timeout_s=240
+    )
     return list(outcome.results.values()), outcome.departures
 
 
@@ -178,3 +194,23 @@ def test_a_restarted_rank_rejoins_training_with_the_model_and_optimizer_state_of
         assert r["sizes"] == [4] * KILL_AT + [3] * (REJOIN_AT - KILL_AT) + [4] * (STEPS - REJOIN_AT)
     assert next(r for r in reports if r["joined"])["sizes"] == [4] * (STEPS - REJOIN_AT)
     assert len({r["state"] for r in reports}) == 1  # parameters and optimizer state, bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_death_that_splits_the_survivors_by_one_call_leaves_them_where_a_death_after_that_step_does(
+    transport: str,
+) -> None:
+    """Rank 3 dies at the last ring step of step KILL_AT's last bucket: rank 1 finishes that step (and applies it),
+    rank 0 raises in it (rank 2 finished it with these buckets over shm, where with 64 KiB calls it raised). After the
+    shrink they take rank 1's parameters, optimizer state and step, and all three end bit for bit where the
+    survivors of a death before step KILL_AT + 1 end."""
+    split, _ = _run(4, 3, KILL_AT, mid_call=True, transport=transport)
+    after, _ = _run(4, 3, KILL_AT + 1, transport=transport)
+    errors = {r["rank"]: r["errors"] for r in split}
+    assert errors[0] == [(KILL_AT, "PeerFailureError", 3)]  # the victim's successor waits on it at that step
+    assert errors[1] == [(KILL_AT + 1, "PeerFailureError", 3)]  # it had all it needed from ranks 0 and 2
+    assert errors[2] in ([(KILL_AT, "PeerFailureError", 3)], [(KILL_AT + 1, "PeerFailureError", 3)])
+    assert all(len(r["losses"]) == STEPS for r in split)
+    assert {r["params"] for r in split} == {r["params"] for r in after}
+    assert len({r["params"] for r in after}) == 1

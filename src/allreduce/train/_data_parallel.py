@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import torch
+from allreduce.train._elastic import state_source
 from torch import nn
 
 __all__ = ["DataParallel", "SyncStats", "bucket_layout"]
@@ -117,11 +118,11 @@ def _bucket_tensor(group: CollectiveGroup, count: int, dtype: torch.dtype) -> to
     return torch.zeros(count, dtype=dtype)
 
 
-def _broadcast_module(module: nn.Module, group: CollectiveGroup) -> None:
-    """Rank 0's parameters and buffers on every rank."""
+def _broadcast_module(module: nn.Module, group: CollectiveGroup, root: int = 0) -> None:
+    """The root's parameters and buffers on every rank."""
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            group.broadcast(tensor.data, 0)
+            group.broadcast(tensor.data, root)
 
 
 class DataParallel(nn.Module):
@@ -211,11 +212,15 @@ class DataParallel(nn.Module):
         Parameters and optimizer state are untouched: the survivors' are identical already (replicas). Run the
         failed step again on the new group, with the data re-sharded over its ranks.
 
+        When the death split the survivors by one call (``group.ahead_ranks``), the ranks ahead may have finished
+        the step the others failed and applied its update: the parameters and buffers of the first of them are
+        broadcast, and :func:`allreduce.train.sync_state` then gives every rank its optimizer state and step.
+
         ``joined=True`` after ``old_group.grow()`` admitted new ranks: rank 0's parameters and buffers are broadcast
         as the joiners' own ``DataParallel(module, group)`` does (every rank must take part); then
         :func:`allreduce.train.sync_state` for the optimizer."""
-        if joined:
-            _broadcast_module(self.module, group)
+        if joined or bool(getattr(group, "ahead_ranks", None)):
+            _broadcast_module(self.module, group, state_source(group))
         self.group = group
         self._active = False
         self._launched = 0

@@ -1,5 +1,6 @@
 """The state a rank that joins a running data-parallel job needs besides the model: the optimizer's and the
-loop's (which step it is), broadcast from rank 0 without pickling anything.
+loop's (which step it is), broadcast from rank 0 without pickling anything; after a shrink that split the survivors
+by one call, the same from the first rank ahead, which finished the step the others failed.
 
 Rank 0 describes its optimizer state (per parameter: each entry's name, and for a tensor its shape and dtype, for a
 number its value) and the loop's ``extra`` as JSON, bounded in size; every rank reads the description, gives its
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["MAX_STATE_DESCRIPTION_BYTES", "sync_state"]
+__all__ = ["MAX_STATE_DESCRIPTION_BYTES", "state_source", "sync_state"]
 
 MAX_STATE_DESCRIPTION_BYTES = 16 << 20
 """The most JSON a state description may take (a few hundred bytes per parameter)."""
@@ -38,36 +39,45 @@ def _describe(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], extr
     return json.dumps({"state": state, "extra": extra}).encode()
 
 
-def _broadcast_bytes(group: Any, data: bytes) -> bytes:
-    """Rank 0's ``data`` on every rank (other ranks pass anything)."""
+def _broadcast_bytes(group: Any, data: bytes, root: int) -> bytes:
+    """The root's ``data`` on every rank (other ranks pass anything)."""
     size = np.array([len(data)], dtype=np.int64)
-    group.broadcast(size, 0)
+    group.broadcast(size, root)
     n = int(size[0])
     if not 0 <= n <= MAX_STATE_DESCRIPTION_BYTES:
-        raise ValueError(f"rank {group.rank}: rank 0's state description is {n} bytes (at most "
+        raise ValueError(f"rank {group.rank}: rank {root}'s state description is {n} bytes (at most "
                          f"{MAX_STATE_DESCRIPTION_BYTES})")  # fmt: skip
     buffer = np.zeros(n, dtype=np.uint8)
-    if group.rank == 0:
+    if group.rank == root:
         buffer[:] = np.frombuffer(data, dtype=np.uint8)
-    group.broadcast(buffer, 0)
+    group.broadcast(buffer, root)
     return buffer.tobytes()
+
+
+def state_source(group: Any) -> int:
+    """The rank whose state the others take: the first of ``group.ahead_ranks`` after a shrink that split the
+    survivors by one call (they completed the call the others raised in), else rank 0."""
+    ahead = getattr(group, "ahead_ranks", ())
+    return int(ahead[0]) if ahead else 0
 
 
 def sync_state(
     group: Any, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Give every rank rank 0's optimizer state and return rank 0's ``extra`` (JSON-serialisable: the step, the
-    epoch): called by every rank of a group that ``grow()`` just made, after ``model.regroup(group, joined=True)``
-    on the members and ``DataParallel(module, group)`` on the joiners."""
+    """Give every rank the optimizer state of :func:`state_source` (rank 0, or the first rank ahead after a split
+    shrink) and return its ``extra`` (JSON-serialisable: the step, the epoch): called by every rank of a group that
+    ``grow()`` just made, after ``model.regroup(group, joined=True)`` on the members and ``DataParallel(module,
+    group)`` on the joiners, or of one that ``shrink()`` made with ``ahead_ranks``, after ``model.regroup(group)``."""
+    source = state_source(group)
     params = [p for p in model.parameters() if p.requires_grad]
-    mine = _describe(optimizer, params, extra or {}) if group.rank == 0 else b""
+    mine = _describe(optimizer, params, extra or {}) if group.rank == source else b""
     try:
-        described = json.loads(_broadcast_bytes(group, mine))
+        described = json.loads(_broadcast_bytes(group, mine, source))
         state, theirs = described["state"], described["extra"]
         if len(state) != len(params):
-            raise ValueError(f"rank 0 has state for {len(state)} parameters, this rank's model has {len(params)}")
+            raise ValueError(f"rank {source} has state for {len(state)} parameters, this rank's has {len(params)}")
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(f"rank {group.rank}: rank 0's state description is malformed: {exc}") from None
+        raise ValueError(f"rank {group.rank}: rank {source}'s state description is malformed: {exc}") from None
     for p, entries in zip(params, state, strict=True):
         slot = optimizer.state[p]
         for key, entry in entries.items():  # in rank 0's order, which the optimizer may rely on
@@ -76,8 +86,8 @@ def sync_state(
                 continue
             dtype = getattr(torch, str(entry["dtype"]), None)
             if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"rank {group.rank}: rank 0's state names dtype {str(entry['dtype'])[:20]!r}")
+                raise ValueError(f"rank {group.rank}: rank {source}'s state names dtype {str(entry['dtype'])[:20]!r}")
             if not isinstance(slot.get(key), torch.Tensor) or list(slot[key].shape) != entry["shape"]:
                 slot[key] = torch.zeros(entry["shape"], dtype=dtype)
-            group.broadcast(slot[key].data, 0)
+            group.broadcast(slot[key].data, source)
     return dict(theirs)

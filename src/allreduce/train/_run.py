@@ -189,6 +189,7 @@ def train_rank(config: TrainConfig) -> _RankRecord:
     from allreduce.runtime import CollectiveError
     from allreduce.train._data_parallel import DataParallel
     from allreduce.train._digits import epoch_permutation, global_batch_shard, load_digits, make_mlp
+    from allreduce.train._elastic import sync_state
     from torch import nn
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -238,7 +239,10 @@ def train_rank(config: TrainConfig) -> _RankRecord:
                         raise
                     failed_at = time.monotonic()
                     group = group.shrink()
-                    model.regroup(group)
+                    model.regroup(group)  # after a split by one call: the parameters of the first rank ahead
+                    resumes_at = global_step
+                    if group.ahead_ranks:  # which may have finished this step: its optimizer state and step
+                        resumes_at = int(sync_state(group, model, optimizer, {"step": global_step})["step"])
                     shrinks.append(
                         _Shrink(
                             step=global_step,
@@ -251,17 +255,21 @@ def train_rank(config: TrainConfig) -> _RankRecord:
                             shard=0,
                         )
                     )
-                    continue  # the same step again, on the survivors
-                optimizer.step()
+                    if resumes_at == global_step:
+                        continue  # the same step again, on the survivors
+                    # the ranks ahead finished this step with every rank's gradients; this rank now holds its update
+                    assert resumes_at == global_step + 1, (resumes_at, global_step)
+                else:
+                    optimizer.step()
+                    if shrinks and math.isnan(shrinks[-1].resumed_at):  # the step re-run after a shrink is done
+                        shrinks[-1] = dataclasses.replace(shrinks[-1], resumed_at=time.monotonic(), shard=len(idx))
                 step_s = time.perf_counter() - t0
-                if shrinks and math.isnan(shrinks[-1].resumed_at):  # the step re-run after a shrink is done
-                    shrinks[-1] = dataclasses.replace(shrinks[-1], resumed_at=time.monotonic(), shard=len(idx))
-                stats = model.last_sync
-                assert stats is not None
+                stats = model.last_sync  # None for a step taken from the ranks ahead: its communication not timed
+                comm_s, exposed_s = (stats.comm_s, stats.exposed_comm_s) if stats is not None else (0.0, 0.0)
                 records["step"][-1].append(step_s)
-                records["compute"][-1].append(step_s - stats.exposed_comm_s)
-                records["comm"][-1].append(stats.comm_s)
-                records["exposed"][-1].append(stats.exposed_comm_s)
+                records["compute"][-1].append(step_s - exposed_s)
+                records["comm"][-1].append(comm_s)
+                records["exposed"][-1].append(exposed_s)
                 records["loss"][-1].append(float(loss.item()))
                 step += 1
             model.eval()

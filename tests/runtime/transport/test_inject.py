@@ -37,6 +37,8 @@ from allreduce.runtime.transport._inject import (
         ("pace:link=1->0:rate=1e-300B/s", "rate", "1000 B/s"),
         ("delay:rank=²:1ms", "rank", "at most 18 digits"),
         ("delay:rank=1:seed=1" + "0" * 5000 + ":1ms", "seed", "at most 18 digits"),
+        ("kill:rank=0:call=-1:step=0", "call", "non-negative integer"),
+        ("kill:rank=0:call=1", "step", "missing"),
     ],
 )
 def test_a_value_out_of_bounds_is_refused_naming_the_variable_field_and_limit(
@@ -48,6 +50,13 @@ def test_a_value_out_of_bounds_is_refused_naming_the_variable_field_and_limit(
     assert message.startswith(ENV_VAR), message
     assert field in message, message
     assert limit in message, message
+
+
+def test_a_kill_names_the_call_and_step_of_its_rank_only() -> None:
+    spec = "kill:rank=3:call=2:step=5"
+    assert parse_injection(spec, 3, 4).kill_at == (2, 5)
+    assert injection_from_env({ENV_VAR: spec}, 1, 4) is None  # nothing to inject on another rank
+    assert injection_from_env({ENV_VAR: spec}, 0, 3) is None  # a group shrunk past rank 3
 
 
 @pytest.mark.parametrize(

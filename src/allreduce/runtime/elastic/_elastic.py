@@ -29,6 +29,7 @@ agreement counts as that rank having left the old group (its process is a new on
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import time
@@ -83,13 +84,16 @@ class Lineage:
         return Lineage(self.rebuild, self.store_rank, tuple(members), self.epoch + 1, self.seats or len(self.members))
 
 
-def agree_members(store: Any, rank: int, members: Sequence[int], *, epoch: int, timeout_s: float) -> list[int]:
-    """The ranks of the shrunk group, the same list on every survivor that returns. Ranks are the store's (the
-    numbering of the group as first formed): ``rank`` is this one, ``members`` the current group's."""
+def agree_members(
+    store: Any, rank: int, members: Sequence[int], *, epoch: int, timeout_s: float, completed: int = 0
+) -> tuple[list[int], list[int]]:
+    """The ranks of the shrunk group, the same list on every survivor that returns, and how many of the old group's
+    collectives each of them completed (``completed`` is this rank's count, checked in with it). Ranks are the
+    store's (the numbering of the group as first formed): ``rank`` is this one, ``members`` the current group's."""
     prefix = f"{SHRINK_PREFIX}/{epoch}"
     deadline = time.monotonic() + timeout_s
     try:
-        store.set(f"{prefix}/in/{rank}", b"1")
+        store.set(f"{prefix}/in/{rank}", str(int(completed)).encode())
         pending = set(members) - {rank}
         while pending and time.monotonic() < deadline:
             dead = set(store.dead_ranks())
@@ -106,6 +110,9 @@ def agree_members(store: Any, rank: int, members: Sequence[int], *, epoch: int, 
             store.set(f"{prefix}/members", ",".join(str(r) for r in chosen).encode())
         remaining = max(deadline - time.monotonic(), 1.0)
         members_text = store.get(f"{prefix}/members", timeout_s=remaining).decode()
+        agreed = [int(r) for r in members_text.split(",") if r]
+        # every one of them checked in before the list was written, and a check-in is never rewritten
+        counts = [int(bytes(store.get(f"{prefix}/in/{r}", timeout_s=remaining))) for r in agreed]
     except (CollectiveError, OSError) as exc:
         if isinstance(exc, ShrinkError):
             raise
@@ -116,14 +123,13 @@ def agree_members(store: Any, rank: int, members: Sequence[int], *, epoch: int, 
             else f"the store did not answer ({exc})"
         )
         raise ShrinkError(f"rank {rank}: cannot shrink the group: {why}", rank=rank, peer=0) from exc
-    agreed = [int(r) for r in members_text.split(",") if r]
     if rank not in agreed:
         raise ShrinkError(
             f"rank {rank}: left out of the shrunk group (it checked in after the others agreed on ranks "
             f"{', '.join(map(str, agreed))})",
             rank=rank,
         )
-    return agreed
+    return agreed, counts
 
 
 class MemberStore:
@@ -181,21 +187,42 @@ class Shrunk:
     cost_model: CostModel
     store: MemberStore
     lineage: Lineage
+    last_agreed_call: int = -1
+    """The old group's last collective (its call number, from 0) that every survivor completed; -1: none."""
+    ahead: tuple[int, ...] = ()
+    """The new ranks that completed the old group's next call too, which the others raised in (a death in the middle
+    of a collective lets the ranks that already hold its whole result finish it)."""
 
 
-def shrink(store: Any, lineage: Lineage, *, timeout_s: float, close: Callable[[], None]) -> Shrunk:
-    """Agree on the survivors, ``close()`` the old group (its transport; the store is kept), make the new one's
-    parts. ``store`` is the old group's (a :class:`MemberStore` after an earlier shrink)."""
+def shrink(store: Any, lineage: Lineage, *, timeout_s: float, close: Callable[[], None], completed: int = 0) -> Shrunk:
+    """Agree on the survivors and on the last collective all of them completed (``completed``: how many this rank
+    did), ``close()`` the old group (its transport; the store is kept), make the new one's parts. ``store`` is the
+    old group's (a :class:`MemberStore` after an earlier shrink)."""
     _check_timeout(timeout_s)
     root = store.inner if isinstance(store, MemberStore) else store
     try:
-        members = agree_members(root, lineage.store_rank, lineage.members, epoch=lineage.epoch + 1, timeout_s=timeout_s)
+        members, counts = agree_members(
+            root, lineage.store_rank, lineage.members, epoch=lineage.epoch + 1, timeout_s=timeout_s,
+            completed=completed,
+        )  # fmt: skip
+        agreed = min(counts)
+        if max(counts) > agreed + 1:
+            # A collective completes only once every rank has entered it (each checks every rank's descriptor), so
+            # no survivor can be two calls ahead of another: counts that far apart are not one group's calls.
+            raise ShrinkError(
+                f"rank {lineage.store_rank}: the survivors completed {agreed} to {max(counts)} collectives of the old "
+                f"group (ranks {', '.join(map(str, members))}: {', '.join(map(str, counts))}); they must differ "
+                "by at most one",
+                rank=lineage.store_rank,
+            )
     except BaseException:
         close()
         root.close()
         raise
     close()
-    return _connect(root, lineage.next(members), "shrunk")
+    parts = _connect(root, lineage.next(members), "shrunk")
+    ahead = tuple(new for new, count in enumerate(counts) if count > agreed)
+    return dataclasses.replace(parts, last_agreed_call=agreed - 1, ahead=ahead)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -40,7 +40,6 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._args import integer_arg, rank_arg
-from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime._store_api import Store
 from allreduce.runtime.elastic._elastic import Lineage, Shrunk, grow, shrink
 from allreduce.runtime.elastic._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
@@ -168,6 +167,12 @@ class ProcessGroup:
         self._store = store
         self._lineage = lineage  # how to shrink it (groups from init() only)
         self._grow_calls = 0  # grow() calls on this group: the members count them alike
+        self.last_agreed_call: int = -1
+        """After :meth:`shrink`: the old group's last call (numbered from 0) that every survivor completed."""
+        self.ahead_ranks: tuple[int, ...] = ()
+        """After :meth:`shrink`: the ranks (new numbers) that completed the old group's call ``last_agreed_call + 1``,
+        which the others raised in; empty when every survivor raised in the same call (docs/elastic.md)."""
+        self._split_root: int | None = None  # while set, the first collective must be a broadcast from it
         rule = rule_from_env(os.environ.get(REPLAN_ENV))
         self._replanning = (
             None
@@ -219,13 +224,17 @@ class ProcessGroup:
 
     def shrink(self, *, timeout_s: float | None = None) -> ProcessGroup:
         """The survivors of a failure as a new group, renumbered 0..k-1 in their old order; this one is closed.
-        Every survivor calls it (in ``except CollectiveError``), then re-runs the failed collective on the new group.
-        Raises :class:`ShrinkError` on every survivor when none can be formed (docs/reliability.md)."""
+        Every survivor calls it (in ``except CollectiveError``). The survivors also agree on the last collective all
+        of them completed (:attr:`last_agreed_call`): when the death split them by one call, the new group's
+        :attr:`ahead_ranks` completed the call the others raised in, and the others take its result from
+        ``ahead_ranks[0]`` (a broadcast on the new group) before every survivor re-runs the call the ahead ranks
+        failed; otherwise every survivor re-runs the one it failed. Raises :class:`ShrinkError` on every survivor
+        when none can be formed (docs/reliability.md)."""
         if self._lineage is None or self._store is None:
             raise RuntimeError(f"rank {self.rank}: only groups made by allreduce.init() can shrink (through the store)")
         store, self._store = self._store, None  # the new group's from now on
         wait_s = self.timeout_s if timeout_s is None else timeout_s
-        parts = shrink(store, self._lineage, timeout_s=wait_s, close=self.close)
+        parts = shrink(store, self._lineage, timeout_s=wait_s, close=self.close, completed=self._pipeline.completed)
         return self._successor(parts)
 
     def grow(self, *, timeout_s: float | None = None) -> ProcessGroup:
@@ -246,10 +255,35 @@ class ProcessGroup:
         self.close()
 
     def _successor(self, parts: Shrunk) -> ProcessGroup:
-        return ProcessGroup(
+        group = ProcessGroup(
             parts.transport, transport_name=self.transport_name, timeout_s=self.timeout_s,
             cost_model=parts.cost_model, group_size=parts.group_size, store=parts.store, lineage=parts.lineage,
         )  # fmt: skip
+        group.last_agreed_call, group.ahead_ranks = parts.last_agreed_call, parts.ahead
+        if parts.ahead:
+            group._split_root = parts.ahead[0]
+        return group
+
+    def _check_split(self, collective: Collective | None, root: int) -> None:
+        """After a shrink that split the survivors by one call, the first collective must take the split call's
+        result from the first rank ahead: a caller that re-runs its own failed call instead would pair the call the
+        others failed with the one after it, and the sums would agree in size, not in meaning."""
+        if collective is Collective.BROADCAST and root == self._split_root:
+            self._split_root = None
+            return
+        what = collective.value if collective is not None else "barrier"
+        raise RuntimeError(
+            f"rank {self.rank}: {what}() on a group whose survivors split by one call: ranks "
+            f"{', '.join(map(str, self.ahead_ranks))} completed the old group's call {self.last_agreed_call + 1}, "
+            f"which the others raised in; first broadcast its result from rank {self._split_root} "
+            f"(broadcast(x, root={self._split_root}) on every rank), then re-run the call the ranks ahead failed "
+            "(docs/elastic.md)"
+        )
+
+    @property
+    def completed_calls(self) -> int:
+        """How many collectives (the barrier included) completed on this rank: the k-th call is number k - 1."""
+        return self._pipeline.completed
 
     def close(self) -> None:
         """Finish pending asynchronous collectives, then release the transport and the store."""
@@ -317,6 +351,7 @@ class ProcessGroup:
             and not async_op
             and algorithm.__class__ is str
             and algorithm == "auto"
+            and self._split_root is None
             and self._pipeline.plain(x, op)
         ):
             return x
@@ -425,6 +460,8 @@ class ProcessGroup:
 
     def barrier(self, *, timeout_s: float | None = None, tag: str | None = None) -> None:
         """Return once every rank has entered the barrier."""
+        if self._split_root is not None:
+            self._check_split(None, 0)
         self._pipeline.collective(None, None, None, "auto", 0, False, Options(timeout_s=timeout_s, tag=tag))
 
     def _collective(  # noqa: PLR0917 (the public methods' arguments, in their order)
@@ -432,6 +469,8 @@ class ProcessGroup:
         options: Mapping[str, Any],
     ) -> Any:  # fmt: skip
         checked = check_options(collective, options) if options else _DEFAULTS
+        if self._split_root is not None:
+            self._check_split(collective, root)
         return self._pipeline.collective(collective, x, op, algorithm, root, async_op, checked)
 
     # ----------------------------------------------------------------------------------------------------
@@ -520,7 +559,7 @@ class ProcessGroup:
                     print(table, file=sys.stderr, flush=True)
             if trace := os.environ.get(TRACE_ENV):
                 write_trace(trace, self._transport.recorder, self)
-        except (CollectiveError, OSError, ValueError) as exc:
+        except (RuntimeError, OSError, ValueError) as exc:  # a CollectiveError, or a split not taken yet
             print(f"[allreduce rank {self.rank}] no stats or trace at close: {exc}", file=sys.stderr, flush=True)
 
     def choose_algorithm(

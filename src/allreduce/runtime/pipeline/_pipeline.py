@@ -143,6 +143,8 @@ class Pipeline:
         self.executor = OrderedExecutor(f"allreduce-rank{group.rank}")
         self.owner = ThreadOwner()
         self._seq = 0
+        self.completed = 0
+        """Collectives that returned here (the barrier included): a shrink compares the survivors' counts."""
         self._debug = bool(os.environ.get("ALLREDUCE_DEBUG"))
         self._fuses = transport.fuses  # bound once: asked on auto's path (see Runs.resolve)
         self._small_bytes: Callable[[int], int] = transport.small_bytes  # 0 where the transport has no run_small
@@ -315,6 +317,7 @@ class Pipeline:
             np.divide(flat, self._group.world_size, out=flat, casting="unsafe")
         if recording:
             recorder.end()
+        self.completed = seq + 1
         return run
 
     def _result(self, prepared: Prepared, buf: Buffer) -> Any:
@@ -355,6 +358,7 @@ class Pipeline:
         """Every rank's descriptor; :class:`MismatchError` naming the first field on which the calls differ."""
         descriptors = self.transport.agree(seq, descriptor, timeout_s=timeout)
         check_agreement(self._group.rank, seq, descriptors)
+        self.completed = seq + 1
         return descriptors
 
     def _take_seq(self) -> int:

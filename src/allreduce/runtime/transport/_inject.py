@@ -7,7 +7,11 @@ are separated by ``;``, their fields by ``:``:
 - ``pace:link=S->D:rate=50MB/s`` — the receiver D takes at least ``bytes / rate`` to move each transfer from S
   (a slow link);
 - ``hold:rank=R:p=0.01:ms=20`` — before each step, rank R holds its sends for ``ms`` with probability ``p`` (a
-  retransmission timeout).
+  retransmission timeout);
+- ``kill:rank=R:call=K:step=S`` — rank R SIGKILLs itself at the start of step S (from 0) of its K-th collective
+  (from 0, counting the collectives that run a plan, the barrier not among them): a death at a chosen point of a
+  schedule, where the survivors stand is then fixed by the schedule, not by a timer. Every group made from the
+  environment applies it to its rank R, counting its own collectives (a group shrunk to R ranks or fewer has none).
 
 Optional ``seed=N`` on any effect seeds its draws (default: the rank). DIST is ``constant:1ms`` (or ``1ms``),
 ``exponential:mean=1ms``, ``lognormal:median=1ms,p99=5ms`` or ``uniform:low=0.5ms,high=1.5ms``. The simulator has
@@ -25,6 +29,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -144,21 +149,32 @@ class Injection:
     hold_probability: float = 0.0
     hold_s: float = 0.0
     seed: int = 0
+    kill_at: tuple[int, int] | None = None
+    """``(call, step)``: SIGKILL this process at the start of that step of that collective."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_rng", random.Random(self.seed))
         object.__setattr__(self, "_pace", dict(self.pace_Bps))
+        object.__setattr__(self, "_at", [-1, 0])  # the collective running (from 0), and its next step
 
     @property
     def active(self) -> bool:
-        return self.delay is not None or bool(self.pace_Bps) or self.hold_probability > 0
+        return self.delay is not None or bool(self.pace_Bps) or self.hold_probability > 0 or self.kill_at is not None
 
     def sleep_before_call(self) -> None:
+        at = self._at  # type: ignore[attr-defined]
+        at[0] += 1
+        at[1] = 0
         if self.delay is not None:
             time.sleep(self.delay.draw(self._rng))  # type: ignore[attr-defined]
 
     def hold_step(self) -> None:
-        """Before a step's sends: hold them with the configured probability."""
+        """Before a step's sends: hold them with the configured probability; die there if asked to."""
+        if self.kill_at is not None:
+            at = self._at  # type: ignore[attr-defined]
+            if (at[0], at[1]) == self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            at[1] += 1
         if self.hold_probability > 0 and self._rng.random() < self.hold_probability:  # type: ignore[attr-defined]
             time.sleep(self.hold_s)
 
@@ -203,6 +219,7 @@ def parse_injection(spec: str, rank: int, world_size: int) -> Injection:
     delay: Distribution | None = None
     pace: list[tuple[int, float]] = []
     hold_p, hold_s = 0.0, 0.0
+    kill_at: tuple[int, int] | None = None
     seed = rank
     for effect in filter(None, (e.strip() for e in spec.split(";"))):
         kind, _, rest = effect.partition(":")
@@ -211,7 +228,7 @@ def parse_injection(spec: str, rank: int, world_size: int) -> Injection:
         loose: list[str] = []
         for part in parts:
             key, sep, value = part.partition("=")
-            if sep and key in {"rank", "link", "rate", "p", "ms", "seed"}:
+            if sep and key in {"rank", "link", "rate", "p", "ms", "seed", "call", "step"}:
                 keyed[key] = value
             else:
                 loose.append(part)
@@ -262,9 +279,14 @@ def parse_injection(spec: str, rank: int, world_size: int) -> Injection:
                 )
             if who == rank:
                 hold_p, hold_s = p, ms * 1e-3
+        elif kind == "kill":
+            _check(effect, keyed, loose, {"rank", "call", "step"})
+            # not checked against world_size: a group shrunk after the kill has no rank R, and none dies
+            if _int(keyed["rank"], effect, "rank") == rank:
+                kill_at = (_int(keyed["call"], effect, "call"), _int(keyed["step"], effect, "step"))
         else:
-            raise ValueError(f"{ENV_VAR}: unknown effect {kind!r} in {effect!r}; use delay, pace or hold")
-    return Injection(delay, tuple(pace), hold_p, hold_s, seed)
+            raise ValueError(f"{ENV_VAR}: unknown effect {kind!r} in {effect!r}; use delay, pace, hold or kill")
+    return Injection(delay, tuple(pace), hold_p, hold_s, seed, kill_at)
 
 
 def has_effects(spec: str) -> bool:
