@@ -64,6 +64,15 @@ def _as_is(x: np.ndarray[Any, Any]) -> Iterator[tuple[str, np.ndarray[Any, Any]]
     yield "plain", x
 
 
+def _rooted(n: int) -> Iterator[tuple[int, str, np.dtype[Any], int, Any]]:
+    """(root, dtype name, dtype, count, block bounds) of a rooted gather or scatter: roots 0 and N-1, every dtype,
+    a rotating size."""
+    for root in sorted({0, n - 1}):
+        for k, (dname, dt) in enumerate(DTYPES.items()):
+            count = sizes(n)[k % 5]
+            yield root, dname, dt, count, block_bounds(count, n)
+
+
 def run_matrix(group: ProcessGroup, buffers: Buffers = _as_is) -> dict[str, Any]:
     """This rank's report: ``ran`` and ``failures`` by ``"collective algorithm"``, and the transport's name."""
     n, rank = group.world_size, group.rank
@@ -125,29 +134,23 @@ def run_matrix(group: ProcessGroup, buffers: Buffers = _as_is) -> dict[str, Any]
                 ok = close(x, reference(dt, count, n, op) if rank == root else mine, op)
                 check(Collective.REDUCE, algorithm, ok, f"root={root} {dname} {op} count={count}")
     for algorithm in algorithms(Collective.GATHER):
-        for root in sorted({0, n - 1}):
-            for k, (dname, dt) in enumerate(DTYPES.items()):
-                count = sizes(n)[k % 5]
-                bounds = block_bounds(count, n)
-                mine = contribution(dt, count, rank, "sum")
-                want = np.concatenate([contribution(dt, count, r, "sum")[bounds[r] : bounds[r + 1]] for r in range(n)])
-                x = mine.copy()
-                group.gather(x, root=root, algorithm=algorithm)
-                got = x if rank == root else x[bounds[rank] : bounds[rank + 1]]
-                expect = want.astype(dt) if rank == root else mine[bounds[rank] : bounds[rank + 1]]
-                ok = bool(np.array_equal(got.view(np.uint8), expect.view(np.uint8)))
-                check(Collective.GATHER, algorithm, ok, f"root={root} {dname} count={count}")
+        for root, dname, dt, count, bounds in _rooted(n):
+            mine = contribution(dt, count, rank, "sum")
+            want = np.concatenate([contribution(dt, count, r, "sum")[bounds[r] : bounds[r + 1]] for r in range(n)])
+            x = mine.copy()
+            group.gather(x, root=root, algorithm=algorithm)
+            got = x if rank == root else x[bounds[rank] : bounds[rank + 1]]
+            expect = want.astype(dt) if rank == root else mine[bounds[rank] : bounds[rank + 1]]
+            ok = bool(np.array_equal(got.view(np.uint8), expect.view(np.uint8)))
+            check(Collective.GATHER, algorithm, ok, f"root={root} {dname} count={count}")
     for algorithm in algorithms(Collective.SCATTER):
-        for root in sorted({0, n - 1}):
-            for k, (dname, dt) in enumerate(DTYPES.items()):
-                count = sizes(n)[k % 5]
-                bounds = block_bounds(count, n)
-                sent = contribution(dt, count, root, "sum")
-                x = sent.copy() if rank == root else np.zeros(count, dt)
-                block = group.scatter(x, root=root, algorithm=algorithm)
-                want = sent[bounds[rank] : bounds[rank + 1]]
-                ok = block.shape == want.shape and bool(np.array_equal(block.view(np.uint8), want.view(np.uint8)))
-                check(Collective.SCATTER, algorithm, ok, f"root={root} {dname} count={count}")
+        for root, dname, dt, count, bounds in _rooted(n):
+            sent = contribution(dt, count, root, "sum")
+            x = sent.copy() if rank == root else np.zeros(count, dt)
+            block = group.scatter(x, root=root, algorithm=algorithm)
+            want = sent[bounds[rank] : bounds[rank + 1]]
+            ok = block.shape == want.shape and bool(np.array_equal(block.view(np.uint8), want.view(np.uint8)))
+            check(Collective.SCATTER, algorithm, ok, f"root={root} {dname} count={count}")
     for algorithm in algorithms(Collective.ALL_TO_ALL):
         for k, (dname, dt) in enumerate(DTYPES.items()):
             part = (0, 1, 7, 1031)[k % 4]
