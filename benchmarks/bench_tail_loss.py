@@ -59,6 +59,7 @@ CLOS = "clos:leaves=2,spines=1,hosts_per_leaf=2"
 CLOS_4_TO_1 = CLOS + ",oversub=4"
 ONE_LINK = "leaf0->spine0"  # the ring's 1 -> 2 hop crosses it (linear placement)
 SMALL_BYTES = 1 << 20  # sizes up to this get --reps-small repetitions
+TAIL_SAMPLES = 2000  # the tail model's samples per case unless --samples (what `emulate run` predicts with)
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,9 @@ def _measure(case: Case, *, reps: int, rate_bps: float) -> dict[str, Any]:
 SLOW_S = 0.15
 
 
-def _predict(stored: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
+def _predict(stored: dict[str, Any], samples: int = TAIL_SAMPLES) -> dict[str, tuple[float, float, float]]:
     """Per stack, the tail model's (p50, p99, share of samples SLOW_S or more above the noise-free time) for a
-    stored case, recomputed from its counters and paths."""
+    stored case, recomputed from its counters and paths with ``samples`` samples."""
     spec = EmulationSpec.from_json(stored["spec"])
     layout = spec.layout()
     result = stored["result"]
@@ -201,6 +202,7 @@ def _predict(stored: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
             routing=routing,
             dropped=dropped,
             burst=spec.loss_burst(layout),
+            samples=samples,
         )
     )
     free = float(row["predicted_s"])
@@ -261,9 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wait", action="store_true", help="measure whatever the load")
     parser.add_argument("--rate", default=f"{DEFAULT_LOSS_RATE_BPS / 1e6:g}Mbps", help="fastest host link")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=TAIL_SAMPLES,
+        help=f"the tail model's samples per case and stack (default {TAIL_SAMPLES:,}; a p99 that sits on a class of "
+        "about 1%% of them moves with the draws, 20,000 pins it)",
+    )
     args = parser.parse_args(argv)
     if min(args.reps, args.reps_small) < 20:
         parser.error("--reps and --reps-small: at least 20 (the tail model runs beside 20 or more)")
+    if not 100 <= args.samples <= 1_000_000:
+        parser.error(f"--samples: 100 to 1,000,000, got {args.samples}")
     cases = [c for c in CASES if args.only is None or args.only in c.name]
     if args.list:
         print("\n".join(c.name for c in cases))
@@ -272,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         check_privileges()
         args.dir.mkdir(parents=True, exist_ok=True)
     rate_bps = parse_bandwidth(args.rate, what="--rate") * 8
-    print(f"# {len(cases)} cases; {args.rate}, CUBIC; load average now {_load():.2f}; stored in {args.dir}")
+    print(
+        f"# {len(cases)} cases; {args.rate}, CUBIC; {args.samples:,} model samples per case; load average now "
+        f"{_load():.2f}; stored in {args.dir}"
+    )
     print(HEADER, flush=True)
     ratios: dict[str, list[tuple[float, float]]] = {stack: [] for stack in TAIL_STACKS}
     started = time.monotonic()
@@ -289,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps(stored))
             tmp.replace(path)
         stored = json.loads(path.read_text())
-        text, case_ratios = _row(stored, _predict(stored))
+        text, case_ratios = _row(stored, _predict(stored, args.samples))
         for stack, pair in case_ratios.items():
             ratios[stack].append(pair)
         print(text, flush=True)

@@ -17,14 +17,18 @@ from allreduce.sim._tcp import (
     TCP_STACKS,
     TIMEOUT_MIN_S,
     Bursts,
+    LostTransfers,
     TcpStack,
+    _lost_repair_ack,
     ack_stall_flights,
     chain_loss,
     draw_ack_stall_seconds,
+    draw_repair_seconds,
     gilbert_elliott,
     loss_window_packets,
     next_loss,
     resend_loss,
+    window_reduction_seconds,
 )
 from allreduce.topology import switch
 
@@ -228,3 +232,87 @@ def test_bursty_links_lose_fewer_transfers_at_the_same_rate() -> None:
     assert abs(losses.step.size / transfers - expected) < Z * math.sqrt(expected / transfers)
     independent = 1 - (1 - q) ** 175
     assert expected < independent / 2
+
+
+TAU = 1e-6
+RTO = RTT + 0.2  # srtt + rto_min
+WINDOW = float(window_reduction_seconds(np.array([RTT]), np.array([TAU]))[0])
+
+
+def _repairs(n: int, packets: int, *, q_ack: float, gap: float) -> tuple[np.ndarray, np.ndarray]:
+    """One loss per transfer (q -> 0, so one window holds the whole transfer), its repair's ACK lost with
+    ``q_ack``, the connection's next transfer ``gap`` after this one's end."""
+    transfers = LostTransfers(
+        np.full(n, 1e-9),
+        np.full(n, packets, dtype=np.int64),
+        np.full(n, RTT),
+        np.full(n, TAU),
+        q_ack=np.full(n, q_ack),
+        gap_s=np.full(n, gap),
+    )
+    return draw_repair_seconds(np.random.default_rng(3), EXACT, transfers)
+
+
+def test_a_repair_whose_ack_is_lost_holds_the_next_transfer_until_the_rto() -> None:
+    packets, q_ack = 8, 0.3
+    extra, fired = _repairs(40_000, packets, q_ack=q_ack, gap=0.0)
+    # Losses with k >= 3 behind them (5 of 8 positions) are repaired on SACKs, max(tau, RTT + (4 - k) tau) past
+    # the end; where the repair's ACK is lost, the RTO fires RTO after it and the next transfer waits for it.
+    repair = {max(TAU, RTT + (4 - k) * TAU) + WINDOW for k in range(3, packets)}
+    on_sacks = np.isin(np.round(extra, 12), np.round(list(repair), 12))
+    held = np.isin(np.round(extra, 12), np.round([r + RTO for r in repair], 12))
+    assert np.all(fired[held] == 1)
+    assert not fired[on_sacks].any()
+    mid = on_sacks | held
+    assert abs(mid.mean() - 5 / 8) < Z * math.sqrt(0.25 / extra.size)
+    share = held.sum() / mid.sum()
+    assert abs(share - q_ack) < Z * math.sqrt(q_ack * (1 - q_ack) / mid.sum())
+
+
+def test_the_next_transfers_gap_is_taken_off_a_lost_repair_acks_wait() -> None:
+    gap = 0.05
+    extra, fired = _repairs(20_000, 8, q_ack=0.3, gap=gap)
+    repair = {max(TAU, RTT + (4 - k) * TAU) + WINDOW for k in range(3, 8)}
+    held = np.isin(np.round(extra, 12), np.round([r + RTO - gap for r in repair], 12))
+    assert held.any()
+    assert np.all(fired[held] == 1)
+
+
+def test_a_lost_repair_ack_costs_nothing_when_nothing_follows_on_the_connection() -> None:
+    # the connection's last transfer in the collective: the receiver has the data; the RTO holds nothing
+    extra, fired = _repairs(20_000, 8, q_ack=0.3, gap=math.inf)
+    # the repairs on SACKs, the reordering timer's and the probe's with several out (7 of 8 positions) cost
+    # milliseconds; the one-packet probe of the last packet (1 of 8) is the only timer of the rto_min class
+    assert extra[fired == 0].max() <= 2 * (RTT + TAU) + 2 * RTT + TIMEOUT_MIN_S + WINDOW + 1e-12
+    probe = RTT + TAU + min(2 * RTT + 0.2, RTO) + WINDOW
+    np.testing.assert_allclose(extra[fired == 1], probe, rtol=1e-12)
+    assert abs(np.mean(fired == 1) - 1 / 8) < Z * math.sqrt(7 / 64 / extra.size)
+
+
+def test_a_lost_repair_ack_holds_the_rest_of_a_transfer_longer_than_a_window() -> None:
+    # q = 1.5e-2: a window of 10 packets; a loss with 30 behind it leaves 20 unsent, which wait for the RTO
+    # whatever the gap; one with 6 behind it leaves none, and only the next transfer (gap later) waits.
+    after = np.array([30, 30, 6, 6], dtype=np.int64)
+    cost = np.full(4, 1e-3)
+    rto = np.full(4, RTO)
+    charged, held = _lost_repair_ack(
+        np.random.default_rng(0),
+        EXACT,
+        after,
+        cost=cost,
+        repaired=np.ones(4, dtype=np.bool_),
+        q=np.full(4, 1.5e-2),
+        q_ack=np.full(4, 1.0),
+        rto=rto,
+        gap=np.array([0.0, 1.0, 0.05, 1.0]),
+    )
+    np.testing.assert_allclose(charged, [1e-3 + RTO, 1e-3 + RTO, 1e-3 + RTO - 0.05, 1e-3], rtol=1e-12)
+    assert held.tolist() == [True, True, True, False]
+
+
+def test_a_tail_the_next_transfer_reveals_is_acknowledged_by_it() -> None:
+    # k = 0 revealed by the next transfer's SACKs: its data follows the repair and acknowledges it
+    gap = 1e-3
+    extra, fired = _repairs(20_000, 1, q_ack=0.5, gap=gap)
+    assert not fired.any()
+    np.testing.assert_allclose(extra, gap + 1.5 * RTT + 4 * TAU + WINDOW, rtol=1e-12)

@@ -53,20 +53,31 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   halving-doubling at every link 1e-3 pays an RTO in 1 of 40 repetitions where this rule charges 14 (RACK does
   see a lost retransmission once data sent after it is SACKed, RFC 8985 §6, and a long transfer keeps sending);
   where one regime turns into the other is not established, so the rule stands as measured. A lost probe is
-  such a loss too. With bursts (:class:`Bursts`) on a link whose chain is
-  clocked by its own packets (the emulator's firewall), the resend after a probe or RTO is the next packet the
-  stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless
-  other connections' packets cross the link before the probe: after the collective's last step only the rank
-  waiting for the lost tail is held, and where repetitions are timed from a barrier, every other rank sends its
-  first frame of the next one at once; each that meets the bad state ends it with ``1/burst``, so the probe's
-  resend is lost with :func:`chain_loss` after them (``stay^(n+1)`` for ``n`` such packets and a rare new burst;
-  :attr:`Bursts.cleared`, counted in :mod:`allreduce.sim._phases`). Not so
-  for the runtime's control frames (agreement, barrier): their exchanges run on every connection at once and a
-  sender does not wait for its receiver, so the step's other frames, the next step's and the collective's data
-  on the ranks the loss does not hold cross the lossy links in the milliseconds after the burst, and each packet
-  that meets the bad state ends it with ``1/burst``; the probe, ``2·srtt`` or more later, finds the chain as
-  any packet does and is lost with the long-run rate. A resend sent on SACKs follows the delivered packet that
-  revealed the loss, which left the chain good, so a new burst must start for it to be lost
+  such a loss too. The repair's ACK lost (probability ``q_ack``) ends the same way: nothing sent after the repair
+  acknowledges it (in recovery, proportional rate reduction lets out no new data with it where the window is a few
+  packets, ``tcp_cwnd_reduction``, and no probe is armed outside the Open state, ``tcp_schedule_loss_probe``), so
+  the RTO fires ``timer(RTO)`` after it and resends a packet the receiver has, which it answers at once. What waits
+  is the connection's unsent data: the rest of the transfer where more than a window of it
+  (:func:`loss_window_packets`) followed the loss, else the next transfer, ``gap`` after this one's end (nothing for
+  a connection's last transfer in the collective; a tail the next transfer reveals is acknowledged by that
+  transfer's ACKs). So a repair ends in the RTO with ``q + q_ack``, about ``2q``: the hosts' counters show RTOs in
+  SACK recovery at about twice what independent loss of the retransmission gives, at 3e-3 and 1e-2 (each such RTO
+  marks the retransmission lost, ``TCPLostRetransmit``, whether it or its ACK was lost), and traced (every link
+  1e-2, ``tcp_probe`` and ``tcp_cong_state_set``: 61 of 84 RTOs on the ring's connections) they come in recovery
+  with 2–3 segments out and nothing sent for 208 ms, and the data queued behind leaves within a millisecond of the
+  resend's ACK (:func:`_lost_repair_ack`). With bursts (:class:`Bursts`) on a link whose chain is clocked by its own
+  packets (the emulator's firewall), the resend after a probe or RTO is the next packet the stalled link sees, lost
+  with the burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless other connections' packets
+  cross the link before the probe: after the collective's last step only the rank waiting for the lost tail is held,
+  and where repetitions are timed from a barrier, every other rank sends its first frame of the next one at once;
+  each that meets the bad state ends it with ``1/burst``, so the probe's resend is lost with :func:`chain_loss`
+  after them (``stay^(n+1)`` for ``n`` such packets and a rare new burst; :attr:`Bursts.cleared`, counted in
+  :mod:`allreduce.sim._phases`). Not so for the runtime's control frames (agreement, barrier): their exchanges run
+  on every connection at once and a sender does not wait for its receiver, so the step's other frames, the next
+  step's and the collective's data on the ranks the loss does not hold cross the lossy links in the milliseconds
+  after the burst, and each packet that meets the bad state ends it with ``1/burst``; the probe, ``2·srtt`` or more
+  later, finds the chain as any packet does and is lost with the long-run rate. A resend sent on SACKs follows the
+  delivered packet that revealed the loss, which left the chain good, so a new burst must start for it to be lost
   (:func:`resend_loss`);
 - several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
   together, so a transfer's delay is the largest of its losses' (NewReno's one hole per round trip is the
@@ -373,6 +384,36 @@ def _held_resends(
     return again
 
 
+def _lost_repair_ack(
+    rng: np.random.Generator,
+    stack: TcpStack,
+    after: IntArray,
+    *,
+    cost: FloatArray,
+    repaired: npt.NDArray[np.bool_],
+    q: FloatArray,
+    q_ack: FloatArray,
+    rto: FloatArray,
+    gap: FloatArray,
+) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
+    """A delivered repair whose ACK is lost (probability ``q_ack``, for the ``repaired`` losses): nothing sent
+    after the repair acknowledges it (the module docstring), so the RTO fires ``timer(RTO)`` after it and resends
+    a packet the receiver has (answered at once), and the connection's unsent data waits until then: the rest
+    of this transfer where more than a window (:func:`loss_window_packets`) of it followed the loss, else the
+    next transfer on the connection, which starts ``gap`` after this one ends. Returns (the cost with that wait,
+    whether an RTO held data)."""
+    if not np.any(repaired & (q_ack > 0)):
+        return cost, np.zeros(after.size, dtype=np.bool_)
+    ack_lost = repaired & (rng.random(after.size) < q_ack)
+    if not ack_lost.any():
+        return cost, ack_lost
+    wait = cost + stack.timer(rng, rto)
+    rest_unsent = after > loss_window_packets(q)
+    charged = np.where(rest_unsent, wait, np.maximum(cost, wait - gap))
+    held_data = ack_lost & (charged > cost)
+    return np.where(held_data, charged, cost), held_data
+
+
 def _one_loss(
     rng: np.random.Generator,
     stack: TcpStack,
@@ -395,7 +436,8 @@ def _one_loss(
     an interactive receiver acknowledges only with its delayed-ACK timer (see :class:`LostTransfers`);
     ``lost_before``: the packet before it was lost too, so a lost last packet leaves several out; ``resend_q``:
     the probability that a repair sent on a SACK (not by the probe) is lost (:func:`resend_loss`; None: ``q``);
-    ``probe_q``: that the probe's resend is lost by a held burst (:func:`_held_resends`)."""
+    ``probe_q``: that the probe's resend is lost by a held burst (:func:`_held_resends`); ``q_ack``: that an
+    ACK is lost, which turns a delivered repair into an RTO for the data behind it (:func:`_lost_repair_ack`)."""
     mid = after >= DUPTHRESH
     cost_mid = np.maximum(tau, rtt + (DUPTHRESH + 1 - after) * tau)
     reo = rtt + tau + stack.timer(rng, REO_WND_FRACTION * rtt + TIMEOUT_MIN_S)
@@ -418,6 +460,8 @@ def _one_loss(
     tail = np.where(after == 0, last, np.where(sacks_lost, probe_many, reo))
     follow = gap + 1.5 * rtt + (DUPTHRESH + 1 - after) * tau
     probed = ~mid & (after == 0) & (last <= follow)
+    # the next transfer's data reveals the loss: it follows the repair, and its ACKs acknowledge the repair too
+    revealed = ~mid & (follow < tail)
     tail = np.minimum(tail, follow)
     cost = np.where(mid, cost_mid, tail)
     fired = (probed & ~several).astype(np.int64)  # the one-packet probe's rto_min is paid
@@ -430,6 +474,9 @@ def _one_loss(
         again = np.where(first_lost, np.minimum(again + 1, GIVE_UP_AFTER), 0)
     if held is not None:
         again = np.where(probed, _held_resends(rng, held, cost, rto, several=several, probe_q=probe_q), again)
+    cost, held_data = _lost_repair_ack(rng, stack, after, cost=cost, repaired=(again == 0) & ~revealed, q=q,
+                                       q_ack=q_ack, rto=rto, gap=gap)  # fmt: skip
+    fired += held_data
     if np.any(again > 0):
         # With several out, the RTO after a lost probe is timed from the head's first sending (tcp_rearm_rto
         # offsets it by the time elapsed): it replaces the probe's wait instead of following it.
