@@ -257,23 +257,29 @@ def test_a_repair_whose_ack_is_lost_holds_the_next_transfer_until_the_rto() -> N
     packets, q_ack = 8, 0.3
     extra, fired = _repairs(40_000, packets, q_ack=q_ack, gap=0.0)
     # Losses with k >= 3 behind them (5 of 8 positions) are repaired on SACKs, max(tau, RTT + (4 - k) tau) past
-    # the end; where the repair's ACK is lost, the RTO fires RTO after it and the next transfer waits for it.
-    repair = {max(TAU, RTT + (4 - k) * TAU) + WINDOW for k in range(3, packets)}
-    on_sacks = np.isin(np.round(extra, 12), np.round(list(repair), 12))
-    held = np.isin(np.round(extra, 12), np.round([r + RTO for r in repair], 12))
-    assert np.all(fired[held] == 1)
+    # the end; where the repair's ACK is lost, the RTO fires RTO after it and the next transfer waits for it, and
+    # where that RTO's resend or its ACK is lost too (q_ack here), the next RTO, doubled: RTO (2^m - 1) for m.
+    repair = np.round([max(TAU, RTT + (4 - k) * TAU) + WINDOW for k in range(3, packets)], 12)
+    on_sacks = np.isin(np.round(extra, 12), repair)
+    once = np.isin(np.round(extra, 12), np.round(repair + RTO, 12))
+    twice = np.isin(np.round(extra, 12), np.round(repair + 3 * RTO, 12))
     assert not fired[on_sacks].any()
+    assert np.all(fired[once] == 1)
+    assert np.all(fired[twice] == 2)
+    # k < 3: the next transfer (gap 0) reveals the loss and its ACKs acknowledge the repair: never held
+    held = fired > 0
+    assert np.all(once | twice | (fired > 2) | ~held)
     mid = on_sacks | held
     assert abs(mid.mean() - 5 / 8) < Z * math.sqrt(0.25 / extra.size)
-    share = held.sum() / mid.sum()
-    assert abs(share - q_ack) < Z * math.sqrt(q_ack * (1 - q_ack) / mid.sum())
+    assert abs(held.sum() / mid.sum() - q_ack) < Z * math.sqrt(q_ack * (1 - q_ack) / mid.sum())
+    assert abs(np.mean(fired[held] >= 2) - q_ack) < Z * math.sqrt(q_ack * (1 - q_ack) / held.sum())
 
 
 def test_the_next_transfers_gap_is_taken_off_a_lost_repair_acks_wait() -> None:
     gap = 0.05
     extra, fired = _repairs(20_000, 8, q_ack=0.3, gap=gap)
-    repair = {max(TAU, RTT + (4 - k) * TAU) + WINDOW for k in range(3, 8)}
-    held = np.isin(np.round(extra, 12), np.round([r + RTO - gap for r in repair], 12))
+    repair = np.round([max(TAU, RTT + (4 - k) * TAU) + WINDOW for k in range(3, 8)], 12)
+    held = np.isin(np.round(extra, 12), np.round(repair + RTO - gap, 12))
     assert held.any()
     assert np.all(fired[held] == 1)
 
@@ -289,25 +295,55 @@ def test_a_lost_repair_ack_costs_nothing_when_nothing_follows_on_the_connection(
     assert abs(np.mean(fired == 1) - 1 / 8) < Z * math.sqrt(7 / 64 / extra.size)
 
 
-def test_a_lost_repair_ack_holds_the_rest_of_a_transfer_longer_than_a_window() -> None:
-    # q = 1.5e-2: a window of 10 packets; a loss with 30 behind it leaves 20 unsent, which wait for the RTO
-    # whatever the gap; one with 6 behind it leaves none, and only the next transfer (gap later) waits.
-    after = np.array([30, 30, 6, 6], dtype=np.int64)
-    cost = np.full(4, 1e-3)
-    rto = np.full(4, RTO)
-    charged, held = _lost_repair_ack(
+def _unheard(after: int, gap: float, backed_off: int, n: int = 40_000) -> tuple[np.ndarray, np.ndarray]:
+    """What ``_lost_repair_ack`` adds to a repair delivered at 1 ms, the window 10 packets (q = 1.5e-2), its ACK
+    and every later resend's ACK lost with 0.5."""
+    charged, rtos = _lost_repair_ack(
         np.random.default_rng(0),
         EXACT,
-        after,
-        cost=cost,
-        repaired=np.ones(4, dtype=np.bool_),
-        q=np.full(4, 1.5e-2),
-        q_ack=np.full(4, 1.0),
-        rto=rto,
-        gap=np.array([0.0, 1.0, 0.05, 1.0]),
+        np.full(n, after, dtype=np.int64),
+        cost=np.full(n, 1e-3),
+        repaired=np.ones(n, dtype=np.bool_),
+        backed_off=np.full(n, backed_off, dtype=np.int64),
+        q=np.full(n, 1.5e-2),
+        q_ack=np.full(n, 0.5),
+        rto=np.full(n, RTO),
+        gap=np.full(n, gap),
     )
-    np.testing.assert_allclose(charged, [1e-3 + RTO, 1e-3 + RTO, 1e-3 + RTO - 0.05, 1e-3], rtol=1e-12)
-    assert held.tolist() == [True, True, True, False]
+    return charged - 1e-3, rtos
+
+
+def test_lost_resend_acks_back_off_the_rto_while_more_than_a_window_is_unsent() -> None:
+    # 30 packets behind the loss, 20 of them unsent: they wait for every RTO, whatever the gap; the first RTO's
+    # resend is silent (lost, or its ACK) with 1 - (1 - q)(1 - q_ack), and each silent one doubles the next wait
+    wait, rtos = _unheard(after=30, gap=1.0, backed_off=0)
+    # each wait twice the last, up to TCP_RTO_MAX (120 s)
+    waits = np.cumsum([0.0] + [min(RTO * 2.0**j, 120.0) for j in range(int(rtos.max()))])
+    np.testing.assert_allclose(wait, waits[rtos], rtol=1e-12, atol=1e-15)
+    silent = 1 - (1 - 1.5e-2) * 0.5
+    assert abs(np.mean(rtos == 0) - 0.5) < Z * math.sqrt(0.25 / rtos.size)
+    held = rtos > 0
+    assert abs(np.mean(rtos[held] >= 2) - silent) < Z * math.sqrt(silent * (1 - silent) / held.sum())
+
+
+def test_a_lost_repair_ack_after_backed_off_rtos_waits_for_the_next_doubled_rto() -> None:
+    # the repair was resent by two RTOs already: the next waits 4 RTO
+    wait, rtos = _unheard(after=30, gap=1.0, backed_off=2)
+    np.testing.assert_allclose(wait[rtos == 1], 4 * RTO, rtol=1e-12)
+
+
+def test_a_lost_repair_ack_within_the_last_window_holds_only_the_next_transfer() -> None:
+    # 6 packets behind the loss, all sent: only the next transfer, 50 ms after this one's end, waits
+    wait, rtos = _unheard(after=6, gap=0.05, backed_off=0)
+    np.testing.assert_allclose(wait[rtos == 1], RTO - 0.05, rtol=1e-12)
+    np.testing.assert_allclose(wait[rtos == 2], 3 * RTO - 0.05, rtol=1e-12)
+    # a second later: only the chains of RTOs that outlast it (0.2 + 0.4 + 0.8 s) hold it, by what is left
+    wait, rtos = _unheard(after=6, gap=1.0, backed_off=0)
+    waits = np.cumsum([0.0] + [min(RTO * 2.0**j, 120.0) for j in range(int(rtos.max()))])
+    held = rtos > 0
+    assert rtos[held].min() >= 3
+    np.testing.assert_allclose(wait[held], waits[rtos[held]] - 1.0, rtol=1e-9)
+    assert not wait[~held].any()
 
 
 def test_a_tail_the_next_transfer_reveals_is_acknowledged_by_it() -> None:

@@ -60,18 +60,20 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   is the connection's unsent data: the rest of the transfer where more than a window of it
   (:func:`loss_window_packets`) followed the loss, else the next transfer, ``gap`` after this one's end (nothing for
   a connection's last transfer in the collective; a tail the next transfer reveals is acknowledged by that
-  transfer's ACKs). So a repair ends in the RTO with ``q + q_ack``, about ``2q``: the hosts' counters show RTOs in
-  SACK recovery at about twice what independent loss of the retransmission gives, at 3e-3 and 1e-2 (each such RTO
-  marks the retransmission lost, ``TCPLostRetransmit``, whether it or its ACK was lost), and traced (every link
-  1e-2, ``tcp_probe`` and ``tcp_cong_state_set``: 61 of 84 RTOs on the ring's connections) they come in recovery
-  with 2–3 segments out and nothing sent for 208 ms, and the data queued behind leaves within a millisecond of the
-  resend's ACK (:func:`_lost_repair_ack`). With bursts (:class:`Bursts`) on a link whose chain is clocked by its own
-  packets (the emulator's firewall), the resend after a probe or RTO is the next packet the stalled link sees, lost
-  with the burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless other connections' packets
-  cross the link before the probe: after the collective's last step only the rank waiting for the lost tail is held,
-  and where repetitions are timed from a barrier, every other rank sends its first frame of the next one at once;
-  each that meets the bad state ends it with ``1/burst``, so the probe's resend is lost with :func:`chain_loss`
-  after them (``stay^(n+1)`` for ``n`` such packets and a rare new burst; :attr:`Bursts.cleared`, counted in
+  transfer's ACKs). After the RTO the window is one segment (``tcp_enter_loss``) and no probe is armed in the Loss
+  state, so its resend lost or its ACK lost, ``1 − (1 − q)(1 − q_ack)``, waits for the next RTO, doubled, and so on.
+  So a repair ends in the RTO with ``q + q_ack``, about ``2q``: the hosts' counters show RTOs in SACK recovery at
+  about twice what independent loss of the retransmission gives, at 3e-3 and 1e-2 (each such RTO marks the
+  retransmission lost, ``TCPLostRetransmit``, whether it or its ACK was lost), and traced (every link 1e-2,
+  ``tcp_probe`` and ``tcp_cong_state_set``: 61 of 84 RTOs on the ring's connections) they come in recovery with 2–3
+  segments out and nothing sent for 208 ms, and the data queued behind leaves within a millisecond of the resend's
+  ACK (:func:`_lost_repair_ack`). With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
+  (the emulator's firewall), the resend after a probe or RTO is the next packet the stalled link sees, lost with the
+  burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless other connections' packets cross the
+  link before the probe: after the collective's last step only the rank waiting for the lost tail is held, and where
+  repetitions are timed from a barrier, every other rank sends its first frame of the next one at once; each that
+  meets the bad state ends it with ``1/burst``, so the probe's resend is lost with :func:`chain_loss` after them
+  (``stay^(n+1)`` for ``n`` such packets and a rare new burst; :attr:`Bursts.cleared`, counted in
   :mod:`allreduce.sim._phases`). Not so for the runtime's control frames (agreement, barrier): their exchanges run
   on every connection at once and a sender does not wait for its receiver, so the step's other frames, the next
   step's and the collective's data on the ranks the loss does not hold cross the lossy links in the milliseconds
@@ -391,27 +393,36 @@ def _lost_repair_ack(
     *,
     cost: FloatArray,
     repaired: npt.NDArray[np.bool_],
+    backed_off: IntArray,
     q: FloatArray,
     q_ack: FloatArray,
     rto: FloatArray,
     gap: FloatArray,
-) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
-    """A delivered repair whose ACK is lost (probability ``q_ack``, for the ``repaired`` losses): nothing sent
-    after the repair acknowledges it (the module docstring), so the RTO fires ``timer(RTO)`` after it and resends
-    a packet the receiver has (answered at once), and the connection's unsent data waits until then: the rest
-    of this transfer where more than a window (:func:`loss_window_packets`) of it followed the loss, else the
-    next transfer on the connection, which starts ``gap`` after this one ends. Returns (the cost with that wait,
-    whether an RTO held data)."""
+) -> tuple[FloatArray, IntArray]:
+    """A delivered repair whose ACK is lost (probability ``q_ack``, for the ``repaired`` losses, after
+    ``backed_off`` RTOs that resent it): nothing sent after the repair acknowledges it (the module docstring), so
+    the next RTO fires, ``timer(RTO·2^backed_off)`` after it, and resends a packet the receiver has; with the
+    window at one segment (``tcp_enter_loss``) and no probe outside the Open state, nothing else is sent, so that
+    resend or its ACK lost (``1 − (1 − q)(1 − q_ack)``) waits for the next, doubled. The connection's unsent data
+    waits until the sender hears: the rest of this transfer where more than a window (:func:`loss_window_packets`)
+    of it followed the loss, else the next transfer on the connection, which starts ``gap`` after this one ends.
+    Returns (the cost with that wait, the RTOs that held data)."""
+    none = np.zeros(after.size, dtype=np.int64)
     if not np.any(repaired & (q_ack > 0)):
-        return cost, np.zeros(after.size, dtype=np.bool_)
+        return cost, none
     ack_lost = repaired & (rng.random(after.size) < q_ack)
     if not ack_lost.any():
-        return cost, ack_lost
-    wait = cost + stack.timer(rng, rto)
+        return cost, none
+    silent = 1 - (1 - q) * (1 - q_ack)
+    rounds = np.where(ack_lost, np.minimum(rng.geometric(1 - silent), GIVE_UP_AFTER - backed_off), 0)
+    wait = np.zeros(after.size)
+    for j in range(int(rounds.max(initial=0))):
+        waiting = rounds > j
+        wait[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0 ** (backed_off[waiting] + j), RTO_MAX_S))
     rest_unsent = after > loss_window_packets(q)
-    charged = np.where(rest_unsent, wait, np.maximum(cost, wait - gap))
-    held_data = ack_lost & (charged > cost)
-    return np.where(held_data, charged, cost), held_data
+    charged = np.where(rest_unsent, cost + wait, np.maximum(cost, cost + wait - gap))
+    held = ack_lost & (charged > cost)
+    return np.where(held, charged, cost), np.where(held, rounds, 0)
 
 
 def _one_loss(
@@ -474,9 +485,6 @@ def _one_loss(
         again = np.where(first_lost, np.minimum(again + 1, GIVE_UP_AFTER), 0)
     if held is not None:
         again = np.where(probed, _held_resends(rng, held, cost, rto, several=several, probe_q=probe_q), again)
-    cost, held_data = _lost_repair_ack(rng, stack, after, cost=cost, repaired=(again == 0) & ~revealed, q=q,
-                                       q_ack=q_ack, rto=rto, gap=gap)  # fmt: skip
-    fired += held_data
     if np.any(again > 0):
         # With several out, the RTO after a lost probe is timed from the head's first sending (tcp_rearm_rto
         # offsets it by the time elapsed): it replaces the probe's wait instead of following it.
@@ -489,7 +497,9 @@ def _one_loss(
             backoff[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0**j, RTO_MAX_S))
         cost = cost + backoff
         fired += again
-    return cost, fired
+    cost, unheard = _lost_repair_ack(rng, stack, after, cost=cost, repaired=~revealed, backed_off=again, q=q,
+                                     q_ack=q_ack, rto=rto, gap=gap)  # fmt: skip
+    return cost, fired + unheard
 
 
 @dataclass(frozen=True, eq=False)
