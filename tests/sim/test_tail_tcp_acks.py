@@ -87,10 +87,16 @@ def test_a_lost_probe_or_probe_ack_waits_for_the_rto_instead() -> None:
         q=np.full(n, q), q_ack=np.full(n, q_ack),
     )  # fmt: skip
     expected = 1 - (1 - q) * (1 - q_ack)
-    assert abs(timeouts.mean() - expected) < Z * math.sqrt(expected * (1 - expected) / n)
+    assert abs(np.mean(timeouts >= 1) - expected) < Z * math.sqrt(expected * (1 - expected) / n)
     probe = RTT + 2 * RTT + TIMEOUT_MIN_S
-    np.testing.assert_allclose(extra[timeouts == 1], probe + RTT + EXACT.rto_min_s)
+    rto = RTT + EXACT.rto_min_s
+    np.testing.assert_allclose(extra[timeouts == 1], probe + rto)
     np.testing.assert_allclose(extra[timeouts == 0], probe + DELACK_MIN_S)
+    # after that RTO (one segment out, no probe in the Loss state) its resend or its ACK lost: the next, doubled
+    fired = timeouts >= 1
+    assert abs(np.mean(timeouts[fired] >= 2) - expected) < Z * math.sqrt(expected * (1 - expected) / fired.sum())
+    np.testing.assert_allclose(extra[timeouts == 2], probe + 3 * rto)
+    np.testing.assert_allclose(extra[timeouts == 3], probe + 7 * rto)
 
 
 def test_flows_with_lossy_acks_stall_at_the_closed_form_rate() -> None:

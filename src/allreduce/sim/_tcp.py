@@ -262,7 +262,8 @@ def draw_ack_stall_seconds(
     """What ``stalls`` lost flight-ending ACKs cost a transfer (see the module docstring): per stall
     ``RTT + timer(2·srtt + 2 ms) + timer(delayed ACK)`` (no delayed ACK: the probe's ACK returns at once); where
     the probe (probability ``q``) or its ACK (``q_ack``) is lost too, the RTO armed when the probe left fires
-    instead of the delayed ACK: ``timer(2·srtt + 2 ms) + timer(RTO)``. Returns (seconds, RTOs)."""
+    instead of the delayed ACK: ``timer(2·srtt + 2 ms) + timer(RTO)``, and the RTOs after it while each one's
+    resend or its ACK is lost (:func:`_unheard_rtos`). Returns (seconds, RTOs)."""
     total = np.zeros(stalls.size)
     timeouts = np.zeros(stalls.size, dtype=np.int64)
     for j in range(int(stalls.max(initial=0))):
@@ -270,9 +271,15 @@ def draw_ack_stall_seconds(
         rtt = rtt_s[more]
         probe = rtt + stack.timer(rng, 2 * rtt + TIMEOUT_MIN_S)
         answered = stack.timer(rng, np.full(rtt.size, stack.delayed_ack_s)) if stack.delayed_ack_s > 0 else 0.0
-        lost = rng.random(more.size) >= (1 - q[more]) * (1 - q_ack[more])
-        total[more] += probe + np.where(lost, stack.timer(rng, stack.rto(rtt)), answered)
-        timeouts[more] += lost
+        heard = (1 - q[more]) * (1 - q_ack[more])
+        lost = rng.random(more.size) >= heard
+        # after that RTO its resend or that resend's ACK lost waits for the next, doubled
+        again = lost & (rng.random(more.size) >= heard)
+        backoff, rounds = _unheard_rtos(
+            rng, stack, stack.rto(rtt), silent=1 - heard, backed_off=np.ones(more.size, np.int64), firing=again
+        )
+        total[more] += probe + np.where(lost, stack.timer(rng, stack.rto(rtt)), answered) + backoff
+        timeouts[more] += lost + rounds
     return total, timeouts
 
 
@@ -386,6 +393,28 @@ def _held_resends(
     return again
 
 
+def _unheard_rtos(
+    rng: np.random.Generator,
+    stack: TcpStack,
+    rto: FloatArray,
+    *,
+    silent: FloatArray,
+    backed_off: IntArray,
+    firing: npt.NDArray[np.bool_],
+) -> tuple[FloatArray, IntArray]:
+    """The RTOs that fire, where ``firing``, until one's resend and its ACK both get through: the first after
+    ``backed_off`` earlier ones, ``timer(RTO·2^backed_off)``, each later one twice the last (``icsk_backoff``, up to
+    ``TCP_RTO_MAX``), another with probability ``silent`` each (after an RTO the window is one segment,
+    ``tcp_enter_loss``, and no probe is armed in the Loss state, so nothing but the resend can be acknowledged).
+    Returns (the waits summed, how many fired)."""
+    rounds = np.where(firing, np.minimum(rng.geometric(1 - silent), GIVE_UP_AFTER - backed_off), 0)
+    wait = np.zeros(rto.size)
+    for j in range(int(rounds.max(initial=0))):
+        waiting = rounds > j
+        wait[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0 ** (backed_off[waiting] + j), RTO_MAX_S))
+    return wait, rounds
+
+
 def _lost_repair_ack(
     rng: np.random.Generator,
     stack: TcpStack,
@@ -414,11 +443,7 @@ def _lost_repair_ack(
     if not ack_lost.any():
         return cost, none
     silent = 1 - (1 - q) * (1 - q_ack)
-    rounds = np.where(ack_lost, np.minimum(rng.geometric(1 - silent), GIVE_UP_AFTER - backed_off), 0)
-    wait = np.zeros(after.size)
-    for j in range(int(rounds.max(initial=0))):
-        waiting = rounds > j
-        wait[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0 ** (backed_off[waiting] + j), RTO_MAX_S))
+    wait, rounds = _unheard_rtos(rng, stack, rto, silent=silent, backed_off=backed_off, firing=ack_lost)
     rest_unsent = after > loss_window_packets(q)
     charged = np.where(rest_unsent, cost + wait, np.maximum(cost, cost + wait - gap))
     held = ack_lost & (charged > cost)
