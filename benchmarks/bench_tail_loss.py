@@ -2,7 +2,7 @@
 measured and predicted side by side.
 
     sudo .venv/bin/python benchmarks/bench_tail_loss.py --dir runs/tail-grid [--only SUBSTRING] [--no-wait]
-    .venv/bin/python benchmarks/bench_tail_loss.py --dir runs/tail-grid --predict-only
+    .venv/bin/python benchmarks/bench_tail_loss.py --dir runs/tail-grid --predict-only [--samples 20000]
 
 Each case builds a 4-host two-leaf Clos with one spine (1:1, or 4:1 with ``oversub=4``: the uplinks carry a
 quarter of the hosts' capacity) as network namespaces whose links drop TCP packets with the firewall's random
@@ -10,8 +10,8 @@ match (``allreduce emulate up --loss``: one link direction, or every one; indepe
 bursts of 4; one-MSS packets), runs the repetitions with the real runtime over TCP (CUBIC, the kernel's
 defaults: RACK-TLP, rto_min 200 ms, HZ=250, delayed ACKs), and prints the measured p50/p99 of the slowest
 rank's time (each repetition timed from the barrier before it) beside the tail model's
-(``allreduce.emulate.tail_predictions``: 2,000 samples at the loss rates the firewall's counters show, on the
-paths the kernel took) for the ``linux`` stack and for ``rfc6298`` (the model before it), the ratios
+(``allreduce.emulate.tail_samples``: 2,000 samples, or ``--samples``, at the loss rates the firewall's counters
+show, on the paths the kernel took) for the ``linux`` stack and for ``rfc6298`` (the model before it), the ratios
 measured/predicted, the TCP segments the hosts retransmitted, and the share of repetitions (measured, and of the
 ``linux`` model's samples) 150 ms or more slower than the noise-free time: the tail's mass, which a p99 of 200
 repetitions (their 2nd-3rd largest) shows only when it is well above 1%. DCTCP is not in this kernel
