@@ -246,6 +246,7 @@ def _emulated_run(args: argparse.Namespace, count: int, rate_bps: float, window:
         "without": bw[1][-1] / reference, "replanned": bw[2][-1] / reference,
         "best": float(np.median(bw[3])) / reference,
         "first": None if first is None else first * window, "crossing": len(crossing),
+        "longest_s": max(replanned), "median_s": float(np.median(replanned)),
         "changes": sum("ring reordered" in c for c in changes), "probes": sum("probed" in c for c in changes),
     }  # fmt: skip
 
@@ -269,12 +270,14 @@ def main_emulated(args: argparse.Namespace) -> None:
         summary.append((_emulated_run(args, count, rate_bps, window), os.getloadavg()[0]))
     print(f"last window's busbw, % of the healthy run's median window ({args.calls} calls, windows of {window}):")
     print(f"  {'run':>3}  {'load':>5}  {'pairs slow':>10}  {'without':>7}  {'re-planned':>10}  {'best order':>10}  "
-          f"{'>= 80% from call':>16}  {'changes':>7}  {'probes':>6}")  # fmt: skip
+          f"{'>= 80% from call':>16}  {'changes':>7}  {'probes':>6}  {'longest call':>12}")  # fmt: skip
     for number, (row, load) in enumerate(summary, 1):
         first = "never" if row["first"] is None else str(row["first"])
         print(f"  {number:>3}  {load:>5.1f}  {row['crossing']:>7} of {n * (n - 1)}  {row['without']:>7.0%}  "
               f"{row['replanned']:>10.0%}  {row['best']:>10.0%}  {first:>16}  {row['changes']:>7}  "
-              f"{row['probes']:>6}")  # fmt: skip
+              f"{row['probes']:>6}  {row['longest_s']:>10.1f} s")  # fmt: skip
+    print("  (longest call: the re-planned run's, which holds the window's gather and the probe; its median call "
+          f"{np.median([row['median_s'] for row, _ in summary]) * 1e3:.0f} ms)")  # fmt: skip
     if args.healthy_calls:
         flap_started = time.monotonic()
         with running(EmulationSpec(CLOS, name="replan", rate_bps=rate_bps)) as built:

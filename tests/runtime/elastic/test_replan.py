@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -39,7 +41,7 @@ def test_one_slow_window_changes_nothing_and_the_second_reorders_with_the_predic
     before = 2 * (N - 1) * ALPHA + 2 * (N - 1) / N * SIZE / (0.1 * FAST)
     after = 2 * (N - 1) * ALPHA + 2 * (N - 1) / N * SIZE / FAST
     assert decision.predicted_speedup == pytest.approx(before / after, rel=1e-12)
-    assert decision.reason.startswith("link 3->4 at 10% of the median link for 200 calls: ring reordered 0,")
+    assert decision.reason.startswith("link 3->4 at 10% of the others' median for 200 calls: ring reordered 0,")
     assert (3, 4) not in {(decision.order[i], decision.order[(i + 1) % N]) for i in range(N)}
 
 
@@ -209,7 +211,7 @@ def test_a_probe_that_finds_nothing_slow_keeps_the_order_and_says_so() -> None:
                                probe=lambda pair_bytes: _pairs({}))  # fmt: skip
     assert decision is None
     assert planner.order == tuple(range(N))
-    assert planner.probes == ["link 3->4 at 1% of the median link for 50 calls; probed 56 pairs with 11 MiB each: "
+    assert planner.probes == ["link 3->4 at 1% of the others' median for 50 calls; probed 56 pairs with 11 MiB each: "
                               "none slow: order kept (no order predicted 1.25x faster)"]  # fmt: skip
 
 
@@ -225,3 +227,22 @@ def test_the_probe_is_sized_so_that_a_pair_at_a_tenth_of_the_others_is_resolved_
         shortest, longest = busy_interval_s(busy)
         rates[link] = MeasuredRate(rate, pair_bytes / longest, pair_bytes / shortest)
     assert slow_links(rates, 0.25) == {(0, 1)}
+
+
+def test_a_slow_cable_under_most_of_the_ring_is_named_by_the_gap_below_the_others() -> None:
+    """Five of eight ring links behind one slow cable: the median is one of them, so only the gap names them (the
+    windows of an emulated Clos, senders' counters, MB/s)."""
+    read = [(1.75, 1.56, 1.97), (1.82, 1.62, 2.05), (1.86, 1.65, 2.1), (1.88, 1.67, 2.12), (2.09, 1.84, 2.38),
+            (114.87, 45.95, 287.18), (143.59, 51.97, 396.75), (1148.72, 105.31, 12530.62)]  # fmt: skip
+    rates = {(i, (i + 1) % N): MeasuredRate(*(1e6 * r for r in rate)) for i, rate in enumerate(read)}
+    assert slow_links(rates, 0.25) == {(i, i + 1) for i in range(5)}
+
+
+def test_a_healthy_windows_spread_has_no_gap() -> None:
+    """The bottom of a healthy ring's window on the emulated Clos (links sharing a spine uplink) beside links that
+    never waited: less than four times apart once the intervals are taken, so nothing is slow."""
+    read = [(19.8, 13.39, 29.29), (23.58, 15.35, 36.24), (25.73, 16.43, 40.29), (27.15, 17.16, 42.96),
+            (29.36, 18.13, 47.54), (229.69, 65.34, 807.48), (382.81, 79.9, 1834.17),
+            (1148.44, 127.6, math.inf)]  # fmt: skip
+    rates = {(i, (i + 1) % N): MeasuredRate(*(1e6 * r for r in rate)) for i, rate in enumerate(read)}
+    assert slow_links(rates, 0.25) == frozenset()

@@ -39,7 +39,10 @@ def test_a_paced_link_is_re_planned_around_alike_on_every_rank() -> None:
     assert len(changes) == 1  # every rank decided the same, from the same gathered records
     (replans,) = changes
     assert len(replans) == 1
-    assert replans[0].startswith("after call 20: link 1->2 at ")
+    # after the second window, or the third: the receivers' records now and then read the link after the paced one
+    # below a quarter too (its receiver waits for data the paced link holds up), a different set, which the rule
+    # confirms again (1 run in 4 at load 14-25)
+    assert replans[0].startswith(("after call 20: link 1->2 at ", "after call 30: link 1->2 at ")), replans
     assert all(r[1] for r in results)
     before = np.median([t for r in results for t in r[0][:20]])
     after = np.median([t for r in results for t in r[0][-20:]])

@@ -13,12 +13,15 @@ The rule, with hysteresis so that noise never flaps the order:
 - a link is *slow* when even the highest rate its measurement allows is below ``slow_ratio`` times the median of
   the lowest rates the others' allow (:class:`MeasuredRate`: a receiver's timing is exact, a kernel's busy time is
   counted in jiffies, so its rate is an interval); the ratio is 1/4, not 1/2, because a healthy TCP link that
-  shares a switch uplink with two other flows reads a third of the others: contention, not a slow link;
-- the order changes only when the same slow links were seen in ``confirm_windows`` consecutive windows and the
-  α–β model, fed with the measured rates (the slow links at their highest, the others at their lowest), predicts
-  the new ring at least ``min_speedup`` times faster: a ring all-reduce of S bytes on N ranks takes
-  ``2(N-1)·α + 2(N-1)/N · S / r_min`` (Patarasuk and Yuan, 2009), where ``r_min`` is the slowest link the ring
-  uses, so the order that maximises ``r_min`` is the one to run;
+  shares a switch uplink with two other flows reads a third of the others: contention, not a slow link; when the
+  slow links are most of those measured (a slow cable under most of a ring's hops) the median is one of them,
+  and a gap names them instead (:func:`slow_links`);
+- the order changes only when a link was seen slow in each of ``confirm_windows`` consecutive windows (links read
+  slow beside it in some of them do not reset the count: a slow cable under several hops does not slow each of
+  them below the bar in every window) and the α–β model, fed with the measured rates (the slow links at their
+  highest, the others at their lowest), predicts the new ring at least ``min_speedup`` times faster: a ring
+  all-reduce of S bytes on N ranks takes ``2(N-1)·α + 2(N-1)/N · S / r_min`` (Patarasuk and Yuan, 2009), where
+  ``r_min`` is the slowest link the ring uses, so the order that maximises ``r_min`` is the one to run;
 - the new order may use pairs never measured (rated at the median measured link until then): a pair that the
   kernel's counters put below the ratio in the first window it is used is acted on at once (re-planned around
   with everything measured so far), since the episode was confirmed already and a first measurement is not a
@@ -194,9 +197,20 @@ def sender_rates(before: npt.NDArray[np.float64], after: npt.NDArray[np.float64]
     return rates
 
 
+SPLIT_MIN_ABOVE = 3
+"""A group of slow links is named by its gap (:func:`slow_links`) only below at least this many links that are
+clearly faster: with fewer, the "others" could be two links that merely never waited."""
+
+
 def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link]:
     """The links whose highest possible rate is below ``slow_ratio`` times the median of the others' lowest (none
-    with fewer than three links measured: with two, neither is "the others")."""
+    with fewer than three links measured: with two, neither is "the others"), and the links below a gap: when the
+    links sorted by their highest rate split into a lower group whose highest rates are all below ``slow_ratio``
+    times the lowest rate of every link above it (at least :data:`SPLIT_MIN_ABOVE` of them), the lower group is
+    slow. The gap names the slow links when they are most of the ring, where the median is one of them: a slow
+    spine cable that the switches' hash gave five of a ring's eight hops read 1.7-3.3 MB/s beside 34-1,150 MB/s
+    for the three others (senders' counters, an emulated 2x2 Clos at 25 MB/s a cable, one at a tenth); the healthy
+    ring's windows there read 20-50 MB/s at the bottom and never split."""
     if len(rates) < 3:
         return frozenset()
     lows = {link: _low(rate) for link, rate in rates.items()}
@@ -205,6 +219,12 @@ def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link
         others = statistics.median(low for other, low in lows.items() if other != link)
         if _high(rate) < slow_ratio * others:
             slow.append(link)
+    by_high = sorted(rates, key=lambda link: (_high(rates[link]), link))
+    for below in range(len(by_high) - SPLIT_MIN_ABOVE, 0, -1):  # the widest lower group first
+        lowest_above = min(lows[link] for link in by_high[below:])
+        if _high(rates[by_high[below - 1]]) < slow_ratio * lowest_above:
+            slow.extend(by_high[:below])
+            break
     return frozenset(slow)
 
 
@@ -265,8 +285,10 @@ class Replanner:
             self._probing, self._since_change = True, 0
             self.order = identity
             return Decision(identity, "probing the original ring order: avoided links are not measured", 1.0)
-        self._streak = self._streak + 1 if slow and slow == self._seen else (1 if slow else 0)
-        self._seen = slow
+        if slow & self._seen:  # a link slow in every window of the streak: confirmed, whatever else read slow
+            self._streak, self._seen = self._streak + 1, slow & self._seen
+        else:
+            self._streak, self._seen = (1 if slow else 0), slow
         refining, self._refining = self._refining, False
         # A pair the new order uses for the first time, read slow by the kernel's interval in its first window, is a
         # first measurement, not a change to confirm: the episode was confirmed already. Links read slow beside it
@@ -275,9 +297,9 @@ class Replanner:
         self._last_rates = {**self._last_rates, **_cautious(rates, slow)}
         if not slow or (self._streak < self.rule.confirm_windows and not (refining and first_seen)):
             return None
-        median = statistics.median(rates.values())
+        median = statistics.median(rate for link, rate in rates.items() if link not in slow)
         worst = min(slow, key=lambda link: rates[link])
-        seen = f"link {worst[0]}->{worst[1]} at {rates[worst] / median:.0%} of the median link"
+        seen = f"link {worst[0]}->{worst[1]} at {rates[worst] / median:.0%} of the others' median"
         seen += f" for {self._streak * self.rule.window_calls} calls"
         probed = ""
         if probe is not None and (self._since_probe is None or self._since_probe >= self.rule.probe_windows):
@@ -381,9 +403,10 @@ class GroupReplanning:
         self._sent_before: npt.NDArray[np.float64] | None = None
 
     def sent_rates(self, table: npt.NDArray[np.float64]) -> dict[Link, float]:
-        """:func:`sender_rates` between the counters gathered last (zeros the first time) and ``table``, which the
-        next rates are then counted from."""
+        """:func:`sender_rates` between the counters gathered last (zeros the first time, and for a connection made
+        since) and ``table``, which the next rates are then counted from."""
         before = np.zeros_like(table) if self._sent_before is None else self._sent_before
+        before = np.where(np.isnan(before) & ~np.isnan(table), 0.0, before)  # a connection made since: from zero
         self._sent_before = table
         return sender_rates(before, table)
 

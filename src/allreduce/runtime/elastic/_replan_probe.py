@@ -82,6 +82,8 @@ class ProbedGroup(Protocol):
 
     def all_to_all(self, x: Any, out: Any, algorithm: str) -> Any: ...
 
+    def barrier(self) -> None: ...
+
     def stats(self, last: int = ...) -> GroupStats: ...
 
 
@@ -115,6 +117,9 @@ def run_probe(group: ProbedGroup, pair_bytes: int) -> None:
     send = np.zeros(n * pair_bytes, np.uint8)
     try:
         group.all_to_all(send, np.empty_like(send), algorithm="pairwise")
+        # A rank's part of the all-to-all ends once its sends are in its socket buffers: its counters, read now,
+        # would miss the bytes still queued for a slow peer. Past the barrier every rank has received everything.
+        group.barrier()
     except CollectiveError as exc:
         exc.add_note(f"rank {group.rank}: this collective was the re-planning probe of every pair of ranks")
         raise
