@@ -276,8 +276,9 @@ def main_emulated(args: argparse.Namespace) -> None:
         print(f"  {number:>3}  {load:>5.1f}  {row['crossing']:>7} of {n * (n - 1)}  {row['without']:>7.0%}  "
               f"{row['replanned']:>10.0%}  {row['best']:>10.0%}  {first:>16}  {row['changes']:>7}  "
               f"{row['probes']:>6}  {row['longest_s']:>10.1f} s")  # fmt: skip
-    print("  (longest call: the re-planned run's, which holds the window's gather and the probe; its median call "
-          f"{np.median([row['median_s'] for row, _ in summary]) * 1e3:.0f} ms)")  # fmt: skip
+    print("  (pairs slow: those whose connection the kernel routed over the slow cable in the best-order run; every "
+          "run's connections hash anew. longest call: the re-planned run's, which holds the window's gather and the "
+          f"probe; its median call {np.median([row['median_s'] for row, _ in summary]) * 1e3:.0f} ms)")  # fmt: skip
     if args.healthy_calls:
         flap_started = time.monotonic()
         with running(EmulationSpec(CLOS, name="replan", rate_bps=rate_bps)) as built:

@@ -17,9 +17,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+
+from allreduce.emulate import Layout
+from allreduce.runtime.launcher import die_with_parent
 
 pytestmark = [
     pytest.mark.skipif(
@@ -58,29 +62,30 @@ def _worker() -> None:
         group.close()
 
 
-def _run_ranks(built: object) -> list[dict[str, object]]:
+def _run_ranks(built: Layout) -> list[dict[str, Any]]:
     env = dict(
-        os.environ, WORLD_SIZE=str(len(INTERLEAVED)), MASTER_ADDR=built.host_address[INTERLEAVED[0]],  # type: ignore[attr-defined]
+        os.environ, WORLD_SIZE=str(len(INTERLEAVED)), MASTER_ADDR=built.host_address[INTERLEAVED[0]],
         MASTER_PORT=str(STORE_PORT), ALLREDUCE_TOKEN=secrets.token_hex(16), ALLREDUCE_REPLAN="window=10,confirm=2",
     )  # fmt: skip
+    in_child = die_with_parent(os.getpid())  # no rank outlives the test
     procs = []
     for rank, host in enumerate(INTERLEAVED):
-        namespace = built.host_namespace(host)  # type: ignore[attr-defined]
-        cmd = ["ip", "netns", "exec", namespace, sys.executable, __file__, "--worker"]
+        cmd = ["ip", "netns", "exec", built.host_namespace(host), sys.executable, __file__, "--worker"]
         procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
-    reports = []
+                                      stderr=subprocess.PIPE, text=True, preexec_fn=in_child))  # fmt: skip  # noqa: PLW1509
     try:
         deadline = time.monotonic() + 300
-        for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert proc.returncode == 0, f"rank {rank}: {err.strip().splitlines()[-3:]}"
-            reports.append(json.loads(out.strip().splitlines()[-1]))
+        outs = [proc.communicate(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        running = [proc for proc in procs if proc.poll() is None]
+        for proc in running:
+            proc.kill()
+        for proc in running:
+            proc.wait()
+    reports = []
+    for rank, (proc, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank}: {err.strip().splitlines()[-3:]}"
+        reports.append(json.loads(out.strip().splitlines()[-1]))
     return reports
 
 
@@ -90,7 +95,7 @@ def test_one_probe_and_the_ring_crosses_the_slow_cable_nowhere(tmp_path: Path) -
     spec = EmulationSpec(CLOS, name=f"rp{uuid.uuid4().hex[:4]}", rate_bps=200e6, degrade=(SLOW_CABLE,))
     with running(spec, state_dir=tmp_path) as built:
         reports = _run_ranks(built)
-        seen = [Connection(INTERLEAVED[rank], *c) for rank, r in enumerate(reports) for c in r["connections"]]  # type: ignore[attr-defined]
+        seen = [Connection(INTERLEAVED[rank], *c) for rank, r in enumerate(reports) for c in r["connections"]]
         paths = kernel_paths(built, seen, ignore_ports=frozenset({STORE_PORT}))
         ends = SLOW_CABLE[0].split("<->")
         slow = {built.topology.find_link("->".join(ends)), built.topology.find_link("->".join(ends[::-1]))}
@@ -98,11 +103,11 @@ def test_one_probe_and_the_ring_crosses_the_slow_cable_nowhere(tmp_path: Path) -
         (INTERLEAVED.index(a), INTERLEAVED.index(b)) for (a, b), hops in paths.paths.items() if slow & set(hops)
     }
     assert all(r["exact"] for r in reports)
-    assert len({tuple(r["replans"]) for r in reports}) == 1  # every rank decided the same  # type: ignore[arg-type]
+    assert len({tuple(r["replans"]) for r in reports}) == 1  # every rank decided the same
     replans = reports[0]["replans"]
     assert crossing & {(i, (i + 1) % 8) for i in range(8)}  # the interleaved ring crossed the slow cable
-    assert len(replans) == 1, replans  # type: ignore[arg-type]
-    change = replans[0]  # type: ignore[index]
+    assert len(replans) == 1, replans
+    change = replans[0]
     assert change.startswith(("after call 20: ", "after call 30: ")), change  # the second window, or the third
     assert "; probed 56 pairs with " in change, change
     order = [int(r) for r in change.split("ring reordered ")[1].split(";")[0].split(",")]

@@ -127,15 +127,8 @@ def _all_pairs_loop(group: Any, calls: int) -> tuple[list[float], bool, tuple[st
     for src, dst in SLOW_PAIRS:
         if group.rank == src:
             group.transport.inject_slow_link(peer=dst, rate_Bps=PACED_BPS)
-    times, exact = [], True
-    expected = float(sum(range(1, group.world_size + 1)))
-    for _ in range(calls):
-        x = np.full(COUNT, float(group.rank + 1), np.float32)
-        started = time.perf_counter()
-        group.all_reduce(x, algorithm="ring")
-        times.append(time.perf_counter() - started)
-        exact = exact and bool(np.all(x == expected))
-    return times, exact, group.stats().replans
+    times, exact, replans, _ = _tcp_loop(group, calls, None)
+    return times, exact, replans
 
 
 def _ring_pairs(order: list[int]) -> set[tuple[int, int]]:
