@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -17,8 +18,9 @@ from allreduce.runtime.elastic._replan import (
     sender_rates,
     slow_links,
 )
-from allreduce.runtime.elastic._replan_probe import probe_pair_bytes
+from allreduce.runtime.elastic._replan_probe import best_order, probe_pair_bytes
 from allreduce.runtime.tcp._tcpinfo import JIFFY_S
+from allreduce.schedules import ring_bottleneck
 
 N = 8
 FAST = 1e9
@@ -246,3 +248,14 @@ def test_a_healthy_windows_spread_has_no_gap() -> None:
             (1148.44, 127.6, math.inf)]  # fmt: skip
     rates = {(i, (i + 1) % N): MeasuredRate(*(1e6 * r for r in rate)) for i, rate in enumerate(read)}
     assert slow_links(rates, 0.25) == frozenset()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(4, 7), st.integers(0, 2**32 - 1))
+def test_the_order_chosen_from_every_pair_has_the_fastest_slowest_link_of_all_orders(n: int, seed: int) -> None:
+    rates = np.random.default_rng(seed).choice([1e6, 5e6, 2e7, 1e8, 1e9], size=(n, n))
+    chosen = best_order(tuple(range(n)), rates)
+    every = [ring_bottleneck((0, *rest), rates) for rest in itertools.permutations(range(1, n))]
+    assert sorted(chosen) == list(range(n))
+    assert chosen[0] == 0
+    assert ring_bottleneck(chosen, rates) == max(every)
