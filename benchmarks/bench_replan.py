@@ -8,7 +8,7 @@ one with the link 1 -> 2 paced to ``--rate`` (``ALLREDUCE_INJECT``), a ring all-
 printing busbw per window and the change re-planning made; one healthy, counting the changes over
 ``--healthy-calls`` calls (none is the goal: no flapping). The same runs without re-planning are the reference.
 
-    sudo .venv/bin/python benchmarks/bench_replan.py --emulated [--size 256KiB] [--calls 150]
+    sudo .venv/bin/python benchmarks/bench_replan.py --emulated [--size 256KiB] [--calls 150] [--runs 4]
         [--replan window=10,confirm=2] [--healthy-calls 2000]
 
     .venv/bin/python benchmarks/bench_replan.py --tcp-healthy [--size 64KiB] [--healthy-calls 10000]
@@ -21,10 +21,11 @@ The same over real TCP on an emulated cluster (``allreduce emulate``, root and i
 leaves and 2 spines with 4 hosts each, links at ``--link-rate``, the cable leaf0<->spine0 at 10% of it, and the
 ranks placed interleaved (rank r on host 0,4,1,5,2,6,3,7[r]) so that every hop of the ring crosses a spine and the
 kernel's ECMP hash sends some of them over the slow cable. One rank per host namespace; every result checked
-exactly. The healthy reference runs on the same cluster without the slow cable. A last run on the slow cluster
-asks the kernel which links each rank pair's connection crosses (its ECMP hash of the ports) and runs the ring
-order whose slowest hop gets the largest share of its links, out of all 5,040: what re-planning could reach if it
-knew the paths.
+exactly. The healthy reference runs on the same cluster without the slow cable (built anew for each of
+``--runs``; the healthy cluster with re-planning on runs once, after them, counting changes and probes). A last
+run on the slow cluster asks the kernel which links each rank pair's connection crosses (its ECMP hash of the
+ports) and runs the ring order whose slowest hop gets the largest share of its links, out of all 5,040: what
+re-planning could reach if it knew the paths.
 """
 
 from __future__ import annotations
@@ -211,23 +212,14 @@ def _print_windows(rows: list[tuple[str, list[float]]], nbytes: int, n: int, win
     return out
 
 
-def main_emulated(args: argparse.Namespace) -> None:
-    from allreduce.emulate import EmulationSpec, check_privileges, running
+def _emulated_run(args: argparse.Namespace, count: int, rate_bps: float, window: int) -> dict[str, Any]:
+    """One run of the emulated comparison on clusters built for it: the healthy reference, then on the cluster
+    with the slow cable the ring without re-planning, with it, and in the order the kernel's paths allow."""
+    from allreduce.emulate import EmulationSpec, running
 
-    check_privileges()
-    nbytes = parse_bytes(args.size, what="--size")
-    count, n = max(1, nbytes // 4), len(INTERLEAVED)
-    rate_bps = parse_bandwidth(args.link_rate) * 8
-    window = int(dict(kv.split("=") for kv in args.replan.split(",") if "=" in kv).get("window", WINDOW))
-    print(f"bench_replan --emulated: {n} ranks over TCP on {CLOS} at {args.link_rate}, {SLOW_CABLE[0]} at "
-          f"{SLOW_CABLE[1]:.0%}, ranks interleaved, ring all-reduce of {args.size}, ALLREDUCE_REPLAN={args.replan}; "
-          f"load {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores")  # fmt: skip
-    started = time.monotonic()
+    n = len(INTERLEAVED)
     with running(EmulationSpec(CLOS, name="replan", rate_bps=rate_bps)) as built:
         healthy, _ = run_emulated(built, count, args.calls, None)
-        flap_started = time.monotonic()
-        _, flaps = run_emulated(built, max(1, (64 << 10) // 4), args.healthy_calls, args.replan)
-        flap_s = time.monotonic() - flap_started
     oracle: dict[str, Any] = {}
     with running(EmulationSpec(CLOS, name="replan", rate_bps=rate_bps, degrade=(SLOW_CABLE,))) as built:
         slow, _ = run_emulated(built, count, args.calls, None)
@@ -239,25 +231,61 @@ def main_emulated(args: argparse.Namespace) -> None:
         crossing = sorted(
             (INTERLEAVED.index(a), INTERLEAVED.index(b)) for (a, b), hops in by_host if slow_links & set(hops)
         )
-    print(f"busbw GB/s per window of {window} calls (median call):")
     rows = [("healthy", healthy), ("slow cable", slow), ("slow cable, re-planning", replanned),
             ("slow cable, best order", best)]  # fmt: skip
-    bw = _print_windows(rows, nbytes, n, window)
+    bw = _print_windows(rows, count * 4, n, window)
     for change in changes:
         print(f"  re-planned {change}")
     reference = float(np.median(bw[0]))
     first = next((i for i, b in enumerate(bw[2]) if b >= 0.8 * reference), None)
-    at = "never" if first is None else f"from call {first * window} on (window {first})"
-    print(f"  >= 80% of the healthy busbw (median window): {at}; last window {bw[2][-1] / reference:.0%} of healthy, "
-          f"without re-planning {bw[1][-1] / reference:.0%}")  # fmt: skip
     pairs = ", ".join(f"{a}->{b}" for a, b in crossing)
-    print(f"  the kernel's ECMP paths in the last run: {len(crossing)} of {n * (n - 1)} rank pairs cross the slow "
-          f"cable ({pairs})")  # fmt: skip
-    print(f"  order the paths allow: {','.join(map(str, oracle['order']))}, its slowest hop's share "
-          f"{oracle['share'] / 1e6:.1f} MB/s (the interleaved ring's {oracle['interleaved'] / 1e6:.2f} MB/s); "
-          f"measured {np.median(bw[3]) / reference:.0%} of the healthy busbw")  # fmt: skip
-    print(f"healthy cluster with re-planning on: {len(flaps)} changes in {args.healthy_calls:,} calls of 64 KiB "
-          f"({flap_s:.0f} s)")  # fmt: skip
+    print(f"  the kernel's ECMP paths: {len(crossing)} of {n * (n - 1)} rank pairs cross the slow cable ({pairs}); "
+          f"order the paths allow: {','.join(map(str, oracle['order']))}, its slowest hop's share "
+          f"{oracle['share'] / 1e6:.1f} MB/s (the interleaved ring's {oracle['interleaved'] / 1e6:.2f})")  # fmt: skip
+    return {
+        "without": bw[1][-1] / reference, "replanned": bw[2][-1] / reference,
+        "best": float(np.median(bw[3])) / reference,
+        "first": None if first is None else first * window, "crossing": len(crossing),
+        "longest_s": max(replanned), "median_s": float(np.median(replanned)),
+        "changes": sum("ring reordered" in c for c in changes), "probes": sum("probed" in c for c in changes),
+    }  # fmt: skip
+
+
+def main_emulated(args: argparse.Namespace) -> None:
+    from allreduce.emulate import EmulationSpec, check_privileges, running
+
+    check_privileges()
+    nbytes = parse_bytes(args.size, what="--size")
+    count, n = max(1, nbytes // 4), len(INTERLEAVED)
+    rate_bps = parse_bandwidth(args.link_rate) * 8
+    window = int(dict(kv.split("=") for kv in args.replan.split(",") if "=" in kv).get("window", WINDOW))
+    print(f"bench_replan --emulated: {n} ranks over TCP on {CLOS} at {args.link_rate}, {SLOW_CABLE[0]} at "
+          f"{SLOW_CABLE[1]:.0%}, ranks interleaved, ring all-reduce of {args.size}, ALLREDUCE_REPLAN={args.replan}; "
+          f"{args.runs} runs; load {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores")  # fmt: skip
+    started = time.monotonic()
+    summary = []
+    for number in range(args.runs):
+        print(f"run {number + 1}: busbw GB/s per window of {window} calls (median call); load "
+              f"{os.getloadavg()[0]:.1f}")  # fmt: skip
+        summary.append((_emulated_run(args, count, rate_bps, window), os.getloadavg()[0]))
+    print(f"last window's busbw, % of the healthy run's median window ({args.calls} calls, windows of {window}):")
+    print(f"  {'run':>3}  {'load':>5}  {'pairs slow':>10}  {'without':>7}  {'re-planned':>10}  {'best order':>10}  "
+          f"{'>= 80% from call':>16}  {'changes':>7}  {'probes':>6}  {'longest call':>12}")  # fmt: skip
+    for number, (row, load) in enumerate(summary, 1):
+        first = "never" if row["first"] is None else str(row["first"])
+        print(f"  {number:>3}  {load:>5.1f}  {row['crossing']:>7} of {n * (n - 1)}  {row['without']:>7.0%}  "
+              f"{row['replanned']:>10.0%}  {row['best']:>10.0%}  {first:>16}  {row['changes']:>7}  "
+              f"{row['probes']:>6}  {row['longest_s']:>10.1f} s")  # fmt: skip
+    print("  (pairs slow: those whose connection the kernel routed over the slow cable in the best-order run; every "
+          "run's connections hash anew. longest call: the re-planned run's, which holds the window's gather and the "
+          f"probe; its median call {np.median([row['median_s'] for row, _ in summary]) * 1e3:.0f} ms)")  # fmt: skip
+    if args.healthy_calls:
+        flap_started = time.monotonic()
+        with running(EmulationSpec(CLOS, name="replan", rate_bps=rate_bps)) as built:
+            _, flaps = run_emulated(built, max(1, (64 << 10) // 4), args.healthy_calls, args.replan)
+        changes, probes = sum("ring reordered" in f for f in flaps), sum("probed" in f for f in flaps)
+        print(f"healthy cluster with re-planning on: {changes} changes and {probes} probes in "
+              f"{args.healthy_calls:,} calls of 64 KiB ({time.monotonic() - flap_started:.0f} s)")  # fmt: skip
     print(f"wall {time.monotonic() - started:.0f} s; load {os.getloadavg()[0]:.1f}")
 
 
@@ -269,10 +297,10 @@ def _window_share(group: Any, count: int, calls: int) -> tuple[float, float]:
     spent = [0.0, 0.0]
     plain = _replan.GroupReplanning.after_call
 
-    def timed(self: Any, nbytes: int, rates_of: Any) -> Any:
+    def timed(self: Any, nbytes: int, group: Any) -> Any:
         wall, cpu = time.perf_counter(), time.process_time()
         try:
-            return plain(self, nbytes, rates_of)
+            return plain(self, nbytes, group)
         finally:
             spent[0] += time.perf_counter() - wall
             spent[1] += time.process_time() - cpu
@@ -333,6 +361,7 @@ def main() -> None:
     parser.add_argument("--emulated", action="store_true", help="over TCP on an emulated Clos (root)")
     parser.add_argument("--link-rate", default="200Mbps", help="with --emulated: the links' shaped rate")
     parser.add_argument("--replan", default="window=10,confirm=2", help="with --emulated: ALLREDUCE_REPLAN")
+    parser.add_argument("--runs", type=int, default=1, help="with --emulated: runs, each on clusters built anew")
     parser.add_argument("--tcp-healthy", action="store_true", help="a healthy ring over loopback TCP: changes, cost")
     parser.add_argument("--cost-pairs", type=int, default=5, help="with --tcp-healthy: runs with and without")
     parser.add_argument("--cost-calls", type=int, default=2000, help="with --tcp-healthy: calls in each run")

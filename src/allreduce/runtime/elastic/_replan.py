@@ -13,16 +13,26 @@ The rule, with hysteresis so that noise never flaps the order:
 - a link is *slow* when even the highest rate its measurement allows is below ``slow_ratio`` times the median of
   the lowest rates the others' allow (:class:`MeasuredRate`: a receiver's timing is exact, a kernel's busy time is
   counted in jiffies, so its rate is an interval); the ratio is 1/4, not 1/2, because a healthy TCP link that
-  shares a switch uplink with two other flows reads a third of the others: contention, not a slow link;
-- the order changes only when the same slow links were seen in ``confirm_windows`` consecutive windows and the
-  α–β model, fed with the measured rates (the slow links at their highest, the others at their lowest), predicts
-  the new ring at least ``min_speedup`` times faster: a ring all-reduce of S bytes on N ranks takes
-  ``2(N-1)·α + 2(N-1)/N · S / r_min`` (Patarasuk and Yuan, 2009), where ``r_min`` is the slowest link the ring
-  uses, so the order that maximises ``r_min`` is the one to run;
+  shares a switch uplink with two other flows reads a third of the others: contention, not a slow link; when the
+  slow links are most of those measured (a slow cable under most of a ring's hops) the median is one of them,
+  and a gap names them instead (:func:`slow_links`);
+- the order changes only when a link was seen slow in each of ``confirm_windows`` consecutive windows (links read
+  slow beside it in some of them do not reset the count: a slow cable under several hops does not slow each of
+  them below the bar in every window) and the α–β model, fed with the measured rates (the slow links at their
+  highest, the others at their lowest), predicts the new ring at least ``min_speedup`` times faster: a ring
+  all-reduce of S bytes on N ranks takes ``2(N-1)·α + 2(N-1)/N · S / r_min`` (Patarasuk and Yuan, 2009), where
+  ``r_min`` is the slowest link the ring uses, so the order that maximises ``r_min`` is the one to run;
 - the new order may use pairs never measured (rated at the median measured link until then): a pair that the
   kernel's counters put below the ratio in the first window it is used is acted on at once (re-planned around
   with everything measured so far), since the episode was confirmed already and a first measurement is not a
   change; a receiver's record of it (no interval) is confirmed like any other;
+- over TCP, once the slow links are confirmed and before the order is chosen, the group measures every ordered
+  pair (:mod:`._replan_probe`: one pairwise all-to-all on the group's own connections, sized so that the interval
+  rule resolves a pair as slow as the confirmed link, read from the senders' counters) and the α–β model is fed
+  all their rates, so the new order avoids every slow pair at once, not only those the old ring used; the probe
+  runs at most once per ``probe_windows`` windows (between two, decisions stand on the rates measured so far), and
+  a healthy group never runs it, since nothing is confirmed there; with all pairs known, every ring order is
+  scored (up to 9 ranks), slowest link first;
 - a link the new order avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back to
   the original order for one window to look again (a healed link is then kept, a still slow one avoided again).
 
@@ -40,9 +50,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from allreduce.runtime.elastic._replan_probe import (
+    ProbedGroup,
+    best_order,
+    gather_sent_counters,
+    probe_pair_bytes,
+    run_probe,
+)
 from allreduce.runtime.stats._stats import LinkStats
 from allreduce.runtime.tcp._tcpinfo import JIFFY_S
-from allreduce.schedules import SLOW_LINK_RATIO, Schedule, best_ring_order, ordered_ring, ring_time_s
+from allreduce.schedules import SLOW_LINK_RATIO, Schedule, ordered_ring, ring_time_s
 
 __all__ = [
     "CONFIDENCE_Z",
@@ -51,6 +68,7 @@ __all__ = [
     "Decision",
     "GroupReplanning",
     "MeasuredRate",
+    "Probe",
     "ReplanRule",
     "Replanner",
     "busy_interval_s",
@@ -62,6 +80,9 @@ __all__ = [
 ]
 
 Link = tuple[int, int]
+
+Probe = Callable[[int], Mapping[Link, float]]
+"""The all-pairs probe as the re-planner sees it: bytes per pair in, the rate of every pair it measured out."""
 
 
 MEASURED_SLOW_RATIO = SLOW_LINK_RATIO
@@ -176,9 +197,20 @@ def sender_rates(before: npt.NDArray[np.float64], after: npt.NDArray[np.float64]
     return rates
 
 
+SPLIT_MIN_ABOVE = 3
+"""A group of slow links is named by its gap (:func:`slow_links`) only below at least this many links that are
+clearly faster: with fewer, the "others" could be two links that merely never waited."""
+
+
 def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link]:
     """The links whose highest possible rate is below ``slow_ratio`` times the median of the others' lowest (none
-    with fewer than three links measured: with two, neither is "the others")."""
+    with fewer than three links measured: with two, neither is "the others"), and the links below a gap: when the
+    links sorted by their highest rate split into a lower group whose highest rates are all below ``slow_ratio``
+    times the lowest rate of every link above it (at least :data:`SPLIT_MIN_ABOVE` of them), the lower group is
+    slow. The gap names the slow links when they are most of the ring, where the median is one of them: a slow
+    spine cable that the switches' hash gave five of a ring's eight hops read 1.7-3.3 MB/s beside 34-1,150 MB/s
+    for the three others (senders' counters, an emulated 2x2 Clos at 25 MB/s a cable, one at a tenth); the healthy
+    ring's windows there read 20-50 MB/s at the bottom and never split."""
     if len(rates) < 3:
         return frozenset()
     lows = {link: _low(rate) for link, rate in rates.items()}
@@ -187,6 +219,12 @@ def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link
         others = statistics.median(low for other, low in lows.items() if other != link)
         if _high(rate) < slow_ratio * others:
             slow.append(link)
+    by_high = sorted(rates, key=lambda link: (_high(rates[link]), link))
+    for below in range(len(by_high) - SPLIT_MIN_ABOVE, 0, -1):  # the widest lower group first
+        lowest_above = min(lows[link] for link in by_high[below:])
+        if _high(rates[by_high[below - 1]]) < slow_ratio * lowest_above:
+            slow.extend(by_high[:below])
+            break
     return frozenset(slow)
 
 
@@ -219,15 +257,24 @@ class Replanner:
     _probing: bool = False
     _refining: bool = False
     _last_rates: dict[Link, float] = field(default_factory=dict)
+    _since_probe: int | None = None
+    probes: list[str] = field(default_factory=list)
+    """What each probe found and whether the order changed, in the words ``group.stats()`` prints."""
 
     def __post_init__(self) -> None:
         if not self.order:
             self.order = tuple(range(self.world_size))
 
-    def observe(self, rates: Mapping[Link, float], *, size_bytes: float, alpha_s: float) -> Decision | None:
-        """One window's link rates; a :class:`Decision` when the order changes, else None."""
+    def observe(
+        self, rates: Mapping[Link, float], *, size_bytes: float, alpha_s: float, probe: Probe | None = None
+    ) -> Decision | None:
+        """One window's link rates; a :class:`Decision` when the order changes, else None. ``probe`` (bytes per
+        pair -> the rate of every pair) is run when slow links are confirmed and no probe ran in the last
+        ``probe_windows`` windows; its rates then replace everything measured before."""
         identity = tuple(range(self.world_size))
         self._since_change += 1
+        if self._since_probe is not None:
+            self._since_probe += 1
         slow = slow_links(rates, self.rule.slow_ratio)
         if self._probing:  # the window in the original order is over: keep it if nothing is slow any more
             self._probing = False
@@ -238,8 +285,10 @@ class Replanner:
             self._probing, self._since_change = True, 0
             self.order = identity
             return Decision(identity, "probing the original ring order: avoided links are not measured", 1.0)
-        self._streak = self._streak + 1 if slow and slow == self._seen else (1 if slow else 0)
-        self._seen = slow
+        if slow & self._seen:  # a link slow in every window of the streak: confirmed, whatever else read slow
+            self._streak, self._seen = self._streak + 1, slow & self._seen
+        else:
+            self._streak, self._seen = (1 if slow else 0), slow
         refining, self._refining = self._refining, False
         # A pair the new order uses for the first time, read slow by the kernel's interval in its first window, is a
         # first measurement, not a change to confirm: the episode was confirmed already. Links read slow beside it
@@ -248,23 +297,43 @@ class Replanner:
         self._last_rates = {**self._last_rates, **_cautious(rates, slow)}
         if not slow or (self._streak < self.rule.confirm_windows and not (refining and first_seen)):
             return None
+        median = statistics.median(rate for link, rate in rates.items() if link not in slow)
+        worst = min(slow, key=lambda link: rates[link])
+        seen = f"link {worst[0]}->{worst[1]} at {rates[worst] / median:.0%} of the others' median"
+        seen += f" for {self._streak * self.rule.window_calls} calls"
+        probed = ""
+        if probe is not None and (self._since_probe is None or self._since_probe >= self.rule.probe_windows):
+            pair_bytes = probe_pair_bytes(max(_high(rates[link]) for link in slow))
+            measured = probe(pair_bytes)
+            self._since_probe = 0
+            if len(measured) >= 3:  # every pair measured at once: the earlier windows' rates are older news
+                found = slow_links(measured, self.rule.slow_ratio)
+                self._last_rates = _cautious(measured, found)
+                probed = f"; probed {len(measured)} pairs with {pair_bytes / 2**20:.2g} MiB each: {_named(found)} slow"
         matrix = rate_matrix(self.world_size, self._last_rates)
-        proposal = best_ring_order(self.order, matrix)
+        proposal = best_order(self.order, matrix)
         before = ring_time_s(self.order, matrix, size_bytes, alpha_s)
         after = ring_time_s(proposal, matrix, size_bytes, alpha_s)
         speedup = before / after if after > 0 else 1.0
         if proposal == self.order or speedup < self.rule.min_speedup:
+            if probed:
+                self.probes.append(f"{seen}{probed}: order kept (no order predicted {self.rule.min_speedup}x faster)")
             return None
         ordered_ring(proposal)  # verified before it is offered
         self.order, self._since_change, self._refining = proposal, 0, True
-        median = statistics.median(rates.values())
-        worst = min(slow, key=lambda link: rates[link])
-        calls = self._streak * self.rule.window_calls
-        reason = (
-            f"link {worst[0]}->{worst[1]} at {rates[worst] / median:.0%} of the median link for {calls} calls: "
-            f"ring reordered {','.join(map(str, proposal))}; predicted {speedup:.1f}x faster"
-        )
+        reason = f"{seen}{probed}: ring reordered {','.join(map(str, proposal))}; predicted {speedup:.1f}x faster"
+        if probed:
+            self.probes.append(reason)
         return Decision(proposal, reason, speedup)
+
+
+def _named(links: frozenset[Link]) -> str:
+    """``3 (1->2, 1->3, 2->3)``: how many links, and which (the first eight)."""
+    if not links:
+        return "none"
+    names = [f"{src}->{dst}" for src, dst in sorted(links)]
+    more = ", ..." if len(names) > 8 else ""
+    return f"{len(names)} ({', '.join(names[:8])}{more})"
 
 
 REPLAN_ENV = "ALLREDUCE_REPLAN"
@@ -318,8 +387,9 @@ class GroupReplanning:
     """A group's re-planning: which schedule its all-reduces run, and the window count that calls for a look.
 
     Every rank of the group counts the same all-reduces and, every ``window_calls`` of them, gathers the link
-    records of all ranks (``group.stats``, a collective), so every rank feeds :class:`Replanner` the same rates
-    and adopts the same order: nothing is decided from one rank's view."""
+    rates of all ranks (the senders' kernel counters, all-gathered, or ``group.stats``: collectives), and runs the
+    all-pairs probe together when the rule asks for it, so every rank feeds :class:`Replanner` the same rates and
+    adopts the same order: nothing is decided from one rank's view."""
 
     def __init__(self, world_size: int, rule: ReplanRule, latency_s: float) -> None:
         self.rule = rule
@@ -329,12 +399,14 @@ class GroupReplanning:
         self.window_bytes = 0
         self.schedule: Schedule | None = None
         self.changes: list[str] = []
+        """Each change of order, and each probe that kept the order, with the call it came after."""
         self._sent_before: npt.NDArray[np.float64] | None = None
 
     def sent_rates(self, table: npt.NDArray[np.float64]) -> dict[Link, float]:
-        """:func:`sender_rates` between the counters gathered at the last window's end (zeros at the first) and
-        ``table``, which the next window's rates are then counted from."""
+        """:func:`sender_rates` between the counters gathered last (zeros the first time, and for a connection made
+        since) and ``table``, which the next rates are then counted from."""
         before = np.zeros_like(table) if self._sent_before is None else self._sent_before
+        before = np.where(np.isnan(before) & ~np.isnan(table), 0.0, before)  # a connection made since: from zero
         self._sent_before = table
         return sender_rates(before, table)
 
@@ -347,19 +419,45 @@ class GroupReplanning:
             return self.schedule
         return requested
 
-    def after_call(self, nbytes: int, rates_of: Callable[[int], Mapping[Link, float]]) -> Decision | None:
-        """Count one all-reduce of ``nbytes``; at a window's end, gather the link rates of the last calls
-        (``rates_of(last)``, a collective: :func:`sender_rates` or the records' :func:`link_rates`) and decide."""
+    def measured_rates(self, group: ProbedGroup, last: int) -> Mapping[Link, float]:
+        """The link rates since the last look (a collective): the senders' kernel counters, all-gathered, where the
+        transport keeps them (tcp across hosts), else the receivers' records of the last ``last`` calls. Every rank
+        decides from the same gathered data, so every rank takes the same source."""
+        table = gather_sent_counters(group)
+        if table is not None:
+            rates = self.sent_rates(table)
+            if rates:
+                return rates
+        return link_rates(group.stats(last).links)
+
+    def probe(self, group: ProbedGroup, pair_bytes: int) -> Mapping[Link, float]:
+        """The all-pairs probe (:mod:`._replan_probe`) and the rate of every pair it measured (collectives): from
+        the senders' counters only. A receiver's record of an all-to-all step is no rate: it waits there for a
+        sender still busy with the step before (over shared memory, or Unix sockets, the windows decide alone)."""
+        run_probe(group, pair_bytes)
+        table = gather_sent_counters(group)
+        return {} if table is None else self.sent_rates(table)
+
+    def after_call(self, nbytes: int, group: ProbedGroup) -> Decision | None:
+        """Count one all-reduce of ``nbytes``; at a window's end, gather the link rates of the last calls and decide
+        (probing every pair first when the rule asks)."""
         self.calls += 1
         self.window_bytes += nbytes
         window = self.rule.window_calls
         if self.calls % window:
             return None
-        rates = rates_of(window)
+        rates = self.measured_rates(group, window)
         size, self.window_bytes = self.window_bytes / window, 0
-        decision = self.replanner.observe(rates, size_bytes=size, alpha_s=self.latency_s)
+        probes = len(self.replanner.probes)
+        counted = all(isinstance(rate, MeasuredRate) for rate in rates.values())  # the kernel's: a probe can be read
+        decision = self.replanner.observe(
+            rates, size_bytes=size, alpha_s=self.latency_s,
+            probe=(lambda pair_bytes: self.probe(group, pair_bytes)) if counted else None,
+        )  # fmt: skip
         if decision is not None:
             identity = tuple(range(self.replanner.world_size))
             self.schedule = None if decision.order == identity else ordered_ring(decision.order)
             self.changes.append(f"after call {self.calls}: {decision.reason}")
+        elif len(self.replanner.probes) > probes:
+            self.changes.append(f"after call {self.calls}: {self.replanner.probes[-1]}")
         return decision

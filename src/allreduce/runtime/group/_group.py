@@ -42,7 +42,7 @@ import numpy.typing as npt
 from allreduce.runtime._args import integer_arg, rank_arg
 from allreduce.runtime._store_api import Store
 from allreduce.runtime.elastic._elastic import Lineage, Shrunk, grow, shrink
-from allreduce.runtime.elastic._replan import REPLAN_ENV, GroupReplanning, link_rates, rule_from_env
+from allreduce.runtime.elastic._replan import REPLAN_ENV, GroupReplanning, rule_from_env
 from allreduce.runtime.group._cost_models import default_cost_model
 from allreduce.runtime.p2p import PointToPoint
 from allreduce.runtime.pipeline._buffers import as_buffer, check_dtype
@@ -367,27 +367,10 @@ class ProcessGroup:
         nbytes = int(getattr(x, "nbytes", 0))
         chosen = replanning.algorithm(algorithm, nbytes)
         result = self._collective(Collective.ALL_REDUCE, x, op, chosen, 0, async_op, options)  # type: ignore[arg-type]
-        decision = replanning.after_call(nbytes, self._window_rates)
+        decision = replanning.after_call(nbytes, self)
         if decision is not None and self.rank == 0 and os.environ.get("ALLREDUCE_DEBUG"):
             print(f"allreduce: re-planned: {replanning.changes[-1]}", file=sys.stderr, flush=True)
         return result
-
-    def _window_rates(self, last: int) -> Mapping[tuple[int, int], float]:
-        """The link rates re-planning decides from (elastic/_replan.py), a collective: the senders' kernel counters,
-        all-gathered, where the transport keeps them (tcp across hosts), else the receivers' records of the last
-        ``last`` calls. Every rank decides from the same gathered data, so every rank takes the same source."""
-        replanning = self._replanning
-        assert replanning is not None
-        if type(self._transport).sent_counters is not Transport.sent_counters:
-            n = self.world_size
-            table = np.full((n, 2 * n), np.nan)
-            for peer, counters in self._transport.sent_counters().items():
-                table[self.rank, 2 * peer : 2 * peer + 2] = counters
-            self.all_gather(table.reshape(-1))
-            rates = replanning.sent_rates(table)
-            if rates:
-                return rates
-        return link_rates(self.stats(last).links)
 
     def reduce_scatter(
         self, x: Any, op: str = "sum", algorithm: str | Schedule = "auto", async_op: bool = False,
