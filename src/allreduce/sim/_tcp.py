@@ -49,17 +49,21 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   retransmission once packets sent after it are SACKed, but in recovery new data leaves only as ACKs arrive
   (proportional rate reduction), and on the emulated clusters the hosts' counters show lost retransmissions
   ending in RTOs one for one (``TCPLostRetransmit`` against ``TCPSackRecoveryFail``: 4/4, 2/2, 19/19, 30/31,
-  49/47 in five runs, 256 KiB rings). Transfers many windows long are another matter: the grid's 8 MiB
-  halving-doubling at every link 1e-3 pays an RTO in 1 of 40 repetitions where this rule charges 14 (RACK does
-  see a lost retransmission once data sent after it is SACKed, RFC 8985 §6, and a long transfer keeps sending);
-  where one regime turns into the other is not established, so the rule stands as measured. A lost probe is
-  such a loss too. The repair's ACK lost (probability ``q_ack``) ends the same way: nothing sent after the repair
-  acknowledges it (in recovery, proportional rate reduction lets out no new data with it where the window is a few
-  packets, ``tcp_cwnd_reduction``, and no probe is armed outside the Open state, ``tcp_schedule_loss_probe``), so
-  the RTO fires ``timer(RTO)`` after it and resends a packet the receiver has, which it answers at once. What waits
-  is the connection's unsent data: the rest of the transfer where more than a window of it
-  (:func:`loss_window_packets`) followed the loss, else the next transfer, ``gap`` after this one's end (nothing for
-  a connection's last transfer in the collective; a tail the next transfer reveals is acknowledged by that
+  49/47 in five runs, 256 KiB rings), and so do 8 MiB rings at 1e-3 and 3e-3 (16/14, 119/104), whose RTOs per
+  collective (0.71, 6.5) are the model's (0.74, 6.9). Not so on halving-doubling's exchanges, whose connections
+  carry data both ways: there RACK finds a lost retransmission (RFC 8985 §6, ``tcp_rack_detect_loss``: once a
+  packet sent after it is SACKed, with no reordering window in recovery) 19 times in 20 at 1e-3 (20/1, 8 MiB) and
+  about half the time at 3e-3 (50/27, 16/10). Traced, a ring's sender forwards data as it arrives and has 2–3
+  segments in flight, so when their SACKs mark a loss, proportional rate reduction sets the window to what is in
+  flight and one more (``tcp_cwnd_reduction``) and the repair leaves alone; data written after it waits for an ACK
+  a lost repair never brings. The model does not know the packets in flight per flow, so the rule stands.
+  A lost probe is such a loss too. The repair's ACK lost (probability ``q_ack``) ends the same way: nothing sent after
+  the repair acknowledges it (in recovery, proportional rate reduction lets out no new data with it where the window
+  is a few packets, ``tcp_cwnd_reduction``, and no probe is armed outside the Open state,
+  ``tcp_schedule_loss_probe``), so the RTO fires ``timer(RTO)`` after it and resends a packet the receiver has, which
+  it answers at once. What waits is the connection's unsent data: the rest of the transfer where more than a window
+  of it (:func:`loss_window_packets`) followed the loss, else the next transfer, ``gap`` after this one's end
+  (nothing for a connection's last transfer in the collective; a tail the next transfer reveals is acknowledged by that
   transfer's ACKs). After the RTO the window is one segment (``tcp_enter_loss``) and no probe is armed in the Loss
   state, so its resend lost or its ACK lost, ``1 − (1 − q)(1 − q_ack)``, waits for the next RTO, doubled, and so on.
   So a repair ends in the RTO with ``q + q_ack``, about ``2q``: the hosts' counters show RTOs in SACK recovery at
