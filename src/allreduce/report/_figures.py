@@ -282,7 +282,9 @@ def write_pngs(figures: Sequence[Figure], directory: str | Path) -> list[Path]:
         axes.set_ylabel(fig.y_label)
         axes.set_title(fig.title)
         if fig.series:
-            axes.legend(fontsize="small")
+            # beside the axes, not loc="best": its search over the data is timed, and matplotlib warns when it takes
+            # over a second (a loaded CI run's warning, an error under the suite's filterwarnings)
+            axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         figure.tight_layout()
         path = out / f"{fig.ident}.png"
         figure.savefig(path, dpi=100)
