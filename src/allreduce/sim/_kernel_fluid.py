@@ -58,45 +58,35 @@ def number_path(p: int, route: Any, local: Any, comp_links: Any, count: int) -> 
 
 # -- the fluid: rates of a changed component -------------------------------------------------------------------
 @inline
-def _heapsort(key: Any, second: Any, count: int, paired: bool) -> None:
+def _shellsort(key: Any, second: Any, count: int, paired: bool) -> None:
     """Sort ``key[:count]`` in place, by (key, second) with ``paired`` (moving ``second`` along), else by key
-    alone: a heapsort, which needs no room (the compiled core allocates nothing)."""
-    for start in range(count // 2 - 1, -1, -1):
-        _sift(key, second, start, count, paired)
-    for end in range(count - 1, 0, -1):
-        key[0], key[end] = key[end], key[0]
-        if paired:
-            second[0], second[end] = second[end], second[0]
-        _sift(key, second, 0, end, paired)
-
-
-@inline
-def _sift(key: Any, second: Any, i: int, count: int, paired: bool) -> None:
-    """Move ``key[i]`` down the max-heap ``key[:count]`` to its place."""
-    while True:
-        child = 2 * i + 1
-        if child >= count:
-            return
-        right = child + 1
-        if right < count and (
-            key[right] > key[child] or (paired and key[right] == key[child] and second[right] > second[child])
-        ):
-            child = right
-        if key[child] < key[i] or (key[child] == key[i] and (not paired or second[child] <= second[i])):
-            return
-        key[i], key[child] = key[child], key[i]
-        if paired:
-            second[i], second[child] = second[child], second[i]
-        i = child
+    alone: a shell sort (gaps 1, 4, 10, 23, ...: each about 2.25 times the last), which needs no room (the
+    compiled core allocates nothing); gap 1 is an insertion sort."""
+    gap = 1
+    while 9 * gap < 4 * count:
+        gap = (9 * gap + 3) // 4
+    while gap >= 1:
+        for i in range(gap, count):
+            k, v = key[i], second[i]
+            j = i
+            while j >= gap and (key[j - gap] > k or (paired and key[j - gap] == k and second[j - gap] > v)):
+                key[j] = key[j - gap]
+                if paired:
+                    second[j] = second[j - gap]
+                j -= gap
+            key[j] = k
+            if paired:
+                second[j] = v
+        gap = max((4 * gap) // 9, 1) if gap > 1 else 0
 
 
 @inline
 def _sort_pairs(key: Any, second: Any, count: int) -> None:
     """Sort ``key[:count]`` (ties by ``second``), moving ``second`` along: insertion sort for the few flows
-    a link usually carries, a heapsort beyond (equal pairs are alike, so any correct sort orders them the
+    a link usually carries, a shell sort beyond (equal pairs are alike, so any correct sort orders them the
     same)."""
     if count > 32:
-        _heapsort(key, second, count, True)
+        _shellsort(key, second, count, True)
         return
     for i in range(1, count):
         k, v = key[i], second[i]
@@ -216,9 +206,9 @@ def fill_small(  # noqa: PLR0917 (numba has no keyword-only parameters)
 
 @inline
 def sort_ids(ids: Any, count: int) -> None:
-    """Sort ``ids[:count]`` in place: insertion sort for the few a small component has, a heapsort beyond."""
+    """Sort ``ids[:count]`` in place: insertion sort for the few a small component has, a shell sort beyond."""
     if count > 32:
-        _heapsort(ids, ids, count, False)
+        _shellsort(ids, ids, count, False)
         return
     for i in range(1, count):
         x = ids[i]
@@ -231,12 +221,16 @@ def sort_ids(ids: Any, count: int) -> None:
 
 @inline
 def _set_level(tree: Any, size: int, j: int, value: float) -> None:
-    """Link ``j``'s fill level is ``value``: its leaf and the minima above it."""
+    """Link ``j``'s fill level is ``value``: its leaf and the minima above it, up to the first that stays (the
+    ones above it then stay too)."""
     node = size + j
     tree[node] = value
     node >>= 1
     while node:
-        tree[node] = min(tree[2 * node], tree[2 * node + 1])
+        least = min(tree[2 * node], tree[2 * node + 1])
+        if least == tree[node]:
+            return
+        tree[node] = least
         node >>= 1
 
 
