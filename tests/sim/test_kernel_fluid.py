@@ -110,8 +110,18 @@ def test_the_event_queue_pops_in_time_then_counter_order(ops: list[int | None], 
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(-(2**40), 2**40), max_size=120))
-def test_ids_sort_in_place(ids: list[int]) -> None:
-    # Insertion sort up to 32 ids, a heapsort (which needs no room) beyond.
-    array = np.asarray([*ids, 7], dtype=np.int64)
-    sort_ids(array, len(ids))
-    assert array.tolist() == [*sorted(ids), 7]
+def test_distinct_ids_sort_in_place(ids: list[int]) -> None:
+    # A quicksort down to parts of 16, then insertion; the parts waiting fit the 128-entry stack.
+    distinct = list(dict.fromkeys(ids))
+    array = np.asarray([*distinct, 7], dtype=np.int64)
+    sort_ids(array, len(distinct), np.empty(128, dtype=np.int64))
+    assert array.tolist() == [*sorted(distinct), 7]
+
+
+@pytest.mark.parametrize("count", [33, 1000, 100_000])
+def test_many_ids_sort_in_place(count: int) -> None:
+    # Large parts (a component of thousands of transfers), in shuffled, sorted and reversed order.
+    stack = np.empty(128, dtype=np.int64)
+    for array in (np.random.default_rng(count).permutation(count), np.arange(count), np.arange(count)[::-1].copy()):
+        sort_ids(array, count, stack)
+        assert np.array_equal(array, np.arange(count))

@@ -81,7 +81,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
     rate, left, since, version, comp_pos, free = blocks
     head, node_x, node_w, node_next, shift = lists
     tail, changed, changed_mark, seen, local, comp_links, stack, small_place = per_link
-    started, members, new_rate, new_bottleneck, old_r, old_w = per_flow
+    started, members, new_rate, new_bottleneck, old_r, old_w, sort_stack = per_flow
     small_scratch = (small[0], small[1], small[2], small[3], small[4], small_place)
     size, counter, delivered, stamp, num_free = state[0], state[1], state[2], state[3], state[4]
     next_report, need = state[5], state[6]
@@ -224,7 +224,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                         top += 1
                 node = node_next[node]
             room[link] = room_left
-        sort_ids(members, num)
+        sort_ids(members, num, sort_stack)
         for i in range(num):
             comp_pos[holder[members[i]]] = i + 1
             new_rate[i] = np.inf
@@ -389,6 +389,7 @@ def _work(run: Any, in_flight: int, stats: Any) -> tuple[Any, ...]:
         np.empty(blocks, dtype=np.int64),  # new_bottleneck
         np.empty(blocks),  # old_r
         np.empty(blocks),  # old_w
+        np.empty(128, dtype=np.int64),  # sort_stack: the parts a sort of the component's transfers has waiting
     )
     small = (_DENSE_MIN_FLOWS + 1) * hops
     small_scratch = (

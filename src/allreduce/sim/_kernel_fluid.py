@@ -58,10 +58,10 @@ def number_path(p: int, route: Any, local: Any, comp_links: Any, count: int) -> 
 
 # -- the fluid: rates of a changed component -------------------------------------------------------------------
 @inline
-def _shellsort(key: Any, second: Any, count: int, paired: bool) -> None:
-    """Sort ``key[:count]`` in place, by (key, second) with ``paired`` (moving ``second`` along), else by key
-    alone: a shell sort (gaps 1, 4, 10, 23, ...: each about 2.25 times the last), which needs no room (the
-    compiled core allocates nothing); gap 1 is an insertion sort."""
+def _shellsort(key: Any, second: Any, count: int) -> None:
+    """Sort ``key[:count]`` by (key, second) in place, moving ``second`` along: a shell sort (gaps 1, 4, 10,
+    23, ...: each about 2.25 times the last), which needs no room (the compiled core allocates nothing); gap 1 is
+    an insertion sort."""
     gap = 1
     while 9 * gap < 4 * count:
         gap = (9 * gap + 3) // 4
@@ -69,14 +69,12 @@ def _shellsort(key: Any, second: Any, count: int, paired: bool) -> None:
         for i in range(gap, count):
             k, v = key[i], second[i]
             j = i
-            while j >= gap and (key[j - gap] > k or (paired and key[j - gap] == k and second[j - gap] > v)):
+            while j >= gap and (key[j - gap] > k or (key[j - gap] == k and second[j - gap] > v)):
                 key[j] = key[j - gap]
-                if paired:
-                    second[j] = second[j - gap]
+                second[j] = second[j - gap]
                 j -= gap
             key[j] = k
-            if paired:
-                second[j] = v
+            second[j] = v
         gap = max((4 * gap) // 9, 1) if gap > 1 else 0
 
 
@@ -86,7 +84,7 @@ def _sort_pairs(key: Any, second: Any, count: int) -> None:
     a link usually carries, a shell sort beyond (equal pairs are alike, so any correct sort orders them the
     same)."""
     if count > 32:
-        _shellsort(key, second, count, True)
+        _shellsort(key, second, count)
         return
     for i in range(1, count):
         k, v = key[i], second[i]
@@ -205,18 +203,45 @@ def fill_small(  # noqa: PLR0917 (numba has no keyword-only parameters)
 
 
 @inline
-def sort_ids(ids: Any, count: int) -> None:
-    """Sort ``ids[:count]`` in place: insertion sort for the few a small component has, a shell sort beyond."""
-    if count > 32:
-        _shellsort(ids, ids, count, False)
-        return
-    for i in range(1, count):
-        x = ids[i]
-        k = i - 1
-        while k >= 0 and ids[k] > x:
-            ids[k + 1] = ids[k]
-            k -= 1
-        ids[k + 1] = x
+def sort_ids(ids: Any, count: int, stack: Any) -> None:
+    """Sort the distinct ``ids[:count]`` in place: a quicksort (median of three; the larger part waits on
+    ``stack``, at least 128 entries, while the smaller is sorted, so it holds at most log2(count) parts) down
+    to parts of 16, sorted by insertion."""
+    lo, hi = 0, count - 1
+    top = 0
+    while True:
+        if hi - lo < 16:
+            for i in range(lo + 1, hi + 1):
+                x = ids[i]
+                k = i - 1
+                while k >= lo and ids[k] > x:
+                    ids[k + 1] = ids[k]
+                    k -= 1
+                ids[k + 1] = x
+            if top == 0:
+                return
+            top -= 2
+            lo, hi = stack[top], stack[top + 1]
+            continue
+        a, b, c = ids[lo], ids[(lo + hi) >> 1], ids[hi]
+        pivot = max(min(a, b), min(max(a, b), c))
+        i, j = lo, hi
+        while i <= j:
+            while ids[i] < pivot:
+                i += 1
+            while ids[j] > pivot:
+                j -= 1
+            if i <= j:
+                ids[i], ids[j] = ids[j], ids[i]
+                i += 1
+                j -= 1
+        if j - lo < hi - i:
+            stack[top], stack[top + 1] = i, hi
+            hi = j
+        else:
+            stack[top], stack[top + 1] = lo, j
+            lo = i
+        top += 2
 
 
 @inline
@@ -262,7 +287,7 @@ def _freeze_level(  # noqa: PLR0917 (numba has no keyword-only parameters)
                 frozen[f] = True
                 picked[count] = f
                 count += 1
-    sort_ids(picked, count)
+    sort_ids(picked, count, stack)  # the walk is over: its stack is free
     return count
 
 
