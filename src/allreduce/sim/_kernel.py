@@ -52,8 +52,9 @@ _DENSE_MIN_FLOWS = 16
 # How many deliveries between two calls of the progress callback (as the per-event core).
 _PROGRESS_EVERY = 4096
 
-# What _advance returns: the run is over; the queue needs room; a progress report is due.
-_DONE, _GROW, _REPORT = 0, 1, 2
+# What _advance returns: the run is over; the queue needs room; a progress report is due; more transfers drain at
+# once than blocks were made for (a broken bound: the run stops rather than write past them).
+_DONE, _GROW, _REPORT, _FULL = 0, 1, 2, 3
 
 
 @inline
@@ -115,6 +116,8 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                         size = push(heap_t, heap_k, size, now + latency[x], counter, x * 4 + DELIVER, 0)
                         counter += 1
                         continue
+                    if num_free == 0:
+                        return _FULL
                     num_free -= 1
                     block = free[num_free]
                     holder[x] = block
@@ -331,6 +334,8 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
             state[5] += every
         if status == _DONE:
             break
+        if status == _FULL:
+            raise RuntimeError(f"{run.schedule.name}: more than {in_flight} transfers in flight at once")
         if status == _GROW:
             heap_t, heap_k = grow(heap_t, heap_k, int(state[0]), int(need))
     run.kernel_stats = stats
