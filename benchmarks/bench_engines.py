@@ -7,6 +7,9 @@ time, peak memory, and agreement.
     .venv/bin/python benchmarks/bench_engines.py --ranks 256 512   # the same networks with fewer ranks
     .venv/bin/python benchmarks/bench_engines.py --grid            # agreement of the two cores on a grid
     .venv/bin/python benchmarks/bench_engines.py --cores 256       # both cores, CPU time, on four networks
+    .venv/bin/python benchmarks/bench_engines.py --snapshot a.npz  # every array the compiled core fills ...
+    .venv/bin/python benchmarks/bench_engines.py --against a.npz   # ... equal bit for bit after a change?
+                                                   # (--with-large: and the 1,024-rank cases)
 
 Cases (64 MiB per rank, random placement, seed 0, as `allreduce sim --placement random`): ring on a k=16
 fat-tree (ECMP); ring and double binary tree (8 chunks) on a 32x8x32 Clos with 4:1 oversubscription. Each run is
@@ -41,20 +44,20 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
     import numpy as np
 
     from allreduce.schedules import Collective, make_schedule
-    from allreduce.sim import _event, simulate
+    from allreduce.sim import _event, _kernel, simulate
     from allreduce.topology import parse_topology
 
     stats: list[list[int]] = []
     if core == "kernel":
         # The compiled core's counts (rate solves, transfers re-solved, dense fills, their levels, list nodes
-        # the component searches visited): what its time goes into.
-        compiled = _event.run_kernel
+        # the component searches visited): what its time goes into. run_core imports run_kernel when it runs.
+        compiled = _kernel.run_kernel
 
         def counted(run: object, progress: object = None) -> None:
             compiled(run, progress)  # type: ignore[arg-type]
             stats.append(run.kernel_stats.tolist())  # type: ignore[attr-defined]
 
-        _event.run_kernel = counted  # type: ignore[assignment]
+        _kernel.run_kernel = counted  # type: ignore[assignment]
     else:
         os.environ["ALLREDUCE_SIM_KERNEL"] = "numpy"
     if core == "per-event":
@@ -229,6 +232,102 @@ def grid() -> None:
     )
 
 
+# What a run of the compiled core fills in: every array --snapshot saves and --against compares bit for bit.
+KERNEL_FIELDS = (
+    "slot_start",
+    "slot_end",
+    "slot_last",
+    "trigger",
+    "start_s",
+    "drained_s",
+    "delivered_s",
+    "rank_end",
+    "slowest_rate",
+    "bottleneck",
+)
+# Beyond the grid: the 1,024-rank cases the kernel is timed on, and the exact tail's schedule.
+SNAPSHOT_LARGE = (
+    (FAT_TREE, 1024, "ring"),
+    (CLOS, 1024, "double_binary_tree"),
+    (FAT_TREE, 1024, "halving_doubling"),
+)
+
+
+def _snapshot_runs(large: bool) -> object:
+    """Each grid case (and with ``large`` the 1,024-rank ones) run by the compiled core twice: as it is, and
+    with slow ranks, late starts and extra delays, then replayed on the same layout with other ones (the
+    tail's re-runs); yields (name, arrays)."""
+    import numpy as np
+
+    from allreduce.schedules import Collective, make_schedule
+    from allreduce.sim import match_transfers
+    from allreduce.sim._kernel import run_kernel
+    from allreduce.sim._layout import Layout
+    from allreduce.sim._routing import Router
+    from allreduce.topology import parse_topology, place
+
+    cases = [
+        (spec, ranks, algorithm, placement, 2.0**24)
+        for spec, ranks in GRID_NETWORKS
+        for algorithm in GRID_ALGORITHMS
+        if not (algorithm in ("halving_doubling", "recursive_doubling") and ranks & (ranks - 1))
+        for placement in ("linear", "random")
+    ]
+    if large:
+        cases += [(spec, ranks, algorithm, "random", float(SIZE_BYTES)) for spec, ranks, algorithm in SNAPSHOT_LARGE]
+    for spec, ranks, algorithm, placement, size in cases:
+        topo = parse_topology(spec)
+        sched = make_schedule(Collective.ALL_REDUCE, algorithm, ranks, chunks=8, group_size=8)
+        rank_gpu = np.asarray(place(ranks, topo, placement, seed=1), dtype=np.int64)
+        transfers = match_transfers(sched)
+        count = len(transfers)
+        for noisy in (False, True):
+            name = f"{spec} {ranks} {algorithm} {placement}{' noisy' if noisy else ''}"
+            rng = np.random.default_rng(ranks + count)
+            delay = np.where(rng.random(ranks) < 0.2, rng.uniform(0, 3e-5, ranks), 0.0) if noisy else None
+            noise = {}
+            if noisy:
+                extra = np.where(rng.random(count) < 0.1, rng.uniform(0, 1e-5, count), 0.0)
+                noise = {"start_s": rng.uniform(0, 2e-5, ranks), "extra_s": extra}
+            run = Layout(sched, Router(topo, rank_gpu, None, 1), transfers, size, delay, **noise)  # type: ignore[arg-type]
+            run_kernel(run)
+            yield name, {field: np.asarray(getattr(run, field)).copy() for field in KERNEL_FIELDS}
+            if noisy:
+                replay = np.random.default_rng(7)
+                run.replay(replay.uniform(0, 1e-5, ranks), np.where(replay.random(count) < 0.05, 2e-5, 0.0))
+                run_kernel(run)
+                yield name + " replayed", {field: np.asarray(getattr(run, field)).copy() for field in KERNEL_FIELDS}
+
+
+def snapshot(path: str, against: bool, large: bool) -> int:
+    """Save every array the compiled core fills on the grid to ``path`` (an .npz), or compare with one saved
+    before, bit for bit (NaNs included): what "the same results" means for a change to the kernel."""
+    import numpy as np
+
+    saved = np.load(path) if against else None
+    arrays: dict[str, object] = {}
+    runs = differ = 0
+    cpu = time.process_time()
+    for name, fields in _snapshot_runs(large):
+        runs += 1
+        for field, array in fields.items():
+            key = f"{name} | {field}"
+            if saved is None:
+                arrays[key] = array
+                continue
+            before = saved[key]
+            if array.dtype != before.dtype or array.tobytes() != before.tobytes():
+                differ += 1
+                print(f"differs: {key}", flush=True)
+    if saved is None:
+        np.savez(path, **arrays)  # type: ignore[arg-type]
+    print(
+        f"{runs} runs, {'saved to ' + path if saved is None else f'{differ} arrays differ from {path}'}; "
+        f"{time.process_time() - cpu:.1f} CPU-s, load average {os.getloadavg()[0]:.1f}"
+    )
+    return 1 if differ else 0
+
+
 CORE_CASES = (
     ("fat-tree:k=16", "ring"),
     ("clos:leaves=8,spines=8,hosts_per_leaf=32,oversub=4", "ring"),
@@ -385,12 +484,17 @@ def main() -> int:
     parser.add_argument("--large", action="store_true", help="instead: 2,048-16,384 ranks on fat-trees")
     parser.add_argument("--errors", action="store_true", help="instead: the fast engine's error on a grid")
     parser.add_argument("--max-transfers", type=int, default=2**22, help="--errors: larger cases are left out")
+    parser.add_argument("--snapshot", metavar="NPZ", help="instead: save every array the kernel fills on the grid")
+    parser.add_argument("--against", metavar="NPZ", help="instead: compare those arrays with a snapshot, bit for bit")
+    parser.add_argument("--with-large", action="store_true", help="--snapshot/--against: also the 1,024-rank cases")
     parser.add_argument("--one", nargs=4, metavar=("SPEC", "RANKS", "ALGORITHM", "CORE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         spec, ranks, algorithm, core = args.one
         print(json.dumps(one(spec, int(ranks), algorithm, core)))
         return 0
+    if args.snapshot or args.against:
+        return snapshot(args.snapshot or args.against, bool(args.against), args.with_large)
     if args.large:
         large(args.ranks if args.ranks != [1024] else [4096, 16384], args.max_transfers, args.timeout)
         return 0

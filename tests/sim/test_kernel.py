@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allreduce.schedules import all_reduce
-from allreduce.sim import match_transfers, simulate
+from allreduce.sim import _kernel, match_transfers, simulate
 from allreduce.sim._event import _Run
 from allreduce.sim._kernel import KERNEL_ENV, available, run_kernel
 from allreduce.sim._layout import Layout
@@ -110,3 +110,11 @@ def test_the_kernel_reports_progress() -> None:
     sched = all_reduce("ring", 48)
     simulate(sched, parse_topology("switch:48"), size_bytes=SIZE, engine="event", progress=seen.append)
     assert seen == pytest.approx([4096 / 4512])
+
+
+def test_more_transfers_in_flight_than_blocks_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel's arrays are sized by a bound on the transfers in flight; were it wrong, the run must stop,
+    # not write past them. A 4-rank ring drains four transfers at once; pretend at most one can.
+    monkeypatch.setattr(_kernel, "_in_flight_bound", lambda run: 1)
+    with pytest.raises(RuntimeError, match="more than 1 transfers in flight"):
+        simulate(all_reduce("ring", 4), parse_topology("switch:4"), size_bytes=SIZE, engine="event")

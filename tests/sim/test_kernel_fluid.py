@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allreduce.sim._fair import fill_dense as reference_fill
-from allreduce.sim._kernel_fluid import fill_dense, summable_links
-from allreduce.sim._kernel_heap import DRAIN, START, grow, pop, push
+from allreduce.sim._kernel_fluid import dense_scratch, fill_dense, sort_ids, summable_links
+from allreduce.sim._kernel_heap import DRAIN, START, grow, pop, push, seeded
 
 WEIGHTS = (1.0, 0.5, 0.25, 1 / 3, 0.125, 0.7)
 Incidence = tuple[list[list[int]], list[list[float]], list[float]]
+# One room for every example, as a run reuses it from fill to fill: what one fill leaves must not reach the next.
+SCRATCH = dense_scratch(40, 200, 12)
 
 
 @st.composite
@@ -62,6 +64,7 @@ def test_the_dense_fill_equals_fill_dense_bit_for_bit(case: Incidence) -> None:
         room,
         (new_rate, new_bottleneck),
         summable_links(pair_link, pair_weight, num_links),
+        SCRATCH,
     )
     entry_flow = np.repeat(np.arange(num_flows, dtype=np.int64), np.diff(pair_ptr))
     rate, bottleneck, _ = reference_fill(num_flows, entry_flow, pair_link, pair_weight, room)
@@ -77,12 +80,14 @@ def test_only_dyadic_weights_at_most_one_are_summable_in_any_order() -> None:
 
 @pytest.mark.slow
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.none(), st.integers(0, 5))))
-def test_the_event_queue_pops_in_time_then_counter_order(ops: list[int | None]) -> None:
-    # None pops, a number pushes an event at that time: against heapq of (time, counter, item, version).
-    heap = (np.empty(2), np.empty(2, dtype=np.int64), np.empty(2, dtype=np.int64), np.empty(2, dtype=np.int64))
-    size = counter = 0
-    reference: list[tuple[float, int, int, int]] = []
+@given(st.lists(st.one_of(st.none(), st.integers(0, 5))), st.lists(st.integers(0, 5), max_size=6))
+def test_the_event_queue_pops_in_time_then_counter_order(ops: list[int | None], first: list[int]) -> None:
+    # The queue starts with ``first`` (seeded), then None pops and a number pushes an event at that time:
+    # against heapq of (time, counter, item, version).
+    times, keys = seeded(np.asarray(first, dtype=np.float64), np.arange(len(first), dtype=np.int64), 2)
+    size = counter = len(first)
+    reference = [(float(t), i, i, 0) for i, t in enumerate(first)]
+    heapq.heapify(reference)
     popped, expected = [], []
     for op in ops:
         if op is None:
@@ -90,14 +95,33 @@ def test_the_event_queue_pops_in_time_then_counter_order(ops: list[int | None]) 
                 assert size == 0
                 continue
             expected.append(heapq.heappop(reference))
-            popped.append((float(heap[0][0]), int(heap[1][0]), int(heap[2][0]), int(heap[3][0])))
-            size = pop(heap, size)
+            popped.append((float(times[0]), int(keys[0]), int(keys[1]), int(keys[2])))
+            size = pop(times, keys, size)
             continue
-        if size == heap[0].size:
-            heap = grow(heap, size, 1)
+        if size == times.size:
+            times, keys = grow(times, keys, size, 1)
         event = (float(op), counter, counter * 4 + (DRAIN if op % 2 else START), counter % 3)
-        size = push(heap, size, *event)
+        size = push(times, keys, size, *event)
         heapq.heappush(reference, event)
         counter += 1
     assert popped == expected
     assert size == len(reference)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(-(2**40), 2**40), max_size=120))
+def test_distinct_ids_sort_in_place(ids: list[int]) -> None:
+    # A quicksort down to parts of 16, then insertion; the parts waiting fit the 128-entry stack.
+    distinct = list(dict.fromkeys(ids))
+    array = np.asarray([*distinct, 7], dtype=np.int64)
+    sort_ids(array, len(distinct), np.empty(128, dtype=np.int64))
+    assert array.tolist() == [*sorted(distinct), 7]
+
+
+@pytest.mark.parametrize("count", [33, 1000, 100_000])
+def test_many_ids_sort_in_place(count: int) -> None:
+    # Large parts (a component of thousands of transfers), in shuffled, sorted and reversed order.
+    stack = np.empty(128, dtype=np.int64)
+    for array in (np.random.default_rng(count).permutation(count), np.arange(count), np.arange(count)[::-1].copy()):
+        sort_ids(array, count, stack)
+        assert np.array_equal(array, np.arange(count))

@@ -9,22 +9,33 @@ arrays, not objects: the draining transfers on a link are an intrusive linked li
 order of ``_Run``'s dicts), and a transfer whose rate changed has its drain event moved. Summation orders follow
 the Python core's, so results agree with it bit for bit where the tests check them (to 1e-9).
 
+The compiled code allocates nothing and takes no references (sim/_jit.py): :func:`run_kernel` makes every
+array up front, sized by the most transfers that can be in flight at once (each rank's largest step), and
+calls :func:`_advance` until the run is over, growing the queue and reporting progress between calls.
+
 :func:`available` (sim/_jit.py) says whether the kernel can run: numba is importable and the environment
 variable ``ALLREDUCE_SIM_KERNEL`` is not ``numpy`` (which forces the pure numpy/Python cores).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.sim._jit import KERNEL_ENV, available, njit, numba
-from allreduce.sim._kernel_fluid import fill_dense, fill_small, number_path, sort_ids, summable_links, threshold
-from allreduce.sim._kernel_heap import DELIVER, DRAIN, START, grow, pop, push
+from allreduce.sim._jit import KERNEL_ENV, available, inline, njit
+from allreduce.sim._kernel_fluid import (
+    dense_scratch,
+    fill_dense,
+    fill_small,
+    number_path,
+    sort_ids,
+    summable_links,
+    threshold,
+)
+from allreduce.sim._kernel_heap import DELIVER, DRAIN, START, grow, pop, push, seeded
 
 __all__ = ["KERNEL_ENV", "available", "run_kernel"]
 
@@ -41,16 +52,12 @@ _DENSE_MIN_FLOWS = 16
 # How many deliveries between two calls of the progress callback (as the per-event core).
 _PROGRESS_EVERY = 4096
 
-_progress = threading.local()  # the progress callback of the run in this thread
+# What _advance returns: the run is over; the queue needs room; a progress report is due; more transfers drain at
+# once than blocks were made for (a broken bound: the run stops rather than write past them).
+_DONE, _GROW, _REPORT, _FULL = 0, 1, 2, 3
 
 
-def _report(fraction: float) -> None:
-    callback = getattr(_progress, "callback", None)
-    if callback is not None:
-        callback(fraction)
-
-
-@njit
+@inline
 def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: int) -> int:
     """Add ``link`` to this instant's changed links (once); returns how many there are."""
     if changed_mark[link] == stamp:
@@ -61,97 +68,41 @@ def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: i
 
 
 @njit
-def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int, summable: Any) -> None:  # noqa: PLR0917
-    """Run to the end: ``route`` (pair per transfer, pair_ptr, pair_link, pair_weight, link capacity),
-    ``program`` (bytes and latency per transfer, its send and receive slots; slot_ptr, slot_member, slot_rank;
-    per rank its first and stop slots, start and delay) and ``out`` (the arrays a run fills in)."""
+def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k: Any, state: Any) -> int:  # noqa: PLR0917
+    """Run instants until the queue is empty (returns _DONE), it may not have room for the next instant's
+    events (_GROW: the caller grows it and calls again) or a progress report is due (_REPORT). ``route``:
+    pair per transfer, pair_ptr, pair_link, pair_weight, link capacity; ``program``: bytes and latency per
+    transfer, its send and receive slots, slot_ptr, slot_member, slot_rank, per rank its stop slot and delay;
+    ``out``: the arrays a run fills in; ``work``: the run's state (:func:`_work`); ``state``: the counts
+    carried from call to call (_SIZE ...)."""
     pair, pair_ptr, pair_link, pair_weight, capacity = route
-    nbytes, latency, send_slot, recv_slot, slot_ptr, slot_member, slot_rank = program[:7]
-    rank_first_slot, rank_stop_slot, start_at, delay = program[7:]
+    nbytes, latency, send_slot, recv_slot, slot_ptr, slot_member, slot_rank, rank_stop_slot, delay = program
     slot_start, slot_end, slot_last, trigger, start_s, drained_s, delivered_s, rank_end, slowest, bottleneck = out
-    num_transfers = nbytes.size
-    num_links = capacity.size
-    hops = 1
-    for p in range(pair_ptr.size - 1):
-        hops = max(hops, pair_ptr[p + 1] - pair_ptr[p])
-    shift = 0  # a block's nodes are 2^shift >= hops apart: a node's block is a shift away, not a division
-    while (1 << shift) < hops:
-        shift += 1
-    stride = 1 << shift
-
-    pending = (slot_ptr[1:] - slot_ptr[:-1]).astype(np.int32)
-    ready = np.zeros(num_transfers, dtype=np.int8)
-    holder = np.full(num_transfers, -1, dtype=np.int32)  # the block of a draining transfer
-
-    # A draining transfer holds a block: its state (below) and hops nodes, one per link of its path, each in
-    # its link's list of nodes in insertion order. Per transfer only the block is kept: a run holds millions.
-    blocks = 64
-    rate = np.zeros(blocks)
-    left = np.zeros(blocks)  # bytes still to drain at time since
-    since = np.zeros(blocks)
-    version = np.zeros(blocks, dtype=np.int64)  # its drain events of older versions are stale
-    comp_pos = np.zeros(blocks, dtype=np.int32)  # 1 + its place among the component's transfers
-    node_x = np.empty(blocks * stride, dtype=np.int64)
-    node_w = np.empty(blocks * stride)
-    node_prev = np.empty(blocks * stride, dtype=np.int64)
-    node_next = np.empty(blocks * stride, dtype=np.int64)
-    free = np.arange(blocks - 1, -1, -1).astype(np.int64)
-    num_free = blocks
-    head = np.full(num_links, -1, dtype=np.int64)
-    tail = np.full(num_links, -1, dtype=np.int64)
-
-    changed = np.empty(num_links, dtype=np.int64)
-    changed_mark = np.zeros(num_links, dtype=np.int64)
+    pending, ready, holder, blocks, lists, node_prev, per_link, room, per_flow, small, dense, summable, stats = work
+    rate, left, since, version, comp_pos, free = blocks
+    head, node_x, node_w, node_next, shift = lists
+    tail, changed, changed_mark, seen, local, comp_links, stack, small_place = per_link
+    started, members, new_rate, new_bottleneck, old_r, old_w, sort_stack = per_flow
+    small_scratch = (small[0], small[1], small[2], small[3], small[4], small_place)
+    size, counter, delivered, stamp, num_free = state[0], state[1], state[2], state[3], state[4]
+    next_report, need = state[5], state[6]
     num_changed = 0
-    started = np.empty(blocks, dtype=np.int64)
     num_started = 0
     drained_rate = np.inf
-    seen = np.zeros(num_links, dtype=np.int64)
-    stamp = 1  # this instant's mark in changed_mark and seen
-    room = np.empty(num_links)
-    local = np.full(num_links, -1, dtype=np.int64)
-    comp_links = np.empty(num_links, dtype=np.int64)
-    stack = np.empty(num_links, dtype=np.int64)
-    members = np.empty(blocks, dtype=np.int64)
-    new_rate = np.empty(blocks)
-    new_bottleneck = np.empty(blocks, dtype=np.int64)
-    old_r = np.empty(blocks)
-    old_w = np.empty(blocks)
-
-    small = (_DENSE_MIN_FLOWS + 1) * hops
-    small_place = np.zeros(num_links, dtype=np.int64)
-    small_links = np.empty(small, dtype=np.int64)
-    small_demand = np.empty(small)
-    small_count = np.empty(small, dtype=np.int64)
-    small_tight = np.empty(small, dtype=np.bool_)
-    small_rated = np.empty(small, dtype=np.bool_)
-
-    heap = (np.empty(1024), np.empty(1024, dtype=np.int64), np.empty(1024, dtype=np.int64), np.zeros(1024, np.int64))
-    size = 0
-    delivered = 0
-    counter = 0
-    for rank in range(rank_first_slot.size):
-        if rank_first_slot[rank] < rank_stop_slot[rank]:
-            if size == heap[0].size:
-                heap = grow(heap, size, 1)
-            size = push(heap, size, start_at[rank], counter, rank_first_slot[rank] * 4 + START, 0)
-            counter += 1
-        else:
-            rank_end[rank] = start_at[rank]
 
     while size:
-        now = heap[0][0]
+        if size + need > heap_t.size or delivered >= next_report:
+            break
+        now = heap_t[0]
         horizon = now * (1 + _EVENT_RTOL)
-        while size and heap[0][0] <= horizon:
-            kind = heap[2][0] & 3
-            what = heap[2][0] >> 2
-            ver = heap[3][0]
-            size = pop(heap, size)
+        while size and heap_t[0] <= horizon:
+            kind = heap_k[1] & 3
+            what = heap_k[1] >> 2
+            ver = heap_k[2]
+            size = pop(heap_t, heap_k, size)
             if kind == START:
                 slot = what
                 slot_start[slot] = now
-                if size + slot_ptr[slot + 1] - slot_ptr[slot] > heap[0].size:
-                    heap = grow(heap, size, slot_ptr[slot + 1] - slot_ptr[slot])
                 for m in range(slot_ptr[slot], slot_ptr[slot + 1]):
                     x = slot_member[m]
                     ready[x] += 1
@@ -162,29 +113,11 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int, s
                     p = pair[x]
                     if nbytes[x] <= 0 or pair_ptr[p + 1] == pair_ptr[p]:
                         drained_s[x] = now
-                        size = push(heap, size, now + latency[x], counter, x * 4 + DELIVER, 0)
+                        size = push(heap_t, heap_k, size, now + latency[x], counter, x * 4 + DELIVER, 0)
                         counter += 1
                         continue
                     if num_free == 0:
-                        grown = 2 * blocks
-                        rate = np.concatenate((rate, np.zeros(blocks)))
-                        left = np.concatenate((left, np.zeros(blocks)))
-                        since = np.concatenate((since, np.zeros(blocks)))
-                        version = np.concatenate((version, np.zeros(blocks, dtype=np.int64)))
-                        comp_pos = np.concatenate((comp_pos, np.zeros(blocks, dtype=np.int32)))
-                        node_x = np.concatenate((node_x, np.empty(blocks * stride, dtype=np.int64)))
-                        node_w = np.concatenate((node_w, np.empty(blocks * stride)))
-                        node_prev = np.concatenate((node_prev, np.empty(blocks * stride, dtype=np.int64)))
-                        node_next = np.concatenate((node_next, np.empty(blocks * stride, dtype=np.int64)))
-                        free = np.concatenate((np.arange(grown - 1, blocks - 1, -1).astype(np.int64), free))
-                        num_free = blocks
-                        blocks = grown
-                        started = np.concatenate((started, np.empty(blocks - started.size, dtype=np.int64)))
-                        members = np.empty(blocks, dtype=np.int64)
-                        new_rate = np.empty(blocks)
-                        new_bottleneck = np.empty(blocks, dtype=np.int64)
-                        old_r = np.empty(blocks)
-                        old_w = np.empty(blocks)
+                        return _FULL
                     num_free -= 1
                     block = free[num_free]
                     holder[x] = block
@@ -211,9 +144,6 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int, s
                 x = what
                 delivered_s[x] = now
                 delivered += 1
-                if report_every and delivered % report_every == 0:
-                    with numba.objmode():
-                        _report(delivered / num_transfers)
                 send, recv = send_slot[x], recv_slot[x]
                 for slot in (send, recv):
                     if slot == recv and send == recv:
@@ -226,9 +156,7 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int, s
                     rank = slot_rank[slot]
                     after = now + delay[rank]
                     if slot + 1 < rank_stop_slot[rank]:
-                        if size == heap[0].size:
-                            heap = grow(heap, size, 1)
-                        size = push(heap, size, after, counter, (slot + 1) * 4 + START, 0)
+                        size = push(heap_t, heap_k, size, after, counter, (slot + 1) * 4 + START, 0)
                         counter += 1
                     else:
                         rank_end[rank] = after
@@ -256,15 +184,12 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int, s
                     num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
                 free[num_free] = block
                 num_free += 1
-                if size == heap[0].size:
-                    heap = grow(heap, size, 1)
-                size = push(heap, size, now + latency[x], counter, x * 4 + DELIVER, 0)
+                size = push(heap_t, heap_k, size, now + latency[x], counter, x * 4 + DELIVER, 0)
                 counter += 1
         if not num_changed:
             continue
 
         # One re-solve for every transfer that came and went at this instant.
-        lists = (head, node_x, node_w, node_next, shift)
         theta = threshold(started, num_started, drained_rate, route, lists, rate, stamp, (seen, old_r, old_w))
         # The component: transfers connected to a changed link through shared links, less those below theta
         # (they keep their rate and only take capacity).
@@ -302,10 +227,9 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int, s
                         top += 1
                 node = node_next[node]
             room[link] = room_left
-        sort_ids(members, num)
-        chosen = members
+        sort_ids(members, num, sort_stack)
         for i in range(num):
-            comp_pos[holder[chosen[i]]] = i + 1
+            comp_pos[holder[members[i]]] = i + 1
             new_rate[i] = np.inf
             new_bottleneck[i] = -1
         stats[0] += 1
@@ -314,16 +238,13 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int, s
         if num > _DENSE_MIN_FLOWS:
             stats[2] += 1
             comp = (comp_links, num_comp_links, local)
-            stats[3] += fill_dense(chosen, num, comp, route, room, (new_rate, new_bottleneck), summable)
+            stats[3] += fill_dense(members, num, comp, route, room, (new_rate, new_bottleneck), summable, dense)
         elif num:
-            scratch = (small_links, small_demand, small_count, small_tight, small_rated, small_place)
-            fill_small(chosen, num, route, room, lists, comp_pos, (new_rate, new_bottleneck), scratch)
+            fill_small(members, num, route, room, lists, comp_pos, (new_rate, new_bottleneck), small_scratch)
         for j in range(num_comp_links):
             local[comp_links[j]] = -1
-        if size + num > heap[0].size:
-            heap = grow(heap, size, num)
         for i in range(num):
-            x = chosen[i]
+            x = members[i]
             block = holder[x]
             comp_pos[block] = 0
             r = new_rate[i]
@@ -340,12 +261,17 @@ def _events(route: Any, program: Any, out: Any, stats: Any, report_every: int, s
                 slowest[x] = r
             when = now + max(left[block], 0.0) / r
             version[block] += 1
-            size = push(heap, size, when, counter, block * 4 + DRAIN, version[block])
+            size = push(heap_t, heap_k, size, when, counter, block * 4 + DRAIN, version[block])
             counter += 1
         num_changed = 0
         num_started = 0
         drained_rate = np.inf
         stamp += 1
+
+    state[0], state[1], state[2], state[3], state[4] = size, counter, delivered, stamp, num_free
+    if not size:
+        return _DONE
+    return _REPORT if delivered >= next_report else _GROW
 
 
 def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> None:
@@ -359,19 +285,8 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
     dense.fill(-1)
     # Rate solves, transfers re-solved, dense fills, their levels, link-list nodes the component searches visited.
     stats = np.zeros(5, dtype=np.int64)
-    _progress.callback = progress
-    try:
-        _run_events(run, slowest, dense, stats, 0 if progress is None else _PROGRESS_EVERY)
-    finally:
-        _progress.callback = None
-    run.kernel_stats = stats
-    found = dense >= 0
-    dense[found] = run.used_links[dense[found]]
-
-
-def _run_events(run: Any, slowest: FloatArray, dense: IntArray, stats: IntArray, report_every: int) -> None:
-    # As the layout holds them (32-bit where it can): a conversion would copy arrays of millions of entries.
     route = (run.pair, run.pair_ptr, run.pair_link, run.pair_weight, run.link_capacity)
+    # As the layout holds them (32-bit where it can): a conversion would copy arrays of millions of entries.
     program = (
         run.nbytes,
         np.asarray(run.latency, dtype=np.float64),
@@ -380,9 +295,7 @@ def _run_events(run: Any, slowest: FloatArray, dense: IntArray, stats: IntArray,
         run.slot_ptr,
         run.slot_member,
         run.slot_rank,
-        run.rank_first_slot,
         run.rank_stop_slot,
-        np.asarray(run.start_at, dtype=np.float64),
         np.asarray(run.delay, dtype=np.float64),
     )
     out = (
@@ -397,5 +310,112 @@ def _run_events(run: Any, slowest: FloatArray, dense: IntArray, stats: IntArray,
         slowest,
         dense,
     )
-    summable = summable_links(run.pair_link, run.pair_weight, run.link_capacity.size)
-    _events(route, program, out, stats, report_every, summable)
+    in_flight = _in_flight_bound(run)
+    work = _work(run, in_flight, stats)
+    # Each rank with steps begins its first at its start; the rest end where they start.
+    first, stop = run.rank_first_slot, run.rank_stop_slot
+    start_at = np.asarray(run.start_at, dtype=np.float64)
+    active = np.flatnonzero(first < stop)
+    idle = first >= stop
+    run.rank_end[idle] = start_at[idle]
+    # Room for what one instant can add: a start per rank, and per transfer in flight its drain or delivery
+    # and a new drain event (the old one goes stale).
+    need = run.schedule.world_size + 2 * in_flight + 1
+    heap_t, heap_k = seeded(start_at[active], first[active].astype(np.int64) * 4 + START, 2 * need)
+    every = _PROGRESS_EVERY if progress is not None else 0
+    # size, counter, delivered, stamp, free blocks, deliveries at the next report, room an instant needs
+    state = np.array([active.size, active.size, 0, 1, in_flight, every or 2**62, need], dtype=np.int64)
+    total = len(run.t)
+    while True:
+        status = _advance(route, program, out, work, heap_t, heap_k, state)
+        while every and state[2] >= state[5]:
+            assert progress is not None
+            progress(int(state[5]) / total)
+            state[5] += every
+        if status == _DONE:
+            break
+        if status == _FULL:
+            raise RuntimeError(f"{run.schedule.name}: more than {in_flight} transfers in flight at once")
+        if status == _GROW:
+            heap_t, heap_k = grow(heap_t, heap_k, int(state[0]), int(need))
+    run.kernel_stats = stats
+    found = dense >= 0
+    dense[found] = run.used_links[dense[found]]
+
+
+def _in_flight_bound(run: Any) -> int:
+    """At most how many transfers are in flight (started, not delivered) at once: each is in the step its
+    sender is in, which lasts until all of that step's transfers are delivered, so at most each rank's largest
+    step's transfers."""
+    sizes = np.diff(run.slot_ptr)
+    first, stop = run.rank_first_slot, run.rank_stop_slot
+    active = first < stop
+    if not active.any():
+        return 1
+    largest = np.maximum.reduceat(sizes, first[active])
+    # reduceat runs each rank's slots up to the next active rank's first: exactly its own (ranks' slots are
+    # consecutive, and a rank without steps has none).
+    return int(min(int(largest.sum()), len(run.t))) + 1
+
+
+def _work(run: Any, in_flight: int, stats: Any) -> tuple[Any, ...]:
+    """The arrays the kernel keeps its state in, all made here (the compiled code allocates nothing)."""
+    num_links = run.link_capacity.size
+    hops = max(int(run.pair_len.max()) if run.pair_len.size else 1, 1)
+    shift = 0  # a block's nodes are 2^shift >= hops apart: a node's block is a shift away, not a division
+    while (1 << shift) < hops:
+        shift += 1
+    blocks = in_flight
+    nodes = blocks << shift
+    # A draining transfer holds a block: its state and hops nodes, one per link of its path, each in its link's
+    # list of nodes in insertion order. Per transfer only the block is kept: a run holds millions.
+    block_state = (
+        np.zeros(blocks),  # rate
+        np.zeros(blocks),  # left: bytes still to drain at time since
+        np.zeros(blocks),  # since
+        np.zeros(blocks, dtype=np.int64),  # version: drain events of older versions are stale
+        np.zeros(blocks, dtype=np.int32),  # comp_pos: 1 + its place among the component's transfers
+        np.arange(blocks - 1, -1, -1, dtype=np.int64),  # free blocks, the next at the end
+    )
+    lists = (
+        np.full(num_links, -1, dtype=np.int64),  # head
+        np.empty(nodes, dtype=np.int64),  # node_x
+        np.empty(nodes),  # node_w
+        np.empty(nodes, dtype=np.int64),  # node_next
+        shift,
+    )
+    per_link = np.zeros((8, num_links), dtype=np.int64)
+    per_link[0] = -1  # tail
+    per_link[4] = -1  # local: a link's number in the component
+    per_flow = (
+        np.empty(blocks, dtype=np.int64),  # started
+        np.empty(blocks, dtype=np.int64),  # members
+        np.empty(blocks),  # new_rate
+        np.empty(blocks, dtype=np.int64),  # new_bottleneck
+        np.empty(blocks),  # old_r
+        np.empty(blocks),  # old_w
+        np.empty(128, dtype=np.int64),  # sort_stack: the parts a sort of the component's transfers has waiting
+    )
+    small = (_DENSE_MIN_FLOWS + 1) * hops
+    small_scratch = (
+        np.empty(small, dtype=np.int64),
+        np.empty(small),
+        np.empty(small, dtype=np.int64),
+        np.empty(small, dtype=np.bool_),
+        np.empty(small, dtype=np.bool_),
+    )
+    return (
+        np.diff(run.slot_ptr).astype(np.int32),  # pending: transfers per slot not delivered yet
+        np.zeros(len(run.t), dtype=np.int8),  # ready: how many of a transfer's two slots have begun
+        np.full(len(run.t), -1, dtype=np.int32),  # holder: the block of a draining transfer
+        block_state,
+        lists,
+        np.empty(nodes, dtype=np.int64),  # node_prev
+        tuple(per_link),
+        np.empty(num_links),  # room
+        per_flow,
+        small_scratch,
+        dense_scratch(blocks, blocks * hops, num_links),
+        summable_links(run.pair_link, run.pair_weight, num_links),
+        stats,
+    )

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.sim._jit import njit
+from allreduce.sim._jit import inline, njit
 
-__all__ = ["fill_dense", "fill_small", "number_path", "sort_ids", "summable_links", "threshold"]
+__all__ = ["dense_scratch", "fill_dense", "fill_small", "number_path", "sort_ids", "summable_links", "threshold"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -42,7 +42,7 @@ def summable_links(pair_link: IntArray, pair_weight: FloatArray, num_links: int)
     return np.asarray(np.bincount(pair_link[~fine], minlength=num_links) == 0, dtype=np.bool_)
 
 
-@njit
+@inline
 def number_path(p: int, route: Any, local: Any, comp_links: Any, count: int) -> int:
     """Number the links of pair ``p``'s path not numbered yet (``local``), in path order, from ``count`` on;
     returns how many are numbered."""
@@ -57,15 +57,34 @@ def number_path(p: int, route: Any, local: Any, comp_links: Any, count: int) -> 
 
 
 # -- the fluid: rates of a changed component -------------------------------------------------------------------
-@njit
+@inline
+def _shellsort(key: Any, second: Any, count: int) -> None:
+    """Sort ``key[:count]`` by (key, second) in place, moving ``second`` along: a shell sort (gaps 1, 4, 10,
+    23, ...: each about 2.25 times the last), which needs no room (the compiled core allocates nothing); gap 1 is
+    an insertion sort."""
+    gap = 1
+    while 9 * gap < 4 * count:
+        gap = (9 * gap + 3) // 4
+    while gap >= 1:
+        for i in range(gap, count):
+            k, v = key[i], second[i]
+            j = i
+            while j >= gap and (key[j - gap] > k or (key[j - gap] == k and second[j - gap] > v)):
+                key[j] = key[j - gap]
+                second[j] = second[j - gap]
+                j -= gap
+            key[j] = k
+            second[j] = v
+        gap = max((4 * gap) // 9, 1) if gap > 1 else 0
+
+
+@inline
 def _sort_pairs(key: Any, second: Any, count: int) -> None:
     """Sort ``key[:count]`` (ties by ``second``), moving ``second`` along: insertion sort for the few flows
-    a link usually carries, a stable sort beyond."""
+    a link usually carries, a shell sort beyond (equal pairs are alike, so any correct sort orders them the
+    same)."""
     if count > 32:
-        by_second = np.argsort(second[:count], kind="mergesort")
-        order = by_second[np.argsort(key[:count][by_second], kind="mergesort")]
-        key[:count] = key[:count][order]
-        second[:count] = second[:count][order]
+        _shellsort(key, second, count)
         return
     for i in range(1, count):
         k, v = key[i], second[i]
@@ -78,7 +97,7 @@ def _sort_pairs(key: Any, second: Any, count: int) -> None:
         second[j + 1] = v
 
 
-@njit
+@inline
 def threshold(  # noqa: PLR0917 (numba has no keyword-only parameters)
     started: Any, num_started: int, drained_rate: float, route: Any, lists: Any, rate: Any, stamp: int, scratch: Any
 ) -> float:
@@ -120,7 +139,7 @@ def threshold(  # noqa: PLR0917 (numba has no keyword-only parameters)
     return theta * (1 - 4 * _LEVEL_RTOL)
 
 
-@njit
+@inline
 def fill_small(  # noqa: PLR0917 (numba has no keyword-only parameters)
     members: Any, num: int, route: Any, room: Any, lists: Any, comp_pos: Any, new: Any, scratch: Any
 ) -> None:
@@ -183,29 +202,60 @@ def fill_small(  # noqa: PLR0917 (numba has no keyword-only parameters)
                 new_bottleneck[pos] = first
 
 
-@njit
-def sort_ids(ids: Any, count: int) -> None:
-    """Sort ``ids[:count]`` in place: insertion sort for the few a small component has, np.sort beyond."""
-    if count > 32:
-        ids[:count] = np.sort(ids[:count])
-        return
-    for i in range(1, count):
-        x = ids[i]
-        k = i - 1
-        while k >= 0 and ids[k] > x:
-            ids[k + 1] = ids[k]
-            k -= 1
-        ids[k + 1] = x
+@inline
+def sort_ids(ids: Any, count: int, stack: Any) -> None:
+    """Sort the distinct ``ids[:count]`` in place: a quicksort (median of three; the larger part waits on
+    ``stack``, at least 128 entries, while the smaller is sorted, so it holds at most log2(count) parts) down
+    to parts of 16, sorted by insertion."""
+    lo, hi = 0, count - 1
+    top = 0
+    while True:
+        if hi - lo < 16:
+            for i in range(lo + 1, hi + 1):
+                x = ids[i]
+                k = i - 1
+                while k >= lo and ids[k] > x:
+                    ids[k + 1] = ids[k]
+                    k -= 1
+                ids[k + 1] = x
+            if top == 0:
+                return
+            top -= 2
+            lo, hi = stack[top], stack[top + 1]
+            continue
+        a, b, c = ids[lo], ids[(lo + hi) >> 1], ids[hi]
+        pivot = max(min(a, b), min(max(a, b), c))
+        i, j = lo, hi
+        while i <= j:
+            while ids[i] < pivot:
+                i += 1
+            while ids[j] > pivot:
+                j -= 1
+            if i <= j:
+                ids[i], ids[j] = ids[j], ids[i]
+                i += 1
+                j -= 1
+        if j - lo < hi - i:
+            stack[top], stack[top + 1] = i, hi
+            hi = j
+        else:
+            stack[top], stack[top + 1] = lo, j
+            lo = i
+        top += 2
 
 
-@njit
+@inline
 def _set_level(tree: Any, size: int, j: int, value: float) -> None:
-    """Link ``j``'s fill level is ``value``: its leaf and the minima above it."""
+    """Link ``j``'s fill level is ``value``: its leaf and the minima above it, up to the first that stays (the
+    ones above it then stay too)."""
     node = size + j
     tree[node] = value
     node >>= 1
     while node:
-        tree[node] = min(tree[2 * node], tree[2 * node + 1])
+        least = min(tree[2 * node], tree[2 * node + 1])
+        if least == tree[node]:
+            return
+        tree[node] = least
         node >>= 1
 
 
@@ -237,32 +287,62 @@ def _freeze_level(  # noqa: PLR0917 (numba has no keyword-only parameters)
                 frozen[f] = True
                 picked[count] = f
                 count += 1
-    sort_ids(picked, count)
+    sort_ids(picked, count, stack)  # the walk is over: its stack is free
     return count
+
+
+def dense_scratch(flows: int, entries: int, links: int) -> tuple[Any, ...]:
+    """The room :func:`fill_dense` works in, for components of at most ``flows`` transfers, ``entries`` link
+    entries and ``links`` links."""
+    size = 1
+    while size < links:
+        size *= 2
+    return (
+        np.empty(flows + 1, dtype=np.int64),  # flow_ptr
+        np.empty(flows, dtype=np.bool_),  # frozen
+        np.empty(flows, dtype=np.int64),  # picked
+        np.empty(entries, dtype=np.int64),  # link
+        np.empty(entries),  # weight
+        np.empty(entries, dtype=np.int64),  # entry_flow
+        np.empty(entries, dtype=np.int64),  # link_entry
+        np.empty(links + 1, dtype=np.int64),  # link_ptr
+        np.empty((3, links)),  # demand, remaining, taken
+        np.empty((4, links), dtype=np.int64),  # tight, touched_at, touched, at
+        np.empty(links, dtype=np.bool_),  # exact
+        np.empty(2 * size),  # tree
+        np.empty(130, dtype=np.int64),  # stack: a depth-first walk pushes two nodes per level of the tree
+    )
 
 
 @njit
 def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
-    members: Any, num: int, comp: Any, route: Any, room: Any, new: Any, summable: Any
+    members: Any, num: int, comp: Any, route: Any, room: Any, new: Any, summable: Any, scratch: Any
 ) -> int:
     """Progressive filling a level at a time with fresh sums (``sim/_fair.fill_dense``), over the component's
-    links (``local`` numbers them, ``comp_links`` names them); returns the number of levels."""
+    links (``local`` numbers them, ``comp_links`` names them), in ``scratch`` (:func:`dense_scratch`);
+    returns the number of levels."""
     pair, pair_ptr, pair_link, pair_weight, _ = route
     comp_links, num_links, local = comp
     new_rate, new_bottleneck = new
+    flow_ptr, frozen, picked, link, weight, entry_flow, link_entry, link_ptr = scratch[:8]
+    per_link, per_link_int, exact, tree, stack = scratch[8:]
+    demand, remaining, taken = per_link[0], per_link[1], per_link[2]
+    tight, touched_at, touched, at = per_link_int[0], per_link_int[1], per_link_int[2], per_link_int[3]
     # The entries, transfer by transfer in path order (fill_dense's order), and per link in that order.
-    flow_ptr = np.empty(num + 1, dtype=np.int64)
     total = 0
     for i in range(num):
         flow_ptr[i] = total
         p = pair[members[i]]
         total += pair_ptr[p + 1] - pair_ptr[p]
+        frozen[i] = False
     flow_ptr[num] = total
-    link = np.empty(total, dtype=np.int64)
-    weight = np.empty(total)
-    entry_flow = np.empty(total, dtype=np.int64)
-    link_ptr = np.zeros(num_links + 1, dtype=np.int64)
-    demand = np.zeros(num_links)
+    for j in range(num_links + 1):
+        link_ptr[j] = 0
+    for j in range(num_links):
+        demand[j] = 0.0
+        taken[j] = 0.0
+        tight[j] = 0
+        touched_at[j] = 0
     k = 0
     for i in range(num):
         p = pair[members[i]]
@@ -276,18 +356,16 @@ def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
             k += 1
     for j in range(num_links):
         link_ptr[j + 1] += link_ptr[j]
-    at = link_ptr[:-1].copy()
-    link_entry = np.empty(total, dtype=np.int64)
+        at[j] = link_ptr[j]
     for e in range(total):
         j = link[e]
         link_entry[at[j]] = e
         at[j] += 1
-    remaining = np.empty(num_links)
-    exact = np.empty(num_links, dtype=np.bool_)
     size = 1
     while size < num_links:
         size *= 2
-    tree = np.full(2 * size, np.inf)
+    for node in range(2 * size):
+        tree[node] = np.inf
     for j in range(num_links):
         remaining[j] = room[comp_links[j]]
         exact[j] = summable[comp_links[j]]
@@ -295,13 +373,6 @@ def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
     for node in range(size - 1, 0, -1):
         tree[node] = min(tree[2 * node], tree[2 * node + 1])
 
-    frozen = np.zeros(num, dtype=np.bool_)
-    taken = np.zeros(num_links)
-    tight = np.zeros(num_links, dtype=np.int64)  # the level at which a link was last tight
-    touched_at = np.zeros(num_links, dtype=np.int64)
-    touched = np.empty(num_links, dtype=np.int64)
-    picked = np.empty(num, dtype=np.int64)
-    stack = np.empty(130, dtype=np.int64)  # a depth-first walk pushes two nodes per level of the tree
     links = (link_ptr, link_entry, entry_flow, tight)
     left = num
     levels = 0

@@ -1,11 +1,14 @@
 """The compiled event core's queue (sim/_kernel.py): a binary heap of events ordered by (time, counter).
 
 The counter is the order of scheduling, so events due at one instant come out in the order they were pushed
-and a run is deterministic (the per-event Python core's ``heapq`` of tuples does the same). An event is four
-parallel arrays' entries — its time, its counter, an item ``what * 4 + kind`` and a version — moved with a
-hole rather than swapped. When a transfer's rate changes it gets a new drain event and the old one goes stale
-(its version is no longer the transfer's): popped, it does nothing, but like the per-event core's it still
-opens an instant when it is the earliest, which keeps results bit for bit the same.
+and a run is deterministic (the per-event Python core's ``heapq`` of tuples does the same). An event is its
+time (one array) and three integers (another, three entries an event: its counter, an item ``what * 4 + kind``
+and a version), moved with a hole rather than swapped. When a transfer's rate changes it gets a new drain event
+and the old one goes stale (its version is no longer the transfer's): popped, it does nothing, but like the
+per-event core's it still opens an instant when it is the earliest, which keeps results bit for bit the same.
+
+The compiled functions allocate nothing (sim/_jit.py): the run makes room before an instant
+(:func:`grow`, numpy) for every event the instant can push.
 """
 
 from __future__ import annotations
@@ -13,67 +16,68 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from allreduce.sim._jit import njit
+from allreduce.sim._jit import inline
 
-__all__ = ["DELIVER", "DRAIN", "START", "grow", "pop", "push"]
+__all__ = ["DELIVER", "DRAIN", "START", "grow", "pop", "push", "seeded"]
 
 START = 0  # a rank begins its next step (what: the slot)
 DELIVER = 1  # a transfer's last byte arrived (what: the transfer)
 DRAIN = 2  # a transfer's last byte left (what: the block the transfer drains in)
 
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
-@njit
-def grow(heap: Any, size: int, extra: int) -> Any:
-    """``heap`` (times, counters, items, versions) with room for ``extra`` more events past ``size``."""
-    times, counters, items, versions = heap
+
+def seeded(times: FloatArray, items: IntArray, capacity: int) -> tuple[FloatArray, IntArray]:
+    """A queue of room ``capacity`` holding events at ``times`` with ``items``, counters 0, 1, ... in that
+    order, version 0: sorted by (time, counter), which is a heap."""
+    order = np.lexsort((np.arange(times.size), times))
+    heap_times = np.empty(max(capacity, times.size))
+    heap_keys = np.zeros(3 * heap_times.size, dtype=np.int64)
+    heap_times[: times.size] = times[order]
+    heap_keys[0 : 3 * times.size : 3] = order
+    heap_keys[1 : 3 * times.size : 3] = items[order]
+    return heap_times, heap_keys
+
+
+def grow(times: FloatArray, keys: IntArray, size: int, extra: int) -> tuple[FloatArray, IntArray]:
+    """The queue's arrays with room for ``extra`` more events past ``size``."""
     capacity = max(2 * times.size, size + extra)
     new_times = np.empty(capacity)
-    new_counters = np.empty(capacity, dtype=np.int64)
-    new_items = np.empty(capacity, dtype=np.int64)
-    new_versions = np.empty(capacity, dtype=np.int64)
+    new_keys = np.zeros(3 * capacity, dtype=np.int64)
     new_times[:size] = times[:size]
-    new_counters[:size] = counters[:size]
-    new_items[:size] = items[:size]
-    new_versions[:size] = versions[:size]
-    return new_times, new_counters, new_items, new_versions
+    new_keys[: 3 * size] = keys[: 3 * size]
+    return new_times, new_keys
 
 
-@njit
-def _put(heap: Any, i: int, event: Any) -> None:
-    """Write ``event`` (time, counter, item, version) at place ``i``."""
-    times, counters, items, versions = heap
-    times[i], counters[i], items[i], versions[i] = event
-
-
-@njit
-def _get(heap: Any, i: int) -> Any:
-    times, counters, items, versions = heap
-    return times[i], counters[i], items[i], versions[i]
-
-
-@njit
-def push(heap: Any, size: int, time_s: float, counter: int, item: int, version: int) -> int:  # noqa: PLR0917
-    """Add an event (the caller made room: :func:`grow`); returns the new size."""
-    times, counters, _, _ = heap
+@inline
+def push(times: Any, keys: Any, size: int, time_s: float, counter: int, item: int, version: int) -> int:  # noqa: PLR0917
+    """Add an event (the caller made room); returns the new size."""
     i = size
     while i > 0:
         parent = (i - 1) >> 1
-        if times[parent] < time_s or (times[parent] == time_s and counters[parent] < counter):
+        if times[parent] < time_s or (times[parent] == time_s and keys[3 * parent] < counter):
             break
-        _put(heap, i, _get(heap, parent))
+        times[i] = times[parent]
+        keys[3 * i] = keys[3 * parent]
+        keys[3 * i + 1] = keys[3 * parent + 1]
+        keys[3 * i + 2] = keys[3 * parent + 2]
         i = parent
-    _put(heap, i, (time_s, counter, item, version))
+    times[i] = time_s
+    keys[3 * i] = counter
+    keys[3 * i + 1] = item
+    keys[3 * i + 2] = version
     return size + 1
 
 
-@njit
-def pop(heap: Any, size: int) -> int:
+@inline
+def pop(times: Any, keys: Any, size: int) -> int:
     """Remove the first event (the caller read it); returns the new size."""
-    times, counters, _, _ = heap
     size -= 1
-    last = _get(heap, size)
-    time_s, counter = last[0], last[1]
+    time_s = times[size]
+    counter, item, version = keys[3 * size], keys[3 * size + 1], keys[3 * size + 2]
     i = 0
     while True:
         child = 2 * i + 1
@@ -81,12 +85,18 @@ def pop(heap: Any, size: int) -> int:
             break
         right = child + 1
         if right < size and (
-            times[right] < times[child] or (times[right] == times[child] and counters[right] < counters[child])
+            times[right] < times[child] or (times[right] == times[child] and keys[3 * right] < keys[3 * child])
         ):
             child = right
-        if times[child] > time_s or (times[child] == time_s and counters[child] > counter):
+        if times[child] > time_s or (times[child] == time_s and keys[3 * child] > counter):
             break
-        _put(heap, i, _get(heap, child))
+        times[i] = times[child]
+        keys[3 * i] = keys[3 * child]
+        keys[3 * i + 1] = keys[3 * child + 1]
+        keys[3 * i + 2] = keys[3 * child + 2]
         i = child
-    _put(heap, i, last)
+    times[i] = time_s
+    keys[3 * i] = counter
+    keys[3 * i + 1] = item
+    keys[3 * i + 2] = version
     return size

@@ -31,9 +31,9 @@ __all__ = [
 # engine="auto" gives the exact result on at most AUTO_EXACT_MAX_RANKS ranks and AUTO_EXACT_MAX_TRANSFERS
 # transfers (where the two engines must agree): the fast engine's when it certified its result (SimResult.exact:
 # see sim/_fast.py), else the event engine's. Beyond them: the fast engine, whose result says whether it is
-# exact. With the compiled core (sim/_kernel.py) the event engine costs 3.5-4 us of CPU and about 180 bytes per
-# transfer (benchmarks/bench_engines.py: a 1,024-rank ring, 2.1 million transfers, 7.2-8.6 CPU-s and 502 MB on a
-# fat-tree or a 4:1 Clos), so the limits are those of a run of about half a minute and 1 GB: every double
+# exact. With the compiled core (sim/_kernel.py) the event engine costs 2-3 us of CPU and about 180 bytes per
+# transfer (benchmarks/bench_engines.py: a 1,024-rank ring, 2.1 million transfers, 3.9-5.5 CPU-s and 477 MB on a
+# fat-tree or a 4:1 Clos), so the limits are those of a run of well under a minute and 1 GB: every double
 # binary tree to 16,384 ranks, rings to about 1,400. Without numba the numpy cores run, 6-15x slower (the
 # slowest measured in benchmarks/bench_sim_agreement.py: 30 CPU-seconds, a 256-rank ring on a randomly placed
 # torus): at most 256 ranks, however many transfers.
