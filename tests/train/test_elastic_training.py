@@ -101,10 +101,21 @@ def _run(
     return list(outcome.results.values()), outcome.departures
 
 
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[Departure], str]:
+    """4 ranks, rank 2 SIGKILLed before step KILL_AT (rank 0 saved the state it started that step with): the
+    survivors' reports, the departures and the checkpoint's path. One run for the tests that read it."""
+    checkpoint = str(tmp_path_factory.mktemp("killed") / "state.pt")
+    reports, departures = _run(4, 2, checkpoint=checkpoint)
+    return reports, departures, checkpoint
+
+
 @pytest.mark.slow
-def test_survivors_of_a_killed_rank_keep_training_as_identical_replicas() -> None:
-    world_size, victim = 4, 2
-    reports, departures = _run(world_size, victim)
+def test_survivors_of_a_killed_rank_keep_training_as_identical_replicas(
+    killed: tuple[list[dict[str, Any]], list[Departure], str],
+) -> None:
+    victim = 2
+    reports, departures, _ = killed
     assert [(d.rank, d.how) for d in departures] == [(victim, "was killed by SIGKILL")]
     assert sorted(r["rank"] for r in reports) == [0, 1, 3]
     for r in reports:
@@ -116,11 +127,12 @@ def test_survivors_of_a_killed_rank_keep_training_as_identical_replicas() -> Non
 
 
 @pytest.mark.slow
-def test_the_survivors_end_where_a_fresh_group_of_their_size_started_from_the_same_state_ends(tmp_path: Any) -> None:
+def test_the_survivors_end_where_a_fresh_group_of_their_size_started_from_the_same_state_ends(
+    killed: tuple[list[dict[str, Any]], list[Departure], str],
+) -> None:
     """Shrinking is invisible in the result: 3 survivors of 4 that re-run step KILL_AT end bit for bit where 3 fresh
     ranks end when they start at step KILL_AT from the state the 4 had then (same global batches, same sums)."""
-    checkpoint = str(tmp_path / "state.pt")
-    survivors, _ = _run(4, 2, checkpoint=checkpoint)
+    survivors, _, checkpoint = killed
     fresh, _ = _run(3, -1, resume=checkpoint)
     assert len({r["params"] for r in survivors}) == 1
     assert {r["params"] for r in fresh} == {survivors[0]["params"]}

@@ -86,8 +86,10 @@ def test_the_slice_is_of_tests_allreduce_is_held_to() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", run.WORLD_SIZES)
-def test_a_slice_of_torchs_suite_passes_on_allreduce(world_size: int, tmp_path: Path) -> None:
+def test_a_slice_of_torchs_suite_passes_on_allreduce(tmp_path: Path) -> None:
+    # At 2 ranks: the slice shows the runner and the backend work together; every listed test at 2 and 3 ranks is
+    # the conformance step's (make test-conformance, which CI runs after make test).
+    world_size = 2
     pytest.importorskip("expecttest", reason="torch's test harness needs the expecttest package (the test extra)")
     done = subprocess.run(
         [
