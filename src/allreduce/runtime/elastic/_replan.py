@@ -1,4 +1,4 @@
-"""Re-planning around a slow link: when one link is the bottleneck consistently, the ring order that avoids it.
+"""Re-planning around a slow link or rank: when one is the bottleneck consistently, the schedule that avoids it.
 
 The group records, per directed link, the bytes its receiver got and the time they took to move
 (:class:`~allreduce.runtime.GroupStats` ``links``); over TCP between hosts the senders' kernels know better (a
@@ -33,11 +33,28 @@ The rule, with hysteresis so that noise never flaps the order:
   runs at most once per ``probe_windows`` windows (between two, decisions stand on the rates measured so far), and
   a healthy group never runs it, since nothing is confirmed there; with all pairs known, every ring order is
   scored (up to 9 ranks), slowest link first;
-- a link the new order avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back to
-  the original order for one window to look again (a healed link is then kept, a still slow one avoided again).
+- a *slow rank* is one whose every link the last measurements hold is slow: even the fastest, into it or out of
+  it, below ``slow_ratio`` times the median of the other ranks' fastest links, with at least one link into it and
+  one out of it, to or from two or more peers (:func:`allreduce.schedules.slow_ranks`): its own port, not a
+  cable, since a slow cable slows one pair. It is acted on once slow links are confirmed (``confirm_windows``
+  windows; over TCP the probe then measures all of its pairs). A ring window sees two of its links, which two slow
+  cables beside one rank would also make slow: until every pair is measured, the links of a slow rank that were
+  never measured are rated at its fastest measured one (not at the healthy median: no schedule is chosen for a
+  rate the rank never showed);
+- the schedule is the fastest that the cost model fed with those rates predicts
+  (:func:`allreduce.schedules.best_schedule`: a flow takes the longest of its link's time and its two ports' time
+  for all they move in the step): the best ring order, and, around a slow rank, each registered all-reduce (and a
+  single binary tree) with that rank on the position that moves the fewest bytes, a tree's leaf, which moves the
+  buffer once each way where a ring moves it ``2(N-1)/N`` times;
+- a link the new schedule avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back
+  to the original ring for one window to look again (a healed link or rank is then kept, a still slow one avoided
+  again).
 
-The new ring is the ring schedule with ranks relabelled (position ``i`` played by rank ``order[i]``,
-:func:`allreduce.schedules.ordered_ring`), verified before it is offered.
+A rank late to every call by its own compute (a straggler: its links fine) is none of these: every schedule waits
+for every rank's data, so no schedule routes around it and nothing changes (the windows show no slow link).
+
+The new schedule is a registered one with ranks relabelled (position ``i`` played by rank ``order[i]``,
+:func:`allreduce.schedules.replan_schedule`), verified before it is offered.
 """
 
 from __future__ import annotations
@@ -50,16 +67,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime.elastic._replan_probe import (
-    ProbedGroup,
-    best_order,
-    gather_sent_counters,
-    probe_pair_bytes,
-    run_probe,
-)
+from allreduce.runtime.elastic._replan_probe import ProbedGroup, gather_sent_counters, probe_pair_bytes, run_probe
 from allreduce.runtime.stats._stats import LinkStats
 from allreduce.runtime.tcp._tcpinfo import JIFFY_S
-from allreduce.schedules import SLOW_LINK_RATIO, Schedule, ordered_ring, ring_time_s
+from allreduce.schedules import (
+    SLOW_LINK_RATIO,
+    Replan,
+    Schedule,
+    best_schedule,
+    link_time_s,
+    replan_schedule,
+    slow_ranks,
+)
 
 __all__ = [
     "CONFIDENCE_Z",
@@ -110,11 +129,18 @@ class ReplanRule:
 
 @dataclass(frozen=True)
 class Decision:
-    """A new ring order and why: ``reason`` is what ``group.stats()`` and ``ALLREDUCE_DEBUG`` print."""
+    """A new schedule and why: ``algorithm`` (``chunks`` for a pipelined tree) with position ``i`` played by rank
+    ``order[i]``; ``reason`` is what ``group.stats()`` and ``ALLREDUCE_DEBUG`` print."""
 
     order: tuple[int, ...]
     reason: str
     predicted_speedup: float
+    algorithm: str = "ring"
+    chunks: int = 0
+
+    def schedule(self) -> Schedule:
+        """The schedule decided on, verified (:func:`allreduce.schedules.replan_schedule`)."""
+        return replan_schedule(self.algorithm, self.order, chunks=self.chunks)
 
 
 class MeasuredRate(float):
@@ -228,11 +254,16 @@ def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link
     return frozenset(slow)
 
 
-def rate_matrix(world_size: int, rates: Mapping[Link, float]) -> npt.NDArray[np.float64]:
+def rate_matrix(world_size: int, rates: Mapping[Link, float], slow: Iterable[int] = ()) -> npt.NDArray[np.float64]:
     """``rates`` as a matrix (``[src, dst]``), links never measured at the median measured rate (assumed healthy:
-    nothing says otherwise)."""
+    nothing says otherwise), except those of a ``slow`` rank: at the fastest of its measured links (a rank whose
+    every link measured slow is slow on the others too, so no schedule is chosen for a rate it never showed)."""
     default = statistics.median(rates.values()) if rates else 1.0
     matrix = np.full((world_size, world_size), default)
+    for rank in slow:
+        own = max(rate for link, rate in rates.items() if rank in link)
+        matrix[rank, :] = np.minimum(matrix[rank, :], own)
+        matrix[:, rank] = np.minimum(matrix[:, rank], own)
     for (src, dst), rate in rates.items():
         matrix[src, dst] = rate
     return matrix
@@ -246,11 +277,14 @@ def _cautious(rates: Mapping[Link, float], slow: frozenset[Link]) -> dict[Link, 
 
 @dataclass
 class Replanner:
-    """Feeds on one window of link rates at a time and says when to change the ring order (and back)."""
+    """Feeds on one window of link rates at a time and says when to change the schedule (and back)."""
 
     world_size: int
     rule: ReplanRule = field(default_factory=ReplanRule)
     order: tuple[int, ...] = ()
+    """Which rank plays each position of the schedule run now (:attr:`algorithm`)."""
+    algorithm: str = "ring"
+    chunks: int = 0
     _seen: frozenset[Link] = frozenset()
     _streak: int = 0
     _since_change: int = 0
@@ -258,6 +292,7 @@ class Replanner:
     _refining: bool = False
     _last_rates: dict[Link, float] = field(default_factory=dict)
     _since_probe: int | None = None
+    _schedule: Schedule | None = None
     probes: list[str] = field(default_factory=list)
     """What each probe found and whether the order changed, in the words ``group.stats()`` prints."""
 
@@ -265,10 +300,19 @@ class Replanner:
         if not self.order:
             self.order = tuple(range(self.world_size))
 
+    @property
+    def schedule(self) -> Schedule | None:
+        """The schedule to run, verified; None for the original ring."""
+        if (self.algorithm, self.order) == ("ring", tuple(range(self.world_size))):
+            return None
+        if self._schedule is None:
+            self._schedule = replan_schedule(self.algorithm, self.order, chunks=self.chunks)
+        return self._schedule
+
     def observe(
         self, rates: Mapping[Link, float], *, size_bytes: float, alpha_s: float, probe: Probe | None = None
     ) -> Decision | None:
-        """One window's link rates; a :class:`Decision` when the order changes, else None. ``probe`` (bytes per
+        """One window's link rates; a :class:`Decision` when the schedule changes, else None. ``probe`` (bytes per
         pair -> the rate of every pair) is run when slow links are confirmed and no probe ran in the last
         ``probe_windows`` windows; its rates then replace everything measured before."""
         identity = tuple(range(self.world_size))
@@ -281,9 +325,9 @@ class Replanner:
             if not slow:
                 self._seen, self._streak = frozenset(), 0
                 return None
-        elif self.order != identity and self._since_change >= self.rule.probe_windows:
+        elif (self.order, self.algorithm) != (identity, "ring") and self._since_change >= self.rule.probe_windows:
             self._probing, self._since_change = True, 0
-            self.order = identity
+            self.order, self.algorithm, self.chunks, self._schedule = identity, "ring", 0, None
             return Decision(identity, "probing the original ring order: avoided links are not measured", 1.0)
         if slow & self._seen:  # a link slow in every window of the streak: confirmed, whatever else read slow
             self._streak, self._seen = self._streak + 1, slow & self._seen
@@ -299,8 +343,8 @@ class Replanner:
             return None
         median = statistics.median(rate for link, rate in rates.items() if link not in slow)
         worst = min(slow, key=lambda link: rates[link])
-        seen = f"link {worst[0]}->{worst[1]} at {rates[worst] / median:.0%} of the others' median"
-        seen += f" for {self._streak * self.rule.window_calls} calls"
+        calls = f"for {self._streak * self.rule.window_calls} calls"
+        seen = f"link {worst[0]}->{worst[1]} at {rates[worst] / median:.0%} of the others' median {calls}"
         probed = ""
         if probe is not None and (self._since_probe is None or self._since_probe >= self.rule.probe_windows):
             pair_bytes = probe_pair_bytes(max(_high(rates[link]) for link in slow))
@@ -310,21 +354,50 @@ class Replanner:
                 found = slow_links(measured, self.rule.slow_ratio)
                 self._last_rates = _cautious(measured, found)
                 probed = f"; probed {len(measured)} pairs with {pair_bytes / 2**20:.2g} MiB each: {_named(found)} slow"
-        matrix = rate_matrix(self.world_size, self._last_rates)
-        proposal = best_order(self.order, matrix)
-        before = ring_time_s(self.order, matrix, size_bytes, alpha_s)
-        after = ring_time_s(proposal, matrix, size_bytes, alpha_s)
-        speedup = before / after if after > 0 else 1.0
-        if proposal == self.order or speedup < self.rule.min_speedup:
+        return self._choose(seen, probed, median, size_bytes, alpha_s)
+
+    def _choose(self, seen: str, probed: str, median: float, size_bytes: float, alpha_s: float) -> Decision | None:
+        """The schedule the measured rates predict fastest (:func:`allreduce.schedules.best_schedule`), as a
+        :class:`Decision` when it is new and at least ``min_speedup`` times faster than the schedule run now."""
+        ranks = slow_ranks(self._last_rates, self.rule.slow_ratio)
+        matrix = rate_matrix(self.world_size, self._last_rates, ranks)
+        current = self.order if self.algorithm == "ring" else None
+        proposal = best_schedule(matrix, size_bytes, latency_s=alpha_s, slow=ranks, current=current)
+        running = self.schedule or replan_schedule("ring", self.order)
+        before = link_time_s(running, size_bytes, matrix, latency_s=alpha_s)
+        speedup = before / proposal.seconds if proposal.seconds > 0 else 1.0
+        if ranks:
+            rank = ranks[0]
+            own = max(rate for link, rate in self._last_rates.items() if rank in link)
+            links = sum(rank in link for link in self._last_rates)
+            seen = (f"rank {rank}: all {links} of its links measured slow, the fastest at {own / median:.0%} of the "
+                    f"others' median ({seen})")  # fmt: skip
+        unchanged = (proposal.algorithm, proposal.order, proposal.chunks) == (self.algorithm, self.order, self.chunks)
+        if unchanged or speedup < self.rule.min_speedup:
             if probed:
-                self.probes.append(f"{seen}{probed}: order kept (no order predicted {self.rule.min_speedup}x faster)")
+                kept = f"schedule kept (no schedule predicted {self.rule.min_speedup}x faster)"
+                self.probes.append(f"{seen}{probed}: {kept}")
             return None
-        ordered_ring(proposal)  # verified before it is offered
-        self.order, self._since_change, self._refining = proposal, 0, True
-        reason = f"{seen}{probed}: ring reordered {','.join(map(str, proposal))}; predicted {speedup:.1f}x faster"
+        schedule = proposal.schedule()  # verified before it is offered
+        self.order, self.algorithm, self.chunks, self._schedule = (
+            proposal.order, proposal.algorithm, proposal.chunks, schedule
+        )  # fmt: skip
+        self._since_change, self._refining = 0, True
+        reason = f"{seen}{probed}: {_described(proposal, ranks)}; predicted {speedup:.1f}x faster"
         if probed:
             self.probes.append(reason)
-        return Decision(proposal, reason, speedup)
+        return Decision(proposal.order, reason, speedup, proposal.algorithm, proposal.chunks)
+
+
+def _described(plan: Replan, ranks: tuple[int, ...]) -> str:
+    """``ring reordered 0,2,1,3``, or ``double_binary_tree (32 chunks) with rank 3 on a leaf, ranks 3,1,2,0``."""
+    order = ",".join(map(str, plan.order))
+    if plan.algorithm == "ring":
+        return f"ring reordered {order}"
+    chunks = f" ({plan.chunks} chunks)" if plan.chunks else ""
+    where = "on a leaf" if plan.algorithm == "binary_tree" else "where it moves the fewest bytes"
+    named = ", ".join(map(str, ranks))
+    return f"{plan.algorithm}{chunks} with rank{'s' if len(ranks) > 1 else ''} {named} {where}, positions {order}"
 
 
 def _named(links: frozenset[Link]) -> str:
@@ -455,8 +528,7 @@ class GroupReplanning:
             probe=(lambda pair_bytes: self.probe(group, pair_bytes)) if counted else None,
         )  # fmt: skip
         if decision is not None:
-            identity = tuple(range(self.replanner.world_size))
-            self.schedule = None if decision.order == identity else ordered_ring(decision.order)
+            self.schedule = self.replanner.schedule
             self.changes.append(f"after call {self.calls}: {decision.reason}")
         elif len(self.replanner.probes) > probes:
             self.changes.append(f"after call {self.calls}: {self.replanner.probes[-1]}")
