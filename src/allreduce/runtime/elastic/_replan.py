@@ -48,7 +48,17 @@ The rule, with hysteresis so that noise never flaps the order:
   buffer once each way where a ring moves it ``2(N-1)/N`` times;
 - a link the new schedule avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back
   to the original ring for one window to look again (a healed link or rank is then kept, a still slow one avoided
-  again).
+  again). A schedule chosen around a slow rank is not re-decided from its own windows before that: a pipelined
+  tree's receiver times, inside a transfer, its wait for the chunk its sender is still receiving, so those windows
+  read the slow rank's links at 20-60% of the others (4 ranks over shared memory, its links paced at 2 MB/s),
+  and deciding from them flapped back to a ring and to the tree again within 30 calls;
+- a step's latency is measured too when a schedule is chosen: what the window's median call took beyond its
+  transfers at the measured rates, per step, at least the cost model's α. A tree of 128 chunks has 135 steps; at
+  the quiet machine's 25 us they are free, while the paced rank above cost 0.2-0.7 ms a step (sleeps that
+  overshoot on a loaded machine), and the 128-chunk tree chosen with 25 us ran 160-380 ms a call against the
+  ring's 200, where the 8-chunk tree chosen with the measured 694 us ran 145. At load 16 the same rank's steps
+  cost 7-15 ms, a tree was predicted 1.1-1.2x faster and ran 0.7-1.1x: below ``min_speedup``, which keeps the
+  ring there.
 
 A rank late to every call by its own compute (a straggler: its links fine) is none of these: every schedule waits
 for every rank's data, so no schedule routes around it and nothing changes (the windows show no slow link).
@@ -291,6 +301,8 @@ class Replanner:
     _probing: bool = False
     _refining: bool = False
     _last_rates: dict[Link, float] = field(default_factory=dict)
+    _estimates: dict[Link, float] = field(default_factory=dict)
+    """The last reading of each link at its best estimate (``_last_rates`` holds the cautious ends)."""
     _since_probe: int | None = None
     _schedule: Schedule | None = None
     probes: list[str] = field(default_factory=list)
@@ -310,11 +322,19 @@ class Replanner:
         return self._schedule
 
     def observe(
-        self, rates: Mapping[Link, float], *, size_bytes: float, alpha_s: float, probe: Probe | None = None
+        self,
+        rates: Mapping[Link, float],
+        *,
+        size_bytes: float,
+        alpha_s: float,
+        probe: Probe | None = None,
+        call_s: Callable[[], float] | None = None,
     ) -> Decision | None:
         """One window's link rates; a :class:`Decision` when the schedule changes, else None. ``probe`` (bytes per
         pair -> the rate of every pair) is run when slow links are confirmed and no probe ran in the last
-        ``probe_windows`` windows; its rates then replace everything measured before."""
+        ``probe_windows`` windows; its rates then replace everything measured before. ``call_s`` (the window's
+        median call, in seconds) is asked for when a schedule is to be chosen: a step's latency is then at least
+        what the call took beyond its transfers (:meth:`_latency_s`)."""
         identity = tuple(range(self.world_size))
         self._since_change += 1
         if self._since_probe is not None:
@@ -329,6 +349,8 @@ class Replanner:
             self._probing, self._since_change = True, 0
             self.order, self.algorithm, self.chunks, self._schedule = identity, "ring", 0, None
             return Decision(identity, "probing the original ring order: avoided links are not measured", 1.0)
+        elif self.algorithm != "ring":
+            return None  # a tree's windows rate no link (see the module docstring): it stands until the look back
         if slow & self._seen:  # a link slow in every window of the streak: confirmed, whatever else read slow
             self._streak, self._seen = self._streak + 1, slow & self._seen
         else:
@@ -339,12 +361,13 @@ class Replanner:
         # are taken as read (a slow cable delays the ACKs of flows whose return path crosses it).
         first_seen = any(link not in self._last_rates and isinstance(rates[link], MeasuredRate) for link in slow)
         self._last_rates = {**self._last_rates, **_cautious(rates, slow)}
+        self._estimates = {**self._estimates, **{link: float(rate) for link, rate in rates.items()}}
         if not slow or (self._streak < self.rule.confirm_windows and not (refining and first_seen)):
             return None
         median = statistics.median(rate for link, rate in rates.items() if link not in slow)
         worst = min(slow, key=lambda link: rates[link])
         calls = f"for {self._streak * self.rule.window_calls} calls"
-        seen = f"link {worst[0]}->{worst[1]} at {rates[worst] / median:.0%} of the others' median {calls}"
+        seen = f"link {worst[0]}->{worst[1]} at {_share(rates[worst] / median)} of the others' median {calls}"
         probed = ""
         if probe is not None and (self._since_probe is None or self._since_probe >= self.rule.probe_windows):
             pair_bytes = probe_pair_bytes(max(_high(rates[link]) for link in slow))
@@ -353,14 +376,35 @@ class Replanner:
             if len(measured) >= 3:  # every pair measured at once: the earlier windows' rates are older news
                 found = slow_links(measured, self.rule.slow_ratio)
                 self._last_rates = _cautious(measured, found)
+                self._estimates = {link: float(rate) for link, rate in measured.items()}
                 probed = f"; probed {len(measured)} pairs with {pair_bytes / 2**20:.2g} MiB each: {_named(found)} slow"
-        return self._choose(seen, probed, median, size_bytes, alpha_s)
+        return self._choose(seen, probed, median=median, size_bytes=size_bytes, alpha_s=alpha_s, call_s=call_s)
 
-    def _choose(self, seen: str, probed: str, median: float, size_bytes: float, alpha_s: float) -> Decision | None:
+    def _latency_s(self, ranks: tuple[int, ...], size_bytes: float, alpha_s: float, call_s: float) -> float:
+        """A step's latency as measured: what the schedule run now took per call beyond its transfers at the
+        measured rates (their best estimates), per step; at least ``alpha_s``. Steps cost more than the cost model's
+        α where ranks share cores or links are shaped by sleeping senders, and a tree of many chunks has many steps:
+        a choice made with the quiet machine's α would take them for free."""
+        running = self.schedule or replan_schedule("ring", self.order)
+        transfers_s = link_time_s(running, size_bytes, rate_matrix(self.world_size, self._estimates, ranks))
+        return max(alpha_s, (call_s - transfers_s) / max(running.num_steps, 1))
+
+    def _choose(
+        self,
+        seen: str,
+        probed: str,
+        *,
+        median: float,
+        size_bytes: float,
+        alpha_s: float,
+        call_s: Callable[[], float] | None,
+    ) -> Decision | None:
         """The schedule the measured rates predict fastest (:func:`allreduce.schedules.best_schedule`), as a
         :class:`Decision` when it is new and at least ``min_speedup`` times faster than the schedule run now."""
         ranks = slow_ranks(self._last_rates, self.rule.slow_ratio)
         matrix = rate_matrix(self.world_size, self._last_rates, ranks)
+        if call_s is not None:
+            alpha_s = self._latency_s(ranks, size_bytes, alpha_s, call_s())
         current = self.order if self.algorithm == "ring" else None
         proposal = best_schedule(matrix, size_bytes, latency_s=alpha_s, slow=ranks, current=current)
         running = self.schedule or replan_schedule("ring", self.order)
@@ -370,8 +414,8 @@ class Replanner:
             rank = ranks[0]
             own = max(rate for link, rate in self._last_rates.items() if rank in link)
             links = sum(rank in link for link in self._last_rates)
-            seen = (f"rank {rank}: all {links} of its links measured slow, the fastest at {own / median:.0%} of the "
-                    f"others' median ({seen})")  # fmt: skip
+            seen = (f"rank {rank}: all {links} of its links measured slow, the fastest at {_share(own / median)} of "
+                    f"the others' median ({seen})")  # fmt: skip
         unchanged = (proposal.algorithm, proposal.order, proposal.chunks) == (self.algorithm, self.order, self.chunks)
         if unchanged or speedup < self.rule.min_speedup:
             if probed:
@@ -384,6 +428,7 @@ class Replanner:
         )  # fmt: skip
         self._since_change, self._refining = 0, True
         reason = f"{seen}{probed}: {_described(proposal, ranks)}; predicted {speedup:.1f}x faster"
+        reason += f" (a step's latency {alpha_s * 1e6:.3g} us)" if proposal.algorithm != "ring" else ""
         if probed:
             self.probes.append(reason)
         return Decision(proposal.order, reason, speedup, proposal.algorithm, proposal.chunks)
@@ -398,6 +443,11 @@ def _described(plan: Replan, ranks: tuple[int, ...]) -> str:
     where = "on a leaf" if plan.algorithm == "binary_tree" else "where it moves the fewest bytes"
     named = ", ".join(map(str, ranks))
     return f"{plan.algorithm}{chunks} with rank{'s' if len(ranks) > 1 else ''} {named} {where}, positions {order}"
+
+
+def _share(fraction: float) -> str:
+    """``10%``, ``0.12%``: a share in two significant digits (a link paced at 2 MB/s beside 2 GB/s is not 0%)."""
+    return f"{100 * fraction:.2g}%"
 
 
 def _named(links: frozenset[Link]) -> str:
@@ -526,6 +576,7 @@ class GroupReplanning:
         decision = self.replanner.observe(
             rates, size_bytes=size, alpha_s=self.latency_s,
             probe=(lambda pair_bytes: self.probe(group, pair_bytes)) if counted else None,
+            call_s=lambda: max(rank.time_p50_s for rank in group.stats(window).ranks),
         )  # fmt: skip
         if decision is not None:
             self.schedule = self.replanner.schedule
