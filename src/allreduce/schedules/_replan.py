@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from allreduce.schedules._algorithms import _inorder_tree, _tree_streams
 from allreduce.schedules._registry import algorithms, get_algorithm, make_schedule
-from allreduce.schedules._reorder import RateMatrix, _check, best_ring_order, relabel, relabelled
+from allreduce.schedules._reorder import RateMatrix, best_ring_order, relabel, relabelled
 from allreduce.schedules._schedule import Collective, Phase, Schedule
 from allreduce.schedules._timing import propagate
 
@@ -175,7 +175,8 @@ def best_schedule(
     best = Replan("ring", ring.order, link_time_s(ring_schedule, size_bytes, rates, latency_s=latency_s))
     if not slow:
         return best
-    _check(sorted(set(slow)) + [r for r in range(n) if r not in set(slow)], n)  # each a rank of the group
+    if len(set(slow)) != len(slow) or not all(0 <= rank < n for rank in slow):
+        raise ValueError(f"slow must name distinct ranks of a group of {n}, got {list(slow)[:16]}")
     for name, chunks in _candidates(n):
         base = _base(name, n, chunks)
         order = _placed(base, slow)
