@@ -1,8 +1,8 @@
 """ALLREDUCE_REPLAN in a real group: one link paced (over shared memory by ALLREDUCE_INJECT, over TCP by the
 sender's kernel) makes the ring slow; after two windows every rank has re-planned to the same ring order that leaves
 the link out, says why in group.stats(), and the all-reduces are exact and faster. Every link of one rank paced: every
-rank puts it in the same tree, named. A healthy ring over TCP is never changed. Real processes, shared memory and
-loopback sockets."""
+rank puts it in the same tree, named. A rank late to every call is named a compute straggler, and nothing changes. A
+healthy ring over TCP is never changed. Real processes, shared memory and loopback sockets."""
 
 from __future__ import annotations
 
@@ -273,3 +273,26 @@ def test_over_tcp_the_probe_finds_every_link_of_a_rank_slow_and_a_tree_is_chosen
     after = np.median([t for r in results for t in r[0][-10:]])
     assert after < before, (before, after, replans)  # 229 -> 72 ms at load 6.5: each link is paced on its own, so
     # the tree's leaf sends to its two neighbours at once (a real slow port would share its rate: 1.5x at best)
+
+
+def _replans_after(group: Any, calls: int) -> tuple[str, ...]:
+    x = np.ones(1 << 16, np.float32)
+    for _ in range(calls):
+        group.all_reduce(x, algorithm="ring")
+    return group.stats().replans
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_a_rank_late_to_every_call_is_named_a_compute_straggler_and_nothing_changes() -> None:
+    env = {"ALLREDUCE_INJECT": "delay:rank=3:20ms", "ALLREDUCE_REPLAN": "window=10,confirm=2"}
+    results = spawn(4, _replans_after, 50, env=env, init_options={"transport": "shm"}, timeout_s=120)
+    assert len(set(results)) == 1  # every rank said the same, from the same gathered records
+    (replans,) = set(results)
+    assert len(replans) == 1, replans  # said once, once confirmed; no schedule adopted
+    head, _, said = replans[0].partition(": ")
+    # after two windows, or later at load 12-16, where a window's receivers' records now and then read a link slow
+    assert head in ("after call 20", "after call 30", "after call 40", "after call 50"), replans
+    assert said.startswith("rank 3 late by a median "), replans
+    assert "no link slow: a compute straggler, which no schedule routes around" in said
+    assert said.endswith("nothing changed")

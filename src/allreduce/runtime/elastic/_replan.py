@@ -61,7 +61,10 @@ The rule, with hysteresis so that noise never flaps the order:
   ring there.
 
 A rank late to every call by its own compute (a straggler: its links fine) is none of these: every schedule waits
-for every rank's data, so no schedule routes around it and nothing changes (the windows show no slow link).
+for every rank's data, so no schedule routes around it and nothing changes (the windows show no slow link). Where
+the windows gather the link records (shared memory, Unix sockets), a rank that ``group.stats()`` names late by a
+quarter of a call or more, for ``confirm_windows`` windows with no link slow, is said to be one, once
+(:meth:`GroupReplanning._straggler`).
 
 The new schedule is a registered one with ranks relabelled (position ``i`` played by rank ``order[i]``,
 :func:`allreduce.schedules.replan_schedule`), verified before it is offered.
@@ -70,7 +73,9 @@ The new schedule is a registered one with ranks relabelled (position ``i`` playe
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -78,7 +83,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime.elastic._replan_probe import ProbedGroup, gather_sent_counters, probe_pair_bytes, run_probe
-from allreduce.runtime.stats._stats import LinkStats
+from allreduce.runtime.stats._stats import GroupStats, LinkStats
 from allreduce.runtime.tcp._tcpinfo import JIFFY_S
 from allreduce.schedules import (
     SLOW_LINK_RATIO,
@@ -470,6 +475,9 @@ _RULE_FIELDS = {
     "speedup": ("min_speedup", float),
     "probe": ("probe_windows", int),
 }
+STRAGGLER_SHARE = 0.25
+"""A rank whose median lateness is at least this share of the median call (and which ``group.stats()`` names as
+standing out) is reported as a compute straggler: less is the ordinary spread of ranks sharing cores."""
 _MAX_RULE_INT = 1_000_000
 _MIN_AUTO_BYTES = 1 << 20
 """An ``auto`` all-reduce takes the re-planned ring from this size on (there the ring's bandwidth matters; below it
@@ -524,6 +532,9 @@ class GroupReplanning:
         self.changes: list[str] = []
         """Each change of order, and each probe that kept the order, with the call it came after."""
         self._sent_before: npt.NDArray[np.float64] | None = None
+        self._stats: GroupStats | None = None  # the window's records, where they were gathered
+        self._late_windows = 0
+        self._said_late: int | None = None  # the straggler named last: not named again while it stays the one
 
     def sent_rates(self, table: npt.NDArray[np.float64]) -> dict[Link, float]:
         """:func:`sender_rates` between the counters gathered last (zeros the first time, and for a connection made
@@ -551,7 +562,9 @@ class GroupReplanning:
             rates = self.sent_rates(table)
             if rates:
                 return rates
-        return link_rates(group.stats(last).links)
+        stats = group.stats(last)
+        self._stats = stats
+        return link_rates(stats.links)
 
     def probe(self, group: ProbedGroup, pair_bytes: int) -> Mapping[Link, float]:
         """The all-pairs probe (:mod:`._replan_probe`) and the rate of every pair it measured (collectives): from
@@ -569,6 +582,7 @@ class GroupReplanning:
         window = self.rule.window_calls
         if self.calls % window:
             return None
+        self._stats = None
         rates = self.measured_rates(group, window)
         size, self.window_bytes = self.window_bytes / window, 0
         probes = len(self.replanner.probes)
@@ -583,4 +597,31 @@ class GroupReplanning:
             self.changes.append(f"after call {self.calls}: {decision.reason}")
         elif len(self.replanner.probes) > probes:
             self.changes.append(f"after call {self.calls}: {self.replanner.probes[-1]}")
+        else:
+            self._straggler(rates, group.rank)
         return decision
+
+    def _straggler(self, rates: Mapping[Link, float], rank: int) -> None:
+        """Say once, when it is confirmed, that a rank is late to its calls while no link is slow: a compute
+        straggler, which no schedule routes around (every one waits for its data). Confirmed as a slow link is
+        (``confirm_windows`` windows running) from the window's gathered records (:data:`STRAGGLER_SHARE`), and not
+        said again while the same rank is the one; over TCP, where the senders' counters are gathered instead,
+        ``group.stats()`` names the late rank as always."""
+        stats = self._stats
+        late = None if stats is None or stats.slowest_rank is None else stats.ranks[stats.slowest_rank]
+        call_s = 0.0 if stats is None else max((r.time_p50_s for r in stats.ranks), default=0.0)
+        if late is None or slow_links(rates, self.rule.slow_ratio) or late.late_p50_s < STRAGGLER_SHARE * call_s:
+            self._late_windows = 0
+            return
+        self._late_windows += 1
+        if self._late_windows < self.rule.confirm_windows or late.rank == self._said_late:
+            return
+        self._said_late = late.rank
+        note = (
+            f"after call {self.calls}: rank {late.rank} late by a median {late.late_p50_s * 1e3:.3g} ms a call for "
+            f"{self._late_windows * self.rule.window_calls} calls, no link slow: a compute straggler, which no "
+            "schedule routes around (every one waits for its data); nothing changed"
+        )
+        self.changes.append(note)
+        if rank == 0 and os.environ.get("ALLREDUCE_DEBUG"):
+            print(f"allreduce: re-planning: {note.partition(': ')[2]}", file=sys.stderr, flush=True)
