@@ -14,6 +14,16 @@ printing busbw per window and the change re-planning made; one healthy, counting
     .venv/bin/python benchmarks/bench_replan.py --tcp-healthy [--size 64KiB] [--healthy-calls 10000]
         [--replan window=10,confirm=2] [--cost-pairs 5] [--cost-calls 2000]
 
+    .venv/bin/python benchmarks/bench_replan.py --straggler-only [--ranks 8] [--size 1MiB] [--straggler 5ms]
+        [--pairs 3] [--calls 200]
+
+A straggler (rank N-1 sleeping ``--straggler`` before every call, ``ALLREDUCE_INJECT``) in ``--pairs`` runs, each
+after a healthy one, so that a ratio within a pair does not carry the load's drift from run to run (the default run
+prints these pairs too). The late rank costs a call at most its delay: a ring's other ranks run ahead meanwhile (rank
+k can do k+1 steps of the reduce-scatter before it needs the late rank's data), and on 2 cores the 7 others get the
+CPU it leaves while it sleeps. One healthy run against one late one, minutes apart, compares two loads: 13.74 ->
+36.95 ms a call (healthy first at load 3.9, late last at up to 10.2) was that.
+
 A healthy ring of 4 ranks over loopback TCP with re-planning on: the changes it makes (none is the goal), and what
 it costs: the median call with it over the median call without, in runs interleaved.
 
@@ -53,17 +63,20 @@ SLOW_CABLE = ("leaf0<->spine0", 0.1)
 STORE_PORT = 29_531
 
 
-def _loop(group: Any, count: int, calls: int) -> tuple[list[float], tuple[str, ...], float]:
-    """``calls`` ring all-reduces: each call's seconds, the changes re-planning made, this rank's CPU seconds."""
+def _loop(group: Any, count: int, calls: int) -> tuple[list[float], tuple[str, ...], float, tuple[float, float]]:
+    """``calls`` ring all-reduces: each call's seconds, the changes re-planning made, this rank's CPU seconds, and
+    when the calls began and ended (``perf_counter``: one clock for every process on the machine)."""
     times = []
     x = np.ones(count, np.float32)
     cpu_started = time.process_time()
+    began = time.perf_counter()
     for _ in range(calls):
         started = time.perf_counter()
         group.all_reduce(x, algorithm="ring")
         times.append(time.perf_counter() - started)
         x[:] = 1.0
-    return times, group.stats().replans, time.process_time() - cpu_started
+    ended = time.perf_counter()
+    return times, group.stats().replans, time.process_time() - cpu_started, (began, ended)
 
 
 def _busbw(times: list[float], nbytes: int, n: int) -> list[float]:
@@ -73,9 +86,17 @@ def _busbw(times: list[float], nbytes: int, n: int) -> list[float]:
 
 
 def run(n: int, count: int, calls: int, env: dict[str, str]) -> tuple[list[float], tuple[str, ...]]:
+    times, changes, _, _ = run_timed(n, count, calls, env)
+    return times, changes
+
+
+def run_timed(n: int, count: int, calls: int, env: dict[str, str]) -> tuple[list[float], tuple[str, ...], float, float]:
+    """Each call's seconds (its slowest rank's), the changes, the wall seconds per call from the first rank's start
+    to the last rank's end, and the ranks' CPU seconds per call."""
     results = spawn(n, _loop, count, calls, env=env, init_options={"transport": "shm"}, timeout_s=600)
     times = np.max([r[0] for r in results], axis=0).tolist()  # a call ends when its slowest rank does
-    return times, results[0][1]
+    wall = (max(r[3][1] for r in results) - min(r[3][0] for r in results)) / calls
+    return times, results[0][1], wall, sum(r[2] for r in results) / calls
 
 
 def _worker(spec_json: str) -> int:
@@ -348,6 +369,43 @@ def main_tcp_healthy(args: argparse.Namespace) -> None:
           + f"; load {os.getloadavg()[0]:.1f}")  # fmt: skip
 
 
+def main_straggler(args: argparse.Namespace, count: int) -> None:
+    """A straggler: rank N-1 sleeps ``--straggler`` before every call (``ALLREDUCE_INJECT`` delay), against the
+    healthy group, in ``--pairs`` runs interleaved with healthy ones (the load moves between runs; a ratio within a
+    pair does not carry it), and once with re-planning on."""
+    n, delay = args.ranks, args.straggler
+    straggler = {"ALLREDUCE_INJECT": f"delay:rank={n - 1}:{delay}"}
+    print(f"a straggler: rank {n - 1} arrives {delay} late at every call (compute, not a link); {args.pairs} pairs "
+          f"of runs of {args.calls} calls, healthy then late; load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(f"  {'pair':>4} {'healthy ms/call':>16} {'late ms/call':>13} {'added ms':>9} {'CPU ms/call h/l':>16} "
+          f"{'median call h/l':>16} {'load':>5}")  # fmt: skip
+    added, healthy_walls = [], []
+    for pair in range(args.pairs):
+        healthy, _, healthy_wall, healthy_cpu = run_timed(n, count, args.calls, {})
+        late, _, late_wall, late_cpu = run_timed(n, count, args.calls, straggler)
+        added.append((late_wall - healthy_wall) * 1e3)
+        healthy_walls.append(healthy_wall * 1e3)
+        print(f"  {pair:>4} {healthy_wall * 1e3:>16.2f} {late_wall * 1e3:>13.2f} {added[-1]:>9.2f} "
+              f"{healthy_cpu * 1e3:>7.1f}/{late_cpu * 1e3:<8.1f} {np.median(healthy) * 1e3:>7.2f}/"
+              f"{np.median(late) * 1e3:<8.2f} {os.getloadavg()[0]:>5.1f}")  # fmt: skip
+    low, high = np.percentile(added, [25, 75])
+    print(
+        f"  added per call: median {np.median(added):.2f} ms, quartiles {low:.2f} to {high:.2f}, for a delay of "
+        f"{delay}; the healthy runs alone spread {min(healthy_walls):.2f}-{max(healthy_walls):.2f} ms/call at this "
+        f"load (ms/call: the run's wall time over its calls; median call: the slowest rank's, the late rank's own "
+        f"delay included). One healthy run against one late run, measured minutes apart, compares two loads"
+    )
+    _, late_changes, replanned_wall, _ = run_timed(n, count, args.calls, {**straggler, "ALLREDUCE_REPLAN": "1"})
+    said = [change for change in late_changes if "compute straggler" in change]
+    for line in said:
+        print(f"  group.stats(): {line}")
+    changes = len(late_changes) - len(said)
+    print(f"  with re-planning: {replanned_wall * 1e3:.2f} ms/call, {changes} changes: every schedule "
+          f"waits for every rank's data, so a late rank costs up to its delay whatever the order or the algorithm "
+          f"(less where the others run ahead on steps that do not need it yet); only links and ports can be routed "
+          f"around; load {os.getloadavg()[0]:.1f}")  # fmt: skip
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         raise SystemExit(_worker(sys.argv[2]))
@@ -358,6 +416,8 @@ def main() -> None:
     parser.add_argument("--rate", default="50MB/s", help="the paced link's rate")
     parser.add_argument("--healthy-calls", type=int, default=10_000)
     parser.add_argument("--straggler", default="5ms", help="the delayed rank's delay per call")
+    parser.add_argument("--pairs", type=int, default=3, help="straggler runs, each after a healthy one")
+    parser.add_argument("--straggler-only", action="store_true", help="only the straggler's pairs of runs")
     parser.add_argument("--emulated", action="store_true", help="over TCP on an emulated Clos (root)")
     parser.add_argument("--link-rate", default="200Mbps", help="with --emulated: the links' shaped rate")
     parser.add_argument("--replan", default="window=10,confirm=2", help="with --emulated: ALLREDUCE_REPLAN")
@@ -376,6 +436,9 @@ def main() -> None:
         parser.error("--ranks must be in 4..16 (re-planning needs 4 ranks)")
     nbytes = parse_bytes(args.size, what="--size")
     count = max(1, nbytes // 4)
+    if args.straggler_only:
+        main_straggler(args, count)
+        return
     pace = {"ALLREDUCE_INJECT": f"pace:link=1->2:rate={args.rate}"}
     print(f"bench_replan: {args.ranks} ranks, shm, ring all-reduce of {args.size}, link 1->2 paced to {args.rate}; "
           f"load {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores")  # fmt: skip
@@ -389,15 +452,7 @@ def main() -> None:
         print(f"  re-planned {change}")
     last = _busbw(replanned, count * 4, args.ranks)[-1]
     print(f"  after re-planning: {last / _busbw(healthy, count * 4, args.ranks)[-1]:.0%} of the healthy busbw")
-    straggler = {"ALLREDUCE_INJECT": f"delay:rank={args.ranks - 1}:{args.straggler}"}
-    late, _ = run(args.ranks, count, args.calls, straggler)
-    late_replanned, late_changes = run(args.ranks, count, args.calls, {**straggler, "ALLREDUCE_REPLAN": "1"})
-    healthy_ms = float(np.median(healthy)) * 1e3
-    print(f"a straggler: rank {args.ranks - 1} arrives {args.straggler} late at every call (compute, not a link):")
-    for name, times in (("without re-planning", late), ("with re-planning", late_replanned)):
-        print(f"  {name:<20} median call {np.median(times) * 1e3:7.2f} ms (healthy {healthy_ms:.2f} ms)")
-    print(f"  re-planning made {len(late_changes)} changes: every schedule waits for every rank's data, so a late "
-          f"rank costs its delay whatever the order; only its links can be routed around")  # fmt: skip
+    main_straggler(args, count)
     started = time.monotonic()
     _, flaps = run(args.ranks, max(1, (64 << 10) // 4), args.healthy_calls, {"ALLREDUCE_REPLAN": "1"})
     print(f"healthy group with re-planning on: {len(flaps)} changes in {args.healthy_calls:,} calls of 64 KiB "

@@ -37,3 +37,15 @@ def test_one_rank_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> 
     err = capsys.readouterr().err
     assert "--mitigate: re-planning is predicted for 2..4,096 ranks, got 1" in err
     assert "Traceback" not in err
+
+
+def test_a_slow_port_is_re_planned_into_a_tree_in_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*DRAGONFLY, "--ranks", "8", "--degrade", "gpu5<->r1.0=0.1", "--mitigate"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "re-planned double_binary_tree (32 chunks)" in out
+    assert "rank 5: every link slow (its port, not a cable)" in out
+    assert main([*args, "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)["mitigation"]
+    assert (m["algorithm"], m["slow_ranks"]) == ("double_binary_tree", [5])
+    assert m["replanned_seconds"] < m["ring_seconds"] / 1.3

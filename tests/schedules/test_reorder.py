@@ -36,7 +36,7 @@ def test_an_order_that_is_not_a_permutation_is_refused() -> None:
 
 def test_the_best_order_avoids_the_slow_link_and_keeps_rank_0_first() -> None:
     rates = _rates(N, {(3, 4): 0.1 * FAST})
-    order = best_ring_order(tuple(range(N)), rates)
+    order = best_ring_order(rates, 1 << 20).order
     assert order[0] == 0
     assert sorted(order) == list(range(N))
     assert ring_bottleneck(order, rates) == FAST
@@ -44,23 +44,25 @@ def test_the_best_order_avoids_the_slow_link_and_keeps_rank_0_first() -> None:
 
 def test_two_slow_links_are_both_avoided() -> None:
     rates = _rates(N, {(3, 4): 0.1 * FAST, (6, 7): 0.2 * FAST})
-    assert ring_bottleneck(best_ring_order(tuple(range(N)), rates), rates) == FAST
+    assert ring_bottleneck(best_ring_order(rates, 1 << 20).order, rates) == FAST
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(4, 24), st.data())
-def test_the_search_never_makes_the_bottleneck_worse(n: int, data: st.DataObject) -> None:
+@given(st.integers(10, 24), st.data())
+def test_above_nine_ranks_the_local_search_never_makes_the_bottleneck_worse(n: int, data: st.DataObject) -> None:
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     rates = rng.uniform(0.05, 1.0, size=(n, n)) * FAST
-    start = tuple(range(n))
-    assert ring_bottleneck(best_ring_order(start, rates), rates) >= ring_bottleneck(start, rates)
+    start = tuple(rng.permutation(n).tolist())
+    chosen = best_ring_order(rates, 1 << 20, current=start).order
+    assert chosen[0] == start[0]
+    assert ring_bottleneck(chosen, rates) >= ring_bottleneck(start, rates)
 
 
 def test_a_slow_link_every_ring_must_use_stays() -> None:
     """Rank 1 is slow to everyone: no order avoids it, and the search leaves the ring as it is."""
     rates = np.full((N, N), FAST)
     rates[1, :] = 0.1 * FAST
-    assert best_ring_order(tuple(range(N)), rates) == tuple(range(N))
+    assert best_ring_order(rates, 1 << 20).order == tuple(range(N))
 
 
 def test_ring_time_is_the_alpha_beta_formula() -> None:

@@ -379,7 +379,10 @@ def as_json(outcome: Outcome, top: int) -> dict[str, object]:
 
 def _mitigation_json(m: Mitigation) -> dict[str, object]:
     return {
+        "algorithm": m.algorithm,
+        "chunks": m.chunks,
         "order": list(m.order),
+        "slow_ranks": list(m.slow_ranks),
         "ring_seconds": m.before.seconds,
         "replanned_seconds": m.after.seconds,
         "speedup": m.speedup,
@@ -393,8 +396,9 @@ def _render_mitigation(m: Mitigation) -> str:
     """What re-planning would gain, as the text output's last lines."""
     lines = [
         "",
-        f"re-planning (--mitigate): ring as placed {format_seconds(m.before.seconds)}, re-planned ring "
-        f"{format_seconds(m.after.seconds)} ({m.speedup:.2f}x); slowest ring link "
+        f"re-planning (--mitigate): ring as placed {format_seconds(m.before.seconds)}, re-planned {m.algorithm}"
+        f"{f' ({m.chunks} chunks)' if m.chunks else ''} {format_seconds(m.after.seconds)} ({m.speedup:.2f}x); "
+        "slowest ring link "
         f"{m.slowest_before_Bps / 1e9:.3g} -> {m.slowest_after_Bps / 1e9:.3g} GB/s",
     ]
     if tuple(m.order) != tuple(range(len(m.order))):
@@ -508,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mitigate:
         mitigation = mitigate_ring(
             topology, world_size, size_bytes=size, placement=placement, routing=args.routing, seed=args.seed,
-            faults=faults, engine=args.engine,
+            faults=faults, engine=args.engine, beyond_ring=True,
         )  # fmt: skip
     if args.json:
         print(

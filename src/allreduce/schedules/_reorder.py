@@ -9,17 +9,28 @@ the ring. Runtime re-planning and the simulator's ``--mitigate`` both use these 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules._algorithms import ring_all_reduce
-from allreduce.schedules._schedule import Schedule
+from allreduce.schedules._schedule import Schedule, Streams, concat_streams
 from allreduce.schedules._verify import verify
 
-__all__ = ["SLOW_LINK_RATIO", "best_ring_order", "ordered_ring", "ring_bottleneck", "ring_time_s"]
+__all__ = [
+    "EXHAUSTIVE_MAX_RANKS",
+    "SLOW_LINK_RATIO",
+    "RingOrder",
+    "best_ring_order",
+    "ordered_ring",
+    "relabelled",
+    "ring_bottleneck",
+    "ring_time_s",
+]
 
 SLOW_LINK_RATIO = 0.25
 """A link is slow when its rate is below this fraction of the median link's: what re-planning acts on, in the
@@ -40,16 +51,46 @@ def _check(order: Sequence[int], n: int) -> npt.NDArray[np.int64]:
     return ranks
 
 
-def ordered_ring(order: Sequence[int]) -> Schedule:
-    """Ring all-reduce with position ``i`` played by rank ``order[i]``: the ring's streams with their ranks
-    relabelled (their peers are fixed, so the relabelling is exact), verified like any schedule."""
-    n = len(order)
+def _fixed_peers(streams: Streams, world_size: int) -> Streams:
+    """The same transfers with every stream's peer fixed: a stream whose peer moves by ``peer_stride`` each step
+    becomes one stream per step (a relabelled peer is not the old one plus a stride)."""
+    moving = (streams.peer_stride != 0) & (streams.steps > 1)
+    if not moving.any():
+        return streams
+    kept, split = streams.select(~moving), streams.select(moving)
+    which = np.repeat(np.arange(len(split)), split.steps)
+    j = np.arange(len(which)) - np.repeat(np.cumsum(split.steps) - split.steps, split.steps)
+    one_each = split.select(which).replace(
+        peer=(split.peer[which] + j * split.peer_stride[which]) % world_size,
+        peer_stride=0,
+        start=split.start[which] + j,
+        steps=1,
+        block_offset=split.block_offset[which] + j * split.block_stride[which],
+    )
+    return concat_streams([kept, one_each])
+
+
+def relabelled(schedule: Schedule, order: Sequence[int]) -> Schedule:
+    """``schedule`` with position ``i`` played by rank ``order[i]``: its streams with their ranks relabelled (their
+    peers are fixed, so the relabelling is exact; an all-reduce is the same collective whichever rank plays which
+    part), verified like any schedule."""
+    moved = relabel(schedule, order)
+    verify(moved)
+    return moved
+
+
+def relabel(schedule: Schedule, order: Sequence[int]) -> Schedule:
+    """:func:`relabelled`, not verified: for scoring candidates, of which only the chosen one runs."""
+    n = schedule.world_size
     ranks = _check(order, n)
-    ring = ring_all_reduce(n)
-    streams = ring.streams.replace(src=ranks[ring.streams.src], peer=ranks[ring.streams.peer])
-    schedule = Schedule("ring", ring.collective, n, ring.num_blocks, ring.num_steps, streams)
-    verify(schedule)
-    return schedule
+    streams = _fixed_peers(schedule.streams, n)
+    streams = streams.replace(src=ranks[streams.src], peer=ranks[streams.peer])
+    return dataclasses.replace(schedule, streams=streams, root=int(ranks[schedule.root]))
+
+
+def ordered_ring(order: Sequence[int]) -> Schedule:
+    """Ring all-reduce with position ``i`` played by rank ``order[i]`` (:func:`relabelled`)."""
+    return relabelled(ring_all_reduce(len(order)), order)
 
 
 def _edges(orders: npt.NDArray[np.int64], rates: RateMatrix) -> npt.NDArray[np.float64]:
@@ -77,16 +118,12 @@ def _score(edges: npt.NDArray[np.float64]) -> tuple[Any, Any]:
     return low, -(edges <= low[..., None] * (1 + 1e-12)).sum(axis=-1)
 
 
-def best_ring_order(current: Sequence[int], rates: RateMatrix) -> tuple[int, ...]:
-    """The ring order whose slowest link is fastest, by local search from ``current``: at each round, every move
-    of one end of the slowest link (a swap with another position, or the reversal of the segment between them) is
-    scored, and the best is taken while it lifts the bottleneck (or leaves fewer links at it). The rank at
-    position 0 stays there; ties go to the first move found, so every rank finds the same order from the same
-    rates. O(N²) per round, a round per slow link."""
-    n = rates.shape[0]
-    order = _check(current, n)
-    if n < 4:
-        return tuple(int(r) for r in order)  # three or fewer ranks: every ring uses the same pairs
+def _local_search(order: npt.NDArray[np.int64], rates: RateMatrix) -> npt.NDArray[np.int64]:
+    """From ``order``, at each round every move of one end of the slowest link (a swap with another position, or
+    the reversal of the segment between them) is scored, and the best is taken while it lifts the bottleneck (or
+    leaves fewer links at it). O(N²) per round, a round per slow link; it can stop at an order that still uses a
+    slow link."""
+    n = len(order)
     positions = np.arange(n)
     for _ in range(n):
         edges = _edges(order, rates)
@@ -110,4 +147,49 @@ def best_ring_order(current: Sequence[int], rates: RateMatrix) -> tuple[int, ...
             break
         ranked = np.lexsort((-c_count, -c_low))  # best bottleneck first, then fewest links at it; stable
         order = moves[ranked[0]]
-    return tuple(int(r) for r in order)
+    return order
+
+
+def _exhaustive(order: npt.NDArray[np.int64], rates: RateMatrix) -> npt.NDArray[np.int64]:
+    """Of every order with ``order[0]`` first, the one whose links, slowest first, are fastest: the slowest link
+    decides a ring's time, the next ones break ties (a second slow link is then avoided too when it can be);
+    ``order`` itself when it is as good."""
+    rest = [int(r) for r in order[1:]]
+    every = np.array([(int(order[0]), *p) for p in itertools.permutations(sorted(rest))], dtype=np.int64)
+    ranked = np.sort(_edges(every, rates), axis=1)
+    best = int(np.lexsort(-ranked.T[::-1])[0])  # the slowest link first, then the next: largest first
+    mine = np.sort(_edges(order[None, :], rates), axis=1)[0]
+    return order if np.array_equal(mine, ranked[best]) else every[best]
+
+
+EXHAUSTIVE_MAX_RANKS = 9
+"""Up to this many ranks :func:`best_ring_order` scores every order (8! = 40,320 at 9, 0.1 s); above, a local
+search from the current order."""
+
+
+class RingOrder(NamedTuple):
+    """A ring order and the α–β time the measured rates predict for it (:func:`ring_time_s`)."""
+
+    order: tuple[int, ...]
+    seconds: float
+
+
+def best_ring_order(
+    rates: RateMatrix, size_bytes: float, *, latency_s: float = 0.0, current: Sequence[int] | None = None
+) -> RingOrder:
+    """The ring order whose slowest link is fastest under the measured ``rates`` (``rates[i, j]``: bytes per second
+    from rank i to rank j), and its predicted time for a buffer of ``size_bytes``.
+
+    Up to :data:`EXHAUSTIVE_MAX_RANKS` ranks every order is scored, the slowest link first, then the next (the
+    first decides the time; the others break ties); above, a local search from ``current``. The rank at position
+    0 of ``current`` (default: the identity) stays there and ``current`` is kept when no order is better, so every
+    rank that reads the same rates finds the same order. Pure: the runtime's re-planning and the simulator's
+    ``--mitigate`` both choose with it."""
+    n = rates.shape[0]
+    if rates.shape != (n, n):
+        raise ValueError(f"rates must be a square matrix, got shape {rates.shape}")
+    order = _check(range(n) if current is None else current, n)
+    if n >= 4:  # three or fewer ranks: every ring uses the same pairs
+        order = _exhaustive(order, rates) if n <= EXHAUSTIVE_MAX_RANKS else _local_search(order, rates)
+    chosen = tuple(int(r) for r in order)
+    return RingOrder(chosen, ring_time_s(chosen, rates, size_bytes, latency_s))

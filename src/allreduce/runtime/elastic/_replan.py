@@ -1,4 +1,4 @@
-"""Re-planning around a slow link: when one link is the bottleneck consistently, the ring order that avoids it.
+"""Re-planning around a slow link or rank: when one is the bottleneck consistently, the schedule that avoids it.
 
 The group records, per directed link, the bytes its receiver got and the time they took to move
 (:class:`~allreduce.runtime.GroupStats` ``links``); over TCP between hosts the senders' kernels know better (a
@@ -33,33 +33,67 @@ The rule, with hysteresis so that noise never flaps the order:
   runs at most once per ``probe_windows`` windows (between two, decisions stand on the rates measured so far), and
   a healthy group never runs it, since nothing is confirmed there; with all pairs known, every ring order is
   scored (up to 9 ranks), slowest link first;
-- a link the new order avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back to
-  the original order for one window to look again (a healed link is then kept, a still slow one avoided again).
+- a *slow rank* is one whose every link the last measurements hold is slow: even the fastest, into it or out of
+  it, below ``slow_ratio`` times the median of the other ranks' fastest links, with at least one link into it and
+  one out of it, to or from two or more peers (:func:`allreduce.schedules.slow_ranks`): its own port, not a
+  cable, since a slow cable slows one pair. It is acted on once slow links are confirmed (``confirm_windows``
+  windows; over TCP the probe then measures all of its pairs). A ring window sees two of its links, which two slow
+  cables beside one rank would also make slow: until every pair is measured, the links of a slow rank that were
+  never measured are rated at its fastest measured one (not at the healthy median: no schedule is chosen for a
+  rate the rank never showed);
+- the schedule is the fastest that the cost model fed with those rates predicts
+  (:func:`allreduce.schedules.best_schedule`: a flow takes the longest of its link's time and its two ports' time
+  for all they move in the step): the best ring order, and, around a slow rank, each registered all-reduce (and a
+  single binary tree) with that rank on the position that moves the fewest bytes, a tree's leaf, which moves the
+  buffer once each way where a ring moves it ``2(N-1)/N`` times;
+- a link the new schedule avoids is no longer measured, so after ``probe_windows`` windows the replanner goes back
+  to the original ring for one window to look again (a healed link or rank is then kept, a still slow one avoided
+  again). A schedule chosen around a slow rank is not re-decided from its own windows before that: a pipelined
+  tree's receiver times, inside a transfer, its wait for the chunk its sender is still receiving, so those windows
+  read the slow rank's links at 20-60% of the others (4 ranks over shared memory, its links paced at 2 MB/s),
+  and deciding from them flapped back to a ring and to the tree again within 30 calls;
+- a step's latency is measured too when a schedule is chosen: what the window's median call took beyond its
+  transfers at the measured rates, per step, at least the cost model's α. A tree of 128 chunks has 135 steps; at
+  the quiet machine's 25 us they are free, while the paced rank above cost 0.2-0.7 ms a step (sleeps that
+  overshoot on a loaded machine), and the 128-chunk tree chosen with 25 us ran 160-380 ms a call against the
+  ring's 200, where the 8-chunk tree chosen with the measured 694 us ran 145. At load 16 the same rank's steps
+  cost 7-15 ms, a tree was predicted 1.1-1.2x faster and ran 0.7-1.1x: below ``min_speedup``, which keeps the
+  ring there.
 
-The new ring is the ring schedule with ranks relabelled (position ``i`` played by rank ``order[i]``,
-:func:`allreduce.schedules.ordered_ring`), verified before it is offered.
+A rank late to every call by its own compute (a straggler: its links fine) is none of these: every schedule waits
+for every rank's data, so no schedule routes around it and nothing changes (the windows show no slow link). Where
+the windows gather the link records (shared memory, Unix sockets), a rank that ``group.stats()`` names late by a
+quarter of a call or more, for ``confirm_windows`` windows with no link slow, is said to be one, once
+(:meth:`GroupReplanning._straggler`).
+
+The new schedule is a registered one with ranks relabelled (position ``i`` played by rank ``order[i]``,
+:func:`allreduce.schedules.replan_schedule`), verified before it is offered.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.runtime.elastic._replan_probe import (
-    ProbedGroup,
-    best_order,
-    gather_sent_counters,
-    probe_pair_bytes,
-    run_probe,
-)
-from allreduce.runtime.stats._stats import LinkStats
+from allreduce.runtime.elastic._replan_probe import ProbedGroup, gather_sent_counters, probe_pair_bytes, run_probe
+from allreduce.runtime.stats._stats import GroupStats, LinkStats
 from allreduce.runtime.tcp._tcpinfo import JIFFY_S
-from allreduce.schedules import SLOW_LINK_RATIO, Schedule, ordered_ring, ring_time_s
+from allreduce.schedules import (
+    SLOW_LINK_RATIO,
+    Replan,
+    Schedule,
+    best_schedule,
+    link_time_s,
+    replan_schedule,
+    slow_ranks,
+)
 
 __all__ = [
     "CONFIDENCE_Z",
@@ -110,11 +144,18 @@ class ReplanRule:
 
 @dataclass(frozen=True)
 class Decision:
-    """A new ring order and why: ``reason`` is what ``group.stats()`` and ``ALLREDUCE_DEBUG`` print."""
+    """A new schedule and why: ``algorithm`` (``chunks`` for a pipelined tree) with position ``i`` played by rank
+    ``order[i]``; ``reason`` is what ``group.stats()`` and ``ALLREDUCE_DEBUG`` print."""
 
     order: tuple[int, ...]
     reason: str
     predicted_speedup: float
+    algorithm: str = "ring"
+    chunks: int = 0
+
+    def schedule(self) -> Schedule:
+        """The schedule decided on, verified (:func:`allreduce.schedules.replan_schedule`)."""
+        return replan_schedule(self.algorithm, self.order, chunks=self.chunks)
 
 
 class MeasuredRate(float):
@@ -228,11 +269,16 @@ def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link
     return frozenset(slow)
 
 
-def rate_matrix(world_size: int, rates: Mapping[Link, float]) -> npt.NDArray[np.float64]:
+def rate_matrix(world_size: int, rates: Mapping[Link, float], slow: Iterable[int] = ()) -> npt.NDArray[np.float64]:
     """``rates`` as a matrix (``[src, dst]``), links never measured at the median measured rate (assumed healthy:
-    nothing says otherwise)."""
+    nothing says otherwise), except those of a ``slow`` rank: at the fastest of its measured links (a rank whose
+    every link measured slow is slow on the others too, so no schedule is chosen for a rate it never showed)."""
     default = statistics.median(rates.values()) if rates else 1.0
     matrix = np.full((world_size, world_size), default)
+    for rank in slow:
+        own = max(rate for link, rate in rates.items() if rank in link)
+        matrix[rank, :] = np.minimum(matrix[rank, :], own)
+        matrix[:, rank] = np.minimum(matrix[:, rank], own)
     for (src, dst), rate in rates.items():
         matrix[src, dst] = rate
     return matrix
@@ -246,18 +292,24 @@ def _cautious(rates: Mapping[Link, float], slow: frozenset[Link]) -> dict[Link, 
 
 @dataclass
 class Replanner:
-    """Feeds on one window of link rates at a time and says when to change the ring order (and back)."""
+    """Feeds on one window of link rates at a time and says when to change the schedule (and back)."""
 
     world_size: int
     rule: ReplanRule = field(default_factory=ReplanRule)
     order: tuple[int, ...] = ()
+    """Which rank plays each position of the schedule run now (:attr:`algorithm`)."""
+    algorithm: str = "ring"
+    chunks: int = 0
     _seen: frozenset[Link] = frozenset()
     _streak: int = 0
     _since_change: int = 0
     _probing: bool = False
     _refining: bool = False
     _last_rates: dict[Link, float] = field(default_factory=dict)
+    _estimates: dict[Link, float] = field(default_factory=dict)
+    """The last reading of each link at its best estimate (``_last_rates`` holds the cautious ends)."""
     _since_probe: int | None = None
+    _schedule: Schedule | None = None
     probes: list[str] = field(default_factory=list)
     """What each probe found and whether the order changed, in the words ``group.stats()`` prints."""
 
@@ -265,12 +317,29 @@ class Replanner:
         if not self.order:
             self.order = tuple(range(self.world_size))
 
+    @property
+    def schedule(self) -> Schedule | None:
+        """The schedule to run, verified; None for the original ring."""
+        if (self.algorithm, self.order) == ("ring", tuple(range(self.world_size))):
+            return None
+        if self._schedule is None:
+            self._schedule = replan_schedule(self.algorithm, self.order, chunks=self.chunks)
+        return self._schedule
+
     def observe(
-        self, rates: Mapping[Link, float], *, size_bytes: float, alpha_s: float, probe: Probe | None = None
+        self,
+        rates: Mapping[Link, float],
+        *,
+        size_bytes: float,
+        alpha_s: float,
+        probe: Probe | None = None,
+        call_s: Callable[[], float] | None = None,
     ) -> Decision | None:
-        """One window's link rates; a :class:`Decision` when the order changes, else None. ``probe`` (bytes per
+        """One window's link rates; a :class:`Decision` when the schedule changes, else None. ``probe`` (bytes per
         pair -> the rate of every pair) is run when slow links are confirmed and no probe ran in the last
-        ``probe_windows`` windows; its rates then replace everything measured before."""
+        ``probe_windows`` windows; its rates then replace everything measured before. ``call_s`` (the window's
+        median call, in seconds) is asked for when a schedule is to be chosen: a step's latency is then at least
+        what the call took beyond its transfers (:meth:`_latency_s`)."""
         identity = tuple(range(self.world_size))
         self._since_change += 1
         if self._since_probe is not None:
@@ -281,10 +350,12 @@ class Replanner:
             if not slow:
                 self._seen, self._streak = frozenset(), 0
                 return None
-        elif self.order != identity and self._since_change >= self.rule.probe_windows:
+        elif (self.order, self.algorithm) != (identity, "ring") and self._since_change >= self.rule.probe_windows:
             self._probing, self._since_change = True, 0
-            self.order = identity
+            self.order, self.algorithm, self.chunks, self._schedule = identity, "ring", 0, None
             return Decision(identity, "probing the original ring order: avoided links are not measured", 1.0)
+        elif self.algorithm != "ring":
+            return None  # a tree's windows rate no link (see the module docstring): it stands until the look back
         if slow & self._seen:  # a link slow in every window of the streak: confirmed, whatever else read slow
             self._streak, self._seen = self._streak + 1, slow & self._seen
         else:
@@ -295,12 +366,13 @@ class Replanner:
         # are taken as read (a slow cable delays the ACKs of flows whose return path crosses it).
         first_seen = any(link not in self._last_rates and isinstance(rates[link], MeasuredRate) for link in slow)
         self._last_rates = {**self._last_rates, **_cautious(rates, slow)}
+        self._estimates = {**self._estimates, **{link: float(rate) for link, rate in rates.items()}}
         if not slow or (self._streak < self.rule.confirm_windows and not (refining and first_seen)):
             return None
         median = statistics.median(rate for link, rate in rates.items() if link not in slow)
         worst = min(slow, key=lambda link: rates[link])
-        seen = f"link {worst[0]}->{worst[1]} at {rates[worst] / median:.0%} of the others' median"
-        seen += f" for {self._streak * self.rule.window_calls} calls"
+        calls = f"for {self._streak * self.rule.window_calls} calls"
+        seen = f"link {worst[0]}->{worst[1]} at {_share(rates[worst] / median)} of the others' median {calls}"
         probed = ""
         if probe is not None and (self._since_probe is None or self._since_probe >= self.rule.probe_windows):
             pair_bytes = probe_pair_bytes(max(_high(rates[link]) for link in slow))
@@ -309,22 +381,78 @@ class Replanner:
             if len(measured) >= 3:  # every pair measured at once: the earlier windows' rates are older news
                 found = slow_links(measured, self.rule.slow_ratio)
                 self._last_rates = _cautious(measured, found)
+                self._estimates = {link: float(rate) for link, rate in measured.items()}
                 probed = f"; probed {len(measured)} pairs with {pair_bytes / 2**20:.2g} MiB each: {_named(found)} slow"
-        matrix = rate_matrix(self.world_size, self._last_rates)
-        proposal = best_order(self.order, matrix)
-        before = ring_time_s(self.order, matrix, size_bytes, alpha_s)
-        after = ring_time_s(proposal, matrix, size_bytes, alpha_s)
-        speedup = before / after if after > 0 else 1.0
-        if proposal == self.order or speedup < self.rule.min_speedup:
+        return self._choose(seen, probed, median=median, size_bytes=size_bytes, alpha_s=alpha_s, call_s=call_s)
+
+    def _latency_s(self, ranks: tuple[int, ...], size_bytes: float, alpha_s: float, call_s: float) -> float:
+        """A step's latency as measured: what the schedule run now took per call beyond its transfers at the
+        measured rates (their best estimates), per step; at least ``alpha_s``. Steps cost more than the cost model's
+        α where ranks share cores or links are shaped by sleeping senders, and a tree of many chunks has many steps:
+        a choice made with the quiet machine's α would take them for free."""
+        running = self.schedule or replan_schedule("ring", self.order)
+        transfers_s = link_time_s(running, size_bytes, rate_matrix(self.world_size, self._estimates, ranks))
+        return max(alpha_s, (call_s - transfers_s) / max(running.num_steps, 1))
+
+    def _choose(
+        self,
+        seen: str,
+        probed: str,
+        *,
+        median: float,
+        size_bytes: float,
+        alpha_s: float,
+        call_s: Callable[[], float] | None,
+    ) -> Decision | None:
+        """The schedule the measured rates predict fastest (:func:`allreduce.schedules.best_schedule`), as a
+        :class:`Decision` when it is new and at least ``min_speedup`` times faster than the schedule run now."""
+        ranks = slow_ranks(self._last_rates, self.rule.slow_ratio)
+        matrix = rate_matrix(self.world_size, self._last_rates, ranks)
+        if call_s is not None:
+            alpha_s = self._latency_s(ranks, size_bytes, alpha_s, call_s())
+        current = self.order if self.algorithm == "ring" else None
+        proposal = best_schedule(matrix, size_bytes, latency_s=alpha_s, slow=ranks, current=current)
+        running = self.schedule or replan_schedule("ring", self.order)
+        before = link_time_s(running, size_bytes, matrix, latency_s=alpha_s)
+        speedup = before / proposal.seconds if proposal.seconds > 0 else 1.0
+        if ranks:
+            rank = ranks[0]
+            own = max(rate for link, rate in self._last_rates.items() if rank in link)
+            links = sum(rank in link for link in self._last_rates)
+            seen = (f"rank {rank}: all {links} of its links measured slow, the fastest at {_share(own / median)} of "
+                    f"the others' median ({seen})")  # fmt: skip
+        unchanged = (proposal.algorithm, proposal.order, proposal.chunks) == (self.algorithm, self.order, self.chunks)
+        if unchanged or speedup < self.rule.min_speedup:
             if probed:
-                self.probes.append(f"{seen}{probed}: order kept (no order predicted {self.rule.min_speedup}x faster)")
+                kept = f"schedule kept (no schedule predicted {self.rule.min_speedup}x faster)"
+                self.probes.append(f"{seen}{probed}: {kept}")
             return None
-        ordered_ring(proposal)  # verified before it is offered
-        self.order, self._since_change, self._refining = proposal, 0, True
-        reason = f"{seen}{probed}: ring reordered {','.join(map(str, proposal))}; predicted {speedup:.1f}x faster"
+        schedule = proposal.schedule()  # verified before it is offered
+        self.order, self.algorithm, self.chunks, self._schedule = (
+            proposal.order, proposal.algorithm, proposal.chunks, schedule
+        )  # fmt: skip
+        self._since_change, self._refining = 0, True
+        reason = f"{seen}{probed}: {_described(proposal, ranks)}; predicted {speedup:.1f}x faster"
+        reason += f" (a step's latency {alpha_s * 1e6:.3g} us)" if proposal.algorithm != "ring" else ""
         if probed:
             self.probes.append(reason)
-        return Decision(proposal, reason, speedup)
+        return Decision(proposal.order, reason, speedup, proposal.algorithm, proposal.chunks)
+
+
+def _described(plan: Replan, ranks: tuple[int, ...]) -> str:
+    """``ring reordered 0,2,1,3``, or ``double_binary_tree (32 chunks) with rank 3 on a leaf, ranks 3,1,2,0``."""
+    order = ",".join(map(str, plan.order))
+    if plan.algorithm == "ring":
+        return f"ring reordered {order}"
+    chunks = f" ({plan.chunks} chunks)" if plan.chunks else ""
+    where = "on a leaf" if plan.algorithm == "binary_tree" else "where it moves the fewest bytes"
+    named = ", ".join(map(str, ranks))
+    return f"{plan.algorithm}{chunks} with rank{'s' if len(ranks) > 1 else ''} {named} {where}, positions {order}"
+
+
+def _share(fraction: float) -> str:
+    """``10%``, ``0.12%``: a share in two significant digits (a link paced at 2 MB/s beside 2 GB/s is not 0%)."""
+    return f"{100 * fraction:.2g}%"
 
 
 def _named(links: frozenset[Link]) -> str:
@@ -347,6 +475,9 @@ _RULE_FIELDS = {
     "speedup": ("min_speedup", float),
     "probe": ("probe_windows", int),
 }
+STRAGGLER_SHARE = 0.25
+"""A rank whose median lateness is at least this share of the median call (and which ``group.stats()`` names as
+standing out) is reported as a compute straggler: less is the ordinary spread of ranks sharing cores."""
 _MAX_RULE_INT = 1_000_000
 _MIN_AUTO_BYTES = 1 << 20
 """An ``auto`` all-reduce takes the re-planned ring from this size on (there the ring's bandwidth matters; below it
@@ -401,6 +532,9 @@ class GroupReplanning:
         self.changes: list[str] = []
         """Each change of order, and each probe that kept the order, with the call it came after."""
         self._sent_before: npt.NDArray[np.float64] | None = None
+        self._stats: GroupStats | None = None  # the window's records, where they were gathered
+        self._late_windows = 0
+        self._said_late: int | None = None  # the straggler named last: not named again while it stays the one
 
     def sent_rates(self, table: npt.NDArray[np.float64]) -> dict[Link, float]:
         """:func:`sender_rates` between the counters gathered last (zeros the first time, and for a connection made
@@ -428,7 +562,9 @@ class GroupReplanning:
             rates = self.sent_rates(table)
             if rates:
                 return rates
-        return link_rates(group.stats(last).links)
+        stats = group.stats(last)
+        self._stats = stats
+        return link_rates(stats.links)
 
     def probe(self, group: ProbedGroup, pair_bytes: int) -> Mapping[Link, float]:
         """The all-pairs probe (:mod:`._replan_probe`) and the rate of every pair it measured (collectives): from
@@ -446,6 +582,7 @@ class GroupReplanning:
         window = self.rule.window_calls
         if self.calls % window:
             return None
+        self._stats = None
         rates = self.measured_rates(group, window)
         size, self.window_bytes = self.window_bytes / window, 0
         probes = len(self.replanner.probes)
@@ -453,11 +590,38 @@ class GroupReplanning:
         decision = self.replanner.observe(
             rates, size_bytes=size, alpha_s=self.latency_s,
             probe=(lambda pair_bytes: self.probe(group, pair_bytes)) if counted else None,
+            call_s=lambda: max(rank.time_p50_s for rank in group.stats(window).ranks),
         )  # fmt: skip
         if decision is not None:
-            identity = tuple(range(self.replanner.world_size))
-            self.schedule = None if decision.order == identity else ordered_ring(decision.order)
+            self.schedule = self.replanner.schedule
             self.changes.append(f"after call {self.calls}: {decision.reason}")
         elif len(self.replanner.probes) > probes:
             self.changes.append(f"after call {self.calls}: {self.replanner.probes[-1]}")
+        else:
+            self._straggler(rates, group.rank)
         return decision
+
+    def _straggler(self, rates: Mapping[Link, float], rank: int) -> None:
+        """Say once, when it is confirmed, that a rank is late to its calls while no link is slow: a compute
+        straggler, which no schedule routes around (every one waits for its data). Confirmed as a slow link is
+        (``confirm_windows`` windows running) from the window's gathered records (:data:`STRAGGLER_SHARE`), and not
+        said again while the same rank is the one; over TCP, where the senders' counters are gathered instead,
+        ``group.stats()`` names the late rank as always."""
+        stats = self._stats
+        late = None if stats is None or stats.slowest_rank is None else stats.ranks[stats.slowest_rank]
+        call_s = 0.0 if stats is None else max((r.time_p50_s for r in stats.ranks), default=0.0)
+        if late is None or slow_links(rates, self.rule.slow_ratio) or late.late_p50_s < STRAGGLER_SHARE * call_s:
+            self._late_windows = 0
+            return
+        self._late_windows += 1
+        if self._late_windows < self.rule.confirm_windows or late.rank == self._said_late:
+            return
+        self._said_late = late.rank
+        note = (
+            f"after call {self.calls}: rank {late.rank} late by a median {late.late_p50_s * 1e3:.3g} ms a call for "
+            f"{self._late_windows * self.rule.window_calls} calls, no link slow: a compute straggler, which no "
+            "schedule routes around (every one waits for its data); nothing changed"
+        )
+        self.changes.append(note)
+        if rank == 0 and os.environ.get("ALLREDUCE_DEBUG"):
+            print(f"allreduce: re-planning: {note.partition(': ')[2]}", file=sys.stderr, flush=True)

@@ -26,7 +26,6 @@ happened in the probe.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any, Protocol
 
@@ -36,15 +35,12 @@ import numpy.typing as npt
 from allreduce.runtime._errors import CollectiveError
 from allreduce.runtime.stats._stats import GroupStats
 from allreduce.runtime.transport._transport import Transport
-from allreduce.schedules import best_ring_order
 
 __all__ = [
-    "EXHAUSTIVE_MAX_RANKS",
     "PROBE_MAX_PAIR_BYTES",
     "PROBE_MIN_PAIR_BYTES",
     "PROBE_SLOW_S",
     "ProbedGroup",
-    "best_order",
     "gather_sent_counters",
     "probe_pair_bytes",
     "run_probe",
@@ -63,10 +59,6 @@ PROBE_MAX_PAIR_BYTES = 32 << 20
 """The probe's bytes per pair are kept in these bounds: the all-to-all's buffers are N times the part, twice. A slow
 link above 32 MiB/s is probed for less than :data:`PROBE_SLOW_S`; pairs the probe cannot resolve are then not called
 slow, and the re-planner goes on with what the windows measure."""
-
-EXHAUSTIVE_MAX_RANKS = 9
-"""Up to this many ranks every ring order is scored (8! = 40,320 at 9); above it a local search from the current
-order (``allreduce.schedules.best_ring_order``), which can stop at an order that still uses a slow pair."""
 
 
 class ProbedGroup(Protocol):
@@ -123,24 +115,3 @@ def run_probe(group: ProbedGroup, pair_bytes: int) -> None:
     except CollectiveError as exc:
         exc.add_note(f"rank {group.rank}: this collective was the re-planning probe of every pair of ranks")
         raise
-
-
-def _ring_edges(orders: npt.NDArray[np.int64], rates: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    out: npt.NDArray[np.float64] = rates[orders, np.roll(orders, -1, axis=-1)]
-    return out
-
-
-def best_order(current: tuple[int, ...], rates: npt.NDArray[np.float64]) -> tuple[int, ...]:
-    """The ring order whose links, slowest first, are fastest (the slowest link decides a ring's time; the next
-    ones break ties, so a second slow link is avoided too when it can be), rank 0 first; ``current`` when it is as
-    good. Every order is scored up to :data:`EXHAUSTIVE_MAX_RANKS` ranks; above, the schedules' local search."""
-    n = rates.shape[0]
-    if n > EXHAUSTIVE_MAX_RANKS or n < 4:
-        return best_ring_order(current, rates)
-    orders = np.array([(0, *rest) for rest in itertools.permutations(range(1, n))], dtype=np.int64)
-    ranked = np.sort(_ring_edges(orders, rates), axis=1)
-    best = int(np.lexsort(-ranked.T[::-1])[0])  # the slowest link first, then the next: largest first
-    mine = np.sort(_ring_edges(np.asarray(current, dtype=np.int64)[None, :], rates), axis=1)[0]
-    if np.array_equal(mine, ranked[best]):
-        return tuple(current)
-    return tuple(int(r) for r in orders[best])
