@@ -73,12 +73,44 @@ def test_no_failures_leaves_the_section_out(capsys: pytest.CaptureFixture[str]) 
     assert "goodput" not in json.loads(out)
 
 
+@pytest.mark.slow
+def test_the_plan_says_which_elastic_recovery_it_used(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL, "--no-scaling", "--elastic-timeout-s", "60")
+    assert code == 0, err
+    assert "elastic recovery " in out
+    assert "modelled from the runtime's kill benchmark, benchmarks/bench_elastic.py" in out
+    assert "two 60 s timeouts: 120.3 s" in out
+    code, out, err = run(capsys, *SMALL, "--no-scaling", "--elastic-recovery-s", "42")
+    assert code == 0, err
+    assert "elastic recovery 42 s a failure, given (--elastic-recovery-s)" in out
+    assert out.splitlines()[-1].split()[-2:] == ["42", "s"]  # the elastic row's pause per failure
+
+
+@pytest.mark.slow
+def test_measure_recovery_kills_a_rank_here_and_the_json_says_it_was_measured(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, *SMALL, "--no-scaling", "--json", "--measure-recovery")
+    assert code == 0, err
+    goodput = json.loads(out)["goodput"]
+    recovery = goodput["elastic_recovery"]
+    assert recovery["basis"] == "measured"
+    assert recovery["source"].startswith("a kill measured here, 1 of 4 ranks over shm SIGKILLed")
+    assert recovery["timeout_s"] == 300.0
+    assert recovery["exit_s"] < recovery["silent_s"]
+    assert goodput["policies"][2] == {**goodput["policies"][2], "policy": "elastic", "restart_s": recovery["seconds"]}
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (("--replace-s", "700"), "--replace-s (700) is part of --restart-s (600)"),
         (("--repair-h", "inf"), "--repair-h must be a number of hours"),
         (("--storage-gbps", "0"), "--storage-gbps"),
+        (("--elastic-recovery-s", "-1"), "--elastic-recovery-s must be a number of seconds"),
+        (("--elastic-recovery-s", "5", "--measure-recovery"), "--elastic-recovery-s or --measure-recovery, not both"),
+        (("--measure-recovery", "udp"), "--measure-recovery: invalid choice"),
+        (("--elastic-timeout-s", "0"), "--elastic-timeout-s must be > 0"),
     ],
 )
 def test_bad_failure_flags_are_named(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:

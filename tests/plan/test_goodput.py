@@ -108,8 +108,8 @@ def test_a_simulated_month_of_elastic_recoveries_agrees_with_the_closed_form(
     assert abs(got - want) <= 3 * stderr + 1e-3, (got, want, stderr)
 
 
-def test_spares_beat_restarts_and_elastic_beats_both_at_16384_gpus() -> None:
-    ckpt = Checkpointing(write_s=checkpoint_bytes(405e9) / 100e9)
+def test_spares_beat_restarts_and_a_30_s_elastic_recovery_beats_both_at_16384_gpus() -> None:
+    ckpt = Checkpointing(write_s=checkpoint_bytes(405e9) / 100e9, elastic_recovery_s=30.0)
     rows = {r.policy: r.goodput for r in goodput_table(Fleet(16_384), LLAMA3_RATES, ckpt, step_s=10.0)}
     assert rows["restart"] < rows["spares"] < rows["elastic"] < 1
 
@@ -130,7 +130,7 @@ def test_a_negative_failure_rate_is_refused_naming_it() -> None:
 
 def test_a_replacement_wait_longer_than_the_restart_is_refused() -> None:
     with pytest.raises(ValueError, match="replace_s"):
-        Checkpointing(write_s=10.0, restart_s=60.0, replace_s=120.0)
+        Checkpointing(write_s=10.0, elastic_recovery_s=30.0, restart_s=60.0, replace_s=120.0)
 
 
 @pytest.mark.parametrize("k", [4, 8, 16])

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from allreduce.report import write_report
+from allreduce.units import format_seconds
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 # Every figure's SVG is 760 CSS pixels wide (report/_figures.py); the window fits it with the tables.
@@ -34,6 +35,9 @@ const figures = [...document.querySelectorAll("figure")].map((f) => {
           shapes: svg ? svg.querySelectorAll("rect, polyline, circle").length : 0};
 });
 document.body.setAttribute("data-probe", JSON.stringify(figures));
+const shown = Object.fromEntries([...document.querySelectorAll("[data-key]")]
+  .filter((e) => e.getBoundingClientRect().width > 0).map((e) => [e.dataset.key, e.innerText]));
+document.body.setAttribute("data-shown", JSON.stringify(shown));
 </script>"""
 
 
@@ -55,13 +59,16 @@ def _console(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if ":CONSOLE" in line]
 
 
-def _probe(browser: str, page: Path) -> tuple[list[dict[str, Any]], list[str]]:
+def _probe(browser: str, page: Path) -> tuple[list[dict[str, Any]], list[str], dict[str, str]]:
+    """The figures as laid out, the console's lines, and the text of every number the page shows (by key)."""
     probe = page.with_name("probe-" + page.name)
     probe.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
     done = _run(browser, "--dump-dom", probe.as_uri())
     match = re.search(r'data-probe="([^"]*)"', done.stdout)
     assert match, f"the browser did not run the probe (exit {done.returncode}): {done.stderr[-500:]}"
-    return json.loads(html.unescape(match.group(1))), _console(done.stderr)
+    shown = re.search(r'data-shown="([^"]*)"', done.stdout)
+    assert shown, "the probe did not list the numbers shown"
+    return json.loads(html.unescape(match.group(1))), _console(done.stderr), json.loads(html.unescape(shown[1]))
 
 
 def _assert_drawn(figure: dict[str, Any]) -> None:
@@ -90,7 +97,7 @@ def test_the_harness_sees_a_console_error(tmp_path: Path) -> None:
     browser = _browser()
     page = tmp_path / "bad.html"
     page.write_text("<!DOCTYPE html><html><body><figure id='f'></figure><script>missing();</script></body></html>")
-    figures, console = _probe(browser, page)
+    figures, console, _ = _probe(browser, page)
     assert any("missing is not defined" in line for line in console)
     assert figures == [{"id": "f", "width": 0, "height": 0, "shown": 0, "shapes": 0}]
 
@@ -99,7 +106,7 @@ def test_the_harness_sees_a_console_error(tmp_path: Path) -> None:
 def test_chromium_renders_every_figure_without_console_errors(tmp_path: Path, plan_document: dict[str, Any]) -> None:
     browser = _browser()
     page = write_report(tmp_path / "report.html", [plan_document])
-    figures, console = _probe(browser, page)
+    figures, console, _ = _probe(browser, page)
     assert console == []
     assert [f["id"] for f in figures] == ["d0-scaling", "d0-breakdown", "d0-busbw", "d0-links"]
     for figure in figures:
@@ -114,7 +121,7 @@ def test_chromium_draws_the_tail_cdf_beside_a_plan(
 ) -> None:
     browser = _browser()
     page = write_report(tmp_path / "tail.html", [plan_document, tail_document])
-    figures, console = _probe(browser, page)
+    figures, console, _ = _probe(browser, page)
     assert console == []
     assert [f["id"] for f in figures] == ["d0-scaling", "d0-breakdown", "d0-busbw", "d0-links", "d1-tail"]
     tail = figures[-1]
@@ -129,7 +136,7 @@ def test_chromium_draws_goodput_and_the_measured_step_timeline(
 ) -> None:
     browser = _browser()
     page = write_report(tmp_path / "measured.html", [measured_plan_document])
-    figures, console = _probe(browser, page)
+    figures, console, shown = _probe(browser, page)
     assert console == []
     drawn = {f["id"]: f for f in figures}
     assert {"d0-goodput", "d0-timeline"} <= set(drawn)
@@ -139,4 +146,8 @@ def test_chromium_draws_goodput_and_the_measured_step_timeline(
     assert drawn["d0-goodput"]["shapes"] > 3, drawn["d0-goodput"]
     _assert_drawn(drawn["d0-goodput"])
     _assert_drawn(drawn["d0-timeline"])
+    # the pause per failure of shrink-and-continue, and where it comes from, shown beside the policies
+    recovery = measured_plan_document["goodput"]["elastic_recovery"]
+    assert shown["0.goodput.elastic_recovery.seconds"] == format_seconds(recovery["seconds"])
+    assert shown["0.goodput.elastic_recovery.basis"] == recovery["basis"] == "stored"
     _screenshot(browser, page, "report-measured.png")

@@ -25,7 +25,7 @@ class _Cells(HTMLParser):
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.tags.add(tag)
         found = dict(attrs)
-        if "data-key" in found and found["data-value"] is not None:
+        if "data-key" in found and found.get("data-value") is not None:
             self.values[str(found["data-key"])] = found["data-value"]
         if tag == "figure":
             self.figures.append(str(found.get("id")))
@@ -196,6 +196,8 @@ def test_every_goodput_and_timeline_number_on_the_page_is_the_plans(measured_pla
     for i, row in enumerate(measured_plan_document["scaling"]):
         assert float(cells.values[f"0.scaling.{i}.goodput"]) == row["goodput"]
     assert [p["policy"] for p in policies] == ["restart", "spares", "elastic"]
+    recovery = measured_plan_document["goodput"]["elastic_recovery"]
+    assert float(cells.values["0.goodput.elastic_recovery.seconds"]) == recovery["seconds"]
 
 
 def test_the_goodput_figure_plots_the_scaling_tables_goodput(measured_plan_document: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from allreduce.plan import (
     BACKWARD_FRACTION,
     GRADIENT_DTYPES,
     PRESETS,
+    RUNTIME_TIMEOUT_S,
     STORAGE_BPS,
     WHAT_IF_LOSS_PROBABILITY,
     Compute,
@@ -25,8 +26,11 @@ from allreduce.plan import (
     Model,
     Plan,
     PlanRequest,
+    RecoveryModel,
     compute_seconds,
+    duration,
     format_count,
+    measure_recovery,
     measure_spec,
     model_from_module,
     model_from_params,
@@ -212,7 +216,26 @@ def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--restart-s", type=float, default=600.0, help="a failure to training again (assumed)")
     group.add_argument("--replace-s", type=float, default=300.0, help="of that, waiting for a new host (assumed)")
     group.add_argument(
-        "--elastic-recovery-s", type=float, default=30.0, help="shrink-and-continue's pause per failure (assumed)"
+        "--elastic-recovery-s",
+        type=float,
+        help="shrink-and-continue's pause per failure, given (default: the runtime's kill benchmark, moved to the "
+        "job's size: its detection and shrink, the store requests of the agreement, the timeout for silent failures)",
+    )
+    group.add_argument(
+        "--measure-recovery",
+        nargs="?",
+        const="shm",
+        choices=("shm", "tcp"),
+        metavar="TRANSPORT",
+        help="measure the shrink here first: SIGKILL one of 4 local ranks (shm, or tcp) in an all-reduce loop and "
+        "time the kill to the survivors' next step, then move it to the job's size",
+    )
+    group.add_argument(
+        "--elastic-timeout-s",
+        type=_positive_float("--elastic-timeout-s"),
+        default=RUNTIME_TIMEOUT_S,
+        help="the group's timeout (allreduce.init(timeout_s=...)): how long survivors take to give up on a silent "
+        "host, and the shrink to leave it out",
     )
     group.add_argument("--repair-h", type=float, default=4.0, help="hours a failed host stays out (assumed)")
 
@@ -223,7 +246,7 @@ def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
     for flag, value in (
         ("--restart-s", args.restart_s),
         ("--replace-s", args.replace_s),
-        ("--elastic-recovery-s", args.elastic_recovery_s),
+        ("--elastic-recovery-s", 0.0 if args.elastic_recovery_s is None else args.elastic_recovery_s),
         ("--repair-h", args.repair_h),
     ):
         if not (math.isfinite(value) and 0 <= value <= 1e6):
@@ -231,6 +254,7 @@ def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
     if args.replace_s > args.restart_s:
         raise CLIError(f"--replace-s ({args.replace_s:g}) is part of --restart-s ({args.restart_s:g}): not more")
     return FailureSettings(
+        recovery=_recovery_model(args),
         gpus_per_host=args.gpus_per_host,
         write_s=args.ckpt_write_s,
         storage_Bps=args.storage_gbps * 1e9 / 8,
@@ -240,6 +264,21 @@ def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
         elastic_recovery_s=args.elastic_recovery_s,
         repair_s=args.repair_h * 3600,
     )
+
+
+def _recovery_model(args: argparse.Namespace) -> RecoveryModel:
+    """The elastic recovery model: the runtime's stored measurement, or one made here (--measure-recovery)."""
+    if args.measure_recovery is None:
+        return RecoveryModel(timeout_s=args.elastic_timeout_s)
+    if args.elastic_recovery_s is not None:
+        raise CLIError("give --elastic-recovery-s or --measure-recovery, not both")
+    if sys.stderr.isatty() and not args.json:
+        print(f"measuring elastic recovery: 4 ranks over {args.measure_recovery}, one killed...", file=sys.stderr)
+    try:
+        measurement = measure_recovery(transport=args.measure_recovery)
+    except (RuntimeError, OSError) as exc:
+        raise CLIError(f"--measure-recovery: the measurement failed: {exc}") from None
+    return RecoveryModel(measurement, timeout_s=args.elastic_timeout_s, basis="measured")
 
 
 def _measured(args: argparse.Namespace) -> MeasuredBackward | None:
@@ -432,10 +471,6 @@ def render(result: Plan) -> str:
     return "\n".join(lines)
 
 
-def _hours(seconds: float) -> str:
-    return format_seconds(seconds) if seconds < 3600 or not math.isfinite(seconds) else f"{seconds / 3600:.3g} h"
-
-
 def _goodput_lines(g: GoodputPlan, step_s: float) -> list[str]:
     total = sum(g.failures_per_h.values())
     shares = ", ".join(
@@ -447,18 +482,22 @@ def _goodput_lines(g: GoodputPlan, step_s: float) -> list[str]:
     interval = g.row("restart").interval_s
     assumed = ", ".join(name.removesuffix("_s").replace("_", " ") for name in ckpt.assumed)
     lines = [
-        f"failures on {g.gpus:,} GPUs ({counts}): one every {_hours(g.mtbf_s)} ({shares})",
+        f"failures on {g.gpus:,} GPUs ({counts}): one every {duration(g.mtbf_s)} ({shares})",
         f"  rates: {g.source}",
         f"  checkpoint written in {format_seconds(ckpt.write_s)} every {format_seconds(interval or 0)} of training "
         f"({'given' if ckpt.interval_s else 'Daly'}); restart {format_seconds(ckpt.restart_s)}; assumed: {assumed}",
-        f"{'recovery policy':<40} {'goodput':>8} {'effective step ms':>18}",
+        *(f"  {line}" for line in g.recovery.describe()),
+        f"{'recovery policy':<40} {'goodput':>8} {'effective step ms':>18} {'pause per failure':>18}",
     ]
     described = {
         "restart": "restart from the last checkpoint",
         "spares": "the same, with hot spare hosts",
         "elastic": "shrink and continue (group.shrink)",
     }
-    lines.extend(f"{described[r.policy]:<40} {r.goodput:>8.1%} {_ms(r.effective_step_s(step_s)):>18}" for r in g.rows)
+    lines.extend(
+        f"{described[r.policy]:<40} {r.goodput:>8.1%} {_ms(r.effective_step_s(step_s)):>18} {duration(r.restart_s):>18}"
+        for r in g.rows
+    )
     return lines
 
 

@@ -29,7 +29,8 @@ Three recovery policies (:data:`POLICIES`):
 - ``spares``: the same with hot spare hosts, so a restart skips waiting for a replacement: R = restart_s −
   replace_s.
 - ``elastic``: survivors shrink the group and go on from the state they hold (no rollback, no checkpoint needed for
-  the failures it survives). A failure costs ``elastic_recovery_s`` and the progress of the step in flight; up
+  the failures it survives). A failure costs ``elastic_recovery_s`` (the runtime's shrink, measured and moved to
+  the job's size by :class:`~allreduce.plan.RecoveryModel`, or given) and the progress of the step in flight; up
   periods are exponential, so with step time t::
 
       goodput_pause = E[work in an up period] / E[up period + recovery]
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from allreduce.plan._recovery import ElasticRecovery, RecoveryModel
 from allreduce.topology import NVLINK_BANDWIDTH_BPS, NodeKind, Topology
 
 __all__ = [
@@ -184,12 +186,12 @@ class Checkpointing:
     such wherever they are printed: set them from your own cluster."""
 
     write_s: float
+    elastic_recovery_s: float  # shrink-and-continue's pause per failure (goodput_plan: RecoveryModel's, or given)
     restart_s: float = 600.0  # a failure's detection, rescheduling and checkpoint reload
     replace_s: float = 300.0  # the part of restart_s spent waiting for a replacement host (spares skip it)
     interval_s: float | None = None  # None: Daly's optimum
-    elastic_recovery_s: float = 30.0  # until the runtime's elastic groups measure it
     repair_s: float = 4 * 3600.0  # how long a failed host stays out of an elastic job
-    assumed: tuple[str, ...] = field(default=("restart_s", "replace_s", "elastic_recovery_s", "repair_s"))
+    assumed: tuple[str, ...] = field(default=("restart_s", "replace_s", "repair_s"))
 
     def __post_init__(self) -> None:
         for name in ("write_s", "restart_s", "replace_s", "elastic_recovery_s", "repair_s"):
@@ -360,7 +362,8 @@ class FailureSettings:
     restart_s: float = 600.0
     replace_s: float = 300.0
     interval_s: float | None = None
-    elastic_recovery_s: float = 30.0
+    elastic_recovery_s: float | None = None  # None: the recovery model's, at the job's size
+    recovery: RecoveryModel = field(default_factory=RecoveryModel)
     repair_s: float = 4 * 3600.0
 
     def __post_init__(self) -> None:
@@ -369,7 +372,13 @@ class FailureSettings:
         if not (math.isfinite(self.storage_Bps) and self.storage_Bps > 0):
             raise ValueError(f"--storage-gbps must be a number > 0, got {self.storage_Bps * 8 / 1e9:g}")
 
-    def checkpointing(self, parameters: float) -> Checkpointing:
+    def elastic_recovery(self, gpus: int, failures_per_h: dict[str, float]) -> ElasticRecovery:
+        """Shrink-and-continue's pause per failure for ``gpus`` ranks: as given, or the recovery model's."""
+        if self.elastic_recovery_s is not None:
+            return ElasticRecovery(self.elastic_recovery_s, "given", "--elastic-recovery-s")
+        return self.recovery.at(gpus, failures_per_h)
+
+    def checkpointing(self, parameters: float, elastic_recovery_s: float) -> Checkpointing:
         write_s = self.write_s
         if write_s is None:
             write_s = checkpoint_bytes(parameters, self.bytes_per_parameter) / self.storage_Bps
@@ -378,7 +387,7 @@ class FailureSettings:
             restart_s=self.restart_s,
             replace_s=self.replace_s,
             interval_s=self.interval_s,
-            elastic_recovery_s=self.elastic_recovery_s,
+            elastic_recovery_s=elastic_recovery_s,
             repair_s=self.repair_s,
         )
 
@@ -394,6 +403,7 @@ class GoodputPlan:
     checkpoint: Checkpointing
     rows: tuple[GoodputRow, ...]
     source: str
+    recovery: ElasticRecovery
 
     def row(self, policy: str) -> GoodputRow:
         return next(r for r in self.rows if r.policy == policy)
@@ -409,6 +419,7 @@ class GoodputPlan:
             "rates_source": self.source,
             "assumed": list(self.checkpoint.assumed),
             "policies": [r.to_json() for r in self.rows],
+            "elastic_recovery": self.recovery.to_json(),
         }
 
 
@@ -458,14 +469,17 @@ def goodput_plan(
     """Failures and goodput of ``gpus`` GPUs of ``network`` (see :func:`fleet_of`) training a model of
     ``parameters`` at ``step_s`` per step."""
     fleet = fleet_of(network, gpus, settings.gpus_per_host)
-    ckpt = settings.checkpointing(parameters)
+    failures_per_h = fleet.failures_per_h(settings.rates)
+    recovery = settings.elastic_recovery(gpus, failures_per_h)
+    ckpt = settings.checkpointing(parameters, recovery.seconds)
     rows = tuple(goodput_table(fleet, settings.rates, ckpt, step_s=step_s))
     return GoodputPlan(
         gpus,
         fleet.counts(),
-        fleet.failures_per_h(settings.rates),
+        failures_per_h,
         fleet.mtbf_s(settings.rates),
         ckpt,
         rows,
         settings.rates.source,
+        recovery,
     )

@@ -191,11 +191,43 @@ def _goodput_table(goodput: dict[str, Any], step_s: float, key: str) -> list[str
             + _percent_cell(f"{key}.policies.{i}.goodput", row["goodput"])
             + f"<td>{html.escape(format_seconds(effective))}</td>"
             + f"<td>{'-' if interval is None or math.isnan(interval) else html.escape(format_seconds(interval))}</td>"
-            + _cell(f"{key}.policies.{i}.restart_s", row["restart_s"], format_seconds(row["restart_s"]))
+            + _cell(f"{key}.policies.{i}.restart_s", row["restart_s"], _hours(row["restart_s"]))
             + "</tr>"
         )
     out.append("</table>")
+    if "elastic_recovery" in goodput:
+        out.append(_recovery_paragraph(goodput["elastic_recovery"], f"{key}.elastic_recovery"))
     return out
+
+
+# How the page says where shrink-and-continue's pause per failure comes from.
+RECOVERY_BASES = {
+    "measured": "measured on this machine (allreduce plan --measure-recovery) and moved to the job's size",
+    "stored": "from the runtime's kill benchmark, moved to the job's size",
+    "given": "given",
+}
+
+
+def _recovery_paragraph(recovery: dict[str, Any], key: str) -> str:
+    """Shrink-and-continue's pause per failure: how long, and whether it was measured or given."""
+    basis = recovery["basis"]
+    out = (
+        "<p><b>Shrink and continue</b> pauses "
+        f'<span data-key="{html.escape(key)}.seconds" data-value="{html.escape(repr(recovery["seconds"]))}">'
+        f"{html.escape(_hours(recovery['seconds']))}</span> a failure, "
+        f"{_text(RECOVERY_BASES.get(basis, basis))} "
+        f'(<i data-key="{html.escape(key)}.basis">{_text(basis)}</i>): {_text(recovery["source"])}'
+    )
+    if all(k in recovery for k in ("ranks", "exit_s", "silent_s", "store_s", "silent_share", "timeout_s")):
+        out += (
+            f". At {recovery['ranks']:,} ranks the agreement's store requests add "
+            f"{html.escape(_hours(recovery['store_s']))}; a process exit (GPU, software) costs "
+            f"{html.escape(_hours(recovery['exit_s']))}; a host, NIC, cable or switch failure "
+            f"({recovery['silent_share']:.0%} of them) is silent until two "
+            f"{html.escape(format_seconds(recovery['timeout_s']))} timeouts: "
+            f"{html.escape(_hours(recovery['silent_s']))}"
+        )
+    return out + ".</p>"
 
 
 def _measured_paragraph(measured: dict[str, Any]) -> str:

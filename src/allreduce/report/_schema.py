@@ -213,6 +213,14 @@ _PLAN = record(
                 "counts": record({}, dict.fromkeys(FAILING_PARTS, whole())),
                 "failures_per_h": record({}, dict.fromkeys(FAILING_PARTS, number())),
                 "assumed": items(text),
+                "elastic_recovery": record(
+                    {"seconds": seconds, "basis": text, "source": text},
+                    {
+                        "ranks": whole(),
+                        "silent_share": ratio,
+                        **dict.fromkeys(("exit_s", "silent_s", "store_s", "timeout_s"), seconds),
+                    },
+                ),
             },
         ),
         "measured": record(
