@@ -74,6 +74,24 @@ def test_no_failures_leaves_the_section_out(capsys: pytest.CaptureFixture[str]) 
 
 
 @pytest.mark.slow
+def test_the_what_if_table_has_a_row_per_recovery_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--params", "5e7", "--gpus", "16", "--topology", "fat-tree:k=4", "--compute-ms",
+                         "20", "--no-scaling", "--loss", "0", "--algorithm", "ring", "--json")  # fmt: skip
+    assert code == 0, err
+    document = json.loads(out)
+    rows = [w for w in document["what_ifs"] if "goodput" in w]
+    assert [w["change"] for w in rows] == [
+        "failures: restart from the last checkpoint",
+        "failures: restart, hot spare hosts",
+        "failures: shrink and continue",
+    ]
+    for row, policy in zip(rows, document["goodput"]["policies"], strict=True):
+        assert row["goodput"] == policy["goodput"]
+        assert row["step_s"] == document["base"]["step_s"]
+        assert row["effective_step_s"] == pytest.approx(row["step_s"] / policy["goodput"])
+
+
+@pytest.mark.slow
 def test_the_plan_says_which_elastic_recovery_it_used(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, *SMALL, "--no-scaling", "--elastic-timeout-s", "60")
     assert code == 0, err

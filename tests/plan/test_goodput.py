@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from allreduce.plan._goodput import (
     checkpoint_bytes,
     daly_interval,
     elastic_goodput,
+    expected_lost_s,
     fleet_of,
     goodput_table,
     restart_goodput,
@@ -144,3 +146,23 @@ def test_a_fat_trees_network_has_its_closed_form_cables_and_switches(k: int) -> 
 def test_a_job_counts_the_networks_parts_in_proportion_to_its_gpus() -> None:
     fleet = fleet_of(Network(gpus=1024, cables=3072, switches=320), 256, 8)
     assert (fleet.hosts, fleet.counts()["cable"], fleet.switches) == (32, 768, 80)
+
+
+@pytest.mark.parametrize(("segment_s", "mtbf_s"), [(600.0, 11_135.0), (3600.0, 1400.0), (1e-3, 1e6)])
+def test_the_work_a_failure_loses_is_the_mean_of_where_it_struck_in_the_segment(
+    segment_s: float, mtbf_s: float
+) -> None:
+    # E[X | X < T] for X ~ Exp(mean M), integrated numerically
+    xs = np.linspace(0.0, segment_s, 200_001)
+    density = np.exp(-xs / mtbf_s)
+    want = float(np.trapezoid(xs * density, xs) / np.trapezoid(density, xs))
+    assert expected_lost_s(segment_s, mtbf_s) == pytest.approx(want, rel=1e-6)
+    assert expected_lost_s(segment_s, mtbf_s) <= segment_s / 2  # later in the segment is less likely
+
+
+def test_each_policys_row_carries_the_work_a_failure_loses() -> None:
+    ckpt = Checkpointing(write_s=60.0, elastic_recovery_s=30.0, interval_s=1200.0)
+    rows = {r.policy: r for r in goodput_table(Fleet(16_384), LLAMA3_RATES, ckpt, step_s=10.0)}
+    mtbf = Fleet(16_384).mtbf_s(LLAMA3_RATES)
+    assert rows["restart"].lost_s == pytest.approx(expected_lost_s(1260.0, mtbf))
+    assert rows["elastic"].lost_s == pytest.approx(expected_lost_s(10.0, mtbf))

@@ -150,4 +150,10 @@ def test_chromium_draws_goodput_and_the_measured_step_timeline(
     recovery = measured_plan_document["goodput"]["elastic_recovery"]
     assert shown["0.goodput.elastic_recovery.seconds"] == format_seconds(recovery["seconds"])
     assert shown["0.goodput.elastic_recovery.basis"] == recovery["basis"] == "stored"
+    # a what-if row per recovery policy, each with its step per useful step
+    policies = [i for i, w in enumerate(measured_plan_document["what_ifs"]) if "goodput" in w]
+    assert len(policies) == 3
+    for i in policies:
+        effective = measured_plan_document["what_ifs"][i]["effective_step_s"]
+        assert shown[f"0.what_ifs.{i}.effective_step_s"] == f"{effective * 1e3:.2f} ms"
     _screenshot(browser, page, "report-measured.png")

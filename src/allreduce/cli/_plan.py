@@ -451,24 +451,52 @@ def render(result: Plan) -> str:
                 "first row's goodput)"
             )
     if result.what_ifs:
-        lines += [
-            "",
-            "what if (one change each)",
-            f"{'change':<40} {'step ms':>10} {'vs base':>9} {'exposed ms':>10}"
-            + (f" {'p99 ms':>10}" if any(w.quantiles for w in result.what_ifs) else ""),
-        ]
-        lines.append(f"{'(base)':<40} {_ms(step.step_s)} {'':>9} {_ms(step.exposed_comm_s)}")
-        for w in result.what_ifs:
-            if w.step is None:
-                lines.append(f"{w.change:<40} {'n/a':>10}  {w.note}")
-                continue
-            delta = w.step.step_s / step.step_s - 1 if step.step_s else 0.0
-            p99 = f" {_ms(w.quantiles.p99.step_s)}" if w.quantiles else ""
-            lines.append(f"{w.change:<40} {_ms(w.step.step_s)} {delta:>+9.1%} {_ms(w.step.exposed_comm_s)}{p99}")
+        lines += ["", *_what_if_lines(result)]
     if result.goodput:
         lines += ["", *_goodput_lines(result.goodput, step.step_s)]
     lines.extend(f"(note: {n})" for n in result.notes)
     return "\n".join(lines)
+
+
+def _what_if_lines(result: Plan) -> list[str]:
+    """The what-if table; with failures counted, each row's step per useful step beside it, and a row per recovery
+    policy (its "vs base" compares steps per useful step, restarting from checkpoints in the base)."""
+    step = result.base.step
+    spread = any(w.quantiles for w in result.what_ifs)
+    restart = result.goodput.row("restart").goodput if result.goodput else None
+    lines = [
+        "what if (one change each)",
+        f"{'change':<44} {'step ms':>10} {'vs base':>9} {'exposed ms':>10}"
+        + (f" {'w/ fails ms':>11}" if restart is not None else "")
+        + (f" {'p99 ms':>10}" if spread else ""),
+    ]
+
+    def per_useful_step(step_s: float, goodput: float | None) -> str:
+        return "" if goodput is None else f" {step_s / goodput * 1e3 if goodput > 0 else math.inf:>11.2f}"
+
+    lines.append(
+        f"{'(base)':<44} {_ms(step.step_s)} {'':>9} {_ms(step.exposed_comm_s)}{per_useful_step(step.step_s, restart)}"
+    )
+    for w in result.what_ifs:
+        if w.step is None:
+            lines.append(f"{w.change:<44} {'n/a':>10}  {w.note}")
+            continue
+        if w.goodput is not None and restart:
+            delta = restart / w.goodput - 1 if w.goodput > 0 else math.inf
+        else:
+            delta = w.step.step_s / step.step_s - 1 if step.step_s else 0.0
+        goodput = w.goodput if w.goodput is not None else restart
+        p99 = f" {_ms(w.quantiles.p99.step_s)}" if w.quantiles else ""
+        lines.append(
+            f"{w.change:<44} {_ms(w.step.step_s)} {delta:>+9.1%} {_ms(w.step.exposed_comm_s)}"
+            f"{per_useful_step(w.step.step_s, goodput)}{p99}"
+        )
+    if restart is not None:
+        lines.append(
+            "(w/ fails: each row's step per useful step, restarting from checkpoints; a failures: row's under its "
+            "own policy, and its vs base compares those)"
+        )
+    return lines
 
 
 def _goodput_lines(g: GoodputPlan, step_s: float) -> list[str]:

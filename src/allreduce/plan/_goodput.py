@@ -68,6 +68,7 @@ __all__ = [
     "checkpoint_bytes",
     "daly_interval",
     "elastic_goodput",
+    "expected_lost_s",
     "fleet_of",
     "goodput_plan",
     "goodput_table",
@@ -245,6 +246,18 @@ def elastic_goodput(step_s: float, recovery_s: float, mtbf_s: float, capacity: f
     return max(0.0, capacity * work / (1.0 / rate + recovery_s))
 
 
+def expected_lost_s(segment_s: float, mtbf_s: float) -> float:
+    """The work a failure throws away: how far into a stretch of ``segment_s`` it struck, given that it struck
+    there (exponential failures): E[X | X < T] = M − T·e^(−T/M) / (1 − e^(−T/M)), T/2 when T ≪ M. For a restart
+    the stretch is a checkpoint interval and its write; for shrink-and-continue, one step."""
+    if math.isinf(mtbf_s) or segment_s <= 0:
+        return segment_s / 2 if math.isfinite(segment_s) else math.inf
+    x = segment_s / mtbf_s
+    if x < 1e-6:  # the series: T/2 − T²/(12M), without the cancellation
+        return segment_s / 2 - segment_s * x / 12
+    return mtbf_s - segment_s * math.exp(-x) / -math.expm1(-x) if x < 700 else mtbf_s
+
+
 @dataclass(frozen=True)
 class GoodputRow:
     """One recovery policy's outcome."""
@@ -254,6 +267,7 @@ class GoodputRow:
     interval_s: float | None  # checkpoint interval (None: the policy does not roll back)
     restart_s: float
     mtbf_s: float
+    lost_s: float = 0.0  # expected work lost per failure (expected_lost_s)
 
     def effective_step_s(self, step_s: float) -> float:
         return math.inf if self.goodput <= 0 else step_s / self.goodput
@@ -265,6 +279,7 @@ class GoodputRow:
             "interval_s": self.interval_s,
             "restart_s": self.restart_s,
             "mtbf_s": self.mtbf_s,
+            "lost_work_s": self.lost_s,
         }
 
 
@@ -276,7 +291,9 @@ def goodput_table(fleet: Fleet, rates: FailureRates, ckpt: Checkpointing, *, ste
         interval = ckpt.interval_s if ckpt.interval_s is not None else daly_interval(ckpt.write_s, mtbf)
         if math.isinf(interval):
             interval = math.inf
-        rows.append(GoodputRow(policy, restart_goodput(interval, ckpt.write_s, restart, mtbf), interval, restart, mtbf))
+        goodput = restart_goodput(interval, ckpt.write_s, restart, mtbf)
+        lost = expected_lost_s(interval + ckpt.write_s, mtbf)
+        rows.append(GoodputRow(policy, goodput, interval, restart, mtbf, lost))
     hosts_out = (3600.0 / mtbf if math.isfinite(mtbf) else 0.0) * ckpt.repair_s / 3600.0
     capacity = max(0.0, 1.0 - hosts_out * fleet.gpus_per_host / fleet.gpus)
     rows.append(
@@ -286,6 +303,7 @@ def goodput_table(fleet: Fleet, rates: FailureRates, ckpt: Checkpointing, *, ste
             None,
             ckpt.elastic_recovery_s,
             mtbf,
+            expected_lost_s(step_s, mtbf),
         )
     )
     return rows

@@ -119,28 +119,7 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
             )
         out.append("</table>")
     if doc.get("what_ifs"):
-        out.append(
-            "<h3>What if (one change each)</h3><table><tr><th>change</th><th>step</th>"
-            "<th>vs base</th><th>exposed all-reduce</th><th>p99 step</th></tr>"
-        )
-        for i, w in enumerate(doc["what_ifs"]):
-            if "step_s" not in w:
-                out.append(f"<tr><td>{_text(w['change'])}</td><td colspan=3>n/a: {_text(w.get('note', ''))}</td></tr>")
-                continue
-            delta = w["step_s"] / base["step_s"] - 1 if base["step_s"] else 0.0
-            out.append(
-                f"<tr><td>{html.escape(w['change'])}</td>"
-                + _cell(f"{index}.what_ifs.{i}.step_s", w["step_s"], _ms(w["step_s"]))
-                + f"<td>{delta:+.1%}</td>"
-                + _cell(f"{index}.what_ifs.{i}.exposed_comm_s", w["exposed_comm_s"], _ms(w["exposed_comm_s"]))
-                + (
-                    _cell(f"{index}.what_ifs.{i}.p99_step_s", w["p99_step_s"], _ms(w["p99_step_s"]))
-                    if "p99_step_s" in w
-                    else "<td></td>"
-                )
-                + "</tr>"
-            )
-        out.append("</table>")
+        out += _what_if_table(doc["what_ifs"], base["step_s"], index)
     if "goodput" in doc:
         out += _goodput_table(doc["goodput"], base["step_s"], f"{index}.goodput")
     if "measured" in doc:
@@ -151,6 +130,49 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
 
 def _percent_cell(key: str, value: float | None) -> str:
     return "<td></td>" if value is None else _cell(key, value, f"{value:.1%}")
+
+
+def _what_if_table(what_ifs: list[dict[str, Any]], base_step_s: float, index: int) -> list[str]:
+    """One change per row; a recovery policy's row (failures counted) gives its step per useful step, and its
+    "vs base" compares that with the first such row's (restarting from checkpoints)."""
+    policies = [w for w in what_ifs if "goodput" in w and w["goodput"] > 0]
+    base_effective = policies[0]["effective_step_s"] if policies else None
+    out = [
+        "<h3>What if (one change each)</h3><table><tr><th>change</th><th>step</th>"
+        "<th>vs base</th><th>exposed all-reduce</th><th>p99 step</th>"
+        + ("<th>per useful step (failures)</th>" if policies else "")
+        + "</tr>"
+    ]
+    for i, w in enumerate(what_ifs):
+        if "step_s" not in w:
+            out.append(f"<tr><td>{_text(w['change'])}</td><td colspan=3>n/a: {_text(w.get('note', ''))}</td></tr>")
+            continue
+        effective = w.get("effective_step_s")
+        if "goodput" in w and base_effective:
+            delta = effective / base_effective - 1 if effective is not None else math.inf
+        else:
+            delta = w["step_s"] / base_step_s - 1 if base_step_s else 0.0
+        out.append(
+            f"<tr><td>{html.escape(w['change'])}</td>"
+            + _cell(f"{index}.what_ifs.{i}.step_s", w["step_s"], _ms(w["step_s"]))
+            + f"<td>{delta:+.1%}</td>"
+            + _cell(f"{index}.what_ifs.{i}.exposed_comm_s", w["exposed_comm_s"], _ms(w["exposed_comm_s"]))
+            + (
+                _cell(f"{index}.what_ifs.{i}.p99_step_s", w["p99_step_s"], _ms(w["p99_step_s"]))
+                if "p99_step_s" in w
+                else "<td></td>"
+            )
+            + (
+                ""
+                if not policies
+                else _cell(f"{index}.what_ifs.{i}.effective_step_s", effective, _ms(effective))
+                if effective is not None
+                else "<td></td>"
+            )
+            + "</tr>"
+        )
+    out.append("</table>")
+    return out
 
 
 # How the page names each recovery policy of a plan's goodput table.
