@@ -352,8 +352,9 @@ def _plan_step(
             if algorithms is not None and size in algorithms:
                 name = algorithms[size]
                 if sim.needs_group(name) and sim.group_size(request, n) is None:
-                    name = "ring"
-                fixed.setdefault(name, []).append(size)
+                    chosen_by_auto.append(size)  # it has no groups to form on n GPUs: what auto takes there
+                else:
+                    fixed.setdefault(name, []).append(size)
             elif request.algorithm == AUTO:
                 chosen_by_auto.append(size)
             else:
