@@ -193,6 +193,7 @@ def test_every_goodput_and_timeline_number_on_the_page_is_the_plans(measured_pla
     policies = measured_plan_document["goodput"]["policies"]
     for i, row in enumerate(policies):
         assert float(cells.values[f"0.goodput.policies.{i}.goodput"]) == row["goodput"]
+        assert float(cells.values[f"0.goodput.policies.{i}.lost_work_s"]) == row["lost_work_s"]
     for i, row in enumerate(measured_plan_document["scaling"]):
         assert float(cells.values[f"0.scaling.{i}.goodput"]) == row["goodput"]
     assert [p["policy"] for p in policies] == ["restart", "spares", "elastic"]

@@ -515,7 +515,8 @@ def _goodput_lines(g: GoodputPlan, step_s: float) -> list[str]:
         f"  checkpoint written in {format_seconds(ckpt.write_s)} every {format_seconds(interval or 0)} of training "
         f"({'given' if ckpt.interval_s else 'Daly'}); restart {format_seconds(ckpt.restart_s)}; assumed: {assumed}",
         *(f"  {line}" for line in g.recovery.describe()),
-        f"{'recovery policy':<40} {'goodput':>8} {'effective step ms':>18} {'pause per failure':>18}",
+        f"{'recovery policy':<40} {'goodput':>8} {'effective step ms':>18} {'pause per failure':>18} "
+        f"{'work lost per failure':>22}",
     ]
     described = {
         "restart": "restart from the last checkpoint",
@@ -523,7 +524,8 @@ def _goodput_lines(g: GoodputPlan, step_s: float) -> list[str]:
         "elastic": "shrink and continue (group.shrink)",
     }
     lines.extend(
-        f"{described[r.policy]:<40} {r.goodput:>8.1%} {_ms(r.effective_step_s(step_s)):>18} {duration(r.restart_s):>18}"
+        f"{described[r.policy]:<40} {r.goodput:>8.1%} {_ms(r.effective_step_s(step_s)):>18} "
+        f"{duration(r.restart_s):>18} {duration(r.lost_s):>22}"
         for r in g.rows
     )
     return lines

@@ -203,7 +203,7 @@ def _goodput_table(goodput: dict[str, Any], step_s: float, key: str) -> list[str
         + (f"; assumed, not from a study: {html.escape(assumed)}" if assumed else "")
         + ".</p>",
         "<table><tr><th>recovery policy</th><th>goodput</th><th>effective step</th><th>checkpoint every</th>"
-        "<th>pause per failure</th></tr>",
+        "<th>pause per failure</th><th>work lost per failure</th></tr>",
     ]
     for i, row in enumerate(goodput["policies"]):
         effective = step_s / row["goodput"] if row["goodput"] > 0 else math.inf
@@ -214,6 +214,11 @@ def _goodput_table(goodput: dict[str, Any], step_s: float, key: str) -> list[str
             + f"<td>{html.escape(format_seconds(effective))}</td>"
             + f"<td>{'-' if interval is None or math.isnan(interval) else html.escape(format_seconds(interval))}</td>"
             + _cell(f"{key}.policies.{i}.restart_s", row["restart_s"], _hours(row["restart_s"]))
+            + (
+                _cell(f"{key}.policies.{i}.lost_work_s", row["lost_work_s"], _hours(row["lost_work_s"]))
+                if "lost_work_s" in row
+                else "<td></td>"
+            )
             + "</tr>"
         )
     out.append("</table>")
