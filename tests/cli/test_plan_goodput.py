@@ -3,6 +3,7 @@ and the flags' errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -55,6 +56,19 @@ def test_the_job_fails_as_often_as_its_parts_say(capsys: pytest.CaptureFixture[s
     assert counts["host"] == 4
     fleet = Fleet(16, 4, nics=counts["nic"], cables=counts["cable"], switches=counts["switch"])
     assert goodput["mtbf_s"] == pytest.approx(fleet.mtbf_s(LLAMA3_RATES))
+
+
+@pytest.mark.slow
+def test_given_failure_rates_replace_the_parts_they_name(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL, "--no-scaling", "--json", "--failure-rates", "gpu=1e-3,switch=1e-4")
+    assert code == 0, err
+    goodput = json.loads(out)["goodput"]
+    counts = goodput["counts"]
+    rates = dataclasses.replace(LLAMA3_RATES, gpu_per_h=1e-3, switch_per_h=1e-4)
+    fleet = Fleet(16, nics=counts["nic"], cables=counts["cable"], switches=counts["switch"])
+    assert goodput["mtbf_s"] == pytest.approx(fleet.mtbf_s(rates))
+    assert goodput["failures_per_h"]["switch"] == pytest.approx(counts["switch"] * 1e-4)
+    assert goodput["rates_source"].startswith("given: gpu 0.001, switch 0.0001 per part-hour; the rest Llama 3")
 
 
 @pytest.mark.slow
@@ -129,6 +143,9 @@ def test_measure_recovery_kills_a_rank_here_and_the_json_says_it_was_measured(
         (("--elastic-recovery-s", "5", "--measure-recovery"), "--elastic-recovery-s or --measure-recovery, not both"),
         (("--measure-recovery", "udp"), "--measure-recovery: invalid choice"),
         (("--elastic-timeout-s", "0"), "--elastic-timeout-s must be > 0"),
+        (("--failure-rates", "tpu=1e-5"), "--failure-rates: 'tpu=1e-5': write PART=RATE with PART one of gpu"),
+        (("--failure-rates", "gpu=2"), "--failure-rates: failure rate gpu_per_h must be"),
+        (("--failure-rates", "gpu=1e-5,gpu=2e-5"), "--failure-rates: gpu is given twice"),
     ],
 )
 def test_bad_failure_flags_are_named(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:

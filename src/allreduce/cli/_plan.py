@@ -15,6 +15,7 @@ from allreduce.plan import (
     AUTO,
     BACKWARD_FRACTION,
     GRADIENT_DTYPES,
+    LLAMA3_RATES,
     PRESETS,
     RUNTIME_TIMEOUT_S,
     STORAGE_BPS,
@@ -36,6 +37,7 @@ from allreduce.plan import (
     model_from_params,
     plan,
     preset,
+    rates_with,
     read_profile,
 )
 from allreduce.sim import Distribution, parse_distribution
@@ -204,6 +206,12 @@ def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--no-failures", action="store_true", help="leave failures and goodput out")
     group.add_argument("--gpus-per-host", type=positive_int("--gpus-per-host"), default=8, help="GPUs per host")
+    group.add_argument(
+        "--failure-rates",
+        metavar="PART=RATE,...",
+        help="failures per part-hour of any of gpu, host, nic, cable, switch, software (per GPU), e.g. "
+        "gpu=2e-5,switch=1e-6; the parts not named keep the Llama 3 report's rates (docs/plan.md)",
+    )
     group.add_argument("--ckpt-write-s", type=_positive_float("--ckpt-write-s"), help="checkpoint write time (s)")
     group.add_argument(
         "--storage-gbps",
@@ -253,7 +261,14 @@ def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
             raise CLIError(f"{flag} must be a number of {'hours' if flag == '--repair-h' else 'seconds'} in [0, 1e6]")
     if args.replace_s > args.restart_s:
         raise CLIError(f"--replace-s ({args.replace_s:g}) is part of --restart-s ({args.restart_s:g}): not more")
+    rates = LLAMA3_RATES
+    if args.failure_rates is not None:
+        try:
+            rates = rates_with(LLAMA3_RATES, args.failure_rates)
+        except ValueError as exc:
+            raise CLIError(f"--failure-rates: {exc}") from None
     return FailureSettings(
+        rates=rates,
         recovery=_recovery_model(args),
         gpus_per_host=args.gpus_per_host,
         write_s=args.ckpt_write_s,

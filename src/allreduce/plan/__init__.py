@@ -8,6 +8,7 @@ from allreduce.plan._answer import Plan, ScalingRow, SizeRun, StepPlan, WhatIf
 from allreduce.plan._goodput import (
     LLAMA3_RATES,
     POLICIES,
+    RATE_NAMES,
     STORAGE_BPS,
     Checkpointing,
     FailureRates,
@@ -23,6 +24,7 @@ from allreduce.plan._goodput import (
     fleet_of,
     goodput_plan,
     goodput_table,
+    rates_with,
 )
 from allreduce.plan._measured import MeasuredBackward, measure_module, measure_spec, read_profile
 from allreduce.plan._planner import (
@@ -106,6 +108,7 @@ __all__ = [
     "PARAMETERS",
     "POLICIES",
     "PRESETS",
+    "RATE_NAMES",
     "RUNTIME_TIMEOUT_S",
     "STORAGE_BPS",
     "STORED_MEASUREMENT",
@@ -165,6 +168,7 @@ __all__ = [
     "plan",
     "plan_step",
     "preset",
+    "rates_with",
     "read_grid",
     "read_profile",
     "request_of",

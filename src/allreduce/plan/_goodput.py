@@ -46,6 +46,7 @@ Goodput = useful time / wall time; the effective step time is step time / goodpu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -57,6 +58,7 @@ from allreduce.topology import NVLINK_BANDWIDTH_BPS, NodeKind, Topology
 __all__ = [
     "LLAMA3_RATES",
     "POLICIES",
+    "RATE_NAMES",
     "STORAGE_BPS",
     "Checkpointing",
     "FailureRates",
@@ -72,6 +74,7 @@ __all__ = [
     "fleet_of",
     "goodput_plan",
     "goodput_table",
+    "rates_with",
     "restart_goodput",
     "simulate_elastic",
     "simulate_restarts",
@@ -108,6 +111,38 @@ class FailureRates:
             value = getattr(self, name)
             if not (math.isfinite(value) and 0 <= value <= 1.0):
                 raise ValueError(f"failure rate {name} must be a number of failures per hour in [0, 1], got {value}")
+
+
+RATE_NAMES = {
+    "gpu": "gpu_per_h",
+    "host": "host_per_h",
+    "nic": "nic_per_h",
+    "cable": "cable_per_h",
+    "switch": "switch_per_h",
+    "software": "software_per_gpu_per_h",
+}
+"""The parts a job's failure rate sums over, and the :class:`FailureRates` field of each (per part-hour)."""
+
+
+def rates_with(base: FailureRates, text: str) -> FailureRates:
+    """``base`` with the parts ``text`` names set (``gpu=2e-5,switch=1e-6``: failures per part-hour), its source
+    saying which were given."""
+    given: dict[str, float] = {}
+    for item in text.split(","):
+        part, sep, value = item.strip().partition("=")
+        if not sep or part not in RATE_NAMES:
+            raise ValueError(
+                f"{item.strip()!r}: write PART=RATE with PART one of {', '.join(RATE_NAMES)} (failures per part-hour)"
+            )
+        if part in given:
+            raise ValueError(f"{part} is given twice")
+        try:
+            given[part] = float(value)
+        except ValueError:
+            raise ValueError(f"{part}={value!r}: the rate must be a number of failures per part-hour") from None
+    fields = {RATE_NAMES[part]: rate for part, rate in given.items()}
+    named = ", ".join(f"{part} {rate:.3g}" for part, rate in given.items())
+    return dataclasses.replace(base, **fields, source=f"given: {named} per part-hour; the rest {base.source}")
 
 
 LLAMA3_RATES = FailureRates(
