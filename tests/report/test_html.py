@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -238,3 +239,14 @@ def test_goodput_and_timeline_pngs_are_written_with_matplotlib(
     paths = write_pngs(figures, tmp_path / "png")
     assert [p.name for p in paths] == ["d0-goodput.png", "d0-timeline.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_the_page_says_whether_the_elastic_pause_was_modelled_or_given(measured_plan_document: dict[str, Any]) -> None:
+    modelled = render_report([measured_plan_document])
+    assert 'the mean over failure kinds (<i data-key="0.goodput.elastic_recovery.basis">stored</i>)' in modelled
+    assert "modelled from the runtime&#x27;s kill benchmark, benchmarks/bench_elastic.py" in modelled
+    given = copy.deepcopy(measured_plan_document)
+    given["goodput"]["elastic_recovery"] = {"seconds": 42.0, "basis": "given", "source": "--elastic-recovery-s"}
+    page = render_report([given])
+    assert "given</i> (--elastic-recovery-s).</p>" in page
+    assert float(parse(page).values["0.goodput.elastic_recovery.seconds"]) == 42.0

@@ -227,24 +227,19 @@ def _goodput_table(goodput: dict[str, Any], step_s: float, key: str) -> list[str
     return out
 
 
-# How the page says where shrink-and-continue's pause per failure comes from.
-RECOVERY_BASES = {
-    "measured": "measured on this machine (allreduce plan --measure-recovery) and moved to the job's size",
-    "stored": "from the runtime's kill benchmark, moved to the job's size",
-    "given": "given",
-}
-
-
 def _recovery_paragraph(recovery: dict[str, Any], key: str) -> str:
-    """Shrink-and-continue's pause per failure: how long, and whether it was measured or given."""
+    """Shrink-and-continue's pause per failure: how long, and whether it was measured (here, or by the runtime's
+    kill benchmark) and modelled at the job's size, or given."""
     basis = recovery["basis"]
-    out = (
-        "<p><b>Shrink and continue</b> pauses "
+    pause = (
         f'<span data-key="{html.escape(key)}.seconds" data-value="{html.escape(repr(recovery["seconds"]))}">'
-        f"{html.escape(_hours(recovery['seconds']))}</span> a failure, "
-        f"{_text(RECOVERY_BASES.get(basis, basis))} "
-        f'(<i data-key="{html.escape(key)}.basis">{_text(basis)}</i>): {_text(recovery["source"])}'
+        f"{html.escape(_hours(recovery['seconds']))}</span>"
     )
+    tag = f'<i data-key="{html.escape(key)}.basis">{_text(basis)}</i>'
+    out = f"<p><b>Shrink and continue</b> pauses {pause} a failure, "
+    if basis == "given":
+        return out + f"{tag} ({_text(recovery['source'])}).</p>"
+    out += f"the mean over failure kinds ({tag}), modelled from {_text(recovery['source'])}"
     if all(k in recovery for k in ("ranks", "exit_s", "silent_s", "store_s", "silent_share", "timeout_s")):
         out += (
             f". At {recovery['ranks']:,} ranks the agreement's store requests add "
