@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 
@@ -47,15 +48,19 @@ def test_the_json_goodput_is_dalys_closed_form(capsys: pytest.CaptureFixture[str
     assert restart["goodput"] == pytest.approx(restart_goodput(restart["interval_s"], write_s, 900.0, mtbf))
 
 
+def _fleet(goodput: dict[str, Any], *, gpus_per_host: int) -> Fleet:
+    """The parts a plan's --json counted, as a fleet."""
+    counts = goodput["counts"]
+    return Fleet(counts["gpu"], gpus_per_host, nics=counts["nic"], cables=counts["cable"], switches=counts["switch"])
+
+
 @pytest.mark.slow
 def test_the_job_fails_as_often_as_its_parts_say(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, *SMALL, "--no-scaling", "--json", "--gpus-per-host", "4")
     assert code == 0, err
     goodput = json.loads(out)["goodput"]
-    counts = goodput["counts"]
-    assert counts["host"] == 4
-    fleet = Fleet(16, 4, nics=counts["nic"], cables=counts["cable"], switches=counts["switch"])
-    assert goodput["mtbf_s"] == pytest.approx(fleet.mtbf_s(LLAMA3_RATES))
+    assert goodput["counts"]["host"] == 4
+    assert goodput["mtbf_s"] == pytest.approx(_fleet(goodput, gpus_per_host=4).mtbf_s(LLAMA3_RATES))
 
 
 @pytest.mark.slow
@@ -63,11 +68,9 @@ def test_given_failure_rates_replace_the_parts_they_name(capsys: pytest.CaptureF
     code, out, err = run(capsys, *SMALL, "--no-scaling", "--json", "--failure-rates", "gpu=1e-3,switch=1e-4")
     assert code == 0, err
     goodput = json.loads(out)["goodput"]
-    counts = goodput["counts"]
     rates = dataclasses.replace(LLAMA3_RATES, gpu_per_h=1e-3, switch_per_h=1e-4)
-    fleet = Fleet(16, nics=counts["nic"], cables=counts["cable"], switches=counts["switch"])
-    assert goodput["mtbf_s"] == pytest.approx(fleet.mtbf_s(rates))
-    assert goodput["failures_per_h"]["switch"] == pytest.approx(counts["switch"] * 1e-4)
+    assert goodput["mtbf_s"] == pytest.approx(_fleet(goodput, gpus_per_host=8).mtbf_s(rates))
+    assert goodput["failures_per_h"]["switch"] == pytest.approx(goodput["counts"]["switch"] * 1e-4)
     assert goodput["rates_source"].startswith("given: gpu 0.001, switch 0.0001 per part-hour; the rest Llama 3")
 
 

@@ -10,7 +10,7 @@ import csv
 import html
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,11 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
     return out
 
 
+def _optional_cell(key: str, row: dict[str, Any], field: str, show: Callable[[float], str]) -> str:
+    """The cell of ``row[field]`` (keyed ``key.field``), or an empty one where the row has no such field."""
+    return _cell(f"{key}.{field}", row[field], show(row[field])) if field in row else "<td></td>"
+
+
 def _percent_cell(key: str, value: float | None) -> str:
     return "<td></td>" if value is None else _cell(key, value, f"{value:.1%}")
 
@@ -157,11 +162,7 @@ def _what_if_table(what_ifs: list[dict[str, Any]], base_step_s: float, index: in
             + _cell(f"{index}.what_ifs.{i}.step_s", w["step_s"], _ms(w["step_s"]))
             + f"<td>{delta:+.1%}</td>"
             + _cell(f"{index}.what_ifs.{i}.exposed_comm_s", w["exposed_comm_s"], _ms(w["exposed_comm_s"]))
-            + (
-                _cell(f"{index}.what_ifs.{i}.p99_step_s", w["p99_step_s"], _ms(w["p99_step_s"]))
-                if "p99_step_s" in w
-                else "<td></td>"
-            )
+            + _optional_cell(f"{index}.what_ifs.{i}", w, "p99_step_s", _ms)
             + (
                 ""
                 if not policies
@@ -214,11 +215,7 @@ def _goodput_table(goodput: dict[str, Any], step_s: float, key: str) -> list[str
             + f"<td>{html.escape(format_seconds(effective))}</td>"
             + f"<td>{'-' if interval is None or math.isnan(interval) else html.escape(format_seconds(interval))}</td>"
             + _cell(f"{key}.policies.{i}.restart_s", row["restart_s"], _hours(row["restart_s"]))
-            + (
-                _cell(f"{key}.policies.{i}.lost_work_s", row["lost_work_s"], _hours(row["lost_work_s"]))
-                if "lost_work_s" in row
-                else "<td></td>"
-            )
+            + _optional_cell(f"{key}.policies.{i}", row, "lost_work_s", _hours)
             + "</tr>"
         )
     out.append("</table>")
