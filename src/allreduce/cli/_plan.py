@@ -43,7 +43,7 @@ from allreduce.plan import (
 from allreduce.sim import Distribution, parse_distribution
 from allreduce.units import format_bytes, format_seconds
 
-__all__ = ["HelpFormatter", "demo_section", "register", "render", "request_from_args", "run"]
+__all__ = ["HelpFormatter", "demo_section", "plan_from_args", "register", "render", "request_from_args", "run"]
 
 MiB = 2**20
 # The demo: a Llama-2-7B-sized model on 1,024 GPUs of a k=16 fat tree, H100-class bf16 dense peak (989 TFLOPS)
@@ -553,20 +553,26 @@ def _progress(enabled: bool) -> Callable[[str], None] | None:
     return show if enabled else None
 
 
-def run(args: argparse.Namespace) -> int:
+def plan_from_args(args: argparse.Namespace, *, curve: bool, progress: Callable[[str], None] | None = None) -> Plan:
+    """The plan ``allreduce plan ARGS`` makes (``curve``: with the busbw curve the report draws)."""
     request = request_from_args(args)
     if not 0 <= args.loss < 1:
         raise CLIError(f"--loss {args.loss:g}: a probability per packet must be in [0, 1)")
-    status = sys.stderr.isatty() and not args.json
-    result = plan(
+    return plan(
         request,
         loss_probability=args.loss,
         scaling=not args.no_scaling,
         what_ifs=not args.no_what_if,
-        curve=bool(args.json or args.report),  # the busbw curve is drawn in the report, not printed
-        progress=_progress(status),
+        curve=curve,
+        progress=progress,
         failures=failures_from_args(args),
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    status = sys.stderr.isatty() and not args.json
+    # the busbw curve is drawn in the report, not printed
+    result = plan_from_args(args, curve=bool(args.json or args.report), progress=_progress(status))
     if status:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     if args.report:
@@ -591,7 +597,7 @@ def demo_section(report_path: str | Path = "allreduce-plan-report.html") -> tupl
     from allreduce.report import write_report
 
     args = build_parser().parse_args(["plan", *DEMO_ARGS])
-    result = plan(request_from_args(args))
+    result = plan_from_args(args, curve=True)  # as `allreduce plan` prints it, failures counted
     path = Path(report_path)
     write_report(path, [result.to_json()])
     command = "allreduce plan " + " ".join(DEMO_ARGS)
