@@ -4,14 +4,13 @@ backward produced them; the bucket ready times and the timeline against closed f
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from allreduce.cli import main
 from allreduce.plan import Compute, Model, step_time
+from profiler_traces import record_trace
 
 CLUSTER = ("--gpus", "8", "--topology", "switch:8", "--no-scaling", "--no-what-if", "--no-failures")
 
@@ -54,30 +53,10 @@ def test_a_bucket_ready_at_backwards_start_is_all_reduced_then() -> None:
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
     torch = pytest.importorskip("torch")
-    from torch.profiler import ProfilerActivity, profile, schedule
-
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    x = torch.randn(32, 128)
     path = tmp_path / "step.json"
-
-    def export(prof: Any) -> None:
-        prof.export_chrome_trace(str(path))
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
-        with profile(
-            activities=[ProfilerActivity.CPU],
-            record_shapes=True,
-            schedule=schedule(wait=0, warmup=1, active=1),
-            on_trace_ready=export,
-        ) as prof:
-            for _ in range(2):
-                net(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
-                prof.step()
+    record_trace(path, net, torch.randn(32, 128))
     return path
 
 
