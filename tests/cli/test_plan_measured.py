@@ -10,7 +10,7 @@ import pytest
 
 from allreduce.cli import main
 from allreduce.plan import Compute, Model, step_time
-from profiler_traces import record_trace
+from profiler_traces import record_mlp_trace
 
 CLUSTER = ("--gpus", "8", "--topology", "switch:8", "--no-scaling", "--no-what-if", "--no-failures")
 
@@ -52,11 +52,9 @@ def test_a_bucket_ready_at_backwards_start_is_all_reduced_then() -> None:
 
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    pytest.importorskip("torch")
     path = tmp_path / "step.json"
-    record_trace(path, net, torch.randn(32, 128))
+    record_mlp_trace(path)
     return path
 
 
