@@ -145,6 +145,7 @@ def test_measure_recovery_kills_a_rank_here_and_the_json_says_it_was_measured(
         (("--elastic-recovery-s", "-1"), "--elastic-recovery-s must be a number of seconds"),
         (("--elastic-recovery-s", "5", "--measure-recovery"), "--elastic-recovery-s or --measure-recovery, not both"),
         (("--measure-recovery", "udp"), "--measure-recovery: invalid choice"),
+        (("--measure-recovery", "--no-failures"), "--measure-recovery measures the elastic pause of goodput"),
         (("--elastic-timeout-s", "0"), "--elastic-timeout-s must be > 0"),
         (("--failure-rates", "tpu=1e-5"), "--failure-rates: 'tpu=1e-5': write PART=RATE with PART one of gpu"),
         (("--failure-rates", "gpu=2"), "--failure-rates: failure rate gpu_per_h must be"),

@@ -250,6 +250,8 @@ def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
 
 def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
     if args.no_failures:
+        if args.measure_recovery is not None:
+            raise CLIError("--measure-recovery measures the elastic pause of goodput, which --no-failures leaves out")
         return None
     for flag, value in (
         ("--restart-s", args.restart_s),
