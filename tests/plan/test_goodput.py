@@ -125,6 +125,14 @@ def test_an_elastic_job_runs_at_the_capacity_left_while_hosts_are_repaired() -> 
     assert elastic.goodput == pytest.approx(1 - 0.2 * 8 / 16, rel=1e-4)
 
 
+def test_a_software_failure_takes_no_host_out_of_an_elastic_job() -> None:
+    ckpt = Checkpointing(write_s=60.0, elastic_recovery_s=0.0, repair_s=3600.0)
+    fleet = Fleet(16, gpus_per_host=8)
+    software = FailureRates(0.0, 0.0, 0.0, 0.0, 0.0, 0.01)  # 16 GPUs' processes: 0.16 failures per hour
+    elastic = next(r for r in goodput_table(fleet, software, ckpt, step_s=1e-6) if r.policy == "elastic")
+    assert elastic.goodput == pytest.approx(1.0, rel=1e-4)  # every GPU stays: only the (empty) pauses cost
+
+
 def test_a_negative_failure_rate_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="host_per_h"):
         FailureRates(1e-5, -1.0, 0.0, 0.0, 0.0, 0.0)

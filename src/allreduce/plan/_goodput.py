@@ -36,9 +36,11 @@ Three recovery policies (:data:`POLICIES`):
       goodput_pause = E[work in an up period] / E[up period + recovery]
                     = (t · e^(−λt) / (1 − e^(−λt))) / (1/λ + elastic_recovery_s)
 
-  and while a failed host is repaired (``repair_s``) the job runs without its GPUs. By Little's law the mean number
-  of hosts out is λ · repair_s, so the mean capacity is 1 − λ · repair_s · gpus_per_host / gpus (exact for the
-  mean; the global batch is kept, so throughput scales with the GPUs that remain).
+  and while a failed host is repaired (``repair_s``) the job runs without its GPUs. A software failure ends a
+  process, not a host, and needs no repair, so only the hardware failures λ_hw (all but software) take hosts out:
+  by Little's law the mean number out is λ_hw · repair_s, and the mean capacity is 1 − λ_hw · repair_s ·
+  gpus_per_host / gpus (exact for the mean; the global batch is kept, so throughput scales with the GPUs that
+  remain).
 
 Goodput = useful time / wall time; the effective step time is step time / goodput. :func:`simulate_restarts` and
 :func:`simulate_elastic` replay the same processes failure by failure (seeded), the check on the closed forms.
@@ -329,7 +331,8 @@ def goodput_table(fleet: Fleet, rates: FailureRates, ckpt: Checkpointing, *, ste
         goodput = restart_goodput(interval, ckpt.write_s, restart, mtbf)
         lost = expected_lost_s(interval + ckpt.write_s, mtbf)
         rows.append(GoodputRow(policy, goodput, interval, restart, mtbf, lost))
-    hosts_out = (3600.0 / mtbf if math.isfinite(mtbf) else 0.0) * ckpt.repair_s / 3600.0
+    hardware_per_h = sum(rate for kind, rate in fleet.failures_per_h(rates).items() if kind != "software")
+    hosts_out = hardware_per_h * ckpt.repair_s / 3600.0
     capacity = max(0.0, 1.0 - hosts_out * fleet.gpus_per_host / fleet.gpus)
     rows.append(
         GoodputRow(
