@@ -132,6 +132,9 @@ def test_measure_recovery_kills_a_rank_here_and_the_json_says_it_was_measured(
     assert recovery["basis"] == "measured"
     assert recovery["source"].startswith("a kill measured here, 1 of 4 ranks over shm SIGKILLed")
     assert recovery["timeout_s"] == 300.0
+    # a process exit costs the measured kill to the survivors' next step (seen through the victim's pidfd, not a
+    # timeout: far below the group's 60 s), plus the store requests of 16 ranks beyond the measured 4
+    assert 0 < recovery["exit_s"] - recovery["store_s"] < 60.0
     assert recovery["exit_s"] < recovery["silent_s"]
     assert goodput["policies"][2] == {**goodput["policies"][2], "policy": "elastic", "restart_s": recovery["seconds"]}
 
