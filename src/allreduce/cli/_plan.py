@@ -97,9 +97,10 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--module", metavar="MODULE:FUNCTION", help="a torch.nn.Module that FUNCTION() returns")
     which.add_argument(
         "--profile",
-        metavar="TRACE.json",
-        help="a torch.profiler Chrome trace of one training step (recorded with record_shapes=True, on any "
-        "machine): the gradients' sizes and when backward finished each",
+        metavar="TRACE",
+        help="a torch.profiler Chrome trace of one training step (JSON, recorded with record_shapes=True, on any "
+        "machine) or a Chakra execution trace of one (protobuf, perhaps gzipped; replayed along its dependencies): "
+        "the gradients' sizes and when backward finished each",
     )
     p.add_argument(
         "--measure",

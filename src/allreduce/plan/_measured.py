@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from allreduce.plan._chakra import execution_trace_spans
 from allreduce.plan._workload import Model, module_factory
 from allreduce.units import format_seconds
 
@@ -266,13 +267,23 @@ def read_profile(path: str) -> MeasuredBackward:
             "(a torch.profiler.schedule with active=1)"
         )
     try:
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a Chrome trace JSON file ({exc})") from None
-    events = document.get("traceEvents") if isinstance(document, dict) else document
-    if not isinstance(events, list):
-        raise ValueError(f"{path}: no traceEvents list (is this a torch.profiler export_chrome_trace file?)")
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the profile ({exc.strerror or exc})") from None
+    if data.lstrip()[:1] in (b"{", b"["):
+        try:
+            document = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a Chrome trace JSON file ({exc})") from None
+        events = document.get("traceEvents") if isinstance(document, dict) else document
+        if not isinstance(events, list):
+            raise ValueError(f"{path}: no traceEvents list (is this a torch.profiler export_chrome_trace file?)")
+        source = f"profile {os.path.basename(path)}"
+    else:
+        # Not JSON: a Chakra execution trace (length-prefixed protobuf messages, perhaps gzipped).
+        events = execution_trace_spans(data, path)
+        source = f"profile {os.path.basename(path)} (Chakra ET, replayed)"
     spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and _is_span(e)]
     steps = [e for e in spans if str(e["name"]).startswith(_STEP_PREFIX)]
     if steps:
@@ -308,7 +319,7 @@ def read_profile(path: str) -> MeasuredBackward:
     flops = sum(_event_flops(e) for e in spans if float(e["ts"]) <= backward_end)
     optimizer_us = sum(float(e["dur"]) for e in spans if str(e["name"]).startswith(_OPTIMIZER_PREFIX))
     return MeasuredBackward(
-        f"profile {os.path.basename(path)}",
+        source,
         tuple(reversed(sizes)),
         tuple(reversed(ready)),
         max(0.0, backward_start - forward_start) / 1e6,
