@@ -7,6 +7,7 @@ is printed). Skipped, with the reason, where no Chromium is installed.
 from __future__ import annotations
 
 import html
+import importlib.util
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import pytest
 from allreduce.cli import main
 from allreduce.report import write_report
 from allreduce.units import format_seconds
-from profiler_traces import record_mlp_trace
+from profiler_traces import record_mlp_execution_trace, record_mlp_trace
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 # Every figure's SVG is 760 CSS pixels wide (report/_figures.py); the window fits it with the tables.
@@ -164,10 +165,14 @@ def test_chromium_draws_goodput_and_the_measured_step_timeline(
 @pytest.mark.slow
 def test_chromium_draws_a_profiled_plans_timeline_as_the_command_line_writes_it(tmp_path: Path) -> None:
     # allreduce plan --profile TRACE.json --report: a torch.profiler trace this test records, the report the
-    # command writes, the timeline and goodput drawn and the elastic pause shown
+    # command writes, the timeline and goodput drawn and the elastic pause shown; then a Chakra ET of the same
+    # model (recorded and converted here), its timeline drawn
     pytest.importorskip("torch")
-    trace = tmp_path / "step.json"
-    record_mlp_trace(trace)
+    trace, et = tmp_path / "step.json", None
+    if importlib.util.find_spec("chakra") is None:
+        record_mlp_trace(trace)  # the Chakra converter is not installed: no execution trace's page
+    else:
+        et, trace = record_mlp_execution_trace(tmp_path)
     page = tmp_path / "profiled.html"
     argv = ["plan", "--profile", str(trace), "--gpus", "16", "--topology", "fat-tree:k=4", "--no-what-if"]
     assert main([*argv, "--report", str(page)]) == 0
@@ -178,3 +183,10 @@ def test_chromium_draws_a_profiled_plans_timeline_as_the_command_line_writes_it(
     _assert_drawn(drawn["d0-goodput"])
     assert shown["0.goodput.elastic_recovery.basis"] == "stored"
     assert "0.goodput.elastic_recovery.seconds" in shown
+    if et is None:
+        return
+    et_page = tmp_path / "replayed.html"
+    assert main([*argv[:2], str(et), *argv[3:], "--report", str(et_page)]) == 0
+    figures, console, _ = _probe(_browser(), et_page)
+    assert console == []
+    _assert_drawn({f["id"]: f for f in figures}["d0-timeline"])

@@ -23,8 +23,8 @@ module; from a trace, each matrix product's ``2·m·k·n`` from its input shapes
 carries), so :meth:`MeasuredBackward.on_gpu` can move the step to a target GPU: the same
 FLOPs at the target's peak × MFU, the measured shape (backward's share, the ready times) kept.
 
-Chakra execution traces (another format that carries the same dependencies) are not read: no package that reads
-them installs from the Python package index.
+A Chakra execution trace (MLCommons' protobuf format; a file that is not JSON) is read too: its dependency graph
+replayed into the spans a Chrome trace would hold, from which the same timings are taken (``_chakra``).
 """
 
 from __future__ import annotations
@@ -255,8 +255,8 @@ _PRODUCT_INPUTS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddb
 
 
 def read_profile(path: str) -> MeasuredBackward:
-    """One training step of a ``torch.profiler`` Chrome trace (the last ``ProfilerStep`` in it, or the whole trace
-    when it names none). Errors name the file and what is missing."""
+    """One training step of a ``torch.profiler`` Chrome trace or a Chakra execution trace (the last
+    ``ProfilerStep`` in it, or the whole trace when it names none). Errors name the file and what is missing."""
     try:
         size = os.path.getsize(path)
     except OSError as exc:
