@@ -153,3 +153,21 @@ def test_a_gzipped_execution_trace_reads_as_the_plain_one(recorded: Any, tmp_pat
     packed = tmp_path / "step.et.gz"
     packed.write_bytes(gzip.compress(recorded[0].read_bytes()))
     assert read_profile(str(packed)).ready_fraction == recorded[1].ready_fraction
+
+
+def test_a_gzipped_file_cut_short_is_refused_naming_it(recorded: Any, tmp_path: Path) -> None:
+    packed = tmp_path / "cut.et.gz"
+    packed.write_bytes(gzip.compress(recorded[0].read_bytes())[:-100])
+    with pytest.raises(ValueError, match=r"cut\.et\.gz: a truncated gzip file"):
+        read_profile(str(packed))
+
+
+def test_an_execution_trace_that_begins_with_a_brace_is_still_one(tmp_path: Path) -> None:
+    # a GlobalMetadata of 123 bytes: its length prefix is "{", as a JSON trace's first byte
+    metadata = _message(_field(1, b"v" * 121))
+    assert metadata[:1] == b"{"
+    node = _et((1, "a", COMP, [], 10))[len(_message(_field(1, b"0.0.4"))) :]
+    path = tmp_path / "brace.et"
+    path.write_bytes(metadata + node)
+    with pytest.raises(ValueError, match=r"brace\.et: no backward in the trace"):
+        read_profile(str(path))

@@ -1,9 +1,9 @@
 """Chakra execution traces (MLCommons' ``et_def.proto``), read without protobuf and replayed into a step's spans.
 
-A Chakra ET is a sequence of length-prefixed protobuf messages (each a varint byte count, then the message; the
-file may be gzipped): one ``GlobalMetadata``, then ``Node`` messages. This module decodes the protobuf wire format
-for the fields it needs (a node's id, name, type, control and data dependencies, start time, duration and input
-shapes) and skips every other field, so reading needs no package beyond the standard library.
+A Chakra ET is a sequence of length-prefixed protobuf messages (each a varint byte count, then the message): one
+``GlobalMetadata``, then ``Node`` messages. This module decodes the protobuf wire format for the fields it needs
+(a node's id, name, type, control and data dependencies, duration and input shapes) and skips every other field,
+so reading needs no package beyond the standard library.
 
 The PyTorch converter (``chakra_converter PyTorch``) writes each operator's *exclusive* duration (its own time,
 not its callees'), chains the operators of a thread in call order through data dependencies, leaves every start
@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import heapq
 import json
-import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MAX_INFLATED_BYTES", "execution_trace_spans"]
-
-MAX_INFLATED_BYTES = 1 << 30
-"""The most a gzipped trace is inflated to (as much as the largest trace file read)."""
+__all__ = ["execution_trace_spans"]
 
 _COMMUNICATION_TYPES = frozenset({5, 6, 7})  # COMM_SEND_NODE, COMM_RECV_NODE, COMM_COLL_NODE
 _RECORDER_PREFIX = "[pytorch|profiler|execution_"  # the observer's process and thread markers: not operators
@@ -74,7 +71,7 @@ def _varint(data: bytes, offset: int) -> tuple[int, int]:
             raise _MalformedError(f"a varint longer than 10 bytes at byte {offset}")
 
 
-def _fields(data: bytes, start: int, end: int) -> Any:
+def _fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value, value's end) of each field of the message in ``data[start:end]``:
     value an int for varints and fixed widths, the (start, end) of its bytes for length-delimited fields."""
     offset = start
@@ -158,16 +155,6 @@ def _messages(data: bytes) -> list[tuple[int, int]]:
 
 
 def _decode(data: bytes) -> list[_Node]:
-    if data[:2] == b"\x1f\x8b":
-        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-        try:
-            data = inflater.decompress(data, MAX_INFLATED_BYTES + 1)
-        except zlib.error as exc:
-            raise _MalformedError(f"a gzip file that does not decompress ({exc})") from None
-        if len(data) > MAX_INFLATED_BYTES:
-            raise _MalformedError(f"it inflates to more than {MAX_INFLATED_BYTES:,} bytes")
-        if not inflater.eof:
-            raise _MalformedError("a truncated gzip file")
     messages = _messages(data)
     if not messages:
         raise _MalformedError("no messages")
