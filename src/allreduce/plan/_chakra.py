@@ -72,27 +72,35 @@ def _varint(data: bytes, offset: int) -> tuple[int, int]:
 
 
 def _fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value, value's end) of each field of the message in ``data[start:end]``:
-    value an int for varints and fixed widths, the (start, end) of its bytes for length-delimited fields."""
+    """(field number, wire type, value) of each field of the message in ``data[start:end]``: value an int for
+    varints and fixed widths, the (start, end) of its bytes for length-delimited fields."""
     offset = start
     while offset < end:
-        key, offset = _varint(data, offset)
+        key = data[offset]  # a one-byte key (field numbers below 16) is the common case: no call for it
+        if key < 0x80:
+            offset += 1
+        else:
+            key, offset = _varint(data, offset)
         number, wire = key >> 3, key & 7
         if wire == 0:
             value, offset = _varint(data, offset)
             yield number, wire, value
+        elif wire == 2:
+            length = data[offset] if offset < end else 0x80
+            if length < 0x80:
+                offset += 1
+            else:
+                length, offset = _varint(data, offset)
+            if offset + length > end:
+                raise _MalformedError(f"field {number} of {length} bytes runs past its message (byte {offset})")
+            yield number, wire, (offset, offset + length)
+            offset += length
         elif wire in (1, 5):
             width = 8 if wire == 1 else 4
             if offset + width > end:
                 raise _MalformedError(f"field {number} runs past its message (byte {offset})")
             yield number, wire, int.from_bytes(data[offset : offset + width], "little")
             offset += width
-        elif wire == 2:
-            length, offset = _varint(data, offset)
-            if offset + length > end:
-                raise _MalformedError(f"field {number} of {length} bytes runs past its message (byte {offset})")
-            yield number, wire, (offset, offset + length)
-            offset += length
         else:
             raise _MalformedError(f"field {number} has wire type {wire}, which proto3 does not write (byte {offset})")
     if offset != end:
@@ -211,14 +219,17 @@ def _replay(nodes: list[_Node]) -> list[_Replayed]:
     return out
 
 
-def _shapes(replayed: _Replayed) -> Any:
-    """The input shapes as the converter writes them (a Python list's text, which for shapes is JSON)."""
-    if not replayed.input_shapes:
-        return []
-    try:
-        return json.loads(replayed.input_shapes)
-    except ValueError:
-        return []  # a non-shape input (a scalar list the text cannot hold as JSON): no shape to count
+def _shapes(text: str, parsed: dict[str, Any]) -> Any:
+    """The input shapes as the converter writes them (a Python list's text, which for shapes is JSON); ``parsed``
+    keeps each text's, as most operators repeat a few shapes."""
+    shapes = parsed.get(text)
+    if shapes is None:
+        try:
+            shapes = json.loads(text) if text else []
+        except ValueError:
+            shapes = []  # a non-shape input (a scalar list the text cannot hold as JSON): no shape to count
+        parsed[text] = shapes
+    return shapes
 
 
 def _phase_ends(replayed: list[_Replayed]) -> list[float]:
@@ -246,6 +257,7 @@ def execution_trace_spans(data: bytes, path: str) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: neither a Chrome trace (JSON) nor a Chakra execution trace: {exc}") from None
     ends = _phase_ends(replayed)
     spans, engine_end = [], 0.0
+    parsed: dict[str, Any] = {}
     for r, end in zip(replayed, ends, strict=True):
         if r.name.startswith(_RECORDER_PREFIX):
             continue
@@ -259,7 +271,7 @@ def execution_trace_spans(data: bytes, path: str) -> list[dict[str, Any]]:
                 "name": r.name,
                 "ts": r.start_us,
                 "dur": span_end - r.start_us,
-                "args": {"Input Dims": _shapes(r)},
+                "args": {"Input Dims": _shapes(r.input_shapes, parsed)},
             }
         )
     return spans
