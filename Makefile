@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# Chakra's converter alone (it imports protobuf only); its dependencies pull in ~70 packages for its linker.
+	$(BIN)/python -m pip install --quiet --no-deps mlc-chakra==1.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

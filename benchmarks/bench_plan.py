@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_plan.py [--skip plan,scaling,local,dask] [--workers 2]
     .venv/bin/python benchmarks/bench_plan.py --skip local,dask --before OTHER/src --rounds 3
+    .venv/bin/python benchmarks/bench_plan.py --store [--store-clients 4]
 
 Rows: wall time and CPU time (of this process and its children) of
 
@@ -12,6 +13,11 @@ Rows: wall time and CPU time (of this process and its children) of
 - the same 1,000-case sweep (5 GPU counts x 5 bucket caps x 5 model sizes x 2 dtypes x overlap on/off x
   accumulation 1/4, ring on a k=8 fat tree) on a local process pool and on a local Dask cluster of the same
   number of worker processes, with cases per second.
+
+``--store`` measures instead what the planner's model of elastic recovery at scale takes from this machine
+(``allreduce.plan.STORE_REQUEST_S``): the runtime's store server in this process, ``--store-clients`` client
+processes each sending ``check`` requests (what a shrink's agreement sends most) as fast as the server answers;
+the server's CPU seconds per request (this process's CPU: its main thread only waits) and requests per wall second.
 
 The goals: the 1,024-GPU plan in at most 3 s, the scaling table to 131,072 GPUs in at most 10 s. The machine may
 be shared: the table prints the 1-minute load average before each row, and `uptime` after the last. Run it with
@@ -32,6 +38,7 @@ import tempfile
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from allreduce.cli._plan import DEMO_ARGS
 from allreduce.plan import DaskExecutor, expand_grid, run_sweep
@@ -96,13 +103,63 @@ def time_sweep(executor: Executor, cases: list[dict[str, object]]) -> tuple[floa
     return summary.wall_s, summary.ran, summary.failed
 
 
+STORE_REQUESTS_PER_CLIENT = 20_000
+
+
+def _store_client(port: int, rank: int, clients: int, token: str, go: Any) -> None:
+    from allreduce.runtime.store._store import TCPStore  # a benchmark of the runtime's store: its own class
+
+    store = TCPStore("127.0.0.1", port, is_server=False, world_size=clients + 1, rank=rank, timeout_s=60, token=token)
+    go.wait()
+    for _ in range(STORE_REQUESTS_PER_CLIENT):
+        store.check([f"allreduce/elastic/1/in/{rank}"])
+    store.close()
+
+
+def time_store(clients: int) -> None:
+    """The store server's CPU seconds per request with ``clients`` processes sending ``check`` back to back."""
+    import multiprocessing as mp
+    import secrets
+
+    from allreduce.runtime.store._store import TCPStore
+
+    token = secrets.token_hex(16)
+    server = TCPStore("127.0.0.1", 0, is_server=True, world_size=clients + 1, rank=0, timeout_s=60, token=token)
+    ctx = mp.get_context("spawn")
+    go = ctx.Event()
+    procs = [
+        ctx.Process(target=_store_client, args=(server.port, r, clients, token, go)) for r in range(1, clients + 1)
+    ]
+    for proc in procs:
+        proc.start()
+    time.sleep(3.0)  # the clients import and connect before the clock starts
+    load = _load()
+    cpu0, t0 = _self_cpu_s(), time.perf_counter()
+    go.set()
+    for proc in procs:
+        proc.join()
+    wall, cpu = time.perf_counter() - t0, _self_cpu_s() - cpu0
+    server.close()
+    requests = clients * STORE_REQUESTS_PER_CLIENT
+    print(f"store: {clients} client processes x {STORE_REQUESTS_PER_CLIENT:,} check requests, load {load}: "
+          f"{wall:.2f} s wall, server {cpu:.2f} CPU s: {cpu / requests * 1e6:.1f} us of server CPU per request, "
+          f"{requests / wall:,.0f} requests/s")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip", default="", help="comma-separated rows to skip: plan, scaling, local, dask")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the pool and the Dask cluster")
     parser.add_argument("--before", metavar="SRC", help="another checkout's src/ to time against, run by run")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each plan row (per side with --before)")
+    parser.add_argument("--store", action="store_true", help="time the runtime's store server per request instead")
+    parser.add_argument("--store-clients", type=int, default=4, help="client processes of --store")
     args = parser.parse_args()
+    if args.store:
+        if not 1 <= args.store_clients <= 64:
+            parser.error("--store-clients must be in [1, 64]")
+        time_store(args.store_clients)
+        return
     skip = set(args.skip.split(","))
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")

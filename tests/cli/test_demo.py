@@ -137,5 +137,6 @@ def test_the_plan_section_plans_llama2_7b_on_1024_gpus_and_writes_the_report(dem
     text = demo.section(7)
     assert "$ allreduce plan --model llama2-7b --gpus 1024 " in text
     assert "on 1024 GPUs of fat-tree:k=16" in text
+    assert "failures on 1,024 GPUs" in text  # as `allreduce plan` prints it: failures counted
     assert f"report: {demo.report}" in text
     assert 'id="d0-scaling"' in demo.report.read_text()

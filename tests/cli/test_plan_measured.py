@@ -4,14 +4,13 @@ backward produced them; the bucket ready times and the timeline against closed f
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from allreduce.cli import main
 from allreduce.plan import Compute, Model, step_time
+from profiler_traces import record_mlp_trace
 
 CLUSTER = ("--gpus", "8", "--topology", "switch:8", "--no-scaling", "--no-what-if", "--no-failures")
 
@@ -53,31 +52,9 @@ def test_a_bucket_ready_at_backwards_start_is_all_reduced_then() -> None:
 
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
-    torch = pytest.importorskip("torch")
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    x = torch.randn(32, 128)
+    pytest.importorskip("torch")
     path = tmp_path / "step.json"
-
-    def export(prof: Any) -> None:
-        prof.export_chrome_trace(str(path))
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
-        with profile(
-            activities=[ProfilerActivity.CPU],
-            record_shapes=True,
-            schedule=schedule(wait=0, warmup=1, active=1),
-            on_trace_ready=export,
-        ) as prof:
-            for _ in range(2):
-                net(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
-                prof.step()
+    record_mlp_trace(path)
     return path
 
 
@@ -160,3 +137,37 @@ def test_a_profiled_plan_says_where_its_backward_timing_comes_from(
     code, out, err = run(capsys, "--profile", str(trace), *CLUSTER)
     assert code == 0, err
     assert "backward timing: profile step.json: forward" in out
+
+
+@pytest.fixture(scope="module")
+def execution_trace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    pytest.importorskip("torch")
+    from profiler_traces import record_mlp_execution_trace
+
+    return record_mlp_execution_trace(tmp_path_factory.mktemp("et"))
+
+
+@pytest.mark.slow
+def test_an_execution_trace_plans_as_the_kineto_trace_of_the_same_step(
+    capsys: pytest.CaptureFixture[str], execution_trace: tuple[Path, Path]
+) -> None:
+    documents = []
+    for path in execution_trace:
+        code, out, err = run(capsys, "--profile", str(path), *CLUSTER, "--json")
+        assert code == 0, err
+        documents.append(json.loads(out))
+    from_et, from_kineto = documents
+    assert from_et["base"]["model"] == "profile step.et"
+    assert "(Chakra ET, replayed)" in from_et["measured"]["source"]
+    assert from_et["base"]["params"] == from_kineto["base"]["params"]
+    sizes = [[b["size_bytes"] for b in d["timeline"]["buckets"]] for d in documents]
+    assert sizes[0] == sizes[1]
+
+
+def test_a_malformed_execution_trace_is_one_line_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "cut.et"
+    path.write_bytes(b"\x05\x0a\x03abc\x40\x01")  # a metadata message, then a node of 64 bytes with 1 there
+    code, _, err = run(capsys, "--profile", str(path), *CLUSTER)
+    assert code == 2
+    assert f"--profile: {path}: neither a Chrome trace (JSON) nor a Chakra execution trace: truncated" in err
+    assert "Traceback" not in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from allreduce.plan._goodput import (
     checkpoint_bytes,
     daly_interval,
     elastic_goodput,
+    expected_lost_s,
     fleet_of,
     goodput_table,
     restart_goodput,
@@ -108,8 +110,8 @@ def test_a_simulated_month_of_elastic_recoveries_agrees_with_the_closed_form(
     assert abs(got - want) <= 3 * stderr + 1e-3, (got, want, stderr)
 
 
-def test_spares_beat_restarts_and_elastic_beats_both_at_16384_gpus() -> None:
-    ckpt = Checkpointing(write_s=checkpoint_bytes(405e9) / 100e9)
+def test_spares_beat_restarts_and_a_30_s_elastic_recovery_beats_both_at_16384_gpus() -> None:
+    ckpt = Checkpointing(write_s=checkpoint_bytes(405e9) / 100e9, elastic_recovery_s=30.0)
     rows = {r.policy: r.goodput for r in goodput_table(Fleet(16_384), LLAMA3_RATES, ckpt, step_s=10.0)}
     assert rows["restart"] < rows["spares"] < rows["elastic"] < 1
 
@@ -123,6 +125,14 @@ def test_an_elastic_job_runs_at_the_capacity_left_while_hosts_are_repaired() -> 
     assert elastic.goodput == pytest.approx(1 - 0.2 * 8 / 16, rel=1e-4)
 
 
+def test_a_software_failure_takes_no_host_out_of_an_elastic_job() -> None:
+    ckpt = Checkpointing(write_s=60.0, elastic_recovery_s=0.0, repair_s=3600.0)
+    fleet = Fleet(16, gpus_per_host=8)
+    software = FailureRates(0.0, 0.0, 0.0, 0.0, 0.0, 0.01)  # 16 GPUs' processes: 0.16 failures per hour
+    elastic = next(r for r in goodput_table(fleet, software, ckpt, step_s=1e-6) if r.policy == "elastic")
+    assert elastic.goodput == pytest.approx(1.0, rel=1e-4)  # every GPU stays: only the (empty) pauses cost
+
+
 def test_a_negative_failure_rate_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="host_per_h"):
         FailureRates(1e-5, -1.0, 0.0, 0.0, 0.0, 0.0)
@@ -130,7 +140,7 @@ def test_a_negative_failure_rate_is_refused_naming_it() -> None:
 
 def test_a_replacement_wait_longer_than_the_restart_is_refused() -> None:
     with pytest.raises(ValueError, match="replace_s"):
-        Checkpointing(write_s=10.0, restart_s=60.0, replace_s=120.0)
+        Checkpointing(write_s=10.0, elastic_recovery_s=30.0, restart_s=60.0, replace_s=120.0)
 
 
 @pytest.mark.parametrize("k", [4, 8, 16])
@@ -144,3 +154,23 @@ def test_a_fat_trees_network_has_its_closed_form_cables_and_switches(k: int) -> 
 def test_a_job_counts_the_networks_parts_in_proportion_to_its_gpus() -> None:
     fleet = fleet_of(Network(gpus=1024, cables=3072, switches=320), 256, 8)
     assert (fleet.hosts, fleet.counts()["cable"], fleet.switches) == (32, 768, 80)
+
+
+@pytest.mark.parametrize(("segment_s", "mtbf_s"), [(600.0, 11_135.0), (3600.0, 1400.0), (1e-3, 1e6)])
+def test_the_work_a_failure_loses_is_the_mean_of_where_it_struck_in_the_segment(
+    segment_s: float, mtbf_s: float
+) -> None:
+    # E[X | X < T] for X ~ Exp(mean M), integrated numerically
+    xs = np.linspace(0.0, segment_s, 200_001)
+    density = np.exp(-xs / mtbf_s)
+    want = float(np.trapezoid(xs * density, xs) / np.trapezoid(density, xs))
+    assert expected_lost_s(segment_s, mtbf_s) == pytest.approx(want, rel=1e-6)
+    assert expected_lost_s(segment_s, mtbf_s) <= segment_s / 2  # later in the segment is less likely
+
+
+def test_each_policys_row_carries_the_work_a_failure_loses() -> None:
+    ckpt = Checkpointing(write_s=60.0, elastic_recovery_s=30.0, interval_s=1200.0)
+    rows = {r.policy: r for r in goodput_table(Fleet(16_384), LLAMA3_RATES, ckpt, step_s=10.0)}
+    mtbf = Fleet(16_384).mtbf_s(LLAMA3_RATES)
+    assert rows["restart"].lost_s == pytest.approx(expected_lost_s(1260.0, mtbf))
+    assert rows["elastic"].lost_s == pytest.approx(expected_lost_s(10.0, mtbf))

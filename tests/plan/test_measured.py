@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from allreduce.plan._measured import MeasuredBackward, measure_module, read_profile  # noqa: E402
+from profiler_traces import record_trace  # noqa: E402
 
 
 def _mlp() -> Any:
@@ -26,27 +26,7 @@ def _sizes(net: Any) -> tuple[int, ...]:
 
 
 def _record_trace(path: Path, *, shapes: bool = True, steps: bool = True) -> None:
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    net = _mlp()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    x = torch.randn(64, 256)
-
-    # With steps, a schedule marks the active step (ProfilerStep#1); without, every step is in the trace.
-    def export(prof: Any) -> None:
-        prof.export_chrome_trace(str(path))
-
-    plan: dict[str, Any] = {"schedule": schedule(wait=0, warmup=1, active=1), "on_trace_ready": export} if steps else {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes, **plan) as prof:
-            for _ in range(2):
-                net(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
-                prof.step()
-    if not steps:
-        prof.export_chrome_trace(str(path))
+    record_trace(path, _mlp(), torch.randn(64, 256), shapes=shapes, steps=steps)
 
 
 @pytest.mark.slow

@@ -171,3 +171,14 @@ def test_a_plan_with_what_ifs_makes_the_per_size_choice_a_step_alone_makes() -> 
     assert [(r.size_bytes, r.algorithm, r.seconds) for r in planned] == [
         (r.size_bytes, r.algorithm, r.seconds) for r in alone
     ]
+
+
+def test_a_scaling_row_too_small_for_the_bases_groups_takes_autos_choice() -> None:
+    # hierarchical on servers of 8: a row of 8 GPUs is one server, no groups to form; the row runs what auto runs
+    req = request(5e7, 0.02, gpus=32, topology="rail:nodes=4,gpus=8", algorithm="hierarchical")
+    rows = plan(req, what_ifs=False, curve=False).scaling
+    assert rows[0].gpus == 8
+    alone = plan_step(dataclasses.replace(req, gpus=8, algorithm="auto"))
+    assert rows[0].algorithm == "/".join(sorted({r.algorithm for r in alone.runs}))
+    assert rows[0].step.step_s == alone.step.step_s
+    assert rows[-1].algorithm == "hierarchical"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -25,7 +26,7 @@ class _Cells(HTMLParser):
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.tags.add(tag)
         found = dict(attrs)
-        if "data-key" in found and found["data-value"] is not None:
+        if "data-key" in found and found.get("data-value") is not None:
             self.values[str(found["data-key"])] = found["data-value"]
         if tag == "figure":
             self.figures.append(str(found.get("id")))
@@ -193,9 +194,12 @@ def test_every_goodput_and_timeline_number_on_the_page_is_the_plans(measured_pla
     policies = measured_plan_document["goodput"]["policies"]
     for i, row in enumerate(policies):
         assert float(cells.values[f"0.goodput.policies.{i}.goodput"]) == row["goodput"]
+        assert float(cells.values[f"0.goodput.policies.{i}.lost_work_s"]) == row["lost_work_s"]
     for i, row in enumerate(measured_plan_document["scaling"]):
         assert float(cells.values[f"0.scaling.{i}.goodput"]) == row["goodput"]
     assert [p["policy"] for p in policies] == ["restart", "spares", "elastic"]
+    recovery = measured_plan_document["goodput"]["elastic_recovery"]
+    assert float(cells.values["0.goodput.elastic_recovery.seconds"]) == recovery["seconds"]
 
 
 def test_the_goodput_figure_plots_the_scaling_tables_goodput(measured_plan_document: dict[str, Any]) -> None:
@@ -235,3 +239,14 @@ def test_goodput_and_timeline_pngs_are_written_with_matplotlib(
     paths = write_pngs(figures, tmp_path / "png")
     assert [p.name for p in paths] == ["d0-goodput.png", "d0-timeline.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_the_page_says_whether_the_elastic_pause_was_modelled_or_given(measured_plan_document: dict[str, Any]) -> None:
+    modelled = render_report([measured_plan_document])
+    assert 'the mean over failure kinds (<i data-key="0.goodput.elastic_recovery.basis">stored</i>)' in modelled
+    assert "modelled from the runtime&#x27;s kill benchmark, benchmarks/bench_elastic.py" in modelled
+    given = copy.deepcopy(measured_plan_document)
+    given["goodput"]["elastic_recovery"] = {"seconds": 42.0, "basis": "given", "source": "--elastic-recovery-s"}
+    page = render_report([given])
+    assert "given</i> (--elastic-recovery-s).</p>" in page
+    assert float(parse(page).values["0.goodput.elastic_recovery.seconds"]) == 42.0

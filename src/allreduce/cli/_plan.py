@@ -15,7 +15,9 @@ from allreduce.plan import (
     AUTO,
     BACKWARD_FRACTION,
     GRADIENT_DTYPES,
+    LLAMA3_RATES,
     PRESETS,
+    RUNTIME_TIMEOUT_S,
     STORAGE_BPS,
     WHAT_IF_LOSS_PROBABILITY,
     Compute,
@@ -25,19 +27,23 @@ from allreduce.plan import (
     Model,
     Plan,
     PlanRequest,
+    RecoveryModel,
     compute_seconds,
+    duration,
     format_count,
+    measure_recovery,
     measure_spec,
     model_from_module,
     model_from_params,
     plan,
     preset,
+    rates_with,
     read_profile,
 )
 from allreduce.sim import Distribution, parse_distribution
 from allreduce.units import format_bytes, format_seconds
 
-__all__ = ["HelpFormatter", "demo_section", "register", "render", "request_from_args", "run"]
+__all__ = ["HelpFormatter", "demo_section", "plan_from_args", "register", "render", "request_from_args", "run"]
 
 MiB = 2**20
 # The demo: a Llama-2-7B-sized model on 1,024 GPUs of a k=16 fat tree, H100-class bf16 dense peak (989 TFLOPS)
@@ -91,9 +97,10 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--module", metavar="MODULE:FUNCTION", help="a torch.nn.Module that FUNCTION() returns")
     which.add_argument(
         "--profile",
-        metavar="TRACE.json",
-        help="a torch.profiler Chrome trace of one training step (recorded with record_shapes=True, on any "
-        "machine): the gradients' sizes and when backward finished each",
+        metavar="TRACE",
+        help="a torch.profiler Chrome trace of one training step (JSON, recorded with record_shapes=True, on any "
+        "machine) or a Chakra execution trace of one (protobuf, perhaps gzipped; replayed along its dependencies): "
+        "the gradients' sizes and when backward finished each",
     )
     p.add_argument(
         "--measure",
@@ -200,6 +207,12 @@ def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--no-failures", action="store_true", help="leave failures and goodput out")
     group.add_argument("--gpus-per-host", type=positive_int("--gpus-per-host"), default=8, help="GPUs per host")
+    group.add_argument(
+        "--failure-rates",
+        metavar="PART=RATE,...",
+        help="failures per part-hour of any of gpu, host, nic, cable, switch, software (per GPU), e.g. "
+        "gpu=2e-5,switch=1e-6; the parts not named keep the Llama 3 report's rates (docs/plan.md)",
+    )
     group.add_argument("--ckpt-write-s", type=_positive_float("--ckpt-write-s"), help="checkpoint write time (s)")
     group.add_argument(
         "--storage-gbps",
@@ -212,25 +225,54 @@ def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--restart-s", type=float, default=600.0, help="a failure to training again (assumed)")
     group.add_argument("--replace-s", type=float, default=300.0, help="of that, waiting for a new host (assumed)")
     group.add_argument(
-        "--elastic-recovery-s", type=float, default=30.0, help="shrink-and-continue's pause per failure (assumed)"
+        "--elastic-recovery-s",
+        type=float,
+        help="shrink-and-continue's pause per failure, given (default: the runtime's kill benchmark, moved to the "
+        "job's size: its detection and shrink, the store requests of the agreement, the timeout for silent failures)",
+    )
+    group.add_argument(
+        "--measure-recovery",
+        nargs="?",
+        const="shm",
+        choices=("shm", "tcp"),
+        metavar="TRANSPORT",
+        help="measure the shrink here first: SIGKILL one of 4 local ranks (shm, or tcp) in an all-reduce loop and "
+        "time the kill to the survivors' next step, then move it to the job's size",
+    )
+    group.add_argument(
+        "--elastic-timeout-s",
+        type=_positive_float("--elastic-timeout-s"),
+        default=RUNTIME_TIMEOUT_S,
+        help="the group's timeout (allreduce.init(timeout_s=...)): how long survivors take to give up on a silent "
+        "host, and the shrink to leave it out",
     )
     group.add_argument("--repair-h", type=float, default=4.0, help="hours a failed host stays out (assumed)")
 
 
 def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
     if args.no_failures:
+        if args.measure_recovery is not None:
+            raise CLIError("--measure-recovery measures the elastic pause of goodput, which --no-failures leaves out")
         return None
     for flag, value in (
         ("--restart-s", args.restart_s),
         ("--replace-s", args.replace_s),
-        ("--elastic-recovery-s", args.elastic_recovery_s),
+        ("--elastic-recovery-s", 0.0 if args.elastic_recovery_s is None else args.elastic_recovery_s),
         ("--repair-h", args.repair_h),
     ):
         if not (math.isfinite(value) and 0 <= value <= 1e6):
             raise CLIError(f"{flag} must be a number of {'hours' if flag == '--repair-h' else 'seconds'} in [0, 1e6]")
     if args.replace_s > args.restart_s:
         raise CLIError(f"--replace-s ({args.replace_s:g}) is part of --restart-s ({args.restart_s:g}): not more")
+    rates = LLAMA3_RATES
+    if args.failure_rates is not None:
+        try:
+            rates = rates_with(LLAMA3_RATES, args.failure_rates)
+        except ValueError as exc:
+            raise CLIError(f"--failure-rates: {exc}") from None
     return FailureSettings(
+        rates=rates,
+        recovery=_recovery_model(args),
         gpus_per_host=args.gpus_per_host,
         write_s=args.ckpt_write_s,
         storage_Bps=args.storage_gbps * 1e9 / 8,
@@ -240,6 +282,21 @@ def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
         elastic_recovery_s=args.elastic_recovery_s,
         repair_s=args.repair_h * 3600,
     )
+
+
+def _recovery_model(args: argparse.Namespace) -> RecoveryModel:
+    """The elastic recovery model: the runtime's stored measurement, or one made here (--measure-recovery)."""
+    if args.measure_recovery is None:
+        return RecoveryModel(timeout_s=args.elastic_timeout_s)
+    if args.elastic_recovery_s is not None:
+        raise CLIError("give --elastic-recovery-s or --measure-recovery, not both")
+    if sys.stderr.isatty() and not args.json:
+        print(f"measuring elastic recovery: 4 ranks over {args.measure_recovery}, one killed...", file=sys.stderr)
+    try:
+        measurement = measure_recovery(transport=args.measure_recovery)
+    except (RuntimeError, OSError) as exc:
+        raise CLIError(f"--measure-recovery: the measurement failed: {exc}") from None
+    return RecoveryModel(measurement, timeout_s=args.elastic_timeout_s, basis="measured")
 
 
 def _measured(args: argparse.Namespace) -> MeasuredBackward | None:
@@ -412,28 +469,52 @@ def render(result: Plan) -> str:
                 "first row's goodput)"
             )
     if result.what_ifs:
-        lines += [
-            "",
-            "what if (one change each)",
-            f"{'change':<40} {'step ms':>10} {'vs base':>9} {'exposed ms':>10}"
-            + (f" {'p99 ms':>10}" if any(w.quantiles for w in result.what_ifs) else ""),
-        ]
-        lines.append(f"{'(base)':<40} {_ms(step.step_s)} {'':>9} {_ms(step.exposed_comm_s)}")
-        for w in result.what_ifs:
-            if w.step is None:
-                lines.append(f"{w.change:<40} {'n/a':>10}  {w.note}")
-                continue
-            delta = w.step.step_s / step.step_s - 1 if step.step_s else 0.0
-            p99 = f" {_ms(w.quantiles.p99.step_s)}" if w.quantiles else ""
-            lines.append(f"{w.change:<40} {_ms(w.step.step_s)} {delta:>+9.1%} {_ms(w.step.exposed_comm_s)}{p99}")
+        lines += ["", *_what_if_lines(result)]
     if result.goodput:
         lines += ["", *_goodput_lines(result.goodput, step.step_s)]
     lines.extend(f"(note: {n})" for n in result.notes)
     return "\n".join(lines)
 
 
-def _hours(seconds: float) -> str:
-    return format_seconds(seconds) if seconds < 3600 or not math.isfinite(seconds) else f"{seconds / 3600:.3g} h"
+def _what_if_lines(result: Plan) -> list[str]:
+    """The what-if table; with failures counted, each row's step per useful step beside it, and a row per recovery
+    policy (its "vs base" compares steps per useful step, restarting from checkpoints in the base)."""
+    step = result.base.step
+    spread = any(w.quantiles for w in result.what_ifs)
+    restart = result.goodput.row("restart").goodput if result.goodput else None
+    lines = [
+        "what if (one change each)",
+        f"{'change':<44} {'step ms':>10} {'vs base':>9} {'exposed ms':>10}"
+        + (f" {'w/ fails ms':>11}" if restart is not None else "")
+        + (f" {'p99 ms':>10}" if spread else ""),
+    ]
+
+    def per_useful_step(step_s: float, goodput: float | None) -> str:
+        return "" if goodput is None else f" {step_s / goodput * 1e3 if goodput > 0 else math.inf:>11.2f}"
+
+    lines.append(
+        f"{'(base)':<44} {_ms(step.step_s)} {'':>9} {_ms(step.exposed_comm_s)}{per_useful_step(step.step_s, restart)}"
+    )
+    for w in result.what_ifs:
+        if w.step is None:
+            lines.append(f"{w.change:<44} {'n/a':>10}  {w.note}")
+            continue
+        if w.goodput is not None and restart:
+            delta = restart / w.goodput - 1 if w.goodput > 0 else math.inf
+        else:
+            delta = w.step.step_s / step.step_s - 1 if step.step_s else 0.0
+        goodput = w.goodput if w.goodput is not None else restart
+        p99 = f" {_ms(w.quantiles.p99.step_s)}" if w.quantiles else ""
+        lines.append(
+            f"{w.change:<44} {_ms(w.step.step_s)} {delta:>+9.1%} {_ms(w.step.exposed_comm_s)}"
+            f"{per_useful_step(w.step.step_s, goodput)}{p99}"
+        )
+    if restart is not None:
+        lines.append(
+            "(w/ fails: each row's step per useful step, restarting from checkpoints; a failures: row's under its "
+            "own policy, and its vs base compares those)"
+        )
+    return lines
 
 
 def _goodput_lines(g: GoodputPlan, step_s: float) -> list[str]:
@@ -447,18 +528,24 @@ def _goodput_lines(g: GoodputPlan, step_s: float) -> list[str]:
     interval = g.row("restart").interval_s
     assumed = ", ".join(name.removesuffix("_s").replace("_", " ") for name in ckpt.assumed)
     lines = [
-        f"failures on {g.gpus:,} GPUs ({counts}): one every {_hours(g.mtbf_s)} ({shares})",
+        f"failures on {g.gpus:,} GPUs ({counts}): one every {duration(g.mtbf_s)} ({shares})",
         f"  rates: {g.source}",
         f"  checkpoint written in {format_seconds(ckpt.write_s)} every {format_seconds(interval or 0)} of training "
         f"({'given' if ckpt.interval_s else 'Daly'}); restart {format_seconds(ckpt.restart_s)}; assumed: {assumed}",
-        f"{'recovery policy':<40} {'goodput':>8} {'effective step ms':>18}",
+        *(f"  {line}" for line in g.recovery.describe()),
+        f"{'recovery policy':<40} {'goodput':>8} {'effective step ms':>18} {'pause per failure':>18} "
+        f"{'work lost per failure':>22}",
     ]
     described = {
         "restart": "restart from the last checkpoint",
         "spares": "the same, with hot spare hosts",
         "elastic": "shrink and continue (group.shrink)",
     }
-    lines.extend(f"{described[r.policy]:<40} {r.goodput:>8.1%} {_ms(r.effective_step_s(step_s)):>18}" for r in g.rows)
+    lines.extend(
+        f"{described[r.policy]:<40} {r.goodput:>8.1%} {_ms(r.effective_step_s(step_s)):>18} "
+        f"{duration(r.restart_s):>18} {duration(r.lost_s):>22}"
+        for r in g.rows
+    )
     return lines
 
 
@@ -469,20 +556,26 @@ def _progress(enabled: bool) -> Callable[[str], None] | None:
     return show if enabled else None
 
 
-def run(args: argparse.Namespace) -> int:
+def plan_from_args(args: argparse.Namespace, *, curve: bool, progress: Callable[[str], None] | None = None) -> Plan:
+    """The plan ``allreduce plan ARGS`` makes (``curve``: with the busbw curve the report draws)."""
     request = request_from_args(args)
     if not 0 <= args.loss < 1:
         raise CLIError(f"--loss {args.loss:g}: a probability per packet must be in [0, 1)")
-    status = sys.stderr.isatty() and not args.json
-    result = plan(
+    return plan(
         request,
         loss_probability=args.loss,
         scaling=not args.no_scaling,
         what_ifs=not args.no_what_if,
-        curve=bool(args.json or args.report),  # the busbw curve is drawn in the report, not printed
-        progress=_progress(status),
+        curve=curve,
+        progress=progress,
         failures=failures_from_args(args),
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    status = sys.stderr.isatty() and not args.json
+    # the busbw curve is drawn in the report, not printed
+    result = plan_from_args(args, curve=bool(args.json or args.report), progress=_progress(status))
     if status:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     if args.report:
@@ -507,7 +600,7 @@ def demo_section(report_path: str | Path = "allreduce-plan-report.html") -> tupl
     from allreduce.report import write_report
 
     args = build_parser().parse_args(["plan", *DEMO_ARGS])
-    result = plan(request_from_args(args))
+    result = plan_from_args(args, curve=True)  # as `allreduce plan` prints it, failures counted
     path = Path(report_path)
     write_report(path, [result.to_json()])
     command = "allreduce plan " + " ".join(DEMO_ARGS)

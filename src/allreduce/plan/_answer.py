@@ -85,15 +85,20 @@ class ScalingRow:
 class WhatIf:
     """One change against the base plan; ``step`` is None when the change does not apply (``note`` says why).
 
-    A random change (packet loss) has ``quantiles``; ``step`` is then its p50 step."""
+    A random change (packet loss) has ``quantiles``; ``step`` is then its p50 step. A recovery policy's row (with
+    failures counted) has the base step and that policy's ``goodput``: its step per useful step is step / goodput."""
 
     change: str
     step: StepTime | None
     note: str = ""
     quantiles: StepQuantiles | None = None
+    goodput: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         extra = self.quantiles.to_json() if self.quantiles else {}
+        if self.goodput is not None and self.step is not None:
+            effective = self.step.step_s / self.goodput if self.goodput > 0 else None
+            extra = {**extra, "goodput": self.goodput, "effective_step_s": effective}
         return {"change": self.change, "note": self.note, **(self.step.to_json() if self.step else {}), **extra}
 
 

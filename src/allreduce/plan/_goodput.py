@@ -29,15 +29,18 @@ Three recovery policies (:data:`POLICIES`):
 - ``spares``: the same with hot spare hosts, so a restart skips waiting for a replacement: R = restart_s −
   replace_s.
 - ``elastic``: survivors shrink the group and go on from the state they hold (no rollback, no checkpoint needed for
-  the failures it survives). A failure costs ``elastic_recovery_s`` and the progress of the step in flight; up
+  the failures it survives). A failure costs ``elastic_recovery_s`` (the runtime's shrink, measured and moved to
+  the job's size by :class:`~allreduce.plan.RecoveryModel`, or given) and the progress of the step in flight; up
   periods are exponential, so with step time t::
 
       goodput_pause = E[work in an up period] / E[up period + recovery]
                     = (t · e^(−λt) / (1 − e^(−λt))) / (1/λ + elastic_recovery_s)
 
-  and while a failed host is repaired (``repair_s``) the job runs without its GPUs. By Little's law the mean number
-  of hosts out is λ · repair_s, so the mean capacity is 1 − λ · repair_s · gpus_per_host / gpus (exact for the
-  mean; the global batch is kept, so throughput scales with the GPUs that remain).
+  and while a failed host is repaired (``repair_s``) the job runs without its GPUs. A software failure ends a
+  process, not a host, and needs no repair, so only the hardware failures λ_hw (all but software) take hosts out:
+  by Little's law the mean number out is λ_hw · repair_s, and the mean capacity is 1 − λ_hw · repair_s ·
+  gpus_per_host / gpus (exact for the mean; the global batch is kept, so throughput scales with the GPUs that
+  remain).
 
 Goodput = useful time / wall time; the effective step time is step time / goodput. :func:`simulate_restarts` and
 :func:`simulate_elastic` replay the same processes failure by failure (seeded), the check on the closed forms.
@@ -45,16 +48,19 @@ Goodput = useful time / wall time; the effective step time is step time / goodpu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from allreduce.plan._recovery import ElasticRecovery, RecoveryModel
 from allreduce.topology import NVLINK_BANDWIDTH_BPS, NodeKind, Topology
 
 __all__ = [
     "LLAMA3_RATES",
     "POLICIES",
+    "RATE_NAMES",
     "STORAGE_BPS",
     "Checkpointing",
     "FailureRates",
@@ -66,9 +72,11 @@ __all__ = [
     "checkpoint_bytes",
     "daly_interval",
     "elastic_goodput",
+    "expected_lost_s",
     "fleet_of",
     "goodput_plan",
     "goodput_table",
+    "rates_with",
     "restart_goodput",
     "simulate_elastic",
     "simulate_restarts",
@@ -105,6 +113,38 @@ class FailureRates:
             value = getattr(self, name)
             if not (math.isfinite(value) and 0 <= value <= 1.0):
                 raise ValueError(f"failure rate {name} must be a number of failures per hour in [0, 1], got {value}")
+
+
+RATE_NAMES = {
+    "gpu": "gpu_per_h",
+    "host": "host_per_h",
+    "nic": "nic_per_h",
+    "cable": "cable_per_h",
+    "switch": "switch_per_h",
+    "software": "software_per_gpu_per_h",
+}
+"""The parts a job's failure rate sums over, and the :class:`FailureRates` field of each (per part-hour)."""
+
+
+def rates_with(base: FailureRates, text: str) -> FailureRates:
+    """``base`` with the parts ``text`` names set (``gpu=2e-5,switch=1e-6``: failures per part-hour), its source
+    saying which were given."""
+    given: dict[str, float] = {}
+    for item in text.split(","):
+        part, sep, value = item.strip().partition("=")
+        if not sep or part not in RATE_NAMES:
+            raise ValueError(
+                f"{item.strip()!r}: write PART=RATE with PART one of {', '.join(RATE_NAMES)} (failures per part-hour)"
+            )
+        if part in given:
+            raise ValueError(f"{part} is given twice")
+        try:
+            given[part] = float(value)
+        except ValueError:
+            raise ValueError(f"{part}={value!r}: the rate must be a number of failures per part-hour") from None
+    fields = {RATE_NAMES[part]: rate for part, rate in given.items()}
+    named = ", ".join(f"{part} {rate:.3g}" for part, rate in given.items())
+    return dataclasses.replace(base, **fields, source=f"given: {named} per part-hour; the rest {base.source}")
 
 
 LLAMA3_RATES = FailureRates(
@@ -184,12 +224,12 @@ class Checkpointing:
     such wherever they are printed: set them from your own cluster."""
 
     write_s: float
+    elastic_recovery_s: float  # shrink-and-continue's pause per failure (goodput_plan: RecoveryModel's, or given)
     restart_s: float = 600.0  # a failure's detection, rescheduling and checkpoint reload
     replace_s: float = 300.0  # the part of restart_s spent waiting for a replacement host (spares skip it)
     interval_s: float | None = None  # None: Daly's optimum
-    elastic_recovery_s: float = 30.0  # until the runtime's elastic groups measure it
     repair_s: float = 4 * 3600.0  # how long a failed host stays out of an elastic job
-    assumed: tuple[str, ...] = field(default=("restart_s", "replace_s", "elastic_recovery_s", "repair_s"))
+    assumed: tuple[str, ...] = field(default=("restart_s", "replace_s", "repair_s"))
 
     def __post_init__(self) -> None:
         for name in ("write_s", "restart_s", "replace_s", "elastic_recovery_s", "repair_s"):
@@ -243,6 +283,18 @@ def elastic_goodput(step_s: float, recovery_s: float, mtbf_s: float, capacity: f
     return max(0.0, capacity * work / (1.0 / rate + recovery_s))
 
 
+def expected_lost_s(segment_s: float, mtbf_s: float) -> float:
+    """The work a failure throws away: how far into a stretch of ``segment_s`` it struck, given that it struck
+    there (exponential failures): E[X | X < T] = M − T·e^(−T/M) / (1 − e^(−T/M)), T/2 when T ≪ M. For a restart
+    the stretch is a checkpoint interval and its write; for shrink-and-continue, one step."""
+    if math.isinf(mtbf_s) or segment_s <= 0:
+        return segment_s / 2 if math.isfinite(segment_s) else math.inf
+    x = segment_s / mtbf_s
+    if x < 1e-6:  # the series: T/2 − T²/(12M), without the cancellation
+        return segment_s / 2 - segment_s * x / 12
+    return mtbf_s - segment_s * math.exp(-x) / -math.expm1(-x) if x < 700 else mtbf_s
+
+
 @dataclass(frozen=True)
 class GoodputRow:
     """One recovery policy's outcome."""
@@ -252,6 +304,7 @@ class GoodputRow:
     interval_s: float | None  # checkpoint interval (None: the policy does not roll back)
     restart_s: float
     mtbf_s: float
+    lost_s: float = 0.0  # expected work lost per failure (expected_lost_s)
 
     def effective_step_s(self, step_s: float) -> float:
         return math.inf if self.goodput <= 0 else step_s / self.goodput
@@ -263,6 +316,7 @@ class GoodputRow:
             "interval_s": self.interval_s,
             "restart_s": self.restart_s,
             "mtbf_s": self.mtbf_s,
+            "lost_work_s": self.lost_s,
         }
 
 
@@ -274,8 +328,11 @@ def goodput_table(fleet: Fleet, rates: FailureRates, ckpt: Checkpointing, *, ste
         interval = ckpt.interval_s if ckpt.interval_s is not None else daly_interval(ckpt.write_s, mtbf)
         if math.isinf(interval):
             interval = math.inf
-        rows.append(GoodputRow(policy, restart_goodput(interval, ckpt.write_s, restart, mtbf), interval, restart, mtbf))
-    hosts_out = (3600.0 / mtbf if math.isfinite(mtbf) else 0.0) * ckpt.repair_s / 3600.0
+        goodput = restart_goodput(interval, ckpt.write_s, restart, mtbf)
+        lost = expected_lost_s(interval + ckpt.write_s, mtbf)
+        rows.append(GoodputRow(policy, goodput, interval, restart, mtbf, lost))
+    hardware_per_h = sum(rate for kind, rate in fleet.failures_per_h(rates).items() if kind != "software")
+    hosts_out = hardware_per_h * ckpt.repair_s / 3600.0
     capacity = max(0.0, 1.0 - hosts_out * fleet.gpus_per_host / fleet.gpus)
     rows.append(
         GoodputRow(
@@ -284,6 +341,7 @@ def goodput_table(fleet: Fleet, rates: FailureRates, ckpt: Checkpointing, *, ste
             None,
             ckpt.elastic_recovery_s,
             mtbf,
+            expected_lost_s(step_s, mtbf),
         )
     )
     return rows
@@ -360,7 +418,8 @@ class FailureSettings:
     restart_s: float = 600.0
     replace_s: float = 300.0
     interval_s: float | None = None
-    elastic_recovery_s: float = 30.0
+    elastic_recovery_s: float | None = None  # None: the recovery model's, at the job's size
+    recovery: RecoveryModel = field(default_factory=RecoveryModel)
     repair_s: float = 4 * 3600.0
 
     def __post_init__(self) -> None:
@@ -369,7 +428,13 @@ class FailureSettings:
         if not (math.isfinite(self.storage_Bps) and self.storage_Bps > 0):
             raise ValueError(f"--storage-gbps must be a number > 0, got {self.storage_Bps * 8 / 1e9:g}")
 
-    def checkpointing(self, parameters: float) -> Checkpointing:
+    def elastic_recovery(self, gpus: int, failures_per_h: dict[str, float]) -> ElasticRecovery:
+        """Shrink-and-continue's pause per failure for ``gpus`` ranks: as given, or the recovery model's."""
+        if self.elastic_recovery_s is not None:
+            return ElasticRecovery(self.elastic_recovery_s, "given", "--elastic-recovery-s")
+        return self.recovery.at(gpus, failures_per_h)
+
+    def checkpointing(self, parameters: float, elastic_recovery_s: float) -> Checkpointing:
         write_s = self.write_s
         if write_s is None:
             write_s = checkpoint_bytes(parameters, self.bytes_per_parameter) / self.storage_Bps
@@ -378,7 +443,7 @@ class FailureSettings:
             restart_s=self.restart_s,
             replace_s=self.replace_s,
             interval_s=self.interval_s,
-            elastic_recovery_s=self.elastic_recovery_s,
+            elastic_recovery_s=elastic_recovery_s,
             repair_s=self.repair_s,
         )
 
@@ -394,6 +459,7 @@ class GoodputPlan:
     checkpoint: Checkpointing
     rows: tuple[GoodputRow, ...]
     source: str
+    recovery: ElasticRecovery
 
     def row(self, policy: str) -> GoodputRow:
         return next(r for r in self.rows if r.policy == policy)
@@ -409,6 +475,7 @@ class GoodputPlan:
             "rates_source": self.source,
             "assumed": list(self.checkpoint.assumed),
             "policies": [r.to_json() for r in self.rows],
+            "elastic_recovery": self.recovery.to_json(),
         }
 
 
@@ -458,14 +525,17 @@ def goodput_plan(
     """Failures and goodput of ``gpus`` GPUs of ``network`` (see :func:`fleet_of`) training a model of
     ``parameters`` at ``step_s`` per step."""
     fleet = fleet_of(network, gpus, settings.gpus_per_host)
-    ckpt = settings.checkpointing(parameters)
+    failures_per_h = fleet.failures_per_h(settings.rates)
+    recovery = settings.elastic_recovery(gpus, failures_per_h)
+    ckpt = settings.checkpointing(parameters, recovery.seconds)
     rows = tuple(goodput_table(fleet, settings.rates, ckpt, step_s=step_s))
     return GoodputPlan(
         gpus,
         fleet.counts(),
-        fleet.failures_per_h(settings.rates),
+        failures_per_h,
         fleet.mtbf_s(settings.rates),
         ckpt,
         rows,
         settings.rates.source,
+        recovery,
     )

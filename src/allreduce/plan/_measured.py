@@ -23,8 +23,8 @@ module; from a trace, each matrix product's ``2·m·k·n`` from its input shapes
 carries), so :meth:`MeasuredBackward.on_gpu` can move the step to a target GPU: the same
 FLOPs at the target's peak × MFU, the measured shape (backward's share, the ready times) kept.
 
-Chakra execution traces (another format that carries the same dependencies) are not read: no package that reads
-them installs from the Python package index.
+A Chakra execution trace (MLCommons' protobuf format; a file that is not JSON) is read too: its dependency graph
+replayed into the spans a Chrome trace would hold, from which the same timings are taken (``_chakra``).
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ import math
 import os
 import statistics
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from allreduce.plan._chakra import execution_trace_spans
 from allreduce.plan._workload import Model, module_factory
 from allreduce.units import format_seconds
 
@@ -254,25 +256,9 @@ _PRODUCT_INPUTS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddb
 
 
 def read_profile(path: str) -> MeasuredBackward:
-    """One training step of a ``torch.profiler`` Chrome trace (the last ``ProfilerStep`` in it, or the whole trace
-    when it names none). Errors name the file and what is missing."""
-    try:
-        size = os.path.getsize(path)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the profile ({exc.strerror or exc})") from None
-    if size > MAX_PROFILE_BYTES:
-        raise ValueError(
-            f"{path}: {size:,} bytes is more than the {MAX_PROFILE_BYTES:,} read; profile one step "
-            "(a torch.profiler.schedule with active=1)"
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a Chrome trace JSON file ({exc})") from None
-    events = document.get("traceEvents") if isinstance(document, dict) else document
-    if not isinstance(events, list):
-        raise ValueError(f"{path}: no traceEvents list (is this a torch.profiler export_chrome_trace file?)")
+    """One training step of a ``torch.profiler`` Chrome trace or a Chakra execution trace (the last
+    ``ProfilerStep`` in it, or the whole trace when it names none). Errors name the file and what is missing."""
+    events, source = _profile_events(path)
     spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and _is_span(e)]
     steps = [e for e in spans if str(e["name"]).startswith(_STEP_PREFIX)]
     if steps:
@@ -308,7 +294,7 @@ def read_profile(path: str) -> MeasuredBackward:
     flops = sum(_event_flops(e) for e in spans if float(e["ts"]) <= backward_end)
     optimizer_us = sum(float(e["dur"]) for e in spans if str(e["name"]).startswith(_OPTIMIZER_PREFIX))
     return MeasuredBackward(
-        f"profile {os.path.basename(path)}",
+        source,
         tuple(reversed(sizes)),
         tuple(reversed(ready)),
         max(0.0, backward_start - forward_start) / 1e6,
@@ -316,6 +302,53 @@ def read_profile(path: str) -> MeasuredBackward:
         optimizer_us / 1e6,
         flops or None,
     )
+
+
+def _profile_events(path: str) -> tuple[list[Any], str]:
+    """The trace's events and the plan's name for their source: a Chrome trace's as written, a Chakra ET's as
+    replayed. Either may be gzipped (torch.profiler writes ``.json.gz`` so); JSON is told from protobuf by trying
+    it first, since an ET whose first message is 91 or 123 bytes long also begins with ``[`` or ``{``."""
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_PROFILE_BYTES:
+            raise ValueError(
+                f"{path}: {size:,} bytes is more than the {MAX_PROFILE_BYTES:,} read; profile one step "
+                "(a torch.profiler.schedule with active=1)"
+            )
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the profile ({exc.strerror or exc})") from None
+    if data[:2] == b"\x1f\x8b":
+        data = _inflated(data, path)
+    name = os.path.basename(path)
+    if data.lstrip()[:1] in (b"{", b"["):
+        try:
+            document = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            try:
+                return execution_trace_spans(data, path), f"profile {name} (Chakra ET, replayed)"
+            except ValueError:
+                raise ValueError(f"{path}: not a Chrome trace JSON file ({exc})") from None
+        events = document.get("traceEvents") if isinstance(document, dict) else document
+        if not isinstance(events, list):
+            raise ValueError(f"{path}: no traceEvents list (is this a torch.profiler export_chrome_trace file?)")
+        return events, f"profile {name}"
+    return execution_trace_spans(data, path), f"profile {name} (Chakra ET, replayed)"
+
+
+def _inflated(data: bytes, path: str) -> bytes:
+    """A gzip file's content, at most :data:`MAX_PROFILE_BYTES` of it."""
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(data, MAX_PROFILE_BYTES + 1)
+    except zlib.error as exc:
+        raise ValueError(f"{path}: a gzip file that does not inflate ({exc})") from None
+    if len(out) > MAX_PROFILE_BYTES:
+        raise ValueError(f"{path}: inflates to more than the {MAX_PROFILE_BYTES:,} bytes read; profile one step")
+    if not inflater.eof:
+        raise ValueError(f"{path}: a truncated gzip file")
+    return out
 
 
 def _event_flops(event: dict[str, Any]) -> float:

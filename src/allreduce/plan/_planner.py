@@ -352,8 +352,9 @@ def _plan_step(
             if algorithms is not None and size in algorithms:
                 name = algorithms[size]
                 if sim.needs_group(name) and sim.group_size(request, n) is None:
-                    name = "ring"
-                fixed.setdefault(name, []).append(size)
+                    chosen_by_auto.append(size)  # it has no groups to form on n GPUs: what auto takes there
+                else:
+                    fixed.setdefault(name, []).append(size)
             elif request.algorithm == AUTO:
                 chosen_by_auto.append(size)
             else:
@@ -497,6 +498,19 @@ def compute_quantiles(step: StepPlan, distribution: Distribution, *, gpus: int) 
     return compute_step_quantiles(step.step, step.request.step_compute, distribution, gpus=gpus, seed=step.request.seed)
 
 
+# The what-if rows of the recovery policies (with failures counted), and what each row's step per useful step holds.
+POLICY_CHANGES = {
+    "restart": "restart from the last checkpoint",
+    "spares": "restart, hot spare hosts",
+    "elastic": "shrink and continue",
+}
+POLICY_NOTES = {
+    "restart": "rolls back to the last checkpoint and waits for a new host",
+    "spares": "rolls back to the last checkpoint; a spare host takes over at once",
+    "elastic": "the survivors go on (group.shrink): the step in flight and the pause are lost",
+}
+
+
 def plan(
     request: PlanRequest,
     *,
@@ -559,6 +573,13 @@ def plan(
             failures, gpus=request.gpus, parameters=request.model.params, step_s=base.step.step_s,
             network=sim.network(request),
         )  # fmt: skip
+        if what_ifs:
+            whats += [
+                WhatIf(
+                    f"failures: {POLICY_CHANGES[row.policy]}", base.step, POLICY_NOTES[row.policy], None, row.goodput
+                )
+                for row in failure_plan.rows
+            ]
     timeline = None
     if request.measured is not None or request.model.tensor_ready is not None:
         timeline = step_timeline(base.step.bucket_bytes, base.step.bucket_s, request.step_compute)

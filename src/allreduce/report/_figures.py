@@ -451,7 +451,9 @@ def _plan_figures(doc: dict[str, Any], prefix: str, bench: Sequence[dict[str, An
     # Random rows (packet loss: a p50 and a p99) are left to the table: a timeout-bound step can be 100x the base,
     # which would flatten every other bar.
     rows = [("base", base)] + [
-        (w["change"], w) for w in doc.get("what_ifs", []) if "step_s" in w and "p99_step_s" not in w
+        (w["change"], w)
+        for w in doc.get("what_ifs", [])
+        if "step_s" in w and "p99_step_s" not in w and "goodput" not in w  # a policy's row has the base's step
     ]
     figures.append(
         Figure(

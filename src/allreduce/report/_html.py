@@ -10,7 +10,7 @@ import csv
 import html
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,28 +119,7 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
             )
         out.append("</table>")
     if doc.get("what_ifs"):
-        out.append(
-            "<h3>What if (one change each)</h3><table><tr><th>change</th><th>step</th>"
-            "<th>vs base</th><th>exposed all-reduce</th><th>p99 step</th></tr>"
-        )
-        for i, w in enumerate(doc["what_ifs"]):
-            if "step_s" not in w:
-                out.append(f"<tr><td>{_text(w['change'])}</td><td colspan=3>n/a: {_text(w.get('note', ''))}</td></tr>")
-                continue
-            delta = w["step_s"] / base["step_s"] - 1 if base["step_s"] else 0.0
-            out.append(
-                f"<tr><td>{html.escape(w['change'])}</td>"
-                + _cell(f"{index}.what_ifs.{i}.step_s", w["step_s"], _ms(w["step_s"]))
-                + f"<td>{delta:+.1%}</td>"
-                + _cell(f"{index}.what_ifs.{i}.exposed_comm_s", w["exposed_comm_s"], _ms(w["exposed_comm_s"]))
-                + (
-                    _cell(f"{index}.what_ifs.{i}.p99_step_s", w["p99_step_s"], _ms(w["p99_step_s"]))
-                    if "p99_step_s" in w
-                    else "<td></td>"
-                )
-                + "</tr>"
-            )
-        out.append("</table>")
+        out += _what_if_table(doc["what_ifs"], base["step_s"], index)
     if "goodput" in doc:
         out += _goodput_table(doc["goodput"], base["step_s"], f"{index}.goodput")
     if "measured" in doc:
@@ -149,8 +128,52 @@ def _plan_section(doc: dict[str, Any], index: int) -> list[str]:
     return out
 
 
+def _optional_cell(key: str, row: dict[str, Any], field: str, show: Callable[[float], str]) -> str:
+    """The cell of ``row[field]`` (keyed ``key.field``), or an empty one where the row has no such field."""
+    return _cell(f"{key}.{field}", row[field], show(row[field])) if field in row else "<td></td>"
+
+
 def _percent_cell(key: str, value: float | None) -> str:
     return "<td></td>" if value is None else _cell(key, value, f"{value:.1%}")
+
+
+def _what_if_table(what_ifs: list[dict[str, Any]], base_step_s: float, index: int) -> list[str]:
+    """One change per row; a recovery policy's row (failures counted) gives its step per useful step, and its
+    "vs base" compares that with the first such row's (restarting from checkpoints)."""
+    policies = [w for w in what_ifs if "goodput" in w and w["goodput"] > 0]
+    base_effective = policies[0]["effective_step_s"] if policies else None
+    out = [
+        "<h3>What if (one change each)</h3><table><tr><th>change</th><th>step</th>"
+        "<th>vs base</th><th>exposed all-reduce</th><th>p99 step</th>"
+        + ("<th>per useful step (failures)</th>" if policies else "")
+        + "</tr>"
+    ]
+    for i, w in enumerate(what_ifs):
+        if "step_s" not in w:
+            out.append(f"<tr><td>{_text(w['change'])}</td><td colspan=3>n/a: {_text(w.get('note', ''))}</td></tr>")
+            continue
+        effective = w.get("effective_step_s")
+        if "goodput" in w and base_effective:
+            delta = effective / base_effective - 1 if effective is not None else math.inf
+        else:
+            delta = w["step_s"] / base_step_s - 1 if base_step_s else 0.0
+        out.append(
+            f"<tr><td>{html.escape(w['change'])}</td>"
+            + _cell(f"{index}.what_ifs.{i}.step_s", w["step_s"], _ms(w["step_s"]))
+            + f"<td>{delta:+.1%}</td>"
+            + _cell(f"{index}.what_ifs.{i}.exposed_comm_s", w["exposed_comm_s"], _ms(w["exposed_comm_s"]))
+            + _optional_cell(f"{index}.what_ifs.{i}", w, "p99_step_s", _ms)
+            + (
+                ""
+                if not policies
+                else _cell(f"{index}.what_ifs.{i}.effective_step_s", effective, _ms(effective))
+                if effective is not None
+                else "<td></td>"
+            )
+            + "</tr>"
+        )
+    out.append("</table>")
+    return out
 
 
 # How the page names each recovery policy of a plan's goodput table.
@@ -181,7 +204,7 @@ def _goodput_table(goodput: dict[str, Any], step_s: float, key: str) -> list[str
         + (f"; assumed, not from a study: {html.escape(assumed)}" if assumed else "")
         + ".</p>",
         "<table><tr><th>recovery policy</th><th>goodput</th><th>effective step</th><th>checkpoint every</th>"
-        "<th>pause per failure</th></tr>",
+        "<th>pause per failure</th><th>work lost per failure</th></tr>",
     ]
     for i, row in enumerate(goodput["policies"]):
         effective = step_s / row["goodput"] if row["goodput"] > 0 else math.inf
@@ -191,11 +214,39 @@ def _goodput_table(goodput: dict[str, Any], step_s: float, key: str) -> list[str
             + _percent_cell(f"{key}.policies.{i}.goodput", row["goodput"])
             + f"<td>{html.escape(format_seconds(effective))}</td>"
             + f"<td>{'-' if interval is None or math.isnan(interval) else html.escape(format_seconds(interval))}</td>"
-            + _cell(f"{key}.policies.{i}.restart_s", row["restart_s"], format_seconds(row["restart_s"]))
+            + _cell(f"{key}.policies.{i}.restart_s", row["restart_s"], _hours(row["restart_s"]))
+            + _optional_cell(f"{key}.policies.{i}", row, "lost_work_s", _hours)
             + "</tr>"
         )
     out.append("</table>")
+    if "elastic_recovery" in goodput:
+        out.append(_recovery_paragraph(goodput["elastic_recovery"], f"{key}.elastic_recovery"))
     return out
+
+
+def _recovery_paragraph(recovery: dict[str, Any], key: str) -> str:
+    """Shrink-and-continue's pause per failure: how long, and whether it was measured (here, or by the runtime's
+    kill benchmark) and modelled at the job's size, or given."""
+    basis = recovery["basis"]
+    pause = (
+        f'<span data-key="{html.escape(key)}.seconds" data-value="{html.escape(repr(recovery["seconds"]))}">'
+        f"{html.escape(_hours(recovery['seconds']))}</span>"
+    )
+    tag = f'<i data-key="{html.escape(key)}.basis">{_text(basis)}</i>'
+    out = f"<p><b>Shrink and continue</b> pauses {pause} a failure, "
+    if basis == "given":
+        return out + f"{tag} ({_text(recovery['source'])}).</p>"
+    out += f"the mean over failure kinds ({tag}), modelled from {_text(recovery['source'])}"
+    if all(k in recovery for k in ("ranks", "exit_s", "silent_s", "store_s", "silent_share", "timeout_s")):
+        out += (
+            f". At {recovery['ranks']:,} ranks the agreement's store requests add "
+            f"{html.escape(_hours(recovery['store_s']))}; a process exit (GPU, software) costs "
+            f"{html.escape(_hours(recovery['exit_s']))}; a host, NIC, cable or switch failure "
+            f"({recovery['silent_share']:.0%} of them) is silent until two "
+            f"{html.escape(format_seconds(recovery['timeout_s']))} timeouts: "
+            f"{html.escape(_hours(recovery['silent_s']))}"
+        )
+    return out + ".</p>"
 
 
 def _measured_paragraph(measured: dict[str, Any]) -> str:

@@ -186,7 +186,18 @@ _PLAN = record(
                 {**QUANTILES, "goodput": number(maximum=1.0)},
             ),
         ),
-        "what_ifs": items(record({"change": text}, {"note": text, **STEP, **QUANTILES})),
+        "what_ifs": items(
+            record(
+                {"change": text},
+                {
+                    "note": text,
+                    **STEP,
+                    **QUANTILES,
+                    "goodput": number(maximum=1.0),
+                    "effective_step_s": number(nullable=True),
+                },
+            )
+        ),
         "links": items(record({"link": text, "utilization": ratio})),
         "links_of": record({}, {"size_bytes": size, "algorithm": text}),
         "busbw_curve": items(record({"size_bytes": size, "seconds": seconds, "busbw_GBps": ratio, "algorithm": text})),
@@ -205,7 +216,8 @@ _PLAN = record(
                             "goodput": number(maximum=1.0),
                             "interval_s": optional(number(nullable=True)),
                             "restart_s": seconds,
-                        }
+                        },
+                        {"lost_work_s": seconds},
                     )
                 ),
             },
@@ -213,6 +225,14 @@ _PLAN = record(
                 "counts": record({}, dict.fromkeys(FAILING_PARTS, whole())),
                 "failures_per_h": record({}, dict.fromkeys(FAILING_PARTS, number())),
                 "assumed": items(text),
+                "elastic_recovery": record(
+                    {"seconds": seconds, "basis": text, "source": text},
+                    {
+                        "ranks": whole(),
+                        "silent_share": ratio,
+                        **dict.fromkeys(("exit_s", "silent_s", "store_s", "timeout_s"), seconds),
+                    },
+                ),
             },
         ),
         "measured": record(
