@@ -314,11 +314,12 @@ def _summary(stack: str, cases: list[tuple[str, Compared]]) -> list[str]:
     for q, bound in BOUNDS.items():
         errors = [abs(c.ratio[q] - 1) for _, c in cases]
         out = [(name, c) for name, c in cases if abs(c.ratio[q] - 1) > bound]
+        inside = [name for name, c in out if 0.025 <= c.spread[q][0] <= 0.975]
         lines.append(
             f"# {stack} p{q}: median |measured/predicted - 1| {statistics.median(errors):.1%}, worst "
             f"{max(errors):.1%}; {len(out)} of {len(cases)} cases out of {bound:.0%}"
-            + (", of them inside the model's 95% interval for that many repetitions:" if out else "")
-            + " ".join(f" {name}" for name, c in out if 0.025 <= c.spread[q][0] <= 0.975)
+            + (f", {len(inside)} of them inside the model's 95% interval for that many repetitions" if out else "")
+            + (": " + ", ".join(inside) if inside else "")
         )
         for name, c in out:
             below, lo, hi = c.spread[q]
