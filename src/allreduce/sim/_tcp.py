@@ -150,6 +150,7 @@ __all__ = [
     "gilbert_elliott",
     "loss_window_packets",
     "next_loss",
+    "paced_seconds",
     "window_reduction_seconds",
 ]
 
@@ -167,6 +168,13 @@ CUBIC_C = 0.4
 GRO_MAX_BYTES = 65536
 # Linux's TCP_DELACK_MIN (HZ/25): the least a delayed ACK waits.
 DELACK_MIN_S = 0.04
+# Linux paces a flow at net.ipv4.tcp_pacing_ca_ratio (120%) of cwnd·mss/srtt in congestion avoidance
+# (tcp_update_pacing_rate).
+PACING_CA_RATIO = 1.2
+# RFC 6298 §2.3 (tcp_rtt_estimator): srtt <- (1 - 1/8)·srtt + R/8 per RTT sample R.
+SRTT_GAIN = 0.125
+# An inflated srtt's excess after this many samples, (7/8)^64 ≈ 2e-4 of it, is not charged.
+PACED_SAMPLES = 64
 # Linux's TCP_RTO_MAX: the backed-off timer stops doubling there.
 RTO_MAX_S = 120.0
 # A packet lost this many times in a row ends the connection in a real stack (Linux: tcp_retries2 = 15
@@ -419,11 +427,33 @@ def _unheard_rtos(
     return wait, rounds
 
 
+def paced_seconds(
+    rtt_s: FloatArray, sample_s: FloatArray, segments: FloatArray, window: FloatArray, packet_s: FloatArray
+) -> FloatArray:
+    """What pacing adds to ``segments`` segments a flow sends after one RTT sample of ``sample_s`` (see the module
+    docstring): srtt becomes ``(1 − 1/8)·RTT + sample/8`` and each segment's ACK brings it back by an eighth of its
+    excess, and segment ``j`` leaves ``max(τ, srtt_j/(1.2·w))`` after the one before (``w`` the window), where
+    ``max(τ, RTT/(1.2·w))`` would have done: with ``τ`` below both, ``8·(srtt_1 − RTT)·(1 − (7/8)^M)/(1.2·w)``."""
+    srtt = (1 - SRTT_GAIN) * rtt_s + SRTT_GAIN * sample_s
+    steady = np.maximum(packet_s, rtt_s / (PACING_CA_RATIO * window))
+    extra = np.zeros(np.shape(rtt_s))
+    for j in range(PACED_SAMPLES):
+        due = segments > j
+        if not due.any():
+            break
+        extra += np.where(due, np.maximum(packet_s, srtt / (PACING_CA_RATIO * window)) - steady, 0.0)
+        srtt = (1 - SRTT_GAIN) * srtt + SRTT_GAIN * rtt_s
+    return extra
+
+
 def _lost_repair_ack(
     rng: np.random.Generator,
     stack: TcpStack,
     after: IntArray,
     *,
+    packets: IntArray,
+    rtt: FloatArray,
+    tau: FloatArray,
     cost: FloatArray,
     repaired: npt.NDArray[np.bool_],
     backed_off: IntArray,
@@ -439,7 +469,10 @@ def _lost_repair_ack(
     resend or its ACK lost (``1 − (1 − q)(1 − q_ack)``) waits for the next, doubled. The connection's unsent data
     waits until the sender hears: the rest of this transfer where more than a window (:func:`loss_window_packets`)
     of it followed the loss, else the next transfer on the connection, which starts ``gap`` after this one ends.
-    Returns (the cost with that wait, the RTOs that held data)."""
+    The ACK that ends the wait echoes the repair's timestamp (the receiver had it), so the sender's RTT sample is
+    the whole wait, and the held data, the rest of the transfer beyond the window or the next transfer (taken as
+    long as this one, ``packets``, as a ring's are), is paced behind the inflated srtt (:func:`paced_seconds`, at
+    CUBIC's window after the RTO, ``max(β·W, 2)``). Returns (the cost with that wait, the RTOs that held data)."""
     none = np.zeros(after.size, dtype=np.int64)
     if not np.any(repaired & (q_ack > 0)):
         return cost, none
@@ -448,9 +481,16 @@ def _lost_repair_ack(
         return cost, none
     silent = 1 - (1 - q) * (1 - q_ack)
     wait, rounds = _unheard_rtos(rng, stack, rto, silent=silent, backed_off=backed_off, firing=ack_lost)
-    rest_unsent = after > loss_window_packets(q)
-    charged = np.where(rest_unsent, cost + wait, np.maximum(cost, cost + wait - gap))
-    held = ack_lost & (charged > cost)
+    window = loss_window_packets(q)
+    rest_unsent = after > window
+    segments = np.where(rest_unsent, after - window, packets).astype(np.float64)
+    paced = np.zeros(after.size)
+    if ack_lost.any():
+        w = np.maximum(CUBIC_BETA * window[ack_lost], 2.0)
+        paced[ack_lost] = paced_seconds(rtt[ack_lost], wait[ack_lost] + rtt[ack_lost], segments[ack_lost], w,
+                                        tau[ack_lost])  # fmt: skip
+    charged = np.where(rest_unsent, cost + wait, np.maximum(cost, cost + wait - gap)) + paced
+    held = ack_lost & (charged > cost + paced)
     return np.where(held, charged, cost), np.where(held, rounds, 0)
 
 
@@ -469,6 +509,7 @@ def _one_loss(
     lost_before: npt.NDArray[np.bool_] | None = None,
     resend_q: FloatArray | None = None,
     probe_q: FloatArray | None = None,
+    packets: IntArray | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """The delay one lost packet with ``after`` packets of its transfer behind it adds, and how many timers of
     the ``rto_min`` class (the one-packet probe, the RTO) fired. ``held``: (stay, entry_q, hold seconds) of a
@@ -526,8 +567,9 @@ def _one_loss(
             backoff[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0**j, RTO_MAX_S))
         cost = cost + backoff
         fired += again
-    cost, unheard = _lost_repair_ack(rng, stack, after, cost=cost, repaired=~revealed, backed_off=again, q=q,
-                                     q_ack=q_ack, rto=rto, gap=gap)  # fmt: skip
+    cost, unheard = _lost_repair_ack(rng, stack, after, packets=after + 1 if packets is None else packets, rtt=rtt,
+                                     tau=tau, cost=cost, repaired=~revealed, backed_off=again, q=q, q_ack=q_ack,
+                                     rto=rto, gap=gap)  # fmt: skip
     return cost, fired + unheard
 
 
@@ -600,6 +642,7 @@ def draw_repair_seconds(
             lost_before=previous == position - 1,
             resend_q=None if resend_q is None else resend_q[lost],
             probe_q=None if probe_q is None else probe_q[lost],
+            packets=packets[lost],
         )
         extra[lost] = np.maximum(extra[lost], cost)
         fired[lost] += timers
