@@ -71,7 +71,12 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   retransmission lost, ``TCPLostRetransmit``, whether it or its ACK was lost), and traced (every link 1e-2,
   ``tcp_probe`` and ``tcp_cong_state_set``: 61 of 84 RTOs on the ring's connections) they come in recovery with 2–3
   segments out and nothing sent for 208 ms, and the data queued behind leaves within a millisecond of the resend's
-  ACK (:func:`_lost_repair_ack`). With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
+  ACK (:func:`_lost_repair_ack`). That ACK echoes the repair's timestamp (the receiver had it: ``ts_recent`` is the
+  last segment's that advanced ``rcv_nxt``, RFC 7323 §4.3), so the sender's RTT sample is the whole wait and srtt
+  jumps by an eighth of it (RFC 6298 §2.3); Linux paces a flow at ``1.2·cwnd·mss/srtt`` in congestion avoidance
+  (``tcp_update_pacing_rate``), so the data behind leaves ``srtt_j/(1.2·w)`` apart, each ACK taking an eighth of
+  the excess off (:func:`paced_seconds`; traced: srtt 26 ms after a 206 ms RTO, segments 10.9, 9.4, 8.3 ms apart
+  at cwnd 2). With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
   (the emulator's firewall), the resend after a probe or RTO is the next packet the stalled link sees, lost with the
   burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless other connections' packets cross the
   link before the probe: after the collective's last step only the rank waiting for the lost tail is held, and where
