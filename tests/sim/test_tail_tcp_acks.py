@@ -10,7 +10,7 @@ import pytest
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
-from allreduce.sim._phases import _ack_stalls, agreement_delays, draw_losses, phase_data
+from allreduce.sim._phases import _ack_stalls, _stall_pacing, agreement_delays, draw_losses, phase_data
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
     DELACK_MIN_S,
@@ -18,6 +18,7 @@ from allreduce.sim._tcp import (
     TIMEOUT_MIN_S,
     Bursts,
     LostTransfers,
+    StallPacing,
     TcpStack,
     _lost_repair_ack,
     ack_stall_flights,
@@ -98,6 +99,50 @@ def test_a_lost_probe_or_probe_ack_waits_for_the_rto_instead() -> None:
     assert abs(np.mean(timeouts[fired] >= 2) - expected) < Z * math.sqrt(expected * (1 - expected) / fired.sum())
     np.testing.assert_allclose(extra[timeouts == 2], probe + 3 * rto)
     np.testing.assert_allclose(extra[timeouts == 3], probe + 7 * rto)
+
+
+def test_each_stall_paces_the_segments_up_to_the_next_stalls_flight() -> None:
+    # 100 packets in flights of W = 10: 9 stalling flights. Every later flight's ACK lost (q_ack = 1): stalls at
+    # 2..8, each pacing the next flight's 10 segments, the last the 100 - 9 * 10 = 10 after it.
+    first, flights, packets = np.array([2]), np.array([9]), np.array([100])
+    stalls, paced = _stall_pacing(np.random.default_rng(0), first, flights, q_ack=np.ones(1), packets=packets,
+                                 window=np.full(1, 10.0), packet_s=np.zeros(1))  # fmt: skip
+    assert stalls.tolist() == [7]
+    assert paced.segments[0, :7].tolist() == [10.0] * 7
+    # one stall at flight 2 (no later ACK lost): the rest of the transfer, 100 - 3 * 10
+    stalls, paced = _stall_pacing(np.random.default_rng(0), first, flights, q_ack=np.full(1, 1e-12),
+                                 packets=packets, window=np.full(1, 10.0), packet_s=np.zeros(1))  # fmt: skip
+    assert stalls.tolist() == [1]
+    assert paced.segments[:, 0].tolist() == [70.0]
+
+
+def test_a_stall_the_delayed_ack_ends_paces_what_follows_by_the_closed_form() -> None:
+    # the delayed ACK acknowledges the whole flight, none of it resent: the RTT sample is the stall and a round
+    # trip, srtt_1 - RTT = (stall)/8, and with tau below every gap the M segments after it take
+    # 8 (srtt_1 - RTT)(1 - (7/8)^M)/(1.2 w) longer
+    n, window, segments = 100, 6.0, 30.0
+    stall = RTT + 2 * RTT + TIMEOUT_MIN_S + DELACK_MIN_S
+    paced = StallPacing(np.full((n, 1), segments), np.full(n, window), np.zeros(n))
+    extra, timeouts = draw_ack_stall_seconds(
+        np.random.default_rng(0), EXACT, stalls=np.ones(n, dtype=np.int64), rtt_s=np.full(n, RTT), q=np.zeros(n),
+        q_ack=np.zeros(n), paced=paced,
+    )  # fmt: skip
+    closed = stall * (1 - 0.875**segments) / (1.2 * window)
+    np.testing.assert_allclose(extra, stall + closed, rtol=1e-12)
+    assert closed > 0.005
+    assert not timeouts.any()
+
+
+def test_a_stall_the_rto_ends_is_not_charged_pacing() -> None:
+    # where the RTO ends the stall, what its ACK echoes depends on the receiver's last in-order segment: no pacing
+    n = 20_000
+    paced = StallPacing(np.full((n, 1), 30.0), np.full(n, 6.0), np.zeros(n))
+    extra, timeouts = draw_ack_stall_seconds(
+        np.random.default_rng(1), EXACT, stalls=np.ones(n, dtype=np.int64), rtt_s=np.full(n, RTT),
+        q=np.full(n, 0.3), q_ack=np.full(n, 0.2), paced=paced,
+    )  # fmt: skip
+    probe = RTT + 2 * RTT + TIMEOUT_MIN_S
+    np.testing.assert_allclose(extra[timeouts == 1], probe + RTT + EXACT.rto_min_s)
 
 
 def test_flows_with_lossy_acks_stall_at_the_closed_form_rate() -> None:

@@ -118,7 +118,14 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   its segments carries the cumulative ACK (RFC 9293 §3.4) and a lost ACK stalls nothing.
   Measured on the emulated clusters (every link 3e-3, ftrace of ``tcp_probe``): windows of 2–18 segments
   waiting 48–55 ms for an ACK, about one per collective; with ``quickack 1`` on the hosts' routes there were
-  none, and 8 probes instead of 91 (the ``tuned`` preset assumes that route setting);
+  none, and 8 probes instead of 91 (the ``tuned`` preset assumes that route setting). The delayed ACK that ends
+  such a stall acknowledges the whole flight, none of it resent, so the sender's RTT sample runs from the flight's
+  first sending (``tcp_clean_rtx_queue``): srtt moves by an eighth of the stall, and the segments up to the next
+  stall (or the transfer's end) are paced behind it as after a lost repair ACK (:func:`paced_seconds`, at the
+  flight's window; traced at every link 1e-2 and 3e-3: the ACKs ending 77 of 331 and 10 of 61 stalls of 35–60 ms
+  raised srtt by more than 3 ms, by a sample of 43–45 ms at the median, and the next 20 segments took 123 and 85 ms
+  after them against 54 and 8 ms after the others); where an RTO ends the stall, what its ACK echoes depends on
+  which segment the receiver last took in order, and no pacing is charged;
 - ``W``, the window a flow keeps at per-packet loss ``q``: CUBIC in its TCP-friendly region grows by
   ``α = 3(1 − β)/(1 + β)`` per RTT and cuts by ``β``, an average window of ``√(α(1 + β)/(2(1 − β)q))`` =
   ``√(1.5/q)`` packets (RFC 8312 §5.1; Reno's too); without data loss the window does not limit a transfer
@@ -146,6 +153,7 @@ __all__ = [
     "TCP_STACKS",
     "Bursts",
     "LostTransfers",
+    "StallPacing",
     "TcpStack",
     "ack_stall_flights",
     "chain_loss",
@@ -273,14 +281,36 @@ def ack_stall_flights(q: FloatArray, packets: IntArray, mtu_bytes: int) -> IntAr
     return np.asarray(flights - 1, dtype=np.int64)
 
 
+@dataclass(frozen=True, eq=False)
+class StallPacing:
+    """What follows each lost flight-ending ACK of a transfer: ``segments[i, j]``, the segments transfer ``i``
+    sends after its ``j``-th stall and before the next stall's flight ends (or the transfer does), its flights'
+    window ``window`` and one packet's time ``packet_s`` (:func:`draw_ack_stall_seconds`)."""
+
+    segments: FloatArray
+    window: FloatArray
+    packet_s: FloatArray
+
+
 def draw_ack_stall_seconds(
-    rng: np.random.Generator, stack: TcpStack, *, stalls: IntArray, rtt_s: FloatArray, q: FloatArray, q_ack: FloatArray
+    rng: np.random.Generator,
+    stack: TcpStack,
+    *,
+    stalls: IntArray,
+    rtt_s: FloatArray,
+    q: FloatArray,
+    q_ack: FloatArray,
+    paced: StallPacing | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """What ``stalls`` lost flight-ending ACKs cost a transfer (see the module docstring): per stall
     ``RTT + timer(2·srtt + 2 ms) + timer(delayed ACK)`` (no delayed ACK: the probe's ACK returns at once); where
     the probe (probability ``q``) or its ACK (``q_ack``) is lost too, the RTO armed when the probe left fires
     instead of the delayed ACK: ``timer(2·srtt + 2 ms) + timer(RTO)``, and the RTOs after it while each one's
-    resend or its ACK is lost (:func:`_unheard_rtos`). Returns (seconds, RTOs)."""
+    resend or its ACK is lost (:func:`_unheard_rtos`). With ``paced``, a stall the probe's delayed ACK ends is
+    followed by its segments paced behind the srtt it inflated: that ACK acknowledges the whole flight, none of it
+    resent, so the sender's RTT sample runs from the flight's first sending (``tcp_clean_rtx_queue``), the stall
+    and a round trip (the flight's own sending time left out), and :func:`paced_seconds` at the flight's window.
+    Returns (seconds, RTOs)."""
     total = np.zeros(stalls.size)
     timeouts = np.zeros(stalls.size, dtype=np.int64)
     for j in range(int(stalls.max(initial=0))):
@@ -297,6 +327,12 @@ def draw_ack_stall_seconds(
         )
         total[more] += probe + np.where(lost, stack.timer(rng, stack.rto(rtt)), answered) + backoff
         timeouts[more] += lost + rounds
+        if paced is not None:
+            ended = more[~lost]
+            total[ended] += paced_seconds(
+                rtt_s[ended], (probe + answered)[~lost] + rtt_s[ended], paced.segments[ended, j], paced.window[ended],
+                paced.packet_s[ended],
+            )  # fmt: skip
     return total, timeouts
 
 
