@@ -73,10 +73,15 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   segments out and nothing sent for 208 ms, and the data queued behind leaves within a millisecond of the resend's
   ACK (:func:`_lost_repair_ack`). That ACK echoes the repair's timestamp (the receiver had it: ``ts_recent`` is the
   last segment's that advanced ``rcv_nxt``, RFC 7323 §4.3), so the sender's RTT sample is the whole wait and srtt
-  jumps by an eighth of it (RFC 6298 §2.3); Linux paces a flow at ``1.2·cwnd·mss/srtt`` in congestion avoidance
-  (``tcp_update_pacing_rate``), so the data behind leaves ``srtt_j/(1.2·w)`` apart, each ACK taking an eighth of
-  the excess off (:func:`paced_seconds`; traced: srtt 26 ms after a 206 ms RTO, segments 10.9, 9.4, 8.3 ms apart
-  at cwnd 2). With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
+  jumps by an eighth of it (RFC 6298 §2.3). Linux sets every flow's pacing rate, ``1.2·cwnd·mss/srtt`` in
+  congestion avoidance (``tcp_update_pacing_rate``), but holds a CUBIC flow to it only behind the fq qdisc or once
+  the socket is ``SK_PACING_NEEDED`` (``tcp_pacing_check``, ``tcp_update_skb_after_send``); a token bucket does not
+  pace. The emulated ranks' connections are: the kernel's default, each namespace's too, is BBR, whose init sets it
+  as the connection is established, and the runtime's switch to CUBIC after the handshake keeps it
+  (``tcp_reinit_congestion_control`` never clears it); a socket CUBIC from the start sends its window unpaced. So
+  the data behind leaves ``srtt_j/(1.2·w)`` apart, each ACK taking an eighth of the excess off
+  (:func:`paced_seconds`; traced: srtt 26 ms after a 206 ms RTO, segments 10.9, 9.4, 8.3 ms apart at cwnd 2).
+  With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
   (the emulator's firewall), the resend after a probe or RTO is the next packet the stalled link sees, lost with the
   burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless other connections' packets cross the
   link before the probe: after the collective's last step only the rank waiting for the lost tail is held, and where
@@ -181,8 +186,8 @@ CUBIC_C = 0.4
 GRO_MAX_BYTES = 65536
 # Linux's TCP_DELACK_MIN (HZ/25): the least a delayed ACK waits.
 DELACK_MIN_S = 0.04
-# Linux paces a flow at net.ipv4.tcp_pacing_ca_ratio (120%) of cwnd·mss/srtt in congestion avoidance
-# (tcp_update_pacing_rate).
+# The rate Linux holds a paced flow to (SK_PACING_NEEDED, see the module docstring): net.ipv4.tcp_pacing_ca_ratio
+# (120%) of cwnd·mss/srtt in congestion avoidance (tcp_update_pacing_rate).
 PACING_CA_RATIO = 1.2
 # RFC 6298 §2.3 (tcp_rtt_estimator): srtt <- (1 - 1/8)·srtt + R/8 per RTT sample R.
 SRTT_GAIN = 0.125
