@@ -10,7 +10,7 @@ import pytest
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
-from allreduce.sim._phases import _ack_stalls, agreement_delays, draw_losses, phase_data
+from allreduce.sim._phases import _ack_stalls, _stall_pacing, agreement_delays, draw_losses, phase_data
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
     DELACK_MIN_S,
@@ -18,6 +18,7 @@ from allreduce.sim._tcp import (
     TIMEOUT_MIN_S,
     Bursts,
     LostTransfers,
+    StallPacing,
     TcpStack,
     _lost_repair_ack,
     ack_stall_flights,
@@ -27,6 +28,7 @@ from allreduce.sim._tcp import (
     gilbert_elliott,
     loss_window_packets,
     next_loss,
+    paced_seconds,
     resend_loss,
     window_reduction_seconds,
 )
@@ -97,6 +99,50 @@ def test_a_lost_probe_or_probe_ack_waits_for_the_rto_instead() -> None:
     assert abs(np.mean(timeouts[fired] >= 2) - expected) < Z * math.sqrt(expected * (1 - expected) / fired.sum())
     np.testing.assert_allclose(extra[timeouts == 2], probe + 3 * rto)
     np.testing.assert_allclose(extra[timeouts == 3], probe + 7 * rto)
+
+
+def test_each_stall_paces_the_segments_up_to_the_next_stalls_flight() -> None:
+    # 100 packets in flights of W = 10: 9 stalling flights. Every later flight's ACK lost (q_ack = 1): stalls at
+    # 2..8, each pacing the next flight's 10 segments, the last the 100 - 9 * 10 = 10 after it.
+    first, flights, packets = np.array([2]), np.array([9]), np.array([100])
+    stalls, paced = _stall_pacing(np.random.default_rng(0), first, flights, q_ack=np.ones(1), packets=packets,
+                                 window=np.full(1, 10.0), packet_s=np.zeros(1))  # fmt: skip
+    assert stalls.tolist() == [7]
+    assert paced.segments[0, :7].tolist() == [10.0] * 7
+    # one stall at flight 2 (no later ACK lost): the rest of the transfer, 100 - 3 * 10
+    stalls, paced = _stall_pacing(np.random.default_rng(0), first, flights, q_ack=np.full(1, 1e-12),
+                                 packets=packets, window=np.full(1, 10.0), packet_s=np.zeros(1))  # fmt: skip
+    assert stalls.tolist() == [1]
+    assert paced.segments[:, 0].tolist() == [70.0]
+
+
+def test_a_stall_the_delayed_ack_ends_paces_what_follows_by_the_closed_form() -> None:
+    # the delayed ACK acknowledges the whole flight, none of it resent: the RTT sample is the stall and a round
+    # trip, srtt_1 - RTT = (stall)/8, and with tau below every gap the M segments after it take
+    # 8 (srtt_1 - RTT)(1 - (7/8)^M)/(1.2 w) longer
+    n, window, segments = 100, 6.0, 30.0
+    stall = RTT + 2 * RTT + TIMEOUT_MIN_S + DELACK_MIN_S
+    paced = StallPacing(np.full((n, 1), segments), np.full(n, window), np.zeros(n))
+    extra, timeouts = draw_ack_stall_seconds(
+        np.random.default_rng(0), EXACT, stalls=np.ones(n, dtype=np.int64), rtt_s=np.full(n, RTT), q=np.zeros(n),
+        q_ack=np.zeros(n), paced=paced,
+    )  # fmt: skip
+    closed = stall * (1 - 0.875**segments) / (1.2 * window)
+    np.testing.assert_allclose(extra, stall + closed, rtol=1e-12)
+    assert closed > 0.005
+    assert not timeouts.any()
+
+
+def test_a_stall_the_rto_ends_is_not_charged_pacing() -> None:
+    # where the RTO ends the stall, what its ACK echoes depends on the receiver's last in-order segment: no pacing
+    n = 20_000
+    paced = StallPacing(np.full((n, 1), 30.0), np.full(n, 6.0), np.zeros(n))
+    extra, timeouts = draw_ack_stall_seconds(
+        np.random.default_rng(1), EXACT, stalls=np.ones(n, dtype=np.int64), rtt_s=np.full(n, RTT),
+        q=np.full(n, 0.3), q_ack=np.full(n, 0.2), paced=paced,
+    )  # fmt: skip
+    probe = RTT + 2 * RTT + TIMEOUT_MIN_S
+    np.testing.assert_allclose(extra[timeouts == 1], probe + RTT + EXACT.rto_min_s)
 
 
 def test_flows_with_lossy_acks_stall_at_the_closed_form_rate() -> None:
@@ -259,16 +305,24 @@ def _repairs(n: int, packets: int, *, q_ack: float, gap: float) -> tuple[np.ndar
     return draw_repair_seconds(np.random.default_rng(3), EXACT, transfers)
 
 
+def _paced_after(wait: float, segments: int, q: float = 1e-9) -> float:
+    """What pacing adds to ``segments`` held behind a wait of ``wait`` (the RTT sample it gives) at loss ``q``."""
+    window = max(0.7 * float(loss_window_packets(np.array([q]))[0]), 2.0)
+    one = np.ones(1)
+    return float(paced_seconds(RTT * one, (wait + RTT) * one, segments * one, window * one, TAU * one)[0])
+
+
 def test_a_repair_whose_ack_is_lost_holds_the_next_transfer_until_the_rto() -> None:
     packets, q_ack = 8, 0.3
     extra, fired = _repairs(40_000, packets, q_ack=q_ack, gap=0.0)
     # Losses with k >= 3 behind them (5 of 8 positions) are repaired on SACKs, max(tau, RTT + (4 - k) tau) past
     # the end; where the repair's ACK is lost, the RTO fires RTO after it and the next transfer waits for it, and
     # where that RTO's resend or its ACK is lost too (q_ack here), the next RTO, doubled: RTO (2^m - 1) for m.
+    # The held transfer is paced behind the srtt the wait inflated (test_data_held_by_a_lost_repair_ack_is_paced_...).
     repair = np.round([max(TAU, RTT + (4 - k) * TAU) + WINDOW for k in range(3, packets)], 12)
     on_sacks = np.isin(np.round(extra, 12), repair)
-    once = np.isin(np.round(extra, 12), np.round(repair + RTO, 12))
-    twice = np.isin(np.round(extra, 12), np.round(repair + 3 * RTO, 12))
+    once = np.isin(np.round(extra, 12), np.round(repair + RTO + _paced_after(RTO, packets), 12))
+    twice = np.isin(np.round(extra, 12), np.round(repair + 3 * RTO + _paced_after(3 * RTO, packets), 12))
     assert not fired[on_sacks].any()
     assert np.all(fired[once] == 1)
     assert np.all(fired[twice] == 2)
@@ -285,7 +339,7 @@ def test_the_next_transfers_gap_is_taken_off_a_lost_repair_acks_wait() -> None:
     gap = 0.05
     extra, fired = _repairs(20_000, 8, q_ack=0.3, gap=gap)
     repair = np.round([max(TAU, RTT + (4 - k) * TAU) + WINDOW for k in range(3, 8)], 12)
-    held = np.isin(np.round(extra, 12), np.round(repair + RTO - gap, 12))
+    held = np.isin(np.round(extra, 12), np.round(repair + RTO - gap + _paced_after(RTO, 8), 12))
     assert held.any()
     assert np.all(fired[held] == 1)
 
@@ -301,13 +355,19 @@ def test_a_lost_repair_ack_costs_nothing_when_nothing_follows_on_the_connection(
     assert abs(np.mean(fired == 1) - 1 / 8) < Z * math.sqrt(7 / 64 / extra.size)
 
 
-def _unheard(after: int, gap: float, backed_off: int, n: int = 40_000) -> tuple[np.ndarray, np.ndarray]:
+def _unheard(
+    after: int, gap: float, backed_off: int, n: int = 40_000, packet_s: float = 1e3
+) -> tuple[np.ndarray, np.ndarray]:
     """What ``_lost_repair_ack`` adds to a repair delivered at 1 ms, the window 10 packets (q = 1.5e-2), its ACK
-    and every later resend's ACK lost with 0.5."""
+    and every later resend's ACK lost with 0.5. Packets of ``packet_s``: by default slower than any gap pacing
+    sets, so that the waits show alone."""
     charged, rtos = _lost_repair_ack(
         np.random.default_rng(0),
         EXACT,
         np.full(n, after, dtype=np.int64),
+        packets=np.full(n, after + 1, dtype=np.int64),
+        rtt=np.full(n, RTT),
+        tau=np.full(n, packet_s),
         cost=np.full(n, 1e-3),
         repaired=np.ones(n, dtype=np.bool_),
         backed_off=np.full(n, backed_off, dtype=np.int64),
@@ -330,6 +390,35 @@ def test_lost_resend_acks_back_off_the_rto_while_more_than_a_window_is_unsent() 
     assert abs(np.mean(rtos == 0) - 0.5) < Z * math.sqrt(0.25 / rtos.size)
     held = rtos > 0
     assert abs(np.mean(rtos[held] >= 2) - silent) < Z * math.sqrt(silent * (1 - silent) / held.sum())
+
+
+def test_an_inflated_srtt_paces_what_follows_by_its_closed_form() -> None:
+    # tau below every gap: sum over M segments of (srtt_j - RTT)/(1.2 w), the excess shrinking by 7/8 per ACK
+    rtt, sample, window = 50e-6, 0.206, 2.0
+    excess = (1 - 0.125) * rtt + 0.125 * sample - rtt
+    for segments in (1, 10, 45):
+        paced = paced_seconds(np.array([rtt]), np.array([sample]), np.array([float(segments)]), np.array([window]),
+                              np.zeros(1))  # fmt: skip
+        closed = 8 * excess * (1 - 0.875**segments) / (1.2 * window)
+        np.testing.assert_allclose(paced, closed, rtol=1e-12)
+    # the emulated clusters' trace (every link 1e-2, quickack 1): srtt 26 ms after an RTO of 206 ms, cwnd 2, the
+    # next segments 10.9, 9.4, 8.3, ... ms apart (srtt/2.4 each), 44 of them 92 ms after the RTO's ACK
+    paced = paced_seconds(np.array([rtt]), np.array([sample]), np.array([44.0]), np.array([window]), np.full(1, 1.2e-4))
+    assert 0.080 < float(paced[0]) + 44 * 1.2e-4 < 0.095
+    # the sample of a path's own round trip paces nothing beyond the path's rate
+    assert not paced_seconds(
+        np.array([rtt]), np.array([rtt]), np.array([44.0]), np.array([window]), np.full(1, 1.2e-4)
+    ).any()
+
+
+def test_data_held_by_a_lost_repair_ack_is_paced_behind_the_wait_it_measured() -> None:
+    # 30 packets behind the loss, 20 unsent (W = 10): where one RTO is heard, they follow its wait, paced at
+    # CUBIC's window after it, max(0.7 W, 2) = 7, behind an RTT sample of the whole wait (RTO + RTT)
+    wait, rtos = _unheard(after=30, gap=1.0, backed_off=0, packet_s=1.2e-4)
+    one = np.ones(1)
+    paced = float(paced_seconds(RTT * one, (RTO + RTT) * one, 20.0 * one, 7.0 * one, 1.2e-4 * one)[0])
+    assert paced > 0.015
+    np.testing.assert_allclose(wait[rtos == 1], RTO + paced, rtol=1e-12)
 
 
 def test_a_lost_repair_ack_after_backed_off_rtos_waits_for_the_next_doubled_rto() -> None:

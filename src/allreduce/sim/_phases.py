@@ -23,10 +23,12 @@ from allreduce.sim._routing import Pattern, Router
 from allreduce.sim._tcp import (
     Bursts,
     LostTransfers,
+    StallPacing,
     ack_stall_flights,
     draw_ack_stall_seconds,
     first_loss,
     gilbert_elliott,
+    loss_window_packets,
 )
 from allreduce.topology import FloatArray, IntArray, Routes
 
@@ -330,6 +332,29 @@ def _culprit_links(rng: np.random.Generator, d: PhaseData, flow: IntArray) -> In
     return np.asarray(routes.link[entry], dtype=np.int64)
 
 
+def _stall_pacing(
+    rng: np.random.Generator, first: IntArray, flights: IntArray, *, q_ack: FloatArray, packets: IntArray,
+    window: FloatArray, packet_s: FloatArray,
+) -> tuple[IntArray, StallPacing]:  # fmt: skip
+    """Which of a transfer's ``flights`` stalling flights (all but its last, :func:`ack_stall_flights`) lose
+    their ending ACK, the first at ``first`` and each later one with ``q_ack``, and the segments each stall's pacing
+    covers: up to the next stall's flight, ``(next − at)·W``, or the rest of the transfer, ``P − (at + 1)·W``.
+    Returns (the stalls per transfer, their :class:`StallPacing`)."""
+    at = [first]
+    while True:
+        after = at[-1] + rng.geometric(q_ack).astype(np.int64)
+        if not np.any(after < flights):
+            break
+        at.append(np.where(after < flights, after, flights))
+    stalled = np.stack(at, axis=1)
+    valid = stalled < flights[:, None]
+    follows = np.concatenate([stalled[:, 1:], flights[:, None]], axis=1)
+    size = np.maximum(window, 1.0)[:, None]
+    last = packets[:, None] - (stalled + 1) * size
+    segments = np.where(valid, np.where(follows < flights[:, None], (follows - stalled) * size, last), 0.0)
+    return valid.sum(axis=1), StallPacing(segments, window, packet_s)
+
+
 def _ack_stalls(rng: np.random.Generator, model: LossModel, d: PhaseData, packets: IntArray, samples: int) -> Losses:
     """The transfers that lose the last ACK of a flight with more to send (:func:`ack_stall_flights` flights
     each, the ACK lost with the reverse path's probability) and what the probe and the delayed ACK cost them
@@ -339,15 +364,19 @@ def _ack_stalls(rng: np.random.Generator, model: LossModel, d: PhaseData, packet
     assert d.ack_q is not None
     bursts = _bursts(model, d)
     # CUBIC cuts its window once per recovery: once per burst
-    flights = ack_stall_flights(d.loss_q if bursts is None else bursts.entry_q, packets, model.mtu)
+    loss_q = d.loss_q if bursts is None else bursts.entry_q
+    flights = ack_stall_flights(loss_q, packets, model.mtu)
     if d.two_way is not None:
         flights = np.where(d.two_way, 0, flights)
     with np.errstate(divide="ignore"):
         stall_p = np.where(flights > 0, -np.expm1(flights * np.log1p(-d.ack_q)), 0.0)
     step, flow, sample = _draw_transfers(rng, stall_p, d.phase.repeat, samples)
-    # The first lost flight-ending ACK, then any of the flights after it.
+    # The first lost flight-ending ACK, then any of the flights after it, and the segments paced after each.
     first = first_loss(rng, d.ack_q[flow], flights[flow])
-    stalls = 1 + rng.binomial(flights[flow] - 1 - first, d.ack_q[flow])
+    rate = d.pattern.rate_Bps[flow]
+    stalls, paced = _stall_pacing(rng, first, flights[flow], q_ack=d.ack_q[flow], packets=packets[flow],
+                                 window=loss_window_packets(loss_q)[flow],
+                                 packet_s=np.where(np.isfinite(rate), model.mtu / rate, 0.0))  # fmt: skip
     extra, timeouts = draw_ack_stall_seconds(
         rng,
         model.stack,
@@ -355,6 +384,7 @@ def _ack_stalls(rng: np.random.Generator, model: LossModel, d: PhaseData, packet
         rtt_s=2 * d.pattern.routes.latency_s[flow],
         q=d.loss_q[flow],
         q_ack=d.ack_q[flow],
+        paced=paced,
     )
     return Losses(step, flow, sample, extra, d.blame_link[flow], timeouts)
 

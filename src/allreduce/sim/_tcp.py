@@ -71,7 +71,17 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   retransmission lost, ``TCPLostRetransmit``, whether it or its ACK was lost), and traced (every link 1e-2,
   ``tcp_probe`` and ``tcp_cong_state_set``: 61 of 84 RTOs on the ring's connections) they come in recovery with 2–3
   segments out and nothing sent for 208 ms, and the data queued behind leaves within a millisecond of the resend's
-  ACK (:func:`_lost_repair_ack`). With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
+  ACK (:func:`_lost_repair_ack`). That ACK echoes the repair's timestamp (the receiver had it: ``ts_recent`` is the
+  last segment's that advanced ``rcv_nxt``, RFC 7323 §4.3), so the sender's RTT sample is the whole wait and srtt
+  jumps by an eighth of it (RFC 6298 §2.3). Linux sets every flow's pacing rate, ``1.2·cwnd·mss/srtt`` in
+  congestion avoidance (``tcp_update_pacing_rate``), but holds a CUBIC flow to it only behind the fq qdisc or once
+  the socket is ``SK_PACING_NEEDED`` (``tcp_pacing_check``, ``tcp_update_skb_after_send``); a token bucket does not
+  pace. The emulated ranks' connections are: the kernel's default, each namespace's too, is BBR, whose init sets it
+  as the connection is established, and the runtime's switch to CUBIC after the handshake keeps it
+  (``tcp_reinit_congestion_control`` never clears it); a socket CUBIC from the start sends its window unpaced. So
+  the data behind leaves ``srtt_j/(1.2·w)`` apart, each ACK taking an eighth of the excess off
+  (:func:`paced_seconds`; traced: srtt 26 ms after a 206 ms RTO, segments 10.9, 9.4, 8.3 ms apart at cwnd 2).
+  With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
   (the emulator's firewall), the resend after a probe or RTO is the next packet the stalled link sees, lost with the
   burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless other connections' packets cross the
   link before the probe: after the collective's last step only the rank waiting for the lost tail is held, and where
@@ -113,7 +123,14 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   its segments carries the cumulative ACK (RFC 9293 §3.4) and a lost ACK stalls nothing.
   Measured on the emulated clusters (every link 3e-3, ftrace of ``tcp_probe``): windows of 2–18 segments
   waiting 48–55 ms for an ACK, about one per collective; with ``quickack 1`` on the hosts' routes there were
-  none, and 8 probes instead of 91 (the ``tuned`` preset assumes that route setting);
+  none, and 8 probes instead of 91 (the ``tuned`` preset assumes that route setting). The delayed ACK that ends
+  such a stall acknowledges the whole flight, none of it resent, so the sender's RTT sample runs from the flight's
+  first sending (``tcp_clean_rtx_queue``): srtt moves by an eighth of the stall, and the segments up to the next
+  stall (or the transfer's end) are paced behind it as after a lost repair ACK (:func:`paced_seconds`, at the
+  flight's window; traced at every link 1e-2 and 3e-3: the ACKs ending 77 of 331 and 10 of 61 stalls of 35–60 ms
+  raised srtt by more than 3 ms, by a sample of 43–45 ms at the median, and the next 20 segments took 123 and 85 ms
+  after them against 54 and 8 ms after the others); where an RTO ends the stall, what its ACK echoes depends on
+  which segment the receiver last took in order, and no pacing is charged;
 - ``W``, the window a flow keeps at per-packet loss ``q``: CUBIC in its TCP-friendly region grows by
   ``α = 3(1 − β)/(1 + β)`` per RTT and cuts by ``β``, an average window of ``√(α(1 + β)/(2(1 − β)q))`` =
   ``√(1.5/q)`` packets (RFC 8312 §5.1; Reno's too); without data loss the window does not limit a transfer
@@ -141,6 +158,7 @@ __all__ = [
     "TCP_STACKS",
     "Bursts",
     "LostTransfers",
+    "StallPacing",
     "TcpStack",
     "ack_stall_flights",
     "chain_loss",
@@ -150,6 +168,7 @@ __all__ = [
     "gilbert_elliott",
     "loss_window_packets",
     "next_loss",
+    "paced_seconds",
     "window_reduction_seconds",
 ]
 
@@ -167,6 +186,13 @@ CUBIC_C = 0.4
 GRO_MAX_BYTES = 65536
 # Linux's TCP_DELACK_MIN (HZ/25): the least a delayed ACK waits.
 DELACK_MIN_S = 0.04
+# The rate Linux holds a paced flow to (SK_PACING_NEEDED, see the module docstring): net.ipv4.tcp_pacing_ca_ratio
+# (120%) of cwnd·mss/srtt in congestion avoidance (tcp_update_pacing_rate).
+PACING_CA_RATIO = 1.2
+# RFC 6298 §2.3 (tcp_rtt_estimator): srtt <- (1 - 1/8)·srtt + R/8 per RTT sample R.
+SRTT_GAIN = 0.125
+# An inflated srtt's excess after this many samples, (7/8)^64 ≈ 2e-4 of it, is not charged.
+PACED_SAMPLES = 64
 # Linux's TCP_RTO_MAX: the backed-off timer stops doubling there.
 RTO_MAX_S = 120.0
 # A packet lost this many times in a row ends the connection in a real stack (Linux: tcp_retries2 = 15
@@ -260,14 +286,36 @@ def ack_stall_flights(q: FloatArray, packets: IntArray, mtu_bytes: int) -> IntAr
     return np.asarray(flights - 1, dtype=np.int64)
 
 
+@dataclass(frozen=True, eq=False)
+class StallPacing:
+    """What follows each lost flight-ending ACK of a transfer: ``segments[i, j]``, the segments transfer ``i``
+    sends after its ``j``-th stall and before the next stall's flight ends (or the transfer does), its flights'
+    window ``window`` and one packet's time ``packet_s`` (:func:`draw_ack_stall_seconds`)."""
+
+    segments: FloatArray
+    window: FloatArray
+    packet_s: FloatArray
+
+
 def draw_ack_stall_seconds(
-    rng: np.random.Generator, stack: TcpStack, *, stalls: IntArray, rtt_s: FloatArray, q: FloatArray, q_ack: FloatArray
+    rng: np.random.Generator,
+    stack: TcpStack,
+    *,
+    stalls: IntArray,
+    rtt_s: FloatArray,
+    q: FloatArray,
+    q_ack: FloatArray,
+    paced: StallPacing | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """What ``stalls`` lost flight-ending ACKs cost a transfer (see the module docstring): per stall
     ``RTT + timer(2·srtt + 2 ms) + timer(delayed ACK)`` (no delayed ACK: the probe's ACK returns at once); where
     the probe (probability ``q``) or its ACK (``q_ack``) is lost too, the RTO armed when the probe left fires
     instead of the delayed ACK: ``timer(2·srtt + 2 ms) + timer(RTO)``, and the RTOs after it while each one's
-    resend or its ACK is lost (:func:`_unheard_rtos`). Returns (seconds, RTOs)."""
+    resend or its ACK is lost (:func:`_unheard_rtos`). With ``paced``, a stall the probe's delayed ACK ends is
+    followed by its segments paced behind the srtt it inflated: that ACK acknowledges the whole flight, none of it
+    resent, so the sender's RTT sample runs from the flight's first sending (``tcp_clean_rtx_queue``), the stall
+    and a round trip (the flight's own sending time left out), and :func:`paced_seconds` at the flight's window.
+    Returns (seconds, RTOs)."""
     total = np.zeros(stalls.size)
     timeouts = np.zeros(stalls.size, dtype=np.int64)
     for j in range(int(stalls.max(initial=0))):
@@ -284,6 +332,12 @@ def draw_ack_stall_seconds(
         )
         total[more] += probe + np.where(lost, stack.timer(rng, stack.rto(rtt)), answered) + backoff
         timeouts[more] += lost + rounds
+        if paced is not None:
+            ended = more[~lost]
+            total[ended] += paced_seconds(
+                rtt_s[ended], (probe + answered)[~lost] + rtt_s[ended], paced.segments[ended, j], paced.window[ended],
+                paced.packet_s[ended],
+            )  # fmt: skip
     return total, timeouts
 
 
@@ -419,11 +473,33 @@ def _unheard_rtos(
     return wait, rounds
 
 
+def paced_seconds(
+    rtt_s: FloatArray, sample_s: FloatArray, segments: FloatArray, window: FloatArray, packet_s: FloatArray
+) -> FloatArray:
+    """What pacing adds to ``segments`` segments a flow sends after one RTT sample of ``sample_s`` (see the module
+    docstring): srtt becomes ``(1 − 1/8)·RTT + sample/8`` and each segment's ACK brings it back by an eighth of its
+    excess, and segment ``j`` leaves ``max(τ, srtt_j/(1.2·w))`` after the one before (``w`` the window), where
+    ``max(τ, RTT/(1.2·w))`` would have done: with ``τ`` below both, ``8·(srtt_1 − RTT)·(1 − (7/8)^M)/(1.2·w)``."""
+    srtt = (1 - SRTT_GAIN) * rtt_s + SRTT_GAIN * sample_s
+    steady = np.maximum(packet_s, rtt_s / (PACING_CA_RATIO * window))
+    extra = np.zeros(np.shape(rtt_s))
+    for j in range(PACED_SAMPLES):
+        due = segments > j
+        if not due.any():
+            break
+        extra += np.where(due, np.maximum(packet_s, srtt / (PACING_CA_RATIO * window)) - steady, 0.0)
+        srtt = (1 - SRTT_GAIN) * srtt + SRTT_GAIN * rtt_s
+    return extra
+
+
 def _lost_repair_ack(
     rng: np.random.Generator,
     stack: TcpStack,
     after: IntArray,
     *,
+    packets: IntArray,
+    rtt: FloatArray,
+    tau: FloatArray,
     cost: FloatArray,
     repaired: npt.NDArray[np.bool_],
     backed_off: IntArray,
@@ -439,7 +515,10 @@ def _lost_repair_ack(
     resend or its ACK lost (``1 − (1 − q)(1 − q_ack)``) waits for the next, doubled. The connection's unsent data
     waits until the sender hears: the rest of this transfer where more than a window (:func:`loss_window_packets`)
     of it followed the loss, else the next transfer on the connection, which starts ``gap`` after this one ends.
-    Returns (the cost with that wait, the RTOs that held data)."""
+    The ACK that ends the wait echoes the repair's timestamp (the receiver had it), so the sender's RTT sample is
+    the whole wait, and the held data, the rest of the transfer beyond the window or the next transfer (taken as
+    long as this one, ``packets``, as a ring's are), is paced behind the inflated srtt (:func:`paced_seconds`, at
+    CUBIC's window after the RTO, ``max(β·W, 2)``). Returns (the cost with that wait, the RTOs that held data)."""
     none = np.zeros(after.size, dtype=np.int64)
     if not np.any(repaired & (q_ack > 0)):
         return cost, none
@@ -448,9 +527,16 @@ def _lost_repair_ack(
         return cost, none
     silent = 1 - (1 - q) * (1 - q_ack)
     wait, rounds = _unheard_rtos(rng, stack, rto, silent=silent, backed_off=backed_off, firing=ack_lost)
-    rest_unsent = after > loss_window_packets(q)
-    charged = np.where(rest_unsent, cost + wait, np.maximum(cost, cost + wait - gap))
-    held = ack_lost & (charged > cost)
+    window = loss_window_packets(q)
+    rest_unsent = after > window
+    segments = np.where(rest_unsent, after - window, packets).astype(np.float64)
+    paced = np.zeros(after.size)
+    if ack_lost.any():
+        w = np.maximum(CUBIC_BETA * window[ack_lost], 2.0)
+        paced[ack_lost] = paced_seconds(rtt[ack_lost], wait[ack_lost] + rtt[ack_lost], segments[ack_lost], w,
+                                        tau[ack_lost])  # fmt: skip
+    charged = np.where(rest_unsent, cost + wait, np.maximum(cost, cost + wait - gap)) + paced
+    held = ack_lost & (charged > cost + paced)
     return np.where(held, charged, cost), np.where(held, rounds, 0)
 
 
@@ -469,6 +555,7 @@ def _one_loss(
     lost_before: npt.NDArray[np.bool_] | None = None,
     resend_q: FloatArray | None = None,
     probe_q: FloatArray | None = None,
+    packets: IntArray | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """The delay one lost packet with ``after`` packets of its transfer behind it adds, and how many timers of
     the ``rto_min`` class (the one-packet probe, the RTO) fired. ``held``: (stay, entry_q, hold seconds) of a
@@ -526,8 +613,9 @@ def _one_loss(
             backoff[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0**j, RTO_MAX_S))
         cost = cost + backoff
         fired += again
-    cost, unheard = _lost_repair_ack(rng, stack, after, cost=cost, repaired=~revealed, backed_off=again, q=q,
-                                     q_ack=q_ack, rto=rto, gap=gap)  # fmt: skip
+    cost, unheard = _lost_repair_ack(rng, stack, after, packets=after + 1 if packets is None else packets, rtt=rtt,
+                                     tau=tau, cost=cost, repaired=~revealed, backed_off=again, q=q, q_ack=q_ack,
+                                     rto=rto, gap=gap)  # fmt: skip
     return cost, fired + unheard
 
 
@@ -600,6 +688,7 @@ def draw_repair_seconds(
             lost_before=previous == position - 1,
             resend_q=None if resend_q is None else resend_q[lost],
             probe_q=None if probe_q is None else probe_q[lost],
+            packets=packets[lost],
         )
         extra[lost] = np.maximum(extra[lost], cost)
         fired[lost] += timers
