@@ -18,7 +18,7 @@ import numpy.typing as npt
 from allreduce.cli._args import add_algorithm_argument, add_mitigate_argument, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
-from allreduce.schedules import ordered_ring, ring_all_reduce
+from allreduce.schedules import Schedule, ordered_ring, replan_schedule, ring_all_reduce
 from allreduce.sim import (
     DEFAULT_EXACT_BUDGET_S,
     DISTRIBUTIONS,
@@ -413,18 +413,36 @@ def _write_plot(path: str, results: list[TailResult], title: str) -> None:
 
 
 REPLANNED = "ring_replanned"
-"""The name of the re-planned ring's row (``--mitigate``)."""
+"""The name of the re-planned ring's row (``--mitigate``); a schedule re-planned around a slow rank is named for its
+algorithm (``double_binary_tree_replanned``)."""
 
 
-def _ring_rows(results: list[TailResult]) -> tuple[TailResult, TailResult]:
-    """The ring as placed and the re-planned ring among ``results`` (both there under ``--mitigate``)."""
+def _replanned_name(m: Mitigation) -> str:
+    return REPLANNED if m.algorithm == "ring" else f"{m.algorithm}_replanned"
+
+
+def _replanned_schedule(m: Mitigation) -> Schedule:
+    """The schedule re-planning picked, as the runtime would run it: a ring order, or around a slow rank another
+    algorithm with that rank where it moves the fewest bytes."""
+    if m.algorithm == "ring":
+        schedule = ordered_ring(m.order)
+    else:
+        schedule = replan_schedule(m.algorithm, m.order, chunks=m.chunks)
+    return dataclasses.replace(schedule, name=_replanned_name(m))
+
+
+def _ring_rows(m: Mitigation, results: list[TailResult]) -> tuple[TailResult, TailResult]:
+    """The ring as placed and the re-planned schedule among ``results`` (both there under ``--mitigate``)."""
     by_name = {r.name: r for r in results}
-    return by_name["ring"], by_name[REPLANNED]
+    return by_name["ring"], by_name[_replanned_name(m)]
 
 
 def _mitigation_json(m: Mitigation, results: list[TailResult]) -> dict[str, object]:
-    placed, replanned = _ring_rows(results)
+    placed, replanned = _ring_rows(m, results)
     out: dict[str, object] = {
+        "algorithm": m.algorithm,
+        "chunks": m.chunks,
+        "slow_ranks": list(m.slow_ranks),
         "order": list(m.order),
         "rounds": m.rounds,
         "slowest_link_before_GBps": m.slowest_before_Bps / 1e9,
@@ -438,11 +456,17 @@ def _mitigation_json(m: Mitigation, results: list[TailResult]) -> dict[str, obje
 
 
 def _render_mitigation(m: Mitigation, results: list[TailResult]) -> list[str]:
-    placed, replanned = _ring_rows(results)
+    placed, replanned = _ring_rows(m, results)
     p50, p99 = (tuple(float(np.percentile(r.step_s, q)) for r in (placed, replanned)) for q in (50, 99))
+    around = (
+        f"the {m.algorithm}{f' ({m.chunks} chunks)' if m.chunks else ''} re-planned around slow rank"
+        f"{'s' if len(m.slow_ranks) > 1 else ''} {','.join(map(str, m.slow_ranks))}"
+        if m.algorithm != "ring"
+        else "the ring re-planned around its slow links"
+    )
     lines = [
-        f"re-planning (--mitigate): the ring as placed against the ring re-planned around its slow links "
-        f"({REPLANNED}): p50 {format_seconds(p50[0])} -> {format_seconds(p50[1])}, p99 {format_seconds(p99[0])} -> "
+        f"re-planning (--mitigate): the ring as placed against {around} ({_replanned_name(m)}): "
+        f"p50 {format_seconds(p50[0])} -> {format_seconds(p50[1])}, p99 {format_seconds(p99[0])} -> "
         f"{format_seconds(p99[1])}; slowest ring link {m.slowest_before_Bps / 1e9:.3g} -> "
         f"{m.slowest_after_Bps / 1e9:.3g} GB/s",
     ]
@@ -492,10 +516,10 @@ def run(args: argparse.Namespace) -> int:
                 f"--mitigate: re-planning is predicted for 2..{MAX_MITIGATE_RANKS:,} ranks, got {world_size:,}"
             )
         mitigation = mitigate_ring(topology, world_size, size_bytes=size, placement=placement, routing=args.routing,
-                                   seed=args.seed, faults=faults)  # fmt: skip
+                                   seed=args.seed, faults=faults, beyond_ring=True)  # fmt: skip
         if not any(schedule.name == "ring" for schedule in schedules):
             schedules.append(ring_all_reduce(world_size))
-        schedules.append(dataclasses.replace(ordered_ring(mitigation.order), name=REPLANNED))
+        schedules.append(_replanned_schedule(mitigation))
     results = []
     show = sys.stderr.isatty() and not args.json
     for i, schedule in enumerate(schedules):
