@@ -1,8 +1,10 @@
 """Shared test configuration, and the fixture that runs the command line as a user does."""
 
+import resource
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Generator, Iterator, Mapping
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -46,3 +48,61 @@ def _run_allreduce(
 def run_allreduce() -> Callable[..., subprocess.CompletedProcess[str]]:
     """Runs the command line in a new process: ``run_allreduce("train", "-n", "2", timeout_s=300)``."""
     return _run_allreduce
+
+
+# ----------------------------------------------------------------------- CPU seconds per test (--cpu-durations=N)
+# Wall time on 2 shared cores says more about the load than about a test; the suite's budget is CPU. Each phase's
+# CPU is this process's and its reaped children's (spawned ranks, CLI runs: every child a test waits for; a child
+# reaped late, by the next test that starts processes, counts there: read the modules' totals first).
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-durations", type=int, default=None, metavar="N",
+        help="show the N tests that used the most CPU seconds (this process and its children), and the modules",
+    )  # fmt: skip
+
+
+def _cpu_s() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    if item.config.getoption("--cpu-durations") is None:
+        yield
+        return
+    start = _cpu_s()
+    item.user_properties.append(("cpu_s_start", start))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, None, None]:
+    outcome = yield
+    if item.config.getoption("--cpu-durations") is None:
+        return
+    report = outcome.get_result()
+    if report.when == "teardown":
+        start = dict(item.user_properties).get("cpu_s_start", _cpu_s())
+        report.user_properties.append(("cpu_s", _cpu_s() - float(start)))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    shown = config.getoption("--cpu-durations")
+    if shown is None:
+        return
+    tests: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == "cpu_s":
+                    tests[report.nodeid] = float(value)
+    modules: dict[str, float] = defaultdict(float)
+    for nodeid, cpu in tests.items():
+        modules[nodeid.split("::")[0]] += cpu
+    terminalreporter.section(f"CPU seconds: {sum(tests.values()):.1f} in {len(tests)} tests")
+    for nodeid, cpu in sorted(tests.items(), key=lambda kv: -kv[1])[:shown]:
+        terminalreporter.write_line(f"{cpu:8.2f}s  {nodeid}")
+    terminalreporter.write_line("by module:")
+    for module, cpu in sorted(modules.items(), key=lambda kv: -kv[1])[:shown]:
+        terminalreporter.write_line(f"{cpu:8.2f}s  {module}")
