@@ -20,7 +20,7 @@ Incidence = tuple[list[list[int]], list[list[float]], list[float]]
 # One room for every example, as a run reuses it from fill to fill: what one fill leaves must not reach the next.
 SCRATCH = dense_scratch(40, 200, 12)
 # The same with the min segment tree from the first level: the fill a large component ends in.
-TREE_SCRATCH = dense_scratch(40, 200, 12, scan_per_entry=0)
+TREE_SCRATCH = dense_scratch(40, 200, 12, scan=0)
 
 
 @st.composite

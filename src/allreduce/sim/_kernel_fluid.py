@@ -34,11 +34,12 @@ _LEVEL_RTOL = 1e-9
 # Weights that are multiples of 2^-_EXACT_BITS and at most 1 sum exactly in any order, for fewer than
 # 2^(53 - _EXACT_BITS) terms (more transfers than any run holds): every partial sum fits a double's mantissa.
 _EXACT_BITS = 16
-# A level's fill and tight links are found by scanning every link's level while the scans so far cost at most
-# this many link visits per link entry of the component, and with a min segment tree after that: a component
-# fills in a few levels (a scan of a few hundred contiguous levels beats a tree update per touched link), or in
-# many, where the tree's logarithmic updates win.
-_SCAN_PER_ENTRY = 16
+# A level's least fill level and tight links are found by a scan of every link's level while that costs less than
+# this many times what the previous level's updates would have cost a min segment tree (a leaf and its path to
+# the root per link it touched); then by the tree. A few hundred contiguous levels scan faster than the tree
+# updates them, the more so in a component that fills in a few levels (most); one of thousands of links that
+# fills in many levels, a few links at a time, needs the tree.
+_SCAN_OVER_TREE = 4
 
 
 def summable_links(pair_link: IntArray, pair_weight: FloatArray, num_links: int) -> BoolArray:
@@ -344,9 +345,9 @@ def _freeze_scan(  # noqa: PLR0917 (numba has no keyword-only parameters)
     return count
 
 
-def dense_scratch(flows: int, entries: int, links: int, scan_per_entry: int = _SCAN_PER_ENTRY) -> tuple[Any, ...]:
+def dense_scratch(flows: int, entries: int, links: int, scan: int = _SCAN_OVER_TREE) -> tuple[Any, ...]:
     """The room :func:`fill_dense` works in, for components of at most ``flows`` transfers, ``entries`` link
-    entries and ``links`` links; ``scan_per_entry``: as _SCAN_PER_ENTRY (0: the tree from the first level)."""
+    entries and ``links`` links; ``scan``: as _SCAN_OVER_TREE (0: the tree from the first level)."""
     size = 1
     while size < links:
         size *= 2
@@ -364,7 +365,7 @@ def dense_scratch(flows: int, entries: int, links: int, scan_per_entry: int = _S
         np.empty(links, dtype=np.bool_),  # exact
         np.empty(2 * size),  # tree
         np.empty(130, dtype=np.int64),  # stack: a depth-first walk pushes two nodes per level of the tree
-        np.full(1, scan_per_entry, dtype=np.int64),
+        np.full(1, scan, dtype=np.int64),
     )
 
 
@@ -379,7 +380,7 @@ def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
     comp_links, num_links, local = comp
     new_rate, new_bottleneck = new
     flow_ptr, frozen, picked, link, weight, entry_flow, link_entry, link_ptr = scratch[:8]
-    per_link, per_link_int, exact, tree, stack, scan_budget = scratch[8:]
+    per_link, per_link_int, exact, tree, stack, scan_over_tree = scratch[8:]
     demand, remaining, taken = per_link[0], per_link[1], per_link[2]
     tight, touched_at, touched, at = per_link_int[0], per_link_int[1], per_link_int[2], per_link_int[3]
     # The entries, transfer by transfer in path order (fill_dense's order), and per link in that order.
@@ -426,10 +427,14 @@ def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
     links = (link_ptr, link_entry, entry_flow, tight)
     left = num
     levels = 0
-    scan = True  # the leaves alone, scanned per level, until that costs more than the tree (see _SCAN_PER_ENTRY)
+    depth = 1
+    while (1 << depth) < 2 * size:
+        depth += 1
+    scan = True  # the leaves alone, scanned per level, until that costs more than the tree (see _SCAN_OVER_TREE)
+    tree_cost = num_links  # what the last level's updates would have cost the tree
     while left:
         levels += 1
-        if scan and levels * num_links > scan_budget[0] * total:
+        if scan and num_links > scan_over_tree[0] * tree_cost:
             scan = False
             for j in range(num_links, size):
                 tree[size + j] = np.inf
@@ -485,6 +490,7 @@ def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
                 tree[size + j] = value
             else:
                 _set_level(tree, size, j, value)
+        tree_cost = num_touched * depth
         if levels == 1 and not scan:
             for node in range(size - 1, 0, -1):
                 tree[node] = min(tree[2 * node], tree[2 * node + 1])
