@@ -267,14 +267,33 @@ def _set_level(tree: Any, size: int, j: int, value: float) -> None:
         node >>= 1
 
 
-@njit
-def _freeze_level(  # noqa: PLR0917 (numba has no keyword-only parameters)
-    tree: Any, size: int, limit: float, level: int, links: Any, frozen: Any, picked: Any, stack: Any
-) -> int:
-    """Mark the links whose fill level is at most ``limit`` tight at ``level``, freeze the unfrozen transfers
-    that cross them (``picked``, in increasing order); returns how many."""
+@inline
+def _freeze_links(found: Any, num_found: int, level: int, links: Any, frozen: Any, picked: Any, stack: Any) -> int:  # noqa: PLR0917
+    """Mark the links ``found[:num_found]`` (in increasing order) tight at ``level``, freeze the unfrozen
+    transfers that cross them (``picked``, in increasing order); returns how many."""
     link_ptr, link_entry, entry_flow, tight = links
     count = 0
+    for i in range(num_found):
+        j = found[i]
+        tight[j] = level
+        for q in range(link_ptr[j], link_ptr[j + 1]):
+            f = entry_flow[link_entry[q]]
+            if not frozen[f]:
+                frozen[f] = True
+                picked[count] = f
+                count += 1
+    sort_ids(picked, count, stack)
+    return count
+
+
+@njit
+def _freeze_level(  # noqa: PLR0917 (numba has no keyword-only parameters)
+    tree: Any, size: int, limit: float, level: int, links: Any, frozen: Any, picked: Any, scratch: Any
+) -> int:
+    """The links whose fill level is at most ``limit``, found by a walk of the tree (left to right), tight at
+    ``level`` (:func:`_freeze_links`)."""
+    found, stack = scratch
+    num_found = 0
     stack[0] = 1
     top = 1
     while top:
@@ -287,15 +306,9 @@ def _freeze_level(  # noqa: PLR0917 (numba has no keyword-only parameters)
             stack[top + 1] = 2 * node
             top += 2
             continue
-        j = node - size
-        tight[j] = level
-        for q in range(link_ptr[j], link_ptr[j + 1]):
-            f = entry_flow[link_entry[q]]
-            if not frozen[f]:
-                frozen[f] = True
-                picked[count] = f
-                count += 1
-    sort_ids(picked, count, stack)  # the walk is over: its stack is free
+        found[num_found] = node - size
+        num_found += 1
+    count: int = _freeze_links(found, num_found, level, links, frozen, picked, stack)
     return count
 
 
@@ -323,25 +336,13 @@ def _freeze_scan(  # noqa: PLR0917 (numba has no keyword-only parameters)
     tree: Any, size: int, num_links: int, limit: float, level: int, links: Any, frozen: Any, picked: Any, scratch: Any
 ) -> int:
     """:func:`_freeze_level` by a scan of the leaves in link order, where the tree above them is not kept: the
-    same links tight, the same transfers picked. The tight links are listed first, without a branch per link
-    (``found``: room for every link)."""
-    link_ptr, link_entry, entry_flow, tight = links
+    same links tight, the same transfers picked. The tight links are listed without a branch per link."""
     found, stack = scratch
     num_found = 0
     for j in range(num_links):
         found[num_found] = j
         num_found += tree[size + j] <= limit  # as fill_dense's test (a NaN level is never tight)
-    count = 0
-    for i in range(num_found):
-        j = found[i]
-        tight[j] = level
-        for q in range(link_ptr[j], link_ptr[j + 1]):
-            f = entry_flow[link_entry[q]]
-            if not frozen[f]:
-                frozen[f] = True
-                picked[count] = f
-                count += 1
-    sort_ids(picked, count, stack)
+    count: int = _freeze_links(found, num_found, level, links, frozen, picked, stack)
     return count
 
 
@@ -447,7 +448,7 @@ def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
         if scan:
             count = _freeze_scan(tree, size, num_links, limit, levels, links, frozen, picked, (at, stack))
         else:
-            count = _freeze_level(tree, size, limit, levels, links, frozen, picked, stack)
+            count = _freeze_level(tree, size, limit, levels, links, frozen, picked, (at, stack))
         left -= count
         num_touched = 0
         # What the frozen transfers take, per link in entry order (transfers in increasing order).
