@@ -39,7 +39,7 @@ _EXACT_BITS = 16
 # the root per link it touched); then by the tree. A few hundred contiguous levels scan faster than the tree
 # updates them, the more so in a component that fills in a few levels (most); one of thousands of links that
 # fills in many levels, a few links at a time, needs the tree.
-_SCAN_OVER_TREE = 4
+_SCAN_OVER_TREE = 1
 
 
 def summable_links(pair_link: IntArray, pair_weight: FloatArray, num_links: int) -> BoolArray:
