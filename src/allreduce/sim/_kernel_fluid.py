@@ -4,8 +4,10 @@ The formulas and summation orders of the per-event Python core (sim/_event.py's 
 ``sim/_fair.fill_dense``, so that results agree bit for bit: the threshold below which no rate can have changed
 (``_Run._threshold``); progressive filling with running sums for a few transfers (``_Run._fill_python``); and
 for more, progressive filling a level at a time with fresh sums (``fill_dense``), done here without a pass over
-every entry per level: each link's fill level sits in a min segment tree, a level takes the links at its
-minimum (to _LEVEL_RTOL) and updates only the links its frozen transfers cross. A link's demand (the weight of
+every entry per level: a level takes the links at the least fill level (to _LEVEL_RTOL) and updates only the
+links its frozen transfers cross. The levels are scanned while the component has filled in few levels (most
+do: a scan of contiguous levels costs less than a tree's updates), then kept in a min segment tree (a
+component that fills in many). A link's demand (the weight of
 its unfrozen transfers) is then updated by subtraction where that is exact (every weight on it a multiple of
 2^-20, see :func:`summable_links`: the sums are exact in any order) and summed afresh in entry order elsewhere;
 what a level takes from a link is summed in entry order as ``fill_dense`` does. So a component of ``F``
@@ -32,6 +34,12 @@ _LEVEL_RTOL = 1e-9
 # Weights that are multiples of 2^-_EXACT_BITS and at most 1 sum exactly in any order, for fewer than
 # 2^(53 - _EXACT_BITS) terms (more transfers than any run holds): every partial sum fits a double's mantissa.
 _EXACT_BITS = 16
+# A level's least fill level and tight links are found by a scan of every link's level while that costs less than
+# this many times what the previous level's updates would have cost a min segment tree (a leaf and its path to
+# the root per link it touched); then by the tree. A few hundred contiguous levels scan faster than the tree
+# updates them, the more so in a component that fills in a few levels (most); one of thousands of links that
+# fills in many levels, a few links at a time, needs the tree.
+_SCAN_OVER_TREE = 1
 
 
 def summable_links(pair_link: IntArray, pair_weight: FloatArray, num_links: int) -> BoolArray:
@@ -259,14 +267,33 @@ def _set_level(tree: Any, size: int, j: int, value: float) -> None:
         node >>= 1
 
 
-@njit
-def _freeze_level(  # noqa: PLR0917 (numba has no keyword-only parameters)
-    tree: Any, size: int, limit: float, level: int, links: Any, frozen: Any, picked: Any, stack: Any
-) -> int:
-    """Mark the links whose fill level is at most ``limit`` tight at ``level``, freeze the unfrozen transfers
-    that cross them (``picked``, in increasing order); returns how many."""
+@inline
+def _freeze_links(found: Any, num_found: int, level: int, links: Any, frozen: Any, picked: Any, stack: Any) -> int:  # noqa: PLR0917
+    """Mark the links ``found[:num_found]`` (in increasing order) tight at ``level``, freeze the unfrozen
+    transfers that cross them (``picked``, in increasing order); returns how many."""
     link_ptr, link_entry, entry_flow, tight = links
     count = 0
+    for i in range(num_found):
+        j = found[i]
+        tight[j] = level
+        for q in range(link_ptr[j], link_ptr[j + 1]):
+            f = entry_flow[link_entry[q]]
+            if not frozen[f]:
+                frozen[f] = True
+                picked[count] = f
+                count += 1
+    sort_ids(picked, count, stack)
+    return count
+
+
+@njit
+def _freeze_level(  # noqa: PLR0917 (numba has no keyword-only parameters)
+    tree: Any, size: int, limit: float, level: int, links: Any, frozen: Any, picked: Any, scratch: Any
+) -> int:
+    """The links whose fill level is at most ``limit``, found by a walk of the tree (left to right), tight at
+    ``level`` (:func:`_freeze_links`)."""
+    found, stack = scratch
+    num_found = 0
     stack[0] = 1
     top = 1
     while top:
@@ -279,21 +306,49 @@ def _freeze_level(  # noqa: PLR0917 (numba has no keyword-only parameters)
             stack[top + 1] = 2 * node
             top += 2
             continue
-        j = node - size
-        tight[j] = level
-        for q in range(link_ptr[j], link_ptr[j + 1]):
-            f = entry_flow[link_entry[q]]
-            if not frozen[f]:
-                frozen[f] = True
-                picked[count] = f
-                count += 1
-    sort_ids(picked, count, stack)  # the walk is over: its stack is free
+        found[num_found] = node - size
+        num_found += 1
+    count: int = _freeze_links(found, num_found, level, links, frozen, picked, stack)
     return count
 
 
-def dense_scratch(flows: int, entries: int, links: int) -> tuple[Any, ...]:
+@inline
+def _least(tree: Any, size: int, count: int) -> float:
+    """The least of the leaves ``tree[size:size + count]``, in four running minima: one would wait on the last
+    comparison at every leaf. The least of numbers is the same in any order."""
+    a = b = c = d = np.inf
+    j = size
+    stop = size + count
+    while j + 4 <= stop:
+        a = min(a, tree[j])
+        b = min(b, tree[j + 1])
+        c = min(c, tree[j + 2])
+        d = min(d, tree[j + 3])
+        j += 4
+    while j < stop:
+        a = min(a, tree[j])
+        j += 1
+    return min(a, b, c, d)
+
+
+@inline
+def _freeze_scan(  # noqa: PLR0917 (numba has no keyword-only parameters)
+    tree: Any, size: int, num_links: int, limit: float, level: int, links: Any, frozen: Any, picked: Any, scratch: Any
+) -> int:
+    """:func:`_freeze_level` by a scan of the leaves in link order, where the tree above them is not kept: the
+    same links tight, the same transfers picked. The tight links are listed without a branch per link."""
+    found, stack = scratch
+    num_found = 0
+    for j in range(num_links):
+        found[num_found] = j
+        num_found += tree[size + j] <= limit  # as fill_dense's test (a NaN level is never tight)
+    count: int = _freeze_links(found, num_found, level, links, frozen, picked, stack)
+    return count
+
+
+def dense_scratch(flows: int, entries: int, links: int, scan: int = _SCAN_OVER_TREE) -> tuple[Any, ...]:
     """The room :func:`fill_dense` works in, for components of at most ``flows`` transfers, ``entries`` link
-    entries and ``links`` links."""
+    entries and ``links`` links; ``scan``: as _SCAN_OVER_TREE (0: the tree from the first level)."""
     size = 1
     while size < links:
         size *= 2
@@ -311,6 +366,7 @@ def dense_scratch(flows: int, entries: int, links: int) -> tuple[Any, ...]:
         np.empty(links, dtype=np.bool_),  # exact
         np.empty(2 * size),  # tree
         np.empty(130, dtype=np.int64),  # stack: a depth-first walk pushes two nodes per level of the tree
+        np.full(1, scan, dtype=np.int64),
     )
 
 
@@ -325,7 +381,7 @@ def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
     comp_links, num_links, local = comp
     new_rate, new_bottleneck = new
     flow_ptr, frozen, picked, link, weight, entry_flow, link_entry, link_ptr = scratch[:8]
-    per_link, per_link_int, exact, tree, stack = scratch[8:]
+    per_link, per_link_int, exact, tree, stack, scan_over_tree = scratch[8:]
     demand, remaining, taken = per_link[0], per_link[1], per_link[2]
     tight, touched_at, touched, at = per_link_int[0], per_link_int[1], per_link_int[2], per_link_int[3]
     # The entries, transfer by transfer in path order (fill_dense's order), and per link in that order.
@@ -364,24 +420,35 @@ def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
     size = 1
     while size < num_links:
         size *= 2
-    for node in range(2 * size):
-        tree[node] = np.inf
     for j in range(num_links):
         remaining[j] = room[comp_links[j]]
         exact[j] = summable[comp_links[j]]
         tree[size + j] = remaining[j] / demand[j] if demand[j] > 0 else np.inf
-    for node in range(size - 1, 0, -1):
-        tree[node] = min(tree[2 * node], tree[2 * node + 1])
 
     links = (link_ptr, link_entry, entry_flow, tight)
     left = num
     levels = 0
+    depth = 1
+    while (1 << depth) < 2 * size:
+        depth += 1
+    scan = True  # the leaves alone, scanned per level, until that costs more than the tree (see _SCAN_OVER_TREE)
+    tree_cost = num_links  # what the last level's updates would have cost the tree
     while left:
         levels += 1
-        fill = tree[1]
+        if scan and num_links > scan_over_tree[0] * tree_cost:
+            scan = False
+            for j in range(num_links, size):
+                tree[size + j] = np.inf
+            for node in range(size - 1, 0, -1):
+                tree[node] = min(tree[2 * node], tree[2 * node + 1])
+        fill = _least(tree, size, num_links) if scan else tree[1]
         if not np.isfinite(fill):
             break  # only infinitely fast links left
-        count = _freeze_level(tree, size, fill * (1 + _LEVEL_RTOL), levels, links, frozen, picked, stack)
+        limit = fill * (1 + _LEVEL_RTOL)
+        if scan:
+            count = _freeze_scan(tree, size, num_links, limit, levels, links, frozen, picked, (at, stack))
+        else:
+            count = _freeze_level(tree, size, limit, levels, links, frozen, picked, (at, stack))
         left -= count
         num_touched = 0
         # What the frozen transfers take, per link in entry order (transfers in increasing order).
@@ -420,11 +487,12 @@ def fill_dense(  # noqa: PLR0917 (numba has no keyword-only parameters)
                         d += weight[e]
                 demand[j] = d
             value = remaining[j] / demand[j] if demand[j] > 0 else np.inf
-            if levels == 1:
+            if scan or levels == 1:
                 tree[size + j] = value
             else:
                 _set_level(tree, size, j, value)
-        if levels == 1:
+        tree_cost = num_touched * depth
+        if levels == 1 and not scan:
             for node in range(size - 1, 0, -1):
                 tree[node] = min(tree[2 * node], tree[2 * node + 1])
     return levels
