@@ -223,7 +223,10 @@ def _changed_around(replans: tuple[str, ...], rank: int) -> int:
     assert len(replans) == 1, replans
     head, _, rest = replans[0].partition(": ")
     assert rest.startswith(f"rank {rank}: all "), replans
-    assert f" with rank {rank} " in rest, replans
+    # At load ~10 (CI run 27, beside a whole parallel suite) the slow rank's successor was named too ("with ranks
+    # 3, 0 where ..."): its one other link read below the rule's quarter. Both then take light positions.
+    named = rest.split(" where it moves the fewest bytes")[0].rsplit(" with rank", 1)[1].removeprefix("s").strip()
+    assert str(rank) in {r.strip() for r in named.split(",")}, replans
     assert "ring reordered" not in rest, replans
     return int(head.removeprefix("after call "))
 
