@@ -10,26 +10,22 @@ import pytest
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
+from allreduce.sim._bursts import Bursts, chain_loss, gilbert_elliott, next_loss, resend_loss
 from allreduce.sim._phases import _ack_stalls, _stall_pacing, agreement_delays, draw_losses, phase_data
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
     DELACK_MIN_S,
     TCP_STACKS,
     TIMEOUT_MIN_S,
-    Bursts,
     LostTransfers,
     StallPacing,
     TcpStack,
     _lost_repair_ack,
     ack_stall_flights,
-    chain_loss,
     draw_ack_stall_seconds,
     draw_repair_seconds,
-    gilbert_elliott,
     loss_window_packets,
-    next_loss,
     paced_seconds,
-    resend_loss,
     window_reduction_seconds,
 )
 from allreduce.topology import switch

@@ -11,12 +11,12 @@ import pytest
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
+from allreduce.sim._bursts import Bursts
 from allreduce.sim._phases import _ack_stalls, _frames_crossing, agreement_delays, phase_data
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
     DELACK_MIN_S,
     TIMEOUT_MIN_S,
-    Bursts,
     LostTransfers,
     TcpStack,
     _held_resends,

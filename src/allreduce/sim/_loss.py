@@ -45,14 +45,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from allreduce.sim._bursts import first_loss, next_loss
 from allreduce.sim._tcp import (
     GIVE_UP_AFTER,
     TCP_STACKS,
     LostTransfers,
     TcpStack,
     draw_repair_seconds,
-    first_loss,
-    next_loss,
 )
 from allreduce.topology import FloatArray, IntArray, Routes
 
@@ -106,9 +105,9 @@ class LossModel:
     benchmark that times each repetition from the barrier before it (the emulated clusters' runs); ``burst``:
     the mean length of a burst of lost packets on every lossy link (1: independent; above: a Gilbert–Elliott
     chain of the same long-run rate, as ``allreduce emulate up --loss LINK=ge:p=P,burst=B`` injects, see
-    :func:`allreduce.sim._tcp.gilbert_elliott`); ``burst_hold_s``: how long a burst's bad state lasts on a link
+    :func:`allreduce.sim._bursts.gilbert_elliott`); ``burst_hold_s``: how long a burst's bad state lasts on a link
     no packet crosses (0: the chain is clocked by other traffic; the emulator's chain, clocked by the link's own
-    packets, holds it up to a second: :class:`allreduce.sim._tcp.Bursts`)."""
+    packets, holds it up to a second: :class:`allreduce.sim._bursts.Bursts`)."""
 
     probability: float = 0.0
     fabric: str = "roce"

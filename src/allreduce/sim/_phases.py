@@ -16,18 +16,16 @@ import numpy.typing as npt
 
 from allreduce.schedules import Phase, Schedule
 from allreduce.schedules.timing import Incidence
+from allreduce.sim._bursts import Bursts, first_loss, gilbert_elliott
 from allreduce.sim._cyclic import Cyclic
 from allreduce.sim._fast import phase_steps
 from allreduce.sim._loss import GIVE_UP_AFTER, LossModel, draw_extra_seconds, packet_loss_probability
 from allreduce.sim._routing import Pattern, Router
 from allreduce.sim._tcp import (
-    Bursts,
     LostTransfers,
     StallPacing,
     ack_stall_flights,
     draw_ack_stall_seconds,
-    first_loss,
-    gilbert_elliott,
     loss_window_packets,
 )
 from allreduce.topology import FloatArray, IntArray, Routes
@@ -284,7 +282,7 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
 
 def _bursts(model: LossModel, d: PhaseData) -> Bursts | None:
     """Per flow, how its losses cluster when every lossy link drops in bursts of ``model.burst`` packets
-    (:func:`allreduce.sim._tcp.gilbert_elliott` per link; a burst starts on the path where one starts on any of
+    (:func:`allreduce.sim._bursts.gilbert_elliott` per link; a burst starts on the path where one starts on any of
     its links); None for independent loss."""
     return _path_bursts(model, d.pattern.routes, d.loss_hazard)
 
@@ -533,7 +531,7 @@ def agreement_delays(
     ``K − 1`` small steps later; a lost frame of the collective's own agreement is revealed only by the
     collective's data on the same connection (``data``, the collective's phases: halving-doubling sends on
     ``r → r − 2^s``, a ring on none of them for N > 2), else it waits for the probe. A rank's delays in the
-    two all-gathers add up. On bursty links (:func:`allreduce.sim._tcp.gilbert_elliott`, a chain clocked by
+    two all-gathers add up. On bursty links (:func:`allreduce.sim._bursts.gilbert_elliott`, a chain clocked by
     the link's packets, as the emulator's firewall runs it) a frame is lost only where a burst starts at it,
     ``g`` (about ``p/burst``), not at the long-run ``p``: it crosses its link behind a delivered packet (the
     step's before it, or the previous collective's last, which that collective waited for), which left the
