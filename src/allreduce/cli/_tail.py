@@ -18,7 +18,7 @@ import numpy.typing as npt
 from allreduce.cli._args import add_algorithm_argument, add_mitigate_argument, non_negative_int, positive_int
 from allreduce.cli._json import dumps
 from allreduce.cli._main import CLIError
-from allreduce.schedules import Schedule, ordered_ring, replan_schedule, ring_all_reduce
+from allreduce.schedules import Schedule, replan_schedule, ring_all_reduce
 from allreduce.sim import (
     DEFAULT_EXACT_BUDGET_S,
     DISTRIBUTIONS,
@@ -422,13 +422,9 @@ def _replanned_name(m: Mitigation) -> str:
 
 
 def _replanned_schedule(m: Mitigation) -> Schedule:
-    """The schedule re-planning picked, as the runtime would run it: a ring order, or around a slow rank another
-    algorithm with that rank where it moves the fewest bytes."""
-    if m.algorithm == "ring":
-        schedule = ordered_ring(m.order)
-    else:
-        schedule = replan_schedule(m.algorithm, m.order, chunks=m.chunks)
-    return dataclasses.replace(schedule, name=_replanned_name(m))
+    """The schedule re-planning picked, built as the runtime builds it (a ring order, or around a slow rank another
+    algorithm with that rank where it moves the fewest bytes)."""
+    return dataclasses.replace(replan_schedule(m.algorithm, m.order, chunks=m.chunks), name=_replanned_name(m))
 
 
 def _ring_rows(m: Mitigation, results: list[TailResult]) -> tuple[TailResult, TailResult]:
