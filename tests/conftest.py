@@ -61,6 +61,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )  # fmt: skip
 
 
+_CPU_START = pytest.StashKey[float]()
+
+
 def _cpu_s() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
@@ -71,8 +74,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     if item.config.getoption("--cpu-durations") is None:
         yield
         return
-    start = _cpu_s()
-    item.user_properties.append(("cpu_s_start", start))
+    item.stash[_CPU_START] = _cpu_s()
     yield
 
 
@@ -83,8 +85,7 @@ def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, None, None]:
         return
     report = outcome.get_result()
     if report.when == "teardown":
-        start = dict(item.user_properties).get("cpu_s_start", _cpu_s())
-        report.user_properties.append(("cpu_s", _cpu_s() - float(start)))
+        report.user_properties.append(("cpu_s", _cpu_s() - item.stash[_CPU_START]))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
