@@ -4,6 +4,7 @@ benchmark times with each collective, and bursty (Gilbert–Elliott) loss, again
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -352,14 +353,14 @@ def test_a_lost_repair_ack_costs_nothing_when_nothing_follows_on_the_connection(
 
 
 def _unheard(
-    after: int, gap: float, backed_off: int, n: int = 40_000, packet_s: float = 1e3
+    after: int, gap: float, backed_off: int, *, n: int = 40_000, packet_s: float = 1e3, stack: TcpStack = EXACT
 ) -> tuple[np.ndarray, np.ndarray]:
     """What ``_lost_repair_ack`` adds to a repair delivered at 1 ms, the window 10 packets (q = 1.5e-2), its ACK
     and every later resend's ACK lost with 0.5. Packets of ``packet_s``: by default slower than any gap pacing
     sets, so that the waits show alone."""
     charged, rtos = _lost_repair_ack(
         np.random.default_rng(0),
-        EXACT,
+        stack,
         np.full(n, after, dtype=np.int64),
         packets=np.full(n, after + 1, dtype=np.int64),
         rtt=np.full(n, RTT),
@@ -415,6 +416,23 @@ def test_data_held_by_a_lost_repair_ack_is_paced_behind_the_wait_it_measured() -
     paced = float(paced_seconds(RTT * one, (RTO + RTT) * one, 20.0 * one, 7.0 * one, 1.2e-4 * one)[0])
     assert paced > 0.015
     np.testing.assert_allclose(wait[rtos == 1], RTO + paced, rtol=1e-12)
+
+
+def test_an_unpaced_stack_sends_what_an_inflated_srtt_would_have_paced_at_once() -> None:
+    # a CUBIC socket that is not SK_PACING_NEEDED, behind a qdisc other than fq: the same stall and RTO, no pacing
+    unpaced = replace(EXACT, paced=False)
+    n, window, segments = 100, 6.0, 30.0
+    paced = StallPacing(np.full((n, 1), segments), np.full(n, window), np.zeros(n))
+    extra, _ = draw_ack_stall_seconds(
+        np.random.default_rng(0), unpaced, stalls=np.ones(n, dtype=np.int64), rtt_s=np.full(n, RTT), q=np.zeros(n),
+        q_ack=np.zeros(n), paced=paced,
+    )  # fmt: skip
+    np.testing.assert_allclose(extra, RTT + 2 * RTT + TIMEOUT_MIN_S + DELACK_MIN_S, rtol=1e-12)
+    wait, rtos = _unheard(after=30, gap=1.0, backed_off=0, packet_s=1.2e-4, stack=unpaced)
+    np.testing.assert_allclose(wait[rtos == 1], RTO, rtol=1e-12)
+    assert TCP_STACKS["linux"].paced
+    assert not TCP_STACKS["linux-unpaced"].paced
+    assert "unpaced" in TCP_STACKS["linux-unpaced"].settings()
 
 
 def test_a_lost_repair_ack_after_backed_off_rtos_waits_for_the_next_doubled_rto() -> None:

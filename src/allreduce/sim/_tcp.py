@@ -78,9 +78,12 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   the socket is ``SK_PACING_NEEDED`` (``tcp_pacing_check``, ``tcp_update_skb_after_send``); a token bucket does not
   pace. The emulated ranks' connections are: the kernel's default, each namespace's too, is BBR, whose init sets it
   as the connection is established, and the runtime's switch to CUBIC after the handshake keeps it
-  (``tcp_reinit_congestion_control`` never clears it); a socket CUBIC from the start sends its window unpaced. So
-  the data behind leaves ``srtt_j/(1.2·w)`` apart, each ACK taking an eighth of the excess off
-  (:func:`paced_seconds`; traced: srtt 26 ms after a 206 ms RTO, segments 10.9, 9.4, 8.3 ms apart at cwnd 2).
+  (``tcp_reinit_congestion_control`` never clears it); a socket CUBIC from the start sends its window unpaced.
+  Whether a host paces is therefore the host's (its default congestion control and qdisc), not TCP's recovery:
+  :attr:`TcpStack.paced`, on for ``linux`` (these hosts) and ``tuned`` (fq), off for ``linux-unpaced`` (a
+  CUBIC-default host without fq). Where paced, the data behind leaves ``srtt_j/(1.2·w)`` apart, each ACK taking an
+  eighth of the excess off (:func:`paced_seconds`; traced: srtt 26 ms after a 206 ms RTO, segments 10.9, 9.4,
+  8.3 ms apart at cwnd 2); unpaced, it leaves as the window allows.
   With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
   (the emulator's firewall), the resend after a probe or RTO is the next packet the stalled link sees, lost with the
   burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless other connections' packets cross the
@@ -202,13 +205,16 @@ class TcpStack:
     ``hz`` (kernel timer ticks per second; 0: exact timers), ``rack_tlp`` (RACK-TLP loss detection:
     ``net.ipv4.tcp_recovery=1``, ``net.ipv4.tcp_early_retrans=3``; off: the ``rfc6298`` model),
     ``delayed_ack_s`` (how long a receiver in interactive mode holds the ACK of one segment,
-    ``TCP_DELACK_MIN``; 0: at once, a route's ``quickack 1``)."""
+    ``TCP_DELACK_MIN``; 0: at once, a route's ``quickack 1``), ``paced`` (the kernel holds the flow to its pacing
+    rate: the socket is ``SK_PACING_NEEDED`` or the host's qdisc is fq; off: a CUBIC socket behind pfifo_fast or
+    fq_codel sends what its window allows at once, and an inflated srtt slows nothing, see the module docstring)."""
 
     name: str
     rto_min_s: float
     hz: float
     rack_tlp: bool
     delayed_ack_s: float = 0.0
+    paced: bool = True
 
     def with_rto_min(self, rto_min_s: float | None) -> TcpStack:
         return self if rto_min_s is None else replace(self, rto_min_s=rto_min_s)
@@ -225,10 +231,11 @@ class TcpStack:
             )
         tick = format_seconds(1 / self.hz)
         ack = f"delayed ACK {format_seconds(self.delayed_ack_s)}" if self.delayed_ack_s else "quickack 1"
+        pacing = "paced at 1.2*cwnd*mss/srtt" if self.paced else "unpaced"
         return (
             f"{self.name}: RACK-TLP (net.ipv4.tcp_recovery=1, tcp_early_retrans=3), rto_min {rto_min}, "
             f"HZ={self.hz:g} ({tick} ticks), reordering window min_rtt/4 + 2 ms, probe 2*srtt + 2 ms "
-            f"(2*srtt + rto_min with one packet out), {ack}, CUBIC beta {CUBIC_BETA:g}"
+            f"(2*srtt + rto_min with one packet out), {ack}, CUBIC beta {CUBIC_BETA:g}, {pacing}"
         )
 
     def timer(self, rng: np.random.Generator, seconds: FloatArray) -> FloatArray:
@@ -247,9 +254,16 @@ class TcpStack:
 
 TCP_STACKS = {
     "linux": TcpStack("linux", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S),
+    "linux-unpaced": TcpStack(
+        "linux-unpaced", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S, paced=False
+    ),
     "tuned": TcpStack("tuned", rto_min_s=5e-3, hz=1000.0, rack_tlp=True),
-    "rfc6298": TcpStack("rfc6298", rto_min_s=0.2, hz=0.0, rack_tlp=False),
+    "rfc6298": TcpStack("rfc6298", rto_min_s=0.2, hz=0.0, rack_tlp=False, paced=False),
 }
+"""The presets of ``--tcp``. ``linux``: the emulated clusters' hosts (a stock 6.x kernel, CUBIC set on connections
+the kernel's default BBR established, so paced); ``linux-unpaced``: the same on a host whose default is CUBIC and
+whose qdisc is not fq (most distributions: pfifo_fast or fq_codel); ``tuned``: a data-centre stack (fq paces);
+``rfc6298``: the model this project had first."""
 
 
 def window_reduction_seconds(rtt_s: FloatArray, packet_s: FloatArray) -> FloatArray:
@@ -328,7 +342,7 @@ def draw_ack_stall_seconds(
         )
         total[more] += probe + np.where(lost, stack.timer(rng, stack.rto(rtt)), answered) + backoff
         timeouts[more] += lost + rounds
-        if paced is not None:
+        if paced is not None and stack.paced:
             ended = more[~lost]
             total[ended] += paced_seconds(
                 rtt_s[ended], (probe + answered)[~lost] + rtt_s[ended], paced.segments[ended, j], paced.window[ended],
@@ -452,7 +466,7 @@ def _lost_repair_ack(
     rest_unsent = after > window
     segments = np.where(rest_unsent, after - window, packets).astype(np.float64)
     paced = np.zeros(after.size)
-    if ack_lost.any():
+    if stack.paced:
         w = np.maximum(CUBIC_BETA * window[ack_lost], 2.0)
         paced[ack_lost] = paced_seconds(rtt[ack_lost], wait[ack_lost] + rtt[ack_lost], segments[ack_lost], w,
                                         tau[ack_lost])  # fmt: skip
