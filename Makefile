@@ -37,7 +37,7 @@ typecheck: $(STAMP)
 # Two workers for everything that does not time real processes against each other (one module per worker: its
 # fixtures start once), then the timing tests alone (marked serial). Both parts must run a test (exit 5 fails).
 test: lint typecheck bytecode
-	$(BIN)/python -m pytest -q -n 2 --dist loadscope -m "not serial"
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
 # pytest exits 5 when the marker selects no test: make stops on it, as on any failure.

@@ -208,17 +208,24 @@ def test_a_restarted_rank_rejoins_training_with_the_model_and_optimizer_state_of
     assert len({r["state"] for r in reports}) == 1  # parameters and optimizer state, bit for bit
 
 
+@pytest.fixture(scope="module")
+def after_the_step() -> list[dict[str, Any]]:
+    """The survivors' reports when rank 3 of 4 dies before step KILL_AT + 1, over shm (the ring sums in the same
+    order over tcp: both transports' split runs end here)."""
+    return _run(4, 3, KILL_AT + 1, transport="shm")[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_death_that_splits_the_survivors_by_one_call_leaves_them_where_a_death_after_that_step_does(
-    transport: str,
+    transport: str, after_the_step: list[dict[str, Any]]
 ) -> None:
     """Rank 3 dies at the last ring step of step KILL_AT's last bucket: rank 1 finishes that step (and applies it),
     rank 0 raises in it (rank 2 finished it with these buckets over shm, where with 64 KiB calls it raised). After the
     shrink they take rank 1's parameters, optimizer state and step, and all three end bit for bit where the
     survivors of a death before step KILL_AT + 1 end."""
     split, _ = _run(4, 3, KILL_AT, mid_call=True, transport=transport)
-    after, _ = _run(4, 3, KILL_AT + 1, transport=transport)
+    after = after_the_step
     errors = {r["rank"]: r["errors"] for r in split}
     assert errors[0] == [(KILL_AT, "PeerFailureError", 3)]  # the victim's successor waits on it at that step
     assert errors[1] == [(KILL_AT + 1, "PeerFailureError", 3)]  # it had all it needed from ranks 0 and 2
