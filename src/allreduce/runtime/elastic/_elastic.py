@@ -3,14 +3,14 @@
 Shrinking: the survivors agree through the store on who is left, then go on as a smaller group with ranks
 renumbered in their old order.
 
-The agreement (one per shrink, numbered by the group's *epoch*):
+The agreement (one per shrink, numbered by the group's *epoch*; :func:`agree_members`):
 
-1. every survivor checks in (``allreduce/elastic/<epoch>/in/<rank>``);
-2. it waits until every rank of the group has checked in or is dead to the store (its store connection dropped
-   without a close: the store's own failure detector), or until the timeout, after which ranks that neither
-   checked in nor died (a stopped process) are left out;
-3. the first survivor to get there (an atomic counter in the store) writes the member list: the ranks that
-   checked in and are not dead; every survivor reads that one list.
+1. every survivor checks in (an arrival number from a counter, then its rank and count under that number);
+2. the first to claim the agreement's round decides: it waits until every rank of the group has checked in or is
+   dead to the store (its store connection dropped without a close: the store's own failure detector), or until
+   the timeout, after which ranks that neither checked in nor died (a stopped process) are left out;
+3. it writes the member list under a key only it may write; the others wait for it (a wait the store fails if the
+   decider dies, and the next round is claimed).
 
 So every survivor ends with the same list, or raises: a survivor that checked in too late to be on the list
 raises :class:`ShrinkError` saying so, and a rank on the list that dies before the new group is connected makes
@@ -30,6 +30,7 @@ agreement counts as that rank having left the old group (its process is a new on
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import secrets
 import time
@@ -37,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from allreduce.runtime._errors import CollectiveError, ShrinkError
+from allreduce.runtime._errors import CollectiveError, PeerFailureError, ShrinkError
 from allreduce.runtime.store._store_protocol import ELASTIC_PREFIX
 from allreduce.runtime.transport._transport import Transport
 from allreduce.schedules import CostModel
@@ -89,31 +90,37 @@ def agree_members(
 ) -> tuple[list[int], list[int]]:
     """The ranks of the shrunk group, the same list on every survivor that returns, and how many of the old group's
     collectives each of them completed (``completed`` is this rank's count, checked in with it). Ranks are the
-    store's (the numbering of the group as first formed): ``rank`` is this one, ``members`` the current group's."""
+    store's (the numbering of the group as first formed): ``rank`` is this one, ``members`` the current group's.
+
+    One survivor decides and the others wait for its list, so the store answers O(N) requests, not one per pair of
+    ranks: each survivor checks in (its arrival number from a counter, then ``arrived/n<number>`` = rank and count)
+    and claims round 0 (a counter); the first decides (:func:`_decide`) and writes ``members/<its rank>``, which
+    only it may write. The others wait for that key, a wait the store fails at once if the decider dies; then the
+    next round is claimed the same way by a survivor still waiting. A decider that dies between claiming its round
+    and naming itself (two requests in a row) leaves the others to the timeout."""
     prefix = f"{SHRINK_PREFIX}/{epoch}"
     deadline = time.monotonic() + timeout_s
+    decider = rank
     try:
-        store.set(f"{prefix}/in/{rank}", str(int(completed)).encode())
-        pending = set(members) - {rank}
-        while pending and time.monotonic() < deadline:
-            dead = set(store.dead_ranks())
-            pending = {
-                r
-                for r in pending
-                if r not in dead and not store.check([f"{prefix}/in/{r}"]) and _join_request(store, r) is None
-            }
-            if pending:
-                time.sleep(_POLL_S)
-        if store.add(f"{prefix}/decided", 1) == 1:
-            dead = set(store.dead_ranks())
-            chosen = [r for r in members if r not in dead and store.check([f"{prefix}/in/{r}"])]
-            store.set(f"{prefix}/members", ",".join(str(r) for r in chosen).encode())
-        remaining = max(deadline - time.monotonic(), 1.0)
-        members_text = store.get(f"{prefix}/members", timeout_s=remaining).decode()
-        agreed = [int(r) for r in members_text.split(",") if r]
-        # every one of them checked in before the list was written, and a check-in is never rewritten
-        counts = [int(bytes(store.get(f"{prefix}/in/{r}", timeout_s=remaining))) for r in agreed]
-    except (CollectiveError, OSError) as exc:
+        arrival = store.add(f"{prefix}/count", 1)
+        store.set(f"{prefix}/arrived/n{arrival}", f"{rank}:{int(completed)}".encode())
+        for round_ in itertools.count():
+            if store.add(f"{prefix}/claim/r{round_}", 1) == 1:
+                store.set(f"{prefix}/decider/r{round_}", str(rank).encode())
+                decider = rank
+                text = _decide(store, prefix, rank, members, deadline)
+                break
+            # The decider waits for the others until the deadline: wait a little longer for its list.
+            remaining = max(deadline - time.monotonic(), 0.0) + _DECIDER_GRACE_S
+            decider = int(bytes(store.get(f"{prefix}/decider/r{round_}", timeout_s=remaining)))
+            try:
+                remaining = max(deadline - time.monotonic(), 0.0) + _DECIDER_GRACE_S
+                text = bytes(store.get(f"{prefix}/members/{decider}", timeout_s=remaining)).decode()
+                break
+            except PeerFailureError as exc:
+                if exc.peer != decider:
+                    raise
+    except (CollectiveError, OSError, ValueError) as exc:
         if isinstance(exc, ShrinkError):
             raise
         host_lost = bool(getattr(store, "host_lost", False))
@@ -121,8 +128,12 @@ def agree_members(
             "rank 0, which hosts the store the survivors agree through, is gone"
             if host_lost or rank == 0
             else f"the store did not answer ({exc})"
+            if decider == rank
+            else f"rank {decider}, which decides who is left, gave no member list ({exc})"
         )
         raise ShrinkError(f"rank {rank}: cannot shrink the group: {why}", rank=rank, peer=0) from exc
+    pairs = [entry.split(":") for entry in text.split(",") if entry]
+    agreed, counts = [int(r) for r, _ in pairs], [int(c) for _, c in pairs]
     if rank not in agreed:
         raise ShrinkError(
             f"rank {rank}: left out of the shrunk group (it checked in after the others agreed on ranks "
@@ -130,6 +141,48 @@ def agree_members(
             rank=rank,
         )
     return agreed, counts
+
+
+_DECIDER_GRACE_S = 5.0
+"""How much longer than the agreement's timeout a survivor waits for the decider's list (the decider itself waits
+for late ranks until the timeout, then writes it)."""
+_JOIN_SCAN_S = 0.2
+"""How often the decider asks whether a rank it still waits for has been restarted (its join request)."""
+
+
+def _decide(store: Any, prefix: str, rank: int, members: Sequence[int], deadline: float) -> str:
+    """As the decider: wait until every member has checked in, died (the store's failure detector) or asked to join
+    again as a new process, or until ``deadline`` (ranks that did none of these, a stopped process, are left out);
+    write ``members/<rank>``: ``r:count`` for each survivor that checked in and is alive, in the group's order."""
+    arrived: dict[int, int] = {}
+    read = 0  # arrivals 1..read are in ``arrived`` or were written by a rank that died before writing its entry
+    unread: set[int] = set()
+    pending = set(members)
+    next_scan = 0.0
+    while True:
+        count = int(store.add(f"{prefix}/count", 0))
+        for n in [*sorted(unread), *range(read + 1, count + 1)]:
+            key = f"{prefix}/arrived/n{n}"
+            if store.check([key]):
+                who, _, done = bytes(store.get(key)).decode().partition(":")
+                arrived[int(who)] = int(done)
+                unread.discard(n)
+            else:  # counted, not yet written (or its writer died in between)
+                unread.add(n)
+        read = max(read, count)
+        dead = set(store.dead_ranks())
+        pending = {r for r in pending if r not in arrived and r not in dead}
+        now = time.monotonic()
+        if pending and now >= next_scan:  # a restarted process of a rank has left the old group
+            pending = {r for r in pending if _join_request(store, r) is None}
+            next_scan = now + _JOIN_SCAN_S
+        if not pending or now >= deadline:
+            break
+        time.sleep(_POLL_S)
+    dead = set(store.dead_ranks())
+    text = ",".join(f"{r}:{arrived[r]}" for r in members if r in arrived and r not in dead)
+    store.set(f"{prefix}/members/{rank}", text.encode())
+    return text
 
 
 class MemberStore:
