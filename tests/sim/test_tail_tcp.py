@@ -174,13 +174,13 @@ def test_losses_a_window_apart_are_repaired_in_recovery_episodes_one_after_anoth
     # (Linux leaves recovery once high_seq, what was sent when it began, is acknowledged; a loss sent after it
     # starts the next), and each episode's repair adds to the last's
     packets, q = 40, 0.05
-    extra, fired = _draw(EXACT, 200_000, packets, q=q)
+    extra, fired = _draw(EXACT, 60_000, packets, q=q)
     # no loss among the last three (their timers cost milliseconds) and no repair lost (an RTO)
     cost = extra[(fired == 0) & (extra < 1e-3)] - WINDOW
-    summed, largest = _episodes_reference(np.random.default_rng(1), 200_000, packets, q)
+    summed, largest = _episodes_reference(np.random.default_rng(1), 60_000, packets, q)
     tolerance = Z * math.hypot(cost.std() / math.sqrt(cost.size), summed.std() / math.sqrt(summed.size))
     assert abs(cost.mean() - summed.mean()) < tolerance
-    assert cost.mean() - largest.mean() > 10 * tolerance
+    assert cost.mean() - largest.mean() > 4 * tolerance
 
 
 def test_cubic_window_regrowth_at_the_bdp_has_its_closed_form() -> None:
