@@ -136,14 +136,51 @@ def test_several_losses_in_a_transfer_are_repaired_together() -> None:
     gap = 1e-3
     rng = np.random.default_rng(3)
     n = 20_000
+    # a window of sqrt(1.5/0.1) = 3.9 packets holds the whole transfer: one recovery episode
     transfers = LostTransfers(
-        np.full(n, 0.4), np.full(n, 3, dtype=np.int64), np.full(n, RTT), np.full(n, TAU), gap_s=np.full(n, gap)
+        np.full(n, 0.1), np.full(n, 3, dtype=np.int64), np.full(n, RTT), np.full(n, TAU), gap_s=np.full(n, gap)
     )
     extra, fired = draw_repair_seconds(rng, EXACT, transfers)
     clean = fired == 0
     # Each loss alone costs at most gap + 1.5 RTT + 4 tau; NewReno's sum would give 2-3x that where 2-3 are lost.
     assert clean.mean() > 0.3
     assert extra[clean].max() <= gap + 1.5 * RTT + 4 * TAU + WINDOW + 1e-12
+
+
+def _episodes_reference(rng: np.random.Generator, n: int, packets: int, q: float) -> tuple[np.ndarray, np.ndarray]:
+    """Bernoulli(q) losses among ``packets`` (given one at least), none of the last three packets lost and no
+    repair lost; each loss with ``k >= 3`` behind it costs ``max(tau, RTT + (4 - k) tau)``. Returns the cost per
+    transfer with recovery episodes charged in turn (a loss more than a window sqrt(1.5/q) past its episode's
+    first starts the next) and with every loss in one."""
+    window = math.sqrt(1.5 / q)
+    lost = rng.random((n, packets)) < q
+    lost = lost[lost.any(axis=1) & ~lost[:, -3:].any(axis=1)]
+    lost = lost[rng.random(lost.shape[0]) < (1 - q) ** lost.sum(axis=1)]  # no repair lost
+    summed, largest = np.zeros(lost.shape[0]), np.zeros(lost.shape[0])
+    start, episode = np.full(lost.shape[0], -1), np.zeros(lost.shape[0])
+    for position in range(packets):
+        at = lost[:, position]
+        cost = max(TAU, RTT + (4 - (packets - 1 - position)) * TAU)
+        new = at & ((start < 0) | (position - start > window))
+        summed[new] += episode[new]
+        episode[new], start[new] = cost, position
+        episode[at & ~new] = np.maximum(episode[at & ~new], cost)
+        largest[at] = np.maximum(largest[at], cost)
+    return summed + episode, largest
+
+
+def test_losses_a_window_apart_are_repaired_in_recovery_episodes_one_after_another() -> None:
+    # q = 0.05: a window of 5.5 packets, so a 40-packet transfer's losses fall in several recovery episodes
+    # (Linux leaves recovery once high_seq, what was sent when it began, is acknowledged; a loss sent after it
+    # starts the next), and each episode's repair adds to the last's
+    packets, q = 40, 0.05
+    extra, fired = _draw(EXACT, 60_000, packets, q=q)
+    # no loss among the last three (their timers cost milliseconds) and no repair lost (an RTO)
+    cost = extra[(fired == 0) & (extra < 1e-3)] - WINDOW
+    summed, largest = _episodes_reference(np.random.default_rng(1), 60_000, packets, q)
+    tolerance = Z * math.hypot(cost.std() / math.sqrt(cost.size), summed.std() / math.sqrt(summed.size))
+    assert abs(cost.mean() - summed.mean()) < tolerance
+    assert cost.mean() - largest.mean() > 4 * tolerance
 
 
 def test_cubic_window_regrowth_at_the_bdp_has_its_closed_form() -> None:

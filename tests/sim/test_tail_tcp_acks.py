@@ -16,6 +16,9 @@ from allreduce.sim._phases import _ack_stalls, _stall_pacing, agreement_delays, 
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
     DELACK_MIN_S,
+    PACING_CA_RATIO,
+    PACING_SS_RATIO,
+    RTO_PACED_WINDOW,
     TCP_STACKS,
     TIMEOUT_MIN_S,
     LostTransfers,
@@ -27,6 +30,7 @@ from allreduce.sim._tcp import (
     draw_repair_seconds,
     loss_window_packets,
     paced_seconds,
+    rto_pacing_ratio,
     window_reduction_seconds,
 )
 from allreduce.topology import switch
@@ -304,9 +308,10 @@ def _repairs(n: int, packets: int, *, q_ack: float, gap: float) -> tuple[np.ndar
 
 def _paced_after(wait: float, segments: int, q: float = 1e-9) -> float:
     """What pacing adds to ``segments`` held behind a wait of ``wait`` (the RTT sample it gives) at loss ``q``."""
-    window = max(0.7 * float(loss_window_packets(np.array([q]))[0]), 2.0)
     one = np.ones(1)
-    return float(paced_seconds(RTT * one, (wait + RTT) * one, segments * one, window * one, TAU * one)[0])
+    ratio = rto_pacing_ratio(q * one)
+    return float(paced_seconds(RTT * one, (wait + RTT) * one, segments * one, RTO_PACED_WINDOW * one, TAU * one,
+                               ratio=ratio)[0])  # fmt: skip
 
 
 def test_a_repair_whose_ack_is_lost_holds_the_next_transfer_until_the_rto() -> None:
@@ -409,13 +414,32 @@ def test_an_inflated_srtt_paces_what_follows_by_its_closed_form() -> None:
 
 
 def test_data_held_by_a_lost_repair_ack_is_paced_behind_the_wait_it_measured() -> None:
-    # 30 packets behind the loss, 20 unsent (W = 10): where one RTO is heard, they follow its wait, paced at
-    # CUBIC's window after it, max(0.7 W, 2) = 7, behind an RTT sample of the whole wait (RTO + RTT)
+    # 30 packets behind the loss, 20 unsent (W = 10): where one RTO is heard, they follow its wait, paced behind
+    # an RTT sample of the whole wait (RTO + RTT) at the window after the RTO, 2 segments (tcp_enter_loss sets 1,
+    # the resend's ACK adds the one segment it delivers, and one segment in flight grows it no further), at 200%:
+    # 2 < ssthresh/2, the recovery's floor(0.7 * 2W/1.7) = 8
     wait, rtos = _unheard(after=30, gap=1.0, backed_off=0, packet_s=1.2e-4)
     one = np.ones(1)
-    paced = float(paced_seconds(RTT * one, (RTO + RTT) * one, 20.0 * one, 7.0 * one, 1.2e-4 * one)[0])
-    assert paced > 0.015
+    paced = float(paced_seconds(RTT * one, (RTO + RTT) * one, 20.0 * one, 2.0 * one, 1.2e-4 * one, ratio=2.0)[0])
+    # twice what CUBIC's average window after the cut, max(0.7 W, 2) = 7 at 120%, would pace
+    cubic = float(paced_seconds(RTT * one, (RTO + RTT) * one, 20.0 * one, 7.0 * one, 1.2e-4 * one)[0])
+    assert paced > 2 * cubic > 0.03
     np.testing.assert_allclose(wait[rtos == 1], RTO + paced, rtol=1e-12)
+
+
+def test_after_an_rto_the_paced_window_of_two_leaves_at_the_slow_start_ratio_while_under_half_ssthresh() -> None:
+    assert RTO_PACED_WINDOW == 2.0
+    # tcp_update_pacing_rate: 200% while cwnd < ssthresh/2 (integers), else 120%; ssthresh = max(floor(0.7 c), 2)
+    # of the window c = 2W/1.7 at the loss, W = sqrt(1.5/q)
+    for q in (1e-9, 1e-3, 1e-2, 2e-2, 4e-2, 0.2):
+        at_loss = 2 * math.sqrt(1.5 / q) / 1.7
+        ssthresh = max(math.floor(0.7 * at_loss), 2)
+        expected = PACING_SS_RATIO if ssthresh // 2 > 2 else PACING_CA_RATIO
+        assert float(rto_pacing_ratio(np.array([q]))[0]) == expected
+    # the emulated clusters' paths at every link 1e-2 (2-4%): 200% on two lossy links, 120% on four
+    assert rto_pacing_ratio(np.array([2e-2, 4e-2])).tolist() == [2.0, 1.2]
+    # no loss on the flow's own data (its ACKs lost): the window before was unlimited
+    assert float(rto_pacing_ratio(np.zeros(1))[0]) == PACING_SS_RATIO
 
 
 def test_an_unpaced_stack_sends_what_an_inflated_srtt_would_have_paced_at_once() -> None:

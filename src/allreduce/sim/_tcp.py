@@ -81,9 +81,16 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   (``tcp_reinit_congestion_control`` never clears it); a socket CUBIC from the start sends its window unpaced.
   Whether a host paces is therefore the host's (its default congestion control and qdisc), not TCP's recovery:
   :attr:`TcpStack.paced`, on for ``linux`` (these hosts) and ``tuned`` (fq), off for ``linux-unpaced`` (a
-  CUBIC-default host without fq). Where paced, the data behind leaves ``srtt_j/(1.2·w)`` apart, each ACK taking an
+  CUBIC-default host without fq). Where paced, the data behind leaves ``srtt_j/(r·w)`` apart, each ACK taking an
   eighth of the excess off (:func:`paced_seconds`; traced: srtt 26 ms after a 206 ms RTO, segments 10.9, 9.4,
-  8.3 ms apart at cwnd 2); unpaced, it leaves as the window allows.
+  8.3 ms apart at cwnd 2); unpaced, it leaves as the window allows. The window is 2 (:data:`RTO_PACED_WINDOW`):
+  ``tcp_enter_loss`` sets it to the packets in flight and one, 1 once ``tcp_timeout_mark_lost`` has marked
+  everything out lost; the resend's ACK newly delivers one segment (those after the repair were SACKed before),
+  which slow start adds; and while the pacing gap is longer than the round trip, one segment is in flight, and
+  slow start grows the window only while it is below twice the most segments in flight (``tcp_is_cwnd_limited``),
+  so it stays at 2 whatever ``ssthresh`` is (traced at every link 1e-2, ``quickack 1``: 26 of 27 such RTOs at
+  ``cwnd`` 2). ``r`` is 200% while ``cwnd < ssthresh/2``, else 120% (``tcp_update_pacing_rate``), with the
+  ``ssthresh`` the recovery set, which the RTO keeps (:func:`rto_pacing_ratio`).
   With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
   (the emulator's firewall), the resend after a probe or RTO is the next packet the stalled link sees, lost with the
   burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless other connections' packets cross the
@@ -99,8 +106,12 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   delivered packet that revealed the loss, which left the chain good, so a new burst must start for it to be lost
   (:func:`resend_loss`);
 - several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
-  together, so a transfer's delay is the largest of its losses' (NewReno's one hole per round trip is the
-  ``rfc6298`` preset's sum);
+  together, so the losses of one recovery episode cost the largest of their costs (NewReno's one hole per round
+  trip is the ``rfc6298`` preset's sum). An episode ends once ``high_seq``, what was sent when it began, is
+  acknowledged (``tcp_fastretrans_alert``; RFC 6675 §5 "RecoveryPoint"), about a window past its first loss, so a
+  loss more than a window (:func:`loss_window_packets`) after the episode's first is sent after ``high_seq`` and
+  starts the next episode, repaired after the one before: the episodes' costs add (traced at every link 1e-2, a
+  connection's RTOs come one after another, about 210 ms apart);
 - the congestion window: CUBIC sets ``cwnd ← β·cwnd`` (β = 0.7, RFC 8312 §4.5) once per recovery and grows
   back at ``α = 3(1 − β)/(1 + β)`` packets per RTT in its TCP-friendly region (§4.2) or along the cubic
   ``W(t) = C(t − K)³ + W_max`` (§4.1, C = 0.4, ``K = ∛(W_max(1 − β)/C)``), whichever is faster. With the
@@ -140,8 +151,9 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   (:func:`loss_window_packets`).
 
 ``srtt`` and ``min_rtt`` are the path's RTT (the fluid model has no queues); where queues stand, the probe's
-``2·srtt`` grows with them. After an RTO the window restarts at one packet and slow start takes
-``log2(W)`` round trips to refill it, at most ``log2(W)·RTT`` more, which is not charged.
+``2·srtt`` grows with them. After an RTO whose ACK does not inflate srtt (the repair itself was lost) the window
+restarts at one packet and slow start takes ``log2(W)`` round trips to refill it, at most ``log2(W)·RTT`` more,
+which is not charged.
 """
 
 from __future__ import annotations
@@ -188,6 +200,13 @@ DELACK_MIN_S = 0.04
 # The rate Linux holds a paced flow to (SK_PACING_NEEDED, see the module docstring): net.ipv4.tcp_pacing_ca_ratio
 # (120%) of cwnd·mss/srtt in congestion avoidance (tcp_update_pacing_rate).
 PACING_CA_RATIO = 1.2
+# ... and net.ipv4.tcp_pacing_ss_ratio (200%) in slow start while cwnd < ssthresh/2 (tcp_update_pacing_rate).
+PACING_SS_RATIO = 2.0
+# The window a paced flow sends at after an RTO (see _lost_repair_ack): tcp_enter_loss sets it to the packets in
+# flight and one, 1 (tcp_timeout_mark_lost marks all that is out lost), and the resend's ACK newly delivers one
+# segment (the rest were SACKed before), so slow start makes it 2; it grows no further while pacing keeps one
+# segment in flight (slow start grows only while cwnd < 2·max_packets_out, tcp_is_cwnd_limited).
+RTO_PACED_WINDOW = 2.0
 # RFC 6298 §2.3 (tcp_rtt_estimator): srtt <- (1 - 1/8)·srtt + R/8 per RTT sample R.
 SRTT_GAIN = 0.125
 # An inflated srtt's excess after this many samples, (7/8)^64 ≈ 2e-4 of it, is not charged.
@@ -409,22 +428,42 @@ def _unheard_rtos(
 
 
 def paced_seconds(
-    rtt_s: FloatArray, sample_s: FloatArray, segments: FloatArray, window: FloatArray, packet_s: FloatArray
+    rtt_s: FloatArray,
+    sample_s: FloatArray,
+    segments: FloatArray,
+    window: FloatArray,
+    packet_s: FloatArray,
+    *,
+    ratio: FloatArray | float = PACING_CA_RATIO,
 ) -> FloatArray:
     """What pacing adds to ``segments`` segments a flow sends after one RTT sample of ``sample_s`` (see the module
     docstring): srtt becomes ``(1 − 1/8)·RTT + sample/8`` and each segment's ACK brings it back by an eighth of its
-    excess, and segment ``j`` leaves ``max(τ, srtt_j/(1.2·w))`` after the one before (``w`` the window), where
-    ``max(τ, RTT/(1.2·w))`` would have done: with ``τ`` below both, ``8·(srtt_1 − RTT)·(1 − (7/8)^M)/(1.2·w)``."""
+    excess, and segment ``j`` leaves ``max(τ, srtt_j/(r·w))`` after the one before (``w`` the window, ``r`` the
+    pacing ``ratio``: 1.2 in congestion avoidance, 2 early in slow start), where ``max(τ, RTT/(r·w))`` would have
+    done: with ``τ`` below both, ``8·(srtt_1 − RTT)·(1 − (7/8)^M)/(r·w)``."""
     srtt = (1 - SRTT_GAIN) * rtt_s + SRTT_GAIN * sample_s
-    steady = np.maximum(packet_s, rtt_s / (PACING_CA_RATIO * window))
+    rate = ratio * window
+    steady = np.maximum(packet_s, rtt_s / rate)
     extra = np.zeros(np.shape(rtt_s))
     for j in range(PACED_SAMPLES):
         due = segments > j
         if not due.any():
             break
-        extra += np.where(due, np.maximum(packet_s, srtt / (PACING_CA_RATIO * window)) - steady, 0.0)
+        extra += np.where(due, np.maximum(packet_s, srtt / rate) - steady, 0.0)
         srtt = (1 - SRTT_GAIN) * srtt + SRTT_GAIN * rtt_s
     return extra
+
+
+def rto_pacing_ratio(q: FloatArray) -> FloatArray:
+    """The pacing ratio of a flow at loss ``q`` after an RTO in recovery, at its window :data:`RTO_PACED_WINDOW`:
+    ``tcp_update_pacing_rate`` paces at 200% while ``cwnd < ssthresh/2`` (integers), else 120%. The RTO leaves
+    ``ssthresh`` as the recovery set it (``tcp_enter_loss`` recomputes it only from Open or Disorder, or once
+    ``high_seq`` is acknowledged), CUBIC's ``max(⌊β·cwnd⌋, 2)`` of the window the loss found, ``2W/(1 + β)`` on
+    the sawtooth around the average ``W`` (:func:`loss_window_packets`)."""
+    at_loss = 2 * loss_window_packets(q) / (1 + CUBIC_BETA)
+    ssthresh = np.maximum(np.floor(CUBIC_BETA * np.minimum(at_loss, 1e9)), 2.0)
+    slow_start = np.floor(ssthresh / 2) > RTO_PACED_WINDOW
+    return np.asarray(np.where(slow_start, PACING_SS_RATIO, PACING_CA_RATIO), dtype=np.float64)
 
 
 def _lost_repair_ack(
@@ -453,7 +492,8 @@ def _lost_repair_ack(
     The ACK that ends the wait echoes the repair's timestamp (the receiver had it), so the sender's RTT sample is
     the whole wait, and the held data, the rest of the transfer beyond the window or the next transfer (taken as
     long as this one, ``packets``, as a ring's are), is paced behind the inflated srtt (:func:`paced_seconds`, at
-    CUBIC's window after the RTO, ``max(β·W, 2)``). Returns (the cost with that wait, the RTOs that held data)."""
+    the window after the RTO, :data:`RTO_PACED_WINDOW`, and :func:`rto_pacing_ratio`). Returns (the cost with that
+    wait, the RTOs that held data)."""
     none = np.zeros(after.size, dtype=np.int64)
     if not np.any(repaired & (q_ack > 0)):
         return cost, none
@@ -467,9 +507,9 @@ def _lost_repair_ack(
     segments = np.where(rest_unsent, after - window, packets).astype(np.float64)
     paced = np.zeros(after.size)
     if stack.paced:
-        w = np.maximum(CUBIC_BETA * window[ack_lost], 2.0)
+        w = np.full(int(ack_lost.sum()), RTO_PACED_WINDOW)
         paced[ack_lost] = paced_seconds(rtt[ack_lost], wait[ack_lost] + rtt[ack_lost], segments[ack_lost], w,
-                                        tau[ack_lost])  # fmt: skip
+                                        tau[ack_lost], ratio=rto_pacing_ratio(q[ack_lost]))  # fmt: skip
     charged = np.where(rest_unsent, cost + wait, np.maximum(cost, cost + wait - gap)) + paced
     held = ack_lost & (charged > cost + paced)
     return np.where(held, charged, cost), np.where(held, rounds, 0)
@@ -606,6 +646,10 @@ def draw_repair_seconds(
     if hold is not None and bursts is not None and bursts.cleared is not None:
         probe_q = chain_loss(bursts, bursts.cleared, after_loss=True)
     previous = np.full(n, -2, dtype=np.int64)
+    # recovery episodes: a loss sent after the episode's high_seq, a window past its first loss, starts the next
+    window = loss_window_packets(q)
+    episode_start = np.full(n, -1, dtype=np.int64)
+    episode = np.zeros(n)
     for _ in range(int(packets.max(initial=0)) + 1):
         if lost.size == 0:
             break
@@ -625,11 +669,14 @@ def draw_repair_seconds(
             probe_q=None if probe_q is None else probe_q[lost],
             packets=packets[lost],
         )
-        extra[lost] = np.maximum(extra[lost], cost)
+        new = (episode_start[lost] < 0) | (position - episode_start[lost] > window[lost])
+        extra[lost] += np.where(new, episode[lost], 0.0)
+        episode[lost] = np.where(new, cost, np.maximum(episode[lost], cost))
+        episode_start[lost] = np.where(new, position, episode_start[lost])
         fired[lost] += timers
         previous = position
         position = next_loss(rng, q, bursts, position, lost)
         keep = position < packets[lost]
         lost, position, previous = lost[keep], position[keep], previous[keep]
-    extra += window_reduction_seconds(rtt_s, packet_s)
+    extra += episode + window_reduction_seconds(rtt_s, packet_s)
     return extra, fired
