@@ -351,9 +351,9 @@ class Replanner:
         """One window's link rates; a :class:`Decision` when the schedule changes, else None. ``probe`` (bytes per
         pair -> the rate of every pair) is run when slow links are confirmed and no probe ran in the last
         ``probe_windows`` windows; its rates then replace everything measured before, except the confirmed slow
-        links that it reads faster (see the module docstring). ``call_s`` (the window's
-        median call, in seconds) is asked for when a schedule is to be chosen: a step's latency is then at least
-        what the call took beyond its transfers (:meth:`_latency_s`)."""
+        links that it reads faster (see the module docstring). ``call_s`` (the window's median call, in seconds) is
+        asked for when a schedule is to be chosen: a step's latency is then at least what the call took beyond its
+        transfers (:meth:`_latency_s`)."""
         identity = tuple(range(self.world_size))
         self._since_change += 1
         if self._since_probe is not None:
