@@ -205,14 +205,28 @@ def test_a_healthy_group_never_runs_the_probe() -> None:
         assert planner.observe(rates, size_bytes=SIZE, alpha_s=ALPHA, probe=probe) is None
 
 
-def test_a_probe_that_finds_nothing_slow_keeps_the_order_and_says_so() -> None:
+def test_a_confirmed_slow_link_that_the_probe_reads_fast_stays_slow_and_is_routed_around() -> None:
+    """The probe is short, and read ring hops that the windows had confirmed on a slow cable 2-10 times faster than
+    they were: its reading replaces a confirmed slow link's only where it is slower."""
     planner = Replanner(N, ReplanRule(confirm_windows=1))
     decision = planner.observe(_counted(_ring_rates(planner.order, {(3, 4): 1e7})), size_bytes=SIZE, alpha_s=ALPHA,
                                probe=lambda pair_bytes: _pairs({}))  # fmt: skip
+    assert decision is not None
+    assert (3, 4) not in set(_ring_rates(decision.order, {}))
+    assert "probed 56 pairs with 11 MiB each: 1 (3->4) slow (1 read faster by the probe, slow as confirmed): " in (
+        decision.reason
+    )
+
+
+def test_a_probe_after_which_no_schedule_is_faster_keeps_the_order_and_says_so() -> None:
+    """64 bytes a call: the steps' latency is all a call costs, and no order gains 1.25x on it."""
+    planner = Replanner(N, ReplanRule(confirm_windows=1))
+    decision = planner.observe(_counted(_ring_rates(planner.order, {(3, 4): 1e7})), size_bytes=64, alpha_s=ALPHA,
+                               probe=lambda pair_bytes: _pairs({(3, 4): 1e7}))  # fmt: skip
     assert decision is None
     assert planner.order == tuple(range(N))
     assert planner.probes == ["link 3->4 at 1% of the others' median for 50 calls; probed 56 pairs with 11 MiB each: "
-                              "none slow: schedule kept (no schedule predicted 1.25x faster)"]  # fmt: skip
+                              "1 (3->4) slow: schedule kept (no schedule predicted 1.25x faster)"]  # fmt: skip
 
 
 @pytest.mark.parametrize("slow_Bps", [1e5, 2.5e6, 3e7])
@@ -236,6 +250,36 @@ def test_a_slow_cable_under_most_of_the_ring_is_named_by_the_gap_below_the_other
             (114.87, 45.95, 287.18), (143.59, 51.97, 396.75), (1148.72, 105.31, 12530.62)]  # fmt: skip
     rates = {(i, (i + 1) % N): MeasuredRate(*(1e6 * r for r in rate)) for i, rate in enumerate(read)}
     assert slow_links(rates, 0.25) == {(i, i + 1) for i in range(5)}
+
+
+def test_a_slow_cable_under_six_of_eight_hops_is_named_by_the_gap_below_the_two_others() -> None:
+    """Six of eight ring links behind one slow cable (a twentieth): two links above the gap, and the kernel's
+    counts say how fast they certainly were (a window of an emulated Clos at load 14, senders' counters, MB/s)."""
+    read = [(0.88, 0.81, 0.95), (0.90, 0.83, 0.98), (0.92, 0.84, 1.00), (0.92, 0.84, 1.00), (0.93, 0.85, 1.01),
+            (0.95, 0.87, 1.04), (60.46, 30.77, 118.78), (127.64, 48.75, 334.15)]  # fmt: skip
+    rates = {(i, (i + 1) % N): MeasuredRate(*(1e6 * r for r in rate)) for i, rate in enumerate(read)}
+    assert slow_links(rates, 0.25) == {(i, i + 1) for i in range(6)}
+
+
+def test_a_kernel_count_above_seven_slow_links_names_them() -> None:
+    rates = {(i, (i + 1) % N): MeasuredRate(1e6, 0.9e6, 1.1e6) for i in range(N - 1)}
+    rates[(N - 1, 0)] = MeasuredRate(1.2e8, 5e7, math.inf)  # never seen busy: its lowest rate is what it reached
+    assert slow_links(rates, 0.25) == {(i, i + 1) for i in range(N - 1)}
+
+
+def test_two_receivers_records_far_above_the_others_are_no_gap() -> None:
+    """A receiver that never waited for a link's data times it at any rate: two such links are not "the others"."""
+    rates = {(i, (i + 1) % N): 1e6 for i in range(N - 2)} | {(N - 2, N - 1): 1e9, (N - 1, 0): 1e9}
+    assert slow_links(rates, 0.25) == frozenset()
+
+
+def test_a_healthy_window_with_one_link_above_the_rest_has_no_gap() -> None:
+    """The healthy ring's window whose top link stood furthest above the others (emulated Clos, load 17): its
+    lowest rate is 1.7 times below the others' highest, nowhere near a quarter."""
+    read = [(30.88, 19.07, 50.0), (32.14, 19.59, 52.72), (34.03, 20.45, 56.61), (35.64, 21.1, 60.21),
+            (38.02, 22.13, 65.31), (38.29, 22.29, 65.78), (38.84, 22.61, 66.72), (88.36, 39.32, 198.58)]  # fmt: skip
+    rates = {(i, (i + 1) % N): MeasuredRate(*(1e6 * r for r in rate)) for i, rate in enumerate(read)}
+    assert slow_links(rates, 0.25) == frozenset()
 
 
 def test_a_healthy_windows_spread_has_no_gap() -> None:

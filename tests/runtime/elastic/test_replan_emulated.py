@@ -42,7 +42,10 @@ INTERLEAVED = (0, 4, 1, 5, 2, 6, 3, 7)  # ring neighbours sit on different leave
 # of CPU are not network-limited for part of a transfer, which the kernel's count leaves out. The other hops read
 # 45-80 MB/s (95-1,150 at load 4: their receivers short of CPU), so a quarter of their lows (6-9 MB/s) stayed below
 # the slow hops' highs and nothing was confirmed; at load 4 the same cable's hops read 1.7-2.2 MB/s. At a twentieth,
-# 3 of 3 runs beside the same loops (load 10-16) read them at 1.4-2.1 MB/s and re-planned after call 20.
+# 3 of 3 runs beside the same loops (load 10-16) read them at 1.4-2.1 MB/s and re-planned after call 20. Later runs
+# at a twentieth that re-planned nothing (3 of 9 beside eight loops, load 14-15; none counted a microsecond as
+# sndbuf-limited) were those whose hash put six of the eight hops on the cable: read at 0.8-1.0 MB/s beside 60-290
+# MB/s for the two others, named by the gap only since the kernel's counts above a gap need not be three.
 SLOW_CABLE = ("leaf0<->spine0", 0.05)
 CALLS = 60
 CONFIRMED_AFTER = (20, 30, 40, 50)
@@ -114,10 +117,15 @@ def test_one_probe_and_the_ring_crosses_the_slow_cable_nowhere(tmp_path: Path) -
     assert all(r["exact"] for r in reports)
     assert len({tuple(r["replans"]) for r in reports}) == 1  # every rank decided the same
     replans = reports[0]["replans"]
-    if not crossing & {(i, (i + 1) % 8) for i in range(8)}:
+    hops = {(i, (i + 1) % 8) for i in range(8)}
+    if not crossing & hops:
         # The switches' hash kept every ring hop off the slow cable (CI run 27 found no crossing among the
         # connections the ranks held at the end): there is nothing to route around, and nothing may change.
         assert replans == [], (replans, sorted(paths.paths), len(seen))
+        return
+    if hops <= crossing:
+        # The hash put every hop on the cable (1 run in 256): each is as slow as the others, and the rule compares
+        # a window's links with each other, so there is no slow link to name (docs/reliability.md says so).
         return
     assert len(replans) == 1, replans
     change = replans[0]

@@ -29,7 +29,11 @@ The rule, with hysteresis so that noise never flaps the order:
 - over TCP, once the slow links are confirmed and before the order is chosen, the group measures every ordered
   pair (:mod:`._replan_probe`: one pairwise all-to-all on the group's own connections, sized so that the interval
   rule resolves a pair as slow as the confirmed link, read from the senders' counters) and the α–β model is fed
-  all their rates, so the new order avoids every slow pair at once, not only those the old ring used; the probe
+  all their rates, so the new order avoids every slow pair at once, not only those the old ring used, and the
+  links the windows confirmed slow, which the probe's reading replaces only where it is slower: the probe is short,
+  and on an emulated Clos with one spine cable at a twentieth it read 2-5 of the 4-5 ring hops that the windows had
+  confirmed on the cable (0.87-0.97 MB/s) at 2.1-10 MB/s, not slow beside the median pair's lowest 7.5-9.7 MB/s (in
+  five runs of seven at load 9-17; a new ring that took one back was re-planned again a window later); the probe
   runs at most once per ``probe_windows`` windows (between two, decisions stand on the rates measured so far), and
   a healthy group never runs it, since nothing is confirmed there; with all pairs known, every ring order is
   scored (up to 9 ranks), slowest link first;
@@ -240,18 +244,24 @@ def sender_rates(before: npt.NDArray[np.float64], after: npt.NDArray[np.float64]
 
 SPLIT_MIN_ABOVE = 3
 """A group of slow links is named by its gap (:func:`slow_links`) only below at least this many links that are
-clearly faster: with fewer, the "others" could be two links that merely never waited."""
+clearly faster, where one of those is a receiver's record: a receiver that never waited for a link's data times it at
+any rate, so with fewer the "others" could be two links that merely never waited. Above the kernel's counts one link
+is enough: a count's lowest rate is the bytes the link delivered over the longest time the count allows, a rate it
+certainly reached (never waiting makes its interval wide, not its lowest rate high)."""
 
 
 def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link]:
     """The links whose highest possible rate is below ``slow_ratio`` times the median of the others' lowest (none
     with fewer than three links measured: with two, neither is "the others"), and the links below a gap: when the
     links sorted by their highest rate split into a lower group whose highest rates are all below ``slow_ratio``
-    times the lowest rate of every link above it (at least :data:`SPLIT_MIN_ABOVE` of them), the lower group is
-    slow. The gap names the slow links when they are most of the ring, where the median is one of them: a slow
-    spine cable that the switches' hash gave five of a ring's eight hops read 1.7-3.3 MB/s beside 34-1,150 MB/s
-    for the three others (senders' counters, an emulated 2x2 Clos at 25 MB/s a cable, one at a tenth); the healthy
-    ring's windows there read 20-50 MB/s at the bottom and never split."""
+    times the lowest rate of every link above it (at least :data:`SPLIT_MIN_ABOVE` of them, or one where all are
+    the kernel's counts), the lower group is slow. The gap names the slow links when they are most of the ring,
+    where the median is one of them: a slow spine cable that the switches' hash gave five of a ring's eight hops
+    read 1.7-3.3 MB/s beside 34-1,150 MB/s for the three others (senders' counters, an emulated 2x2 Clos at 25 MB/s
+    a cable, one at a tenth), and one that it gave six read 0.8-1.0 MB/s beside 60-290 MB/s for the two others (one
+    at a twentieth; every hop's highest rate at most 3.4% of the two's lowest); the healthy ring's windows there
+    never split: with one or two links above, the lower group's highest rates were at least 1.7 times the lowest
+    above them (100 windows at load 12-18)."""
     if len(rates) < 3:
         return frozenset()
     lows = {link: _low(rate) for link, rate in rates.items()}
@@ -261,8 +271,11 @@ def slow_links(rates: Mapping[Link, float], slow_ratio: float) -> frozenset[Link
         if _high(rate) < slow_ratio * others:
             slow.append(link)
     by_high = sorted(rates, key=lambda link: (_high(rates[link]), link))
-    for below in range(len(by_high) - SPLIT_MIN_ABOVE, 0, -1):  # the widest lower group first
-        lowest_above = min(lows[link] for link in by_high[below:])
+    for below in range(len(by_high) - 1, 0, -1):  # the widest lower group first
+        above = by_high[below:]
+        if len(above) < SPLIT_MIN_ABOVE and not all(isinstance(rates[link], MeasuredRate) for link in above):
+            continue
+        lowest_above = min(lows[link] for link in above)
         if _high(rates[by_high[below - 1]]) < slow_ratio * lowest_above:
             slow.extend(by_high[:below])
             break
@@ -337,9 +350,10 @@ class Replanner:
     ) -> Decision | None:
         """One window's link rates; a :class:`Decision` when the schedule changes, else None. ``probe`` (bytes per
         pair -> the rate of every pair) is run when slow links are confirmed and no probe ran in the last
-        ``probe_windows`` windows; its rates then replace everything measured before. ``call_s`` (the window's
-        median call, in seconds) is asked for when a schedule is to be chosen: a step's latency is then at least
-        what the call took beyond its transfers (:meth:`_latency_s`)."""
+        ``probe_windows`` windows; its rates then replace everything measured before, except the confirmed slow
+        links that it reads faster (see the module docstring). ``call_s`` (the window's median call, in seconds) is
+        asked for when a schedule is to be chosen: a step's latency is then at least what the call took beyond its
+        transfers (:meth:`_latency_s`)."""
         identity = tuple(range(self.world_size))
         self._since_change += 1
         if self._since_probe is not None:
@@ -378,11 +392,14 @@ class Replanner:
             pair_bytes = probe_pair_bytes(max(_high(rates[link]) for link in slow))
             measured = probe(pair_bytes)
             self._since_probe = 0
-            if len(measured) >= 3:  # every pair measured at once: the earlier windows' rates are older news
+            if len(measured) >= 3:  # every pair measured at once: the earlier windows' rates are older news,
                 found = slow_links(measured, self.rule.slow_ratio)
+                kept = {link: rates[link] for link in self._seen - found}  # but for the slow links they confirmed
+                measured, found = {**measured, **kept}, found | frozenset(kept)
                 self._last_rates = _cautious(measured, found)
                 self._estimates = {link: float(rate) for link, rate in measured.items()}
                 probed = f"; probed {len(measured)} pairs with {pair_bytes / 2**20:.2g} MiB each: {_named(found)} slow"
+                probed += f" ({len(kept)} read faster by the probe, slow as confirmed)" if kept else ""
         return self._choose(seen, probed, median=median, size_bytes=size_bytes, alpha_s=alpha_s, call_s=call_s)
 
     def _latency_s(self, ranks: tuple[int, ...], size_bytes: float, alpha_s: float, call_s: float) -> float:
