@@ -39,7 +39,9 @@ class Links:
         self.stamp = 0
 
     def net(self) -> tuple[Any, ...]:
-        pair = np.arange(len(self.paths), dtype=np.int64)  # transfer x is block x and pair x
+        # Transfer x is block x and pair x; pairs are 32-bit as the layout holds them (the kernel's own types: one
+        # compiled re-solve for both).
+        pair = np.arange(len(self.paths), dtype=np.int32)
         return (
             pair,
             self.pair_ptr,
