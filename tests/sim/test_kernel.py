@@ -1,6 +1,7 @@
-"""The compiled per-event core (sim/_kernel.py, numba) against the pure-Python per-event core it compiles
-(sim/_event.py's _Run), transfer by transfer; engine="event" with the kernel against the same with the kernel
-switched off (ALLREDUCE_SIM_KERNEL=numpy: the windowed and per-event numpy cores)."""
+"""The compiled per-event core (sim/_kernel.py, numba) against the pure-Python per-event core (sim/_event.py's
+_Run: the same events, its rates re-solved over whole components rather than lazily), transfer by transfer, to
+1e-9; engine="event" with the kernel against the same with the kernel switched off (ALLREDUCE_SIM_KERNEL=numpy:
+the windowed and per-event numpy cores)."""
 
 from __future__ import annotations
 

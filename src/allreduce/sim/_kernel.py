@@ -1,13 +1,13 @@
 """The per-event core of :mod:`allreduce.sim._event`, compiled with numba (the optional ``fast`` extra).
 
-The same model, events and formulas as ``_Run``: one queue of events ordered by (time, counter)
-(sim/_kernel_heap.py), events due within _EVENT_RTOL of the earliest processed together, then one re-solve of
-the max-min fair rates of the transfers connected to a changed link, less those whose rate cannot have changed
-(sim/_kernel_fluid.py: the threshold of ``_Run._threshold``, progressive filling with running sums for a few
-transfers as ``_Run._fill_python``, level by level as ``sim/_fair.fill_dense`` for more). Flows and links are
-arrays, not objects: the draining transfers on a link are an intrusive linked list in insertion order (the
-order of ``_Run``'s dicts), and a transfer whose rate changed has its drain event moved. Summation orders follow
-the Python core's, so results agree with it bit for bit where the tests check them (to 1e-9).
+The same model and events as ``_Run``: one queue of events ordered by (time, counter) (sim/_kernel_heap.py),
+events due within _EVENT_RTOL of the earliest processed together, then one re-solve of the max-min fair rates,
+replayed lazily from the changed links outwards where they can have changed (sim/_kernel_levels.py), not over
+the whole component of transfers sharing links with them as ``_Run`` does. Flows and links are arrays, not
+objects: the draining transfers on a link are an intrusive linked list in insertion order (the order of
+``_Run``'s dicts), and a transfer whose rate changed has its drain event moved. The rates are the same max-min
+fair rates as ``_Run``'s, to rounding (sums in other orders): results agree with it to 1e-9 relative, except
+where rounding-sized changes move a run by more (benchmarks/bench_engines.py --against --rtol).
 
 The compiled code allocates nothing and takes no references (sim/_jit.py): :func:`run_kernel` makes every
 array up front, sized by the most transfers that can be in flight at once (each rank's largest step), and
@@ -26,16 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.sim._jit import KERNEL_ENV, available, inline, njit
-from allreduce.sim._kernel_fluid import (
-    dense_scratch,
-    fill_dense,
-    fill_small,
-    number_path,
-    sort_ids,
-    summable_links,
-    threshold,
-)
-from allreduce.sim._kernel_heap import DELIVER, DRAIN, START, grow, pop, push, seeded
+from allreduce.sim._kernel_heap import DELIVER, DRAIN, START, grow, pop, push, seeded, sort_ids
+from allreduce.sim._kernel_levels import resolve, solve_scratch
 
 __all__ = ["KERNEL_ENV", "available", "run_kernel"]
 
@@ -45,10 +37,6 @@ FloatArray = npt.NDArray[np.float64]
 # The same tolerances as the per-event core (sim/_event.py) and sim/_fair.py.
 _EVENT_RTOL = 1e-12
 _LEVEL_RTOL = 1e-9
-# Components with more draining transfers than this are filled level by level with fresh sums (as
-# sim/_fair.fill_dense), smaller ones with running sums (as _Run._fill_python): the per-event core's split.
-_DENSE_MIN_FLOWS = 16
-
 # How many deliveries between two calls of the progress callback (as the per-event core).
 _PROGRESS_EVERY = 4096
 
@@ -78,17 +66,17 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
     pair, pair_ptr, pair_link, pair_weight, capacity = route
     nbytes, latency, send_slot, recv_slot, slot_ptr, slot_member, slot_rank, rank_stop_slot, delay = program
     slot_start, slot_end, slot_last, trigger, start_s, drained_s, delivered_s, rank_end, slowest, bottleneck = out
-    pending, ready, holder, blocks, lists, node_prev, per_link, room, per_flow, small, dense, summable, stats = work
-    rate, left, since, version, comp_pos, free = blocks
+    pending, ready, holder, blocks, lists, node_prev, per_link, per_flow, solver, stats = work
+    rate, left, since, version, free = blocks
     head, node_x, node_w, node_next, shift = lists
-    tail, changed, changed_mark, seen, local, comp_links, stack, small_place = per_link
-    started, members, new_rate, new_bottleneck, old_r, old_w, sort_stack = per_flow
-    small_scratch = (small[0], small[1], small[2], small[3], small[4], small_place)
+    tail, changed, changed_mark = per_link
+    started, members, sort_stack = per_flow
+    net = (pair, pair_ptr, pair_link, capacity, head, node_x, node_w, node_next, shift, rate)
+    blocks_i, new_rate, play_list = solver[3], solver[4], solver[5]
     size, counter, delivered, stamp, num_free = state[0], state[1], state[2], state[3], state[4]
     next_report, need = state[5], state[6]
     num_changed = 0
     num_started = 0
-    drained_rate = np.inf
 
     while size:
         if size + need > heap_t.size or delivered >= next_report:
@@ -138,7 +126,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                             head[link] = node
                         tail[link] = node
                         num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
-                    started[num_started] = x
+                    started[num_started] = block
                     num_started += 1
             elif kind == DELIVER:
                 x = what
@@ -164,7 +152,6 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                 block = what
                 x = node_x[block << shift]
                 drained_s[x] = now
-                drained_rate = min(drained_rate, rate[block])
                 rate[block] = 0.0
                 left[block] = 0.0
                 p = pair[x]
@@ -189,75 +176,31 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
         if not num_changed:
             continue
 
-        # One re-solve for every transfer that came and went at this instant.
-        theta = threshold(started, num_started, drained_rate, route, lists, rate, stamp, (seen, old_r, old_w))
-        # The component: transfers connected to a changed link through shared links, less those below theta
-        # (they keep their rate and only take capacity).
-        num = 0
-        num_comp_links = 0
-        top = 0
-        visited = 0
-        for i in range(num_changed):
-            link = changed[i]
-            local[link] = num_comp_links
-            comp_links[num_comp_links] = link
-            num_comp_links += 1
-            stack[top] = link
-            top += 1
-        while top:
-            top -= 1
-            link = stack[top]
-            room_left = capacity[link]
-            node = head[link]
-            while node >= 0:
-                visited += 1
-                block = node >> shift
-                r = rate[block]
-                if 0.0 < r < theta:
-                    room_left -= node_w[node] * r
-                elif comp_pos[block] == 0:
-                    x = node_x[node]
-                    members[num] = x
-                    num += 1
-                    comp_pos[block] = 1
-                    before = num_comp_links
-                    num_comp_links = number_path(pair[x], route, local, comp_links, num_comp_links)
-                    for j in range(before, num_comp_links):
-                        stack[top] = comp_links[j]
-                        top += 1
-                node = node_next[node]
-            room[link] = room_left
-        sort_ids(members, num, sort_stack)
-        for i in range(num):
-            comp_pos[holder[members[i]]] = i + 1
-            new_rate[i] = np.inf
-            new_bottleneck[i] = -1
+        # One re-solve for every transfer that came and went at this instant: the blocks in play, the ones
+        # whose rate changed listed in transfer order (the order their drain events are pushed in).
+        num = resolve(started, num_started, changed, num_changed, stamp, net, solver)
+        num_moved = 0
+        for k in range(num):
+            block = play_list[k]
+            if new_rate[block] != rate[block]:
+                members[num_moved] = node_x[block << shift]
+                num_moved += 1
+        sort_ids(members, num_moved, sort_stack)
         stats[0] += 1
         stats[1] += num
-        stats[4] += visited
-        if num > _DENSE_MIN_FLOWS:
-            stats[2] += 1
-            comp = (comp_links, num_comp_links, local)
-            stats[3] += fill_dense(members, num, comp, route, room, (new_rate, new_bottleneck), summable, dense)
-        elif num:
-            fill_small(members, num, route, room, lists, comp_pos, (new_rate, new_bottleneck), small_scratch)
-        for j in range(num_comp_links):
-            local[comp_links[j]] = -1
-        for i in range(num):
+        stats[2] += num_moved
+        for i in range(num_moved):
             x = members[i]
             block = holder[x]
-            comp_pos[block] = 0
-            r = new_rate[i]
+            r = new_rate[block]
             old = rate[block]
-            if r == old:
-                continue
             left[block] -= old * (now - since[block])
             since[block] = now
             rate[block] = r
             if r < slowest[x]:
                 # Rates within _LEVEL_RTOL are one level: rounding must not move the bottleneck named.
                 if r < slowest[x] * (1 - _LEVEL_RTOL):
-                    bottleneck[x] = new_bottleneck[i]
+                    bottleneck[x] = blocks_i[2, block]
                 slowest[x] = r
             when = now + max(left[block], 0.0) / r
             version[block] += 1
@@ -265,7 +208,6 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
             counter += 1
         num_changed = 0
         num_started = 0
-        drained_rate = np.inf
         stamp += 1
 
     state[0], state[1], state[2], state[3], state[4] = size, counter, delivered, stamp, num_free
@@ -283,7 +225,7 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
     slowest.fill(np.inf)
     dense = run.bottleneck
     dense.fill(-1)
-    # Rate solves, transfers re-solved, dense fills, their levels, link-list nodes the component searches visited.
+    # Rate solves, transfers in play, rates changed, level groups filled, link-list nodes visited.
     stats = np.zeros(5, dtype=np.int64)
     route = (run.pair, run.pair_ptr, run.pair_link, run.pair_weight, run.link_capacity)
     # As the layout holds them (32-bit where it can): a conversion would copy arrays of millions of entries.
@@ -338,6 +280,8 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
             raise RuntimeError(f"{run.schedule.name}: more than {in_flight} transfers in flight at once")
         if status == _GROW:
             heap_t, heap_k = grow(heap_t, heap_k, int(state[0]), int(need))
+    counters = work[8][-1]
+    stats[3], stats[4] = counters[3], counters[4]
     run.kernel_stats = stats
     found = dense >= 0
     dense[found] = run.used_links[dense[found]]
@@ -374,7 +318,6 @@ def _work(run: Any, in_flight: int, stats: Any) -> tuple[Any, ...]:
         np.zeros(blocks),  # left: bytes still to drain at time since
         np.zeros(blocks),  # since
         np.zeros(blocks, dtype=np.int64),  # version: drain events of older versions are stale
-        np.zeros(blocks, dtype=np.int32),  # comp_pos: 1 + its place among the component's transfers
         np.arange(blocks - 1, -1, -1, dtype=np.int64),  # free blocks, the next at the end
     )
     lists = (
@@ -384,25 +327,15 @@ def _work(run: Any, in_flight: int, stats: Any) -> tuple[Any, ...]:
         np.empty(nodes, dtype=np.int64),  # node_next
         shift,
     )
-    per_link = np.zeros((8, num_links), dtype=np.int64)
-    per_link[0] = -1  # tail
-    per_link[4] = -1  # local: a link's number in the component
-    per_flow = (
-        np.empty(blocks, dtype=np.int64),  # started
-        np.empty(blocks, dtype=np.int64),  # members
-        np.empty(blocks),  # new_rate
-        np.empty(blocks, dtype=np.int64),  # new_bottleneck
-        np.empty(blocks),  # old_r
-        np.empty(blocks),  # old_w
-        np.empty(128, dtype=np.int64),  # sort_stack: the parts a sort of the component's transfers has waiting
+    per_link = (
+        np.full(num_links, -1, dtype=np.int64),  # tail
+        np.empty(num_links, dtype=np.int64),  # changed: the links changed at this instant
+        np.zeros(num_links, dtype=np.int64),  # changed_mark: the instant that last changed the link
     )
-    small = (_DENSE_MIN_FLOWS + 1) * hops
-    small_scratch = (
-        np.empty(small, dtype=np.int64),
-        np.empty(small),
-        np.empty(small, dtype=np.int64),
-        np.empty(small, dtype=np.bool_),
-        np.empty(small, dtype=np.bool_),
+    per_flow = (
+        np.empty(blocks, dtype=np.int64),  # started: blocks that began draining at this instant
+        np.empty(blocks, dtype=np.int64),  # members: transfers whose rate changed
+        np.empty(128, dtype=np.int64),  # sort_stack: the parts a sort of those transfers has waiting
     )
     return (
         np.diff(run.slot_ptr).astype(np.int32),  # pending: transfers per slot not delivered yet
@@ -411,11 +344,8 @@ def _work(run: Any, in_flight: int, stats: Any) -> tuple[Any, ...]:
         block_state,
         lists,
         np.empty(nodes, dtype=np.int64),  # node_prev
-        tuple(per_link),
-        np.empty(num_links),  # room
+        per_link,
         per_flow,
-        small_scratch,
-        dense_scratch(blocks, blocks * hops, num_links),
-        summable_links(run.pair_link, run.pair_weight, num_links),
+        solve_scratch(num_links, blocks, hops),
         stats,
     )

@@ -8,7 +8,8 @@ and the old one goes stale (its version is no longer the transfer's): popped, it
 per-event core's it still opens an instant when it is the earliest, which keeps results bit for bit the same.
 
 The compiled functions allocate nothing (sim/_jit.py): the run makes room before an instant
-(:func:`grow`, numpy) for every event the instant can push.
+(:func:`grow`, numpy) for every event the instant can push. :func:`sort_ids` puts the transfers whose rates
+changed at an instant in order, the order their drain events are pushed in.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy.typing as npt
 
 from allreduce.sim._jit import inline
 
-__all__ = ["DELIVER", "DRAIN", "START", "grow", "pop", "push", "seeded"]
+__all__ = ["DELIVER", "DRAIN", "START", "grow", "pop", "push", "seeded", "sort_ids"]
 
 START = 0  # a rank begins its next step (what: the slot)
 DELIVER = 1  # a transfer's last byte arrived (what: the transfer)
@@ -100,3 +101,45 @@ def pop(times: Any, keys: Any, size: int) -> int:
     keys[3 * i + 1] = item
     keys[3 * i + 2] = version
     return size
+
+
+@inline
+def sort_ids(ids: Any, count: int, stack: Any) -> None:
+    """Sort the distinct ``ids[:count]`` in place: a quicksort (median of three; the larger part waits on
+    ``stack``, at least 128 entries, while the smaller is sorted, so it holds at most log2(count) parts) down
+    to parts of 16, sorted by insertion."""
+    lo, hi = 0, count - 1
+    top = 0
+    while True:
+        if hi - lo < 16:
+            for i in range(lo + 1, hi + 1):
+                x = ids[i]
+                k = i - 1
+                while k >= lo and ids[k] > x:
+                    ids[k + 1] = ids[k]
+                    k -= 1
+                ids[k + 1] = x
+            if top == 0:
+                return
+            top -= 2
+            lo, hi = stack[top], stack[top + 1]
+            continue
+        a, b, c = ids[lo], ids[(lo + hi) >> 1], ids[hi]
+        pivot = max(min(a, b), min(max(a, b), c))
+        i, j = lo, hi
+        while i <= j:
+            while ids[i] < pivot:
+                i += 1
+            while ids[j] > pivot:
+                j -= 1
+            if i <= j:
+                ids[i], ids[j] = ids[j], ids[i]
+                i += 1
+                j -= 1
+        if j - lo < hi - i:
+            stack[top], stack[top + 1] = i, hi
+            hi = j
+        else:
+            stack[top], stack[top + 1] = lo, j
+            lo = i
+        top += 2
