@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from allreduce.sim._jit import available
+from allreduce.sim._jit import available, cache_dir
 
 pytestmark = pytest.mark.slow  # each starts an interpreter that imports numpy and the simulator
 
@@ -40,3 +41,26 @@ def test_a_fast_engine_run_leaves_numba_unimported() -> None:
 @pytest.mark.skipif(not available(), reason="numba (the fast extra) is not installed")
 def test_an_event_engine_run_imports_numba() -> None:
     assert _fresh_python(SIMULATE.format("event")) == "True"
+
+
+def test_the_kernel_cache_is_named_by_every_compiling_module_so_an_edit_of_a_helper_compiles_afresh(
+    tmp_path: Path,
+) -> None:
+    """numba keys a cached function by its own file only: an edit of an inlined helper in another module must
+    change the directory the kernels are cached in."""
+    kernel, helper = tmp_path / "_kernel.py", tmp_path / "_kernel_levels.py"
+    kernel.write_text("from allreduce.sim._jit import njit\n")
+    helper.write_text("LEVEL = 1\n")
+    before = cache_dir([kernel, helper])
+    assert cache_dir([kernel, helper]) == before  # the same sources, the same place
+    helper.write_text("LEVEL = 2\n")
+    assert cache_dir([kernel, helper]) != before
+    assert before.name.startswith("numba-")
+
+
+@pytest.mark.skipif(not available(), reason="numba (the fast extra) is not installed")
+def test_numba_caches_the_kernels_where_cache_dir_says_unless_the_user_chose() -> None:
+    code = (
+        "from allreduce.sim._jit import cache_dir, load_numba\nprint(load_numba().config.CACHE_DIR == str(cache_dir()))"
+    )
+    assert _fresh_python(code) == "True"

@@ -4,17 +4,25 @@ forces the pure numpy/Python cores, so tests can compare the two).
 
 numba is imported when a run first needs the compiled core (:func:`ready`), not with the simulator: its import
 and the loading of the cached kernel cost about 0.6 CPU-seconds, which a run on the fast engine alone never
-repays. Until then :func:`available` answers from whether numba is installed."""
+repays. Until then :func:`available` answers from whether numba is installed.
+
+numba's on-disk cache of a compiled function is keyed by its own file's time stamp only: a kernel whose inlined
+helpers live in another module (``_kernel.py`` calling ``_kernel_levels.py``) would load the old machine code
+after an edit of the helper alone. So the cache lives in a directory named by a digest of every module here that
+compiles code (:func:`cache_dir`), and any edit of any of them compiles afresh; ``NUMBA_CACHE_DIR``, when set,
+is the user's choice and is left alone."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["KERNEL_ENV", "available", "inline", "load_numba", "njit", "ready"]
+__all__ = ["KERNEL_ENV", "available", "cache_dir", "inline", "load_numba", "njit", "ready"]
 
 # Set to "numpy" to run the pure numpy/Python cores even where numba is installed.
 KERNEL_ENV = "ALLREDUCE_SIM_KERNEL"
@@ -34,7 +42,27 @@ def load_numba() -> Any:
         import numba
     except ImportError:  # installed but broken (say, built for another numpy): the numpy cores run
         return None
+    if not os.environ.get("NUMBA_CACHE_DIR"):  # before the first njit: numba picks the place at decoration
+        config: Any = numba.config
+        config.CACHE_DIR = str(cache_dir())
     return numba
+
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _compiling_modules() -> list[Path]:
+    """The simulator's modules that compile code with this one (they import it)."""
+    return sorted(p for p in _HERE.glob("*.py") if p.name != "__init__.py" and "_jit import" in p.read_text())
+
+
+def cache_dir(modules: Iterable[Path] | None = None) -> Path:
+    """Where numba keeps the compiled kernels: ``__pycache__/numba-<digest>`` beside the sources, the digest over
+    ``modules`` (default: every module here that compiles code, and this one), names and bytes."""
+    digest = hashlib.sha256()
+    for path in sorted({*(modules if modules is not None else _compiling_modules()), Path(__file__).resolve()}):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return _HERE / "__pycache__" / f"numba-{digest.hexdigest()[:16]}"
 
 
 def available() -> bool:
