@@ -421,25 +421,37 @@ def _capture(case: Case, *, reps: int, rate_bps: float, where: Path) -> dict[str
             log = ["-i", dev, "-p", "tcp", "-j", "NFLOG", "--nflog-group", str(_NFLOG_GROUP), "--nflog-size", "64"]
             subprocess.run([*ipt, "-I", "PREROUTING", "1", *log, "--nflog-prefix", f"in{link}"], check=True)
             subprocess.run([*ipt, "-A", "PREROUTING", *log, "--nflog-prefix", f"ok{link}"], check=True)
-        readers = {}
-        for ns in sorted({ns for ns, _ in ends.values()}):
-            cmd = ["ip", "netns", "exec", ns, sys.executable, "-c", _NFLOG_READER, str(_NFLOG_GROUP), str(where / ns)]
-            readers[ns] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        for reader in readers.values():
-            assert reader.stdout is not None
-            assert reader.stdout.readline().strip() == "ready"
-        started = time.time()
-        result = run(
-            built,
-            algorithm=case.algorithm,
-            sizes=[case.size_bytes],
-            reps=reps,
-            lossy_links=links,
-            loss_burst=spec.loss_burst(built),
-        )
-        time.sleep(1.5)  # the log flushes every 0.1 s
-        for reader in readers.values():
-            reader.terminate()
+        readers: dict[str, subprocess.Popen[str]] = {}
+        try:
+            for ns in sorted({ns for ns, _ in ends.values()}):
+                cmd = [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-c",
+                    _NFLOG_READER,
+                    str(_NFLOG_GROUP),
+                    str(where / ns),
+                ]
+                readers[ns] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            for ns, reader in readers.items():
+                if reader.stdout is None or reader.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"the firewall log's reader in {ns} did not start")
+            started = time.time()
+            result = run(
+                built,
+                algorithm=case.algorithm,
+                sizes=[case.size_bytes],
+                reps=reps,
+                lossy_links=links,
+                loss_burst=spec.loss_burst(built),
+            )
+            time.sleep(1.5)  # the log flushes every 0.1 s
+        finally:
+            for reader in readers.values():
+                reader.terminate()
         lost = [ns for ns, reader in readers.items() if reader.wait() != 0]
         names = {link: built.topology.link_name(link) for link in links}
         stay = {link: 1 - spec.losses(built)[link].leave_probability() for link in links}
@@ -585,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         args.dir.mkdir(parents=True, exist_ok=True)
     rate_bps = parse_bandwidth(args.rate, what="--rate") * 8
     if args.bursts is not None:
+        if args.predict_only:
+            parser.error("--bursts measures: not with --predict-only")
         if len(cases) != 1 or not 1 <= args.bursts <= 1000:
             parser.error(f"--bursts: one case (--only matched {len(cases)}) and 1 to 1,000 repetitions")
         captured = _capture(cases[0], reps=args.bursts, rate_bps=rate_bps, where=args.dir)
