@@ -2,6 +2,7 @@
 measured and predicted side by side.
 
     sudo .venv/bin/python benchmarks/bench_tail_loss.py --dir runs/tail-grid [--only SUBSTRING] [--no-wait]
+    sudo .venv/bin/python benchmarks/bench_tail_loss.py --dir runs/bursts --only CASE --bursts REPS
     .venv/bin/python benchmarks/bench_tail_loss.py --dir runs/tail-grid --predict-only [--samples 20000]
 
 Each case builds a 4-host two-leaf Clos with one spine (1:1, or 4:1 with ``oversub=4``: the uplinks carry a
@@ -28,17 +29,28 @@ stopped; ``--predict-only`` recomputes every prediction from the stored files (n
 each case the benchmark waits until the 1-minute load average is below ``--max-load`` (4), unless
 ``--no-wait``; the load at the start and end of each case is stored and printed. Needs root, iproute2 and
 iptables to measure.
+
+``--bursts REPS`` measures one case (``--only``) with the firewall's log (NFLOG, a reader per namespace) before
+and after the loss rules of every lossy link, so every TCP packet that arrived and whether it was dropped are
+known in order: it prints the lengths of the runs of dropped packets per link against the geometric law of the
+chain (``stay``, the probability that the packet after a dropped one is dropped too), and every burst held over a
+silence of the link (50 ms or more between two of its packets, before the first that passed), with the drops
+other links had meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
 import statistics
+import struct
+import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,6 +342,227 @@ def _summary(stack: str, cases: list[tuple[str, Compared]]) -> list[str]:
     return lines
 
 
+# The reader of the firewall's log in one namespace: binds an NFLOG group, writes (seconds, nanoseconds, prefix,
+# the packet's first 60 bytes) per message until SIGTERM. A socket asking for receive timestamps makes the kernel
+# stamp every packet it receives (NFULA_TIMESTAMP).
+_NFLOG_READER = r"""
+import signal, socket, struct, sys
+group, out = int(sys.argv[1]), open(sys.argv[2], "wb")
+def attr(kind, payload):
+    body = struct.pack("=HH", 4 + len(payload), kind) + payload
+    return body + bytes(-len(body) % 4)
+def config(*attrs):
+    body = struct.pack("=BBH", 0, 0, socket.htons(group)) + b"".join(attrs)
+    return struct.pack("=IHHII", 16 + len(body), (4 << 8) | 1, 1, 1, 0) + body
+s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)
+s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)
+s.bind((0, 0))
+stamps = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+stamps.setsockopt(socket.SOL_SOCKET, 35, 1)
+s.send(config(attr(1, b"\x01")))
+s.send(config(attr(2, struct.pack(">IBB", 64, 2, 0)), attr(4, struct.pack(">I", 10))))
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+s.settimeout(0.2)
+lost = 0
+print("ready", flush=True)
+while not stop:
+    try:
+        data = s.recv(1 << 20)
+    except TimeoutError:
+        continue
+    except OSError:
+        lost += 1
+        continue
+    at = 0
+    while at + 16 <= len(data):
+        length, kind = struct.unpack_from("=IH", data, at)
+        if length < 16:
+            break
+        if kind == 4 << 8:
+            a, fields = at + 20, {}
+            while a + 4 <= at + length:
+                alen, akind = struct.unpack_from("=HH", data, a)
+                if alen < 4:
+                    break
+                fields[akind & 0x3FFF] = data[a + 4 : a + alen]
+                a += (alen + 3) & ~3
+            sec, usec = struct.unpack(">QQ", fields.get(3, bytes(16))[:16])
+            prefix = fields.get(10, b"").rstrip(b"\0")[:16]
+            out.write(struct.pack("=QI16s60s", sec, usec * 1000, prefix, fields.get(9, b"")[:60]))
+        at += (length + 3) & ~3
+out.close()
+sys.exit(1 if lost else 0)
+"""
+_RECORD = struct.Struct("=QI16s60s")
+_NFLOG_GROUP = 7
+HELD_GAP_S = 0.05  # a silence of the link this long within a burst: every flow crossing it stopped
+
+
+def _receiving_ends(built: Any, links: list[int]) -> dict[int, tuple[str, str]]:
+    """(namespace, device) where each directed link's packets arrive (where its loss rules are)."""
+    ends = {}
+    for cable in built.cables:
+        ends[cable.link_ab] = (built.namespaces[cable.b], cable.b_dev)
+        ends[cable.link_ba] = (built.namespaces[cable.a], cable.a_dev)
+    return {link: ends[link] for link in links}
+
+
+def _capture(case: Case, *, reps: int, rate_bps: float, where: Path) -> dict[str, Any]:
+    """Run ``case`` with every lossy link's arrivals logged before and after its loss rules; per link, the
+    arrivals in order as (time, identity, source host, destination host, payload bytes, dropped)."""
+    spec = _spec(case, rate_bps)
+    load_before = os.getloadavg()
+    with running(spec) as built:
+        links = sorted(spec.losses(built))
+        ends = _receiving_ends(built, links)
+        for link, (ns, dev) in ends.items():
+            ipt = ["ip", "netns", "exec", ns, "iptables", "-w", "-t", "raw"]
+            log = ["-i", dev, "-p", "tcp", "-j", "NFLOG", "--nflog-group", str(_NFLOG_GROUP), "--nflog-size", "64"]
+            subprocess.run([*ipt, "-I", "PREROUTING", "1", *log, "--nflog-prefix", f"in{link}"], check=True)
+            subprocess.run([*ipt, "-A", "PREROUTING", *log, "--nflog-prefix", f"ok{link}"], check=True)
+        readers: dict[str, subprocess.Popen[str]] = {}
+        try:
+            for ns in sorted({ns for ns, _ in ends.values()}):
+                cmd = [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-c",
+                    _NFLOG_READER,
+                    str(_NFLOG_GROUP),
+                    str(where / ns),
+                ]
+                readers[ns] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            for ns, reader in readers.items():
+                if reader.stdout is None or reader.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"the firewall log's reader in {ns} did not start")
+            started = time.time()
+            result = run(
+                built,
+                algorithm=case.algorithm,
+                sizes=[case.size_bytes],
+                reps=reps,
+                lossy_links=links,
+                loss_burst=spec.loss_burst(built),
+            )
+            time.sleep(1.5)  # the log flushes every 0.1 s
+        finally:
+            for reader in readers.values():
+                reader.terminate()
+        lost = [ns for ns, reader in readers.items() if reader.wait() != 0]
+        names = {link: built.topology.link_name(link) for link in links}
+        stay = {link: 1 - spec.losses(built)[link].leave_probability() for link in links}
+    arrived: dict[int, list[tuple[float, bytes, int, int, int]]] = {link: [] for link in links}
+    passed: dict[int, set[bytes]] = {link: set() for link in links}
+    for ns in readers:
+        data = (where / ns).read_bytes()
+        for sec, nsec, prefix, packet in _RECORD.iter_unpack(data[: len(data) // _RECORD.size * _RECORD.size]):
+            label = prefix.rstrip(b"\0").decode()
+            ihl = (packet[0] & 15) * 4
+            total = int.from_bytes(packet[2:4], "big")
+            doff = (packet[ihl + 12] >> 4) * 4
+            identity = packet[4:6] + packet[12:20] + packet[ihl : ihl + 16]  # IP id, addresses, ports, seq, ack
+            if label.startswith("in"):
+                arrived[int(label[2:])].append(
+                    (sec + nsec * 1e-9, identity, packet[15], packet[19], total - ihl - doff)
+                )
+            else:
+                passed[int(label[2:])].add(identity)
+    return {
+        "names": names,
+        "stay": stay,
+        "started": started,
+        "lost_log": lost,
+        "load": (load_before[0], os.getloadavg()[0]),
+        "seconds": result.rows[0].seconds,
+        "free_s": result.rows[0].predicted_s,
+        "counted": {name: drops for name, _, drops in result.rows[0].dropped},
+        "arrivals": {
+            link: [(t, src, dst, size, identity not in passed[link]) for t, identity, src, dst, size in sorted(seq)]
+            for link, seq in arrived.items()
+        },
+    }
+
+
+def _runs(arrivals: list[tuple[float, int, int, int, bool]]) -> list[tuple[int, int]]:
+    """(first, last) index of every run of dropped packets."""
+    out, start = [], None
+    for i, (*_, dropped) in enumerate(arrivals):
+        if dropped and start is None:
+            start = i
+        elif not dropped and start is not None:
+            out.append((start, i - 1))
+            start = None
+    if start is not None:
+        out.append((start, len(arrivals) - 1))
+    return out
+
+
+def _report_bursts(captured: dict[str, Any]) -> list[str]:
+    names, arrivals = captured["names"], captured["arrivals"]
+    stay = statistics.mean(captured["stay"].values())
+    lines = [
+        f"# {'link':<14} {'arrived':>7} {'dropped':>7} {'bursts':>6} {'mean':>5} {'>=4':>5} {'>=8':>5} "
+        f"{'>=16':>5} {'longest':>7} {'held':>4} {'counted':>7}"
+    ]
+    lengths, held = [], []
+    for link, seq in arrivals.items():
+        runs = _runs(seq)
+        sizes = [last - first + 1 for first, last in runs]
+        lengths += sizes
+        link_held = 0
+        for first, last in runs:
+            times = [a[0] for a in seq[first : last + 2]]
+            gaps = [b - a for a, b in itertools.pairwise(times)]
+            if gaps and max(gaps) >= HELD_GAP_S:
+                link_held += 1
+                held.append((seq[first][0], link, first, last))
+        if sizes:
+            lines.append(
+                f"# {names[link]:<14} {len(seq):>7} {sum(sizes):>7} {len(sizes):>6} {statistics.mean(sizes):>5.2f} "
+                + " ".join(f"{statistics.mean(n >= k for n in sizes):>5.3f}" for k in (4, 8, 16))
+                + f" {max(sizes):>7} {link_held:>4} {captured['counted'].get(names[link], 0):>7}"
+            )
+    lines.append(
+        f"# every link: {len(lengths)} bursts of mean {statistics.mean(lengths):.2f} packets; P(length >= k) "
+        f"measured (count) against the chain's stay^(k-1), stay {stay:.4f}:"
+    )
+    for k in (2, 4, 8, 12, 16, 24):
+        count = sum(n >= k for n in lengths)
+        lines.append(f"#   k={k:<2} {count / len(lengths):.4f} ({count})  geometric {stay ** (k - 1):.4f}")
+    lines.append(f"# held bursts (a silence of {HELD_GAP_S * 1e3:.0f} ms or more before the first packet that passed):")
+    for at, link, first, last in sorted(held):
+        seq = arrivals[link]
+        end = seq[last + 1][0] if last + 1 < len(seq) else seq[last][0]
+        times = [a[0] for a in seq[first : last + 2]]
+        quiet = next(i for i, (a, b) in enumerate(itertools.pairwise(times)) if b - a >= HELD_GAP_S)
+        kinds = Counter(
+            f"{a[1] - 1}>{a[2] - 1}{'d' if a[3] else 'a'}"
+            for a in seq[max(first, first + quiet - 3) : first + quiet + 1]
+        )
+        later = [round((a[0] - at) * 1e3) for a in seq[first + quiet + 1 : last + 1]]
+        others = sum(1 for other, s in arrivals.items() if other != link for a in s if a[4] and at < a[0] < end)
+        lines.append(
+            f"#   {at - captured['started']:8.3f} s {names[link]:<14} {quiet + 1:>2} dropped before the silence "
+            f"(the last: {', '.join(f'{n} {k}' for k, n in kinds.most_common())}), then at {later} ms; first "
+            f"passed {(end - at) * 1e3:.0f} ms after; other links' drops meanwhile {others}"
+        )
+    slow = [s - captured["free_s"] for s in captured["seconds"]]
+    edges = (0.15, 0.35, 0.8, 1.45, 2.0, 2.9, math.inf)
+    classes = [sum(a <= s < b for s in slow) for a, b in itertools.pairwise(edges)]
+    lines.append(
+        f"# {len(slow)} repetitions: p50 {_percentile(captured['seconds'], 50) * 1e3:.1f} ms, p99 "
+        f"{_percentile(captured['seconds'], 99) * 1e3:.1f} ms; slower by 0.15-0.35, 0.35-0.8, 0.8-1.45, "
+        f"1.45-2.0, 2.0-2.9, 2.9+ s: {classes}; held bursts {len(held)}; load {captured['load'][0]:.2f} -> "
+        f"{captured['load'][1]:.2f}"
+        + (f"; the log lost messages in {captured['lost_log']}" if captured["lost_log"] else "")
+    )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True, type=Path, help="where each case's raw samples are stored (JSON)")
@@ -342,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wait", action="store_true", help="measure whatever the load")
     parser.add_argument("--rate", default=f"{DEFAULT_LOSS_RATE_BPS / 1e6:g}Mbps", help="fastest host link")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--bursts", type=int, metavar="REPS", help="log every lossy link's drops in one case")
     parser.add_argument(
         "--samples",
         type=int,
@@ -362,6 +596,15 @@ def main(argv: list[str] | None = None) -> int:
         check_privileges()
         args.dir.mkdir(parents=True, exist_ok=True)
     rate_bps = parse_bandwidth(args.rate, what="--rate") * 8
+    if args.bursts is not None:
+        if args.predict_only:
+            parser.error("--bursts measures: not with --predict-only")
+        if len(cases) != 1 or not 1 <= args.bursts <= 1000:
+            parser.error(f"--bursts: one case (--only matched {len(cases)}) and 1 to 1,000 repetitions")
+        captured = _capture(cases[0], reps=args.bursts, rate_bps=rate_bps, where=args.dir)
+        print(f"# {cases[0].name}, {args.bursts} repetitions with every lossy link's drops logged")
+        print("\n".join(_report_bursts(captured)))
+        return 0
     print(
         f"# {len(cases)} cases; {args.rate}, CUBIC; {args.samples:,} model samples per case; load average now "
         f"{_load():.2f}; stored in {args.dir}"
