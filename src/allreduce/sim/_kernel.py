@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from allreduce.sim._jit import KERNEL_ENV, available, inline, njit
 from allreduce.sim._kernel_heap import DELIVER, DRAIN, START, grow, pop, push, seeded, sort_ids
-from allreduce.sim._kernel_levels import resolve, solve_scratch
+from allreduce.sim._kernel_levels import resolve_alone, resolve_fill, solve_scratch
 
 __all__ = ["KERNEL_ENV", "available", "run_kernel"]
 
@@ -178,7 +178,9 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
 
         # One re-solve for every transfer that came and went at this instant: the blocks in play, the ones
         # whose rate changed listed in transfer order (the order their drain events are pushed in).
-        num = resolve(started, num_started, changed, num_changed, stamp, net, solver)
+        num = resolve_alone(started, num_started, changed, num_changed, net, solver)
+        if num < 0:
+            num = resolve_fill(started, num_started, changed, num_changed, stamp, net, solver)
         num_moved = 0
         for k in range(num):
             block = play_list[k]
