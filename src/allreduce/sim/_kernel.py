@@ -59,12 +59,14 @@ def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: i
 def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k: Any, state: Any) -> int:  # noqa: PLR0917
     """Run instants until the queue is empty (returns _DONE), it may not have room for the next instant's
     events (_GROW: the caller grows it and calls again) or a progress report is due (_REPORT). ``route``:
-    pair per transfer, pair_ptr, pair_link, pair_weight, link capacity; ``program``: bytes and latency per
-    transfer, its send and receive slots, slot_ptr, slot_member, slot_rank, per rank its stop slot and delay;
-    ``out``: the arrays a run fills in; ``work``: the run's state (:func:`_work`); ``state``: the counts
+    pair per transfer, pair_ptr, pair_link, pair_weight, link capacity; ``program``: bytes per transfer,
+    latency per pair, extra delay per transfer (none: empty), its send and receive slots, slot_ptr,
+    slot_member, slot_rank, per rank its stop slot and delay; ``out``: the arrays a run fills in; ``work``:
+    the run's state (:func:`_work`); ``state``: the counts
     carried from call to call (_SIZE ...)."""
     pair, pair_ptr, pair_link, pair_weight, capacity = route
-    nbytes, latency, send_slot, recv_slot, slot_ptr, slot_member, slot_rank, rank_stop_slot, delay = program
+    nbytes, pair_latency, extra, send_slot, recv_slot, slot_ptr, slot_member, slot_rank, rank_stop_slot, delay = program
+    has_extra = extra.size > 0
     slot_start, slot_end, slot_last, trigger, start_s, drained_s, delivered_s, rank_end, slowest, bottleneck = out
     pending, ready, holder, blocks, lists, node_prev, per_link, per_flow, solver, stats = work
     rate, left, since, version, free = blocks
@@ -101,7 +103,8 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     p = pair[x]
                     if nbytes[x] <= 0 or pair_ptr[p + 1] == pair_ptr[p]:
                         drained_s[x] = now
-                        size = push(heap_t, heap_k, size, now + latency[x], counter, x * 4 + DELIVER, 0)
+                        latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
+                        size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
                         counter += 1
                         continue
                     if num_free == 0:
@@ -171,7 +174,8 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
                 free[num_free] = block
                 num_free += 1
-                size = push(heap_t, heap_k, size, now + latency[x], counter, x * 4 + DELIVER, 0)
+                latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
+                size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
                 counter += 1
         if not num_changed:
             continue
@@ -233,7 +237,8 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
     # As the layout holds them (32-bit where it can): a conversion would copy arrays of millions of entries.
     program = (
         run.nbytes,
-        np.asarray(run.latency, dtype=np.float64),
+        np.asarray(run.pair_latency, dtype=np.float64),
+        np.zeros(0) if run.extra_s is None else np.asarray(run.extra_s, dtype=np.float64),
         run.send_slot,
         run.recv_slot,
         run.slot_ptr,
