@@ -59,13 +59,14 @@ def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: i
 def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k: Any, state: Any) -> int:  # noqa: PLR0917
     """Run instants until the queue is empty (returns _DONE), it may not have room for the next instant's
     events (_GROW: the caller grows it and calls again) or a progress report is due (_REPORT). ``route``:
-    pair per transfer, pair_ptr, pair_link, pair_weight, link capacity; ``program``: bytes per transfer,
-    latency per pair, extra delay per transfer (none: empty), its send and receive slots, slot_ptr,
-    slot_member, slot_rank, per rank its stop slot and delay; ``out``: the arrays a run fills in; ``work``:
-    the run's state (:func:`_work`); ``state``: the counts
-    carried from call to call (_SIZE ...)."""
+    pair per transfer, pair_ptr, pair_link, pair_weight, link capacity; ``program``: fraction of the buffer
+    per transfer, bytes in the buffer, latency per pair, extra delay per transfer (none: empty), its send
+    and receive slots, slot_ptr, slot_member, slot_rank, per rank its stop slot and delay; ``out``: the
+    arrays a run fills in; ``work``: the run's state (:func:`_work`); ``state``: the counts carried from call
+    to call (_SIZE ...)."""
     pair, pair_ptr, pair_link, pair_weight, capacity = route
-    nbytes, pair_latency, extra, send_slot, recv_slot, slot_ptr, slot_member, slot_rank, rank_stop_slot, delay = program
+    fraction, size_bytes, pair_latency, extra, send_slot, recv_slot, slot_ptr, slot_member, slot_rank = program[:9]
+    rank_stop_slot, delay = program[9:]
     has_extra = extra.size > 0
     slot_start, slot_end, slot_last, trigger, start_s, drained_s, delivered_s, rank_end, slowest, bottleneck = out
     pending, ready, holder, blocks, lists, node_prev, per_link, per_flow, solver, stats = work
@@ -101,7 +102,8 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     trigger[x] = slot
                     start_s[x] = now
                     p = pair[x]
-                    if nbytes[x] <= 0 or pair_ptr[p + 1] == pair_ptr[p]:
+                    nbytes = fraction[x] * size_bytes
+                    if nbytes <= 0 or pair_ptr[p + 1] == pair_ptr[p]:
                         drained_s[x] = now
                         latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
                         size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
@@ -112,7 +114,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     num_free -= 1
                     block = free[num_free]
                     holder[x] = block
-                    left[block] = nbytes[x]
+                    left[block] = nbytes
                     since[block] = now
                     rate[block] = 0.0
                     for h in range(pair_ptr[p + 1] - pair_ptr[p]):
@@ -236,7 +238,8 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
     route = (run.pair, run.pair_ptr, run.pair_link, run.pair_weight, run.link_capacity)
     # As the layout holds them (32-bit where it can): a conversion would copy arrays of millions of entries.
     program = (
-        run.nbytes,
+        np.asarray(run.t.fraction, dtype=np.float64),
+        float(run.size_bytes),
         np.asarray(run.pair_latency, dtype=np.float64),
         np.zeros(0) if run.extra_s is None else np.asarray(run.extra_s, dtype=np.float64),
         run.send_slot,

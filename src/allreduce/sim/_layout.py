@@ -121,7 +121,8 @@ class Layout:
         n = schedule.world_size
         t = transfers
         self.t = t
-        self.nbytes = t.fraction * float(size_bytes)
+        self.size_bytes = float(size_bytes)
+        self._nbytes: FloatArray | None = None
         self.delay = np.zeros(n) if rank_delay_s is None else rank_delay_s
 
         # Route each distinct (src, dst) pair once.
@@ -190,6 +191,13 @@ class Layout:
         self.rank_end = np.zeros(self.schedule.world_size)
         self.slowest_rate = np.full(count, np.inf)  # per transfer, filled in when the run ends
         self.bottleneck = np.full(count, -1, dtype=np.int32)
+
+    @property
+    def nbytes(self) -> FloatArray:
+        """Per transfer, its bytes (made on first use: the compiled core multiplies as it starts each)."""
+        if self._nbytes is None:
+            self._nbytes = self.t.fraction * self.size_bytes
+        return self._nbytes
 
     @property
     def latency(self) -> FloatArray:
