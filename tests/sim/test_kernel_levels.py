@@ -107,8 +107,12 @@ class Links:
         return rate
 
 
+# Transfers on links, and the changes made to them: per change, the transfers that start and those that drain.
+History = tuple[Links, list[tuple[list[int], list[int]]]]
+
+
 @st.composite
-def histories(draw: st.DrawFn) -> tuple[Links, list[tuple[list[int], list[int]]]]:
+def histories(draw: st.DrawFn) -> History:
     num_links = draw(st.integers(1, 10))
     num_flows = draw(st.integers(1, 30))
     paths = [
@@ -137,9 +141,7 @@ def histories(draw: st.DrawFn) -> tuple[Links, list[tuple[list[int], list[int]]]
 @pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(histories())
-def test_the_lazy_re_solve_gives_the_full_filling_after_every_change(
-    case: tuple[Links, list[tuple[list[int], list[int]]]],
-) -> None:
+def test_the_lazy_re_solve_gives_the_full_filling_after_every_change(case: History) -> None:
     links, steps = case
     for start, drain in steps:
         links.change(start, drain)
@@ -149,9 +151,7 @@ def test_the_lazy_re_solve_gives_the_full_filling_after_every_change(
 @pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(histories())
-def test_the_shortcut_for_unshared_links_sets_what_the_filling_sets(
-    case: tuple[Links, list[tuple[list[int], list[int]]]],
-) -> None:
+def test_the_shortcut_for_unshared_links_sets_what_the_filling_sets(case: History) -> None:
     # Where no changed link is shared, resolve_alone must leave what resolve_fill leaves, bit for bit: the rate
     # and bottleneck of the transfer in play, every changed link's fill level, the count of level groups.
     links, steps = case
