@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allreduce.sim._fair import fill_dense
-from allreduce.sim._kernel_levels import resolve, solve_scratch
+from allreduce.sim._kernel_levels import resolve, resolve_alone, resolve_fill, solve_scratch
 
 WEIGHTS = (1.0, 0.5, 0.25, 1 / 3)
 HOPS = 4
@@ -74,6 +74,12 @@ class Links:
 
     def change(self, start: list[int], drain: list[int]) -> None:
         """Transfers ``drain`` stop draining and ``start`` begin, then one re-solve."""
+        started, links = self.prepare(start, drain)
+        num = resolve(started, started.size, links, links.size, self.stamp, self.net(), self.scratch)
+        self.take(num)
+
+    def prepare(self, start: list[int], drain: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The lists changed as ``change`` changes them; returns the blocks started and the links changed."""
         changed = sorted({link for x in start + drain for link in self.paths[x]})
         for x in drain:
             self.draining.remove(x)
@@ -83,9 +89,10 @@ class Links:
             self.rate[x] = 0.0
         self._relink()
         self.stamp += 1
-        started = np.asarray(start, dtype=np.int64)
-        links = np.asarray(changed, dtype=np.int64)
-        num = resolve(started, started.size, links, links.size, self.stamp, self.net(), self.scratch)
+        return np.asarray(start, dtype=np.int64), np.asarray(changed, dtype=np.int64)
+
+    def take(self, num: int) -> None:
+        """The rates of the ``num`` blocks the re-solve put in play."""
         new_rate, play_list = self.scratch[4], self.scratch[5]
         for block in play_list[:num]:
             self.rate[block] = new_rate[block]
@@ -100,8 +107,12 @@ class Links:
         return rate
 
 
+# Transfers on links, and the changes made to them: per change, the transfers that start and those that drain.
+History = tuple[Links, list[tuple[list[int], list[int]]]]
+
+
 @st.composite
-def histories(draw: st.DrawFn) -> tuple[Links, list[tuple[list[int], list[int]]]]:
+def histories(draw: st.DrawFn) -> History:
     num_links = draw(st.integers(1, 10))
     num_flows = draw(st.integers(1, 30))
     paths = [
@@ -130,10 +141,43 @@ def histories(draw: st.DrawFn) -> tuple[Links, list[tuple[list[int], list[int]]]
 @pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(histories())
-def test_the_lazy_re_solve_gives_the_full_filling_after_every_change(
-    case: tuple[Links, list[tuple[list[int], list[int]]]],
-) -> None:
+def test_the_lazy_re_solve_gives_the_full_filling_after_every_change(case: History) -> None:
     links, steps = case
     for start, drain in steps:
         links.change(start, drain)
         np.testing.assert_allclose(links.rate[links.draining], links.full(), rtol=1e-9)
+
+
+@pytest.mark.slow
+@settings(max_examples=100, deadline=None)
+@given(histories())
+def test_the_shortcut_for_unshared_links_sets_what_the_filling_sets(case: History) -> None:
+    # Where no changed link is shared, resolve_alone must leave what resolve_fill leaves, bit for bit: the rate
+    # and bottleneck of the transfer in play, every changed link's fill level, the count of level groups.
+    links, steps = case
+    for start, drain in steps:
+        started, changed = links.prepare(start, drain)
+        shortcut = tuple(np.copy(a) for a in links.scratch)
+        num = resolve_alone(started, started.size, changed, changed.size, links.net(), shortcut)
+        full = resolve_fill(started, started.size, changed, changed.size, links.stamp, links.net(), links.scratch)
+        if num >= 0:
+            assert num == full
+            play = links.scratch[5][:full]
+            assert np.array_equal(shortcut[4][play], links.scratch[4][play])
+            assert np.array_equal(shortcut[3][2, play], links.scratch[3][2, play])
+            assert np.array_equal(shortcut[1][0, changed], links.scratch[1][0, changed])
+            assert shortcut[10][3] == links.scratch[10][3]
+        links.take(full)
+
+
+def test_a_transfer_alone_on_its_links_takes_the_shortcut() -> None:
+    # Its rate is its narrowest link's capacity over its weight, that link its bottleneck; a shared link is
+    # left to the filling (-1).
+    links = Links([[0, 1], [1]], [[1.0, 0.5], [1.0]], [3.0, 1.0])
+    started, changed = links.prepare([0], [])
+    assert resolve_alone(started, 1, changed, changed.size, links.net(), links.scratch) == 1
+    assert links.scratch[4][0] == 2.0
+    assert links.scratch[3][2, 0] == 1
+    links.take(1)
+    started, changed = links.prepare([1], [])
+    assert resolve_alone(started, 1, changed, changed.size, links.net(), links.scratch) == -1

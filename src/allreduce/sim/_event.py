@@ -440,7 +440,7 @@ def run_event(
 
     # Per-link bytes: every rank pair's bytes (its transfers' summed) spread over its route with the route's
     # weights; per pair, not per transfer, so no array has one entry per transfer and hop.
-    pair_bytes = np.bincount(run.pair, weights=run.nbytes, minlength=run.pair_len.size)
+    pair_bytes = np.bincount(run.pair, weights=run.t.fraction * run.size_bytes, minlength=run.pair_len.size)
     entry_pair = np.repeat(np.arange(run.pair_len.size), run.pair_len)
     link_bytes = np.bincount(
         run.used_links[run.pair_link],
@@ -541,18 +541,20 @@ def _critical_path(run: Layout, seconds: float, num_links: int) -> tuple[tuple[C
 
 def _phase_results(schedule: Schedule, run: Layout) -> tuple[PhaseResult, ...]:
     t = run.t
-    effective = np.divide(
-        run.nbytes,
-        run.drained_s - run.start_s,
-        out=np.full(len(t), np.inf),
-        where=run.drained_s > run.start_s,
-    )
     out = []
     for phase in schedule.phases():
         last = phase.first_step + phase.repeat
         in_slots = (run.slot_step >= phase.first_step) & (run.slot_step < last)
-        in_transfers = (t.step >= phase.first_step) & (t.step < last)
-        rates = effective[in_transfers]
+        # Transfers are ordered by step (match_transfers): a phase's are one range, and their rates are made
+        # for it alone (arrays over every transfer would be the largest of the run's last allocations).
+        lo, hi = (int(i) for i in np.searchsorted(t.step, [phase.first_step, last]))
+        start_s, drained_s = run.start_s[lo:hi], run.drained_s[lo:hi]
+        rates = np.divide(
+            t.fraction[lo:hi] * run.size_bytes,
+            drained_s - start_s,
+            out=np.full(hi - lo, np.inf),
+            where=drained_s > start_s,
+        )
         out.append(
             PhaseResult(
                 first_step=phase.first_step,

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from allreduce.sim._jit import KERNEL_ENV, available, inline, njit
 from allreduce.sim._kernel_heap import DELIVER, DRAIN, START, grow, pop, push, seeded, sort_ids
-from allreduce.sim._kernel_levels import resolve, solve_scratch
+from allreduce.sim._kernel_levels import resolve_alone, resolve_fill, solve_scratch
 
 __all__ = ["KERNEL_ENV", "available", "run_kernel"]
 
@@ -59,12 +59,15 @@ def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: i
 def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k: Any, state: Any) -> int:  # noqa: PLR0917
     """Run instants until the queue is empty (returns _DONE), it may not have room for the next instant's
     events (_GROW: the caller grows it and calls again) or a progress report is due (_REPORT). ``route``:
-    pair per transfer, pair_ptr, pair_link, pair_weight, link capacity; ``program``: bytes and latency per
-    transfer, its send and receive slots, slot_ptr, slot_member, slot_rank, per rank its stop slot and delay;
-    ``out``: the arrays a run fills in; ``work``: the run's state (:func:`_work`); ``state``: the counts
-    carried from call to call (_SIZE ...)."""
+    pair per transfer, pair_ptr, pair_link, pair_weight, link capacity; ``program``: fraction of the buffer
+    per transfer, bytes in the buffer, latency per pair, extra delay per transfer (none: empty), its send
+    and receive slots, slot_ptr, slot_member, slot_rank, per rank its stop slot and delay; ``out``: the
+    arrays a run fills in; ``work``: the run's state (:func:`_work`); ``state``: the counts carried from call
+    to call (_SIZE ...)."""
     pair, pair_ptr, pair_link, pair_weight, capacity = route
-    nbytes, latency, send_slot, recv_slot, slot_ptr, slot_member, slot_rank, rank_stop_slot, delay = program
+    fraction, size_bytes, pair_latency, extra, send_slot, recv_slot, slot_ptr, slot_member, slot_rank = program[:9]
+    rank_stop_slot, delay = program[9:]
+    has_extra = extra.size > 0
     slot_start, slot_end, slot_last, trigger, start_s, drained_s, delivered_s, rank_end, slowest, bottleneck = out
     pending, ready, holder, blocks, lists, node_prev, per_link, per_flow, solver, stats = work
     rate, left, since, version, free = blocks
@@ -99,9 +102,11 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     trigger[x] = slot
                     start_s[x] = now
                     p = pair[x]
-                    if nbytes[x] <= 0 or pair_ptr[p + 1] == pair_ptr[p]:
+                    nbytes = fraction[x] * size_bytes
+                    if nbytes <= 0 or pair_ptr[p + 1] == pair_ptr[p]:
                         drained_s[x] = now
-                        size = push(heap_t, heap_k, size, now + latency[x], counter, x * 4 + DELIVER, 0)
+                        latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
+                        size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
                         counter += 1
                         continue
                     if num_free == 0:
@@ -109,7 +114,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     num_free -= 1
                     block = free[num_free]
                     holder[x] = block
-                    left[block] = nbytes[x]
+                    left[block] = nbytes
                     since[block] = now
                     rate[block] = 0.0
                     for h in range(pair_ptr[p + 1] - pair_ptr[p]):
@@ -171,14 +176,17 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
                 free[num_free] = block
                 num_free += 1
-                size = push(heap_t, heap_k, size, now + latency[x], counter, x * 4 + DELIVER, 0)
+                latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
+                size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
                 counter += 1
         if not num_changed:
             continue
 
         # One re-solve for every transfer that came and went at this instant: the blocks in play, the ones
         # whose rate changed listed in transfer order (the order their drain events are pushed in).
-        num = resolve(started, num_started, changed, num_changed, stamp, net, solver)
+        num = resolve_alone(started, num_started, changed, num_changed, net, solver)
+        if num < 0:
+            num = resolve_fill(started, num_started, changed, num_changed, stamp, net, solver)
         num_moved = 0
         for k in range(num):
             block = play_list[k]
@@ -230,8 +238,10 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
     route = (run.pair, run.pair_ptr, run.pair_link, run.pair_weight, run.link_capacity)
     # As the layout holds them (32-bit where it can): a conversion would copy arrays of millions of entries.
     program = (
-        run.nbytes,
-        np.asarray(run.latency, dtype=np.float64),
+        np.asarray(run.t.fraction, dtype=np.float64),
+        float(run.size_bytes),
+        np.asarray(run.pair_latency, dtype=np.float64),
+        np.zeros(0) if run.extra_s is None else np.asarray(run.extra_s, dtype=np.float64),
         run.send_slot,
         run.recv_slot,
         run.slot_ptr,

@@ -17,6 +17,8 @@ level in increasing order, and only where it can differ from the last one:
 
 So a re-solve costs what the change reaches through transfers whose rates move, not the whole component of
 transfers sharing links with it (which a full re-solve fills level by level, most of them to the rate they had).
+Most of a ring's changes reach nothing: a transfer starts or drains on links no other transfer drains through.
+:func:`resolve_alone` answers those without the queue, setting the same floats the filling would.
 The result is the max-min fair allocation, as a full progressive filling gives it, to rounding: the sums are
 running sums, links whose levels agree to _LEVEL_RTOL fill together (as sim/_fair.py), and a transfer whose new
 rate is within _KEEP_RTOL of its old one keeps the old one (no new drain event). The compiled code allocates
@@ -33,7 +35,7 @@ import numpy as np
 from allreduce.sim._jit import inline, njit
 from allreduce.sim._kernel_heap import pop, push
 
-__all__ = ["resolve", "solve_scratch"]
+__all__ = ["resolve", "resolve_alone", "resolve_fill", "solve_scratch"]
 
 # Links whose fill levels agree to this relative tolerance saturate together (as sim/_fair.py and sim/_event.py).
 _LEVEL_RTOL = 1e-9
@@ -197,6 +199,56 @@ def _stale(item: int, version: int, stamp: int, links_i: Any, blocks_i: Any) -> 
     return bool(blocks_i[_FROZEN, item >> 1] == stamp)
 
 
+@inline
+def resolve_alone(  # noqa: PLR0917 (numba has no keyword-only parameters)
+    started: Any, num_started: int, changed: Any, num_changed: int, net: Any, st: Any
+) -> int:
+    """The re-solve where no changed link is shared: each holds no draining transfer, or only the one that
+    started (most of a ring's changes: a transfer starting or draining on links of its own). The filling
+    then has one level, the least of the started transfer's links' capacity over its weight, and sets what
+    :func:`resolve_fill` would, the same floats: the links within _LEVEL_RTOL of that level fill at it (its
+    bottleneck: the first on its path), the other changed links fill at no level. Returns how many
+    transfers are in play (0 or 1), or -1 where some changed link is shared (or fills at no finite level):
+    then :func:`resolve_fill` solves."""
+    pair, pair_ptr, pair_link, capacity, head, node_x, node_w, node_next, shift, _ = net
+    links_i, links_f, _, blocks_i, new_r, play_list, _, _, _, _, counters = st
+    if num_started > 1:
+        return -1
+    block = started[0] if num_started else -1
+    lam = np.inf
+    for i in range(num_changed):
+        node = head[changed[i]]
+        if node < 0:
+            continue
+        if node >> shift != block or node_next[node] >= 0:
+            return -1
+        level = capacity[changed[i]] / node_w[node]
+        if not 0.0 < level < np.inf:
+            return -1
+        lam = min(lam, level)
+    limit = lam * (1 + _LEVEL_RTOL)
+    if num_started:
+        counters[_GROUP] += 1
+    for i in range(num_changed):
+        link = changed[i]
+        node = head[link]
+        if node >= 0 and capacity[link] / node_w[node] <= limit:
+            links_f[_LEVEL, link] = lam
+            links_i[_FILLED, link] = counters[_GROUP]
+        else:
+            links_f[_LEVEL, link] = np.inf
+    if not num_started:
+        return 0
+    p = pair[node_x[block << shift]]
+    for e in range(pair_ptr[p], pair_ptr[p + 1]):
+        if links_i[_FILLED, pair_link[e]] == counters[_GROUP]:
+            blocks_i[_BOTTLENECK, block] = pair_link[e]
+            break
+    new_r[block] = lam
+    play_list[0] = block
+    return 1
+
+
 @njit
 def resolve(  # noqa: PLR0917 (numba has no keyword-only parameters)
     started: Any, num_started: int, changed: Any, num_changed: int, stamp: int, net: Any, st: Any
@@ -206,6 +258,18 @@ def resolve(  # noqa: PLR0917 (numba has no keyword-only parameters)
     ``net``: pair per transfer, pair_ptr, pair_link, capacity, the links' lists of nodes (head, node_x, node_w,
     node_next, shift) and the rate per block. Leaves the blocks in play listed in ``st`` with their new rates
     (infinite where no link fills), and returns how many."""
+    num: int = resolve_alone(started, num_started, changed, num_changed, net, st)
+    if num < 0:
+        num = resolve_fill(started, num_started, changed, num_changed, stamp, net, st)
+    return num
+
+
+@njit
+def resolve_fill(  # noqa: PLR0917
+    started: Any, num_started: int, changed: Any, num_changed: int, stamp: int, net: Any, st: Any
+) -> int:
+    """:func:`resolve` where :func:`resolve_alone` does not apply: the lazy progressive filling (the module's
+    docstring)."""
     head, node_next, shift = net[4], net[7], net[8]
     links_i, links_f, pert_list, blocks_i, new_r, play_list, heap_t, heap_k, group_items, filled, counters = st
     counters[_NUM_PERTURBED] = 0

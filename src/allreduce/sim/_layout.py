@@ -121,7 +121,8 @@ class Layout:
         n = schedule.world_size
         t = transfers
         self.t = t
-        self.nbytes = t.fraction * float(size_bytes)
+        self.size_bytes = float(size_bytes)
+        self._nbytes: FloatArray | None = None
         self.delay = np.zeros(n) if rank_delay_s is None else rank_delay_s
 
         # Route each distinct (src, dst) pair once.
@@ -137,10 +138,11 @@ class Layout:
         if np.any(~(link_capacity > 0)):
             bad = int(self.used_links[~(link_capacity > 0)][0])
             raise ValueError(f"link {bad} carries flows but has capacity {self.capacity[bad]} (must be > 0)")
-        self.path_latency = routes.latency_s[self.pair]
-        self.latency = self.path_latency
-        if extra_s is not None:
-            self.latency = self.latency + extra_s
+        # Latencies per pair, and the extra delays per transfer: the compiled core adds them as it delivers,
+        # so a run on it holds no per-transfer latency (millions of entries).
+        self.pair_latency = routes.latency_s
+        self.extra_s = extra_s
+        self._transfer_latency: FloatArray | None = None
         self.start_at = np.zeros(n) if start_s is None else np.asarray(start_s, dtype=np.float64)
 
         # Slots: one per (rank, step) in which the rank transfers; each transfer sits in two (send, receive).
@@ -190,9 +192,27 @@ class Layout:
         self.slowest_rate = np.full(count, np.inf)  # per transfer, filled in when the run ends
         self.bottleneck = np.full(count, -1, dtype=np.int32)
 
+    @property
+    def nbytes(self) -> FloatArray:
+        """Per transfer, its bytes (made on first use: the compiled core multiplies as it starts each)."""
+        if self._nbytes is None:
+            self._nbytes = self.t.fraction * self.size_bytes
+        return self._nbytes
+
+    @property
+    def latency(self) -> FloatArray:
+        """Per transfer, its path's latency and its extra delay: the time from its last byte leaving to its
+        delivery (made on first use: the numpy cores read it, the compiled core adds the two itself)."""
+        if self._transfer_latency is None:
+            self._transfer_latency = self.pair_latency[self.pair]
+            if self.extra_s is not None:
+                self._transfer_latency = self._transfer_latency + self.extra_s
+        return self._transfer_latency
+
     def replay(self, start_s: FloatArray, extra_s: FloatArray) -> None:
         """Ready the same transfers for another run, with ranks reaching the collective at ``start_s`` and
         ``extra_s`` added to each delivery (as the constructor has them): routes and slots are kept."""
         self.start_at = np.asarray(start_s, dtype=np.float64)
-        self.latency = self.path_latency + extra_s
+        self.extra_s = extra_s
+        self._transfer_latency = None
         self._clear()
