@@ -53,7 +53,21 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
     from allreduce.topology import parse_topology
 
     stats: list[list[int]] = []
-    if core == "kernel":
+    if core == "streamed":
+        # The compiled core on a streamed layout (sim/_stream.py), whatever the schedule's size.
+        from allreduce.sim import _stream
+
+        _event.STREAM_TRANSFERS = -1
+        compiled_stream = _stream.StreamRun.run
+
+        def counted_stream(run: _stream.StreamRun, progress: object = None) -> None:
+            compiled_stream(run, progress)  # type: ignore[arg-type]
+            stats.append(run.kernel_stats.tolist())
+
+        _stream.StreamRun.run = counted_stream  # type: ignore[method-assign]
+    elif core == "whole":
+        _event.STREAM_TRANSFERS = 2**62
+    if core in ("kernel", "whole", "streamed"):
         # The compiled core's counts (rate solves, transfers in play, rates changed, levels filled, list nodes
         # visited): what its time goes into. run_core imports run_kernel when it runs.
         compiled = _kernel.run_kernel
