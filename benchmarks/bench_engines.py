@@ -53,6 +53,7 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
     from allreduce.topology import parse_topology
 
     stats: list[list[int]] = []
+    parts: dict[str, float] = {}  # a streamed run's CPU seconds by part
     if core == "streamed":
         # The compiled core on a streamed layout (sim/_stream.py), whatever the schedule's size.
         from allreduce.sim import _stream
@@ -63,6 +64,7 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
         def counted_stream(run: _stream.StreamRun, progress: object = None) -> None:
             compiled_stream(run, progress)  # type: ignore[arg-type]
             stats.append(run.kernel_stats.tolist())
+            parts.update(run.cpu_s)
 
         _stream.StreamRun.run = counted_stream  # type: ignore[method-assign]
     elif core == "whole":
@@ -99,6 +101,7 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
         "cpu": cpu,
         "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "kernel_stats": stats[0] if stats else [],
+        "cpu_parts": parts,
     }
 
 

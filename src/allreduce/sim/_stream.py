@@ -13,23 +13,26 @@ on the whole layout: the results are equal bit for bit (tests/sim/test_stream.py
 summed window by window (rounding).
 
 What a result needs of the released steps is folded in as they go: per phase its first start, last end,
-slowest rate and the rates' median (kept as distinct values with counts: a run's rates take few distinct
-values), per link its bytes, the trace of the first ranks, and the critical path's links: per slot, the
-transfer that ended it and the slot before the one whose start let that transfer begin. Those records are
-kept only while a slot still in the buffers, or a rank's last slot, can reach them (a collection from those
-roots whenever they have doubled), so the walk back from the last rank to finish, at the end, finds every link
-it needs.
+slowest rate and the rates' median (the rates go to a temporary file, 8 bytes each, and the median is selected
+from it at the end), per link its bytes, the trace of the first ranks, and the critical path's links: per
+slot, the transfer that ended it and the slot before the one whose start let that transfer begin. Those
+records are kept only while a slot still in the buffers, or a rank's last slot, can reach them (a collection
+from those roots whenever they have doubled), so the walk back from the last rank to finish, at the end,
+finds every link it needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules import Schedule
+from allreduce.sim._jit import njit
 from allreduce.sim._kernel import DONE, MORE, UNKNOWN, Queue, make_work
 from allreduce.sim._layout import ChainRecords, match_transfers, numbered, route_pairs
 from allreduce.sim._result import PhaseResult
@@ -73,6 +76,26 @@ def _in_flight_bound(schedule: Schedule, total: int) -> int:
     return min(bound, total) + 1
 
 
+@njit
+def _mark_reachable(slot: Any, parent: Any, roots: Any, keep: Any) -> None:
+    """Mark ``keep`` for every record reachable from the slots ``roots`` through ``parent`` (``slot``: the
+    records' slots, increasing); a walk stops at a record marked already."""
+    for root in roots:
+        current = root
+        while current >= 0:
+            lo, hi = 0, slot.size  # the record of slot ``current``: a binary search
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if slot[mid] < current:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if keep[lo]:
+                break
+            keep[lo] = True
+            current = parent[lo]
+
+
 class _Rings:
     """Arrays indexed by a number modulo their size (a power of two), holding the numbers ``[lo, hi)``."""
 
@@ -105,40 +128,66 @@ class _Rings:
 
 
 class _Median:
-    """A median of many floats kept as distinct values with counts (exactly ``np.median``'s)."""
+    """The median of many non-negative floats (``np.median``'s, exactly) in bounded memory: the floats go to a
+    temporary file as they come, and the middle two are found by a radix selection over their bit patterns
+    (non-negative floats order as their patterns do as integers): per pass, the count of each value of the
+    next few bits among the floats whose leading bits are those found so far."""
+
+    CHUNK = 1 << 22  # floats read back at a time
+    BITS = (22, 21, 21)  # the bits each pass settles (64 in all)
 
     def __init__(self) -> None:
-        self.values: list[FloatArray] = []
-        self.counts: list[IntArray] = []
-        self.held = 0
-        self.merged = 0
+        self.file: IO[bytes] | None = None
+        self.count = 0
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
     def add(self, values: FloatArray) -> None:
-        distinct, count = np.unique(values, return_counts=True)
-        self.values.append(distinct)
-        self.counts.append(count)
-        self.held += distinct.size
-        if self.held > 2 * self.merged + 4096:
-            self._merge()
+        if self.file is None:
+            self.file = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close(): the run owns it)
+        np.ascontiguousarray(values, dtype=np.float64).tofile(self.file)
+        self.count += values.size
 
-    def _merge(self) -> None:
-        values = np.concatenate(self.values)
-        counts = np.concatenate(self.counts)
-        distinct, inverse = np.unique(values, return_inverse=True)
-        self.values = [distinct]
-        self.counts = [np.bincount(inverse.reshape(-1), weights=counts, minlength=distinct.size).astype(np.int64)]
-        self.held = self.merged = distinct.size
+    def _chunks(self) -> Iterator[IntArray]:
+        assert self.file is not None
+        self.file.flush()
+        self.file.seek(0)
+        left = self.count
+        while left:
+            chunk = np.fromfile(self.file, dtype=np.int64, count=min(left, self.CHUNK))
+            left -= chunk.size
+            yield chunk
+
+    def _select(self, ranks: tuple[int, ...]) -> list[int]:
+        """The bit patterns of the floats of the given (0-based) ranks in increasing order."""
+        found: list[int] = []
+        for rank in ranks:
+            prefix, known, k = 0, 0, rank
+            for bits in self.BITS:
+                shift = 64 - known - bits
+                count = np.zeros(1 << bits, dtype=np.int64)
+                for chunk in self._chunks():
+                    part = chunk[(chunk >> (64 - known)) == prefix] if known else chunk
+                    count += np.bincount((part >> shift) & ((1 << bits) - 1), minlength=1 << bits)
+                below = np.cumsum(count)
+                digit = int(np.searchsorted(below, k, side="right"))
+                k -= int(below[digit - 1]) if digit else 0
+                prefix, known = (prefix << bits) | digit, known + bits
+            found.append(prefix)
+        return found
 
     def median(self) -> float:
-        self._merge()
-        values, counts = self.values[0], self.counts[0]
-        total = int(counts.sum())
-        if not total:
+        """The median of the floats added (inf: none); the file is closed."""
+        if not self.count:
+            self.close()
             return float("inf")
-        ends = np.cumsum(counts)
-        lower = values[int(np.searchsorted(ends, (total - 1) // 2, side="right"))]
-        upper = values[int(np.searchsorted(ends, total // 2, side="right"))]
-        return float(np.mean(np.array([lower, upper])))
+        ranks = ((self.count - 1) // 2, self.count // 2)
+        patterns = self._select(ranks[:1] if ranks[0] == ranks[1] else ranks)
+        self.close()
+        return float(np.mean(np.asarray(patterns, dtype=np.int64).view(np.float64)))
 
 
 class StreamRun:
@@ -225,6 +274,8 @@ class StreamRun:
         self.pair_bytes = np.zeros(routes.length.size)
         self.kernel_stats = np.zeros(5, dtype=np.int64)
         self.clock = np.zeros(1)  # the time of an instant the kernel stopped in (to lay out more)
+        # CPU seconds laying out windows, in the kernel, folding released steps in (collections included).
+        self.cpu_s = {"lay out": 0.0, "kernel": 0.0, "fold": 0.0}
         self._work: tuple[Any, ...] = ()
 
         self.phases = [(p.first_step, p.repeat, len(p)) for p in schedule.phases()]
@@ -232,6 +283,7 @@ class StreamRun:
         self.phase_end = np.full(len(self.phases), -np.inf)
         self.phase_slowest = np.full(len(self.phases), np.inf)
         self.phase_rates = [_Median() for _ in self.phases]
+        self.fair_share: list[float] = []
         self.trace_ranks = k = min(n, trace_ranks)
         self.trace_start = np.full((self.steps_with.size, k), np.nan)
         self.trace_end = np.full((self.steps_with.size, k), np.nan)
@@ -244,6 +296,11 @@ class StreamRun:
     # -- laying out ---------------------------------------------------------------------------------
     def _lay_out(self) -> None:
         """Lay out the next window of steps."""
+        clock = time.process_time()
+        self._lay_out_window()
+        self.cpu_s["lay out"] += time.process_time() - clock
+
+    def _lay_out_window(self) -> None:
         a = self.high
         b = int(np.searchsorted(self.step_first, self.step_first[a] + self.window_transfers, side="right")) - 1
         b = min(max(b, a + 1), self.num_steps)
@@ -410,13 +467,7 @@ class StreamRun:
         live = np.arange(self.step_slot[self.low], self.step_slot[self.high], dtype=np.int64) & sl.mask
         roots = np.concatenate([sl["pred"][live], sl["parent"][live], slot[self.records["final"][:count]]])
         keep = np.zeros(count, dtype=np.bool_)
-        frontier = roots[(roots >= 0) & (roots < self.step_slot[self.low])]
-        while frontier.size:
-            at = np.searchsorted(slot, frontier)
-            at = at[~keep[at]]
-            keep[at] = True
-            frontier = parent[at]
-            frontier = frontier[frontier >= 0]
+        _mark_reachable(slot, parent, roots[(roots >= 0) & (roots < self.step_slot[self.low])], keep)
         kept = int(keep.sum())
         for a in self.records.values():
             a[:kept] = a[:count][keep]
@@ -438,22 +489,34 @@ class StreamRun:
         idle[active] = False
         self.rank_end[idle] = 0.0
         queue = Queue(self.n, self.in_flight, np.zeros(active.size), self.first_slot[active], progress)
+        try:
+            self._drive(queue)
+            self.fair_share = [median.median() for median in self.phase_rates]
+        finally:
+            for median in self.phase_rates:
+                median.close()
+        counters = self._work[8][-1]
+        self.kernel_stats[3], self.kernel_stats[4] = counters[3], counters[4]
+
+    def _drive(self, queue: Queue) -> None:
+        """Call the kernel until the run is over, laying out and folding in steps as it asks."""
         status = MORE
         while status != DONE:
             if status == MORE:
                 route, program, out = self._program()
+            clock = time.process_time()
             status = queue.step(route, program, out, self._work, self.total)
+            self.cpu_s["kernel"] += time.process_time() - clock
+            if status in (MORE, DONE):
+                clock = time.process_time()
+                self._release()
+                self.cpu_s["fold"] += time.process_time() - clock
             if status == MORE:
-                self._release()
                 self._lay_out()
-            elif status == DONE:
-                self._release()
         if queue.status != DONE:
             raise RuntimeError(f"{self.schedule.name}: more than {self.in_flight} transfers in flight at once")
         if self.low < self.num_steps:
             raise RuntimeError(f"{self.schedule.name}: steps from {self.low} on never finished")
-        counters = self._work[8][-1]
-        self.kernel_stats[3], self.kernel_stats[4] = counters[3], counters[4]
 
     def _has_slots(self) -> npt.NDArray[np.bool_]:
         has = np.zeros(self.n, dtype=np.bool_)
@@ -532,7 +595,7 @@ class StreamRun:
                 start_s=float(self.phase_start[i]) if np.isfinite(self.phase_start[i]) else 0.0,
                 end_s=float(self.phase_end[i]) if np.isfinite(self.phase_end[i]) else 0.0,
                 slowest_rate_Bps=float(self.phase_slowest[i]),
-                fair_share_Bps=self.phase_rates[i].median(),
+                fair_share_Bps=self.fair_share[i],
             )
             for i, (first, repeat, flows) in enumerate(self.phases)
         )
