@@ -424,7 +424,7 @@ class StreamRun:
         self.trace_end[row, slot_rank[shown]] = finish[shown]
         self._record(np.arange(self.step_slot[lo], self.step_slot[hi], dtype=np.int64), si)
         self.low = hi
-        if self.num_records > max(2 * self.collected, self.collect_min):
+        if self.num_records > max(3 * self.collected // 2, self.collect_min):
             self._collect()
 
     def _record(self, ids: IntArray, si: IntArray) -> None:
@@ -432,28 +432,28 @@ class StreamRun:
         tr, sl = self.transfers, self.slots
         x = sl["slot_last"][si]
         xi = x & tr.mask
+        # 57 bytes a record (the step follows from the slot, the delay from the slot's rank: x's sender or not).
         new = {
             "slot": ids,
             "parent": sl["parent"][si],
-            "final": sl["succ"][si] == -1,
-            "src": sl["rank"][tr["send_slot"][xi] & sl.mask].astype(np.int64),
-            "dst": sl["rank"][tr["recv_slot"][xi] & sl.mask].astype(np.int64),
-            "step": sl["step"][si].astype(np.int64),
+            "src": sl["rank"][tr["send_slot"][xi] & sl.mask],
+            "dst": sl["rank"][tr["recv_slot"][xi] & sl.mask],
+            "sent": tr["send_slot"][xi] == ids,
             "start_s": tr["start_s"][xi],
             "drained_s": tr["drained_s"][xi],
             "delivered_s": tr["delivered_s"][xi],
             "slowest_rate": tr["slowest"][xi],
-            "bottleneck": tr["bottleneck"][xi].astype(np.int64),
-            "delay_s": self.delay[sl["rank"][si]],
+            "bottleneck": tr["bottleneck"][xi],
         }
         if not self.records:
             self.records = {name: np.empty(max(2 * ids.size, 1024), dtype=a.dtype) for name, a in new.items()}
         size = self.num_records + ids.size
         if size > self.records["slot"].size:
-            self.records = {
-                name: np.concatenate([a[: self.num_records], np.empty(size, dtype=a.dtype)])
-                for name, a in self.records.items()
-            }
+            capacity = max(size, self.records["slot"].size * 3 // 2)
+            for name, a in self.records.items():
+                grown = np.empty(capacity, dtype=a.dtype)
+                grown[: self.num_records] = a[: self.num_records]
+                self.records[name] = grown
         for name, a in new.items():
             self.records[name][self.num_records : size] = a
         self.num_records = size
@@ -465,7 +465,9 @@ class StreamRun:
         slot = self.records["slot"][:count]
         parent = self.records["parent"][:count]
         live = np.arange(self.step_slot[self.low], self.step_slot[self.high], dtype=np.int64) & sl.mask
-        roots = np.concatenate([sl["pred"][live], sl["parent"][live], slot[self.records["final"][:count]]])
+        # Every rank's last slot, once all are laid out: the walk at the end starts from one of them.
+        last = self.last_slot if self.high == self.num_steps else np.zeros(0, dtype=np.int64)
+        roots = np.concatenate([sl["pred"][live], sl["parent"][live], last])
         keep = np.zeros(count, dtype=np.bool_)
         _mark_reachable(slot, parent, roots[(roots >= 0) & (roots < self.step_slot[self.low])], keep)
         kept = int(keep.sum())
@@ -577,13 +579,23 @@ class StreamRun:
             at.append(i)
             current = int(self.records["parent"][i])
         picked = np.asarray(at[::-1], dtype=np.int64)
-        fields: dict[str, Any] = {
-            name: self.records[name][picked] if count else np.zeros(0, dtype=np.int64)
-            for name in ChainRecords.__annotations__
-        }
-        bottleneck = fields["bottleneck"].astype(np.int64)
-        fields["bottleneck"] = np.where(bottleneck >= 0, self.used_links[np.maximum(bottleneck, 0)], -1)
-        return ChainRecords(**fields)
+        if not count:
+            empty = np.zeros(0, dtype=np.int64)
+            return ChainRecords(empty, empty, empty, *(np.zeros(0),) * 4, empty, np.zeros(0))
+        r = {name: a[picked] for name, a in self.records.items()}
+        bottleneck = r["bottleneck"].astype(np.int64)
+        src, dst = r["src"].astype(np.int64), r["dst"].astype(np.int64)
+        return ChainRecords(
+            src=src,
+            dst=dst,
+            step=np.searchsorted(self.step_slot, r["slot"], side="right") - 1,
+            start_s=r["start_s"],
+            drained_s=r["drained_s"],
+            delivered_s=r["delivered_s"],
+            slowest_rate=r["slowest_rate"],
+            bottleneck=np.where(bottleneck >= 0, self.used_links[np.maximum(bottleneck, 0)], -1),
+            delay_s=self.delay[np.where(r["sent"], src, dst)],
+        )
 
     def phase_results(self) -> tuple[PhaseResult, ...]:
         """Per phase of the schedule: as run_event reports it from a whole layout."""
