@@ -11,6 +11,9 @@ time, peak memory, and agreement.
     .venv/bin/python benchmarks/bench_engines.py --against a.npz   # ... equal bit for bit after a change?
                                                    # (--with-large: and the 1,024-rank cases;
                                                    # --rtol 1e-9: times and rates to 1e-9 relative)
+    .venv/bin/python benchmarks/bench_engines.py --one fat-tree:k=26 4096 ring streamed   # one run, as JSON
+                                                   # (core: kernel as engine="event" runs it, whole or
+                                                   # streamed layout, windowed, per-event)
 
 Cases (64 MiB per rank, random placement, seed 0, as `allreduce sim --placement random`): ring on a k=16
 fat-tree (ECMP); ring and double binary tree (8 chunks) on a 32x8x32 Clos with 4:1 oversubscription. Each run is
@@ -459,9 +462,9 @@ LARGE_FAT_TREES = {2048: "fat-tree:k=22", 4096: "fat-tree:k=26", 16384: "fat-tre
 
 def large(ranks_list: list[int], max_transfers: int, timeout_s: float) -> None:
     """The event engine (compiled core) on large fat-trees, random placement, ring and double binary tree:
-    wall and CPU seconds, peak memory; groups of more than ``max_transfers`` transfers are not run (the
-    engine's memory grows with them: about 136 bytes each, from a 4,096-rank ring's 33.5 M transfers in 4.6 GB;
-    a 1,024-rank ring's 2.1 M take 435 MB, 160 MB of it the interpreter, numpy and numba's loaded kernel)."""
+    wall and CPU seconds, peak memory; groups of more than ``max_transfers`` transfers are not run (beyond 2^22
+    transfers the engine streams the layout, so memory is no longer what bounds them, but time is: a 4,096-rank
+    ring's 33.5 M transfers take about a minute of CPU, a 16,384-rank ring's 537 M about 25 minutes)."""
     from allreduce.schedules import Collective, make_schedule
 
     print(f"load average {os.getloadavg()[0]:.1f}")
