@@ -57,11 +57,13 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
 
     stats: list[list[int]] = []
     parts: dict[str, float] = {}  # a streamed run's CPU seconds by part
-    if core == "streamed":
-        # The compiled core on a streamed layout (sim/_stream.py), whatever the schedule's size.
+    if core in ("kernel", "streamed"):
+        # The compiled core on a streamed layout (sim/_stream.py): where run_event takes it ("kernel": beyond 2^22
+        # transfers), or whatever the schedule's size ("streamed"); its counts and CPU seconds by part.
         from allreduce.sim import _stream
 
-        _event.STREAM_TRANSFERS = -1
+        if core == "streamed":
+            _event.STREAM_TRANSFERS = -1
         compiled_stream = _stream.StreamRun.run
 
         def counted_stream(run: _stream.StreamRun, progress: object = None) -> None:
