@@ -11,6 +11,9 @@ time, peak memory, and agreement.
     .venv/bin/python benchmarks/bench_engines.py --against a.npz   # ... equal bit for bit after a change?
                                                    # (--with-large: and the 1,024-rank cases;
                                                    # --rtol 1e-9: times and rates to 1e-9 relative)
+    .venv/bin/python benchmarks/bench_engines.py --one fat-tree:k=26 4096 ring streamed   # one run, as JSON
+                                                   # (core: kernel as engine="event" runs it, whole or
+                                                   # streamed layout, windowed, per-event)
 
 Cases (64 MiB per rank, random placement, seed 0, as `allreduce sim --placement random`): ring on a k=16
 fat-tree (ECMP); ring and double binary tree (8 chunks) on a 32x8x32 Clos with 4:1 oversubscription. Each run is
@@ -53,7 +56,25 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
     from allreduce.topology import parse_topology
 
     stats: list[list[int]] = []
-    if core == "kernel":
+    parts: dict[str, float] = {}  # a streamed run's CPU seconds by part
+    if core in ("kernel", "streamed"):
+        # The compiled core on a streamed layout (sim/_stream.py): where run_event takes it ("kernel": beyond 2^22
+        # transfers), or whatever the schedule's size ("streamed"); its counts and CPU seconds by part.
+        from allreduce.sim import _stream
+
+        if core == "streamed":
+            _event.STREAM_TRANSFERS = -1
+        compiled_stream = _stream.StreamRun.run
+
+        def counted_stream(run: _stream.StreamRun, progress: object = None) -> None:
+            compiled_stream(run, progress)  # type: ignore[arg-type]
+            stats.append(run.kernel_stats.tolist())
+            parts.update(run.cpu_s)
+
+        _stream.StreamRun.run = counted_stream  # type: ignore[method-assign]
+    elif core == "whole":
+        _event.STREAM_TRANSFERS = 2**62
+    if core in ("kernel", "whole", "streamed"):
         # The compiled core's counts (rate solves, transfers in play, rates changed, levels filled, list nodes
         # visited): what its time goes into. run_core imports run_kernel when it runs.
         compiled = _kernel.run_kernel
@@ -85,6 +106,7 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
         "cpu": cpu,
         "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "kernel_stats": stats[0] if stats else [],
+        "cpu_parts": parts,
     }
 
 
@@ -442,9 +464,9 @@ LARGE_FAT_TREES = {2048: "fat-tree:k=22", 4096: "fat-tree:k=26", 16384: "fat-tre
 
 def large(ranks_list: list[int], max_transfers: int, timeout_s: float) -> None:
     """The event engine (compiled core) on large fat-trees, random placement, ring and double binary tree:
-    wall and CPU seconds, peak memory; groups of more than ``max_transfers`` transfers are not run (the
-    engine's memory grows with them: about 136 bytes each, from a 4,096-rank ring's 33.5 M transfers in 4.6 GB;
-    a 1,024-rank ring's 2.1 M take 435 MB, 160 MB of it the interpreter, numpy and numba's loaded kernel)."""
+    wall and CPU seconds, peak memory; groups of more than ``max_transfers`` transfers are not run (beyond 2^22
+    transfers the engine streams the layout, so memory is no longer what bounds them, but time is: a 4,096-rank
+    ring's 33.5 M transfers take about a minute of CPU, a 16,384-rank ring's 537 M about 25 minutes)."""
     from allreduce.schedules import Collective, make_schedule
 
     print(f"load average {os.getloadavg()[0]:.1f}")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import match_transfers
-from allreduce.sim._layout import Layout, _numbered, _sort_order
+from allreduce.sim._layout import Layout, _sort_order, numbered
 from allreduce.sim._routing import Router
 from allreduce.topology import parse_topology, place
 
@@ -21,7 +21,7 @@ from allreduce.topology import parse_topology, place
 def test_keys_are_numbered_as_np_unique_numbers_them(keys: list[int], space: int) -> None:
     # A space of 5,001 keys takes the table, 10^9 np.unique: both must give unique's answer.
     array = np.asarray(keys, dtype=np.int64)
-    distinct, index = _numbered(array, space)
+    distinct, index = numbered(array, space)
     expected, inverse = np.unique(array, return_inverse=True)
     np.testing.assert_array_equal(distinct, expected)
     np.testing.assert_array_equal(index, inverse.reshape(-1))

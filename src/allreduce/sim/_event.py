@@ -42,6 +42,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -49,13 +50,13 @@ import numpy.typing as npt
 from allreduce.schedules import Schedule
 from allreduce.sim._fair import fill_dense
 from allreduce.sim._jit import ready as kernel_ready
-from allreduce.sim._layout import Layout, Problem, Transfers, match_transfers
+from allreduce.sim._layout import ChainRecords, Layout, Problem, Transfers, match_transfers
 from allreduce.sim._result import CriticalStep, PhaseResult, SimResult
 from allreduce.sim._routing import Router
 from allreduce.sim._summary import summarize_bottlenecks
 from allreduce.sim._window import WindowRun
 
-__all__ = ["Transfers", "match_transfers", "run_core", "run_event"]
+__all__ = ["STREAM_TRANSFERS", "Transfers", "match_transfers", "run_core", "run_event"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -72,6 +73,9 @@ _EVENT_RTOL = 1e-12
 _NUMPY_MIN_FLOWS = 16
 # Links whose fill levels agree to this relative tolerance saturate together (as in sim/_fair.py).
 _LEVEL_RTOL = 1e-9
+# Schedules of more transfers than this run on a streamed layout where numba is installed (sim/_stream.py): a whole
+# layout holds about 136 bytes a transfer.
+STREAM_TRANSFERS = 1 << 22
 
 
 class _Run(Layout):
@@ -431,37 +435,54 @@ def run_event(
     rank_delay_s: FloatArray | None,
     trace_ranks: int,
     progress: Callable[[float], None] | None = None,
+    stream: bool | None = None,
 ) -> SimResult:
+    """The event engine's result. ``stream``: run the compiled core on a layout streamed from the schedule
+    (sim/_stream.py: memory for the steps under way, not for every transfer); None: where numba is installed
+    and the schedule has more than STREAM_TRANSFERS transfers."""
     topology = router.topology
-    transfers = match_transfers(schedule)
-    run = run_core((schedule, router, transfers, size_bytes, rank_delay_s), progress=progress)
     n = schedule.world_size
-    seconds = float(run.rank_end.max()) if n else 0.0
+    if stream is None:
+        stream = kernel_ready() and int(schedule.streams.steps.sum()) > STREAM_TRANSFERS
+    if stream:
+        from allreduce.sim._stream import StreamRun  # numba loads with the first run that needs it
 
-    # Per-link bytes: every rank pair's bytes (its transfers' summed) spread over its route with the route's
-    # weights; per pair, not per transfer, so no array has one entry per transfer and hop.
-    pair_bytes = np.bincount(run.pair, weights=run.t.fraction * run.size_bytes, minlength=run.pair_len.size)
-    entry_pair = np.repeat(np.arange(run.pair_len.size), run.pair_len)
+        streamed = StreamRun(schedule, router, size_bytes, rank_delay_s, trace_ranks=trace_ranks)
+        streamed.run(progress)
+        rank_end = streamed.rank_end
+        routes = streamed.routes
+        pair_bytes: npt.NDArray[Any] = streamed.pair_bytes
+        pair_len: npt.NDArray[np.integer[Any]] = routes.length
+        used_links = routes.used_links
+        pair_link, pair_weight = routes.link, routes.weight
+        chain = streamed.chain()
+        phases = streamed.phase_results()
+        steps: IntArray = streamed.steps_with
+        trace_start, trace_end = streamed.trace_start, streamed.trace_end
+    else:
+        transfers = match_transfers(schedule)
+        run = run_core((schedule, router, transfers, size_bytes, rank_delay_s), progress=progress)
+        rank_end = run.rank_end
+        # Per pair (its transfers' bytes summed), not per transfer: no array has one entry per transfer and hop.
+        pair_bytes = np.bincount(run.pair, weights=run.t.fraction * run.size_bytes, minlength=run.pair_len.size)
+        pair_len = run.pair_len
+        used_links = run.used_links
+        pair_link = run.pair_link
+        pair_weight = run.pair_weight
+        chain = _layout_chain(run)
+        phases = _phase_results(schedule, run)
+        steps = np.flatnonzero(np.bincount(transfers.step))  # the steps with transfers, without sorting them all
+        trace_start, trace_end = _trace(run, steps, min(n, trace_ranks))
+    seconds = float(rank_end.max()) if n else 0.0
+
+    # Per-link bytes: every rank pair's bytes spread over its route with the route's weights.
+    entry_pair = np.repeat(np.arange(pair_len.size), pair_len)
     link_bytes = np.bincount(
-        run.used_links[run.pair_link],
-        weights=run.pair_weight * pair_bytes[entry_pair],
-        minlength=topology.num_links,
+        used_links[pair_link], weights=pair_weight * pair_bytes[entry_pair], minlength=topology.num_links
     ).astype(np.float64)
 
-    critical, waited = _critical_path(run, seconds, topology.num_links)
-    phases = _phase_results(schedule, run)
+    critical, waited = _critical_path(chain, topology.num_links)
     bottlenecks, count = summarize_bottlenecks(topology, waited, link_bytes, seconds)
-
-    # Trace: one slice per step of the first ranks.
-    k = min(n, trace_ranks)
-    steps = np.flatnonzero(np.bincount(transfers.step))  # the steps with transfers, without sorting them all
-    trace_start = np.full((steps.size, k), np.nan)
-    trace_end = np.full((steps.size, k), np.nan)
-    # The first ranks' slots only: arrays over every slot would be the largest of the run's last allocations.
-    shown = np.flatnonzero(run.slot_rank < k)
-    row, rank = np.searchsorted(steps, run.slot_step[shown]), run.slot_rank[shown]
-    trace_start[row, rank] = run.slot_start[shown]
-    trace_end[row, rank] = run.slot_end[shown] + run.delay[rank]
     return SimResult(
         name=schedule.name,
         collective=schedule.collective,
@@ -476,37 +497,70 @@ def run_event(
         critical_path=critical,
         bottlenecks=bottlenecks,
         critical_links=count,
-        rank_end_s=run.rank_end,
+        rank_end_s=rank_end,
         trace_labels=tuple(f"step {s}" for s in steps.tolist()),
         trace_start_s=trace_start,
         trace_end_s=trace_end,
     )
 
 
-def _critical_path(run: Layout, seconds: float, num_links: int) -> tuple[tuple[CriticalStep, ...], FloatArray]:
-    """Walk back from the last rank to finish; per link, the seconds the path spent draining through it."""
+def _trace(run: Layout, steps: IntArray, k: int) -> tuple[FloatArray, FloatArray]:
+    """One slice per step of the first ``k`` ranks: when it began and ended."""
+    trace_start = np.full((steps.size, k), np.nan)
+    trace_end = np.full((steps.size, k), np.nan)
+    # The first ranks' slots only: arrays over every slot would be the largest of the run's last allocations.
+    shown = np.flatnonzero(run.slot_rank < k)
+    row, rank = np.searchsorted(steps, run.slot_step[shown]), run.slot_rank[shown]
+    trace_start[row, rank] = run.slot_start[shown]
+    trace_end[row, rank] = run.slot_end[shown] + run.delay[rank]
+    return trace_start, trace_end
+
+
+def _layout_chain(run: Layout) -> ChainRecords:
+    """The critical path's transfers, walking back from the last rank to finish: the transfer that ended its
+    last step, the rank whose arrival started that transfer, that rank's previous step, and so on."""
+    picked: list[int] = []
+    slots: list[int] = []
+    if len(run.t):
+        last_rank = int(np.argmax(run.rank_end))
+        slot = int(run.rank_stop_slot[last_rank]) - 1
+        while slot >= 0:
+            x = int(run.slot_last[slot])
+            picked.append(x)
+            slots.append(slot)
+            cause = int(run.trigger[x])
+            rank = int(run.slot_rank[cause])
+            slot = cause - 1 if cause > run.rank_first_slot[rank] else -1
+    xs = np.asarray(picked[::-1], dtype=np.int64)
+    t = run.t
+    return ChainRecords(
+        src=t.src[xs].astype(np.int64),
+        dst=t.dst[xs].astype(np.int64),
+        step=t.step[xs].astype(np.int64),
+        start_s=run.start_s[xs],
+        drained_s=run.drained_s[xs],
+        delivered_s=run.delivered_s[xs],
+        slowest_rate=run.slowest_rate[xs],
+        bottleneck=run.bottleneck[xs].astype(np.int64),
+        delay_s=np.asarray(run.delay, dtype=np.float64)[run.slot_rank[np.asarray(slots[::-1], dtype=np.int64)]],
+    )
+
+
+def _critical_path(chain: ChainRecords, num_links: int) -> tuple[tuple[CriticalStep, ...], FloatArray]:
+    """The critical path's stretches (consecutive steps of one rank pair and bottleneck link merged), and per
+    link the seconds the path spent draining through it."""
     waited = np.zeros(num_links)
-    if not len(run.t):
-        return (), waited
-    last_rank = int(np.argmax(run.rank_end))
-    slot = int(run.rank_stop_slot[last_rank]) - 1
-    chain: list[tuple[int, int]] = []  # (transfer, slot it completed), latest first
-    while slot >= 0:
-        x = int(run.slot_last[slot])
-        chain.append((x, slot))
-        cause = int(run.trigger[x])
-        rank = int(run.slot_rank[cause])
-        slot = cause - 1 if cause > run.rank_first_slot[rank] else -1
     steps: list[CriticalStep] = []
-    for x, slot in reversed(chain):
-        drain = float(run.drained_s[x] - run.start_s[x])
-        delay = float(run.delay[run.slot_rank[slot]])
-        link = int(run.bottleneck[x])
+    for i in range(chain.src.size):
+        drain = float(chain.drained_s[i] - chain.start_s[i])
+        delay = float(chain.delay_s[i])
+        link = int(chain.bottleneck[i])
         if link >= 0:
             waited[link] += drain
-        src, dst, step = int(run.t.src[x]), int(run.t.dst[x]), int(run.t.step[x])
-        total = float(run.delivered_s[x] - run.start_s[x]) + delay
-        latency = float(run.delivered_s[x] - run.drained_s[x])
+        src, dst, step = int(chain.src[i]), int(chain.dst[i]), int(chain.step[i])
+        total = float(chain.delivered_s[i] - chain.start_s[i]) + delay
+        latency = float(chain.delivered_s[i] - chain.drained_s[i])
+        rate = float(chain.slowest_rate[i])
         prev = steps[-1] if steps else None
         if prev is not None and (prev.src_rank, prev.dst_rank, prev.bottleneck_link) == (src, dst, link):
             steps[-1] = CriticalStep(
@@ -518,7 +572,7 @@ def _critical_path(run: Layout, seconds: float, num_links: int) -> tuple[tuple[C
                 transfer_s=prev.transfer_s + drain,
                 latency_s=prev.latency_s + latency,
                 rank_delay_s=prev.rank_delay_s + delay,
-                rate_Bps=min(prev.rate_Bps, float(run.slowest_rate[x])),
+                rate_Bps=min(prev.rate_Bps, rate),
                 bottleneck_link=link,
             )
         else:
@@ -532,7 +586,7 @@ def _critical_path(run: Layout, seconds: float, num_links: int) -> tuple[tuple[C
                     transfer_s=drain,
                     latency_s=latency,
                     rank_delay_s=delay,
-                    rate_Bps=float(run.slowest_rate[x]),
+                    rate_Bps=rate,
                     bottleneck_link=link,
                 )
             )

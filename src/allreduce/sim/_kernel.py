@@ -29,7 +29,7 @@ from allreduce.sim._jit import KERNEL_ENV, available, inline, njit
 from allreduce.sim._kernel_heap import DELIVER, DRAIN, START, grow, pop, push, seeded, sort_ids
 from allreduce.sim._kernel_levels import resolve_alone, resolve_fill, solve_scratch
 
-__all__ = ["KERNEL_ENV", "available", "run_kernel"]
+__all__ = ["DONE", "KERNEL_ENV", "MORE", "UNKNOWN", "Queue", "available", "make_work", "run_kernel", "whole"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -41,8 +41,23 @@ _LEVEL_RTOL = 1e-9
 _PROGRESS_EVERY = 4096
 
 # What _advance returns: the run is over; the queue needs room; a progress report is due; more transfers drain at
-# once than blocks were made for (a broken bound: the run stops rather than write past them).
-_DONE, _GROW, _REPORT, _FULL = 0, 1, 2, 3
+# once than blocks were made for (a broken bound: the run stops rather than write past them); a streamed layout
+# must lay out more steps.
+_DONE, _GROW, _REPORT, _FULL, _MORE = 0, 1, 2, 3, 4
+# A streamed slot's successor that is not laid out yet.
+_UNKNOWN = -2
+
+
+@inline
+def _ends_unknown(x: int, send_slot: Any, recv_slot: Any, pending: Any, succ: Any, masks: Any) -> bool:  # noqa: PLR0917
+    """Whether delivering transfer ``x`` ends a slot whose successor is not laid out yet."""
+    xi = x & masks[0]
+    send, recv = send_slot[xi], recv_slot[xi]
+    if send == recv:
+        si = send & masks[1]
+        return bool(pending[si] == 2 and succ[si] == _UNKNOWN)
+    si, ri = send & masks[1], recv & masks[1]
+    return bool((pending[si] == 1 and succ[si] == _UNKNOWN) or (pending[ri] == 1 and succ[ri] == _UNKNOWN))
 
 
 @inline
@@ -58,53 +73,73 @@ def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: i
 @njit
 def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k: Any, state: Any) -> int:  # noqa: PLR0917
     """Run instants until the queue is empty (returns _DONE), it may not have room for the next instant's
-    events (_GROW: the caller grows it and calls again) or a progress report is due (_REPORT). ``route``:
-    pair per transfer, pair_ptr, pair_link, pair_weight, link capacity; ``program``: fraction of the buffer
-    per transfer, bytes in the buffer, latency per pair, extra delay per transfer (none: empty), its send
-    and receive slots, slot_ptr, slot_member, slot_rank, per rank its stop slot and delay; ``out``: the
-    arrays a run fills in; ``work``: the run's state (:func:`_work`); ``state``: the counts carried from call
-    to call (_SIZE ...)."""
+    events (_GROW: the caller grows it and calls again), a progress report is due (_REPORT) or, on a streamed
+    layout, a slot is about to end whose rank's next slot is not laid out yet (_MORE: the caller lays out more
+    steps and calls again; the instant resumes where it stopped). ``route``: pair per transfer, pair_ptr,
+    pair_link, pair_weight, link capacity; ``program``: fraction of the buffer per transfer, bytes in the
+    buffer, latency per pair, extra delay per transfer (none: empty), its send and receive slots, per slot its
+    first and stop member positions, slot_member, slot_rank, per rank its stop slot and delay, then the
+    streamed layout's (:func:`streamed`; empty where the layout is whole); ``out``: the arrays a run fills in;
+    ``work``: the run's state (:func:`_work`); ``state``: the counts carried from call to call (_SIZE ...)."""
     pair, pair_ptr, pair_link, pair_weight, capacity = route
-    fraction, size_bytes, pair_latency, extra, send_slot, recv_slot, slot_ptr, slot_member, slot_rank = program[:9]
-    rank_stop_slot, delay = program[9:]
+    fraction, size_bytes, pair_latency, extra, send_slot, recv_slot, slot_m0, slot_m1, slot_member = program[:9]
+    slot_rank, rank_stop_slot, delay, masks, succ, pred, parent, slot_step, step_open, clock = program[9:]
     has_extra = extra.size > 0
+    # A streamed layout keeps transfers, slots and members in ring buffers (indexed by id & mask), numbers slots
+    # step by step, and names each slot's successor (succ: -1 none, _UNKNOWN not laid out yet).
+    streamed = succ.size > 0
+    tmask, smask, mmask, stmask = masks[0], masks[1], masks[2], masks[3]
     slot_start, slot_end, slot_last, trigger, start_s, drained_s, delivered_s, rank_end, slowest, bottleneck = out
     pending, ready, holder, blocks, lists, node_prev, per_link, per_flow, solver, stats = work
-    rate, left, since, version, free = blocks
+    rate, left, since, version, free, block_pair = blocks
     head, node_x, node_w, node_next, shift = lists
     tail, changed, changed_mark = per_link
     started, members, sort_stack = per_flow
-    net = (pair, pair_ptr, pair_link, capacity, head, node_x, node_w, node_next, shift, rate)
+    net = (block_pair, pair_ptr, pair_link, capacity, head, node_x, node_w, node_next, shift, rate)
     blocks_i, new_rate, play_list = solver[3], solver[4], solver[5]
     size, counter, delivered, stamp, num_free = state[0], state[1], state[2], state[3], state[4]
     next_report, need = state[5], state[6]
-    num_changed = 0
-    num_started = 0
+    # An instant a _MORE interrupted resumes with its changed links and started transfers.
+    resume = state[7] == 1
+    num_changed = state[8]
+    num_started = state[9]
 
-    while size:
-        if size + need > heap_t.size or delivered >= next_report:
-            break
-        now = heap_t[0]
+    while size or resume:
+        if resume:
+            now = clock[0]
+            resume = False
+            state[7] = 0
+        else:
+            if size + need > heap_t.size or delivered >= next_report:
+                break
+            now = heap_t[0]
         horizon = now * (1 + _EVENT_RTOL)
         while size and heap_t[0] <= horizon:
             kind = heap_k[1] & 3
             what = heap_k[1] >> 2
             ver = heap_k[2]
+            if streamed and kind == DELIVER and _ends_unknown(what, send_slot, recv_slot, pending, succ, masks):
+                clock[0] = now
+                state[0], state[1], state[2], state[3], state[4] = size, counter, delivered, stamp, num_free
+                state[7], state[8], state[9] = 1, num_changed, num_started
+                return _MORE
             size = pop(heap_t, heap_k, size)
             if kind == START:
                 slot = what
-                slot_start[slot] = now
-                for m in range(slot_ptr[slot], slot_ptr[slot + 1]):
-                    x = slot_member[m]
-                    ready[x] += 1
-                    if ready[x] != 2:
+                si = slot & smask
+                slot_start[si] = now
+                for m in range(slot_m0[si], slot_m1[si]):
+                    x = slot_member[m & mmask]
+                    xi = x & tmask
+                    ready[xi] += 1
+                    if ready[xi] != 2:
                         continue
-                    trigger[x] = slot
-                    start_s[x] = now
-                    p = pair[x]
-                    nbytes = fraction[x] * size_bytes
+                    trigger[xi] = slot
+                    start_s[xi] = now
+                    p = pair[xi]
+                    nbytes = fraction[xi] * size_bytes
                     if nbytes <= 0 or pair_ptr[p + 1] == pair_ptr[p]:
-                        drained_s[x] = now
+                        drained_s[xi] = now
                         latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
                         size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
                         counter += 1
@@ -113,7 +148,8 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                         return _FULL
                     num_free -= 1
                     block = free[num_free]
-                    holder[x] = block
+                    holder[xi] = block
+                    block_pair[block] = p
                     left[block] = nbytes
                     since[block] = now
                     rate[block] = 0.0
@@ -135,32 +171,44 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     num_started += 1
             elif kind == DELIVER:
                 x = what
-                delivered_s[x] = now
+                xi = x & tmask
+                delivered_s[xi] = now
                 delivered += 1
-                send, recv = send_slot[x], recv_slot[x]
+                send, recv = send_slot[xi], recv_slot[xi]
+                if streamed:
+                    step_open[slot_step[send & smask] & stmask] -= 1
                 for slot in (send, recv):
                     if slot == recv and send == recv:
                         break
-                    pending[slot] -= 2 if send == recv else 1
-                    if pending[slot] != 0:
+                    si = slot & smask
+                    pending[si] -= 2 if send == recv else 1
+                    if pending[si] != 0:
                         continue
-                    slot_end[slot] = now
-                    slot_last[slot] = x
-                    rank = slot_rank[slot]
+                    slot_end[si] = now
+                    slot_last[si] = x
+                    rank = slot_rank[si]
                     after = now + delay[rank]
-                    if slot + 1 < rank_stop_slot[rank]:
-                        size = push(heap_t, heap_k, size, after, counter, (slot + 1) * 4 + START, 0)
+                    if streamed:
+                        # The critical path's link: the slot before the one whose start let x begin.
+                        parent[si] = pred[trigger[xi] & smask]
+                        step_open[slot_step[si] & stmask] -= 1
+                        following = succ[si]
+                    else:
+                        following = slot + 1 if slot + 1 < rank_stop_slot[rank] else -1
+                    if following >= 0:
+                        size = push(heap_t, heap_k, size, after, counter, following * 4 + START, 0)
                         counter += 1
                     else:
                         rank_end[rank] = after
             elif ver == version[what]:
                 block = what
                 x = node_x[block << shift]
-                drained_s[x] = now
+                xi = x & tmask
+                drained_s[xi] = now
                 rate[block] = 0.0
                 left[block] = 0.0
-                p = pair[x]
-                holder[x] = -1
+                p = pair[xi]
+                holder[xi] = -1
                 for h in range(pair_ptr[p + 1] - pair_ptr[p]):
                     link = pair_link[pair_ptr[p] + h]
                     node = (block << shift) + h
@@ -199,17 +247,18 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
         stats[2] += num_moved
         for i in range(num_moved):
             x = members[i]
-            block = holder[x]
+            xi = x & tmask
+            block = holder[xi]
             r = new_rate[block]
             old = rate[block]
             left[block] -= old * (now - since[block])
             since[block] = now
             rate[block] = r
-            if r < slowest[x]:
+            if r < slowest[xi]:
                 # Rates within _LEVEL_RTOL are one level: rounding must not move the bottleneck named.
-                if r < slowest[x] * (1 - _LEVEL_RTOL):
-                    bottleneck[x] = blocks_i[2, block]
-                slowest[x] = r
+                if r < slowest[xi] * (1 - _LEVEL_RTOL):
+                    bottleneck[xi] = blocks_i[2, block]
+                slowest[xi] = r
             when = now + max(left[block], 0.0) / r
             version[block] += 1
             size = push(heap_t, heap_k, size, when, counter, block * 4 + DRAIN, version[block])
@@ -219,6 +268,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
         stamp += 1
 
     state[0], state[1], state[2], state[3], state[4] = size, counter, delivered, stamp, num_free
+    state[8], state[9] = 0, 0
     if not size:
         return _DONE
     return _REPORT if delivered >= next_report else _GROW
@@ -244,11 +294,13 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
         np.zeros(0) if run.extra_s is None else np.asarray(run.extra_s, dtype=np.float64),
         run.send_slot,
         run.recv_slot,
-        run.slot_ptr,
+        run.slot_ptr[:-1],
+        run.slot_ptr[1:],
         run.slot_member,
         run.slot_rank,
         run.rank_stop_slot,
         np.asarray(run.delay, dtype=np.float64),
+        *whole(),
     )
     out = (
         run.slot_start,
@@ -263,38 +315,76 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
         dense,
     )
     in_flight = _in_flight_bound(run)
-    work = _work(run, in_flight, stats)
+    pending = np.diff(run.slot_ptr).astype(np.int32)  # transfers per slot not delivered yet
+    work = make_work(run.link_capacity.size, run.pair_len, in_flight, (pending, len(run.t)), stats)
     # Each rank with steps begins its first at its start; the rest end where they start.
     first, stop = run.rank_first_slot, run.rank_stop_slot
     start_at = np.asarray(run.start_at, dtype=np.float64)
     active = np.flatnonzero(first < stop)
     idle = first >= stop
     run.rank_end[idle] = start_at[idle]
-    # Room for what one instant can add: a start per rank, and per transfer in flight its drain or delivery
-    # and a new drain event (the old one goes stale).
-    need = run.schedule.world_size + 2 * in_flight + 1
-    heap_t, heap_k = seeded(start_at[active], first[active].astype(np.int64) * 4 + START, 2 * need)
-    every = _PROGRESS_EVERY if progress is not None else 0
-    # size, counter, delivered, stamp, free blocks, deliveries at the next report, room an instant needs
-    state = np.array([active.size, active.size, 0, 1, in_flight, every or 2**62, need], dtype=np.int64)
-    total = len(run.t)
-    while True:
-        status = _advance(route, program, out, work, heap_t, heap_k, state)
-        while every and state[2] >= state[5]:
-            assert progress is not None
-            progress(int(state[5]) / total)
-            state[5] += every
-        if status == _DONE:
-            break
-        if status == _FULL:
-            raise RuntimeError(f"{run.schedule.name}: more than {in_flight} transfers in flight at once")
-        if status == _GROW:
-            heap_t, heap_k = grow(heap_t, heap_k, int(state[0]), int(need))
+    queue = Queue(run.schedule.world_size, in_flight, start_at[active], first[active].astype(np.int64), progress)
+    while queue.step(route, program, out, work, len(run.t)) != _DONE:
+        pass
+    _check_full(queue, run.schedule.name, in_flight)
     counters = work[8][-1]
     stats[3], stats[4] = counters[3], counters[4]
     run.kernel_stats = stats
     found = dense >= 0
     dense[found] = run.used_links[dense[found]]
+
+
+def whole() -> tuple[Any, ...]:
+    """The streamed layout's part of ``program`` for a whole layout: no masks, nothing streamed."""
+    none = np.zeros(0, dtype=np.int64)
+    return (np.full(4, -1, dtype=np.int64), none, none, none, np.zeros(0, dtype=np.int32), none, np.zeros(1))
+
+
+# What a streamed run's driver (sim/_stream.py) reads of the kernel's statuses and marks.
+DONE, MORE, UNKNOWN = _DONE, _MORE, _UNKNOWN
+
+
+class Queue:
+    """The event queue of one run and the counts the kernel carries from call to call."""
+
+    def __init__(
+        self,
+        world_size: int,
+        in_flight: int,
+        start_at: FloatArray,
+        first_slot: IntArray,
+        progress: Callable[[float], None] | None,
+    ) -> None:
+        # Room for what one instant can add: a start per rank, and per transfer in flight its drain or delivery
+        # and a new drain event (the old one goes stale).
+        self.need = world_size + 2 * in_flight + 1
+        self.times, self.keys = seeded(start_at, first_slot * 4 + START, 2 * self.need)
+        self.progress = progress
+        self.every = _PROGRESS_EVERY if progress is not None else 0
+        # size, counter, delivered, stamp, free blocks, deliveries at the next report, room an instant needs,
+        # an instant interrupted (_MORE), its changed links and started transfers so far
+        count = start_at.size
+        self.state = np.array([count, count, 0, 1, in_flight, self.every or 2**62, self.need, 0, 0, 0], dtype=np.int64)
+        self.status = _GROW
+
+    def step(self, route: Any, program: Any, out: Any, work: Any, total: int) -> int:
+        """One call of the kernel, then what its status asks for (room, a report); returns the status."""
+        self.status = status = _advance(route, program, out, work, self.times, self.keys, self.state)
+        state = self.state
+        while self.every and state[2] >= state[5]:
+            assert self.progress is not None
+            self.progress(int(state[5]) / max(total, 1))
+            state[5] += self.every
+        if status == _GROW:
+            self.times, self.keys = grow(self.times, self.keys, int(state[0]), int(self.need))
+        if status == _FULL:
+            return _DONE
+        return int(status)
+
+
+def _check_full(queue: Queue, name: str, in_flight: int) -> None:
+    if queue.status == _FULL:
+        raise RuntimeError(f"{name}: more than {in_flight} transfers in flight at once")
 
 
 def _in_flight_bound(run: Any) -> int:
@@ -312,10 +402,13 @@ def _in_flight_bound(run: Any) -> int:
     return int(min(int(largest.sum()), len(run.t))) + 1
 
 
-def _work(run: Any, in_flight: int, stats: Any) -> tuple[Any, ...]:
-    """The arrays the kernel keeps its state in, all made here (the compiled code allocates nothing)."""
-    num_links = run.link_capacity.size
-    hops = max(int(run.pair_len.max()) if run.pair_len.size else 1, 1)
+def make_work(
+    num_links: int, pair_len: IntArray, in_flight: int, per_transfer: tuple[Any, int], stats: Any
+) -> tuple[Any, ...]:
+    """The arrays the kernel keeps its state in, all made here (the compiled code allocates nothing) but the
+    per-slot count of transfers not delivered yet and the room for transfers (``per_transfer``)."""
+    pending, transfers = per_transfer
+    hops = max(int(pair_len.max()) if pair_len.size else 1, 1)
     shift = 0  # a block's nodes are 2^shift >= hops apart: a node's block is a shift away, not a division
     while (1 << shift) < hops:
         shift += 1
@@ -329,6 +422,7 @@ def _work(run: Any, in_flight: int, stats: Any) -> tuple[Any, ...]:
         np.zeros(blocks),  # since
         np.zeros(blocks, dtype=np.int64),  # version: drain events of older versions are stale
         np.arange(blocks - 1, -1, -1, dtype=np.int64),  # free blocks, the next at the end
+        np.zeros(blocks, dtype=np.int64),  # the pair of the transfer draining in it
     )
     lists = (
         np.full(num_links, -1, dtype=np.int64),  # head
@@ -348,9 +442,9 @@ def _work(run: Any, in_flight: int, stats: Any) -> tuple[Any, ...]:
         np.empty(128, dtype=np.int64),  # sort_stack: the parts a sort of those transfers has waiting
     )
     return (
-        np.diff(run.slot_ptr).astype(np.int32),  # pending: transfers per slot not delivered yet
-        np.zeros(len(run.t), dtype=np.int8),  # ready: how many of a transfer's two slots have begun
-        np.full(len(run.t), -1, dtype=np.int32),  # holder: the block of a draining transfer
+        pending,
+        np.zeros(transfers, dtype=np.int8),  # ready: how many of a transfer's two slots have begun
+        np.full(transfers, -1, dtype=np.int32),  # holder: the block of a draining transfer
         block_state,
         lists,
         np.empty(nodes, dtype=np.int64),  # node_prev

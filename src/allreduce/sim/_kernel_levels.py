@@ -144,7 +144,7 @@ def _perturb(link: int, lam: float, stamp: int, net: Any, st: Any) -> None:
 def _freeze(block: int, r: float, lam: float, group: int, stamp: int, net: Any, st: Any) -> None:  # noqa: PLR0917
     """Freeze ``block`` at rate ``r`` (level ``lam``; its old rate if within _KEEP_RTOL): the perturbed links
     it crosses lose what it takes; if its rate changed, the others are perturbed."""
-    pair, pair_ptr, pair_link, _, _, node_x, node_w, _, shift, rate = net
+    pair, pair_ptr, pair_link, _, _, _, node_w, _, shift, rate = net
     links_i, links_f, _, blocks_i, new_r, _, _, _, _, _, _ = st
     old = rate[block]
     if old == r or abs(r - old) <= _KEEP_RTOL * old:
@@ -152,7 +152,7 @@ def _freeze(block: int, r: float, lam: float, group: int, stamp: int, net: Any, 
     blocks_i[_FROZEN, block] = stamp
     new_r[block] = r
     changed = r != old
-    p = pair[node_x[block << shift]]
+    p = pair[block]
     first = -1
     for h in range(pair_ptr[p + 1] - pair_ptr[p]):
         link = pair_link[pair_ptr[p] + h]
@@ -173,12 +173,12 @@ def _freeze(block: int, r: float, lam: float, group: int, stamp: int, net: Any, 
 def _check(block: int, group: int, stamp: int, net: Any, st: Any) -> None:
     """The level reached block ``block``'s old rate: it keeps it if a link on its path that is not perturbed
     filled at that level; else it rises past it, and every link it crosses is perturbed."""
-    pair, pair_ptr, pair_link, _, _, node_x, _, _, shift, rate = net
+    pair, pair_ptr, pair_link, _, _, _, _, _, _, rate = net
     links_i, links_f, _, blocks_i, _, _, _, _, _, _, _ = st
     if blocks_i[_FROZEN, block] == stamp:
         return
     r = rate[block]
-    p = pair[node_x[block << shift]]
+    p = pair[block]
     for e in range(pair_ptr[p], pair_ptr[p + 1]):
         link = pair_link[e]
         if links_i[_PERTURBED, link] != stamp and abs(links_f[_LEVEL, link] - r) <= _KEEP_RTOL * r:
@@ -210,7 +210,7 @@ def resolve_alone(  # noqa: PLR0917 (numba has no keyword-only parameters)
     bottleneck: the first on its path), the other changed links fill at no level. Returns how many
     transfers are in play (0 or 1), or -1 where some changed link is shared (or fills at no finite level):
     then :func:`resolve_fill` solves."""
-    pair, pair_ptr, pair_link, capacity, head, node_x, node_w, node_next, shift, _ = net
+    pair, pair_ptr, pair_link, capacity, head, _, node_w, node_next, shift, _ = net
     links_i, links_f, _, blocks_i, new_r, play_list, _, _, _, _, counters = st
     if num_started > 1:
         return -1
@@ -239,7 +239,7 @@ def resolve_alone(  # noqa: PLR0917 (numba has no keyword-only parameters)
             links_f[_LEVEL, link] = np.inf
     if not num_started:
         return 0
-    p = pair[node_x[block << shift]]
+    p = pair[block]
     for e in range(pair_ptr[p], pair_ptr[p + 1]):
         if links_i[_FILLED, pair_link[e]] == counters[_GROUP]:
             blocks_i[_BOTTLENECK, block] = pair_link[e]
@@ -255,9 +255,9 @@ def resolve(  # noqa: PLR0917 (numba has no keyword-only parameters)
 ) -> int:
     """Re-solve after the blocks ``started[:num_started]`` began draining and the links ``changed[:num_changed]``
     changed their sets of draining transfers (``stamp``: this re-solve's number, larger than any before);
-    ``net``: pair per transfer, pair_ptr, pair_link, capacity, the links' lists of nodes (head, node_x, node_w,
-    node_next, shift) and the rate per block. Leaves the blocks in play listed in ``st`` with their new rates
-    (infinite where no link fills), and returns how many."""
+    ``net``: the pair per block (of the transfer draining in it), pair_ptr, pair_link, capacity, the links'
+    lists of nodes (head, node_x, node_w, node_next, shift) and the rate per block. Leaves the blocks in play
+    listed in ``st`` with their new rates (infinite where no link fills), and returns how many."""
     num: int = resolve_alone(started, num_started, changed, num_changed, net, st)
     if num < 0:
         num = resolve_fill(started, num_started, changed, num_changed, stamp, net, st)

@@ -14,7 +14,7 @@ import numpy.typing as npt
 from allreduce.schedules import Schedule
 from allreduce.sim._routing import Router
 
-__all__ = ["Layout", "Problem", "Transfers", "match_transfers"]
+__all__ = ["ChainRecords", "Layout", "PairRoutes", "Problem", "Transfers", "match_transfers", "numbered", "route_pairs"]
 
 IntArray = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -39,21 +39,45 @@ class Transfers:
         return int(self.src.shape[0])
 
 
+@dataclass(frozen=True)
+class ChainRecords:
+    """The critical path, earliest first: per link its transfer (ranks, step, when it started, drained and was
+    delivered, its slowest rate and the link that set it: a topology link or -1) and the delay of the rank whose
+    slot it ended."""
+
+    src: IntArray
+    dst: IntArray
+    step: IntArray
+    start_s: FloatArray
+    drained_s: FloatArray
+    delivered_s: FloatArray
+    slowest_rate: FloatArray
+    bottleneck: IntArray
+    delay_s: FloatArray
+
+
 # What a run simulates: a schedule, its router, its transfers (match_transfers), the bytes per rank, and each
 # rank's delay after a step (None: none). Layout's first arguments.
 Problem = tuple[Schedule, Router, Transfers, float, FloatArray | None]
 
 
-def match_transfers(schedule: Schedule) -> Transfers:
-    """Every transfer of the schedule, ordered by step, sender, receiver and first block.
+def match_transfers(schedule: Schedule, steps: tuple[int, int] | None = None) -> Transfers:
+    """Every transfer of the schedule (``steps``: of the steps ``[first, stop)`` only), ordered by step, sender,
+    receiver and first block.
 
     The k-th send from a to b meets the k-th receive at b from a. Both sides are derived from the same stored
     streams (a rank's receives are its peers' sends), so the pairs are the streams expanded, one transfer per
     stream and step: no per-rank program is built."""
     s = schedule.streams
-    total = int(s.steps.sum())
-    stream = np.repeat(np.arange(len(s), dtype=np.int64), s.steps)
-    j = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(s.steps) - s.steps, s.steps)
+    if steps is None:
+        first = np.zeros(len(s), dtype=np.int64)
+        count = s.steps
+    else:  # each stream's own steps that fall in the range
+        first = np.clip(steps[0] - s.start, 0, s.steps)
+        count = np.clip(steps[1] - s.start, 0, s.steps) - first
+    total = int(count.sum())
+    stream = np.repeat(np.arange(len(s), dtype=np.int64), count)
+    j = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count - first, count)
     src = s.src[stream]
     dst = np.mod(s.peer[stream] + j * s.peer_stride[stream], schedule.world_size)
     step = s.start[stream] + j
@@ -85,7 +109,7 @@ def _sort_order(step: IntArray, src: IntArray, dst: IntArray, block: IntArray, n
     return np.asarray(np.lexsort((block, dst, src, step)), dtype=np.int64)
 
 
-def _numbered(keys: IntArray, space: int) -> tuple[IntArray, Int32Array]:
+def numbered(keys: IntArray, space: int) -> tuple[IntArray, Int32Array]:
     """The distinct ``keys`` (all in ``[0, space)``) in increasing order, and each key's place among them: by a
     table over the key space where it is small (no sort), else by np.unique."""
     if space <= _TABLE_PER_KEY * keys.size + 1024:
@@ -96,6 +120,41 @@ def _numbered(keys: IntArray, space: int) -> tuple[IntArray, Int32Array]:
         return distinct, table[keys]
     distinct, inverse = np.unique(keys, return_inverse=True)
     return distinct, inverse.reshape(-1).astype(np.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class PairRoutes:
+    """The routes of a run's rank pairs: per pair its entries (``ptr``, ``length``), their links (numbered densely
+    over the links used, in their order: ``used_links``) and weights, and its latency; per used link its
+    capacity."""
+
+    ptr: IntArray
+    length: IntArray
+    used_links: IntArray
+    link: IntArray
+    weight: FloatArray
+    latency_s: FloatArray
+    link_capacity: FloatArray
+
+
+def route_pairs(router: Router, keys: IntArray, n: int) -> PairRoutes:
+    """Route the rank pairs ``keys`` (``src * n + dst``); ValueError where a link on a route has no capacity."""
+    routes = router.route_ranks(keys // n, keys % n)
+    used_links, pair_link = np.unique(routes.link, return_inverse=True)
+    capacity = router.topology.link_bandwidth_Bps
+    link_capacity = capacity[used_links]
+    if np.any(~(link_capacity > 0)):
+        bad = int(used_links[~(link_capacity > 0)][0])
+        raise ValueError(f"link {bad} carries flows but has capacity {capacity[bad]} (must be > 0)")
+    return PairRoutes(
+        ptr=routes.flow_ptr,
+        length=np.diff(routes.flow_ptr),
+        used_links=used_links,
+        link=pair_link.reshape(-1).astype(np.int64),
+        weight=routes.weight,
+        latency_s=routes.latency_s,
+        link_capacity=link_capacity,
+    )
 
 
 class Layout:
@@ -126,21 +185,13 @@ class Layout:
         self.delay = np.zeros(n) if rank_delay_s is None else rank_delay_s
 
         # Route each distinct (src, dst) pair once.
-        keys, self.pair = _numbered(t.src.astype(np.int64) * n + t.dst, n * n)
-        routes = router.route_ranks(keys // n, keys % n)
-        self.pair_ptr = routes.flow_ptr
-        self.pair_len = np.diff(routes.flow_ptr)
-        # Links renumbered densely over the ones this schedule uses.
-        self.used_links, pair_link = np.unique(routes.link, return_inverse=True)
-        self.pair_link = pair_link.reshape(-1).astype(np.int64)
-        self.pair_weight = routes.weight
-        self.link_capacity = link_capacity = self.capacity[self.used_links]
-        if np.any(~(link_capacity > 0)):
-            bad = int(self.used_links[~(link_capacity > 0)][0])
-            raise ValueError(f"link {bad} carries flows but has capacity {self.capacity[bad]} (must be > 0)")
-        # Latencies per pair, and the extra delays per transfer: the compiled core adds them as it delivers,
-        # so a run on it holds no per-transfer latency (millions of entries).
-        self.pair_latency = routes.latency_s
+        keys, self.pair = numbered(t.src.astype(np.int64) * n + t.dst, n * n)
+        routes = route_pairs(router, keys, n)
+        self.pair_ptr, self.pair_len, self.pair_latency = routes.ptr, routes.length, routes.latency_s
+        self.used_links, self.pair_link, self.pair_weight = routes.used_links, routes.link, routes.weight
+        self.link_capacity = routes.link_capacity
+        # The extra delays per transfer: the compiled core adds them as it delivers, so a run on it holds no
+        # per-transfer latency (millions of entries).
         self.extra_s = extra_s
         self._transfer_latency: FloatArray | None = None
         self.start_at = np.zeros(n) if start_s is None else np.asarray(start_s, dtype=np.float64)
@@ -150,7 +201,7 @@ class Layout:
         keys = np.concatenate([t.src, t.dst]).astype(np.int64) * steps
         keys[: len(t)] += t.step
         keys[len(t) :] += t.step
-        slot_keys, slot_of = _numbered(keys, n * steps)
+        slot_keys, slot_of = numbered(keys, n * steps)
         del keys
         self.num_slots = int(slot_keys.size)
         self.send_slot = slot_of[: len(t)]

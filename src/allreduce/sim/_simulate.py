@@ -31,14 +31,17 @@ __all__ = [
 # engine="auto" gives the exact result on at most AUTO_EXACT_MAX_RANKS ranks and AUTO_EXACT_MAX_TRANSFERS
 # transfers (where the two engines must agree): the fast engine's when it certified its result (SimResult.exact:
 # see sim/_fast.py), else the event engine's. Beyond them: the fast engine, whose result says whether it is
-# exact. With the compiled core (sim/_kernel.py) the event engine costs 2-3 us of CPU and about 180 bytes per
-# transfer (benchmarks/bench_engines.py: a 1,024-rank ring, 2.1 million transfers, 3.9-5.5 CPU-s and 477 MB on a
-# fat-tree or a 4:1 Clos), so the limits are those of a run of well under a minute and 1 GB: every double
-# binary tree to 16,384 ranks, rings to about 1,400. Without numba the numpy cores run, 6-15x slower (the
-# slowest measured in benchmarks/bench_sim_agreement.py: 30 CPU-seconds, a 256-rank ring on a randomly placed
-# torus): at most 256 ranks, however many transfers.
+# exact. With the compiled core (sim/_kernel.py) the event engine costs 1.5-5 us of CPU per transfer, and from
+# 2^22 transfers on it runs on a layout streamed from the schedule (sim/_stream.py), whose memory is that of the
+# steps under way, not of every transfer (benchmarks/bench_engines.py --one, random placement, 64 MiB: a
+# 2,048-rank ring, 8.4 M transfers, 12.9 CPU-s and 581 MB; direct all-reduce on 512 ranks 4.7 us a transfer).
+# So the limit is time alone, that of a run of under a minute: 2^23 transfers, every double binary tree to
+# 16,384 ranks, rings and direct to 2,048 ranks (a 4,096-rank ring takes 56 CPU-s, direct on 2,896 ranks about
+# 80). Without numba the numpy cores run, 6-15x slower (the slowest measured in
+# benchmarks/bench_sim_agreement.py: 30 CPU-seconds, a 256-rank ring on a randomly placed torus): at most 256
+# ranks, however many transfers.
 AUTO_EXACT_MAX_RANKS = 16_384 if kernel_available() else 256
-AUTO_EXACT_MAX_TRANSFERS = 2**22 if kernel_available() else None
+AUTO_EXACT_MAX_TRANSFERS = 2**23 if kernel_available() else None
 # How far the fast engine's time was from the event engine's where it could not certify its result, per
 # algorithm: (lowest, highest) relative error over the grid of benchmarks/bench_engines.py --errors (fat-tree,
 # Clos 1:1 and 4:1, rail, torus, dragonfly; linear and random placement; 256 and 1,024 ranks; 64 MiB). Measured,

@@ -1,0 +1,613 @@
+"""The compiled event core (sim/_kernel.py) over a layout streamed from the schedule, a window of steps at a time.
+
+A whole layout (sim/_layout.py) holds every transfer and every slot of a run in arrays, about 136 bytes a
+transfer: a 16,384-rank ring's 537 million would take 73 GB. Yet at any moment only a band of steps is under
+way (ranks drift apart by a few dozen steps: 27 of a 1,024-rank ring's 2,046 on a randomly placed fat-tree).
+So here the transfers of a window of steps are matched from the schedule's streams (``match_transfers`` over
+those steps: the same transfers, numbered as in the whole layout), laid out in ring buffers indexed by their
+number modulo the buffer's size, and released once every transfer and slot of their step is done; a window is
+laid out when the kernel is about to end a slot whose rank's next slot is not laid out yet (it stops before
+that event, and the instant resumes where it stopped). Slots are numbered step by step rather than rank by
+rank, so each names its successor. The kernel runs the same events in the same order on the same floats as
+on the whole layout: the results are equal bit for bit (tests/sim/test_stream.py), except the per-link bytes,
+summed window by window (rounding).
+
+What a result needs of the released steps is folded in as they go: per phase its first start, last end,
+slowest rate and the rates' median (the rates go to a temporary file, 8 bytes each, and the median is selected
+from it at the end), per link its bytes, the trace of the first ranks, and the critical path's links: per
+slot, the transfer that ended it and the slot before the one whose start let that transfer begin. Those
+records are kept only while a slot still in the buffers, or a rank's last slot, can reach them (a collection
+from those roots whenever they have doubled), so the walk back from the last rank to finish, at the end,
+finds every link it needs.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from allreduce.schedules import Schedule
+from allreduce.sim._jit import njit
+from allreduce.sim._kernel import DONE, MORE, UNKNOWN, Queue, make_work
+from allreduce.sim._layout import ChainRecords, match_transfers, numbered, route_pairs
+from allreduce.sim._result import PhaseResult
+from allreduce.sim._routing import Router
+
+__all__ = ["StreamRun", "stream_pairs"]
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+# Transfers laid out per window (at least one step's): the buffers hold the steps under way plus one window.
+WINDOW_TRANSFERS = 1 << 18
+# The critical path's records are collected when they have doubled since the last collection, and not below this.
+COLLECT_MIN = 1 << 16
+
+
+def stream_pairs(schedule: Schedule) -> IntArray:
+    """The distinct rank pairs ``src * n + dst`` the schedule's transfers use, increasing, from its streams: a
+    stream visits the peers ``peer + j * peer_stride`` (mod n), which repeat after n / gcd(peer_stride, n)."""
+    s = schedule.streams
+    n = schedule.world_size
+    live = s.steps > 0
+    stride = np.mod(s.peer_stride[live], n)
+    period = n // np.gcd(stride, n)
+    count = np.minimum(s.steps[live], period)
+    stream = np.repeat(np.arange(int(live.sum()), dtype=np.int64), count)
+    j = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    dst = np.mod(s.peer[live][stream] + j * stride[stream], n)
+    keys, _ = numbered(s.src[live][stream] * n + dst, n * n)
+    return keys
+
+
+def _in_flight_bound(schedule: Schedule, total: int) -> int:
+    """At most how many transfers are in flight at once: per rank, at most one per stream it sends on and one
+    per stream that can send to it."""
+    s = schedule.streams
+    live = s.steps > 0
+    fixed = live & (s.peer_stride % schedule.world_size == 0)
+    strided = int(np.count_nonzero(live & ~fixed))
+    bound = int(np.count_nonzero(live)) + int(np.count_nonzero(fixed)) + strided * schedule.world_size
+    return min(bound, total) + 1
+
+
+@njit
+def _mark_reachable(slot: Any, parent: Any, roots: Any, keep: Any) -> None:
+    """Mark ``keep`` for every record reachable from the slots ``roots`` through ``parent`` (``slot``: the
+    records' slots, increasing); a walk stops at a record marked already."""
+    for root in roots:
+        current = root
+        while current >= 0:
+            lo, hi = 0, slot.size  # the record of slot ``current``: a binary search
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if slot[mid] < current:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if keep[lo]:
+                break
+            keep[lo] = True
+            current = parent[lo]
+
+
+class _Rings:
+    """Arrays indexed by a number modulo their size (a power of two), holding the numbers ``[lo, hi)``."""
+
+    def __init__(self, capacity: int, **fields: tuple[type, float]) -> None:
+        self.mask = capacity - 1
+        self.fields = fields
+        self.arrays: dict[str, Any] = {
+            name: np.full(capacity, fill, dtype=dtype) for name, (dtype, fill) in fields.items()
+        }
+
+    def fit(self, lo: int, hi: int) -> None:
+        """Make room for the numbers ``[lo, hi)``, keeping those held."""
+        capacity = self.mask + 1
+        if hi - lo <= capacity:
+            return
+        while capacity < hi - lo:
+            capacity *= 2
+        old = np.arange(lo, hi, dtype=np.int64)
+        for name, (dtype, fill) in self.fields.items():
+            array: Any = np.full(capacity, fill, dtype=dtype)
+            array[old & (capacity - 1)] = self.arrays[name][old & self.mask]
+            self.arrays[name] = array
+        self.mask = capacity - 1
+
+    def __getitem__(self, name: str) -> Any:
+        return self.arrays[name]
+
+    def __setitem__(self, name: str, array: Any) -> None:
+        self.arrays[name] = array
+
+
+class _Median:
+    """The median of many non-negative floats (``np.median``'s, exactly) in bounded memory: the floats go to a
+    temporary file as they come, and the middle two are found by a radix selection over their bit patterns
+    (non-negative floats order as their patterns do as integers): per pass, the count of each value of the
+    next few bits among the floats whose leading bits are those found so far."""
+
+    CHUNK = 1 << 22  # floats read back at a time
+    BITS = (22, 21, 21)  # the bits each pass settles (64 in all)
+
+    def __init__(self) -> None:
+        self.file: IO[bytes] | None = None
+        self.count = 0
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def add(self, values: FloatArray) -> None:
+        if self.file is None:
+            self.file = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close(): the run owns it)
+        np.ascontiguousarray(values, dtype=np.float64).tofile(self.file)
+        self.count += values.size
+
+    def _chunks(self) -> Iterator[IntArray]:
+        assert self.file is not None
+        self.file.flush()
+        self.file.seek(0)
+        left = self.count
+        while left:
+            chunk = np.fromfile(self.file, dtype=np.int64, count=min(left, self.CHUNK))
+            left -= chunk.size
+            yield chunk
+
+    def _select(self, ranks: tuple[int, ...]) -> list[int]:
+        """The bit patterns of the floats of the given (0-based) ranks in increasing order."""
+        found: list[int] = []
+        for rank in ranks:
+            prefix, known, k = 0, 0, rank
+            for bits in self.BITS:
+                shift = 64 - known - bits
+                count = np.zeros(1 << bits, dtype=np.int64)
+                for chunk in self._chunks():
+                    part = chunk[(chunk >> (64 - known)) == prefix] if known else chunk
+                    count += np.bincount((part >> shift) & ((1 << bits) - 1), minlength=1 << bits)
+                below = np.cumsum(count)
+                digit = int(np.searchsorted(below, k, side="right"))
+                k -= int(below[digit - 1]) if digit else 0
+                prefix, known = (prefix << bits) | digit, known + bits
+            found.append(prefix)
+        return found
+
+    def median(self) -> float:
+        """The median of the floats added (inf: none); the file is closed."""
+        if not self.count:
+            self.close()
+            return float("inf")
+        ranks = ((self.count - 1) // 2, self.count // 2)
+        patterns = self._select(ranks[:1] if ranks[0] == ranks[1] else ranks)
+        self.close()
+        return float(np.mean(np.asarray(patterns, dtype=np.int64).view(np.float64)))
+
+
+class StreamRun:
+    """One run of the compiled event core on a streamed layout (the module docstring). ``run`` runs it and folds
+    in what the result needs: ``rank_end``, ``phases`` (per phase of the schedule: start, end, slowest rate,
+    median rate), ``pair_bytes``, ``trace_start``/``trace_end`` (the first ``trace_ranks`` ranks), and the
+    critical path (:meth:`chain`)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        router: Router,
+        size_bytes: float,
+        rank_delay_s: FloatArray | None,
+        *,
+        trace_ranks: int,
+        window_transfers: int = WINDOW_TRANSFERS,
+        collect_min: int = COLLECT_MIN,
+    ) -> None:
+        """``window_transfers``: how many transfers to lay out at a time (at least a step's); ``collect_min``: the
+        critical path's records are collected when they have doubled since the last collection and exceed
+        this."""
+        self.schedule = schedule
+        n = self.n = schedule.world_size
+        self.size_bytes = float(size_bytes)
+        self.delay = np.zeros(n) if rank_delay_s is None else np.asarray(rank_delay_s, dtype=np.float64)
+        s = schedule.streams
+        self.num_steps = num_steps = int((s.start + s.steps).max()) if len(s) else 0
+        per_step = np.zeros(num_steps + 1, dtype=np.int64)
+        np.add.at(per_step, s.start, 1)
+        np.add.at(per_step, s.start + s.steps, -1)
+        per_step = np.cumsum(per_step)[:num_steps]
+        self.steps_with = np.flatnonzero(per_step)  # the steps with transfers (the trace's rows)
+        self.step_first = np.concatenate([[0], np.cumsum(per_step)])  # transfers before each step
+        self.total = int(self.step_first[-1])
+        self.window_transfers = max(int(window_transfers), 1)
+
+        self.pair_keys = stream_pairs(schedule)
+        routes = route_pairs(router, self.pair_keys, n)
+        self.routes = routes
+        self.used_links = routes.used_links
+        self.in_flight = _in_flight_bound(schedule, self.total)
+
+        capacity = 1 << max(int(2 * self.window_transfers).bit_length(), 4)
+        self.transfers = _Rings(
+            capacity,
+            fraction=(np.float64, 0.0),
+            pair=(np.int32, 0),
+            send_slot=(np.int64, -1),
+            recv_slot=(np.int64, -1),
+            trigger=(np.int64, -1),
+            start_s=(np.float64, np.nan),
+            drained_s=(np.float64, np.nan),
+            delivered_s=(np.float64, np.nan),
+            slowest=(np.float64, np.inf),
+            bottleneck=(np.int32, -1),
+            ready=(np.int8, 0),  # how many of its two slots have begun
+            holder=(np.int32, -1),  # the block it drains in
+        )
+        self.slots = _Rings(
+            capacity,
+            m0=(np.int64, 0),
+            m1=(np.int64, 0),
+            rank=(np.int32, 0),
+            step=(np.int32, 0),
+            pending=(np.int32, 0),
+            slot_start=(np.float64, np.nan),
+            slot_end=(np.float64, np.nan),
+            slot_last=(np.int64, -1),
+            succ=(np.int64, UNKNOWN),
+            pred=(np.int64, -1),
+            parent=(np.int64, -1),
+        )
+        self.members = _Rings(2 * capacity, member=(np.int64, 0))
+        self.steps = _Rings(64, step_open=(np.int64, 0))
+        # Per step laid out: its first slot and first member (the step after the last: where the next begin).
+        self.step_slot = np.zeros(num_steps + 1, dtype=np.int64)
+        self.step_member = np.zeros(num_steps + 1, dtype=np.int64)
+        self.low = 0  # steps below are released
+        self.high = 0  # steps below are laid out
+        self.last_slot = np.full(n, -1, dtype=np.int64)  # per rank, its last slot laid out
+        self.first_slot = np.full(n, -1, dtype=np.int64)
+        self.rank_end = np.zeros(n)
+        self.pair_bytes = np.zeros(routes.length.size)
+        self.kernel_stats = np.zeros(5, dtype=np.int64)
+        self.clock = np.zeros(1)  # the time of an instant the kernel stopped in (to lay out more)
+        # CPU seconds laying out windows, in the kernel, folding released steps in (collections included).
+        self.cpu_s = {"lay out": 0.0, "kernel": 0.0, "fold": 0.0}
+        self._work: tuple[Any, ...] = ()
+
+        self.phases = [(p.first_step, p.repeat, len(p)) for p in schedule.phases()]
+        self.phase_start = np.full(len(self.phases), np.inf)
+        self.phase_end = np.full(len(self.phases), -np.inf)
+        self.phase_slowest = np.full(len(self.phases), np.inf)
+        self.phase_rates = [_Median() for _ in self.phases]
+        self.fair_share: list[float] = []
+        self.trace_ranks = k = min(n, trace_ranks)
+        self.trace_start = np.full((self.steps_with.size, k), np.nan)
+        self.trace_end = np.full((self.steps_with.size, k), np.nan)
+        # The critical path's records, by slot (increasing): its parent slot, and its transfer's.
+        self.records: dict[str, Any] = {}
+        self.num_records = 0
+        self.collected = 0
+        self.collect_min = collect_min
+
+    # -- laying out ---------------------------------------------------------------------------------
+    def _lay_out(self) -> None:
+        """Lay out the next window of steps."""
+        clock = time.process_time()
+        self._lay_out_window()
+        self.cpu_s["lay out"] += time.process_time() - clock
+
+    def _lay_out_window(self) -> None:
+        a = self.high
+        b = int(np.searchsorted(self.step_first, self.step_first[a] + self.window_transfers, side="right")) - 1
+        b = min(max(b, a + 1), self.num_steps)
+        n = self.n
+        t = match_transfers(self.schedule, (a, b))
+        m = len(t)
+        x0 = int(self.step_first[a])
+        s0 = int(self.step_slot[a])
+        m0 = int(self.step_member[a])
+        tr, sl, mb = self.transfers, self.slots, self.members
+        tr.fit(int(self.step_first[self.low]), x0 + m)
+        xi = np.arange(x0, x0 + m, dtype=np.int64) & tr.mask
+        tr["fraction"][xi] = t.fraction
+        tr["pair"][xi] = np.searchsorted(self.pair_keys, t.src.astype(np.int64) * n + t.dst)
+        for name in ("trigger", "start_s", "drained_s", "delivered_s", "slowest", "bottleneck", "ready", "holder"):
+            tr[name][xi] = tr.fields[name][1]
+
+        # Slots numbered step by step: keys (step - a) * n + rank.
+        keys = np.concatenate([t.src, t.dst]).astype(np.int64)
+        keys[:m] += (t.step.astype(np.int64) - a) * n
+        keys[m:] += (t.step.astype(np.int64) - a) * n
+        slot_keys, slot_of = numbered(keys, (b - a) * n)
+        del keys
+        k = slot_keys.size
+        sl.fit(int(self.step_slot[self.low]), s0 + k)
+        ids = np.arange(s0, s0 + k, dtype=np.int64)
+        si = ids & sl.mask
+        tr["send_slot"][xi] = s0 + slot_of[:m]
+        tr["recv_slot"][xi] = s0 + slot_of[m:]
+        rank = (slot_keys % n).astype(np.int32)
+        step = (a + slot_keys // n).astype(np.int32)
+        counts = np.bincount(slot_of, minlength=k)
+        first_member = m0 + np.cumsum(counts) - counts
+        sl["m0"][si] = first_member
+        sl["m1"][si] = first_member + counts
+        sl["rank"][si] = rank
+        sl["step"][si] = step
+        sl["pending"][si] = counts
+        for name in ("slot_start", "slot_end", "slot_last", "parent"):
+            sl[name][si] = sl.fields[name][1]
+        # Members: sends before receives, each in transfer order (as the whole layout has them).
+        mb.fit(int(self.step_member[self.low]), m0 + 2 * m)
+        order = np.argsort(slot_of, kind="stable")
+        mb["member"][np.arange(m0, m0 + 2 * m, dtype=np.int64) & mb.mask] = x0 + order % max(m, 1)
+        del order, slot_of
+
+        # Each slot's predecessor and successor (the rank's previous and next slots).
+        final = b == self.num_steps
+        by_rank = np.argsort(rank, kind="stable")
+        same = rank[by_rank][1:] == rank[by_rank][:-1]
+        pred = np.full(k, -1, dtype=np.int64)
+        succ = np.full(k, -1 if final else UNKNOWN, dtype=np.int64)
+        pred[by_rank[1:][same]] = ids[by_rank[:-1][same]]
+        succ[by_rank[:-1][same]] = ids[by_rank[1:][same]]
+        head = np.ones(k, dtype=np.bool_)
+        head[by_rank[1:][same]] = False
+        first = np.flatnonzero(head)
+        earlier = self.last_slot[rank[first]]
+        pred[first] = earlier
+        had = earlier >= 0
+        sl["succ"][earlier[had] & sl.mask] = ids[first[had]]
+        fresh = self.first_slot[rank[first]] < 0
+        self.first_slot[rank[first[fresh]]] = ids[first[fresh]]
+        sl["pred"][si] = pred
+        sl["succ"][si] = succ
+        tail = np.ones(k, dtype=np.bool_)
+        tail[by_rank[:-1][same]] = False
+        self.last_slot[rank[tail]] = ids[tail]
+        if final:  # ranks whose last slot came in an earlier window
+            last = self.last_slot[self.last_slot >= 0]
+            unknown = sl["succ"][last & sl.mask] == UNKNOWN
+            sl["succ"][last[unknown] & sl.mask] = -1
+
+        st = self.steps
+        st.fit(self.low, b)
+        st["step_open"][np.arange(a, b) & st.mask] = np.bincount(t.step - a, minlength=b - a) + np.bincount(
+            step - a, minlength=b - a
+        )
+        self.step_slot[a + 1 : b + 1] = s0 + np.cumsum(np.bincount(step - a, minlength=b - a))
+        self.step_member[a + 1 : b + 1] = m0 + 2 * np.cumsum(np.bincount(t.step - a, minlength=b - a))
+        self.high = b
+
+    # -- folding in ---------------------------------------------------------------------------------
+    def _release(self) -> None:
+        """Fold in and release the steps whose transfers and slots are all done."""
+        st = self.steps
+        hi = self.low
+        open_ = st["step_open"]
+        while hi < self.high and open_[hi & st.mask] == 0:
+            hi += 1
+        if hi == self.low:
+            return
+        lo = self.low
+        tr, sl = self.transfers, self.slots
+        xi = np.arange(self.step_first[lo], self.step_first[hi], dtype=np.int64) & tr.mask
+        si = np.arange(self.step_slot[lo], self.step_slot[hi], dtype=np.int64) & sl.mask
+        fraction = tr["fraction"][xi]
+        nbytes = fraction * self.size_bytes
+        self.pair_bytes += np.bincount(tr["pair"][xi], weights=nbytes, minlength=self.pair_bytes.size)
+        start, drained = tr["start_s"][xi], tr["drained_s"][xi]
+        rates = np.divide(nbytes, drained - start, out=np.full(xi.size, np.inf), where=drained > start)
+        slot_step = sl["step"][si]
+        slot_rank = sl["rank"][si]
+        slot_start, slot_end = sl["slot_start"][si], sl["slot_end"][si]
+        finish = slot_end + self.delay[slot_rank]
+        for i, (first, repeat, _) in enumerate(self.phases):
+            a, b = max(first, lo), min(first + repeat, hi)
+            if a >= b:
+                continue
+            in_slots = (slot_step >= a) & (slot_step < b)
+            if in_slots.any():
+                self.phase_start[i] = min(self.phase_start[i], float(slot_start[in_slots].min()))
+                self.phase_end[i] = max(self.phase_end[i], float(finish[in_slots].max()))
+            part = rates[self.step_first[a] - self.step_first[lo] : self.step_first[b] - self.step_first[lo]]
+            if part.size:
+                self.phase_slowest[i] = min(self.phase_slowest[i], float(part.min()))
+                self.phase_rates[i].add(part)
+        shown = np.flatnonzero(slot_rank < self.trace_ranks)
+        row = np.searchsorted(self.steps_with, slot_step[shown])
+        self.trace_start[row, slot_rank[shown]] = slot_start[shown]
+        self.trace_end[row, slot_rank[shown]] = finish[shown]
+        self._record(np.arange(self.step_slot[lo], self.step_slot[hi], dtype=np.int64), si)
+        self.low = hi
+        if self.num_records > max(3 * self.collected // 2, self.collect_min):
+            self._collect()
+
+    def _record(self, ids: IntArray, si: IntArray) -> None:
+        """Keep the critical path's records of the released slots ``ids``."""
+        tr, sl = self.transfers, self.slots
+        x = sl["slot_last"][si]
+        xi = x & tr.mask
+        # 57 bytes a record (the step follows from the slot, the delay from the slot's rank: x's sender or not).
+        new = {
+            "slot": ids,
+            "parent": sl["parent"][si],
+            "src": sl["rank"][tr["send_slot"][xi] & sl.mask],
+            "dst": sl["rank"][tr["recv_slot"][xi] & sl.mask],
+            "sent": tr["send_slot"][xi] == ids,
+            "start_s": tr["start_s"][xi],
+            "drained_s": tr["drained_s"][xi],
+            "delivered_s": tr["delivered_s"][xi],
+            "slowest_rate": tr["slowest"][xi],
+            "bottleneck": tr["bottleneck"][xi],
+        }
+        if not self.records:
+            self.records = {name: np.empty(max(2 * ids.size, 1024), dtype=a.dtype) for name, a in new.items()}
+        size = self.num_records + ids.size
+        if size > self.records["slot"].size:
+            capacity = max(size, self.records["slot"].size * 3 // 2)
+            for name, a in self.records.items():
+                grown = np.empty(capacity, dtype=a.dtype)
+                grown[: self.num_records] = a[: self.num_records]
+                self.records[name] = grown
+        for name, a in new.items():
+            self.records[name][self.num_records : size] = a
+        self.num_records = size
+
+    def _collect(self) -> None:
+        """Drop the records no slot in the buffers and no rank's last slot can reach."""
+        sl = self.slots
+        count = self.num_records
+        slot = self.records["slot"][:count]
+        parent = self.records["parent"][:count]
+        live = np.arange(self.step_slot[self.low], self.step_slot[self.high], dtype=np.int64) & sl.mask
+        # Every rank's last slot, once all are laid out: the walk at the end starts from one of them.
+        last = self.last_slot if self.high == self.num_steps else np.zeros(0, dtype=np.int64)
+        roots = np.concatenate([sl["pred"][live], sl["parent"][live], last])
+        keep = np.zeros(count, dtype=np.bool_)
+        _mark_reachable(slot, parent, roots[(roots >= 0) & (roots < self.step_slot[self.low])], keep)
+        kept = int(keep.sum())
+        for a in self.records.values():
+            a[:kept] = a[:count][keep]
+        self.num_records = self.collected = kept
+
+    # -- the run ------------------------------------------------------------------------------------
+    def run(self, progress: Callable[[float], None] | None = None) -> None:
+        """Run to the end (``progress``: as run_kernel's)."""
+        routes = self.routes
+        pending = self.slots["pending"]
+        self._work = make_work(
+            routes.link_capacity.size, routes.length, self.in_flight, (pending, 0), self.kernel_stats
+        )
+        self._lay_out()
+        active = np.flatnonzero(self._has_slots())
+        while self.high < self.num_steps and np.any(self.first_slot[active] < 0):
+            self._lay_out()
+        idle = np.ones(self.n, dtype=np.bool_)
+        idle[active] = False
+        self.rank_end[idle] = 0.0
+        queue = Queue(self.n, self.in_flight, np.zeros(active.size), self.first_slot[active], progress)
+        try:
+            self._drive(queue)
+            self.fair_share = [median.median() for median in self.phase_rates]
+        finally:
+            for median in self.phase_rates:
+                median.close()
+        counters = self._work[8][-1]
+        self.kernel_stats[3], self.kernel_stats[4] = counters[3], counters[4]
+
+    def _drive(self, queue: Queue) -> None:
+        """Call the kernel until the run is over, laying out and folding in steps as it asks."""
+        status = MORE
+        while status != DONE:
+            if status == MORE:
+                route, program, out = self._program()
+            clock = time.process_time()
+            status = queue.step(route, program, out, self._work, self.total)
+            self.cpu_s["kernel"] += time.process_time() - clock
+            if status in (MORE, DONE):
+                clock = time.process_time()
+                self._release()
+                self.cpu_s["fold"] += time.process_time() - clock
+            if status == MORE:
+                self._lay_out()
+        if queue.status != DONE:
+            raise RuntimeError(f"{self.schedule.name}: more than {self.in_flight} transfers in flight at once")
+        if self.low < self.num_steps:
+            raise RuntimeError(f"{self.schedule.name}: steps from {self.low} on never finished")
+
+    def _has_slots(self) -> npt.NDArray[np.bool_]:
+        has = np.zeros(self.n, dtype=np.bool_)
+        has[self.pair_keys // self.n] = True
+        has[self.pair_keys % self.n] = True
+        return has
+
+    def _program(self) -> tuple[Any, ...]:
+        """The kernel's arguments over the buffers as they are (laying out may have grown them)."""
+        tr, sl, mb, st = self.transfers, self.slots, self.members, self.steps
+        routes = self.routes
+        self._work = (sl["pending"], tr["ready"], tr["holder"], *self._work[3:])
+        route = (tr["pair"], routes.ptr, routes.link, routes.weight, routes.link_capacity)
+        program = (
+            tr["fraction"],
+            self.size_bytes,
+            routes.latency_s,
+            np.zeros(0),
+            tr["send_slot"],
+            tr["recv_slot"],
+            sl["m0"],
+            sl["m1"],
+            mb["member"],
+            sl["rank"],
+            np.zeros(0, dtype=np.int64),
+            self.delay,
+            np.array([tr.mask, sl.mask, mb.mask, st.mask], dtype=np.int64),
+            sl["succ"],
+            sl["pred"],
+            sl["parent"],
+            sl["step"],
+            st["step_open"],
+            self.clock,
+        )
+        out = (
+            sl["slot_start"],
+            sl["slot_end"],
+            sl["slot_last"],
+            tr["trigger"],
+            tr["start_s"],
+            tr["drained_s"],
+            tr["delivered_s"],
+            self.rank_end,
+            tr["slowest"],
+            tr["bottleneck"],
+        )
+        return route, program, out
+
+    # -- results ------------------------------------------------------------------------------------
+    def chain(self) -> ChainRecords:
+        """The critical path's records, earliest first, from the last slot of the rank that finished last."""
+        count = self.num_records
+        slot = self.records["slot"][:count] if count else np.zeros(0, dtype=np.int64)
+        at: list[int] = []
+        current = int(self.last_slot[int(np.argmax(self.rank_end))]) if self.total else -1
+        while current >= 0:
+            i = int(np.searchsorted(slot, current))
+            at.append(i)
+            current = int(self.records["parent"][i])
+        picked = np.asarray(at[::-1], dtype=np.int64)
+        if not count:
+            empty = np.zeros(0, dtype=np.int64)
+            return ChainRecords(empty, empty, empty, *(np.zeros(0),) * 4, empty, np.zeros(0))
+        r = {name: a[picked] for name, a in self.records.items()}
+        bottleneck = r["bottleneck"].astype(np.int64)
+        src, dst = r["src"].astype(np.int64), r["dst"].astype(np.int64)
+        return ChainRecords(
+            src=src,
+            dst=dst,
+            step=np.searchsorted(self.step_slot, r["slot"], side="right") - 1,
+            start_s=r["start_s"],
+            drained_s=r["drained_s"],
+            delivered_s=r["delivered_s"],
+            slowest_rate=r["slowest_rate"],
+            bottleneck=np.where(bottleneck >= 0, self.used_links[np.maximum(bottleneck, 0)], -1),
+            delay_s=self.delay[np.where(r["sent"], src, dst)],
+        )
+
+    def phase_results(self) -> tuple[PhaseResult, ...]:
+        """Per phase of the schedule: as run_event reports it from a whole layout."""
+        return tuple(
+            PhaseResult(
+                first_step=first,
+                repeat=repeat,
+                num_flows=flows,
+                start_s=float(self.phase_start[i]) if np.isfinite(self.phase_start[i]) else 0.0,
+                end_s=float(self.phase_end[i]) if np.isfinite(self.phase_end[i]) else 0.0,
+                slowest_rate_Bps=float(self.phase_slowest[i]),
+                fair_share_Bps=self.fair_share[i],
+            )
+            for i, (first, repeat, flows) in enumerate(self.phases)
+        )
