@@ -22,6 +22,8 @@ from allreduce.sim._tcp import (
     _held_resends,
     _one_loss,
     draw_repair_seconds,
+)
+from allreduce.sim._tcp_window import (
     window_reduction_seconds,
 )
 from allreduce.topology import FloatArray, IntArray, switch

@@ -26,8 +26,8 @@ from allreduce.sim._tcp import (
     StallPacing,
     ack_stall_flights,
     draw_ack_stall_seconds,
-    loss_window_packets,
 )
+from allreduce.sim._tcp_window import loss_window_packets
 from allreduce.topology import FloatArray, IntArray, Routes
 
 __all__ = [
