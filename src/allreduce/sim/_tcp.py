@@ -105,6 +105,13 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   later, finds the chain as any packet does and is lost with the long-run rate. A resend sent on SACKs follows the
   delivered packet that revealed the loss, which left the chain good, so a new burst must start for it to be lost
   (:func:`resend_loss`);
+- a burst on such a chain that takes a connection's final ACK (its last transfer in the collective, the receiver
+  sending nothing back: a ring's): the receiver has the data and the sender's send was done once handed to the
+  connection, so the collective waits for nothing. The receiver's next packet on that path is its next barrier's
+  first frame (rank d to d − 1: a ring's connection d − 1 → d the other way, so the ACKs' route), sent as it
+  finishes, right behind the lost ACK; the sender of the data waits in that barrier, and the repetition timed from it
+  pays. Then the agreement's frame, the sender's probe (its ACK) and the receiver's probe cross the link, and in each
+  RTO round the sender's resend's ACK and the frame's resend (:func:`draw_held_ack_seconds`);
 - several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
   together, so the losses of one recovery episode cost the largest of their costs (NewReno's one hole per round
   trip is the ``rfc6298`` preset's sum). An episode ends once ``high_seq``, what was sent when it began, is
@@ -169,12 +176,14 @@ __all__ = [
     "DELACK_MIN_S",
     "GIVE_UP_AFTER",
     "GRO_MAX_BYTES",
+    "HELD_ACK_PROBE_ROUND",
     "TCP_STACKS",
     "LostTransfers",
     "StallPacing",
     "TcpStack",
     "ack_stall_flights",
     "draw_ack_stall_seconds",
+    "draw_held_ack_seconds",
     "draw_repair_seconds",
 ]
 
@@ -363,6 +372,46 @@ def _held_resends(
         again += going
         sent_at = first_rto if j == 0 else sent_at + np.minimum(rto * 2.0**j, RTO_MAX_S)
     return again
+
+
+# The packets that cross a link held over a connection's final ACKs after the receiver's next frame back and before
+# the first RTO (draw_held_ack_seconds): the receiver's next message on the connection (the agreement's frame, which
+# follows the barrier's), the ACK of the sender's probe, and the receiver's probe.
+HELD_ACK_PROBE_ROUND = 3
+
+
+def draw_held_ack_seconds(
+    rng: np.random.Generator,
+    stack: TcpStack,
+    *,
+    rtt: FloatArray,
+    tau: FloatArray,
+    bursts: Bursts,
+    crossing: FloatArray,
+) -> tuple[FloatArray, IntArray]:
+    """What a burst that took a connection's final ACK on a link that then falls silent (a chain clocked by the
+    link's packets, held up to ``bursts.hold_s``) costs the receiver's next frame back to the sender, ``F``, which
+    rides the ACK path (the same connection, the other way; see the module docstring). ``F`` follows the lost ACK
+    and is lost with ``stay``. Then, before any timer of the ``rto_min`` class, ``crossing`` other packets cross the
+    link and :data:`HELD_ACK_PROBE_ROUND` of the connection's own: if any gets through, the chain is good and ``F``
+    is repaired in the probe's round, ``2·(RTT + τ) + timer(2·srtt + 2 ms)``; all are lost with
+    ``chain_loss(crossing + 2)`` behind ``F`` (about ``stay^(crossing + 3)``). Then the receiver's RTO, timed from
+    ``F``'s first sending (several out: ``tcp_rearm_rto``), resends ``F``, and each round the sender's backed-off
+    RTO resend draws an ACK across the link first (its probe, and so its RTO, fired earlier): a round lost whole
+    with ``stay²`` while it leaves within the hold, else only by a new burst (:func:`_held_resends`), ``F``
+    delivered at ``RTT + τ + Σ_{j≤m} timer(RTO·2^j)``. Returns (seconds, RTOs fired), 0 where ``F`` got through."""
+    n = rtt.size
+    f_lost = rng.random(n) < bursts.stay
+    rto = stack.rto(rtt)
+    probe = 2 * (rtt + tau) + stack.timer(rng, np.minimum(2 * rtt + TIMEOUT_MIN_S, rto))
+    probe_q = chain_loss(bursts, crossing + HELD_ACK_PROBE_ROUND - 1, after_loss=True)
+    held = (bursts.stay**2, bursts.entry_q, bursts.hold_s)
+    again = _held_resends(rng, held, probe, rto, several=np.ones(n, dtype=np.bool_), probe_q=probe_q)
+    cost = np.where(again > 0, rtt + tau + stack.timer(rng, rto), probe)
+    for j in range(1, int(again.max(initial=0))):
+        waiting = again > j
+        cost[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0**j, RTO_MAX_S))
+    return np.where(f_lost, cost, 0.0), np.where(f_lost, again, 0)
 
 
 def _unheard_rtos(
