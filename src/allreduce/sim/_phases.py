@@ -542,8 +542,9 @@ def agreement_delays(
     the link's packets, as the emulator's firewall runs it) a frame is lost only where a burst starts at it,
     ``g`` (about ``p/burst``), not at the long-run ``p``: it crosses its link behind a delivered packet (the
     step's before it, or the previous collective's last, which that collective waited for), which left the
-    chain good. Returns (delay, blame code: world_size + the link that dropped it, lost messages per sample,
-    timeouts per sample)."""
+    chain good; and where that chain holds a silent link (``model.held_bursts``), the barrier's first frame that
+    rides the path of a final ACK the burst took is charged too (:func:`_held_final_acks`). Returns (delay, blame
+    code: world_size + the link that dropped it, lost messages per sample, timeouts per sample)."""
     n = router.rank_gpu.size
     code = np.full((n, samples), -1, dtype=np.int64)
     lost = np.zeros(samples, dtype=np.int64)
