@@ -12,13 +12,15 @@ from allreduce.sim import LossModel, TailConfig, simulate_tail
 from allreduce.sim._phases import agreement_delays, phase_data
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
-    CUBIC_BETA,
-    CUBIC_C,
     TCP_STACKS,
     TIMEOUT_MIN_S,
     LostTransfers,
     TcpStack,
     draw_repair_seconds,
+)
+from allreduce.sim._tcp_window import (
+    CUBIC_BETA,
+    CUBIC_C,
     window_reduction_seconds,
 )
 from allreduce.topology import parse_topology, switch

@@ -16,9 +16,6 @@ from allreduce.sim._phases import _ack_stalls, _stall_pacing, agreement_delays, 
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
     DELACK_MIN_S,
-    PACING_CA_RATIO,
-    PACING_SS_RATIO,
-    RTO_PACED_WINDOW,
     TCP_STACKS,
     TIMEOUT_MIN_S,
     LostTransfers,
@@ -28,6 +25,11 @@ from allreduce.sim._tcp import (
     ack_stall_flights,
     draw_ack_stall_seconds,
     draw_repair_seconds,
+)
+from allreduce.sim._tcp_window import (
+    PACING_CA_RATIO,
+    PACING_SS_RATIO,
+    RTO_PACED_WINDOW,
     loss_window_packets,
     paced_seconds,
     rto_pacing_ratio,

@@ -12,7 +12,14 @@ import pytest
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
 from allreduce.sim._bursts import Bursts
-from allreduce.sim._phases import _ack_stalls, _frames_crossing, agreement_delays, phase_data
+from allreduce.sim._phases import (
+    _ack_stalls,
+    _agreement_steps,
+    _frames_crossing,
+    _held_final_acks,
+    agreement_delays,
+    phase_data,
+)
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
     DELACK_MIN_S,
@@ -21,7 +28,10 @@ from allreduce.sim._tcp import (
     TcpStack,
     _held_resends,
     _one_loss,
+    draw_held_ack_seconds,
     draw_repair_seconds,
+)
+from allreduce.sim._tcp_window import (
     window_reduction_seconds,
 )
 from allreduce.topology import FloatArray, IntArray, switch
@@ -300,3 +310,96 @@ def test_the_next_barriers_first_frames_cross_a_held_link_but_the_waiting_ranks(
     links = np.array([names["switch0->gpu2"], names["gpu2->switch0"], names["gpu3->switch0"]], dtype=np.int64)
     crossing = _frames_crossing(last.next_frames, np.full(3, 2, dtype=np.int64), links)
     assert crossing.tolist() == [1.0, 0.0, 1.0]
+
+
+def _held_ack(n: int, *, stay: float, hold: float, crossing: float, seed: int) -> tuple[FloatArray, IntArray]:
+    """The receiver's next frame back behind a final ACK a burst took (bursts that almost never start anew)."""
+    bursts = Bursts(np.full(n, 1e-12), np.full(n, stay), hold)
+    return draw_held_ack_seconds(
+        np.random.default_rng(seed), EXACT, rtt=np.full(n, RTT), tau=np.full(n, TAU), bursts=bursts,
+        crossing=np.full(n, crossing),
+    )  # fmt: skip
+
+
+def test_a_frame_behind_a_held_final_ack_is_lost_with_stay_and_else_costs_nothing() -> None:
+    n, s = 200_000, 0.75
+    extra, _ = _held_ack(n, stay=s, hold=1.0, crossing=0.0, seed=17)
+    share = 1 - s
+    assert abs((extra == 0).mean() - share) < Z * math.sqrt(share * (1 - share) / n)
+
+
+def test_a_held_final_ack_frame_is_repaired_in_the_probes_round_unless_its_three_packets_are_lost() -> None:
+    # Behind the lost frame: the agreement's frame, the sender's probe's ACK and the receiver's probe, each lost
+    # with `stay` while the chain holds; one through, and the probe's round repairs the frame: 2(RTT + tau) +
+    # 2 srtt + 2 ms with exact timers.
+    n, s = 200_000, 0.75
+    extra, fired = _held_ack(n, stay=s, hold=1.0, crossing=0.0, seed=18)
+    probed = (extra > 0) & (fired == 0)
+    np.testing.assert_allclose(extra[probed], 2 * (RTT + TAU) + 2 * RTT + TIMEOUT_MIN_S, rtol=1e-12)
+    share = s * (1 - s**3)
+    assert abs(probed.mean() - share) < Z * math.sqrt(share * (1 - share) / n)
+
+
+def test_other_packets_crossing_a_held_final_ack_link_make_the_rto_rarer() -> None:
+    # Two more frames across the link before the first RTO: the chain reaches it with stay^5, not stay^3.
+    n, s = 200_000, 0.75
+    for crossing, power in ((0.0, 3), (2.0, 5)):
+        _, fired = _held_ack(n, stay=s, hold=1.0, crossing=crossing, seed=19)
+        share = s * s**power
+        assert abs((fired > 0).mean() - share) < Z * math.sqrt(share * (1 - share) / n)
+
+
+def test_a_held_final_ack_frame_waits_for_the_rtos_timed_from_its_first_sending() -> None:
+    # m RTOs: RTT + tau + RTO (2^m - 1), RTO = srtt + rto_min, as a held data tail with several packets out.
+    n = 200_000
+    extra, fired = _held_ack(n, stay=0.9, hold=1.0, crossing=0.0, seed=20)
+    timed = fired > 0
+    assert fired.max() >= 3
+    np.testing.assert_allclose(extra[timed], RTT + TAU + (RTT + 0.2) * (2.0 ** fired[timed] - 1), rtol=1e-9)
+
+
+def test_each_rto_round_of_a_held_final_ack_is_lost_with_stay_squared_until_the_hold_ends() -> None:
+    # Each round the sender's RTO resend draws an ACK across the link, then the receiver's resend of the frame
+    # crosses it: both lost with stay^2 while within the hold. RTOs at 0.2, 0.6, 1.4 s: with a 0.7 s hold the
+    # third meets the good state (no new bursts), so at most three fire.
+    n, s = 400_000, 0.8
+    _, fired = _held_ack(n, stay=s, hold=0.7, crossing=0.0, seed=21)
+    reach = s * s**3  # the frame and the probe's round lost
+    shares = [reach * (1 - s**2), reach * s**2 * (1 - s**2), reach * s**4]
+    for m, share in enumerate(shares, start=1):
+        assert abs((fired == m).mean() - share) < Z * math.sqrt(share * (1 - share) / n)
+    assert fired.max() == 3
+
+
+def _barrier_frames_behind(algorithm: str, p: float, samples: int) -> tuple[FloatArray, float]:
+    """Four ranks on one switch, bursts (of 4, held 1 s) only on the way into gpu0; the barrier's first frames
+    (rank s to s - 1) after a collective of ``algorithm``: the receivers' delays from held final ACKs, and the
+    burst's entry on that link."""
+    router, link = _into_gpu0(p)
+    model = LossModel(fabric="tcp", tcp="linux", barrier=True, burst=4.0, burst_hold_s=1.0)
+    data = phase_data(all_reduce(algorithm, 4), router, 2**18, link, connections=True, next_barrier=True)
+    first = _agreement_steps(router, model, link)[0]
+    delay = np.zeros((4, samples))
+    code = np.full((4, samples), -1, dtype=np.int64)
+    counts = np.zeros(samples, dtype=np.int64), np.zeros(samples, dtype=np.int64)
+    _held_final_acks(np.random.default_rng(22), first, data[-1], model=model, delay=delay, code=code,
+                     lost=counts[0], timeouts=counts[1])  # fmt: skip
+    g = p / (4 * (1 - p) + p)
+    return delay, g
+
+
+def test_a_rings_next_barrier_frame_rides_the_held_path_of_its_final_acks() -> None:
+    # The ring's last step sends 0 -> 1 and rank 1 sends nothing back; its final ACKs and then rank 1's first
+    # barrier frame to rank 0 take the way into gpu0. A burst starting at the ACK (g) takes the frame with stay.
+    p, samples = 0.05, 200_000
+    delay, g = _barrier_frames_behind("ring", p, samples)
+    share = g * (0.75 + g / 4)
+    assert abs((delay[0] > 0).mean() - share) < Z * math.sqrt(share * (1 - share) / samples)
+    assert not delay[1:].any()  # no other frame crosses a lossy link
+
+
+def test_an_exchange_sends_its_data_back_so_no_final_ack_is_held() -> None:
+    # Halving-doubling's last step is an exchange: the receiver's data carries its ACKs, and a burst that takes
+    # them takes data the collective waits for (a held data tail, charged there).
+    delay, _ = _barrier_frames_behind("halving_doubling", 0.05, 20_000)
+    assert not delay.any()

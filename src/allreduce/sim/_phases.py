@@ -26,8 +26,9 @@ from allreduce.sim._tcp import (
     StallPacing,
     ack_stall_flights,
     draw_ack_stall_seconds,
-    loss_window_packets,
+    draw_held_ack_seconds,
 )
+from allreduce.sim._tcp_window import loss_window_packets
 from allreduce.topology import FloatArray, IntArray, Routes
 
 __all__ = [
@@ -321,10 +322,16 @@ def _frames_crossing(frames: Routes, waiting: IntArray, link: IntArray) -> Float
 def _culprit_links(rng: np.random.Generator, d: PhaseData, flow: IntArray) -> IntArray:
     """Per lost transfer of ``flow``, the link that dropped its (first) lost packet: drawn in proportion to each
     path link's hazard."""
-    routes = d.pattern.routes
-    cumulative = d.hazard_cumulative
+    return _draw_links(rng, d.pattern.routes, d.hazard_cumulative, d.flow_hazard, flow)
+
+
+def _draw_links(
+    rng: np.random.Generator, routes: Routes, cumulative: FloatArray, flow_hazard: FloatArray, flow: IntArray
+) -> IntArray:
+    """Per entry of ``flow``, one link of its path, drawn in proportion to the route entries' hazards (summed in
+    entry order: ``cumulative``; per flow: ``flow_hazard``)."""
     before = np.concatenate([[0.0], cumulative])[routes.flow_ptr[flow]]
-    own = d.flow_hazard[flow]
+    own = flow_hazard[flow]
     entry = np.searchsorted(cumulative, before + rng.random(flow.size) * own, side="right")
     entry = np.clip(entry, routes.flow_ptr[flow], routes.flow_ptr[flow + 1] - 1)
     return np.asarray(routes.link[entry], dtype=np.int64)
@@ -535,8 +542,9 @@ def agreement_delays(
     the link's packets, as the emulator's firewall runs it) a frame is lost only where a burst starts at it,
     ``g`` (about ``p/burst``), not at the long-run ``p``: it crosses its link behind a delivered packet (the
     step's before it, or the previous collective's last, which that collective waited for), which left the
-    chain good. Returns (delay, blame code: world_size + the link that dropped it, lost messages per sample,
-    timeouts per sample)."""
+    chain good; and where that chain holds a silent link (``model.held_bursts``), the barrier's first frame that
+    rides the path of a final ACK the burst took is charged too (:func:`_held_final_acks`). Returns (delay, blame
+    code: world_size + the link that dropped it, lost messages per sample, timeouts per sample)."""
     n = router.rank_gpu.size
     code = np.full((n, samples), -1, dtype=np.int64)
     lost = np.zeros(samples, dtype=np.int64)
@@ -553,6 +561,8 @@ def agreement_delays(
         delay = np.zeros((n, samples))
         for step, gap in zip(steps, gaps, strict=True):
             _lost_frames(rng, step, gap, model=model, delay=delay, code=code, lost=lost, timeouts=timeouts)
+        if round_ < rounds - 1 and model.held_bursts and data and steps:
+            _held_final_acks(rng, steps[0], data[-1], model=model, delay=delay, code=code, lost=lost, timeouts=timeouts)
         total += delay
     return total, code, lost, timeouts
 
@@ -607,4 +617,47 @@ def _lost_frames(
     delay[receiver[larger], sample[larger]] = extra[larger]
     code[receiver[larger], sample[larger]] = n + worst[flow[larger]]
     np.add.at(lost, sample, 1)
+    np.add.at(timeouts, sample, fired)
+
+
+def _held_final_acks(
+    rng: np.random.Generator, step: _AgreementStep, last: PhaseData, *, model: LossModel, delay: FloatArray,
+    code: IntArray, lost: IntArray, timeouts: IntArray,
+) -> None:  # fmt: skip
+    """The barrier's first frames (``step``, rank d to d − 1, sent at once) that ride the ACK path of a connection
+    whose last transfer ended the collective before (``last``, its last phase: d − 1 sent to d, and d sent nothing
+    back in it): where a burst starting at that transfer's final ACK (``g`` on the frame's path, the same route)
+    holds a link of it, the frame follows the lost ACK, and what it costs its receiver is
+    :func:`allreduce.sim._tcp.draw_held_ack_seconds`'s, with the other ranks' first frames that cross that link
+    (:func:`_frames_crossing`). The previous collective's final ACKs are drawn with this sample's barrier: the
+    repetitions are alike, so the draw is the one the previous repetition would make. Adds into the barrier
+    round's ``delay`` and blame ``code`` (the larger delay per rank), ``lost`` and ``timeouts``."""
+    n, samples = code.shape
+    one_way = last.phase.src.astype(np.int64) * n + last.phase.dst
+    if last.two_way is not None:
+        one_way = one_way[~last.two_way]
+    follows = np.isin(step.dst.astype(np.int64) * n + np.arange(n), one_way)
+    bursts = _path_bursts(model, step.pattern.routes, step.hazard)
+    if bursts is None or not follows.any():
+        return
+    flow, sample = np.nonzero(rng.random((n, samples)) < np.where(follows, bursts.entry_q, 0.0)[:, None])
+    if flow.size == 0:
+        return
+    routes = step.pattern.routes
+    hazard = np.asarray(np.bincount(routes.flow_of_entry(), weights=step.hazard, minlength=routes.num_flows), float)
+    link = _draw_links(rng, routes, np.cumsum(step.hazard), hazard, flow)
+    rate = step.pattern.rate_Bps[flow]
+    extra, fired = draw_held_ack_seconds(
+        rng,
+        model.stack,
+        rtt=2 * routes.latency_s[flow],
+        tau=np.where(np.isfinite(rate), model.mtu / rate, 0.0),
+        bursts=Bursts(bursts.entry_q[flow], bursts.stay[flow], bursts.hold_s),
+        crossing=_frames_crossing(routes, flow, link),
+    )
+    receiver = step.dst[flow]
+    larger = extra > delay[receiver, sample]
+    delay[receiver[larger], sample[larger]] = extra[larger]
+    code[receiver[larger], sample[larger]] = n + link[larger]
+    np.add.at(lost, sample, extra > 0)
     np.add.at(timeouts, sample, fired)

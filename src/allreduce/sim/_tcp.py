@@ -105,6 +105,13 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   later, finds the chain as any packet does and is lost with the long-run rate. A resend sent on SACKs follows the
   delivered packet that revealed the loss, which left the chain good, so a new burst must start for it to be lost
   (:func:`resend_loss`);
+- a burst on such a chain that takes a connection's final ACK (its last transfer in the collective, the receiver
+  sending nothing back: a ring's): the receiver has the data and the sender's send was done once handed to the
+  connection, so the collective waits for nothing. The receiver's next packet on that path is its next barrier's
+  first frame (rank d to d − 1: a ring's connection d − 1 → d the other way, so the ACKs' route), sent as it
+  finishes, right behind the lost ACK; the sender of the data waits in that barrier, and the repetition timed from it
+  pays. Then the agreement's frame, the sender's probe (its ACK) and the receiver's probe cross the link, and in each
+  RTO round the sender's resend's ACK and the frame's resend (:func:`draw_held_ack_seconds`);
 - several losses in one transfer: SACK tells the sender every hole in one round trip and RACK repairs them
   together, so the losses of one recovery episode cost the largest of their costs (NewReno's one hole per round
   trip is the ``rfc6298`` preset's sum). An episode ends once ``high_seq``, what was sent when it began, is
@@ -112,15 +119,9 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   loss more than a window (:func:`loss_window_packets`) after the episode's first is sent after ``high_seq`` and
   starts the next episode, repaired after the one before: the episodes' costs add (traced at every link 1e-2, a
   connection's RTOs come one after another, about 210 ms apart);
-- the congestion window: CUBIC sets ``cwnd ← β·cwnd`` (β = 0.7, RFC 8312 §4.5) once per recovery and grows
-  back at ``α = 3(1 − β)/(1 + β)`` packets per RTT in its TCP-friendly region (§4.2) or along the cubic
-  ``W(t) = C(t − K)³ + W_max`` (§4.1, C = 0.4, ``K = ∛(W_max(1 − β)/C)``), whichever is faster. With the
-  window at the bandwidth-delay product ``W = RTT/τ`` packets before the loss (no standing queue: the fluid
-  model's link), the link runs below its rate until the window is back: the bytes not sent take
-  ``(1 − β)/2 · T`` with ``T = (1 + β)/3 · W · RTT`` (linear regrowth), or ``(1 − β)/4 · K`` (cubic), the
-  smaller of the two. A standing queue of ``(1 − β)/β`` of the BDP or more hides it entirely, so this is an
-  upper bound; it is charged once per lost transfer.
-
+- the congestion window: CUBIC's cut, charged once per lost transfer, its average window ``W`` at a loss rate
+  (:func:`loss_window_packets`) and the pacing after an inflated srtt (:func:`paced_seconds`) are
+  :mod:`allreduce.sim._tcp_window`'s;
 - lost ACKs of a window-limited flow: a transfer of ``P`` packets whose window ``W`` is smaller goes out in
   ``⌈P/W⌉`` flights, each sent as the ACKs of the one before arrive. A window that arrives back to back is
   merged by the receiver's GRO (up to 64 KiB, :data:`GRO_MAX_BYTES`) and acknowledged by one ACK; where that
@@ -145,10 +146,6 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   raised srtt by more than 3 ms, by a sample of 43–45 ms at the median, and the next 20 segments took 123 and 85 ms
   after them against 54 and 8 ms after the others); where an RTO ends the stall, what its ACK echoes depends on
   which segment the receiver last took in order, and no pacing is charged;
-- ``W``, the window a flow keeps at per-packet loss ``q``: CUBIC in its TCP-friendly region grows by
-  ``α = 3(1 − β)/(1 + β)`` per RTT and cuts by ``β``, an average window of ``√(α(1 + β)/(2(1 − β)q))`` =
-  ``√(1.5/q)`` packets (RFC 8312 §5.1; Reno's too); without data loss the window does not limit a transfer
-  (:func:`loss_window_packets`).
 
 ``srtt`` and ``min_rtt`` are the path's RTT (the fluid model has no queues); where queues stand, the probe's
 ``2·srtt`` grows with them. After an RTO whose ACK does not inflate srtt (the repair itself was lost) the window
@@ -165,22 +162,29 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.sim._bursts import Bursts, chain_loss, first_loss, next_loss, resend_loss
+from allreduce.sim._tcp_window import (
+    CUBIC_BETA,
+    RTO_PACED_WINDOW,
+    loss_window_packets,
+    paced_seconds,
+    rto_pacing_ratio,
+    window_reduction_seconds,
+)
 from allreduce.topology import FloatArray, IntArray
 
 __all__ = [
     "DELACK_MIN_S",
     "GIVE_UP_AFTER",
     "GRO_MAX_BYTES",
+    "HELD_ACK_PROBE_ROUND",
     "TCP_STACKS",
     "LostTransfers",
     "StallPacing",
     "TcpStack",
     "ack_stall_flights",
     "draw_ack_stall_seconds",
+    "draw_held_ack_seconds",
     "draw_repair_seconds",
-    "loss_window_packets",
-    "paced_seconds",
-    "window_reduction_seconds",
 ]
 
 # Linux's TCP_TIMEOUT_MIN_US: the least the reordering and probe timers add (2 ms since Linux 6.7).
@@ -189,28 +193,11 @@ TIMEOUT_MIN_S = 2e-3
 REO_WND_FRACTION = 0.25
 # Linux's tp->reordering default (net.ipv4.tcp_reordering): packets SACKed after a hole that make it a loss.
 DUPTHRESH = 3
-# RFC 8312 §4.5 and §5: CUBIC's multiplicative decrease and its cubic's constant (packets/s^3).
-CUBIC_BETA = 0.7
-CUBIC_C = 0.4
 # The most a receiver's GRO merges into one segment (its default gro_max_size, GRO_LEGACY_MAX_SIZE): a window
 # that arrives back to back up to this size is acknowledged by one ACK.
 GRO_MAX_BYTES = 65536
 # Linux's TCP_DELACK_MIN (HZ/25): the least a delayed ACK waits.
 DELACK_MIN_S = 0.04
-# The rate Linux holds a paced flow to (SK_PACING_NEEDED, see the module docstring): net.ipv4.tcp_pacing_ca_ratio
-# (120%) of cwnd·mss/srtt in congestion avoidance (tcp_update_pacing_rate).
-PACING_CA_RATIO = 1.2
-# ... and net.ipv4.tcp_pacing_ss_ratio (200%) in slow start while cwnd < ssthresh/2 (tcp_update_pacing_rate).
-PACING_SS_RATIO = 2.0
-# The window a paced flow sends at after an RTO (see _lost_repair_ack): tcp_enter_loss sets it to the packets in
-# flight and one, 1 (tcp_timeout_mark_lost marks all that is out lost), and the resend's ACK newly delivers one
-# segment (the rest were SACKed before), so slow start makes it 2; it grows no further while pacing keeps one
-# segment in flight (slow start grows only while cwnd < 2·max_packets_out, tcp_is_cwnd_limited).
-RTO_PACED_WINDOW = 2.0
-# RFC 6298 §2.3 (tcp_rtt_estimator): srtt <- (1 - 1/8)·srtt + R/8 per RTT sample R.
-SRTT_GAIN = 0.125
-# An inflated srtt's excess after this many samples, (7/8)^64 ≈ 2e-4 of it, is not charged.
-PACED_SAMPLES = 64
 # Linux's TCP_RTO_MAX: the backed-off timer stops doubling there.
 RTO_MAX_S = 120.0
 # A packet lost this many times in a row ends the connection in a real stack (Linux: tcp_retries2 = 15
@@ -283,24 +270,6 @@ TCP_STACKS = {
 the kernel's default BBR established, so paced); ``linux-unpaced``: the same on a host whose default is CUBIC and
 whose qdisc is not fq (most distributions: pfifo_fast or fq_codel); ``tuned``: a data-centre stack (fq paces);
 ``rfc6298``: the model this project had first."""
-
-
-def window_reduction_seconds(rtt_s: FloatArray, packet_s: FloatArray) -> FloatArray:
-    """What CUBIC's window reduction costs a flow whose window was its bandwidth-delay product (see the module
-    docstring): ``min((1 − β)/2 · (1 + β)/3 · W · RTT, (1 − β)/4 · K)``, ``W = RTT/τ`` packets."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        window = np.where(packet_s > 0, rtt_s / packet_s, 0.0)
-    linear = (1 - CUBIC_BETA) / 2 * (1 + CUBIC_BETA) / 3 * window * rtt_s
-    cubic = (1 - CUBIC_BETA) / 4 * np.cbrt(window * (1 - CUBIC_BETA) / CUBIC_C)
-    return np.asarray(np.minimum(linear, cubic), dtype=np.float64)
-
-
-def loss_window_packets(q: FloatArray) -> FloatArray:
-    """CUBIC's (and Reno's) average window at per-packet loss ``q``, in packets: ``√(1.5/q)`` (RFC 8312 §5.1);
-    infinite without loss."""
-    q = np.asarray(q, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        return np.asarray(np.where(q > 0, np.sqrt(1.5 / np.where(q > 0, q, 1.0)), math.inf), dtype=np.float64)
 
 
 def ack_stall_flights(q: FloatArray, packets: IntArray, mtu_bytes: int) -> IntArray:
@@ -405,6 +374,46 @@ def _held_resends(
     return again
 
 
+# The packets that cross a link held over a connection's final ACKs after the receiver's next frame back and before
+# the first RTO (draw_held_ack_seconds): the receiver's next message on the connection (the agreement's frame, which
+# follows the barrier's), the ACK of the sender's probe, and the receiver's probe.
+HELD_ACK_PROBE_ROUND = 3
+
+
+def draw_held_ack_seconds(
+    rng: np.random.Generator,
+    stack: TcpStack,
+    *,
+    rtt: FloatArray,
+    tau: FloatArray,
+    bursts: Bursts,
+    crossing: FloatArray,
+) -> tuple[FloatArray, IntArray]:
+    """What a burst that took a connection's final ACK on a link that then falls silent (a chain clocked by the
+    link's packets, held up to ``bursts.hold_s``) costs the receiver's next frame back to the sender, ``F``, which
+    rides the ACK path (the same connection, the other way; see the module docstring). ``F`` follows the lost ACK
+    and is lost with ``stay``. Then, before any timer of the ``rto_min`` class, ``crossing`` other packets cross the
+    link and :data:`HELD_ACK_PROBE_ROUND` of the connection's own: if any gets through, the chain is good and ``F``
+    is repaired in the probe's round, ``2·(RTT + τ) + timer(2·srtt + 2 ms)``; all are lost with
+    ``chain_loss(crossing + 2)`` behind ``F`` (about ``stay^(crossing + 3)``). Then the receiver's RTO, timed from
+    ``F``'s first sending (several out: ``tcp_rearm_rto``), resends ``F``, and each round the sender's backed-off
+    RTO resend draws an ACK across the link first (its probe, and so its RTO, fired earlier): a round lost whole
+    with ``stay²`` while it leaves within the hold, else only by a new burst (:func:`_held_resends`), ``F``
+    delivered at ``RTT + τ + Σ_{j≤m} timer(RTO·2^j)``. Returns (seconds, RTOs fired), 0 where ``F`` got through."""
+    n = rtt.size
+    f_lost = rng.random(n) < bursts.stay
+    rto = stack.rto(rtt)
+    probe = 2 * (rtt + tau) + stack.timer(rng, np.minimum(2 * rtt + TIMEOUT_MIN_S, rto))
+    probe_q = chain_loss(bursts, crossing + HELD_ACK_PROBE_ROUND - 1, after_loss=True)
+    held = (bursts.stay**2, bursts.entry_q, bursts.hold_s)
+    again = _held_resends(rng, held, probe, rto, several=np.ones(n, dtype=np.bool_), probe_q=probe_q)
+    cost = np.where(again > 0, rtt + tau + stack.timer(rng, rto), probe)
+    for j in range(1, int(again.max(initial=0))):
+        waiting = again > j
+        cost[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0**j, RTO_MAX_S))
+    return np.where(f_lost, cost, 0.0), np.where(f_lost, again, 0)
+
+
 def _unheard_rtos(
     rng: np.random.Generator,
     stack: TcpStack,
@@ -425,45 +434,6 @@ def _unheard_rtos(
         waiting = rounds > j
         wait[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0 ** (backed_off[waiting] + j), RTO_MAX_S))
     return wait, rounds
-
-
-def paced_seconds(
-    rtt_s: FloatArray,
-    sample_s: FloatArray,
-    segments: FloatArray,
-    window: FloatArray,
-    packet_s: FloatArray,
-    *,
-    ratio: FloatArray | float = PACING_CA_RATIO,
-) -> FloatArray:
-    """What pacing adds to ``segments`` segments a flow sends after one RTT sample of ``sample_s`` (see the module
-    docstring): srtt becomes ``(1 − 1/8)·RTT + sample/8`` and each segment's ACK brings it back by an eighth of its
-    excess, and segment ``j`` leaves ``max(τ, srtt_j/(r·w))`` after the one before (``w`` the window, ``r`` the
-    pacing ``ratio``: 1.2 in congestion avoidance, 2 early in slow start), where ``max(τ, RTT/(r·w))`` would have
-    done: with ``τ`` below both, ``8·(srtt_1 − RTT)·(1 − (7/8)^M)/(r·w)``."""
-    srtt = (1 - SRTT_GAIN) * rtt_s + SRTT_GAIN * sample_s
-    rate = ratio * window
-    steady = np.maximum(packet_s, rtt_s / rate)
-    extra = np.zeros(np.shape(rtt_s))
-    for j in range(PACED_SAMPLES):
-        due = segments > j
-        if not due.any():
-            break
-        extra += np.where(due, np.maximum(packet_s, srtt / rate) - steady, 0.0)
-        srtt = (1 - SRTT_GAIN) * srtt + SRTT_GAIN * rtt_s
-    return extra
-
-
-def rto_pacing_ratio(q: FloatArray) -> FloatArray:
-    """The pacing ratio of a flow at loss ``q`` after an RTO in recovery, at its window :data:`RTO_PACED_WINDOW`:
-    ``tcp_update_pacing_rate`` paces at 200% while ``cwnd < ssthresh/2`` (integers), else 120%. The RTO leaves
-    ``ssthresh`` as the recovery set it (``tcp_enter_loss`` recomputes it only from Open or Disorder, or once
-    ``high_seq`` is acknowledged), CUBIC's ``max(⌊β·cwnd⌋, 2)`` of the window the loss found, ``2W/(1 + β)`` on
-    the sawtooth around the average ``W`` (:func:`loss_window_packets`)."""
-    at_loss = 2 * loss_window_packets(q) / (1 + CUBIC_BETA)
-    ssthresh = np.maximum(np.floor(CUBIC_BETA * np.minimum(at_loss, 1e9)), 2.0)
-    slow_start = np.floor(ssthresh / 2) > RTO_PACED_WINDOW
-    return np.asarray(np.where(slow_start, PACING_SS_RATIO, PACING_CA_RATIO), dtype=np.float64)
 
 
 def _lost_repair_ack(
