@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from allreduce.runtime._errors import CollectiveError, PeerFailureError
+from allreduce.runtime.store._store_protocol import BEATS_PER_LEASE, LEASE_SWEEP_MAX_S, LEASE_SWEEPS
 
 __all__ = [
     "CHECK_AFTER_S",
@@ -36,6 +37,7 @@ __all__ = [
     "MIN_LEASE_S",
     "SilenceWatch",
     "lease_arg",
+    "silent_detection_s",
 ]
 
 LEASE_ENV = "ALLREDUCE_LEASE_S"
@@ -55,6 +57,20 @@ CHECK_AFTER_S = 1.0
 
 CHECK_EVERY_S = 1.0
 """...and asks again at most this often (a small request to rank 0's store: N a second while N ranks wait)."""
+
+
+def silent_detection_s(lease_s: float) -> tuple[float, float]:
+    """How long after a rank goes silent a survivor blocked on it raises, on average and at worst, with a lease of
+    ``lease_s`` (> 0), by the mechanism's own periods: the rank's last heartbeat left ``U·P`` before it went
+    silent (``P`` = lease / :data:`BEATS_PER_LEASE`, ``U`` uniform on [0, 1)), the store's sweep (every ``S`` =
+    min(:data:`LEASE_SWEEP_MAX_S`, lease / :data:`LEASE_SWEEPS`)) declares it dead within ``S`` of its lease running
+    out, and the survivor asks the store every ``C`` = :data:`CHECK_EVERY_S`, at a phase of its own. Mean:
+    lease - P/2 + S/2 + C/2; worst: lease + S + C (a lease of 10 s: 9.75 and 11.5 s)."""
+    if not lease_s > 0:
+        raise ValueError(f"lease_s must be > 0 (the heartbeat on), got {lease_s}")
+    period = lease_s / BEATS_PER_LEASE
+    sweep = min(LEASE_SWEEP_MAX_S, lease_s / LEASE_SWEEPS)
+    return lease_s - period / 2 + sweep / 2 + CHECK_EVERY_S / 2, lease_s + sweep + CHECK_EVERY_S
 
 
 def lease_arg(value: object) -> float:

@@ -36,6 +36,7 @@ from collections.abc import Iterator, Sequence
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError
 from allreduce.runtime.store._store_protocol import (
     BEAT_FRAME,
+    BEATS_PER_LEASE,
     DEAD_PREFIX,
     FAILED_LINGER_S,
     GROUP_SECRET_KEY,
@@ -65,7 +66,7 @@ from allreduce.runtime.tcp import (
     resolve_token,
 )
 
-__all__ = ["DEAD_PREFIX", "TCPStore"]
+__all__ = ["BEATS_PER_LEASE", "DEAD_PREFIX", "TCPStore"]
 
 _log = logging.getLogger("allreduce.store")
 
@@ -100,10 +101,6 @@ ADD_ANSWER = struct.Struct("!q")
 
 WAIT_FOR_RANKS_MAX_S = 30.0
 """By default, the longest the hosting rank waits in :meth:`TCPStore.close` for the other ranks to leave."""
-
-BEATS_PER_LEASE = 5
-"""Heartbeats a client sends per lease: a live rank is declared dead only if four in a row are late by a whole
-period, or the last one by four periods (docs/reliability.md has the measured gaps)."""
 
 
 class TCPStore:

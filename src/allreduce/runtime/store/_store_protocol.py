@@ -8,6 +8,7 @@ import struct
 from collections.abc import Iterable
 
 __all__ = [
+    "BEATS_PER_LEASE",
     "BEAT_FRAME",
     "DEAD_PREFIX",
     "ELASTIC_PREFIX",
@@ -53,6 +54,9 @@ SERVICE = b"store"
 LEASE_KEY = "__lease__"
 """The server's lease in seconds, as decimal text (``0``: no lease): how long a rank may go without a heartbeat
 before the server declares it dead. Each client reads it once it has connected and beats several times a lease."""
+BEATS_PER_LEASE = 5
+"""Heartbeats a client sends per lease: a live rank is declared dead only if the server reads nothing from it for
+four beat periods past the one it expected (docs/reliability.md has the measured gaps)."""
 LEASE_SWEEPS = 4
 """The server looks for silent ranks this many times a lease (a sweep reads every connection's last word)..."""
 LEASE_SWEEP_MAX_S = 0.5
