@@ -26,13 +26,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from allreduce.runtime._errors import CollectiveError, PeerFailureError
-from allreduce.runtime.store._store_protocol import BEATS_PER_LEASE, LEASE_SWEEP_MAX_S, LEASE_SWEEPS
 
 __all__ = [
+    "BEATS_PER_LEASE",
     "CHECK_AFTER_S",
     "CHECK_EVERY_S",
     "DEFAULT_LEASE_S",
     "LEASE_ENV",
+    "LEASE_SWEEPS",
+    "LEASE_SWEEP_MAX_S",
     "MAX_LEASE_S",
     "MIN_LEASE_S",
     "SilenceWatch",
@@ -51,6 +53,14 @@ MIN_LEASE_S = 1.0
 
 MAX_LEASE_S = 3600.0
 """The longest lease allowed: past an hour, the group's timeout finds a silent rank first anyway."""
+
+BEATS_PER_LEASE = 5
+"""Heartbeats a client sends per lease: a live rank is declared dead only if the server reads nothing from it for
+four beat periods past the one it expected (docs/reliability.md has the measured gaps)."""
+LEASE_SWEEPS = 4
+"""The store's server looks for silent ranks this many times a lease (a sweep reads every connection's last word)..."""
+LEASE_SWEEP_MAX_S = 0.5
+"""...and at least every half second, so a rank is declared dead at most that long after its lease ran out."""
 
 CHECK_AFTER_S = 1.0
 """A rank blocked on a peer this long asks the store whether the peer was declared dead..."""

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from allreduce.runtime import CollectiveTimeoutError, PeerFailureError
-from allreduce.runtime.store._store import BEATS_PER_LEASE, TCPStore
+from allreduce.runtime._liveness import BEATS_PER_LEASE
+from allreduce.runtime.store._store import TCPStore
 from allreduce.runtime.tcp import ClientHello, connect_handshake
 
 TOKEN = b"lease-token"

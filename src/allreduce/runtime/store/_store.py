@@ -34,9 +34,9 @@ import weakref
 from collections.abc import Iterator, Sequence
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError
+from allreduce.runtime._liveness import BEATS_PER_LEASE
 from allreduce.runtime.store._store_protocol import (
     BEAT_FRAME,
-    BEATS_PER_LEASE,
     DEAD_PREFIX,
     FAILED_LINGER_S,
     GROUP_SECRET_KEY,
@@ -66,7 +66,7 @@ from allreduce.runtime.tcp import (
     resolve_token,
 )
 
-__all__ = ["BEATS_PER_LEASE", "DEAD_PREFIX", "TCPStore"]
+__all__ = ["DEAD_PREFIX", "TCPStore"]
 
 _log = logging.getLogger("allreduce.store")
 

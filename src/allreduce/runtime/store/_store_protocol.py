@@ -8,7 +8,6 @@ import struct
 from collections.abc import Iterable
 
 __all__ = [
-    "BEATS_PER_LEASE",
     "BEAT_FRAME",
     "DEAD_PREFIX",
     "ELASTIC_PREFIX",
@@ -16,8 +15,6 @@ __all__ = [
     "GROUP_SECRET_KEY",
     "KEY_SEPARATOR",
     "LEASE_KEY",
-    "LEASE_SWEEPS",
-    "LEASE_SWEEP_MAX_S",
     "MAX_ANONYMOUS_CLIENTS",
     "MAX_ANSWER_BYTES",
     "MAX_FAIL_REASON_BYTES",
@@ -54,13 +51,6 @@ SERVICE = b"store"
 LEASE_KEY = "__lease__"
 """The server's lease in seconds, as decimal text (``0``: no lease): how long a rank may go without a heartbeat
 before the server declares it dead. Each client reads it once it has connected and beats several times a lease."""
-BEATS_PER_LEASE = 5
-"""Heartbeats a client sends per lease: a live rank is declared dead only if the server reads nothing from it for
-four beat periods past the one it expected (docs/reliability.md has the measured gaps)."""
-LEASE_SWEEPS = 4
-"""The server looks for silent ranks this many times a lease (a sweep reads every connection's last word)..."""
-LEASE_SWEEP_MAX_S = 0.5
-"""...and at least every half second, so a rank is declared dead at most that long after its lease ran out."""
 
 REQUEST = struct.Struct("!BIII")
 """A request: op, timeout in ms (:data:`NO_TIMEOUT`: none), key length, value length; then key (utf-8), value."""

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from allreduce.runtime._liveness import LEASE_SWEEP_MAX_S, LEASE_SWEEPS
 from allreduce.runtime.store._store_conn import Conn, Waiter
 from allreduce.runtime.store._store_protocol import (
     _INT64_MAX,
@@ -53,8 +54,6 @@ from allreduce.runtime.store._store_protocol import (
     GROUP_SECRET_KEY,
     KEY_SEPARATOR,
     LEASE_KEY,
-    LEASE_SWEEP_MAX_S,
-    LEASE_SWEEPS,
     MAX_ANONYMOUS_CLIENTS,
     MAX_ANSWER_BYTES,
     MAX_FAIL_REASON_BYTES,
