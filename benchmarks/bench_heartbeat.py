@@ -12,9 +12,15 @@ thread gets the GIL at CPython's switch interval), ``numpy`` (element-wise ufunc
 products, one BLAS thread), ``collective`` (4 MiB all-reduces back to back). Printed: the worst gap per workload
 and rank, how late that is against the beat period, and the share of the lease, with the load average.
 
+``--beats``: the store server's CPU per heartbeat, what a lease costs rank 0 at scale: ``--ranks`` client processes
+each take a rank's seat (the real handshake) and send a heartbeat every millisecond for ``--seconds``, one
+``send`` each as the heartbeat thread does, to a store hosted by this otherwise idle process; printed: the beats
+sent, and this process's CPU seconds (its server thread's) per beat.
+
 ``--stop``: N ranks loop all-reduces of 64 Ki float32 with ``timeout_s=120`` and ``lease_s=--lease``; this script
-SIGSTOPs rank N-1 and prints how long after the stop each survivor's collective raised and what it named, then
-how long ``group.shrink()`` and one all-reduce on the survivors took; the stopped rank is SIGKILLed after.
+SIGSTOPs rank N-1 (at a random point of its heartbeat period) and prints how long after the stop each
+survivor's collective raised and what it named, then how long ``group.shrink()`` and one all-reduce on the
+survivors took (those a stop mid-call left behind take its result first); the stopped rank is SIGKILLed after.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import random
 import signal
 import statistics
 import time
@@ -107,6 +114,8 @@ def _stopped_case_rank(env: dict[str, str], transport: str, lease_s: float, out:
         error = (type(exc).__name__, exc.peer)
     started = time.monotonic()
     group = group.shrink()
+    if group.ahead_ranks:  # the stop split the survivors by one call: those behind take its result first
+        group.broadcast(x, root=group.ahead_ranks[0])
     x[:] = 1.0
     group.all_reduce(x)
     resumed = time.monotonic() - started
@@ -116,6 +125,7 @@ def _stopped_case_rank(env: dict[str, str], transport: str, lease_s: float, out:
 
 
 def stopped(ranks: int, transports: list[str], reps: int, lease_s: float) -> None:
+    from allreduce.runtime import silent_detection_s
     from allreduce.runtime.launcher._spawn import new_token, rank_environment, reserve_port
 
     victim = ranks - 1
@@ -141,7 +151,9 @@ def stopped(ranks: int, transports: list[str], reps: int, lease_s: float) -> Non
             try:
                 for _ in range(ranks):
                     out.get(timeout=120)
-                time.sleep(1.0)  # the ranks are looping all-reduces
+                # the ranks are looping all-reduces; stopped at a random point of the victim's beat period, so the
+                # repetitions sample when its last beat left
+                time.sleep(1.0 + random.uniform(0.0, lease_s / 5))
                 load = os.getloadavg()[0]
                 stopped_at = time.time()
                 os.kill(procs[victim].pid, signal.SIGSTOP)
@@ -158,8 +170,71 @@ def stopped(ranks: int, transports: list[str], reps: int, lease_s: float) -> Non
             exact = all(r[4].endswith("True") for r in reports)
             kinds = sorted({r[3][0] for r in reports})
             print(f"{transport:<10}{load:>6.1f}{declared:>14.2f}{named!s:>8}{resumed:>17.3f}  {exact} {kinds}")
-        print(f"{transport}: median {statistics.median(detections):.2f} s to declare the stopped rank dead "
-              f"(lease {lease_s:g} s)")  # fmt: skip
+        mean, worst = silent_detection_s(lease_s)
+        print(f"{transport}: {min(detections):.2f} to {max(detections):.2f} s, mean "
+              f"{statistics.mean(detections):.2f} s to declare the stopped rank dead (lease {lease_s:g} s; the "
+              f"model: mean {mean:.2f} s, at most {worst:.2f} s)")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --beats: the server's CPU per heartbeat
+# ----------------------------------------------------------------------------------------------------------------
+BEAT_EVERY_S = 0.001
+
+
+def _beating_client(job: tuple[int, int, int, str, float], go: Any, out: Any) -> None:
+    import socket
+
+    from allreduce.runtime.store._store_protocol import BEAT_FRAME
+    from allreduce.runtime.tcp import ClientHello, connect_handshake
+
+    port, rank, world_size, token, seconds = job
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    hello = ClientHello(rank=rank, world_size=world_size, target=0)
+    connect_handshake(sock, b"store", token.encode(), hello, what="store")
+    go.wait()
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        sock.sendall(BEAT_FRAME)
+        sent += 1
+        time.sleep(BEAT_EVERY_S)
+    out.put(sent)
+    time.sleep(1.0)  # the server reads the last ones before the connection drops
+    sock.close()
+
+
+def beats(clients: int, seconds: float) -> None:
+    import resource
+    import secrets
+
+    from allreduce.runtime.store._store import TCPStore
+
+    token = secrets.token_hex(16)
+    server = TCPStore(
+        "127.0.0.1", 0, is_server=True, world_size=clients + 1, rank=0, timeout_s=60, token=token, lease_s=3600
+    )
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_beating_client, args=((server.port, r, clients + 1, token, seconds), go, out))
+        for r in range(1, clients + 1)
+    ]
+    for proc in procs:
+        proc.start()
+    time.sleep(3.0)  # the clients import and connect before the clock starts
+    load = os.getloadavg()[0]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0, t0 = usage.ru_utime + usage.ru_stime, time.perf_counter()
+    go.set()
+    sent = sum(out.get(timeout=seconds + 60) for _ in procs)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu, wall = usage.ru_utime + usage.ru_stime - cpu0, time.perf_counter() - t0
+    for proc in procs:
+        proc.join(timeout=30)
+    server.close(wait_for_ranks_s=0)
+    print(f"beats: {clients} clients, one every {BEAT_EVERY_S * 1e3:g} ms each for {seconds:g} s, load {load:.1f}: "
+          f"{sent:,} beats ({sent / wall:,.0f}/s), server {cpu:.2f} CPU s: "
+          f"{cpu / sent * 1e6:.1f} us per beat")  # fmt: skip
 
 
 def main() -> None:
@@ -168,10 +243,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--lease", type=float, default=10.0)
     parser.add_argument("--stop", action="store_true")
+    parser.add_argument("--beats", action="store_true")
     parser.add_argument("--transports", default="tcp,shm")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    if args.stop:
+    if args.beats:
+        beats(args.ranks, args.seconds)
+    elif args.stop:
         stopped(args.ranks, args.transports.split(","), args.reps, args.lease)
     else:
         gaps(args.ranks, args.seconds, args.lease)

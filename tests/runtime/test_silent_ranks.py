@@ -51,6 +51,8 @@ def _looping_rank(env: dict[str, str], transport: str, out: Any) -> None:
         }  # fmt: skip
     try:
         group = group.shrink()
+        if group.ahead_ranks:  # the stop split the survivors by one call: those behind take its result first
+            group.broadcast(x, root=group.ahead_ranks[0])
         x[:] = 1.0
         group.all_reduce(x)
         report.update(size=group.world_size, sum=float(x[0]))
