@@ -10,7 +10,8 @@ must outlast, beats arriving every lease/5 plus whatever delayed them (the sende
 core, the server's thread likewise). Workloads: ``idle`` (sleeping), ``python`` (a pure-Python loop: the heartbeat
 thread gets the GIL at CPython's switch interval), ``numpy`` (element-wise ufuncs on 8 Mi float64 and 512x512
 products, one BLAS thread), ``collective`` (4 MiB all-reduces back to back). Printed: the worst gap per workload
-and rank, how late that is against the beat period, and the share of the lease, with the load average.
+and rank, how late that is against the beat period, and the share of the lease, with the load average (1-minute,
+at the workload's start and end). The gaps include each group's start (16 processes importing numpy at once).
 
 ``--beats``: the store server's CPU per heartbeat, what a lease costs rank 0 at scale: ``--ranks`` client processes
 each take a rank's seat (the real handshake) and send a heartbeat every millisecond for ``--seconds``, one
@@ -75,7 +76,7 @@ def gaps(ranks: int, seconds: float, lease_s: float) -> None:
     print(f"heartbeat gaps: {ranks} ranks over tcp, lease {lease_s:g} s (a beat every {lease_s / 5:g} s), "
           f"{seconds:g} s per workload")  # fmt: skip
     period = lease_s / 5
-    print(f"{'workload':<12}{'load':>6}{'worst gap':>11}{'late':>9}  per rank (s)")
+    print(f"{'workload':<12}{'load':>10}{'worst gap':>11}{'late':>9}  per rank (s)")
     worst_all = 0.0
     env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     for workload in WORKLOADS:
@@ -88,7 +89,8 @@ def gaps(ranks: int, seconds: float, lease_s: float) -> None:
         worst = max(per_rank.values())
         worst_all = max(worst_all, worst)
         shown = " ".join(f"{per_rank[r]:.3f}" for r in sorted(per_rank))
-        print(f"{workload:<12}{load:>6.1f}{worst:>10.3f}s{worst - period:>8.3f}s  {shown}")
+        loads = f"{load:.1f}-{os.getloadavg()[0]:.1f}"
+        print(f"{workload:<12}{loads:>10}{worst:>10.3f}s{worst - period:>8.3f}s  {shown}")
     print(f"worst gap overall {worst_all:.3f} s ({worst_all - period:.3f} s late on a {period:g} s period): "
           f"{worst_all / lease_s:.1%} of the lease; load now {os.getloadavg()[0]:.1f}")  # fmt: skip
 
