@@ -13,7 +13,6 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,8 @@ pytestmark = pytest.mark.slow
 
 
 def _looping_rank(env: dict[str, str], transport: str, out: Any) -> None:
-    """A rank that all-reduces until its collective raises, then shrinks and all-reduces once on the survivors."""
+    """A rank that all-reduces until its collective raises (reported at once), then shrinks and all-reduces once on
+    the survivors (reported after)."""
     os.environ.update(env)
     import allreduce
 
@@ -49,6 +49,8 @@ def _looping_rank(env: dict[str, str], transport: str, out: Any) -> None:
             "rank": rank, "raised": time.monotonic(), "kind": type(exc).__name__, "peer": exc.peer,
             "message": str(exc),
         }  # fmt: skip
+    out.put(("raised", report))
+    report = {"rank": rank}
     try:
         group = group.shrink()
         if group.ahead_ranks:  # the stop split the survivors by one call: those behind take its result first
@@ -60,14 +62,13 @@ def _looping_rank(env: dict[str, str], transport: str, out: Any) -> None:
         report["shrink_error"] = str(exc)
     finally:
         group.close()
-    out.put(("done", report))
+    out.put(("shrunk", report))
 
 
-@pytest.fixture(scope="module", params=["tcp", "shm"])
-def stopped(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    """Rank 2 of 3 stopped while the ranks loop all-reduces: when it was stopped (``time.monotonic()``, which every
-    process of the host shares) and the survivors' reports. The stopped rank is killed at the end."""
-    transport = request.param
+def _stop_one(transport: str, victim: int, *, shrink: bool) -> dict[str, Any]:
+    """Rank ``victim`` of 3 stopped while the ranks loop all-reduces: when it was stopped (``time.monotonic()``,
+    which every process of the host shares) and the survivors' reports of what they raised, with, if ``shrink``,
+    what their shrink did. Every process left (the stopped rank) is killed at the end."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     reservation = reserve_port()
@@ -85,15 +86,26 @@ def stopped(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
             assert out.get(timeout=TIMEOUT_S)[0] == "ready"
         time.sleep(0.5)  # the ranks are in the middle of their all-reduces
         stopped_at = time.monotonic()
-        os.kill(processes[VICTIM].pid, signal.SIGSTOP)
-        reports = [out.get(timeout=2 * TIMEOUT_S)[1] for _ in range(WORLD_SIZE - 1)]
-        yield {"transport": transport, "stopped_at": stopped_at, "reports": reports}
+        os.kill(processes[victim].pid, signal.SIGSTOP)
+        reports: dict[int, dict[str, Any]] = {}
+        seen = {"raised": 0, "shrunk": 0}
+        while seen["raised"] < WORLD_SIZE - 1 or (shrink and seen["shrunk"] < WORLD_SIZE - 1):
+            what, report = out.get(timeout=2 * TIMEOUT_S)
+            seen[what] += 1
+            reports.setdefault(report["rank"], {}).update(report)
+        return {"transport": transport, "stopped_at": stopped_at, "reports": list(reports.values())}
     finally:
         for process in processes:
             if process.is_alive():
                 os.kill(process.pid, signal.SIGCONT)
                 process.kill()
             process.join(timeout=30)
+
+
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def stopped(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Rank 2 of 3 stopped mid-loop (:func:`_stop_one`)."""
+    return _stop_one(request.param, VICTIM, shrink=True)
 
 
 def test_every_survivor_raises_peer_failure_naming_the_stopped_rank(stopped: dict[str, Any]) -> None:
@@ -117,6 +129,15 @@ def test_the_survivors_shrink_without_the_stopped_rank_and_sum_exactly(stopped: 
     for report in stopped["reports"]:
         assert "shrink_error" not in report, report["shrink_error"]
         assert (report["size"], report["sum"]) == (WORLD_SIZE - 1, float(WORLD_SIZE - 1))
+
+
+def test_every_survivor_names_a_stopped_store_host() -> None:
+    # rank 0 hosts the store: stopped, it answers nobody; a rank blocked on a peer asks the store once a second and
+    # gets no answer within the lease, which names rank 0 (the group then cannot shrink: nothing to agree through)
+    case = _stop_one("tcp", 0, shrink=False)
+    took = max(r["raised"] for r in case["reports"]) - case["stopped_at"]
+    assert [(r["kind"], r["peer"]) for r in case["reports"]] == [("PeerFailureError", 0)] * 2
+    assert took < TIMEOUT_S / 4
 
 
 # ----------------------------------------------------------------------------------------------------------------

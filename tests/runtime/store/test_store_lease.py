@@ -20,7 +20,7 @@ import pytest
 
 from allreduce.runtime import CollectiveTimeoutError, PeerFailureError
 from allreduce.runtime._liveness import BEATS_PER_LEASE
-from allreduce.runtime.store._store import TCPStore
+from allreduce.runtime.store._store import ANSWER_MARGIN_S, TCPStore
 from allreduce.runtime.tcp import ClientHello, connect_handshake
 
 TOKEN = b"lease-token"
@@ -163,17 +163,30 @@ def _hosting_store(out: Any) -> None:
     time.sleep(600)
 
 
-def test_a_bounded_wait_for_an_answer_finds_a_stopped_store_host(processes: list[Any]) -> None:
+@pytest.fixture
+def client_of_a_stopped_host(processes: list[Any]) -> Iterator[TCPStore]:
+    """Rank 1's client of a store (lease 1 s) whose hosting process is then stopped."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     process = ctx.Process(target=_hosting_store, args=(out,))
     processes.append(process)
     process.start()
     client = TCPStore("127.0.0.1", out.get(timeout=60), is_server=False, world_size=3, rank=1, token=TOKEN)
-    try:
-        _stop(process.pid)
-        with pytest.raises(CollectiveTimeoutError):
-            client.dead_ranks(answer_s=LEASE_S)
-        assert client.host_silent
-    finally:
-        client.close()
+    _stop(process.pid)
+    yield client
+    client.close()
+
+
+def test_a_bounded_wait_for_an_answer_finds_a_stopped_store_host(client_of_a_stopped_host: TCPStore) -> None:
+    with pytest.raises(CollectiveTimeoutError):
+        client_of_a_stopped_host.dead_ranks(answer_s=LEASE_S)
+    assert client_of_a_stopped_host.host_silent
+
+
+def test_with_a_lease_a_request_to_a_stopped_store_host_fails_after_the_lease(
+    client_of_a_stopped_host: TCPStore,
+) -> None:
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=f"did not answer a request for 'k/1' within {LEASE_S:g} s"):
+        client_of_a_stopped_host.set("k/1", b"v")  # without a lease: the client's timeout and 30 s more
+    assert time.monotonic() - start < ANSWER_MARGIN_S

@@ -91,7 +91,8 @@ RETRY_BACKOFF_MAX_S = 0.2
 
 ANSWER_MARGIN_S = 30.0
 """A request's socket timeout past its own deadline: the server answers at the deadline, so this only catches a
-hung server."""
+hung server. With a lease, the lease instead: a store host that does not answer for a lease is as silent as a rank
+(a request that does not wait, a ``set`` or a ``check``, is then bounded by the lease alone)."""
 
 CLOSE_TIMEOUT_S = 5.0
 """How long a leaving client waits for the server to acknowledge its CLOSE (then leaves anyway)."""
@@ -282,8 +283,8 @@ class TCPStore:
         self, op: int, key: str, value: bytes = b"", *, timeout_s: float | None = None, answer_s: float | None = None
     ) -> tuple[int, bytes]:
         """One request and its answer. ``timeout_s``: the server's deadline for a wait; ``answer_s``: how long to
-        wait for the answer (default: that deadline and :data:`ANSWER_MARGIN_S`, which only catches a hung
-        server)."""
+        wait for the connection and then the answer (default: as long as the connection is busy, then that
+        deadline and the lease, or without a lease :data:`ANSWER_MARGIN_S`, which only catches a hung server)."""
         with self._holding(answer_s):
             if self._broken is not None:
                 raise PeerFailureError(f"rank {self.rank}: the store connection is unusable: {self._broken}", peer=0)
@@ -293,7 +294,11 @@ class TCPStore:
             timeout_ms = NO_TIMEOUT if timeout_s is None else min(int(max(timeout_s, 0.0) * 1000), NO_TIMEOUT - 1)
             # The server enforces the request's deadline; the socket timeout only guards against a hung server.
             if answer_s is None:
-                answer_s = (timeout_s if timeout_s is not None else self.timeout_s) + ANSWER_MARGIN_S
+                answer_s = (
+                    (timeout_s or 0.0) + self.lease_s
+                    if self.lease_s > 0
+                    else (timeout_s if timeout_s is not None else self.timeout_s) + ANSWER_MARGIN_S
+                )
             self._sock.settimeout(answer_s)
             try:
                 with self._send_lock:
