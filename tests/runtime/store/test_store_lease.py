@@ -190,3 +190,10 @@ def test_with_a_lease_a_request_to_a_stopped_store_host_fails_after_the_lease(
     with pytest.raises(CollectiveTimeoutError, match=f"did not answer a request for 'k/1' within {LEASE_S:g} s"):
         client_of_a_stopped_host.set("k/1", b"v")  # without a lease: the client's timeout and 30 s more
     assert time.monotonic() - start < ANSWER_MARGIN_S
+
+
+def test_a_ranks_store_socket_gives_up_on_unacknowledged_data_after_the_lease(host: TCPStore) -> None:
+    # a store host gone from the network acknowledges nothing: the kernel breaks the connection after a lease
+    with TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=1, token=TOKEN) as client:
+        assert client._sock is not None
+        assert client._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(LEASE_S * 1000)
