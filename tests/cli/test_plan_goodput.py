@@ -110,11 +110,14 @@ def test_the_what_if_table_has_a_row_per_recovery_policy(capsys: pytest.CaptureF
 
 @pytest.mark.slow
 def test_the_plan_says_which_elastic_recovery_it_used(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, *SMALL, "--no-scaling", "--elastic-timeout-s", "60")
+    code, out, err = run(capsys, *SMALL, "--no-scaling", "--elastic-timeout-s", "60", "--elastic-lease-s", "0")
     assert code == 0, err
     assert "elastic recovery " in out
     assert "modelled from the runtime's kill benchmark, benchmarks/bench_elastic.py" in out
     assert "two 60 s timeouts: 120.3 s" in out
+    code, out, err = run(capsys, *SMALL, "--no-scaling")
+    assert code == 0, err
+    assert "dead to the store after its 10 s lease (no heartbeat), found in 9.75 s on average: 10.04 s" in out
     code, out, err = run(capsys, *SMALL, "--no-scaling", "--elastic-recovery-s", "42")
     assert code == 0, err
     assert "elastic recovery 42 s a failure, given (--elastic-recovery-s)" in out

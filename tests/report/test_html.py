@@ -250,3 +250,11 @@ def test_the_page_says_whether_the_elastic_pause_was_modelled_or_given(measured_
     page = render_report([given])
     assert "given</i> (--elastic-recovery-s).</p>" in page
     assert float(parse(page).values["0.goodput.elastic_recovery.seconds"]) == 42.0
+
+
+def test_the_page_says_how_a_silent_failure_is_found(measured_plan_document: dict[str, Any]) -> None:
+    page = render_report([measured_plan_document])
+    assert "is silent, dead to the store after its 10 s lease (no heartbeat), found in 9.75 s on average" in page
+    off = copy.deepcopy(measured_plan_document)
+    off["goodput"]["elastic_recovery"].update(lease_s=0.0, detect_s=600.0)
+    assert "is silent, found after two 300 s timeouts" in render_report([off])

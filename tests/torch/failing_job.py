@@ -4,7 +4,8 @@
 
 FAULT, what rank 1 does just before its second call (under DDP: between the second step's forward and
 backward): ``kill`` (SIGKILL itself), ``stall`` (sleep past the collective timeout), ``mismatch`` (an all-reduce
-of 7 elements, which pairs with another call of rank 0).
+of 7 elements, which pairs with another call of rank 0), ``stop`` (SIGSTOP itself, under a collective timeout of
+:data:`STOP_TIMEOUT_S`: the store's lease, ``ALLREDUCE_LEASE_S``, must find it; the test kills it).
 MODE: ``collective`` (``dist.all_reduce``), ``async`` (``dist.broadcast(async_op=True)`` then ``work.wait()``),
 ``ddp`` (DDP on the backend: the second training step's backward), ``hook`` (DDP on Gloo with
 ``allreduce.torch.comm_hook`` on an "allreduce" group).
@@ -32,6 +33,7 @@ from torch import nn
 
 TIMEOUT_S = 2.0
 STALL_S = TIMEOUT_S + 2.5
+STOP_TIMEOUT_S = 120.0
 
 
 def _model() -> nn.Module:
@@ -47,6 +49,8 @@ def _fault(rank: int, fault: str, group: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "stall":
         time.sleep(STALL_S)
+    elif fault == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif fault == "mismatch":
         dist.all_reduce(torch.ones(7), group=group)  # pairs with rank 0's next call on that group, another one
 
@@ -67,7 +71,8 @@ def _second_call(mode: str, ddp: nn.Module | None, rank: int, fault: str, group:
 
 
 def main(out_dir: Path, fault: str, mode: str) -> None:
-    dist.init_process_group("allreduce", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    timeout_s = STOP_TIMEOUT_S if fault == "stop" else TIMEOUT_S
+    dist.init_process_group("allreduce", timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     # Ranks start seconds apart on loaded cores: meet on a Gloo group (a long timeout) before the short-timeout
     # group's first call.

@@ -140,6 +140,40 @@ def test_a_failure_under_ddp_raises_on_every_rank_over_tcp(tmp_path: Path, fault
     _check(tmp_path, fault, "ddp", returncodes, output)
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_stopped_rank_is_named_through_torch_long_before_the_timeout(tmp_path: Path, transport: str) -> None:
+    # rank 1 stops itself before its second call; rank 0's all_reduce waits on it until the store's lease
+    # (ALLREDUCE_LEASE_S, read by init under the backend) declares it dead: far sooner than the 120 s timeout
+    with reserve_port() as reservation:
+        port = reservation.getsockname()[1]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(JOB), str(tmp_path), "stop", "collective"],
+                env={**_env(transport), "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), "ALLREDUCE_LEASE_S": "2"}
+                | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            for rank in range(WORLD_SIZE)
+        ]
+    output = ""
+    try:
+        output = procs[0].communicate(timeout=DEADLINE_S)[0]
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank (SIGKILL ends a stopped process too)
+        output += procs[1].communicate(timeout=30)[0]
+        procs[0].wait(timeout=30)
+    result = _results(tmp_path, output)[0]
+    _raised(result, "PeerFailureError", 1, output)
+    assert result is not None
+    assert "DistBackendError" in result["raised"], result
+    assert result["seconds"] < 120.0 / 4, result  # failing_job's STOP_TIMEOUT_S
+
+
 # Not the SIGKILL: torchrun's agent stops the other workers as soon as one dies, racing their own error.
 @pytest.mark.parametrize("fault", ["stall", "mismatch"])
 def test_a_failure_under_ddp_raises_on_every_rank_under_torchrun(tmp_path: Path, fault: str) -> None:

@@ -17,6 +17,7 @@ from allreduce.plan import (
     GRADIENT_DTYPES,
     LLAMA3_RATES,
     PRESETS,
+    RUNTIME_LEASE_S,
     RUNTIME_TIMEOUT_S,
     STORAGE_BPS,
     WHAT_IF_LOSS_PROBABILITY,
@@ -40,6 +41,7 @@ from allreduce.plan import (
     rates_with,
     read_profile,
 )
+from allreduce.runtime import MAX_LEASE_S, MIN_LEASE_S
 from allreduce.sim import Distribution, parse_distribution
 from allreduce.units import format_bytes, format_seconds
 
@@ -85,6 +87,23 @@ def _positive_float(name: str, *, at_most: float | None = None) -> Callable[[str
         if not value > 0 or (at_most is not None and value > at_most):
             bound = f" and <= {at_most:g}" if at_most is not None else ""
             raise argparse.ArgumentTypeError(f"{name} must be > 0{bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _lease(name: str) -> Callable[[str], float]:
+    """A lease in seconds: 0 (the heartbeat off), or within the runtime's bounds."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
+        if value != 0 and not MIN_LEASE_S <= value <= MAX_LEASE_S:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be 0 (the heartbeat off) or {MIN_LEASE_S:g} to {MAX_LEASE_S:g} s, got {text!r}"
+            )
         return value
 
     return parse
@@ -246,6 +265,13 @@ def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
         help="the group's timeout (allreduce.init(timeout_s=...)): how long survivors take to give up on a silent "
         "host, and the shrink to leave it out",
     )
+    group.add_argument(
+        "--elastic-lease-s",
+        type=_lease("--elastic-lease-s"),
+        default=RUNTIME_LEASE_S,
+        help="the group's lease (allreduce.init(lease_s=...)): the store declares a silent host dead after it, "
+        f"so the survivors shrink then (0: the heartbeat off, two timeouts; else {MIN_LEASE_S:g} to {MAX_LEASE_S:g})",
+    )
     group.add_argument("--repair-h", type=float, default=4.0, help="hours a failed host stays out (assumed)")
 
 
@@ -287,7 +313,7 @@ def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
 def _recovery_model(args: argparse.Namespace) -> RecoveryModel:
     """The elastic recovery model: the runtime's stored measurement, or one made here (--measure-recovery)."""
     if args.measure_recovery is None:
-        return RecoveryModel(timeout_s=args.elastic_timeout_s)
+        return RecoveryModel(timeout_s=args.elastic_timeout_s, lease_s=args.elastic_lease_s)
     if args.elastic_recovery_s is not None:
         raise CLIError("give --elastic-recovery-s or --measure-recovery, not both")
     if sys.stderr.isatty() and not args.json:
@@ -296,7 +322,7 @@ def _recovery_model(args: argparse.Namespace) -> RecoveryModel:
         measurement = measure_recovery(transport=args.measure_recovery)
     except (RuntimeError, OSError) as exc:
         raise CLIError(f"--measure-recovery: the measurement failed: {exc}") from None
-    return RecoveryModel(measurement, timeout_s=args.elastic_timeout_s, basis="measured")
+    return RecoveryModel(measurement, timeout_s=args.elastic_timeout_s, basis="measured", lease_s=args.elastic_lease_s)
 
 
 def _measured(args: argparse.Namespace) -> MeasuredBackward | None:

@@ -36,6 +36,7 @@ from allreduce.plan._planner import (
     scaling_counts,
 )
 from allreduce.plan._recovery import (
+    RUNTIME_LEASE_S,
     RUNTIME_TIMEOUT_S,
     STORE_REQUEST_S,
     STORED_MEASUREMENT,
@@ -109,6 +110,7 @@ __all__ = [
     "POLICIES",
     "PRESETS",
     "RATE_NAMES",
+    "RUNTIME_LEASE_S",
     "RUNTIME_TIMEOUT_S",
     "STORAGE_BPS",
     "STORED_MEASUREMENT",

@@ -10,11 +10,16 @@ What changes at the target (:class:`RecoveryModel`):
 
 - *How the survivors learn of it.* A GPU or software failure ends the rank's process (a CUDA error raises, the
   process exits) and the kernel closes its connections: the survivors raise as measured. A host, NIC, cable or
-  switch failure takes the rank off the network with its connections open: nothing tells the survivors but the
-  group's timeout (``allreduce.init(timeout_s=...)``, :data:`RUNTIME_TIMEOUT_S`), after which their collective
-  raises; the shrink's agreement then waits for the silent rank to check in or die to the store, which it does not
-  see die either, until the same timeout. So a silent failure costs two timeouts where a process exit costs the
-  measured detection.
+  switch failure takes the rank off the network with its connections open: no socket tells. Its heartbeats to rank
+  0's store stop with it, and the store declares it dead after its lease (``allreduce.init(lease_s=...)``,
+  :data:`RUNTIME_LEASE_S`); a survivor blocked on it asks the store once a second and raises, and the shrink's
+  agreement sees it dead at once. :func:`allreduce.runtime.silent_detection_s` gives the mean from the heartbeat's
+  periods (a 10 s lease: 9.75 s; ``benchmarks/bench_heartbeat.py --stop`` measures it). This assumes the failed
+  part cuts the rank off from the store too (its host, NIC, cable, its leaf switch); a partition that leaves both
+  sides reaching the store is found only at the group's timeout (``timeout_s``, :data:`RUNTIME_TIMEOUT_S`), as
+  is every silent failure with the heartbeat off (``lease_s=0``): the collective raises after one timeout and the
+  agreement waits another for the rank to check in or die to the store. A silent failure costs the smaller of the
+  two: min(the lease's detection, two timeouts).
 - *The agreement.* Every survivor checks in with rank 0's store and waits for one decider's member list (5
   requests each); the decider reads every check-in (2 requests each) and polls while they arrive; the new
   transport's start adds about 4 per rank: :func:`agreement_requests`, 11N + 3 at least. One server thread answers
@@ -43,11 +48,19 @@ from typing import Any
 import numpy as np
 
 import allreduce
-from allreduce.runtime import CollectiveError, spawn_elastic
+from allreduce.runtime import (
+    DEFAULT_LEASE_S,
+    MAX_LEASE_S,
+    MIN_LEASE_S,
+    CollectiveError,
+    silent_detection_s,
+    spawn_elastic,
+)
 from allreduce.units import format_seconds
 
 __all__ = [
     "EXIT_KINDS",
+    "RUNTIME_LEASE_S",
     "RUNTIME_TIMEOUT_S",
     "STORED_MEASUREMENT",
     "STORE_REQUEST_S",
@@ -62,6 +75,9 @@ __all__ = [
 RUNTIME_TIMEOUT_S = float(inspect.signature(allreduce.init).parameters["timeout_s"].default)
 """The group's default timeout (``allreduce.init``): how long a collective waits on a silent peer, and how long the
 shrink's agreement waits for a rank that neither checks in nor dies to the store."""
+
+RUNTIME_LEASE_S = DEFAULT_LEASE_S
+"""The group's default lease (``allreduce.init(lease_s=...)``): a rank silent this long is dead to the store."""
 
 STORE_REQUEST_S = 22.5e-6
 """The runtime's store server's CPU seconds per request: ``benchmarks/bench_plan.py --store`` (4 client processes x
@@ -119,17 +135,25 @@ class ElasticRecovery:
     store_s: float = 0.0  # of each, the store requests beyond the measured group's
     silent_share: float = 0.0  # of failures
     timeout_s: float = 0.0
+    lease_s: float = 0.0  # 0: the heartbeat off (then two timeouts)
+    detect_s: float = 0.0  # of a silent failure: the lease's detection, or two timeouts
 
     def describe(self) -> list[str]:
         """Where the pause comes from, in a line or two."""
         if self.basis == "given":
             return [f"elastic recovery {duration(self.seconds)} a failure, given ({self.source})"]
+        if self.lease_s > 0 and self.detect_s < 2 * self.timeout_s:
+            found = (
+                f"dead to the store after its {duration(self.lease_s)} lease (no heartbeat), found in "
+                f"{duration(self.detect_s)} on average"
+            )
+        else:
+            found = f"found after two {duration(self.timeout_s)} timeouts"
         return [
             f"elastic recovery {duration(self.seconds)} a failure (mean), modelled from {self.source}",
             f"  at {self.ranks:,} ranks the shrink's {agreement_requests(self.ranks):,} store requests add "
             f"{duration(self.store_s)}; a process exit (GPU, software) costs {duration(self.exit_s)}; a host, NIC, "
-            f"cable or switch failure ({self.silent_share:.0%}) is silent, two {duration(self.timeout_s)} timeouts: "
-            f"{duration(self.silent_s)}",
+            f"cable or switch failure ({self.silent_share:.0%}) is silent, {found}: {duration(self.silent_s)}",
         ]
 
     def to_json(self) -> dict[str, Any]:
@@ -147,6 +171,8 @@ class ElasticRecovery:
                     "store_s": self.store_s,
                     "silent_share": self.silent_share,
                     "timeout_s": self.timeout_s,
+                    "lease_s": self.lease_s,
+                    "detect_s": self.detect_s,
                 }
             ),
         }
@@ -160,17 +186,31 @@ class RecoveryModel:
     timeout_s: float = RUNTIME_TIMEOUT_S
     store_request_s: float = STORE_REQUEST_S
     basis: str = "stored"
+    lease_s: float = RUNTIME_LEASE_S
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"the group's timeout must be a number of seconds > 0, got {self.timeout_s}")
+        if self.lease_s != 0 and not MIN_LEASE_S <= self.lease_s <= MAX_LEASE_S:
+            raise ValueError(
+                f"the group's lease must be 0 (the heartbeat off) or {MIN_LEASE_S:g} to {MAX_LEASE_S:g} s, got "
+                f"{self.lease_s}"
+            )
+
+    @property
+    def silent_detection_s(self) -> float:
+        """A silent failure to the survivors' agreement on who is left: the lease's mean detection, or two
+        timeouts (the collective's, then the agreement's), whichever is shorter (see the module docstring)."""
+        twice = 2 * self.timeout_s
+        return min(silent_detection_s(self.lease_s)[0], twice) if self.lease_s > 0 else twice
 
     def at(self, ranks: int, failures_per_h: dict[str, float]) -> ElasticRecovery:
         """The mean pause per failure of a job of ``ranks`` ranks whose parts fail at ``failures_per_h``."""
         m = self.measurement
         store_s = self.store_request_s * max(0, agreement_requests(ranks) - agreement_requests(m.ranks))
         exit_s = m.detection_s + m.resume_s + store_s
-        silent_s = 2 * self.timeout_s + m.resume_s + store_s
+        detect_s = self.silent_detection_s
+        silent_s = detect_s + m.resume_s + store_s
         total = sum(failures_per_h.values())
         silent = sum(rate for kind, rate in failures_per_h.items() if kind not in EXIT_KINDS)
         share = silent / total if total > 0 else 0.0
@@ -189,6 +229,8 @@ class RecoveryModel:
             store_s=store_s,
             silent_share=share,
             timeout_s=self.timeout_s,
+            lease_s=self.lease_s,
+            detect_s=detect_s,
         )
 
 

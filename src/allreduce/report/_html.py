@@ -242,11 +242,22 @@ def _recovery_paragraph(recovery: dict[str, Any], key: str) -> str:
             f". At {recovery['ranks']:,} ranks the agreement's store requests add "
             f"{html.escape(_hours(recovery['store_s']))}; a process exit (GPU, software) costs "
             f"{html.escape(_hours(recovery['exit_s']))}; a host, NIC, cable or switch failure "
-            f"({recovery['silent_share']:.0%} of them) is silent until two "
-            f"{html.escape(format_seconds(recovery['timeout_s']))} timeouts: "
+            f"({recovery['silent_share']:.0%} of them) is silent, {_silent_found(recovery)}: "
             f"{html.escape(_hours(recovery['silent_s']))}"
         )
     return out + ".</p>"
+
+
+def _silent_found(recovery: dict[str, Any]) -> str:
+    """How the survivors find a silent rank: the store's lease (the heartbeat on, and sooner than two timeouts),
+    else two timeouts."""
+    lease, detect, timeout = recovery.get("lease_s", 0.0), recovery.get("detect_s", 0.0), recovery["timeout_s"]
+    if lease > 0 and detect < 2 * timeout:
+        return (
+            f"dead to the store after its {html.escape(format_seconds(lease))} lease (no heartbeat), found in "
+            f"{html.escape(format_seconds(detect))} on average"
+        )
+    return f"found after two {html.escape(format_seconds(timeout))} timeouts"
 
 
 def _measured_paragraph(measured: dict[str, Any]) -> str:

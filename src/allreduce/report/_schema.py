@@ -230,7 +230,7 @@ _PLAN = record(
                     {
                         "ranks": whole(),
                         "silent_share": ratio,
-                        **dict.fromkeys(("exit_s", "silent_s", "store_s", "timeout_s"), seconds),
+                        **dict.fromkeys(("exit_s", "silent_s", "store_s", "timeout_s", "lease_s", "detect_s"), seconds),
                     },
                 ),
             },

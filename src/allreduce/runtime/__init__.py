@@ -15,6 +15,7 @@ from allreduce.runtime._errors import (
     ShrinkError,
     corrupted,
 )
+from allreduce.runtime._liveness import DEFAULT_LEASE_S, LEASE_ENV, MAX_LEASE_S, MIN_LEASE_S, silent_detection_s
 from allreduce.runtime._store_api import KeyValueStore, Store
 from allreduce.runtime.group._bootstrap import init
 from allreduce.runtime.group._group import ProcessGroup
@@ -42,7 +43,11 @@ from allreduce.runtime.transport._plan import PlanStep, RankPlan, Transfer, comp
 from allreduce.runtime.transport._transport import Call, ReduceInto, Transport, abort_kind, error_class
 
 __all__ = [
+    "DEFAULT_LEASE_S",
     "DTYPES",
+    "LEASE_ENV",
+    "MAX_LEASE_S",
+    "MIN_LEASE_S",
     "OPS",
     "Call",
     "ChecksumError",
@@ -81,6 +86,7 @@ __all__ = [
     "local_groups",
     "local_transports",
     "register_transport",
+    "silent_detection_s",
     "spawn",
     "spawn_elastic",
     "transport_names",

@@ -30,6 +30,10 @@ class Store(Protocol):
     host_lost: bool
     """Whether this rank's connection to the store's host (rank 0) dropped."""
 
+    lease_s: float
+    """How long a rank may go unheard before the store declares it dead (0: only a dropped connection is a death);
+    see :mod:`allreduce.runtime._liveness`."""
+
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key``."""
 
@@ -52,8 +56,9 @@ class Store(Protocol):
         """Remove ``key``; whether it existed."""
         ...
 
-    def dead_ranks(self) -> list[int]:
-        """The ranks whose connection to the store dropped without a close."""
+    def dead_ranks(self, *, answer_s: float | None = None) -> list[int]:
+        """The ranks whose connection to the store dropped without a close, or that were silent for a lease;
+        ``answer_s``: how long to wait for the answer (default: the store's own bound)."""
         ...
 
     def group_secret(self) -> bytes:

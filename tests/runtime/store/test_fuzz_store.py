@@ -139,7 +139,8 @@ def test_an_overflowing_add_is_refused_and_the_server_lives_on() -> None:
 
 # ------------------------------------------------------------------------------------------------ the client
 class FakeStore:
-    """A server that passes the handshake, then answers the client's first request with ``answer``."""
+    """A server that passes the handshake and says it has no lease, then answers the client's next request (its
+    first call's) with ``answer``."""
 
     def __init__(self, answer: bytes) -> None:
         self.answer = answer
@@ -155,6 +156,8 @@ class FakeStore:
             handshake = AcceptHandshake(b"store", None, lambda hello: None, lambda: loopback_peer(conn))
             conn.sendall(handshake.greeting)
             conn.sendall(handshake.answer(read_exact(conn, handshake.hello_size))[0])
+            conn.recv(1 << 16)  # the client asks for the lease once connected: none
+            conn.sendall(RESPONSE.pack(0, 1) + b"0")
             conn.recv(1 << 16)
             conn.sendall(self.answer)
             conn.settimeout(0.2)  # then: acknowledge a CLOSE, or hang up on a client waiting for more
@@ -202,7 +205,7 @@ def test_the_client_raises_only_its_documented_errors_on_any_answer(answer: byte
             raise  # only the server's own error answer is a ValueError
 
 
-@pytest.mark.parametrize("status", [1, 5, 255], ids=["missing", "unknown-5", "unknown-255"])
+@pytest.mark.parametrize("status", [1, 6, 255], ids=["missing", "unknown-6", "unknown-255"])
 def test_a_get_answered_with_another_status_than_ok_raises_a_protocol_error(status: int) -> None:
     with pytest.raises(ProtocolError, match=rf"the store at 127.0.0.1:\d+ answered .*'k' with status {status}:"):
         _call_with_answer(RESPONSE.pack(status, 5) + b"value", call=0)

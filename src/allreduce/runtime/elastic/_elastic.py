@@ -224,8 +224,9 @@ class MemberStore:
     def delete(self, key: str) -> bool:
         return bool(self._store.delete(self._key(key)))
 
-    def dead_ranks(self) -> list[int]:
-        return sorted(self._new_rank[r] for r in self._store.dead_ranks() if r in self._new_rank)
+    def dead_ranks(self, *, answer_s: float | None = None) -> list[int]:
+        dead = self._store.dead_ranks() if answer_s is None else self._store.dead_ranks(answer_s=answer_s)
+        return sorted(self._new_rank[r] for r in dead if r in self._new_rank)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

@@ -16,6 +16,7 @@ from typing import Any
 
 from allreduce.runtime._args import integer_arg
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, ProtocolError
+from allreduce.runtime._liveness import lease_arg
 from allreduce.runtime._store_api import KeyValueStore
 from allreduce.runtime.elastic._elastic import JOIN_ENV, SHRINK_PREFIX, Lineage, joined, request_join
 from allreduce.runtime.group._cost_models import default_cost_model
@@ -180,6 +181,7 @@ def init(
     rendezvous_store: KeyValueStore | None = None,
     rendezvous_key: str | None = None,
     join: bool | None = None,
+    lease_s: float | None = None,
 ) -> ProcessGroup:
     """Join a process group. Unset arguments come from the environment: RANK / WORLD_SIZE / MASTER_ADDR /
     MASTER_PORT (torchrun), OMPI_COMM_WORLD_RANK / _SIZE (Open MPI), PMI_RANK / PMI_SIZE, SLURM_PROCID /
@@ -201,7 +203,13 @@ def init(
     ``join=True`` (default: ``ALLREDUCE_JOIN=1`` in the environment, which the launcher sets when it restarts a
     rank) joins a running group in the seat of this rank, which died and was shrunk out: this returns once the
     members have admitted it at their next ``group.grow()`` (docs/elastic.md).
+
+    ``lease_s`` (default: ``ALLREDUCE_LEASE_S``, else 10 s; 0 turns it off): a rank the store hears nothing from
+    for that long (every rank's store client sends a heartbeat five times a lease) is declared dead, as if its
+    process had exited: a stopped process or a host gone from the network is found within about a lease, not at
+    ``timeout_s`` (docs/reliability.md, "Silent ranks"). Rank 0's value counts: it hosts the store.
     """
+    lease_s = lease_arg(lease_s)
     rank = _env_int(_RANK_ENV, "rank") if rank is None else integer_arg(rank, "rank")
     world_size = _env_int(_SIZE_ENV, "world_size") if world_size is None else integer_arg(world_size, "world_size")
     if world_size is None:
@@ -232,7 +240,9 @@ def init(
     agent = rendezvous_store if rendezvous_store is not None else _torchrun_agent_store(host, port, timeout_s)
     if agent is None:
         _refuse_if_open(host, port, rank)
-        store = _store_at(host, port, rank=rank, world_size=world_size, timeout_s=timeout_s, token=token)
+        store = _store_at(
+            host, port, rank=rank, world_size=world_size, timeout_s=timeout_s, token=token, lease_s=lease_s
+        )
     else:
         # Under torchrun (or inside torch's own rendezvous), MASTER_PORT is the launcher's store: host ours on a
         # free port and tell the other ranks where, through that store.
@@ -240,7 +250,10 @@ def init(
             f"allreduce/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_torchrun_attempt()}/{next(_INIT_CALLS)}"
         )
         if rank == 0:
-            store = TCPStore(host, 0, is_server=True, world_size=world_size, rank=0, timeout_s=timeout_s, token=token)
+            store = TCPStore(
+                host, 0, is_server=True, world_size=world_size, rank=0, timeout_s=timeout_s, token=token,
+                lease_s=lease_s,
+            )  # fmt: skip
             agent.set(key, str(store.port))
         else:
             agent_port = int(_read_checked(agent, key, _PORT, "a TCP port", rank))
@@ -338,7 +351,9 @@ def _refuse_if_open(host: str, port: int, rank: int) -> None:
         )
 
 
-def _store_at(host: str, port: int, *, rank: int, world_size: int, timeout_s: float, token: str | None) -> Any:
+def _store_at(
+    host: str, port: int, *, rank: int, world_size: int, timeout_s: float, token: str | None, lease_s: float
+) -> Any:
     """The store client (rank 0 also hosts the server) at MASTER_ADDR:MASTER_PORT, with errors that say which
     variable to change: the port is taken, or what answered there is not this job's store."""
     from allreduce.runtime.store._store import TCPStore
@@ -346,8 +361,9 @@ def _store_at(host: str, port: int, *, rank: int, world_size: int, timeout_s: fl
     where = f"{host}:{port} (MASTER_ADDR:MASTER_PORT)"
     try:
         return TCPStore(
-            host, port, is_server=rank == 0, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token
-        )
+            host, port, is_server=rank == 0, world_size=world_size, rank=rank, timeout_s=timeout_s, token=token,
+            lease_s=lease_s,
+        )  # fmt: skip
     except OSError as exc:
         if rank == 0 and exc.errno == errno.EADDRINUSE:
             raise OSError(

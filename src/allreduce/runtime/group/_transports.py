@@ -161,7 +161,10 @@ def _shm(setup: TransportSetup) -> Transport:
     from allreduce.runtime.shm import ShmTransport
 
     cross_memory = bool(setup.options.get("cross_memory", True))
-    return ShmTransport(setup.rank, setup.world_size, setup.name, timeout_s=setup.timeout_s, cross_memory=cross_memory)
+    return ShmTransport(
+        setup.rank, setup.world_size, setup.name, timeout_s=setup.timeout_s, cross_memory=cross_memory,
+        store=setup.store,
+    )  # fmt: skip
 
 
 def _tcp(setup: TransportSetup) -> Transport:

@@ -51,6 +51,8 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, corrupted
+from allreduce.runtime._liveness import SilenceWatch
+from allreduce.runtime._store_api import Store
 from allreduce.runtime.shm._adopt import SUPPORTED as ADOPTION_SUPPORTED
 from allreduce.runtime.shm._adopt import Adopted, Adoptions, adopt_wanted
 from allreduce.runtime.shm._agreement import Agreement
@@ -148,6 +150,9 @@ class ShmTransport(Transport):
       default: the environment variable ``ALLREDUCE_SHM_ADOPT``, ``0`` or ``1``, else yes);
     - ``eager_bytes``: buffers whose (steps x size) fits go through snapshots (0: never; at most
       :data:`~allreduce.runtime.shm.EAGER_BYTES`).
+
+    ``store``: the group's store, if it has one with a lease: a wait blocked on a peer then asks it now and then
+    whether that peer was declared dead (a stopped process has no exit for the pidfds to show).
     """
 
     name = "shm"
@@ -165,6 +170,7 @@ class ShmTransport(Transport):
         cross_memory_mode: str | None = None,
         collapse_huge_pages: bool | None = None,
         adopt_buffers: bool | None = None,
+        store: Store | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         self._huge_pages = HugePageMemo(enabled=collapse_wanted(collapse_huge_pages))
@@ -209,6 +215,7 @@ class ShmTransport(Transport):
         self._waiting = Waiting(
             rank, views, blocks.addresses, watch=self._watch, policy=SpinPolicy.for_group(world_size)
         )
+        self._waiting.silence = SilenceWatch.of(store, rank)
         self._publish = self._waiting.publish
         self._agreement = Agreement(rank, blocks.segments, views, self._waiting)
         self._peer_data = PeerData(

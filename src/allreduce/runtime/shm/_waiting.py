@@ -7,14 +7,19 @@ catch halves the next spin (it had to block, or it ended right after a yield tha
 machine, or the peer waited for runs on this rank's core, where spinning only keeps it from running), and a wait
 that a full spin would have caught restores it. Between futex sleeps a waiter asks its
 :class:`~allreduce.runtime.shm._watch.PeerWatch` whether a peer died, closed or gave up, and at the deadline it
-raises the watch's timeout error, naming the rank at the root of the wait.
+raises the watch's timeout error, naming the rank at the root of the wait. A wait blocked for
+:data:`~allreduce.runtime._liveness.CHECK_AFTER_S` also asks the group's store now and then whether a peer it waits
+for was declared dead (:class:`~allreduce.runtime._liveness.SilenceWatch`): a stopped process has no exit to show.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
+from allreduce.runtime._errors import PeerFailureError
+from allreduce.runtime._liveness import CHECK_AFTER_S, SilenceWatch
 from allreduce.runtime.shm._layout import NOT_WAITING, SLEEPERS_WORD, WAITING_FOR_WORD
 from allreduce.runtime.shm._linux import futex_wait, futex_wake
 from allreduce.runtime.shm._watch import PeerWatch, corrupt_block_error
@@ -89,6 +94,8 @@ class Waiting:
         self.rank = rank
         self.watch = watch
         self.policy = policy
+        self.silence: SilenceWatch | None = None
+        """The group's look at the ranks its store declared dead (None: the store has no lease, or there is none)."""
         self.wait_began = 0
         """When the last wait that had to wait began (``time.perf_counter_ns``): the recorder's mark for a receive
         that read no clock before its wait."""
@@ -161,6 +168,8 @@ class Waiting:
         # rank that gave up keeps saying whom it waited for, so a rank timing out just after it still follows the
         # chain through it to the root.
         me[WAITING_FOR_WORD] = peer
+        silence = self.silence
+        ask_store_at = time.monotonic() + CHECK_AFTER_S if silence is not None else math.inf
         while True:
             seen = view[word]
             if seen >= target:
@@ -173,6 +182,14 @@ class Waiting:
                 if view[word] >= target:
                     break
                 raise self.watch.timeout_error(peer, seq=seq, what=what, step=step)
+            if now_s >= ask_store_at and silence is not None:
+                watched = [p for p in range(len(self._views)) if p != self.rank] if peer == self.rank else [peer]
+                try:
+                    silence.check(watched, now_s, seq=seq, what=what, step=step if step >= 0 else None)
+                except PeerFailureError:
+                    if view[word] >= target:  # it did its part before it went silent
+                        break
+                    raise
             view[sleeper] = 1
             if view[word] == seen:
                 futex_wait(address, seen, min(POLL_S, deadline - now_s))

@@ -17,6 +17,7 @@ class MemoryStore:
     No rank dies on its own here (a thread that stops is seen as a closed peer), so ``dead_ranks`` is empty."""
 
     host_lost = False
+    lease_s = 0.0
 
     def __init__(self, timeout_s: float) -> None:
         self._timeout_s = timeout_s
@@ -56,7 +57,7 @@ class MemoryStore:
         with self._cond:
             return self._values.pop(key, None) is not None
 
-    def dead_ranks(self) -> list[int]:
+    def dead_ranks(self, *, answer_s: float | None = None) -> list[int]:
         return []
 
     def group_secret(self) -> bytes:

@@ -7,6 +7,13 @@ fails them at once, naming the rank, when a registered rank dies (``__dead__/<ra
 on a dead process. When the server dies, the kernel closes its sockets and every client call raises
 :class:`PeerFailureError` naming rank 0.
 
+Liveness: with a lease (``lease_s`` on the hosting side; the server publishes it, and every rank's client reads it
+once connected), each rank's client runs a heartbeat thread that sends ``BEAT`` on its connection
+:data:`BEATS_PER_LEASE` times a lease, and the server declares a rank dead after a lease without a word from it
+(docs/reliability.md, "Silent ranks"). The thread holds the GIL only for the few microseconds of a ``send``, and
+CPython hands it the GIL within its switch interval (5 ms) of a compute step in Python or in numpy; only a single
+C call that holds the GIL longer than a lease (none of numpy's large operations: they release it) would starve it.
+
 Security (docs/security.md): the server binds 127.0.0.1 unless given another host. Listening beyond loopback
 requires a shared token (``token=`` or ``ALLREDUCE_TOKEN``); the peers then prove they know it with an HMAC
 challenge-response in both directions (:mod:`allreduce.runtime.tcp._handshake`), so the token never crosses the
@@ -23,14 +30,18 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, ProtocolError
+from allreduce.runtime._liveness import BEATS_PER_LEASE
 from allreduce.runtime.store._store_protocol import (
+    BEAT_FRAME,
     DEAD_PREFIX,
     FAILED_LINGER_S,
     GROUP_SECRET_KEY,
     KEY_SEPARATOR,
+    LEASE_KEY,
     MAX_ANSWER_BYTES,
     MAX_FAIL_REASON_BYTES,
     MAX_VALUE_BYTES,
@@ -80,7 +91,8 @@ RETRY_BACKOFF_MAX_S = 0.2
 
 ANSWER_MARGIN_S = 30.0
 """A request's socket timeout past its own deadline: the server answers at the deadline, so this only catches a
-hung server."""
+hung server. With a lease, the lease instead: a store host that does not answer for a lease is as silent as a rank
+(a request that does not wait, a ``set`` or a ``check``, is then bounded by the lease alone)."""
 
 CLOSE_TIMEOUT_S = 5.0
 """How long a leaving client waits for the server to acknowledge its CLOSE (then leaves anyway)."""
@@ -101,8 +113,10 @@ class TCPStore:
     owns it from then on and closes it with the server. Its own address then decides whether a token is needed.
     ``rank`` registers this client so its death is reported as ``__dead__/<rank>`` (pass -1 for an anonymous
     client: admitted only from the hosting process, or with the token). ``timeout_s`` bounds connecting and every
-    call without its own timeout. Calls are serialised on one connection: a thread blocked in ``get`` holds it; use
-    a second ``TCPStore`` for concurrent waits.
+    call without its own timeout. ``lease_s``, with ``is_server``: a rank the server hears nothing from for that
+    long is dead (0: only a dropped connection is a death); every rank's client reads it from the server
+    (:attr:`lease_s`) and, if it is set, sends heartbeats. Calls are serialised on one connection: a thread blocked
+    in ``get`` holds it; use a second ``TCPStore`` for concurrent waits.
     """
 
     def __init__(
@@ -117,6 +131,7 @@ class TCPStore:
         token: str | bytes | None = None,
         require_token: bool = False,
         listener: socket.socket | None = None,
+        lease_s: float = 0.0,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -124,15 +139,23 @@ class TCPStore:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not lease_s >= 0:
+            raise ValueError(f"lease_s must be >= 0 seconds, got {lease_s}")
         self.host = host
         self.world_size = world_size
         self.rank = rank
         self.timeout_s = float(timeout_s)
         self._token = resolve_token(token)
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # the heartbeat thread sends between, and during, requests
         self._broken: str | None = None
         self.host_lost = False
         """The connection to the store's host (rank 0) dropped: it died or closed the store."""
+        self.host_silent = False
+        """The store's host (rank 0) did not answer a request in time: it is stopped, hung, or unreachable."""
+        self.lease_s = 0.0
+        """The server's lease (0: none): a rank silent for that long is dead."""
+        self._beat_stop = threading.Event()
         self._server: StoreServer | None = None
         self._failed = False  # fail() was called: close() lingers to tell late ranks why
         self._sock: socket.socket | None = None
@@ -146,7 +169,9 @@ class TCPStore:
                     "(token= or the ALLREDUCE_TOKEN environment variable) so strangers cannot join"
                 )
             sock = adopted if adopted is not None else _bind(host, port)
-            self._server = StoreServer(sock, world_size=world_size, token=self._token, single_group=rank >= 0)
+            self._server = StoreServer(
+                sock, world_size=world_size, token=self._token, single_group=rank >= 0, lease_s=lease_s
+            )
             self.port = self._server.port
             self._where = f"the store at {host}:{self.port}"
             connect_host = _loopback_for(listen_host)
@@ -157,13 +182,57 @@ class TCPStore:
             connect_host = host
         try:
             self._sock = self._connect(connect_host, self.port)
+            self.lease_s = self._read_lease()
         except BaseException as exc:
             if self._server is not None:
                 if rank >= 0 and isinstance(exc, ProtocolError):  # refused by its own store (its seat taken):
                     self._server.fail(rank, str(exc))  # tell the ranks that join why there is no group
                     self._server.wait_until_told(min(self.timeout_s, FAILED_LINGER_S))
                 self._server.stop()
+            if self._sock is not None:
+                self._sock.close()
             raise
+        if self.lease_s > 0 and rank >= 0:
+            if self._sock.family in (socket.AF_INET, socket.AF_INET6):
+                # Data unacknowledged for a lease (the store's host gone from the network) breaks the connection,
+                # so a request waiting on a vanished host fails then, not at its timeout.
+                with contextlib.suppress(OSError, AttributeError):
+                    self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.lease_s * 1000))
+            threading.Thread(
+                target=_heartbeat, args=(weakref.ref(self), self._beat_stop, self.lease_s / BEATS_PER_LEASE),
+                name=f"allreduce-store-beat-{rank}", daemon=True,
+            ).start()  # fmt: skip
+
+    def _read_lease(self) -> float:
+        text = self._request(Op.GET, LEASE_KEY, timeout_s=0.0)[1].decode(errors="replace")
+        try:
+            return max(float(text), 0.0)
+        except ValueError:
+            raise self._bad_answer(f"a request for {LEASE_KEY!r}", f"{text[:40]!r}") from None
+
+    def _send_beat(self) -> bool:
+        """Send one heartbeat; False once there is no connection to send it on."""
+        with self._send_lock:
+            if self._sock is None or self._broken is not None:
+                return False
+            try:
+                self._sock.sendall(BEAT_FRAME)
+            except OSError:  # the next request finds out why
+                return False
+        return True
+
+    @contextlib.contextmanager
+    def _holding(self, answer_s: float | None) -> Iterator[None]:
+        """The connection, waiting at most ``answer_s`` for another thread's request to finish."""
+        if not self._lock.acquire(timeout=-1 if answer_s is None else answer_s):
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: the store connection stayed busy (another thread's request) for {answer_s:g} s",
+                rank=self.rank,
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     # -- connection
     def _connect(self, host: str, port: int) -> socket.socket:
@@ -210,8 +279,13 @@ class TCPStore:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
 
-    def _request(self, op: int, key: str, value: bytes = b"", *, timeout_s: float | None = None) -> tuple[int, bytes]:
-        with self._lock:
+    def _request(
+        self, op: int, key: str, value: bytes = b"", *, timeout_s: float | None = None, answer_s: float | None = None
+    ) -> tuple[int, bytes]:
+        """One request and its answer. ``timeout_s``: the server's deadline for a wait; ``answer_s``: how long to
+        wait for the connection and then the answer (default: as long as the connection is busy, then that
+        deadline and the lease, or without a lease :data:`ANSWER_MARGIN_S`, which only catches a hung server)."""
+        with self._holding(answer_s):
             if self._broken is not None:
                 raise PeerFailureError(f"rank {self.rank}: the store connection is unusable: {self._broken}", peer=0)
             if self._sock is None:
@@ -219,9 +293,16 @@ class TCPStore:
             key_bytes = key.encode()
             timeout_ms = NO_TIMEOUT if timeout_s is None else min(int(max(timeout_s, 0.0) * 1000), NO_TIMEOUT - 1)
             # The server enforces the request's deadline; the socket timeout only guards against a hung server.
-            self._sock.settimeout((timeout_s if timeout_s is not None else self.timeout_s) + ANSWER_MARGIN_S)
+            if answer_s is None:
+                answer_s = (
+                    (timeout_s or 0.0) + self.lease_s
+                    if self.lease_s > 0
+                    else (timeout_s if timeout_s is not None else self.timeout_s) + ANSWER_MARGIN_S
+                )
+            self._sock.settimeout(answer_s)
             try:
-                self._sock.sendall(REQUEST.pack(op, timeout_ms, len(key_bytes), len(value)) + key_bytes + value)
+                with self._send_lock:
+                    self._sock.sendall(REQUEST.pack(op, timeout_ms, len(key_bytes), len(value)) + key_bytes + value)
                 status, length = RESPONSE.unpack(read_exact(self._sock, RESPONSE.size))
                 if length > MAX_ANSWER_BYTES:
                     self._broken = f"{self._where} answered with a {length}-byte payload"
@@ -234,8 +315,11 @@ class TCPStore:
                 payload = read_exact(self._sock, length) if length else b""
             except TimeoutError as exc:
                 self._broken = "the store did not answer in time"
+                self.host_silent = True
                 raise CollectiveTimeoutError(
-                    f"rank {self.rank}: the store (rank 0) did not answer a request for {key!r}", rank=self.rank, peer=0
+                    f"rank {self.rank}: the store (rank 0) did not answer a request for {key!r} within {answer_s:g} s",
+                    rank=self.rank,
+                    peer=0,
                 ) from exc
             except (OSError, EOFError) as exc:
                 self._broken = f"lost the connection to the store hosted by rank 0 ({exc or type(exc).__name__})"
@@ -251,6 +335,13 @@ class TCPStore:
             except BaseException:
                 self._broken = "a request was interrupted mid-way"
                 raise
+        if status == Status.EXPIRED:
+            self._broken = "the store declared this rank dead"
+            raise PeerFailureError(
+                f"rank {self.rank}: the store declared this rank dead: {payload.decode(errors='replace')}",
+                rank=self.rank,
+                peer=self.rank,
+            )
         if status == Status.ERROR:
             raise ValueError(f"store: {payload.decode(errors='replace')}")
         if status == Status.DEAD_RANK:
@@ -352,12 +443,19 @@ class TCPStore:
         shared token use it to authenticate their connections to each other."""
         return self.get(GROUP_SECRET_KEY)
 
-    def dead_ranks(self) -> list[int]:
-        """Ranks whose store connection dropped without ``close()``."""
-        ranks = self._request(Op.DEAD, "__dead__")[1].decode(errors="replace").split(",")
+    def dead_ranks(self, *, answer_s: float | None = None) -> list[int]:
+        """Ranks whose store connection dropped without ``close()``, or that were silent for a lease. ``answer_s``:
+        how long to wait for the answer (then :class:`CollectiveTimeoutError`, and :attr:`host_silent` if the
+        store did not answer)."""
+        ranks = self._request(Op.DEAD, "__dead__", answer_s=answer_s)[1].decode(errors="replace").split(",")
         if not all(_is_number(r) for r in ranks if r):
             raise self._bad_answer("a request for the dead ranks", f"{','.join(ranks)[:80]!r}")
         return [int(r) for r in ranks if r]
+
+    def heartbeat_gaps(self) -> dict[int, float]:
+        """Hosting the store: per rank, the longest the server went without reading from that rank (heartbeats
+        and requests), in seconds; what a lease must outlast. Empty on a client that does not host it."""
+        return self._server.heartbeat_gaps() if self._server is not None else {}
 
     def fail(self, reason: str) -> None:
         """This rank gives up during the rendezvous: every rank waiting on it is told why at once (not at its
@@ -378,7 +476,8 @@ class TCPStore:
         The hosting rank first waits, up to ``wait_for_ranks_s`` (default: the smaller of ``timeout_s`` and 30 s),
         for every other rank to close or disconnect: rank 0 finishing first must not pull the store from under
         ranks still using it."""
-        with self._lock:
+        self._beat_stop.set()
+        with self._lock, self._send_lock:
             sock, self._sock = self._sock, None
         if sock is not None:
             if self._broken is None:
@@ -405,6 +504,16 @@ class TCPStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _heartbeat(store_ref: weakref.ref[TCPStore], stop: threading.Event, period_s: float) -> None:
+    """A client's heartbeat thread: a ``BEAT`` every ``period_s`` until the client closes, its connection breaks,
+    or it is collected (the thread holds it only while it sends, so a store dropped unclosed still dies)."""
+    while not stop.wait(period_s):
+        store = store_ref()
+        if store is None or not store._send_beat():
+            return
+        del store
 
 
 _MAX_RANK_DIGITS = 10  # a rank is below 2**32 (the handshake's field), so at most 10 decimal digits

@@ -8,11 +8,13 @@ import struct
 from collections.abc import Iterable
 
 __all__ = [
+    "BEAT_FRAME",
     "DEAD_PREFIX",
     "ELASTIC_PREFIX",
     "FAILED_LINGER_S",
     "GROUP_SECRET_KEY",
     "KEY_SEPARATOR",
+    "LEASE_KEY",
     "MAX_ANONYMOUS_CLIENTS",
     "MAX_ANSWER_BYTES",
     "MAX_FAIL_REASON_BYTES",
@@ -46,6 +48,9 @@ GROUP_SECRET_KEY = "__group_secret__"
 """A random secret the server makes at start, readable by every admitted client: a proof of membership in this
 group for connections between ranks that have no token (the TCP transport's handshake on loopback)."""
 SERVICE = b"store"
+LEASE_KEY = "__lease__"
+"""The server's lease in seconds, as decimal text (``0``: no lease): how long a rank may go without a heartbeat
+before the server declares it dead. Each client reads it once it has connected and beats several times a lease."""
 
 REQUEST = struct.Struct("!BIII")
 """A request: op, timeout in ms (:data:`NO_TIMEOUT`: none), key length, value length; then key (utf-8), value."""
@@ -79,15 +84,21 @@ SERVER_STOP_S = 10.0
 
 
 class Op:
-    """Request opcodes."""
+    """Request opcodes. ``BEAT`` (a heartbeat) is the one request the server never answers, and reads at any time:
+    a client's heartbeat thread sends it between, or while it waits for the answer to, the other requests."""
 
-    SET, GET, ADD, WAIT, CHECK, DELETE, CLOSE, DEAD, FAIL = range(1, 10)
+    SET, GET, ADD, WAIT, CHECK, DELETE, CLOSE, DEAD, FAIL, BEAT = range(1, 11)
 
 
 class Status:
-    """Response statuses."""
+    """Response statuses. ``EXPIRED``: the server declared this client's rank dead (no heartbeat for a lease); it is
+    the last thing the server sends on that connection, whatever the client asked."""
 
-    OK, MISSING, TIMEOUT, DEAD_RANK, ERROR = range(5)
+    OK, MISSING, TIMEOUT, DEAD_RANK, ERROR, EXPIRED = range(6)
+
+
+BEAT_FRAME = REQUEST.pack(Op.BEAT, NO_TIMEOUT, 4, 0) + b"beat"
+"""A heartbeat as sent: 17 bytes."""
 
 
 def encode_keys(keys: Iterable[str]) -> str:

@@ -6,7 +6,11 @@ Nothing is unpickled. ``GET`` and ``WAIT`` carry their deadline: the server answ
 client sets the key, or with "timed out" and what it knows about the missing keys (which rank a
 ``<prefix>/<rank>`` key belongs to, which ranks never connected and which were refused, and why). A registered
 rank whose connection drops without ``CLOSE`` is dead: the server sets ``__dead__/<rank>`` and fails every pending
-and later wait naming it.
+and later wait naming it. So is a rank it has heard nothing from for a lease (``lease_s``; each client's heartbeat
+thread sends ``BEAT`` several times a lease, which the server reads even while the client waits for an answer): a
+stopped process or a host gone from the network keeps its connection open, so only its silence tells. The server
+then frees its seat and answers that connection ``EXPIRED`` (the rank, should it wake, learns it was declared
+dead), and reads nothing more from it.
 
 Who may do what (the threat model is in docs/security.md): a client is a rank of the group (one connection per
 rank), or anonymous. Without a token, an anonymous client is admitted only from the hosting process itself (the
@@ -32,8 +36,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from allreduce.runtime._liveness import LEASE_SWEEP_MAX_S, LEASE_SWEEPS
+from allreduce.runtime.store._store_conn import Conn, Waiter
 from allreduce.runtime.store._store_protocol import (
     _INT64_MAX,
     _INT64_MIN,
@@ -43,10 +48,12 @@ from allreduce.runtime.store._store_protocol import (
     _MAX_RIVALS_LISTED,
     _RANK_ZERO_KEYS,
     _RECV_BYTES,
+    BEAT_FRAME,
     DEAD_PREFIX,
     ELASTIC_PREFIX,
     GROUP_SECRET_KEY,
     KEY_SEPARATOR,
+    LEASE_KEY,
     MAX_ANONYMOUS_CLIENTS,
     MAX_ANSWER_BYTES,
     MAX_FAIL_REASON_BYTES,
@@ -73,66 +80,40 @@ __all__ = ["StoreServer"]
 _log = logging.getLogger("allreduce.store")
 
 
-@dataclass(eq=False)
-class _Conn:
-    sock: socket.socket
-    address: str
-    rank: int | None = None
-    pid: int | None = None  # verified by the handshake without a token; unknown with one
-    inbuf: bytearray = field(default_factory=bytearray)
-    outbuf: bytearray = field(default_factory=bytearray)
-    closing: bool = False  # the client said CLOSE: its disconnect is not a death
-    gave_up: bool = False  # the client said FAIL (a rank whose init failed)
-    waiting: _Waiter | None = None
-    # Clients refused because this one held their rank's seat, as "a client from <address>"; touched under the
-    # server's lock (by handshake threads). Then this one may not be the real rank: the report of its end says so.
-    rivals: list[str] = field(default_factory=list)
-
-    @property
-    def who(self) -> str:
-        name = f"rank {self.rank}" if self.rank is not None else "an anonymous client"
-        return f"{name} ({self.address})"
-
-    @property
-    def writer(self) -> str:
-        """How a write of this client is attributed (``__writer__/<key>``)."""
-        name = f"rank {self.rank}" if self.rank is not None else "an anonymous client"
-        return f"{name} ({self.origin})"
-
-    @property
-    def origin(self) -> str:
-        return f"{self.address} (pid {self.pid})" if self.pid is not None else self.address
-
-
-@dataclass(eq=False)
-class _Waiter:
-    conn: _Conn
-    keys: list[str]
-    deadline: float | None
-    want_value: bool  # GET answers with the value, WAIT with an empty OK
-
-
 class StoreServer:
     """The store's event loop; runs in its own daemon thread of the rank-0 process."""
 
-    def __init__(self, sock: socket.socket, *, world_size: int, token: bytes | None, single_group: bool) -> None:
+    def __init__(
+        self, sock: socket.socket, *, world_size: int, token: bytes | None, single_group: bool, lease_s: float = 0.0
+    ) -> None:
         # single_group: hosted by a member of the group (init()'s rank 0), so it lives exactly as long as that group
         # and a rank that has left it can only be on its way to the next group's store. A standalone store
         # (rank -1) may serve successive groups, and lets ranks come back.
         self._single_group = single_group
         self._world_size = world_size
         self._token = token
-        self._data: dict[str, bytes] = {GROUP_SECRET_KEY: secrets.token_hex(32).encode()}
+        self._data: dict[str, bytes] = {
+            GROUP_SECRET_KEY: secrets.token_hex(32).encode(),
+            LEASE_KEY: repr(float(lease_s)).encode(),
+        }
+        # A rank silent for lease_s is dead (0: never). Swept a few times a lease, not at every event: a sweep
+        # looks at every connection.
+        self._lease_s = float(lease_s)
+        self._sweep_s = min(LEASE_SWEEP_MAX_S, self._lease_s / LEASE_SWEEPS)
+        self._next_sweep = time.monotonic() + self._sweep_s
+        # per rank, the longest the server went without reading from its connection (the silence a lease must
+        # outlast); its keys never change, so other threads may copy it
+        self._gaps = dict.fromkeys(range(world_size), 0.0)
         self._stored_bytes = sum(len(k.encode()) + len(v) for k, v in self._data.items())
-        self._waiters: list[_Waiter] = []
-        self._conns: set[_Conn] = set()
+        self._waiters: list[Waiter] = []
+        self._conns: set[Conn] = set()
         self._ranks_seen: set[int] = set()
         self._dead: dict[int, str] = {}
         # Touched by handshake threads too: live ranks (None while a handshake holds the rank) and new connections.
         # A condition so that close() can wait for the ranks to leave.
         self._lock = threading.Condition()
-        self._ranks_live: dict[int, _Conn | None] = {}
-        self._to_register: list[_Conn] = []
+        self._ranks_live: dict[int, Conn | None] = {}
+        self._to_register: list[Conn] = []
         self._left: set[int] = set()  # ranks that closed cleanly: their group is over for them
         self._anonymous = 0  # anonymous connections admitted or being admitted
         self._refusals: dict[int, str] = {}  # claimed rank -> why its last attempt to join was refused
@@ -164,6 +145,11 @@ class StoreServer:
     @property
     def port(self) -> int:
         return self._listener.port
+
+    def heartbeat_gaps(self) -> dict[int, float]:
+        """Per rank, the longest the server went without reading anything from that rank's connection (its
+        heartbeats and requests), in seconds: the silence of a live rank that the lease must outlast."""
+        return dict(self._gaps)
 
     def wait_for_ranks_to_leave(self, timeout_s: float) -> list[int]:
         """Wait until no rank client is connected (each closed or died); the ranks still there at the timeout."""
@@ -221,6 +207,7 @@ class StoreServer:
                 self._register_new()
                 self._apply_failure()
                 self._expire_waiters()
+                self._expire_leases()
         except Exception:  # never die silently: every client would then see rank 0 as dead
             _log.exception("store server crashed")
         finally:
@@ -248,14 +235,14 @@ class StoreServer:
         self._data[f"{DEAD_PREFIX}{host}"] = failure.encode()
         self._notify()
 
-    def _ready(self, conn: _Conn, mask: int) -> None:
+    def _ready(self, conn: Conn, mask: int) -> None:
         if mask & selectors.EVENT_READ:
             self._readable(conn)
         if mask & selectors.EVENT_WRITE and conn in self._conns:
             self._flush(conn)
             self._parse(conn)  # requests held back until the last answer was sent
 
-    def _guarded(self, conn: _Conn, action: Callable[[], None]) -> None:
+    def _guarded(self, conn: Conn, action: Callable[[], None]) -> None:
         """Run ``action`` for ``conn``; if it fails, drop that client: one client's request never stops the store
         for every rank."""
         try:
@@ -266,12 +253,14 @@ class StoreServer:
 
     def _next_timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._waiters if w.deadline is not None]
+        if self._lease_s > 0:
+            deadlines.append(self._next_sweep)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _accepted(self, sock: socket.socket, hello: ClientHello, address: str) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Conn(sock, address, hello.rank if hello.rank >= 0 else None, hello.pid)
+        conn = Conn(sock, address, hello.rank if hello.rank >= 0 else None, hello.pid)
         with self._lock:
             self._clients_came += 1
             self._to_register.append(conn)
@@ -354,7 +343,7 @@ class StoreServer:
                     self._data.pop(f"{DEAD_PREFIX}{conn.rank}", None)
             self._selector.register(conn.sock, selectors.EVENT_READ, conn)
 
-    def _readable(self, conn: _Conn) -> None:
+    def _readable(self, conn: Conn) -> None:
         try:
             chunk = conn.sock.recv(_RECV_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -363,6 +352,12 @@ class StoreServer:
             chunk = b""
         if not chunk:
             self._drop(conn, died=not conn.closing)
+            return
+        now = time.monotonic()
+        if conn.rank is not None and now - conn.last_heard > self._gaps.get(conn.rank, now):
+            self._gaps[conn.rank] = now - conn.last_heard
+        conn.last_heard = now
+        if conn.expired:
             return
         conn.inbuf += chunk
         if len(conn.inbuf) > _MAX_REQUEST_BYTES:
@@ -373,10 +368,15 @@ class StoreServer:
             return
         self._parse(conn)
 
-    def _parse(self, conn: _Conn) -> None:
+    def _parse(self, conn: Conn) -> None:
         """Handle every complete request in ``conn.inbuf``; requests behind a pending wait or an unsent answer stay
         queued (so what one connection makes the server hold is bounded by one request and one answer)."""
-        while conn in self._conns and conn.waiting is None and not conn.outbuf and len(conn.inbuf) >= REQUEST.size:
+        while conn in self._conns and not conn.expired and len(conn.inbuf) >= REQUEST.size:
+            if conn.inbuf.startswith(BEAT_FRAME):  # a heartbeat: read whenever it comes, never answered
+                del conn.inbuf[: len(BEAT_FRAME)]
+                continue
+            if conn.waiting is not None or conn.outbuf:
+                return
             op, timeout_ms, key_len, value_len = REQUEST.unpack_from(conn.inbuf)
             if key_len > _MAX_REQUEST_KEY_BYTES or value_len > MAX_VALUE_BYTES:
                 _log.warning(
@@ -402,7 +402,7 @@ class StoreServer:
                 continue
             self._handle(conn, op, None if timeout_ms == NO_TIMEOUT else timeout_ms / 1000.0, key, value)
 
-    def _forbidden(self, conn: _Conn, key: str) -> str | None:
+    def _forbidden(self, conn: Conn, key: str) -> str | None:
         """Why ``conn`` may not write ``key``, or None."""
         if key.startswith(RESERVED_PREFIX):
             return f"key {key!r} is the store's own (keys under {RESERVED_PREFIX!r} are read-only)"
@@ -416,7 +416,7 @@ class StoreServer:
             return None
         return f"key {key!r} belongs to rank {owner}; {conn.who} may not write it"
 
-    def _put(self, conn: _Conn, key: str, value: bytes) -> bool:
+    def _put(self, conn: Conn, key: str, value: bytes) -> bool:
         """Store ``value`` at ``key`` within :data:`MAX_STORED_BYTES`; else answer an error and return False."""
         old = self._data.get(key)
         grown = self._stored_bytes + len(value) - (len(old) if old is not None else -len(key.encode()))
@@ -429,7 +429,7 @@ class StoreServer:
         self._attribute(conn, key)
         return True
 
-    def _attribute(self, conn: _Conn, key: str) -> None:
+    def _attribute(self, conn: Conn, key: str) -> None:
         """Record ``conn`` as the last writer of ``key`` (``__writer__/<key>``, counted like any value; skipped
         when that would overflow the key limit or the store)."""
         name = WRITER_PREFIX + key
@@ -442,7 +442,7 @@ class StoreServer:
             self._data[name] = writer
             self._stored_bytes = grown
 
-    def _handle(self, conn: _Conn, op: int, timeout_s: float | None, key: str, value: bytes) -> None:
+    def _handle(self, conn: Conn, op: int, timeout_s: float | None, key: str, value: bytes) -> None:
         if op in (Op.SET, Op.ADD, Op.DELETE) and (reason := self._forbidden(conn, key)) is not None:
             _log.warning("store: refused a write from %s: %s", conn.who, reason)
             self._reply(conn, Status.ERROR, reason.encode())
@@ -468,7 +468,7 @@ class StoreServer:
                 self._notify()
         elif op in (Op.GET, Op.WAIT):
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            waiter = _Waiter(conn, key.split(KEY_SEPARATOR), deadline, want_value=op == Op.GET)
+            waiter = Waiter(conn, key.split(KEY_SEPARATOR), deadline, want_value=op == Op.GET)
             if not self._try_answer(waiter):
                 conn.waiting = waiter
                 self._waiters.append(waiter)
@@ -495,6 +495,8 @@ class StoreServer:
             conn.gave_up = True  # if it also says goodbye (CLOSE), a lingering store need not wait for it
             self._reply(conn, Status.OK, b"")
             self._notify()
+        elif op == Op.BEAT:
+            pass  # never answered (a client sends only BEAT_FRAME, read above; this is one split across reads)
         elif op == Op.CLOSE:
             first_close = not conn.closing
             conn.closing = True
@@ -510,7 +512,7 @@ class StoreServer:
         else:
             self._reply(conn, Status.ERROR, f"unknown request {op}".encode())
 
-    def _try_answer(self, waiter: _Waiter) -> bool:
+    def _try_answer(self, waiter: Waiter) -> bool:
         if all(k in self._data for k in waiter.keys):
             self._reply(waiter.conn, Status.OK, self._data[waiter.keys[0]] if waiter.want_value else b"")
             return True
@@ -525,7 +527,7 @@ class StoreServer:
         return False
 
     def _notify(self) -> None:
-        def answered(waiter: _Waiter) -> bool:
+        def answered(waiter: Waiter) -> bool:
             if not self._try_answer(waiter):
                 return False
             waiter.conn.waiting = None
@@ -536,7 +538,7 @@ class StoreServer:
     def _expire_waiters(self) -> None:
         now = time.monotonic()
 
-        def expired(waiter: _Waiter) -> bool:
+        def expired(waiter: Waiter) -> bool:
             if waiter.deadline is None or now < waiter.deadline:
                 return False
             self._guarded(waiter.conn, functools.partial(self._time_out, waiter))
@@ -544,7 +546,7 @@ class StoreServer:
 
         self._settle_waiters(expired)
 
-    def _settle_waiters(self, settled: Callable[[_Waiter], bool]) -> None:
+    def _settle_waiters(self, settled: Callable[[Waiter], bool]) -> None:
         """Drop the waiters of closed connections and those ``settled(waiter)`` answered; the connections of the
         answered ones go on with their next request."""
         still = []
@@ -560,7 +562,7 @@ class StoreServer:
         for conn in woken:
             self._guarded(conn, functools.partial(self._parse, conn))
 
-    def _time_out(self, waiter: _Waiter) -> None:
+    def _time_out(self, waiter: Waiter) -> None:
         """Answer ``waiter`` "timed out", with what the server knows about the keys it still misses."""
         missing = [k for k in waiter.keys if k not in self._data]
         owners = {owner for k in missing if (owner := _owner_of(k)) is not None}
@@ -580,12 +582,12 @@ class StoreServer:
         # Cut to what a client accepts (the keys echoed back could be longer): the report only explains.
         self._reply(waiter.conn, Status.TIMEOUT, report.encode()[:MAX_ANSWER_BYTES])
 
-    def _reply(self, conn: _Conn, status: int, payload: bytes) -> None:
+    def _reply(self, conn: Conn, status: int, payload: bytes) -> None:
         conn.outbuf += RESPONSE.pack(status, len(payload))
         conn.outbuf += payload
         self._flush(conn)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _flush(self, conn: Conn) -> None:
         try:
             while conn.outbuf:
                 sent = conn.sock.send(conn.outbuf)
@@ -595,11 +597,14 @@ class StoreServer:
         except OSError:
             self._drop(conn, died=not conn.closing)
             return
+        if conn.expired and not conn.outbuf:  # EXPIRED was its last answer: end of file after it
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_WR)
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.modify(conn.sock, events, conn)
 
-    def _drop(self, conn: _Conn, *, died: bool) -> None:
+    def _drop(self, conn: Conn, *, died: bool) -> None:
         if conn not in self._conns:
             return
         self._conns.discard(conn)
@@ -615,7 +620,7 @@ class StoreServer:
             if self._ranks_live.get(conn.rank) is conn:
                 del self._ranks_live[conn.rank]
                 self._lock.notify_all()
-        if died and not self._stop:
+        if died and not self._stop and not conn.expired:
             reason = (
                 f"rank {conn.rank} disconnected from the store without close() (process died?); its seat was held "
                 f"by a client from {conn.origin}"
@@ -634,3 +639,44 @@ class StoreServer:
             self._dead[conn.rank] = reason
             self._data[f"{DEAD_PREFIX}{conn.rank}"] = reason.encode()
             self._notify()
+
+    # -- leases
+    def _expire_leases(self) -> None:
+        """Declare dead every rank the server has heard nothing from for a lease (its connections were read first
+        in this turn of the loop: a server that was itself held up reads what waited in the kernel before this)."""
+        if self._lease_s <= 0:
+            return
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self._sweep_s
+        silent = [
+            c
+            for c in self._conns
+            if c.rank is not None and not (c.closing or c.expired or c.gave_up) and now - c.last_heard > self._lease_s
+        ]
+        for conn in silent:
+            self._expire(conn, now - conn.last_heard)
+
+    def _expire(self, conn: Conn, silent_s: float) -> None:
+        """``conn``'s rank is dead: its seat is free, every wait naming it fails, and the connection is answered
+        EXPIRED (the rank, if it ever runs again, learns it was declared dead) and read no more."""
+        assert conn.rank is not None
+        reason = (
+            f"rank {conn.rank} sent nothing to the store for {silent_s:.1f} s, past its lease of {self._lease_s:g} s "
+            f"(ALLREDUCE_LEASE_S): its process is stopped or hung, or its host or network is gone; its seat was "
+            f"held by a client from {conn.origin}"
+        )
+        _log.warning("store: %s", reason)
+        conn.expired = True
+        with self._lock:
+            if self._ranks_live.get(conn.rank) is conn:
+                del self._ranks_live[conn.rank]
+                self._lock.notify_all()
+        self._waiters = [w for w in self._waiters if w.conn is not conn]
+        conn.waiting = None
+        conn.inbuf.clear()
+        self._dead[conn.rank] = reason
+        self._data[f"{DEAD_PREFIX}{conn.rank}"] = reason.encode()
+        self._guarded(conn, functools.partial(self._reply, conn, Status.EXPIRED, reason.encode()))
+        self._notify()

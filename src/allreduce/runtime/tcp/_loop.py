@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from allreduce.runtime._errors import CollectiveTimeoutError
+from allreduce.runtime._liveness import CHECK_AFTER_S, SilenceWatch
 from allreduce.runtime.tcp._blame import LostPeerError
 from allreduce.runtime.tcp._frames import InFrame, OutFrame
 from allreduce.runtime.tcp._pair import Pair, apply_staged, check_idle
@@ -53,6 +54,7 @@ def exchange(
     arrivals: dict[int, int] | None = None,
     last_bytes: bool = False,
     watch_idle: bool = False,
+    silence: SilenceWatch | None = None,
 ) -> None:
     """Send and receive one step's frames concurrently; apply staged receives; raise naming the culprit.
 
@@ -63,7 +65,9 @@ def exchange(
     start, or arrived while this rank was busy sending). With ``last_bytes`` too, each peer's last byte's arrival
     goes in under ``~peer`` (a clock read per peer; without it the step's end stands for it: one receiving peer).
     With ``watch_idle`` (a collective's data steps), the peers this step receives nothing from are watched for an
-    ABORT frame while this rank sleeps: see :func:`~allreduce.runtime.tcp._pair.check_idle`."""
+    ABORT frame while this rank sleeps: see :func:`~allreduce.runtime.tcp._pair.check_idle`. With ``silence``, a
+    step that has slept :data:`~allreduce.runtime._liveness.CHECK_AFTER_S` asks the store now and then whether a
+    peer it waits for was declared dead (a silent peer: stopped, or its host gone), and raises naming it."""
     send_q: dict[int, list[OutFrame]] = {}
     for peer, out in sends:
         send_q.setdefault(peer, []).append(out)
@@ -83,6 +87,7 @@ def exchange(
     first_pending = arrivals is not None  # a receiving peer may still have sent no byte: look at each wake-up
     registered: dict[int, int] = {}
     fd_peer: dict[int, int] = {}
+    ask_store_at = -1.0  # when a step still waiting asks the store about silent peers (set at its first sleep)
     if sender is not None:
         sender.post(sends, pairs, seq=seq, label=label, deadline=deadline, timeout_s=timeout_s)
         send_pos = {}
@@ -138,11 +143,17 @@ def exchange(
         for fd in [fd for fd in registered if fd not in wanted]:
             poller.unregister(fd)
             del registered[fd]
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        remaining = deadline - now
         if remaining <= 0:
             _raise_timeout(
                 rank, seq, label=label, timeout_s=timeout_s, recv_pos=recv_pos, send_pos=send_pos, recv_q=recv_q
             )
+        if silence is not None:
+            if ask_store_at < 0:
+                ask_store_at = now + CHECK_AFTER_S
+            elif now >= ask_store_at:
+                silence.check(recv_pos.keys() | send_pos.keys(), now, seq=seq, what=label, step=step)
         # With the sender thread running, wake now and then to pick up its failure.
         wait_s = min(remaining, SENDER_POLL_S if sender is not None else _IDLE_POLL_S)
         ready = poller.poll(wait_s * 1000.0)

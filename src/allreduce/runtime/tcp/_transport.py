@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.runtime._errors import CollectiveError, CollectiveTimeoutError
+from allreduce.runtime._liveness import SilenceWatch
 from allreduce.runtime._store_api import Store
 from allreduce.runtime.tcp._blame import DEAD_POLL_S, STALL_GRACE_S, STOP_SETTLE_S, BlameRecords, LostPeerError
 from allreduce.runtime.tcp._frames import (
@@ -193,6 +194,7 @@ class TcpTransport(Transport):
         self._store = store
         self._prefix = prefix
         self._blame = BlameRecords(store, prefix, rank, world_size)
+        self._silence = SilenceWatch.of(store, rank)
         self._token = resolve_token(token)
         congestion = os.environ.get(CONGESTION_ENV, "")
         try:
@@ -616,7 +618,7 @@ class TcpTransport(Transport):
         """:func:`exchange` over this rank's connections, whose errors name the first cause: the root of a stall,
         the rank a lost peer gave up because of (:class:`BlameRecords`)."""
         try:
-            exchange(self.rank, self._peers, seq, **kwargs)
+            exchange(self.rank, self._peers, seq, silence=self._silence, **kwargs)
         except LostPeerError as exc:
             raise self._blame.lost(exc) from exc
         except CollectiveTimeoutError as exc:
