@@ -70,6 +70,7 @@ from allreduce.emulate import (
     LossSpec,
     bad_state_timeout_s,
     check_privileges,
+    jiffy_s,
     lossy_end,
     predicted_topology,
     run,
@@ -483,6 +484,7 @@ def _capture(case: Case, *, reps: int, rate_bps: float, where: Path) -> dict[str
         "names": names,
         "stay": stay,
         "timeout": timeout,
+        "jiffy": jiffy_s(),
         "started": started,
         "lost_log": lost,
         "load": (load_before[0], os.getloadavg()[0]),
@@ -549,6 +551,22 @@ def _report_bursts(captured: dict[str, Any]) -> list[str]:
     for k in (2, 4, 8, 12, 16, 24):
         count = sum(n >= k for n in lengths)
         lines.append(f"#   k={k:<2} {count / len(lengths):.4f} ({count})  geometric {stay ** (k - 1):.4f}")
+    # the packet after a dropped one, by the silence before it: the bad state lives T - J to T (J a jiffy)
+    jiffy = captured.get("jiffy", 0.0)
+    after: Counter[tuple[int, bool]] = Counter()
+    for link, seq in arrivals.items():
+        for a, b in itertools.pairwise(seq):
+            if a[4]:
+                gap = b[0] - a[0]
+                after[(int(gap >= timeout[link] - jiffy) + int(gap >= timeout[link]), b[4])] += 1
+    lines.append(
+        "# the packet after a dropped one dropped too, by the silence before it (the bad state lives T - J to T; "
+        f"the chain: stay {stay:.4f} before T - J, a new burst's g after T):"
+    )
+    for kind, what in enumerate(("under T - J", "T - J to T", "T or more")):
+        n = after[(kind, True)] + after[(kind, False)]
+        share = f"{after[(kind, True)] / n:.3f}" if n else "-"
+        lines.append(f"#   {what:<12} {after[(kind, True)]:>5} of {n:>5}: {share}")
     lines.append(
         f"# bursts silent {HELD_GAP_S * 1e3:.0f} ms or more before a packet passed: {silent}; held (a packet "
         "dropped after a silence longer than the bad state's timeout T):"
