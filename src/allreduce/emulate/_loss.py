@@ -16,9 +16,9 @@ TCP packet that arrives on a lossy device, counted by the named counter ``in<lin
   ``r = (1 − g)/burst`` per packet, bursts last ``1/r = burst/(1 − g) ≈ burst`` packets on average, and the
   long-run rate is ``p = g / (g + r) = g·burst / (g·burst + 1 − g)``, i.e. ``g = p / (burst·(1 − p) + p)``.
   The state is the one element of a set with timeouts, ``bad<link>`` (its key is the packet's protocol, TCP for
-  every packet the chain sees): present means bad. The entering rule ``add``\\ s it (an ``add`` neither refreshes
-  nor extends an element already there), the leaving rule ``delete``\\ s it, and it expires on its own ``T``
-  after the packet that began the burst (:func:`bad_state_timeout_s`).
+  every packet the chain sees): present means bad. The entering rule adds it (``add @bad…``, which neither
+  refreshes nor extends an element already there), the leaving rule deletes it (``delete @bad…``), and it
+  expires on its own ``T`` after the packet that began the burst (:func:`bad_state_timeout_s`).
 
 Why the bad state expires, and when. The chain is clocked by the link's packets, and a connection waiting out its
 probe timer or its RTO sends none across the link, so a bad state nothing ends would take the resend 200 ms later,
@@ -32,14 +32,16 @@ the burst only one in :data:`BURST_TAIL` (10^4) outlasts, ``n`` packets after it
 timeout is kept in jiffies (``nf_msecs_to_jiffies64`` truncates the milliseconds asked) and the element expires
 at the tick that completes it (``nft_set_elem_expired``: ``jiffies >= expiration``), so it lives between ``T − J``
 and ``T``, ``J`` the jiffy (4 ms at HZ=250, read from the coarse clock's resolution: :func:`jiffy_s`). At HZ=250
-and 100 Mbit/s, bursts of 4: ``T`` = 8 ms, a bad state that ends 4–8 ms after its burst began (20 ms on a
-25 Mbit/s link). An ``xt_recent`` entry, the earlier chain's state, counts whole seconds: its bad state lasted up
-to 1 s, and a resent packet met it one RTO and more after the loss, 1–4.5 s chains of backed-off RTOs no link has.
+and 100 Mbit/s, bursts of 4: ``T`` = 8 ms, a bad state that ends 4–8 ms after its burst began (``T`` = 12 ms on
+a 50 Mbit/s link, the 4:1 Clos's uplinks). Measured on the ring's own packets, the packet after a dropped one is
+dropped too with the chain's ``stay`` within 4 ms of it and never after 8 ms (docs/tail.md). An ``xt_recent``
+entry, the earlier chain's state, counts whole seconds: its bad state lasted up to 1 s, and a resent packet met
+it one RTO and more after the loss, 1–4.5 s chains of backed-off RTOs no link has.
 
 What ``T`` still holds: a repair sent within it meets the state the burst left. RACK's reordering timer
 (``min_rtt/4 + 2 ms``, 4–8 ms after the loss at HZ=250) and the loss probe armed with several packets out
-(``2·srtt + 2 ms``, also 4–8 ms) may; the one-packet probe (``2·srtt + rto_min``, 200 ms and more) and every RTO never
-do. The predictions of ``emulate run`` pass the bad state's mean life, ``T − J/2``, as the tail model's hold
+(``2·srtt + 2 ms``, also 4–8 ms) may; the one-packet probe (``2·srtt + rto_min``, 200 ms and more) and every
+RTO never do. The predictions of ``emulate run`` pass the bad state's mean life, ``T − J/2``, as the tail model's hold
 (:func:`burst_hold_s`).
 
 Only TCP is dropped: the collective's data, its ACKs and its control messages. The UDP echo that measures the
