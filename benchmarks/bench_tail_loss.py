@@ -7,9 +7,10 @@ measured and predicted side by side.
 
 Each case builds a 4-host two-leaf Clos with one spine (1:1, or 4:1 with ``oversub=4``: the uplinks carry a
 quarter of the hosts' capacity) as network namespaces whose links drop TCP packets with the firewall's random
-match (``allreduce emulate up --loss``: one link direction, or every one; independent, or Gilbert-Elliott
-bursts of 4; one-MSS packets), runs the repetitions with the real runtime over TCP (CUBIC, the kernel's
-defaults: RACK-TLP, rto_min 200 ms, HZ=250, delayed ACKs), and prints the measured p50/p99 of the slowest
+draws (``allreduce emulate up --loss``, nftables: one link direction, or every one; independent, or
+Gilbert-Elliott bursts of 4 whose bad state expires milliseconds after it began; one-MSS packets), runs the
+repetitions with the real runtime over TCP (CUBIC, the kernel's defaults: RACK-TLP, rto_min 200 ms, HZ=250,
+delayed ACKs), and prints the measured p50/p99 of the slowest
 rank's time (each repetition timed from the barrier before it) beside the tail model's
 (``allreduce.emulate.tail_samples``: 2,000 samples, or ``--samples``, at the loss rates the firewall's counters
 show, on the paths the kernel took) for the ``linux`` stack and for ``rfc6298`` (the model before it), the ratios
@@ -28,14 +29,18 @@ it finishes, and a case whose file exists is not measured again, so an interrupt
 stopped; ``--predict-only`` recomputes every prediction from the stored files (no root, no emulation). Before
 each case the benchmark waits until the 1-minute load average is below ``--max-load`` (4), unless
 ``--no-wait``; the load at the start and end of each case is stored and printed. Needs root, iproute2 and
-iptables to measure.
+nftables to measure. A stored case predicts with the bad state's life it ran with (``burst_hold_s`` in its
+result; 1 s for the cases stored before the chain moved to nftables, whose ``xt_recent`` state held a burst up
+to a second).
 
-``--bursts REPS`` measures one case (``--only``) with the firewall's log (NFLOG, a reader per namespace) before
-and after the loss rules of every lossy link, so every TCP packet that arrived and whether it was dropped are
-known in order: it prints the lengths of the runs of dropped packets per link against the geometric law of the
-chain (``stay``, the probability that the packet after a dropped one is dropped too), and every burst held over a
-silence of the link (50 ms or more between two of its packets, before the first that passed), with the drops
-other links had meanwhile.
+``--bursts REPS`` measures one case (``--only``) with the firewall's log (``log group``, read over NFLOG by a
+reader per namespace) before and after the loss decision of every lossy link, in the loss rules' own table, so
+every TCP packet that arrived and whether it was dropped are known in order: it prints the lengths of the runs of
+dropped packets per link against the geometric law of the chain (``stay``, the probability that the packet after
+a dropped one is dropped too), and every burst held over a silence of the link longer than its bad state's
+timeout (a run of drops with such a gap between two of its packets: after the silence the chain is good, so
+only a new burst starting at the first packet continues it), with the drops other links had meanwhile, and how
+many were held over 50 ms.
 """
 
 from __future__ import annotations
@@ -59,10 +64,14 @@ import numpy as np
 
 from allreduce.emulate import (
     DEFAULT_LOSS_RATE_BPS,
+    LOSS_TABLE,
     TAIL_STACKS,
     EmulationSpec,
     LossSpec,
+    bad_state_timeout_s,
     check_privileges,
+    jiffy_s,
+    lossy_end,
     predicted_topology,
     run,
     running,
@@ -173,6 +182,7 @@ def _measure(case: Case, *, reps: int, rate_bps: float) -> dict[str, Any]:
             reps=reps,
             lossy_links=sorted(spec.losses(built)),
             loss_burst=spec.loss_burst(built),
+            burst_hold_s=spec.burst_hold_s(built),
         )
     return {
         "case": {
@@ -190,6 +200,10 @@ def _measure(case: Case, *, reps: int, rate_bps: float) -> dict[str, Any]:
         "result": result.to_json(),
     }
 
+
+# The hold of a burst on a silent link for the cases stored before the chain moved to nftables: its state was an
+# xt_recent entry, which counts whole seconds, and a bad state lasted up to 1 s.
+XT_RECENT_HOLD_S = 1.0
 
 # A repetition this much slower than the noise-free time paid a timer of the rto_min class (the one-packet probe or
 # an RTO, ~205 ms) or several stalls: the share of such repetitions compares the tail where a p99 of 200 samples,
@@ -230,6 +244,7 @@ def _predict(stored: dict[str, Any], samples: int = TAIL_SAMPLES) -> dict[str, P
             routing=routing,
             dropped=dropped,
             burst=spec.loss_burst(layout),
+            burst_hold_s=float(result.get("burst_hold_s", XT_RECENT_HOLD_S)),
             samples=samples,
         )
     )
@@ -396,16 +411,7 @@ sys.exit(1 if lost else 0)
 """
 _RECORD = struct.Struct("=QI16s60s")
 _NFLOG_GROUP = 7
-HELD_GAP_S = 0.05  # a silence of the link this long within a burst: every flow crossing it stopped
-
-
-def _receiving_ends(built: Any, links: list[int]) -> dict[int, tuple[str, str]]:
-    """(namespace, device) where each directed link's packets arrive (where its loss rules are)."""
-    ends = {}
-    for cable in built.cables:
-        ends[cable.link_ab] = (built.namespaces[cable.b], cable.b_dev)
-        ends[cable.link_ba] = (built.namespaces[cable.a], cable.a_dev)
-    return {link: ends[link] for link in links}
+HELD_GAP_S = 0.05  # a silence of the link this long within a burst: every flow crossing it stopped, long ago
 
 
 def _capture(case: Case, *, reps: int, rate_bps: float, where: Path) -> dict[str, Any]:
@@ -415,12 +421,13 @@ def _capture(case: Case, *, reps: int, rate_bps: float, where: Path) -> dict[str
     load_before = os.getloadavg()
     with running(spec) as built:
         links = sorted(spec.losses(built))
-        ends = _receiving_ends(built, links)
+        ends = {link: lossy_end(built, link)[:2] for link in links}
         for link, (ns, dev) in ends.items():
-            ipt = ["ip", "netns", "exec", ns, "iptables", "-w", "-t", "raw"]
-            log = ["-i", dev, "-p", "tcp", "-j", "NFLOG", "--nflog-group", str(_NFLOG_GROUP), "--nflog-size", "64"]
-            subprocess.run([*ipt, "-I", "PREROUTING", "1", *log, "--nflog-prefix", f"in{link}"], check=True)
-            subprocess.run([*ipt, "-A", "PREROUTING", *log, "--nflog-prefix", f"ok{link}"], check=True)
+            # first in the loss rules' arrival chain, and last: a packet the link's chain dropped never gets there
+            nft = ["ip", "netns", "exec", ns, "nft"]
+            log = f'iifname "{dev}" ip protocol tcp log group {_NFLOG_GROUP} snaplen 64 prefix'
+            subprocess.run([*nft, f'insert rule ip {LOSS_TABLE} arrive {log} "in{link}"'], check=True)
+            subprocess.run([*nft, f'add rule ip {LOSS_TABLE} arrive {log} "ok{link}"'], check=True)
         readers: dict[str, subprocess.Popen[str]] = {}
         try:
             for ns in sorted({ns for ns, _ in ends.values()}):
@@ -447,6 +454,7 @@ def _capture(case: Case, *, reps: int, rate_bps: float, where: Path) -> dict[str
                 reps=reps,
                 lossy_links=links,
                 loss_burst=spec.loss_burst(built),
+                burst_hold_s=spec.burst_hold_s(built),
             )
             time.sleep(1.5)  # the log flushes every 0.1 s
         finally:
@@ -455,6 +463,7 @@ def _capture(case: Case, *, reps: int, rate_bps: float, where: Path) -> dict[str
         lost = [ns for ns, reader in readers.items() if reader.wait() != 0]
         names = {link: built.topology.link_name(link) for link in links}
         stay = {link: 1 - spec.losses(built)[link].leave_probability() for link in links}
+        timeout = {link: bad_state_timeout_s(spec.losses(built)[link], lossy_end(built, link)[2]) for link in links}
     arrived: dict[int, list[tuple[float, bytes, int, int, int]]] = {link: [] for link in links}
     passed: dict[int, set[bytes]] = {link: set() for link in links}
     for ns in readers:
@@ -474,6 +483,8 @@ def _capture(case: Case, *, reps: int, rate_bps: float, where: Path) -> dict[str
     return {
         "names": names,
         "stay": stay,
+        "timeout": timeout,
+        "jiffy": jiffy_s(),
         "started": started,
         "lost_log": lost,
         "load": (load_before[0], os.getloadavg()[0]),
@@ -504,27 +515,34 @@ def _runs(arrivals: list[tuple[float, int, int, int, bool]]) -> list[tuple[int, 
 def _report_bursts(captured: dict[str, Any]) -> list[str]:
     names, arrivals = captured["names"], captured["arrivals"]
     stay = statistics.mean(captured["stay"].values())
+    # stored before the chain moved to nftables: its bad state lasted up to 1 s
+    timeout = {link: captured.get("timeout", {}).get(link, XT_RECENT_HOLD_S) for link in arrivals}
     lines = [
         f"# {'link':<14} {'arrived':>7} {'dropped':>7} {'bursts':>6} {'mean':>5} {'>=4':>5} {'>=8':>5} "
-        f"{'>=16':>5} {'longest':>7} {'held':>4} {'counted':>7}"
+        f"{'>=16':>5} {'longest':>7} {'T ms':>4} {'silent':>6} {'held':>4} {'counted':>7}"
     ]
-    lengths, held = [], []
+    lengths, held, silent = [], [], 0
     for link, seq in arrivals.items():
         runs = _runs(seq)
         sizes = [last - first + 1 for first, last in runs]
         lengths += sizes
-        link_held = 0
+        link_held = link_silent = 0
         for first, last in runs:
+            # silent: the link fell silent for HELD_GAP_S within the burst or before the first packet that passed;
+            # held: a packet after a silence longer than the bad state's timeout was dropped too
             times = [a[0] for a in seq[first : last + 2]]
             gaps = [b - a for a, b in itertools.pairwise(times)]
-            if gaps and max(gaps) >= HELD_GAP_S:
+            link_silent += bool(gaps) and max(gaps) >= HELD_GAP_S
+            if any(gap >= timeout[link] for gap in gaps[: last - first]):
                 link_held += 1
                 held.append((seq[first][0], link, first, last))
+        silent += link_silent
         if sizes:
             lines.append(
                 f"# {names[link]:<14} {len(seq):>7} {sum(sizes):>7} {len(sizes):>6} {statistics.mean(sizes):>5.2f} "
                 + " ".join(f"{statistics.mean(n >= k for n in sizes):>5.3f}" for k in (4, 8, 16))
-                + f" {max(sizes):>7} {link_held:>4} {captured['counted'].get(names[link], 0):>7}"
+                + f" {max(sizes):>7} {timeout[link] * 1e3:>4.0f} {link_silent:>6} {link_held:>4} "
+                f"{captured['counted'].get(names[link], 0):>7}"
             )
     lines.append(
         f"# every link: {len(lengths)} bursts of mean {statistics.mean(lengths):.2f} packets; P(length >= k) "
@@ -533,12 +551,31 @@ def _report_bursts(captured: dict[str, Any]) -> list[str]:
     for k in (2, 4, 8, 12, 16, 24):
         count = sum(n >= k for n in lengths)
         lines.append(f"#   k={k:<2} {count / len(lengths):.4f} ({count})  geometric {stay ** (k - 1):.4f}")
-    lines.append(f"# held bursts (a silence of {HELD_GAP_S * 1e3:.0f} ms or more before the first packet that passed):")
+    # the packet after a dropped one, by the silence before it: the bad state lives T - J to T (J a jiffy)
+    jiffy = captured.get("jiffy", 0.0)
+    after: Counter[tuple[int, bool]] = Counter()
+    for link, seq in arrivals.items():
+        for a, b in itertools.pairwise(seq):
+            if a[4]:
+                gap = b[0] - a[0]
+                after[(int(gap >= timeout[link] - jiffy) + int(gap >= timeout[link]), b[4])] += 1
+    lines.append(
+        "# the packet after a dropped one dropped too, by the silence before it (the bad state lives T - J to T; "
+        f"the chain: stay {stay:.4f} before T - J, a new burst's g after T):"
+    )
+    for kind, what in enumerate(("under T - J", "T - J to T", "T or more")):
+        n = after[(kind, True)] + after[(kind, False)]
+        share = f"{after[(kind, True)] / n:.3f}" if n else "-"
+        lines.append(f"#   {what:<12} {after[(kind, True)]:>5} of {n:>5}: {share}")
+    lines.append(
+        f"# bursts silent {HELD_GAP_S * 1e3:.0f} ms or more before a packet passed: {silent}; held (a packet "
+        "dropped after a silence longer than the bad state's timeout T):"
+    )
     for at, link, first, last in sorted(held):
         seq = arrivals[link]
         end = seq[last + 1][0] if last + 1 < len(seq) else seq[last][0]
-        times = [a[0] for a in seq[first : last + 2]]
-        quiet = next(i for i, (a, b) in enumerate(itertools.pairwise(times)) if b - a >= HELD_GAP_S)
+        times = [a[0] for a in seq[first : last + 1]]
+        quiet = next(i for i, (a, b) in enumerate(itertools.pairwise(times)) if b - a >= timeout[link])
         kinds = Counter(
             f"{a[1] - 1}>{a[2] - 1}{'d' if a[3] else 'a'}"
             for a in seq[max(first, first + quiet - 3) : first + quiet + 1]

@@ -263,13 +263,15 @@ def _main(args: argparse.Namespace) -> int:
             with running(spec) as built:
                 result = run(built, algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
                              placement=placement, seed=args.seed, congestion=args.congestion,
-                             lossy_links=sorted(spec.losses(built)), loss_burst=spec.loss_burst(built))  # fmt: skip
+                             lossy_links=sorted(spec.losses(built)), loss_burst=spec.loss_burst(built),
+                             burst_hold_s=spec.burst_hold_s(built))  # fmt: skip
         else:
             spec = load(args.name)
             built = spec.layout()
             result = run(built, algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
                          placement=placement, seed=args.seed, congestion=args.congestion,
-                         lossy_links=sorted(spec.losses(built)), loss_burst=spec.loss_burst(built))  # fmt: skip
+                         lossy_links=sorted(spec.losses(built)), loss_burst=spec.loss_burst(built),
+                         burst_hold_s=spec.burst_hold_s(built))  # fmt: skip
     except EmulationError as exc:
         raise CLIError(str(exc)) from None
     if args.json:

@@ -9,7 +9,16 @@ kernel chose for it (:func:`kernel_paths`).
 """
 
 from allreduce.emulate._layout import MAX_HOSTS, MIN_BURST_BYTES, Cable, Layout, Route, layout
-from allreduce.emulate._loss import GSO_MAX_SEGS, LossSpec, loss_commands, read_counters
+from allreduce.emulate._loss import (
+    GSO_MAX_SEGS,
+    LOSS_TABLE,
+    LossSpec,
+    bad_state_timeout_s,
+    jiffy_s,
+    loss_commands,
+    lossy_end,
+    read_counters,
+)
 from allreduce.emulate._netns import (
     DEFAULT_LOSS_RATE_BPS,
     DEFAULT_NAME,
@@ -50,6 +59,7 @@ __all__ = [
     "DEFAULT_RATE_BPS",
     "GOODPUT",
     "GSO_MAX_SEGS",
+    "LOSS_TABLE",
     "MAX_HOSTS",
     "MIN_BURST_BYTES",
     "STATE_DIR",
@@ -64,13 +74,16 @@ __all__ = [
     "Measurement",
     "Route",
     "RunResult",
+    "bad_state_timeout_s",
     "build",
     "check_privileges",
     "existing_emulations",
+    "jiffy_s",
     "kernel_paths",
     "layout",
     "load",
     "loss_commands",
+    "lossy_end",
     "measure_hop_latency",
     "predicted_topology",
     "read_counters",

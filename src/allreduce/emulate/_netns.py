@@ -2,7 +2,8 @@
 
 Every object is recorded in the state file *before* it is created, so whatever happens next (an error half way,
 Ctrl-C, SIGKILL of this process) :func:`remove` finds it. Removing a namespace removes the veth ends inside it,
-and with one end gone the kernel removes its peer, so the namespaces are all there is to remove. Nothing that is
+and with one end gone the kernel removes its peer (and a namespace's firewall tables, the loss rules, go with it),
+so the namespaces are all there is to remove. Nothing that is
 not in a state file is ever touched, and every name carries the emulation's prefix ``ar<name>-``.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from allreduce.emulate._layout import _NAME_OK, MIN_BURST_BYTES, Layout
 from allreduce.emulate._layout import layout as make_layout
-from allreduce.emulate._loss import GSO_MAX_SEGS, LossSpec, loss_commands
+from allreduce.emulate._loss import GSO_MAX_SEGS, LossSpec, burst_hold_s, loss_commands
 from allreduce.sim import Faults, apply_faults, resolve_links
 from allreduce.topology import parse_topology
 
@@ -175,6 +176,11 @@ class EmulationSpec:
         """The mean burst of the lossy links (the tail model takes one for all: the largest), 1 if none."""
         return max((spec.burst for spec in self.losses(built).values()), default=1.0)
 
+    def burst_hold_s(self, built: Layout) -> float:
+        """How long a bursty link's bad state lives on average once no packet crosses it, the longest (the tail
+        model's ``burst_hold_s``: :func:`allreduce.emulate._loss.burst_hold_s`); 0 if no link is bursty."""
+        return burst_hold_s(built, self.losses(built))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "topology": self.topology,
@@ -263,8 +269,8 @@ def build(spec: EmulationSpec, *, state_dir: Path = STATE_DIR) -> Layout:
     queues = spec.queue_bytes(built)
     losses = spec.losses(built)
     check_privileges()
-    if losses and shutil.which("iptables") is None:
-        raise EmulationError("packet loss needs iptables (apt-get install iptables): not found on PATH")
+    if losses and shutil.which("nft") is None:
+        raise EmulationError("packet loss needs nftables (apt-get install nftables): nft not found on PATH")
     path = _state_path(built.name, state_dir)
     if path.exists():
         raise EmulationError(

@@ -63,7 +63,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.emulate._layout import MIN_BURST_BYTES, Layout, _hops_to
-from allreduce.emulate._loss import BAD_STATE_MAX_S, read_counters
+from allreduce.emulate._loss import read_counters
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
 from allreduce.runtime.launcher import die_with_parent, stop_signal_handlers
@@ -172,6 +172,7 @@ class RunResult:
     hop_latency_s: float
     rows: tuple[Measurement, ...]
     congestion: str = "default"  # the ranks' TCP congestion control ("default": the kernel's)
+    burst_hold_s: float = 0.0  # the predictions' hold of a burst on a silent link (the firewall's bad state's life)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -402,19 +403,21 @@ Tails = tuple[tuple[str, tuple[float, float, float, float]], ...]
 
 def tail_samples(schedule: Schedule, model: Topology, size: int, *, rank_gpu: Sequence[int],
                  routing: PathTable | None, dropped: Sequence[tuple[str, int, int]], burst: float = 1.0,
-                 stacks: Sequence[str] = TAIL_STACKS,
+                 burst_hold_s: float = 0.0, stacks: Sequence[str] = TAIL_STACKS,
                  samples: int = TAIL_SAMPLES) -> tuple[tuple[str, npt.NDArray[np.float64]], ...]:  # fmt: skip
     """Per TCP stack of ``stacks``, the tail model's samples of the collective's time at the loss rates the counters
     showed (``dropped``: (link, packets sent, packets dropped)), in bursts of ``burst`` packets (nothing where
-    nothing was dropped). ``model`` is :func:`predicted_topology`'s, ``routing`` the kernel's paths."""
+    nothing was dropped), a burst held on a silent link for ``burst_hold_s`` (the firewall's chain is clocked by
+    the link's packets, and its bad state expires that long after it began on average:
+    :func:`allreduce.emulate._loss.burst_hold_s`). ``model`` is :func:`predicted_topology`'s, ``routing`` the
+    kernel's paths."""
     if not dropped:
         return ()
     links = tuple((name, drops / (sent + drops)) for name, sent, drops in dropped)
     out = []
     for stack in stacks:
-        # every repetition is timed from the barrier before it: its agreement is charged too; the firewall's
-        # chain is clocked by the link's packets and holds a bad state up to BAD_STATE_MAX_S
-        hold = float(BAD_STATE_MAX_S) if burst > 1 else 0.0
+        # every repetition is timed from the barrier before it: its agreement is charged too
+        hold = burst_hold_s if burst > 1 else 0.0
         loss = LossModel(fabric="tcp", links=links, tcp=stack, barrier=True, burst=burst, burst_hold_s=hold)
         config = TailConfig(samples=samples, seed=0, loss=loss)
         result = simulate_tail(schedule, model, size_bytes=float(size), config=config, placement=rank_gpu,
@@ -425,11 +428,13 @@ def tail_samples(schedule: Schedule, model: Topology, size: int, *, rank_gpu: Se
 
 def tail_predictions(schedule: Schedule, model: Topology, size: int, *, rank_gpu: Sequence[int],
                      routing: PathTable | None, dropped: Sequence[tuple[str, int, int]], burst: float = 1.0,
-                     stacks: Sequence[str] = TAIL_STACKS, samples: int = TAIL_SAMPLES) -> Tails:  # fmt: skip
+                     burst_hold_s: float = 0.0, stacks: Sequence[str] = TAIL_STACKS,
+                     samples: int = TAIL_SAMPLES) -> Tails:  # fmt: skip
     """Per TCP stack of ``stacks``, the tail model's (p50, p90, p99, max) of :func:`tail_samples`."""
     out = []
     for stack, seconds in tail_samples(schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped,
-                                       burst=burst, stacks=stacks, samples=samples):  # fmt: skip
+                                       burst=burst, burst_hold_s=burst_hold_s, stacks=stacks,
+                                       samples=samples):  # fmt: skip
         p50, p90, p99 = (float(v) for v in np.percentile(seconds, [50, 90, 99]))
         out.append((stack, (p50, p90, p99, float(seconds.max()))))
     return tuple(out)
@@ -448,11 +453,13 @@ def run(
     congestion: str = DEFAULT_CONGESTION,
     lossy_links: Sequence[int] = (),
     loss_burst: float = 1.0,
+    burst_hold_s: float = 0.0,
 ) -> RunResult:
     """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator.
     ``congestion``: the TCP congestion control of the ranks' data connections (``"default"``: the kernel's);
     ``lossy_links``: the links that drop packets by the firewall's rules (their counters are read), in bursts
-    of ``loss_burst`` packets on average (the tail model's ``burst``)."""
+    of ``loss_burst`` packets on average (the tail model's ``burst``), whose bad state lives ``burst_hold_s``
+    on average on a silent link (its ``burst_hold_s``: ``EmulationSpec.burst_hold_s``)."""
     if congestion != "default":
         congestion_control(congestion)  # ValueError naming what this kernel has, before anything starts
     topology = layout.topology
@@ -520,7 +527,14 @@ def run(
         agrees = bottleneck is not None and busy.get(bottleneck.link, 0.0) >= (1 - BUSY_TIE) * busy[busiest]
         tails = (
             tail_predictions(
-                schedule, model, size, rank_gpu=rank_gpu, routing=routing, dropped=dropped, burst=loss_burst
+                schedule,
+                model,
+                size,
+                rank_gpu=rank_gpu,
+                routing=routing,
+                dropped=dropped,
+                burst=loss_burst,
+                burst_hold_s=burst_hold_s,
             )
             if reps >= TAIL_MIN_REPS
             else ()
@@ -547,4 +561,5 @@ def run(
                 else tuple((src, dst, tuple(links)) for (src, dst), links in sorted(routing.paths.items())),
             )
         )
-    return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows), congestion)
+    return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows), congestion,
+                     burst_hold_s if loss_burst > 1 else 0.0)  # fmt: skip
