@@ -51,13 +51,14 @@ def _finish(procs: list[subprocess.Popen[str]]) -> tuple[list[int], str]:
     return [proc.returncode for proc in procs], "\n".join(outputs)
 
 
-def _by_hand(out_dir: Path, fault: str, mode: str, transport: str) -> tuple[list[int], str]:
+def _start(out_dir: Path, fault: str, mode: str, transport: str, **env: str) -> list[subprocess.Popen[str]]:
+    """Every rank of the job started by hand (RANK, WORLD_SIZE, MASTER_*), each in a session of its own."""
     with reserve_port() as reservation:
         port = reservation.getsockname()[1]
-        procs = [
+        return [
             subprocess.Popen(
                 [sys.executable, str(JOB), str(out_dir), fault, mode],
-                env={**_env(transport), "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE)}
+                env={**_env(transport), "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), **env}
                 | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -66,7 +67,10 @@ def _by_hand(out_dir: Path, fault: str, mode: str, transport: str) -> tuple[list
             )
             for rank in range(WORLD_SIZE)
         ]
-        return _finish(procs)
+
+
+def _by_hand(out_dir: Path, fault: str, mode: str, transport: str) -> tuple[list[int], str]:
+    return _finish(_start(out_dir, fault, mode, transport))
 
 
 def _torchrun(out_dir: Path, fault: str, mode: str, transport: str) -> tuple[list[int], str]:
@@ -144,20 +148,7 @@ def test_a_failure_under_ddp_raises_on_every_rank_over_tcp(tmp_path: Path, fault
 def test_a_stopped_rank_is_named_through_torch_long_before_the_timeout(tmp_path: Path, transport: str) -> None:
     # rank 1 stops itself before its second call; rank 0's all_reduce waits on it until the store's lease
     # (ALLREDUCE_LEASE_S, read by init under the backend) declares it dead: far sooner than the 120 s timeout
-    with reserve_port() as reservation:
-        port = reservation.getsockname()[1]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(JOB), str(tmp_path), "stop", "collective"],
-                env={**_env(transport), "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), "ALLREDUCE_LEASE_S": "2"}
-                | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            for rank in range(WORLD_SIZE)
-        ]
+    procs = _start(tmp_path, "stop", "collective", transport, ALLREDUCE_LEASE_S="2")
     output = ""
     try:
         output = procs[0].communicate(timeout=DEADLINE_S)[0]
