@@ -6,6 +6,7 @@ pairs found from the streams, the median kept as distinct values)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -69,36 +70,36 @@ def _streamed(  # type: ignore[no-untyped-def]
     return sched, whole, streamed
 
 
+_PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def _cases(draw: st.DrawFn, *, delay: bool | None) -> dict[str, Any]:
+    """_streamed's arguments: a network, algorithm, placement seed, window and collection threshold (and ranks
+    delayed or not, drawn where ``delay`` is None)."""
+    return {
+        "network": draw(st.integers(0, len(NETWORKS) - 1)),
+        "algorithm": draw(st.sampled_from(ALGORITHMS)),
+        "seed": draw(st.integers(0, 3)),
+        "window": draw(st.integers(1, 200)),
+        "collect_min": draw(st.integers(0, 64)),
+        "delay": draw(st.booleans()) if delay is None else delay,
+    }
+
+
 @pytest.mark.slow
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    network=st.integers(0, len(NETWORKS) - 1),
-    algorithm=st.sampled_from(ALGORITHMS),
-    seed=st.integers(0, 3),
-    sizes=st.tuples(st.integers(1, 200), st.integers(0, 64)),
-    delay=st.booleans(),
-)
-def test_a_streamed_run_ends_every_rank_when_the_whole_layout_does(
-    network: int, algorithm: str, seed: int, sizes: tuple[int, int], delay: bool
-) -> None:
-    window, collect_min = sizes
-    _, whole, streamed = _streamed(network, algorithm, seed=seed, window=window, collect_min=collect_min, delay=delay)
+@_PROPERTY
+@given(case=_cases(delay=None))
+def test_a_streamed_run_ends_every_rank_when_the_whole_layout_does(case: dict[str, Any]) -> None:
+    _, whole, streamed = _streamed(**case)
     assert np.array_equal(streamed.rank_end, whole.rank_end)
 
 
 @pytest.mark.slow
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    network=st.integers(0, len(NETWORKS) - 1),
-    algorithm=st.sampled_from(ALGORITHMS),
-    seed=st.integers(0, 3),
-    window=st.integers(1, 200),
-    collect_min=st.integers(0, 64),
-)
-def test_a_streamed_run_keeps_the_critical_path_of_the_whole_layout(
-    network: int, algorithm: str, seed: int, window: int, collect_min: int
-) -> None:
-    _, whole, streamed = _streamed(network, algorithm, seed=seed, window=window, collect_min=collect_min, delay=False)
+@_PROPERTY
+@given(case=_cases(delay=False))
+def test_a_streamed_run_keeps_the_critical_path_of_the_whole_layout(case: dict[str, Any]) -> None:
+    _, whole, streamed = _streamed(**case)
     ours, theirs = streamed.chain(), _layout_chain(whole)
     for field in dataclasses.fields(ours):
         assert np.array_equal(getattr(ours, field.name), getattr(theirs, field.name)), field.name
