@@ -183,6 +183,7 @@ def _measure(case: Case, *, reps: int, rate_bps: float) -> dict[str, Any]:
             lossy_links=sorted(spec.losses(built)),
             loss_burst=spec.loss_burst(built),
             burst_hold_s=spec.burst_hold_s(built),
+            burst_bytes=spec.burst_bytes(built),
         )
     return {
         "case": {

@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 
 from allreduce.emulate import (
+    MIN_BURST_BYTES,
     TAIL_MIN_REPS,
+    WIRE_BURST_BYTES,
     EmulationSpec,
     LossSpec,
     RunResult,
@@ -138,8 +140,17 @@ def test_loss_all_makes_every_direction_lossy_and_a_named_link_keeps_its_own() -
 
 
 def test_a_spec_with_loss_survives_its_state_file() -> None:
-    spec = EmulationSpec(TWO_HOSTS, name="x1", loss=(("a->b", LossSpec(1e-3, 2.0)),), loss_all=LossSpec(1e-4))
+    spec = EmulationSpec(
+        TWO_HOSTS, name="x1", loss=(("a->b", LossSpec(1e-3, 2.0)),), loss_all=LossSpec(1e-4), burst=32768
+    )
     assert EmulationSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+
+
+def test_the_token_buckets_hold_a_few_frames_where_packets_are_one_mss_and_a_mebibyte_where_they_are_gso() -> None:
+    lossy = EmulationSpec(TWO_HOSTS, loss_all=LossSpec(1e-3))
+    assert lossy.burst_bytes(lossy.layout()) == WIRE_BURST_BYTES < 12 * 1514
+    plain = EmulationSpec(TWO_HOSTS)
+    assert plain.burst_bytes(plain.layout()) == MIN_BURST_BYTES
 
 
 @pytest.fixture
@@ -178,6 +189,24 @@ def test_independent_loss_drops_the_asked_rate_and_the_tail_model_runs_at_it(nam
     assert abs(dropped / arrived - p) < Z * math.sqrt(p * (1 - p) / arrived)
     assert [stack for stack, _ in row.predicted_tails] == ["linux", "rfc6298"]  # type: ignore[attr-defined]
     assert row.exact  # type: ignore[attr-defined]
+
+
+@root
+@pytest.mark.slow
+@pytest.mark.serial
+def test_no_repetition_on_lossy_links_runs_faster_than_the_links_allow(name: str, tmp_path: Path) -> None:
+    # 1% loss on every direction: more than half the repetitions stall 200 ms or more, time for a bucket of 1 MiB
+    # to fill (84 ms at 100 Mbit/s); with one, the next repetition crossed at the veth's speed (4 ms for 22 ms).
+    spec = EmulationSpec(TWO_HOSTS, name=name, rate_bps=100e6, loss_all=LossSpec(0.01))
+    size = 256 * 1024
+    with running(spec, state_dir=tmp_path) as built:
+        (row,) = run(built, algorithm="ring", sizes=[size], reps=30, lossy_links=sorted(spec.losses(built))).rows
+    # A ring of two: each host sends the buffer's half in each of 2 steps, in full frames; a step may begin with a
+    # full bucket (the link idled while the step before it ended), whose bytes leave at once.
+    fastest = (size * 1514 / 1448 - 2 * WIRE_BURST_BYTES) * 8 / 100e6
+    seconds = np.asarray(row.seconds)
+    assert (seconds > 0.1).any()  # a stall happened: a bucket of 1 MiB had the time to fill
+    assert seconds.min() >= fastest, (seconds.min(), fastest)
 
 
 # Raw TCP-protocol packets (RST set: the receiving host answers none), sequence numbers from 0, one every 20 us

@@ -25,6 +25,9 @@ TOPOLOGY = "clos:leaves=2,spines=1,hosts_per_leaf=1"
         (["--loss", "1e-3"], "write it as LINK=P"),
         (["--loss-all", "ge:p=0.1,burst=0"], "--loss-all"),
         (["--loss", "nosuch->link=1e-3"], "--loss nosuch->link: "),
+        (["--loss-all", "1e-3", "--burst", "1000"], "--burst 1000: with one-MSS packets the burst must be 3,028"),
+        (["--burst", "64KiB"], "--burst 65536: with GSO packets of up to 64 KiB (no --loss)"),
+        (["--burst", "lots"], "--burst"),
     ],
 )
 def test_a_bad_loss_is_refused_before_anything_is_built(

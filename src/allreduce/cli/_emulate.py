@@ -16,6 +16,7 @@ from allreduce.emulate import (
     MAX_HOSTS,
     MIN_BURST_BYTES,
     TAIL_MIN_REPS,
+    WIRE_BURST_BYTES,
     EmulationError,
     EmulationSpec,
     LossSpec,
@@ -95,6 +96,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "bursts: 'LINK=ge:p=1e-3,burst=4' (Gilbert-Elliott, mean burst 4 packets)",
         )
         q.add_argument("--loss-all", metavar="P", help="every link direction drops TCP packets: P or ge:p=P,burst=B")
+        q.add_argument(
+            "--burst",
+            metavar="BYTES",
+            help=f"the links' token-bucket burst (default {format_bytes(WIRE_BURST_BYTES)} with --loss/--loss-all, "
+            f"{format_bytes(MIN_BURST_BYTES)} without): what a link idle long enough sends at the veth's speed",
+        )
 
     up = verbs.add_parser("up", help="build the emulated cluster and leave it up")
     spec_arguments(up, required=True)
@@ -164,7 +171,8 @@ def _spec(args: argparse.Namespace) -> EmulationSpec:
             raise CLIError(f"--loss {text!r}: write it as LINK=P or LINK=ge:p=P,burst=B, e.g. 'leaf0->spine0=1e-3'")
         loss.append((link.strip(), LossSpec.parse(value, what=f"--loss {link.strip()}")))
     loss_all = LossSpec.parse(args.loss_all, what="--loss-all") if args.loss_all else None
-    return EmulationSpec(
+    burst = None if args.burst is None else int(parse_bytes(args.burst, what="--burst"))
+    spec = EmulationSpec(
         args.topology,
         name=args.name,
         rate_bps=rate * 8,
@@ -172,7 +180,11 @@ def _spec(args: argparse.Namespace) -> EmulationSpec:
         queue=queue,
         loss=tuple(loss),
         loss_all=loss_all,
+        burst=burst,
     )
+    if burst is not None:
+        spec.burst_bytes(spec.layout())  # a ValueError naming --burst before anything is built
+    return spec
 
 
 def _format(result: RunResult, spec: EmulationSpec) -> str:
@@ -218,10 +230,10 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
                 )
     if any(row.burst_bound for row in result.rows):
         lines.append(
-            f"* the links' token-bucket burst ({format_bytes(MIN_BURST_BYTES)}) is {BURST_NOTE_SHARE:.0%} or more of "
-            "what the busiest link carried per repetition: that much leaves at the veth's speed, not the shaped rate "
-            "the prediction assumes, so the burst decides this size (a ratio below 1 is the emulator's, not the "
-            "model's); sizes whose busiest link carries 10x the burst measure the network"
+            f"* the links' token-bucket burst ({format_bytes(result.burst_bytes)}) is {BURST_NOTE_SHARE:.0%} "
+            "or more of what the busiest link carried per repetition: that much leaves at the veth's speed, not the "
+            "shaped rate the prediction assumes, so the burst decides this size (a ratio below 1 is the emulator's, "
+            "not the model's); sizes whose busiest link carries 10x the burst measure the network"
         )
     how = {row.paths for row in result.rows}
     split = "the paths the kernel chose" if how == {"kernel"} else "the closest hash seed (paths unreadable)"
@@ -264,14 +276,14 @@ def _main(args: argparse.Namespace) -> int:
                 result = run(built, algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
                              placement=placement, seed=args.seed, congestion=args.congestion,
                              lossy_links=sorted(spec.losses(built)), loss_burst=spec.loss_burst(built),
-                             burst_hold_s=spec.burst_hold_s(built))  # fmt: skip
+                             burst_hold_s=spec.burst_hold_s(built), burst_bytes=spec.burst_bytes(built))  # fmt: skip
         else:
             spec = load(args.name)
             built = spec.layout()
             result = run(built, algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
                          placement=placement, seed=args.seed, congestion=args.congestion,
                          lossy_links=sorted(spec.losses(built)), loss_burst=spec.loss_burst(built),
-                         burst_hold_s=spec.burst_hold_s(built))  # fmt: skip
+                         burst_hold_s=spec.burst_hold_s(built), burst_bytes=spec.burst_bytes(built))  # fmt: skip
     except EmulationError as exc:
         raise CLIError(str(exc)) from None
     if args.json:

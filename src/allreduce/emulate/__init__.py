@@ -8,7 +8,7 @@ simulator's prediction for the same network beside every measurement, routing ev
 kernel chose for it (:func:`kernel_paths`).
 """
 
-from allreduce.emulate._layout import MAX_HOSTS, MIN_BURST_BYTES, Cable, Layout, Route, layout
+from allreduce.emulate._layout import MAX_HOSTS, MIN_BURST_BYTES, WIRE_BURST_BYTES, Cable, Layout, Route, layout
 from allreduce.emulate._loss import (
     GSO_MAX_SEGS,
     LOSS_TABLE,
@@ -65,6 +65,7 @@ __all__ = [
     "STATE_DIR",
     "TAIL_MIN_REPS",
     "TAIL_STACKS",
+    "WIRE_BURST_BYTES",
     "Cable",
     "Connection",
     "EmulationError",

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from allreduce.emulate._layout import _NAME_OK, MIN_BURST_BYTES, Layout
+from allreduce.emulate._layout import _NAME_OK, MIN_BURST_BYTES, WIRE_BURST_BYTES, Layout
 from allreduce.emulate._layout import layout as make_layout
 from allreduce.emulate._loss import GSO_MAX_SEGS, LossSpec, burst_hold_s, loss_commands
 from allreduce.sim import Faults, apply_faults, resolve_links
@@ -34,6 +34,10 @@ __all__ = [
     "DEFAULT_NAME",
     "DEFAULT_QUEUE_BYTES",
     "DEFAULT_RATE_BPS",
+    "FRAME_BYTES",
+    "MAX_BURST_BYTES",
+    "MIN_BURST_SEGMENTS",
+    "MIN_GSO_BURST_BYTES",
     "STATE_DIR",
     "EmulationError",
     "EmulationSpec",
@@ -50,6 +54,18 @@ STATE_DIR = Path(os.environ.get("ALLREDUCE_EMULATE_STATE_DIR", "/run/allreduce-e
 
 COMMAND_TIMEOUT_S = 30.0
 """Longest one ``ip``/``tc`` command may take before the build is abandoned (they take milliseconds)."""
+
+FRAME_BYTES = 1514
+"""A full-size Ethernet frame: 1,448 bytes of payload, 66 of headers (the emulate run's ``GOODPUT``)."""
+
+MIN_BURST_SEGMENTS = 2
+"""Fewest full frames a token bucket of one-MSS packets may hold (``--burst``)."""
+
+MIN_GSO_BURST_BYTES = 128 * 1024
+"""Smallest burst without loss: the token bucket drops a packet larger than its burst, and GSO packets reach 64 KiB."""
+
+MAX_BURST_BYTES = 64 * 1024 * 1024
+"""Largest burst accepted (``--burst``)."""
 
 DEFAULT_QUEUE_BYTES = 2 * MIN_BURST_BYTES
 """Queue of every shaped link unless ``queue_bytes`` says otherwise: deep enough that TCP loses nothing at the
@@ -133,7 +149,8 @@ class EmulationSpec:
     """What to emulate: a topology (spec or file), a name, the rate of its fastest host link, degraded links
     (``(link, factor)``, as ``allreduce sim --degrade``), shallow queues (``(link, bytes)``), and packet loss:
     ``loss`` per link (``(link, spec)``; ``a<->b`` is both directions) and ``loss_all`` on every link
-    direction (a link in ``loss`` keeps its own)."""
+    direction (a link in ``loss`` keeps its own); ``burst``: the token buckets' burst in bytes (None:
+    :data:`WIRE_BURST_BYTES` with loss, :data:`MIN_BURST_BYTES` without)."""
 
     topology: str
     name: str = DEFAULT_NAME
@@ -142,6 +159,7 @@ class EmulationSpec:
     queue: tuple[tuple[str, int], ...] = ()
     loss: tuple[tuple[str, LossSpec], ...] = ()
     loss_all: LossSpec | None = None
+    burst: int | None = None
 
     def layout(self) -> Layout:
         base = parse_topology(self.topology)
@@ -172,6 +190,20 @@ class EmulationSpec:
                 out[index] = spec
         return out
 
+    def burst_bytes(self, built: Layout) -> int:
+        """The token buckets' burst (bytes): ``burst``, else :data:`WIRE_BURST_BYTES` where links drop packets
+        (one MSS a packet), else :data:`MIN_BURST_BYTES`. A burst below :data:`MIN_BURST_SEGMENTS` full frames, or
+        without loss below :data:`MIN_GSO_BURST_BYTES` (a GSO packet larger than the burst would be dropped), or
+        above :data:`MAX_BURST_BYTES` is a ValueError naming ``--burst``."""
+        lossy = bool(self.losses(built))
+        if self.burst is None:
+            return WIRE_BURST_BYTES if lossy else MIN_BURST_BYTES
+        low = MIN_BURST_SEGMENTS * FRAME_BYTES if lossy else MIN_GSO_BURST_BYTES
+        if not low <= self.burst <= MAX_BURST_BYTES:
+            why = "one-MSS packets" if lossy else "GSO packets of up to 64 KiB (no --loss)"
+            raise ValueError(f"--burst {self.burst}: with {why} the burst must be {low:,} to {MAX_BURST_BYTES:,} bytes")
+        return self.burst
+
     def loss_burst(self, built: Layout) -> float:
         """The mean burst of the lossy links (the tail model takes one for all: the largest), 1 if none."""
         return max((spec.burst for spec in self.losses(built).values()), default=1.0)
@@ -190,6 +222,7 @@ class EmulationSpec:
             "queue": [list(q) for q in self.queue],
             "loss": [[link, spec.to_json()] for link, spec in self.loss],
             "loss_all": None if self.loss_all is None else self.loss_all.to_json(),
+            "burst": self.burst,
         }
 
     @classmethod
@@ -202,6 +235,7 @@ class EmulationSpec:
             queue=tuple((str(link), int(b)) for link, b in data["queue"]),
             loss=tuple((str(link), LossSpec(float(p), float(b))) for link, (p, b) in data.get("loss", [])),
             loss_all=None if data.get("loss_all") is None else LossSpec(*(float(v) for v in data["loss_all"])),
+            burst=None if data.get("burst") is None else int(data["burst"]),
         )
 
 
@@ -268,6 +302,7 @@ def build(spec: EmulationSpec, *, state_dir: Path = STATE_DIR) -> Layout:
     built = spec.layout()
     queues = spec.queue_bytes(built)
     losses = spec.losses(built)
+    burst = spec.burst_bytes(built)
     check_privileges()
     if losses and shutil.which("nft") is None:
         raise EmulationError("packet loss needs nftables (apt-get install nftables): nft not found on PATH")
@@ -334,7 +369,7 @@ def build(spec: EmulationSpec, *, state_dir: Path = STATE_DIR) -> Layout:
                 limit = queues.get(link, DEFAULT_QUEUE_BYTES)
                 _run(
                     ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", _rate(rate),
-                     "burst", str(MIN_BURST_BYTES), "limit", str(max(limit, 1))]
+                     "burst", str(burst), "limit", str(max(limit, 1))]
                 )  # fmt: skip
         for route in built.routes:
             ns = built.namespaces[route.node]

@@ -173,6 +173,7 @@ class RunResult:
     rows: tuple[Measurement, ...]
     congestion: str = "default"  # the ranks' TCP congestion control ("default": the kernel's)
     burst_hold_s: float = 0.0  # the predictions' hold of a burst on a silent link (the firewall's bad state's life)
+    burst_bytes: int = MIN_BURST_BYTES  # the links' token-bucket burst (EmulationSpec.burst_bytes)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -454,12 +455,14 @@ def run(
     lossy_links: Sequence[int] = (),
     loss_burst: float = 1.0,
     burst_hold_s: float = 0.0,
+    burst_bytes: int = MIN_BURST_BYTES,
 ) -> RunResult:
     """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator.
     ``congestion``: the TCP congestion control of the ranks' data connections (``"default"``: the kernel's);
     ``lossy_links``: the links that drop packets by the firewall's rules (their counters are read), in bursts
     of ``loss_burst`` packets on average (the tail model's ``burst``), whose bad state lives ``burst_hold_s``
-    on average on a silent link (its ``burst_hold_s``: ``EmulationSpec.burst_hold_s``)."""
+    on average on a silent link (its ``burst_hold_s``: ``EmulationSpec.burst_hold_s``); ``burst_bytes``: the
+    links' token-bucket burst (``EmulationSpec.burst_bytes``), which decides the rows marked ``burst_bound``."""
     if congestion != "default":
         congestion_control(congestion)  # ValueError naming what this kernel has, before anything starts
     topology = layout.topology
@@ -522,7 +525,7 @@ def run(
             routing = None
         times = [c.seconds for c in candidates]
         per_repetition = max(sent.values(), default=0) / (reps + 1)  # the warm-up moved as much as each repetition
-        burst_share = min(1.0, MIN_BURST_BYTES / per_repetition) if per_repetition > 0 else 1.0
+        burst_share = min(1.0, burst_bytes / per_repetition) if per_repetition > 0 else 1.0
         bottleneck = predicted.bottlenecks[0] if predicted.bottlenecks else None
         agrees = bottleneck is not None and busy.get(bottleneck.link, 0.0) >= (1 - BUSY_TIE) * busy[busiest]
         tails = (
@@ -562,4 +565,4 @@ def run(
             )
         )
     return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows), congestion,
-                     burst_hold_s if loss_burst > 1 else 0.0)  # fmt: skip
+                     burst_hold_s if loss_burst > 1 else 0.0, burst_bytes)  # fmt: skip
