@@ -296,17 +296,6 @@ def _rate(bits_per_s: float) -> str:
     return f"{max(round(bits_per_s), 8)}bit"
 
 
-def _receive_on_one_cpu(namespace: str, devices: list[str]) -> None:
-    """Steer every packet ``devices`` receive to one CPU's backlog (RPS, ``rps_cpus`` 1), so a flow's packets
-    leave each hop in the order they came. A veth hands a packet to the backlog of the CPU that sent it, and a
-    token bucket releases a flow's packets from whichever CPU its timer or its sender runs on: on 2 cores,
-    every ring connection of a 4-host emulation saw reordering (``ss -ti``: ``reord_seen`` 9-22 in 200 loss-free
-    repetitions of a 256 KiB ring), which no switch port does to a flow, and after which Linux's RACK waits a
-    reordering timer of whole jiffies for every later loss (``tcp_rack_reo_wnd``) instead of three SACKs."""
-    script = "; ".join(f"echo 1 > /sys/class/net/{dev}/queues/rx-0/rps_cpus" for dev in devices)
-    _run(["ip", "netns", "exec", namespace, "sh", "-c", script])
-
-
 def build(spec: EmulationSpec, *, state_dir: Path = STATE_DIR) -> Layout:
     """Create the emulation ``spec`` describes and return its layout; on any failure remove what was created, then
     raise. Links without a queue in ``spec.queue`` get :data:`DEFAULT_QUEUE_BYTES`."""
@@ -349,7 +338,6 @@ def build(spec: EmulationSpec, *, state_dir: Path = STATE_DIR) -> Layout:
             )  # fmt: skip
         for g, address in enumerate(built.host_address):
             _run(["ip", "-n", built.host_namespace(g), "addr", "add", f"{address}/32", "dev", "lo"])
-        one_cpu: dict[str, list[str]] = {}
         for cable in built.cables:
             ns_a, ns_b = built.namespaces[cable.a], built.namespaces[cable.b]
             _run(
@@ -377,15 +365,12 @@ def build(spec: EmulationSpec, *, state_dir: Path = STATE_DIR) -> Layout:
                 if losses:
                     # One MSS per packet: what a wire carries, what a drop loses and a token bucket counts.
                     _run(["ip", "-n", ns, "link", "set", dev, "gso_max_segs", str(GSO_MAX_SEGS)])
-                    one_cpu.setdefault(ns, []).append(dev)
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
                 limit = queues.get(link, DEFAULT_QUEUE_BYTES)
                 _run(
                     ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", _rate(rate),
                      "burst", str(burst), "limit", str(max(limit, 1))]
                 )  # fmt: skip
-        for ns, devs in one_cpu.items():
-            _receive_on_one_cpu(ns, devs)
         for route in built.routes:
             ns = built.namespaces[route.node]
             command = ["ip", "-n", ns, "route", "add", f"{route.destination}/32"]
