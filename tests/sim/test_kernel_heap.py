@@ -5,7 +5,6 @@ these hold for the fallback too."""
 from __future__ import annotations
 
 import heapq
-from typing import Any
 
 import numpy as np
 import pytest
@@ -21,20 +20,15 @@ from allreduce.sim._kernel_heap import (
     lane_push,
     lanes,
     pop,
-    pop4,
     push,
-    push4,
     seeded,
     sort_ids,
 )
 
 
-@pytest.mark.parametrize(("push", "pop"), [(push, pop), (push4, pop4)], ids=["binary", "4-ary"])
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.none(), st.integers(0, 5))), st.lists(st.integers(0, 5), max_size=6))
-def test_the_event_queue_pops_in_time_then_counter_order(
-    push: Any, pop: Any, ops: list[int | None], first: list[int]
-) -> None:
+def test_the_event_queue_pops_in_time_then_counter_order(ops: list[int | None], first: list[int]) -> None:
     # The queue starts with ``first`` (seeded), then None pops and a number pushes an event at that time:
     # against heapq of (time, counter, item, version).
     times, keys = seeded(np.asarray(first, dtype=np.float64), np.arange(len(first), dtype=np.int64), 2)

@@ -10,8 +10,7 @@ per-event core's it still opens an instant when it is the earliest, which keeps 
 Beside the heap, :func:`lanes`: an event due a fixed time after the instant that schedules it (a delivery, its
 pair's latency after its drain; a start, its rank's delay after its step before ended) goes to that constant's
 lane, a ring in which such events are in (time, counter) order already; :func:`earliest` finds the first event
-among the heap's and the lanes' heads. A 4-ary heap (:func:`push4`, :func:`pop4`) is the same queue with half
-the levels.
+among the heap's and the lanes' heads.
 
 The compiled functions allocate nothing (sim/_jit.py): the run makes room before an instant
 (:func:`grow`, numpy) for every event the instant can push. :func:`sort_ids` puts the transfers whose rates
@@ -36,9 +35,7 @@ __all__ = [
     "lane_push",
     "lanes",
     "pop",
-    "pop4",
     "push",
-    "push4",
     "seeded",
     "sort_ids",
 ]
@@ -112,54 +109,6 @@ def pop(times: Any, keys: Any, size: int) -> int:
             times[right] < times[child] or (times[right] == times[child] and keys[3 * right] < keys[3 * child])
         ):
             child = right
-        if times[child] > time_s or (times[child] == time_s and keys[3 * child] > counter):
-            break
-        times[i] = times[child]
-        keys[3 * i] = keys[3 * child]
-        keys[3 * i + 1] = keys[3 * child + 1]
-        keys[3 * i + 2] = keys[3 * child + 2]
-        i = child
-    times[i] = time_s
-    keys[3 * i] = counter
-    keys[3 * i + 1] = item
-    keys[3 * i + 2] = version
-    return size
-
-
-@inline
-def push4(times: Any, keys: Any, size: int, time_s: float, counter: int, item: int, version: int) -> int:  # noqa: PLR0917
-    """:func:`push` on a 4-ary heap (the children of entry i are 4i + 1 ... 4i + 4): half the levels."""
-    i = size
-    while i > 0:
-        parent = (i - 1) >> 2
-        if times[parent] < time_s or (times[parent] == time_s and keys[3 * parent] < counter):
-            break
-        times[i] = times[parent]
-        keys[3 * i] = keys[3 * parent]
-        keys[3 * i + 1] = keys[3 * parent + 1]
-        keys[3 * i + 2] = keys[3 * parent + 2]
-        i = parent
-    times[i] = time_s
-    keys[3 * i] = counter
-    keys[3 * i + 1] = item
-    keys[3 * i + 2] = version
-    return size + 1
-
-
-@inline
-def pop4(times: Any, keys: Any, size: int) -> int:
-    """:func:`pop` on a 4-ary heap."""
-    size -= 1
-    time_s = times[size]
-    counter, item, version = keys[3 * size], keys[3 * size + 1], keys[3 * size + 2]
-    i = 0
-    while True:
-        child = 4 * i + 1
-        if child >= size:
-            break
-        for other in range(child + 1, min(child + 4, size)):
-            if times[other] < times[child] or (times[other] == times[child] and keys[3 * other] < keys[3 * child]):
-                child = other
         if times[child] > time_s or (times[child] == time_s and keys[3 * child] > counter):
             break
         times[i] = times[child]
