@@ -1,9 +1,11 @@
 """The per-event core of :mod:`allreduce.sim._event`, compiled with numba (the optional ``fast`` extra).
 
-The same model and events as ``_Run``: one queue of events ordered by (time, counter) (sim/_kernel_heap.py),
-events due within _EVENT_RTOL of the earliest processed together, then one re-solve of the max-min fair rates,
-replayed lazily from the changed links outwards where they can have changed (sim/_kernel_levels.py), not over
-the whole component of transfers sharing links with them as ``_Run`` does. Flows and links are arrays, not
+The same model and events as ``_Run``: one queue of events ordered by (time, counter) (sim/_kernel_heap.py: a
+heap, and first-in first-out lanes for the deliveries and starts due a fixed time after the instant that
+schedules them, which pop in the same order), events due within _EVENT_RTOL of the earliest processed
+together, then one re-solve of the max-min fair rates, replayed lazily from the changed links outwards where
+they can have changed (sim/_kernel_levels.py), not over the whole component of transfers sharing links with
+them as ``_Run`` does. Flows and links are arrays, not
 objects: the draining transfers on a link are an intrusive linked list in insertion order (the order of
 ``_Run``'s dicts), and a transfer whose rate changed has its drain event moved. The rates are the same max-min
 fair rates as ``_Run``'s, to rounding (sums in other orders): results agree with it to 1e-9 relative, except
@@ -26,7 +28,19 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.sim._jit import KERNEL_ENV, available, inline, njit
-from allreduce.sim._kernel_heap import DELIVER, DRAIN, START, grow, pop, push, seeded, sort_ids
+from allreduce.sim._kernel_heap import (
+    DELIVER,
+    DRAIN,
+    START,
+    earliest,
+    grow,
+    lane_push,
+    lanes,
+    pop,
+    push,
+    seeded,
+    sort_ids,
+)
 from allreduce.sim._kernel_levels import resolve_alone, resolve_fill, solve_scratch
 
 __all__ = ["DONE", "KERNEL_ENV", "MORE", "UNKNOWN", "Queue", "available", "make_work", "run_kernel", "whole"]
@@ -46,6 +60,8 @@ _PROGRESS_EVERY = 4096
 _DONE, _GROW, _REPORT, _FULL, _MORE = 0, 1, 2, 3, 4
 # A streamed slot's successor that is not laid out yet.
 _UNKNOWN = -2
+# Where the earliest event is: not looked for since the queue last changed.
+_UNSEEN = -3
 
 
 @inline
@@ -71,7 +87,7 @@ def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: i
 
 
 @njit
-def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k: Any, state: Any) -> int:  # noqa: PLR0917
+def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: Any) -> int:  # noqa: PLR0917
     """Run instants until the queue is empty (returns _DONE), it may not have room for the next instant's
     events (_GROW: the caller grows it and calls again), a progress report is due (_REPORT) or, on a streamed
     layout, a slot is about to end whose rank's next slot is not laid out yet (_MORE: the caller lays out more
@@ -80,8 +96,12 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
     buffer, latency per pair, extra delay per transfer (none: empty), its send and receive slots, per slot its
     first and stop member positions, slot_member, slot_rank, per rank its stop slot and delay, then the
     streamed layout's (:func:`streamed`; empty where the layout is whole); ``out``: the arrays a run fills in;
-    ``work``: the run's state (:func:`_work`); ``state``: the counts carried from call to call (_SIZE ...)."""
+    ``work``: the run's state (:func:`_work`); ``queue``: the heap's times and keys, the lanes' times, keys and
+    positions, the lane of each pair's deliveries and each rank's starts (sim/_kernel_heap.py); ``state``: the
+    counts carried from call to call (_SIZE ...)."""
     pair, pair_ptr, pair_link, pair_weight, capacity = route
+    heap_t, heap_k, lane_t, lane_k, lane_pos, pair_lane, rank_lane = queue
+    lane_mask = lane_t.shape[1] - 1
     fraction, size_bytes, pair_latency, extra, send_slot, recv_slot, slot_m0, slot_m1, slot_member = program[:9]
     slot_rank, rank_stop_slot, delay, masks, succ, pred, parent, slot_step, step_open, clock = program[9:]
     has_extra = extra.size > 0
@@ -104,26 +124,46 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
     num_changed = state[8]
     num_started = state[9]
 
-    while size or resume:
+    # Where the earliest event is (sim/_kernel_heap.earliest; _UNSEEN: not looked for since the queue changed).
+    source = _UNSEEN
+    while True:
         if resume:
             now = clock[0]
             resume = False
             state[7] = 0
         else:
-            if size + need > heap_t.size or delivered >= next_report:
+            if source == _UNSEEN:
+                source = earliest(heap_t, heap_k, size, lane_t, lane_k, lane_pos)
+            if source == -2 or size + need > heap_t.size or delivered >= next_report:
                 break
-            now = heap_t[0]
+            now = heap_t[0] if source < 0 else lane_t[source, lane_pos[2 * source] & lane_mask]
         horizon = now * (1 + _EVENT_RTOL)
-        while size and heap_t[0] <= horizon:
-            kind = heap_k[1] & 3
-            what = heap_k[1] >> 2
-            ver = heap_k[2]
+        while True:
+            if source == _UNSEEN:
+                source = earliest(heap_t, heap_k, size, lane_t, lane_k, lane_pos)
+            if source == -2:
+                break
+            if source < 0:
+                if heap_t[0] > horizon:
+                    break
+                item, ver = heap_k[1], heap_k[2]
+            else:
+                i = lane_pos[2 * source] & lane_mask
+                if lane_t[source, i] > horizon:
+                    break
+                item, ver = lane_k[source, 2 * i + 1], 0
+            kind = item & 3
+            what = item >> 2
             if streamed and kind == DELIVER and _ends_unknown(what, send_slot, recv_slot, pending, succ, masks):
                 clock[0] = now
                 state[0], state[1], state[2], state[3], state[4] = size, counter, delivered, stamp, num_free
                 state[7], state[8], state[9] = 1, num_changed, num_started
                 return _MORE
-            size = pop(heap_t, heap_k, size)
+            if source < 0:
+                size = pop(heap_t, heap_k, size)
+            else:
+                lane_pos[2 * source] += 1
+            source = _UNSEEN
             if kind == START:
                 slot = what
                 si = slot & smask
@@ -140,8 +180,12 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     nbytes = fraction[xi] * size_bytes
                     if nbytes <= 0 or pair_ptr[p + 1] == pair_ptr[p]:
                         drained_s[xi] = now
-                        latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
-                        size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
+                        lane = pair_lane[p] if not has_extra or extra[x] == 0 else -1
+                        if lane >= 0:
+                            lane_push(lane_t, lane_k, lane_pos, lane, now + pair_latency[p], counter, x * 4 + DELIVER)
+                        else:
+                            latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
+                            size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
                         counter += 1
                         continue
                     if num_free == 0:
@@ -196,7 +240,10 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     else:
                         following = slot + 1 if slot + 1 < rank_stop_slot[rank] else -1
                     if following >= 0:
-                        size = push(heap_t, heap_k, size, after, counter, following * 4 + START, 0)
+                        if rank_lane[rank] >= 0:
+                            lane_push(lane_t, lane_k, lane_pos, rank_lane[rank], after, counter, following * 4 + START)
+                        else:
+                            size = push(heap_t, heap_k, size, after, counter, following * 4 + START, 0)
                         counter += 1
                     else:
                         rank_end[rank] = after
@@ -224,8 +271,12 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
                     num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
                 free[num_free] = block
                 num_free += 1
-                latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
-                size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
+                lane = pair_lane[p] if not has_extra or extra[x] == 0 else -1
+                if lane >= 0:
+                    lane_push(lane_t, lane_k, lane_pos, lane, now + pair_latency[p], counter, x * 4 + DELIVER)
+                else:
+                    latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
+                    size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
                 counter += 1
         if not num_changed:
             continue
@@ -266,10 +317,11 @@ def _advance(route: Any, program: Any, out: Any, work: Any, heap_t: Any, heap_k:
         num_changed = 0
         num_started = 0
         stamp += 1
+        source = _UNSEEN
 
     state[0], state[1], state[2], state[3], state[4] = size, counter, delivered, stamp, num_free
     state[8], state[9] = 0, 0
-    if not size:
+    if earliest(heap_t, heap_k, size, lane_t, lane_k, lane_pos) == -2:
         return _DONE
     return _REPORT if delivered >= next_report else _GROW
 
@@ -323,7 +375,14 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
     active = np.flatnonzero(first < stop)
     idle = first >= stop
     run.rank_end[idle] = start_at[idle]
-    queue = Queue(run.schedule.world_size, in_flight, start_at[active], first[active].astype(np.int64), progress)
+    queue = Queue(
+        run.schedule.world_size,
+        in_flight,
+        start_at[active],
+        first[active].astype(np.int64),
+        progress,
+        constants=(program[2], program[11]),
+    )
     while queue.step(route, program, out, work, len(run.t)) != _DONE:
         pass
     _check_full(queue, run.schedule.name, in_flight)
@@ -354,11 +413,17 @@ class Queue:
         start_at: FloatArray,
         first_slot: IntArray,
         progress: Callable[[float], None] | None,
+        *,
+        constants: tuple[FloatArray, FloatArray],
     ) -> None:
+        """``constants``: the latency per pair and the delay per rank (what the lanes are made for)."""
         # Room for what one instant can add: a start per rank, and per transfer in flight its drain or delivery
         # and a new drain event (the old one goes stale).
         self.need = world_size + 2 * in_flight + 1
         self.times, self.keys = seeded(start_at, first_slot * 4 + START, 2 * self.need)
+        # A lane holds at most a start per rank (a rank's next step starts once its step before ended) and a
+        # delivery per transfer in flight.
+        self.lanes = lanes(*constants, world_size + in_flight + 1)
         self.progress = progress
         self.every = _PROGRESS_EVERY if progress is not None else 0
         # size, counter, delivered, stamp, free blocks, deliveries at the next report, room an instant needs,
@@ -369,7 +434,8 @@ class Queue:
 
     def step(self, route: Any, program: Any, out: Any, work: Any, total: int) -> int:
         """One call of the kernel, then what its status asks for (room, a report); returns the status."""
-        self.status = status = _advance(route, program, out, work, self.times, self.keys, self.state)
+        queue = (self.times, self.keys, *self.lanes)
+        self.status = status = _advance(route, program, out, work, queue, self.state)
         state = self.state
         while self.every and state[2] >= state[5]:
             assert self.progress is not None

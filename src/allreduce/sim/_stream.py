@@ -490,7 +490,14 @@ class StreamRun:
         idle = np.ones(self.n, dtype=np.bool_)
         idle[active] = False
         self.rank_end[idle] = 0.0
-        queue = Queue(self.n, self.in_flight, np.zeros(active.size), self.first_slot[active], progress)
+        queue = Queue(
+            self.n,
+            self.in_flight,
+            np.zeros(active.size),
+            self.first_slot[active],
+            progress,
+            constants=(np.asarray(routes.latency_s, dtype=np.float64), self.delay),
+        )
         try:
             self._drive(queue)
             self.fair_share = [median.median() for median in self.phase_rates]
