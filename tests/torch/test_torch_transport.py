@@ -14,7 +14,6 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -99,6 +98,8 @@ def _dtypes_and_agree(transport: Any, seq: int) -> dict[str, Any]:
     out["short"] = transport.agree(seq, f"rank{rank}".encode(), timeout_s=30)
     out["long"] = transport.agree(seq + 1, bytes([rank]) * (50 + 90 * rank), timeout_s=30)
     out["empty"] = transport.agree(seq + 2, b"", timeout_s=30)
+    import ml_dtypes  # here, not at the top: every rank of every test here imports this module (0.6-0.9 s each)
+
     schedule = _schedule("ring", world_size, 2)
     for dtype in (np.float32, np.float64, np.int32, np.uint8, ml_dtypes.bfloat16, np.float16):
         buffer = ((np.arange(37) % 5) + rank).astype(dtype)

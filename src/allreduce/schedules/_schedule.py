@@ -314,28 +314,36 @@ class Schedule:
         send_stream, send_j = _expand(s.steps[send_idx])
         send_stream = send_idx[send_stream]
         recv_stream, recv_j = self._incoming(rank)
-        ops: list[Op] = []
+        columns: list[tuple[IntArray, IntArray, IntArray, IntArray]] = []  # step, peer, block, stop
+        verbs: list[Verb] = []
         for verb_kind, idx, js in (("send", send_stream, send_j), ("recv", recv_stream, recv_j)):
             if idx.size == 0:
                 continue
             sub = s.select(idx)
-            steps = sub.start + js
             blocks = sub.block_at(js)
-            stops = blocks + sub.block_count
             if verb_kind == "send":
                 peers = sub.peer_at(js, self.world_size)
-                verbs = [Verb.SEND] * idx.size
+                verbs.extend([Verb.SEND] * idx.size)
             else:
                 peers = sub.src
-                verbs = [Verb.RECV_REDUCE if r else Verb.RECV_COPY for r in sub.reduce.tolist()]
-            ops.extend(
-                Op(st, v, p, b, e)
-                for st, v, p, b, e in zip(
-                    steps.tolist(), verbs, peers.tolist(), blocks.tolist(), stops.tolist(), strict=True
-                )
+                verbs.extend([Verb.RECV_REDUCE if r else Verb.RECV_COPY for r in sub.reduce.tolist()])
+            columns.append((sub.start + js, peers, blocks, blocks + sub.block_count))
+        if not columns:
+            return []
+        steps, peers, blocks, stops = (np.concatenate(column) for column in zip(*columns, strict=True))
+        # By step; within a step sends, then receives; then by peer and first block; ties keep the order above.
+        receives = np.arange(len(verbs)) >= send_stream.size
+        order = np.lexsort((np.arange(len(verbs)), blocks, peers, receives, steps)).tolist()
+        return list(
+            map(
+                Op,
+                steps[order].tolist(),
+                [verbs[i] for i in order],
+                peers[order].tolist(),
+                blocks[order].tolist(),
+                stops[order].tolist(),
             )
-        ops.sort(key=lambda op: (op.step, op.verb is not Verb.SEND, op.peer, op.block_start))
-        return ops
+        )
 
     def _incoming(self, rank: int) -> tuple[IntArray, IntArray]:
         """(stream index, step index) arrays of every transfer that ``rank`` receives."""

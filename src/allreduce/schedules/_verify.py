@@ -8,9 +8,8 @@ rank, the step and the block.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from allreduce.schedules._schedule import Collective, Op, Schedule, Verb
 
@@ -21,10 +20,8 @@ class ScheduleError(ValueError):
     """A schedule breaks its collective's contract; the message names the rank, step and block."""
 
 
-@dataclass(frozen=True)
-class _Match:
-    rank: int
-    index: int  # position in the rank's program
+_Match = tuple[int, int]
+"""(rank, index in the rank's program) of an op's partner."""
 
 
 def _owner(block: int, world_size: int, num_blocks: int) -> int:
@@ -85,61 +82,76 @@ def verify_programs(
     """Verify per-rank programs (one list of :class:`Op` per rank) against ``collective``'s postcondition."""
     n = len(programs)
     full = (1 << n) - 1
+    send = Verb.SEND
 
-    # ---- static checks: well-formed ops, steps in order --------------------------------------------------
+    # ---- static checks: well-formed ops, steps in order; each program's channels and steps noted ----------
+    # A channel (src, dst) is keyed src·N + dst, which sorts as the pair does. steps[rank][g] = (step, indices of
+    # its ops); group_of[rank][i] = g of op i; waiting[rank][g] = how many of step g's partner ops have not been
+    # posted yet (the step can complete at 0); multi_recv[rank][g] = whether step g receives more than once.
+    sends: dict[int, list[int]] = {}
+    recvs: dict[int, list[int]] = {}
+    steps: list[list[tuple[int, list[int]]]] = []
+    group_of: list[list[int]] = []
+    waiting: list[list[int]] = []
+    multi_recv: list[list[bool]] = []
     for rank, program in enumerate(programs):
         last_step = -1
-        for op in program:
-            if not (0 <= op.peer < n and op.peer != rank and 0 <= op.block_start < op.block_stop <= num_blocks):
+        grouped: list[tuple[int, list[int]]] = []
+        of: list[int] = []
+        sizes: list[int] = []
+        receives: list[int] = []
+        for i, op in enumerate(program):
+            step, verb, peer, start, stop = op
+            if not (0 <= peer < n and peer != rank and 0 <= start < stop <= num_blocks):
                 _raise_malformed(name, rank, op, n, num_blocks)
-            if op.step < last_step:
+            if step < last_step:
                 raise ScheduleError(
                     f"{name}: rank {rank} {op}: comes after step {last_step}; steps must not go backwards"
                 )
-            last_step = op.step
+            if verb is send:
+                sends.setdefault(rank * n + peer, []).append(i)
+            else:
+                recvs.setdefault(peer * n + rank, []).append(i)
+            if grouped and step == last_step:
+                grouped[-1][1].append(i)
+                sizes[-1] += 1
+                receives[-1] += verb is not send
+            else:
+                grouped.append((step, [i]))
+                sizes.append(1)
+                receives.append(verb is not send)
+            of.append(len(grouped) - 1)
+            last_step = step
+        steps.append(grouped)
+        group_of.append(of)
+        waiting.append(sizes)
+        multi_recv.append([count > 1 for count in receives])
 
     # ---- matching: k-th send a->b pairs with the k-th receive at b from a --------------------------------
-    sends: dict[tuple[int, int], list[int]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for rank, program in enumerate(programs):
-        for i, op in enumerate(program):
-            if op.verb is Verb.SEND:
-                sends[(rank, op.peer)].append(i)
-            else:
-                recvs[(op.peer, rank)].append(i)
     partner: list[list[_Match | None]] = [[None] * len(p) for p in programs]
-    for channel in sorted(set(sends) | set(recvs)):
-        src, dst = channel
+    for channel in sorted(sends.keys() | recvs.keys()):
+        src, dst = divmod(channel, n)
         s_list, r_list = sends.get(channel, []), recvs.get(channel, [])
-        for k in range(max(len(s_list), len(r_list))):
-            if k >= len(r_list):
-                op = programs[src][s_list[k]]
-                raise ScheduleError(
-                    f"{name}: rank {src} {op}, but rank {dst} posts no matching receive "
-                    f"(it receives {len(r_list)} time(s) from rank {src}, this is send #{k + 1})"
-                )
-            if k >= len(s_list):
-                op = programs[dst][r_list[k]]
-                raise ScheduleError(
-                    f"{name}: rank {dst} {op}, but rank {src} never sends it "
-                    f"(it sends {len(s_list)} time(s) to rank {dst}, this is receive #{k + 1})"
-                )
-            send_op, recv_op = programs[src][s_list[k]], programs[dst][r_list[k]]
-            if (send_op.block_start, send_op.block_stop) != (recv_op.block_start, recv_op.block_stop):
+        src_program, dst_program, src_partner, dst_partner = programs[src], programs[dst], partner[src], partner[dst]
+        for s_index, r_index in zip(s_list, r_list, strict=False):  # the longer one is named below
+            send_op, recv_op = src_program[s_index], dst_program[r_index]
+            if send_op[3] != recv_op[3] or send_op[4] != recv_op[4]:
                 raise ScheduleError(f"{name}: rank {dst} {recv_op}, but the matching send of rank {src} is {send_op}")
-            partner[src][s_list[k]] = _Match(dst, r_list[k])
-            partner[dst][r_list[k]] = _Match(src, s_list[k])
-
-    # ---- group each program into steps --------------------------------------------------------------------
-    steps: list[list[tuple[int, list[int]]]] = []
-    for program in programs:
-        grouped: list[tuple[int, list[int]]] = []
-        for i, op in enumerate(program):
-            if grouped and grouped[-1][0] == op.step:
-                grouped[-1][1].append(i)
-            else:
-                grouped.append((op.step, [i]))
-        steps.append(grouped)
+            src_partner[s_index] = (dst, r_index)
+            dst_partner[r_index] = (src, s_index)
+        k = min(len(s_list), len(r_list))
+        if k < len(s_list):
+            op = src_program[s_list[k]]
+            raise ScheduleError(
+                f"{name}: rank {src} {op}, but rank {dst} posts no matching receive "
+                f"(it receives {len(r_list)} time(s) from rank {src}, this is send #{k + 1})"
+            )
+        if k < len(r_list):
+            op = dst_program[r_list[k]]
+            raise ScheduleError(
+                f"{name}: rank {dst} {op}, but rank {src} never sends it "
+                f"(it sends {len(s_list)} time(s) to rank {dst}, this is receive #{k + 1})"
+            )
 
     # ---- initial state ------------------------------------------------------------------------------------
     if collective is Collective.ALL_TO_ALL and num_blocks % (n * n):
@@ -152,30 +164,38 @@ def verify_programs(
     # ---- replay: a rank's step completes when every partner of its ops has posted them --------------------
     position = [0] * n  # index into steps[rank] of the step in progress
     posted = [[False] * len(p) for p in programs]  # has the op's rank reached the op's step yet?
-    posted_snapshot: list[dict[int, list[int | None]]] = [{} for _ in range(n)]  # op index -> data sent
+    posted_snapshot: list[list[list[int | None]]] = [[[] for _ in p] for p in programs]  # op index -> data sent
 
     def post(rank: int) -> None:
         """Rank ``rank`` begins its current step: its sends read the blocks as they are now."""
-        step, indices = steps[rank][position[rank]]
+        g = position[rank]
+        step, indices = steps[rank][g]
+        program, held, posted_here, snapshot, partner_of = (
+            programs[rank], state[rank], posted[rank], posted_snapshot[rank], partner[rank]
+        )  # fmt: skip
         for i in indices:
-            posted[rank][i] = True
-            op = programs[rank][i]
-            if op.verb is Verb.SEND:
-                data = state[rank][op.block_start : op.block_stop]
-                for b, value in zip(range(op.block_start, op.block_stop), data, strict=True):
-                    if value is None:
-                        raise ScheduleError(
-                            f"{name}: rank {rank} step {step} sends block {b} to rank {op.peer} before it has "
-                            f"arrived (rank {rank} holds no data for block {b} yet)"
-                        )
-                posted_snapshot[rank][i] = data
+            posted_here[i] = True
+            m_rank, m_index = partner_of[i]  # type: ignore[misc]
+            waiting[m_rank][group_of[m_rank][m_index]] -= 1
+            op = program[i]
+            if op[1] is send:
+                data = held[op[3] : op[4]]
+                if None in data:
+                    b = op[3] + data.index(None)
+                    raise ScheduleError(
+                        f"{name}: rank {rank} step {step} sends block {b} to rank {op[2]} before it has "
+                        f"arrived (rank {rank} holds no data for block {b} yet)"
+                    )
+                snapshot[i] = data
+        if not multi_recv[rank][g]:
+            return  # one receive cannot overwrite another
         written: dict[int, Op] = {}
         for i in indices:
-            op = programs[rank][i]
-            if op.verb is Verb.RECV_COPY or op.verb is Verb.RECV_REDUCE:
-                for b in range(op.block_start, op.block_stop):
+            op = program[i]
+            if op[1] is not send:
+                for b in range(op[3], op[4]):
                     other = written.get(b)
-                    if other is not None and (op.verb is Verb.RECV_COPY or other.verb is Verb.RECV_COPY):
+                    if other is not None and (op[1] is Verb.RECV_COPY or other[1] is Verb.RECV_COPY):
                         raise ScheduleError(
                             f"{name}: rank {rank} step {step} receives block {b} twice in one step "
                             f"({other} and {op}), and one of them overwrites: the result depends on timing"
@@ -191,45 +211,44 @@ def verify_programs(
     while ready:
         rank = ready.popleft()
         queued[rank] = False
-        if position[rank] >= len(steps[rank]):
+        g = position[rank]
+        if g >= len(steps[rank]) or waiting[rank][g]:
             continue
-        step, indices = steps[rank][position[rank]]
-        matches = [partner[rank][i] for i in indices]  # every op has one: matching raised otherwise
-        if not all(posted[m.rank][m.index] for m in matches):  # type: ignore[union-attr]
-            continue
-        # Apply this step's receives, in program order.
-        program, held = programs[rank], state[rank]
-        for i, m in zip(indices, matches, strict=True):
-            op = program[i]
-            if op.verb is Verb.SEND:
+        # Apply this step's receives, in program order; queue this rank again, then the partners of its ops.
+        ready.append(rank)
+        queued[rank] = True
+        step, indices = steps[rank][g]
+        program, held, partner_of = programs[rank], state[rank], partner[rank]
+        for i in indices:
+            m_rank, m_index = partner_of[i]  # type: ignore[misc]
+            if not queued[m_rank]:
+                queued[m_rank] = True
+                ready.append(m_rank)
+            _, verb, peer, start, stop = program[i]
+            if verb is send:
                 continue
-            assert m is not None
-            incoming = posted_snapshot[m.rank][m.index]
-            if op.verb is Verb.RECV_COPY:
-                held[op.block_start : op.block_stop] = incoming
+            incoming = posted_snapshot[m_rank][m_index]
+            if verb is Verb.RECV_COPY:
+                held[start:stop] = incoming
                 continue
-            for b, value in zip(range(op.block_start, op.block_stop), incoming, strict=True):
+            for b, value in zip(range(start, stop), incoming, strict=True):
                 current = held[b]
                 if current is None:
                     raise ScheduleError(
-                        f"{name}: rank {rank} step {step} reduces block {b} from rank {op.peer} into a block it "
+                        f"{name}: rank {rank} step {step} reduces block {b} from rank {peer} into a block it "
                         f"holds no data for"
                     )
                 assert value is not None
                 twice = current & value
                 if twice:
                     raise ScheduleError(
-                        f"{name}: rank {rank} step {step} reduces block {b} from rank {op.peer} and counts "
+                        f"{name}: rank {rank} step {step} reduces block {b} from rank {peer} and counts "
                         f"the contribution of rank(s) {_ranks(twice)} twice"
                     )
                 held[b] = current | value
-        position[rank] += 1
-        if position[rank] < len(steps[rank]):
+        position[rank] = g + 1
+        if g + 1 < len(steps[rank]):
             post(rank)
-        for other in (rank, *(m.rank for m in matches)):  # type: ignore[union-attr]
-            if not queued[other]:
-                queued[other] = True
-                ready.append(other)
 
     stuck = [r for r in range(n) if position[r] < len(steps[r])]
     if stuck:
@@ -303,8 +322,8 @@ def _describe_deadlock(
         for i in indices:
             m = partner[rank][i]
             assert m is not None
-            if not posted[m.rank][m.index]:
-                waits[rank] = (m.rank, programs[rank][i])
+            if not posted[m[0]][m[1]]:
+                waits[rank] = (m[0], programs[rank][i])
                 break
     # Follow the wait-for edges from the first stuck rank until a rank repeats.
     seen: list[int] = []
