@@ -86,6 +86,22 @@ def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: i
     return num_changed + 1
 
 
+@inline
+def _deliver_later(  # noqa: PLR0917
+    x: int, p: int, now: float, counter: int, size: int, extra: Any, pair_lane: Any, pair_latency: Any, queues: Any
+) -> int:
+    """Queue transfer ``x``'s delivery, its pair ``p``'s latency (and its extra delay) after ``now``: on its
+    pair's lane where it has one and no extra delay, else on the heap; returns the heap's size."""
+    heap_t, heap_k, lane_t, lane_k, lane_pos = queues
+    lane = pair_lane[p] if extra.size == 0 or extra[x] == 0 else -1
+    if lane >= 0:
+        lane_push(lane_t, lane_k, lane_pos, lane, now + pair_latency[p], counter, x * 4 + DELIVER)
+        return size
+    latency = pair_latency[p] + extra[x] if extra.size > 0 else pair_latency[p]
+    grown: int = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
+    return grown
+
+
 @njit
 def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: Any) -> int:  # noqa: PLR0917
     """Run instants until the queue is empty (returns _DONE), it may not have room for the next instant's
@@ -101,10 +117,10 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
     counts carried from call to call (_SIZE ...)."""
     pair, pair_ptr, pair_link, pair_weight, capacity = route
     heap_t, heap_k, lane_t, lane_k, lane_pos, pair_lane, rank_lane = queue
+    queues = (heap_t, heap_k, lane_t, lane_k, lane_pos)
     lane_mask = lane_t.shape[1] - 1
     fraction, size_bytes, pair_latency, extra, send_slot, recv_slot, slot_m0, slot_m1, slot_member = program[:9]
     slot_rank, rank_stop_slot, delay, masks, succ, pred, parent, slot_step, step_open, clock = program[9:]
-    has_extra = extra.size > 0
     # A streamed layout keeps transfers, slots and members in ring buffers (indexed by id & mask), numbers slots
     # step by step, and names each slot's successor (succ: -1 none, _UNKNOWN not laid out yet).
     streamed = succ.size > 0
@@ -180,12 +196,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
                     nbytes = fraction[xi] * size_bytes
                     if nbytes <= 0 or pair_ptr[p + 1] == pair_ptr[p]:
                         drained_s[xi] = now
-                        lane = pair_lane[p] if not has_extra or extra[x] == 0 else -1
-                        if lane >= 0:
-                            lane_push(lane_t, lane_k, lane_pos, lane, now + pair_latency[p], counter, x * 4 + DELIVER)
-                        else:
-                            latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
-                            size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
+                        size = _deliver_later(x, p, now, counter, size, extra, pair_lane, pair_latency, queues)
                         counter += 1
                         continue
                     if num_free == 0:
@@ -271,12 +282,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
                     num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
                 free[num_free] = block
                 num_free += 1
-                lane = pair_lane[p] if not has_extra or extra[x] == 0 else -1
-                if lane >= 0:
-                    lane_push(lane_t, lane_k, lane_pos, lane, now + pair_latency[p], counter, x * 4 + DELIVER)
-                else:
-                    latency = pair_latency[p] + extra[x] if has_extra else pair_latency[p]
-                    size = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
+                size = _deliver_later(x, p, now, counter, size, extra, pair_lane, pair_latency, queues)
                 counter += 1
         if not num_changed:
             continue
