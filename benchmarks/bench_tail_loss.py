@@ -456,6 +456,7 @@ def _capture(case: Case, *, reps: int, rate_bps: float, where: Path) -> dict[str
                 lossy_links=links,
                 loss_burst=spec.loss_burst(built),
                 burst_hold_s=spec.burst_hold_s(built),
+                burst_bytes=spec.burst_bytes(built),
             )
             time.sleep(1.5)  # the log flushes every 0.1 s
         finally:
