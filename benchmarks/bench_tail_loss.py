@@ -170,7 +170,7 @@ def _wait_for_quiet(max_load: float, longest_s: float) -> None:
         time.sleep(10.0)
 
 
-def _measure(case: Case, *, reps: int, rate_bps: float) -> dict[str, Any]:
+def _measure(case: Case, *, reps: int, rate_bps: float, realtime: bool = False) -> dict[str, Any]:
     spec = _spec(case, rate_bps)
     load_before = os.getloadavg()
     started = time.time()
@@ -184,6 +184,7 @@ def _measure(case: Case, *, reps: int, rate_bps: float) -> dict[str, Any]:
             loss_burst=spec.loss_burst(built),
             burst_hold_s=spec.burst_hold_s(built),
             burst_bytes=spec.burst_bytes(built),
+            realtime=realtime,
         )
     return {
         "case": {
@@ -613,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait", type=float, default=1800.0, help="longest wait for it per case (s)")
     parser.add_argument("--no-wait", action="store_true", help="measure whatever the load")
     parser.add_argument("--rate", default=f"{DEFAULT_LOSS_RATE_BPS / 1e6:g}Mbps", help="fastest host link")
+    parser.add_argument(
+        "--realtime", action="store_true", help="ranks at SCHED_FIFO priority 10 (emulate run --realtime)"
+    )
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--bursts", type=int, metavar="REPS", help="log every lossy link's drops in one case")
     parser.add_argument(
@@ -645,7 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(_report_bursts(captured)))
         return 0
     print(
-        f"# {len(cases)} cases; {args.rate}, CUBIC; {args.samples:,} model samples per case; load average now "
+        f"# {len(cases)} cases; {args.rate}, CUBIC{', ranks at SCHED_FIFO' if args.realtime else ''}; "
+        f"{args.samples:,} model samples per case; load average now "
         f"{_load():.2f}; stored in {args.dir}"
     )
     print(HEADER, flush=True)
@@ -659,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_wait:
                 _wait_for_quiet(args.max_load, args.max_wait)
             reps = args.reps_small if case.size_bytes <= SMALL_BYTES else args.reps
-            stored = _measure(case, reps=reps, rate_bps=rate_bps)
+            stored = _measure(case, reps=reps, rate_bps=rate_bps, realtime=args.realtime)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(stored))
             tmp.replace(path)

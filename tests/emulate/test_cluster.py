@@ -348,3 +348,11 @@ def test_sigterm_to_emulate_run_with_its_own_cluster_leaves_no_rank_and_no_names
     _assert_ranks_end(_signal_a_run(layout, ["--topology", CLOS4, "--name", name], env, signal.SIGTERM))
     assert _ours(name) == set()
     assert list(tmp_path.glob("*.json")) == []
+
+
+@pytest.mark.slow
+def test_realtime_ranks_run_at_sched_fifo_and_stay_exact(four_hosts: Layout) -> None:
+    # run() raises unless every rank reports that it ran in the real-time class
+    result = run(four_hosts, algorithm="ring", sizes=[64 << 10], reps=2, realtime=True)
+    assert result.realtime
+    assert all(row.exact for row in result.rows)

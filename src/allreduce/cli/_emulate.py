@@ -127,6 +127,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="TCP congestion control of the ranks' connections (default %(default)s, stock Linux's; 'default' keeps "
         "the kernel's: BBR's rate estimate is misled by the emulated links' token-bucket burst, see docs/emulate.md)",
     )
+    go.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run every rank at SCHED_FIFO priority 10, as a host with cores of its own would (docs/emulate.md)",
+    )
     go.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=_main)
 
@@ -193,7 +198,7 @@ def _format(result: RunResult, spec: EmulationSpec) -> str:
     lines = [
         f"{spec.topology}: {len(result.placement)} ranks, {result.algorithm}, fastest host link "
         f"{format_bandwidth(result.rate_bps / 8)}, one hop {format_seconds(result.hop_latency_s)} (UDP echo), TCP "
-        f"congestion control {result.congestion}",
+        f"congestion control {result.congestion}" + (", ranks at SCHED_FIFO" if result.realtime else ""),
         f"{'size':>9} {'measured':>10} {'(min-max)':>21} {'predicted':>10} {'(ECMP luck)':>21} {'ratio':>6}  "
         f"{'exact':>5}  "
         f"{'busiest link (counters)':<24} {'sim bottleneck':<18} {'agree':>5} {'retrans':>7}",
@@ -276,14 +281,16 @@ def _main(args: argparse.Namespace) -> int:
                 result = run(built, algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
                              placement=placement, seed=args.seed, congestion=args.congestion,
                              lossy_links=sorted(spec.losses(built)), loss_burst=spec.loss_burst(built),
-                             burst_hold_s=spec.burst_hold_s(built), burst_bytes=spec.burst_bytes(built))  # fmt: skip
+                             burst_hold_s=spec.burst_hold_s(built), burst_bytes=spec.burst_bytes(built),
+                             realtime=args.realtime)  # fmt: skip
         else:
             spec = load(args.name)
             built = spec.layout()
             result = run(built, algorithm=algorithm, sizes=sizes, reps=args.reps, ranks=args.ranks,
                          placement=placement, seed=args.seed, congestion=args.congestion,
                          lossy_links=sorted(spec.losses(built)), loss_burst=spec.loss_burst(built),
-                         burst_hold_s=spec.burst_hold_s(built), burst_bytes=spec.burst_bytes(built))  # fmt: skip
+                         burst_hold_s=spec.burst_hold_s(built), burst_bytes=spec.burst_bytes(built),
+                         realtime=args.realtime)  # fmt: skip
     except EmulationError as exc:
         raise CLIError(str(exc)) from None
     if args.json:

@@ -6,11 +6,16 @@ checked exactly (integer-valued float32 data, so every summation order gives the
 line: this rank's seconds per repetition and size, whether every result was exact, and the TCP connections it
 had open at the end (local and remote address and port, from this namespace's ``/proc/net/tcp``), so the caller
 can ask the kernel which path each connection's packets took.
+
+With ``ALLREDUCE_EMULATE_RT_PRIORITY`` set (``emulate run --realtime``), the rank first moves itself to the
+real-time class (``SCHED_FIFO`` at that priority), before any thread starts, so every thread it starts inherits it,
+and says so in its report (``realtime``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import sys
@@ -19,6 +24,24 @@ import time
 import numpy as np
 
 _ESTABLISHED = "01"  # the state column of /proc/net/tcp
+
+RT_PRIORITY_ENV = "ALLREDUCE_EMULATE_RT_PRIORITY"
+"""The SCHED_FIFO priority a rank moves itself to before it starts (unset: it stays in the normal class)."""
+
+
+def enter_realtime(value: str | None) -> bool:
+    """Move this process to ``SCHED_FIFO`` at priority ``value`` (1-99) if given; True if it now runs there.
+    Raises ValueError for a priority that is not an integer in 1..99, OSError if the kernel refuses."""
+    if not value:
+        return False
+    try:
+        priority = int(value)
+    except ValueError:
+        raise ValueError(f"{RT_PRIORITY_ENV}={value!r}: not an integer priority (1-99)") from None
+    if not 1 <= priority <= 99:
+        raise ValueError(f"{RT_PRIORITY_ENV}={value!r}: SCHED_FIFO priorities are 1-99")
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    return True
 
 
 def _address(hex_address: str) -> tuple[str, int]:
@@ -41,6 +64,11 @@ def established_connections() -> list[tuple[str, int, str, int]]:
 
 
 def main(spec_json: str) -> int:
+    try:
+        realtime = enter_realtime(os.environ.get(RT_PRIORITY_ENV))
+    except (ValueError, OSError) as exc:
+        print(f"cannot run at real-time priority: {exc}", file=sys.stderr)
+        return 2
     import allreduce
 
     spec = json.loads(spec_json)
@@ -66,7 +94,8 @@ def main(spec_json: str) -> int:
                     row.append(elapsed)
             times[str(size_bytes)] = row
         group.barrier()  # every connection of the collectives is open on every rank
-        report = {"rank": rank, "times_s": times, "exact": exact, "connections": established_connections()}
+        report = {"rank": rank, "times_s": times, "exact": exact, "connections": established_connections(),
+                  "realtime": realtime}  # fmt: skip
         print(json.dumps(report), flush=True)
     finally:
         group.close()

@@ -66,6 +66,7 @@ from allreduce.emulate._layout import MIN_BURST_BYTES, Layout, _hops_to
 from allreduce.emulate._loss import read_counters
 from allreduce.emulate._netns import COMMAND_TIMEOUT_S, EmulationError
 from allreduce.emulate._paths import Connection, kernel_paths
+from allreduce.emulate._rank import RT_PRIORITY_ENV
 from allreduce.runtime.launcher import die_with_parent, stop_signal_handlers
 from allreduce.runtime.tcp import CONGESTION_ENV, congestion_control
 from allreduce.schedules import Schedule, make_schedule
@@ -76,11 +77,13 @@ __all__ = [
     "BURST_NOTE_SHARE",
     "DEFAULT_CONGESTION",
     "GOODPUT",
+    "RANK_RT_PRIORITY",
     "TAIL_STACKS",
     "Measurement",
     "RunResult",
     "measure_hop_latency",
     "predicted_topology",
+    "realtime_refusal",
     "run",
     "tail_predictions",
     "tail_samples",
@@ -103,6 +106,10 @@ BURST_NOTE_SHARE = 0.1
 """A row is marked as decided by the token buckets' burst when the burst (:data:`MIN_BURST_BYTES`) is at least this
 share of what the busiest link carried per repetition: that much can leave at the veth's speed, not the shaped
 rate the prediction assumes (a first run at 256 KiB on a ring of 4 measured 0.33 of the prediction)."""
+
+RANK_RT_PRIORITY = 10
+"""The ``SCHED_FIFO`` priority of the ranks of a ``realtime`` run: above every ordinary process, below the kernel's
+own real-time threads (50 for interrupt threads)."""
 
 TAIL_MIN_REPS = 20
 """Repetitions from which a row's percentiles mean something, and the tail model is run beside them."""
@@ -174,6 +181,7 @@ class RunResult:
     congestion: str = "default"  # the ranks' TCP congestion control ("default": the kernel's)
     burst_hold_s: float = 0.0  # the predictions' hold of a burst on a silent link (the firewall's bad state's life)
     burst_bytes: int = MIN_BURST_BYTES  # the links' token-bucket burst (EmulationSpec.burst_bytes)
+    realtime: bool = False  # the ranks ran at SCHED_FIFO priority RANK_RT_PRIORITY
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -331,8 +339,24 @@ def _interrupt(signum: int) -> None:
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
+def realtime_refusal(priority: int = RANK_RT_PRIORITY) -> str | None:
+    """Why a rank could not run at ``SCHED_FIFO`` ``priority`` here (not root, or a cgroup without real-time
+    runtime), asked of a child interpreter; None if it can."""
+    code = f"import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param({int(priority)}))"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit status {done.returncode}"
+
+
 def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: list[int], reps: int,
-               timeout_s: float, congestion: str) -> list[dict[str, Any]]:  # fmt: skip
+               timeout_s: float, congestion: str, realtime: bool) -> list[dict[str, Any]]:  # fmt: skip
     """Run one rank per host and collect their reports. The ranks never outlive this call: each is SIGKILLed by
     the kernel if this process dies (``PR_SET_PDEATHSIG``, kept across ``ip netns exec``, which execs the rank in
     place), leads a process group of its own, and on every way out but a return (an error, a rank that did not
@@ -342,7 +366,7 @@ def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: li
     with stop_signal_handlers(_interrupt):
         try:
             return _start_and_wait(layout, rank_gpu, procs, algorithm=algorithm, sizes=sizes, reps=reps,
-                                   timeout_s=timeout_s, congestion=congestion)  # fmt: skip
+                                   timeout_s=timeout_s, congestion=congestion, realtime=realtime)  # fmt: skip
         except BaseException:
             _stop_ranks(procs)
             raise
@@ -350,7 +374,7 @@ def _run_ranks(layout: Layout, rank_gpu: list[int], *, algorithm: str, sizes: li
 
 def _start_and_wait(layout: Layout, rank_gpu: list[int], procs: list[subprocess.Popen[str]], *, algorithm: str,
                     sizes: list[int], reps: int, timeout_s: float,
-                    congestion: str) -> list[dict[str, Any]]:  # fmt: skip
+                    congestion: str, realtime: bool) -> list[dict[str, Any]]:  # fmt: skip
     n = len(rank_gpu)
     spec = json.dumps({"algorithm": algorithm, "sizes": sizes, "reps": reps, "timeout_s": timeout_s})
     env_common = dict(os.environ)
@@ -361,6 +385,9 @@ def _start_and_wait(layout: Layout, rank_gpu: list[int], procs: list[subprocess.
         ALLREDUCE_TOKEN=secrets.token_hex(16),
     )
     env_common.pop(CONGESTION_ENV, None)
+    env_common.pop(RT_PRIORITY_ENV, None)
+    if realtime:
+        env_common[RT_PRIORITY_ENV] = str(RANK_RT_PRIORITY)
     if congestion != "default":
         env_common[CONGESTION_ENV] = congestion
     in_child = die_with_parent(os.getpid())
@@ -389,7 +416,10 @@ def _start_and_wait(layout: Layout, rank_gpu: list[int], procs: list[subprocess.
         if proc.returncode != 0:
             errors.append(f"rank {rank}: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}")
         else:
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            report = json.loads(out.strip().splitlines()[-1])
+            if realtime and not report.get("realtime"):
+                errors.append(f"rank {rank}: did not run at real-time priority")
+            results.append(report)
     if errors:
         raise EmulationError("; ".join(errors))
     return results
@@ -456,15 +486,20 @@ def run(
     loss_burst: float = 1.0,
     burst_hold_s: float = 0.0,
     burst_bytes: int = MIN_BURST_BYTES,
+    realtime: bool = False,
 ) -> RunResult:
     """Measure ``algorithm`` at ``sizes`` on the running emulation ``layout`` and predict each with the simulator.
     ``congestion``: the TCP congestion control of the ranks' data connections (``"default"``: the kernel's);
     ``lossy_links``: the links that drop packets by the firewall's rules (their counters are read), in bursts
     of ``loss_burst`` packets on average (the tail model's ``burst``), whose bad state lives ``burst_hold_s``
     on average on a silent link (its ``burst_hold_s``: ``EmulationSpec.burst_hold_s``); ``burst_bytes``: the
-    links' token-bucket burst (``EmulationSpec.burst_bytes``), which decides the rows marked ``burst_bound``."""
+    links' token-bucket burst (``EmulationSpec.burst_bytes``), which decides the rows marked ``burst_bound``;
+    ``realtime``: every rank runs at ``SCHED_FIFO`` priority :data:`RANK_RT_PRIORITY` (the module docstring says
+    why); EmulationError, before anything starts, where the kernel refuses it."""
     if congestion != "default":
         congestion_control(congestion)  # ValueError naming what this kernel has, before anything starts
+    if realtime and (refusal := realtime_refusal()) is not None:
+        raise EmulationError(f"realtime: a rank cannot run at SCHED_FIFO priority {RANK_RT_PRIORITY} here ({refusal})")
     topology = layout.topology
     n = ranks or topology.num_gpus
     if not 2 <= n <= topology.num_gpus:
@@ -479,7 +514,7 @@ def run(
         before, retrans_before, queues_before = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
         injected_before = read_counters(layout, list(lossy_links)) if lossy_links else {}
         results = _run_ranks(layout, rank_gpu, algorithm=algorithm, sizes=[size], reps=reps, timeout_s=timeout_s,
-                              congestion=congestion)  # fmt: skip
+                              congestion=congestion, realtime=realtime)  # fmt: skip
         after, retrans_after, queues_after = _tx_bytes(layout), _retransmissions(layout), _queue_counters(layout)
         # A lossy link's firewall counts the TCP packets that reached its far end and those it dropped there.
         injected = {
@@ -565,4 +600,4 @@ def run(
             )
         )
     return RunResult(topology.name, algorithm, tuple(rank_gpu), layout.rate_bps, hop_latency_s, tuple(rows), congestion,
-                     burst_hold_s if loss_burst > 1 else 0.0, burst_bytes)  # fmt: skip
+                     burst_hold_s if loss_burst > 1 else 0.0, burst_bytes, realtime)  # fmt: skip
