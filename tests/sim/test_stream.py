@@ -184,3 +184,25 @@ def test_the_median_kept_as_distinct_values_is_numpys(values: list[float], parts
     for chunk in np.array_split(np.asarray(values), parts):
         median.add(chunk)
     assert median.median() == float(np.median(values))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    parents=st.lists(st.integers(-1, 30), min_size=1, max_size=30),
+    roots=st.lists(st.integers(0, 29), max_size=8),
+)
+def test_the_records_marked_are_those_reachable_from_the_roots(parents: list[int], roots: list[int]) -> None:
+    # Each record's parent is an earlier record (or none); marking walks up from each root.
+    from allreduce.sim._stream import _mark_reachable
+
+    up = np.asarray([p if p < i else -1 for i, p in enumerate(parents)], dtype=np.int64)
+    starts = np.asarray([r for r in roots if r < up.size], dtype=np.int64)
+    reachable = set()
+    for root in starts.tolist():
+        record = root
+        while record >= 0:
+            reachable.add(record)
+            record = int(up[record])
+    keep = np.zeros(up.size, dtype=np.bool_)
+    _mark_reachable(up, starts, keep)
+    assert set(np.flatnonzero(keep).tolist()) == reachable

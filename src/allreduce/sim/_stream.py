@@ -77,23 +77,14 @@ def _in_flight_bound(schedule: Schedule, total: int) -> int:
 
 
 @njit
-def _mark_reachable(slot: Any, parent: Any, roots: Any, keep: Any) -> None:
-    """Mark ``keep`` for every record reachable from the slots ``roots`` through ``parent`` (``slot``: the
-    records' slots, increasing); a walk stops at a record marked already."""
+def _mark_reachable(up: Any, roots: Any, keep: Any) -> None:
+    """Mark ``keep`` for every record reachable from the records ``roots`` through ``up`` (each record's
+    parent's record, -1 none); a walk stops at a record marked already."""
     for root in roots:
         current = root
-        while current >= 0:
-            lo, hi = 0, slot.size  # the record of slot ``current``: a binary search
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if slot[mid] < current:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            if keep[lo]:
-                break
-            keep[lo] = True
-            current = parent[lo]
+        while current >= 0 and not keep[current]:
+            keep[current] = True
+            current = up[current]
 
 
 class _Rings:
@@ -432,10 +423,12 @@ class StreamRun:
         tr, sl = self.transfers, self.slots
         x = sl["slot_last"][si]
         xi = x & tr.mask
-        # 57 bytes a record (the step follows from the slot, the delay from the slot's rank: x's sender or not).
+        # 57 bytes a record (the step follows from the slot, the delay from the slot's rank: x's sender or not);
+        # the parent is held as its record's position (``up``), found once here rather than by a search at
+        # every step of every walk (:meth:`_collect`).
         new = {
             "slot": ids,
-            "parent": sl["parent"][si],
+            "up": sl["parent"][si],
             "src": sl["rank"][tr["send_slot"][xi] & sl.mask],
             "dst": sl["rank"][tr["recv_slot"][xi] & sl.mask],
             "sent": tr["send_slot"][xi] == ids,
@@ -456,6 +449,13 @@ class StreamRun:
                 self.records[name] = grown
         for name, a in new.items():
             self.records[name][self.num_records : size] = a
+        # A released slot's parent is released (an earlier step) and kept (a slot under way reaches it).
+        slot, up = self.records["slot"][:size], self.records["up"][self.num_records : size]
+        has = up >= 0
+        found = np.searchsorted(slot, up[has])
+        if not np.array_equal(slot[np.minimum(found, size - 1)], up[has]):
+            raise RuntimeError(f"{self.schedule.name}: a critical path's parent slot has no record")
+        up[has] = found
         self.num_records = size
 
     def _collect(self) -> None:
@@ -463,16 +463,22 @@ class StreamRun:
         sl = self.slots
         count = self.num_records
         slot = self.records["slot"][:count]
-        parent = self.records["parent"][:count]
+        up = self.records["up"][:count]
         live = np.arange(self.step_slot[self.low], self.step_slot[self.high], dtype=np.int64) & sl.mask
         # Every rank's last slot, once all are laid out: the walk at the end starts from one of them.
         last = self.last_slot if self.high == self.num_steps else np.zeros(0, dtype=np.int64)
         roots = np.concatenate([sl["pred"][live], sl["parent"][live], last])
         keep = np.zeros(count, dtype=np.bool_)
-        _mark_reachable(slot, parent, roots[(roots >= 0) & (roots < self.step_slot[self.low])], keep)
+        roots = roots[(roots >= 0) & (roots < self.step_slot[self.low])]
+        _mark_reachable(up, np.searchsorted(slot, roots), keep)
         kept = int(keep.sum())
+        # A kept record's parent is kept (the walk went on through it): its position moves with the compaction.
+        position = np.cumsum(keep) - 1
+        up_kept = up[keep]
+        up_kept[up_kept >= 0] = position[up_kept[up_kept >= 0]]
         for a in self.records.values():
             a[:kept] = a[:count][keep]
+        self.records["up"][:kept] = up_kept
         self.num_records = self.collected = kept
 
     # -- the run ------------------------------------------------------------------------------------
@@ -581,10 +587,10 @@ class StreamRun:
         slot = self.records["slot"][:count] if count else np.zeros(0, dtype=np.int64)
         at: list[int] = []
         current = int(self.last_slot[int(np.argmax(self.rank_end))]) if self.total else -1
-        while current >= 0:
-            i = int(np.searchsorted(slot, current))
+        i = int(np.searchsorted(slot, current)) if current >= 0 else -1
+        while i >= 0:
             at.append(i)
-            current = int(self.records["parent"][i])
+            i = int(self.records["up"][i])
         picked = np.asarray(at[::-1], dtype=np.int64)
         if not count:
             empty = np.zeros(0, dtype=np.int64)
