@@ -184,3 +184,49 @@ def test_the_median_kept_as_distinct_values_is_numpys(values: list[float], parts
     for chunk in np.array_split(np.asarray(values), parts):
         median.add(chunk)
     assert median.median() == float(np.median(values))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    parents=st.lists(st.integers(-1, 30), min_size=1, max_size=30),
+    roots=st.lists(st.integers(0, 29), max_size=8),
+)
+def test_the_records_marked_are_those_reachable_from_the_roots(parents: list[int], roots: list[int]) -> None:
+    # Each record's parent is an earlier record (or none); marking walks up from each root.
+    from allreduce.sim._stream import _mark_reachable
+
+    up = np.asarray([p if p < i else -1 for i, p in enumerate(parents)], dtype=np.int64)
+    starts = np.asarray([r for r in roots if r < up.size], dtype=np.int64)
+    reachable = set()
+    for root in starts.tolist():
+        record = root
+        while record >= 0:
+            reachable.add(record)
+            record = int(up[record])
+    keep = np.zeros(up.size, dtype=np.bool_)
+    _mark_reachable(up, starts, keep)
+    assert set(np.flatnonzero(keep).tolist()) == reachable
+
+
+@settings(max_examples=100, deadline=None)
+@given(capacity_log=st.integers(0, 4), lo=st.integers(0, 100), sizes=st.lists(st.integers(1, 40), max_size=6))
+def test_rings_hold_the_numbers_put_across_wraps_and_growth(capacity_log: int, lo: int, sizes: list[int]) -> None:
+    # Numbers are put window by window (growing the rings where they must) and read back as spans: the values
+    # put, in order, whether or not they wrap round.
+    from allreduce.sim._stream import _Rings
+
+    rings = _Rings(1 << capacity_log, value=(np.float64, np.nan), tag=(np.int32, -1), flag=(np.int8, 0))
+    expected: dict[str, list[Any]] = {"value": [], "tag": [], "flag": []}
+    hi = lo
+    for size in sizes:
+        rings.fit(lo, hi + size)
+        rings.put("value", hi, np.arange(hi, hi + size) * 0.5)
+        rings.put("tag", hi, np.arange(hi, hi + size, dtype=np.int32))
+        rings["flag"][np.arange(hi, hi + size) & rings.mask] = 1
+        rings.reset(hi, hi + size, ("flag",))
+        expected["value"] += list(np.arange(hi, hi + size) * 0.5)
+        expected["tag"] += list(range(hi, hi + size))
+        expected["flag"] += [0] * size
+        hi += size
+    for name, got in zip(expected, rings.span(lo, hi, *expected), strict=True):
+        assert got.tolist() == expected[name], name

@@ -77,23 +77,14 @@ def _in_flight_bound(schedule: Schedule, total: int) -> int:
 
 
 @njit
-def _mark_reachable(slot: Any, parent: Any, roots: Any, keep: Any) -> None:
-    """Mark ``keep`` for every record reachable from the slots ``roots`` through ``parent`` (``slot``: the
-    records' slots, increasing); a walk stops at a record marked already."""
+def _mark_reachable(up: Any, roots: Any, keep: Any) -> None:
+    """Mark ``keep`` for every record reachable from the records ``roots`` through ``up`` (each record's
+    parent's record, -1 none); a walk stops at a record marked already."""
     for root in roots:
         current = root
-        while current >= 0:
-            lo, hi = 0, slot.size  # the record of slot ``current``: a binary search
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if slot[mid] < current:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            if keep[lo]:
-                break
-            keep[lo] = True
-            current = parent[lo]
+        while current >= 0 and not keep[current]:
+            keep[current] = True
+            current = up[current]
 
 
 class _Rings:
@@ -122,6 +113,35 @@ class _Rings:
 
     def __getitem__(self, name: str) -> Any:
         return self.arrays[name]
+
+    def _pieces(self, lo: int, hi: int) -> list[tuple[slice, slice]]:
+        """The numbers ``[lo, hi)`` as at most two slices of the rings, each with its slice of ``[0, hi - lo)``."""
+        at, count = lo & self.mask, hi - lo
+        first = min(count, self.mask + 1 - at)
+        pieces = [(slice(at, at + first), slice(0, first))]
+        if count > first:
+            pieces.append((slice(0, count - first), slice(first, count)))
+        return pieces
+
+    def span(self, lo: int, hi: int, *names: str) -> list[Any]:
+        """Fields ``names`` of the numbers ``[lo, hi)``, in order: views where they do not wrap round (slices,
+        not a gather through ``number & mask``)."""
+        pieces = self._pieces(lo, hi)
+        if len(pieces) == 1:
+            return [self.arrays[name][pieces[0][0]] for name in names]
+        return [np.concatenate([self.arrays[name][at] for at, _ in pieces]) for name in names]
+
+    def put(self, name: str, lo: int, values: Any) -> None:
+        """Set field ``name`` of the numbers from ``lo`` on to the array ``values``."""
+        array = self.arrays[name]
+        for at, part in self._pieces(lo, lo + len(values)):
+            array[at] = values[part]
+
+    def reset(self, lo: int, hi: int, names: tuple[str, ...]) -> None:
+        """Set fields ``names`` of the numbers ``[lo, hi)`` to their fill values."""
+        for name in names:
+            for at, _ in self._pieces(lo, hi):
+                self.arrays[name][at] = self.fields[name][1]
 
     def __setitem__(self, name: str, array: Any) -> None:
         self.arrays[name] = array
@@ -312,11 +332,11 @@ class StreamRun:
         m0 = int(self.step_member[a])
         tr, sl, mb = self.transfers, self.slots, self.members
         tr.fit(int(self.step_first[self.low]), x0 + m)
-        xi = np.arange(x0, x0 + m, dtype=np.int64) & tr.mask
-        tr["fraction"][xi] = t.fraction
-        tr["pair"][xi] = np.searchsorted(self.pair_keys, t.src.astype(np.int64) * n + t.dst)
-        for name in ("trigger", "start_s", "drained_s", "delivered_s", "slowest", "bottleneck", "ready", "holder"):
-            tr[name][xi] = tr.fields[name][1]
+        tr.put("fraction", x0, t.fraction)
+        tr.put("pair", x0, np.searchsorted(self.pair_keys, t.src.astype(np.int64) * n + t.dst))
+        tr.reset(
+            x0, x0 + m, ("trigger", "start_s", "drained_s", "delivered_s", "slowest", "bottleneck", "ready", "holder")
+        )
 
         # Slots numbered step by step: keys (step - a) * n + rank.
         keys = np.concatenate([t.src, t.dst]).astype(np.int64)
@@ -327,24 +347,22 @@ class StreamRun:
         k = slot_keys.size
         sl.fit(int(self.step_slot[self.low]), s0 + k)
         ids = np.arange(s0, s0 + k, dtype=np.int64)
-        si = ids & sl.mask
-        tr["send_slot"][xi] = s0 + slot_of[:m]
-        tr["recv_slot"][xi] = s0 + slot_of[m:]
+        tr.put("send_slot", x0, s0 + slot_of[:m])
+        tr.put("recv_slot", x0, s0 + slot_of[m:])
         rank = (slot_keys % n).astype(np.int32)
         step = (a + slot_keys // n).astype(np.int32)
         counts = np.bincount(slot_of, minlength=k)
         first_member = m0 + np.cumsum(counts) - counts
-        sl["m0"][si] = first_member
-        sl["m1"][si] = first_member + counts
-        sl["rank"][si] = rank
-        sl["step"][si] = step
-        sl["pending"][si] = counts
-        for name in ("slot_start", "slot_end", "slot_last", "parent"):
-            sl[name][si] = sl.fields[name][1]
+        sl.put("m0", s0, first_member)
+        sl.put("m1", s0, first_member + counts)
+        sl.put("rank", s0, rank)
+        sl.put("step", s0, step)
+        sl.put("pending", s0, counts)
+        sl.reset(s0, s0 + k, ("slot_start", "slot_end", "slot_last", "parent"))
         # Members: sends before receives, each in transfer order (as the whole layout has them).
         mb.fit(int(self.step_member[self.low]), m0 + 2 * m)
         order = np.argsort(slot_of, kind="stable")
-        mb["member"][np.arange(m0, m0 + 2 * m, dtype=np.int64) & mb.mask] = x0 + order % max(m, 1)
+        mb.put("member", m0, x0 + order % max(m, 1))
         del order, slot_of
 
         # Each slot's predecessor and successor (the rank's previous and next slots).
@@ -364,8 +382,8 @@ class StreamRun:
         sl["succ"][earlier[had] & sl.mask] = ids[first[had]]
         fresh = self.first_slot[rank[first]] < 0
         self.first_slot[rank[first[fresh]]] = ids[first[fresh]]
-        sl["pred"][si] = pred
-        sl["succ"][si] = succ
+        sl.put("pred", s0, pred)
+        sl.put("succ", s0, succ)
         tail = np.ones(k, dtype=np.bool_)
         tail[by_rank[:-1][same]] = False
         self.last_slot[rank[tail]] = ids[tail]
@@ -395,16 +413,13 @@ class StreamRun:
             return
         lo = self.low
         tr, sl = self.transfers, self.slots
-        xi = np.arange(self.step_first[lo], self.step_first[hi], dtype=np.int64) & tr.mask
-        si = np.arange(self.step_slot[lo], self.step_slot[hi], dtype=np.int64) & sl.mask
-        fraction = tr["fraction"][xi]
+        x_lo, x_hi = int(self.step_first[lo]), int(self.step_first[hi])
+        fraction, pair, start, drained = tr.span(x_lo, x_hi, "fraction", "pair", "start_s", "drained_s")
         nbytes = fraction * self.size_bytes
-        self.pair_bytes += np.bincount(tr["pair"][xi], weights=nbytes, minlength=self.pair_bytes.size)
-        start, drained = tr["start_s"][xi], tr["drained_s"][xi]
-        rates = np.divide(nbytes, drained - start, out=np.full(xi.size, np.inf), where=drained > start)
-        slot_step = sl["step"][si]
-        slot_rank = sl["rank"][si]
-        slot_start, slot_end = sl["slot_start"][si], sl["slot_end"][si]
+        self.pair_bytes += np.bincount(pair, weights=nbytes, minlength=self.pair_bytes.size)
+        rates = np.divide(nbytes, drained - start, out=np.full(nbytes.size, np.inf), where=drained > start)
+        s_lo, s_hi = int(self.step_slot[lo]), int(self.step_slot[hi])
+        slot_step, slot_rank, slot_start, slot_end = sl.span(s_lo, s_hi, "step", "rank", "slot_start", "slot_end")
         finish = slot_end + self.delay[slot_rank]
         for i, (first, repeat, _) in enumerate(self.phases):
             a, b = max(first, lo), min(first + repeat, hi)
@@ -422,20 +437,22 @@ class StreamRun:
         row = np.searchsorted(self.steps_with, slot_step[shown])
         self.trace_start[row, slot_rank[shown]] = slot_start[shown]
         self.trace_end[row, slot_rank[shown]] = finish[shown]
-        self._record(np.arange(self.step_slot[lo], self.step_slot[hi], dtype=np.int64), si)
+        self._record(np.arange(s_lo, s_hi, dtype=np.int64), *sl.span(s_lo, s_hi, "slot_last", "parent"))
         self.low = hi
         if self.num_records > max(3 * self.collected // 2, self.collect_min):
             self._collect()
 
-    def _record(self, ids: IntArray, si: IntArray) -> None:
-        """Keep the critical path's records of the released slots ``ids``."""
+    def _record(self, ids: IntArray, last: IntArray, parent: IntArray) -> None:
+        """Keep the critical path's records of the released slots ``ids`` (``last``: the transfer that ended
+        each, ``parent``: its parent slot)."""
         tr, sl = self.transfers, self.slots
-        x = sl["slot_last"][si]
-        xi = x & tr.mask
-        # 57 bytes a record (the step follows from the slot, the delay from the slot's rank: x's sender or not).
+        xi = last & tr.mask
+        # 57 bytes a record (the step follows from the slot, the delay from the slot's rank: x's sender or not);
+        # the parent is held as its record's position (``up``), found once here rather than by a search at
+        # every step of every walk (:meth:`_collect`).
         new = {
             "slot": ids,
-            "parent": sl["parent"][si],
+            "up": parent,
             "src": sl["rank"][tr["send_slot"][xi] & sl.mask],
             "dst": sl["rank"][tr["recv_slot"][xi] & sl.mask],
             "sent": tr["send_slot"][xi] == ids,
@@ -456,6 +473,13 @@ class StreamRun:
                 self.records[name] = grown
         for name, a in new.items():
             self.records[name][self.num_records : size] = a
+        # A released slot's parent is released (an earlier step) and kept (a slot under way reaches it).
+        slot, up = self.records["slot"][:size], self.records["up"][self.num_records : size]
+        has = up >= 0
+        found = np.searchsorted(slot, up[has])
+        if not np.array_equal(slot[np.minimum(found, size - 1)], up[has]):
+            raise RuntimeError(f"{self.schedule.name}: a critical path's parent slot has no record")
+        up[has] = found
         self.num_records = size
 
     def _collect(self) -> None:
@@ -463,16 +487,22 @@ class StreamRun:
         sl = self.slots
         count = self.num_records
         slot = self.records["slot"][:count]
-        parent = self.records["parent"][:count]
-        live = np.arange(self.step_slot[self.low], self.step_slot[self.high], dtype=np.int64) & sl.mask
+        up = self.records["up"][:count]
+        pred, parent = sl.span(int(self.step_slot[self.low]), int(self.step_slot[self.high]), "pred", "parent")
         # Every rank's last slot, once all are laid out: the walk at the end starts from one of them.
         last = self.last_slot if self.high == self.num_steps else np.zeros(0, dtype=np.int64)
-        roots = np.concatenate([sl["pred"][live], sl["parent"][live], last])
+        roots = np.concatenate([pred, parent, last])
         keep = np.zeros(count, dtype=np.bool_)
-        _mark_reachable(slot, parent, roots[(roots >= 0) & (roots < self.step_slot[self.low])], keep)
+        roots = roots[(roots >= 0) & (roots < self.step_slot[self.low])]
+        _mark_reachable(up, np.searchsorted(slot, roots), keep)
         kept = int(keep.sum())
+        # A kept record's parent is kept (the walk went on through it): its position moves with the compaction.
+        position = np.cumsum(keep) - 1
+        up_kept = up[keep]
+        up_kept[up_kept >= 0] = position[up_kept[up_kept >= 0]]
         for a in self.records.values():
             a[:kept] = a[:count][keep]
+        self.records["up"][:kept] = up_kept
         self.num_records = self.collected = kept
 
     # -- the run ------------------------------------------------------------------------------------
@@ -581,10 +611,10 @@ class StreamRun:
         slot = self.records["slot"][:count] if count else np.zeros(0, dtype=np.int64)
         at: list[int] = []
         current = int(self.last_slot[int(np.argmax(self.rank_end))]) if self.total else -1
-        while current >= 0:
-            i = int(np.searchsorted(slot, current))
+        i = int(np.searchsorted(slot, current)) if current >= 0 else -1
+        while i >= 0:
             at.append(i)
-            current = int(self.records["parent"][i])
+            i = int(self.records["up"][i])
         picked = np.asarray(at[::-1], dtype=np.int64)
         if not count:
             empty = np.zeros(0, dtype=np.int64)
