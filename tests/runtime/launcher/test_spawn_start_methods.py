@@ -7,11 +7,13 @@ SIGKILL when nobody else (the reaper) is left to clean up.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from multiprocessing import get_context
 from pathlib import Path
@@ -41,6 +43,15 @@ def _blas_threads() -> int | None:
 def _meet(barrier: Any) -> str:
     barrier.wait(timeout=60)
     return os.environ["RANK"]
+
+
+def _leave_work_for_the_exit(directory: str) -> None:
+    def late(name: str) -> None:
+        time.sleep(0.2)
+        Path(directory, name).write_text("done")
+
+    atexit.register(late, "atexit")
+    threading.Thread(target=late, args=("thread",)).start()  # not a daemon: the exit waits for it
 
 
 def _say(text: str) -> None:
@@ -100,6 +111,13 @@ def test_a_rank_sees_the_callers_environment_at_the_call(method: str, monkeypatc
 def test_an_argument_only_a_starting_process_may_receive_reaches_the_ranks(method: str) -> None:
     barrier = get_context("spawn").Barrier(2)  # its semaphore is passed as the rank starts, never pickled later
     assert spawn(2, _meet, barrier, group=False, env={START_METHOD_ENV: method}) == ["0", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_a_rank_exits_as_an_interpreter_does_threads_then_atexit(method: str, tmp_path: Path) -> None:
+    spawn(1, _leave_work_for_the_exit, str(tmp_path), group=False, env={START_METHOD_ENV: method})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit", "thread"]
 
 
 @pytest.mark.slow

@@ -15,7 +15,10 @@ spawned one, so :func:`enter_forked_rank`, the first thing it runs after asking 
 - sets numpy's BLAS thread count to what a spawned rank's numpy reads from that environment when it loads OpenBLAS
   (``OPENBLAS_NUM_THREADS``, ``GOTO_NUM_THREADS``, ``OMP_NUM_THREADS``, read once: here, in the server); a spawned
   rank loads numpy before it applies its own variables, so ``OMP_NUM_THREADS`` from spawn() does not reach it;
-- reseeds numpy's global random generator, if the server imported it (a fork shares its parent's state).
+- reseeds numpy's global random generator, if the server imported it (a fork shares its parent's state);
+- and when it is done, waits for its threads and runs its ``atexit`` functions, as an interpreter's exit does
+  (multiprocessing ends a fork with ``os._exit``). Objects still referenced when it exits are not finalized: a
+  group left open does not unlink its files in ``/dev/shm`` from ``__del__``; spawn() sweeps them after the job.
 
 The server is started in its own process group (a signal to the caller's group, a closed terminal's SIGHUP, must
 reach the ranks only through the caller, which forwards SIGTERM and waits the grace period). ``"spawn"`` is used
@@ -31,6 +34,7 @@ spawned ones do. Nothing here is read from a network: the server's socket is a U
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -55,6 +59,7 @@ __all__ = [
     "blas_threads_now",
     "caller_stdio",
     "enter_forked_rank",
+    "exit_as_an_interpreter_does",
     "fork_server_pid",
     "start_method",
 ]
@@ -216,6 +221,17 @@ def enter_forked_rank(*, stdio: Mapping[int, int], environ: Mapping[str, str]) -
     set_blas_threads(blas_threads(environ))
     if "numpy.random" in sys.modules:  # numpy's global generator does not reseed itself in a fork
         sys.modules["numpy.random"].seed()
+
+
+def exit_as_an_interpreter_does() -> None:
+    """What a spawned rank's interpreter does as it exits and a fork skips (multiprocessing ends a fork with
+    ``os._exit``): wait for the threads that are not daemons, then run the ``atexit`` functions (the torch backend
+    closes the groups left open there)."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
 
 
 def blas_threads(environ: Mapping[str, str]) -> int:

@@ -45,6 +45,7 @@ from allreduce.runtime.launcher._forkserver import (
     PickledLater,
     caller_stdio,
     enter_forked_rank,
+    exit_as_an_interpreter_does,
     fork_server_pid,
     start_method,
 )
@@ -294,6 +295,16 @@ def _rank_main(
         fn, args = pickle.loads(forked["call"])  # from the caller, through the server's pipe to this process
     assert fn is not None
     os.environ.update(env)
+    try:
+        _run_and_report(rank, fn, args, init_options, report)
+    finally:
+        if forked is not None:  # multiprocessing ends a fork with os._exit, skipping what an interpreter does
+            exit_as_an_interpreter_does()
+
+
+def _run_and_report(
+    rank: int, fn: Callable[..., Any], args: Sequence[Any], init_options: Mapping[str, Any] | None, report: Connection
+) -> None:
     try:
         if init_options is None:
             value = fn(*args)
