@@ -81,7 +81,8 @@ PRELOAD = (
 had in ``sys.modules`` beyond ``import allreduce``)."""
 
 _BLAS_ENV = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
-"""What OpenBLAS reads for its thread count, first set and positive wins (OpenBLAS ``driver/others/init.c``)."""
+"""What OpenBLAS reads for its thread count, the first set and positive wins, at most the cores (OpenBLAS
+``driver/others/openblas_env.c`` and ``blas_get_cpu_number`` in ``init.c``)."""
 
 _lock = threading.Lock()
 _checked_servers: dict[int, bool] = {}  # server pid -> whether it imported allreduce from where the caller did
@@ -236,7 +237,7 @@ def exit_as_an_interpreter_does() -> None:
 
 def blas_threads(environ: Mapping[str, str]) -> int:
     """The thread count OpenBLAS takes from ``environ`` when loaded: the first of :data:`_BLAS_ENV` set to a
-    positive number, else the cores, at most the cores either way (OpenBLAS ``blas_get_cpu_number``)."""
+    positive number, else the cores, at most the cores either way."""
     cores = len(os.sched_getaffinity(0))
     for name in _BLAS_ENV:
         value = environ.get(name, "").strip()
@@ -304,3 +305,4 @@ def _in_fork_server() -> bool:
 if _in_fork_server():
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    _blas_function("set_num_threads")  # found once here, for every fork
