@@ -275,8 +275,18 @@ def test_survivors_stopped_after_a_failure_leave_no_shared_memory(tmp_path: Path
 # ------------------------------------------------------------------------------------------------------------
 # bench and train: the parent's SIGTERM, SIGHUP or SIGKILL leaves nothing behind
 # ------------------------------------------------------------------------------------------------------------
+def _descendants(parent: int) -> list[int]:
+    found, todo = [], [parent]
+    while todo:
+        children = _children(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
 def _rank_children_with_segments(parent: int) -> list[int] | None:
-    ranks = [pid for pid in _children(parent) if _shm_files_of([pid])]
+    # The ranks are the parent's children (spawned) or its fork server's (forked from it)
+    ranks = [pid for pid in _descendants(parent) if _shm_files_of([pid])]
     return ranks if len(ranks) == 2 else None
 
 

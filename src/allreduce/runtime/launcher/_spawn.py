@@ -7,7 +7,11 @@ taken by anyone else: the parent holds a *port reservation* for the whole job, a
 ``SO_REUSEADDR`` that never listens. The kernel hands that port to no other ``bind(0)`` or outgoing connection,
 while rank 0's store (allreduce's, or torch's, both of which set ``SO_REUSEADDR``) binds and listens on it.
 
-A rank never outlives its job: it asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), each
+:func:`spawn`'s ranks are forks of a server that imported numpy and allreduce once, or fresh interpreters
+(``ALLREDUCE_START_METHOD=spawn``); :mod:`._forkserver` says how a fork is made to be what a fresh one is.
+
+A rank never outlives its job: it asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``; the
+parent of a forked rank is the fork server, which exits when the caller does), each
 rank leads its own process group and is signalled as a group, and a :class:`~allreduce.runtime.launcher._reaper.Reaper`
 kills those groups and sweeps their shared memory if the parent is killed without warning. A
 :class:`~._watch.RankWatch` waits on the ranks' exits: on the first failure it names the rank and
@@ -37,6 +41,14 @@ from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from allreduce.runtime.elastic._elastic import JOIN_ENV
+from allreduce.runtime.launcher._forkserver import (
+    PickledLater,
+    caller_stdio,
+    enter_forked_rank,
+    exit_as_an_interpreter_does,
+    fork_server_pid,
+    start_method,
+)
 from allreduce.runtime.launcher._rank_report import install_failure_report, reacted_to
 from allreduce.runtime.launcher._reaper import Reaper
 from allreduce.runtime.launcher._watch import RankWatch, describe_status, ranks_phrase
@@ -226,8 +238,9 @@ def _deliver_to_self(signum: int) -> None:
 class _SpawnedRank:
     """A rank started by multiprocessing, seen through :class:`RankProcess`."""
 
-    def __init__(self, process: Any) -> None:
+    def __init__(self, process: Any, *, forked: bool = False) -> None:
         self.process = process
+        self.forked = forked  # a child of the fork server, which reaps it and then sends its status
 
     @property
     def pid(self) -> int:
@@ -236,7 +249,23 @@ class _SpawnedRank:
 
     def poll(self) -> int | None:
         code: int | None = self.process.exitcode
+        if code is None and self.forked and not _running(self.pid):
+            self.process.join(_STATUS_WAIT_S)  # exited: the server's word on it is on its way
+            code = self.process.exitcode
         return code
+
+
+_STATUS_WAIT_S = 1.0
+"""How long poll() waits for the fork server's word on a rank that has exited (sent once the server reaps it)."""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it has exited and waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -250,17 +279,32 @@ def _rank_main(
     *,
     rank: int,
     env: Mapping[str, str],
-    fn: Callable[..., Any],
+    fn: Callable[..., Any] | None,
     args: Sequence[Any],
     init_options: Mapping[str, Any] | None,
     report: Connection,
     parent_pid: int,
+    forked: Mapping[str, Any] | None = None,
 ) -> None:
     die_with_parent(parent_pid)()
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if forked is not None:  # a fork of the server: become what a spawned rank is, then unpickle the function
+        enter_forked_rank(stdio=forked["stdio"], environ=forked["environ"])
+        fn, args = pickle.loads(forked["call"])  # from the caller, through the server's pipe to this process
+    assert fn is not None
     os.environ.update(env)
+    try:
+        _run_and_report(rank, fn, args, init_options, report)
+    finally:
+        if forked is not None:  # multiprocessing ends a fork with os._exit, skipping what an interpreter does
+            exit_as_an_interpreter_does()
+
+
+def _run_and_report(
+    rank: int, fn: Callable[..., Any], args: Sequence[Any], init_options: Mapping[str, Any] | None, report: Connection
+) -> None:
     try:
         if init_options is None:
             value = fn(*args)
@@ -293,7 +337,7 @@ def spawn(
     grace_s: float = DEFAULT_GRACE_S,
     env: Mapping[str, str] | None = None,
 ) -> list[R]:
-    """Run ``fn`` on ``world_size`` fresh local processes; return its results, indexed by rank.
+    """Run ``fn`` on ``world_size`` new local processes; return its results, indexed by rank.
 
     With ``group=True`` each rank calls ``fn(group, *args)`` on a group made by ``allreduce.init(**init_options)``
     and closed after ``fn`` returns; with ``group=False`` it calls ``fn(*args)`` in the rendezvous environment (see
@@ -425,7 +469,8 @@ def _run_ranks(
     if not group and init_options is not None:
         raise ValueError("init_options: only used with group=True (the ranks make their own group)")
     options = None if not group else {"timeout_s": timeout_s, **(init_options or {})}
-    ctx = mp.get_context("spawn")
+    method = start_method({**os.environ, **(env or {})})
+    ctx: Any = mp.get_context(method)
     reservation = reserve_port()
     token = (env or {}).get("ALLREDUCE_TOKEN") or new_token()
     port = int(reservation.getsockname()[1])
@@ -483,19 +528,14 @@ def _run_ranks(
         rank_env = {**shared_env, **rank_environment(rank, world_size, master_port=port, token=token)}
         if joining:
             rank_env[JOIN_ENV] = "1"
-        process = ctx.Process(
-            target=_rank_main,
-            kwargs={
-                "rank": rank,
-                "env": rank_env,
-                "fn": fn,
-                "args": args,
-                "init_options": options,
-                "report": send,
-                "parent_pid": os.getpid(),
-            },
-            name=f"allreduce-rank-{rank}",
-        )
+        kwargs: dict[str, Any] = {"rank": rank, "env": rank_env, "init_options": options, "report": send}
+        if method == "forkserver":
+            # The function and its arguments are unpickled once the rank has the caller's environment.
+            forked = {"stdio": caller_stdio(), "environ": dict(os.environ), "call": PickledLater((fn, tuple(args)))}
+            kwargs.update(fn=None, args=(), parent_pid=fork_server_pid(), forked=forked)
+        else:
+            kwargs.update(fn=fn, args=args, parent_pid=os.getpid())
+        process = ctx.Process(target=_rank_main, kwargs=kwargs, name=f"allreduce-rank-{rank}")
         process.start()
         send.close()
         assert process.pid is not None  # started
@@ -503,11 +543,11 @@ def _run_ranks(
         if joining:
             reports[rank].close()
             reports[rank] = receive
-            ranks[rank] = _SpawnedRank(process)
+            ranks[rank] = _SpawnedRank(process, forked=method == "forkserver")
             watch.replace(rank, ranks[rank], {receive.fileno(): functools.partial(read, rank)})
         else:
             reports.append(receive)
-            ranks.append(_SpawnedRank(process))
+            ranks.append(_SpawnedRank(process, forked=method == "forkserver"))
             watch.procs.append(ranks[-1])
 
     try:
