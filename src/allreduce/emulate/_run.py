@@ -39,6 +39,13 @@ data in the hosts' uplinks (smoothed RTT 25 ms, against a minimum of 11 us) its 
 (docs/emulate.md). The fluid model describes a congestion control that keeps a bottleneck busy; a switch port
 has no burst above its line rate to mislead one.
 
+Real-time ranks (``realtime``): the emulated hosts and switches share this machine's cores, and the forwarding of
+every packet is charged to the rank that sent or received it (a loss-free 4-host emulation keeps two cores 85% busy
+at 100 Mbit/s). A rank woken by its socket then waits behind the other ranks and any other process, and a window
+that loss has shrunk waits on every late ACK. With ``realtime`` each rank runs at ``SCHED_FIFO``
+:data:`RANK_RT_PRIORITY` (the kernel's real-time throttling keeps 5% of each core for everything else): on a quiet
+machine that changed nothing measured, under a load of 6-8 it kept a quiet machine's times (docs/emulate.md).
+
 Bottleneck: the link the counters show busiest is the one with the most bytes per second of its shaped rate
 (the largest share of the run it was busy); the simulator's bottleneck *agrees* when its measured busy share is
 within :data:`BUSY_TIE` of that maximum (in a ring on equal links, every link is equally busy).
