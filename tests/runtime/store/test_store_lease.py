@@ -71,6 +71,7 @@ def test_a_wait_for_a_silent_ranks_key_fails_naming_it(host: TCPStore) -> None:
     assert f"past its lease of {LEASE_S:g} s" in str(info.value)
 
 
+@pytest.mark.slow  # waits out several leases (3-4 s): in `make test`, not the edit loop
 def test_heartbeats_keep_an_idle_rank_alive_for_many_leases(host: TCPStore) -> None:
     with TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=1, token=TOKEN) as client:
         time.sleep(4 * LEASE_S)
@@ -78,6 +79,7 @@ def test_heartbeats_keep_an_idle_rank_alive_for_many_leases(host: TCPStore) -> N
         assert client.dead_ranks() == []
 
 
+@pytest.mark.slow  # waits out several leases (3-4 s): in `make test`, not the edit loop
 def test_every_client_beats_at_the_hosts_lease(host: TCPStore) -> None:
     with TCPStore("127.0.0.1", host.port, is_server=False, world_size=3, rank=1, token=TOKEN) as client:
         time.sleep(3 * LEASE_S)
@@ -93,6 +95,7 @@ def test_the_seat_of_a_rank_declared_dead_is_free_for_a_new_process(host: TCPSto
             assert host.dead_ranks() == []
 
 
+@pytest.mark.slow  # waits out several leases (3-4 s): in `make test`, not the edit loop
 def test_without_a_lease_a_silent_rank_is_never_declared_dead() -> None:
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=30, token=TOKEN) as unleased:
         with _silent_rank(unleased.port, 1):
