@@ -106,7 +106,7 @@ def _forkserver_supported() -> bool:
         and hasattr(mp_forkserver, "_forkserver")
         and hasattr(_server(), "_forkserver_alive_fd")
         and hasattr(_server(), "_forkserver_pid")
-        and _blas_setter() is not None
+        and _blas_function("set_num_threads") is not None
     )
 
 
@@ -158,10 +158,7 @@ def _module_files() -> dict[str, str | None]:
 
 
 def _reply_module_files(send: Any) -> None:
-    fd = _server()._forkserver_alive_fd
-    if fd is not None:
-        os.close(fd)  # see enter_forked_rank
-        _server()._forkserver_alive_fd = None
+    _leave_server()
     files = {name: getattr(sys.modules.get(name), "__file__", None) for name in _TREES}
     send.send_bytes(pickle.dumps(files))
     send.close()
@@ -207,10 +204,7 @@ def caller_stdio() -> dict[int, InheritedFd]:
 def enter_forked_rank(*, stdio: Mapping[int, int], environ: Mapping[str, str]) -> None:
     """In a rank forked from the server (once it asked to die with it): leave the server's alive pipe, take the
     caller's output and environment, and set the BLAS thread count (see the module docstring)."""
-    fd = _server()._forkserver_alive_fd
-    if fd is not None:
-        os.close(fd)
-        _server()._forkserver_alive_fd = None
+    _leave_server()
     for target, received in stdio.items():
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
@@ -222,6 +216,14 @@ def enter_forked_rank(*, stdio: Mapping[int, int], environ: Mapping[str, str]) -
     set_blas_threads(blas_threads(environ))
     if "numpy.random" in sys.modules:  # numpy's global generator does not reseed itself in a fork
         sys.modules["numpy.random"].seed()
+
+
+def _leave_server() -> None:
+    """Close this fork's copy of the server's alive pipe, so that only the caller's copy keeps the server up."""
+    fd = _server()._forkserver_alive_fd
+    if fd is not None:
+        os.close(fd)
+        _server()._forkserver_alive_fd = None
 
 
 def exit_as_an_interpreter_does() -> None:
@@ -256,10 +258,6 @@ def blas_threads_now() -> int | None:
     """The thread count of numpy's OpenBLAS in this process (None: not an OpenBLAS this finds)."""
     getter = _blas_function("get_num_threads")
     return None if getter is None else int(getter())
-
-
-def _blas_setter() -> Callable[..., Any] | None:
-    return _blas_function("set_num_threads")
 
 
 @functools.cache
