@@ -150,24 +150,29 @@ def test_several_losses_in_a_transfer_are_repaired_together() -> None:
 
 
 def _episodes_reference(rng: np.random.Generator, n: int, packets: int, q: float) -> tuple[np.ndarray, np.ndarray]:
-    """Bernoulli(q) losses among ``packets`` (given one at least), none of the last three packets lost and no
-    repair lost; each loss with ``k >= 3`` behind it costs ``max(tau, RTT + (4 - k) tau)``. Returns the cost per
-    transfer with recovery episodes charged in turn (a loss more than a window sqrt(1.5/q) past its episode's
-    first starts the next) and with every loss in one."""
+    """Bernoulli(q) losses among ``packets`` (given one at least), none of the last three packets lost; each loss
+    with ``k >= 3`` behind it costs ``max(tau, RTT + (4 - k) tau)``, and its repair is lost again ``m`` times
+    (geometric): more than a window behind it, data sent after the repair is SACKed and RACK resends it a round
+    trip on, ``m (RTT + 2 tau)``; within the last window an RTO fires, and the transfer is left out. Returns the
+    cost per transfer with recovery episodes charged in turn (a loss more than a window sqrt(1.5/q) past its
+    episode's first starts the next) and with every loss in one."""
     window = math.sqrt(1.5 / q)
     lost = rng.random((n, packets)) < q
     lost = lost[lost.any(axis=1) & ~lost[:, -3:].any(axis=1)]
-    lost = lost[rng.random(lost.shape[0]) < (1 - q) ** lost.sum(axis=1)]  # no repair lost
+    again = np.where(lost, rng.geometric(1 - q, size=lost.shape) - 1, 0)
+    behind = packets - 1 - np.arange(packets)
+    kept = ~((again > 0) & (behind <= window)).any(axis=1)  # an RTO: left out
+    lost, again = lost[kept], again[kept]
     summed, largest = np.zeros(lost.shape[0]), np.zeros(lost.shape[0])
     start, episode = np.full(lost.shape[0], -1), np.zeros(lost.shape[0])
     for position in range(packets):
         at = lost[:, position]
-        cost = max(TAU, RTT + (4 - (packets - 1 - position)) * TAU)
+        cost = max(TAU, RTT + (4 - (packets - 1 - position)) * TAU) + again[:, position] * (RTT + 2 * TAU)
         new = at & ((start < 0) | (position - start > window))
         summed[new] += episode[new]
-        episode[new], start[new] = cost, position
-        episode[at & ~new] = np.maximum(episode[at & ~new], cost)
-        largest[at] = np.maximum(largest[at], cost)
+        episode[new], start[new] = cost[new], position
+        episode[at & ~new] = np.maximum(episode[at & ~new], cost[at & ~new])
+        largest[at] = np.maximum(largest[at], cost[at])
     return summed + episode, largest
 
 

@@ -276,7 +276,7 @@ def draw_losses(rng: np.random.Generator, model: LossModel, d: PhaseData, sample
         ),
     )
     losses = Losses(step, flow, sample, extra, _culprit_links(rng, d, flow) if culprit is None else culprit, timeout)
-    if d.ack_q is not None and model.rack_tlp:
+    if d.ack_q is not None and model.rack_tlp and model.stack.gro:
         losses = _merge(losses, _ack_stalls(rng, model, d, packets, samples))
     return losses
 

@@ -44,34 +44,41 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   revealing SACKs are all lost (probability ``q_ack^k``): the
   probe then fires at ``2·srtt + 2 ms`` with several packets out, and its own SACK marks the hole, one more
   ``RTT + τ``;
-- the resent packet lost again (probability ``q`` each time): the RTO finds it, ``srtt + rto_min`` rounded up
-  to a tick, doubled for each further loss (RFC 6298 §5.5, ``icsk_backoff``). RACK could mark a lost
-  retransmission once packets sent after it are SACKed, but in recovery new data leaves only as ACKs arrive
-  (proportional rate reduction), and on the emulated clusters the hosts' counters show lost retransmissions
-  ending in RTOs one for one (``TCPLostRetransmit`` against ``TCPSackRecoveryFail``: 4/4, 2/2, 19/19, 30/31,
-  49/47 in five runs, 256 KiB rings), and so do 8 MiB rings at 1e-3 and 3e-3 (16/14, 119/104), whose RTOs per
-  collective (0.71, 6.5) are the model's (0.74, 6.9). Not so on halving-doubling's exchanges, whose connections
-  carry data both ways: there RACK finds a lost retransmission (RFC 8985 §6, ``tcp_rack_detect_loss``: once a
-  packet sent after it is SACKed, with no reordering window in recovery) 19 times in 20 at 1e-3 (20/1, 8 MiB) and
-  about half the time at 3e-3 (50/27, 16/10). Traced, a ring's sender forwards data as it arrives and has 2–3
-  segments in flight, so when their SACKs mark a loss, proportional rate reduction sets the window to what is in
-  flight and one more (``tcp_cwnd_reduction``) and the repair leaves alone; data written after it waits for an ACK
-  a lost repair never brings. The model does not know the packets in flight per flow, so the rule stands.
-  A lost probe is such a loss too. The repair's ACK lost (probability ``q_ack``) ends the same way: nothing sent after
-  the repair acknowledges it (in recovery, proportional rate reduction lets out no new data with it where the window
-  is a few packets, ``tcp_cwnd_reduction``, and no probe is armed outside the Open state,
-  ``tcp_schedule_loss_probe``), so the RTO fires ``timer(RTO)`` after it and resends a packet the receiver has, which
-  it answers at once. What waits is the connection's unsent data: the rest of the transfer where more than a window
-  of it (:func:`loss_window_packets`) followed the loss, else the next transfer, ``gap`` after this one's end
-  (nothing for a connection's last transfer in the collective; a tail the next transfer reveals is acknowledged by that
-  transfer's ACKs). After the RTO the window is one segment (``tcp_enter_loss``) and no probe is armed in the Loss
-  state, so its resend lost or its ACK lost, ``1 − (1 − q)(1 − q_ack)``, waits for the next RTO, doubled, and so on.
-  So a repair ends in the RTO with ``q + q_ack``, about ``2q``: the hosts' counters show RTOs in SACK recovery at
-  about twice what independent loss of the retransmission gives, at 3e-3 and 1e-2 (each such RTO marks the
-  retransmission lost, ``TCPLostRetransmit``, whether it or its ACK was lost), and traced (every link 1e-2,
+- the resent packet lost again (probability ``q`` each time): what finds it depends on what the sender sends after
+  the repair. Where more than a window (:func:`loss_window_packets`) of the transfer followed the loss, the rest was
+  unsent when the loss was found, and proportional rate reduction lets it out as the SACKs of the packets still in
+  flight arrive (``tcp_cwnd_reduction``); once one of them is SACKed, RACK marks the lost retransmission (RFC 8985
+  §6, ``tcp_rack_detect_loss``: a packet sent after it delivered, and no reordering window in recovery,
+  ``tcp_rack_reo_wnd``), and resends it: ``RTT + 2τ`` more per loss of the repair, no timer. Where the loss was in
+  the transfer's last window, nothing follows the repair (the next transfer is written as its step begins, and
+  proportional rate reduction has set the window to what is in flight), so the RTO finds it, ``srtt + rto_min``
+  rounded up to a tick, doubled for each further loss (RFC 6298 §5.5, ``icsk_backoff``). Captured on the emulated
+  clusters at 25 Mbit/s (every link 3e-3, 256 KiB and 1 MiB rings, every link 1e-2, 256 KiB; tcpdump in each
+  host): of 67 RTOs on the ring's connections in recovery, 65 came with nothing sent after the repair; 71 lost
+  retransmissions with data sent after them were resent within 150 ms; and at 1 MiB (181 packets a transfer)
+  2 of 37 lost retransmissions or repair ACKs ended in an RTO, at 256 KiB (45) 12 of 20 (the hosts' counters:
+  ``TCPSackRecoveryFail`` 2 in 100 collectives at 1 MiB). At 100 Mbit/s the emulation is CPU-bound and a ring's
+  sender has 2–3 segments in flight, so nothing follows any repair: there the counters show lost retransmissions
+  ending in RTOs one for one (``TCPLostRetransmit`` against ``TCPSackRecoveryFail``: 4/4, 2/2, 19/19, 30/31).
+  A lost probe is such a loss too. The repair's ACK lost (probability ``q_ack``) ends the same way: where data
+  follows the repair, its ACK is cumulative and covers the lost one; where nothing follows, nothing acknowledges
+  the repair (no probe is armed outside the Open state, ``tcp_schedule_loss_probe``), so the RTO fires
+  ``timer(RTO)`` after it and resends a packet the receiver has, which it answers at once. What waits is the
+  connection's next transfer, ``gap`` after this one's end (nothing for a connection's last transfer in the
+  collective; a tail the next transfer reveals is acknowledged by that transfer's ACKs). After the RTO the window
+  is one segment (``tcp_enter_loss``) and no probe is armed in the Loss state, so its resend lost or its ACK lost,
+  ``1 − (1 − q)(1 − q_ack)``, waits for the next RTO, doubled, and so on.
+  So a repair in its transfer's last window ends in the RTO with ``q + q_ack``, about ``2q`` (each such RTO marks
+  the retransmission lost, ``TCPLostRetransmit``, whether it or its ACK was lost); traced (every link 1e-2,
   ``tcp_probe`` and ``tcp_cong_state_set``: 61 of 84 RTOs on the ring's connections) they come in recovery with 2–3
   segments out and nothing sent for 208 ms, and the data queued behind leaves within a millisecond of the resend's
-  ACK (:func:`_lost_repair_ack`). That ACK echoes the repair's timestamp (the receiver had it: ``ts_recent`` is the
+  ACK (:func:`_lost_repair_ack`). Captured, what decides it is what the sender had
+  sent past the loss when it resent it: of the lost repairs with at most two packets past the loss, 67 of 78 ended
+  in an RTO; with three or more, 60 of 68 were found by RACK. Such repairs were 19% of all at every link 3e-3 with
+  256 KiB, 8% with 1 MiB and 61% at every link 1e-2, where the model's last window holds 29%, 7% and 16% of the
+  losses: at 1e-2 the sender had 2 segments out at the median send (3 at 3e-3, 7 without loss) where
+  :func:`loss_window_packets` says 6–9, a window the model does not know, so it undercounts those RTOs 3-fold.
+  The ACK that ends the wait echoes the repair's timestamp (the receiver had it: ``ts_recent`` is the
   last segment's that advanced ``rcv_nxt``, RFC 7323 §4.3), so the sender's RTT sample is the whole wait and srtt
   jumps by an eighth of it (RFC 6298 §2.3). Linux sets every flow's pacing rate, ``1.2·cwnd·mss/srtt`` in
   congestion avoidance (``tcp_update_pacing_rate``), but holds a CUBIC flow to it only behind the fq qdisc or once
@@ -213,7 +220,9 @@ class TcpStack:
     ``delayed_ack_s`` (how long a receiver in interactive mode holds the ACK of one segment,
     ``TCP_DELACK_MIN``; 0: at once, a route's ``quickack 1``), ``paced`` (the kernel holds the flow to its pacing
     rate: the socket is ``SK_PACING_NEEDED`` or the host's qdisc is fq; off: a CUBIC socket behind pfifo_fast or
-    fq_codel sends what its window allows at once, and an inflated srtt slows nothing, see the module docstring)."""
+    fq_codel sends what its window allows at once, and an inflated srtt slows nothing, see the module docstring),
+    ``gro`` (the receiver's NIC merges a window that arrives back to back and acknowledges it with one ACK; off:
+    one ACK per two segments, as the emulated clusters' veths, see :func:`ack_stall_flights`)."""
 
     name: str
     rto_min_s: float
@@ -221,6 +230,7 @@ class TcpStack:
     rack_tlp: bool
     delayed_ack_s: float = 0.0
     paced: bool = True
+    gro: bool = True
 
     def with_rto_min(self, rto_min_s: float | None) -> TcpStack:
         return self if rto_min_s is None else replace(self, rto_min_s=rto_min_s)
@@ -238,10 +248,11 @@ class TcpStack:
         tick = format_seconds(1 / self.hz)
         ack = f"delayed ACK {format_seconds(self.delayed_ack_s)}" if self.delayed_ack_s else "quickack 1"
         pacing = "paced at 1.2*cwnd*mss/srtt" if self.paced else "unpaced"
+        gro = "receiver GRO (one ACK per merged window)" if self.gro else "no GRO (one ACK per two segments)"
         return (
             f"{self.name}: RACK-TLP (net.ipv4.tcp_recovery=1, tcp_early_retrans=3), rto_min {rto_min}, "
             f"HZ={self.hz:g} ({tick} ticks), reordering window min_rtt/4 + 2 ms, probe 2*srtt + 2 ms "
-            f"(2*srtt + rto_min with one packet out), {ack}, CUBIC beta {CUBIC_BETA:g}, {pacing}"
+            f"(2*srtt + rto_min with one packet out), {ack}, CUBIC beta {CUBIC_BETA:g}, {pacing}, {gro}"
         )
 
     def timer(self, rng: np.random.Generator, seconds: FloatArray) -> FloatArray:
@@ -259,7 +270,8 @@ class TcpStack:
 
 
 TCP_STACKS = {
-    "linux": TcpStack("linux", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S),
+    "linux": TcpStack("linux", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S, gro=False),
+    "linux-gro": TcpStack("linux-gro", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S),
     "linux-unpaced": TcpStack(
         "linux-unpaced", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S, paced=False
     ),
@@ -456,14 +468,13 @@ def _lost_repair_ack(
     ``backed_off`` RTOs that resent it): nothing sent after the repair acknowledges it (the module docstring), so
     the next RTO fires, ``timer(RTO·2^backed_off)`` after it, and resends a packet the receiver has; with the
     window at one segment (``tcp_enter_loss``) and no probe outside the Open state, nothing else is sent, so that
-    resend or its ACK lost (``1 − (1 − q)(1 − q_ack)``) waits for the next, doubled. The connection's unsent data
-    waits until the sender hears: the rest of this transfer where more than a window (:func:`loss_window_packets`)
-    of it followed the loss, else the next transfer on the connection, which starts ``gap`` after this one ends.
-    The ACK that ends the wait echoes the repair's timestamp (the receiver had it), so the sender's RTT sample is
-    the whole wait, and the held data, the rest of the transfer beyond the window or the next transfer (taken as
-    long as this one, ``packets``, as a ring's are), is paced behind the inflated srtt (:func:`paced_seconds`, at
-    the window after the RTO, :data:`RTO_PACED_WINDOW`, and :func:`rto_pacing_ratio`). Returns (the cost with that
-    wait, the RTOs that held data)."""
+    resend or its ACK lost (``1 − (1 − q)(1 − q_ack)``) waits for the next, doubled. ``repaired`` holds only
+    repairs that nothing follows (the loss in its transfer's last window, :func:`_one_loss`), so what waits until
+    the sender hears is the connection's next transfer, which starts ``gap`` after this one ends. The ACK that ends
+    the wait echoes the repair's timestamp (the receiver had it), so the sender's RTT sample is the whole wait, and
+    the next transfer (taken as long as this one, ``packets``, as a ring's are) is paced behind the inflated srtt
+    (:func:`paced_seconds`, at the window after the RTO, :data:`RTO_PACED_WINDOW`, and :func:`rto_pacing_ratio`).
+    Returns (the cost with that wait, the RTOs that held data)."""
     none = np.zeros(after.size, dtype=np.int64)
     if not np.any(repaired & (q_ack > 0)):
         return cost, none
@@ -472,15 +483,13 @@ def _lost_repair_ack(
         return cost, none
     silent = 1 - (1 - q) * (1 - q_ack)
     wait, rounds = _unheard_rtos(rng, stack, rto, silent=silent, backed_off=backed_off, firing=ack_lost)
-    window = loss_window_packets(q)
-    rest_unsent = after > window
-    segments = np.where(rest_unsent, after - window, packets).astype(np.float64)
+    segments = packets.astype(np.float64)
     paced = np.zeros(after.size)
     if stack.paced:
         w = np.full(int(ack_lost.sum()), RTO_PACED_WINDOW)
         paced[ack_lost] = paced_seconds(rtt[ack_lost], wait[ack_lost] + rtt[ack_lost], segments[ack_lost], w,
                                         tau[ack_lost], ratio=rto_pacing_ratio(q[ack_lost]))  # fmt: skip
-    charged = np.where(rest_unsent, cost + wait, np.maximum(cost, cost + wait - gap)) + paced
+    charged = np.maximum(cost, cost + wait - gap) + paced
     held = ack_lost & (charged > cost + paced)
     return np.where(held, charged, cost), np.where(held, rounds, 0)
 
@@ -501,6 +510,7 @@ def _one_loss(
     resend_q: FloatArray | None = None,
     probe_q: FloatArray | None = None,
     packets: IntArray | None = None,
+    window: FloatArray | None = None,
 ) -> tuple[FloatArray, IntArray]:
     """The delay one lost packet with ``after`` packets of its transfer behind it adds, and how many timers of
     the ``rto_min`` class (the one-packet probe, the RTO) fired. ``held``: (stay, entry_q, hold seconds) of a
@@ -537,6 +547,10 @@ def _one_loss(
     tail = np.minimum(tail, follow)
     cost = np.where(mid, cost_mid, tail)
     fired = (probed & ~several).astype(np.int64)  # the one-packet probe's rto_min is paid
+    # Data sent after the repair: the rest of the transfer, unsent when the loss was found (more than a window
+    # behind it). A lost repair is then found by RACK once that data is SACKed, a round trip on, and a lost
+    # repair ACK is covered by the next one: no timer (the module docstring).
+    follows = np.zeros(after.size, dtype=np.bool_) if window is None else mid & (after > window)
     # The repair lost again, m times in a row: the RTO, backed off.
     again = np.minimum(rng.geometric(1 - q) - 1, GIVE_UP_AFTER).astype(np.int64)
     if resend_q is not None:
@@ -546,6 +560,8 @@ def _one_loss(
         again = np.where(first_lost, np.minimum(again + 1, GIVE_UP_AFTER), 0)
     if held is not None:
         again = np.where(probed, _held_resends(rng, held, cost, rto, several=several, probe_q=probe_q), again)
+    cost = cost + np.where(follows, again * (rtt + 2 * tau), 0.0)
+    again = np.where(follows, 0, again)
     if np.any(again > 0):
         # With several out, the RTO after a lost probe is timed from the head's first sending (tcp_rearm_rto
         # offsets it by the time elapsed): it replaces the probe's wait instead of following it.
@@ -559,8 +575,8 @@ def _one_loss(
         cost = cost + backoff
         fired += again
     cost, unheard = _lost_repair_ack(rng, stack, after, packets=after + 1 if packets is None else packets, rtt=rtt,
-                                     tau=tau, cost=cost, repaired=~revealed, backed_off=again, q=q, q_ack=q_ack,
-                                     rto=rto, gap=gap)  # fmt: skip
+                                     tau=tau, cost=cost, repaired=~revealed & ~follows, backed_off=again, q=q,
+                                     q_ack=q_ack, rto=rto, gap=gap)  # fmt: skip
     return cost, fired + unheard
 
 
@@ -638,6 +654,7 @@ def draw_repair_seconds(
             resend_q=None if resend_q is None else resend_q[lost],
             probe_q=None if probe_q is None else probe_q[lost],
             packets=packets[lost],
+            window=window[lost],
         )
         new = (episode_start[lost] < 0) | (position - episode_start[lost] > window[lost])
         extra[lost] += np.where(new, episode[lost], 0.0)

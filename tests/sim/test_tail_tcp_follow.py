@@ -1,0 +1,95 @@
+"""What follows a repair decides how a lost retransmission or a lost repair ACK is found (RACK a round trip on, or
+the RTO), and a receiver without GRO acknowledges every second segment, so a lost ACK stalls no flight."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from allreduce.schedules import all_reduce
+from allreduce.sim import LossModel
+from allreduce.sim._phases import draw_losses, phase_data
+from allreduce.sim._routing import Router
+from allreduce.sim._tcp import DELACK_MIN_S, TCP_STACKS, TcpStack, _one_loss
+from allreduce.sim._tcp_window import loss_window_packets
+from allreduce.topology import switch
+
+Z = 4.0
+RTT = 20e-6
+TAU = 1e-6
+EXACT = TcpStack("exact", rto_min_s=0.2, hz=0.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S)
+
+
+def _losses(after: int, *, q: float, q_ack: float = 0.0, n: int = 40_000) -> tuple[np.ndarray, np.ndarray]:
+    """One loss with ``after`` packets of its transfer behind it, at loss ``q`` (a window of sqrt(1.5/q)), the
+    connection's next transfer following at once."""
+    return _one_loss(
+        np.random.default_rng(11),
+        EXACT,
+        np.full(n, after, dtype=np.int64),
+        q=np.full(n, q),
+        q_ack=np.full(n, q_ack),
+        rtt=np.full(n, RTT),
+        tau=np.full(n, TAU),
+        gap=np.zeros(n),
+        packets=np.full(n, after + 1, dtype=np.int64),
+        window=loss_window_packets(np.full(n, q)),
+    )
+
+
+def test_a_lost_repair_with_unsent_data_behind_it_is_resent_a_round_trip_on_without_a_timer() -> None:
+    # q = 0.3: a window of 2.2 packets, 20 behind the loss: the rest was unsent when the loss was found, so data
+    # follows the repair and RACK marks a lost repair once that data is SACKed: RTT + 2 tau per loss of the repair
+    q = 0.3
+    cost, fired = _losses(20, q=q)
+    assert not fired.any()
+    repair = max(TAU, RTT + (4 - 20) * TAU)  # the repair on SACKs, past the transfer's end
+    again = np.round((cost - repair) / (RTT + 2 * TAU), 6)
+    np.testing.assert_allclose(again, np.round(again), atol=1e-6)
+    # lost again m times with q^m (1 - q)
+    assert abs(np.mean(again >= 1) - q) < Z * math.sqrt(q * (1 - q) / cost.size)
+    assert abs(np.mean(again >= 2) - q * q) < Z * math.sqrt(q * q / cost.size)
+
+
+def test_a_lost_repair_in_the_transfers_last_window_waits_for_the_rto() -> None:
+    # 4 packets behind the loss, a window of 10 at q = 0.015: all of them were sent when the SACKs of three marked
+    # the loss, so nothing follows the repair, and a lost repair waits for the RTO (q of them)
+    q = 0.015
+    cost, fired = _losses(4, q=q)
+    assert abs(np.mean(fired >= 1) - q) < Z * math.sqrt(q / cost.size)
+    assert cost[fired >= 1].min() >= 0.2
+
+
+def test_a_lost_repair_ack_is_covered_by_the_next_ack_where_data_follows() -> None:
+    # the repair's ACK lost with 0.5: with unsent data behind (20 packets, window 2.2) the next ACK covers it
+    cost, fired = _losses(20, q=0.3, q_ack=0.5)
+    assert not fired.any()
+    assert cost.max() < 0.01
+    # within the last window (4 behind, window 10) it holds the next transfer until the RTO
+    cost, fired = _losses(4, q=0.015, q_ack=0.5)
+    assert abs(np.mean(fired >= 1) - 0.5) < Z * math.sqrt(0.25 / cost.size) + 0.015
+
+
+def test_without_gro_a_lost_ack_stalls_no_flight() -> None:
+    # loss on every link of a switch: with GRO each flight's last ACK lost stalls its flow (probe + delayed ACK,
+    # >= 42 ms); without GRO (one ACK per two segments, the emulated hosts' veths) the next ACK covers a lost one,
+    # so only the transfers that lose data are delayed
+    p = 2e-3
+    topology = switch(4)
+    router = Router(topology, np.arange(4), None, 0)
+    d = phase_data(all_reduce("ring", 4), router, 2**20, np.full(topology.num_links, p), connections=True)[0]
+    gro = draw_losses(np.random.default_rng(4), LossModel(p, fabric="tcp", tcp="linux-gro"), d, 2000)
+    plain = draw_losses(np.random.default_rng(4), LossModel(p, fabric="tcp", tcp="linux"), d, 2000)
+    assert gro.step.size > plain.step.size
+
+
+def test_the_linux_preset_has_no_gro_and_says_so() -> None:
+    # the emulated clusters' hosts: veths merge nothing, so the receiver acknowledges every second segment
+    assert not TCP_STACKS["linux"].gro
+    assert TCP_STACKS["linux-gro"].gro
+    assert "no GRO" in TCP_STACKS["linux"].settings()
+    assert replace(TCP_STACKS["linux"], gro=True).settings() == TCP_STACKS["linux-gro"].settings().replace(
+        "linux-gro", "linux"
+    )
