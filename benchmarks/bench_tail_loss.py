@@ -203,10 +203,8 @@ def _measure(case: Case, *, reps: int, rate_bps: float, realtime: bool = False) 
     }
 
 
-# The grid's rate: a loss-free 4-host emulation keeps this machine's two cores 85% busy at 100 Mbit/s, 57% at 50 and
-# 32% at 25 (/proc/stat, 2026-12-07), and a busy host sends the ACKs a collapsed window waits for late: the single
-# lossy link at 1e-2 measured 1.38x, 1.13x and 1.04x the model at 100, 50 and 25 Mbit/s (docs/emulate.md).
-GRID_RATE_BPS = 25e6
+# The grid's rate: the emulator's own with loss (DEFAULT_LOSS_RATE_BPS says why it is 25 Mbit/s).
+GRID_RATE_BPS = DEFAULT_LOSS_RATE_BPS
 
 # The hold of a burst on a silent link for the cases stored before the chain moved to nftables: its state was an
 # xt_recent entry, which counts whole seconds, and a bad state lasted up to 1 s.
@@ -621,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rate",
         default=f"{GRID_RATE_BPS / 1e6:g}Mbps",
-        help=f"fastest host link (default %(default)s; `emulate up --loss` uses {DEFAULT_LOSS_RATE_BPS / 1e6:g}Mbps)",
+        help="fastest host link (default %(default)s, as `emulate up --loss`)",
     )
     parser.add_argument(
         "--realtime", action="store_true", help="ranks at SCHED_FIFO priority 10 (emulate run --realtime)"
