@@ -130,8 +130,10 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   (:func:`loss_window_packets`) and the pacing after an inflated srtt (:func:`paced_seconds`) are
   :mod:`allreduce.sim._tcp_window`'s;
 - lost ACKs of a window-limited flow: a transfer of ``P`` packets whose window ``W`` is smaller goes out in
-  ``⌈P/W⌉`` flights, each sent as the ACKs of the one before arrive. A window that arrives back to back is
-  merged by the receiver's GRO (up to 64 KiB, :data:`GRO_MAX_BYTES`) and acknowledged by one ACK; where that
+  ``⌈P/W⌉`` flights, each sent as the ACKs of the one before arrive. On a host with GRO (:attr:`TcpStack.gro`)
+  a window that arrives back to back is merged by the receiver (up to 64 KiB, :data:`GRO_MAX_BYTES`) and
+  acknowledged by one ACK (without GRO, as on the emulated clusters' veths, every second segment is acknowledged
+  and the next ACK covers a lost one: captured at 25 Mbit/s, no such stall); where that
   ACK is lost (probability ``q_ack`` per flight), the sender has nothing in flight to reveal it (a larger
   window is acknowledged by a stream of ACKs, the next of which covers a lost one);
   the probe fires at ``2·srtt + 2 ms`` and sends the next segment. Its one segment is acknowledged at once by
@@ -285,10 +287,11 @@ whose qdisc is not fq (most distributions: pfifo_fast or fq_codel); ``tuned``: a
 
 
 def ack_stall_flights(q: FloatArray, packets: IntArray, mtu_bytes: int) -> IntArray:
-    """The flights of a transfer of ``packets`` at loss ``q`` whose last ACK, if lost, stalls it: all but the
-    last of its ``⌈P/W⌉`` flights (:func:`loss_window_packets`); none where one window holds the transfer, or
-    where a window is more than one GRO batch (:data:`GRO_MAX_BYTES` of ``mtu_bytes`` packets), whose ACKs
-    follow one another so that the next covers a lost one."""
+    """The flights of a transfer of ``packets`` at loss ``q`` whose last ACK, if lost, stalls it on a receiver with
+    GRO (:attr:`TcpStack.gro`; :func:`allreduce.sim._phases.draw_losses` draws none without): all but the last of
+    its ``⌈P/W⌉`` flights (:func:`loss_window_packets`); none where one window holds the transfer, or where a
+    window is more than one GRO batch (:data:`GRO_MAX_BYTES` of ``mtu_bytes`` packets), whose ACKs follow one
+    another so that the next covers a lost one."""
     window = loss_window_packets(q)
     stalls = (window < packets) & (window * mtu_bytes <= GRO_MAX_BYTES)
     with np.errstate(divide="ignore", invalid="ignore"):
