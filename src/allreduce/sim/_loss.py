@@ -96,18 +96,18 @@ _MAX_RESENDS = GIVE_UP_AFTER
 @dataclass(frozen=True)
 class LossModel:
     """Packet loss on every link (``probability`` per packet), or ``links``: (link name, probability) overrides;
-    ``fabric`` chooses the retransmission model ("roce" go-back-N or "tcp"); ``mtu_bytes`` and ``rto_s``
-    default to the fabric's (4 KiB and the IB ACK timeout for RoCE; 1,500 B and 200 ms for TCP). ``tcp`` names
-    the TCP stack (:data:`allreduce.sim._tcp.TCP_STACKS`: "linux", "linux-unpaced", "tuned", "rfc6298"), whose
+    ``fabric`` chooses the retransmission model ("roce" go-back-N or "tcp"); ``mtu_bytes`` and ``rto_s`` default to the
+    fabric's (4 KiB and the IB ACK timeout for RoCE; 1,500 B and 200 ms for TCP). ``tcp`` names the TCP stack
+    (:data:`allreduce.sim._tcp.TCP_STACKS`: "linux", "linux-gro", "linux-unpaced", "tuned", "rfc6298"), whose
     ``rto_min`` ``rto_s`` replaces if given; ``agreement``: on a RACK-TLP stack, every collective starts with the
-    runtime's agreement (an all-gather of small messages, Bruck's, ceil(log2 N) steps), whose losses are
-    charged too; ``barrier``: a barrier (one more such all-gather) precedes every collective, as in a
-    benchmark that times each repetition from the barrier before it (the emulated clusters' runs); ``burst``:
-    the mean length of a burst of lost packets on every lossy link (1: independent; above: a Gilbert–Elliott
-    chain of the same long-run rate, as ``allreduce emulate up --loss LINK=ge:p=P,burst=B`` injects, see
-    :func:`allreduce.sim._bursts.gilbert_elliott`); ``burst_hold_s``: how long a burst's bad state lasts on a link
-    no packet crosses (0: the chain is clocked by other traffic; the emulator's chain, clocked by the link's own
-    packets, holds it up to a second: :class:`allreduce.sim._bursts.Bursts`)."""
+    runtime's agreement (an all-gather of small messages, Bruck's, ceil(log2 N) steps), whose losses are charged too;
+    ``barrier``: a barrier (one more such all-gather) precedes every collective, as in a benchmark that times each
+    repetition from the barrier before it (the emulated clusters' runs); ``burst``: the mean length of a burst of lost
+    packets on every lossy link (1: independent; above: a Gilbert–Elliott chain of the same long-run rate, as
+    ``allreduce emulate up --loss LINK=ge:p=P,burst=B`` injects, see :func:`allreduce.sim._bursts.gilbert_elliott`);
+    ``burst_hold_s``: how long a burst's bad state lasts on a link no packet crosses (0: the chain is clocked by other
+    traffic; the emulator's chain, clocked by the link's own packets, holds it up to a second:
+    :class:`allreduce.sim._bursts.Bursts`)."""
 
     probability: float = 0.0
     fabric: str = "roce"
