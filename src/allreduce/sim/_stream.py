@@ -15,10 +15,12 @@ summed window by window (rounding).
 What a result needs of the released steps is folded in as they go: per phase its first start, last end,
 slowest rate and the rates' median (the rates go to a temporary file, 8 bytes each, and the median is selected
 from it at the end), per link its bytes, the trace of the first ranks, and the critical path's links: per
-slot, the transfer that ended it and the slot before the one whose start let that transfer begin. Those
-records are kept only while a slot still in the buffers, or a rank's last slot, can reach them (a collection
-from those roots whenever they have doubled), so the walk back from the last rank to finish, at the end,
-finds every link it needs.
+slot, the transfer that ended it and the slot before the one whose start let that transfer begin. A slot
+still in the buffers reaches the released ones only through its rank's last released slot (a parent is the
+slot before a slot of the same step), so those, one per rank, are the roots: each record counts its kept
+children (plus one while a root) and is dropped when that count falls to zero, walking up. The records kept are
+those the walk back from the last rank to finish, at the end, may need; each record is counted in and dropped
+once, whatever the run's size.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ FloatArray = npt.NDArray[np.float64]
 
 # Transfers laid out per window (at least one step's): the buffers hold the steps under way plus one window.
 WINDOW_TRANSFERS = 1 << 18
-# The critical path's records are collected when they have doubled since the last collection, and not below this.
+# The critical path's records are compacted when more than half of them, and more than this, were dropped.
 COLLECT_MIN = 1 << 16
 
 
@@ -77,14 +79,37 @@ def _in_flight_bound(schedule: Schedule, total: int) -> int:
 
 
 @njit
-def _mark_reachable(up: Any, roots: Any, keep: Any) -> None:
-    """Mark ``keep`` for every record reachable from the records ``roots`` through ``up`` (each record's
-    parent's record, -1 none); a walk stops at a record marked already."""
-    for root in roots:
-        current = root
-        while current >= 0 and not keep[current]:
-            keep[current] = True
-            current = up[current]
+def _adopt(records: Any, first: int, rank: Any, root: Any, replaced: Any) -> int:
+    """Count new records in (``records``: every record's parent's position ``up`` and count ``rc``; the new
+    ones are ``first, first + 1, ...``, one per entry of ``rank``, their rank, with ``up`` set and ``rc`` 0):
+    each is a child of its parent, and each rank's last of them becomes its root (``root``: per rank, its last
+    released slot's record). Then drop every record no root reaches any more (``rc`` -1), walking up from the
+    new records and from the roots replaced (``replaced``: room for as many). ``rc`` counts a record's
+    children kept, plus one while it is a root. Returns how many were dropped."""
+    up, rc = records
+    count = rank.size
+    for i in range(first, first + count):
+        if up[i] >= 0:
+            rc[up[i]] += 1
+    num_replaced = 0
+    for i in range(count):
+        old = root[rank[i]]
+        root[rank[i]] = first + i
+        rc[first + i] += 1
+        if old >= 0:
+            rc[old] -= 1
+            replaced[num_replaced] = old
+            num_replaced += 1
+    dropped = 0
+    for i in range(count + num_replaced):
+        x = first + i if i < count else replaced[i - count]
+        while x >= 0 and rc[x] == 0:
+            rc[x] = -1
+            dropped += 1
+            x = up[x]
+            if x >= 0:
+                rc[x] -= 1
+    return dropped
 
 
 class _Rings:
@@ -228,8 +253,7 @@ class StreamRun:
         collect_min: int = COLLECT_MIN,
     ) -> None:
         """``window_transfers``: how many transfers to lay out at a time (at least a step's); ``collect_min``: the
-        critical path's records are collected when they have doubled since the last collection and exceed
-        this."""
+        critical path's records are compacted when more than half of them, and more than this, were dropped."""
         self.schedule = schedule
         n = self.n = schedule.world_size
         self.size_bytes = float(size_bytes)
@@ -308,9 +332,11 @@ class StreamRun:
         self.trace_start = np.full((self.steps_with.size, k), np.nan)
         self.trace_end = np.full((self.steps_with.size, k), np.nan)
         # The critical path's records, by slot (increasing): its parent slot, and its transfer's.
+        # Each record counts its kept children, plus one while it is a root: its rank's last released slot.
         self.records: dict[str, Any] = {}
         self.num_records = 0
-        self.collected = 0
+        self.root = np.full(n, -1, dtype=np.int64)  # per rank, its last released slot's record
+        self.dropped = 0  # records dropped since the last compaction
         self.collect_min = collect_min
 
     # -- laying out ---------------------------------------------------------------------------------
@@ -437,19 +463,19 @@ class StreamRun:
         row = np.searchsorted(self.steps_with, slot_step[shown])
         self.trace_start[row, slot_rank[shown]] = slot_start[shown]
         self.trace_end[row, slot_rank[shown]] = finish[shown]
-        self._record(np.arange(s_lo, s_hi, dtype=np.int64), *sl.span(s_lo, s_hi, "slot_last", "parent"))
+        self._record(np.arange(s_lo, s_hi, dtype=np.int64), slot_rank, *sl.span(s_lo, s_hi, "slot_last", "parent"))
         self.low = hi
-        if self.num_records > max(3 * self.collected // 2, self.collect_min):
+        if self.dropped > max(self.num_records // 2, self.collect_min):
             self._collect()
 
-    def _record(self, ids: IntArray, last: IntArray, parent: IntArray) -> None:
-        """Keep the critical path's records of the released slots ``ids`` (``last``: the transfer that ended
-        each, ``parent``: its parent slot)."""
+    def _record(self, ids: IntArray, rank: IntArray, last: IntArray, parent: IntArray) -> None:
+        """Keep the critical path's records of the released slots ``ids`` (of ranks ``rank``; ``last``: the
+        transfer that ended each, ``parent``: its parent slot) and drop those no root reaches any more."""
         tr, sl = self.transfers, self.slots
         xi = last & tr.mask
         # 57 bytes a record (the step follows from the slot, the delay from the slot's rank: x's sender or not);
         # the parent is held as its record's position (``up``), found once here rather than by a search at
-        # every step of every walk (:meth:`_collect`).
+        # every step of every walk back.
         new = {
             "slot": ids,
             "up": parent,
@@ -461,49 +487,48 @@ class StreamRun:
             "delivered_s": tr["delivered_s"][xi],
             "slowest_rate": tr["slowest"][xi],
             "bottleneck": tr["bottleneck"][xi],
+            "rc": np.zeros(ids.size, dtype=np.int32),
         }
         if not self.records:
             self.records = {name: np.empty(max(2 * ids.size, 1024), dtype=a.dtype) for name, a in new.items()}
-        size = self.num_records + ids.size
+        first = self.num_records
+        size = first + ids.size
         if size > self.records["slot"].size:
             capacity = max(size, self.records["slot"].size * 3 // 2)
             for name, a in self.records.items():
                 grown = np.empty(capacity, dtype=a.dtype)
-                grown[: self.num_records] = a[: self.num_records]
+                grown[:first] = a[:first]
                 self.records[name] = grown
         for name, a in new.items():
-            self.records[name][self.num_records : size] = a
-        # A released slot's parent is released (an earlier step) and kept (a slot under way reaches it).
-        slot, up = self.records["slot"][:size], self.records["up"][self.num_records : size]
+            self.records[name][first:size] = a
+        # A released slot's parent is released (an earlier step) and kept: it is the last released slot of the
+        # rank of the slot whose start let the transfer begin (that slot is in the released slot's step), so a
+        # root until that slot is released (here or later).
+        slot, up, rc = self.records["slot"][:size], self.records["up"][first:size], self.records["rc"]
         has = up >= 0
         found = np.searchsorted(slot, up[has])
-        if not np.array_equal(slot[np.minimum(found, size - 1)], up[has]):
+        found_at = np.minimum(found, size - 1)
+        if not np.array_equal(slot[found_at], up[has]) or np.any(rc[found_at] < 0):
             raise RuntimeError(f"{self.schedule.name}: a critical path's parent slot has no record")
         up[has] = found
         self.num_records = size
+        replaced = np.empty(ids.size, dtype=np.int64)
+        self.dropped += _adopt((self.records["up"], rc), first, np.ascontiguousarray(rank), self.root, replaced)
 
     def _collect(self) -> None:
-        """Drop the records no slot in the buffers and no rank's last slot can reach."""
-        sl = self.slots
+        """Compact the records, leaving out those dropped (each kept record's parent is kept: it moves with it)."""
         count = self.num_records
-        slot = self.records["slot"][:count]
-        up = self.records["up"][:count]
-        pred, parent = sl.span(int(self.step_slot[self.low]), int(self.step_slot[self.high]), "pred", "parent")
-        # Every rank's last slot, once all are laid out: the walk at the end starts from one of them.
-        last = self.last_slot if self.high == self.num_steps else np.zeros(0, dtype=np.int64)
-        roots = np.concatenate([pred, parent, last])
-        keep = np.zeros(count, dtype=np.bool_)
-        roots = roots[(roots >= 0) & (roots < self.step_slot[self.low])]
-        _mark_reachable(up, np.searchsorted(slot, roots), keep)
-        kept = int(keep.sum())
-        # A kept record's parent is kept (the walk went on through it): its position moves with the compaction.
+        keep = self.records["rc"][:count] >= 0
+        kept = int(np.count_nonzero(keep))
         position = np.cumsum(keep) - 1
-        up_kept = up[keep]
-        up_kept[up_kept >= 0] = position[up_kept[up_kept >= 0]]
         for a in self.records.values():
             a[:kept] = a[:count][keep]
-        self.records["up"][:kept] = up_kept
-        self.num_records = self.collected = kept
+        up = self.records["up"][:kept]
+        up[up >= 0] = position[up[up >= 0]]
+        rooted = self.root >= 0
+        self.root[rooted] = position[self.root[rooted]]
+        self.num_records = kept
+        self.dropped = 0
 
     # -- the run ------------------------------------------------------------------------------------
     def run(self, progress: Callable[[float], None] | None = None) -> None:
