@@ -196,7 +196,7 @@ def test_the_records_kept_are_those_the_roots_reach(batches: list[list[tuple[int
     # Records come in batches, each entry (its rank, how far back its parent is among the records kept and
     # those of its batch before it); each rank's last record is its root. After every batch the records kept
     # are those a walk up from the roots reaches, each counting its kept children plus one if it is a root.
-    from allreduce.sim._stream import _adopt
+    from allreduce.sim._records import _adopt
 
     total = sum(len(b) for b in batches)
     up = np.full(total, -1, dtype=np.int64)

@@ -34,9 +34,9 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules import Schedule
-from allreduce.sim._jit import njit
 from allreduce.sim._kernel import DONE, MORE, UNKNOWN, Queue, make_work
 from allreduce.sim._layout import ChainRecords, match_transfers, numbered, route_pairs
+from allreduce.sim._records import COLLECT_MIN, PathRecords
 from allreduce.sim._result import PhaseResult
 from allreduce.sim._routing import Router
 
@@ -47,8 +47,6 @@ FloatArray = npt.NDArray[np.float64]
 
 # Transfers laid out per window (at least one step's): the buffers hold the steps under way plus one window.
 WINDOW_TRANSFERS = 1 << 18
-# The critical path's records are compacted when more than half of them, and more than this, were dropped.
-COLLECT_MIN = 1 << 16
 
 
 def stream_pairs(schedule: Schedule) -> IntArray:
@@ -76,40 +74,6 @@ def _in_flight_bound(schedule: Schedule, total: int) -> int:
     strided = int(np.count_nonzero(live & ~fixed))
     bound = int(np.count_nonzero(live)) + int(np.count_nonzero(fixed)) + strided * schedule.world_size
     return min(bound, total) + 1
-
-
-@njit
-def _adopt(records: Any, first: int, rank: Any, root: Any, replaced: Any) -> int:
-    """Count new records in (``records``: every record's parent's position ``up`` and count ``rc``; the new
-    ones are ``first, first + 1, ...``, one per entry of ``rank``, their rank, with ``up`` set and ``rc`` 0):
-    each is a child of its parent, and each rank's last of them becomes its root (``root``: per rank, its last
-    released slot's record). Then drop every record no root reaches any more (``rc`` -1), walking up from the
-    new records and from the roots replaced (``replaced``: room for as many). ``rc`` counts a record's
-    children kept, plus one while it is a root. Returns how many were dropped."""
-    up, rc = records
-    count = rank.size
-    for i in range(first, first + count):
-        if up[i] >= 0:
-            rc[up[i]] += 1
-    num_replaced = 0
-    for i in range(count):
-        old = root[rank[i]]
-        root[rank[i]] = first + i
-        rc[first + i] += 1
-        if old >= 0:
-            rc[old] -= 1
-            replaced[num_replaced] = old
-            num_replaced += 1
-    dropped = 0
-    for i in range(count + num_replaced):
-        x = first + i if i < count else replaced[i - count]
-        while x >= 0 and rc[x] == 0:
-            rc[x] = -1
-            dropped += 1
-            x = up[x]
-            if x >= 0:
-                rc[x] -= 1
-    return dropped
 
 
 class _Rings:
@@ -331,13 +295,7 @@ class StreamRun:
         self.trace_ranks = k = min(n, trace_ranks)
         self.trace_start = np.full((self.steps_with.size, k), np.nan)
         self.trace_end = np.full((self.steps_with.size, k), np.nan)
-        # The critical path's records, by slot (increasing): its parent slot, and its transfer's.
-        # Each record counts its kept children, plus one while it is a root: its rank's last released slot.
-        self.records: dict[str, Any] = {}
-        self.num_records = 0
-        self.root = np.full(n, -1, dtype=np.int64)  # per rank, its last released slot's record
-        self.dropped = 0  # records dropped since the last compaction
-        self.collect_min = collect_min
+        self.path = PathRecords(n, collect_min)
 
     # -- laying out ---------------------------------------------------------------------------------
     def _lay_out(self) -> None:
@@ -463,72 +421,15 @@ class StreamRun:
         row = np.searchsorted(self.steps_with, slot_step[shown])
         self.trace_start[row, slot_rank[shown]] = slot_start[shown]
         self.trace_end[row, slot_rank[shown]] = finish[shown]
-        self._record(np.arange(s_lo, s_hi, dtype=np.int64), slot_rank, *sl.span(s_lo, s_hi, "slot_last", "parent"))
+        tr = self.transfers
+        fields = ("send_slot", "recv_slot", "trigger", "start_s", "drained_s", "delivered_s", "slowest", "bottleneck")
+        self.path.add(
+            tuple(tr[name] for name in fields),
+            (np.ascontiguousarray(slot_rank), sl["rank"], sl["slot_last"], sl["parent"]),
+            np.array([tr.mask, sl.mask], dtype=np.int64),
+            s_lo,
+        )
         self.low = hi
-        if self.dropped > max(self.num_records // 2, self.collect_min):
-            self._collect()
-
-    def _record(self, ids: IntArray, rank: IntArray, last: IntArray, parent: IntArray) -> None:
-        """Keep the critical path's records of the released slots ``ids`` (of ranks ``rank``; ``last``: the
-        transfer that ended each, ``parent``: its parent slot) and drop those no root reaches any more."""
-        tr, sl = self.transfers, self.slots
-        xi = last & tr.mask
-        # 57 bytes a record (the step follows from the slot, the delay from the slot's rank: x's sender or not);
-        # the parent is held as its record's position (``up``), found once here rather than by a search at
-        # every step of every walk back.
-        new = {
-            "slot": ids,
-            "up": parent,
-            "src": sl["rank"][tr["send_slot"][xi] & sl.mask],
-            "dst": sl["rank"][tr["recv_slot"][xi] & sl.mask],
-            "sent": tr["send_slot"][xi] == ids,
-            "start_s": tr["start_s"][xi],
-            "drained_s": tr["drained_s"][xi],
-            "delivered_s": tr["delivered_s"][xi],
-            "slowest_rate": tr["slowest"][xi],
-            "bottleneck": tr["bottleneck"][xi],
-            "rc": np.zeros(ids.size, dtype=np.int32),
-        }
-        if not self.records:
-            self.records = {name: np.empty(max(2 * ids.size, 1024), dtype=a.dtype) for name, a in new.items()}
-        first = self.num_records
-        size = first + ids.size
-        if size > self.records["slot"].size:
-            capacity = max(size, self.records["slot"].size * 3 // 2)
-            for name, a in self.records.items():
-                grown = np.empty(capacity, dtype=a.dtype)
-                grown[:first] = a[:first]
-                self.records[name] = grown
-        for name, a in new.items():
-            self.records[name][first:size] = a
-        # A released slot's parent is released (an earlier step) and kept: it is the last released slot of the
-        # rank of the slot whose start let the transfer begin (that slot is in the released slot's step), so a
-        # root until that slot is released (here or later).
-        slot, up, rc = self.records["slot"][:size], self.records["up"][first:size], self.records["rc"]
-        has = up >= 0
-        found = np.searchsorted(slot, up[has])
-        found_at = np.minimum(found, size - 1)
-        if not np.array_equal(slot[found_at], up[has]) or np.any(rc[found_at] < 0):
-            raise RuntimeError(f"{self.schedule.name}: a critical path's parent slot has no record")
-        up[has] = found
-        self.num_records = size
-        replaced = np.empty(ids.size, dtype=np.int64)
-        self.dropped += _adopt((self.records["up"], rc), first, np.ascontiguousarray(rank), self.root, replaced)
-
-    def _collect(self) -> None:
-        """Compact the records, leaving out those dropped (each kept record's parent is kept: it moves with it)."""
-        count = self.num_records
-        keep = self.records["rc"][:count] >= 0
-        kept = int(np.count_nonzero(keep))
-        position = np.cumsum(keep) - 1
-        for a in self.records.values():
-            a[:kept] = a[:count][keep]
-        up = self.records["up"][:kept]
-        up[up >= 0] = position[up[up >= 0]]
-        rooted = self.root >= 0
-        self.root[rooted] = position[self.root[rooted]]
-        self.num_records = kept
-        self.dropped = 0
 
     # -- the run ------------------------------------------------------------------------------------
     def run(self, progress: Callable[[float], None] | None = None) -> None:
@@ -632,19 +533,12 @@ class StreamRun:
     # -- results ------------------------------------------------------------------------------------
     def chain(self) -> ChainRecords:
         """The critical path's records, earliest first, from the last slot of the rank that finished last."""
-        count = self.num_records
-        slot = self.records["slot"][:count] if count else np.zeros(0, dtype=np.int64)
-        at: list[int] = []
         current = int(self.last_slot[int(np.argmax(self.rank_end))]) if self.total else -1
-        i = int(np.searchsorted(slot, current)) if current >= 0 else -1
-        while i >= 0:
-            at.append(i)
-            i = int(self.records["up"][i])
-        picked = np.asarray(at[::-1], dtype=np.int64)
-        if not count:
+        picked = self.path.walk(current)
+        if not picked.size:
             empty = np.zeros(0, dtype=np.int64)
             return ChainRecords(empty, empty, empty, *(np.zeros(0),) * 4, empty, np.zeros(0))
-        r = {name: a[picked] for name, a in self.records.items()}
+        r = {name: a[picked] for name, a in self.path.records.items()}
         bottleneck = r["bottleneck"].astype(np.int64)
         src, dst = r["src"].astype(np.int64), r["dst"].astype(np.int64)
         return ChainRecords(
