@@ -14,7 +14,8 @@ time, peak memory, and agreement.
     .venv/bin/python benchmarks/bench_engines.py --one fat-tree:k=26 4096 ring streamed   # one run, as JSON
                                                    # (core: kernel as engine="event" runs it, whole or
                                                    # streamed layout, windowed, per-event; --stop 0.05:
-                                                   # stopped after 5% of its transfers, CPU-s up to there)
+                                                   # stopped after 5% of its transfers, CPU-s up to there,
+                                                   # and by part at each hundredth of them)
 
 Cases (64 MiB per rank, random placement, seed 0, as `allreduce sim --placement random`): ring on a k=16
 fat-tree (ECMP); ring and double binary tree (8 chunks) on a 32x8x32 Clos with 4:1 oversubscription. Each run is
@@ -64,6 +65,9 @@ def one(spec: str, ranks: int, algorithm: str, core: str, stop: float = 1.0) -> 
 
     stats: list[list[int]] = []
     parts: dict[str, float] = {}  # a streamed run's CPU seconds by part
+    # A streamed run's CPU seconds by part so far, at each hundredth of its transfers (with --stop).
+    slices: list[list[float]] = []
+    streamed_runs: list[object] = []
     if core in ("kernel", "streamed"):
         # The compiled core on a streamed layout (sim/_stream.py): where run_event takes it ("kernel": beyond 2^22
         # transfers), or whatever the schedule's size ("streamed"); its counts and CPU seconds by part.
@@ -74,6 +78,7 @@ def one(spec: str, ranks: int, algorithm: str, core: str, stop: float = 1.0) -> 
         compiled_stream = _stream.StreamRun.run
 
         def counted_stream(run: _stream.StreamRun, progress: object = None) -> None:
+            streamed_runs.append(run)
             try:
                 compiled_stream(run, progress)  # type: ignore[arg-type]
             finally:
@@ -109,6 +114,9 @@ def one(spec: str, ranks: int, algorithm: str, core: str, stop: float = 1.0) -> 
 
     def progress(fraction: float) -> None:
         delivered[0] = fraction
+        if streamed_runs and int(100 * fraction) > len(slices):
+            cpu_s = streamed_runs[0].cpu_s  # type: ignore[attr-defined]
+            slices.append([round(fraction, 4), *(round(cpu_s[part], 2) for part in ("lay out", "kernel", "fold"))])
         if fraction >= stop:
             raise _StoppedError
 
@@ -135,6 +143,7 @@ def one(spec: str, ranks: int, algorithm: str, core: str, stop: float = 1.0) -> 
         "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "kernel_stats": stats[0] if stats else [],
         "cpu_parts": parts,
+        "cpu_parts_by_hundredth": slices,
     }
 
 
