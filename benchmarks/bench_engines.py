@@ -13,7 +13,9 @@ time, peak memory, and agreement.
                                                    # --rtol 1e-9: times and rates to 1e-9 relative)
     .venv/bin/python benchmarks/bench_engines.py --one fat-tree:k=26 4096 ring streamed   # one run, as JSON
                                                    # (core: kernel as engine="event" runs it, whole or
-                                                   # streamed layout, windowed, per-event)
+                                                   # streamed layout, windowed, per-event; --stop 0.05:
+                                                   # stopped after 5% of its transfers, CPU-s up to there,
+                                                   # and by part at each hundredth of them)
 
 Cases (64 MiB per rank, random placement, seed 0, as `allreduce sim --placement random`): ring on a k=16
 fat-tree (ECMP); ring and double binary tree (8 chunks) on a 32x8x32 Clos with 4:1 oversubscription. Each run is
@@ -47,8 +49,14 @@ CASES = ((FAT_TREE, "ring"), (CLOS, "ring"), (CLOS, "double_binary_tree"))
 NUDGE_S = 1e-15
 
 
-def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
-    """One simulation in this process: engine="event" with the given core."""
+class _StoppedError(Exception):
+    """Raised by --one's progress callback to stop a run after --stop of its transfers."""
+
+
+def one(spec: str, ranks: int, algorithm: str, core: str, stop: float = 1.0) -> dict[str, object]:
+    """One simulation in this process: engine="event" with the given core; stopped (through the progress
+    callback) once ``stop`` of its transfers are delivered, where ``stop`` < 1 (then "seconds" and "rank_end"
+    are null, and the CPU times are those up to the stop)."""
     import numpy as np
 
     from allreduce.schedules import Collective, make_schedule
@@ -57,6 +65,9 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
 
     stats: list[list[int]] = []
     parts: dict[str, float] = {}  # a streamed run's CPU seconds by part
+    # A streamed run's CPU seconds by part so far, at each hundredth of its transfers (with --stop).
+    slices: list[list[float]] = []
+    streamed_runs: list[object] = []
     if core in ("kernel", "streamed"):
         # The compiled core on a streamed layout (sim/_stream.py): where run_event takes it ("kernel": beyond 2^22
         # transfers), or whatever the schedule's size ("streamed"); its counts and CPU seconds by part.
@@ -67,9 +78,12 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
         compiled_stream = _stream.StreamRun.run
 
         def counted_stream(run: _stream.StreamRun, progress: object = None) -> None:
-            compiled_stream(run, progress)  # type: ignore[arg-type]
-            stats.append(run.kernel_stats.tolist())
-            parts.update(run.cpu_s)
+            streamed_runs.append(run)
+            try:
+                compiled_stream(run, progress)  # type: ignore[arg-type]
+            finally:
+                stats.append(run.kernel_stats.tolist())
+                parts.update(run.cpu_s)
 
         _stream.StreamRun.run = counted_stream  # type: ignore[method-assign]
     elif core == "whole":
@@ -96,17 +110,40 @@ def one(spec: str, ranks: int, algorithm: str, core: str) -> dict[str, object]:
         _event.WindowRun = _Unusable  # type: ignore[misc]
     topo = parse_topology(spec)
     sched = make_schedule(Collective.ALL_REDUCE, algorithm, ranks, chunks=8)
+    delivered = [0.0]
+
+    def progress(fraction: float) -> None:
+        delivered[0] = fraction
+        if streamed_runs and int(100 * fraction) > len(slices):
+            cpu_s = streamed_runs[0].cpu_s  # type: ignore[attr-defined]
+            slices.append([round(fraction, 4), *(round(cpu_s[part], 2) for part in ("lay out", "kernel", "fold"))])
+        if fraction >= stop:
+            raise _StoppedError
+
     wall, cpu = time.perf_counter(), time.process_time()
-    result = simulate(sched, topo, size_bytes=SIZE_BYTES, placement="random", seed=0, engine="event")
+    try:
+        result = simulate(
+            sched,
+            topo,
+            size_bytes=SIZE_BYTES,
+            placement="random",
+            seed=0,
+            engine="event",
+            progress=progress if stop < 1 else None,
+        )
+    except _StoppedError:
+        result = None
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {
-        "seconds": result.seconds,
-        "rank_end": np.asarray(result.rank_end_s).tolist(),
+        "seconds": None if result is None else result.seconds,
+        "rank_end": None if result is None else np.asarray(result.rank_end_s).tolist(),
+        "delivered": 1.0 if result is not None else delivered[0],
         "wall": wall,
         "cpu": cpu,
         "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "kernel_stats": stats[0] if stats else [],
         "cpu_parts": parts,
+        "cpu_parts_by_hundredth": slices,
     }
 
 
@@ -575,10 +612,11 @@ def main() -> int:
         "--rtol", type=float, default=0.0, help="--against: times and rates to this relative tolerance, not bit for bit"
     )
     parser.add_argument("--one", nargs=4, metavar=("SPEC", "RANKS", "ALGORITHM", "CORE"), help=argparse.SUPPRESS)
+    parser.add_argument("--stop", type=float, default=1.0, help="--one: stop after this share of the transfers")
     args = parser.parse_args()
     if args.one:
         spec, ranks, algorithm, core = args.one
-        print(json.dumps(one(spec, int(ranks), algorithm, core)))
+        print(json.dumps(one(spec, int(ranks), algorithm, core, args.stop)))
         return 0
     if args.snapshot or args.against:
         return snapshot(args.snapshot or args.against, bool(args.against), args.with_large, args.rtol)

@@ -119,3 +119,43 @@ def test_more_transfers_in_flight_than_blocks_stops_the_run(monkeypatch: pytest.
     monkeypatch.setattr(_kernel, "_in_flight_bound", lambda run: 1)
     with pytest.raises(RuntimeError, match="more than 1 transfers in flight"):
         simulate(all_reduce("ring", 4), parse_topology("switch:4"), size_bytes=SIZE, engine="event")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    network=st.sampled_from(NETWORKS),
+    algorithm=st.sampled_from(ALGORITHMS),
+    seed=st.integers(0, 2**16),
+    late=st.booleans(),
+)
+def test_a_transfer_alone_on_its_links_drains_at_its_solo_rate(
+    network: tuple[str, int], algorithm: str, seed: int, late: bool
+) -> None:
+    # A transfer that no other overlaps on any link while it drains drains at its solo rate (its path's least
+    # capacity over weight) from start to end, and that is its slowest rate; one overlapped drains no faster.
+    # What a shortcut for transfers alone on their links (docs/design.md) would have to keep.
+    spec, ranks = network
+    if algorithm in ("halving_doubling", "recursive_doubling") and ranks & (ranks - 1):
+        ranks = 8
+    start = np.random.default_rng(seed).uniform(0, 2e-5, ranks) if late else np.zeros(ranks)
+    _, run = _runs(spec, ranks, algorithm, seed=seed, delay=np.zeros(ranks), extra=0.0, start=start)
+    nbytes = np.asarray(run.t.fraction) * run.size_bytes
+    links = [run.pair_link[run.pair_ptr[p] : run.pair_ptr[p + 1]] for p in run.pair]
+    solo = np.asarray(
+        [
+            np.min(run.link_capacity[links[x]] / run.pair_weight[run.pair_ptr[p] : run.pair_ptr[p + 1]])
+            if links[x].size
+            else np.inf
+            for x, p in enumerate(run.pair)
+        ]
+    )
+    flows = np.flatnonzero((nbytes > 0) & np.isfinite(solo))
+    for x in flows:
+        others = flows[(run.start_s[flows] < run.drained_s[x]) & (run.drained_s[flows] > run.start_s[x]) & (flows != x)]
+        shared = [y for y in others if np.intersect1d(links[x], links[y]).size]
+        duration = run.drained_s[x] - run.start_s[x]
+        if shared:
+            assert duration >= nbytes[x] / solo[x] * (1 - 1e-12)
+        else:
+            assert duration == pytest.approx(nbytes[x] / solo[x], rel=1e-12)
+            assert run.slowest_rate[x] == solo[x]

@@ -188,24 +188,38 @@ def test_the_median_kept_as_distinct_values_is_numpys(values: list[float], parts
 
 @settings(max_examples=100, deadline=None)
 @given(
-    parents=st.lists(st.integers(-1, 30), min_size=1, max_size=30),
-    roots=st.lists(st.integers(0, 29), max_size=8),
+    batches=st.lists(
+        st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), min_size=1, max_size=8), min_size=1, max_size=8
+    )
 )
-def test_the_records_marked_are_those_reachable_from_the_roots(parents: list[int], roots: list[int]) -> None:
-    # Each record's parent is an earlier record (or none); marking walks up from each root.
-    from allreduce.sim._stream import _mark_reachable
+def test_the_records_kept_are_those_the_roots_reach(batches: list[list[tuple[int, int]]]) -> None:
+    # Records come in batches, each entry (its rank, how far back its parent is among the records kept and
+    # those of its batch before it); each rank's last record is its root. After every batch the records kept
+    # are those a walk up from the roots reaches, each counting its kept children plus one if it is a root.
+    from allreduce.sim._records import _adopt
 
-    up = np.asarray([p if p < i else -1 for i, p in enumerate(parents)], dtype=np.int64)
-    starts = np.asarray([r for r in roots if r < up.size], dtype=np.int64)
-    reachable = set()
-    for root in starts.tolist():
-        record = root
-        while record >= 0:
-            reachable.add(record)
-            record = int(up[record])
-    keep = np.zeros(up.size, dtype=np.bool_)
-    _mark_reachable(up, starts, keep)
-    assert set(np.flatnonzero(keep).tolist()) == reachable
+    total = sum(len(b) for b in batches)
+    up = np.full(total, -1, dtype=np.int64)
+    rc = np.zeros(total, dtype=np.int32)
+    root = np.full(4, -1, dtype=np.int64)
+    first = dropped = 0
+    for batch in batches:
+        for i, (_, back) in enumerate(batch):
+            kept = [r for r in range(first + i) if r >= first or rc[r] >= 0]
+            up[first + i] = kept[-1 - back] if back < len(kept) else -1
+        rank = np.asarray([r for r, _ in batch], dtype=np.int32)
+        dropped += _adopt((up, rc), first, rank, root, np.empty(rank.size, dtype=np.int64))
+        first += rank.size
+        reached: set[int] = set()
+        for start in root[root >= 0].tolist():
+            record = start
+            while record >= 0 and record not in reached:
+                reached.add(record)
+                record = int(up[record])
+        assert set(np.flatnonzero(rc[:first] >= 0).tolist()) == reached
+        assert dropped == first - len(reached)
+        for r in reached:
+            assert rc[r] == sum(1 for c in reached if up[c] == r) + int(r in root.tolist())
 
 
 @settings(max_examples=100, deadline=None)

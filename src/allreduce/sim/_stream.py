@@ -15,10 +15,12 @@ summed window by window (rounding).
 What a result needs of the released steps is folded in as they go: per phase its first start, last end,
 slowest rate and the rates' median (the rates go to a temporary file, 8 bytes each, and the median is selected
 from it at the end), per link its bytes, the trace of the first ranks, and the critical path's links: per
-slot, the transfer that ended it and the slot before the one whose start let that transfer begin. Those
-records are kept only while a slot still in the buffers, or a rank's last slot, can reach them (a collection
-from those roots whenever they have doubled), so the walk back from the last rank to finish, at the end,
-finds every link it needs.
+slot, the transfer that ended it and the slot before the one whose start let that transfer begin. A slot
+still in the buffers reaches the released ones only through its rank's last released slot (a parent is the
+slot before a slot of the same step), so those, one per rank, are the roots: each record counts its kept
+children (plus one while a root) and is dropped when that count falls to zero, walking up. The records kept are
+those the walk back from the last rank to finish, at the end, may need; each record is counted in and dropped
+once, whatever the run's size.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.schedules import Schedule
-from allreduce.sim._jit import njit
 from allreduce.sim._kernel import DONE, MORE, UNKNOWN, Queue, make_work
 from allreduce.sim._layout import ChainRecords, match_transfers, numbered, route_pairs
+from allreduce.sim._records import COLLECT_MIN, PathRecords
 from allreduce.sim._result import PhaseResult
 from allreduce.sim._routing import Router
 
@@ -45,8 +47,6 @@ FloatArray = npt.NDArray[np.float64]
 
 # Transfers laid out per window (at least one step's): the buffers hold the steps under way plus one window.
 WINDOW_TRANSFERS = 1 << 18
-# The critical path's records are collected when they have doubled since the last collection, and not below this.
-COLLECT_MIN = 1 << 16
 
 
 def stream_pairs(schedule: Schedule) -> IntArray:
@@ -74,17 +74,6 @@ def _in_flight_bound(schedule: Schedule, total: int) -> int:
     strided = int(np.count_nonzero(live & ~fixed))
     bound = int(np.count_nonzero(live)) + int(np.count_nonzero(fixed)) + strided * schedule.world_size
     return min(bound, total) + 1
-
-
-@njit
-def _mark_reachable(up: Any, roots: Any, keep: Any) -> None:
-    """Mark ``keep`` for every record reachable from the records ``roots`` through ``up`` (each record's
-    parent's record, -1 none); a walk stops at a record marked already."""
-    for root in roots:
-        current = root
-        while current >= 0 and not keep[current]:
-            keep[current] = True
-            current = up[current]
 
 
 class _Rings:
@@ -228,8 +217,7 @@ class StreamRun:
         collect_min: int = COLLECT_MIN,
     ) -> None:
         """``window_transfers``: how many transfers to lay out at a time (at least a step's); ``collect_min``: the
-        critical path's records are collected when they have doubled since the last collection and exceed
-        this."""
+        critical path's records are compacted when more than half of them, and more than this, were dropped."""
         self.schedule = schedule
         n = self.n = schedule.world_size
         self.size_bytes = float(size_bytes)
@@ -307,11 +295,7 @@ class StreamRun:
         self.trace_ranks = k = min(n, trace_ranks)
         self.trace_start = np.full((self.steps_with.size, k), np.nan)
         self.trace_end = np.full((self.steps_with.size, k), np.nan)
-        # The critical path's records, by slot (increasing): its parent slot, and its transfer's.
-        self.records: dict[str, Any] = {}
-        self.num_records = 0
-        self.collected = 0
-        self.collect_min = collect_min
+        self.path = PathRecords(n, collect_min)
 
     # -- laying out ---------------------------------------------------------------------------------
     def _lay_out(self) -> None:
@@ -437,73 +421,15 @@ class StreamRun:
         row = np.searchsorted(self.steps_with, slot_step[shown])
         self.trace_start[row, slot_rank[shown]] = slot_start[shown]
         self.trace_end[row, slot_rank[shown]] = finish[shown]
-        self._record(np.arange(s_lo, s_hi, dtype=np.int64), *sl.span(s_lo, s_hi, "slot_last", "parent"))
+        tr = self.transfers
+        fields = ("send_slot", "recv_slot", "trigger", "start_s", "drained_s", "delivered_s", "slowest", "bottleneck")
+        self.path.add(
+            tuple(tr[name] for name in fields),
+            (np.ascontiguousarray(slot_rank), sl["rank"], sl["slot_last"], sl["parent"]),
+            np.array([tr.mask, sl.mask], dtype=np.int64),
+            s_lo,
+        )
         self.low = hi
-        if self.num_records > max(3 * self.collected // 2, self.collect_min):
-            self._collect()
-
-    def _record(self, ids: IntArray, last: IntArray, parent: IntArray) -> None:
-        """Keep the critical path's records of the released slots ``ids`` (``last``: the transfer that ended
-        each, ``parent``: its parent slot)."""
-        tr, sl = self.transfers, self.slots
-        xi = last & tr.mask
-        # 57 bytes a record (the step follows from the slot, the delay from the slot's rank: x's sender or not);
-        # the parent is held as its record's position (``up``), found once here rather than by a search at
-        # every step of every walk (:meth:`_collect`).
-        new = {
-            "slot": ids,
-            "up": parent,
-            "src": sl["rank"][tr["send_slot"][xi] & sl.mask],
-            "dst": sl["rank"][tr["recv_slot"][xi] & sl.mask],
-            "sent": tr["send_slot"][xi] == ids,
-            "start_s": tr["start_s"][xi],
-            "drained_s": tr["drained_s"][xi],
-            "delivered_s": tr["delivered_s"][xi],
-            "slowest_rate": tr["slowest"][xi],
-            "bottleneck": tr["bottleneck"][xi],
-        }
-        if not self.records:
-            self.records = {name: np.empty(max(2 * ids.size, 1024), dtype=a.dtype) for name, a in new.items()}
-        size = self.num_records + ids.size
-        if size > self.records["slot"].size:
-            capacity = max(size, self.records["slot"].size * 3 // 2)
-            for name, a in self.records.items():
-                grown = np.empty(capacity, dtype=a.dtype)
-                grown[: self.num_records] = a[: self.num_records]
-                self.records[name] = grown
-        for name, a in new.items():
-            self.records[name][self.num_records : size] = a
-        # A released slot's parent is released (an earlier step) and kept (a slot under way reaches it).
-        slot, up = self.records["slot"][:size], self.records["up"][self.num_records : size]
-        has = up >= 0
-        found = np.searchsorted(slot, up[has])
-        if not np.array_equal(slot[np.minimum(found, size - 1)], up[has]):
-            raise RuntimeError(f"{self.schedule.name}: a critical path's parent slot has no record")
-        up[has] = found
-        self.num_records = size
-
-    def _collect(self) -> None:
-        """Drop the records no slot in the buffers and no rank's last slot can reach."""
-        sl = self.slots
-        count = self.num_records
-        slot = self.records["slot"][:count]
-        up = self.records["up"][:count]
-        pred, parent = sl.span(int(self.step_slot[self.low]), int(self.step_slot[self.high]), "pred", "parent")
-        # Every rank's last slot, once all are laid out: the walk at the end starts from one of them.
-        last = self.last_slot if self.high == self.num_steps else np.zeros(0, dtype=np.int64)
-        roots = np.concatenate([pred, parent, last])
-        keep = np.zeros(count, dtype=np.bool_)
-        roots = roots[(roots >= 0) & (roots < self.step_slot[self.low])]
-        _mark_reachable(up, np.searchsorted(slot, roots), keep)
-        kept = int(keep.sum())
-        # A kept record's parent is kept (the walk went on through it): its position moves with the compaction.
-        position = np.cumsum(keep) - 1
-        up_kept = up[keep]
-        up_kept[up_kept >= 0] = position[up_kept[up_kept >= 0]]
-        for a in self.records.values():
-            a[:kept] = a[:count][keep]
-        self.records["up"][:kept] = up_kept
-        self.num_records = self.collected = kept
 
     # -- the run ------------------------------------------------------------------------------------
     def run(self, progress: Callable[[float], None] | None = None) -> None:
@@ -607,19 +533,12 @@ class StreamRun:
     # -- results ------------------------------------------------------------------------------------
     def chain(self) -> ChainRecords:
         """The critical path's records, earliest first, from the last slot of the rank that finished last."""
-        count = self.num_records
-        slot = self.records["slot"][:count] if count else np.zeros(0, dtype=np.int64)
-        at: list[int] = []
         current = int(self.last_slot[int(np.argmax(self.rank_end))]) if self.total else -1
-        i = int(np.searchsorted(slot, current)) if current >= 0 else -1
-        while i >= 0:
-            at.append(i)
-            i = int(self.records["up"][i])
-        picked = np.asarray(at[::-1], dtype=np.int64)
-        if not count:
+        picked = self.path.walk(current)
+        if not picked.size:
             empty = np.zeros(0, dtype=np.int64)
             return ChainRecords(empty, empty, empty, *(np.zeros(0),) * 4, empty, np.zeros(0))
-        r = {name: a[picked] for name, a in self.records.items()}
+        r = {name: a[picked] for name, a in self.path.records.items()}
         bottleneck = r["bottleneck"].astype(np.int64)
         src, dst = r["src"].astype(np.int64), r["dst"].astype(np.int64)
         return ChainRecords(
