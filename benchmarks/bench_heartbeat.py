@@ -101,6 +101,7 @@ def gaps(ranks: int, seconds: float, lease_s: float) -> None:
 def _stopped_case_rank(env: dict[str, str], transport: str, lease_s: float, out: Any) -> None:
     os.environ.update(env)
     import allreduce
+    from allreduce.runtime import shrink_and_resume
 
     rank = int(env["RANK"])
     group = allreduce.init(transport=transport, timeout_s=120, lease_s=lease_s)
@@ -115,11 +116,7 @@ def _stopped_case_rank(env: dict[str, str], transport: str, lease_s: float, out:
         raised = time.time()
         error = (type(exc).__name__, exc.peer)
     started = time.monotonic()
-    group = group.shrink()
-    if group.ahead_ranks:  # the stop split the survivors by one call: those behind take its result first
-        group.broadcast(x, root=group.ahead_ranks[0])
-    x[:] = 1.0
-    group.all_reduce(x)
+    group = shrink_and_resume(group, x, lambda buffer, _: buffer.fill(1.0), kept=None)  # the same step again
     resumed = time.monotonic() - started
     exact = bool(np.all(x == group.world_size))
     group.close()

@@ -1,6 +1,5 @@
 """Shared test configuration, and the fixture that runs the command line as a user does."""
 
-import resource
 import subprocess
 import sys
 from collections import defaultdict
@@ -10,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from allreduce.schedules import Collective, algorithms, unregister_algorithm
+from cpu_seconds import cpu_s
 
 # CI runs on 2 shared cores: no per-example deadline, a fixed number of examples, deterministic seeds.
 settings.register_profile(
@@ -86,8 +86,9 @@ def run_allreduce() -> Callable[..., subprocess.CompletedProcess[str]]:
 
 # ----------------------------------------------------------------------- CPU seconds per test (--cpu-durations=N)
 # Wall time on 2 shared cores says more about the load than about a test; the suite's budget is CPU. Each phase's
-# CPU is this process's and its reaped children's (spawned ranks, CLI runs: every child a test waits for; a child
-# reaped late, by the next test that starts processes, counts there: read the modules' totals first).
+# CPU is this process's, its reaped children's (spawned ranks, CLI runs: every child a test waits for; a child
+# reaped late, by the next test that starts processes, counts there: read the modules' totals first) and its fork
+# server's with the ranks forked from it (cpu_seconds.py).
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--cpu-durations", type=int, default=None, metavar="N",
@@ -98,17 +99,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 _CPU_START = pytest.StashKey[float]()
 
 
-def _cpu_s() -> float:
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     if item.config.getoption("--cpu-durations") is None:
         yield
         return
-    item.stash[_CPU_START] = _cpu_s()
+    item.stash[_CPU_START] = cpu_s()
     yield
 
 
@@ -119,7 +115,7 @@ def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, None, None]:
         return
     report = outcome.get_result()
     if report.when == "teardown":
-        report.user_properties.append(("cpu_s", _cpu_s() - item.stash[_CPU_START]))
+        report.user_properties.append(("cpu_s", cpu_s() - item.stash[_CPU_START]))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:

@@ -7,17 +7,17 @@ what it raised, (kind, peer, message).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import signal
 from typing import Any
 
 import numpy as np
 import pytest
+from rank_processes import RANKS
 
 import allreduce
-from allreduce.runtime import spawn, spawn_elastic
+from allreduce.runtime import RankFailedError, spawn, spawn_elastic
 
-SPAWN = mp.get_context("spawn")  # the queues and barriers the ranks share, handed over as they start
 Raised = tuple[str, int | None, str]
 
 pytestmark = pytest.mark.serial  # stalled ranks
@@ -92,7 +92,7 @@ def _corrupts_its_control_word(case: tuple[int, str, Any, Any]) -> Raised:
 
 def _corruption_reports(word: str) -> list[Raised]:
     n, victim = 3, 2
-    case = (victim, word, SPAWN.Queue(), SPAWN.Barrier(n))
+    case = (victim, word, RANKS.Queue(), RANKS.Barrier(n))
     return spawn(n, _corrupts_its_control_word, case, group=False, timeout_s=BLAME_TIMEOUT_S * 3)
 
 
@@ -140,7 +140,7 @@ def _reads_a_buffer_offset_past_the_segment(done: Any) -> Raised:
 @pytest.mark.slow
 def test_shm_a_buffer_offset_past_the_peers_segment_is_named_as_corruption_not_a_value_error() -> None:
     reports = spawn(
-        2, _reads_a_buffer_offset_past_the_segment, SPAWN.Barrier(2), group=False, timeout_s=BLAME_TIMEOUT_S * 3
+        2, _reads_a_buffer_offset_past_the_segment, RANKS.Barrier(2), group=False, timeout_s=BLAME_TIMEOUT_S * 3
     )
     kind, peer, message = reports[1]
     assert (kind, peer) == ("ProtocolError", 0), message
@@ -166,38 +166,59 @@ def test_shm_corrupt_descriptor_stamp_is_named_as_corruption_of_its_owners_block
 
 
 STALL_TIMEOUT_S = 3.0
-"""The collective timeout of the stall test's group; the stalled rank holds each step four times as long."""
+"""The collective timeout of the stall test's group."""
+STALLED_RANK = 3
+STALL_HOLD_S = 20 * STALL_TIMEOUT_S
+"""How long the stalled rank holds each step: far past every survivor's raise at any load, and never waited out (rank
+0 SIGKILLs the stalled rank once the survivors have raised)."""
 
 
-def _one_rank_stalls_mid_collective(transport: str) -> Raised:
+def _one_rank_stalls_mid_collective(transport: str, news: Any, said: Any) -> None:
+    """The stalled rank says its pid, then holds (``ALLREDUCE_INJECT``); every other rank puts what it raised on
+    ``said``, then tells rank 0, which SIGKILLs the stalled rank once all three have raised."""
     with allreduce.init(transport=transport, timeout_s=STALL_TIMEOUT_S) as group:
+        if group.rank == STALLED_RANK:
+            news.put(("pid", os.getpid()))
         try:
             group.all_reduce(np.ones(1 << 16, np.float32), algorithm="ring")
+            raised: Raised = ("returned", None, "")
         except allreduce.CollectiveError as exc:
-            return type(exc).__name__, exc.peer, str(exc)
-    return "returned", None, ""
+            raised = (type(exc).__name__, exc.peer, str(exc))
+        said.put((group.rank, raised))
+        said.close()
+        said.join_thread()  # on its way to the test before the kill that ends the job
+        news.put(("raised", group.rank))
+        if group.rank == 0:
+            heard = dict(news.get(timeout=BLAME_TIMEOUT_S) for _ in range(group.world_size))  # 3 raised, 1 pid
+            os.kill(heard["pid"], signal.SIGKILL)
 
 
 def _stall_reports(transport: str) -> list[Raised]:
-    # In the ring, only rank 0 receives from rank 3; ranks 1 and 2 wait for ranks 0 and 1, which wait for rank 3.
-    stalled, hold_ms = 3, int(STALL_TIMEOUT_S * 4 * 1000)
-    return spawn(
-        4,
-        _one_rank_stalls_mid_collective,
-        transport,
-        group=False,
-        env={"ALLREDUCE_INJECT": f"hold:rank={stalled}:p=1:ms={hold_ms}"},
-        timeout_s=BLAME_TIMEOUT_S * 3,
-    )
+    """What ranks 0-2 raised. In the ring, only rank 0 receives from rank 3; ranks 1 and 2 wait for ranks 0 and 1,
+    which wait for rank 3. The job ends in the stalled rank's SIGKILL, not in its hold."""
+    news, said = RANKS.Queue(), RANKS.Queue()
+    with pytest.raises(RankFailedError, match=f"^rank {STALLED_RANK} was killed by SIGKILL"):
+        spawn(
+            4,
+            _one_rank_stalls_mid_collective,
+            transport,
+            news,
+            said,
+            group=False,
+            env={"ALLREDUCE_INJECT": f"hold:rank={STALLED_RANK}:p=1:ms={int(STALL_HOLD_S * 1000)}"},
+            timeout_s=BLAME_TIMEOUT_S * 3,
+        )
+    reports = dict(said.get(timeout=BLAME_TIMEOUT_S) for _ in range(3))
+    return [reports[rank] for rank in range(3)]
 
 
 @pytest.mark.slow
 def test_shm_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
-    for rank, (kind, peer, message) in enumerate(_stall_reports("shm")[:3]):
+    for rank, (kind, peer, message) in enumerate(_stall_reports("shm")):
         assert peer == 3, f"rank {rank}: {kind}: {message}"
 
 
 @pytest.mark.slow
 def test_tcp_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
-    for rank, (kind, peer, message) in enumerate(_stall_reports("tcp")[:3]):
+    for rank, (kind, peer, message) in enumerate(_stall_reports("tcp")):
         assert peer == 3, f"rank {rank}: {kind}: {message}"

@@ -1,4 +1,4 @@
-"""Helpers that start real rank processes (spawned) for the group tests; no tests of its own.
+"""Helpers that start real rank processes (rank_processes.RANKS) for the group tests; no tests of its own.
 
 ``run_ranks(n, target, *args)`` starts ``n`` processes running ``target(rank, n, port, out, *args)`` and returns
 what each put on ``out``, indexed by rank. A rank that exits without reporting, or a run that exceeds its
@@ -17,8 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-
-SPAWN = mp.get_context("spawn")
+from rank_processes import RANKS
 
 
 def free_port() -> int:
@@ -38,8 +37,8 @@ def run_ranks(
     (a rank the test stalls on purpose) are killed rather than waited for, and their entries are None."""
     wanted = set(range(n) if needed is None else needed)
     port = free_port()
-    out = SPAWN.Queue()
-    procs = [SPAWN.Process(target=target, args=(r, n, port, out, *args), daemon=True) for r in range(n)]
+    out = RANKS.Queue()
+    procs = [RANKS.Process(target=target, args=(r, n, port, out, *args), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

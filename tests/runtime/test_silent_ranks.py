@@ -9,7 +9,6 @@ Times are orderings against the lease and the group's timeout, never absolute fi
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rank_processes import RANKS
 
 from allreduce.runtime import CollectiveError, ProcessGroup, spawn
 from allreduce.runtime.launcher._spawn import new_token, rank_environment, reserve_port
@@ -69,7 +69,7 @@ def _stop_one(transport: str, victim: int, *, shrink: bool) -> dict[str, Any]:
     """Rank ``victim`` of 3 stopped while the ranks loop all-reduces: when it was stopped (``time.monotonic()``,
     which every process of the host shares) and the survivors' reports of what they raised, with, if ``shrink``,
     what their shrink did. Every process left (the stopped rank) is killed at the end."""
-    ctx = mp.get_context("spawn")
+    ctx = RANKS
     out = ctx.Queue()
     reservation = reserve_port()
     port, token = int(reservation.getsockname()[1]), new_token()

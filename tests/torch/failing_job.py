@@ -3,9 +3,10 @@
     python failing_job.py OUT_DIR FAULT MODE
 
 FAULT, what rank 1 does just before its second call (under DDP: between the second step's forward and
-backward): ``kill`` (SIGKILL itself), ``stall`` (sleep past the collective timeout), ``mismatch`` (an all-reduce
-of 7 elements, which pairs with another call of rank 0), ``stop`` (SIGSTOP itself, under a collective timeout of
-:data:`STOP_TIMEOUT_S`: the store's lease, ``ALLREDUCE_LEASE_S``, must find it; the test kills it).
+backward): ``kill`` (SIGKILL itself), ``stall`` (wait past the collective timeout: until rank 0 has given up and
+written what it raised, at most :data:`STALL_S`), ``mismatch`` (an all-reduce of 7 elements, which pairs with
+another call of rank 0), ``stop`` (SIGSTOP itself, under a collective timeout of :data:`STOP_TIMEOUT_S`: the
+store's lease, ``ALLREDUCE_LEASE_S``, must find it; the test kills it).
 MODE: ``collective`` (``dist.all_reduce``), ``async`` (``dist.broadcast(async_op=True)`` then ``work.wait()``),
 ``ddp`` (DDP on the backend: the second training step's backward), ``hook`` (DDP on Gloo with
 ``allreduce.torch.comm_hook`` on an "allreduce" group).
@@ -32,7 +33,8 @@ import torch
 from torch import nn
 
 TIMEOUT_S = 2.0
-STALL_S = TIMEOUT_S + 2.5
+STALL_S = 60.0
+"""The longest a stall waits for rank 0 to give up (it gives up after TIMEOUT_S)."""
 STOP_TIMEOUT_S = 120.0
 
 
@@ -41,29 +43,31 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
-def _fault(rank: int, fault: str, group: Any) -> None:
+def _fault(rank: int, fault: str, group: Any, out_dir: Path) -> None:
     """What rank 1 does just before its second call (DDP: between forward and backward)."""
     if rank != 1:
         return
     if fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "stall":
-        time.sleep(STALL_S)
+        given_up, deadline = out_dir / "rank-0.json", time.monotonic() + STALL_S
+        while not given_up.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
     elif fault == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault == "mismatch":
         dist.all_reduce(torch.ones(7), group=group)  # pairs with rank 0's next call on that group, another one
 
 
-def _second_call(mode: str, ddp: nn.Module | None, rank: int, fault: str, group: Any = None) -> None:
+def _second_call(mode: str, ddp: nn.Module | None, rank: int, fault: str, group: Any = None, *, out_dir: Path) -> None:
     if ddp is not None:
         # The fault strikes between forward and backward, so that backward's bucket all-reduces (DDP's reducer,
         # in C++) are the calls that must fail.
         loss = ddp(torch.ones(4, 8)).sum()
-        _fault(rank, fault, group)
+        _fault(rank, fault, group, out_dir)
         loss.backward()
         return
-    _fault(rank, fault, group)
+    _fault(rank, fault, group, out_dir)
     if mode == "async":
         dist.broadcast(torch.ones(64), src=0, async_op=True).wait()
     else:
@@ -87,11 +91,11 @@ def main(out_dir: Path, fault: str, mode: str) -> None:
         ddp = nn.parallel.DistributedDataParallel(_model(), process_group=gloo)
         ddp.register_comm_hook(hook_group, allreduce.torch.comm_hook)
     # one good step: every rank is connected and past its first collectives
-    _second_call(mode, ddp, rank, "none")
+    _second_call(mode, ddp, rank, "none", out_dir=out_dir)
     started = time.monotonic()
     result: dict[str, Any]
     try:
-        _second_call(mode, ddp, rank, fault, hook_group)
+        _second_call(mode, ddp, rank, fault, hook_group, out_dir=out_dir)
     except Exception as exc:
         result = {
             "raised": [cls.__name__ for cls in type(exc).__mro__],

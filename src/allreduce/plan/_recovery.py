@@ -53,6 +53,7 @@ from allreduce.runtime import (
     MAX_LEASE_S,
     MIN_LEASE_S,
     CollectiveError,
+    shrink_and_resume,
     silent_detection_s,
     spawn_elastic,
 )
@@ -265,11 +266,7 @@ def _recovery_rank(victim: int, transport: str, kill_file: str, timeout_s: float
             group.all_reduce(x)
     except CollectiveError:
         raised = time.monotonic()
-    group = group.shrink()
-    if group.ahead_ranks:  # the death split the survivors by one call: those behind take its result first
-        group.broadcast(x, root=group.ahead_ranks[0])
-    x[:] = 1.0
-    group.all_reduce(x)
+    group = shrink_and_resume(group, x, lambda buffer, _: buffer.fill(1.0), kept=None)  # the same step again
     stepped = time.monotonic()
     exact = bool(np.all(x == float(group.world_size)))
     group.close()

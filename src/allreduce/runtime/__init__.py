@@ -20,6 +20,7 @@ from allreduce.runtime._store_api import KeyValueStore, Store
 from allreduce.runtime.group._bootstrap import init
 from allreduce.runtime.group._group import ProcessGroup
 from allreduce.runtime.group._local import LocalTransport, local_groups, local_transports
+from allreduce.runtime.group._resume import shrink_and_resume
 from allreduce.runtime.group._transports import (
     TransportSetup,
     register_transport,
@@ -86,6 +87,7 @@ __all__ = [
     "local_groups",
     "local_transports",
     "register_transport",
+    "shrink_and_resume",
     "silent_detection_s",
     "spawn",
     "spawn_elastic",

@@ -9,7 +9,6 @@ death of rank 0, which ends an elastic job: that test starts plain processes wit
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rank_processes import RANKS
 
 from allreduce.runtime import CollectiveError, ProcessGroup, spawn_elastic
 from allreduce.runtime.launcher._spawn import new_token, rank_environment, reserve_port
@@ -113,7 +113,7 @@ def _plain_rank(env: dict[str, str], out: Any, transport: str, victims: Sequence
 @pytest.mark.slow
 def test_when_the_stores_host_dies_every_survivor_says_the_group_cannot_shrink() -> None:
     world_size = 3
-    ctx = mp.get_context("spawn")
+    ctx = RANKS
     out = ctx.Queue()
     reservation = reserve_port()
     port, token = int(reservation.getsockname()[1]), new_token()

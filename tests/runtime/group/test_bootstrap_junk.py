@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from rank_processes import RANKS
 
 import allreduce
 from allreduce.runtime.store._store import TCPStore
 
-SPAWN = mp.get_context("spawn")
 TOKEN = "junk-test-token"
 WORLD_SIZE = 2
 TIMEOUT_S = 60.0  # rank 1 fails as soon as it reads the junk; this only turns a hang into a failure
@@ -40,8 +40,8 @@ def store() -> Iterator[TCPStore]:
 
 
 def _rank_1_outcome(port: int) -> tuple[str, str]:
-    out: mp.Queue[tuple[str, str]] = SPAWN.Queue()
-    proc = SPAWN.Process(target=_rank_1, args=(port, out), daemon=True)
+    out: mp.Queue[tuple[str, str]] = RANKS.Queue()
+    proc = RANKS.Process(target=_rank_1, args=(port, out), daemon=True)
     proc.start()
     try:
         return out.get(timeout=TIMEOUT_S * 2)
@@ -100,11 +100,11 @@ def test_a_rank_joining_after_rank_0_gave_up_is_told_why() -> None:
     from test_group_harness import free_port
 
     port = free_port()
-    out: Any = SPAWN.Queue()
-    go = SPAWN.Event()
+    out: Any = RANKS.Queue()
+    go = RANKS.Event()
     procs = [
-        SPAWN.Process(target=_init_reporting, args=(0, 3, port, out), daemon=True),
-        SPAWN.Process(target=_init_reporting, args=(2, 3, port, out, go), daemon=True),  # joins when told to
+        RANKS.Process(target=_init_reporting, args=(0, 3, port, out), daemon=True),
+        RANKS.Process(target=_init_reporting, args=(2, 3, port, out, go), daemon=True),  # joins when told to
     ]
     for proc in procs:
         proc.start()

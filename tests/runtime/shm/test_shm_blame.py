@@ -4,7 +4,6 @@ cause, not the peer that closed in reaction to it."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -13,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rank_processes import RANKS
 
 from allreduce.runtime import PeerFailureError, ProcessGroup
 from allreduce.runtime.shm import ShmTransport
@@ -41,7 +41,7 @@ def _rank(rank: int, job: str, out: Any, go: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.serial  # the kill must land within the grace after rank 1's close
 def test_a_death_just_after_a_peer_closed_is_named_instead_of_the_peer() -> None:
-    ctx = mp.get_context("spawn")
+    ctx = RANKS
     out, go = ctx.Queue(), ctx.Event()
     job = f"blame-{uuid.uuid4().hex[:8]}"
     procs = [ctx.Process(target=_rank, args=(r, job, out, go)) for r in range(3)]

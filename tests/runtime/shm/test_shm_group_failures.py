@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_group_harness import SPAWN, kill_rounds
+from rank_processes import RANKS
+from test_group_harness import kill_rounds
 
 import allreduce
 from allreduce.runtime import (
@@ -51,7 +52,7 @@ def _looping_rank(rank: int, n: int, job: str, started: Any, out: Any, *, plain:
 
 
 def _kill_launcher(repetitions: int, world_size: int, results: Any, small: bool = False) -> None:
-    """Runs in one spawned process and forks each group from it (fast: numpy is already imported)."""
+    """Runs in one rank process (rank_processes.RANKS) and forks each group from it (numpy is already imported)."""
     fork = mp.get_context("fork")
 
     def start(rep: int, started: Any, out: Any) -> tuple[list[Any], Callable[[], None]]:
@@ -74,8 +75,8 @@ def test_sigkill_of_one_rank_makes_every_other_rank_raise_naming_it(small: bool)
     # The issue asks for "within 5 s". Ranks run with a 60 s collective timeout, so a PeerFailureError (not a
     # CollectiveTimeoutError) proves the death was detected by the peer-process watch, not by running out the
     # clock; the latency itself is not asserted (shared machines), benchmarks and the closing note report it.
-    results = SPAWN.Queue()
-    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, results, small))
+    results = RANKS.Queue()
+    launcher = RANKS.Process(target=_kill_launcher, args=(20, 3, results, small))
     launcher.start()
     runs = results.get(timeout=240)
     launcher.join(timeout=30)
@@ -267,7 +268,7 @@ def _scenarios(group: ProcessGroup, job: str, timed_out: Any) -> Seen:
 def shm_scenario() -> list[Seen]:
     """What each of 3 shared-memory ranks saw in :func:`_scenarios`, by rank."""
     job = f"cks-{os.getpid()}"
-    return spawn(3, _scenarios, job, SPAWN.Queue(), init_options={"transport": "shm", "timeout_s": 60})
+    return spawn(3, _scenarios, job, RANKS.Queue(), init_options={"transport": "shm", "timeout_s": 60})
 
 
 @pytest.mark.slow

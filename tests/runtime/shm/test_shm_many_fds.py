@@ -7,7 +7,6 @@ rank wait (its peer arrives late), and check the results, and that a peer killed
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import resource
 import signal
@@ -17,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rank_processes import RANKS
 
 from allreduce.runtime import PeerFailureError, ProcessGroup
 from allreduce.runtime.launcher._spawn import spawn
@@ -126,7 +126,7 @@ def test_300_groups_per_process_all_reduce_exactly() -> None:
 @pytest.mark.slow
 def test_a_peer_killed_while_a_rank_with_4000_open_files_waits_is_named() -> None:
     # Plain processes, not spawn(): spawn stops the survivors as soon as it sees a rank die, before they notice.
-    ctx = mp.get_context("spawn")
+    ctx = RANKS
     out = ctx.Queue()
     job = f"kill-{uuid.uuid4().hex[:8]}"
     processes = [ctx.Process(target=_killed_while_waited_for, args=(r, 3, job, out)) for r in range(3)]

@@ -1,9 +1,8 @@
-"""The rendezvous store: real sockets, real processes (spawned), failures named."""
+"""The rendezvous store: real sockets, real processes (rank_processes.RANKS), failures named."""
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -14,11 +13,10 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from rank_processes import RANKS
 
 from allreduce.runtime import CollectiveTimeoutError, PeerFailureError, ProtocolError
 from allreduce.runtime.store._store import TCPStore
-
-SPAWN = mp.get_context("spawn")
 
 
 @pytest.fixture
@@ -30,7 +28,7 @@ def _client(port: int, rank: int, world_size: int, **kwargs: Any) -> TCPStore:
     return TCPStore("127.0.0.1", port, is_server=False, world_size=world_size, rank=rank, timeout_s=60, **kwargs)
 
 
-# ----------------------------------------------------------------------------------- workers (spawned)
+# ----------------------------------------------------------------------------------- workers (rank processes)
 
 
 def _rendezvous_worker(port: int, rank: int, world_size: int, out: Any) -> None:
@@ -62,7 +60,7 @@ def _host_store(ready: Any) -> None:
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """What 4 ranks (rank 0 hosting, 1-3 spawned) saw in one set / add / wait / get / check rendezvous."""
+    """What 4 ranks (rank 0 hosting, 1-3 rank processes) saw in one set / add / wait / get / check rendezvous."""
 
     worker_results: list[tuple[int, int, list[str], bool, bool]]
     host_arrival: int
@@ -76,8 +74,8 @@ def rendezvous() -> Rendezvous:
     token = os.environ.pop("ALLREDUCE_TOKEN", None)
     try:
         server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=0, timeout_s=60)
-        out = SPAWN.Queue()
-        procs = [SPAWN.Process(target=_rendezvous_worker, args=(server.port, r, world_size, out)) for r in range(1, 4)]
+        out = RANKS.Queue()
+        procs = [RANKS.Process(target=_rendezvous_worker, args=(server.port, r, world_size, out)) for r in range(1, 4)]
         for p in procs:
             p.start()
         server.set("addr/0", b"rank-0")
@@ -156,8 +154,8 @@ def test_get_timeout_names_key_and_expected_rank(no_env_token: None) -> None:
 @pytest.mark.slow
 def test_dead_client_sets_dead_key_and_fails_waiters(no_env_token: None) -> None:
     server = TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=60)
-    ready = SPAWN.Queue()
-    proc = SPAWN.Process(target=_die_without_close, args=(server.port, 2, 3, ready))
+    ready = RANKS.Queue()
+    proc = RANKS.Process(target=_die_without_close, args=(server.port, 2, 3, ready))
     proc.start()
     assert ready.get(timeout=120) == "connected"
     ready.put("die")
@@ -185,8 +183,8 @@ def test_clean_close_is_not_a_death(no_env_token: None) -> None:
 def test_pending_waiter_fails_when_a_rank_dies(no_env_token: None) -> None:
     server = TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=60)
     waiter = _client(server.port, 1, 3)
-    ready = SPAWN.Queue()
-    proc = SPAWN.Process(target=_die_without_close, args=(server.port, 2, 3, ready))
+    ready = RANKS.Queue()
+    proc = RANKS.Process(target=_die_without_close, args=(server.port, 2, 3, ready))
     proc.start()
     assert ready.get(timeout=120) == "connected"
     errors: list[BaseException] = []
@@ -211,8 +209,8 @@ def test_pending_waiter_fails_when_a_rank_dies(no_env_token: None) -> None:
 
 @pytest.mark.slow
 def test_server_death_raises_peer_failure_naming_rank_0(no_env_token: None) -> None:
-    ready = SPAWN.Queue()
-    host = SPAWN.Process(target=_host_store, args=(ready,))
+    ready = RANKS.Queue()
+    host = RANKS.Process(target=_host_store, args=(ready,))
     host.start()
     port = ready.get(timeout=120)
     client = _client(port, 1, 2)

@@ -8,7 +8,6 @@ stopped with SIGSTOP. Timing assertions are orderings against the lease, never a
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -17,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from rank_processes import RANKS
 
 from allreduce.runtime import CollectiveTimeoutError, PeerFailureError
 from allreduce.runtime._liveness import BEATS_PER_LEASE
@@ -146,7 +146,7 @@ def _client_that_is_stopped(port: int, out: Any, go: Any) -> None:
 
 
 def test_a_rank_declared_dead_is_told_so_when_it_runs_again(host: TCPStore, processes: list[Any]) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = RANKS
     out, go = ctx.Queue(), ctx.Queue()
     process = ctx.Process(target=_client_that_is_stopped, args=(host.port, out, go))
     processes.append(process)
@@ -169,7 +169,7 @@ def _hosting_store(out: Any) -> None:
 @pytest.fixture
 def client_of_a_stopped_host(processes: list[Any]) -> Iterator[TCPStore]:
     """Rank 1's client of a store (lease 1 s) whose hosting process is then stopped."""
-    ctx = mp.get_context("spawn")
+    ctx = RANKS
     out = ctx.Queue()
     process = ctx.Process(target=_hosting_store, args=(out,))
     processes.append(process)

@@ -1,20 +1,20 @@
 """A client that takes a rank's seat in the store before the real rank: what the real rank, a waiter and the death
-report are told. Real store, real processes: the impostor is a spawned process holding rank 1's seat."""
+report are told. Real store, real processes: the impostor is a rank process (rank_processes.RANKS) holding rank 1's
+seat."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from rank_processes import RANKS
 
 from allreduce.runtime import CollectiveTimeoutError, PeerFailureError, ProtocolError
 from allreduce.runtime.store._store import TCPStore
 
-SPAWN = mp.get_context("spawn")
 WORLD_SIZE = 3
 TIMEOUT_S = 60.0  # only turns a hang into a failure
 
@@ -47,8 +47,8 @@ def _client(port: int, rank: int) -> TCPStore:
 def contest() -> Iterator[Contest]:
     """The impostor holds rank 1's seat; the real rank 1 has just been refused."""
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=WORLD_SIZE, rank=0, timeout_s=TIMEOUT_S) as host:
-        ready, release = SPAWN.Queue(), SPAWN.Queue()
-        impostor = SPAWN.Process(target=_impostor, args=(host.port, ready, release), daemon=True)
+        ready, release = RANKS.Queue(), RANKS.Queue()
+        impostor = RANKS.Process(target=_impostor, args=(host.port, ready, release), daemon=True)
         impostor.start()
         try:
             assert ready.get(timeout=TIMEOUT_S) == "seated"
@@ -97,8 +97,8 @@ def test_when_the_seat_holder_dies_the_report_says_the_seat_was_contested(contes
 @pytest.mark.slow
 def test_a_seat_holder_that_was_never_contested_is_reported_dead_naming_its_address_and_pid() -> None:
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=WORLD_SIZE, rank=0, timeout_s=TIMEOUT_S) as host:
-        ready, release = SPAWN.Queue(), SPAWN.Queue()
-        holder = SPAWN.Process(target=_impostor, args=(host.port, ready, release), daemon=True)
+        ready, release = RANKS.Queue(), RANKS.Queue()
+        holder = RANKS.Process(target=_impostor, args=(host.port, ready, release), daemon=True)
         holder.start()
         try:
             assert ready.get(timeout=TIMEOUT_S) == "seated"

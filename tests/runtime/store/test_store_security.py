@@ -1,10 +1,9 @@
 """Who may reach a group's store and its ranks' listeners without a token, and what any client may make the store
-hold: real sockets, real processes (spawned, or forked to run as another user)."""
+hold: real sockets, real processes (rank_processes.RANKS, or forked to run as another user)."""
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import socket
 import struct
@@ -13,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from rank_processes import RANKS
 
 from allreduce.runtime import CollectiveTimeoutError, ProtocolError
 from allreduce.runtime.store._store import TCPStore
@@ -29,7 +29,6 @@ from allreduce.runtime.tcp import ClientHello, HandshakeRetryError, TcpTransport
 from allreduce.runtime.tcp._handshake import HANDSHAKE_VERSION, AcceptHandshake
 from allreduce.runtime.tcp._listener import MAX_PENDING_HANDSHAKES
 
-SPAWN = mp.get_context("spawn")
 TIMEOUT_S = 60.0
 NOBODY_UID = 65534  # the conventional unprivileged user of Linux distributions
 IDLE_CONNECTIONS = 300
@@ -117,8 +116,8 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running as another us
 @pytest.mark.slow
 def test_an_anonymous_client_from_another_process_is_refused(store: TCPStore) -> None:
     store.set("tcp/addr/0", b"127.0.0.1:1")
-    out = SPAWN.Queue()
-    proc = SPAWN.Process(target=_anonymous_reader, args=(store.port, out))
+    out = RANKS.Queue()
+    proc = RANKS.Process(target=_anonymous_reader, args=(store.port, out))
     proc.start()
     outcome, detail = out.get(timeout=120)
     proc.join(timeout=60)
@@ -399,8 +398,8 @@ def test_an_anonymous_token_holder_of_another_process_writes_no_key_a_rank_owns(
     token = "campaign-insider-token"
     keys = ["tcp/addr/1", "allreduce/host/2", "allreduce/job", "user/notes"]
     with TCPStore("127.0.0.1", 0, is_server=True, world_size=3, rank=0, timeout_s=TIMEOUT_S, token=token) as host:
-        out = SPAWN.Queue()
-        proc = SPAWN.Process(target=_anonymous_token_writer, args=(host.port, token, keys, out))
+        out = RANKS.Queue()
+        proc = RANKS.Process(target=_anonymous_token_writer, args=(host.port, token, keys, out))
         proc.start()
         results = out.get(timeout=TIMEOUT_S)
         proc.join(TIMEOUT_S)

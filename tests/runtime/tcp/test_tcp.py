@@ -1,6 +1,6 @@
 """The TCP transport between real processes: every all-reduce algorithm, exact integer sums, failures named.
 
-The behaviours that leave the transport usable run on one set of spawned ranks per world size (a module-scoped
+The behaviours that leave the transport usable run on one set of rank processes per world size (a module-scoped
 fixture that takes commands), one test per behaviour; each worker checks its result against the closed form and
 reports what was wrong. Failures (corruption, a missing, mismatched or killed peer) get fresh processes each.
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rank_processes import RANKS
 from test_group_harness import kill_rounds
 
 from allreduce.runtime import CollectiveError, PeerFailureError, compile_plan
@@ -27,7 +28,6 @@ from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES
 from allreduce.runtime.tcp._transport import THREAD_MIN_BYTES
 from allreduce.schedules import algorithms, all_reduce
 
-SPAWN = mp.get_context("spawn")
 COUNTS = (0, 1, 2, 7, 13, 97, 1000, 65_537)
 # 12 MiB of int64, odd: big enough that the steps go through the sender thread at N <= 5.
 LARGE_COUNT = (3 << 19) + 7
@@ -102,11 +102,11 @@ def run_ranks(
     kill: Callable[..., None] | None = None,
     unix_sockets: bool = False,
 ) -> dict[int, tuple[str, Any]]:
-    """Run ``scenario`` on ``world_size`` fresh spawned ranks (rank 0's store hosted here); results by rank."""
+    """Run ``scenario`` on ``world_size`` fresh rank processes (rank 0's store hosted here); results by rank."""
     server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=-1, timeout_s=TIMEOUT_S)
-    out = SPAWN.Queue()
+    out = RANKS.Queue()
     procs = [
-        SPAWN.Process(
+        RANKS.Process(
             target=_worker,
             args=(scenario, r, world_size, server.port, out, *args),
             kwargs={"unix_sockets": unix_sockets},
@@ -156,15 +156,15 @@ def _pool_worker(rank: int, world_size: int, port: int, commands: Any, out: Any)
 
 
 class RankPool:
-    """``world_size`` spawned ranks, each holding one store client and one transport across many commands."""
+    """``world_size`` rank processes, each holding one store client and one transport across many commands."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.server = TCPStore("127.0.0.1", 0, is_server=True, world_size=world_size, rank=-1, timeout_s=TIMEOUT_S)
-        self.out = SPAWN.Queue()
-        self.commands = [SPAWN.Queue() for _ in range(world_size)]
+        self.out = RANKS.Queue()
+        self.commands = [RANKS.Queue() for _ in range(world_size)]
         self.procs = [
-            SPAWN.Process(target=_pool_worker, args=(r, world_size, self.server.port, self.commands[r], self.out))
+            RANKS.Process(target=_pool_worker, args=(r, world_size, self.server.port, self.commands[r], self.out))
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -599,8 +599,8 @@ def _token_worker(rank: int, port: int, token: str, wrong: bool, out: Any) -> No
 def _run_token_pair(tokens: tuple[str, str], *, wrong: bool) -> dict[int, tuple[str, Any]]:
     """Ranks 0 and 1 with the transport listening beyond loopback, each with its token; results by rank."""
     with TCPStore("0.0.0.0", 0, is_server=True, world_size=2, rank=-1, token="store", timeout_s=60) as server:
-        out = SPAWN.Queue()
-        procs = [SPAWN.Process(target=_token_worker, args=(r, server.port, tokens[r], wrong, out)) for r in (0, 1)]
+        out = RANKS.Queue()
+        procs = [RANKS.Process(target=_token_worker, args=(r, server.port, tokens[r], wrong, out)) for r in (0, 1)]
         for p in procs:
             p.start()
         results = {r: (s, m) for r, s, m in (out.get(timeout=120) for _ in procs)}
@@ -650,7 +650,7 @@ def _looping_rank(rank: int, world_size: int, port: int, started: Any, out: Any,
 
 
 def _kill_launcher(repetitions: int, world_size: int, unix_sockets: bool, results: Any) -> None:
-    """Runs in one spawned process and forks each rank set from it (fast: numpy is already imported)."""
+    """Runs in one rank process (rank_processes.RANKS) and forks each rank set from it (numpy already imported)."""
     fork = mp.get_context("fork")
 
     def start(rep: int, started: Any, out: Any) -> tuple[list[Any], Callable[[], None]]:
@@ -673,8 +673,8 @@ def _kill_launcher(repetitions: int, world_size: int, unix_sockets: bool, result
 @pytest.mark.slow
 @pytest.mark.parametrize("unix_sockets", [False, True], ids=["tcp", "unix"])
 def test_sigkill_20_times_every_survivor_names_the_victim(unix_sockets: bool) -> None:
-    results = SPAWN.Queue()
-    launcher = SPAWN.Process(target=_kill_launcher, args=(20, 3, unix_sockets, results))
+    results = RANKS.Queue()
+    launcher = RANKS.Process(target=_kill_launcher, args=(20, 3, unix_sockets, results))
     launcher.start()
     runs = results.get(timeout=280)
     launcher.join(timeout=30)

@@ -44,6 +44,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from multiprocessing import reduction
 from types import FrameType
@@ -60,6 +61,7 @@ __all__ = [
     "caller_stdio",
     "enter_forked_rank",
     "exit_as_an_interpreter_does",
+    "fork_server_cpu_s",
     "fork_server_pid",
     "start_method",
 ]
@@ -112,13 +114,60 @@ def _forkserver_supported() -> bool:
 
 def fork_server_pid() -> int:
     """Start the server if it is not running (as the caller is now: its environment, directory, descriptors)
-    and return its process id, the parent of every rank forked from it."""
+    and return its process id, the parent of every rank forked from it. The caller reaps it at its exit
+    (:func:`_reap_server`)."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     mp_forkserver.ensure_running()
     pid = _server()._forkserver_pid
     assert isinstance(pid, int)
+    _reap_at_exit()
     return pid
+
+
+@functools.cache
+def _reap_at_exit() -> None:
+    atexit.register(_reap_server)  # once per process
+
+
+_REAP_WAIT_S = 5.0
+"""How long the caller's exit waits for its server to exit once told (it exits at once: it only serves forks)."""
+
+
+def _reap_server() -> None:
+    """At the caller's exit: close its end of the alive pipe, which ends the server, and reap the server (waiting
+    at most :data:`_REAP_WAIT_S`). The server has reaped the ranks forked from it, so their CPU time, in the
+    server's children's, reaches the caller's own ``RUSAGE_CHILDREN`` as a spawned rank's does (a test runner
+    counting a command's CPU sees its ranks'), and no exited server is left for init to reap. Ranks still running
+    die with the server, as they would when the caller's exit closed the pipe anyway."""
+    server = _server()
+    pid, alive = server._forkserver_pid, server._forkserver_alive_fd
+    if pid is None or alive is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(alive)
+    server._forkserver_alive_fd = None
+    deadline = time.monotonic() + _REAP_WAIT_S
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    server._forkserver_pid = None
+
+
+def fork_server_cpu_s() -> float:
+    """CPU seconds (user and system) of the running server and of the ranks it has reaped; 0 when none runs (a
+    server the caller reaped counts in the caller's ``RUSAGE_CHILDREN`` instead). From ``/proc/PID/stat``'s
+    utime, stime, cutime and cstime (proc(5)), in clock ticks."""
+    pid = _server()._forkserver_pid
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    # after the name: state is field 3 (index 0 here), utime..cstime are fields 14-17 (indices 11-14)
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def _server_matches() -> bool:
