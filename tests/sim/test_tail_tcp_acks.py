@@ -368,7 +368,6 @@ def _unheard(
     charged, rtos = _lost_repair_ack(
         np.random.default_rng(0),
         stack,
-        np.full(n, after, dtype=np.int64),
         packets=np.full(n, after + 1, dtype=np.int64),
         rtt=np.full(n, RTT),
         tau=np.full(n, packet_s),

@@ -454,7 +454,6 @@ def _unheard_rtos(
 def _lost_repair_ack(
     rng: np.random.Generator,
     stack: TcpStack,
-    after: IntArray,
     *,
     packets: IntArray,
     rtt: FloatArray,
@@ -478,16 +477,16 @@ def _lost_repair_ack(
     the next transfer (taken as long as this one, ``packets``, as a ring's are) is paced behind the inflated srtt
     (:func:`paced_seconds`, at the window after the RTO, :data:`RTO_PACED_WINDOW`, and :func:`rto_pacing_ratio`).
     Returns (the cost with that wait, the RTOs that held data)."""
-    none = np.zeros(after.size, dtype=np.int64)
+    none = np.zeros(packets.size, dtype=np.int64)
     if not np.any(repaired & (q_ack > 0)):
         return cost, none
-    ack_lost = repaired & (rng.random(after.size) < q_ack)
+    ack_lost = repaired & (rng.random(packets.size) < q_ack)
     if not ack_lost.any():
         return cost, none
     silent = 1 - (1 - q) * (1 - q_ack)
     wait, rounds = _unheard_rtos(rng, stack, rto, silent=silent, backed_off=backed_off, firing=ack_lost)
     segments = packets.astype(np.float64)
-    paced = np.zeros(after.size)
+    paced = np.zeros(packets.size)
     if stack.paced:
         w = np.full(int(ack_lost.sum()), RTO_PACED_WINDOW)
         paced[ack_lost] = paced_seconds(rtt[ack_lost], wait[ack_lost] + rtt[ack_lost], segments[ack_lost], w,
@@ -577,7 +576,7 @@ def _one_loss(
             backoff[waiting] += stack.timer(rng, np.minimum(rto[waiting] * 2.0**j, RTO_MAX_S))
         cost = cost + backoff
         fired += again
-    cost, unheard = _lost_repair_ack(rng, stack, after, packets=after + 1 if packets is None else packets, rtt=rtt,
+    cost, unheard = _lost_repair_ack(rng, stack, packets=after + 1 if packets is None else packets, rtt=rtt,
                                      tau=tau, cost=cost, repaired=~revealed & ~follows, backed_off=again, q=q,
                                      q_ack=q_ack, rto=rto, gap=gap)  # fmt: skip
     return cost, fired + unheard
