@@ -97,8 +97,7 @@ def _stop_one(transport: str, victim: int, *, shrink: bool) -> dict[str, Any]:
     finally:
         for process in processes:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGCONT)
-                process.kill()
+                process.kill()  # SIGKILL ends a stopped rank too, and kill() allows one that ended since is_alive()
             process.join(timeout=30)
 
 

@@ -114,8 +114,7 @@ def processes() -> Iterator[list[Any]]:
     yield started
     for process in started:
         if process.is_alive():
-            os.kill(process.pid, signal.SIGCONT)
-            process.kill()
+            process.kill()  # SIGKILL ends a stopped rank too, and kill() allows one that ended since is_alive()
         process.join(timeout=30)
 
 
