@@ -48,6 +48,38 @@ def test_without_restarts_the_survivors_finish_and_the_job_succeeds(
     assert len(re.findall(r"done: 12 steps, 2 ranks", done.stdout)) == 2
 
 
+# Rank 0 returns at once; rank 1 kills itself once rank 0's process is gone (exited and reaped by the launcher).
+_DIE_AFTER_RANK_0 = """
+import os, pathlib, signal, sys, time
+path = pathlib.Path(sys.argv[1])
+if os.environ["RANK"] == "0":
+    path.with_suffix(".tmp").write_text(str(os.getpid()))
+    path.with_suffix(".tmp").rename(path)
+    sys.exit(0)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    try:
+        os.kill(int(path.read_text()), 0)
+    except FileNotFoundError:
+        pass
+    except ProcessLookupError:
+        break
+    time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_finished_counts_among_those_that_go_on(
+    run_allreduce: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    pid_file = str(tmp_path / "pid")
+    done = run_allreduce("run", "-n", "2", "--elastic", "--min-ranks", "1", "--", "python", "-c", _DIE_AFTER_RANK_0,
+                         pid_file, timeout_s=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 was killed by SIGKILL; 1 ranks go on (--min-ranks 1)" in done.stderr
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

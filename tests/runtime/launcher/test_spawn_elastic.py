@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,33 @@ def test_survivors_return_and_the_dead_rank_is_a_departure() -> None:
     outcome = spawn_elastic(3, _die_on, {1: 0.0}, 3.0, min_ranks=2, timeout_s=120)
     assert outcome.results == {0: 0, 2: 20}
     assert [(d.rank, d.how, d.survivors) for d in outcome.departures] == [(1, "was killed by SIGKILL", 2)]
+
+
+def _die_after_rank_0(pid_file: str) -> int:
+    """Rank 0 returns at once; rank 1 SIGKILLs itself once rank 0's process is gone (exited and reaped)."""
+    path = Path(pid_file)
+    if int(os.environ["RANK"]) == 0:
+        path.with_suffix(".tmp").write_text(str(os.getpid()))
+        path.with_suffix(".tmp").rename(path)
+        return 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if path.exists():
+            try:
+                os.kill(int(path.read_text()), 0)
+            except ProcessLookupError:
+                break
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 1
+
+
+@pytest.mark.slow
+def test_a_rank_that_finished_counts_among_those_that_go_on(tmp_path: Path) -> None:
+    # rank 0 returned its result before rank 1 died: one rank (the minimum) is still there, finished
+    outcome = spawn_elastic(2, _die_after_rank_0, str(tmp_path / "pid"), min_ranks=1, timeout_s=120)
+    assert outcome.results == {0: 0}
+    assert [(d.rank, d.how, d.survivors) for d in outcome.departures] == [(1, "was killed by SIGKILL", 1)]
 
 
 @pytest.mark.slow

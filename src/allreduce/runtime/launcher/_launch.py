@@ -128,7 +128,8 @@ class _Launch:
             return True
         report = read_report(self.failure_dir, rank, self.world_size)
         how = describe_status(code) + ("" if report is None else f": {report.error}")
-        running = sum(1 for r, proc in enumerate(self.procs) if r != rank and proc.poll() is None)
+        # those still running and those that exited 0 (finished: not lost, though they may be reaped first)
+        running = sum(1 for r, proc in enumerate(self.procs) if r != rank and proc.poll() in (None, 0))
         restart = self.elastic.departs(rank, how, running)
         if restart is None:
             return True

@@ -375,7 +375,7 @@ class Departure:
     rank: int
     how: str  # "was killed by SIGKILL", or the exception the rank reported
     at: float  # time.monotonic() when the launcher saw it exit (CLOCK_MONOTONIC: comparable across processes)
-    survivors: int  # ranks still running once it had gone
+    survivors: int  # ranks still running (or finished with their result) once it had gone
     restarted: bool = False  # a new process took its place, asking to join (ALLREDUCE_JOIN=1)
 
 
@@ -396,8 +396,8 @@ class Elasticity:
             raise ValueError(f"max_restarts must be in 0..{MAX_RESTARTS}, got {self.max_restarts!r}")
 
     def departs(self, rank: int, how: str, running: int) -> bool | None:
-        """A rank failed while ``running`` others still run: None if that ends the job, else whether to restart
-        it (the departure is recorded either way)."""
+        """A rank failed while ``running`` others still run or have returned their result: None if that ends the
+        job, else whether to restart it (the departure is recorded either way)."""
         if rank == 0 or (running < self.min_ranks and not self._restarts_left()):
             return None
         restart = self._restarts_left()
@@ -427,11 +427,12 @@ def spawn_elastic(
     env: Mapping[str, str] | None = None,
 ) -> ElasticOutcome[R]:
     """:func:`spawn` (``group=False``) for elastic code: a rank's failure does not stop the others while at least
-    ``min_ranks`` are still running, so survivors that shrink their group (``group.shrink()``) go on without it;
-    up to ``max_restarts`` times a failed rank is started again, with ``ALLREDUCE_JOIN=1``, to rejoin the group
-    (``group.grow()`` on the members). Each failure is a :class:`Departure` in the outcome, a rank's result is
-    that of its last process; the job fails as :func:`spawn` does (a :class:`RankFailedError`) when rank 0 fails
-    (it hosts the store), once fewer than ``min_ranks`` remain with no restart left, or at the deadline."""
+    ``min_ranks`` still run or have returned their result, so survivors that shrink their group
+    (``group.shrink()``) go on without it; up to ``max_restarts`` times a failed rank is started again, with
+    ``ALLREDUCE_JOIN=1``, to rejoin the group (``group.grow()`` on the members). Each failure is a
+    :class:`Departure` in the outcome, a rank's result is that of its last process; the job fails as :func:`spawn`
+    does (a :class:`RankFailedError`) when rank 0 fails (it hosts the store), once fewer than ``min_ranks`` remain
+    with no restart left, or at the deadline."""
     check_world_size(world_size)
     elastic = Elasticity(min_ranks, max_restarts)
     elastic.check(world_size)
@@ -502,7 +503,9 @@ def _run_ranks(
             return False
         if elastic is None:
             return True
-        running = sum(1 for r, proc in enumerate(ranks) if r != rank and proc.poll() is None)
+        # the others still running, and those that returned their result (exit 0): a survivor that saw the
+        # death and finished before this call reaped the dead rank is not lost
+        running = sum(1 for r, proc in enumerate(ranks) if r != rank and proc.poll() in (None, 0))
         kind, value = replies.get(rank, ("", None))
         how = value[1] if kind == "error" else describe_status(code)
         restart = elastic.departs(rank, how, running)
