@@ -5,11 +5,20 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from allreduce.runtime.tcp import read_exact
-from allreduce.runtime.tcp._socket import LOOPBACK_SNDBUF_BYTES, congestion_control, drain_and_close, send_until, tune
+from allreduce.runtime.tcp._listener import listening_socket
+from allreduce.runtime.tcp._socket import (
+    LOOPBACK_SNDBUF_BYTES,
+    congestion_control,
+    connect_tcp,
+    drain_and_close,
+    send_until,
+    tune,
+)
 
 
 @pytest.fixture
@@ -98,3 +107,41 @@ def test_the_transport_names_the_variable_of_an_unknown_congestion_control(monke
         pytest.raises(ValueError, match=rf"rank 0: {CONGESTION_ENV}='no-such-cc': .*cannot be set here"),
     ):
         TcpTransport(0, 2, store)
+
+
+def _not_the_default() -> str:
+    """A congestion control other than the kernel's default (so that inheriting it is not a coincidence)."""
+    default = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    return "cubic" if default == "reno" else "reno"
+
+
+def _congestion_of(sock: socket.socket) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+
+
+def test_a_listeners_connections_start_with_its_congestion_control() -> None:
+    name = _not_the_default()
+    with (
+        listening_socket("127.0.0.1", backlog=1, congestion=congestion_control(name)) as server,
+        socket.create_connection(server.getsockname()) as client,
+    ):
+        accepted, _ = server.accept()
+        with accepted:
+            assert (_congestion_of(client), _congestion_of(accepted)) != (name, name)  # the client: the default
+            assert _congestion_of(accepted) == name
+
+
+def test_connect_tcp_connects_with_the_congestion_control_asked_for() -> None:
+    name = _not_the_default()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        host, port = server.getsockname()
+        with connect_tcp(host, port, timeout_s=10, congestion=congestion_control(name)) as client:
+            server.accept()[0].close()
+            assert _congestion_of(client) == name
+
+
+def test_connect_tcp_raises_the_refusal() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        host, port = server.getsockname()
+    with pytest.raises(ConnectionRefusedError):
+        connect_tcp(host, port, timeout_s=10)

@@ -63,9 +63,18 @@ _MIN_BACKLOG = 128  # pending connections the kernel queues; at least one per ra
 _ACCEPTS_PER_WAKE = 64  # connections taken from the kernel's queue per wake-up, so handshakes under way progress
 
 
-def listening_socket(host: str, *, backlog: int) -> socket.socket:
-    """A TCP socket bound to a free port of ``host`` and listening."""
-    return socket.create_server((host, 0), family=family_of(host), backlog=max(_MIN_BACKLOG, backlog))
+def listening_socket(host: str, *, backlog: int, congestion: bytes | None = None) -> socket.socket:
+    """A TCP socket bound to a free port of ``host`` and listening; with ``congestion``, the TCP congestion
+    control every connection it accepts starts with (they inherit a listener's chosen one, ``tcp_ca_openreq_child``;
+    see :func:`allreduce.runtime.tcp._socket.connect_tcp` for why it must be chosen before the handshake)."""
+    sock = socket.create_server((host, 0), family=family_of(host), backlog=max(_MIN_BACKLOG, backlog))
+    if congestion is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion)
+        except BaseException:
+            sock.close()
+            raise
+    return sock
 
 
 Accepted = Callable[[socket.socket, ClientHello, str], None]

@@ -19,6 +19,7 @@ __all__ = [
     "UNIX_SHARED_CORES_SNDBUF_BYTES",
     "UNIX_SNDBUF_BYTES",
     "advertised_host",
+    "connect_tcp",
     "drain_and_close",
     "family_of",
     "host_key",
@@ -101,6 +102,30 @@ def congestion_control(name: str) -> bytes:
     return name.encode()
 
 
+def connect_tcp(host: str, port: int, *, timeout_s: float, congestion: bytes | None = None) -> socket.socket:
+    """``socket.create_connection``, with the congestion control ``congestion`` chosen before the handshake.
+
+    A connection's congestion control is initialised once, when it is established (``tcp_init_transfer``), and
+    one set later keeps what that first one's ``init`` did: BBR, the default on some kernels, asks for the
+    kernel's own pacing (``SK_PACING_NEEDED``), which then stays with a CUBIC set after it, so CUBIC set on an
+    established socket is CUBIC paced as no stock host paces it. The accepting side chooses it on its listening
+    socket (:func:`allreduce.runtime.tcp._listener.listening_socket`), whose connections inherit it."""
+    last: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if congestion is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion)
+            sock.settimeout(timeout_s)
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            last = exc
+            continue
+        return sock
+    raise last if last is not None else OSError(f"no address for {host!r}")
+
+
 def tune(sock: socket.socket, *, congestion: bytes | None = None, shared_cores: bool = False) -> None:
     """Make a freshly authenticated data connection non-blocking, without Nagle, with a loopback-sized buffer
     (a Unix socket: non-blocking, no Nagle to turn off, a buffer sized for whether ``shared_cores``: the host's
@@ -116,7 +141,7 @@ def tune(sock: socket.socket, *, congestion: bytes | None = None, shared_cores: 
         sock.setblocking(False)
         return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if congestion is not None:
+    if congestion is not None:  # chosen before the handshake (connect_tcp, listening_socket): then a no-op
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion)
     try:
         peer_host = sock.getpeername()[0]

@@ -66,6 +66,7 @@ from allreduce.runtime.tcp._pair import Pair
 from allreduce.runtime.tcp._prepared import WINDOW_BYTES, PreparedPlan, prepare
 from allreduce.runtime.tcp._socket import (
     congestion_control,
+    connect_tcp,
     drain_and_close,
     host_key,
     is_loopback,
@@ -240,7 +241,7 @@ class TcpTransport(Transport):
             self._unix_listener = listener(unix_sock, "unix")
             unix_address = self._host_key.encode() + b"\n" + unix_name.hex().encode()
         try:
-            self._listener = listener(listening_socket(host, backlog=world_size), "tcp")
+            self._listener = listener(listening_socket(host, backlog=world_size, congestion=self._congestion), "tcp")
         except BaseException:
             if self._unix_listener is not None:
                 self._unix_listener.close()
@@ -437,9 +438,8 @@ class TcpTransport(Transport):
                     peer=peer,
                 )
             try:
-                sock = socket.create_connection(
-                    (host.strip("[]"), int(port_text)), timeout=min(remaining, CONNECT_TIMEOUT_MAX_S)
-                )
+                timeout_s = min(remaining, CONNECT_TIMEOUT_MAX_S)
+                sock = connect_tcp(host.strip("[]"), int(port_text), timeout_s=timeout_s, congestion=self._congestion)
                 break
             except ConnectionRefusedError as exc:  # its listener is published before we read it: a real failure
                 raise self._blame.exited_peer_error(
