@@ -21,6 +21,7 @@ from allreduce.sim._tcp import (
 from allreduce.sim._tcp_window import (
     CUBIC_BETA,
     CUBIC_C,
+    loss_window_packets,
     window_reduction_seconds,
 )
 from allreduce.topology import parse_topology, switch
@@ -42,6 +43,7 @@ def _draw(
     q_ack: float = 0.0,
     gap: float = math.inf,
     seed: int = 5,
+    window: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     transfers = LostTransfers(
         np.full(n, q),
@@ -50,6 +52,7 @@ def _draw(
         np.full(n, TAU),
         q_ack=np.full(n, q_ack),
         gap_s=np.full(n, gap),
+        window=None if window is None else np.full(n, window),
     )
     return draw_repair_seconds(np.random.default_rng(seed), stack, transfers)
 
@@ -140,8 +143,9 @@ def test_several_losses_in_a_transfer_are_repaired_together() -> None:
     n = 20_000
     # a window of sqrt(1.5/0.1) = 3.9 packets holds the whole transfer: one recovery episode
     transfers = LostTransfers(
-        np.full(n, 0.1), np.full(n, 3, dtype=np.int64), np.full(n, RTT), np.full(n, TAU), gap_s=np.full(n, gap)
-    )
+        np.full(n, 0.1), np.full(n, 3, dtype=np.int64), np.full(n, RTT), np.full(n, TAU), gap_s=np.full(n, gap),
+        window=loss_window_packets(np.full(n, 0.1)),
+    )  # fmt: skip
     extra, fired = draw_repair_seconds(rng, EXACT, transfers)
     clean = fired == 0
     # Each loss alone costs at most gap + 1.5 RTT + 4 tau; NewReno's sum would give 2-3x that where 2-3 are lost.
@@ -181,7 +185,7 @@ def test_losses_a_window_apart_are_repaired_in_recovery_episodes_one_after_anoth
     # (Linux leaves recovery once high_seq, what was sent when it began, is acknowledged; a loss sent after it
     # starts the next), and each episode's repair adds to the last's
     packets, q = 40, 0.05
-    extra, fired = _draw(EXACT, 60_000, packets, q=q)
+    extra, fired = _draw(EXACT, 60_000, packets, q=q, window=math.sqrt(1.5 / q))
     # no loss among the last three (their timers cost milliseconds) and no repair lost (an RTO)
     cost = extra[(fired == 0) & (extra < 1e-3)] - WINDOW
     summed, largest = _episodes_reference(np.random.default_rng(1), 60_000, packets, q)

@@ -455,9 +455,9 @@ def test_an_unpaced_stack_sends_what_an_inflated_srtt_would_have_paced_at_once()
     np.testing.assert_allclose(extra, RTT + 2 * RTT + TIMEOUT_MIN_S + DELACK_MIN_S, rtol=1e-12)
     wait, rtos = _unheard(after=6, gap=0.0, backed_off=0, packet_s=1.2e-4, stack=unpaced)
     np.testing.assert_allclose(wait[rtos == 1], RTO, rtol=1e-12)
-    assert TCP_STACKS["linux"].paced
-    assert not TCP_STACKS["linux-unpaced"].paced
-    assert "unpaced" in TCP_STACKS["linux-unpaced"].settings()
+    assert TCP_STACKS["linux-paced"].paced
+    assert not TCP_STACKS["linux"].paced
+    assert "unpaced" in TCP_STACKS["linux"].settings()
 
 
 def test_a_lost_repair_ack_after_backed_off_rtos_waits_for_the_next_doubled_rto() -> None:

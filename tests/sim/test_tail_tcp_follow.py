@@ -13,7 +13,7 @@ from allreduce.sim import LossModel
 from allreduce.sim._phases import draw_losses, phase_data
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import DELACK_MIN_S, TCP_STACKS, TcpStack, _one_loss
-from allreduce.sim._tcp_window import loss_window_packets
+from allreduce.sim._tcp_cwnd import FOLLOW_MIN_WINDOW
 from allreduce.topology import switch
 
 Z = 4.0
@@ -22,9 +22,11 @@ TAU = 1e-6
 EXACT = TcpStack("exact", rto_min_s=0.2, hz=0.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S)
 
 
-def _losses(after: int, *, q: float, q_ack: float = 0.0, n: int = 40_000) -> tuple[np.ndarray, np.ndarray]:
-    """One loss with ``after`` packets of its transfer behind it, at loss ``q`` (a window of sqrt(1.5/q)), the
-    connection's next transfer following at once."""
+def _losses(
+    after: int, *, q: float, q_ack: float = 0.0, window: float = 10.0, n: int = 40_000
+) -> tuple[np.ndarray, np.ndarray]:
+    """One loss with ``after`` packets of its transfer behind it, at loss ``q``, found by a window of ``window``
+    packets, the connection's next transfer following at once."""
     return _one_loss(
         np.random.default_rng(11),
         EXACT,
@@ -35,13 +37,13 @@ def _losses(after: int, *, q: float, q_ack: float = 0.0, n: int = 40_000) -> tup
         tau=np.full(n, TAU),
         gap=np.zeros(n),
         packets=np.full(n, after + 1, dtype=np.int64),
-        window=loss_window_packets(np.full(n, q)),
+        window=np.full(n, window),
     )
 
 
 def test_a_lost_repair_with_unsent_data_behind_it_is_resent_a_round_trip_on_without_a_timer() -> None:
-    # q = 0.3: a window of 2.2 packets, 20 behind the loss: the rest was unsent when the loss was found, so data
-    # follows the repair and RACK marks a lost repair once that data is SACKed: RTT + 2 tau per loss of the repair
+    # a window of 10 packets, 20 behind the loss: the rest was unsent when the loss was found, so data follows the
+    # repair and RACK marks a lost repair once that data is SACKed: RTT + 2 tau per loss of the repair (q = 0.3)
     q = 0.3
     cost, fired = _losses(20, q=q)
     assert not fired.any()
@@ -54,16 +56,26 @@ def test_a_lost_repair_with_unsent_data_behind_it_is_resent_a_round_trip_on_with
 
 
 def test_a_lost_repair_in_the_transfers_last_window_waits_for_the_rto() -> None:
-    # 4 packets behind the loss, a window of 10 at q = 0.015: all of them were sent when the SACKs of three marked
-    # the loss, so nothing follows the repair, and a lost repair waits for the RTO (q of them)
+    # 4 packets behind the loss, a window of 10: all of them were sent when the SACKs of three marked the loss, so
+    # nothing follows the repair, and a lost repair waits for the RTO (q of them)
     q = 0.015
     cost, fired = _losses(4, q=q)
     assert abs(np.mean(fired >= 1) - q) < Z * math.sqrt(q / cost.size)
     assert cost[fired >= 1].min() >= 0.2
 
 
+def test_a_lost_repair_with_data_behind_it_waits_for_the_rto_where_the_window_is_small() -> None:
+    # a window of 4: the three packets behind the loss are SACKed before the repair leaves and proportional rate
+    # reduction lets no new data out after it (a fourth SACK would), so nothing follows a lost repair but the RTO
+    q = 0.3
+    cost, fired = _losses(20, q=q, window=FOLLOW_MIN_WINDOW - 1)
+    assert abs(np.mean(fired >= 1) - q) < Z * math.sqrt(q * (1 - q) / cost.size)
+    assert cost[fired >= 1].min() >= 0.2
+    assert not _losses(20, q=q, window=FOLLOW_MIN_WINDOW)[1].any()
+
+
 def test_a_lost_repair_ack_is_covered_by_the_next_ack_where_data_follows() -> None:
-    # the repair's ACK lost with 0.5: with unsent data behind (20 packets, window 2.2) the next ACK covers it
+    # the repair's ACK lost with 0.5: with unsent data behind (20 packets, window 10) the next ACK covers it
     cost, fired = _losses(20, q=0.3, q_ack=0.5)
     assert not fired.any()
     assert cost.max() < 0.01

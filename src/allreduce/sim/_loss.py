@@ -98,7 +98,7 @@ class LossModel:
     """Packet loss on every link (``probability`` per packet), or ``links``: (link name, probability) overrides;
     ``fabric`` chooses the retransmission model ("roce" go-back-N or "tcp"); ``mtu_bytes`` and ``rto_s`` default to the
     fabric's (4 KiB and the IB ACK timeout for RoCE; 1,500 B and 200 ms for TCP). ``tcp`` names the TCP stack
-    (:data:`allreduce.sim._tcp.TCP_STACKS`: "linux", "linux-gro", "linux-unpaced", "tuned", "rfc6298"), whose
+    (:data:`allreduce.sim._tcp.TCP_STACKS`: "linux", "linux-gro", "linux-paced", "tuned", "rfc6298"), whose
     ``rto_min`` ``rto_s`` replaces if given; ``agreement``: on a RACK-TLP stack, every collective starts with the
     runtime's agreement (an all-gather of small messages, Bruck's, ceil(log2 N) steps), whose losses are charged too;
     ``barrier``: a barrier (one more such all-gather) precedes every collective, as in a benchmark that times each

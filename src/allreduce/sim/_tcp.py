@@ -45,73 +45,76 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   probe then fires at ``2·srtt + 2 ms`` with several packets out, and its own SACK marks the hole, one more
   ``RTT + τ``;
 - the resent packet lost again (probability ``q`` each time): what finds it depends on what the sender sends after
-  the repair. Where more than a window (:func:`loss_window_packets`) of the transfer followed the loss, the rest was
-  unsent when the loss was found, and proportional rate reduction lets it out as the SACKs of the packets still in
-  flight arrive (``tcp_cwnd_reduction``); once one of them is SACKed, RACK marks the lost retransmission (RFC 8985
-  §6, ``tcp_rack_detect_loss``: a packet sent after it delivered, and no reordering window in recovery,
-  ``tcp_rack_reo_wnd``), and resends it: ``RTT + 2τ`` more per loss of the repair, no timer. Where the loss was in
-  the transfer's last window, nothing follows the repair (the next transfer is written as its step begins, and
-  proportional rate reduction has set the window to what is in flight), so the RTO finds it, ``srtt + rto_min``
-  rounded up to a tick, doubled for each further loss (RFC 6298 §5.5, ``icsk_backoff``). Captured on the emulated
-  clusters at 25 Mbit/s (every link 3e-3, 256 KiB and 1 MiB rings, every link 1e-2, 256 KiB; tcpdump in each
-  host): of 67 RTOs on the ring's connections in recovery, 65 came with nothing sent after the repair; 71 lost
-  retransmissions with data sent after them were resent within 150 ms; and at 1 MiB (181 packets a transfer)
-  2 of 37 lost retransmissions or repair ACKs ended in an RTO, at 256 KiB (45) 12 of 20 (the hosts' counters:
-  ``TCPSackRecoveryFail`` 2 in 100 collectives at 1 MiB). At 100 Mbit/s the emulation is CPU-bound and a ring's
-  sender has 2–3 segments in flight, so nothing follows any repair: there the counters show lost retransmissions
-  ending in RTOs one for one (``TCPLostRetransmit`` against ``TCPSackRecoveryFail``: 4/4, 2/2, 19/19, 30/31).
+  the repair. Where more than a window (the packets in flight the loss found,
+  :func:`~allreduce.sim._tcp_cwnd.draw_loss_windows`) of the transfer followed the loss, the rest was unsent when
+  the loss was found, and the window held at least ``FOLLOW_MIN_WINDOW`` (5) packets, proportional rate
+  reduction lets it out as the SACKs of the packets still in flight arrive (``tcp_cwnd_reduction``); once one of
+  them is SACKed, RACK marks the lost retransmission (RFC 8985 §6, ``tcp_rack_detect_loss``: a packet sent after it
+  delivered, and no reordering window in recovery, ``tcp_rack_reo_wnd``), and resends it: ``RTT + 2τ`` more per loss
+  of the repair, no timer. Where the loss was in the transfer's last window, nothing follows the repair (the next
+  transfer is written as its step begins, and proportional rate reduction has set the window to what is in flight),
+  so the RTO finds it, ``srtt + rto_min`` rounded up to a tick, doubled for each further loss (RFC 6298 §5.5,
+  ``icsk_backoff``). Captured on the emulated clusters at 25 Mbit/s (every link 3e-3, 256 KiB and 1 MiB rings, every
+  link 1e-2, 256 KiB; tcpdump in each host): of 67 RTOs on the ring's connections in recovery, 65 came with nothing
+  sent after the repair; 71 lost retransmissions with data sent after them were resent within 150 ms; and at 1 MiB
+  (181 packets a transfer) 2 of 37 lost retransmissions or repair ACKs ended in an RTO, at 256 KiB (45) 12 of 20
+  (the hosts' counters: ``TCPSackRecoveryFail`` 2 in 100 collectives at 1 MiB). At 100 Mbit/s the emulation is
+  CPU-bound and a ring's sender has 2–3 segments in flight, so nothing follows any repair: there the counters show
+  lost retransmissions ending in RTOs one for one (``TCPLostRetransmit`` against ``TCPSackRecoveryFail``: 4/4, 2/2,
+  19/19, 30/31).
   A lost probe is such a loss too. The repair's ACK lost (probability ``q_ack``) ends the same way: where data
-  follows the repair, its ACK is cumulative and covers the lost one; where nothing follows, nothing acknowledges
-  the repair (no probe is armed outside the Open state, ``tcp_schedule_loss_probe``), so the RTO fires
-  ``timer(RTO)`` after it and resends a packet the receiver has, which it answers at once. What waits is the
-  connection's next transfer, ``gap`` after this one's end (nothing for a connection's last transfer in the
-  collective; a tail the next transfer reveals is acknowledged by that transfer's ACKs). After the RTO the window
-  is one segment (``tcp_enter_loss``) and no probe is armed in the Loss state, so its resend lost or its ACK lost,
-  ``1 − (1 − q)(1 − q_ack)``, waits for the next RTO, doubled, and so on.
-  So a repair in its transfer's last window ends in the RTO with ``q + q_ack``, about ``2q`` (each such RTO marks
-  the retransmission lost, ``TCPLostRetransmit``, whether it or its ACK was lost); traced (every link 1e-2,
-  ``tcp_probe`` and ``tcp_cong_state_set``: 61 of 84 RTOs on the ring's connections) they come in recovery with 2–3
-  segments out and nothing sent for 208 ms, and the data queued behind leaves within a millisecond of the resend's
-  ACK (:func:`_lost_repair_ack`). Captured, what decides it is what the sender had
-  sent past the loss when it resent it: of the lost repairs with at most two packets past the loss, 67 of 78 ended
-  in an RTO; with three or more, 60 of 68 were found by RACK. Such repairs were 19% of all at every link 3e-3 with
-  256 KiB, 8% with 1 MiB and 61% at every link 1e-2, where the model's last window holds 29%, 7% and 16% of the
-  losses: at 1e-2 the sender had 2 segments out at the median send (3 at 3e-3, 7 without loss) where
-  :func:`loss_window_packets` says 6–9, a window the model does not know, so it undercounts those RTOs 3-fold.
-  The ACK that ends the wait echoes the repair's timestamp (the receiver had it: ``ts_recent`` is the
-  last segment's that advanced ``rcv_nxt``, RFC 7323 §4.3), so the sender's RTT sample is the whole wait and srtt
-  jumps by an eighth of it (RFC 6298 §2.3). Linux sets every flow's pacing rate, ``1.2·cwnd·mss/srtt`` in
-  congestion avoidance (``tcp_update_pacing_rate``), but holds a CUBIC flow to it only behind the fq qdisc or once
-  the socket is ``SK_PACING_NEEDED`` (``tcp_pacing_check``, ``tcp_update_skb_after_send``); a token bucket does not
-  pace. The emulated ranks' connections are: the kernel's default, each namespace's too, is BBR, whose init sets it
-  as the connection is established, and the runtime's switch to CUBIC after the handshake keeps it
-  (``tcp_reinit_congestion_control`` never clears it); a socket CUBIC from the start sends its window unpaced.
-  Whether a host paces is therefore the host's (its default congestion control and qdisc), not TCP's recovery:
-  :attr:`TcpStack.paced`, on for ``linux`` (these hosts) and ``tuned`` (fq), off for ``linux-unpaced`` (a
-  CUBIC-default host without fq). Where paced, the data behind leaves ``srtt_j/(r·w)`` apart, each ACK taking an
-  eighth of the excess off (:func:`paced_seconds`; traced: srtt 26 ms after a 206 ms RTO, segments 10.9, 9.4,
-  8.3 ms apart at cwnd 2); unpaced, it leaves as the window allows. The window is 2 (:data:`RTO_PACED_WINDOW`):
+  follows the repair, its ACK is cumulative and covers the lost one; where nothing follows, nothing acknowledges the
+  repair (no probe is armed outside the Open state, ``tcp_schedule_loss_probe``), so the RTO fires ``timer(RTO)``
+  after it and resends a packet the receiver has, which it answers at once. What waits is the connection's next
+  transfer, ``gap`` after this one's end (nothing for a connection's last transfer in the collective; a tail the
+  next transfer reveals is acknowledged by that transfer's ACKs). After the RTO the window is one segment
+  (``tcp_enter_loss``) and no probe is armed in the Loss state, so its resend lost or its ACK lost, ``1 − (1 − q)(1
+  − q_ack)``, waits for the next RTO, doubled, and so on. So a repair in its transfer's last window ends in the RTO
+  with ``q + q_ack``, about ``2q`` (each such RTO marks the retransmission lost, ``TCPLostRetransmit``, whether it
+  or its ACK was lost); traced (every link 1e-2, ``tcp_probe`` and ``tcp_cong_state_set``: 61 of 84 RTOs on the
+  ring's connections) they come in recovery with 2–3 segments out and nothing sent for 208 ms, and the data queued
+  behind leaves within a millisecond of the resend's ACK (:func:`_lost_repair_ack`). Captured, what decides it is
+  what the sender had sent past the loss when it resent it: of the lost repairs with at most two packets past the
+  loss, 67 of 78 ended in an RTO; with three or more, 60 of 68 were found by RACK. Such repairs were 19% of all at
+  every link 3e-3 with 256 KiB, 8% with 1 MiB and 61% at every link 1e-2, where the model's last window holds 29%,
+  7% and 16% of the losses: at 1e-2 the sender had 2 segments out at the median send (3 at 3e-3, 7 without loss)
+  where the average window ``√(1.5/q)`` says 6–9. Hence the window drawn per transfer from the stationary law of
+  CUBIC's window with Linux's floors (:mod:`allreduce.sim._tcp_cwnd`), and the condition that it hold at least
+  ``DUPTHRESH + 2`` packets: three SACKs find the loss, a fourth lets proportional rate reduction send past the
+  repair; with fewer, nothing follows it wherever the loss is. The ACK that ends the wait echoes the repair's
+  timestamp (the receiver had it: ``ts_recent`` is the last segment's that advanced ``rcv_nxt``, RFC 7323 §4.3), so
+  the sender's RTT sample is the whole wait and srtt jumps by an eighth of it (RFC 6298 §2.3). Linux sets every
+  flow's pacing rate, ``1.2·cwnd·mss/srtt`` in congestion avoidance (``tcp_update_pacing_rate``), but holds a CUBIC
+  flow to it only behind the fq qdisc or once the socket is ``SK_PACING_NEEDED`` (``tcp_pacing_check``,
+  ``tcp_update_skb_after_send``); a token bucket does not pace. The emulated ranks' connections were, until
+  2026-12-07: the kernel's default, each namespace's too, is BBR, whose init sets it as the connection is
+  established, and the runtime's switch to CUBIC after the handshake kept it (``tcp_reinit_congestion_control``
+  never clears it); a socket CUBIC from the start, as the runtime now makes it, sends its window unpaced. Whether a
+  host paces is therefore the host's (its default congestion control and qdisc), not TCP's recovery:
+  :attr:`TcpStack.paced`, off for ``linux`` (these hosts, and a CUBIC-default host without fq), on for
+  ``linux-paced`` and ``tuned`` (fq). Where paced, the data behind leaves ``srtt_j/(r·w)`` apart, each ACK taking an
+  eighth of the excess off (:func:`paced_seconds`; traced: srtt 26 ms after a 206 ms RTO, segments 10.9, 9.4, 8.3 ms
+  apart at cwnd 2); unpaced, it leaves as the window allows. The window is 2 (:data:`RTO_PACED_WINDOW`):
   ``tcp_enter_loss`` sets it to the packets in flight and one, 1 once ``tcp_timeout_mark_lost`` has marked
   everything out lost; the resend's ACK newly delivers one segment (those after the repair were SACKed before),
-  which slow start adds; and while the pacing gap is longer than the round trip, one segment is in flight, and
-  slow start grows the window only while it is below twice the most segments in flight (``tcp_is_cwnd_limited``),
-  so it stays at 2 whatever ``ssthresh`` is (traced at every link 1e-2, ``quickack 1``: 26 of 27 such RTOs at
-  ``cwnd`` 2). ``r`` is 200% while ``cwnd < ssthresh/2``, else 120% (``tcp_update_pacing_rate``), with the
-  ``ssthresh`` the recovery set, which the RTO keeps (:func:`rto_pacing_ratio`).
-  With bursts (:class:`Bursts`) on a link whose chain is clocked by its own packets
-  (the emulator's firewall), the resend after a probe or RTO is the next packet the stalled link sees, lost with the
-  burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless other connections' packets cross the
-  link before the probe: after the collective's last step only the rank waiting for the lost tail is held, and where
-  repetitions are timed from a barrier, every other rank sends its first frame of the next one at once; each that
-  meets the bad state ends it with ``1/burst``, so the probe's resend is lost with :func:`chain_loss` after them
-  (``stay^(n+1)`` for ``n`` such packets and a rare new burst; :attr:`Bursts.cleared`, counted in
-  :mod:`allreduce.sim._phases`). Not so for the runtime's control frames (agreement, barrier): their exchanges run
-  on every connection at once and a sender does not wait for its receiver, so the step's other frames, the next
-  step's and the collective's data on the ranks the loss does not hold cross the lossy links in the milliseconds
-  after the burst, and each packet that meets the bad state ends it with ``1/burst``; the probe, ``2·srtt`` or more
-  later, finds the chain as any packet does and is lost with the long-run rate. A resend sent on SACKs follows the
-  delivered packet that revealed the loss, which left the chain good, so a new burst must start for it to be lost
-  (:func:`resend_loss`);
+  which slow start adds; and while the pacing gap is longer than the round trip, one segment is in flight, and slow
+  start grows the window only while it is below twice the most segments in flight (``tcp_is_cwnd_limited``), so it
+  stays at 2 whatever ``ssthresh`` is (traced at every link 1e-2, ``quickack 1``: 26 of 27 such RTOs at ``cwnd`` 2).
+  ``r`` is 200% while ``cwnd < ssthresh/2``, else 120% (``tcp_update_pacing_rate``), with the ``ssthresh`` the
+  recovery set, which the RTO keeps (:func:`rto_pacing_ratio`). With bursts (:class:`Bursts`) on a link whose chain
+  is clocked by its own packets (the emulator's firewall), the resend after a probe or RTO is the next packet the
+  stalled link sees, lost with the burst's ``stay`` until the bad state expires (:func:`_held_resends`), unless
+  other connections' packets cross the link before the probe: after the collective's last step only the rank waiting
+  for the lost tail is held, and where repetitions are timed from a barrier, every other rank sends its first frame
+  of the next one at once; each that meets the bad state ends it with ``1/burst``, so the probe's resend is lost
+  with :func:`chain_loss` after them (``stay^(n+1)`` for ``n`` such packets and a rare new burst;
+  :attr:`Bursts.cleared`, counted in :mod:`allreduce.sim._phases`). Not so for the runtime's control frames
+  (agreement, barrier): their exchanges run on every connection at once and a sender does not wait for its receiver,
+  so the step's other frames, the next step's and the collective's data on the ranks the loss does not hold cross
+  the lossy links in the milliseconds after the burst, and each packet that meets the bad state ends it with
+  ``1/burst``; the probe, ``2·srtt`` or more later, finds the chain as any packet does and is lost with the long-run
+  rate. A resend sent on SACKs follows the delivered packet that revealed the loss, which left the chain good, so a
+  new burst must start for it to be lost (:func:`resend_loss`);
 - a burst on such a chain that takes a connection's final ACK (its last transfer in the collective, the receiver
   sending nothing back: a ring's): the receiver has the data and the sender's send was done once handed to the
   connection, so the collective waits for nothing. The receiver's next packet on that path is its next barrier's
@@ -123,7 +126,7 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   together, so the losses of one recovery episode cost the largest of their costs (NewReno's one hole per round
   trip is the ``rfc6298`` preset's sum). An episode ends once ``high_seq``, what was sent when it began, is
   acknowledged (``tcp_fastretrans_alert``; RFC 6675 §5 "RecoveryPoint"), about a window past its first loss, so a
-  loss more than a window (:func:`loss_window_packets`) after the episode's first is sent after ``high_seq`` and
+  loss more than a window (the one drawn for the transfer) after the episode's first is sent after ``high_seq`` and
   starts the next episode, repaired after the one before: the episodes' costs add (traced at every link 1e-2, a
   connection's RTOs come one after another, about 210 ms apart);
 - the congestion window: CUBIC's cut, charged once per lost transfer, its average window ``W`` at a loss rate
@@ -171,6 +174,7 @@ import numpy as np
 import numpy.typing as npt
 
 from allreduce.sim._bursts import Bursts, chain_loss, first_loss, next_loss, resend_loss
+from allreduce.sim._tcp_cwnd import FOLLOW_MIN_WINDOW, draw_loss_windows
 from allreduce.sim._tcp_window import (
     CUBIC_BETA,
     RTO_PACED_WINDOW,
@@ -272,18 +276,22 @@ class TcpStack:
 
 
 TCP_STACKS = {
-    "linux": TcpStack("linux", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S, gro=False),
-    "linux-gro": TcpStack("linux-gro", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S),
-    "linux-unpaced": TcpStack(
-        "linux-unpaced", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S, paced=False
+    "linux": TcpStack(
+        "linux", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S, paced=False, gro=False
+    ),
+    "linux-gro": TcpStack("linux-gro", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S, paced=False),
+    "linux-paced": TcpStack(
+        "linux-paced", rto_min_s=0.2, hz=250.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S, gro=False
     ),
     "tuned": TcpStack("tuned", rto_min_s=5e-3, hz=1000.0, rack_tlp=True),
     "rfc6298": TcpStack("rfc6298", rto_min_s=0.2, hz=0.0, rack_tlp=False, paced=False),
 }
-"""The presets of ``--tcp``. ``linux``: the emulated clusters' hosts (a stock 6.x kernel, CUBIC set on connections
-the kernel's default BBR established, so paced); ``linux-unpaced``: the same on a host whose default is CUBIC and
-whose qdisc is not fq (most distributions: pfifo_fast or fq_codel); ``tuned``: a data-centre stack (fq paces);
-``rfc6298``: the model this project had first."""
+"""The presets of ``--tcp``. ``linux``: a stock 6.x kernel with CUBIC and a qdisc that does not pace (pfifo_fast,
+fq_codel, tbf: most distributions, and the emulated clusters' hosts, whose ranks choose CUBIC before the
+handshake), no GRO (veths); ``linux-gro``: the same with a NIC's GRO; ``linux-paced``: ``linux`` with the kernel's
+own pacing (a socket BBR established before CUBIC was set, as the emulated clusters' ranks did until 2026-12-07,
+or fq); ``tuned``: a data-centre stack (fq paces, ``rto_min`` 5 ms, HZ=1000); ``rfc6298``: the model this project
+had first."""
 
 
 def ack_stall_flights(q: FloatArray, packets: IntArray, mtu_bytes: int) -> IntArray:
@@ -552,7 +560,11 @@ def _one_loss(
     # Data sent after the repair: the rest of the transfer, unsent when the loss was found (more than a window
     # behind it). A lost repair is then found by RACK once that data is SACKed, a round trip on, and a lost
     # repair ACK is covered by the next one: no timer (the module docstring).
-    follows = np.zeros(after.size, dtype=np.bool_) if window is None else mid & (after > window)
+    follows = (
+        np.zeros(after.size, dtype=np.bool_)
+        if window is None
+        else mid & (after > window) & (window >= FOLLOW_MIN_WINDOW)
+    )
     # The repair lost again, m times in a row: the RTO, backed off.
     again = np.minimum(rng.geometric(1 - q) - 1, GIVE_UP_AFTER).astype(np.int64)
     if resend_q is not None:
@@ -593,7 +605,8 @@ class LostTransfers:
     only for more than one full segment), so when the last of several is lost, the earlier ones are still
     unacknowledged when the probe armed with several packets out (``2·srtt + 2 ms``) fires: the probe resends
     the last one, and the one-packet probe's ``rto_min`` is not paid. Nor does a held burst take their resends:
-    the collective's other packets cross the link first (the module docstring)."""
+    the collective's other packets cross the link first (the module docstring). ``window``: the packets in flight
+    when each transfer's losses are found (None: drawn by :func:`~allreduce.sim._tcp_cwnd.draw_loss_windows`)."""
 
     q: FloatArray
     packets: IntArray
@@ -603,6 +616,7 @@ class LostTransfers:
     gap_s: FloatArray | None = None
     bursts: Bursts | None = None
     small: bool = False
+    window: FloatArray | None = None
 
 
 def draw_repair_seconds(
@@ -635,7 +649,7 @@ def draw_repair_seconds(
         probe_q = chain_loss(bursts, bursts.cleared, after_loss=True)
     previous = np.full(n, -2, dtype=np.int64)
     # recovery episodes: a loss sent after the episode's high_seq, a window past its first loss, starts the next
-    window = loss_window_packets(q)
+    window = draw_loss_windows(rng, q, q_ack) if transfers.window is None else transfers.window
     episode_start = np.full(n, -1, dtype=np.int64)
     episode = np.zeros(n)
     for _ in range(int(packets.max(initial=0)) + 1):
