@@ -649,7 +649,9 @@ def draw_repair_seconds(
         probe_q = chain_loss(bursts, bursts.cleared, after_loss=True)
     previous = np.full(n, -2, dtype=np.int64)
     # recovery episodes: a loss sent after the episode's high_seq, a window past its first loss, starts the next
-    window = draw_loss_windows(rng, q, q_ack) if transfers.window is None else transfers.window
+    # CUBIC cuts its window once per recovery: once per burst
+    cuts_q = q if bursts is None else bursts.entry_q
+    window = draw_loss_windows(rng, cuts_q, q_ack) if transfers.window is None else transfers.window
     episode_start = np.full(n, -1, dtype=np.int64)
     episode = np.zeros(n)
     for _ in range(int(packets.max(initial=0)) + 1):
