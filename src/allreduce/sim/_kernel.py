@@ -480,7 +480,7 @@ def link_records(capacity: FloatArray) -> tuple[Any, ...]:
     bytes a link, aligned to cache lines: the first line holds what a transfer starting or draining reads and
     writes of each link on its path, and what a re-solve of a transfer alone on its links reads (the level and
     the group that filled it); the second the rest of the re-solve's rows. One line a link where separate
-    arrays took seven: at 16,384 ranks the links' arrays outgrow the caches."""
+    arrays took six: at 16,384 ranks the links' arrays outgrow the caches."""
     num_links = capacity.size
     raw = np.empty(num_links * 128 + 64, dtype=np.uint8)
     at = -raw.ctypes.data % 64
