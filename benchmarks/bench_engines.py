@@ -15,7 +15,9 @@ time, peak memory, and agreement.
                                                    # (core: kernel as engine="event" runs it, whole or
                                                    # streamed layout, windowed, per-event; --stop 0.05:
                                                    # stopped after 5% of its transfers, CPU-s up to there,
-                                                   # and by part at each hundredth of them)
+                                                   # and at each hundredth of them: share, CPU-s by part,
+                                                   # solves, in play, changed, nodes visited, instants,
+                                                   # heap size, steps in the buffers)
 
 Cases (64 MiB per rank, random placement, seed 0, as `allreduce sim --placement random`): ring on a k=16
 fat-tree (ECMP); ring and double binary tree (8 chunks) on a 32x8x32 Clos with 4:1 oversubscription. Each run is
@@ -39,6 +41,7 @@ import resource
 import subprocess
 import sys
 import time
+from typing import Any
 
 SIZE_BYTES = 64 * 2**20
 FAT_TREE = "fat-tree:k=16"
@@ -68,6 +71,7 @@ def one(spec: str, ranks: int, algorithm: str, core: str, stop: float = 1.0) -> 
     # A streamed run's CPU seconds by part so far, at each hundredth of its transfers (with --stop).
     slices: list[list[float]] = []
     streamed_runs: list[object] = []
+    queues: list[object] = []
     if core in ("kernel", "streamed"):
         # The compiled core on a streamed layout (sim/_stream.py): where run_event takes it ("kernel": beyond 2^22
         # transfers), or whatever the schedule's size ("streamed"); its counts and CPU seconds by part.
@@ -76,6 +80,16 @@ def one(spec: str, ranks: int, algorithm: str, core: str, stop: float = 1.0) -> 
         if core == "streamed":
             _event.STREAM_TRANSFERS = -1
         compiled_stream = _stream.StreamRun.run
+        made_queue = _stream.Queue
+
+        class _Queue(made_queue):  # type: ignore[misc,valid-type]
+            """The run's queue, kept so that the progress callback can read its size and counts."""
+
+            def __init__(self, *args: object, **kwargs: object) -> None:
+                super().__init__(*args, **kwargs)
+                queues.append(self)
+
+        _stream.Queue = _Queue  # type: ignore[misc]
 
         def counted_stream(run: _stream.StreamRun, progress: object = None) -> None:
             streamed_runs.append(run)
@@ -115,8 +129,22 @@ def one(spec: str, ranks: int, algorithm: str, core: str, stop: float = 1.0) -> 
     def progress(fraction: float) -> None:
         delivered[0] = fraction
         if streamed_runs and int(100 * fraction) > len(slices):
-            cpu_s = streamed_runs[0].cpu_s  # type: ignore[attr-defined]
-            slices.append([round(fraction, 4), *(round(cpu_s[part], 2) for part in ("lay out", "kernel", "fold"))])
+            run: Any = streamed_runs[0]
+            # CPU-s by part; the kernel's counts so far (rate solves, transfers in play, rates changed, list nodes
+            # visited by re-solves), instants with a re-solve, events queued on the heap, steps laid out and not
+            # released (the band of steps under way and ahead).
+            counts, counters, state = run.kernel_stats, run._work[8][-1], queues[0].state  # type: ignore[attr-defined]
+            slices.append(
+                [
+                    round(fraction, 4),
+                    *(round(run.cpu_s[part], 2) for part in ("lay out", "kernel", "fold")),
+                    *(int(v) for v in counts[:3]),
+                    int(counters[4]),
+                    int(state[3]),
+                    int(state[0]),
+                    run.high - run.low,
+                ]
+            )
         if fraction >= stop:
             raise _StoppedError
 

@@ -159,3 +159,22 @@ def test_a_transfer_alone_on_its_links_drains_at_its_solo_rate(
         else:
             assert duration == pytest.approx(nbytes[x] / solo[x], rel=1e-12)
             assert run.slowest_rate[x] == solo[x]
+
+
+def test_a_link_s_fields_that_a_start_or_drain_reads_share_one_cache_line() -> None:
+    # Per link, its list's head and tail, its changed mark, its capacity and the level and group it last filled
+    # at (what a transfer alone on its links is re-solved with) lie in the first 64-byte line of its record.
+    from allreduce.sim._kernel import link_records
+
+    capacity = np.linspace(1.0, 2.0, 7)
+    head, tail, mark, link_capacity, (rows_i, rows_f) = link_records(capacity)
+    assert np.array_equal(link_capacity, capacity)
+    assert (head == -1).all()
+    assert (tail == -1).all()
+    for link in (0, 3, 6):
+        line = head[link:].ctypes.data
+        assert line % 64 == 0
+        for field in (tail[link:], mark[link:], link_capacity[link:], rows_f[0, link:], rows_i[0, link:]):
+            assert 0 <= field.ctypes.data - line < 64
+        for k in range(1, 4):
+            assert 64 <= rows_i[k, link:].ctypes.data - line < 128

@@ -223,13 +223,20 @@ def test_the_records_kept_are_those_the_roots_reach(batches: list[list[tuple[int
 
 
 @settings(max_examples=100, deadline=None)
-@given(capacity_log=st.integers(0, 4), lo=st.integers(0, 100), sizes=st.lists(st.integers(1, 40), max_size=6))
-def test_rings_hold_the_numbers_put_across_wraps_and_growth(capacity_log: int, lo: int, sizes: list[int]) -> None:
+@given(
+    capacity_log=st.integers(0, 4),
+    lo=st.integers(0, 100),
+    sizes=st.lists(st.integers(1, 40), max_size=6),
+    records=st.sampled_from([(), (("value", "tag", "flag"),), (("value", "flag"),)]),
+)
+def test_rings_hold_the_numbers_put_across_wraps_and_growth(
+    capacity_log: int, lo: int, sizes: list[int], records: tuple[tuple[str, ...], ...]
+) -> None:
     # Numbers are put window by window (growing the rings where they must) and read back as spans: the values
-    # put, in order, whether or not they wrap round.
+    # put, in order, whether or not they wrap round, and whether the fields are arrays or share records.
     from allreduce.sim._stream import _Rings
 
-    rings = _Rings(1 << capacity_log, value=(np.float64, np.nan), tag=(np.int32, -1), flag=(np.int8, 0))
+    rings = _Rings(1 << capacity_log, records, value=(np.float64, np.nan), tag=(np.int32, -1), flag=(np.int8, 0))
     expected: dict[str, list[Any]] = {"value": [], "tag": [], "flag": []}
     hi = lo
     for size in sizes:
@@ -244,3 +251,26 @@ def test_rings_hold_the_numbers_put_across_wraps_and_growth(capacity_log: int, l
         hi += size
     for name, got in zip(expected, rings.span(lo, hi, *expected), strict=True):
         assert got.tolist() == expected[name], name
+
+
+def test_a_ring_entry_s_fields_in_a_record_share_one_cache_line() -> None:
+    # The fields named together are views of one array of records of 64 bytes at most, aligned to cache lines:
+    # the kernel's reads of one transfer's fields touch one line, not one per field.
+    from allreduce.sim._stream import _Rings
+
+    fields = {
+        "a": (np.float64, 0.0),
+        "b": (np.int64, -1),
+        "c": (np.int32, 2),
+        "d": (np.int8, 0),
+        "e": (np.float64, 1.0),
+    }
+    rings = _Rings(1 << 10, (("a", "b", "c", "d"),), **fields)
+    rings.fit(0, 1 << 12)
+    grouped = [rings[name] for name in "abcd"]
+    assert {array.strides[0] for array in grouped} == {32}
+    starts = [array.ctypes.data for array in grouped]
+    assert min(starts) % 64 == 0
+    assert max(starts) - min(starts) < 32
+    assert rings["e"].strides[0] == 8
+    assert [rings[name][100] for name in "abcde"] == [0.0, -1, 2, 0, 1.0]

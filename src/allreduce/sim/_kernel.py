@@ -115,7 +115,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
     ``work``: the run's state (:func:`_work`); ``queue``: the heap's times and keys, the lanes' times, keys and
     positions, the lane of each pair's deliveries and each rank's starts (sim/_kernel_heap.py); ``state``: the
     counts carried from call to call (_SIZE ...)."""
-    pair, pair_ptr, pair_link, pair_weight, capacity = route
+    pair, pair_ptr, pair_link, pair_weight, _ = route
     heap_t, heap_k, lane_t, lane_k, lane_pos, pair_lane, rank_lane = queue
     queues = (heap_t, heap_k, lane_t, lane_k, lane_pos)
     lane_mask = lane_t.shape[1] - 1
@@ -129,7 +129,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
     pending, ready, holder, blocks, lists, node_prev, per_link, per_flow, solver, stats = work
     rate, left, since, version, free, block_pair = blocks
     head, node_x, node_w, node_next, shift = lists
-    tail, changed, changed_mark = per_link
+    tail, changed, changed_mark, capacity = per_link
     started, members, sort_stack = per_flow
     net = (block_pair, pair_ptr, pair_link, capacity, head, node_x, node_w, node_next, shift, rate)
     blocks_i, new_rate, play_list = solver[3], solver[4], solver[5]
@@ -374,7 +374,7 @@ def run_kernel(run: Any, progress: Callable[[float], None] | None = None) -> Non
     )
     in_flight = _in_flight_bound(run)
     pending = np.diff(run.slot_ptr).astype(np.int32)  # transfers per slot not delivered yet
-    work = make_work(run.link_capacity.size, run.pair_len, in_flight, (pending, len(run.t)), stats)
+    work = make_work(run.link_capacity, run.pair_len, in_flight, (pending, len(run.t)), stats)
     # Each rank with steps begins its first at its start; the rest end where they start.
     first, stop = run.rank_first_slot, run.rank_stop_slot
     start_at = np.asarray(run.start_at, dtype=np.float64)
@@ -474,12 +474,33 @@ def _in_flight_bound(run: Any) -> int:
     return int(min(int(largest.sum()), len(run.t))) + 1
 
 
+def link_records(capacity: FloatArray) -> tuple[Any, ...]:
+    """Per link its list's head and tail, the instant that last changed it, its capacity (a copy of
+    ``capacity``) and the re-solve's rows (sim/_kernel_levels.py: 4 int, 3 float), as views of one record of 128
+    bytes a link, aligned to cache lines: the first line holds what a transfer starting or draining reads and
+    writes of each link on its path, and what a re-solve of a transfer alone on its links reads (the level and
+    the group that filled it); the second the rest of the re-solve's rows. One line a link where separate
+    arrays took six: at 16,384 ranks the links' arrays outgrow the caches."""
+    num_links = capacity.size
+    raw = np.empty(num_links * 128 + 64, dtype=np.uint8)
+    at = -raw.ctypes.data % 64
+    ints = raw[at : at + num_links * 128].view(np.int64).reshape(num_links, 16)
+    floats = ints.view(np.float64)
+    ints[:, :3] = -1  # head, tail; the changed mark (instants are numbered from 1)
+    floats[:, 3] = capacity
+    # Columns 4-6: the float rows (level, room, demand); 7-10: the int rows (filled first: in the first line).
+    return ints[:, 0], ints[:, 1], ints[:, 2], floats[:, 3], (ints[:, 7:11].T, floats[:, 4:7].T)
+
+
 def make_work(
-    num_links: int, pair_len: IntArray, in_flight: int, per_transfer: tuple[Any, int], stats: Any
+    capacity: FloatArray, pair_len: IntArray, in_flight: int, per_transfer: tuple[Any, int], stats: Any
 ) -> tuple[Any, ...]:
     """The arrays the kernel keeps its state in, all made here (the compiled code allocates nothing) but the
-    per-slot count of transfers not delivered yet and the room for transfers (``per_transfer``)."""
+    per-slot count of transfers not delivered yet and the room for transfers (``per_transfer``); ``capacity``:
+    per link."""
     pending, transfers = per_transfer
+    num_links = capacity.size
+    head, tail, changed_mark, link_capacity, rows = link_records(np.asarray(capacity, dtype=np.float64))
     hops = max(int(pair_len.max()) if pair_len.size else 1, 1)
     shift = 0  # a block's nodes are 2^shift >= hops apart: a node's block is a shift away, not a division
     while (1 << shift) < hops:
@@ -497,16 +518,17 @@ def make_work(
         np.zeros(blocks, dtype=np.int64),  # the pair of the transfer draining in it
     )
     lists = (
-        np.full(num_links, -1, dtype=np.int64),  # head
+        head,
         np.empty(nodes, dtype=np.int64),  # node_x
         np.empty(nodes),  # node_w
         np.empty(nodes, dtype=np.int64),  # node_next
         shift,
     )
     per_link = (
-        np.full(num_links, -1, dtype=np.int64),  # tail
+        tail,
         np.empty(num_links, dtype=np.int64),  # changed: the links changed at this instant
-        np.zeros(num_links, dtype=np.int64),  # changed_mark: the instant that last changed the link
+        changed_mark,  # the instant that last changed the link
+        link_capacity,
     )
     per_flow = (
         np.empty(blocks, dtype=np.int64),  # started: blocks that began draining at this instant
@@ -522,6 +544,6 @@ def make_work(
         np.empty(nodes, dtype=np.int64),  # node_prev
         per_link,
         per_flow,
-        solve_scratch(num_links, blocks, hops),
+        solve_scratch(num_links, blocks, hops, rows),
         stats,
     )

@@ -42,9 +42,11 @@ _LEVEL_RTOL = 1e-9
 # A level this close to a transfer's old rate is that rate: rounding of the running sums moves no drain event.
 _KEEP_RTOL = 1e-12
 
-# Per link (int rows): the re-solve that perturbed it, the version of its entry in the queue, the level group
-# that filled it, its transfers not frozen yet. (float rows): the level it filled at, room, weight not frozen.
-_PERTURBED, _VERSION, _FILLED, _UNFROZEN = 0, 1, 2, 3
+# Per link (int rows): the level group that filled it, the re-solve that perturbed it, the version of its entry
+# in the queue, its transfers not frozen yet. (float rows): the level it filled at, room, weight not frozen. The
+# kernel keeps a link's rows in one record (sim/_kernel.py's link_records): the level and the group that filled
+# it, what a transfer alone on its links reads (resolve_alone), in the cache line of its list's head and tail.
+_FILLED, _PERTURBED, _VERSION, _UNFROZEN = 0, 1, 2, 3
 _LEVEL, _ROOM, _DEMAND = 0, 1, 2
 # Per block (int rows): the re-solve that put it in play, the one that froze it, its new bottleneck link.
 _IN_PLAY, _FROZEN, _BOTTLENECK = 0, 1, 2
@@ -53,15 +55,20 @@ _IN_PLAY, _FROZEN, _BOTTLENECK = 0, 1, 2
 _NUM_PERTURBED, _NUM_IN_PLAY, _QUEUE, _GROUP, _VISITED = 0, 1, 2, 3, 4
 
 
-def solve_scratch(num_links: int, blocks: int, hops: int) -> tuple[Any, ...]:
+def solve_scratch(num_links: int, blocks: int, hops: int, per_link: tuple[Any, Any] | None = None) -> tuple[Any, ...]:
     """The arrays :func:`resolve` keeps its state in, for ``num_links`` links and ``blocks`` transfers draining
-    at once on paths of at most ``hops`` links. The queue holds at most a check per transfer, an entry per link
-    perturbed and one per link a freezing transfer updates (``hops`` per transfer)."""
+    at once on paths of at most ``hops`` links (``per_link``: the links' int and float rows, (4, num_links) and
+    (3, num_links), where the caller keeps them; made here if not). The queue holds at most a check per
+    transfer, an entry per link perturbed and one per link a freezing transfer updates (``hops`` per transfer)."""
     queue = blocks * (hops + 1) + num_links + 1
-    per_link_f = np.zeros((3, num_links))
+    per_link_i, per_link_f = (
+        per_link if per_link is not None else (np.empty((4, num_links), dtype=np.int64), np.empty((3, num_links)))
+    )
+    per_link_i[...] = 0
+    per_link_f[...] = 0.0
     per_link_f[_LEVEL] = np.inf
     return (
-        np.zeros((4, num_links), dtype=np.int64),
+        per_link_i,
         per_link_f,
         np.empty(num_links, dtype=np.int64),  # the links perturbed (each once)
         np.zeros((3, blocks), dtype=np.int64),

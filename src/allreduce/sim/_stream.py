@@ -77,14 +77,45 @@ def _in_flight_bound(schedule: Schedule, total: int) -> int:
 
 
 class _Rings:
-    """Arrays indexed by a number modulo their size (a power of two), holding the numbers ``[lo, hi)``."""
+    """Arrays indexed by a number modulo their size (a power of two), holding the numbers ``[lo, hi)``. The fields
+    named together in ``records`` share one array of records (each field a strided view of it), so that an entry's
+    fields the kernel reads together are one cache line, not one per field; the others are arrays of their own."""
 
-    def __init__(self, capacity: int, **fields: tuple[type, float]) -> None:
+    def __init__(self, capacity: int, records: tuple[tuple[str, ...], ...] = (), **fields: tuple[type, float]) -> None:
         self.mask = capacity - 1
         self.fields = fields
-        self.arrays: dict[str, Any] = {
-            name: np.full(capacity, fill, dtype=dtype) for name, (dtype, fill) in fields.items()
-        }
+        self.records = records
+        self.arrays: dict[str, Any] = self._make(capacity)
+
+    def _make(self, capacity: int) -> dict[str, Any]:
+        """The fields' arrays of ``capacity`` entries, set to their fill values."""
+        arrays: dict[str, Any] = {}
+        for names in self.records:
+            # Widest fields first, so each is aligned; a record of 64 bytes or less fills at most one cache line
+            # (numpy's buffers are 64-byte aligned), larger ones are padded to whole lines.
+            ordered = sorted(names, key=lambda name: -np.dtype(self.fields[name][0]).itemsize)
+            offsets = np.cumsum([0] + [np.dtype(self.fields[name][0]).itemsize for name in ordered])
+            size = int(offsets[-1])
+            itemsize = 1 << max(size - 1, 0).bit_length() if size <= 64 else -(-size // 64) * 64
+            record = np.dtype(
+                {
+                    "names": ordered,
+                    "formats": [self.fields[name][0] for name in ordered],
+                    "offsets": [int(o) for o in offsets[:-1]],
+                    "itemsize": itemsize,
+                }
+            )
+            # Aligned to a cache line (a large buffer from malloc starts 16 bytes into a page).
+            raw = np.empty(capacity * itemsize + 64, dtype=np.uint8)
+            at = -raw.ctypes.data % 64
+            block = raw[at : at + capacity * itemsize].view(record)
+            for name in ordered:
+                arrays[name] = block[name]
+                arrays[name].fill(self.fields[name][1])
+        for name, (dtype, fill) in self.fields.items():
+            if name not in arrays:
+                arrays[name] = np.full(capacity, fill, dtype=dtype)
+        return arrays
 
     def fit(self, lo: int, hi: int) -> None:
         """Make room for the numbers ``[lo, hi)``, keeping those held."""
@@ -94,10 +125,10 @@ class _Rings:
         while capacity < hi - lo:
             capacity *= 2
         old = np.arange(lo, hi, dtype=np.int64)
-        for name, (dtype, fill) in self.fields.items():
-            array: Any = np.full(capacity, fill, dtype=dtype)
+        arrays = self._make(capacity)
+        for name, array in arrays.items():
             array[old & (capacity - 1)] = self.arrays[name][old & self.mask]
-            self.arrays[name] = array
+        self.arrays = arrays
         self.mask = capacity - 1
 
     def __getitem__(self, name: str) -> Any:
@@ -242,6 +273,11 @@ class StreamRun:
         capacity = 1 << max(int(2 * self.window_transfers).bit_length(), 4)
         self.transfers = _Rings(
             capacity,
+            # What the kernel reads of a transfer, in one cache line; the times it writes, in half of one.
+            (
+                ("fraction", "send_slot", "recv_slot", "trigger", "slowest", "pair", "holder", "bottleneck", "ready"),
+                ("start_s", "drained_s", "delivered_s"),
+            ),
             fraction=(np.float64, 0.0),
             pair=(np.int32, 0),
             send_slot=(np.int64, -1),
@@ -257,6 +293,10 @@ class StreamRun:
         )
         self.slots = _Rings(
             capacity,
+            (
+                ("m0", "m1", "succ", "pred", "parent", "slot_last", "rank", "step", "pending"),
+                ("slot_start", "slot_end"),
+            ),
             m0=(np.int64, 0),
             m1=(np.int64, 0),
             rank=(np.int32, 0),
@@ -436,9 +476,7 @@ class StreamRun:
         """Run to the end (``progress``: as run_kernel's)."""
         routes = self.routes
         pending = self.slots["pending"]
-        self._work = make_work(
-            routes.link_capacity.size, routes.length, self.in_flight, (pending, 0), self.kernel_stats
-        )
+        self._work = make_work(routes.link_capacity, routes.length, self.in_flight, (pending, 0), self.kernel_stats)
         self._lay_out()
         active = np.flatnonzero(self._has_slots())
         while self.high < self.num_steps and np.any(self.first_slot[active] < 0):
