@@ -222,6 +222,17 @@ def _is_rank(pid: str) -> bool:
         return False
 
 
+def _connected(pid: str) -> bool:
+    """Whether ``pid``'s network namespace (a host's: the rank is alone there) has two established TCP connections:
+    the rank's to the store, and one of its collectives' (the run is under way: a death now is a peer's, not a
+    rank that never joined, which the others would wait out at init)."""
+    try:
+        table = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return sum(line.split()[3] == "01" for line in table) >= 2  # 01: TCP_ESTABLISHED
+
+
 @pytest.mark.slow
 def test_a_rank_killed_mid_run_is_named_and_the_run_ends(four_hosts: Layout) -> None:
     outcome: list[BaseException] = []
@@ -239,6 +250,8 @@ def test_a_rank_killed_mid_run_is_named_and_the_run_ends(four_hosts: Layout) -> 
     while thread.is_alive() and not pids:
         out = subprocess.run(["ip", "netns", "pids", victim_ns], capture_output=True, text=True, check=False)
         pids = [pid for pid in out.stdout.split() if _is_rank(pid)]
+    while thread.is_alive() and not all(map(_connected, pids)):
+        time.sleep(0.01)
     for pid in pids:
         os.kill(int(pid), signal.SIGKILL)
     thread.join(timeout=200)
