@@ -43,6 +43,23 @@ _LONGEST_FIRST = (
 )
 
 
+# ----------------------------------------------------------------------- rewritten test modules cached
+# pytest rewrites every test module's asserts as it imports it (~200 modules: seconds of CPU), and caches the result
+# beside the module unless PYTHONDONTWRITEBYTECODE is set (as in many CI images and here): then each pytest process
+# (make test's two workers, then its serial part) rewrites them all again. They are cached during collection
+# whatever that variable says (the Makefile's `bytecode` compiles our modules for the same reason); the flag is back
+# as it was before any test runs, and the processes tests start read the variable, not this flag.
+_DONT_WRITE_BYTECODE = sys.dont_write_bytecode
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    sys.dont_write_bytecode = False
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    sys.dont_write_bytecode = _DONT_WRITE_BYTECODE
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
     missing = [m for m in _LONGEST_FIRST if not (root / m).is_file()]

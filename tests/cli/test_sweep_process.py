@@ -113,7 +113,6 @@ def big_sweep(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_a_grid_of_ten_million_cases_writes_rows_at_once_in_bounded_memory(
     big_sweep: tuple[subprocess.Popen[bytes], Path],
 ) -> None:
@@ -126,7 +125,6 @@ def test_a_grid_of_ten_million_cases_writes_rows_at_once_in_bounded_memory(
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_sigkill_of_the_sweep_takes_its_pool_workers_with_it(
     big_sweep: tuple[subprocess.Popen[bytes], Path],
 ) -> None:
@@ -142,7 +140,6 @@ def test_sigkill_of_the_sweep_takes_its_pool_workers_with_it(
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_ctrl_c_to_the_process_group_ends_the_sweep_and_its_workers(
     big_sweep: tuple[subprocess.Popen[bytes], Path],
 ) -> None:

@@ -38,8 +38,10 @@ pytestmark = [
         os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
         reason="needs root and iproute2 (ip, tc) to build network namespaces",
     ),
-    pytest.mark.serial,  # paced links and measured rates
 ]
+# Serial (run alone, after the parallel part): the tests that run collectives on the module's cluster or measure a
+# shaped link's drops. Building, refusing, removing and signalling clusters time nothing: they run beside others.
+serial = pytest.mark.serial
 
 CLOS4 = "clos:leaves=2,spines=2,hosts_per_leaf=2"
 
@@ -158,6 +160,7 @@ def four_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Layout]:
         yield built
 
 
+@serial
 @pytest.mark.slow
 def test_a_ring_across_four_hosts_is_exact_and_predicted(four_hosts: Layout) -> None:
     result = run(four_hosts, algorithm="ring", sizes=[1 << 20], reps=2)
@@ -169,6 +172,7 @@ def test_a_ring_across_four_hosts_is_exact_and_predicted(four_hosts: Layout) -> 
     assert row.busiest_link_bytes >= 2 * 3 / 4 * (1 << 20)
 
 
+@serial
 @pytest.mark.slow
 def test_the_prediction_routes_every_flow_where_the_kernel_sent_it(four_hosts: Layout) -> None:
     # Interleaved: every ring neighbour is across the spines, where the kernel's 5-tuple hash picks the path.
@@ -177,6 +181,7 @@ def test_the_prediction_routes_every_flow_where_the_kernel_sent_it(four_hosts: L
     assert row.paths == "kernel"
 
 
+@serial
 @pytest.mark.slow
 def test_kernel_paths_walk_a_connection_both_ways_across_a_spine(four_hosts: Layout) -> None:
     connection = Connection(0, four_hosts.host_address[0], 40000, four_hosts.host_address[2], 50000)
@@ -189,11 +194,13 @@ def test_kernel_paths_walk_a_connection_both_ways_across_a_spine(four_hosts: Lay
     assert "spine" in back[1]
 
 
+@serial
 def test_kernel_paths_skip_the_store_port(four_hosts: Layout) -> None:
     connection = Connection(0, four_hosts.host_address[0], 40000, four_hosts.host_address[2], 29500)
     assert kernel_paths(four_hosts, [connection], ignore_ports=frozenset({29500})).paths == {}
 
 
+@serial
 @pytest.mark.slow
 def test_a_shallow_queue_drops_packets_and_the_tail_model_runs_at_the_measured_rate(name: str, tmp_path: Path) -> None:
     spec = EmulationSpec(CLOS4, name=name, queue=(("leaf0->spine0", 30_000), ("leaf0->spine1", 30_000)))
@@ -204,12 +211,14 @@ def test_a_shallow_queue_drops_packets_and_the_tail_model_runs_at_the_measured_r
     assert row.predicted_tail_s is not None
 
 
+@serial
 @pytest.mark.slow
 def test_halving_doubling_across_four_hosts_is_exact(four_hosts: Layout) -> None:
     result = run(four_hosts, algorithm="halving_doubling", sizes=[256 << 10], reps=1)
     assert result.rows[0].exact
 
 
+@serial
 def test_an_unknown_algorithm_is_refused_before_any_rank_starts(four_hosts: Layout) -> None:
     with pytest.raises(ValueError, match="no_such_algorithm"):
         run(four_hosts, algorithm="no_such_algorithm", sizes=[4096], reps=1)
@@ -222,6 +231,18 @@ def _is_rank(pid: str) -> bool:
         return False
 
 
+def _connected(pid: str) -> bool:
+    """Whether ``pid``'s network namespace (a host's: the rank is alone there) has two established TCP connections:
+    the rank's to the store, and one of its collectives' (the run is under way: a death now is a peer's, not a
+    rank that never joined, which the others would wait out at init)."""
+    try:
+        table = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return sum(line.split()[3] == "01" for line in table) >= 2  # 01: TCP_ESTABLISHED
+
+
+@serial
 @pytest.mark.slow
 def test_a_rank_killed_mid_run_is_named_and_the_run_ends(four_hosts: Layout) -> None:
     outcome: list[BaseException] = []
@@ -239,6 +260,8 @@ def test_a_rank_killed_mid_run_is_named_and_the_run_ends(four_hosts: Layout) -> 
     while thread.is_alive() and not pids:
         out = subprocess.run(["ip", "netns", "pids", victim_ns], capture_output=True, text=True, check=False)
         pids = [pid for pid in out.stdout.split() if _is_rank(pid)]
+    while thread.is_alive() and not all(map(_connected, pids)):
+        time.sleep(0.01)
     for pid in pids:
         os.kill(int(pid), signal.SIGKILL)
     thread.join(timeout=200)
@@ -248,11 +271,13 @@ def test_a_rank_killed_mid_run_is_named_and_the_run_ends(four_hosts: Layout) -> 
     assert "rank" in str(outcome[0])
 
 
+@serial
 def test_a_congestion_control_the_kernel_lacks_is_refused_before_any_rank_starts(four_hosts: Layout) -> None:
     with pytest.raises(ValueError, match="'no-such-cc' cannot be set here"):
         run(four_hosts, algorithm="ring", sizes=[4096], reps=1, congestion="no-such-cc")
 
 
+@serial
 @pytest.mark.slow
 def test_a_run_says_which_congestion_control_its_ranks_used(four_hosts: Layout) -> None:
     result = run(four_hosts, algorithm="ring", sizes=[64 << 10], reps=1, congestion="reno")
@@ -260,6 +285,7 @@ def test_a_run_says_which_congestion_control_its_ranks_used(four_hosts: Layout) 
     assert result.rows[0].exact
 
 
+@serial
 @pytest.mark.slow
 def test_a_size_the_token_bucket_burst_decides_is_marked_and_a_large_one_is_not(four_hosts: Layout) -> None:
     result = run(four_hosts, algorithm="ring", sizes=[256 << 10, 16 << 20], reps=1)
@@ -350,6 +376,7 @@ def test_sigterm_to_emulate_run_with_its_own_cluster_leaves_no_rank_and_no_names
     assert list(tmp_path.glob("*.json")) == []
 
 
+@serial
 @pytest.mark.slow
 def test_realtime_ranks_run_at_sched_fifo_and_stay_exact(four_hosts: Layout) -> None:
     # run() raises unless every rank reports that it ran in the real-time class

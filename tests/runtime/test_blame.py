@@ -20,7 +20,6 @@ from allreduce.runtime import RankFailedError, spawn, spawn_elastic
 
 Raised = tuple[str, int | None, str]
 
-pytestmark = pytest.mark.serial  # stalled ranks
 
 BLAME_TIMEOUT_S = 60.0
 """The collective timeout of these groups: far longer than detecting a death takes, so a survivor that raises
@@ -213,12 +212,14 @@ def _stall_reports(transport: str) -> list[Raised]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a stall against a 3 s collective timeout: alone, so that only the stall times out
 def test_shm_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
     for rank, (kind, peer, message) in enumerate(_stall_reports("shm")):
         assert peer == 3, f"rank {rank}: {kind}: {message}"
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a stall against a 3 s collective timeout: alone, so that only the stall times out
 def test_tcp_a_rank_stalled_mid_collective_is_named_by_every_rank_not_only_its_direct_waiters() -> None:
     for rank, (kind, peer, message) in enumerate(_stall_reports("tcp")):
         assert peer == 3, f"rank {rank}: {kind}: {message}"

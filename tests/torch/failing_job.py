@@ -1,6 +1,7 @@
 """One rank of a 2-rank job on the "allreduce" backend in which something goes wrong, for test_torch_failures.py.
 
     python failing_job.py OUT_DIR FAULT MODE
+    python failing_job.py --zygote      (forks ranks of such jobs on request: :func:`zygote`)
 
 FAULT, what rank 1 does just before its second call (under DDP: between the second step's forward and
 backward): ``kill`` (SIGKILL itself), ``stall`` (wait past the collective timeout: until rank 0 has given up and
@@ -17,6 +18,7 @@ its second call raised (class names along the MRO, message, the error's peer) or
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -24,7 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -108,5 +110,86 @@ def main(out_dir: Path, fault: str, mode: str) -> None:
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(result))
 
 
+# ------------------------------------------------------------------------------------------------ the fork server
+# `python failing_job.py --zygote`: imports torch and the backend once (1.9 CPU-s a process), then forks each rank the
+# test asks for (a JSON line on stdin: args, environment, output and exit-status files), printing its pid. A forked
+# rank is made what a hand-started one is: a session of its own, its output to a file, the test's environment for
+# it (RANK, WORLD_SIZE, MASTER_*: nothing is read from them before init_process_group), an interpreter's exit
+# (threads joined, atexit run). The server reaps its ranks, writing each one's exit status as
+# subprocess.Popen.returncode has it, and kills those left when the test closes its stdin.
+ZYGOTE_REAP_S = 0.02
+
+
+def _forked_rank(request: dict[str, Any]) -> None:
+    import atexit
+    import faulthandler
+    import threading
+    import traceback
+
+    os.setsid()
+    out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    faulthandler.enable()  # PYTHONFAULTHANDLER=1, as the hand-started ranks have it
+    code = 0
+    try:
+        main(Path(request["args"][0]), request["args"][1], request["args"][2])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        for thread in threading.enumerate():  # an interpreter's exit: non-daemon threads joined, atexit run
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def zygote() -> NoReturn:
+    import selectors
+
+    assert len(os.listdir("/proc/self/task")) == 1, "a thread started on import: forking would not be safe"
+    exits: dict[int, str] = {}
+    selector = selectors.DefaultSelector()
+    selector.register(sys.stdin, selectors.EVENT_READ)
+    while True:
+        ready = selector.select(ZYGOTE_REAP_S)
+        while exits:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            path = exits.pop(pid)
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+            os.replace(path + ".tmp", path)
+        if not ready:
+            continue
+        line = sys.stdin.readline()
+        if not line:  # the test has gone: so do the ranks
+            for pid in exits:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            os._exit(0)  # nothing to finalize: tearing torch's modules down costs a second
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            selector.close()
+            _forked_rank(request)
+        exits[pid] = request["exit"]
+        print(pid, flush=True)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    if sys.argv[1:] == ["--zygote"]:
+        zygote()
+    else:
+        main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])

@@ -5,6 +5,10 @@ collective timeout, or makes a call that pairs with another of rank 0's; the sec
 an asynchronous ``dist.broadcast(...).wait()``, a DDP backward on the backend (DDP's reducer reads the work's
 future in C++), or a DDP backward with ``allreduce.torch.comm_hook``. Every rank writes what it raised. No process
 may end by a signal other than the SIGKILL the job sent itself.
+
+The ranks started by hand are forks of one server per module that has imported torch and the backend
+(``failing_job.py --zygote``): 1.9 CPU-s a rank saved, each still a process of its own, in a session of its own,
+joining through its environment. Under torchrun the ranks are the agent's, fresh interpreters.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +42,7 @@ def _env(transport: str) -> dict[str, str]:
     return env
 
 
-def _finish(procs: list[subprocess.Popen[str]]) -> tuple[list[int], str]:
+def _finish(procs: Sequence[subprocess.Popen[str] | _Forked]) -> tuple[list[int], str]:
     try:
         outputs = [proc.communicate(timeout=DEADLINE_S)[0] for proc in procs]
     except subprocess.TimeoutExpired:
@@ -48,29 +54,91 @@ def _finish(procs: list[subprocess.Popen[str]]) -> tuple[list[int], str]:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # whatever a rank left behind
-    return [proc.returncode for proc in procs], "\n".join(outputs)
+    return [_exit_code(proc) for proc in procs], "\n".join(outputs)
 
 
-def _start(out_dir: Path, fault: str, mode: str, transport: str, **env: str) -> list[subprocess.Popen[str]]:
+def _exit_code(proc: subprocess.Popen[str] | _Forked) -> int:
+    assert proc.returncode is not None, f"pid {proc.pid} has not exited"
+    return proc.returncode
+
+
+class _Forked:
+    """A rank forked by the zygote: what of ``subprocess.Popen`` the tests use (pid, returncode, communicate)."""
+
+    def __init__(self, pid: int, output: Path, exit_path: Path) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._output = output
+        self._exit = exit_path
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._exit.exists():
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(JOB), timeout or 0.0)
+            time.sleep(0.01)
+        self.returncode = int(self._exit.read_text())
+        return self._output.read_text(errors="replace"), None
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.communicate(timeout)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class _Zygote:
+    """``failing_job.py --zygote``: torch and the backend imported once; it forks each rank asked for."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, str(JOB), "--zygote"], env=_env("auto"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+
+    def fork(self, out_dir: Path, args: list[str], env: dict[str, str], rank: int) -> _Forked:
+        output, exit_path = out_dir / f"rank-{rank}.out", out_dir / f"rank-{rank}.exit"
+        request = {"args": args, "env": env, "output": str(output), "exit": str(exit_path)}
+        assert self._proc.stdin is not None
+        assert self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        assert line, "the zygote exited"
+        return _Forked(int(line), output, exit_path)
+
+    def close(self) -> None:
+        assert self._proc.stdin is not None
+        assert self._proc.stdout is not None
+        self._proc.stdin.close()  # it kills the ranks left and exits
+        self._proc.wait(timeout=60)
+        self._proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[_Zygote]:
+    server = _Zygote()
+    yield server
+    server.close()
+
+
+def _start(zygote: _Zygote, out_dir: Path, fault: str, mode: str, transport: str, **env: str) -> list[_Forked]:
     """Every rank of the job started by hand (RANK, WORLD_SIZE, MASTER_*), each in a session of its own."""
     with reserve_port() as reservation:
         port = reservation.getsockname()[1]
         return [
-            subprocess.Popen(
-                [sys.executable, str(JOB), str(out_dir), fault, mode],
-                env={**_env(transport), "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), **env}
+            zygote.fork(
+                out_dir,
+                [str(out_dir), fault, mode],
+                {**_env(transport), "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), **env}
                 | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
+                rank,
             )
             for rank in range(WORLD_SIZE)
         ]
 
 
-def _by_hand(out_dir: Path, fault: str, mode: str, transport: str) -> tuple[list[int], str]:
-    return _finish(_start(out_dir, fault, mode, transport))
+def _by_hand(zygote: _Zygote, out_dir: Path, fault: str, mode: str, transport: str) -> tuple[list[int], str]:
+    return _finish(_start(zygote, out_dir, fault, mode, transport))
 
 
 def _torchrun(out_dir: Path, fault: str, mode: str, transport: str) -> tuple[list[int], str]:
@@ -129,26 +197,28 @@ def _check(out_dir: Path, fault: str, mode: str, returncodes: list[int], output:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fault", ["kill", "stall", "mismatch"])
-def test_a_failure_raises_on_every_rank_over_shm(tmp_path: Path, fault: str, mode: str) -> None:
-    returncodes, output = _by_hand(tmp_path, fault, mode, "shm")
+def test_a_failure_raises_on_every_rank_over_shm(zygote: _Zygote, tmp_path: Path, fault: str, mode: str) -> None:
+    returncodes, output = _by_hand(zygote, tmp_path, fault, mode, "shm")
     if fault == "kill":
         assert returncodes == [0, -signal.SIGKILL], (returncodes, output[-4000:])
     _check(tmp_path, fault, mode, returncodes, output)
 
 
 @pytest.mark.parametrize("fault", ["kill", "stall", "mismatch"])
-def test_a_failure_under_ddp_raises_on_every_rank_over_tcp(tmp_path: Path, fault: str) -> None:
-    returncodes, output = _by_hand(tmp_path, fault, "ddp", "tcp")
+def test_a_failure_under_ddp_raises_on_every_rank_over_tcp(zygote: _Zygote, tmp_path: Path, fault: str) -> None:
+    returncodes, output = _by_hand(zygote, tmp_path, fault, "ddp", "tcp")
     if fault == "kill":
         assert returncodes == [0, -signal.SIGKILL], (returncodes, output[-4000:])
     _check(tmp_path, fault, "ddp", returncodes, output)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_stopped_rank_is_named_through_torch_long_before_the_timeout(tmp_path: Path, transport: str) -> None:
+def test_a_stopped_rank_is_named_through_torch_long_before_the_timeout(
+    zygote: _Zygote, tmp_path: Path, transport: str
+) -> None:
     # rank 1 stops itself before its second call; rank 0's all_reduce waits on it until the store's lease
     # (ALLREDUCE_LEASE_S, read by init under the backend) declares it dead: far sooner than the 120 s timeout
-    procs = _start(tmp_path, "stop", "collective", transport, ALLREDUCE_LEASE_S="2")
+    procs = _start(zygote, tmp_path, "stop", "collective", transport, ALLREDUCE_LEASE_S="2")
     output = ""
     try:
         output = procs[0].communicate(timeout=DEADLINE_S)[0]

@@ -11,7 +11,7 @@ from allreduce.runtime import spawn
 from allreduce.runtime.stats._stats import GroupStats
 from allreduce.runtime.transport._inject import parse_injection
 
-pytestmark = pytest.mark.serial  # injected delays, holds and paced links
+serial = pytest.mark.serial  # injected delays, holds and paced links, timed against the other ranks
 
 CALLS = 30
 SIZE = 1 << 14  # float32 elements: 64 KiB per rank
@@ -33,6 +33,7 @@ def _stats(transport: str, inject: str | None, calls: int = CALLS, world_size: i
     return results[0]
 
 
+@serial
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.slow
 def test_a_delayed_rank_is_named_and_costs_every_rank(transport: str) -> None:
@@ -48,6 +49,7 @@ def test_a_delayed_rank_is_named_and_costs_every_rank(transport: str) -> None:
     assert slow.ranks[2].time_p50_s < min(r.time_p50_s for r in others)
 
 
+@serial
 @pytest.mark.slow
 def test_a_delayed_rank_of_eight_is_named_and_every_rank_waits_for_it() -> None:
     # 20 ms, not 2: eight ranks on two cores make every rank late by milliseconds at load 8 and more, and the
@@ -61,6 +63,7 @@ def test_a_delayed_rank_of_eight_is_named_and_every_rank_waits_for_it() -> None:
     assert float(np.median([r.time_p50_s for r in slow.ranks if r.rank != 5])) > delay_s / 4
 
 
+@serial
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.slow
 def test_a_paced_link_is_named(transport: str) -> None:
@@ -68,6 +71,7 @@ def test_a_paced_link_is_named(transport: str) -> None:
     assert stats.slowest_link == (0, 1)
 
 
+@serial
 @pytest.mark.slow
 def test_a_rare_hold_shows_in_the_p99_not_the_p50() -> None:
     # a 30 ms hold before 2% of rank 1's steps: about 11% of the ring's calls (6 steps each) are held

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.serial  # an injected straggler
-
 SRC = Path(__file__).resolve().parents[3] / "src"
 
 JOB = """
@@ -39,6 +37,7 @@ def _run(tmp_path: Path, *options: str, env: dict[str, str] | None = None) -> su
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # an injected straggler, which must stand out from the others' times
 def test_run_stats_prints_one_table_naming_the_straggler(tmp_path: Path) -> None:
     # 20 ms, not 2: with two test runs' serial parts on 2 cores (load 8) a 4 KiB ring of 3 ranks took ms a call
     # and a 2 ms straggler did not stand out (a fresh-clone CI found slowest_rank None)
