@@ -218,6 +218,7 @@ class TcpTransport(Transport):
         self._refused: list[str] = []
         self._scratch = np.empty(0, np.uint8)
         self._sender: Sender | None = None  # started by the first step large enough to use it
+        self._drains: list[threading.Thread] = []  # connections an abort is draining (see _abort)
         self._corrupt: tuple[int, int] | None = None  # (step, peer) of the next frame inject_corruption spoils
         self._connections_made = 0
         self._connections_accepted = 0
@@ -645,6 +646,8 @@ class TcpTransport(Transport):
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             peer.sock.close()
+        for drain in self._drains:  # an abort's ABORT frames reach the peers before this process may exit
+            drain.join()
 
     def _abort(self, error: CollectiveError, seq: int) -> None:
         """Send every peer an ABORT frame naming the culprit, then drain and close the connections."""
@@ -681,8 +684,11 @@ class TcpTransport(Transport):
                 peer.sock.shutdown(socket.SHUT_WR)
         if peers:
             # Keep reading (and discarding) for a while so peers blocked sending to us get unblocked and reach
-            # our ABORT frame instead of seeing a reset that would name us rather than the culprit.
-            threading.Thread(target=drain_and_close, args=([p.sock for p in peers],), daemon=True).start()
+            # our ABORT frame instead of seeing a reset that would name us rather than the culprit; not a daemon,
+            # and joined by close(): a process that exits sooner closes them unread, which resets them.
+            drain = threading.Thread(target=drain_and_close, args=([p.sock for p in peers],), name="allreduce-drain")
+            drain.start()
+            self._drains.append(drain)
 
 
 def _no_reduction(dst: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> None:
