@@ -121,10 +121,10 @@ ZYGOTE_REAP_S = 0.02
 
 
 def _forked_rank(request: dict[str, Any]) -> None:
-    import atexit
     import faulthandler
-    import threading
     import traceback
+
+    from allreduce.runtime.launcher._forkserver import exit_as_an_interpreter_does
 
     os.setsid()
     out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -144,10 +144,7 @@ def _forked_rank(request: dict[str, Any]) -> None:
         traceback.print_exc()
         code = 1
     try:
-        for thread in threading.enumerate():  # an interpreter's exit: non-daemon threads joined, atexit run
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
+        exit_as_an_interpreter_does()  # non-daemon threads joined, atexit run
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
