@@ -95,13 +95,14 @@ def draw_loss_windows(rng: np.random.Generator, q: FloatArray, q_ack: FloatArray
     chained = average <= CHAIN_MAX_WINDOW
     if not chained.any():
         return out
-    u = rng.random(q.shape)
-    keys = np.array([_key(a) for a in q[chained]]), np.array([_key(b) for b in q_ack[chained]])
-    pairs, inverse = np.unique(np.stack(keys, axis=1), axis=0, return_inverse=True)
-    drawn = np.empty(int(chained.sum()))
-    for i, (qk, ak) in enumerate(pairs):
-        law = loss_window_law(float(qk), float(ak))
-        mine = inverse.reshape(-1) == i
-        drawn[mine] = law[np.minimum((u[chained][mine] * law.size).astype(np.int64), law.size - 1)]
+    u = rng.random(q.shape)[chained]
+    # one law per distinct pair of rates (a few: the paths' hop counts), each looked up by its rounded key
+    pairs, inverse = np.unique(np.stack([q[chained], q_ack[chained]], axis=1), axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    drawn = np.empty(u.size)
+    for i, (qi, ai) in enumerate(pairs):
+        law = loss_window_law(_key(float(qi)), _key(float(ai)))
+        mine = inverse == i
+        drawn[mine] = law[np.minimum((u[mine] * law.size).astype(np.int64), law.size - 1)]
     out[chained] = drawn
     return out
