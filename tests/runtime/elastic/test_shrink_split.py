@@ -5,7 +5,10 @@ every survivor goes on from the same call, with exact sums, over shm and tcp.
 
 The victim dies by its own SIGKILL at the start of a chosen step of the plan (``ALLREDUCE_INJECT=kill:...``), so
 where the survivors stand when it dies is fixed by the schedule, not by a timer: in a ring of 4, rank 3's successor
-(rank 0) waits for rank 3 at every step, and rank r + 1 waits for rank r's next step.
+(rank 0) waits for rank 3 at every step, and rank r + 1 waits for rank r's next step. One place is a race by design:
+over tcp, a rank waiting for its last chunk from a live peer also hears the ABORT frame of a peer that gave up (so
+that it never waits out its timeout on a peer that will not come); whichever arrives first decides whether it
+finishes the call or raises in it. Both are the rule kept; the test then checks that shrink() agrees with it.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ def _ring_through_a_death(transport: str, follow_the_rule: bool) -> dict[str, An
             x = np.full(1 << 14, _contribution(me, call), np.float32)
             try:
                 group.all_reduce(x, algorithm="ring")
-            except CollectiveError:
+            except CollectiveError as exc:
                 report["raised_in"] = call
+                report["error"] = str(exc)
                 group = group.shrink()
                 report["ahead"] = group.ahead_ranks
                 report["last_agreed"] = group.last_agreed_call
@@ -89,21 +93,25 @@ def _exact_sums() -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.serial
 @pytest.mark.parametrize(
-    ("transport", "die_at_step", "ahead"),
+    ("transport", "die_at_step", "ahead", "racing"),
     [
         # at the last step rank 0 still waits on the victim; over shm so does rank 2, which sends to it
-        ("shm", RING_STEPS - 1, (1,)),
-        ("tcp", RING_STEPS - 1, (1, 2)),
-        ("tcp", RING_STEPS - 2, (2,)),  # rank 1 waits on rank 0, which the victim held up a step earlier
+        ("shm", RING_STEPS - 1, (1,), ()),
+        # over tcp rank 2 waits only for rank 1's last chunk, which races rank 0's ABORT frame (module docstring)
+        ("tcp", RING_STEPS - 1, (1,), (2,)),
+        ("tcp", RING_STEPS - 2, (2,), ()),  # rank 1 waits on rank 0, which the victim held up a step earlier
     ],
 )
 def test_a_death_in_the_rings_last_steps_splits_the_survivors_and_every_one_goes_on_from_the_same_call(
-    transport: str, die_at_step: int, ahead: tuple[int, ...]
+    transport: str, die_at_step: int, ahead: tuple[int, ...], racing: tuple[int, ...]
 ) -> None:
     reports = _survivors(transport, die_at_step)
-    raised_in = {r: SPLIT_CALL + 1 if r in ahead else SPLIT_CALL for r in range(WORLD - 1)}
-    assert {r: rep["raised_in"] for r, rep in reports.items()} == raised_in
-    assert {rep["ahead"] for rep in reports.values()} == {ahead}
+    raised_in = {r: rep["raised_in"] for r, rep in reports.items()}
+    for r in range(WORLD - 1):
+        allowed = {SPLIT_CALL, SPLIT_CALL + 1} if r in racing else {SPLIT_CALL + 1 if r in ahead else SPLIT_CALL}
+        assert raised_in[r] in allowed, f"rank {r} raised in call {raised_in[r]}: {reports[r].get('error')}"
+    went_on = tuple(r for r in range(WORLD - 1) if raised_in[r] == SPLIT_CALL + 1)
+    assert {rep["ahead"] for rep in reports.values()} == {went_on}  # shrink() agrees on who finished the call
     assert {rep["last_agreed"] for rep in reports.values()} == {SPLIT_CALL - 1}
     assert {rep["resumed_at"] for rep in reports.values()} == {SPLIT_CALL + 1}
     for report in reports.values():
