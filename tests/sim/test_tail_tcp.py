@@ -12,6 +12,8 @@ from allreduce.sim import LossModel, TailConfig, simulate_tail
 from allreduce.sim._phases import agreement_delays, phase_data
 from allreduce.sim._routing import Router
 from allreduce.sim._tcp import (
+    DELACK_MIN_S,
+    ODD_BEFORE_SHARE,
     TCP_STACKS,
     TIMEOUT_MIN_S,
     LostTransfers,
@@ -93,6 +95,23 @@ def test_the_last_packet_alone_costs_the_one_packet_probe() -> None:
     once = fired == 1
     assert extra[once].min() >= base + 0.204
     assert extra[once].max() < base + 0.208
+
+
+def test_a_transfers_last_packet_lost_alone_pays_rto_min_only_where_the_one_before_was_acknowledged() -> None:
+    # Two packets, the last lost (half the losses): a receiver acknowledging every second full segment leaves the
+    # one before it waiting for its pair half the time (ODD_BEFORE_SHARE); two are out, and the probe armed at
+    # 2 srtt + 2 ms resends the last. Otherwise the one before is acknowledged and the probe waits rto_min.
+    delayed_ack = TcpStack(
+        "exact-delack", rto_min_s=0.2, hz=0.0, rack_tlp=True, delayed_ack_s=DELACK_MIN_S, paced=False, gro=False
+    )
+    n = 40_000
+    extra, fired = _draw(delayed_ack, n, packets=2)
+    short = np.isclose(extra, RTT + TAU + 2 * RTT + TIMEOUT_MIN_S + WINDOW, rtol=0, atol=1e-12)
+    share = 0.5 * ODD_BEFORE_SHARE
+    assert abs(short.mean() - share) < Z * math.sqrt(share * (1 - share) / n)
+    assert abs(fired.mean() - (0.5 - share)) < Z * math.sqrt(share * (1 - share) / n)
+    # quickack (every segment acknowledged at once) leaves nothing waiting: every lost last packet pays rto_min
+    assert abs(_draw(EXACT, n, packets=2)[1].mean() - 0.5) < Z * math.sqrt(0.25 / n)
 
 
 def test_a_loss_with_one_or_two_packets_behind_it_costs_the_reordering_timer() -> None:

@@ -19,13 +19,12 @@ from allreduce.sim._tcp import (
     TCP_STACKS,
     TIMEOUT_MIN_S,
     LostTransfers,
-    StallPacing,
     TcpStack,
     _lost_repair_ack,
-    ack_stall_flights,
-    draw_ack_stall_seconds,
     draw_repair_seconds,
 )
+from allreduce.sim._tcp_cwnd import FOLLOW_MIN_WINDOW
+from allreduce.sim._tcp_stall import StallPacing, ack_stall_flights, draw_ack_stall_seconds
 from allreduce.sim._tcp_window import (
     PACING_CA_RATIO,
     PACING_SS_RATIO,
@@ -295,8 +294,10 @@ WINDOW = float(window_reduction_seconds(np.array([RTT]), np.array([TAU]))[0])
 
 
 def _repairs(n: int, packets: int, *, q_ack: float, gap: float) -> tuple[np.ndarray, np.ndarray]:
-    """One loss per transfer (q -> 0, so one window holds the whole transfer), its repair's ACK lost with
-    ``q_ack``, the connection's next transfer ``gap`` after this one's end."""
+    """One loss per transfer (q -> 0), its repair's ACK lost with ``q_ack``, the connection's next transfer ``gap``
+    after this one's end, in a window of 4 packets: the packets behind a loss are SACKed before its repair leaves,
+    and proportional rate reduction lets nothing out after it (``FOLLOW_MIN_WINDOW``), not the next transfer
+    either."""
     transfers = LostTransfers(
         np.full(n, 1e-9),
         np.full(n, packets, dtype=np.int64),
@@ -304,6 +305,7 @@ def _repairs(n: int, packets: int, *, q_ack: float, gap: float) -> tuple[np.ndar
         np.full(n, TAU),
         q_ack=np.full(n, q_ack),
         gap_s=np.full(n, gap),
+        window=np.full(n, FOLLOW_MIN_WINDOW - 1.0),
     )
     return draw_repair_seconds(np.random.default_rng(3), EXACT, transfers)
 

@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from allreduce.schedules import all_reduce
 from allreduce.sim import LossModel
@@ -23,10 +24,10 @@ EXACT = TcpStack("exact", rto_min_s=0.2, hz=0.0, rack_tlp=True, delayed_ack_s=DE
 
 
 def _losses(
-    after: int, *, q: float, q_ack: float = 0.0, window: float = 10.0, n: int = 40_000
+    after: int, *, q: float, q_ack: float = 0.0, window: float = 10.0, gap: float = 0.0, n: int = 40_000
 ) -> tuple[np.ndarray, np.ndarray]:
     """One loss with ``after`` packets of its transfer behind it, at loss ``q``, found by a window of ``window``
-    packets, the connection's next transfer following at once."""
+    packets, the connection's next transfer following ``gap`` after this one (inf: none does)."""
     return _one_loss(
         np.random.default_rng(11),
         EXACT,
@@ -35,7 +36,7 @@ def _losses(
         q_ack=np.full(n, q_ack),
         rtt=np.full(n, RTT),
         tau=np.full(n, TAU),
-        gap=np.zeros(n),
+        gap=np.full(n, gap),
         packets=np.full(n, after + 1, dtype=np.int64),
         window=np.full(n, window),
     )
@@ -55,13 +56,26 @@ def test_a_lost_repair_with_unsent_data_behind_it_is_resent_a_round_trip_on_with
     assert abs(np.mean(again >= 2) - q * q) < Z * math.sqrt(q * q / cost.size)
 
 
-def test_a_lost_repair_in_the_transfers_last_window_waits_for_the_rto() -> None:
-    # 4 packets behind the loss, a window of 10: all of them were sent when the SACKs of three marked the loss, so
-    # nothing follows the repair, and a lost repair waits for the RTO (q of them)
+def test_a_lost_repair_in_a_connections_last_window_waits_for_the_rto() -> None:
+    # 4 packets behind the loss, a window of 10: all of them were sent when the SACKs of three marked the loss, and
+    # no transfer follows on the connection, so nothing follows the repair: a lost repair waits for the RTO
     q = 0.015
-    cost, fired = _losses(4, q=q)
+    cost, fired = _losses(4, q=q, gap=math.inf)
     assert abs(np.mean(fired >= 1) - q) < Z * math.sqrt(q / cost.size)
     assert cost[fired >= 1].min() >= 0.2
+
+
+def test_a_lost_repair_in_a_transfers_last_window_is_found_by_the_next_transfers_sacks() -> None:
+    # the same loss with the connection's next transfer 3 ms after this one: the fourth SACK lets its data out after
+    # the repair (PRR), and RACK marks a lost repair once that data is SACKed: gap + RTT + 2 tau per loss, no timer
+    q, gap = 0.3, 3e-3
+    cost, fired = _losses(4, q=q, gap=gap)
+    assert not fired.any()
+    again = cost > 2 * RTT + 4 * TAU
+    assert abs(again.mean() - q) < Z * math.sqrt(q * (1 - q) / cost.size)
+    assert cost[again].min() == pytest.approx(max(TAU, RTT) + gap + RTT + 2 * TAU)
+    # three behind it: the third SACK sends the repair, and no fourth lets anything out after it
+    assert abs(np.mean(_losses(3, q=q, gap=gap)[1] >= 1) - q) < Z * math.sqrt(q * (1 - q) / cost.size)
 
 
 def test_a_lost_repair_with_data_behind_it_waits_for_the_rto_where_the_window_is_small() -> None:
@@ -79,8 +93,10 @@ def test_a_lost_repair_ack_is_covered_by_the_next_ack_where_data_follows() -> No
     cost, fired = _losses(20, q=0.3, q_ack=0.5)
     assert not fired.any()
     assert cost.max() < 0.01
-    # within the last window (4 behind, window 10) it holds the next transfer until the RTO
-    cost, fired = _losses(4, q=0.015, q_ack=0.5)
+    # within the last window, the next transfer's data behind it: its ACKs cover the lost one
+    assert not _losses(4, q=0.015, q_ack=0.5)[1].any()
+    # a window of 4: nothing is let out after the repair, and its lost ACK holds the next transfer until the RTO
+    cost, fired = _losses(4, q=0.015, q_ack=0.5, window=FOLLOW_MIN_WINDOW - 1)
     assert abs(np.mean(fired >= 1) - 0.5) < Z * math.sqrt(0.25 / cost.size) + 0.015
 
 

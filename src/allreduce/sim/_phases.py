@@ -21,13 +21,8 @@ from allreduce.sim._cyclic import Cyclic
 from allreduce.sim._fast import phase_steps
 from allreduce.sim._loss import GIVE_UP_AFTER, LossModel, draw_extra_seconds, packet_loss_probability
 from allreduce.sim._routing import Pattern, Router
-from allreduce.sim._tcp import (
-    LostTransfers,
-    StallPacing,
-    ack_stall_flights,
-    draw_ack_stall_seconds,
-    draw_held_ack_seconds,
-)
+from allreduce.sim._tcp import LostTransfers, draw_held_ack_seconds
+from allreduce.sim._tcp_stall import StallPacing, ack_stall_flights, draw_ack_stall_seconds
 from allreduce.sim._tcp_window import loss_window_packets
 from allreduce.topology import FloatArray, IntArray, Routes
 

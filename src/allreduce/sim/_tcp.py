@@ -21,7 +21,16 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
 - ``k = 0`` (the transfer's last packet): once every earlier packet is acknowledged, one packet is out, and
   ``tcp_schedule_loss_probe`` arms the probe at ``2·srtt + rto_min`` (not ``2·srtt + 2 ms``: with one
   packet out the receiver may be delaying its ACK), capped by the RTO: 204–208 ms on a stock kernel. The probe
-  resends the last packet: ``RTT + τ + timer``;
+  resends the last packet: ``RTT + τ + timer``. But the probe armed as the last packet leaves, others still
+  out, is ``2·srtt + 2 ms``, and only an ACK that leaves the last one alone rearms it with ``rto_min``: a
+  receiver acknowledges every second full segment (``__tcp_ack_snd_check``, RFC 9293 §3.8.6.3), so where the
+  segment before the last waits for its pair (:data:`ODD_BEFORE_SHARE`, half the time; its delayed ACK is
+  40 ms away) the short probe resends the last first: ``RTT + τ + timer(2·srtt + 2 ms)``. Captured at
+  25 Mbit/s (every link 3e-3, 256 KiB ring, 600 repetitions in two runs): the receiver acknowledged everything
+  before a transfer's last segment in an ACK of its own at 44–47% of 9,400 transfer ends, and of 24 lone
+  losses of a last segment 7 waited 206 ms and 17 were resent after 6–44 ms (a receiver busy sending
+  acknowledged none of the segments before, or the one before waited for its pair). Not with GRO (one ACK per
+  merged batch) nor ``quickack``;
 - ``k = 0`` with the packet before it lost too (a burst took the transfer's tail, or two losses did): several
   packets are out, so the probe is armed at ``2·srtt + 2 ms`` and resends the last, whose SACK marks the others
   (RACK, no reordering window in recovery), one round trip later: ``2·(RTT + τ) + timer``. Where the probe is
@@ -51,12 +60,19 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   reduction lets it out as the SACKs of the packets still in flight arrive (``tcp_cwnd_reduction``); once one of
   them is SACKed, RACK marks the lost retransmission (RFC 8985 §6, ``tcp_rack_detect_loss``: a packet sent after it
   delivered, and no reordering window in recovery, ``tcp_rack_reo_wnd``), and resends it: ``RTT + 2τ`` more per loss
-  of the repair, no timer. Where the loss was in the transfer's last window, nothing follows the repair (the next
-  transfer is written as its step begins, and proportional rate reduction has set the window to what is in flight),
-  so the RTO finds it, ``srtt + rto_min`` rounded up to a tick, doubled for each further loss (RFC 6298 §5.5,
-  ``icsk_backoff``). Captured on the emulated clusters at 25 Mbit/s (every link 3e-3, 256 KiB and 1 MiB rings, every
-  link 1e-2, 256 KiB; tcpdump in each host): of 67 RTOs on the ring's connections in recovery, 65 came with nothing
-  sent after the repair; 71 lost retransmissions with data sent after them were resent within 150 ms; and at 1 MiB
+  of the repair, no timer. Where the loss was in the transfer's last window, what follows the repair is the
+  connection's next transfer, written as its step begins: where it begins before the RTO would fire (and the
+  window held ``FOLLOW_MIN_WINDOW``), its SACKs find the lost repair the same way, ``gap + RTT + 2τ`` more per
+  loss. Where nothing follows (the connection's last transfer in the collective, proportional rate reduction
+  having set the window to what is in flight), and on a bursty link, whose burst takes the packets right behind
+  a lost repair, the RTO finds it, ``srtt + rto_min`` rounded up to a tick, doubled for each further loss (RFC
+  6298 §5.5, ``icsk_backoff``). Captured unpaced (2026-12-07, 25 Mbit/s, 256 KiB ring, tcpdump in each host):
+  every link 3e-3, 600 repetitions: a lost repair ended in an RTO in 6 of 8 cases with nothing sent after it,
+  in 0 of 56 with one or more new segments after it; every link 1e-2, 150: 71 of 76, and 15 of 131 (the one or
+  two segments behind it lost too); bursts of 4 at 3e-3, 400: 13 of 22, 7 of 11 with one or two segments after
+  it, 0 of 11 with more. Captured paced earlier (the same rings, and 1 MiB): of 67 RTOs on the ring's
+  connections in recovery, 65 came with nothing sent after the repair; 71 lost retransmissions with data sent
+  after them were resent within 150 ms; and at 1 MiB
   (181 packets a transfer) 2 of 37 lost retransmissions or repair ACKs ended in an RTO, at 256 KiB (45) 12 of 20
   (the hosts' counters: ``TCPSackRecoveryFail`` 2 in 100 collectives at 1 MiB). At 100 Mbit/s the emulation is
   CPU-bound and a ring's sender has 2–3 segments in flight, so nothing follows any repair: there the counters show
@@ -132,32 +148,8 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
 - the congestion window: CUBIC's cut, charged once per lost transfer, its average window ``W`` at a loss rate
   (:func:`loss_window_packets`) and the pacing after an inflated srtt (:func:`paced_seconds`) are
   :mod:`allreduce.sim._tcp_window`'s;
-- lost ACKs of a window-limited flow: a transfer of ``P`` packets whose window ``W`` is smaller goes out in
-  ``⌈P/W⌉`` flights, each sent as the ACKs of the one before arrive. On a host with GRO (:attr:`TcpStack.gro`)
-  a window that arrives back to back is merged by the receiver (up to 64 KiB, :data:`GRO_MAX_BYTES`) and
-  acknowledged by one ACK (without GRO, as on the emulated clusters' veths, every second segment is acknowledged
-  and the next ACK covers a lost one: captured at 25 Mbit/s, no such stall); where that
-  ACK is lost (probability ``q_ack`` per flight), the sender has nothing in flight to reveal it (a larger
-  window is acknowledged by a stream of ACKs, the next of which covers a lost one);
-  the probe fires at ``2·srtt + 2 ms`` and sends the next segment. Its one segment is acknowledged at once by
-  a receiver in quick-ACK mode, but the connections of a collective carry data one way and the runtime's
-  agreement frames the other, so the receiver is in Linux's interactive ("pingpong") mode
-  (``inet_csk_in_pingpong_mode``), where a single segment is acknowledged only by the delayed-ACK timer,
-  ``TCP_DELACK_MIN`` = 40 ms (``__tcp_ack_snd_check``: at once only for more than one full segment).
-  So each such flight but the last (after the last, the receiver has everything) costs
-  ``RTT + timer(2·srtt + 2 ms) + timer(40 ms)``, 44–52 ms at HZ=250 (:func:`draw_ack_stall_seconds`). Where
-  the receiver sends data back on the connection in the same step (halving-doubling's exchanges), every one of
-  its segments carries the cumulative ACK (RFC 9293 §3.4) and a lost ACK stalls nothing.
-  Measured on the emulated clusters (every link 3e-3, ftrace of ``tcp_probe``): windows of 2–18 segments
-  waiting 48–55 ms for an ACK, about one per collective; with ``quickack 1`` on the hosts' routes there were
-  none, and 8 probes instead of 91 (the ``tuned`` preset assumes that route setting). The delayed ACK that ends
-  such a stall acknowledges the whole flight, none of it resent, so the sender's RTT sample runs from the flight's
-  first sending (``tcp_clean_rtx_queue``): srtt moves by an eighth of the stall, and the segments up to the next
-  stall (or the transfer's end) are paced behind it as after a lost repair ACK (:func:`paced_seconds`, at the
-  flight's window; traced at every link 1e-2 and 3e-3: the ACKs ending 77 of 331 and 10 of 61 stalls of 35–60 ms
-  raised srtt by more than 3 ms, by a sample of 43–45 ms at the median, and the next 20 segments took 123 and 85 ms
-  after them against 54 and 8 ms after the others); where an RTO ends the stall, what its ACK echoes depends on
-  which segment the receiver last took in order, and no pacing is charged;
+- lost ACKs of a window-limited flow (a flight's last ACK lost, the probe and the receiver's delayed ACK):
+  :mod:`allreduce.sim._tcp_stall`;
 
 ``srtt`` and ``min_rtt`` are the path's RTT (the fluid model has no queues); where queues stand, the probe's
 ``2·srtt`` grows with them. After an RTO whose ACK does not inflate srtt (the repair itself was lost) the window
@@ -178,7 +170,6 @@ from allreduce.sim._tcp_cwnd import FOLLOW_MIN_WINDOW, draw_loss_windows
 from allreduce.sim._tcp_window import (
     CUBIC_BETA,
     RTO_PACED_WINDOW,
-    loss_window_packets,
     paced_seconds,
     rto_pacing_ratio,
     window_reduction_seconds,
@@ -190,14 +181,13 @@ __all__ = [
     "GIVE_UP_AFTER",
     "GRO_MAX_BYTES",
     "HELD_ACK_PROBE_ROUND",
+    "ODD_BEFORE_SHARE",
     "TCP_STACKS",
     "LostTransfers",
-    "StallPacing",
     "TcpStack",
-    "ack_stall_flights",
-    "draw_ack_stall_seconds",
     "draw_held_ack_seconds",
     "draw_repair_seconds",
+    "unheard_rtos",
 ]
 
 # Linux's TCP_TIMEOUT_MIN_US: the least the reordering and probe timers add (2 ms since Linux 6.7).
@@ -216,6 +206,8 @@ RTO_MAX_S = 120.0
 # A packet lost this many times in a row ends the connection in a real stack (Linux: tcp_retries2 = 15
 # timeouts); the model stops drawing there, and refuses loss rates at which that is not negligible.
 GIVE_UP_AFTER = 16
+# A receiver acknowledges every second full segment: the one before a transfer's last waits for its pair half the time
+ODD_BEFORE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -228,7 +220,8 @@ class TcpStack:
     rate: the socket is ``SK_PACING_NEEDED`` or the host's qdisc is fq; off: a CUBIC socket behind pfifo_fast or
     fq_codel sends what its window allows at once, and an inflated srtt slows nothing, see the module docstring),
     ``gro`` (the receiver's NIC merges a window that arrives back to back and acknowledges it with one ACK; off:
-    one ACK per two segments, as the emulated clusters' veths, see :func:`ack_stall_flights`)."""
+    one ACK per two segments, as the emulated clusters' veths, see
+    :func:`allreduce.sim._tcp_stall.ack_stall_flights`)."""
 
     name: str
     rto_min_s: float
@@ -292,74 +285,6 @@ handshake), no GRO (veths); ``linux-gro``: the same with a NIC's GRO; ``linux-pa
 own pacing (a socket BBR established before CUBIC was set, as the emulated clusters' ranks did until 2026-12-07,
 or fq); ``tuned``: a data-centre stack (fq paces, ``rto_min`` 5 ms, HZ=1000); ``rfc6298``: the model this project
 had first."""
-
-
-def ack_stall_flights(q: FloatArray, packets: IntArray, mtu_bytes: int) -> IntArray:
-    """The flights of a transfer of ``packets`` at loss ``q`` whose last ACK, if lost, stalls it on a receiver with
-    GRO (:attr:`TcpStack.gro`; :func:`allreduce.sim._phases.draw_losses` draws none without): all but the last of
-    its ``⌈P/W⌉`` flights (:func:`loss_window_packets`); none where one window holds the transfer, or where a
-    window is more than one GRO batch (:data:`GRO_MAX_BYTES` of ``mtu_bytes`` packets), whose ACKs follow one
-    another so that the next covers a lost one."""
-    window = loss_window_packets(q)
-    stalls = (window < packets) & (window * mtu_bytes <= GRO_MAX_BYTES)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        flights = np.where(stalls, np.ceil(packets / np.maximum(window, 1.0)), 1.0)
-    return np.asarray(flights - 1, dtype=np.int64)
-
-
-@dataclass(frozen=True, eq=False)
-class StallPacing:
-    """What follows each lost flight-ending ACK of a transfer: ``segments[i, j]``, the segments transfer ``i``
-    sends after its ``j``-th stall and before the next stall's flight ends (or the transfer does), its flights'
-    window ``window`` and one packet's time ``packet_s`` (:func:`draw_ack_stall_seconds`)."""
-
-    segments: FloatArray
-    window: FloatArray
-    packet_s: FloatArray
-
-
-def draw_ack_stall_seconds(
-    rng: np.random.Generator,
-    stack: TcpStack,
-    *,
-    stalls: IntArray,
-    rtt_s: FloatArray,
-    q: FloatArray,
-    q_ack: FloatArray,
-    paced: StallPacing | None = None,
-) -> tuple[FloatArray, IntArray]:
-    """What ``stalls`` lost flight-ending ACKs cost a transfer (see the module docstring): per stall
-    ``RTT + timer(2·srtt + 2 ms) + timer(delayed ACK)`` (no delayed ACK: the probe's ACK returns at once); where
-    the probe (probability ``q``) or its ACK (``q_ack``) is lost too, the RTO armed when the probe left fires
-    instead of the delayed ACK: ``timer(2·srtt + 2 ms) + timer(RTO)``, and the RTOs after it while each one's
-    resend or its ACK is lost (:func:`_unheard_rtos`). With ``paced``, a stall the probe's delayed ACK ends is
-    followed by its segments paced behind the srtt it inflated: that ACK acknowledges the whole flight, none of it
-    resent, so the sender's RTT sample runs from the flight's first sending (``tcp_clean_rtx_queue``), the stall
-    and a round trip (the flight's own sending time left out), and :func:`paced_seconds` at the flight's window.
-    Returns (seconds, RTOs)."""
-    total = np.zeros(stalls.size)
-    timeouts = np.zeros(stalls.size, dtype=np.int64)
-    for j in range(int(stalls.max(initial=0))):
-        more = np.flatnonzero(stalls > j)
-        rtt = rtt_s[more]
-        probe = rtt + stack.timer(rng, 2 * rtt + TIMEOUT_MIN_S)
-        answered = stack.timer(rng, np.full(rtt.size, stack.delayed_ack_s)) if stack.delayed_ack_s > 0 else 0.0
-        heard = (1 - q[more]) * (1 - q_ack[more])
-        lost = rng.random(more.size) >= heard
-        # after that RTO its resend or that resend's ACK lost waits for the next, doubled
-        again = lost & (rng.random(more.size) >= heard)
-        backoff, rounds = _unheard_rtos(
-            rng, stack, stack.rto(rtt), silent=1 - heard, backed_off=np.ones(more.size, np.int64), firing=again
-        )
-        total[more] += probe + np.where(lost, stack.timer(rng, stack.rto(rtt)), answered) + backoff
-        timeouts[more] += lost + rounds
-        if paced is not None and stack.paced:
-            ended = more[~lost]
-            total[ended] += paced_seconds(
-                rtt_s[ended], (probe + answered)[~lost] + rtt_s[ended], paced.segments[ended, j], paced.window[ended],
-                paced.packet_s[ended],
-            )  # fmt: skip
-    return total, timeouts
 
 
 def _held_resends(
@@ -437,7 +362,7 @@ def draw_held_ack_seconds(
     return np.where(f_lost, cost, 0.0), np.where(f_lost, again, 0)
 
 
-def _unheard_rtos(
+def unheard_rtos(
     rng: np.random.Generator,
     stack: TcpStack,
     rto: FloatArray,
@@ -492,7 +417,7 @@ def _lost_repair_ack(
     if not ack_lost.any():
         return cost, none
     silent = 1 - (1 - q) * (1 - q_ack)
-    wait, rounds = _unheard_rtos(rng, stack, rto, silent=silent, backed_off=backed_off, firing=ack_lost)
+    wait, rounds = unheard_rtos(rng, stack, rto, silent=silent, backed_off=backed_off, firing=ack_lost)
     segments = packets.astype(np.float64)
     paced = np.zeros(packets.size)
     if stack.paced:
@@ -517,6 +442,7 @@ def _one_loss(
     held: tuple[FloatArray, FloatArray, float] | None = None,
     unacked: npt.NDArray[np.bool_] | None = None,
     lost_before: npt.NDArray[np.bool_] | None = None,
+    odd_before: npt.NDArray[np.bool_] | None = None,
     resend_q: FloatArray | None = None,
     probe_q: FloatArray | None = None,
     packets: IntArray | None = None,
@@ -548,6 +474,11 @@ def _one_loss(
         # the packets before it are delivered but still unacknowledged: the probe's resend is all that is missing
         last = np.where(unacked, probe_many - rtt - tau, last)
         several |= unacked
+    if odd_before is not None:
+        # the full segment before it is delivered but waits for its pair to be acknowledged: two are out, and the
+        # probe armed at 2*srtt + 2 ms resends the last before the receiver's delayed ACK would rearm it
+        last = np.where(odd_before & ~several, probe_many - rtt - tau, last)
+        several |= odd_before
     sacks_lost = rng.random(after.size) < q_ack ** np.maximum(after, 0)
     tail = np.where(after == 0, last, np.where(sacks_lost, probe_many, reo))
     follow = gap + 1.5 * rtt + (DUPTHRESH + 1 - after) * tau
@@ -558,13 +489,18 @@ def _one_loss(
     cost = np.where(mid, cost_mid, tail)
     fired = (probed & ~several).astype(np.int64)  # the one-packet probe's rto_min is paid
     # Data sent after the repair: the rest of the transfer, unsent when the loss was found (more than a window
-    # behind it). A lost repair is then found by RACK once that data is SACKed, a round trip on, and a lost
-    # repair ACK is covered by the next one: no timer (the module docstring).
-    follows = (
-        np.zeros(after.size, dtype=np.bool_)
-        if window is None
-        else mid & (after > window) & (window >= FOLLOW_MIN_WINDOW)
-    )
+    # behind it), or else the connection's next transfer, written before the RTO would fire. A lost repair is then
+    # found by RACK once that data is SACKed, a round trip on, and a lost repair ACK is covered by the next one: no
+    # timer (the module docstring). Not the next transfer on a bursty link: the burst that took the repair takes
+    # the packets right behind it.
+    follows = np.zeros(after.size, dtype=np.bool_)
+    next_follows = follows
+    if window is not None:
+        pushed = window >= FOLLOW_MIN_WINDOW
+        follows = mid & (after > window) & pushed
+        if resend_q is None:
+            # a SACK after the repair lets it out (PRR): a fourth packet behind the loss
+            next_follows = ~follows & pushed & (after > DUPTHRESH) & (gap + rtt < rto)
     # The repair lost again, m times in a row: the RTO, backed off.
     again = np.minimum(rng.geometric(1 - q) - 1, GIVE_UP_AFTER).astype(np.int64)
     if resend_q is not None:
@@ -575,6 +511,8 @@ def _one_loss(
     if held is not None:
         again = np.where(probed, _held_resends(rng, held, cost, rto, several=several, probe_q=probe_q), again)
     cost = cost + np.where(follows, again * (rtt + 2 * tau), 0.0)
+    cost = cost + np.where(next_follows & (again > 0), gap + again * (rtt + 2 * tau), 0.0)
+    follows |= next_follows
     again = np.where(follows, 0, again)
     if np.any(again > 0):
         # With several out, the RTO after a lost probe is timed from the head's first sending (tcp_rearm_rto
@@ -653,6 +591,13 @@ def draw_repair_seconds(
     cuts_q = q if bursts is None else bursts.entry_q
     window = draw_loss_windows(rng, cuts_q, q_ack) if transfers.window is None else transfers.window
     episode_start = np.full(n, -1, dtype=np.int64)
+
+    def odd_before(position: IntArray) -> npt.NDArray[np.bool_] | None:
+        """Per loss, whether the full segment before it waits for its pair's ACK (:data:`ODD_BEFORE_SHARE`)."""
+        if transfers.small or stack.delayed_ack_s <= 0 or stack.gro:
+            return None  # small segments: ``unacked``; quickack, GRO: nothing waits for a pair
+        return (position > 0) & (rng.random(position.size) < ODD_BEFORE_SHARE)
+
     episode = np.zeros(n)
     for _ in range(int(packets.max(initial=0)) + 1):
         if lost.size == 0:
@@ -669,6 +614,7 @@ def draw_repair_seconds(
             held=None if hold is None else (hold[0][lost], hold[1][lost], hold[2]),
             unacked=(position > 0) if transfers.small and stack.delayed_ack_s > 0 else None,
             lost_before=previous == position - 1,
+            odd_before=odd_before(position),
             resend_q=None if resend_q is None else resend_q[lost],
             probe_q=None if probe_q is None else probe_q[lost],
             packets=packets[lost],
