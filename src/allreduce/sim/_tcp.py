@@ -41,7 +41,8 @@ trip, ``τ`` one packet at the flow's rate, ``J = 1/HZ`` a timer tick):
   starts the next one when it is ready, whether or not the receiver has all of this one. ``gap`` after this
   transfer's end the next transfer's packets arrive, and their SACKs reveal the hole as above:
   ``gap + 1.5·RTT + (4 − k)τ``. A tail loss costs the cheapest of the ways that apply; only the last transfer
-  of a connection in a collective (and a single-packet message) pays the probe's ``rto_min``. The runtime's
+  of a connection in a collective (and a single-packet message) pays the probe's ``rto_min`` (where the segment
+  before it was acknowledged, above). The runtime's
   agreement frames are messages too: a barrier's frame is followed on its connection by the collective's
   agreement frame, the agreement's by the collective's data where it uses that connection
   (:func:`allreduce.sim._phases.agreement_delays`);
