@@ -495,7 +495,7 @@ def _one_loss(
     # timer (the module docstring). Not the next transfer on a bursty link: the burst that took the repair takes
     # the packets right behind it.
     follows = np.zeros(after.size, dtype=np.bool_)
-    next_follows = follows
+    next_follows = np.zeros(after.size, dtype=np.bool_)
     if window is not None:
         pushed = window >= FOLLOW_MIN_WINDOW
         follows = mid & (after > window) & pushed
