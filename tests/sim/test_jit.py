@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +65,29 @@ def test_numba_caches_the_kernels_where_cache_dir_says_unless_the_user_chose() -
         "from allreduce.sim._jit import cache_dir, load_numba\nprint(load_numba().config.CACHE_DIR == str(cache_dir()))"
     )
     assert _fresh_python(code) == "True"
+
+
+@pytest.mark.skipif(not available(), reason="numba (the fast extra) is not installed")
+def test_a_prefetch_asks_for_the_line_and_changes_no_value() -> None:
+    """The event core's look-ahead (sim/_kernel.py) prefetches entries of strided record fields: the compiled
+    code must hold the prefetch instruction, and a loop that prefetches ahead must read the same values."""
+    import numpy as np
+
+    from allreduce.sim._jit import njit, prefetcher
+
+    prefetch = prefetcher()
+
+    def gather(values: Any, index: Any) -> float:
+        total = 0.0
+        for j in range(index.size):
+            if j + 4 < index.size:
+                prefetch(values, index[j + 4])
+            total += values[index[j]]
+        return total
+
+    compiled = njit(gather)
+    record = np.zeros(1 << 12, dtype=np.dtype([("at", np.float64), ("pad", np.int64, 7)]))
+    record["at"] = np.random.default_rng(0).random(record.size)
+    index = np.random.default_rng(1).integers(0, record.size, 5000)
+    assert compiled(record["at"], index) == sum(float(v) for v in record["at"][index])  # the same sum, in order
+    assert "llvm.prefetch" in next(iter(compiled.inspect_llvm().values()))

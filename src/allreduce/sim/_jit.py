@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KERNEL_ENV", "available", "cache_dir", "inline", "load_numba", "njit", "ready"]
+__all__ = ["KERNEL_ENV", "available", "cache_dir", "inline", "load_numba", "njit", "prefetcher", "ready"]
 
 # Set to "numpy" to run the pure numpy/Python cores even where numba is installed.
 KERNEL_ENV = "ALLREDUCE_SIM_KERNEL"
@@ -98,3 +98,39 @@ def inline(function: Callable[..., Any]) -> Callable[..., Any]:
         return function
     compiled: Callable[..., Any] = numba.njit(cache=True, _nrt=False, inline="always")(function)
     return compiled
+
+
+def prefetcher() -> Callable[[Any, int], None]:
+    """``prefetch(array, index)`` for compiled code: asks the processor to bring the cache line holding
+    ``array[index]`` in (LLVM's ``llvm.prefetch``: a read, kept in every level), without waiting for it and without
+    faulting; it changes no value, so a result is the same with it or without. Without numba, a function that does
+    nothing. The event core issues it for the events a few places ahead in its lanes (sim/_kernel.py), whose
+    transfers' and slots' entries lie in buffers of millions: each would otherwise be a wait for memory in turn."""
+    numba = load_numba()
+    if numba is None:
+        return _no_prefetch
+    ir: Any = importlib.import_module("llvmlite.ir")
+    cgutils: Any = importlib.import_module("numba.core.cgutils")
+
+    def prefetch(typingctx: Any, array: Any, index: Any) -> Any:
+        signature = numba.types.void(array, index)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            kind = sig.args[0]
+            view = context.make_array(kind)(context, builder, args[0])
+            where = cgutils.get_item_pointer(context, builder, kind, view, [args[1]], wraparound=False)
+            where = builder.bitcast(where, ir.IntType(8).as_pointer())
+            i32 = ir.IntType(32)
+            hint = ir.FunctionType(ir.VoidType(), [where.type, i32, i32, i32])
+            call = cgutils.get_or_insert_function(builder.module, hint, "llvm.prefetch.p0")
+            builder.call(call, [where, i32(0), i32(3), i32(1)])  # a read, kept in every cache level, of data
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    made: Callable[[Any, int], None] = importlib.import_module("numba.extending").intrinsic(prefetch)
+    return made
+
+
+def _no_prefetch(array: Any, index: int) -> None:
+    """What :func:`prefetcher` gives without numba."""

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.sim._jit import KERNEL_ENV, available, inline, njit
+from allreduce.sim._jit import KERNEL_ENV, available, inline, njit, prefetcher
 from allreduce.sim._kernel_heap import (
     DELIVER,
     DRAIN,
@@ -58,6 +58,11 @@ _PROGRESS_EVERY = 4096
 # once than blocks were made for (a broken bound: the run stops rather than write past them); a streamed layout
 # must lay out more steps.
 _DONE, _GROW, _REPORT, _FULL, _MORE = 0, 1, 2, 3, 4
+# How many events ahead of a lane's head each stage of the look-ahead (:func:`_look_ahead`) works.
+_AHEAD = (24, 20, 16, 12, 8, 4)
+
+prefetch = prefetcher()
+
 # A streamed slot's successor that is not laid out yet.
 _UNKNOWN = -2
 # Where the earliest event is: not looked for since the queue last changed.
@@ -102,6 +107,60 @@ def _deliver_later(  # noqa: PLR0917
     return grown
 
 
+@inline
+def _look_ahead(lane: int, lane_k: Any, lane_pos: Any, program: Any, pair: Any, route: Any) -> None:  # noqa: PLR0917
+    """Ask for the entries the deliveries a few places behind lane ``lane``'s head will read, a stage at a time:
+    each stage reads what the stage before asked for (by now in the cache) and asks for the next (a transfer's
+    entries, its slots', the slots that follow them, their members, the members' entries, their links), so the
+    waits for memory of one delivery overlap with the work of those before it. Changes no value."""
+    send_slot, recv_slot, delivered_s, pending, slot_end, succ, slot_m0, slot_m1, slot_member, ready = program[:10]
+    slot_start, start_s, slot_rank, rank_stop_slot, masks = program[10:]
+    pair_ptr, pair_link, tail = route
+    streamed = succ.size > 0
+    head, end = lane_pos[2 * lane], lane_pos[2 * lane + 1]
+    lane_mask = (lane_k.shape[1] >> 1) - 1
+    tmask, smask, mmask = masks[0], masks[1], masks[2]
+    for stage in range(6):
+        at = head + _AHEAD[stage]
+        if at >= end:
+            continue
+        item = lane_k[lane, 2 * (at & lane_mask) + 1]
+        if item & 3 != DELIVER:
+            continue
+        xi = (item >> 2) & tmask
+        if stage == 0:
+            prefetch(send_slot, xi)
+            prefetch(delivered_s, xi)
+            continue
+        for slot in (send_slot[xi], recv_slot[xi]):
+            si = slot & smask
+            if stage == 1:
+                prefetch(pending, si)
+                prefetch(slot_end, si)
+                prefetch(slot_rank, si)
+                continue
+            following = succ[si] if streamed else (slot + 1 if slot + 1 < rank_stop_slot[slot_rank[si]] else -1)
+            if following < 0:
+                continue
+            fi = following & smask
+            if stage == 2:
+                prefetch(slot_m0, fi)
+                prefetch(slot_start, fi)
+                continue
+            for m in range(slot_m0[fi], slot_m1[fi]):
+                if stage == 3:
+                    prefetch(slot_member, m & mmask)
+                    continue
+                yi = slot_member[m & mmask] & tmask
+                if stage == 4:
+                    prefetch(ready, yi)
+                    prefetch(start_s, yi)
+                    continue
+                p = pair[yi]
+                for e in range(pair_ptr[p], pair_ptr[p + 1]):
+                    prefetch(tail, pair_link[e])
+
+
 @njit
 def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: Any) -> int:  # noqa: PLR0917
     """Run instants until the queue is empty (returns _DONE), it may not have room for the next instant's
@@ -132,6 +191,24 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
     tail, changed, changed_mark, capacity = per_link
     started, members, sort_stack = per_flow
     net = (block_pair, pair_ptr, pair_link, capacity, head, node_x, node_w, node_next, shift, rate)
+    ahead = (
+        send_slot,
+        recv_slot,
+        delivered_s,
+        pending,
+        slot_end,
+        succ,
+        slot_m0,
+        slot_m1,
+        slot_member,
+        ready,
+        slot_start,
+        start_s,
+        slot_rank,
+        rank_stop_slot,
+        masks,
+    )
+    ahead_route = (pair_ptr, pair_link, tail)
     blocks_i, new_rate, play_list = solver[3], solver[4], solver[5]
     size, counter, delivered, stamp, num_free = state[0], state[1], state[2], state[3], state[4]
     next_report, need = state[5], state[6]
@@ -179,6 +256,8 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
                 size = pop(heap_t, heap_k, size)
             else:
                 lane_pos[2 * source] += 1
+                if kind == DELIVER:
+                    _look_ahead(source, lane_k, lane_pos, ahead, pair, ahead_route)
             source = _UNSEEN
             if kind == START:
                 slot = what
