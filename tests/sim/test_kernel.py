@@ -131,9 +131,10 @@ def test_more_transfers_in_flight_than_blocks_stops_the_run(monkeypatch: pytest.
 def test_a_transfer_alone_on_its_links_drains_at_its_solo_rate(
     network: tuple[str, int], algorithm: str, seed: int, late: bool
 ) -> None:
-    # A transfer that no other overlaps on any link while it drains drains at its solo rate (its path's least
-    # capacity over weight) from start to end, and that is its slowest rate; one overlapped drains no faster.
-    # What a shortcut for transfers alone on their links (docs/design.md) would have to keep.
+    # The kernel keeps a transfer that starts alone on its links out of their lists (resolve_solo) until another
+    # starts on one of them. One that no other overlaps on any link while it drains drains at its solo rate
+    # (its path's least capacity over weight) from start to end; one overlapped keeps to the per-event core
+    # (the test above), here checked to drain no faster than that.
     spec, ranks = network
     if algorithm in ("halving_doubling", "recursive_doubling") and ranks & (ranks - 1):
         ranks = 8

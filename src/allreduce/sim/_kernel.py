@@ -41,7 +41,7 @@ from allreduce.sim._kernel_heap import (
     seeded,
     sort_ids,
 )
-from allreduce.sim._kernel_levels import resolve_alone, resolve_fill, solve_scratch
+from allreduce.sim._kernel_levels import alone_unlinked, resolve_alone, resolve_fill, resolve_solo, solve_scratch
 
 __all__ = ["DONE", "KERNEL_ENV", "MORE", "UNKNOWN", "Queue", "available", "make_work", "run_kernel", "whole"]
 
@@ -89,6 +89,25 @@ def _mark(link: int, stamp: int, changed_mark: Any, changed: Any, num_changed: i
     changed_mark[link] = stamp
     changed[num_changed] = link
     return num_changed + 1
+
+
+@inline
+def _link(block: int, lists: Any, tail: Any, node_prev: Any, block_pair: Any, pair_ptr: Any, pair_link: Any) -> None:  # noqa: PLR0917
+    """Append block ``block``'s nodes (one per link of its path, ``node_x``/``node_w`` written) to its links'
+    lists; a list held by it alone (``head`` -2 - block, resolve_solo) holds it as its one node."""
+    head, _, _, node_next, shift = lists
+    p = block_pair[block]
+    for h in range(pair_ptr[p + 1] - pair_ptr[p]):
+        link = pair_link[pair_ptr[p] + h]
+        node = (block << shift) + h
+        node_next[node] = -1
+        if head[link] < 0:
+            head[link] = node
+            node_prev[node] = -1
+        else:
+            node_prev[node] = tail[link]
+            node_next[tail[link]] = node
+        tail[link] = node
 
 
 @inline
@@ -287,19 +306,15 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
                     left[block] = nbytes
                     since[block] = now
                     rate[block] = 0.0
+                    # Linked into its links' lists at the end of the instant (_link), unless it is alone there.
                     for h in range(pair_ptr[p + 1] - pair_ptr[p]):
                         e = pair_ptr[p] + h
                         link = pair_link[e]
                         node = (block << shift) + h
                         node_x[node] = x
                         node_w[node] = pair_weight[e]
-                        node_next[node] = -1
-                        node_prev[node] = tail[link]
-                        if tail[link] >= 0:
-                            node_next[tail[link]] = node
-                        else:
-                            head[link] = node
-                        tail[link] = node
+                        if head[link] <= -2:  # a transfer alone there so far: now in the list
+                            _link(-2 - head[link], lists, tail, node_prev, block_pair, pair_ptr, pair_link)
                         num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
                     started[num_started] = block
                     num_started += 1
@@ -346,19 +361,24 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
                 left[block] = 0.0
                 p = pair[xi]
                 holder[xi] = -1
-                for h in range(pair_ptr[p + 1] - pair_ptr[p]):
-                    link = pair_link[pair_ptr[p] + h]
-                    node = (block << shift) + h
-                    before, after_node = node_prev[node], node_next[node]
-                    if before >= 0:
-                        node_next[before] = after_node
-                    else:
-                        head[link] = after_node
-                    if after_node >= 0:
-                        node_prev[after_node] = before
-                    else:
-                        tail[link] = before
-                    num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
+                if head[pair_link[pair_ptr[p]]] == -2 - block:
+                    # Alone on its links (resolve_solo): they are empty now, and no other rate changes.
+                    for h in range(pair_ptr[p + 1] - pair_ptr[p]):
+                        head[pair_link[pair_ptr[p] + h]] = -1
+                else:
+                    for h in range(pair_ptr[p + 1] - pair_ptr[p]):
+                        link = pair_link[pair_ptr[p] + h]
+                        node = (block << shift) + h
+                        before, after_node = node_prev[node], node_next[node]
+                        if before >= 0:
+                            node_next[before] = after_node
+                        else:
+                            head[link] = after_node
+                        if after_node >= 0:
+                            node_prev[after_node] = before
+                        else:
+                            tail[link] = before
+                        num_changed = _mark(link, stamp, changed_mark, changed, num_changed)
                 free[num_free] = block
                 num_free += 1
                 size = _deliver_later(x, p, now, counter, size, extra, pair_lane, pair_latency, queues)
@@ -368,9 +388,14 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
 
         # One re-solve for every transfer that came and went at this instant: the blocks in play, the ones
         # whose rate changed listed in transfer order (the order their drain events are pushed in).
-        num = resolve_alone(started, num_started, changed, num_changed, net, solver)
-        if num < 0:
-            num = resolve_fill(started, num_started, changed, num_changed, stamp, net, solver)
+        if num_started == 1 and alone_unlinked(started[0], changed, num_changed, net):
+            num = resolve_solo(started[0], changed, num_changed, net, solver)
+        else:
+            for i in range(num_started):
+                _link(started[i], lists, tail, node_prev, block_pair, pair_ptr, pair_link)
+            num = resolve_alone(started, num_started, changed, num_changed, net, solver)
+            if num < 0:
+                num = resolve_fill(started, num_started, changed, num_changed, stamp, net, solver)
         num_moved = 0
         for k in range(num):
             block = play_list[k]

@@ -35,7 +35,7 @@ import numpy as np
 from allreduce.sim._jit import inline, njit
 from allreduce.sim._kernel_heap import pop, push
 
-__all__ = ["resolve", "resolve_alone", "resolve_fill", "solve_scratch"]
+__all__ = ["alone_unlinked", "resolve", "resolve_alone", "resolve_fill", "resolve_solo", "solve_scratch"]
 
 # Links whose fill levels agree to this relative tolerance saturate together (as sim/_fair.py and sim/_event.py).
 _LEVEL_RTOL = 1e-9
@@ -251,6 +251,58 @@ def resolve_alone(  # noqa: PLR0917 (numba has no keyword-only parameters)
         if links_i[_FILLED, pair_link[e]] == counters[_GROUP]:
             blocks_i[_BOTTLENECK, block] = pair_link[e]
             break
+    new_r[block] = lam
+    play_list[0] = block
+    return 1
+
+
+@inline
+def alone_unlinked(block: int, changed: Any, num_changed: int, net: Any) -> bool:
+    """Whether block ``block``, started at this instant and not linked into its links' lists yet, would be the
+    only transfer :func:`resolve_alone` finds: its links hold no other (their lists empty: -1), cross no link
+    twice, each with a finite level (``node_w``: its weights, written when it started), and every other changed
+    link is empty."""
+    pair, pair_ptr, pair_link, capacity, head, _, node_w, _, shift, _ = net
+    p = pair[block]
+    for e in range(pair_ptr[p], pair_ptr[p + 1]):
+        link = pair_link[e]
+        if head[link] != -1 or not 0.0 < capacity[link] / node_w[(block << shift) + e - pair_ptr[p]] < np.inf:
+            return False
+        for before in range(pair_ptr[p], e):
+            if pair_link[before] == link:
+                return False
+    for i in range(num_changed):  # noqa: SIM110 (a loop numba compiles)
+        if head[changed[i]] >= 0:
+            return False
+    return True
+
+
+@inline
+def resolve_solo(block: int, changed: Any, num_changed: int, net: Any, st: Any) -> int:
+    """:func:`resolve_alone` for the block :func:`alone_unlinked` found, without it in its links' lists: the
+    same floats (its level, the least of its links' capacity over its weight; the links within _LEVEL_RTOL of
+    it fill at it, the other changed links at none; its bottleneck the first of those on its path). Marks its
+    links as held by it alone (``head``: -2 - block) and returns 1."""
+    pair, pair_ptr, pair_link, capacity, head, _, node_w, _, shift, _ = net
+    links_i, links_f, _, blocks_i, new_r, play_list, _, _, _, _, counters = st
+    p = pair[block]
+    lam = np.inf
+    for e in range(pair_ptr[p], pair_ptr[p + 1]):
+        lam = min(lam, capacity[pair_link[e]] / node_w[(block << shift) + e - pair_ptr[p]])
+    limit = lam * (1 + _LEVEL_RTOL)
+    counters[_GROUP] += 1
+    for i in range(num_changed):
+        links_f[_LEVEL, changed[i]] = np.inf
+    first = -1
+    for e in range(pair_ptr[p], pair_ptr[p + 1]):
+        link = pair_link[e]
+        head[link] = -2 - block
+        if capacity[link] / node_w[(block << shift) + e - pair_ptr[p]] <= limit:
+            links_f[_LEVEL, link] = lam
+            links_i[_FILLED, link] = counters[_GROUP]
+            if first < 0:
+                first = link
+    blocks_i[_BOTTLENECK, block] = first
     new_r[block] = lam
     play_list[0] = block
     return 1
