@@ -59,7 +59,7 @@ _PROGRESS_EVERY = 4096
 # must lay out more steps.
 _DONE, _GROW, _REPORT, _FULL, _MORE = 0, 1, 2, 3, 4
 # How many events ahead of a lane's head each stage of the look-ahead (:func:`_look_ahead`) works.
-_AHEAD = (24, 20, 16, 12, 8, 4)
+_AHEAD = (28, 24, 20, 16, 12, 8, 4, 2)
 
 prefetch = prefetcher()
 
@@ -130,16 +130,17 @@ def _deliver_later(  # noqa: PLR0917
 def _look_ahead(lane: int, lane_k: Any, lane_pos: Any, program: Any, pair: Any, route: Any) -> None:  # noqa: PLR0917
     """Ask for the entries the deliveries a few places behind lane ``lane``'s head will read, a stage at a time:
     each stage reads what the stage before asked for (by now in the cache) and asks for the next (a transfer's
-    entries, its slots', the slots that follow them, their members, the members' entries, their links), so the
+    entries, its slots', the slots that follow them, their members, the members' entries, their pairs' routes,
+    the routes' links), so the
     waits for memory of one delivery overlap with the work of those before it. Changes no value."""
     send_slot, recv_slot, delivered_s, pending, slot_end, succ, slot_m0, slot_m1, slot_member, ready = program[:10]
     slot_start, start_s, slot_rank, rank_stop_slot, masks = program[10:]
-    pair_ptr, pair_link, tail = route
+    pair_ptr, pair_link, pair_weight, tail = route
     streamed = succ.size > 0
     head, end = lane_pos[2 * lane], lane_pos[2 * lane + 1]
     lane_mask = (lane_k.shape[1] >> 1) - 1
     tmask, smask, mmask = masks[0], masks[1], masks[2]
-    for stage in range(6):
+    for stage in range(8):
         at = head + _AHEAD[stage]
         if at >= end:
             continue
@@ -176,7 +177,15 @@ def _look_ahead(lane: int, lane_k: Any, lane_pos: Any, program: Any, pair: Any, 
                     prefetch(start_s, yi)
                     continue
                 p = pair[yi]
-                for e in range(pair_ptr[p], pair_ptr[p + 1]):
+                if stage == 5:
+                    prefetch(pair_ptr, p)
+                    continue
+                e0, e1 = pair_ptr[p], pair_ptr[p + 1]
+                if stage == 6:
+                    prefetch(pair_link, e0)
+                    prefetch(pair_weight, e0)
+                    continue
+                for e in range(e0, e1):
                     prefetch(tail, pair_link[e])
 
 
@@ -227,7 +236,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
         rank_stop_slot,
         masks,
     )
-    ahead_route = (pair_ptr, pair_link, tail)
+    ahead_route = (pair_ptr, pair_link, pair_weight, tail)
     blocks_i, new_rate, play_list = solver[3], solver[4], solver[5]
     size, counter, delivered, stamp, num_free = state[0], state[1], state[2], state[3], state[4]
     next_report, need = state[5], state[6]
@@ -359,7 +368,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
                 drained_s[xi] = now
                 rate[block] = 0.0
                 left[block] = 0.0
-                p = pair[xi]
+                p = block_pair[block]  # pair[xi], from the block (in the cache) rather than the transfer
                 holder[xi] = -1
                 if head[pair_link[pair_ptr[p]]] == -2 - block:
                     # Alone on its links (resolve_solo): they are empty now, and no other rate changes.
