@@ -128,11 +128,11 @@ def _deliver_later(  # noqa: PLR0917
 
 @inline
 def _look_ahead(lane: int, lane_k: Any, lane_pos: Any, program: Any, pair: Any, route: Any) -> None:  # noqa: PLR0917
-    """Ask for the entries the deliveries a few places behind lane ``lane``'s head will read, a stage at a time:
-    each stage reads what the stage before asked for (by now in the cache) and asks for the next (a transfer's
-    entries, its slots', the slots that follow them, their members, the members' entries, their pairs' routes,
-    the routes' links), so the
-    waits for memory of one delivery overlap with the work of those before it. Changes no value."""
+    """Ask for the entries the deliveries a few places behind lane ``lane``'s head will read, a stage at a time
+    (_AHEAD): each stage reads what the stage before asked for (by now in the cache) and asks for the next (a
+    transfer's entries, its slots', the slots that follow them, their members, the members' entries, their pairs'
+    route bounds, the routes' entries, their links), so the waits for memory of one delivery overlap with the work
+    of those before it. Changes no value (sim/_jit.prefetcher)."""
     send_slot, recv_slot, delivered_s, pending, slot_end, succ, slot_m0, slot_m1, slot_member, ready = program[:10]
     slot_start, start_s, slot_rank, rank_stop_slot, masks = program[10:]
     pair_ptr, pair_link, pair_weight, tail = route
