@@ -190,7 +190,7 @@ def _look_ahead(lane: int, lane_k: Any, lane_pos: Any, program: Any, pair: Any, 
 
 
 @njit
-def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: Any) -> int:  # noqa: PLR0917
+def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: Any, ahead_on: Any) -> int:  # noqa: PLR0917
     """Run instants until the queue is empty (returns _DONE), it may not have room for the next instant's
     events (_GROW: the caller grows it and calls again), a progress report is due (_REPORT) or, on a streamed
     layout, a slot is about to end whose rank's next slot is not laid out yet (_MORE: the caller lays out more
@@ -284,8 +284,9 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
                 size = pop(heap_t, heap_k, size)
             else:
                 lane_pos[2 * source] += 1
-                if kind == DELIVER:
-                    _look_ahead(source, lane_k, lane_pos, ahead, pair, ahead_route)
+                if ahead_on is not None:  # noqa: SIM102 (numba prunes a lone `is None` test: None compiles it out)
+                    if kind == DELIVER:
+                        _look_ahead(source, lane_k, lane_pos, ahead, pair, ahead_route)
             source = _UNSEEN
             if kind == START:
                 slot = what
@@ -534,8 +535,14 @@ class Queue:
         progress: Callable[[float], None] | None,
         *,
         constants: tuple[FloatArray, FloatArray],
+        look_ahead: bool = False,
     ) -> None:
-        """``constants``: the latency per pair and the delay per rank (what the lanes are made for)."""
+        """``constants``: the latency per pair and the delay per rank (what the lanes are made for); ``look_ahead``:
+        the kernel prefetches for the deliveries behind each one (:func:`_look_ahead`; for streamed layouts, whose
+        buffers outgrow the caches: on a whole layout it gained nothing measured and compiling it costs a third
+        more time)."""
+        # None compiles the kernel without the look-ahead (numba prunes the branch on an argument that is None).
+        self.ahead_on = np.zeros(1) if look_ahead else None
         # Room for what one instant can add: a start per rank, and per transfer in flight its drain or delivery
         # and a new drain event (the old one goes stale).
         self.need = world_size + 2 * in_flight + 1
@@ -554,7 +561,7 @@ class Queue:
     def step(self, route: Any, program: Any, out: Any, work: Any, total: int) -> int:
         """One call of the kernel, then what its status asks for (room, a report); returns the status."""
         queue = (self.times, self.keys, *self.lanes)
-        self.status = status = _advance(route, program, out, work, queue, self.state)
+        self.status = status = _advance(route, program, out, work, queue, self.state, self.ahead_on)
         state = self.state
         while self.every and state[2] >= state[5]:
             assert self.progress is not None

@@ -491,6 +491,7 @@ class StreamRun:
             self.first_slot[active],
             progress,
             constants=(np.asarray(routes.latency_s, dtype=np.float64), self.delay),
+            look_ahead=True,
         )
         try:
             self._drive(queue)
