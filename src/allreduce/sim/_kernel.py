@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from allreduce.sim._jit import KERNEL_ENV, available, inline, njit, prefetcher
+from allreduce.sim._jit import KERNEL_ENV, available, inline, njit
+from allreduce.sim._kernel_ahead import look_ahead
 from allreduce.sim._kernel_heap import (
     DELIVER,
     DRAIN,
@@ -58,11 +59,6 @@ _PROGRESS_EVERY = 4096
 # once than blocks were made for (a broken bound: the run stops rather than write past them); a streamed layout
 # must lay out more steps.
 _DONE, _GROW, _REPORT, _FULL, _MORE = 0, 1, 2, 3, 4
-# How many events ahead of a lane's head each stage of the look-ahead (:func:`_look_ahead`) works.
-_AHEAD = (28, 24, 20, 16, 12, 8, 4, 2)
-
-prefetch = prefetcher()
-
 # A streamed slot's successor that is not laid out yet.
 _UNKNOWN = -2
 # Where the earliest event is: not looked for since the queue last changed.
@@ -124,69 +120,6 @@ def _deliver_later(  # noqa: PLR0917
     latency = pair_latency[p] + extra[x] if extra.size > 0 else pair_latency[p]
     grown: int = push(heap_t, heap_k, size, now + latency, counter, x * 4 + DELIVER, 0)
     return grown
-
-
-@inline
-def _look_ahead(lane: int, lane_k: Any, lane_pos: Any, program: Any, pair: Any, route: Any) -> None:  # noqa: PLR0917
-    """Ask for the entries the deliveries a few places behind lane ``lane``'s head will read, a stage at a time
-    (_AHEAD): each stage reads what the stage before asked for (by now in the cache) and asks for the next (a
-    transfer's entries, its slots', the slots that follow them, their members, the members' entries, their pairs'
-    route bounds, the routes' entries, their links), so the waits for memory of one delivery overlap with the work
-    of those before it. Changes no value (sim/_jit.prefetcher)."""
-    send_slot, recv_slot, delivered_s, pending, slot_end, succ, slot_m0, slot_m1, slot_member, ready = program[:10]
-    slot_start, start_s, slot_rank, rank_stop_slot, masks = program[10:]
-    pair_ptr, pair_link, pair_weight, tail = route
-    streamed = succ.size > 0
-    head, end = lane_pos[2 * lane], lane_pos[2 * lane + 1]
-    lane_mask = (lane_k.shape[1] >> 1) - 1
-    tmask, smask, mmask = masks[0], masks[1], masks[2]
-    for stage in range(8):
-        at = head + _AHEAD[stage]
-        if at >= end:
-            continue
-        item = lane_k[lane, 2 * (at & lane_mask) + 1]
-        if item & 3 != DELIVER:
-            continue
-        xi = (item >> 2) & tmask
-        if stage == 0:
-            prefetch(send_slot, xi)
-            prefetch(delivered_s, xi)
-            continue
-        for slot in (send_slot[xi], recv_slot[xi]):
-            si = slot & smask
-            if stage == 1:
-                prefetch(pending, si)
-                prefetch(slot_end, si)
-                prefetch(slot_rank, si)
-                continue
-            following = succ[si] if streamed else (slot + 1 if slot + 1 < rank_stop_slot[slot_rank[si]] else -1)
-            if following < 0:
-                continue
-            fi = following & smask
-            if stage == 2:
-                prefetch(slot_m0, fi)
-                prefetch(slot_start, fi)
-                continue
-            for m in range(slot_m0[fi], slot_m1[fi]):
-                if stage == 3:
-                    prefetch(slot_member, m & mmask)
-                    continue
-                yi = slot_member[m & mmask] & tmask
-                if stage == 4:
-                    prefetch(ready, yi)
-                    prefetch(start_s, yi)
-                    continue
-                p = pair[yi]
-                if stage == 5:
-                    prefetch(pair_ptr, p)
-                    continue
-                e0, e1 = pair_ptr[p], pair_ptr[p + 1]
-                if stage == 6:
-                    prefetch(pair_link, e0)
-                    prefetch(pair_weight, e0)
-                    continue
-                for e in range(e0, e1):
-                    prefetch(tail, pair_link[e])
 
 
 @njit
@@ -286,7 +219,7 @@ def _advance(route: Any, program: Any, out: Any, work: Any, queue: Any, state: A
                 lane_pos[2 * source] += 1
                 if ahead_on is not None:  # noqa: SIM102 (numba prunes a lone `is None` test: None compiles it out)
                     if kind == DELIVER:
-                        _look_ahead(source, lane_k, lane_pos, ahead, pair, ahead_route)
+                        look_ahead(source, lane_k, lane_pos, ahead, pair, ahead_route)
             source = _UNSEEN
             if kind == START:
                 slot = what
@@ -538,7 +471,7 @@ class Queue:
         look_ahead: bool = False,
     ) -> None:
         """``constants``: the latency per pair and the delay per rank (what the lanes are made for); ``look_ahead``:
-        the kernel prefetches for the deliveries behind each one (:func:`_look_ahead`; for streamed layouts, whose
+        the kernel prefetches for the deliveries behind each one (sim/_kernel_ahead.py; for streamed layouts, whose
         buffers outgrow the caches: on a whole layout it gained nothing measured and compiling it costs a third
         more time)."""
         # None compiles the kernel without the look-ahead (numba prunes the branch on an argument that is None).
